@@ -1,0 +1,121 @@
+/*
+ * The pure half of a claim cycle: turning claimed rows into publish commands,
+ * deciding which failures belong to one row and which to the whole batch, and
+ * decoding PostgreSQL's binary result formats. No I/O happens here, so every
+ * rule is unit-tested without a server (the model is hiredis read.c).
+ */
+#ifndef RELAY_BATCH_H
+#define RELAY_BATCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "relay/common.h"
+
+/* Name of the Redis function library and of the publish function in it. */
+#define RELAY_FUNCTION_LIBRARY "outbox_relay"
+#define RELAY_FUNCTION_PUBLISH "outbox_relay_publish_v1"
+
+/* The Lua source loaded with FUNCTION LOAD REPLACE. */
+extern const char relay_batch_function_source[];
+
+/* One claimed row. Every pointer points into the claim's PGresult, which the
+ * batch keeps until the cycle ends: nothing is copied on the hot path. */
+struct relay_row {
+    int64_t id;
+    const char *message_id; /* 36-byte text UUID */
+    size_t message_id_len;
+    const char *topic;
+    size_t topic_len;
+    const char *key; /* NULL when partition_key IS NULL */
+    size_t key_len;
+    const char *payload;
+    size_t payload_len;
+    const char *created_at; /* RFC 3339 UTC, formatted by the claim query */
+    size_t created_at_len;
+    const char *headers_type; /* jsonb_typeof(headers), NULL when headers IS NULL */
+    const char *header_names; /* binary text[] or NULL */
+    size_t header_names_len;
+    const char *header_values; /* binary text[] or NULL */
+    size_t header_values_len;
+    int32_t attempts;
+
+    /* Outcome of this cycle. */
+    int state;                 /* enum relay_row_state */
+    char error[RELAY_ERROR_MAX];
+};
+
+enum relay_row_state {
+    RELAY_ROW_CLAIMED = 0,
+    RELAY_ROW_PUBLISHING,
+    RELAY_ROW_PUBLISHED,
+    RELAY_ROW_FAILED, /* a failure of its own; counts an attempt */
+};
+
+/* Whether an error reply concerns one row or the whole batch. */
+enum relay_error_scope {
+    RELAY_ERROR_BATCH = 0,
+    RELAY_ERROR_ROW = 1,
+};
+
+/* Maximum arguments of one FCALL: fixed part plus two per header. */
+#define RELAY_PUBLISH_ARGV_MAX (18 + 2 * RELAY_HEADERS_MAX)
+
+/* The argv of one publish command, with scratch space for the parts that are
+ * built rather than pointed to. */
+struct relay_publish_cmd {
+    int argc;
+    const char *argv[RELAY_PUBLISH_ARGV_MAX];
+    size_t argvlen[RELAY_PUBLISH_ARGV_MAX];
+    char stream[256 + RELAY_TOPIC_MAX];
+    char dedup_key[300 + RELAY_TOPIC_MAX];
+    char ttl[16];
+    char outbox_id[24];
+    char header_fields[RELAY_HEADERS_MAX][RELAY_HEADER_NAME_MAX + 3];
+};
+
+/* 1 when topic is 1..RELAY_TOPIC_MAX bytes of [A-Za-z0-9._-]. */
+int relay_batch_topic_valid(const char *topic, size_t len);
+
+/*
+ * Writes the stream name "<prefix><topic>" into out. Returns its length, or -1
+ * when it does not fit.
+ */
+int relay_batch_stream_name(const char *prefix, const char *topic, size_t topic_len,
+                            char *out, size_t outlen);
+
+/* Writes the dedup record key "{<stream>}:dedup:<message_id>"; length or -1. */
+int relay_batch_dedup_key(const char *stream, const char *message_id, size_t message_id_len,
+                          char *out, size_t outlen);
+
+/*
+ * Builds the FCALL for row. On a failure of the row's own (bad topic, payload
+ * too large, headers that cannot be encoded) returns -1 and writes a message
+ * that says what is wrong and what to do into err.
+ */
+int relay_batch_build_publish(const struct relay_row *row, const char *stream_prefix,
+                              uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
+                              struct relay_publish_cmd *cmd, char *err, size_t errlen);
+
+/*
+ * Decodes a one-dimensional binary text[] (PostgreSQL array wire format).
+ * Fills at most max items and returns their count, or -1 if the data is
+ * malformed, multi-dimensional, holds NULLs or more than max items.
+ */
+int relay_batch_decode_text_array(const char *buf, size_t len, const char **items,
+                                  size_t *lens, size_t max);
+
+/* Big-endian integers as PostgreSQL sends them in binary results. */
+int64_t relay_batch_decode_int8(const char *buf);
+int32_t relay_batch_decode_int4(const char *buf);
+
+/* Classifies an error reply of the publish function. */
+enum relay_error_scope relay_batch_classify_error(const char *msg, size_t len);
+
+/*
+ * Delay before a failed row is claimed again: grows with its attempts,
+ * base_ms * 2^(attempts-1), capped at max_ms.
+ */
+uint32_t relay_batch_row_retry_ms(int32_t attempts, uint32_t base_ms, uint32_t max_ms);
+
+#endif

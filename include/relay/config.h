@@ -1,0 +1,118 @@
+/*
+ * Configuration: one "key = value" file, every key overridable from the
+ * environment (OUTBOX_RELAY_<KEY>) and the command line (--key-with-dashes VALUE
+ * or --key-with-dashes=VALUE), in that order of precedence. Parsing and
+ * validation are pure: no connection is made here, which is what
+ * --check-config relies on.
+ */
+#ifndef RELAY_CONFIG_H
+#define RELAY_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define RELAY_CONFIG_ERR_MAX 512
+
+/* A parsed redis://[user:password@]host:port[/db] address. */
+struct relay_redis_url {
+    char host[256];
+    int port;          /* 1..65535, default 6379 */
+    char user[128];    /* empty when absent */
+    char password[256];/* empty when absent */
+    int db;            /* 0..15 by default range check, default 0 */
+};
+
+struct relay_config {
+    /* Connections. postgres is a libpq conninfo string or URI; libpq's PG*
+     * environment variables fill in what it leaves out. Both strings may hold
+     * secrets and are never printed as they are (see relay_config_redact). */
+    char *postgres;
+    char *redis;
+    char *redis_password_file; /* optional; its first line overrides the URL's password */
+    struct relay_redis_url redis_url; /* derived from redis (+ password file) */
+
+    /* Streams. */
+    char *stream_prefix; /* put in front of the topic to name the stream; may be "" */
+
+    /* Work. */
+    uint32_t batch_size;         /* rows per claim, 1..10000 */
+    uint32_t max_attempts;       /* per-row failures before quarantine, 1..1000 */
+    uint32_t max_payload_bytes;  /* 1..536870912 */
+    int listen;                  /* 1: LISTEN for wake-ups; 0: poll only */
+
+    /* Time, all in milliseconds. */
+    uint32_t poll_interval_ms;
+    uint32_t connect_timeout_ms;
+    uint32_t publish_timeout_ms;
+    uint32_t statement_timeout_ms;
+    uint32_t reconnect_min_ms;
+    uint32_t reconnect_max_ms;
+    uint32_t drain_timeout_ms;
+    uint32_t dedup_ttl_ms;
+
+    int log_level; /* enum relay_log_level */
+};
+
+/* Fills every key with its documented default; strings are heap copies. */
+void relay_config_init(struct relay_config *cfg);
+
+/* Frees the strings; the struct can be initialised again afterwards. */
+void relay_config_free(struct relay_config *cfg);
+
+/*
+ * Loads the file (if path is not NULL), then the environment (envp, a
+ * NULL-terminated "NAME=value" array such as environ; NULL means none), then the
+ * command-line overrides (argv[0..argc-1], already stripped of -c FILE and of
+ * the program's own flags), then validates. Returns 0 on success; on failure
+ * writes one message to err such as
+ *   relay.conf:12: batch_size = "0": must be between 1 and 10000
+ * and returns -1. Values of secret keys are redacted in messages.
+ */
+int relay_config_load(struct relay_config *cfg, const char *path, char *const *envp,
+                      int argc, char *const *argv, char *err, size_t errlen);
+
+/*
+ * Sets one key from a source: origin names the place for messages ("relay.conf:12",
+ * "environment: OUTBOX_RELAY_BATCH_SIZE", "command line: --batch-size").
+ * Returns 0 or -1 with a message in err.
+ */
+int relay_config_set(struct relay_config *cfg, const char *origin, const char *key,
+                     const char *value, char *err, size_t errlen);
+
+/* Cross-key validation and derived fields (redis_url); 0 or -1 with err. */
+int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen);
+
+/*
+ * Parses a redis:// URL into out. 0 on success, -1 with a message in err that
+ * says which part is wrong (the password is never echoed).
+ */
+int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, size_t errlen);
+
+/*
+ * Copies s into out with any password removed: "password=..." in a conninfo
+ * string, and the password of user:password@ in a URI, become "***".
+ * Always NUL-terminates; truncates to outlen.
+ */
+void relay_config_redact(const char *s, char *out, size_t outlen);
+
+/* Parses a duration: "250ms", "5s", "2m", "1h" or a bare number of ms. */
+int relay_config_parse_duration(const char *s, uint32_t *ms);
+
+/* Writes every key with its effective value (secrets redacted), one per line. */
+void relay_config_dump(const struct relay_config *cfg, char *out, size_t outlen);
+
+/* Prints the key table (key, default, env variable, flag, meaning) for --help. */
+void relay_config_help(char *out, size_t outlen);
+
+/*
+ * For a reload (added with config.c): compares the running configuration cur
+ * with a freshly loaded and validated next. Writes the names of the keys that
+ * differ but are not reloadable (every key but log_level) to out, comma
+ * separated ("batch_size, redis"), and returns how many there are; 0 means all
+ * differences can be applied in place. A changed password file counts as a
+ * change of redis_password_file.
+ */
+int relay_config_diff_restart(const struct relay_config *cur, const struct relay_config *next,
+                              char *out, size_t outlen);
+
+#endif

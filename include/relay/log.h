@@ -1,0 +1,31 @@
+/*
+ * Logging: one line per event on stderr, "<time> <LEVEL> <component>: <text>".
+ * journald keeps stderr, so the daemon never opens a log file of its own.
+ */
+#ifndef RELAY_LOG_H
+#define RELAY_LOG_H
+
+enum relay_log_level {
+    RELAY_LOG_DEBUG = 0,
+    RELAY_LOG_INFO = 1,
+    RELAY_LOG_WARNING = 2,
+    RELAY_LOG_ERROR = 3,
+};
+
+/* Lines below this level are dropped. Default RELAY_LOG_INFO. */
+void relay_log_set_level(enum relay_log_level level);
+enum relay_log_level relay_log_get_level(void);
+
+/* Parses "debug", "info", "warning" or "error"; returns -1 on anything else. */
+int relay_log_parse_level(const char *name);
+
+/* Writes one line. The text must not contain secrets: callers redact first. */
+void relay_log(enum relay_log_level level, const char *component, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#define relay_debug(comp, ...) relay_log(RELAY_LOG_DEBUG, comp, __VA_ARGS__)
+#define relay_info(comp, ...) relay_log(RELAY_LOG_INFO, comp, __VA_ARGS__)
+#define relay_warn(comp, ...) relay_log(RELAY_LOG_WARNING, comp, __VA_ARGS__)
+#define relay_error(comp, ...) relay_log(RELAY_LOG_ERROR, comp, __VA_ARGS__)
+
+#endif

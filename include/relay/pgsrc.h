@@ -1,0 +1,95 @@
+/*
+ * PostgreSQL side of the relay: one non-blocking libpq connection driven by
+ * libev watchers. The relay keeps two of them: one that stays idle in LISTEN
+ * and one that claims and marks. Each connects, runs its session set-up,
+ * reconnects with jittered backoff when it breaks, and runs one command at a
+ * time with a client-side deadline. Nothing here ever blocks the loop.
+ */
+#ifndef RELAY_PGSRC_H
+#define RELAY_PGSRC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "relay/backoff.h"
+
+struct ev_loop;
+struct pg_conn;
+struct pg_result;
+struct relay_config;
+struct relay_pgsrc;
+
+enum relay_pgsrc_state {
+    RELAY_PG_DOWN = 0,   /* waiting to (re)connect */
+    RELAY_PG_CONNECTING, /* PQconnectPoll in progress */
+    RELAY_PG_SETUP,      /* session set-up queries running */
+    RELAY_PG_READY,      /* idle, can take a command */
+    RELAY_PG_BUSY,       /* a command is in flight */
+    RELAY_PG_CLOSED,     /* relay_pgsrc_close was called */
+};
+
+/* Called when a command finished. res is the last result that carried rows
+ * (owned by the callee, who must PQclear it) or NULL; err is NULL on success or
+ * the server's message. After a connection failure the callback runs with
+ * err set and the connection is already being re-established. */
+typedef void relay_pgsrc_done_fn(struct relay_pgsrc *pg, struct pg_result *res, const char *err,
+                                 const char *sqlstate, void *arg);
+
+struct relay_pgsrc_hooks {
+    void *arg;
+    /* The connection finished its set-up and is READY. */
+    void (*on_ready)(struct relay_pgsrc *pg, void *arg);
+    /* The connection broke or failed to connect (already rescheduled). */
+    void (*on_down)(struct relay_pgsrc *pg, void *arg);
+    /* A notification arrived (listen connections); called once per drain. */
+    void (*on_notify)(struct relay_pgsrc *pg, void *arg);
+};
+
+enum relay_pgsrc_role {
+    RELAY_PGSRC_CLAIM = 0,
+    RELAY_PGSRC_LISTEN = 1,
+};
+
+/* Creates a connection object and starts connecting at once. */
+struct relay_pgsrc *relay_pgsrc_new(struct ev_loop *loop, const struct relay_config *cfg,
+                                    enum relay_pgsrc_role role,
+                                    const struct relay_pgsrc_hooks *hooks);
+
+/* Closes the connection (an open transaction is rolled back by the server)
+ * and frees everything. Pending done callbacks are not called. */
+void relay_pgsrc_free(struct relay_pgsrc *pg);
+
+enum relay_pgsrc_state relay_pgsrc_state(const struct relay_pgsrc *pg);
+
+/*
+ * Sends a command: sql with nparams text parameters (nparams 0 and a string of
+ * several statements is allowed), binary results when binary is set. Returns
+ * 0, or -1 if the connection is not READY. done runs exactly once.
+ */
+int relay_pgsrc_send(struct relay_pgsrc *pg, const char *sql, int nparams,
+                     const char *const *params, int binary, relay_pgsrc_done_fn *done, void *arg);
+
+/* Sends a statement prepared during set-up ("claim"). Same contract. */
+int relay_pgsrc_send_prepared(struct relay_pgsrc *pg, const char *name, int nparams,
+                              const char *const *params, int binary, relay_pgsrc_done_fn *done,
+                              void *arg);
+
+/* Drops the connection now and reconnects after backoff (a stuck server). */
+void relay_pgsrc_reset(struct relay_pgsrc *pg, const char *why);
+
+/* Escapes a literal for SQL text with the connection's encoding rules; the
+ * caller frees the result with relay_pgsrc_freemem. NULL when not connected. */
+char *relay_pgsrc_escape_literal(struct relay_pgsrc *pg, const char *s, size_t len);
+void relay_pgsrc_freemem(void *p);
+
+/* "host=... port=... dbname=... user=..." of the target, without secrets. */
+const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
+
+/* The schema version this relay needs and the migration that brings it. */
+#define RELAY_SCHEMA_VERSION 4
+
+/* The claim statement, prepared on the claim connection as "claim". $1 is the
+ * batch size. Columns: see relay.c. */
+extern const char relay_pgsrc_claim_sql[];
+
+#endif

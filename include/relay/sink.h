@@ -1,0 +1,60 @@
+/*
+ * Redis side of the relay: one hiredis async connection on the libev adapter.
+ * It connects with a deadline, authenticates, selects the database, loads the
+ * publish function, checks what an acknowledged write is worth on this Redis,
+ * and reconnects with jittered backoff when anything breaks. hiredis 0.14 has
+ * no command timeouts, so the relay arms a deadline per batch and the sink
+ * drops the whole connection when it expires (all pending replies then
+ * arrive as NULL).
+ */
+#ifndef RELAY_SINK_H
+#define RELAY_SINK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct ev_loop;
+struct redisAsyncContext;
+struct relay_config;
+struct relay_sink;
+
+/* Called once per command with hiredis's own callback signature, so no
+ * wrapper is allocated per command: reply is a redisReply *, NULL when the
+ * connection failed or was dropped, and freed by hiredis after the callback
+ * returns. relay_sink_owner(ac) gives back the hooks' arg. */
+typedef void relay_sink_reply_fn(struct redisAsyncContext *ac, void *reply, void *arg);
+
+struct relay_sink_hooks {
+    void *arg;
+    void (*on_ready)(struct relay_sink *s, void *arg);
+    void (*on_down)(struct relay_sink *s, void *arg);
+};
+
+struct relay_sink *relay_sink_new(struct ev_loop *loop, const struct relay_config *cfg,
+                                  const struct relay_sink_hooks *hooks);
+
+/* Disconnects now; pending callbacks run with NULL replies first. */
+void relay_sink_free(struct relay_sink *s);
+
+/* 1 when connected, authenticated and the function is loaded. */
+int relay_sink_ready(const struct relay_sink *s);
+
+/* Queues one command (binary-safe argv). 0, or -1 when not ready. */
+int relay_sink_command(struct relay_sink *s, int argc, const char **argv, const size_t *argvlen,
+                       relay_sink_reply_fn *cb, void *arg);
+
+/* Drops the connection (pending callbacks get NULL) and reconnects after
+ * backoff. why is logged. */
+void relay_sink_abort(struct relay_sink *s, const char *why);
+
+/* Asks for the publish function to be loaded again (after "Function not
+ * found"): the connection is dropped and re-established, which reloads it. */
+void relay_sink_reload_function(struct relay_sink *s);
+
+/* The hooks' arg of the sink that owns ac (for reply callbacks). */
+void *relay_sink_owner(const struct redisAsyncContext *ac);
+
+/* "redis://user:***@host:port/db" */
+const char *relay_sink_describe(const struct relay_sink *s);
+
+#endif

@@ -1,0 +1,259 @@
+/*
+ * The pure half of a claim cycle. The relay claims rows in one PostgreSQL
+ * transaction and publishes each through the Redis function below; this file
+ * decides what each row's command looks like, whether a row can be published
+ * at all, and whether a failure belongs to one row (it is retried and in the
+ * end quarantined, so it never blocks the rows behind it) or to the whole batch
+ * (it is rolled back and retried later, and no row is blamed).
+ */
+#include "relay/batch.h"
+
+#include <arpa/inet.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+/*
+ * The publish function. KEYS[1] is the stream, KEYS[2] the message's dedup
+ * record; both share the stream's hash tag so the layout is Cluster-safe.
+ * ARGV[1] is the record's time to live in ms, ARGV[2..] the entry's fields.
+ *
+ * A message id already recorded returns the entry id of the first copy. The
+ * record is written only after XADD succeeded: a function body does not roll
+ * back, so recording first would turn a failed XADD into a lost message.
+ */
+const char relay_batch_function_source[] =
+    "#!lua name=" RELAY_FUNCTION_LIBRARY "\n"
+    "local function publish(keys, args)\n"
+    "  local seen = redis.call('GET', keys[2])\n"
+    "  if seen then return seen end\n"
+    "  local id = redis.call('XADD', keys[1], '*', unpack(args, 2))\n"
+    "  redis.call('SET', keys[2], id, 'PX', args[1])\n"
+    "  return id\n"
+    "end\n"
+    "redis.register_function('" RELAY_FUNCTION_PUBLISH "', publish)\n";
+
+int relay_batch_topic_valid(const char *topic, size_t len)
+{
+    if (topic == NULL || len == 0 || len > RELAY_TOPIC_MAX)
+        return 0;
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)topic[i];
+        int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                 c == '.' || c == '_' || c == '-';
+        if (!ok)
+            return 0;
+    }
+    return 1;
+}
+
+int relay_batch_stream_name(const char *prefix, const char *topic, size_t topic_len, char *out,
+                            size_t outlen)
+{
+    int n = snprintf(out, outlen, "%s%.*s", prefix ? prefix : "", (int)topic_len, topic);
+    if (n < 0 || (size_t)n >= outlen)
+        return -1;
+    return n;
+}
+
+int relay_batch_dedup_key(const char *stream, const char *message_id, size_t message_id_len,
+                          char *out, size_t outlen)
+{
+    int n = snprintf(out, outlen, "{%s}:dedup:%.*s", stream, (int)message_id_len, message_id);
+    if (n < 0 || (size_t)n >= outlen)
+        return -1;
+    return n;
+}
+
+int64_t relay_batch_decode_int8(const char *buf)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | (unsigned char)buf[i];
+    return (int64_t)v;
+}
+
+int32_t relay_batch_decode_int4(const char *buf)
+{
+    uint32_t v;
+    memcpy(&v, buf, 4);
+    return (int32_t)ntohl(v);
+}
+
+/*
+ * Binary array format: int32 ndim, int32 has-nulls flag, uint32 element type,
+ * then per dimension int32 size and int32 lower bound, then per element an
+ * int32 length (-1 for NULL) and that many bytes.
+ */
+int relay_batch_decode_text_array(const char *buf, size_t len, const char **items, size_t *lens,
+                                  size_t max)
+{
+    if (buf == NULL || len < 12)
+        return -1;
+    int32_t ndim = relay_batch_decode_int4(buf);
+    if (ndim == 0)
+        return 0;
+    if (ndim != 1 || len < 20)
+        return -1;
+    int32_t count = relay_batch_decode_int4(buf + 12);
+    if (count < 0 || (size_t)count > max)
+        return -1;
+    size_t off = 20;
+    for (int32_t i = 0; i < count; i++) {
+        if (len - off < 4)
+            return -1;
+        int32_t n = relay_batch_decode_int4(buf + off);
+        off += 4;
+        if (n < 0 || (size_t)n > len - off)
+            return -1;
+        items[i] = buf + off;
+        lens[i] = (size_t)n;
+        off += (size_t)n;
+    }
+    return off == len ? count : -1;
+}
+
+static int set_error(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int set_error(char *err, size_t errlen, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+static void add_arg(struct relay_publish_cmd *cmd, const char *s, size_t len)
+{
+    cmd->argv[cmd->argc] = s;
+    cmd->argvlen[cmd->argc] = len;
+    cmd->argc++;
+}
+
+int relay_batch_build_publish(const struct relay_row *row, const char *stream_prefix,
+                              uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
+                              struct relay_publish_cmd *cmd, char *err, size_t errlen)
+{
+    cmd->argc = 0;
+
+    if (!relay_batch_topic_valid(row->topic, row->topic_len)) {
+        size_t shown = row->topic_len > 64 ? 64 : row->topic_len;
+        return set_error(err, errlen,
+                         "topic \"%.*s\" is not allowed: a topic is 1 to 200 characters of "
+                         "A-Z a-z 0-9 . _ -; fix the producer, then re-queue the row with "
+                         "outbox-relay failed retry",
+                         (int)shown, row->topic);
+    }
+    if (row->payload_len > max_payload_bytes) {
+        snprintf(err, errlen,
+                 "payload of %zu bytes exceeds max_payload_bytes (%u); raise max_payload_bytes "
+                 "or store large payloads elsewhere and send a reference, then re-queue the row",
+                 row->payload_len, max_payload_bytes);
+        return -1;
+    }
+    if (row->key != NULL && row->key_len > RELAY_KEY_MAX) {
+        snprintf(err, errlen,
+                 "partition key of %zu bytes exceeds the limit of %d bytes; shorten it in the "
+                 "producer, then re-queue the row",
+                 row->key_len, RELAY_KEY_MAX);
+        return -1;
+    }
+
+    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
+    size_t name_lens[RELAY_HEADERS_MAX], value_lens[RELAY_HEADERS_MAX];
+    int nheaders = 0;
+    if (row->headers_type != NULL) {
+        if (strcmp(row->headers_type, "object") != 0)
+            return set_error(err, errlen,
+                             "headers must be a JSON object of name/value pairs, not a JSON %.*s; "
+                             "fix the producer, then re-queue the row",
+                             (int)strlen(row->headers_type), row->headers_type);
+        nheaders = relay_batch_decode_text_array(row->header_names, row->header_names_len, names,
+                                                 name_lens, RELAY_HEADERS_MAX);
+        int nvalues = relay_batch_decode_text_array(row->header_values, row->header_values_len,
+                                                    values, value_lens, RELAY_HEADERS_MAX);
+        if (nheaders < 0 || nvalues != nheaders) {
+            snprintf(err, errlen,
+                     "headers cannot be encoded: at most %d headers are allowed; reduce them in "
+                     "the producer, then re-queue the row",
+                     RELAY_HEADERS_MAX);
+            return -1;
+        }
+        for (int i = 0; i < nheaders; i++) {
+            if (name_lens[i] == 0 || name_lens[i] > RELAY_HEADER_NAME_MAX)
+                return set_error(err, errlen,
+                                 "header name \"%.*s\" cannot be encoded: names are 1 to 128 "
+                                 "bytes; fix the producer, then re-queue the row",
+                                 (int)(name_lens[i] > 64 ? 64 : name_lens[i]), names[i]);
+            if (value_lens[i] > RELAY_HEADER_VALUE_MAX)
+                return set_error(err, errlen,
+                                 "value of header \"%.*s\" exceeds 8192 bytes; shorten it in "
+                                 "the producer, then re-queue the row",
+                                 (int)(name_lens[i] > 64 ? 64 : name_lens[i]), names[i]);
+        }
+    }
+
+    int slen = relay_batch_stream_name(stream_prefix, row->topic, row->topic_len, cmd->stream,
+                                       sizeof(cmd->stream));
+    int dlen = relay_batch_dedup_key(cmd->stream, row->message_id, row->message_id_len,
+                                     cmd->dedup_key, sizeof(cmd->dedup_key));
+    int tlen = snprintf(cmd->ttl, sizeof(cmd->ttl), "%u", dedup_ttl_ms);
+    int olen = snprintf(cmd->outbox_id, sizeof(cmd->outbox_id), "%lld", (long long)row->id);
+    if (slen < 0 || dlen < 0 || tlen < 0 || olen < 0) {
+        snprintf(err, errlen, "stream name too long for topic; shorten stream_prefix or topic");
+        return -1;
+    }
+
+    add_arg(cmd, "FCALL", 5);
+    add_arg(cmd, RELAY_FUNCTION_PUBLISH, sizeof(RELAY_FUNCTION_PUBLISH) - 1);
+    add_arg(cmd, "2", 1);
+    add_arg(cmd, cmd->stream, (size_t)slen);
+    add_arg(cmd, cmd->dedup_key, (size_t)dlen);
+    add_arg(cmd, cmd->ttl, (size_t)tlen);
+    add_arg(cmd, "id", 2);
+    add_arg(cmd, row->message_id, row->message_id_len);
+    add_arg(cmd, "topic", 5);
+    add_arg(cmd, row->topic, row->topic_len);
+    if (row->key != NULL) {
+        add_arg(cmd, "key", 3);
+        add_arg(cmd, row->key, row->key_len);
+    }
+    add_arg(cmd, "payload", 7);
+    add_arg(cmd, row->payload, row->payload_len);
+    add_arg(cmd, "created_at", 10);
+    add_arg(cmd, row->created_at, row->created_at_len);
+    add_arg(cmd, "outbox_id", 9);
+    add_arg(cmd, cmd->outbox_id, (size_t)olen);
+    for (int i = 0; i < nheaders; i++) {
+        int hl = snprintf(cmd->header_fields[i], sizeof(cmd->header_fields[i]), "h.%.*s",
+                          (int)name_lens[i], names[i]);
+        add_arg(cmd, cmd->header_fields[i], (size_t)hl);
+        add_arg(cmd, values[i], value_lens[i]);
+    }
+    return 0;
+}
+
+/*
+ * Only an error about the message's own stream key is the row's fault. Anything
+ * else (OOM, MISCONF, READONLY, LOADING, BUSY, NOAUTH, NOPERM, a missing
+ * function, an unknown reply) says the Redis side cannot take writes now: the
+ * whole batch is retried and no row is blamed.
+ */
+enum relay_error_scope relay_batch_classify_error(const char *msg, size_t len)
+{
+    static const char wrongtype[] = "WRONGTYPE";
+    if (msg != NULL && len >= sizeof(wrongtype) - 1 &&
+        memcmp(msg, wrongtype, sizeof(wrongtype) - 1) == 0)
+        return RELAY_ERROR_ROW;
+    return RELAY_ERROR_BATCH;
+}
+
+uint32_t relay_batch_row_retry_ms(int32_t attempts, uint32_t base_ms, uint32_t max_ms)
+{
+    uint64_t d = base_ms;
+    for (int32_t i = 1; i < attempts && d < max_ms; i++)
+        d *= 2;
+    return d > max_ms ? max_ms : (uint32_t)d;
+}

@@ -1,0 +1,129 @@
+/*
+ * outbox-relay: start-up and shutdown order only. Everything else lives in
+ * the relay_core library so the tools and the tests share it.
+ */
+#include <ev.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "relay/common.h"
+#include "relay/config.h"
+#include "relay/log.h"
+#include "relay/relay.h"
+
+extern char **environ;
+
+static void usage(FILE *out)
+{
+    char keys[8192];
+    relay_config_help(keys, sizeof(keys));
+    fprintf(out,
+            "Usage: outbox-relay [-c FILE] [--check-config] [--KEY VALUE]...\n"
+            "       outbox-relay --help | --version\n"
+            "\n"
+            "Publishes committed rows of outbox.messages to Redis Streams, at least once.\n"
+            "\n"
+            "  -c, --config FILE   read settings from FILE (key = value lines)\n"
+            "      --check-config  validate the configuration and exit, without connecting\n"
+            "  -h, --help          show this help\n"
+            "  -V, --version       show the version\n"
+            "\n"
+            "Every key can also be set with OUTBOX_RELAY_<KEY> in the environment or\n"
+            "--<key-with-dashes> on the command line (command line > environment > file).\n"
+            "\n"
+            "Keys:\n%s\n"
+            "Exit status: 0 after a clean shutdown, 64 for bad usage, 78 for a bad\n"
+            "configuration.\n",
+            keys);
+}
+
+int main(int argc, char **argv)
+{
+    const char *config_path = NULL;
+    int check_only = 0;
+    char **overrides = calloc((size_t)argc + 1, sizeof(*overrides));
+    int noverrides = 0;
+    if (overrides == NULL)
+        return RELAY_EX_OSERR;
+
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+            usage(stdout);
+            free(overrides);
+            return RELAY_EX_OK;
+        } else if (strcmp(a, "-V") == 0 || strcmp(a, "--version") == 0) {
+            printf("outbox-relay %s\n", RELAY_VERSION);
+            free(overrides);
+            return RELAY_EX_OK;
+        } else if (strcmp(a, "--check-config") == 0) {
+            check_only = 1;
+        } else if (strcmp(a, "-c") == 0 || strcmp(a, "--config") == 0) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "outbox-relay: %s needs a file name; see --help\n", a);
+                free(overrides);
+                return RELAY_EX_USAGE;
+            }
+            config_path = argv[++i];
+        } else if (strncmp(a, "--config=", 9) == 0) {
+            config_path = a + 9;
+        } else if (strncmp(a, "--", 2) == 0 && a[2] != '\0') {
+            overrides[noverrides++] = argv[i];
+            /* "--key value": the value goes along unless the flag holds '='. */
+            if (strchr(a, '=') == NULL && i + 1 < argc)
+                overrides[noverrides++] = argv[++i];
+        } else {
+            fprintf(stderr, "outbox-relay: unexpected argument \"%s\"; see --help\n", a);
+            free(overrides);
+            return RELAY_EX_USAGE;
+        }
+    }
+
+    struct relay_config cfg;
+    char err[RELAY_CONFIG_ERR_MAX];
+    relay_config_init(&cfg);
+    if (relay_config_load(&cfg, config_path, environ, noverrides, overrides, err, sizeof(err)) <
+        0) {
+        fprintf(stderr, "outbox-relay: %s\n", err);
+        relay_config_free(&cfg);
+        free(overrides);
+        return RELAY_EX_CONFIG;
+    }
+    relay_log_set_level((enum relay_log_level)cfg.log_level);
+    if (check_only) {
+        printf("configuration OK\n");
+        relay_config_free(&cfg);
+        free(overrides);
+        return RELAY_EX_OK;
+    }
+
+    /* hiredis 0.14 writes with write(2): a closed peer must not kill us. */
+    signal(SIGPIPE, SIG_IGN);
+    srandom((unsigned)time(NULL) ^ ((unsigned)getpid() << 16));
+
+    struct ev_loop *loop = ev_default_loop(EVFLAG_AUTO);
+    if (loop == NULL) {
+        fprintf(stderr, "outbox-relay: cannot start the event loop (libev)\n");
+        relay_config_free(&cfg);
+        free(overrides);
+        return RELAY_EX_OSERR;
+    }
+    struct relay_reload_source reload = {config_path, noverrides, overrides};
+    struct relay *r = relay_new(loop, &cfg, &reload);
+    if (r == NULL) {
+        fprintf(stderr, "outbox-relay: out of memory at start-up\n");
+        relay_config_free(&cfg);
+        free(overrides);
+        return RELAY_EX_OSERR;
+    }
+    int rc = relay_run(r);
+    relay_free(r);
+    ev_loop_destroy(loop);
+    relay_config_free(&cfg);
+    free(overrides);
+    return rc;
+}

@@ -1,0 +1,631 @@
+/*
+ * One non-blocking libpq connection on the libev loop.
+ *
+ * Connecting follows libpq's PQconnectPoll protocol; the socket may change
+ * between polls (multi-host conninfo, SSL fallback), so the watcher is set
+ * again on every step. libpq ignores connect_timeout in this mode, so a timer
+ * of our own bounds the attempt. Once connected, the session is set up (server
+ * timeouts, the schema check and the prepared claim, or LISTEN) and the
+ * connection becomes READY. Commands run one at a time; their results are read
+ * only while PQisBusy() is false so the loop never blocks, and notifications
+ * are drained after every pass because libpq may have buffered them while
+ * reading a result. Any failure closes the connection and schedules a
+ * reconnect with jittered backoff; the caller hears of it through its hooks.
+ */
+#include "relay/pgsrc.h"
+
+#include <ev.h>
+#include <libpq-fe.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "relay/config.h"
+#include "relay/log.h"
+
+#define COMPONENT "pg"
+#define NOTIFY_CHANNEL "outbox_relay"
+
+/* The claim: pending rows in id order, skipping rows another relay holds.
+ * Everything the entry needs is formatted here so the relay copies nothing:
+ * created_at as RFC 3339 UTC, headers as two sorted text arrays. */
+const char relay_pgsrc_claim_sql[] =
+    "SELECT id, message_id::text, topic, partition_key, payload,"
+    " to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),"
+    " jsonb_typeof(headers),"
+    " CASE WHEN jsonb_typeof(headers) = 'object' THEN"
+    "  ARRAY(SELECT k FROM jsonb_object_keys(headers) AS k ORDER BY k) END,"
+    " CASE WHEN jsonb_typeof(headers) = 'object' THEN"
+    "  ARRAY(SELECT CASE WHEN jsonb_typeof(headers -> k) = 'string' THEN headers ->> k"
+    "   ELSE (headers -> k)::text END FROM jsonb_object_keys(headers) AS k ORDER BY k) END,"
+    " attempts"
+    " FROM outbox.messages"
+    " WHERE sent_at IS NULL AND failed_at IS NULL AND (retry_at IS NULL OR retry_at <= now())"
+    " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED";
+
+/* Migration files by the version they bring, to name the one to apply. */
+static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
+    NULL,
+    "001_outbox_schema.sql",
+    "002_enqueue_and_wakeup.sql",
+    "003_roles.sql",
+    "004_schema_version.sql",
+};
+
+enum setup_step {
+    SETUP_SESSION = 0, /* SETs, plus the schema check on claim connections */
+    SETUP_PREPARE,     /* claim connections: prepare "claim" */
+    SETUP_DONE,
+};
+
+struct relay_pgsrc {
+    struct ev_loop *loop;
+    const struct relay_config *cfg;
+    enum relay_pgsrc_role role;
+    struct relay_pgsrc_hooks hooks;
+
+    PGconn *conn;
+    enum relay_pgsrc_state state;
+    ev_io io;
+    ev_timer timer; /* connect deadline, command deadline, or reconnect wait */
+    struct relay_backoff backoff;
+    enum setup_step setup;
+
+    /* The command in flight. */
+    int cmd_active;
+    relay_pgsrc_done_fn *done;
+    void *done_arg;
+    PGresult *keep;
+    char err[512];
+    char sqlstate[6];
+
+    /* Logging once per state change, not once per try. */
+    int was_ready;
+    char last_logged[1024];
+    char describe[256];
+};
+
+static void on_io(struct ev_loop *loop, ev_io *w, int revents);
+static void on_timer(struct ev_loop *loop, ev_timer *w, int revents);
+static void start_connect(struct relay_pgsrc *pg);
+static void run_setup(struct relay_pgsrc *pg);
+
+static const char *role_name(const struct relay_pgsrc *pg)
+{
+    return pg->role == RELAY_PGSRC_LISTEN ? "listen" : "claim";
+}
+
+/* Describes the target from the conninfo, never including the password. */
+static void describe_target(struct relay_pgsrc *pg)
+{
+    const char *host = NULL, *port = NULL, *db = NULL, *user = NULL;
+    if (pg->conn != NULL && PQstatus(pg->conn) == CONNECTION_OK) {
+        host = PQhost(pg->conn);
+        port = PQport(pg->conn);
+        db = PQdb(pg->conn);
+        user = PQuser(pg->conn);
+        snprintf(pg->describe, sizeof(pg->describe), "host=%s port=%s dbname=%s user=%s",
+                 host ? host : "", port ? port : "", db ? db : "", user ? user : "");
+        return;
+    }
+    char *errmsg = NULL;
+    PQconninfoOption *opts = PQconninfoParse(pg->cfg->postgres, &errmsg);
+    if (opts == NULL) {
+        PQfreemem(errmsg);
+        snprintf(pg->describe, sizeof(pg->describe), "(unparsable conninfo)");
+        return;
+    }
+    for (PQconninfoOption *o = opts; o->keyword != NULL; o++) {
+        if (o->val == NULL)
+            continue;
+        if (strcmp(o->keyword, "host") == 0 || (strcmp(o->keyword, "hostaddr") == 0 && !host))
+            host = o->val;
+        else if (strcmp(o->keyword, "port") == 0)
+            port = o->val;
+        else if (strcmp(o->keyword, "dbname") == 0)
+            db = o->val;
+        else if (strcmp(o->keyword, "user") == 0)
+            user = o->val;
+    }
+    snprintf(pg->describe, sizeof(pg->describe), "host=%s port=%s dbname=%s user=%s",
+             host ? host : getenv("PGHOST") ? getenv("PGHOST") : "(default)",
+             port ? port : getenv("PGPORT") ? getenv("PGPORT") : "(default)",
+             db ? db : getenv("PGDATABASE") ? getenv("PGDATABASE") : "(default)",
+             user ? user : getenv("PGUSER") ? getenv("PGUSER") : "(default)");
+    PQconninfoFree(opts);
+}
+
+const char *relay_pgsrc_describe(const struct relay_pgsrc *pg)
+{
+    return pg->describe;
+}
+
+enum relay_pgsrc_state relay_pgsrc_state(const struct relay_pgsrc *pg)
+{
+    return pg->state;
+}
+
+/* libpq messages end in a newline and may hold several lines: one line each. */
+static void one_line(char *dst, size_t dstlen, const char *src)
+{
+    snprintf(dst, dstlen, "%s", src ? src : "unknown error");
+    for (char *p = dst; *p; p++)
+        if (*p == '\n' || *p == '\r' || *p == '\t')
+            *p = ' ';
+    size_t n = strlen(dst);
+    while (n > 0 && dst[n - 1] == ' ')
+        dst[--n] = '\0';
+}
+
+static void watch(struct relay_pgsrc *pg, int events)
+{
+    ev_io_stop(pg->loop, &pg->io);
+    int fd = PQsocket(pg->conn);
+    if (fd < 0)
+        return;
+    ev_io_set(&pg->io, fd, events);
+    ev_io_start(pg->loop, &pg->io);
+}
+
+static void timer_start(struct relay_pgsrc *pg, uint32_t ms)
+{
+    ev_timer_stop(pg->loop, &pg->timer);
+    ev_timer_set(&pg->timer, ms / 1000.0, 0.0);
+    ev_timer_start(pg->loop, &pg->timer);
+}
+
+/* Logs a failure unless it repeats the last one (once per state change). */
+static void log_failure(struct relay_pgsrc *pg, const char *what, const char *msg,
+                        uint32_t delay_ms)
+{
+    char line[1024];
+    snprintf(line, sizeof(line), "%.100s: %.800s", what, msg);
+    if (strcmp(line, pg->last_logged) == 0) {
+        relay_debug(COMPONENT, "%s connection to %s: %s; retrying in %u ms", role_name(pg),
+                    pg->describe, line, delay_ms);
+        return;
+    }
+    snprintf(pg->last_logged, sizeof(pg->last_logged), "%s", line);
+    relay_error(COMPONENT, "%s connection to %s: %s; retrying with backoff (first retry in %u ms)",
+                role_name(pg), pg->describe, line, delay_ms);
+}
+
+/* Closes the connection, schedules a reconnect and tells the owner. */
+static void fail(struct relay_pgsrc *pg, const char *what, const char *msg)
+{
+    char text[800];
+    one_line(text, sizeof(text), msg);
+
+    ev_io_stop(pg->loop, &pg->io);
+    ev_timer_stop(pg->loop, &pg->timer);
+    if (pg->conn != NULL) {
+        PQfinish(pg->conn);
+        pg->conn = NULL;
+    }
+    if (pg->keep != NULL) {
+        PQclear(pg->keep);
+        pg->keep = NULL;
+    }
+    int was_ready = pg->was_ready;
+    pg->was_ready = 0;
+    pg->state = RELAY_PG_DOWN;
+
+    uint32_t delay = relay_backoff_next(&pg->backoff, relay_backoff_random());
+    if (was_ready)
+        pg->last_logged[0] = '\0';
+    log_failure(pg, what, text, delay);
+    timer_start(pg, delay);
+
+    relay_pgsrc_done_fn *done = pg->done;
+    void *done_arg = pg->done_arg;
+    int had_cmd = pg->cmd_active;
+    pg->cmd_active = 0;
+    pg->done = NULL;
+
+    if (pg->hooks.on_down != NULL)
+        pg->hooks.on_down(pg, pg->hooks.arg);
+    if (had_cmd && done != NULL)
+        done(pg, NULL, text, "08006", done_arg);
+}
+
+static void notice_receiver(void *arg, const PGresult *res)
+{
+    struct relay_pgsrc *pg = arg;
+    char text[512];
+    one_line(text, sizeof(text), PQresultErrorMessage(res));
+    relay_debug(COMPONENT, "%s connection: server notice: %s", role_name(pg), text);
+}
+
+static void start_connect(struct relay_pgsrc *pg)
+{
+    const char *app = pg->role == RELAY_PGSRC_LISTEN ? "outbox-relay listen" : "outbox-relay";
+    /* Our defaults come first so the user's conninfo (expanded in place of
+     * dbname) overrides them; libpq's PG* variables fill in what is left. */
+    const char *const keys[] = {"application_name", "keepalives", "keepalives_idle",
+                                "keepalives_interval", "keepalives_count", "dbname", NULL};
+    const char *const vals[] = {app, "1", "10", "5", "3", pg->cfg->postgres, NULL};
+
+    describe_target(pg);
+    pg->conn = PQconnectStartParams(keys, vals, 1);
+    if (pg->conn == NULL) {
+        fail(pg, "cannot connect", "out of memory");
+        return;
+    }
+    if (PQstatus(pg->conn) == CONNECTION_BAD) {
+        fail(pg, "cannot connect", PQerrorMessage(pg->conn));
+        return;
+    }
+    pg->state = RELAY_PG_CONNECTING;
+    timer_start(pg, pg->cfg->connect_timeout_ms);
+    watch(pg, EV_WRITE);
+}
+
+static void connect_step(struct relay_pgsrc *pg)
+{
+    switch (PQconnectPoll(pg->conn)) {
+    case PGRES_POLLING_READING:
+        watch(pg, EV_READ);
+        return;
+    case PGRES_POLLING_WRITING:
+        watch(pg, EV_WRITE);
+        return;
+    case PGRES_POLLING_OK:
+        break;
+    default:
+        fail(pg, "cannot connect", PQerrorMessage(pg->conn));
+        return;
+    }
+    ev_timer_stop(pg->loop, &pg->timer);
+    if (PQsetnonblocking(pg->conn, 1) != 0) {
+        fail(pg, "cannot connect", PQerrorMessage(pg->conn));
+        return;
+    }
+    PQsetNoticeReceiver(pg->conn, notice_receiver, pg);
+    watch(pg, EV_READ);
+    pg->state = RELAY_PG_SETUP;
+    pg->setup = SETUP_SESSION;
+    describe_target(pg);
+    run_setup(pg);
+}
+
+/* Flushes the output; watches for writability while libpq has data queued. */
+static int flush(struct relay_pgsrc *pg)
+{
+    int r = PQflush(pg->conn);
+    if (r < 0) {
+        fail(pg, "connection lost", PQerrorMessage(pg->conn));
+        return -1;
+    }
+    watch(pg, r == 1 ? EV_READ | EV_WRITE : EV_READ);
+    return 0;
+}
+
+static int begin_command(struct relay_pgsrc *pg, relay_pgsrc_done_fn *done, void *arg)
+{
+    pg->cmd_active = 1;
+    pg->done = done;
+    pg->done_arg = arg;
+    pg->err[0] = '\0';
+    pg->sqlstate[0] = '\0';
+    /* A deadline of our own in case the server never answers (a hung host
+     * that keepalives have not caught yet); statement_timeout fires first. */
+    timer_start(pg, pg->cfg->statement_timeout_ms + pg->cfg->connect_timeout_ms);
+    return flush(pg);
+}
+
+int relay_pgsrc_send(struct relay_pgsrc *pg, const char *sql, int nparams,
+                     const char *const *params, int binary, relay_pgsrc_done_fn *done, void *arg)
+{
+    if (pg->state != RELAY_PG_READY && !(pg->state == RELAY_PG_SETUP && !pg->cmd_active))
+        return -1;
+    int ok = nparams == 0 && !binary
+                 ? PQsendQuery(pg->conn, sql)
+                 : PQsendQueryParams(pg->conn, sql, nparams, NULL, params, NULL, NULL, binary);
+    if (!ok) {
+        fail(pg, "cannot send a command", PQerrorMessage(pg->conn));
+        return -1;
+    }
+    if (pg->state == RELAY_PG_READY)
+        pg->state = RELAY_PG_BUSY;
+    return begin_command(pg, done, arg);
+}
+
+int relay_pgsrc_send_prepared(struct relay_pgsrc *pg, const char *name, int nparams,
+                              const char *const *params, int binary, relay_pgsrc_done_fn *done,
+                              void *arg)
+{
+    if (pg->state != RELAY_PG_READY)
+        return -1;
+    if (!PQsendQueryPrepared(pg->conn, name, nparams, params, NULL, NULL, binary)) {
+        fail(pg, "cannot send a command", PQerrorMessage(pg->conn));
+        return -1;
+    }
+    pg->state = RELAY_PG_BUSY;
+    return begin_command(pg, done, arg);
+}
+
+/* Reads what has arrived without blocking; completes the command at its end. */
+static void collect(struct relay_pgsrc *pg)
+{
+    while (pg->conn != NULL && pg->cmd_active && !PQisBusy(pg->conn)) {
+        PGresult *res = PQgetResult(pg->conn);
+        if (res == NULL) {
+            relay_pgsrc_done_fn *done = pg->done;
+            void *arg = pg->done_arg;
+            PGresult *keep = pg->keep;
+            pg->keep = NULL;
+            pg->cmd_active = 0;
+            pg->done = NULL;
+            ev_timer_stop(pg->loop, &pg->timer);
+            if (pg->state == RELAY_PG_BUSY)
+                pg->state = RELAY_PG_READY;
+            if (pg->err[0] != '\0' && keep != NULL) {
+                PQclear(keep);
+                keep = NULL;
+            }
+            if (done != NULL)
+                done(pg, keep, pg->err[0] ? pg->err : NULL, pg->sqlstate, arg);
+            else if (keep != NULL)
+                PQclear(keep);
+            return;
+        }
+        switch (PQresultStatus(res)) {
+        case PGRES_TUPLES_OK:
+            if (pg->keep != NULL)
+                PQclear(pg->keep);
+            pg->keep = res;
+            break;
+        case PGRES_COMMAND_OK:
+        case PGRES_EMPTY_QUERY:
+            PQclear(res);
+            break;
+        default:
+            if (pg->err[0] == '\0') {
+                const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+                one_line(pg->err, sizeof(pg->err), PQresultErrorMessage(res));
+                snprintf(pg->sqlstate, sizeof(pg->sqlstate), "%s", state ? state : "");
+            }
+            PQclear(res);
+            break;
+        }
+    }
+}
+
+static void drain_notifies(struct relay_pgsrc *pg)
+{
+    int got = 0;
+    PGnotify *n;
+    while (pg->conn != NULL && (n = PQnotifies(pg->conn)) != NULL) {
+        PQfreemem(n);
+        got++;
+    }
+    if (got > 0 && pg->hooks.on_notify != NULL)
+        pg->hooks.on_notify(pg, pg->hooks.arg);
+}
+
+static void on_io(struct ev_loop *loop, ev_io *w, int revents)
+{
+    struct relay_pgsrc *pg = w->data;
+    (void)loop;
+
+    if (pg->state == RELAY_PG_CONNECTING) {
+        connect_step(pg);
+        return;
+    }
+    if (revents & EV_READ) {
+        if (!PQconsumeInput(pg->conn)) {
+            fail(pg, pg->was_ready ? "connection lost" : "set-up failed",
+                 PQerrorMessage(pg->conn));
+            return;
+        }
+    }
+    if (flush(pg) < 0)
+        return;
+    collect(pg);
+    if (pg->conn != NULL && PQstatus(pg->conn) == CONNECTION_BAD) {
+        fail(pg, "connection lost", PQerrorMessage(pg->conn));
+        return;
+    }
+    drain_notifies(pg);
+}
+
+static void on_timer(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    struct relay_pgsrc *pg = w->data;
+    (void)loop;
+    (void)revents;
+    char msg[128];
+
+    switch (pg->state) {
+    case RELAY_PG_DOWN:
+        start_connect(pg);
+        break;
+    case RELAY_PG_CONNECTING:
+        snprintf(msg, sizeof(msg), "no connection within connect_timeout (%u ms)",
+                 pg->cfg->connect_timeout_ms);
+        fail(pg, "cannot connect", msg);
+        break;
+    case RELAY_PG_SETUP:
+    case RELAY_PG_BUSY:
+        snprintf(msg, sizeof(msg), "no answer within %u ms (statement_timeout + connect_timeout)",
+                 pg->cfg->statement_timeout_ms + pg->cfg->connect_timeout_ms);
+        fail(pg, "server not answering", msg);
+        break;
+    default:
+        break;
+    }
+}
+
+static void setup_failed(struct relay_pgsrc *pg, const char *msg)
+{
+    fail(pg, "session set-up failed", msg);
+}
+
+static void become_ready(struct relay_pgsrc *pg)
+{
+    pg->state = RELAY_PG_READY;
+    pg->was_ready = 1;
+    relay_backoff_reset(&pg->backoff);
+    if (pg->last_logged[0] != '\0')
+        relay_info(COMPONENT, "%s connection to %s is back", role_name(pg), pg->describe);
+    else
+        relay_info(COMPONENT, "%s connection to %s ready", role_name(pg), pg->describe);
+    pg->last_logged[0] = '\0';
+    if (pg->hooks.on_ready != NULL)
+        pg->hooks.on_ready(pg, pg->hooks.arg);
+}
+
+static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                          const char *sqlstate, void *arg)
+{
+    (void)arg;
+    char msg[600];
+
+    if (pg->setup == SETUP_SESSION && pg->role == RELAY_PGSRC_CLAIM) {
+        int version = -1;
+        if (err == NULL && res != NULL && PQntuples(res) == 1 && !PQgetisnull(res, 0, 0))
+            version = (int)strtol(PQgetvalue(res, 0, 0), NULL, 10); /* server-formatted */
+        if (res != NULL)
+            PQclear(res);
+        if (err != NULL && sqlstate != NULL && strcmp(sqlstate, "42P01") == 0 &&
+            strstr(err, "outbox") != NULL) {
+            snprintf(msg, sizeof(msg),
+                     "the outbox schema is missing in this database (%s): apply every file "
+                     "of migrations/ in name order, starting with migrations/%s",
+                     err, migration_files[1]);
+            setup_failed(pg, msg);
+            return;
+        }
+        if (err != NULL && sqlstate != NULL && strcmp(sqlstate, "42501") == 0) {
+            snprintf(msg, sizeof(msg),
+                     "%s: grant the role outbox_relay (migrations/003_roles.sql) to the relay's "
+                     "database user",
+                     err);
+            setup_failed(pg, msg);
+            return;
+        }
+        if (err != NULL) {
+            setup_failed(pg, err);
+            return;
+        }
+        if (version < RELAY_SCHEMA_VERSION) {
+            int next = version < 1 ? 1 : version + 1;
+            snprintf(msg, sizeof(msg),
+                     "the outbox schema is at version %d but this relay needs version %d: "
+                     "apply migrations/%s and the files after it in name order",
+                     version, RELAY_SCHEMA_VERSION, migration_files[next]);
+            setup_failed(pg, msg);
+            return;
+        }
+        pg->setup = SETUP_PREPARE;
+        run_setup(pg);
+        return;
+    }
+    if (res != NULL)
+        PQclear(res);
+    if (err != NULL) {
+        if (sqlstate != NULL && strcmp(sqlstate, "42501") == 0) {
+            snprintf(msg, sizeof(msg),
+                     "%s: grant the role outbox_relay (migrations/003_roles.sql) to the relay's "
+                     "database user",
+                     err);
+            setup_failed(pg, msg);
+        } else {
+            setup_failed(pg, err);
+        }
+        return;
+    }
+    if (pg->setup == SETUP_SESSION && pg->role == RELAY_PGSRC_LISTEN) {
+        pg->setup = SETUP_DONE;
+        become_ready(pg);
+        return;
+    }
+    pg->setup = SETUP_DONE;
+    become_ready(pg);
+}
+
+static void run_setup(struct relay_pgsrc *pg)
+{
+    char sql[512];
+    const struct relay_config *cfg = pg->cfg;
+
+    if (pg->setup == SETUP_SESSION) {
+        /* A claim transaction stays open while Redis acknowledges the batch:
+         * the idle-in-transaction limit sits well above the publish deadline
+         * but still frees the row locks if this process hangs. */
+        uint32_t idle_tx_ms = cfg->publish_timeout_ms * 2 + cfg->statement_timeout_ms;
+        if (pg->role == RELAY_PGSRC_CLAIM)
+            snprintf(sql, sizeof(sql),
+                     "SET statement_timeout = %u; SET lock_timeout = %u;"
+                     " SET idle_in_transaction_session_timeout = %u;"
+                     " SET idle_session_timeout = 0;"
+                     " SELECT coalesce(max(version), 0) FROM outbox.schema_version",
+                     cfg->statement_timeout_ms, cfg->statement_timeout_ms, idle_tx_ms);
+        else
+            snprintf(sql, sizeof(sql),
+                     "SET statement_timeout = %u; SET idle_session_timeout = 0; LISTEN %s",
+                     cfg->statement_timeout_ms, NOTIFY_CHANNEL);
+        if (relay_pgsrc_send(pg, sql, 0, NULL, 0, on_setup_done, NULL) < 0)
+            return;
+        return;
+    }
+    if (pg->setup == SETUP_PREPARE) {
+        if (!PQsendPrepare(pg->conn, "claim", relay_pgsrc_claim_sql, 1, NULL)) {
+            setup_failed(pg, PQerrorMessage(pg->conn));
+            return;
+        }
+        begin_command(pg, on_setup_done, NULL);
+    }
+}
+
+struct relay_pgsrc *relay_pgsrc_new(struct ev_loop *loop, const struct relay_config *cfg,
+                                    enum relay_pgsrc_role role,
+                                    const struct relay_pgsrc_hooks *hooks)
+{
+    struct relay_pgsrc *pg = calloc(1, sizeof(*pg));
+    if (pg == NULL)
+        return NULL;
+    pg->loop = loop;
+    pg->cfg = cfg;
+    pg->role = role;
+    if (hooks != NULL)
+        pg->hooks = *hooks;
+    relay_backoff_init(&pg->backoff, cfg->reconnect_min_ms, cfg->reconnect_max_ms);
+    ev_init(&pg->io, on_io);
+    pg->io.data = pg;
+    ev_init(&pg->timer, on_timer);
+    pg->timer.data = pg;
+    start_connect(pg);
+    return pg;
+}
+
+void relay_pgsrc_reset(struct relay_pgsrc *pg, const char *why)
+{
+    if (pg->conn != NULL)
+        fail(pg, "connection reset", why);
+}
+
+void relay_pgsrc_free(struct relay_pgsrc *pg)
+{
+    if (pg == NULL)
+        return;
+    ev_io_stop(pg->loop, &pg->io);
+    ev_timer_stop(pg->loop, &pg->timer);
+    if (pg->keep != NULL)
+        PQclear(pg->keep);
+    if (pg->conn != NULL)
+        PQfinish(pg->conn);
+    free(pg);
+}
+
+char *relay_pgsrc_escape_literal(struct relay_pgsrc *pg, const char *s, size_t len)
+{
+    if (pg->conn == NULL)
+        return NULL;
+    return PQescapeLiteral(pg->conn, s, len);
+}
+
+void relay_pgsrc_freemem(void *p)
+{
+    PQfreemem(p);
+}

@@ -1,0 +1,792 @@
+/*
+ * The claim cycle, and when to run it.
+ *
+ * A cycle is one PostgreSQL transaction:
+ *   BEGIN; claim up to batch_size pending rows in id order FOR UPDATE SKIP LOCKED
+ *   -> publish every row through the Redis function, pipelined, under one deadline
+ *   -> when every reply is in: mark the published rows sent, record the failures
+ *      of rows that failed for reasons of their own, COMMIT.
+ * Any failure of the whole batch (Redis unreachable, an error reply about the
+ * server rather than the row, the deadline, PostgreSQL going away) rolls the
+ * transaction back and retries after a jittered backoff: a row is marked sent
+ * only in the transaction that claimed it, and that transaction commits only
+ * after Redis acknowledged it, so a committed row is published at least once
+ * whatever crashes where (P1). A republish after an unknown commit outcome is
+ * absorbed by the function's dedup record (P2).
+ *
+ * Cycles run on a notification (coalesced), on the fallback poll timer, after
+ * every (re)connect (notifications sent while disconnected are lost), and at
+ * once again while batches come back full. One cycle runs at a time, so the
+ * memory in use is bounded by batch_size whatever the backlog (P5).
+ */
+#include "relay/relay.h"
+
+#include <ev.h>
+#include <hiredis/async.h>
+#include <hiredis/hiredis.h>
+#include <libpq-fe.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "relay/backoff.h"
+#include "relay/batch.h"
+#include "relay/config.h"
+#include "relay/log.h"
+#include "relay/pgsrc.h"
+#include "relay/sdnotify.h"
+#include "relay/sink.h"
+
+#define COMPONENT "relay"
+
+/* Cap on the delay before a failed row is tried again. */
+#define ROW_RETRY_MAX_MS (5u * 60u * 1000u)
+
+extern char **environ;
+
+enum cycle_state {
+    CYCLE_IDLE = 0,
+    CYCLE_BEGIN,      /* BEGIN sent */
+    CYCLE_CLAIM,      /* claim sent */
+    CYCLE_PUBLISH,    /* FCALLs in flight */
+    CYCLE_FINISH,     /* mark + COMMIT sent */
+    CYCLE_ROLLBACK,   /* ROLLBACK sent after a failure */
+};
+
+/* A growable text buffer for the finishing statement, capped. */
+struct sqlbuf {
+    char *data;
+    size_t len, cap;
+    int overflow;
+};
+
+struct relay {
+    struct ev_loop *loop;
+    struct relay_config *cfg;
+    struct relay_reload_source reload;
+
+    struct relay_pgsrc *claim;
+    struct relay_pgsrc *listen;
+    struct relay_sink *sink;
+
+    ev_timer poll_timer;
+    ev_timer kick;        /* runs a wanted cycle from the loop, not from a callback */
+    ev_timer retry_timer; /* backoff after a failed batch */
+    ev_timer deadline;    /* publish deadline of the batch in flight */
+    ev_timer drain_timer;
+    ev_signal sigterm, sigint, sighup;
+
+    enum cycle_state state;
+    int want_claim;
+    int in_backoff;
+    int draining;
+    int stopping; /* the loop is being left: callbacks do nothing */
+    struct relay_backoff batch_backoff;
+
+    /* The batch in flight. Rows point into claim_res. */
+    PGresult *claim_res;
+    struct relay_row *rows;
+    size_t nrows;
+    size_t pending;
+    int batch_failed;
+    int function_missing;
+    char batch_error[512];
+    ev_tstamp batch_started;
+    struct sqlbuf sql;
+    const char **del_argv;
+    size_t *del_lens;
+    char *del_keys;
+
+    unsigned long long published_total;
+    unsigned long long quarantined_total;
+    char last_batch_error[512];
+};
+
+static void maybe_claim(struct relay *r);
+static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                       const char *sqlstate, void *arg);
+
+/* ---- small helpers ---------------------------------------------------- */
+
+static void sql_reset(struct sqlbuf *b)
+{
+    b->len = 0;
+    b->overflow = 0;
+    if (b->data != NULL)
+        b->data[0] = '\0';
+}
+
+static void sql_append(struct sqlbuf *b, const char *s)
+{
+    size_t n = strlen(s);
+    if (b->overflow)
+        return;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        /* Bounded: batch_size rows with capped error texts stay far below. */
+        if (cap > (64u << 20)) {
+            b->overflow = 1;
+            return;
+        }
+        char *p = realloc(b->data, cap);
+        if (p == NULL) {
+            b->overflow = 1;
+            return;
+        }
+        b->data = p;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->len, s, n + 1);
+    b->len += n;
+}
+
+static void want_cycle(struct relay *r)
+{
+    r->want_claim = 1;
+    if (r->state == CYCLE_IDLE && !r->in_backoff && !r->draining && !ev_is_active(&r->kick)) {
+        ev_timer_set(&r->kick, 0.0, 0.0);
+        ev_timer_start(r->loop, &r->kick);
+    }
+}
+
+static void free_batch(struct relay *r)
+{
+    if (r->claim_res != NULL) {
+        PQclear(r->claim_res);
+        r->claim_res = NULL;
+    }
+    r->nrows = 0;
+    r->pending = 0;
+    r->batch_failed = 0;
+    r->function_missing = 0;
+    r->batch_error[0] = '\0';
+}
+
+/* The cycle is over: go idle, leave if draining, or run the next one. */
+static void cycle_ended(struct relay *r)
+{
+    free_batch(r);
+    r->state = CYCLE_IDLE;
+    if (r->draining) {
+        relay_info(COMPONENT, "batch in flight finished; shutting down");
+        ev_break(r->loop, EVBREAK_ALL);
+        return;
+    }
+    if (r->want_claim)
+        want_cycle(r);
+}
+
+static void start_backoff(struct relay *r)
+{
+    uint32_t delay = relay_backoff_next(&r->batch_backoff, relay_backoff_random());
+    r->in_backoff = 1;
+    ev_timer_stop(r->loop, &r->retry_timer);
+    ev_timer_set(&r->retry_timer, delay / 1000.0, 0.0);
+    ev_timer_start(r->loop, &r->retry_timer);
+    r->want_claim = 1;
+}
+
+static void on_rolled_back(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                           const char *sqlstate, void *arg)
+{
+    struct relay *r = arg;
+    (void)sqlstate;
+    if (res != NULL)
+        PQclear(res);
+    if (err != NULL)
+        relay_pgsrc_reset(pg, "ROLLBACK failed");
+    cycle_ended(r);
+}
+
+/* A failure of the whole batch: roll back, nobody is blamed, try again later. */
+static void batch_failed(struct relay *r, const char *why)
+{
+    if (strcmp(why, r->last_batch_error) != 0) {
+        relay_warn(COMPONENT,
+                   "batch of %zu rows not published: %s; rolled back, will retry with backoff",
+                   r->nrows, why);
+        snprintf(r->last_batch_error, sizeof(r->last_batch_error), "%s", why);
+    } else {
+        relay_debug(COMPONENT, "batch of %zu rows not published: %s", r->nrows, why);
+    }
+    if (r->function_missing)
+        relay_sink_reload_function(r->sink);
+    start_backoff(r);
+    if (!r->stopping && relay_pgsrc_state(r->claim) == RELAY_PG_READY &&
+        relay_pgsrc_send(r->claim, "ROLLBACK", 0, NULL, 0, on_rolled_back, r) == 0) {
+        r->state = CYCLE_ROLLBACK;
+        return;
+    }
+    cycle_ended(r);
+}
+
+/* ---- finishing ------------------------------------------------------- */
+
+/* Removes the dedup records of a committed batch: its rows are marked sent and
+ * will not be claimed again, so the records are no longer needed. This keeps
+ * dedup memory bounded by batches whose outcome is unknown (DESIGN.md 7.3).
+ * One DEL per stream keeps each command inside one hash slot. */
+static void drop_dedup_records(struct relay *r)
+{
+    const size_t keymax = 320 + RELAY_TOPIC_MAX;
+    char stream[256 + RELAY_TOPIC_MAX];
+    size_t done = 0;
+
+    for (size_t i = 0; i < r->nrows; i++) {
+        struct relay_row *lead = &r->rows[i];
+        if (lead->state != RELAY_ROW_PUBLISHED)
+            continue;
+        if (relay_batch_stream_name(r->cfg->stream_prefix, lead->topic, lead->topic_len, stream,
+                                    sizeof(stream)) < 0)
+            continue;
+        int argc = 0;
+        r->del_argv[argc] = "UNLINK";
+        r->del_lens[argc++] = 6;
+        for (size_t j = i; j < r->nrows; j++) {
+            struct relay_row *row = &r->rows[j];
+            if (row->state != RELAY_ROW_PUBLISHED || row->topic_len != lead->topic_len ||
+                memcmp(row->topic, lead->topic, lead->topic_len) != 0)
+                continue;
+            char *key = r->del_keys + (size_t)(argc - 1) * keymax;
+            int n = relay_batch_dedup_key(stream, row->message_id, row->message_id_len, key,
+                                          keymax);
+            row->state = RELAY_ROW_CLAIMED; /* grouped; state no longer needed */
+            if (n < 0)
+                continue;
+            r->del_argv[argc] = key;
+            r->del_lens[argc++] = (size_t)n;
+            done++;
+        }
+        if (argc > 1)
+            relay_sink_command(r->sink, argc, r->del_argv, r->del_lens, NULL, NULL);
+    }
+    (void)done;
+}
+
+static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                        const char *sqlstate, void *arg)
+{
+    struct relay *r = arg;
+    (void)pg;
+    if (res != NULL)
+        PQclear(res);
+    if (r->stopping)
+        return;
+    if (err != NULL) {
+        /* A lost connection during COMMIT leaves the outcome unknown: the rows
+         * may be claimed again, and their dedup records absorb the republish. */
+        char why[700];
+        snprintf(why, sizeof(why), "marking the batch sent failed (%s%s%s)", err,
+                 sqlstate && strcmp(sqlstate, "08006") == 0 ? "; commit outcome unknown" : "",
+                 "");
+        batch_failed(r, why);
+        return;
+    }
+    size_t published = 0, failed = 0;
+    for (size_t i = 0; i < r->nrows; i++) {
+        if (r->rows[i].state == RELAY_ROW_PUBLISHED)
+            published++;
+        else if (r->rows[i].state == RELAY_ROW_FAILED)
+            failed++;
+    }
+    r->published_total += published;
+    relay_backoff_reset(&r->batch_backoff);
+    if (r->last_batch_error[0] != '\0') {
+        relay_info(COMPONENT, "publishing again after: %s", r->last_batch_error);
+        r->last_batch_error[0] = '\0';
+    }
+    relay_debug(COMPONENT, "batch committed: %zu published, %zu failed, %.1f ms", published,
+                failed, (ev_now(r->loop) - r->batch_started) * 1000.0);
+    drop_dedup_records(r);
+    /* A full batch means more may be waiting: claim again at once. */
+    if (r->nrows == r->cfg->batch_size)
+        r->want_claim = 1;
+    cycle_ended(r);
+}
+
+static void append_row_failure(struct relay *r, const struct relay_row *row)
+{
+    char buf[256];
+    int32_t attempts = row->attempts + 1;
+    uint32_t retry_ms = relay_batch_row_retry_ms(attempts, 1000, ROW_RETRY_MAX_MS);
+    int quarantine = (uint32_t)attempts >= r->cfg->max_attempts;
+    char *lit = relay_pgsrc_escape_literal(r->claim, row->error, strlen(row->error));
+    if (lit == NULL) {
+        r->sql.overflow = 1;
+        return;
+    }
+    sql_append(&r->sql, "UPDATE outbox.messages SET attempts = attempts + 1, last_error = ");
+    sql_append(&r->sql, lit);
+    relay_pgsrc_freemem(lit);
+    snprintf(buf, sizeof(buf),
+             ", retry_at = now() + interval '%u milliseconds', failed_at = %s WHERE id = %lld;",
+             retry_ms, quarantine ? "now()" : "NULL", (long long)row->id);
+    sql_append(&r->sql, buf);
+
+    if (quarantine) {
+        r->quarantined_total++;
+        relay_error(COMPONENT,
+                    "row id=%lld message_id=%.*s topic=%.*s quarantined after %d attempts: %s; "
+                    "list with 'outbox-relay failed list', re-queue with 'outbox-relay failed "
+                    "retry %lld'",
+                    (long long)row->id, (int)row->message_id_len, row->message_id,
+                    (int)(row->topic_len > 64 ? 64 : row->topic_len), row->topic, attempts,
+                    row->error, (long long)row->id);
+    } else {
+        relay_warn(COMPONENT,
+                   "row id=%lld message_id=%.*s not published (attempt %d of %u, next in %u ms): "
+                   "%s",
+                   (long long)row->id, (int)row->message_id_len, row->message_id, attempts,
+                   r->cfg->max_attempts, retry_ms, row->error);
+    }
+}
+
+static void publish_done(struct relay *r)
+{
+    ev_timer_stop(r->loop, &r->deadline);
+    if (r->stopping)
+        return;
+    if (r->batch_failed) {
+        batch_failed(r, r->batch_error);
+        return;
+    }
+    sql_reset(&r->sql);
+    int any_published = 0;
+    char num[32];
+    for (size_t i = 0; i < r->nrows; i++) {
+        if (r->rows[i].state != RELAY_ROW_PUBLISHED)
+            continue;
+        sql_append(&r->sql, any_published ? "," : "UPDATE outbox.messages SET sent_at = now() "
+                                                  "WHERE id = ANY('{");
+        snprintf(num, sizeof(num), "%lld", (long long)r->rows[i].id);
+        sql_append(&r->sql, num);
+        any_published = 1;
+    }
+    if (any_published)
+        sql_append(&r->sql, "}'::bigint[]);");
+    for (size_t i = 0; i < r->nrows; i++)
+        if (r->rows[i].state == RELAY_ROW_FAILED)
+            append_row_failure(r, &r->rows[i]);
+    sql_append(&r->sql, "COMMIT");
+    if (r->sql.overflow) {
+        batch_failed(r, "the statement marking the batch grew too large");
+        return;
+    }
+    if (relay_pgsrc_send(r->claim, r->sql.data, 0, NULL, 0, on_finished, r) < 0) {
+        batch_failed(r, "PostgreSQL connection lost before the batch was marked sent");
+        return;
+    }
+    r->state = CYCLE_FINISH;
+}
+
+/* ---- publishing ------------------------------------------------------ */
+
+static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg)
+{
+    struct relay *r = relay_sink_owner(ac);
+    struct relay_row *row = arg;
+    const redisReply *reply = reply_;
+
+    if (r == NULL || r->stopping || r->state != CYCLE_PUBLISH || r->pending == 0)
+        return;
+    r->pending--;
+    if (reply == NULL) {
+        if (!r->batch_failed) {
+            r->batch_failed = 1;
+            snprintf(r->batch_error, sizeof(r->batch_error), "Redis connection lost: %s",
+                     ac->errstr[0] ? ac->errstr : "dropped");
+        }
+    } else if (reply->type == REDIS_REPLY_STRING || reply->type == REDIS_REPLY_STATUS) {
+        row->state = RELAY_ROW_PUBLISHED;
+    } else if (reply->type == REDIS_REPLY_ERROR &&
+               relay_batch_classify_error(reply->str, reply->len) == RELAY_ERROR_ROW) {
+        row->state = RELAY_ROW_FAILED;
+        snprintf(row->error, sizeof(row->error),
+                 "Redis refused the entry: %.*s; the stream key for topic \"%.*s\" holds "
+                 "another type: rename or delete that key, then re-queue the row",
+                 (int)(reply->len > 200 ? 200 : reply->len), reply->str,
+                 (int)(row->topic_len > 64 ? 64 : row->topic_len), row->topic);
+    } else if (!r->batch_failed) {
+        r->batch_failed = 1;
+        if (reply->type == REDIS_REPLY_ERROR) {
+            snprintf(r->batch_error, sizeof(r->batch_error), "Redis answered: %.*s",
+                     (int)(reply->len > 300 ? 300 : reply->len), reply->str);
+            if (strstr(reply->str, "Function not found") != NULL)
+                r->function_missing = 1;
+        } else {
+            snprintf(r->batch_error, sizeof(r->batch_error),
+                     "unexpected reply of type %d to the publish function", reply->type);
+        }
+    }
+    if (r->pending == 0)
+        publish_done(r);
+}
+
+static void on_deadline(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    struct relay *r = w->data;
+    (void)loop;
+    (void)revents;
+    char why[128];
+    snprintf(why, sizeof(why), "no reply to the batch within publish_timeout (%u ms)",
+             r->cfg->publish_timeout_ms);
+    if (!r->batch_failed) {
+        r->batch_failed = 1;
+        snprintf(r->batch_error, sizeof(r->batch_error), "%s", why);
+    }
+    /* hiredis 0.14 cannot cancel a command: drop the connection, which runs
+     * every pending callback with a NULL reply and ends the batch. */
+    relay_sink_abort(r->sink, why);
+}
+
+static int parse_row(PGresult *res, int i, struct relay_row *row)
+{
+    if (PQgetlength(res, i, 0) != 8)
+        return -1;
+    memset(row, 0, offsetof(struct relay_row, error));
+    row->error[0] = '\0';
+    row->id = relay_batch_decode_int8(PQgetvalue(res, i, 0));
+    row->message_id = PQgetvalue(res, i, 1);
+    row->message_id_len = (size_t)PQgetlength(res, i, 1);
+    row->topic = PQgetvalue(res, i, 2);
+    row->topic_len = (size_t)PQgetlength(res, i, 2);
+    if (!PQgetisnull(res, i, 3)) {
+        row->key = PQgetvalue(res, i, 3);
+        row->key_len = (size_t)PQgetlength(res, i, 3);
+    }
+    row->payload = PQgetvalue(res, i, 4);
+    row->payload_len = (size_t)PQgetlength(res, i, 4);
+    row->created_at = PQgetvalue(res, i, 5);
+    row->created_at_len = (size_t)PQgetlength(res, i, 5);
+    if (!PQgetisnull(res, i, 6))
+        row->headers_type = PQgetvalue(res, i, 6);
+    if (!PQgetisnull(res, i, 7)) {
+        row->header_names = PQgetvalue(res, i, 7);
+        row->header_names_len = (size_t)PQgetlength(res, i, 7);
+    }
+    if (!PQgetisnull(res, i, 8)) {
+        row->header_values = PQgetvalue(res, i, 8);
+        row->header_values_len = (size_t)PQgetlength(res, i, 8);
+    }
+    if (PQgetlength(res, i, 9) != 4)
+        return -1;
+    row->attempts = relay_batch_decode_int4(PQgetvalue(res, i, 9));
+    row->state = RELAY_ROW_CLAIMED;
+    return 0;
+}
+
+static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                       const char *sqlstate, void *arg)
+{
+    struct relay *r = arg;
+    (void)pg;
+    (void)sqlstate;
+    if (r->stopping) {
+        if (res != NULL)
+            PQclear(res);
+        return;
+    }
+    if (err != NULL || res == NULL || PQnfields(res) != 10) {
+        if (res != NULL)
+            PQclear(res);
+        char why[600];
+        snprintf(why, sizeof(why), "claim failed: %s", err ? err : "unexpected result shape");
+        batch_failed(r, why);
+        return;
+    }
+    r->claim_res = res;
+    int n = PQntuples(res);
+    r->nrows = 0;
+    for (int i = 0; i < n && (size_t)i < r->cfg->batch_size; i++) {
+        if (parse_row(res, i, &r->rows[r->nrows]) < 0) {
+            batch_failed(r, "claim returned a malformed row");
+            return;
+        }
+        r->nrows++;
+    }
+    if (r->nrows == 0) {
+        /* Nothing pending: end the (empty) transaction. */
+        if (relay_pgsrc_send(r->claim, "COMMIT", 0, NULL, 0, on_rolled_back, r) == 0)
+            r->state = CYCLE_ROLLBACK;
+        else
+            cycle_ended(r);
+        return;
+    }
+
+    r->state = CYCLE_PUBLISH;
+    r->pending = 0;
+    struct relay_publish_cmd cmd;
+    for (size_t i = 0; i < r->nrows; i++) {
+        struct relay_row *row = &r->rows[i];
+        if (relay_batch_build_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
+                                      r->cfg->dedup_ttl_ms, &cmd, row->error,
+                                      sizeof(row->error)) < 0) {
+            row->state = RELAY_ROW_FAILED;
+            continue;
+        }
+        if (relay_sink_command(r->sink, cmd.argc, cmd.argv, cmd.argvlen, on_publish_reply, row) <
+            0) {
+            r->batch_failed = 1;
+            snprintf(r->batch_error, sizeof(r->batch_error), "Redis connection not ready");
+            break;
+        }
+        row->state = RELAY_ROW_PUBLISHING;
+        r->pending++;
+    }
+    if (r->pending == 0) {
+        publish_done(r);
+        return;
+    }
+    ev_timer_set(&r->deadline, r->cfg->publish_timeout_ms / 1000.0, 0.0);
+    ev_timer_start(r->loop, &r->deadline);
+}
+
+static void on_begun(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                     void *arg)
+{
+    struct relay *r = arg;
+    (void)sqlstate;
+    if (res != NULL)
+        PQclear(res);
+    if (r->stopping)
+        return;
+    if (err != NULL) {
+        char why[600];
+        snprintf(why, sizeof(why), "BEGIN failed: %s", err);
+        batch_failed(r, why);
+        return;
+    }
+    char limit[16];
+    snprintf(limit, sizeof(limit), "%u", r->cfg->batch_size);
+    const char *params[1] = {limit};
+    if (relay_pgsrc_send_prepared(pg, "claim", 1, params, 1, on_claimed, r) < 0) {
+        batch_failed(r, "PostgreSQL connection lost before the claim");
+        return;
+    }
+    r->state = CYCLE_CLAIM;
+}
+
+static void maybe_claim(struct relay *r)
+{
+    if (r->state != CYCLE_IDLE || r->in_backoff || r->draining || r->stopping || !r->want_claim)
+        return;
+    if (relay_pgsrc_state(r->claim) != RELAY_PG_READY || !relay_sink_ready(r->sink))
+        return; /* the ready hooks call back here */
+    r->want_claim = 0;
+    r->batch_started = ev_now(r->loop);
+    if (relay_pgsrc_send(r->claim, "BEGIN", 0, NULL, 0, on_begun, r) < 0) {
+        r->want_claim = 1;
+        return;
+    }
+    r->state = CYCLE_BEGIN;
+}
+
+/* ---- triggers -------------------------------------------------------- */
+
+static void on_kick(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop;
+    (void)revents;
+    maybe_claim(w->data);
+}
+
+static void on_poll(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop;
+    (void)revents;
+    want_cycle(w->data);
+}
+
+static void on_retry(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    struct relay *r = w->data;
+    (void)loop;
+    (void)revents;
+    r->in_backoff = 0;
+    want_cycle(r);
+}
+
+static void pg_ready(struct relay_pgsrc *pg, void *arg)
+{
+    (void)pg;
+    /* Catch up: notifications sent while we were away are lost. */
+    want_cycle(arg);
+}
+
+static void pg_notify(struct relay_pgsrc *pg, void *arg)
+{
+    (void)pg;
+    want_cycle(arg);
+}
+
+static void sink_ready(struct relay_sink *s, void *arg)
+{
+    (void)s;
+    want_cycle(arg);
+}
+
+/* ---- signals --------------------------------------------------------- */
+
+static void on_drain_deadline(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)revents;
+    (void)w;
+    relay_warn(COMPONENT, "drain_timeout reached with a batch in flight; exiting (the batch is "
+                          "rolled back and will be published by the next run)");
+    ev_break(loop, EVBREAK_ALL);
+}
+
+static void on_term(struct ev_loop *loop, ev_signal *w, int revents)
+{
+    struct relay *r = w->data;
+    (void)revents;
+    if (r->draining) {
+        relay_warn(COMPONENT, "second signal: exiting now (the batch in flight is rolled back)");
+        ev_break(loop, EVBREAK_ALL);
+        return;
+    }
+    r->draining = 1;
+    relay_sd_notify("STOPPING=1");
+    ev_timer_stop(loop, &r->poll_timer);
+    ev_timer_stop(loop, &r->kick);
+    ev_timer_stop(loop, &r->retry_timer);
+    if (r->state == CYCLE_IDLE) {
+        relay_info(COMPONENT, "signal %d: shutting down", w->signum);
+        ev_break(loop, EVBREAK_ALL);
+        return;
+    }
+    relay_info(COMPONENT, "signal %d: finishing the batch in flight (at most %u ms)", w->signum,
+               r->cfg->drain_timeout_ms);
+    ev_timer_set(&r->drain_timer, r->cfg->drain_timeout_ms / 1000.0, 0.0);
+    ev_timer_start(loop, &r->drain_timer);
+}
+
+static void on_hup(struct ev_loop *loop, ev_signal *w, int revents)
+{
+    struct relay *r = w->data;
+    struct relay_config fresh;
+    char err[RELAY_CONFIG_ERR_MAX];
+    (void)loop;
+    (void)revents;
+
+    relay_sd_notify("RELOADING=1");
+    relay_config_init(&fresh);
+    if (relay_config_load(&fresh, r->reload.config_path, environ, r->reload.argc, r->reload.argv,
+                          err, sizeof(err)) < 0) {
+        relay_error("config", "reload failed, keeping the running configuration: %s", err);
+    } else {
+        r->cfg->log_level = fresh.log_level;
+        relay_log_set_level((enum relay_log_level)fresh.log_level);
+        relay_info("config", "reloaded: log_level applied; other keys take effect after a "
+                             "restart");
+    }
+    relay_config_free(&fresh);
+    relay_sd_notify("READY=1");
+}
+
+/* ---- life cycle ------------------------------------------------------ */
+
+struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
+                        const struct relay_reload_source *reload)
+{
+    struct relay *r = calloc(1, sizeof(*r));
+    if (r == NULL)
+        return NULL;
+    r->loop = loop;
+    r->cfg = cfg;
+    if (reload != NULL)
+        r->reload = *reload;
+    const size_t keymax = 320 + RELAY_TOPIC_MAX;
+    r->rows = calloc(cfg->batch_size, sizeof(*r->rows));
+    r->del_argv = calloc(cfg->batch_size + 1, sizeof(*r->del_argv));
+    r->del_lens = calloc(cfg->batch_size + 1, sizeof(*r->del_lens));
+    r->del_keys = malloc(cfg->batch_size * keymax);
+    if (r->rows == NULL || r->del_argv == NULL || r->del_lens == NULL || r->del_keys == NULL) {
+        relay_free(r);
+        return NULL;
+    }
+    relay_backoff_init(&r->batch_backoff, cfg->reconnect_min_ms, cfg->reconnect_max_ms);
+
+    ev_init(&r->kick, on_kick);
+    r->kick.data = r;
+    ev_init(&r->retry_timer, on_retry);
+    r->retry_timer.data = r;
+    ev_init(&r->deadline, on_deadline);
+    r->deadline.data = r;
+    ev_init(&r->drain_timer, on_drain_deadline);
+    r->drain_timer.data = r;
+    double poll = cfg->poll_interval_ms / 1000.0;
+    ev_timer_init(&r->poll_timer, on_poll, poll, poll);
+    r->poll_timer.data = r;
+    ev_timer_start(loop, &r->poll_timer);
+
+    ev_signal_init(&r->sigterm, on_term, SIGTERM);
+    r->sigterm.data = r;
+    ev_signal_init(&r->sigint, on_term, SIGINT);
+    r->sigint.data = r;
+    ev_signal_init(&r->sighup, on_hup, SIGHUP);
+    r->sighup.data = r;
+    ev_signal_start(loop, &r->sigterm);
+    ev_signal_start(loop, &r->sigint);
+    ev_signal_start(loop, &r->sighup);
+
+    struct relay_pgsrc_hooks claim_hooks = {.arg = r, .on_ready = pg_ready};
+    r->claim = relay_pgsrc_new(loop, cfg, RELAY_PGSRC_CLAIM, &claim_hooks);
+    if (cfg->listen) {
+        struct relay_pgsrc_hooks listen_hooks = {.arg = r, .on_ready = pg_ready,
+                                                 .on_notify = pg_notify};
+        r->listen = relay_pgsrc_new(loop, cfg, RELAY_PGSRC_LISTEN, &listen_hooks);
+    }
+    struct relay_sink_hooks sink_hooks = {.arg = r, .on_ready = sink_ready};
+    r->sink = relay_sink_new(loop, cfg, &sink_hooks);
+    if (r->claim == NULL || (cfg->listen && r->listen == NULL) || r->sink == NULL) {
+        relay_free(r);
+        return NULL;
+    }
+    r->want_claim = 1;
+    return r;
+}
+
+int relay_run(struct relay *r)
+{
+    relay_info(COMPONENT, "outbox-relay %s running: batch_size=%u poll_interval=%u ms listen=%s",
+               RELAY_VERSION, r->cfg->batch_size, r->cfg->poll_interval_ms,
+               r->cfg->listen ? "on" : "off");
+    relay_sd_notify("READY=1");
+    ev_run(r->loop, 0);
+    r->stopping = 1;
+    relay_info(COMPONENT, "stopped: %llu messages published, %llu rows quarantined",
+               r->published_total, r->quarantined_total);
+    return 0;
+}
+
+void relay_free(struct relay *r)
+{
+    if (r == NULL)
+        return;
+    r->stopping = 1;
+    if (r->loop != NULL) {
+        ev_timer_stop(r->loop, &r->poll_timer);
+        ev_timer_stop(r->loop, &r->kick);
+        ev_timer_stop(r->loop, &r->retry_timer);
+        ev_timer_stop(r->loop, &r->deadline);
+        ev_timer_stop(r->loop, &r->drain_timer);
+        ev_signal_stop(r->loop, &r->sigterm);
+        ev_signal_stop(r->loop, &r->sigint);
+        ev_signal_stop(r->loop, &r->sighup);
+    }
+    /* Redis first: its pending callbacks run now and see r->stopping. */
+    relay_sink_free(r->sink);
+    relay_pgsrc_free(r->listen);
+    relay_pgsrc_free(r->claim);
+    free_batch(r);
+    free(r->rows);
+    free(r->del_argv);
+    free(r->del_lens);
+    free(r->del_keys);
+    free(r->sql.data);
+    free(r);
+}

@@ -1,0 +1,409 @@
+/*
+ * The Redis connection: hiredis 0.14 async API on its libev adapter.
+ *
+ * hiredis 0.14 has neither connect nor command timeouts, and cannot cancel one
+ * command: the only way out of a stuck server is to free the whole context,
+ * which runs every pending callback with a NULL reply. The sink therefore
+ * owns one timer for the connect-and-set-up phase, and the relay owns the
+ * per-batch deadline that calls relay_sink_abort. Set-up commands are queued
+ * right after redisAsyncConnect: hiredis sends them once the socket connects.
+ *
+ * Lifetimes follow the hiredis README: after a failed connect callback or a
+ * disconnect callback the context is freed by hiredis, so s->ac is cleared
+ * there and never touched again; callbacks of an old context compare their ac
+ * with s->ac and ignore themselves when they differ.
+ */
+#include "relay/sink.h"
+
+#include <ev.h>
+#include <hiredis/adapters/libev.h>
+#include <hiredis/async.h>
+#include <hiredis/hiredis.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "relay/backoff.h"
+#include "relay/batch.h"
+#include "relay/config.h"
+#include "relay/log.h"
+
+#define COMPONENT "redis"
+
+enum sink_state {
+    SINK_DOWN = 0,
+    SINK_CONNECTING, /* socket connecting, set-up commands queued */
+    SINK_READY,
+};
+
+struct relay_sink {
+    struct ev_loop *loop;
+    const struct relay_config *cfg;
+    struct relay_sink_hooks hooks;
+
+    redisAsyncContext *ac;
+    enum sink_state state;
+    ev_timer timer; /* connect + set-up deadline, or reconnect wait */
+    struct relay_backoff backoff;
+    int setup_pending;
+    int was_ready;
+    char last_logged[512];
+    char durability[512];
+    char describe[600];
+};
+
+static void start_connect(struct relay_sink *s);
+
+/* Set-up steps, passed as privdata to name the step in messages. */
+static char step_auth[] = "AUTH";
+static char step_select[] = "SELECT";
+static char step_setname[] = "CLIENT SETNAME";
+static char step_function[] = "FUNCTION";
+static char step_config[] = "CONFIG";
+
+void *relay_sink_owner(const struct redisAsyncContext *ac)
+{
+    const struct relay_sink *s = ac->data;
+    return s ? s->hooks.arg : NULL;
+}
+
+const char *relay_sink_describe(const struct relay_sink *s)
+{
+    return s->describe;
+}
+
+int relay_sink_ready(const struct relay_sink *s)
+{
+    return s->state == SINK_READY;
+}
+
+static void timer_start(struct relay_sink *s, uint32_t ms)
+{
+    ev_timer_stop(s->loop, &s->timer);
+    ev_timer_set(&s->timer, ms / 1000.0, 0.0);
+    ev_timer_start(s->loop, &s->timer);
+}
+
+/* Marks the sink down, logs once per state change and schedules a reconnect.
+ * The context, if any, must already be detached from s. */
+static void went_down(struct relay_sink *s, const char *what, const char *msg)
+{
+    int was_ready = s->was_ready;
+    s->was_ready = 0;
+    s->state = SINK_DOWN;
+    s->setup_pending = 0;
+
+    uint32_t delay = relay_backoff_next(&s->backoff, relay_backoff_random());
+    char line[512];
+    snprintf(line, sizeof(line), "%s: %s", what, msg ? msg : "unknown error");
+    if (was_ready)
+        s->last_logged[0] = '\0';
+    if (strcmp(line, s->last_logged) == 0) {
+        relay_debug(COMPONENT, "%s: %s; retrying in %u ms", s->describe, line, delay);
+    } else {
+        snprintf(s->last_logged, sizeof(s->last_logged), "%s", line);
+        relay_error(COMPONENT, "%s: %s; retrying with backoff (first retry in %u ms)",
+                    s->describe, line, delay);
+    }
+    timer_start(s, delay);
+    if (s->hooks.on_down != NULL)
+        s->hooks.on_down(s, s->hooks.arg);
+}
+
+void relay_sink_abort(struct relay_sink *s, const char *why)
+{
+    redisAsyncContext *ac = s->ac;
+    if (ac == NULL)
+        return;
+    /* Detach first: the callbacks that redisAsyncFree runs see s->ac != ac. */
+    s->ac = NULL;
+    went_down(s, "connection dropped", why);
+    redisAsyncFree(ac);
+}
+
+void relay_sink_reload_function(struct relay_sink *s)
+{
+    relay_sink_abort(s, "the publish function is missing on the server (restart, failover or "
+                        "FUNCTION FLUSH); reconnecting loads it again");
+}
+
+int relay_sink_command(struct relay_sink *s, int argc, const char **argv, const size_t *argvlen,
+                       relay_sink_reply_fn *cb, void *arg)
+{
+    if (s->state != SINK_READY || s->ac == NULL)
+        return -1;
+    if (redisAsyncCommandArgv(s->ac, cb, arg, argc, argv, argvlen) != REDIS_OK)
+        return -1;
+    return 0;
+}
+
+/* Reports what an acknowledged XADD is worth on this server (DESIGN.md 7.4). */
+static void check_durability(struct relay_sink *s, const redisReply *r)
+{
+    char text[512];
+    const char *aof = NULL, *fsync = NULL, *policy = NULL;
+
+    if (r == NULL || r->type != REDIS_REPLY_ARRAY) {
+        snprintf(text, sizeof(text),
+                 "could not check the durability settings (%s); make sure the server runs with "
+                 "appendonly yes and appendfsync always, or acknowledged messages can be lost "
+                 "in a crash",
+                 r && r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply to CONFIG GET");
+    } else {
+        for (size_t i = 0; i + 1 < r->elements; i += 2) {
+            const redisReply *k = r->element[i], *v = r->element[i + 1];
+            if (k->type != REDIS_REPLY_STRING || v->type != REDIS_REPLY_STRING)
+                continue;
+            if (strcmp(k->str, "appendonly") == 0)
+                aof = v->str;
+            else if (strcmp(k->str, "appendfsync") == 0)
+                fsync = v->str;
+            else if (strcmp(k->str, "maxmemory-policy") == 0)
+                policy = v->str;
+        }
+        const char *evict = policy != NULL && strcmp(policy, "noeviction") != 0
+                                ? "; maxmemory-policy is not noeviction, so streams and dedup "
+                                  "records can be evicted: set maxmemory-policy noeviction"
+                                : "";
+        if (aof == NULL || fsync == NULL)
+            snprintf(text, sizeof(text), "could not read appendonly/appendfsync%s", evict);
+        else if (strcmp(aof, "yes") != 0)
+            snprintf(text, sizeof(text),
+                     "appendonly is off: an acknowledged message survives only until the next "
+                     "RDB snapshot and a crash can lose everything since the last one; set "
+                     "appendonly yes and appendfsync always for no loss after acknowledgement%s",
+                     evict);
+        else if (strcmp(fsync, "always") != 0)
+            snprintf(text, sizeof(text),
+                     "appendfsync is %s: a crash can lose about %s of acknowledged messages; set "
+                     "appendfsync always for no loss after acknowledgement%s",
+                     fsync, strcmp(fsync, "everysec") == 0 ? "1-2 s" : "30 s", evict);
+        else if (*evict)
+            snprintf(text, sizeof(text), "appendonly yes, appendfsync always%s", evict);
+        else
+            snprintf(text, sizeof(text),
+                     "appendonly yes, appendfsync always: acknowledged messages survive a crash");
+    }
+    if (strcmp(text, s->durability) == 0)
+        return;
+    snprintf(s->durability, sizeof(s->durability), "%s", text);
+    if (strstr(text, "survive a crash") != NULL)
+        relay_info(COMPONENT, "durability: %s", text);
+    else
+        relay_warn(COMPONENT, "durability: %s", text);
+}
+
+static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
+{
+    struct relay_sink *s = ac->data;
+    const redisReply *r = reply;
+    const char *step = privdata;
+
+    if (s == NULL || ac != s->ac || s->state != SINK_CONNECTING)
+        return;
+    if (strcmp(step, "CONFIG") == 0) {
+        check_durability(s, r);
+    } else if (r == NULL || r->type == REDIS_REPLY_ERROR) {
+        char msg[400];
+        const char *hint = strcmp(step, "AUTH") == 0
+                               ? ": check the user and password of the redis setting"
+                           : strcmp(step, "FUNCTION") == 0
+                               ? ": the relay's user needs FUNCTION LOAD and FCALL"
+                               : "";
+        snprintf(msg, sizeof(msg), "%s failed: %s%s", step,
+                 r ? r->str : (ac->errstr[0] ? ac->errstr : "connection closed"), hint);
+        relay_sink_abort(s, msg);
+        return;
+    }
+    if (--s->setup_pending > 0)
+        return;
+    ev_timer_stop(s->loop, &s->timer);
+    s->state = SINK_READY;
+    s->was_ready = 1;
+    relay_backoff_reset(&s->backoff);
+    relay_info(COMPONENT, "%s %s", s->describe,
+               s->last_logged[0] ? "is back" : "ready (publish function loaded)");
+    s->last_logged[0] = '\0';
+    if (s->hooks.on_ready != NULL)
+        s->hooks.on_ready(s, s->hooks.arg);
+}
+
+static void on_connect(const redisAsyncContext *ac, int status)
+{
+    struct relay_sink *s = ac->data;
+    if (s == NULL || ac != s->ac || status == REDIS_OK)
+        return;
+    /* hiredis frees the context after this callback. */
+    char msg[256];
+    snprintf(msg, sizeof(msg), "%s", ac->c.errstr[0] ? ac->c.errstr : "connect failed");
+    s->ac = NULL;
+    ev_timer_stop(s->loop, &s->timer);
+    went_down(s, "cannot connect", msg);
+}
+
+static void on_disconnect(const redisAsyncContext *ac, int status)
+{
+    struct relay_sink *s = ac->data;
+    (void)status;
+    if (s == NULL || ac != s->ac)
+        return;
+    char msg[256];
+    snprintf(msg, sizeof(msg), "%s", ac->c.errstr[0] ? ac->c.errstr : "server closed the connection");
+    s->ac = NULL;
+    ev_timer_stop(s->loop, &s->timer);
+    went_down(s, "connection lost", msg);
+}
+
+static void queue_setup(struct relay_sink *s)
+{
+    const struct relay_redis_url *u = &s->cfg->redis_url;
+    const char *argv[4];
+    size_t lens[4];
+    char db[16];
+
+    s->setup_pending = 0;
+    if (u->password[0] != '\0') {
+        int n = 0;
+        argv[n] = "AUTH";
+        lens[n++] = 4;
+        if (u->user[0] != '\0') {
+            argv[n] = u->user;
+            lens[n++] = strlen(u->user);
+        }
+        argv[n] = u->password;
+        lens[n++] = strlen(u->password);
+        redisAsyncCommandArgv(s->ac, on_setup_reply, step_auth, n, argv, lens);
+        s->setup_pending++;
+    }
+    if (u->db != 0) {
+        snprintf(db, sizeof(db), "%d", u->db);
+        argv[0] = "SELECT";
+        lens[0] = 6;
+        argv[1] = db;
+        lens[1] = strlen(db);
+        redisAsyncCommandArgv(s->ac, on_setup_reply, step_select, 2, argv, lens);
+        s->setup_pending++;
+    }
+    argv[0] = "CLIENT";
+    argv[1] = "SETNAME";
+    argv[2] = "outbox-relay";
+    lens[0] = 6;
+    lens[1] = 7;
+    lens[2] = 12;
+    redisAsyncCommandArgv(s->ac, on_setup_reply, step_setname, 3, argv, lens);
+    s->setup_pending++;
+
+    /* FUNCTION LOAD is persisted and replicated, unlike the script cache;
+     * REPLACE makes a reconnect after an upgrade load the new body. */
+    argv[0] = "FUNCTION";
+    argv[1] = "LOAD";
+    argv[2] = "REPLACE";
+    argv[3] = relay_batch_function_source;
+    lens[0] = 8;
+    lens[1] = 4;
+    lens[2] = 7;
+    lens[3] = strlen(relay_batch_function_source);
+    redisAsyncCommandArgv(s->ac, on_setup_reply, step_function, 4, argv, lens);
+    s->setup_pending++;
+
+    /* Redis 7 takes several parameters in one CONFIG GET. An ACL that forbids
+     * CONFIG answers with an error, which is reported and not fatal. */
+    const char *cargv[5] = {"CONFIG", "GET", "appendonly", "appendfsync", "maxmemory-policy"};
+    size_t clens[5] = {6, 3, 10, 11, 16};
+    redisAsyncCommandArgv(s->ac, on_setup_reply, step_config, 5, cargv, clens);
+    s->setup_pending++;
+}
+
+static void start_connect(struct relay_sink *s)
+{
+    const struct relay_redis_url *u = &s->cfg->redis_url;
+    redisAsyncContext *ac = redisAsyncConnect(u->host, u->port);
+    if (ac == NULL) {
+        went_down(s, "cannot connect", "out of memory");
+        return;
+    }
+    if (ac->err) {
+        char msg[256];
+        snprintf(msg, sizeof(msg), "%s", ac->errstr);
+        redisAsyncFree(ac);
+        went_down(s, "cannot connect", msg);
+        return;
+    }
+    ac->data = s;
+    if (redisLibevAttach(s->loop, ac) != REDIS_OK) {
+        redisAsyncFree(ac);
+        went_down(s, "cannot connect", "cannot attach to the event loop");
+        return;
+    }
+    /* Attach before setting the connect callback: setting it arms the write
+     * watcher that detects the connection. */
+    redisAsyncSetConnectCallback(ac, on_connect);
+    redisAsyncSetDisconnectCallback(ac, on_disconnect);
+    s->ac = ac;
+    s->state = SINK_CONNECTING;
+    queue_setup(s);
+    timer_start(s, s->cfg->connect_timeout_ms);
+}
+
+static void on_timer(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    struct relay_sink *s = w->data;
+    (void)loop;
+    (void)revents;
+    if (s->state == SINK_DOWN) {
+        start_connect(s);
+    } else if (s->state == SINK_CONNECTING) {
+        char msg[128];
+        snprintf(msg, sizeof(msg), "not connected and set up within connect_timeout (%u ms)",
+                 s->cfg->connect_timeout_ms);
+        if (s->ac != NULL) {
+            redisAsyncContext *ac = s->ac;
+            s->ac = NULL;
+            went_down(s, "cannot connect", msg);
+            redisAsyncFree(ac);
+        }
+    }
+}
+
+struct relay_sink *relay_sink_new(struct ev_loop *loop, const struct relay_config *cfg,
+                                  const struct relay_sink_hooks *hooks)
+{
+    struct relay_sink *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return NULL;
+    s->loop = loop;
+    s->cfg = cfg;
+    if (hooks != NULL)
+        s->hooks = *hooks;
+    relay_backoff_init(&s->backoff, cfg->reconnect_min_ms, cfg->reconnect_max_ms);
+    ev_init(&s->timer, on_timer);
+    s->timer.data = s;
+    const struct relay_redis_url *u = &cfg->redis_url;
+    const char *v6 = strchr(u->host, ':') ? "[" : "";
+    snprintf(s->describe, sizeof(s->describe), "redis://%s%s%s%s%s:%d/%d", u->user,
+             u->password[0] ? ":***" : "", (u->user[0] || u->password[0]) ? "@" : "", v6,
+             u->host, u->port, u->db);
+    if (*v6) {
+        /* Re-format with the closing bracket. */
+        snprintf(s->describe, sizeof(s->describe), "redis://%s%s%s[%s]:%d/%d", u->user,
+                 u->password[0] ? ":***" : "", (u->user[0] || u->password[0]) ? "@" : "",
+                 u->host, u->port, u->db);
+    }
+    start_connect(s);
+    return s;
+}
+
+void relay_sink_free(struct relay_sink *s)
+{
+    if (s == NULL)
+        return;
+    ev_timer_stop(s->loop, &s->timer);
+    s->hooks.on_down = NULL;
+    s->hooks.on_ready = NULL;
+    if (s->ac != NULL) {
+        redisAsyncContext *ac = s->ac;
+        s->ac = NULL;
+        redisAsyncFree(ac);
+    }
+    free(s);
+}
