@@ -14,6 +14,7 @@
 #include "relay/config.h"
 #include "relay/log.h"
 #include "relay/relay.h"
+#include "relay/tools.h"
 
 extern char **environ;
 
@@ -23,6 +24,8 @@ static void usage(FILE *out)
     relay_config_help(keys, sizeof(keys));
     fprintf(out,
             "Usage: outbox-relay [-c FILE] [--check-config] [--KEY VALUE]...\n"
+            "       outbox-relay [-c FILE] [--KEY VALUE]... failed list [--limit N]\n"
+            "       outbox-relay [-c FILE] [--KEY VALUE]... failed retry ID... | --all\n"
             "       outbox-relay --help | --version\n"
             "\n"
             "Publishes committed rows of outbox.messages to Redis Streams, at least once.\n"
@@ -31,6 +34,10 @@ static void usage(FILE *out)
             "      --check-config  validate the configuration and exit, without connecting\n"
             "  -h, --help          show this help\n"
             "  -V, --version       show the version\n"
+            "\n"
+            "Commands:\n"
+            "  failed list         show quarantined rows and their errors\n"
+            "  failed retry        put quarantined rows back in line (ids, or --all)\n"
             "\n"
             "Every key can also be set with OUTBOX_RELAY_<KEY> in the environment or\n"
             "--<key-with-dashes> on the command line (command line > environment > file).\n"
@@ -45,6 +52,8 @@ int main(int argc, char **argv)
 {
     const char *config_path = NULL;
     int check_only = 0;
+    int tool_argc = 0;
+    char **tool_argv = NULL;
     char **overrides = calloc((size_t)argc + 1, sizeof(*overrides));
     int noverrides = 0;
     if (overrides == NULL)
@@ -76,6 +85,10 @@ int main(int argc, char **argv)
             /* "--key value": the value goes along unless the flag holds '='. */
             if (strchr(a, '=') == NULL && i + 1 < argc)
                 overrides[noverrides++] = argv[++i];
+        } else if (strcmp(a, "failed") == 0) {
+            tool_argc = argc - i;
+            tool_argv = argv + i;
+            break;
         } else {
             fprintf(stderr, "outbox-relay: unexpected argument \"%s\"; see --help\n", a);
             free(overrides);
@@ -86,6 +99,13 @@ int main(int argc, char **argv)
     struct relay_config cfg;
     char err[RELAY_CONFIG_ERR_MAX];
     relay_config_init(&cfg);
+    /* Operator commands talk to PostgreSQL only: a Redis address is not needed. */
+    if (tool_argv != NULL) {
+        char unused[RELAY_CONFIG_ERR_MAX];
+        if (relay_config_set(&cfg, "default", "redis", "redis://127.0.0.1:6379", unused,
+                             sizeof(unused)) < 0)
+            return RELAY_EX_SOFTWARE;
+    }
     if (relay_config_load(&cfg, config_path, environ, noverrides, overrides, err, sizeof(err)) <
         0) {
         fprintf(stderr, "outbox-relay: %s\n", err);
@@ -94,6 +114,12 @@ int main(int argc, char **argv)
         return RELAY_EX_CONFIG;
     }
     relay_log_set_level((enum relay_log_level)cfg.log_level);
+    if (tool_argv != NULL) {
+        int rc = relay_tool_failed(&cfg, tool_argc, tool_argv, stdout, stderr);
+        relay_config_free(&cfg);
+        free(overrides);
+        return rc;
+    }
     if (check_only) {
         printf("configuration OK\n");
         relay_config_free(&cfg);

@@ -1,0 +1,195 @@
+/*
+ * "outbox-relay failed": what operators do with quarantined rows.
+ *
+ * A row that failed max_attempts times for a reason of its own (a bad topic,
+ * an oversized payload, WRONGTYPE on its stream key) carries failed_at and its
+ * last error, and the relay's claims skip it. "failed list" shows those rows
+ * (and how many others are still being retried); "failed retry" puts them back
+ * in line with a clean attempt count, and wakes the relay with a notification.
+ */
+#include "relay/tools.h"
+
+#include <errno.h>
+#include <libpq-fe.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "relay/common.h"
+#include "relay/config.h"
+
+static PGconn *connect_db(const struct relay_config *cfg, FILE *errout)
+{
+    char timeout[16], options[96];
+    snprintf(timeout, sizeof(timeout), "%u", (cfg->connect_timeout_ms + 999) / 1000);
+    snprintf(options, sizeof(options), "-c statement_timeout=%u", cfg->statement_timeout_ms);
+    const char *const keys[] = {"application_name", "connect_timeout", "options", "dbname", NULL};
+    const char *const vals[] = {"outbox-relay failed", timeout, options, cfg->postgres, NULL};
+    PGconn *conn = PQconnectdbParams(keys, vals, 1);
+    if (conn == NULL || PQstatus(conn) != CONNECTION_OK) {
+        fprintf(errout, "outbox-relay: cannot connect to PostgreSQL: %s",
+                conn ? PQerrorMessage(conn) : "out of memory\n");
+        PQfinish(conn);
+        return NULL;
+    }
+    return conn;
+}
+
+static int parse_id(const char *s, long long *out)
+{
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno != 0 || end == s || *end != '\0' || v <= 0)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int failed_list(PGconn *conn, long long limit, FILE *out, FILE *errout)
+{
+    char lim[24];
+    snprintf(lim, sizeof(lim), "%lld", limit);
+    const char *params[1] = {lim};
+    PGresult *res = PQexecParams(
+        conn,
+        "SELECT id, message_id, topic, attempts,"
+        " to_char(failed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),"
+        " coalesce(last_error, '')"
+        " FROM outbox.messages WHERE failed_at IS NOT NULL AND sent_at IS NULL"
+        " ORDER BY id LIMIT $1",
+        1, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        fprintf(errout, "outbox-relay: cannot list failed rows: %s", PQresultErrorMessage(res));
+        PQclear(res);
+        return RELAY_EX_UNAVAILABLE;
+    }
+    int n = PQntuples(res);
+    if (n == 0) {
+        fprintf(out, "no quarantined rows\n");
+    } else {
+        fprintf(out, "%-10s %-36s %-20s %-8s %-20s %s\n", "ID", "MESSAGE_ID", "TOPIC", "ATTEMPTS",
+                "FAILED_AT", "LAST_ERROR");
+        for (int i = 0; i < n; i++)
+            fprintf(out, "%-10s %-36s %-20.40s %-8s %-20s %s\n", PQgetvalue(res, i, 0),
+                    PQgetvalue(res, i, 1), PQgetvalue(res, i, 2), PQgetvalue(res, i, 3),
+                    PQgetvalue(res, i, 4), PQgetvalue(res, i, 5));
+    }
+    PQclear(res);
+
+    res = PQexec(conn, "SELECT count(*) FILTER (WHERE failed_at IS NOT NULL),"
+                       " count(*) FILTER (WHERE failed_at IS NULL AND attempts > 0)"
+                       " FROM outbox.messages WHERE sent_at IS NULL AND"
+                       " (failed_at IS NOT NULL OR attempts > 0)");
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1) {
+        fprintf(out, "%s quarantined", PQgetvalue(res, 0, 0));
+        if ((long long)n < strtoll(PQgetvalue(res, 0, 0), NULL, 10))
+            fprintf(out, " (showing %d; use --limit)", n);
+        fprintf(out, ", %s still being retried by the relay\n", PQgetvalue(res, 0, 1));
+    }
+    PQclear(res);
+    return RELAY_EX_OK;
+}
+
+static int failed_retry(PGconn *conn, int all, int nids, char **ids, FILE *out, FILE *errout)
+{
+    /* Build '{1,2,3}' from validated integers. */
+    size_t cap = (size_t)nids * 24 + 3;
+    char *arr = malloc(cap);
+    if (arr == NULL)
+        return RELAY_EX_OSERR;
+    size_t len = 0;
+    arr[len++] = '{';
+    for (int i = 0; i < nids; i++) {
+        long long id;
+        if (parse_id(ids[i], &id) < 0) {
+            fprintf(errout, "outbox-relay: \"%s\" is not a row id (a positive integer from "
+                            "'outbox-relay failed list')\n",
+                    ids[i]);
+            free(arr);
+            return RELAY_EX_USAGE;
+        }
+        len += (size_t)snprintf(arr + len, cap - len, "%s%lld", i ? "," : "", id);
+    }
+    arr[len++] = '}';
+    arr[len] = '\0';
+
+    const char *params[2] = {all ? "t" : "f", arr};
+    PGresult *res = PQexecParams(
+        conn,
+        "WITH requeued AS ("
+        " UPDATE outbox.messages SET failed_at = NULL, attempts = 0, retry_at = NULL,"
+        "  last_error = NULL"
+        " WHERE failed_at IS NOT NULL AND sent_at IS NULL AND ($1::boolean OR id = ANY($2::bigint[]))"
+        " RETURNING id)"
+        " SELECT (SELECT count(*) FROM requeued),"
+        "  ARRAY(SELECT x FROM unnest($2::bigint[]) AS x WHERE x NOT IN (SELECT id FROM requeued)"
+        "   ORDER BY x)::text,"
+        "  pg_notify('outbox_relay', '')",
+        2, NULL, params, NULL, NULL, 0);
+    free(arr);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        fprintf(errout, "outbox-relay: cannot re-queue rows: %s", PQresultErrorMessage(res));
+        PQclear(res);
+        return RELAY_EX_UNAVAILABLE;
+    }
+    int rc = RELAY_EX_OK;
+    fprintf(out, "re-queued %s row(s)\n", PQgetvalue(res, 0, 0));
+    if (!all && strcmp(PQgetvalue(res, 0, 1), "{}") != 0) {
+        fprintf(errout,
+                "outbox-relay: not quarantined (unknown, already sent or still retrying): %s\n",
+                PQgetvalue(res, 0, 1));
+        rc = RELAY_EX_DATAERR;
+    }
+    PQclear(res);
+    return rc;
+}
+
+static void failed_usage(FILE *f)
+{
+    fprintf(f, "Usage: outbox-relay [-c FILE] failed list [--limit N]\n"
+               "       outbox-relay [-c FILE] failed retry ID... | --all\n");
+}
+
+int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FILE *out,
+                      FILE *errout)
+{
+    if (argc < 2) {
+        failed_usage(errout);
+        return RELAY_EX_USAGE;
+    }
+    const char *verb = argv[1];
+    long long limit = 100;
+    int all = 0;
+    if (strcmp(verb, "list") == 0) {
+        for (int i = 2; i < argc; i++) {
+            if (strcmp(argv[i], "--limit") == 0 && i + 1 < argc && parse_id(argv[i + 1], &limit) == 0) {
+                i++;
+                continue;
+            }
+            fprintf(errout, "outbox-relay: failed list: unexpected \"%s\"\n", argv[i]);
+            failed_usage(errout);
+            return RELAY_EX_USAGE;
+        }
+    } else if (strcmp(verb, "retry") == 0) {
+        if (argc == 3 && strcmp(argv[2], "--all") == 0) {
+            all = 1;
+        } else if (argc < 3) {
+            fprintf(errout, "outbox-relay: failed retry needs row ids or --all\n");
+            failed_usage(errout);
+            return RELAY_EX_USAGE;
+        }
+    } else {
+        failed_usage(errout);
+        return RELAY_EX_USAGE;
+    }
+
+    PGconn *conn = connect_db(cfg, errout);
+    if (conn == NULL)
+        return RELAY_EX_UNAVAILABLE;
+    int rc = strcmp(verb, "list") == 0 ? failed_list(conn, limit, out, errout)
+                                       : failed_retry(conn, all, all ? 0 : argc - 2, argv + 2,
+                                                      out, errout);
+    PQfinish(conn);
+    return rc;
+}
