@@ -1,0 +1,1438 @@
+/*
+ * Configuration: one typed table with a row per key (pgbouncer's
+ * bouncer_params[], redis's createIntConfig with bounds), and small loaders
+ * that feed it from a "key = value" file, then the environment
+ * (OUTBOX_RELAY_<KEY>), then the command line (--key-name VALUE). Every value
+ * goes through the same conversion and bound checks whatever its source, so a
+ * bad value gets the same rule text everywhere; only the origin in front of the
+ * message changes:
+ *
+ *   relay.conf:12: batch_size = "0": must be between 1 and 10000
+ *   environment: OUTBOX_RELAY_BATCH_SIZE = "0": must be between 1 and 10000
+ *   command line: --batch-size = "0": must be between 1 and 10000
+ *
+ * Cross-key checks and derived fields (the parsed Redis URL, the password file)
+ * are a separate pass, relay_config_validate, as in pgagroal. Nothing here
+ * connects anywhere, which is what --check-config relies on. Values of secret
+ * keys only ever reach a message or a dump through relay_config_redact.
+ */
+#include "relay/config.h"
+
+#include "relay/common.h"
+#include "relay/log.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#define CFG_MUSTCHECK __attribute__((warn_unused_result))
+#define CFG_PRINTF(f, a) __attribute__((format(printf, f, a)))
+
+/* A file line, after its newline is removed, may hold at most this many bytes. */
+#define CFG_LINE_MAX 4096
+/* No string value, from any source, may be longer than this. */
+#define CFG_VALUE_MAX 4096
+/* Messages show at most this many bytes of a value, so the rule still fits. */
+#define CFG_SHOW_MAX 64
+/* Longest key name we look up; longer names are unknown by definition. */
+#define CFG_NAME_MAX 64
+#define CFG_ENV_PREFIX "OUTBOX_RELAY_"
+#define CFG_STREAM_PREFIX_MAX 64
+#define CFG_REDIS_DB_MAX 15
+
+enum cfg_type {
+    CFG_STRING,
+    CFG_SECRET_STRING, /* a string that may hold a password: always redacted */
+    CFG_UINT,          /* uint32_t within [min, max] */
+    CFG_DURATION,      /* uint32_t milliseconds within [min, max] */
+    CFG_BOOL,          /* int 0 or 1 */
+    CFG_LOGLEVEL,      /* int, enum relay_log_level */
+};
+
+#define CFG_REQUIRED 0x1u   /* validation fails while the value is empty */
+#define CFG_RELOADABLE 0x2u /* a SIGHUP reload applies it; others need a restart */
+
+/*
+ * Extra check for a string key, run after the length cap. Returns 0, or -1 with
+ * the rule that was broken in rule (what is allowed, not just what is wrong).
+ */
+typedef int (*cfg_check_fn)(const char *value, char *rule, size_t rulelen);
+
+struct cfg_key {
+    const char *name;
+    enum cfg_type type;
+    size_t off; /* offset of the field in struct relay_config */
+    uint64_t min, max;
+    const char *defval; /* parsed by the same code as any other value */
+    unsigned flags;
+    cfg_check_fn check;
+    const char *help;
+};
+
+#define CFG_OFF(field) offsetof(struct relay_config, field)
+
+#define CFG_SEC 1000ull
+#define CFG_MIN (60 * CFG_SEC)
+#define CFG_HOUR (60 * CFG_MIN)
+#define CFG_DAY (24 * CFG_HOUR)
+
+static int cfg_check_redis(const char *value, char *rule, size_t rulelen);
+static int cfg_check_stream_prefix(const char *value, char *rule, size_t rulelen);
+
+/* The one place a key is defined. docs/CONFIGURATION.md documents this table. */
+static const struct cfg_key cfg_keys[] = {
+    {"postgres", CFG_SECRET_STRING, CFG_OFF(postgres), 0, CFG_VALUE_MAX, "", CFG_REQUIRED, NULL,
+     "PostgreSQL connection: a libpq conninfo string or a postgresql:// URI"},
+    {"redis", CFG_SECRET_STRING, CFG_OFF(redis), 0, CFG_VALUE_MAX, "", CFG_REQUIRED,
+     cfg_check_redis, "Redis address: redis://[user:password@]host[:port][/db]"},
+    {"redis_password_file", CFG_STRING, CFG_OFF(redis_password_file), 0, CFG_VALUE_MAX, "", 0, NULL,
+     "file whose first line is the Redis password; overrides the password in redis"},
+    {"stream_prefix", CFG_STRING, CFG_OFF(stream_prefix), 0, CFG_VALUE_MAX, "", 0,
+     cfg_check_stream_prefix, "text put in front of the topic to name the stream"},
+    {"batch_size", CFG_UINT, CFG_OFF(batch_size), 1, 10000, "500", 0, NULL,
+     "rows claimed per transaction; also the bound on publishes in flight"},
+    {"max_attempts", CFG_UINT, CFG_OFF(max_attempts), 1, 1000, "10", 0, NULL,
+     "failures of one row before it is quarantined"},
+    {"max_payload_bytes", CFG_UINT, CFG_OFF(max_payload_bytes), 1, 536870912, "1048576", 0, NULL,
+     "larger payloads fail their row (quarantined after max_attempts)"},
+    {"listen", CFG_BOOL, CFG_OFF(listen), 0, 1, "on", 0, NULL,
+     "wake up on NOTIFY outbox_relay; off relies on polling alone"},
+    {"poll_interval", CFG_DURATION, CFG_OFF(poll_interval_ms), 10, CFG_HOUR, "1s", 0, NULL,
+     "fallback poll: a lost notification costs at most this much latency"},
+    {"connect_timeout", CFG_DURATION, CFG_OFF(connect_timeout_ms), 100, 10 * CFG_MIN, "5s", 0, NULL,
+     "deadline for connecting to either server"},
+    {"publish_timeout", CFG_DURATION, CFG_OFF(publish_timeout_ms), 100, 10 * CFG_MIN, "5s", 0, NULL,
+     "deadline for Redis to acknowledge a whole batch"},
+    {"statement_timeout", CFG_DURATION, CFG_OFF(statement_timeout_ms), 100, CFG_HOUR, "30s", 0,
+     NULL, "server-side deadline of each SQL statement"},
+    {"reconnect_min", CFG_DURATION, CFG_OFF(reconnect_min_ms), 10, CFG_MIN, "100ms", 0, NULL,
+     "first delay before reconnecting or retrying; doubles up to reconnect_max"},
+    {"reconnect_max", CFG_DURATION, CFG_OFF(reconnect_max_ms), 100, CFG_HOUR, "30s", 0, NULL,
+     "longest delay between reconnects or retries"},
+    {"drain_timeout", CFG_DURATION, CFG_OFF(drain_timeout_ms), 100, 10 * CFG_MIN, "10s", 0, NULL,
+     "on SIGTERM, how long to wait for the batch in flight"},
+    {"dedup_ttl", CFG_DURATION, CFG_OFF(dedup_ttl_ms), CFG_SEC, 30 * CFG_DAY, "24h", 0, NULL,
+     "how long a dedup record lives in Redis"},
+    {"log_level", CFG_LOGLEVEL, CFG_OFF(log_level), RELAY_LOG_DEBUG, RELAY_LOG_ERROR, "info",
+     CFG_RELOADABLE, NULL, "least severe level logged: debug, info, warning or error"},
+};
+
+static const char *const cfg_level_names[] = {"debug", "info", "warning", "error"};
+
+/* File-local, reachable from tests/unit/test_config.c (RELAY_STATIC is empty there). */
+RELAY_STATIC int config_parse_line(char *line, char **key, char **value, char *rule,
+                                   size_t rulelen) CFG_MUSTCHECK;
+RELAY_STATIC unsigned config_edit_distance(const char *a, const char *b);
+RELAY_STATIC void config_format_duration(uint32_t ms, char *out, size_t outlen);
+
+/* ------------------------------------------------------------------------ */
+/* Bounded output: every text this module writes goes through this.          */
+
+struct cfg_out {
+    char *p;
+    size_t cap; /* bytes at p, NUL included */
+    size_t len;
+};
+
+static void out_init(struct cfg_out *o, char *p, size_t cap)
+{
+    o->p = p;
+    o->cap = cap;
+    o->len = 0;
+    if (cap > 0)
+        p[0] = '\0';
+}
+
+/* Appends what fits and drops the rest; the text stays NUL-terminated. */
+static void out_putn(struct cfg_out *o, const char *s, size_t n)
+{
+    size_t room;
+
+    if (o->cap == 0)
+        return;
+    room = o->cap - 1 - o->len;
+    if (n > room)
+        n = room;
+    memcpy(o->p + o->len, s, n);
+    o->len += n;
+    o->p[o->len] = '\0';
+}
+
+static void out_puts(struct cfg_out *o, const char *s)
+{
+    out_putn(o, s, strlen(s));
+}
+
+static void out_printf(struct cfg_out *o, const char *fmt, ...) CFG_PRINTF(2, 3);
+static void out_printf(struct cfg_out *o, const char *fmt, ...)
+{
+    va_list ap;
+    size_t room;
+    int n;
+
+    if (o->cap == 0)
+        return;
+    room = o->cap - o->len;
+    va_start(ap, fmt);
+    n = vsnprintf(o->p + o->len, room, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        o->p[o->len] = '\0';
+    else if ((size_t)n >= room)
+        o->len = o->cap - 1; /* truncated: vsnprintf filled what fits */
+    else
+        o->len += (size_t)n;
+}
+
+static void cfg_err(char *err, size_t errlen, const char *fmt, ...) CFG_PRINTF(3, 4);
+static void cfg_err(char *err, size_t errlen, const char *fmt, ...)
+{
+    va_list ap;
+
+    if (!err || errlen == 0)
+        return;
+    va_start(ap, fmt);
+    if (vsnprintf(err, errlen, fmt, ap) < 0)
+        err[0] = '\0';
+    va_end(ap);
+}
+
+static void *cfg_oom(void)
+{
+    /* Same policy as relay_xmalloc (STYLE.md rule 5): no recovery from OOM. */
+    fputs("outbox-relay: out of memory\n", stderr);
+    abort();
+}
+
+static char *cfg_strdup(const char *s)
+{
+    char *p = strdup(s);
+
+    if (!p)
+        return cfg_oom();
+    return p;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Key lookup and the names a key has in each source.                        */
+
+static const struct cfg_key *config_find(const char *name)
+{
+    size_t i;
+
+    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++)
+        if (strcmp(cfg_keys[i].name, name) == 0)
+            return &cfg_keys[i];
+    return NULL;
+}
+
+/* OUTBOX_RELAY_BATCH_SIZE for batch_size. */
+static void config_env_name(const char *key, char *out, size_t outlen)
+{
+    struct cfg_out o;
+    const char *p;
+
+    out_init(&o, out, outlen);
+    out_puts(&o, CFG_ENV_PREFIX);
+    for (p = key; *p; p++) {
+        char c = (char)toupper((unsigned char)*p);
+        out_putn(&o, &c, 1);
+    }
+}
+
+/* --batch-size for batch_size. */
+static void config_flag_name(const char *key, char *out, size_t outlen)
+{
+    struct cfg_out o;
+    const char *p;
+
+    out_init(&o, out, outlen);
+    out_puts(&o, "--");
+    for (p = key; *p; p++)
+        out_putn(&o, *p == '_' ? "-" : p, 1);
+}
+
+/* Levenshtein distance, for "did you mean"; names are short, so O(n*m) is fine. */
+RELAY_STATIC unsigned config_edit_distance(const char *a, const char *b)
+{
+    unsigned row[CFG_NAME_MAX + 1];
+    size_t la = strlen(a), lb = strlen(b), i, j;
+
+    if (lb > CFG_NAME_MAX || la > CFG_NAME_MAX)
+        return (unsigned)-1;
+    for (j = 0; j <= lb; j++)
+        row[j] = (unsigned)j;
+    for (i = 1; i <= la; i++) {
+        unsigned diag = row[0]; /* row[i-1][j-1] */
+        row[0] = (unsigned)i;
+        for (j = 1; j <= lb; j++) {
+            unsigned up = row[j]; /* row[i-1][j] */
+            unsigned best = diag + (a[i - 1] == b[j - 1] ? 0u : 1u);
+            if (up + 1 < best)
+                best = up + 1;
+            if (row[j - 1] + 1 < best)
+                best = row[j - 1] + 1;
+            diag = up;
+            row[j] = best;
+        }
+    }
+    return row[lb];
+}
+
+/* The key closest to name if it is within two edits (and not a wild guess). */
+static const struct cfg_key *config_suggest(const char *name)
+{
+    const struct cfg_key *best = NULL;
+    unsigned best_d = 3;
+    size_t i;
+
+    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+        unsigned d = config_edit_distance(name, cfg_keys[i].name);
+        if (d < best_d && d < strlen(name)) {
+            best = &cfg_keys[i];
+            best_d = d;
+        }
+    }
+    return best;
+}
+
+enum cfg_source { SRC_FILE, SRC_ENV, SRC_CLI };
+
+/* `<where>: unknown key "name"` plus a suggestion spelled the way the source spells keys. */
+static void config_unknown(const char *where, const char *name, enum cfg_source src, char *err,
+                           size_t errlen)
+{
+    const struct cfg_key *k = config_suggest(name);
+    char spelled[CFG_NAME_MAX + 32];
+
+    if (!k) {
+        cfg_err(err, errlen, "%s: unknown key \"%.*s\"", where, CFG_NAME_MAX, name);
+        return;
+    }
+    if (src == SRC_ENV)
+        config_env_name(k->name, spelled, sizeof spelled);
+    else if (src == SRC_CLI)
+        config_flag_name(k->name, spelled, sizeof spelled);
+    else
+        snprintf(spelled, sizeof spelled, "\"%s\"", k->name);
+    cfg_err(err, errlen, "%s: unknown key \"%.*s\" (did you mean %s?)", where, CFG_NAME_MAX, name,
+            spelled);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Redaction and showing values in messages.                                 */
+
+static int cfg_is_password_word(const char *p)
+{
+    return strncasecmp(p, "password", 8) == 0;
+}
+
+void relay_config_redact(const char *s, char *out, size_t outlen)
+{
+    struct cfg_out o;
+    const char *uri, *pw_from = NULL, *pw_to = NULL, *p;
+
+    out_init(&o, out, outlen);
+    if (!s)
+        return;
+
+    /*
+     * In a URI, the password is between the first ':' of the userinfo and the
+     * last '@' before any whitespace. Taking the last '@' over-redacts when an
+     * '@' appears later (in a query), which is the safe way to be wrong: a
+     * password with a raw '@' or '/' in it is still hidden.
+     */
+    uri = strstr(s, "://");
+    if (uri) {
+        const char *a = uri + 3, *end = a + strcspn(a, " \t\r\n"), *at = NULL, *q;
+
+        for (q = a; q < end; q++)
+            if (*q == '@')
+                at = q;
+        if (at) {
+            const char *colon = memchr(a, ':', (size_t)(at - a));
+            if (colon) {
+                pw_from = colon + 1;
+                pw_to = at;
+            }
+        }
+    }
+
+    for (p = s; *p;) {
+        if (p == pw_from) {
+            out_puts(&o, "***");
+            p = pw_to;
+            continue;
+        }
+        /* password=value, in a conninfo string or a URI query; also 'quoted'. */
+        if (cfg_is_password_word(p)) {
+            const char *q = p + 8;
+            while (*q == ' ' || *q == '\t')
+                q++;
+            if (*q == '=') {
+                q++;
+                while (*q == ' ' || *q == '\t')
+                    q++;
+                out_putn(&o, p, (size_t)(q - p));
+                out_puts(&o, "***");
+                if (*q == '\'') {
+                    for (q++; *q && *q != '\''; q++)
+                        if (*q == '\\' && q[1])
+                            q++;
+                    if (*q)
+                        q++;
+                } else {
+                    while (*q && !isspace((unsigned char)*q) && !(uri && (*q == '&' || *q == '#')))
+                        q++;
+                }
+                if (pw_from && pw_from >= p && pw_from < q)
+                    pw_from = NULL; /* already hidden inside this value */
+                p = q;
+                continue;
+            }
+        }
+        out_putn(&o, p, 1);
+        p++;
+    }
+}
+
+/*
+ * The value as a message shows it: redacted for secret keys, cut to
+ * CFG_SHOW_MAX bytes with "..." so the rule after it is not lost, and with
+ * control characters replaced so the message stays one line.
+ */
+static void config_show(const char *value, int secret, char *out, size_t outlen)
+{
+    char red[CFG_SHOW_MAX * 4];
+    const char *v = value;
+    size_t n, i;
+    struct cfg_out o;
+
+    if (secret) {
+        relay_config_redact(value, red, sizeof red);
+        v = red;
+    }
+    out_init(&o, out, outlen);
+    n = strlen(v);
+    for (i = 0; i < n && i < CFG_SHOW_MAX; i++) {
+        unsigned char c = (unsigned char)v[i];
+        char ch = (c < 0x20 || c == 0x7f) ? '?' : (char)c;
+        out_putn(&o, &ch, 1);
+    }
+    if (n > CFG_SHOW_MAX)
+        out_puts(&o, "...");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Values.                                                                   */
+
+/*
+ * Parses a run of decimal digits at s (no sign, no space: strtoull would take
+ * both). Returns 0 and sets *end after the digits, -1 if s does not start with
+ * a digit, -2 if the number does not fit in 64 bits.
+ */
+static int cfg_parse_digits(const char *s, uint64_t *out, const char **end)
+{
+    char *e;
+    unsigned long long v;
+
+    if (!isdigit((unsigned char)s[0]))
+        return -1;
+    errno = 0;
+    v = strtoull(s, &e, 10);
+    if (errno == ERANGE)
+        return -2;
+    *out = (uint64_t)v;
+    *end = e;
+    return 0;
+}
+
+int relay_config_parse_duration(const char *s, uint32_t *ms)
+{
+    static const struct {
+        const char *unit;
+        uint64_t mult;
+    } units[] = {{"", 1},        {"ms", 1},       {"s", CFG_SEC},
+                 {"m", CFG_MIN}, {"h", CFG_HOUR}, {"d", CFG_DAY}};
+    uint64_t v;
+    const char *end;
+    size_t i;
+
+    if (!s || cfg_parse_digits(s, &v, &end) != 0)
+        return -1;
+    for (i = 0; i < RELAY_ARRAY_LEN(units); i++) {
+        if (strcmp(end, units[i].unit) != 0)
+            continue;
+        if (v > UINT32_MAX / units[i].mult)
+            return -1;
+        *ms = (uint32_t)(v * units[i].mult);
+        return 0;
+    }
+    return -1;
+}
+
+/* The shortest exact spelling: 86400000 -> "1d", 1500 -> "1500ms". */
+RELAY_STATIC void config_format_duration(uint32_t ms, char *out, size_t outlen)
+{
+    if (ms != 0 && ms % CFG_DAY == 0)
+        snprintf(out, outlen, "%lud", (unsigned long)(ms / CFG_DAY));
+    else if (ms != 0 && ms % CFG_HOUR == 0)
+        snprintf(out, outlen, "%luh", (unsigned long)(ms / CFG_HOUR));
+    else if (ms != 0 && ms % CFG_MIN == 0)
+        snprintf(out, outlen, "%lum", (unsigned long)(ms / CFG_MIN));
+    else if (ms != 0 && ms % CFG_SEC == 0)
+        snprintf(out, outlen, "%lus", (unsigned long)(ms / CFG_SEC));
+    else
+        snprintf(out, outlen, "%lums", (unsigned long)ms);
+}
+
+static int cfg_parse_bool(const char *s, int *out)
+{
+    static const char *const yes[] = {"on", "true", "yes", "1"};
+    static const char *const no[] = {"off", "false", "no", "0"};
+    size_t i;
+
+    for (i = 0; i < RELAY_ARRAY_LEN(yes); i++) {
+        if (strcasecmp(s, yes[i]) == 0) {
+            *out = 1;
+            return 0;
+        }
+        if (strcasecmp(s, no[i]) == 0) {
+            *out = 0;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+static int cfg_check_redis(const char *value, char *rule, size_t rulelen)
+{
+    struct relay_redis_url u;
+
+    if (value[0] == '\0')
+        return 0; /* unset; validation reports it if it is still unset */
+    return relay_url_parse(value, &u, rule, rulelen);
+}
+
+static int cfg_check_stream_prefix(const char *value, char *rule, size_t rulelen)
+{
+    const char *p;
+
+    for (p = value; *p; p++)
+        if (!isalnum((unsigned char)*p) && !strchr("._:-", *p))
+            break;
+    if (*p != '\0' || p - value > CFG_STREAM_PREFIX_MAX) {
+        snprintf(rule, rulelen, "must be at most %d characters from A-Z a-z 0-9 . _ : -",
+                 CFG_STREAM_PREFIX_MAX);
+        return -1;
+    }
+    return 0;
+}
+
+static char **cfg_str_field(struct relay_config *cfg, const struct cfg_key *k)
+{
+    return (char **)(void *)((char *)cfg + k->off);
+}
+
+static char *const *cfg_cstr_field(const struct relay_config *cfg, const struct cfg_key *k)
+{
+    return (char *const *)(const void *)((const char *)cfg + k->off);
+}
+
+static uint32_t *cfg_u32_field(struct relay_config *cfg, const struct cfg_key *k)
+{
+    return (uint32_t *)(void *)((char *)cfg + k->off);
+}
+
+static const uint32_t *cfg_cu32_field(const struct relay_config *cfg, const struct cfg_key *k)
+{
+    return (const uint32_t *)(const void *)((const char *)cfg + k->off);
+}
+
+static int *cfg_int_field(struct relay_config *cfg, const struct cfg_key *k)
+{
+    return (int *)(void *)((char *)cfg + k->off);
+}
+
+static const int *cfg_cint_field(const struct relay_config *cfg, const struct cfg_key *k)
+{
+    return (const int *)(const void *)((const char *)cfg + k->off);
+}
+
+/* Converts value for key k and stores it; -1 with the broken rule in rule. */
+static int config_convert(struct relay_config *cfg, const struct cfg_key *k, const char *value,
+                          char *rule, size_t rulelen)
+{
+    char lo[32], hi[32];
+    uint64_t v;
+    const char *end;
+    uint32_t ms;
+    int b, r;
+
+    switch (k->type) {
+    case CFG_STRING:
+    case CFG_SECRET_STRING: {
+        char **field = cfg_str_field(cfg, k);
+        if (strlen(value) > k->max) {
+            snprintf(rule, rulelen, "must be at most %lu bytes", (unsigned long)k->max);
+            return -1;
+        }
+        if (k->check && k->check(value, rule, rulelen) != 0)
+            return -1;
+        free(*field);
+        *field = cfg_strdup(value);
+        return 0;
+    }
+    case CFG_UINT:
+        r = cfg_parse_digits(value, &v, &end);
+        if (r == -1 || (r == 0 && *end != '\0')) {
+            snprintf(rule, rulelen, "must be a whole number between %lu and %lu",
+                     (unsigned long)k->min, (unsigned long)k->max);
+            return -1;
+        }
+        if (r == -2 || v < k->min || v > k->max) {
+            snprintf(rule, rulelen, "must be between %lu and %lu", (unsigned long)k->min,
+                     (unsigned long)k->max);
+            return -1;
+        }
+        *cfg_u32_field(cfg, k) = (uint32_t)v;
+        return 0;
+    case CFG_DURATION:
+        config_format_duration((uint32_t)k->min, lo, sizeof lo);
+        config_format_duration((uint32_t)k->max, hi, sizeof hi);
+        if (relay_config_parse_duration(value, &ms) != 0) {
+            snprintf(rule, rulelen,
+                     "must be a duration between %s and %s: a whole number with a unit ms, s, m, "
+                     "h or d (e.g. 250ms, 5s, 2m); a bare number means milliseconds",
+                     lo, hi);
+            return -1;
+        }
+        if (ms < k->min || ms > k->max) {
+            snprintf(rule, rulelen, "must be between %s and %s", lo, hi);
+            return -1;
+        }
+        *cfg_u32_field(cfg, k) = ms;
+        return 0;
+    case CFG_BOOL:
+        if (cfg_parse_bool(value, &b) != 0) {
+            snprintf(rule, rulelen, "must be on or off (or true/false, yes/no, 1/0)");
+            return -1;
+        }
+        *cfg_int_field(cfg, k) = b;
+        return 0;
+    case CFG_LOGLEVEL:
+        b = relay_log_parse_level(value);
+        if (b < 0) {
+            snprintf(rule, rulelen, "must be one of debug, info, warning, error");
+            return -1;
+        }
+        *cfg_int_field(cfg, k) = b;
+        return 0;
+    }
+    snprintf(rule, rulelen, "has an unknown type (bug)");
+    return -1;
+}
+
+/* Sets k from value; a failure reads `<label> = "<value>": <rule>`. */
+static int config_apply(struct relay_config *cfg, const struct cfg_key *k, const char *label,
+                        const char *value, char *err, size_t errlen)
+{
+    char rule[RELAY_CONFIG_ERR_MAX];
+    char shown[CFG_SHOW_MAX + 8];
+
+    if (config_convert(cfg, k, value, rule, sizeof rule) == 0)
+        return 0;
+    config_show(value, k->type == CFG_SECRET_STRING, shown, sizeof shown);
+    cfg_err(err, errlen, "%s = \"%s\": %s", label, shown, rule);
+    return -1;
+}
+
+/* Does origin already end with a spelling of k ("environment: OUTBOX_RELAY_X")? */
+static int config_origin_names(const char *origin, const struct cfg_key *k)
+{
+    char names[3][CFG_NAME_MAX + 32];
+    size_t lo = strlen(origin), i;
+
+    snprintf(names[0], sizeof names[0], "%s", k->name);
+    config_env_name(k->name, names[1], sizeof names[1]);
+    config_flag_name(k->name, names[2], sizeof names[2]);
+    for (i = 0; i < 3; i++) {
+        size_t ln = strlen(names[i]);
+        if (ln <= lo && strcmp(origin + lo - ln, names[i]) == 0 &&
+            (ln == lo || origin[lo - ln - 1] == ' '))
+            return 1;
+    }
+    return 0;
+}
+
+int relay_config_set(struct relay_config *cfg, const char *origin, const char *key,
+                     const char *value, char *err, size_t errlen)
+{
+    const struct cfg_key *k = config_find(key);
+    char label[RELAY_CONFIG_ERR_MAX];
+
+    if (!k) {
+        config_unknown(origin, key, SRC_FILE, err, errlen);
+        return -1;
+    }
+    if (config_origin_names(origin, k))
+        snprintf(label, sizeof label, "%s", origin);
+    else
+        snprintf(label, sizeof label, "%s: %s", origin, k->name);
+    return config_apply(cfg, k, label, value, err, errlen);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Life cycle.                                                               */
+
+void relay_config_init(struct relay_config *cfg)
+{
+    char err[RELAY_CONFIG_ERR_MAX];
+    size_t i;
+
+    memset(cfg, 0, sizeof *cfg);
+    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+        const struct cfg_key *k = &cfg_keys[i];
+        if (config_apply(cfg, k, k->name, k->defval, err, sizeof err) != 0) {
+            /* A default that fails its own rule is a bug in the table above. */
+            fprintf(stderr, "outbox-relay: bad built-in default: %s\n", err);
+            abort();
+        }
+    }
+}
+
+void relay_config_free(struct relay_config *cfg)
+{
+    size_t i;
+
+    if (!cfg)
+        return;
+    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+        const struct cfg_key *k = &cfg_keys[i];
+        if (k->type == CFG_STRING || k->type == CFG_SECRET_STRING) {
+            char **field = cfg_str_field(cfg, k);
+            free(*field);
+            *field = NULL;
+        }
+    }
+    /* Also wipes the derived password. */
+    memset(cfg, 0, sizeof *cfg);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Sources.                                                                  */
+
+/*
+ * Splits one file line in place. Returns 1 with key and value pointing into
+ * line, 0 for a blank or comment line, -1 with a message (without the
+ * "file:line: " origin) in rule.
+ */
+RELAY_STATIC int config_parse_line(char *line, char **key, char **value, char *rule, size_t rulelen)
+{
+    char *p = line, *eq, *kend, *v, *w;
+
+    while (isspace((unsigned char)*p))
+        p++;
+    if (*p == '\0' || *p == '#' || *p == ';')
+        return 0;
+
+    eq = strchr(p, '=');
+    if (!eq) {
+        char shown[CFG_SHOW_MAX + 8];
+        char *e = p + strlen(p);
+        while (e > p && isspace((unsigned char)e[-1]))
+            *--e = '\0';
+        config_show(p, 1, shown, sizeof shown);
+        snprintf(rule, rulelen, "missing \"=\" in \"%s\": write key = value", shown);
+        return -1;
+    }
+    kend = eq;
+    while (kend > p && isspace((unsigned char)kend[-1]))
+        kend--;
+    if (kend == p) {
+        snprintf(rule, rulelen, "missing key before \"=\": write key = value");
+        return -1;
+    }
+    *kend = '\0';
+
+    v = eq + 1;
+    while (isspace((unsigned char)*v))
+        v++;
+    if (*v == '"') {
+        /* Unescape in place: the output never runs ahead of the input. */
+        char *r = v + 1, *after;
+        w = v;
+        for (;;) {
+            if (*r == '\0') {
+                snprintf(rule, rulelen,
+                         "%.*s: quoted value has no closing double quote: end it with \"",
+                         CFG_NAME_MAX, p);
+                return -1;
+            }
+            if (*r == '"')
+                break;
+            if (*r == '\\') {
+                if (r[1] == '"' || r[1] == '\\') {
+                    *w++ = r[1];
+                    r += 2;
+                    continue;
+                }
+                snprintf(rule, rulelen,
+                         "%.*s: unknown escape in quoted value: only \\\" and \\\\ are allowed",
+                         CFG_NAME_MAX, p);
+                return -1;
+            }
+            *w++ = *r++;
+        }
+        after = r + 1;
+        *w = '\0';
+        while (isspace((unsigned char)*after))
+            after++;
+        if (*after != '\0' && *after != '#') {
+            snprintf(rule, rulelen,
+                     "%.*s: unexpected text after the closing quote: only a # comment may follow",
+                     CFG_NAME_MAX, p);
+            return -1;
+        }
+    } else {
+        /* An unquoted '#' starts a comment at the start or after a blank. */
+        for (w = v; *w; w++) {
+            if (*w == '#' && (w == v || isspace((unsigned char)w[-1]))) {
+                *w = '\0';
+                break;
+            }
+        }
+        w = v + strlen(v);
+        while (w > v && isspace((unsigned char)w[-1]))
+            *--w = '\0';
+    }
+    *key = p;
+    *value = v;
+    return 1;
+}
+
+static int config_load_file(struct relay_config *cfg, const char *path, char *err,
+                            size_t errlen) CFG_MUSTCHECK;
+static int config_load_file(struct relay_config *cfg, const char *path, char *err, size_t errlen)
+{
+    char line[CFG_LINE_MAX + 2]; /* the line, its newline and the NUL */
+    char rule[RELAY_CONFIG_ERR_MAX];
+    char where[RELAY_CONFIG_ERR_MAX];
+    char label[RELAY_CONFIG_ERR_MAX + CFG_NAME_MAX + 8];
+    char shown[CFG_SHOW_MAX + 8];
+    unsigned seen[RELAY_ARRAY_LEN(cfg_keys)] = {0}; /* line of each key's first setting */
+    unsigned lineno = 0;
+    FILE *f;
+    int rc = -1;
+
+    f = fopen(path, "r");
+    if (!f) {
+        cfg_err(err, errlen, "%s: cannot open the config file: %s", path, strerror(errno));
+        return -1;
+    }
+    for (;;) {
+        const struct cfg_key *k;
+        char *key, *value;
+        size_t len;
+        int r;
+
+        errno = 0;
+        if (!fgets(line, sizeof line, f))
+            break;
+        lineno++;
+        len = strlen(line);
+        if (len > 0 && line[len - 1] == '\n')
+            line[--len] = '\0';
+        if (len > CFG_LINE_MAX) {
+            cfg_err(err, errlen, "%s:%u: line is longer than %d bytes: shorten it", path, lineno,
+                    CFG_LINE_MAX);
+            goto out;
+        }
+        snprintf(where, sizeof where, "%s:%u", path, lineno);
+        r = config_parse_line(line, &key, &value, rule, sizeof rule);
+        if (r < 0) {
+            cfg_err(err, errlen, "%s: %s", where, rule);
+            goto out;
+        }
+        if (r == 0)
+            continue;
+        k = config_find(key);
+        if (!k) {
+            config_unknown(where, key, SRC_FILE, err, errlen);
+            goto out;
+        }
+        snprintf(label, sizeof label, "%s: %.64s", where, k->name);
+        if (seen[k - cfg_keys]) {
+            config_show(value, k->type == CFG_SECRET_STRING, shown, sizeof shown);
+            cfg_err(err, errlen, "%s = \"%s\": already set on line %u: set each key only once",
+                    label, shown, seen[k - cfg_keys]);
+            goto out;
+        }
+        seen[k - cfg_keys] = lineno;
+        if (config_apply(cfg, k, label, value, err, errlen) != 0)
+            goto out;
+    }
+    if (ferror(f)) {
+        cfg_err(err, errlen, "%s: cannot read the config file: %s", path,
+                strerror(errno ? errno : EIO));
+        goto out;
+    }
+    rc = 0;
+out:
+    fclose(f);
+    return rc;
+}
+
+static int config_load_env(struct relay_config *cfg, char *const *envp, char *err,
+                           size_t errlen) CFG_MUSTCHECK;
+static int config_load_env(struct relay_config *cfg, char *const *envp, char *err, size_t errlen)
+{
+    const size_t plen = sizeof CFG_ENV_PREFIX - 1;
+    char key[CFG_NAME_MAX + 1];
+    char where[CFG_NAME_MAX + sizeof CFG_ENV_PREFIX + 32];
+    size_t i;
+
+    for (i = 0; envp && envp[i]; i++) {
+        const char *e = envp[i], *eq = strchr(e, '=');
+        const struct cfg_key *k = NULL;
+        size_t nlen, j;
+
+        if (!eq || strncmp(e, CFG_ENV_PREFIX, plen) != 0)
+            continue;
+        nlen = (size_t)(eq - e);
+        snprintf(where, sizeof where, "environment: %.*s",
+                 (int)(nlen - plen > CFG_NAME_MAX ? CFG_NAME_MAX + plen : nlen), e);
+        if (nlen - plen <= CFG_NAME_MAX) {
+            for (j = 0; j < nlen - plen; j++)
+                key[j] = (char)tolower((unsigned char)e[plen + j]);
+            key[j] = '\0';
+            k = config_find(key);
+        } else {
+            snprintf(key, sizeof key, "%.*s", CFG_NAME_MAX, e + plen);
+        }
+        if (!k) {
+            config_unknown(where, key, SRC_ENV, err, errlen);
+            return -1;
+        }
+        if (config_apply(cfg, k, where, eq + 1, err, errlen) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+static int config_load_argv(struct relay_config *cfg, int argc, char *const *argv, char *err,
+                            size_t errlen) CFG_MUSTCHECK;
+static int config_load_argv(struct relay_config *cfg, int argc, char *const *argv, char *err,
+                            size_t errlen)
+{
+    char key[CFG_NAME_MAX + 1];
+    char where[CFG_NAME_MAX + 32];
+    char shown[CFG_SHOW_MAX + 8];
+    int i;
+
+    for (i = 0; i < argc; i++) {
+        const char *a = argv[i], *name, *eq, *value;
+        const struct cfg_key *k = NULL;
+        size_t nlen, j;
+
+        if (strncmp(a, "--", 2) != 0 || a[2] == '\0') {
+            config_show(a, 1, shown, sizeof shown);
+            cfg_err(err, errlen,
+                    "command line: \"%s\": unexpected argument: write --key=value or --key value",
+                    shown);
+            return -1;
+        }
+        name = a + 2;
+        eq = strchr(name, '=');
+        nlen = eq ? (size_t)(eq - name) : strlen(name);
+        snprintf(where, sizeof where, "command line: --%.*s",
+                 (int)(nlen > CFG_NAME_MAX ? CFG_NAME_MAX : nlen), name);
+        if (nlen <= CFG_NAME_MAX) {
+            for (j = 0; j < nlen; j++)
+                key[j] = name[j] == '-' ? '_' : name[j];
+            key[j] = '\0';
+            k = config_find(key);
+        } else {
+            snprintf(key, sizeof key, "%.*s", CFG_NAME_MAX, name);
+        }
+        if (!k) {
+            config_unknown(where, key, SRC_CLI, err, errlen);
+            return -1;
+        }
+        if (eq) {
+            value = eq + 1;
+        } else if (i + 1 < argc) {
+            value = argv[++i];
+        } else {
+            cfg_err(err, errlen, "%s: missing value: write --%.*s=VALUE or --%.*s VALUE", where,
+                    (int)nlen, name, (int)nlen, name);
+            return -1;
+        }
+        if (config_apply(cfg, k, where, value, err, errlen) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Validation.                                                               */
+
+/* Reads the first line of the password file into url->password. */
+static int config_read_password(const char *path, struct relay_redis_url *url, char *err,
+                                size_t errlen) CFG_MUSTCHECK;
+static int config_read_password(const char *path, struct relay_redis_url *url, char *err,
+                                size_t errlen)
+{
+    char line[sizeof url->password + 2];
+    char shown[CFG_SHOW_MAX + 8];
+    size_t len;
+    FILE *f;
+    int rc = -1;
+
+    config_show(path, 0, shown, sizeof shown);
+    f = fopen(path, "r");
+    if (!f) {
+        cfg_err(err, errlen, "redis_password_file = \"%s\": cannot open: %s", shown,
+                strerror(errno));
+        return -1;
+    }
+    errno = 0;
+    if (!fgets(line, sizeof line, f)) {
+        if (ferror(f))
+            cfg_err(err, errlen, "redis_password_file = \"%s\": cannot read: %s", shown,
+                    strerror(errno ? errno : EIO));
+        else
+            cfg_err(err, errlen,
+                    "redis_password_file = \"%s\": file is empty: put the Redis password on its "
+                    "first line",
+                    shown);
+        goto out;
+    }
+    len = strlen(line);
+    if (len > 0 && line[len - 1] == '\n')
+        line[--len] = '\0';
+    if (len > 0 && line[len - 1] == '\r')
+        line[--len] = '\0';
+    if (len >= sizeof url->password) {
+        cfg_err(err, errlen,
+                "redis_password_file = \"%s\": first line is longer than %zu bytes: the Redis "
+                "password must fit in %zu bytes",
+                shown, sizeof url->password - 1, sizeof url->password - 1);
+        goto out;
+    }
+    if (len == 0) {
+        cfg_err(err, errlen,
+                "redis_password_file = \"%s\": first line is empty: put the Redis password on "
+                "its first line",
+                shown);
+        goto out;
+    }
+    snprintf(url->password, sizeof url->password, "%.*s", (int)len, line);
+    rc = 0;
+out:
+    memset(line, 0, sizeof line);
+    fclose(f);
+    return rc;
+}
+
+int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
+{
+    char rule[RELAY_CONFIG_ERR_MAX];
+    char shown[CFG_SHOW_MAX + 8];
+    char a[32], b[32];
+    size_t i;
+
+    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+        const struct cfg_key *k = &cfg_keys[i];
+        char env[CFG_NAME_MAX + 32], flag[CFG_NAME_MAX + 32];
+        char *const *field;
+
+        if (!(k->flags & CFG_REQUIRED))
+            continue;
+        field = cfg_cstr_field(cfg, k);
+        if (*field && (*field)[0] != '\0')
+            continue;
+        config_env_name(k->name, env, sizeof env);
+        config_flag_name(k->name, flag, sizeof flag);
+        cfg_err(err, errlen, "%s is not set: set it in the config file, %s or %s", k->name, env,
+                flag);
+        return -1;
+    }
+
+    memset(&cfg->redis_url, 0, sizeof cfg->redis_url);
+    if (relay_url_parse(cfg->redis, &cfg->redis_url, rule, sizeof rule) != 0) {
+        config_show(cfg->redis, 1, shown, sizeof shown);
+        cfg_err(err, errlen, "redis = \"%s\": %s", shown, rule);
+        return -1;
+    }
+    if (cfg->redis_password_file && cfg->redis_password_file[0] != '\0' &&
+        config_read_password(cfg->redis_password_file, &cfg->redis_url, err, errlen) != 0)
+        return -1;
+
+    if (cfg->reconnect_min_ms > cfg->reconnect_max_ms) {
+        config_format_duration(cfg->reconnect_min_ms, a, sizeof a);
+        config_format_duration(cfg->reconnect_max_ms, b, sizeof b);
+        cfg_err(err, errlen, "reconnect_min = \"%s\": must not be greater than reconnect_max (%s)",
+                a, b);
+        return -1;
+    }
+    return 0;
+}
+
+int relay_config_load(struct relay_config *cfg, const char *path, char *const *envp, int argc,
+                      char *const *argv, char *err, size_t errlen)
+{
+    if (path && config_load_file(cfg, path, err, errlen) != 0)
+        return -1;
+    if (config_load_env(cfg, envp, err, errlen) != 0)
+        return -1;
+    if (config_load_argv(cfg, argc, argv, err, errlen) != 0)
+        return -1;
+    return relay_config_validate(cfg, err, errlen);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Redis URL.                                                                */
+
+static int cfg_hexval(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* Percent-decodes s[0..n) into out (cap bytes with the NUL). */
+static int cfg_pct_decode(const char *s, size_t n, char *out, size_t cap)
+{
+    size_t i, o = 0;
+
+    for (i = 0; i < n; i++) {
+        char c = s[i];
+        if (c == '%') {
+            int hi = i + 2 < n ? cfg_hexval(s[i + 1]) : -1;
+            int lo = i + 2 < n ? cfg_hexval(s[i + 2]) : -1;
+            if (hi < 0 || lo < 0 || (hi == 0 && lo == 0))
+                return -1;
+            c = (char)(hi * 16 + lo);
+            i += 2;
+        }
+        if (o + 1 >= cap)
+            return -2;
+        out[o++] = c;
+    }
+    out[o] = '\0';
+    return 0;
+}
+
+int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, size_t errlen)
+{
+    static const char shape[] = "use redis://[user:password@]host[:port][/db]";
+    struct relay_redis_url u;
+    const char *p, *at, *host, *hend, *q;
+    uint64_t v;
+    size_t hlen;
+    int r;
+
+    memset(&u, 0, sizeof u);
+    u.port = 6379;
+    if (!url || url[0] == '\0') {
+        cfg_err(err, errlen, "is empty: %s", shape);
+        return -1;
+    }
+    if (strncasecmp(url, "rediss://", 9) == 0) {
+        cfg_err(err, errlen,
+                "rediss:// (TLS) is not supported by this build: connect with redis:// to a local "
+                "stunnel that speaks TLS to Redis (see README)");
+        return -1;
+    }
+    if (strncasecmp(url, "redis://", 8) != 0) {
+        cfg_err(err, errlen, "must start with redis://: %s", shape);
+        return -1;
+    }
+    p = url + 8;
+
+    /*
+     * The userinfo ends at the last '@' (a raw '@' in a password is a common
+     * slip). It must not contain a character that ends the authority, or the
+     * URL means something else than it seems: ask for percent-encoding instead.
+     * No message here ever echoes the userinfo.
+     */
+    at = strrchr(p, '@');
+    if (at) {
+        const char *colon = memchr(p, ':', (size_t)(at - p));
+        const char *uend = colon ? colon : at;
+
+        for (q = p; q < at; q++) {
+            if (strchr("/?#[]@", *q) || (unsigned char)*q <= ' ') {
+                cfg_err(err, errlen,
+                        "the user name or password has a character that must be "
+                        "percent-encoded (e.g. %%40 for @, %%2F for /)");
+                return -1;
+            }
+        }
+        r = cfg_pct_decode(p, (size_t)(uend - p), u.user, sizeof u.user);
+        if (r == -2) {
+            cfg_err(err, errlen, "the user name is longer than %zu bytes", sizeof u.user - 1);
+            return -1;
+        }
+        if (r == 0 && colon) {
+            r = cfg_pct_decode(colon + 1, (size_t)(at - colon - 1), u.password, sizeof u.password);
+            if (r == -2) {
+                cfg_err(err, errlen, "the password is longer than %zu bytes",
+                        sizeof u.password - 1);
+                return -1;
+            }
+        }
+        if (r != 0) {
+            cfg_err(err, errlen,
+                    "bad percent-escape in the user name or password: write %%XX with two hex "
+                    "digits (not %%00)");
+            return -1;
+        }
+        p = at + 1;
+    }
+
+    /* Host: a name or IPv4 address, or an IPv6 address in brackets. */
+    if (*p == '[') {
+        host = p + 1;
+        hend = strchr(host, ']');
+        if (!hend) {
+            cfg_err(err, errlen,
+                    "IPv6 address has no closing \"]\": write it as redis://[::1]:6379");
+            return -1;
+        }
+        for (q = host; q < hend; q++) {
+            if (!isxdigit((unsigned char)*q) && *q != ':' && *q != '.') {
+                cfg_err(err, errlen,
+                        "IPv6 address \"%.*s\" has a character that is not allowed: use hex "
+                        "digits, ':' and '.'",
+                        (int)((size_t)(hend - host) > 64 ? 64 : (size_t)(hend - host)), host);
+                return -1;
+            }
+        }
+        p = hend + 1;
+        if (*p != '\0' && *p != ':' && *p != '/' && *p != '?') {
+            cfg_err(err, errlen, "unexpected text after \"]\": %s", shape);
+            return -1;
+        }
+    } else {
+        host = p;
+        hend = host + strcspn(host, ":/?#");
+        for (q = host; q < hend; q++) {
+            if (!isalnum((unsigned char)*q) && *q != '-' && *q != '.' && *q != '_') {
+                cfg_err(err, errlen,
+                        "host has a character that is not allowed: use a host name, an IPv4 "
+                        "address or an IPv6 address in [brackets]");
+                return -1;
+            }
+        }
+        p = hend;
+    }
+    hlen = (size_t)(hend - host);
+    if (hlen == 0) {
+        cfg_err(err, errlen, "host is missing: %s", shape);
+        return -1;
+    }
+    if (hlen >= sizeof u.host) {
+        cfg_err(err, errlen, "host is longer than %zu bytes", sizeof u.host - 1);
+        return -1;
+    }
+    snprintf(u.host, sizeof u.host, "%.*s", (int)hlen, host);
+
+    if (*p == ':') {
+        const char *pend = p + 1 + strcspn(p + 1, "/?#");
+        int plen = (int)((size_t)(pend - p - 1) > 16 ? 16 : (size_t)(pend - p - 1));
+        r = cfg_parse_digits(p + 1, &v, &q);
+        if (r != 0 || q != pend || v < 1 || v > 65535) {
+            cfg_err(err, errlen, "port \"%.*s\" must be a number between 1 and 65535", plen, p + 1);
+            return -1;
+        }
+        u.port = (int)v;
+        p = pend;
+    }
+    if (*p == '/') {
+        const char *dend = p + 1 + strcspn(p + 1, "?#");
+        int dlen = (int)((size_t)(dend - p - 1) > 16 ? 16 : (size_t)(dend - p - 1));
+        if (dend != p + 1) { /* "redis://host/" means database 0 */
+            r = cfg_parse_digits(p + 1, &v, &q);
+            if (r != 0 || q != dend || v > CFG_REDIS_DB_MAX) {
+                cfg_err(err, errlen, "database \"%.*s\" must be a number between 0 and %d", dlen,
+                        p + 1, CFG_REDIS_DB_MAX);
+                return -1;
+            }
+            u.db = (int)v;
+        }
+        p = dend;
+    }
+    if (*p == '?' || *p == '#') {
+        cfg_err(err, errlen, "options after \"%c\" are not supported: remove them and %s", *p,
+                shape);
+        return -1;
+    }
+    if (*p != '\0') {
+        cfg_err(err, errlen, "unexpected text after the host: %s", shape);
+        return -1;
+    }
+    *out = u;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Showing the configuration.                                                */
+
+/* Appends s double-quoted, in the file syntax (\" and \\ escaped). */
+static void out_quoted(struct cfg_out *o, const char *s)
+{
+    out_putn(o, "\"", 1);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\')
+            out_putn(o, "\\", 1);
+        out_putn(o, (c < 0x20 || c == 0x7f) ? "?" : s, 1);
+    }
+    out_putn(o, "\"", 1);
+}
+
+/* The effective value of k as the file syntax would spell it. */
+static void config_value_text(const struct relay_config *cfg, const struct cfg_key *k,
+                              struct cfg_out *o)
+{
+    char buf[CFG_VALUE_MAX + 1];
+    int lvl;
+
+    switch (k->type) {
+    case CFG_STRING:
+    case CFG_SECRET_STRING: {
+        const char *s = *cfg_cstr_field(cfg, k);
+        if (!s)
+            s = "";
+        if (k->type == CFG_SECRET_STRING) {
+            relay_config_redact(s, buf, sizeof buf);
+            s = buf;
+        }
+        out_quoted(o, s);
+        return;
+    }
+    case CFG_UINT:
+        out_printf(o, "%lu", (unsigned long)*cfg_cu32_field(cfg, k));
+        return;
+    case CFG_DURATION:
+        config_format_duration(*cfg_cu32_field(cfg, k), buf, sizeof buf);
+        out_puts(o, buf);
+        return;
+    case CFG_BOOL:
+        out_puts(o, *cfg_cint_field(cfg, k) ? "on" : "off");
+        return;
+    case CFG_LOGLEVEL:
+        lvl = *cfg_cint_field(cfg, k);
+        out_puts(o, lvl >= 0 && (size_t)lvl < RELAY_ARRAY_LEN(cfg_level_names)
+                        ? cfg_level_names[lvl]
+                        : "?");
+        return;
+    }
+}
+
+void relay_config_dump(const struct relay_config *cfg, char *out, size_t outlen)
+{
+    struct cfg_out o;
+    size_t i;
+
+    out_init(&o, out, outlen);
+    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+        out_printf(&o, "%s = ", cfg_keys[i].name);
+        config_value_text(cfg, &cfg_keys[i], &o);
+        out_puts(&o, "\n");
+    }
+}
+
+void relay_config_help(char *out, size_t outlen)
+{
+    struct cfg_out o;
+    size_t i;
+
+    out_init(&o, out, outlen);
+    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+        const struct cfg_key *k = &cfg_keys[i];
+        char env[CFG_NAME_MAX + 32], flag[CFG_NAME_MAX + 32], lo[32], hi[32];
+
+        config_env_name(k->name, env, sizeof env);
+        config_flag_name(k->name, flag, sizeof flag);
+        out_printf(&o, "  %s", k->name);
+        switch (k->type) {
+        case CFG_STRING:
+        case CFG_SECRET_STRING:
+            if (k->flags & CFG_REQUIRED)
+                out_puts(&o, " (required)");
+            else
+                out_printf(&o, " (default \"%s\")", k->defval);
+            break;
+        case CFG_UINT:
+            out_printf(&o, " (default %s, %lu..%lu)", k->defval, (unsigned long)k->min,
+                       (unsigned long)k->max);
+            break;
+        case CFG_DURATION:
+            config_format_duration((uint32_t)k->min, lo, sizeof lo);
+            config_format_duration((uint32_t)k->max, hi, sizeof hi);
+            out_printf(&o, " (default %s, %s..%s)", k->defval, lo, hi);
+            break;
+        case CFG_BOOL:
+            out_printf(&o, " (default %s, on|off)", k->defval);
+            break;
+        case CFG_LOGLEVEL:
+            out_printf(&o, " (default %s, debug|info|warning|error)", k->defval);
+            break;
+        }
+        out_printf(&o, "\n      %s\n      %s, %s%s\n", k->help, env, flag,
+                   (k->flags & CFG_RELOADABLE) ? "; reloaded on SIGHUP" : "");
+    }
+}
+
+static int config_key_differs(const struct relay_config *a, const struct relay_config *b,
+                              const struct cfg_key *k)
+{
+    switch (k->type) {
+    case CFG_STRING:
+    case CFG_SECRET_STRING: {
+        const char *x = *cfg_cstr_field(a, k), *y = *cfg_cstr_field(b, k);
+        return strcmp(x ? x : "", y ? y : "") != 0;
+    }
+    case CFG_UINT:
+    case CFG_DURATION:
+        return *cfg_cu32_field(a, k) != *cfg_cu32_field(b, k);
+    case CFG_BOOL:
+    case CFG_LOGLEVEL:
+        return *cfg_cint_field(a, k) != *cfg_cint_field(b, k);
+    }
+    return 1;
+}
+
+int relay_config_diff_restart(const struct relay_config *cur, const struct relay_config *next,
+                              char *out, size_t outlen)
+{
+    struct cfg_out o;
+    int n = 0;
+    size_t i;
+
+    out_init(&o, out, outlen);
+    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+        const struct cfg_key *k = &cfg_keys[i];
+        int differs = config_key_differs(cur, next, k);
+
+        /* Same path, new contents: the password changed all the same. */
+        if (!differs && k->off == CFG_OFF(redis_password_file))
+            differs = strcmp(cur->redis_url.password, next->redis_url.password) != 0;
+        if (!differs || (k->flags & CFG_RELOADABLE))
+            continue;
+        out_printf(&o, "%s%s", n ? ", " : "", k->name);
+        n++;
+    }
+    return n;
+}

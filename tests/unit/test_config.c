@@ -1,0 +1,818 @@
+/*
+ * Unit tests for relay/config.c, with no server anywhere. The bad-config
+ * table lives in tests/data/config: each NAME.conf comes with NAME.err, the one
+ * line relay_config_load must write for it (pgbouncer's hba_test.rules/.eval
+ * idea). The group setup chdir()s into that folder and loads "NAME.conf", so
+ * the messages read "NAME.conf:3: ...". Files under good/ must load.
+ *
+ * This file is compiled together with relay/config.c built with RELAY_STATIC
+ * empty, which is how it reaches the file-local helpers declared below.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "relay/common.h"
+#include "relay/config.h"
+#include "relay/log.h"
+
+#ifndef RELAY_TEST_DATA
+#error "RELAY_TEST_DATA must name tests/data"
+#endif
+
+/* File-local in relay/config.c (RELAY_STATIC). */
+int config_parse_line(char *line, char **key, char **value, char *rule, size_t rulelen);
+unsigned config_edit_distance(const char *a, const char *b);
+void config_format_duration(uint32_t ms, char *out, size_t outlen);
+
+#define ERRLEN RELAY_CONFIG_ERR_MAX
+
+/*
+ * The API takes char *const * (like environ and main's argv), and
+ * -Wwrite-strings makes string literals const, so tests pass heap copies:
+ * strv("A=1", "B=2", NULL) is a NULL-terminated vector for strv_free.
+ */
+static char **strv(const char *first, ...)
+{
+    char **v = calloc(16, sizeof *v);
+    const char *s = first;
+    size_t n = 0;
+    va_list ap;
+
+    assert_non_null(v);
+    va_start(ap, first);
+    while (s) {
+        assert_true(n < 15);
+        v[n] = strdup(s);
+        assert_non_null(v[n]);
+        n++;
+        s = va_arg(ap, const char *);
+    }
+    va_end(ap);
+    return v;
+}
+
+static int strv_len(char **v)
+{
+    int n = 0;
+
+    while (v[n])
+        n++;
+    return n;
+}
+
+static void strv_free(char **v)
+{
+    size_t i;
+
+    for (i = 0; v && v[i]; i++)
+        free(v[i]);
+    free(v);
+}
+
+static int setup_chdir(void **state)
+{
+    (void)state;
+    return chdir(RELAY_TEST_DATA "/config");
+}
+
+/* Loads path (may be NULL) with env and argv; returns the rc, err filled. */
+static int load(struct relay_config *cfg, const char *path, char *const *envp, int argc,
+                char *const *argv, char *err)
+{
+    err[0] = '\0';
+    relay_config_init(cfg);
+    return relay_config_load(cfg, path, envp, argc, argv, err, ERRLEN);
+}
+
+/* Expects loading to fail with exactly `want`; frees the config. */
+static void expect_load_error(const char *path, char **envp, char **argv, const char *want)
+{
+    struct relay_config cfg;
+    char err[ERRLEN];
+
+    assert_int_equal(load(&cfg, path, envp, argv ? strv_len(argv) : 0, argv, err), -1);
+    assert_string_equal(err, want);
+    relay_config_free(&cfg);
+    strv_free(envp);
+    strv_free(argv);
+}
+
+/* ------------------------------------------------------------------------ */
+
+static void test_defaults(void **state)
+{
+    struct relay_config cfg;
+
+    (void)state;
+    relay_config_init(&cfg);
+    assert_string_equal(cfg.postgres, "");
+    assert_string_equal(cfg.redis, "");
+    assert_string_equal(cfg.redis_password_file, "");
+    assert_string_equal(cfg.stream_prefix, "");
+    assert_int_equal(cfg.batch_size, 500);
+    assert_int_equal(cfg.max_attempts, 10);
+    assert_int_equal(cfg.max_payload_bytes, 1048576);
+    assert_int_equal(cfg.listen, 1);
+    assert_int_equal(cfg.poll_interval_ms, 1000);
+    assert_int_equal(cfg.connect_timeout_ms, 5000);
+    assert_int_equal(cfg.publish_timeout_ms, 5000);
+    assert_int_equal(cfg.statement_timeout_ms, 30000);
+    assert_int_equal(cfg.reconnect_min_ms, 100);
+    assert_int_equal(cfg.reconnect_max_ms, 30000);
+    assert_int_equal(cfg.drain_timeout_ms, 10000);
+    assert_int_equal(cfg.dedup_ttl_ms, 24u * 3600u * 1000u);
+    assert_int_equal(cfg.log_level, RELAY_LOG_INFO);
+    relay_config_free(&cfg);
+}
+
+static void test_free_is_null_safe_and_repeatable(void **state)
+{
+    struct relay_config cfg;
+
+    (void)state;
+    relay_config_free(NULL);
+    relay_config_init(&cfg);
+    relay_config_free(&cfg);
+    relay_config_free(&cfg);
+    assert_null(cfg.postgres);
+    relay_config_init(&cfg);
+    assert_string_equal(cfg.stream_prefix, "");
+    relay_config_free(&cfg);
+}
+
+static int cmp_names(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* Reads the whole of a small file; the caller frees. */
+static char *slurp(const char *path)
+{
+    char buf[4 * ERRLEN];
+    size_t n;
+    FILE *f = fopen(path, "r");
+
+    if (!f)
+        return NULL;
+    n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    return strdup(buf);
+}
+
+/* The table: every NAME.conf in tests/data/config fails with NAME.err. */
+static void test_bad_config_table(void **state)
+{
+    char *names[256];
+    size_t count = 0, i;
+    int failures = 0;
+    struct dirent *de;
+    DIR *d;
+
+    (void)state;
+    d = opendir(".");
+    assert_non_null(d);
+    while ((de = readdir(d)) != NULL) {
+        size_t len = strlen(de->d_name);
+        if (len > 5 && strcmp(de->d_name + len - 5, ".conf") == 0) {
+            assert_true(count < RELAY_ARRAY_LEN(names));
+            names[count++] = strdup(de->d_name);
+        }
+    }
+    closedir(d);
+    qsort(names, count, sizeof names[0], cmp_names);
+    assert_true(count >= 15);
+
+    for (i = 0; i < count; i++) {
+        struct relay_config cfg;
+        char err[ERRLEN], errpath[300], *want, *nl;
+        int rc;
+
+        snprintf(errpath, sizeof errpath, "%.*s.err", (int)(strlen(names[i]) - 5), names[i]);
+        want = slurp(errpath);
+        if (!want) {
+            print_error("%s: no %s next to it\n", names[i], errpath);
+            failures++;
+            free(names[i]);
+            continue;
+        }
+        nl = strchr(want, '\n');
+        if (!nl || nl[1] != '\0') {
+            print_error("%s: must hold exactly one line ending in a newline\n", errpath);
+            failures++;
+        } else {
+            *nl = '\0';
+        }
+        rc = load(&cfg, names[i], NULL, 0, NULL, err);
+        if (rc != -1 || strcmp(err, want) != 0) {
+            print_error("%s: rc %d\n  want: %s\n  got:  %s\n", names[i], rc, want, err);
+            failures++;
+        }
+        /* Whatever went wrong, a password never reaches the message. */
+        if (strstr(err, "hunter2") || strstr(err, "secret")) {
+            print_error("%s: message leaks a password: %s\n", names[i], err);
+            failures++;
+        }
+        relay_config_free(&cfg);
+        free(want);
+        free(names[i]);
+    }
+    assert_int_equal(failures, 0);
+}
+
+static void test_good_file_every_form(void **state)
+{
+    struct relay_config cfg;
+    char err[ERRLEN];
+
+    (void)state;
+    assert_int_equal(load(&cfg, "good/full.conf", NULL, 0, NULL, err), 0);
+    assert_string_equal(err, "");
+    assert_string_equal(cfg.postgres, "host=db.internal dbname=app application_name=\"relay\" "
+                                      "password='s3 cr3t #1' sslmode=disable");
+    assert_string_equal(cfg.redis, "redis://relay:p%40ss@[::1]:6380/2");
+    assert_string_equal(cfg.redis_url.host, "::1");
+    assert_int_equal(cfg.redis_url.port, 6380);
+    assert_int_equal(cfg.redis_url.db, 2);
+    assert_string_equal(cfg.redis_url.user, "relay");
+    assert_string_equal(cfg.redis_url.password, "p@ss");
+    assert_string_equal(cfg.stream_prefix, "orders.v1:");
+    assert_int_equal(cfg.batch_size, 250);
+    assert_int_equal(cfg.max_attempts, 7);
+    assert_int_equal(cfg.max_payload_bytes, 2097152);
+    assert_int_equal(cfg.listen, 0);
+    assert_int_equal(cfg.poll_interval_ms, 250);
+    assert_int_equal(cfg.connect_timeout_ms, 2000);
+    assert_int_equal(cfg.publish_timeout_ms, 3000);
+    assert_int_equal(cfg.statement_timeout_ms, 60000);
+    assert_int_equal(cfg.reconnect_min_ms, 50);
+    assert_int_equal(cfg.reconnect_max_ms, 3600000);
+    assert_int_equal(cfg.drain_timeout_ms, 15000);
+    assert_int_equal(cfg.dedup_ttl_ms, 2u * 86400000u);
+    assert_int_equal(cfg.log_level, RELAY_LOG_WARNING);
+    relay_config_free(&cfg);
+}
+
+static void test_missing_file(void **state)
+{
+    (void)state;
+    expect_load_error("no-such.conf", NULL, NULL,
+                      "no-such.conf: cannot open the config file: No such file or directory");
+}
+
+static void test_env_overrides_file(void **state)
+{
+    char **envp = strv("PATH=/usr/bin", "OUTBOX_RELAY_BATCH_SIZE=7",
+                       "OUTBOX_RELAY_STREAM_PREFIX=env:", "OUTBOX_RELAY_LISTEN=no",
+                       "OUTBOXRELAY_IGNORED=1", "OUTBOX_RELAY_NO_EQUALS_SIGN", NULL);
+    struct relay_config cfg;
+    char err[ERRLEN];
+
+    (void)state;
+    assert_int_equal(load(&cfg, "good/full.conf", envp, 0, NULL, err), 0);
+    assert_int_equal(cfg.batch_size, 7);
+    assert_string_equal(cfg.stream_prefix, "env:");
+    assert_int_equal(cfg.listen, 0);
+    assert_int_equal(cfg.max_attempts, 7); /* from the file, untouched */
+    relay_config_free(&cfg);
+    strv_free(envp);
+}
+
+static void test_cli_overrides_env(void **state)
+{
+    char **envp = strv("OUTBOX_RELAY_BATCH_SIZE=7", "OUTBOX_RELAY_LOG_LEVEL=debug",
+                       "OUTBOX_RELAY_STREAM_PREFIX=env", NULL);
+    char **argv1 = strv("--batch-size=9", "--listen", "off", NULL);
+    char **argv2 = strv("--batch-size", "11", "--poll-interval=2m", "--stream-prefix=", NULL);
+    struct relay_config cfg;
+    char err[ERRLEN];
+
+    (void)state;
+    assert_int_equal(load(&cfg, "good/minimal.conf", envp, strv_len(argv1), argv1, err), 0);
+    assert_int_equal(cfg.batch_size, 9);
+    assert_int_equal(cfg.listen, 0);
+    assert_int_equal(cfg.log_level, RELAY_LOG_DEBUG);
+    assert_string_equal(cfg.stream_prefix, "env");
+    relay_config_free(&cfg);
+
+    assert_int_equal(load(&cfg, "good/minimal.conf", envp, strv_len(argv2), argv2, err), 0);
+    assert_int_equal(cfg.batch_size, 11);
+    assert_int_equal(cfg.poll_interval_ms, 120000);
+    assert_string_equal(cfg.stream_prefix, "");
+    assert_string_equal(cfg.redis_url.host, "localhost");
+    relay_config_free(&cfg);
+    strv_free(envp);
+    strv_free(argv1);
+    strv_free(argv2);
+}
+
+static void test_env_and_cli_without_file(void **state)
+{
+    char **envp = strv("OUTBOX_RELAY_POSTGRES=host=/run/postgresql password=secret",
+                       "OUTBOX_RELAY_REDIS=redis://127.0.0.1:6399", NULL);
+    struct relay_config cfg;
+    char err[ERRLEN];
+
+    (void)state;
+    assert_int_equal(load(&cfg, NULL, envp, 0, NULL, err), 0);
+    assert_string_equal(cfg.postgres, "host=/run/postgresql password=secret");
+    assert_string_equal(cfg.redis_url.host, "127.0.0.1");
+    assert_int_equal(cfg.redis_url.port, 6399);
+    relay_config_free(&cfg);
+    strv_free(envp);
+}
+
+static void test_env_errors(void **state)
+{
+    (void)state;
+    expect_load_error(NULL, strv("OUTBOX_RELAY_BATCHSIZE=5", NULL), NULL,
+                      "environment: OUTBOX_RELAY_BATCHSIZE: unknown key \"batchsize\" "
+                      "(did you mean OUTBOX_RELAY_BATCH_SIZE?)");
+    expect_load_error(NULL, strv("OUTBOX_RELAY_BIN=/usr/bin/outbox-relay", NULL), NULL,
+                      "environment: OUTBOX_RELAY_BIN: unknown key \"bin\"");
+    expect_load_error(NULL, strv("OUTBOX_RELAY_BATCH_SIZE=0", NULL), NULL,
+                      "environment: OUTBOX_RELAY_BATCH_SIZE = \"0\": must be between 1 and 10000");
+    expect_load_error(NULL, strv("OUTBOX_RELAY_REDIS=redis://app:hunter2@cache:99999", NULL), NULL,
+                      "environment: OUTBOX_RELAY_REDIS = \"redis://app:***@cache:99999\": "
+                      "port \"99999\" must be a number between 1 and 65535");
+    expect_load_error(NULL, strv("OUTBOX_RELAY_LOG_LEVEL=info\nerror", NULL), NULL,
+                      "environment: OUTBOX_RELAY_LOG_LEVEL = \"info?error\": "
+                      "must be one of debug, info, warning, error");
+}
+
+static void test_cli_errors(void **state)
+{
+    (void)state;
+    expect_load_error(NULL, NULL, strv("--batchsize=5", NULL),
+                      "command line: --batchsize: unknown key \"batchsize\" "
+                      "(did you mean --batch-size?)");
+    expect_load_error(NULL, NULL, strv("--batch-size=5", "--listen", NULL),
+                      "command line: --listen: missing value: write --listen=VALUE or "
+                      "--listen VALUE");
+    expect_load_error(NULL, NULL, strv("relay.conf", NULL),
+                      "command line: \"relay.conf\": unexpected argument: write --key=value or "
+                      "--key value");
+    expect_load_error(NULL, NULL, strv("--batch-size", "0", NULL),
+                      "command line: --batch-size = \"0\": must be between 1 and 10000");
+    expect_load_error(
+        NULL, NULL,
+        strv("--postgres=host=db password=hunter2", "--redis", "redis://:hunter2@", NULL),
+        "command line: --redis = \"redis://:***@\": host is missing: use "
+        "redis://[user:password@]host[:port][/db]");
+}
+
+static void test_set_names_origin_once(void **state)
+{
+    struct relay_config cfg;
+    char err[ERRLEN];
+
+    (void)state;
+    relay_config_init(&cfg);
+    assert_int_equal(relay_config_set(&cfg, "relay.conf:12", "batch_size", "0", err, sizeof err),
+                     -1);
+    assert_string_equal(err, "relay.conf:12: batch_size = \"0\": must be between 1 and 10000");
+    assert_int_equal(relay_config_set(&cfg, "environment: OUTBOX_RELAY_BATCH_SIZE", "batch_size",
+                                      "0", err, sizeof err),
+                     -1);
+    assert_string_equal(
+        err, "environment: OUTBOX_RELAY_BATCH_SIZE = \"0\": must be between 1 and 10000");
+    assert_int_equal(
+        relay_config_set(&cfg, "command line: --batch-size", "batch_size", "0", err, sizeof err),
+        -1);
+    assert_string_equal(err, "command line: --batch-size = \"0\": must be between 1 and 10000");
+    assert_int_equal(relay_config_set(&cfg, "reload", "batchsize", "5", err, sizeof err), -1);
+    assert_string_equal(err, "reload: unknown key \"batchsize\" (did you mean \"batch_size\"?)");
+
+    /* Setting a string twice frees the first copy (ASan's leak check sees it). */
+    assert_int_equal(relay_config_set(&cfg, "t", "stream_prefix", "a", err, sizeof err), 0);
+    assert_int_equal(relay_config_set(&cfg, "t", "stream_prefix", "b", err, sizeof err), 0);
+    assert_string_equal(cfg.stream_prefix, "b");
+    assert_int_equal(relay_config_set(&cfg, "t", "log_level", "Error", err, sizeof err), 0);
+    assert_int_equal(cfg.log_level, RELAY_LOG_ERROR);
+
+    /* A failed set leaves the old value in place. */
+    assert_int_equal(relay_config_set(&cfg, "t", "stream_prefix", "a b", err, sizeof err), -1);
+    assert_string_equal(cfg.stream_prefix, "b");
+    relay_config_free(&cfg);
+}
+
+static void test_durations(void **state)
+{
+    static const struct {
+        const char *text;
+        uint32_t ms;
+    } good[] = {
+        {"0", 0},
+        {"250", 250},
+        {"250ms", 250},
+        {"5s", 5000},
+        {"2m", 120000},
+        {"1h", 3600000},
+        {"1d", 86400000},
+        {"007s", 7000},
+        {"49d", 4233600000u},
+        {"4294967295", 4294967295u},
+        {"4294967ms", 4294967},
+    };
+    static const char *const bad[] = {
+        "",
+        "ms",
+        "s",
+        "-1s",
+        "+1s",
+        " 1s",
+        "1s ",
+        "1 s",
+        "1.5s",
+        "1S",
+        "1sec",
+        "1ms5",
+        "50d",
+        "4294967296",
+        "99999999999999999999",
+        "99999999999999999999ms",
+        "1w",
+        "0x10",
+    };
+    uint32_t ms;
+    size_t i;
+
+    (void)state;
+    for (i = 0; i < RELAY_ARRAY_LEN(good); i++) {
+        ms = 12345;
+        assert_int_equal(relay_config_parse_duration(good[i].text, &ms), 0);
+        assert_int_equal(ms, good[i].ms);
+    }
+    for (i = 0; i < RELAY_ARRAY_LEN(bad); i++) {
+        ms = 12345;
+        if (relay_config_parse_duration(bad[i], &ms) != -1)
+            fail_msg("duration \"%s\" was accepted", bad[i]);
+        assert_int_equal(ms, 12345);
+    }
+    assert_int_equal(relay_config_parse_duration(NULL, &ms), -1);
+}
+
+static void test_format_duration(void **state)
+{
+    char buf[32];
+
+    (void)state;
+    config_format_duration(0, buf, sizeof buf);
+    assert_string_equal(buf, "0ms");
+    config_format_duration(1500, buf, sizeof buf);
+    assert_string_equal(buf, "1500ms");
+    config_format_duration(60000, buf, sizeof buf);
+    assert_string_equal(buf, "1m");
+    config_format_duration(90000, buf, sizeof buf);
+    assert_string_equal(buf, "90s");
+    config_format_duration(30u * 86400000u, buf, sizeof buf);
+    assert_string_equal(buf, "30d");
+    config_format_duration(7200000, buf, sizeof buf);
+    assert_string_equal(buf, "2h");
+}
+
+static void test_parse_line(void **state)
+{
+    static const struct {
+        const char *line;
+        int rc;
+        const char *key, *value; /* or the rule when rc is -1 */
+    } cases[] = {
+        {"", 0, NULL, NULL},
+        {"   \t ", 0, NULL, NULL},
+        {"# comment = 1", 0, NULL, NULL},
+        {"  ; comment = 1", 0, NULL, NULL},
+        {"a=b", 1, "a", "b"},
+        {"  a  =  b c  ", 1, "a", "b c"},
+        {"a = b\r", 1, "a", "b"},
+        {"a = b # comment", 1, "a", "b"},
+        {"a = b\t# comment", 1, "a", "b"},
+        {"a = b#not-a-comment", 1, "a", "b#not-a-comment"},
+        {"a = # all comment", 1, "a", ""},
+        {"a =", 1, "a", ""},
+        {"a = x=y z=w", 1, "a", "x=y z=w"},
+        {"a = \"\"", 1, "a", ""},
+        {"a = \" spaced # kept \"", 1, "a", " spaced # kept "},
+        {"a = \"q\\\"uote \\\\ back\"  # c", 1, "a", "q\"uote \\ back"},
+        {"a = \"x\"\r", 1, "a", "x"},
+        {"a b = c", 1, "a b", "c"},
+        {"no equals here", -1, NULL, "missing \"=\" in \"no equals here\": write key = value"},
+        {" = v", -1, NULL, "missing key before \"=\": write key = value"},
+        {"a = \"open", -1, NULL, "a: quoted value has no closing double quote: end it with \""},
+        {"a = \"ends in backslash\\", -1, NULL,
+         "a: unknown escape in quoted value: only \\\" and \\\\ are allowed"},
+        {"a = \"x\" y", -1, NULL,
+         "a: unexpected text after the closing quote: only a # comment may follow"},
+    };
+    size_t i;
+
+    (void)state;
+    for (i = 0; i < RELAY_ARRAY_LEN(cases); i++) {
+        char line[256], rule[ERRLEN];
+        char *key = NULL, *value = NULL;
+        int rc;
+
+        snprintf(line, sizeof line, "%s", cases[i].line);
+        rule[0] = '\0';
+        rc = config_parse_line(line, &key, &value, rule, sizeof rule);
+        if (rc != cases[i].rc)
+            fail_msg("line \"%s\": rc %d, want %d (%s)", cases[i].line, rc, cases[i].rc, rule);
+        if (rc == 1) {
+            assert_string_equal(key, cases[i].key);
+            assert_string_equal(value, cases[i].value);
+        } else if (rc == -1) {
+            assert_string_equal(rule, cases[i].value);
+        }
+    }
+}
+
+static void test_redact(void **state)
+{
+    static const struct {
+        const char *in, *out;
+    } cases[] = {
+        {"host=db password=secret dbname=app", "host=db password=*** dbname=app"},
+        {"password = 'a b\\' c' host=db", "password = *** host=db"},
+        {"PASSWORD=secret", "PASSWORD=***"},
+        {"host=db", "host=db"},
+        {"postgresql://u:secret@h/db", "postgresql://u:***@h/db"},
+        {"postgresql://u@h/db?password=secret&sslmode=require",
+         "postgresql://u@h/db?password=***&sslmode=require"},
+        {"postgresql://h/db", "postgresql://h/db"},
+        {"redis://u:secret@h:1/0", "redis://u:***@h:1/0"},
+        {"redis://:secret@h", "redis://:***@h"},
+        {"redis://user@h", "redis://user@h"},
+        {"redis://u:se@cr/et@h:1", "redis://u:***@h:1"},
+        {"redis://u:secret@[::1]:6380/2", "redis://u:***@[::1]:6380/2"},
+        {"", ""},
+    };
+    char out[128];
+    size_t i;
+
+    (void)state;
+    for (i = 0; i < RELAY_ARRAY_LEN(cases); i++) {
+        relay_config_redact(cases[i].in, out, sizeof out);
+        assert_string_equal(out, cases[i].out);
+    }
+    /* Truncation keeps the NUL and never shows what was cut off. */
+    relay_config_redact("redis://u:secret@h:1/0", out, 12);
+    assert_string_equal(out, "redis://u:*");
+    relay_config_redact("password=secret", out, 1);
+    assert_string_equal(out, "");
+    relay_config_redact(NULL, out, sizeof out);
+    assert_string_equal(out, "");
+}
+
+static void test_url_parse_valid(void **state)
+{
+    static const struct {
+        const char *url, *host, *user, *password;
+        int port, db;
+    } cases[] = {
+        {"redis://host", "host", "", "", 6379, 0},
+        {"redis://host:6380", "host", "", "", 6380, 0},
+        {"redis://host/", "host", "", "", 6379, 0},
+        {"REDIS://Cache.example.com:1/15", "Cache.example.com", "", "", 1, 15},
+        {"redis://:pass@host:6381/3", "host", "", "pass", 6381, 3},
+        {"redis://user:pass@[::1]:6380/2", "::1", "user", "pass", 6380, 2},
+        {"redis://user@10.0.0.1", "10.0.0.1", "user", "", 6379, 0},
+        {"redis://us%40er:p%40ss%3a%2F@host:65535", "host", "us@er", "p@ss:/", 65535, 0},
+        {"redis://u:pa:ss@[fe80::1]", "fe80::1", "u", "pa:ss", 6379, 0},
+        {"redis://@host", "host", "", "", 6379, 0},
+    };
+    struct relay_redis_url u;
+    char err[ERRLEN];
+    size_t i;
+
+    (void)state;
+    for (i = 0; i < RELAY_ARRAY_LEN(cases); i++) {
+        err[0] = '\0';
+        if (relay_url_parse(cases[i].url, &u, err, sizeof err) != 0)
+            fail_msg("%s: %s", cases[i].url, err);
+        assert_string_equal(u.host, cases[i].host);
+        assert_string_equal(u.user, cases[i].user);
+        assert_string_equal(u.password, cases[i].password);
+        assert_int_equal(u.port, cases[i].port);
+        assert_int_equal(u.db, cases[i].db);
+    }
+}
+
+static void test_url_parse_invalid(void **state)
+{
+    static const struct {
+        const char *url, *err;
+    } cases[] = {
+        {"", "is empty: use redis://[user:password@]host[:port][/db]"},
+        {"redis://", "host is missing: use redis://[user:password@]host[:port][/db]"},
+        {"redis://[]:1", "host is missing: use redis://[user:password@]host[:port][/db]"},
+        {"redis://[::1]x",
+         "unexpected text after \"]\": use redis://[user:password@]host[:port][/db]"},
+        {"redis://[::g]",
+         "IPv6 address \"::g\" has a character that is not allowed: use hex digits, "
+         "':' and '.'"},
+        {"redis://host:6379/0/1", "database \"0/1\" must be a number between 0 and 15"},
+        {"redis://host:-1", "port \"-1\" must be a number between 1 and 65535"},
+        {"redis://host:+80", "port \"+80\" must be a number between 1 and 65535"},
+        {"redis://host:99999999999999999999", "port \"9999999999999999\" must be a number between "
+                                              "1 and 65535"},
+        {"redis://host#frag", "options after \"#\" are not supported: remove them and use "
+                              "redis://[user:password@]host[:port][/db]"},
+        {"redis://u:hunter2%00@host", "bad percent-escape in the user name or password: write "
+                                      "%XX with two hex digits (not %00)"},
+        {"redis://u:hunter2%4@host", "bad percent-escape in the user name or password: write "
+                                     "%XX with two hex digits (not %00)"},
+        {"redis://u:hunter2/x@host", "the user name or password has a character that must be "
+                                     "percent-encoded (e.g. %40 for @, %2F for /)"},
+        {"unix:///run/redis.sock", "must start with redis://: use "
+                                   "redis://[user:password@]host[:port][/db]"},
+    };
+    struct relay_redis_url u;
+    char err[ERRLEN];
+    size_t i;
+
+    (void)state;
+    for (i = 0; i < RELAY_ARRAY_LEN(cases); i++) {
+        assert_int_equal(relay_url_parse(cases[i].url, &u, err, sizeof err), -1);
+        assert_string_equal(err, cases[i].err);
+        assert_null(strstr(err, "hunter2"));
+    }
+}
+
+static void test_url_size_caps(void **state)
+{
+    char url[1024], err[ERRLEN];
+    struct relay_redis_url u;
+
+    (void)state;
+    snprintf(url, sizeof url, "redis://%0256d", 0);
+    assert_int_equal(relay_url_parse(url, &u, err, sizeof err), -1);
+    assert_string_equal(err, "host is longer than 255 bytes");
+    snprintf(url, sizeof url, "redis://%0255d", 0);
+    assert_int_equal(relay_url_parse(url, &u, err, sizeof err), 0);
+    assert_int_equal(strlen(u.host), 255);
+
+    snprintf(url, sizeof url, "redis://:%0256d@h", 0);
+    assert_int_equal(relay_url_parse(url, &u, err, sizeof err), -1);
+    assert_string_equal(err, "the password is longer than 255 bytes");
+    snprintf(url, sizeof url, "redis://%0128d@h", 0);
+    assert_int_equal(relay_url_parse(url, &u, err, sizeof err), -1);
+    assert_string_equal(err, "the user name is longer than 127 bytes");
+}
+
+static void test_password_file(void **state)
+{
+    struct relay_config cfg;
+    char err[ERRLEN];
+
+    (void)state;
+    assert_int_equal(load(&cfg, "good/password.conf", NULL, 0, NULL, err), 0);
+    assert_string_equal(cfg.redis_url.user, "relay");
+    assert_string_equal(cfg.redis_url.password, "from file p@ss");
+    /* Validating again starts from the URL and reads the file again. */
+    assert_int_equal(relay_config_validate(&cfg, err, sizeof err), 0);
+    assert_string_equal(cfg.redis_url.password, "from file p@ss");
+    relay_config_free(&cfg);
+}
+
+static void test_dump_redacts(void **state)
+{
+    char **envp = strv("OUTBOX_RELAY_POSTGRES=host=db password=secret",
+                       "OUTBOX_RELAY_REDIS=redis://u:secret@cache:6380/1", NULL);
+    struct relay_config cfg;
+    char err[ERRLEN], out[4096];
+
+    (void)state;
+    assert_int_equal(load(&cfg, NULL, envp, 0, NULL, err), 0);
+    relay_config_dump(&cfg, out, sizeof out);
+    assert_null(strstr(out, "secret"));
+    assert_non_null(strstr(out, "postgres = \"host=db password=***\"\n"));
+    assert_non_null(strstr(out, "redis = \"redis://u:***@cache:6380/1\"\n"));
+    assert_non_null(strstr(out, "batch_size = 500\n"));
+    assert_non_null(strstr(out, "listen = on\n"));
+    assert_non_null(strstr(out, "dedup_ttl = 1d\n"));
+    assert_non_null(strstr(out, "reconnect_min = 100ms\n"));
+    assert_non_null(strstr(out, "log_level = info\n"));
+    assert_non_null(strstr(out, "stream_prefix = \"\"\n"));
+
+    /* A small buffer is cut, still terminated. */
+    relay_config_dump(&cfg, out, 10);
+    assert_int_equal(strlen(out), 9);
+    relay_config_free(&cfg);
+    strv_free(envp);
+}
+
+static void test_help_lists_every_key(void **state)
+{
+    static const char *const want[] = {
+        "postgres (required)",
+        "OUTBOX_RELAY_POSTGRES, --postgres",
+        "batch_size (default 500, 1..10000)",
+        "OUTBOX_RELAY_BATCH_SIZE, --batch-size",
+        "redis_password_file (default \"\")",
+        "OUTBOX_RELAY_REDIS_PASSWORD_FILE, --redis-password-file",
+        "poll_interval (default 1s, 10ms..1h)",
+        "dedup_ttl (default 24h, 1s..30d)",
+        "listen (default on, on|off)",
+        "OUTBOX_RELAY_LOG_LEVEL, --log-level; reloaded on SIGHUP",
+    };
+    char out[8192];
+    size_t i;
+
+    (void)state;
+    relay_config_help(out, sizeof out);
+    for (i = 0; i < RELAY_ARRAY_LEN(want); i++)
+        if (!strstr(out, want[i]))
+            fail_msg("help lacks \"%s\":\n%s", want[i], out);
+    assert_true(strlen(out) < sizeof out - 1); /* nothing was cut */
+}
+
+static void test_edit_distance(void **state)
+{
+    (void)state;
+    assert_int_equal(config_edit_distance("batch_size", "batch_size"), 0);
+    assert_int_equal(config_edit_distance("batchsize", "batch_size"), 1);
+    assert_int_equal(config_edit_distance("bacth_size", "batch_size"), 2);
+    assert_int_equal(config_edit_distance("", "abc"), 3);
+    assert_int_equal(config_edit_distance("kitten", "sitting"), 3);
+}
+
+static void test_diff_restart(void **state)
+{
+    char **envp = strv("OUTBOX_RELAY_POSTGRES=host=db", "OUTBOX_RELAY_REDIS=redis://cache", NULL);
+    char **argv = strv("--log-level=debug", "--batch-size=5", "--redis=redis://cache2", NULL);
+    struct relay_config a, b;
+    char err[ERRLEN], out[256];
+
+    (void)state;
+    assert_int_equal(load(&a, NULL, envp, 0, NULL, err), 0);
+    assert_int_equal(load(&b, NULL, envp, 0, NULL, err), 0);
+    assert_int_equal(relay_config_diff_restart(&a, &b, out, sizeof out), 0);
+    assert_string_equal(out, "");
+    relay_config_free(&b);
+
+    assert_int_equal(load(&b, NULL, envp, 1, argv, err), 0);
+    assert_int_equal(relay_config_diff_restart(&a, &b, out, sizeof out), 0); /* log_level only */
+    relay_config_free(&b);
+
+    assert_int_equal(load(&b, NULL, envp, 3, argv, err), 0);
+    assert_int_equal(relay_config_diff_restart(&a, &b, out, sizeof out), 2);
+    assert_string_equal(out, "redis, batch_size");
+    relay_config_free(&b);
+    relay_config_free(&a);
+    strv_free(envp);
+    strv_free(argv);
+}
+
+static void test_log_level_names(void **state)
+{
+    (void)state;
+    assert_int_equal(relay_log_parse_level("debug"), RELAY_LOG_DEBUG);
+    assert_int_equal(relay_log_parse_level("info"), RELAY_LOG_INFO);
+    assert_int_equal(relay_log_parse_level("WARNING"), RELAY_LOG_WARNING);
+    assert_int_equal(relay_log_parse_level("error"), RELAY_LOG_ERROR);
+    assert_int_equal(relay_log_parse_level("warn"), -1);
+    assert_int_equal(relay_log_parse_level(""), -1);
+    assert_int_equal(relay_log_parse_level(NULL), -1);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_defaults),
+        cmocka_unit_test(test_free_is_null_safe_and_repeatable),
+        cmocka_unit_test(test_bad_config_table),
+        cmocka_unit_test(test_good_file_every_form),
+        cmocka_unit_test(test_missing_file),
+        cmocka_unit_test(test_env_overrides_file),
+        cmocka_unit_test(test_cli_overrides_env),
+        cmocka_unit_test(test_env_and_cli_without_file),
+        cmocka_unit_test(test_env_errors),
+        cmocka_unit_test(test_cli_errors),
+        cmocka_unit_test(test_set_names_origin_once),
+        cmocka_unit_test(test_durations),
+        cmocka_unit_test(test_format_duration),
+        cmocka_unit_test(test_parse_line),
+        cmocka_unit_test(test_redact),
+        cmocka_unit_test(test_url_parse_valid),
+        cmocka_unit_test(test_url_parse_invalid),
+        cmocka_unit_test(test_url_size_caps),
+        cmocka_unit_test(test_password_file),
+        cmocka_unit_test(test_dump_redacts),
+        cmocka_unit_test(test_help_lists_every_key),
+        cmocka_unit_test(test_edit_distance),
+        cmocka_unit_test(test_diff_restart),
+        cmocka_unit_test(test_log_level_names),
+    };
+
+    return cmocka_run_group_tests(tests, setup_chdir, NULL);
+}
