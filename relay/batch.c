@@ -11,6 +11,7 @@
 #include <arpa/inet.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /*
@@ -256,4 +257,148 @@ uint32_t relay_batch_row_retry_ms(int32_t attempts, uint32_t base_ms, uint32_t m
     for (int32_t i = 1; i < attempts && d < max_ms; i++)
         d *= 2;
     return d > max_ms ? max_ms : (uint32_t)d;
+}
+
+static int contains(const char *s, size_t len, const char *needle)
+{
+    size_t n = strlen(needle);
+    for (size_t i = 0; s != NULL && n <= len && i <= len - n; i++)
+        if (memcmp(s + i, needle, n) == 0)
+            return 1;
+    return 0;
+}
+
+int relay_batch_apply_reply(struct relay_cycle *cycle, struct relay_row *row,
+                            enum relay_reply_kind kind, const char *str, size_t len)
+{
+    if (cycle->pending == 0)
+        return 0;
+    cycle->pending--;
+    switch (kind) {
+    case RELAY_REPLY_ENTRY:
+        row->state = RELAY_ROW_PUBLISHED;
+        break;
+    case RELAY_REPLY_ERROR:
+        if (relay_batch_classify_error(str, len) == RELAY_ERROR_ROW) {
+            row->state = RELAY_ROW_FAILED;
+            snprintf(row->error, sizeof(row->error),
+                     "Redis refused the entry: %.*s; the stream key for topic \"%.*s\" holds "
+                     "another type: rename or delete that key, then re-queue the row",
+                     (int)(len > 200 ? 200 : len), str,
+                     (int)(row->topic_len > 64 ? 64 : row->topic_len), row->topic);
+            break;
+        }
+        if (!cycle->failed) {
+            cycle->failed = 1;
+            snprintf(cycle->error, sizeof(cycle->error), "Redis answered: %.*s",
+                     (int)(len > 300 ? 300 : len), str ? str : "");
+        }
+        if (contains(str, len, "Function not found"))
+            cycle->function_missing = 1;
+        break;
+    case RELAY_REPLY_OTHER:
+        if (!cycle->failed) {
+            cycle->failed = 1;
+            snprintf(cycle->error, sizeof(cycle->error),
+                     "unexpected reply type from the publish function (is this Redis 7 with the "
+                     "outbox_relay library?)");
+        }
+        break;
+    case RELAY_REPLY_LOST:
+    default:
+        if (!cycle->failed) {
+            cycle->failed = 1;
+            snprintf(cycle->error, sizeof(cycle->error), "Redis connection lost: %.*s",
+                     (int)(len > 200 ? 200 : len), str && len ? str : "dropped");
+        }
+        break;
+    }
+    return cycle->pending == 0;
+}
+
+void relay_sqlbuf_reset(struct relay_sqlbuf *b)
+{
+    b->len = 0;
+    b->overflow = 0;
+    if (b->data != NULL)
+        b->data[0] = '\0';
+}
+
+void relay_sqlbuf_append(struct relay_sqlbuf *b, const char *s)
+{
+    size_t n = strlen(s);
+    size_t max = b->max ? b->max : (64u << 20);
+    if (b->overflow)
+        return;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        if (cap > max) {
+            b->overflow = 1;
+            return;
+        }
+        char *p = realloc(b->data, cap);
+        if (p == NULL) {
+            b->overflow = 1;
+            return;
+        }
+        b->data = p;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->len, s, n + 1);
+    b->len += n;
+}
+
+void relay_sqlbuf_free(struct relay_sqlbuf *b)
+{
+    free(b->data);
+    b->data = NULL;
+    b->len = b->cap = 0;
+}
+
+/* Failed rows wait 1 s, 2 s, 4 s ... between attempts, at most 5 minutes. */
+#define ROW_RETRY_BASE_MS 1000u
+#define ROW_RETRY_MAX_MS (5u * 60u * 1000u)
+
+int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
+                           const struct relay_sql_quoter *q, struct relay_sqlbuf *out)
+{
+    char buf[160];
+    int any = 0, quarantined = 0;
+
+    relay_sqlbuf_reset(out);
+    for (size_t i = 0; i < n; i++) {
+        if (rows[i].state != RELAY_ROW_PUBLISHED)
+            continue;
+        relay_sqlbuf_append(out, any ? "," : "UPDATE outbox.messages SET sent_at = now() "
+                                             "WHERE id = ANY('{");
+        snprintf(buf, sizeof(buf), "%lld", (long long)rows[i].id);
+        relay_sqlbuf_append(out, buf);
+        any = 1;
+    }
+    if (any)
+        relay_sqlbuf_append(out, "}'::bigint[]);");
+    for (size_t i = 0; i < n; i++) {
+        const struct relay_row *row = &rows[i];
+        if (row->state != RELAY_ROW_FAILED)
+            continue;
+        int32_t attempts = row->attempts + 1;
+        int quarantine = attempts > 0 && (uint32_t)attempts >= max_attempts;
+        char *lit = q->quote(q->ctx, row->error, strlen(row->error));
+        if (lit == NULL)
+            return -1;
+        relay_sqlbuf_append(out, "UPDATE outbox.messages SET attempts = attempts + 1, "
+                                 "last_error = ");
+        relay_sqlbuf_append(out, lit);
+        q->freefn(lit);
+        snprintf(buf, sizeof(buf),
+                 ", retry_at = now() + interval '%u milliseconds', failed_at = %s WHERE id = %lld;",
+                 relay_batch_row_retry_ms(attempts, ROW_RETRY_BASE_MS, ROW_RETRY_MAX_MS),
+                 quarantine ? "now()" : "NULL", (long long)row->id);
+        relay_sqlbuf_append(out, buf);
+        quarantined += quarantine;
+    }
+    relay_sqlbuf_append(out, "COMMIT");
+    return out->overflow ? -1 : quarantined;
 }

@@ -40,9 +40,6 @@
 
 #define COMPONENT "relay"
 
-/* Cap on the delay before a failed row is tried again. */
-#define ROW_RETRY_MAX_MS (5u * 60u * 1000u)
-
 extern char **environ;
 
 enum cycle_state {
@@ -52,13 +49,6 @@ enum cycle_state {
     CYCLE_PUBLISH,    /* FCALLs in flight */
     CYCLE_FINISH,     /* mark + COMMIT sent */
     CYCLE_ROLLBACK,   /* ROLLBACK sent after a failure */
-};
-
-/* A growable text buffer for the finishing statement, capped. */
-struct sqlbuf {
-    char *data;
-    size_t len, cap;
-    int overflow;
 };
 
 struct relay {
@@ -88,12 +78,9 @@ struct relay {
     PGresult *claim_res;
     struct relay_row *rows;
     size_t nrows;
-    size_t pending;
-    int batch_failed;
-    int function_missing;
-    char batch_error[512];
+    struct relay_cycle cycle;
     ev_tstamp batch_started;
-    struct sqlbuf sql;
+    struct relay_sqlbuf sql;
     const char **del_argv;
     size_t *del_lens;
     char *del_keys;
@@ -104,44 +91,11 @@ struct relay {
 };
 
 static void maybe_claim(struct relay *r);
+static void log_row_failures(struct relay *r);
 static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
                        const char *sqlstate, void *arg);
 
 /* ---- small helpers ---------------------------------------------------- */
-
-static void sql_reset(struct sqlbuf *b)
-{
-    b->len = 0;
-    b->overflow = 0;
-    if (b->data != NULL)
-        b->data[0] = '\0';
-}
-
-static void sql_append(struct sqlbuf *b, const char *s)
-{
-    size_t n = strlen(s);
-    if (b->overflow)
-        return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        /* Bounded: batch_size rows with capped error texts stay far below. */
-        if (cap > (64u << 20)) {
-            b->overflow = 1;
-            return;
-        }
-        char *p = realloc(b->data, cap);
-        if (p == NULL) {
-            b->overflow = 1;
-            return;
-        }
-        b->data = p;
-        b->cap = cap;
-    }
-    memcpy(b->data + b->len, s, n + 1);
-    b->len += n;
-}
 
 static void want_cycle(struct relay *r)
 {
@@ -159,10 +113,7 @@ static void free_batch(struct relay *r)
         r->claim_res = NULL;
     }
     r->nrows = 0;
-    r->pending = 0;
-    r->batch_failed = 0;
-    r->function_missing = 0;
-    r->batch_error[0] = '\0';
+    memset(&r->cycle, 0, sizeof(r->cycle));
 }
 
 /* The cycle is over: go idle, leave if draining, or run the next one. */
@@ -212,7 +163,7 @@ static void batch_failed(struct relay *r, const char *why)
     } else {
         relay_debug(COMPONENT, "batch of %zu rows not published: %s", r->nrows, why);
     }
-    if (r->function_missing)
+    if (r->cycle.function_missing)
         relay_sink_reload_function(r->sink);
     start_backoff(r);
     if (!r->stopping && relay_pgsrc_state(r->claim) == RELAY_PG_READY &&
@@ -293,6 +244,11 @@ static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
             failed++;
     }
     r->published_total += published;
+    log_row_failures(r);
+    for (size_t i = 0; i < r->nrows; i++)
+        if (r->rows[i].state == RELAY_ROW_FAILED &&
+            (uint32_t)(r->rows[i].attempts + 1) >= r->cfg->max_attempts)
+            r->quarantined_total++;
     relay_backoff_reset(&r->batch_backoff);
     if (r->last_batch_error[0] != '\0') {
         relay_info(COMPONENT, "publishing again after: %s", r->last_batch_error);
@@ -307,40 +263,32 @@ static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
     cycle_ended(r);
 }
 
-static void append_row_failure(struct relay *r, const struct relay_row *row)
+static char *quote_literal(void *ctx, const char *s, size_t len)
 {
-    char buf[256];
-    int32_t attempts = row->attempts + 1;
-    uint32_t retry_ms = relay_batch_row_retry_ms(attempts, 1000, ROW_RETRY_MAX_MS);
-    int quarantine = (uint32_t)attempts >= r->cfg->max_attempts;
-    char *lit = relay_pgsrc_escape_literal(r->claim, row->error, strlen(row->error));
-    if (lit == NULL) {
-        r->sql.overflow = 1;
-        return;
-    }
-    sql_append(&r->sql, "UPDATE outbox.messages SET attempts = attempts + 1, last_error = ");
-    sql_append(&r->sql, lit);
-    relay_pgsrc_freemem(lit);
-    snprintf(buf, sizeof(buf),
-             ", retry_at = now() + interval '%u milliseconds', failed_at = %s WHERE id = %lld;",
-             retry_ms, quarantine ? "now()" : "NULL", (long long)row->id);
-    sql_append(&r->sql, buf);
+    return relay_pgsrc_escape_literal(ctx, s, len);
+}
 
-    if (quarantine) {
-        r->quarantined_total++;
-        relay_error(COMPONENT,
-                    "row id=%lld message_id=%.*s topic=%.*s quarantined after %d attempts: %s; "
-                    "list with 'outbox-relay failed list', re-queue with 'outbox-relay failed "
-                    "retry %lld'",
-                    (long long)row->id, (int)row->message_id_len, row->message_id,
-                    (int)(row->topic_len > 64 ? 64 : row->topic_len), row->topic, attempts,
-                    row->error, (long long)row->id);
-    } else {
-        relay_warn(COMPONENT,
-                   "row id=%lld message_id=%.*s not published (attempt %d of %u, next in %u ms): "
-                   "%s",
-                   (long long)row->id, (int)row->message_id_len, row->message_id, attempts,
-                   r->cfg->max_attempts, retry_ms, row->error);
+static void log_row_failures(struct relay *r)
+{
+    for (size_t i = 0; i < r->nrows; i++) {
+        const struct relay_row *row = &r->rows[i];
+        if (row->state != RELAY_ROW_FAILED)
+            continue;
+        int32_t attempts = row->attempts + 1;
+        int topic_len = (int)(row->topic_len > 64 ? 64 : row->topic_len);
+        if ((uint32_t)attempts >= r->cfg->max_attempts)
+            relay_error(COMPONENT,
+                        "row id=%lld message_id=%.*s topic=%.*s quarantined after %d attempts: "
+                        "%s; list with 'outbox-relay failed list', re-queue with 'outbox-relay "
+                        "failed retry %lld'",
+                        (long long)row->id, (int)row->message_id_len, row->message_id, topic_len,
+                        row->topic, attempts, row->error, (long long)row->id);
+        else
+            relay_warn(COMPONENT,
+                       "row id=%lld message_id=%.*s topic=%.*s not published (attempt %d of %u): "
+                       "%s",
+                       (long long)row->id, (int)row->message_id_len, row->message_id, topic_len,
+                       row->topic, attempts, r->cfg->max_attempts, row->error);
     }
 }
 
@@ -349,30 +297,14 @@ static void publish_done(struct relay *r)
     ev_timer_stop(r->loop, &r->deadline);
     if (r->stopping)
         return;
-    if (r->batch_failed) {
-        batch_failed(r, r->batch_error);
+    if (r->cycle.failed) {
+        batch_failed(r, r->cycle.error);
         return;
     }
-    sql_reset(&r->sql);
-    int any_published = 0;
-    char num[32];
-    for (size_t i = 0; i < r->nrows; i++) {
-        if (r->rows[i].state != RELAY_ROW_PUBLISHED)
-            continue;
-        sql_append(&r->sql, any_published ? "," : "UPDATE outbox.messages SET sent_at = now() "
-                                                  "WHERE id = ANY('{");
-        snprintf(num, sizeof(num), "%lld", (long long)r->rows[i].id);
-        sql_append(&r->sql, num);
-        any_published = 1;
-    }
-    if (any_published)
-        sql_append(&r->sql, "}'::bigint[]);");
-    for (size_t i = 0; i < r->nrows; i++)
-        if (r->rows[i].state == RELAY_ROW_FAILED)
-            append_row_failure(r, &r->rows[i]);
-    sql_append(&r->sql, "COMMIT");
-    if (r->sql.overflow) {
-        batch_failed(r, "the statement marking the batch grew too large");
+    struct relay_sql_quoter q = {quote_literal, relay_pgsrc_freemem, r->claim};
+    int quarantined = relay_batch_finish_sql(r->rows, r->nrows, r->cfg->max_attempts, &q, &r->sql);
+    if (quarantined < 0) {
+        batch_failed(r, "cannot build the statement that marks the batch sent");
         return;
     }
     if (relay_pgsrc_send(r->claim, r->sql.data, 0, NULL, 0, on_finished, r) < 0) {
@@ -387,41 +319,25 @@ static void publish_done(struct relay *r)
 static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg)
 {
     struct relay *r = relay_sink_owner(ac);
-    struct relay_row *row = arg;
     const redisReply *reply = reply_;
 
-    if (r == NULL || r->stopping || r->state != CYCLE_PUBLISH || r->pending == 0)
+    if (r == NULL || r->stopping || r->state != CYCLE_PUBLISH)
         return;
-    r->pending--;
+    enum relay_reply_kind kind = RELAY_REPLY_OTHER;
+    const char *str = NULL;
+    size_t len = 0;
     if (reply == NULL) {
-        if (!r->batch_failed) {
-            r->batch_failed = 1;
-            snprintf(r->batch_error, sizeof(r->batch_error), "Redis connection lost: %s",
-                     ac->errstr[0] ? ac->errstr : "dropped");
-        }
+        kind = RELAY_REPLY_LOST;
+        str = ac->errstr;
+        len = strlen(ac->errstr);
     } else if (reply->type == REDIS_REPLY_STRING || reply->type == REDIS_REPLY_STATUS) {
-        row->state = RELAY_ROW_PUBLISHED;
-    } else if (reply->type == REDIS_REPLY_ERROR &&
-               relay_batch_classify_error(reply->str, reply->len) == RELAY_ERROR_ROW) {
-        row->state = RELAY_ROW_FAILED;
-        snprintf(row->error, sizeof(row->error),
-                 "Redis refused the entry: %.*s; the stream key for topic \"%.*s\" holds "
-                 "another type: rename or delete that key, then re-queue the row",
-                 (int)(reply->len > 200 ? 200 : reply->len), reply->str,
-                 (int)(row->topic_len > 64 ? 64 : row->topic_len), row->topic);
-    } else if (!r->batch_failed) {
-        r->batch_failed = 1;
-        if (reply->type == REDIS_REPLY_ERROR) {
-            snprintf(r->batch_error, sizeof(r->batch_error), "Redis answered: %.*s",
-                     (int)(reply->len > 300 ? 300 : reply->len), reply->str);
-            if (strstr(reply->str, "Function not found") != NULL)
-                r->function_missing = 1;
-        } else {
-            snprintf(r->batch_error, sizeof(r->batch_error),
-                     "unexpected reply of type %d to the publish function", reply->type);
-        }
+        kind = RELAY_REPLY_ENTRY;
+    } else if (reply->type == REDIS_REPLY_ERROR) {
+        kind = RELAY_REPLY_ERROR;
+        str = reply->str;
+        len = reply->len;
     }
-    if (r->pending == 0)
+    if (relay_batch_apply_reply(&r->cycle, arg, kind, str, len))
         publish_done(r);
 }
 
@@ -433,9 +349,9 @@ static void on_deadline(struct ev_loop *loop, ev_timer *w, int revents)
     char why[128];
     snprintf(why, sizeof(why), "no reply to the batch within publish_timeout (%u ms)",
              r->cfg->publish_timeout_ms);
-    if (!r->batch_failed) {
-        r->batch_failed = 1;
-        snprintf(r->batch_error, sizeof(r->batch_error), "%s", why);
+    if (!r->cycle.failed) {
+        r->cycle.failed = 1;
+        snprintf(r->cycle.error, sizeof(r->cycle.error), "%s", why);
     }
     /* hiredis 0.14 cannot cancel a command: drop the connection, which runs
      * every pending callback with a NULL reply and ends the batch. */
@@ -517,7 +433,7 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
     }
 
     r->state = CYCLE_PUBLISH;
-    r->pending = 0;
+    memset(&r->cycle, 0, sizeof(r->cycle));
     struct relay_publish_cmd cmd;
     for (size_t i = 0; i < r->nrows; i++) {
         struct relay_row *row = &r->rows[i];
@@ -529,14 +445,14 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
         }
         if (relay_sink_command(r->sink, cmd.argc, cmd.argv, cmd.argvlen, on_publish_reply, row) <
             0) {
-            r->batch_failed = 1;
-            snprintf(r->batch_error, sizeof(r->batch_error), "Redis connection not ready");
+            r->cycle.failed = 1;
+            snprintf(r->cycle.error, sizeof(r->cycle.error), "Redis connection not ready");
             break;
         }
         row->state = RELAY_ROW_PUBLISHING;
-        r->pending++;
+        r->cycle.pending++;
     }
-    if (r->pending == 0) {
+    if (r->cycle.pending == 0) {
         publish_done(r);
         return;
     }
@@ -787,6 +703,6 @@ void relay_free(struct relay *r)
     free(r->del_argv);
     free(r->del_lens);
     free(r->del_keys);
-    free(r->sql.data);
+    relay_sqlbuf_free(&r->sql);
     free(r);
 }

@@ -112,6 +112,59 @@ int32_t relay_batch_decode_int4(const char *buf);
 /* Classifies an error reply of the publish function. */
 enum relay_error_scope relay_batch_classify_error(const char *msg, size_t len);
 
+/* What came back for one publish command, reduced to what the cycle needs. */
+enum relay_reply_kind {
+    RELAY_REPLY_LOST = 0, /* no reply: the connection failed or was dropped */
+    RELAY_REPLY_ENTRY,    /* a string or status: the entry id */
+    RELAY_REPLY_ERROR,    /* an error reply */
+    RELAY_REPLY_OTHER,    /* any other type: a malformed answer */
+};
+
+/* The outcome of a cycle so far, across all of its rows. */
+struct relay_cycle {
+    size_t pending;       /* publish commands not answered yet */
+    int failed;           /* the whole batch failed: roll back */
+    int function_missing; /* the publish function must be loaded again */
+    char error[512];      /* why the batch failed (first reason) */
+};
+
+/*
+ * Applies one reply to its row and to the cycle: an entry id publishes the
+ * row; an error of the row's own fails only the row (with a message that says
+ * what to do); anything else fails the whole batch. Returns 1 when this was
+ * the last reply the cycle waited for.
+ */
+int relay_batch_apply_reply(struct relay_cycle *cycle, struct relay_row *row,
+                            enum relay_reply_kind kind, const char *str, size_t len);
+
+/* A growable text buffer with a hard cap; overflow sticks until reset. */
+struct relay_sqlbuf {
+    char *data;
+    size_t len, cap, max;
+    int overflow;
+};
+
+void relay_sqlbuf_reset(struct relay_sqlbuf *b);
+void relay_sqlbuf_append(struct relay_sqlbuf *b, const char *s);
+void relay_sqlbuf_free(struct relay_sqlbuf *b);
+
+/* Quotes s as an SQL literal (the connection's rules); freed with freefn. */
+struct relay_sql_quoter {
+    char *(*quote)(void *ctx, const char *s, size_t len);
+    void (*freefn)(void *p);
+    void *ctx;
+};
+
+/*
+ * Writes the statements that end a cycle: mark every published row sent,
+ * count one attempt on every failed row (with its error and a retry delay
+ * that grows with its attempts, quarantining it at max_attempts), then COMMIT.
+ * Returns the number of rows quarantined, or -1 when the buffer overflowed
+ * or quoting failed.
+ */
+int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
+                           const struct relay_sql_quoter *q, struct relay_sqlbuf *out);
+
 /*
  * Delay before a failed row is claimed again: grows with its attempts,
  * base_ms * 2^(attempts-1), capped at max_ms.

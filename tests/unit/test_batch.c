@@ -5,6 +5,8 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -271,6 +273,131 @@ static void test_function_source_records_after_xadd(void **state)
     assert_non_null(strstr(relay_batch_function_source, "#!lua name=" RELAY_FUNCTION_LIBRARY));
 }
 
+static void test_apply_reply_cycle(void **state)
+{
+    (void)state;
+    struct relay_row rows[3];
+    rows[0] = make_row("orders", "a", 1);
+    rows[1] = make_row("orders", "b", 1);
+    rows[2] = make_row("orders", "c", 1);
+    struct relay_cycle cycle;
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 3;
+
+    assert_int_equal(relay_batch_apply_reply(&cycle, &rows[0], RELAY_REPLY_ENTRY, NULL, 0), 0);
+    assert_int_equal(rows[0].state, RELAY_ROW_PUBLISHED);
+    const char *wt = "WRONGTYPE Operation against a key holding the wrong kind of value";
+    assert_int_equal(relay_batch_apply_reply(&cycle, &rows[1], RELAY_REPLY_ERROR, wt, strlen(wt)),
+                     0);
+    assert_int_equal(rows[1].state, RELAY_ROW_FAILED);
+    assert_non_null(strstr(rows[1].error, "rename or delete that key"));
+    assert_false(cycle.failed);
+    /* The last reply ends the cycle. */
+    assert_int_equal(relay_batch_apply_reply(&cycle, &rows[2], RELAY_REPLY_ENTRY, NULL, 0), 1);
+    assert_false(cycle.failed);
+    /* A reply after the end is ignored. */
+    assert_int_equal(relay_batch_apply_reply(&cycle, &rows[2], RELAY_REPLY_LOST, NULL, 0), 0);
+    assert_false(cycle.failed);
+}
+
+static void test_apply_reply_batch_failures(void **state)
+{
+    (void)state;
+    struct relay_row row = make_row("orders", "a", 1);
+    struct relay_cycle cycle;
+
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 2;
+    const char *oom = "OOM command not allowed when used memory > 'maxmemory'.";
+    relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_ERROR, oom, strlen(oom));
+    assert_true(cycle.failed);
+    assert_non_null(strstr(cycle.error, "OOM"));
+    assert_int_equal(row.state, RELAY_ROW_CLAIMED);
+    /* The first reason is kept. */
+    relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_LOST, "Connection reset", 16);
+    assert_non_null(strstr(cycle.error, "OOM"));
+
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 1;
+    const char *nf = "ERR Function not found";
+    assert_int_equal(relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_ERROR, nf, strlen(nf)), 1);
+    assert_true(cycle.failed);
+    assert_true(cycle.function_missing);
+
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 1;
+    relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_OTHER, NULL, 0);
+    assert_true(cycle.failed);
+    assert_non_null(strstr(cycle.error, "unexpected reply type"));
+
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 1;
+    relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_LOST, NULL, 0);
+    assert_true(cycle.failed);
+    assert_non_null(strstr(cycle.error, "connection lost"));
+}
+
+/* Quotes like PQescapeLiteral for plain text: 'x' with quotes doubled. */
+static char *fake_quote(void *ctx, const char *s, size_t len)
+{
+    (void)ctx;
+    char *out = malloc(len * 2 + 3);
+    size_t o = 0;
+    out[o++] = '\'';
+    for (size_t i = 0; i < len; i++) {
+        if (s[i] == '\'')
+            out[o++] = '\'';
+        out[o++] = s[i];
+    }
+    out[o++] = '\'';
+    out[o] = '\0';
+    return out;
+}
+
+static void test_finish_sql(void **state)
+{
+    (void)state;
+    struct relay_row rows[4];
+    for (int i = 0; i < 4; i++) {
+        rows[i] = make_row("orders", "x", 1);
+        rows[i].id = 10 + i;
+        rows[i].state = RELAY_ROW_PUBLISHED;
+    }
+    rows[1].state = RELAY_ROW_FAILED;
+    rows[1].attempts = 0;
+    snprintf(rows[1].error, sizeof(rows[1].error), "topic \"it's\" is not allowed");
+    rows[3].state = RELAY_ROW_FAILED;
+    rows[3].attempts = 2;
+    snprintf(rows[3].error, sizeof(rows[3].error), "too large");
+    struct relay_sql_quoter q = {fake_quote, free, NULL};
+    struct relay_sqlbuf buf;
+    memset(&buf, 0, sizeof(buf));
+
+    assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, &buf), 1);
+    assert_string_equal(
+        buf.data,
+        "UPDATE outbox.messages SET sent_at = now() WHERE id = ANY('{10,12}'::bigint[]);"
+        "UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'topic \"it''s\" is "
+        "not allowed', retry_at = now() + interval '1000 milliseconds', failed_at = NULL WHERE "
+        "id = 11;"
+        "UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'too large', retry_at "
+        "= now() + interval '4000 milliseconds', failed_at = now() WHERE id = 13;"
+        "COMMIT");
+
+    /* Nothing published: no sent_at update at all. */
+    rows[0].state = rows[2].state = RELAY_ROW_FAILED;
+    assert_int_equal(relay_batch_finish_sql(rows, 1, 3, &q, &buf), 0);
+    assert_null(strstr(buf.data, "sent_at"));
+
+    /* A cap that is too small is an error, never a truncated statement. */
+    struct relay_sqlbuf small;
+    memset(&small, 0, sizeof(small));
+    small.max = 16;
+    assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, &small), -1);
+    relay_sqlbuf_free(&small);
+    relay_sqlbuf_free(&buf);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -285,6 +412,9 @@ int main(void)
         cmocka_unit_test(test_classify_errors),
         cmocka_unit_test(test_row_retry_delay_grows_and_caps),
         cmocka_unit_test(test_function_source_records_after_xadd),
+        cmocka_unit_test(test_apply_reply_cycle),
+        cmocka_unit_test(test_apply_reply_batch_failures),
+        cmocka_unit_test(test_finish_sql),
     };
     return cmocka_run_group_tests_name("batch", tests, NULL, NULL);
 }
