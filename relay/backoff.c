@@ -3,6 +3,8 @@
  * failure and the delay is drawn from its upper half, so retries spread out
  * without ever collapsing to zero.
  */
+#include "relay/compat.h"
+
 #include "relay/backoff.h"
 
 #include <stdlib.h>

@@ -6,6 +6,8 @@
  * end quarantined, so it never blocks the rows behind it) or to the whole batch
  * (it is rolled back and retried later, and no row is blamed).
  */
+#include "relay/compat.h"
+
 #include "relay/batch.h"
 
 #include <arpa/inet.h>

@@ -16,6 +16,8 @@
  * connects anywhere, which is what --check-config relies on. Values of secret
  * keys only ever reach a message or a dump through relay_config_redact.
  */
+#include "relay/compat.h"
+
 #include "relay/config.h"
 
 #include "relay/common.h"

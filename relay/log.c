@@ -10,11 +10,14 @@
  * say) become spaces, so one event is always one line for journald and grep.
  * The daemon is single-threaded; this file keeps no lock.
  */
+#include "relay/compat.h"
+
 #include "relay/log.h"
 
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <time.h>
@@ -23,6 +26,17 @@
 #define LOG_TEXT_MAX 4096
 
 static enum relay_log_level log_min_level = RELAY_LOG_INFO;
+
+/* Under systemd, stderr goes to the journal, which stamps each line itself:
+ * there we write sd-daemon(3) "<N>" priority prefixes instead of a time, so
+ * journalctl -p works. systemd sets JOURNAL_STREAM for such a stderr. */
+static int log_journal = -1;
+static const int log_syslog_priority[] = {7, 6, 4, 3}; /* debug info warning err */
+
+void relay_log_set_journal(int on)
+{
+    log_journal = on;
+}
 
 static const char *const log_level_names[] = {"DEBUG", "INFO", "WARNING", "ERROR"};
 
@@ -85,6 +99,20 @@ void relay_log(enum relay_log_level level, const char *component, const char *fm
         ts.tv_nsec = 0;
     }
 
+    if (log_journal < 0) {
+        const char *js = getenv("JOURNAL_STREAM");
+        log_journal = js != NULL && js[0] != '\0';
+    }
+    if (log_journal) {
+        int prio = ((int)level >= 0 && (int)level <= (int)RELAY_LOG_ERROR)
+                       ? log_syslog_priority[level]
+                       : 6;
+        fprintf(stderr, "<%d>%s %s%s%s\n", prio, name, component ? component : "",
+                component ? ": " : "", text);
+        fflush(stderr);
+        errno = saved_errno;
+        return;
+    }
     fprintf(stderr, "%s.%03ldZ %s %s%s%s\n", stamp, (long)(ts.tv_nsec / 1000000), name,
             component ? component : "", component ? ": " : "", text);
     fflush(stderr);

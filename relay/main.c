@@ -2,6 +2,8 @@
  * outbox-relay: start-up and shutdown order only. Everything else lives in
  * the relay_core library so the tools and the tests share it.
  */
+#include "relay/compat.h"
+
 #include <ev.h>
 #include <signal.h>
 #include <stdio.h>

@@ -12,6 +12,8 @@
  * reading a result. Any failure closes the connection and schedules a
  * reconnect with jittered backoff; the caller hears of it through its hooks.
  */
+#include "relay/compat.h"
+
 #include "relay/pgsrc.h"
 
 #include <ev.h>

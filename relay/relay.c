@@ -19,6 +19,8 @@
  * once again while batches come back full. One cycle runs at a time, so the
  * memory in use is bounded by batch_size whatever the backlog (P5).
  */
+#include "relay/compat.h"
+
 #include "relay/relay.h"
 
 #include <ev.h>
@@ -594,10 +596,14 @@ static void on_hup(struct ev_loop *loop, ev_signal *w, int revents)
                           err, sizeof(err)) < 0) {
         relay_error("config", "reload failed, keeping the running configuration: %s", err);
     } else {
+        char changed[512];
         r->cfg->log_level = fresh.log_level;
         relay_log_set_level((enum relay_log_level)fresh.log_level);
-        relay_info("config", "reloaded: log_level applied; other keys take effect after a "
-                             "restart");
+        if (relay_config_diff_restart(r->cfg, &fresh, changed, sizeof(changed)) > 0)
+            relay_warn("config", "reloaded log_level; changed keys that need a restart: %s",
+                       changed);
+        else
+            relay_info("config", "reloaded: log_level applied");
     }
     relay_config_free(&fresh);
     relay_sd_notify("READY=1");
@@ -668,9 +674,17 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
 
 int relay_run(struct relay *r)
 {
-    relay_info(COMPONENT, "outbox-relay %s running: batch_size=%u poll_interval=%u ms listen=%s",
-               RELAY_VERSION, r->cfg->batch_size, r->cfg->poll_interval_ms,
-               r->cfg->listen ? "on" : "off");
+    unsigned backend = ev_backend(r->loop);
+    int pqv = PQlibVersion();
+    relay_info(COMPONENT,
+               "outbox-relay %s running (libpq %d.%d, hiredis %d.%d.%d, libev %d.%d %s): "
+               "batch_size=%u poll_interval=%u ms listen=%s",
+               RELAY_VERSION, pqv / 10000, pqv % 10000, HIREDIS_MAJOR, HIREDIS_MINOR,
+               HIREDIS_PATCH, ev_version_major(), ev_version_minor(),
+               backend == EVBACKEND_EPOLL ? "epoll" : backend == EVBACKEND_POLL ? "poll"
+                                                      : backend == EVBACKEND_SELECT ? "select"
+                                                                                    : "other",
+               r->cfg->batch_size, r->cfg->poll_interval_ms, r->cfg->listen ? "on" : "off");
     relay_sd_notify("READY=1");
     ev_run(r->loop, 0);
     r->stopping = 1;

@@ -13,6 +13,8 @@
  * there and never touched again; callbacks of an old context compare their ac
  * with s->ac and ignore themselves when they differ.
  */
+#include "relay/compat.h"
+
 #include "relay/sink.h"
 
 #include <ev.h>

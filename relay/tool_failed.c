@@ -7,6 +7,8 @@
  * (and how many others are still being retried); "failed retry" puts them back
  * in line with a clean attempt count, and wakes the relay with a notification.
  */
+#include "relay/compat.h"
+
 #include "relay/tools.h"
 
 #include <errno.h>

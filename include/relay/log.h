@@ -16,6 +16,10 @@ enum relay_log_level {
 void relay_log_set_level(enum relay_log_level level);
 enum relay_log_level relay_log_get_level(void);
 
+/* 1: "<N>" priority prefixes for journald instead of timestamps; 0: timestamps.
+ * By default the journal is detected from $JOURNAL_STREAM. */
+void relay_log_set_journal(int on);
+
 /* Parses "debug", "info", "warning" or "error"; returns -1 on anything else. */
 int relay_log_parse_level(const char *name);
 
