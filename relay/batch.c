@@ -36,6 +36,17 @@ const char relay_batch_function_source[] =
     "end\n"
     "redis.register_function('" RELAY_FUNCTION_PUBLISH "', publish)\n";
 
+size_t relay_batch_utf8_prefix(const char *s, size_t len, size_t max)
+{
+    if (len <= max)
+        return len;
+    /* Back off continuation bytes (10xxxxxx) so the cut falls between characters. */
+    size_t n = max;
+    while (n > 0 && ((unsigned char)s[n] & 0xC0) == 0x80)
+        n--;
+    return n;
+}
+
 int relay_batch_topic_valid(const char *topic, size_t len)
 {
     if (topic == NULL || len == 0 || len > RELAY_TOPIC_MAX)
@@ -142,7 +153,7 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
     cmd->argc = 0;
 
     if (!relay_batch_topic_valid(row->topic, row->topic_len)) {
-        size_t shown = row->topic_len > 64 ? 64 : row->topic_len;
+        size_t shown = relay_batch_utf8_prefix(row->topic, row->topic_len, 64);
         return set_error(err, errlen,
                          "topic \"%.*s\" is not allowed: a topic is 1 to 200 characters of "
                          "A-Z a-z 0-9 . _ -; fix the producer, then re-queue the row with "
@@ -189,12 +200,12 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
                 return set_error(err, errlen,
                                  "header name \"%.*s\" cannot be encoded: names are 1 to 128 "
                                  "bytes; fix the producer, then re-queue the row",
-                                 (int)(name_lens[i] > 64 ? 64 : name_lens[i]), names[i]);
+                                 (int)relay_batch_utf8_prefix(names[i], name_lens[i], 64), names[i]);
             if (value_lens[i] > RELAY_HEADER_VALUE_MAX)
                 return set_error(err, errlen,
                                  "value of header \"%.*s\" exceeds 8192 bytes; shorten it in "
                                  "the producer, then re-queue the row",
-                                 (int)(name_lens[i] > 64 ? 64 : name_lens[i]), names[i]);
+                                 (int)relay_batch_utf8_prefix(names[i], name_lens[i], 64), names[i]);
         }
     }
 
@@ -286,14 +297,14 @@ int relay_batch_apply_reply(struct relay_cycle *cycle, struct relay_row *row,
             snprintf(row->error, sizeof(row->error),
                      "Redis refused the entry: %.*s; the stream key for topic \"%.*s\" holds "
                      "another type: rename or delete that key, then re-queue the row",
-                     (int)(len > 200 ? 200 : len), str,
-                     (int)(row->topic_len > 64 ? 64 : row->topic_len), row->topic);
+                     (int)relay_batch_utf8_prefix(str, len, 200), str,
+                     (int)relay_batch_utf8_prefix(row->topic, row->topic_len, 64), row->topic);
             break;
         }
         if (!cycle->failed) {
             cycle->failed = 1;
             snprintf(cycle->error, sizeof(cycle->error), "Redis answered: %.*s",
-                     (int)(len > 300 ? 300 : len), str ? str : "");
+                     (int)relay_batch_utf8_prefix(str, len, 300), str ? str : "");
         }
         if (contains(str, len, "Function not found"))
             cycle->function_missing = 1;
@@ -311,7 +322,7 @@ int relay_batch_apply_reply(struct relay_cycle *cycle, struct relay_row *row,
         if (!cycle->failed) {
             cycle->failed = 1;
             snprintf(cycle->error, sizeof(cycle->error), "Redis connection lost: %.*s",
-                     (int)(len > 200 ? 200 : len), str && len ? str : "dropped");
+                     (int)relay_batch_utf8_prefix(str, len, 200), str && len ? str : "dropped");
         }
         break;
     }
@@ -388,8 +399,15 @@ int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_
         int32_t attempts = row->attempts + 1;
         int quarantine = attempts > 0 && (uint32_t)attempts >= max_attempts;
         char *lit = q->quote(q->ctx, row->error, strlen(row->error));
-        if (lit == NULL)
-            return -1;
+        if (lit == NULL) {
+            /* Text the server will not take (say, invalid in the database
+             * encoding) must not hold up the batch: store a plain message. */
+            static const char plain[] = "the row cannot be published; its error text could not "
+                                        "be stored, see the relay log";
+            lit = q->quote(q->ctx, plain, sizeof(plain) - 1);
+            if (lit == NULL)
+                return -1;
+        }
         relay_sqlbuf_append(out, "UPDATE outbox.messages SET attempts = attempts + 1, "
                                  "last_error = ");
         relay_sqlbuf_append(out, lit);

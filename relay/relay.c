@@ -277,7 +277,7 @@ static void log_row_failures(struct relay *r)
         if (row->state != RELAY_ROW_FAILED)
             continue;
         int32_t attempts = row->attempts + 1;
-        int topic_len = (int)(row->topic_len > 64 ? 64 : row->topic_len);
+        int topic_len = (int)relay_batch_utf8_prefix(row->topic, row->topic_len, 64);
         if ((uint32_t)attempts >= r->cfg->max_attempts)
             relay_error(COMPONENT,
                         "row id=%lld message_id=%.*s topic=%.*s quarantined after %d attempts: "

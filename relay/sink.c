@@ -207,11 +207,12 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
         check_durability(s, r);
     } else if (r == NULL || r->type == REDIS_REPLY_ERROR) {
         char msg[400];
+        int noperm = r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOPERM", 6) == 0;
         const char *hint = strcmp(step, "AUTH") == 0
                                ? ": check the user and password of the redis setting"
-                           : strcmp(step, "FUNCTION") == 0
-                               ? ": the relay's user needs FUNCTION LOAD and FCALL"
-                               : "";
+                           : noperm ? ": the relay's Redis user needs FUNCTION LOAD, FCALL, "
+                                      "UNLINK and CLIENT SETNAME"
+                                    : "";
         snprintf(msg, sizeof(msg), "%s failed: %s%s", step,
                  r ? r->str : (ac->errstr[0] ? ac->errstr : "connection closed"), hint);
         relay_sink_abort(s, msg);

@@ -74,6 +74,10 @@ struct relay_publish_cmd {
     char header_fields[RELAY_HEADERS_MAX][RELAY_HEADER_NAME_MAX + 3];
 };
 
+/* The longest prefix of s, at most max bytes, that does not cut a UTF-8
+ * character in two (messages quote data, and PostgreSQL rejects half a character). */
+size_t relay_batch_utf8_prefix(const char *s, size_t len, size_t max);
+
 /* 1 when topic is 1..RELAY_TOPIC_MAX bytes of [A-Za-z0-9._-]. */
 int relay_batch_topic_valid(const char *topic, size_t len);
 

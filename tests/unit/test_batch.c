@@ -398,6 +398,57 @@ static void test_finish_sql(void **state)
     relay_sqlbuf_free(&buf);
 }
 
+static void test_utf8_prefix_never_cuts_a_character(void **state)
+{
+    (void)state;
+    const char *s = "a\xc3\xa9\xc3\xa9"; /* a, e-acute, e-acute: 5 bytes */
+    assert_int_equal(relay_batch_utf8_prefix(s, 5, 10), 5);
+    assert_int_equal(relay_batch_utf8_prefix(s, 5, 3), 3);
+    assert_int_equal(relay_batch_utf8_prefix(s, 5, 2), 1);
+    assert_int_equal(relay_batch_utf8_prefix(s, 5, 4), 3);
+    const char *euro = "\xe2\x82\xac\xe2\x82\xac";
+    assert_int_equal(relay_batch_utf8_prefix(euro, 6, 5), 3);
+    assert_int_equal(relay_batch_utf8_prefix(euro, 6, 1), 0);
+
+    /* A long non-ASCII topic: the quoted part in the error stays valid UTF-8. */
+    char topic[128];
+    topic[0] = 'a';
+    for (int i = 0; i < 40; i++)
+        memcpy(topic + 1 + 2 * i, "\xc3\xa9", 2);
+    topic[81] = '\0';
+    struct relay_row row = make_row(topic, "x", 1);
+    struct relay_publish_cmd cmd;
+    char err[512];
+    assert_int_equal(relay_batch_build_publish(&row, "", 1024, 1000, &cmd, err, sizeof(err)), -1);
+    const char *q = strstr(err, "\"") + 1;
+    const char *end = strchr(q, '\"');
+    assert_int_equal((end - q) % 2, 1); /* "a" plus whole two-byte characters */
+}
+
+static char *refusing_quote(void *ctx, const char *s, size_t len)
+{
+    (void)ctx;
+    for (size_t i = 0; i < len; i++)
+        if ((unsigned char)s[i] >= 0x80)
+            return NULL;
+    return fake_quote(NULL, s, len);
+}
+
+static void test_finish_sql_survives_unquotable_error(void **state)
+{
+    (void)state;
+    struct relay_row row = make_row("orders", "x", 1);
+    row.state = RELAY_ROW_FAILED;
+    snprintf(row.error, sizeof(row.error), "bad \xc3");
+    struct relay_sql_quoter q = {refusing_quote, free, NULL};
+    struct relay_sqlbuf buf;
+    memset(&buf, 0, sizeof(buf));
+    assert_int_equal(relay_batch_finish_sql(&row, 1, 3, &q, &buf), 0);
+    assert_non_null(strstr(buf.data, "could not be stored"));
+    assert_non_null(strstr(buf.data, "COMMIT"));
+    relay_sqlbuf_free(&buf);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -415,6 +466,8 @@ int main(void)
         cmocka_unit_test(test_apply_reply_cycle),
         cmocka_unit_test(test_apply_reply_batch_failures),
         cmocka_unit_test(test_finish_sql),
+        cmocka_unit_test(test_utf8_prefix_never_cuts_a_character),
+        cmocka_unit_test(test_finish_sql_survives_unquotable_error),
     };
     return cmocka_run_group_tests_name("batch", tests, NULL, NULL);
 }

@@ -1,0 +1,303 @@
+"""The publish function's dedup records (DESIGN.md §2 P2 and §7.3).
+
+Promises tested:
+- the relay's function, called twice with one message id, adds one entry and
+  returns the first entry's id the second time; its record expires (PTTL);
+- a failed XADD (WRONGTYPE on the stream key) leaves no dedup record, so the
+  retry after the key is fixed is published, not swallowed;
+- dedup memory stays bounded: while the relay sends 20,000 rows there are never
+  more records than one batch (batch_size, sampled with DBSIZE), and after it
+  no record is left (a committed batch drops its records); the memory of one
+  record is measured (INFO used_memory: FCALL with the record minus a plain
+  XADD of the same entry) and printed next to the README's figure; it must stay
+  under twice that figure;
+- a publish whose commit never happened adds no second copy:
+    * a row published by "an earlier run" (our own FCALL, exactly as the relay
+      builds it) and still pending is published by the relay exactly once,
+      with the entry id our FCALL returned;
+    * for real: a deferred trigger makes the relay's COMMIT fail once after
+      Redis acknowledged the batch (an error, or its backend terminated during
+      COMMIT, so the outcome is unknown to the relay); the relay publishes the
+      batch again, the function absorbs every republish (FCALL ran twice per
+      row), each row is in its stream once, and no record is left after.
+"""
+
+import contextlib
+import sys
+import threading
+import time
+import unittest
+import uuid
+
+import redis as redis_py
+
+import harness
+from harness import insert, scalar, wait_until
+
+harness.require_relay()
+harness.set_deadline(240)
+
+FUNCTION = "outbox_relay_publish_v1"
+RELAY_FLAGS = dict(poll_interval="200ms", reconnect_min="50ms", reconnect_max="500ms")
+README_BYTES_PER_RECORD = 150
+
+
+def dedup_key(stream, message_id):
+    return f"{{{stream}}}:dedup:{message_id}"
+
+
+def count_dedup_records(r):
+    return sum(1 for _ in r.scan_iter(match="*:dedup:*", count=1000))
+
+
+def used_memory(r):
+    time.sleep(0.3)  # let the server finish incremental rehashing in its cron
+    return r.info("memory")["used_memory"]
+
+
+def fcall_calls(r):
+    return r.info("commandstats").get("cmdstat_fcall", {}).get("calls", 0)
+
+
+class DedupTest(harness.ServerTestCase):
+
+    def start_relay(self, **flags):
+        relay = self.relay(**{**RELAY_FLAGS, **flags})
+        relay.wait_for_log(r"^\S+ INFO redis: .*ready", timeout=30)
+        return relay
+
+    def fcall(self, stream, message_id, *fields, ttl=60000):
+        return self.r.fcall(FUNCTION, 2, stream, dedup_key(stream, message_id), ttl,
+                            *fields).decode()
+
+    # (a)
+    def test_second_call_returns_first_entry_id(self):
+        self.start_relay()
+        mid = str(uuid.uuid4())
+        first = self.fcall("dedup-a", mid, "id", mid, "payload", "x")
+        second = self.fcall("dedup-a", mid, "id", mid, "payload", "x")
+        third = self.fcall("dedup-a", mid, "id", mid, "payload", "other bytes, same id")
+        self.assertEqual(second, first)
+        self.assertEqual(third, first)
+        entries = harness.stream_entries(self.r, "dedup-a")
+        self.assertEqual([e[0] for e in entries], [first])
+        self.assertEqual(entries[0][1], {b"id": mid.encode(), b"payload": b"x"})
+        self.assertEqual(self.r.get(dedup_key("dedup-a", mid)), first.encode())
+        ttl = self.r.pttl(dedup_key("dedup-a", mid))
+        self.assertTrue(0 < ttl <= 60000, f"the record expires: PTTL {ttl}")
+        # Another id is another message.
+        other = str(uuid.uuid4())
+        self.assertNotEqual(self.fcall("dedup-a", other, "id", other, "payload", "x"), first)
+        self.assertEqual(self.r.xlen("dedup-a"), 2)
+
+    # (b)
+    def test_failed_xadd_leaves_no_record(self):
+        self.start_relay()
+        mid = str(uuid.uuid4())
+        self.r.set("dedup-b", "a string, not a stream")
+        with self.assertRaises(redis_py.exceptions.ResponseError) as refused:
+            self.fcall("dedup-b", mid, "id", mid, "payload", "x")
+        self.assertIn("WRONGTYPE", str(refused.exception))
+        self.assertEqual(self.r.exists(dedup_key("dedup-b", mid)), 0,
+                         "a failed XADD left a dedup record: the retry would be swallowed")
+        self.r.delete("dedup-b")
+        entry = self.fcall("dedup-b", mid, "id", mid, "payload", "x")
+        self.assertEqual([e[0] for e in harness.stream_entries(self.r, "dedup-b")], [entry])
+        self.assertEqual(self.r.get(dedup_key("dedup-b", mid)), entry.encode())
+
+    # (c)
+    def test_no_records_left_after_committed_batches(self):
+        relay = self.start_relay()
+        rows = 20_000
+        topics = 3
+        peak = [0]
+        stop = threading.Event()
+
+        def sample():
+            """DBSIZE is O(1): every key but the (at most 3) streams is a record."""
+            with contextlib.closing(self.redis.client()) as c:
+                while not stop.is_set():
+                    peak[0] = max(peak[0], c.dbsize() - topics)
+                    time.sleep(0.005)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        self.addCleanup(stop.set)
+        started = time.monotonic()
+        for lo in range(1, rows + 1, 5000):
+            with self.db.cursor() as cur:
+                cur.execute("INSERT INTO outbox.messages (topic, partition_key, payload)"
+                            " SELECT 'topic' || (i %% 3), 'k' || (i %% 100),"
+                            "  convert_to('row ' || i, 'UTF8')"
+                            " FROM generate_series(%s, %s) AS i", (lo, lo + 4999))
+        harness.wait_all_sent(self.db, timeout=120, relay=relay)
+        took = time.monotonic() - started
+        try:  # the relay drops the records after COMMIT, without waiting for the reply
+            wait_until(lambda: count_dedup_records(self.r) == 0, timeout=5, interval=0.2)
+        except AssertionError:
+            pass
+        stop.set()
+        sampler.join(5)
+        left = count_dedup_records(self.r)
+        print(f"dedup records left after relaying {rows} rows: {left}; most at once while"
+              f" relaying: {peak[0]} (batch_size 500); relayed in {took:.1f}s",
+              file=sys.stderr, flush=True)
+        self.assertEqual(left, 0, "dedup records of committed batches are still in Redis")
+        self.assertLessEqual(peak[0], 500, "more dedup records than one batch in flight")
+        fig = self.verifier().report("dedup-bounded")
+        fig.assert_exactly_once(self)
+        self.assertEqual(fig.committed, rows)
+
+    def test_memory_per_record(self):
+        self.start_relay()
+        n = 10_000
+        payload = b"p" * 200
+        created = "2026-11-30T11:43:48.001535Z"
+
+        def fields(mid, i):
+            return ["id", mid, "topic", "orders", "payload", payload, "created_at", created,
+                    "outbox_id", str(i)]
+        # Both streams exist first, so only entries and records are counted.
+        self.r.xadd("orders", {"warm": "up"})
+        self.r.xadd("plain", {"warm": "up"})
+
+        m0 = used_memory(self.r)
+        ids = [str(uuid.uuid4()) for _ in range(n)]
+        for lo in range(0, n, 1000):
+            pipe = self.r.pipeline(transaction=False)
+            for i in range(lo, lo + 1000):
+                pipe.fcall(FUNCTION, 2, "orders", dedup_key("orders", ids[i]), 86400000,
+                           *fields(ids[i], i))
+            pipe.execute()
+        m1 = used_memory(self.r)
+        for lo in range(0, n, 1000):
+            pipe = self.r.pipeline(transaction=False)
+            for i in range(lo, lo + 1000):
+                pipe.xadd("plain", dict(zip(fields(ids[i], i)[::2], fields(ids[i], i)[1::2])))
+            pipe.execute()
+        m2 = used_memory(self.r)
+        self.assertEqual(count_dedup_records(self.r), n)
+        self.assertEqual(self.r.xlen("orders"), self.r.xlen("plain"))
+        sample = self.r.memory_usage(dedup_key("orders", ids[0]))
+        for lo in range(0, n, 1000):
+            self.r.unlink(*[dedup_key("orders", m) for m in ids[lo:lo + 1000]])
+        m3 = used_memory(self.r)
+
+        with_record = (m1 - m0) / n
+        entry_only = (m2 - m1) / n
+        per_record = with_record - entry_only
+        freed = (m1 - m3 + (m2 - m1)) / n  # what UNLINK of the records gave back
+        print(f"dedup record memory: {per_record:.0f} bytes per record"
+              f" (FCALL with record {with_record:.0f} B - plain XADD {entry_only:.0f} B;"
+              f" freed by UNLINK {freed:.0f} B; MEMORY USAGE of one record {sample} B;"
+              f" README says about {README_BYTES_PER_RECORD} B)", file=sys.stderr, flush=True)
+        self.assertGreater(per_record, 0)
+        self.assertLess(per_record, 2 * README_BYTES_PER_RECORD,
+                        "a dedup record costs far more than the README says")
+
+    # (d)
+    def pending_rows(self, ids):
+        """The rows as the relay's claim formats them."""
+        with self.db.cursor() as cur:
+            cur.execute("SELECT id, message_id::text, topic, partition_key, payload,"
+                        " to_char(created_at AT TIME ZONE 'UTC',"
+                        "  'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
+                        " FROM outbox.messages WHERE message_id = ANY(%s::uuid[]) ORDER BY id",
+                        (ids,))
+            return cur.fetchall()
+
+    def test_row_published_before_a_crash_is_not_published_again(self):
+        ids = [insert(self.db, "orders", b"row %d" % i, key=f"k{i}") for i in range(4)]
+        ids.append(insert(self.db, "billing", b"row 4"))
+        # An earlier run loaded the function, published rows 1, 4 and 5 and crashed
+        # before its COMMIT. Rather than race a kill, we do what it did: a relay loads
+        # the function (the rows are held back from it by retry_at), then we FCALL
+        # exactly as the relay builds the command.
+        with self.db.cursor() as cur:
+            cur.execute("UPDATE outbox.messages SET retry_at = now() + interval '1 hour'")
+        loader = self.start_relay()
+        self.assertEqual(loader.terminate(), 0)
+        with self.db.cursor() as cur:
+            cur.execute("UPDATE outbox.messages SET retry_at = NULL")
+        ours = {}
+        for oid, mid, topic, key, payload, created in self.pending_rows(ids):
+            if oid in (2, 3):
+                continue
+            fields = ["id", mid, "topic", topic]
+            if key is not None:
+                fields += ["key", key]
+            fields += ["payload", bytes(payload), "created_at", created, "outbox_id", str(oid)]
+            ours[mid] = self.fcall(topic, mid, *fields, ttl=86400000)
+        self.assertEqual(harness.count_unsent(self.db), 5)
+        self.r.config_resetstat()
+
+        relay = self.start_relay()
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        found = harness.entries_by_message_id(self.r)
+        for mid in ids:
+            self.assertEqual(len(found.get(mid, [])), 1, f"entries of {mid}")
+        for mid, entry_id in ours.items():
+            self.assertEqual(found[mid][0][1], entry_id,
+                             "the row published before the crash keeps its first entry")
+        self.assertEqual(fcall_calls(self.r), 5, "the relay published every row once more")
+        self.verifier().report("published-before-crash").assert_exactly_once(self)
+        wait_until(lambda: count_dedup_records(self.r) == 0, timeout=5,
+                   message="the records of the committed batch to be dropped")
+
+    def install_commit_failure(self, how):
+        """A deferred trigger that fails the first COMMIT that marks a row sent."""
+        action = {
+            "error": "RAISE EXCEPTION 'test: this COMMIT is refused once';",
+            "connection lost": "PERFORM pg_terminate_backend(pg_backend_pid());",
+        }[how]
+        with self.db.cursor() as cur:
+            cur.execute("DROP SEQUENCE IF EXISTS public.commit_failures;"
+                        " CREATE SEQUENCE public.commit_failures")
+            cur.execute(f"""
+                CREATE OR REPLACE FUNCTION public.fail_first_commit() RETURNS trigger
+                LANGUAGE plpgsql AS $$
+                BEGIN
+                  IF NEW.sent_at IS NOT NULL AND OLD.sent_at IS NULL
+                     AND nextval('public.commit_failures') = 1 THEN
+                    {action}
+                  END IF;
+                  RETURN NULL;
+                END $$""")
+            cur.execute("DROP TRIGGER IF EXISTS fail_first_commit ON outbox.messages;"
+                        " CREATE CONSTRAINT TRIGGER fail_first_commit"
+                        " AFTER UPDATE ON outbox.messages"
+                        " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW"
+                        " EXECUTE FUNCTION public.fail_first_commit()")
+
+        def drop():
+            with self.db.cursor() as cur:
+                cur.execute("DROP TRIGGER IF EXISTS fail_first_commit ON outbox.messages")
+        self.addCleanup(drop)
+
+    def test_commit_failure_after_publish_adds_no_second_copy(self):
+        for how in ("error", "connection lost"):
+            with self.subTest(how=how):
+                harness.reset(self.db, self.r)
+                self.install_commit_failure(how)
+                conn = self.pg.connect(autocommit=False)
+                self.addCleanup(conn.close)
+                n = 50
+                harness.insert_many(conn, [(("orders", "billing")[i % 2], b"row %d" % i)
+                                           for i in range(n)])
+                self.r.config_resetstat()
+                relay = self.start_relay()
+                harness.wait_all_sent(self.db, timeout=30, relay=relay)
+                self.assertEqual(scalar(self.db, "SELECT last_value FROM public.commit_failures"),
+                                 n + 1, "the first COMMIT was refused, the second went through")
+                relay.wait_for_log(r"^\S+ WARNING relay: .*marking the batch sent failed"
+                                   + (".*commit outcome unknown" if how == "connection lost"
+                                      else ""), timeout=5)
+                self.assertEqual(fcall_calls(self.r), 2 * n,
+                                 "every row of the batch was published twice")
+                self.verifier().report(f"commit-failed({how})").assert_exactly_once(self)
+                wait_until(lambda: count_dedup_records(self.r) == 0, timeout=5,
+                           message="the records of the committed batch to be dropped")
+                self.assertEqual(relay.terminate(), 0)
+
+
+if __name__ == "__main__":
+    unittest.main()

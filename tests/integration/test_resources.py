@@ -1,0 +1,142 @@
+"""Bounded memory whatever the backlog (DESIGN.md §2 P5).
+
+Promise tested: the relay's peak resident memory (VmHWM in /proc/<pid>/status)
+while draining a backlog of BIG_ROWS pending rows stays within 10 % of its peak
+while draining 1,000 rows. Each figure comes from a fresh relay process
+started on a full outbox (200-byte payloads, 3 topics, filled with INSERT ...
+SELECT FROM generate_series) and read once every row is sent. Redis runs with
+appendonly no, so the drain is not paced by the disk.
+
+BIG_ROWS is 1,000,000 unless OUTBOX_RELAY_RSS_ROWS says otherwise (on a
+2-core machine the whole file takes about two minutes with 1,000,000 rows).
+
+Commands in flight are bounded too. The peak RSS covers the relay's own
+buffers (hiredis and libpq), so this file adds one exact measurement of what
+is in flight, plus one sampled from Redis:
+- rows per claim transaction: the relay publishes only the rows its current
+  claim transaction holds, on its one claim connection, one transaction at a
+  time, and marks them with sent_at = now(), which is the start time of that
+  transaction: the same for every row of one batch and different between
+  batches. The largest group of rows sharing one sent_at is therefore exactly
+  the largest number of publish commands the relay had in flight, taken from
+  the table after the fact, with no sampling and no timing: it must be at most
+  batch_size (and, with a backlog, equal to it);
+- dedup records in Redis, sampled with DBSIZE (O(1)) every few milliseconds
+  during the drain: every executed publish leaves one record until its batch
+  is committed and the records dropped, so they never exceed batch_size.
+Every row is published once: XLEN over the streams and Redis' count of FCALL
+calls both equal the number of rows.
+"""
+
+import contextlib
+import os
+import sys
+import threading
+import time
+import unittest
+
+import harness
+from harness import scalar
+
+harness.require_relay()
+harness.set_deadline(840)
+
+SMALL_ROWS = 1_000
+BIG_ROWS = int(os.environ.get("OUTBOX_RELAY_RSS_ROWS") or 1_000_000)
+BATCH_SIZE = 500
+TOPICS = ("orders", "billing", "mail")
+PAYLOAD_BYTES = 200
+FILL_CHUNK = 250_000
+RELAY_FLAGS = dict(poll_interval="200ms", batch_size=BATCH_SIZE)
+
+
+def proc_status_kb(pid, field):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"{field} not in /proc/{pid}/status")
+
+
+class ResourcesTest(harness.ServerTestCase):
+    redis_options = dict(appendonly=False)
+
+    def fill(self, rows):
+        started = time.monotonic()
+        for lo in range(1, rows + 1, FILL_CHUNK):
+            hi = min(rows, lo + FILL_CHUNK - 1)
+            with self.db.cursor() as cur:
+                cur.execute(
+                    "INSERT INTO outbox.messages (topic, partition_key, payload)"
+                    " SELECT (%s::text[])[1 + i %% 3], 'k' || (i %% 1000),"
+                    "  convert_to(rpad(i::text || ':', %s, 'x'), 'UTF8')"
+                    " FROM generate_series(%s, %s) AS i", (list(TOPICS), PAYLOAD_BYTES, lo, hi))
+        with self.db.cursor() as cur:
+            cur.execute("ANALYZE outbox.messages")
+        return time.monotonic() - started
+
+    def drain(self, rows):
+        """A fresh relay drains `rows` pending rows; returns its figures."""
+        self.r.config_resetstat()
+        peak_records = [0]
+        stop = threading.Event()
+
+        def sample():
+            with contextlib.closing(self.redis.client()) as c:
+                while not stop.is_set():
+                    peak_records[0] = max(peak_records[0], c.dbsize() - len(TOPICS))
+                    time.sleep(0.002)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        self.addCleanup(stop.set)
+
+        started = time.monotonic()
+        with harness.Relay(self.pg, self.redis, **RELAY_FLAGS) as relay:
+            harness.wait_until(lambda: harness.count_unsent(self.db) == 0,
+                               timeout=max(60, rows / 2000), interval=0.5, relay=relay,
+                               message=f"{rows} rows to be sent")
+            took = time.monotonic() - started
+            hwm = proc_status_kb(relay.pid, "VmHWM")
+            rss = proc_status_kb(relay.pid, "VmRSS")
+            self.assertEqual(relay.terminate(), 0, relay.log_tail())
+            problems = harness.problem_lines(relay.log(), "relay")
+        stop.set()
+        sampler.join(5)
+
+        per_tx = scalar(self.db, "SELECT max(n) FROM (SELECT count(*) AS n FROM outbox.messages"
+                                 " GROUP BY sent_at) AS batches")
+        batches = scalar(self.db, "SELECT count(DISTINCT sent_at) FROM outbox.messages")
+        published = sum(self.r.xlen(t) for t in TOPICS)
+        fcalls = self.r.info("commandstats").get("cmdstat_fcall", {}).get("calls", 0)
+        print(f"{rows} rows: drained in {took:.1f}s ({rows / took:.0f} rows/s), VmHWM {hwm} kB,"
+              f" VmRSS {rss} kB, {batches} batches, at most {per_tx} rows per claim"
+              f" transaction, at most {peak_records[0]} dedup records at once",
+              file=sys.stderr, flush=True)
+        self.assertEqual(problems, [], "the relay warned while draining")
+        self.assertEqual(published, rows, "entries in the streams")
+        self.assertEqual(fcalls, rows, "FCALL calls: every row published once")
+        self.assertEqual(harness.count_unsent(self.db), 0)
+        self.assertLessEqual(per_tx, BATCH_SIZE, "more rows in flight than batch_size")
+        self.assertEqual(per_tx, min(rows, BATCH_SIZE), "a backlog is claimed in full batches")
+        self.assertLessEqual(peak_records[0], BATCH_SIZE, "more dedup records than a batch")
+        return hwm, took
+
+    def test_peak_rss_does_not_grow_with_the_backlog(self):
+        self.fill(SMALL_ROWS)
+        small, small_took = self.drain(SMALL_ROWS)
+        harness.reset(self.db, self.r)
+
+        fill_big = self.fill(BIG_ROWS)
+        print(f"filled {BIG_ROWS} rows in {fill_big:.1f}s", file=sys.stderr, flush=True)
+        big, big_took = self.drain(BIG_ROWS)
+
+        ratio = big / small
+        print(f"peak RSS: {SMALL_ROWS} rows {small} kB, {BIG_ROWS} rows {big} kB,"
+              f" ratio {ratio:.3f}", file=sys.stderr, flush=True)
+        self.assertLessEqual(ratio, 1.10,
+                             f"peak RSS grew with the backlog: {small} kB for {SMALL_ROWS} rows,"
+                             f" {big} kB for {BIG_ROWS}")
+
+
+if __name__ == "__main__":
+    unittest.main()
