@@ -1,0 +1,162 @@
+"""A malformed or unexpected reply from Redis is an error for the batch, never a crash.
+
+No real Redis answers FCALL with an integer, nests arrays nine deep or sends
+bytes that are not RESP, so this file uses a small peer that speaks just
+enough RESP to pass the relay's set-up (AUTH, SELECT, CLIENT SETNAME,
+FUNCTION LOAD, CONFIG GET) and then answers every FCALL with one chosen bad
+reply. For each kind the relay must stay up, mark nothing sent, say in its
+log that the batch was not published, and exit 0 on SIGTERM. A last test
+points the same relay configuration at a real Redis and shows the rows
+arrive once the peer is gone.
+"""
+
+import socket
+import threading
+import time
+
+import harness
+from harness import insert
+
+harness.require_relay()
+harness.set_deadline(240)
+
+BAD_REPLIES = {
+    "integer": b":1\r\n",
+    "nil": b"$-1\r\n",
+    "array": b"*2\r\n$1\r\na\r\n$1\r\nb\r\n",
+    "nested-too-deep": b"*1\r\n" * 9 + b":1\r\n",
+    "not-resp": b"?garbage\r\n",
+    "bulk-length-lies": b"$99999999999999999999\r\n",
+}
+
+
+def read_command(f):
+    """Reads one RESP array of bulk strings; None at EOF."""
+    line = f.readline()
+    if not line:
+        return None
+    if not line.startswith(b"*"):
+        return [line.strip()]
+    n = int(line[1:])
+    args = []
+    for _ in range(n):
+        size = int(f.readline()[1:])
+        args.append(f.read(size + 2)[:-2])
+    return args
+
+
+class BadPeer:
+    """Answers the set-up like Redis 7 and every FCALL with self.reply."""
+
+    def __init__(self, reply):
+        self.reply = reply
+        self.fcalls = 0
+        self.connections = 0
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        f = conn.makefile("rb")
+        try:
+            while True:
+                args = read_command(f)
+                if args is None:
+                    return
+                cmd = args[0].upper()
+                if cmd == b"FCALL":
+                    self.fcalls += 1
+                    conn.sendall(self.reply)
+                elif cmd == b"CONFIG":
+                    conn.sendall(b"*6\r\n$10\r\nappendonly\r\n$3\r\nyes\r\n$11\r\nappendfsync\r\n"
+                                 b"$6\r\nalways\r\n$16\r\nmaxmemory-policy\r\n$10\r\nnoeviction\r\n")
+                elif cmd == b"FUNCTION":
+                    conn.sendall(b"$12\r\noutbox_relay\r\n")
+                else:
+                    conn.sendall(b"+OK\r\n")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.closed = True
+        self.sock.close()
+
+
+class MalformedReplyTest(harness.ServerTestCase):
+
+    def check_bad_reply(self, kind):
+        peer = BadPeer(BAD_REPLIES[kind])
+        self.addCleanup(peer.close)
+        for i in range(5):
+            insert(self.db, "orders", f"row {i}".encode())
+        relay = self.relay(env={"OUTBOX_RELAY_REDIS": peer.url()}, poll_interval="200ms",
+                           reconnect_min="50ms", reconnect_max="300ms", publish_timeout="1s")
+        harness.wait_until(lambda: peer.fcalls >= 5, timeout=20, relay=relay,
+                           message=f"FCALLs answered with a bad reply ({kind})")
+        relay.wait_for_log(r"batch of \d+ rows not published", timeout=10)
+        # Let it retry a few times against the same bad peer.
+        calls = peer.fcalls
+        harness.wait_until(lambda: peer.fcalls > calls, timeout=20, relay=relay,
+                           message="a retry after backoff")
+        self.assertTrue(relay.alive(), f"relay died on a {kind} reply\n{relay.log_tail()}")
+        self.assertEqual(harness.scalar(self.db, "SELECT count(*) FROM outbox.messages"
+                                                 " WHERE sent_at IS NOT NULL"), 0,
+                         "a row was marked sent without a valid publish reply")
+        self.assertEqual(harness.scalar(self.db, "SELECT count(*) FROM outbox.messages"
+                                                 " WHERE attempts > 0 OR failed_at IS NOT NULL"),
+                         0, "a batch-level failure blamed a row")
+        self.assertEqual(relay.terminate(), 0)
+
+    def test_integer_reply(self):
+        self.check_bad_reply("integer")
+
+    def test_nil_reply(self):
+        self.check_bad_reply("nil")
+
+    def test_array_reply(self):
+        self.check_bad_reply("array")
+
+    def test_nesting_beyond_the_parser_limit(self):
+        self.check_bad_reply("nested-too-deep")
+
+    def test_bytes_that_are_not_resp(self):
+        self.check_bad_reply("not-resp")
+
+    def test_bulk_length_that_lies(self):
+        self.check_bad_reply("bulk-length-lies")
+
+    def test_rows_arrive_once_a_real_redis_answers(self):
+        peer = BadPeer(BAD_REPLIES["integer"])
+        for i in range(5):
+            insert(self.db, "orders", f"row {i}".encode())
+        with harness.Relay(self.pg, env={"OUTBOX_RELAY_REDIS": peer.url()},
+                           poll_interval="200ms", reconnect_min="50ms",
+                           reconnect_max="300ms") as relay:
+            harness.wait_until(lambda: peer.fcalls >= 5, timeout=20, relay=relay)
+            self.assertEqual(relay.terminate(), 0)
+        peer.close()
+        relay = self.relay(poll_interval="200ms")
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.assertEqual(len(harness.stream_entries(self.r, "orders")), 5)
+
+
+if __name__ == "__main__":
+    harness.unittest.main()
