@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Installs what outbox-relay needs to build and test on Debian 12, and nothing
+# more. Idempotent: a machine that has every package does no network I/O.
+# As root it installs what is missing with apt-get; otherwise it says what is
+# missing and how to get it.
+#
+# Installing redis-server or postgresql-15 may start Debian's own services on
+# ports 6379 and 5432. They are left alone: the tests start their own servers
+# on free loopback ports.
+set -euo pipefail
+
+packages=(
+  build-essential cmake pkg-config
+  libpq-dev libhiredis-dev libev-dev libcmocka-dev
+  postgresql-15 postgresql-client-15 redis-server
+  python3 python3-psycopg2 python3-redis
+)
+
+installed() {
+  [[ "$(dpkg-query -W -f='${Status}' "$1" 2>/dev/null)" == "install ok installed" ]]
+}
+
+if ! command -v dpkg-query >/dev/null 2>&1; then
+  echo "deps.sh: dpkg-query not found: this script supports Debian 12 only." >&2
+  echo "deps.sh: install by hand: ${packages[*]}" >&2
+  exit 1
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  installed "$p" || missing+=("$p")
+done
+
+if ((${#missing[@]} == 0)); then
+  exit 0
+fi
+
+if ((EUID != 0)); then
+  echo "deps.sh: missing Debian packages: ${missing[*]}" >&2
+  echo "deps.sh: run this script as root, or install them: sudo apt-get install ${missing[*]}" >&2
+  exit 1
+fi
+
+echo "deps.sh: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update
+apt-get install -y --no-install-recommends "${missing[@]}"
+
+still=()
+for p in "${missing[@]}"; do
+  installed "$p" || still+=("$p")
+done
+if ((${#still[@]} != 0)); then
+  echo "deps.sh: apt-get did not install: ${still[*]}" >&2
+  exit 1
+fi

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The test command: installs what is missing, configures, builds and runs every
+# test (unit tests in parallel, then the integration tests one at a time, since
+# each starts its own PostgreSQL, Redis and relay). Works from any directory.
+#
+# Environment:
+#   BUILD_DIR       build directory, relative to the repository root (default build)
+#   BUILD_TYPE      CMAKE_BUILD_TYPE (default RelWithDebInfo)
+#   RELAY_WERROR    ON to turn compiler warnings into errors (default OFF)
+#   RELAY_SANITIZE  e.g. address,undefined (default none)
+# Exits with ctest's status: non-zero if any test failed.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+bash scripts/deps.sh
+
+build_dir="${BUILD_DIR:-build}"
+cmake -S . -B "$build_dir" \
+  -DRELAY_WERROR="${RELAY_WERROR:-OFF}" \
+  -DRELAY_SANITIZE="${RELAY_SANITIZE:-}" \
+  -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-RelWithDebInfo}"
+cmake --build "$build_dir" -j2
+
+if [[ -n "${RELAY_SANITIZE:-}" ]]; then
+  # Leaks in the daemon fail the tests: the integration harness reads the
+  # daemon's stderr for sanitizer reports, and unit tests exit non-zero.
+  export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}"
+  export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+fi
+
+status=0
+ctest --test-dir "$build_dir" --output-on-failure -L unit -j2 || status=$?
+ctest --test-dir "$build_dir" --output-on-failure -L integration || status=$?
+exit "$status"

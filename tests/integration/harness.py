@@ -1,0 +1,967 @@
+"""Integration-test harness: throwaway servers, the relay under test, and checks.
+
+Every test file drives the real daemon against its own PostgreSQL and Redis,
+started here on free loopback ports in temporary directories and always
+stopped and removed at the end: on success, on failure, on an exception, on
+SIGTERM or SIGINT of the test, and on the per-file deadline.
+
+    Postgres()  initdb + pg_ctl, database "app" with migrations/*.sql applied
+    Redis()     redis-server on 127.0.0.1, no RDB, AOF configurable
+    Relay()     the outbox-relay binary, stderr captured, sanitizer reports fail
+    Verifier    every outbox row against every stream: one line of figures
+
+Only the standard library, psycopg2 and redis-py (Debian's python3-psycopg2
+and python3-redis) are used. Run the files with /usr/bin/python3.
+"""
+
+import atexit
+import contextlib
+import dataclasses
+import datetime
+import glob
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import psycopg2
+import psycopg2.extras
+import redis as redis_py
+
+SOURCE_DIR = os.environ.get("OUTBOX_RELAY_SOURCE_DIR") or os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MIGRATIONS_DIR = os.path.join(SOURCE_DIR, "migrations")
+SKIP = 77  # CTest SKIP_RETURN_CODE
+
+SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "LeakSanitizer", "runtime error:")
+
+
+# --------------------------------------------------------------------------
+# Process-wide cleanup: signals, deadline, atexit.
+
+_live = []            # servers and relays still running, newest last
+_results = []         # unittest results to stop when a signal arrives
+_handlers_installed = False
+
+
+def _register(obj):
+    _install_signal_handlers()
+    _live.append(obj)
+
+
+def _unregister(obj):
+    with contextlib.suppress(ValueError):
+        _live.remove(obj)
+
+
+def _cleanup_all():
+    while _live:
+        obj = _live.pop()
+        with contextlib.suppress(BaseException):
+            obj.close()
+
+
+def _on_signal(signum, frame):
+    name = signal.Signals(signum).name
+    print(f"\nharness: {name} received: stopping the tests and every server",
+          file=sys.stderr, flush=True)
+    for result in _results:
+        result.stop()  # unittest runs no further test, but still the cleanups
+    raise SystemExit(128 + signum)
+
+
+def _install_signal_handlers():
+    global _handlers_installed
+    if _handlers_installed or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
+        signal.signal(sig, _on_signal)
+    atexit.register(_cleanup_all)
+    _handlers_installed = True
+
+
+def set_deadline(seconds):
+    """Fails the whole file (cleanly, servers stopped) if it runs longer than this."""
+    _install_signal_handlers()
+    signal.alarm(int(seconds))
+
+
+# --------------------------------------------------------------------------
+# Small helpers.
+
+_ports_given = set()
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on, not handed out before."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ports_given:
+            _ports_given.add(port)
+            return port
+    raise RuntimeError("no free port found")
+
+
+def port_open(port, host="127.0.0.1"):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def wait_until(pred, timeout=30.0, interval=0.05, message=None, relay=None):
+    """Calls pred until it returns something true and returns that; fails after timeout.
+
+    With relay given, fails at once (with the relay's log) if the relay exits.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if relay is not None and not relay.alive():
+            raise AssertionError(
+                f"{message or 'condition'}: the relay exited with code {relay.returncode}"
+                f" while waiting\n{relay.log_tail()}")
+        if time.monotonic() >= deadline:
+            detail = f"\n{relay.log_tail()}" if relay is not None else ""
+            raise AssertionError(f"timed out after {timeout:g}s waiting for "
+                                 f"{message or getattr(pred, '__name__', 'condition')}{detail}")
+        time.sleep(interval)
+
+
+def tail(text, lines=40):
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _run(argv, what, timeout=120, **kwargs):
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          timeout=timeout, **kwargs)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed with code {proc.returncode}: {' '.join(argv)}\n"
+                           + proc.stdout.decode(errors="replace"))
+    return proc.stdout.decode(errors="replace")
+
+
+def _pg_bindir():
+    env = os.environ.get("OUTBOX_RELAY_PG_BINDIR")
+    if env:
+        return env
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+                        key=lambda p: int(p.split("/")[4]) if p.split("/")[4].isdigit() else 0)
+    if candidates:
+        return os.path.dirname(candidates[-1])
+    found = shutil.which("initdb")
+    if found:
+        return os.path.dirname(found)
+    raise RuntimeError("PostgreSQL server binaries not found: run scripts/deps.sh")
+
+
+def _temp_dir(prefix, for_postgres=False):
+    """A private temporary directory; owned by the postgres user when we are root."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    if for_postgres and os.geteuid() == 0:
+        # PostgreSQL refuses to run as root: hand the directory over, and make
+        # sure the postgres user can reach it through its parents.
+        parent = os.path.dirname(path)
+        probe = subprocess.run(["runuser", "-u", "postgres", "--", "test", "-x", parent])
+        if probe.returncode != 0:
+            os.rmdir(path)
+            path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+        import pwd
+        pw = pwd.getpwnam("postgres")
+        os.chown(path, pw.pw_uid, pw.pw_gid)
+    os.chmod(path, 0o700)
+    return path
+
+
+# --------------------------------------------------------------------------
+# PostgreSQL.
+
+class Postgres:
+    """A throwaway PostgreSQL cluster with database `app` and the migrations applied."""
+
+    def __init__(self, port=None, migrations=True, database="app"):
+        self.port = port or free_port()
+        self.database = database
+        self.migrations = migrations
+        self.bindir = _pg_bindir()
+        self.dir = None
+        self.datadir = None
+        self.logfile = None
+        self._as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+    # -- lifecycle
+    def __enter__(self):
+        _register(self)
+        try:
+            self.dir = _temp_dir("outbox-pg-", for_postgres=True)
+            self.datadir = os.path.join(self.dir, "data")
+            self.logfile = os.path.join(self.dir, "postgres.log")
+            self._pg(["initdb", "-D", self.datadir, "-A", "trust", "-U", "postgres",
+                      "--no-sync", "-E", "UTF8", "--no-locale"], "initdb")
+            with open(os.path.join(self.datadir, "postgresql.conf"), "a") as conf:
+                conf.write(
+                    "\n# outbox-relay integration tests\n"
+                    f"port = {self.port}\n"
+                    "listen_addresses = '127.0.0.1'\n"
+                    f"unix_socket_directories = '{self.dir}'\n"
+                    "fsync = off\n"
+                    "full_page_writes = off\n"
+                    "max_connections = 100\n"
+                    "timezone = 'UTC'\n")
+            self.start()
+            with contextlib.closing(self.connect(dbname="postgres")) as conn:
+                conn.cursor().execute(f'CREATE DATABASE "{self.database}"')
+            if self.migrations:
+                self.apply_migrations()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self):
+        """Stops the server (immediately) and removes its directory."""
+        _unregister(self)
+        if self.dir is None:
+            return
+        try:
+            if os.path.exists(os.path.join(self.datadir or "", "postmaster.pid")):
+                self._stop("immediate", must=False)
+        finally:
+            pid = self._postmaster_pid()
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def _pg(self, argv, what, timeout=120):
+        argv = self._as_postgres + [os.path.join(self.bindir, argv[0])] + argv[1:]
+        return _run(argv, what, timeout=timeout, cwd=self.dir)
+
+    def _postmaster_pid(self):
+        try:
+            with open(os.path.join(self.datadir, "postmaster.pid")) as f:
+                return int(f.readline().strip())
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def start(self):
+        self._pg(["pg_ctl", "-D", self.datadir, "-l", self.logfile, "-w", "-t", "60",
+                  "start"], "pg_ctl start")
+
+    def _stop(self, mode, must=True):
+        try:
+            self._pg(["pg_ctl", "-D", self.datadir, "-m", mode, "-w", "-t", "60", "stop"],
+                     f"pg_ctl stop -m {mode}")
+        except (RuntimeError, subprocess.TimeoutExpired):
+            if must:
+                raise
+
+    def stop(self, mode="fast"):
+        self._stop(mode)
+
+    def restart(self, mode="immediate"):
+        """Stops the server ('immediate': as a crash would, 'fast': cleanly) and starts it."""
+        assert mode in ("immediate", "fast"), mode
+        self._stop(mode)
+        self.start()
+
+    # -- access
+    def dsn(self, dbname=None, user="postgres"):
+        return f"host=127.0.0.1 port={self.port} dbname={dbname or self.database} user={user}"
+
+    def connect(self, autocommit=True, dbname=None, user="postgres"):
+        """A psycopg2 connection; statements give up after 60 s so no test hangs on a lock."""
+        conn = psycopg2.connect(self.dsn(dbname, user), connect_timeout=10,
+                                options="-c statement_timeout=60000")
+        conn.autocommit = autocommit
+        return conn
+
+    def psql(self, *args, dbname=None):
+        argv = ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1",
+                "-p", str(self.port), "-U", "postgres", "-d", dbname or self.database, *args]
+        argv[0] = os.path.join(self.bindir, "psql")
+        return _run(argv, "psql", cwd=self.dir)
+
+    def migration_files(self):
+        files = sorted(glob.glob(os.path.join(MIGRATIONS_DIR, "*.sql")))
+        if not files:
+            raise RuntimeError(f"no migrations found in {MIGRATIONS_DIR}")
+        return files
+
+    def apply_migrations(self, files=None):
+        for path in files or self.migration_files():
+            self.psql("-f", path)
+
+    def log(self):
+        with open(self.logfile, errors="replace") as f:
+            return f.read()
+
+
+# --------------------------------------------------------------------------
+# Redis.
+
+class Redis:
+    """A throwaway redis-server on 127.0.0.1; restartable on the same port and dir."""
+
+    def __init__(self, port=None, appendonly=False, appendfsync="everysec", password=None):
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        self.password = password
+        self.dir = None
+        self.proc = None
+        self.paused = False
+
+    def __enter__(self):
+        _register(self)
+        try:
+            self.dir = _temp_dir("outbox-redis-")
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self):
+        _unregister(self)
+        if self.dir is None:
+            return
+        try:
+            if self.proc and self.proc.poll() is None:
+                self.resume()
+                self.stop()
+        finally:
+            if self.proc and self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def start(self):
+        """Starts redis-server and waits until it answers PING."""
+        assert self.proc is None or self.proc.poll() is not None, "redis is already running"
+        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", self.dir, "--save", "", "--daemonize", "no",
+                "--appendonly", "yes" if self.appendonly else "no",
+                "--appendfsync", self.appendfsync,
+                "--logfile", os.path.join(self.dir, "redis.log")]
+        if self.password:
+            argv += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, cwd=self.dir)
+        self.paused = False
+
+        def answers():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}\n"
+                                   + tail(self.log()))
+            try:
+                with contextlib.closing(self.client(socket_timeout=1)) as c:
+                    return c.ping()
+            except redis_py.exceptions.RedisError:
+                return False
+        wait_until(answers, timeout=20, message="redis-server to answer PING")
+
+    def stop(self):
+        """A clean shutdown (SIGTERM: no RDB is written, the AOF is flushed)."""
+        if self.proc and self.proc.poll() is None:
+            self.resume()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self):
+        """Dies as in a crash: SIGKILL."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.paused = False
+
+    def pause(self):
+        self.proc.send_signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self):
+        if self.paused and self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+        self.paused = False
+
+    def url(self):
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def client(self, socket_timeout=30):
+        return redis_py.Redis(host="127.0.0.1", port=self.port, db=0, password=self.password,
+                              decode_responses=False, socket_timeout=socket_timeout,
+                              socket_connect_timeout=5)
+
+    def log(self):
+        try:
+            with open(os.path.join(self.dir, "redis.log"), errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+
+# --------------------------------------------------------------------------
+# The relay.
+
+def relay_binary():
+    path = os.environ.get("OUTBOX_RELAY_BIN") or os.path.join(SOURCE_DIR, "build", "outbox-relay")
+    return os.path.abspath(path)
+
+
+def require_relay():
+    """Exits the test file with 77 (CTest: skipped) when the daemon is not built."""
+    path = relay_binary()
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        print(f"SKIP: relay binary {path} not found (build it, or set OUTBOX_RELAY_BIN)",
+              file=sys.stderr)
+        sys.exit(SKIP)
+    return path
+
+
+def relay_env(pg=None, redis=None, extra=None):
+    """The environment for the daemon: ours without OUTBOX_RELAY_* and PG* variables,
+    plus OUTBOX_RELAY_POSTGRES/REDIS for the given servers and extra (None removes)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("OUTBOX_RELAY_") and not k.startswith("PG")}
+    if pg is not None:
+        env["OUTBOX_RELAY_POSTGRES"] = pg.dsn()
+    if redis is not None:
+        env["OUTBOX_RELAY_REDIS"] = redis.url()
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def flag_args(flags):
+    """{'poll_interval': '200ms'} -> ['--poll-interval', '200ms']."""
+    argv = []
+    for key, value in flags.items():
+        argv += ["--" + key.replace("_", "-"), str(value)]
+    return argv
+
+
+def sanitizer_report(text):
+    """The part of text from the first sanitizer report on, or None."""
+    positions = [text.find(m) for m in SANITIZER_MARKERS if m in text]
+    if not positions:
+        return None
+    start = text.rfind("\n", 0, min(positions)) + 1
+    return text[start:start + 6000]
+
+
+@dataclasses.dataclass
+class Completed:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self):
+        return self.stdout + self.stderr
+
+
+def run_relay(args=(), env=None, timeout=20):
+    """Runs the daemon to completion (--help, --check-config, bad config...).
+
+    Fails on a timeout or a sanitizer report; returns the code and the output.
+    """
+    argv = [require_relay(), *args]
+    try:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env if env is not None else relay_env(),
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{' '.join(argv)} did not exit within {timeout}s\n"
+                             + (e.stderr or b"").decode(errors="replace")) from None
+    done = Completed(proc.returncode, proc.stdout.decode(errors="replace"),
+                     proc.stderr.decode(errors="replace"))
+    report = sanitizer_report(done.stderr)
+    if report:
+        raise AssertionError(f"sanitizer report from {' '.join(argv)}:\n{report}")
+    return done
+
+
+class Relay:
+    """The daemon under test, as a context manager.
+
+    Relay(pg, redis, poll_interval='200ms', batch_size=100) runs
+    `outbox-relay --poll-interval 200ms --batch-size 100` with
+    OUTBOX_RELAY_POSTGRES=pg.dsn() and OUTBOX_RELAY_REDIS=redis.url().
+    args are put on the command line before the flags; env adds to (None:
+    removes from) the environment. On exit: SIGTERM, then SIGKILL if needed,
+    and any sanitizer report in its stderr fails the test.
+    """
+
+    _count = 0
+
+    def __init__(self, pg=None, redis=None, args=(), env=None, stop_timeout=30, **flags):
+        self.binary = require_relay()
+        self.argv = [self.binary, *args, *flag_args(flags)]
+        self.env = relay_env(pg, redis, env)
+        self.stop_timeout = stop_timeout
+        self.proc = None
+        Relay._count += 1
+        self.dir = tempfile.mkdtemp(prefix="outbox-relay-log-")
+        self.log_path = os.path.join(self.dir, f"relay-{Relay._count}.stderr")
+
+    def __enter__(self):
+        _register(self)
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        failed = exc_type is not None
+        try:
+            self.stop()
+            report = sanitizer_report(self.log())
+            if failed:
+                print(f"\n--- relay stderr ({self.log_path}), last lines ---\n{self.log_tail()}",
+                      file=sys.stderr)
+            if report and not failed:
+                raise AssertionError(f"sanitizer report in the relay's stderr:\n{report}")
+            if report:
+                print(f"--- sanitizer report ---\n{report}", file=sys.stderr)
+        finally:
+            self.close()
+        return False
+
+    def start(self):
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=log, env=self.env, cwd=self.dir)
+        return self
+
+    def stop(self):
+        """SIGTERM, wait stop_timeout, then SIGKILL. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def close(self):
+        _unregister(self)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- control
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    @property
+    def returncode(self):
+        return self.proc.poll()
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig=signal.SIGKILL):
+        self.proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.proc.wait()
+
+    def terminate(self, timeout=20):
+        """Sends SIGTERM and returns the exit code; fails if it does not exit in time."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def wait(self, timeout=20):
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"the relay did not exit within {timeout:g}s; killed\n"
+                                 + self.log_tail()) from None
+
+    # -- its log
+    def log(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines=40):
+        return f"--- relay stderr, last {lines} lines ---\n{tail(self.log(), lines)}"
+
+    def mark(self):
+        """The current length of the log, for wait_for_log(since=...)."""
+        return len(self.log())
+
+    def wait_for_log(self, regex, timeout=10, since=0, flags=re.MULTILINE):
+        """Waits until regex matches the log (from offset since on); returns the match."""
+        pattern = re.compile(regex, flags)
+
+        def found():
+            return pattern.search(self.log(), since)
+        try:
+            return wait_until(found, timeout=timeout, interval=0.05, relay=self,
+                              message=f"relay log line matching {regex!r}")
+        except AssertionError:
+            match = found()  # it may have logged it just before it exited
+            if match:
+                return match
+            raise
+
+
+# Log lines: "2026-11-30T11:35:14.123Z WARNING redis: text". A problem is a
+# WARNING or ERROR line; a (re)connection is an INFO or DEBUG line that says so.
+LOG_PROBLEM = r"^\S+ (?:WARNING|ERROR) {component}: "
+LOG_CONNECTED = (r"^\S+ (?:INFO|DEBUG) {component}: .*(?i:\b(?:re)?connected\b"
+                 r"|\bconnection (?:re)?established\b|\bis back\b|\bready\b)")
+
+
+def problem_lines(log, component):
+    """The WARNING and ERROR lines of one component (pg, redis, relay, config)."""
+    return re.findall(LOG_PROBLEM.format(component=component) + ".*$", log, re.MULTILINE)
+
+
+# --------------------------------------------------------------------------
+# Rows and streams.
+
+def insert(conn, topic, payload, key=None, headers=None, commit=True):
+    """Inserts one outbox row with a plain INSERT; returns its message_id (text).
+
+    On a non-autocommit connection the row is committed unless commit=False.
+    """
+    with conn.cursor() as cur:
+        cur.execute(
+            "INSERT INTO outbox.messages (topic, partition_key, payload, headers)"
+            " VALUES (%s, %s, %s, %s) RETURNING message_id::text",
+            (topic, key, psycopg2.Binary(payload),
+             psycopg2.extras.Json(headers) if headers is not None else None))
+        message_id = cur.fetchone()[0]
+    if commit and not conn.autocommit:
+        conn.commit()
+    return message_id
+
+
+def insert_many(conn, rows, commit=True):
+    """Inserts (topic, payload[, key[, headers]]) tuples in one statement; returns ids."""
+    values = []
+    for row in rows:
+        topic, payload, key, headers = (tuple(row) + (None, None))[:4]
+        values.append((topic, key, psycopg2.Binary(payload),
+                       psycopg2.extras.Json(headers) if headers is not None else None))
+    with conn.cursor() as cur:
+        ids = psycopg2.extras.execute_values(
+            cur, "INSERT INTO outbox.messages (topic, partition_key, payload, headers)"
+                 " VALUES %s RETURNING message_id::text", values, page_size=len(values) or 1,
+            fetch=True)
+    if commit and not conn.autocommit:
+        conn.commit()
+    return [r[0] for r in ids]
+
+
+def scalar(conn, sql, args=None):
+    with conn.cursor() as cur:
+        cur.execute(sql, args)
+        return cur.fetchone()[0]
+
+
+def count_unsent(conn):
+    """Rows not yet sent and not quarantined."""
+    return scalar(conn, "SELECT count(*) FROM outbox.messages"
+                        " WHERE sent_at IS NULL AND failed_at IS NULL")
+
+
+def wait_all_sent(conn, timeout=30, relay=None):
+    """Waits until every row is sent (or quarantined)."""
+    wait_until(lambda: count_unsent(conn) == 0, timeout=timeout, interval=0.1, relay=relay,
+               message="every outbox row to be sent")
+
+
+def reset(pg_conn, redis_client=None):
+    """Empties the outbox and Redis between tests (the relay's function stays loaded)."""
+    with pg_conn.cursor() as cur:
+        cur.execute("TRUNCATE outbox.messages RESTART IDENTITY")
+    if not pg_conn.autocommit:
+        pg_conn.commit()
+    if redis_client is not None:
+        redis_client.flushall()
+
+
+def stream_names(redis_client):
+    """Every stream key, without the relay's dedup records."""
+    names = []
+    for key in redis_client.scan_iter(count=1000, _type="stream"):
+        if b":dedup:" not in key:
+            names.append(key)
+    return sorted(names)
+
+
+def stream_entries(redis_client, stream):
+    """The whole stream as [(entry_id, {field bytes: value bytes})], read 10000 at a time."""
+    entries = []
+    start = "-"
+    while True:
+        chunk = redis_client.xrange(stream, min=start, max="+", count=10000)
+        entries.extend((eid.decode(), fields) for eid, fields in chunk)
+        if len(chunk) < 10000:
+            return entries
+        start = "(" + chunk[-1][0].decode()
+
+
+def all_entries(redis_client):
+    """{stream name (bytes): entries} for every stream."""
+    return {name: stream_entries(redis_client, name) for name in stream_names(redis_client)}
+
+
+def entries_by_message_id(redis_client):
+    """{message_id text: [(stream, entry_id, fields)]} over every stream."""
+    found = {}
+    for stream, entries in all_entries(redis_client).items():
+        for entry_id, fields in entries:
+            mid = fields.get(b"id", b"").decode(errors="replace")
+            found.setdefault(mid, []).append((stream, entry_id, fields))
+    return found
+
+
+class Producer(threading.Thread):
+    """Commits outbox rows from its own connection until it has committed `rows` or is stopped.
+
+    Each transaction holds a random number of rows in tx_rows (inclusive), each
+    with a random topic of topics and a random payload of payload_bytes
+    (inclusive) bytes. With rate (rows per second) it keeps to that pace.
+    Connection failures (a PostgreSQL restart) are counted and survived: it
+    reconnects and goes on. Commits whose outcome is unknown are possible then;
+    the Verifier reads the table, so it counts what really committed.
+    """
+
+    def __init__(self, pg, rows, topics=("orders",), tx_rows=(1, 1), payload_bytes=(0, 300),
+                 rate=None, seed=0, name=None):
+        super().__init__(name=name, daemon=True)
+        self.pg = pg
+        self.rows = rows
+        self.topics = list(topics)
+        self.tx_rows = tx_rows
+        self.payload_bytes = payload_bytes
+        self.rate = rate
+        self.random = random.Random(seed)
+        self.committed = 0
+        self.transactions = 0
+        self.connection_errors = 0
+        self.error = None
+        self._stop_event = threading.Event()
+
+    def run(self):
+        conn = None
+        started = time.monotonic()
+        try:
+            while self.committed < self.rows and not self._stop_event.is_set():
+                if self.rate:
+                    ahead = self.committed / self.rate - (time.monotonic() - started)
+                    if ahead > 0:
+                        self._stop_event.wait(ahead)
+                        continue
+                if conn is None:
+                    try:
+                        conn = self.pg.connect(autocommit=False)
+                    except psycopg2.OperationalError:
+                        self.connection_errors += 1
+                        self._stop_event.wait(0.1)
+                        continue
+                n = min(self.random.randint(*self.tx_rows), self.rows - self.committed)
+                batch = [(self.random.choice(self.topics),
+                          self.random.randbytes(self.random.randint(*self.payload_bytes)))
+                         for _ in range(n)]
+                try:
+                    insert_many(conn, batch)
+                except (psycopg2.OperationalError, psycopg2.InterfaceError):
+                    self.connection_errors += 1
+                    with contextlib.suppress(Exception):
+                        conn.close()
+                    conn = None
+                    continue
+                self.committed += n
+                self.transactions += 1
+        except BaseException as e:  # reported by check()
+            self.error = e
+        finally:
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+
+    def stop(self, timeout=60):
+        self._stop_event.set()
+        self.join(timeout)
+        self.check()
+
+    def check(self):
+        if self.error is not None:
+            raise AssertionError(f"producer {self.name} failed: {self.error!r}")
+        if self.is_alive():
+            raise AssertionError(f"producer {self.name} did not stop")
+
+
+@dataclasses.dataclass
+class Figures:
+    committed: int = 0
+    published: int = 0
+    lost: int = 0
+    duplicates: int = 0
+    sent_but_absent: int = 0
+    unsent: int = 0
+    stray: int = 0  # entries whose id is no row's, or in another topic's stream
+    lost_ids: list = dataclasses.field(default_factory=list)
+    duplicate_ids: list = dataclasses.field(default_factory=list)
+
+    def line(self):
+        text = (f"rows committed={self.committed} published={self.published} lost={self.lost}"
+                f" duplicates={self.duplicates} sent_but_absent={self.sent_but_absent}"
+                f" unsent={self.unsent}")
+        if self.stray:
+            text += f" stray={self.stray}"
+        return text
+
+    def assert_exactly_once(self, test):
+        """Every row sent and published once, nothing else in the streams."""
+        test.assertEqual((self.lost, self.duplicates, self.sent_but_absent, self.unsent,
+                          self.stray), (0, 0, 0, 0, 0),
+                         f"{self.line()}; lost e.g. {self.lost_ids[:5]},"
+                         f" duplicated e.g. {self.duplicate_ids[:5]}")
+
+
+class Verifier:
+    """Compares every row of outbox.messages with every stream.
+
+    lost:            rows with no entry in their topic's stream
+    duplicates:      entries beyond the first for one message id
+    sent_but_absent: rows with sent_at set but no entry
+    unsent:          rows with sent_at NULL
+    """
+
+    def __init__(self, pg_conn, redis_client, stream_prefix=""):
+        self.pg = pg_conn
+        self.redis = redis_client
+        self.prefix = stream_prefix.encode()
+
+    def figures(self):
+        with self.pg.cursor() as cur:
+            cur.execute("SELECT message_id::text, topic, sent_at IS NOT NULL"
+                        " FROM outbox.messages ORDER BY id")
+            rows = cur.fetchall()
+        if not self.pg.autocommit:
+            self.pg.commit()
+        found = entries_by_message_id(self.redis)
+        fig = Figures(committed=len(rows))
+        known = set()
+        for message_id, topic, sent in rows:
+            known.add(message_id)
+            stream = self.prefix + topic.encode()
+            entries = found.get(message_id, [])
+            here = [e for e in entries if e[0] == stream]
+            fig.stray += len(entries) - len(here)
+            if here:
+                fig.published += 1
+            else:
+                fig.lost += 1
+                fig.lost_ids.append(message_id)
+                if sent:
+                    fig.sent_but_absent += 1
+            if len(here) > 1:
+                fig.duplicates += len(here) - 1
+                fig.duplicate_ids.append(message_id)
+            if not sent:
+                fig.unsent += 1
+        fig.stray += sum(len(v) for k, v in found.items() if k not in known)
+        return fig
+
+    def report(self, suffix=""):
+        """Computes the figures and prints their one line (with suffix)."""
+        fig = self.figures()
+        print(fig.line() + (f" {suffix}" if suffix else ""), file=sys.stderr, flush=True)
+        return fig
+
+
+# --------------------------------------------------------------------------
+# Test-case bases.
+
+class TestCase(unittest.TestCase):
+    """Lets a SIGTERM/SIGINT/deadline stop the run cleanly (cleanups still run)."""
+
+    def run(self, result=None):
+        if result is not None and result not in _results:
+            _results.append(result)
+        return super().run(result)
+
+
+class ServerTestCase(TestCase):
+    """One PostgreSQL and one Redis for the whole class; each test starts empty.
+
+    Subclasses may set pg_options / redis_options (keyword arguments).
+    """
+
+    pg_options = {}
+    redis_options = {}
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.pg = cls.enterClassContext(Postgres(**cls.pg_options))
+        cls.redis = cls.enterClassContext(Redis(**cls.redis_options))
+        cls.db = cls.pg.connect()
+        cls.addClassCleanup(cls.db.close)
+        cls.r = cls.redis.client()
+        cls.addClassCleanup(cls.r.close)
+
+    def setUp(self):
+        super().setUp()
+        reset(self.db, self.r)
+
+    def relay(self, **kwargs):
+        """Starts a relay on this class's servers for the rest of the test."""
+        return self.enterContext(Relay(self.pg, self.redis, **kwargs))
+
+    def verifier(self, **kwargs):
+        return Verifier(self.db, self.r, **kwargs)
+
+
+def parse_rfc3339_utc(text):
+    """'2026-11-30T11:35:14.123456Z' -> (aware datetime, digits of fraction), else None."""
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?Z", text)
+    if not m:
+        return None
+    base = datetime.datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S").replace(
+        tzinfo=datetime.timezone.utc)
+    frac = m.group(2) or ""
+    micro = int((frac + "000000")[:6]) if frac else 0
+    return base.replace(microsecond=micro), len(frac)

@@ -1,0 +1,280 @@
+"""Configuration and start-up, as an operator meets them.
+
+Promises tested (DESIGN.md §3, §4 "Configuration", "Logs"):
+- --check-config with a good file exits 0 and connects to nothing;
+- an unknown key or a bad value exits 78 and names the file and line; a bad
+  command-line or environment value exits 78 too; a missing -c argument is a
+  usage error (64);
+- a malformed redis URL that carries a password exits 78 and never prints the
+  password;
+- with no file, OUTBOX_RELAY_POSTGRES / OUTBOX_RELAY_REDIS are enough to run;
+- --help exits 0 and lists every key; --version prints the project version;
+- servers unreachable at start: the relay keeps running, logs each failure
+  once per state change rather than once per try, and delivers once they are up;
+- a database without the schema: the log names 001_outbox_schema.sql, no crash;
+- the passwords of the postgres conninfo and of the redis URL never appear in
+  the log, whatever happens (debug level, reconnects, a refused password).
+"""
+
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import unittest
+
+import harness
+from harness import insert, run_relay, wait_until
+
+harness.require_relay()
+harness.set_deadline(300)
+
+KEYS = ("postgres", "redis", "redis_password_file", "stream_prefix", "batch_size",
+        "max_attempts", "max_payload_bytes", "listen", "poll_interval", "connect_timeout",
+        "publish_timeout", "statement_timeout", "reconnect_min", "reconnect_max",
+        "drain_timeout", "dedup_ttl", "log_level")
+EX_USAGE = 64
+EX_CONFIG = 78
+PG_SECRET = "s3cr3t-pg"
+REDIS_SECRET = "r3d1s-pw-Zq"
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
+
+
+def project_version():
+    with open(os.path.join(harness.SOURCE_DIR, "CMakeLists.txt")) as f:
+        return re.search(r"project\(\s*outbox-relay\s+VERSION\s+([\d.]+)", f.read()).group(1)
+
+
+class Listener:
+    """A loopback port that accepts connections but never answers: shows who connected."""
+
+    def __enter__(self):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        return self
+
+    def __exit__(self, *exc):
+        self.sock.close()
+
+    def connected(self):
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        return bool(readable)
+
+
+class ConfigFileTest(harness.TestCase):
+    """The daemon run to completion: no servers needed."""
+
+    def setUp(self):
+        super().setUp()
+        self.dir = tempfile.mkdtemp(prefix="outbox-config-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.pg_port = self.enterContext(Listener())
+        self.redis_port = self.enterContext(Listener())
+
+    def write(self, text, name="relay.conf"):
+        path = os.path.join(self.dir, name)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def good_config(self, extra=""):
+        return (
+            "# outbox-relay test configuration\n"
+            f"postgres = host=127.0.0.1 port={self.pg_port.port} dbname=app user=postgres"
+            f" password={PG_SECRET} connect_timeout=1\n"
+            f"redis = redis://relay:{REDIS_SECRET}@127.0.0.1:{self.redis_port.port}/0\n"
+            "\n"
+            "batch_size = 100\n"
+            "poll_interval = 200ms\n"
+            "reconnect_min = 50ms\n"
+            "reconnect_max = 2s\n"
+            "drain_timeout = 5s\n"
+            "listen = off\n"
+            "stream_prefix = t.\n"
+            "log_level = debug\n" + extra)
+
+    def assert_no_secret(self, done):
+        for secret in (PG_SECRET, REDIS_SECRET, "hunter2-secret"):
+            self.assertNotIn(secret, done.output, "a password was printed")
+
+    def assert_connected_nowhere(self):
+        self.assertFalse(self.pg_port.connected(), "connected to the postgres address")
+        self.assertFalse(self.redis_port.connected(), "connected to the redis address")
+
+    def test_check_config_good_file(self):
+        path = self.write(self.good_config())
+        done = run_relay(["-c", path, "--check-config"])
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assert_connected_nowhere()
+        self.assert_no_secret(done)
+        done = run_relay(["-c", path, "--check-config", "--batch-size=50", "--poll-interval",
+                          "2m"], env=harness.relay_env(extra={"OUTBOX_RELAY_DEDUP_TTL": "5s"}))
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assert_connected_nowhere()
+
+    def test_unknown_key_names_file_and_line(self):
+        path = self.write(self.good_config().replace("batch_size = 100\n",
+                                                     "batch_size = 100\nno_such_key = 1\n"))
+        line = self.good_config().splitlines().index("batch_size = 100") + 2
+        done = run_relay(["-c", path, "--check-config"])
+        self.assertEqual(done.returncode, EX_CONFIG, done.output)
+        self.assertIn(f"relay.conf:{line}", done.stderr)
+        self.assertIn("no_such_key", done.stderr)
+        self.assert_no_secret(done)
+        done = run_relay(["-c", path])  # the same without --check-config
+        self.assertEqual(done.returncode, EX_CONFIG, done.output)
+        self.assert_connected_nowhere()
+
+    def test_bad_values_exit_78(self):
+        path = self.write(self.good_config().replace("batch_size = 100", "batch_size = 0"))
+        line = self.good_config().splitlines().index("batch_size = 100") + 1
+        done = run_relay(["-c", path, "--check-config"])
+        self.assertEqual(done.returncode, EX_CONFIG, done.output)
+        self.assertIn(f"relay.conf:{line}", done.stderr)
+        self.assertIn("batch_size", done.stderr)
+
+        good = self.write(self.good_config(), name="good.conf")
+        for args, env in ((["--poll-interval", "soon"], {}),
+                          (["--log-level=loud"], {}),
+                          ([], {"OUTBOX_RELAY_BATCH_SIZE": "0"}),
+                          ([], {"OUTBOX_RELAY_LISTEN": "maybe"})):
+            with self.subTest(args=args, env=env):
+                done = run_relay(["-c", good, "--check-config", *args],
+                                 env=harness.relay_env(extra=env))
+                self.assertEqual(done.returncode, EX_CONFIG, done.output)
+                for name in env:
+                    self.assertIn(name, done.stderr, "the message names the variable")
+
+    def test_missing_option_argument_is_usage_error(self):
+        done = run_relay(["-c"])
+        self.assertEqual(done.returncode, EX_USAGE, done.output)
+
+    def test_malformed_redis_url_hides_password(self):
+        urls = ("redis://user:hunter2-secret@127.0.0.1:notaport/0",
+                "redis://user:hunter2-secret@127.0.0.1:99999/0",
+                "redis://:hunter2-secret@/0",
+                "http://user:hunter2-secret@127.0.0.1:6379/0",
+                "redis://user:hunter2-secret@127.0.0.1:6379/zero")
+        path = self.write(self.good_config())
+        for url in urls:
+            with self.subTest(url=url):
+                for how in ("flag", "env", "file"):
+                    if how == "flag":
+                        done = run_relay(["-c", path, "--check-config", "--redis", url])
+                    elif how == "env":
+                        done = run_relay(["-c", path, "--check-config"],
+                                         env=harness.relay_env(extra={"OUTBOX_RELAY_REDIS": url}))
+                    else:
+                        text = re.sub(r"(?m)^redis = .*$", lambda m: f"redis = {url}",
+                                      self.good_config())
+                        bad = self.write(text, "bad.conf")
+                        done = run_relay(["-c", bad])
+                    self.assertEqual(done.returncode, EX_CONFIG, f"{how}: {done.output}")
+                    self.assertIn("redis", done.stderr)
+                    self.assert_no_secret(done)
+        self.assert_connected_nowhere()
+
+    def test_help_lists_every_key(self):
+        done = run_relay(["--help"])
+        self.assertEqual(done.returncode, 0, done.output)
+        for key in KEYS:
+            self.assertTrue(key in done.output or key.replace("_", "-") in done.output,
+                            f"--help does not mention {key}")
+
+    def test_version(self):
+        done = run_relay(["--version"])
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assertIn(project_version(), done.output)
+
+
+class StartupTest(harness.TestCase):
+    """The daemon against real servers, or none."""
+
+    def test_environment_alone_is_enough(self):
+        with harness.Postgres() as pg, harness.Redis() as redis:
+            db = pg.connect()
+            self.addCleanup(db.close)
+            mid = insert(db, "orders", b"from env config")
+            with harness.Relay(pg, redis, poll_interval="200ms") as relay:
+                harness.wait_all_sent(db, timeout=30, relay=relay)
+                self.assertIn(mid, harness.entries_by_message_id(redis.client()))
+                self.assertEqual(relay.terminate(), 0, relay.log_tail())
+
+    def test_unreachable_servers_at_start(self):
+        pg_port, redis_port = harness.free_port(), harness.free_port()
+        env = {
+            "OUTBOX_RELAY_POSTGRES": f"host=127.0.0.1 port={pg_port} dbname=app user=postgres"
+                                     f" password={PG_SECRET}",
+            "OUTBOX_RELAY_REDIS": f"redis://:{REDIS_SECRET}@127.0.0.1:{redis_port}/0",
+        }
+        with harness.Relay(env=env, reconnect_min="50ms", reconnect_max="200ms",
+                           connect_timeout="1s", poll_interval="200ms") as relay:
+            time.sleep(3)  # about 15 connection attempts to each server at this backoff
+            self.assertTrue(relay.alive(), "the relay gave up\n" + relay.log_tail())
+            log = relay.log()
+            for component in ("pg", "redis"):
+                lines = harness.problem_lines(log, component)
+                self.assertGreaterEqual(len(lines), 1, f"the {component} failure is logged\n{log}")
+                self.assertLessEqual(len(lines), 3,
+                                     f"{component} failure logged once per try, not per state"
+                                     f" change:\n" + "\n".join(lines))
+            with harness.Postgres(port=pg_port) as pg, \
+                    harness.Redis(port=redis_port, password=REDIS_SECRET) as redis:
+                db = pg.connect()
+                self.addCleanup(db.close)
+                mid = insert(db, "orders", b"after the servers came up")
+                harness.wait_all_sent(db, timeout=30, relay=relay)
+                self.assertIn(mid, harness.entries_by_message_id(redis.client()))
+                self.assertEqual(relay.terminate(), 0, relay.log_tail())
+            log = relay.log()
+            self.assertNotIn(PG_SECRET, log)
+            self.assertNotIn(REDIS_SECRET, log)
+
+    def test_database_without_schema(self):
+        with harness.Postgres(migrations=False) as pg, harness.Redis() as redis:
+            with harness.Relay(pg, redis, poll_interval="200ms", reconnect_min="50ms",
+                               reconnect_max="500ms") as relay:
+                relay.wait_for_log(r"001_outbox_schema\.sql", timeout=15)
+                time.sleep(1)  # a crash right after the message would show here
+                code = relay.returncode
+                if code is not None:
+                    self.assertGreaterEqual(code, 0, "killed by a signal\n" + relay.log_tail())
+                    self.assertNotIn(-code, CRASH_SIGNALS)
+                    self.assertNotEqual(code, 0, "a missing schema is no clean exit")
+
+    def test_passwords_never_logged(self):
+        with harness.Postgres() as pg, harness.Redis(password=REDIS_SECRET) as redis:
+            db = pg.connect()
+            self.addCleanup(db.close)
+            env = {"OUTBOX_RELAY_POSTGRES": pg.dsn() + f" password={PG_SECRET}"}
+            with harness.Relay(pg, redis, env=env, log_level="debug", poll_interval="200ms",
+                               reconnect_min="50ms", reconnect_max="500ms") as relay:
+                insert(db, "orders", b"one")
+                harness.wait_all_sent(db, timeout=30, relay=relay)
+                mark = relay.mark()
+                redis.stop()
+                redis.start()
+                relay.wait_for_log(harness.LOG_CONNECTED.format(component="redis"), since=mark,
+                                   timeout=20)
+                insert(db, "orders", b"two")
+                harness.wait_all_sent(db, timeout=30, relay=relay)
+                self.assertEqual(relay.terminate(), 0, relay.log_tail())
+                log = relay.log()
+            wrong = {"OUTBOX_RELAY_REDIS": f"redis://:wr0ng-pw-9@127.0.0.1:{redis.port}/0"}
+            with harness.Relay(pg, env=wrong, log_level="debug", reconnect_min="50ms",
+                               reconnect_max="200ms") as refused:
+                wait_until(lambda: harness.problem_lines(refused.log(), "redis"), timeout=15,
+                           relay=refused, message="the refused password in the log")
+                refused_log = refused.log()
+        for secret in (PG_SECRET, REDIS_SECRET):
+            self.assertNotIn(secret, log, f"{secret} in the log")
+        self.assertNotIn("wr0ng-pw-9", refused_log)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,239 @@
+"""Delivery: every committed row arrives once, with every field as the stream contract says.
+
+Promises tested (DESIGN.md §2 P1, P3, P4 and the stream contract of §5):
+- rows committed before and after the relay starts each arrive exactly once in
+  the stream named by their topic, and get sent_at;
+- an entry carries id (message_id), topic, key (absent when partition_key is
+  NULL), payload bytes verbatim, created_at (RFC 3339 UTC, the row's time),
+  outbox_id (the row id in decimal) and one "h.<name>" field per header;
+- payloads written through outbox.enqueue as text, jsonb and bytea arrive as
+  the bytes the table holds;
+- rows of rolled-back transactions (and rolled-back savepoints) never arrive;
+  a row that commits after rows with higher ids is not skipped;
+- a row with a topic outside [A-Za-z0-9._-]{1,200} is not published, gets
+  last_error, does not hold back the rows behind it, is explained in the log,
+  and is quarantined after max_attempts.
+"""
+
+import datetime
+import json
+import re
+import unittest
+
+import psycopg2
+
+import harness
+from harness import insert, scalar, wait_until
+
+harness.require_relay()
+harness.set_deadline(240)
+
+POLL = "200ms"
+
+
+def rows_by_message_id(conn):
+    with conn.cursor() as cur:
+        cur.execute("SELECT message_id::text, id, topic, partition_key, payload, headers,"
+                    " created_at, sent_at, attempts, last_error, failed_at"
+                    " FROM outbox.messages ORDER BY id")
+        names = [d[0] for d in cur.description]
+        return {r[0]: dict(zip(names, r)) for r in cur.fetchall()}
+
+
+def expected_header_fields(headers):
+    """Strings verbatim; other JSON values as their JSON text."""
+    fields = {}
+    for name, value in (headers or {}).items():
+        text = value if isinstance(value, str) else json.dumps(value)
+        fields[b"h." + name.encode()] = text.encode()
+    return fields
+
+
+class DeliveryTest(harness.ServerTestCase):
+
+    def assert_entry_matches_row(self, row, stream, fields):
+        mid = row["message_id"]
+        self.assertEqual(stream, row["topic"].encode(), f"{mid}: stream is the topic")
+        expected = {
+            b"id": mid.encode(),
+            b"topic": row["topic"].encode(),
+            b"payload": bytes(row["payload"]),
+            b"outbox_id": str(row["id"]).encode(),
+            **expected_header_fields(row["headers"]),
+        }
+        if row["partition_key"] is not None:
+            expected[b"key"] = row["partition_key"].encode()
+        created = fields.get(b"created_at", b"").decode(errors="replace")
+        got = {k: v for k, v in fields.items() if k != b"created_at"}
+        self.assertEqual(got, expected, f"entry fields of row {row['id']}")
+        parsed = harness.parse_rfc3339_utc(created)
+        self.assertIsNotNone(parsed, f"created_at {created!r} is RFC 3339 UTC ending in Z")
+        when, digits = parsed
+        slack = datetime.timedelta(seconds=10 ** -digits) if digits < 6 else \
+            datetime.timedelta(microseconds=1)
+        self.assertLess(abs(when - row["created_at"]), slack,
+                        f"created_at {created} is the row's {row['created_at'].isoformat()}")
+
+    def assert_all_delivered_once(self):
+        rows = rows_by_message_id(self.db)
+        found = harness.entries_by_message_id(self.r)
+        for mid, row in rows.items():
+            entries = found.get(mid, [])
+            self.assertEqual(len(entries), 1, f"row {row['id']} ({mid}) has {len(entries)} entries")
+            stream, _, fields = entries[0]
+            self.assert_entry_matches_row(row, stream, fields)
+            self.assertIsNotNone(row["sent_at"], f"row {row['id']} has sent_at")
+        self.verifier().report().assert_exactly_once(self)
+        return rows, found
+
+    def test_rows_before_and_after_start_arrive_once_with_every_field(self):
+        cases = [
+            ("orders", b"plain", None, None),
+            ("orders", b"\x00\xff\xfe\r\n", "customer-42", None),
+            ("orders", b"\xc3\x28 invalid utf-8 \xa0\xa1", "k", {"trace": "abc"}),
+            ("billing.invoices", b"", None, {"a": "1", "n": 42, "flag": True, "neg": -7}),
+            ("A-z_0.9", "unicode ☃ payload".encode(), "kéy ☃", {"quote": 'he said "hi" ☃'}),
+            ("t" * 200, b"x" * 65536, None, {}),
+        ]
+        for topic, payload, key, headers in cases:
+            insert(self.db, topic, payload, key, headers)
+        relay = self.relay(poll_interval=POLL)
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        for topic, payload, key, headers in cases:
+            insert(self.db, topic, payload + b"-after", key, headers)
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        rows, found = self.assert_all_delivered_once()
+        self.assertEqual(len(rows), 2 * len(cases))
+        for mid, row in rows.items():
+            if row["partition_key"] is None:
+                self.assertNotIn(b"key", found[mid][0][2], "no key field when key is NULL")
+
+    def test_backlog_larger_than_a_batch_arrives_once_in_id_order(self):
+        conn = self.pg.connect(autocommit=False)
+        self.addCleanup(conn.close)
+        for start in range(0, 1050, 350):
+            harness.insert_many(conn, [(f"topic{i % 3}", b"%d" % i, f"k{i % 7}")
+                                       for i in range(start, start + 350)])
+        relay = self.relay(poll_interval=POLL, batch_size=100)
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        self.verifier().report().assert_exactly_once(self)
+        for stream, entries in harness.all_entries(self.r).items():
+            ids = [int(fields[b"outbox_id"]) for _, fields in entries]
+            self.assertEqual(ids, sorted(ids), f"stream {stream!r} is in claim (id) order")
+            self.assertEqual(len(ids), 350)
+
+    def test_enqueue_payloads_arrive_as_stored(self):
+        relay = self.relay(poll_interval=POLL)
+        with self.db.cursor() as cur:
+            cur.execute("SELECT outbox.enqueue('orders', 'k1', %s)", ("héllo ☃\n",))
+            cur.execute("SELECT outbox.enqueue('orders', NULL, %s::jsonb, %s::jsonb)",
+                        ('{"b": [true, null], "a": 1}', '{"source": "enqueue"}'))
+            cur.execute("SELECT outbox.enqueue('orders', NULL, %s)",
+                        (psycopg2.Binary(b"\x00\xff\xfe\r\n"),))
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.assert_all_delivered_once()
+        payloads = sorted(f[b"payload"] for _, _, f in
+                          sum(harness.entries_by_message_id(self.r).values(), []))
+        self.assertEqual(payloads, sorted([
+            "héllo ☃\n".encode(), b'{"a": 1, "b": [true, null]}', b"\x00\xff\xfe\r\n"]))
+
+    def test_rolled_back_rows_never_arrive(self):
+        relay = self.relay(poll_interval=POLL)
+        conn = self.pg.connect(autocommit=False)
+        self.addCleanup(conn.close)
+        rolled_back = [insert(conn, "orders", b"rolled back %d" % i, commit=False)
+                       for i in range(5)]
+        conn.rollback()
+        kept = [insert(conn, "orders", b"kept before savepoint", commit=False)]
+        conn.cursor().execute("SAVEPOINT s")
+        rolled_back.append(insert(conn, "orders", b"in savepoint", commit=False))
+        conn.cursor().execute("ROLLBACK TO SAVEPOINT s")
+        kept.append(insert(conn, "orders", b"kept after savepoint", commit=False))
+        conn.commit()
+        marker = insert(self.db, "orders", b"marker")
+        wait_until(lambda: marker in harness.entries_by_message_id(self.r), timeout=30,
+                   relay=relay, message="the marker row's entry")
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        found = harness.entries_by_message_id(self.r)
+        for mid in rolled_back:
+            self.assertNotIn(mid, found, "a rolled-back row was published")
+        for mid in kept:
+            self.assertIn(mid, found)
+        self.assert_all_delivered_once()
+
+    def test_row_committed_after_higher_ids_is_not_skipped(self):
+        relay = self.relay(poll_interval=POLL)
+        slow = self.pg.connect(autocommit=False)
+        self.addCleanup(slow.close)
+        late = insert(slow, "orders", b"lower id, commits last", commit=False)
+        later_ids = [insert(self.db, "orders", b"higher id %d" % i) for i in range(3)]
+        wait_until(lambda: all(m in harness.entries_by_message_id(self.r) for m in later_ids),
+                   timeout=30, relay=relay, message="the rows committed first")
+        self.assertNotIn(late, harness.entries_by_message_id(self.r))
+        slow.commit()
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.assertIn(late, harness.entries_by_message_id(self.r))
+        self.assert_all_delivered_once()
+
+    BAD_TOPICS = ["bad topic!", "{x}", "", "t" * 201, "ünïcode"]
+
+    def insert_good_and_bad(self):
+        good = [insert(self.db, "orders", b"good before")]
+        bad = {insert(self.db, topic, b"bad"): topic for topic in self.BAD_TOPICS}
+        good += [insert(self.db, "orders", b"good after %d" % i) for i in range(4)]
+        return good, bad
+
+    def test_bad_topic_is_not_published_and_does_not_block_others(self):
+        good, bad = self.insert_good_and_bad()
+        relay = self.relay(poll_interval=POLL)
+
+        def good_sent():
+            rows = rows_by_message_id(self.db)
+            return all(rows[m]["sent_at"] for m in good)
+        wait_until(good_sent, timeout=30, relay=relay, message="the good rows behind bad ones")
+
+        def bad_marked():
+            rows = rows_by_message_id(self.db)
+            return all(rows[m]["last_error"] and rows[m]["attempts"] >= 1 for m in bad)
+        wait_until(bad_marked, timeout=30, relay=relay, message="last_error on every bad row")
+
+        rows = rows_by_message_id(self.db)
+        found = harness.entries_by_message_id(self.r)
+        streams = harness.stream_names(self.r)
+        for mid, topic in bad.items():
+            self.assertIsNone(rows[mid]["sent_at"], f"bad topic {topic!r} marked sent")
+            self.assertNotIn(mid, found, f"bad topic {topic!r} published")
+            self.assertNotIn(topic.encode(), streams)
+            self.assertRegex(rows[mid]["last_error"], r"(?i)topic",
+                             f"last_error of topic {topic!r} says why")
+        self.assertEqual(streams, [b"orders"])
+        for mid in good:
+            self.assertEqual(len(found.get(mid, [])), 1)
+        bad_mid = next(m for m, t in bad.items() if t == "bad topic!")
+        relay.wait_for_log(r"^.*\b(WARNING|ERROR)\b.*(?i:topic).*$", timeout=10)
+        lines = [line for line in relay.log().splitlines()
+                 if re.search(r"\b(WARNING|ERROR)\b", line) and re.search(r"(?i)topic", line)
+                 and (bad_mid in line or "bad topic!" in line)]
+        self.assertTrue(lines, "the log names the row with the bad topic and says why\n"
+                        + relay.log_tail())
+
+    def test_bad_topic_is_quarantined_after_max_attempts(self):
+        good, bad = self.insert_good_and_bad()
+        relay = self.relay(poll_interval=POLL, max_attempts=1)
+
+        def quarantined():
+            rows = rows_by_message_id(self.db)
+            return all(rows[m]["failed_at"] for m in bad) and all(rows[m]["sent_at"]
+                                                                  for m in good)
+        wait_until(quarantined, timeout=30, relay=relay,
+                   message="failed_at on every bad row after max_attempts=1")
+        rows = rows_by_message_id(self.db)
+        for mid in bad:
+            self.assertIsNone(rows[mid]["sent_at"])
+            self.assertEqual(rows[mid]["attempts"], 1)
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
+                                         " WHERE sent_at IS NULL AND failed_at IS NULL"), 0)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,125 @@
+"""Redis outages: nothing is marked sent while Redis is away, and nothing is lost or doubled after.
+
+Promises tested (DESIGN.md §2 P1, P2, §4 "Redis"):
+- Redis stopped for ~3 s while rows are committed: no row gets sent_at during
+  the outage, the relay logs the problem, reconnects when Redis is back on the
+  same port (logged), and every row arrives exactly once;
+- Redis killed with SIGKILL under load (appendfsync always): after its
+  restart every row arrives exactly once (the dedup function absorbs a batch
+  whose outcome the relay never learnt);
+- Redis hung (SIGSTOP) for ~3 s: the relay's own publish timeout fires, no row
+  is marked sent while it hangs, and after SIGCONT every row arrives exactly
+  once although Redis then runs the commands of the abandoned batch.
+"""
+
+import time
+import unittest
+
+import harness
+from harness import insert, scalar, wait_until
+
+harness.require_relay()
+harness.set_deadline(240)
+
+RELAY_FLAGS = dict(poll_interval="200ms", reconnect_min="50ms", reconnect_max="500ms",
+                   publish_timeout="1s", connect_timeout="1s", batch_size=50)
+OUTAGE_SECONDS = 3
+
+
+class RedisOutageTest(harness.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.pg = cls.enterClassContext(harness.Postgres())
+        cls.db = cls.pg.connect()
+        cls.addClassCleanup(cls.db.close)
+
+    def setUp(self):
+        super().setUp()
+        harness.reset(self.db)
+
+    def start(self, appendfsync="everysec", **flags):
+        self.redis = self.enterContext(harness.Redis(appendonly=True, appendfsync=appendfsync))
+        self.r = self.redis.client()
+        self.addCleanup(self.r.close)
+        relay = self.enterContext(harness.Relay(self.pg, self.redis, **{**RELAY_FLAGS, **flags}))
+        for i in range(10):
+            insert(self.db, "orders", b"before %d" % i)
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        return relay
+
+    def sent_count(self):
+        return scalar(self.db, "SELECT count(*) FROM outbox.messages WHERE sent_at IS NOT NULL")
+
+    def commit_rows_for(self, seconds, relay, sent_before):
+        """Commits a row every 100 ms for `seconds`; checks that none gets sent meanwhile."""
+        ids = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            ids.append(insert(self.db, "orders", b"during %d" % len(ids)))
+            self.assertEqual(self.sent_count(), sent_before,
+                             "a row was marked sent while Redis was unavailable")
+            self.assertTrue(relay.alive(), "relay exited during the outage\n" + relay.log_tail())
+            time.sleep(0.1)
+        return ids
+
+    def test_redis_stopped_then_restarted(self):
+        relay = self.start()
+        sent_before = self.sent_count()
+        mark = relay.mark()
+        self.redis.stop()
+        during = self.commit_rows_for(OUTAGE_SECONDS, relay, sent_before)
+        relay.wait_for_log(harness.LOG_PROBLEM.format(component="redis"), since=mark,
+                           timeout=10)
+        with self.db.cursor() as cur:
+            cur.execute("SELECT count(*) FROM outbox.messages WHERE sent_at IS NOT NULL"
+                        " AND message_id::text = ANY(%s)", (during,))
+            self.assertEqual(cur.fetchone()[0], 0)
+        back = relay.mark()
+        self.redis.start()
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        relay.wait_for_log(harness.LOG_CONNECTED.format(component="redis"), since=back,
+                           timeout=10)
+        fig = harness.Verifier(self.db, self.r).report("outage=stop")
+        fig.assert_exactly_once(self)
+        self.assertEqual(fig.committed, 10 + len(during))
+
+    def test_redis_killed_under_load(self):
+        relay = self.start(appendfsync="always")
+        producer = harness.Producer(self.pg, rows=10**9, tx_rows=(1, 20), rate=2000,
+                                    topics=("orders", "billing", "mail"), name="load")
+        producer.start()
+        self.addCleanup(producer.stop)
+        wait_until(lambda: self.sent_count() > 500, timeout=30, relay=relay,
+                   message="the relay to publish under load")
+        mark = relay.mark()
+        self.redis.kill()
+        wait_until(lambda: harness.problem_lines(relay.log()[mark:], "redis"), timeout=10,
+                   relay=relay, message="a redis problem in the log")
+        back = relay.mark()
+        self.redis.start()
+        committed = producer.committed
+        wait_until(lambda: producer.committed > committed + 500, timeout=30,
+                   message="more rows committed after the restart")
+        producer.stop()
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        relay.wait_for_log(harness.LOG_CONNECTED.format(component="redis"), since=back)
+        harness.Verifier(self.db, self.r).report("outage=sigkill").assert_exactly_once(self)
+
+    def test_redis_hung(self):
+        relay = self.start(publish_timeout="500ms")
+        sent_before = self.sent_count()
+        mark = relay.mark()
+        self.redis.pause()
+        during = self.commit_rows_for(OUTAGE_SECONDS, relay, sent_before)
+        relay.wait_for_log(harness.LOG_PROBLEM.format(component="redis"), since=mark)
+        self.redis.resume()
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        fig = harness.Verifier(self.db, self.r).report("outage=sigstop")
+        fig.assert_exactly_once(self)
+        self.assertEqual(fig.committed, 10 + len(during))
+
+
+if __name__ == "__main__":
+    unittest.main()

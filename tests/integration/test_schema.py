@@ -1,0 +1,361 @@
+"""The schema (migrations/) and the harness itself, without the relay.
+
+Promises tested:
+- every migration applies in name order, and applying them all a second time
+  succeeds and changes nothing (schema, grants, version rows, data);
+- producers (a role granted outbox_producer) can INSERT rows and call
+  outbox.enqueue with text, jsonb and bytea payloads, and nothing else;
+- the relay (a role granted outbox_relay) can claim rows with
+  SELECT ... FOR UPDATE SKIP LOCKED and mark them sent, but cannot INSERT,
+  DELETE or change what a producer wrote;
+- a committed insert notifies channel outbox_relay once per transaction; a
+  rolled-back one does not;
+- the harness starts and stops PostgreSQL and Redis, restarts them, removes
+  their directories also when the test is killed with SIGTERM, and its
+  Verifier counts lost, duplicated and stray entries correctly.
+"""
+
+import contextlib
+import difflib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import unittest
+
+import psycopg2
+import psycopg2.errors
+
+import harness
+from harness import insert, scalar, wait_until
+
+harness.set_deadline(300)
+
+
+def dir_gone(path):
+    return not os.path.exists(path)
+
+
+class HarnessServersTest(harness.TestCase):
+    """The throwaway servers behave as the other tests assume."""
+
+    def test_postgres_lifecycle(self):
+        with harness.Postgres() as pg:
+            directory, port = pg.dir, pg.port
+            self.assertTrue(harness.port_open(port))
+            conn = pg.connect()
+            insert(conn, "t", b"before")
+            conn.close()
+            for mode in ("immediate", "fast"):
+                pg.restart(mode)
+                with contextlib.closing(pg.connect()) as conn:
+                    self.assertEqual(scalar(conn, "SELECT count(*) FROM outbox.messages"), 1,
+                                     f"committed row kept across a {mode} restart")
+            pg.stop()
+            self.assertFalse(harness.port_open(port))
+            pg.start()
+            self.assertTrue(harness.port_open(port))
+        self.assertTrue(dir_gone(directory), "postgres temp dir removed")
+        self.assertFalse(harness.port_open(port), "postgres stopped")
+
+    def test_redis_lifecycle(self):
+        with harness.Redis(appendonly=True, appendfsync="always") as r:
+            directory, port = r.dir, r.port
+            self.assertEqual(r.url(), f"redis://127.0.0.1:{port}/0")
+            c = r.client()
+            c.xadd("s", {"a": "1"})
+            r.kill()
+            self.assertFalse(harness.port_open(port))
+            r.start()
+            self.assertEqual(c.xlen("s"), 1, "AOF kept the entry across SIGKILL")
+            r.stop()
+            r.start()
+            self.assertEqual(c.xlen("s"), 1)
+            r.pause()
+            with contextlib.closing(r.client(socket_timeout=0.3)) as paused:
+                with self.assertRaises(Exception):
+                    paused.ping()
+            r.resume()
+            self.assertTrue(c.ping())
+            self.assertEqual(c.config_get("save")["save"], "")
+            c.close()
+        self.assertTrue(dir_gone(directory), "redis temp dir removed")
+        self.assertFalse(harness.port_open(port), "redis stopped")
+
+    def test_redis_without_aof_and_with_password(self):
+        with harness.Redis(password="pw-123") as r:
+            self.assertEqual(r.url(), f"redis://:pw-123@127.0.0.1:{r.port}/0")
+            c = r.client()
+            self.assertEqual(c.config_get("appendonly")["appendonly"], "no")
+            c.close()
+
+    def test_servers_removed_when_the_test_gets_sigterm(self):
+        script = textwrap.dedent(f"""
+            import json, sys, time
+            sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+            import harness
+            with harness.Postgres(migrations=False) as pg, harness.Redis() as r:
+                print(json.dumps([pg.dir, pg.port, r.dir, r.port]), flush=True)
+                time.sleep(120)
+        """)
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE)
+        try:
+            ready, _, _ = select.select([child.stdout], [], [], 60)
+            self.assertTrue(ready, "child started its servers")
+            pg_dir, pg_port, redis_dir, redis_port = json.loads(child.stdout.readline())
+            self.assertTrue(harness.port_open(pg_port) and harness.port_open(redis_port))
+            child.send_signal(signal.SIGTERM)
+            code = child.wait(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        self.assertEqual(code, 128 + signal.SIGTERM, child.stderr.read().decode())
+        self.assertTrue(dir_gone(pg_dir) and dir_gone(redis_dir), "temp dirs removed")
+        self.assertFalse(harness.port_open(pg_port) or harness.port_open(redis_port),
+                         "servers stopped")
+
+
+class SchemaTest(harness.ServerTestCase):
+    """migrations/*.sql against a real PostgreSQL 15."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        with cls.db.cursor() as cur:
+            cur.execute("CREATE ROLE producer_login LOGIN IN ROLE outbox_producer;"
+                        "CREATE ROLE relay_login LOGIN IN ROLE outbox_relay")
+
+    def as_role(self, user, autocommit=True):
+        conn = self.pg.connect(user=user, autocommit=autocommit)
+        self.addCleanup(conn.close)
+        return conn
+
+    def schema_dump(self):
+        text = harness._run([os.path.join(self.pg.bindir, "pg_dump"), "-h", "127.0.0.1",
+                             "-p", str(self.pg.port), "-U", "postgres", "-d", "app",
+                             "--schema-only"], "pg_dump")
+        # pg_dump 15.14+ brackets its output with \restrict <random key>.
+        return [line for line in text.splitlines()
+                if not line.startswith(("\\restrict", "\\unrestrict"))]
+
+    def roles(self):
+        with self.db.cursor() as cur:
+            cur.execute("SELECT r.rolname, r.rolcanlogin, coalesce(array_agg(g.rolname ORDER BY"
+                        " g.rolname) FILTER (WHERE g.rolname IS NOT NULL), '{}')"
+                        " FROM pg_roles r LEFT JOIN pg_auth_members m ON m.member = r.oid"
+                        " LEFT JOIN pg_roles g ON g.oid = m.roleid"
+                        " WHERE r.rolname NOT LIKE 'pg\\_%' GROUP BY 1, 2 ORDER BY 1")
+            return cur.fetchall()
+
+    def test_migrations_apply_twice_and_change_nothing(self):
+        message_id = insert(self.db, "orders", b"kept")
+        before = (self.schema_dump(), self.roles(),
+                  scalar(self.db, "SELECT array_agg(version || ':' || name || ':' || applied_at"
+                                  " ORDER BY version) FROM outbox.schema_version"))
+        self.pg.apply_migrations()  # raises if any file fails (ON_ERROR_STOP=1)
+        after = (self.schema_dump(), self.roles(),
+                 scalar(self.db, "SELECT array_agg(version || ':' || name || ':' || applied_at"
+                                 " ORDER BY version) FROM outbox.schema_version"))
+        diff = "\n".join(difflib.unified_diff(before[0], after[0], "first", "second",
+                                               lineterm=""))
+        self.assertEqual(diff, "", "a second application changed the schema dump")
+        self.assertEqual(before[1:], after[1:])
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"), 1)
+        self.assertEqual(scalar(self.db, "SELECT message_id::text FROM outbox.messages"),
+                         message_id)
+
+    def test_schema_shape(self):
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 4)
+        self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
+                                         " WHERE version = 4"), "004_schema_version.sql")
+        with self.db.cursor() as cur:
+            cur.execute("SELECT column_name, data_type, is_nullable FROM information_schema.columns"
+                        " WHERE table_schema = 'outbox' AND table_name = 'messages'")
+            columns = {name: (kind, nullable) for name, kind, nullable in cur.fetchall()}
+        for name in ("id", "message_id", "topic", "partition_key", "payload", "headers",
+                     "created_at", "sent_at", "attempts", "last_error", "retry_at", "failed_at"):
+            self.assertIn(name, columns)
+        self.assertEqual(columns["payload"][0], "bytea")
+        self.assertEqual(columns["message_id"], ("uuid", "NO"))
+        self.assertEqual(columns["sent_at"][1], "YES")
+        self.assertIn("sent_at IS NULL", scalar(
+            self.db, "SELECT indexdef FROM pg_indexes WHERE indexname = 'messages_pending_idx'"))
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM pg_trigger WHERE tgname ="
+                                         " 'messages_notify' AND NOT tgisinternal"), 1)
+
+    def test_enqueue_stores_text_jsonb_and_bytea_payloads(self):
+        with self.db.cursor() as cur:
+            cur.execute("SELECT outbox.enqueue('orders', 'k1', %s)", ("héllo ☃",))
+            text_id = cur.fetchone()[0]
+            cur.execute("SELECT outbox.enqueue('orders', NULL, %s::jsonb, %s::jsonb)",
+                        ('{"b": [true, null], "a": 1}', '{"trace": "abc"}'))
+            json_id = cur.fetchone()[0]
+            cur.execute("SELECT outbox.enqueue('orders', NULL, %s)",
+                        (psycopg2.Binary(b"\x00\xff\xfe\r\n"),))
+            bytea_id = cur.fetchone()[0]
+            cur.execute("SELECT message_id, partition_key, payload, headers"
+                        " FROM outbox.messages")
+            rows = {r[0]: r[1:] for r in cur.fetchall()}
+        self.assertEqual(rows[text_id][0], "k1")
+        self.assertEqual(bytes(rows[text_id][1]), "héllo ☃".encode())
+        self.assertEqual(bytes(rows[json_id][1]), b'{"a": 1, "b": [true, null]}')
+        self.assertEqual(rows[json_id][2], {"trace": "abc"})
+        self.assertEqual(bytes(rows[bytea_id][1]), b"\x00\xff\xfe\r\n")
+
+    def test_producer_role_can_insert_and_enqueue(self):
+        conn = self.as_role("producer_login")
+        with conn.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, partition_key, payload, headers)"
+                        " VALUES ('orders', 'k', 'x', '{\"a\": \"b\"}')")
+            for sql, arg in (("SELECT outbox.enqueue('orders', NULL, %s)", "text payload"),
+                             ("SELECT outbox.enqueue('orders', NULL, %s::jsonb)", '{"a": 1}'),
+                             ("SELECT outbox.enqueue('orders', NULL, %s)",
+                              psycopg2.Binary(b"\x00\x01"))):
+                try:
+                    cur.execute(sql, (arg,))
+                except psycopg2.Error as e:
+                    self.fail(f"producer_login (IN ROLE outbox_producer) cannot run {sql}: "
+                              f"{e.pgerror.strip()}")
+                self.assertEqual(len(cur.fetchone()[0]), 36)
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"), 4)
+
+    def test_producer_role_can_do_nothing_else(self):
+        insert(self.db, "orders", b"x")
+        conn = self.as_role("producer_login")
+        for sql in ("SELECT payload FROM outbox.messages",
+                    "UPDATE outbox.messages SET sent_at = now()",
+                    "DELETE FROM outbox.messages",
+                    "TRUNCATE outbox.messages",
+                    "INSERT INTO outbox.messages (topic, payload, sent_at)"
+                    " VALUES ('t', 'x', now())"):
+            with self.subTest(sql=sql), self.assertRaises(
+                    psycopg2.errors.InsufficientPrivilege):
+                with conn.cursor() as cur:
+                    cur.execute(sql)
+
+    def test_relay_role_claims_and_marks_sent(self):
+        for i in range(4):
+            insert(self.db, "orders", b"%d" % i)
+        first = self.as_role("relay_login", autocommit=False)
+        second = self.as_role("relay_login", autocommit=False)
+        claim = ("SELECT id, message_id, topic, partition_key, payload, headers, created_at"
+                 " FROM outbox.messages WHERE sent_at IS NULL AND failed_at IS NULL"
+                 " ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED")
+        with first.cursor() as a, second.cursor() as b:
+            a.execute(claim, (2,))
+            claimed_a = [r[0] for r in a.fetchall()]
+            b.execute(claim, (10,))
+            claimed_b = [r[0] for r in b.fetchall()]
+            self.assertEqual(claimed_a, [1, 2])
+            self.assertEqual(claimed_b, [3, 4], "SKIP LOCKED skipped the rows of the other claim")
+            a.execute("UPDATE outbox.messages SET sent_at = now() WHERE id = ANY(%s)",
+                      (claimed_a,))
+            b.execute("UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'x',"
+                      " retry_at = now(), failed_at = now() WHERE id = ANY(%s)", (claimed_b,))
+        first.commit()
+        second.commit()
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
+                                         " WHERE sent_at IS NOT NULL"), 2)
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
+                                         " WHERE failed_at IS NOT NULL"), 2)
+        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 4)
+
+    def test_relay_role_can_do_nothing_else(self):
+        insert(self.db, "orders", b"x")
+        conn = self.as_role("relay_login")
+        for sql in ("INSERT INTO outbox.messages (topic, payload) VALUES ('t', 'x')",
+                    "DELETE FROM outbox.messages",
+                    "TRUNCATE outbox.messages",
+                    "UPDATE outbox.messages SET payload = 'y'",
+                    "UPDATE outbox.messages SET topic = 'y'",
+                    "SELECT outbox.enqueue('t', NULL, 'x'::text)"):
+            with self.subTest(sql=sql), self.assertRaises(
+                    psycopg2.errors.InsufficientPrivilege):
+                with conn.cursor() as cur:
+                    cur.execute(sql)
+
+    def test_commit_notifies_once_rollback_does_not(self):
+        listener = self.pg.connect()
+        self.addCleanup(listener.close)
+        listener.cursor().execute("LISTEN outbox_relay")
+
+        def notifications(wait):
+            deadline = time.monotonic() + wait
+            got = []
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return got
+                select.select([listener], [], [], left)
+                listener.poll()
+                got += [n.channel for n in listener.notifies]
+                listener.notifies.clear()
+
+        producer = self.pg.connect(autocommit=False)
+        self.addCleanup(producer.close)
+        harness.insert_many(producer, [("a", b"1"), ("a", b"2")], commit=False)
+        insert(producer, "a", b"3", commit=False)
+        self.assertEqual(notifications(0.3), [], "no notification before the commit")
+        producer.commit()
+        self.assertEqual(notifications(0.5), ["outbox_relay"], "one notification per transaction")
+        insert(producer, "a", b"4", commit=False)
+        producer.rollback()
+        self.assertEqual(notifications(0.5), [], "a rolled-back insert notifies nobody")
+
+
+class VerifierTest(harness.ServerTestCase):
+    """The helpers that every delivery test trusts can see what goes wrong."""
+
+    def test_stream_entries_reads_past_one_chunk(self):
+        pipe = self.r.pipeline(transaction=False)
+        for i in range(20_001):
+            pipe.xadd("big", {"n": str(i)})
+        pipe.execute()
+        entries = harness.stream_entries(self.r, "big")
+        self.assertEqual(len(entries), 20_001)
+        self.assertEqual([int(f[b"n"]) for _, f in entries], list(range(20_001)))
+        self.assertEqual(len({eid for eid, _ in entries}), 20_001)
+
+    def test_verifier_counts_each_kind_of_fault(self):
+        ok, absent, unsent, twice, elsewhere = (insert(self.db, "t", b"x") for _ in range(5))
+        self.db.cursor().execute("UPDATE outbox.messages SET sent_at = now()"
+                                 " WHERE message_id::text = ANY(%s)", ([ok, absent, twice],))
+        self.r.xadd("t", {"id": ok})
+        self.r.xadd("t", {"id": twice})
+        self.r.xadd("t", {"id": twice})
+        self.r.xadd("other", {"id": elsewhere})
+        self.r.xadd("t", {"id": "00000000-0000-0000-0000-000000000000"})
+        self.r.set("{t}:dedup:" + ok, "1")
+        fig = harness.Verifier(self.db, self.r).figures()
+        self.assertEqual(fig.line(), "rows committed=5 published=2 lost=3 duplicates=1"
+                                     " sent_but_absent=1 unsent=2 stray=2")
+        self.assertEqual(sorted(fig.lost_ids), sorted([absent, unsent, elsewhere]))
+        self.assertEqual(fig.duplicate_ids, [twice])
+        with self.assertRaises(AssertionError):
+            fig.assert_exactly_once(self)
+
+    def test_verifier_passes_a_clean_delivery_and_honours_the_prefix(self):
+        ids = [insert(self.db, "orders", b"x") for _ in range(3)]
+        self.db.cursor().execute("UPDATE outbox.messages SET sent_at = now()")
+        for mid in ids:
+            self.r.xadd("pre.orders", {"id": mid})
+        harness.Verifier(self.db, self.r, stream_prefix="pre.").figures().assert_exactly_once(self)
+        self.assertEqual(harness.Verifier(self.db, self.r).figures().lost, 3)
+
+    def test_wait_until_and_time_parsing(self):
+        self.assertEqual(wait_until(lambda: 7, timeout=1), 7)
+        with self.assertRaises(AssertionError):
+            wait_until(lambda: False, timeout=0.2, message="never")
+        when, digits = harness.parse_rfc3339_utc("2026-11-30T11:35:14.123Z")
+        self.assertEqual((when.year, when.microsecond, digits), (2026, 123000, 3))
+        self.assertIsNone(harness.parse_rfc3339_utc("2026-11-30 11:35:14+00:00"))
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,122 @@
+"""Shutdown: SIGTERM drains and exits 0; a second signal exits at once; nothing is lost either way.
+
+Promises tested (DESIGN.md §4 "Shutdown", §2 P1 and P2):
+- SIGTERM (and SIGINT) while idle: exit code 0, promptly;
+- SIGTERM under load: the batch in flight is finished or rolled back, the
+  relay exits 0 within drain_timeout, every row it marked sent is in Redis,
+  and a new relay then delivers everything exactly once;
+- SIGTERM while the batch in flight cannot finish (Redis hung): the relay
+  still exits within drain_timeout;
+- a second SIGTERM during the drain exits at once, and still nothing is lost
+  or doubled after a restart.
+"""
+
+import signal
+import time
+import unittest
+
+import harness
+from harness import insert, scalar, wait_until
+
+harness.require_relay()
+harness.set_deadline(300)
+
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
+SLACK = 5  # seconds allowed beyond drain_timeout for the process to go
+
+
+def locked_by_relay(conn):
+    """How many pending rows another session (the relay) holds in a claim."""
+    pending = scalar(conn, "SELECT count(*) FROM outbox.messages WHERE sent_at IS NULL")
+    free = scalar(conn, "SELECT count(*) FROM (SELECT 1 FROM outbox.messages"
+                        " WHERE sent_at IS NULL FOR UPDATE SKIP LOCKED) s")
+    return pending - free
+
+
+class ShutdownTest(harness.ServerTestCase):
+
+    def ready_relay(self, **flags):
+        """A relay that has published one row, so it is connected and idle."""
+        relay = self.relay(poll_interval="200ms", **flags)
+        insert(self.db, "orders", b"warm-up")
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        return relay
+
+    def assert_not_crashed(self, code, relay):
+        self.assertNotIn(-code, CRASH_SIGNALS, "crashed\n" + relay.log_tail())
+
+    def deliver_the_rest(self, label):
+        relay = self.relay(poll_interval="200ms")
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        self.verifier().report(label).assert_exactly_once(self)
+        self.assertEqual(relay.terminate(), 0)
+
+    def test_sigterm_while_idle(self):
+        relay = self.ready_relay()
+        self.assertEqual(relay.terminate(timeout=10), 0, relay.log_tail())
+        relay = self.ready_relay()
+        relay.kill(signal.SIGINT)
+        self.assertEqual(relay.wait(timeout=10), 0, "SIGINT too\n" + relay.log_tail())
+
+    def test_sigterm_under_load(self):
+        drain = 5
+        conn = self.pg.connect(autocommit=False)
+        self.addCleanup(conn.close)
+        for _ in range(6):
+            harness.insert_many(conn, [("orders", b"backlog %d" % i) for i in range(5000)])
+        producer = harness.Producer(self.pg, rows=10**9, tx_rows=(1, 20), rate=2000,
+                                    topics=("orders", "billing"), name="load")
+        producer.start()
+        self.addCleanup(producer.stop)
+        relay = self.relay(poll_interval="200ms", batch_size=200,
+                           drain_timeout=f"{drain}s")
+        wait_until(lambda: scalar(self.db, "SELECT count(*) FROM outbox.messages"
+                                           " WHERE sent_at IS NOT NULL") >= 1000,
+                   timeout=30, relay=relay, message="the relay to be busy")
+        self.assertGreater(harness.count_unsent(self.db), 0, "still under load")
+        code = relay.terminate(timeout=drain + SLACK)
+        self.assertEqual(code, 0, relay.log_tail())
+        fig = self.verifier().figures()  # the rest is still pending
+        self.assertEqual((fig.sent_but_absent, fig.duplicates, fig.stray), (0, 0, 0),
+                         "a row marked sent is in Redis, once")
+        producer.stop()
+        self.deliver_the_rest("after restart")
+
+    def hang_a_batch(self, **flags):
+        """A relay whose next batch is stuck: Redis hangs after the relay claimed rows."""
+        relay = self.ready_relay(publish_timeout="60s", **flags)
+        self.redis.pause()
+        self.addCleanup(self.redis.resume)
+        for i in range(20):
+            insert(self.db, "orders", b"stuck %d" % i)
+        wait_until(lambda: locked_by_relay(self.db) > 0, timeout=30, relay=relay,
+                   message="the relay to claim rows")
+        return relay
+
+    def test_sigterm_with_batch_that_cannot_finish(self):
+        drain = 2
+        relay = self.hang_a_batch(drain_timeout=f"{drain}s")
+        relay.kill(signal.SIGTERM)
+        code = relay.wait(timeout=drain + SLACK)
+        print(f"exit code after the drain deadline: {code}", flush=True)
+        self.assert_not_crashed(code, relay)
+        wait_until(lambda: locked_by_relay(self.db) == 0, timeout=10,
+                   message="the claim of the exited relay to be released")
+        self.redis.resume()
+        self.deliver_the_rest("after drain deadline")
+
+    def test_second_sigterm_exits_at_once(self):
+        relay = self.hang_a_batch(drain_timeout="60s")
+        relay.kill(signal.SIGTERM)
+        time.sleep(1)  # the relay now waits for its batch, up to 60 s
+        self.assertTrue(relay.alive(), "the first SIGTERM should drain, not exit\n"
+                        + relay.log_tail())
+        relay.kill(signal.SIGTERM)
+        code = relay.wait(timeout=SLACK)
+        self.assert_not_crashed(code, relay)
+        self.redis.resume()
+        self.deliver_the_rest("after second SIGTERM")
+
+
+if __name__ == "__main__":
+    unittest.main()

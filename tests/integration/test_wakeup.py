@@ -1,0 +1,75 @@
+"""Wake-up: an idle relay publishes a new row at once, not at its next poll.
+
+Promises tested (DESIGN.md §4 "When to claim", §7.1):
+- with LISTEN on (the default) and a 30 s poll interval, every one of ~50
+  single-row commits reaches its stream well within a second of the commit
+  (the p50/p99/max commit-to-entry latency is printed for the report; the
+  1000 ms bound is deliberately generous so machine noise cannot flake it);
+- with --listen off and a 200 ms poll interval everything still arrives.
+"""
+
+import statistics
+import sys
+import time
+import unittest
+
+import harness
+from harness import insert
+
+harness.require_relay()
+harness.set_deadline(240)
+
+SAMPLES = 50
+BOUND_MS = 1000
+
+
+class WakeupTest(harness.ServerTestCase):
+
+    def test_idle_relay_wakes_on_commit(self):
+        # Committed before the start: the catch-up claim publishes it, and the
+        # relay LISTENs before that claim, so once it arrives the relay listens.
+        warmup = insert(self.db, "wake", b"warm-up")
+        relay = self.relay(poll_interval="30s")
+        harness.wait_until(lambda: warmup in harness.entries_by_message_id(self.r),
+                           timeout=30, relay=relay, message="the warm-up row")
+        last_id = harness.stream_entries(self.r, "wake")[-1][0]
+        latencies = []
+        for i in range(SAMPLES):
+            message_id = insert(self.db, "wake", b"row %d" % i)  # autocommit: committed here
+            committed = time.monotonic()
+            reply = self.r.xread({"wake": last_id}, count=1, block=5000)
+            arrived = time.monotonic()
+            self.assertTrue(reply, f"row {i} did not arrive within 5 s of its commit"
+                                   f" (poll interval is 30 s)\n{relay.log_tail()}")
+            entry_id, fields = reply[0][1][0]
+            self.assertEqual(fields[b"id"].decode(), message_id)
+            last_id = entry_id
+            latencies.append((arrived - committed) * 1000)
+        latencies.sort()
+        p50 = statistics.median(latencies)
+        p99 = latencies[min(len(latencies) - 1, int(round(0.99 * (len(latencies) - 1))))]
+        print(f"wake-up latency over {SAMPLES} single-row commits: p50={p50:.1f}ms"
+              f" p99={p99:.1f}ms max={latencies[-1]:.1f}ms", file=sys.stderr, flush=True)
+        self.assertLess(latencies[-1], BOUND_MS,
+                        f"slowest commit-to-entry latency {latencies[-1]:.0f} ms")
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.verifier().report().assert_exactly_once(self)
+
+    def test_poll_only_delivers_everything(self):
+        relay = self.relay(listen="off", poll_interval="200ms")
+        conn = self.pg.connect(autocommit=False)
+        self.addCleanup(conn.close)
+        for i in range(20):
+            harness.insert_many(conn, [("poll", b"%d-%d" % (i, j)) for j in range(i % 4 + 1)])
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        fig = self.verifier().report()
+        fig.assert_exactly_once(self)
+        self.assertEqual(fig.committed, sum(i % 4 + 1 for i in range(20)))
+        listening = harness.scalar(
+            self.db, "SELECT count(*) FROM pg_stat_activity"
+                     " WHERE query ~* '(^|;)\\s*LISTEN\\s' AND pid <> pg_backend_pid()")
+        self.assertEqual(listening, 0, "--listen off: no connection LISTENs")
+
+
+if __name__ == "__main__":
+    unittest.main()
