@@ -21,6 +21,9 @@ GRANT USAGE ON SCHEMA outbox TO outbox_producer, outbox_relay;
 
 GRANT INSERT (message_id, topic, partition_key, payload, headers)
     ON outbox.messages TO outbox_producer;
+-- INSERT ... RETURNING (and outbox.enqueue, which returns the message_id)
+-- needs SELECT on the returned columns; nothing else is readable.
+GRANT SELECT (id, message_id) ON outbox.messages TO outbox_producer;
 GRANT EXECUTE ON FUNCTION
     outbox.enqueue(text, text, bytea, jsonb),
     outbox.enqueue(text, text, text, jsonb),

@@ -384,7 +384,7 @@ int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_
     for (size_t i = 0; i < n; i++) {
         if (rows[i].state != RELAY_ROW_PUBLISHED)
             continue;
-        relay_sqlbuf_append(out, any ? "," : "UPDATE outbox.messages SET sent_at = now() "
+        relay_sqlbuf_append(out, any ? "," : "UPDATE outbox.messages SET sent_at = statement_timestamp() "
                                              "WHERE id = ANY('{");
         snprintf(buf, sizeof(buf), "%lld", (long long)rows[i].id);
         relay_sqlbuf_append(out, buf);

@@ -376,7 +376,7 @@ static void test_finish_sql(void **state)
     assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, &buf), 1);
     assert_string_equal(
         buf.data,
-        "UPDATE outbox.messages SET sent_at = now() WHERE id = ANY('{10,12}'::bigint[]);"
+        "UPDATE outbox.messages SET sent_at = statement_timestamp() WHERE id = ANY('{10,12}'::bigint[]);"
         "UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'topic \"it''s\" is "
         "not allowed', retry_at = now() + interval '1000 milliseconds', failed_at = NULL WHERE "
         "id = 11;"
