@@ -1,0 +1,294 @@
+/*
+ * outbox-email-consumer: the consumer pattern done right, as a small program.
+ *
+ * It reads the "orders" stream as group "email" with the consumer library and
+ * "sends an email" per order by inserting a row into emails, in the same
+ * PostgreSQL transaction as outbox_consumer.begin_message: a redelivered
+ * message finds its processed row and does nothing. A payload that is not a
+ * JSON order fails for good (it lands in the dead-letter stream at once); a
+ * database that is down is a transient failure, retried with backoff.
+ *
+ * For demos and tests, a header "fail" on the message asks for a failure:
+ * "permanent", "transient" (every delivery) or "transient:N" (the first N
+ * deliveries); --fail-rate makes that share of first deliveries fail
+ * transiently, like a flaky mail provider.
+ */
+#include "relay/compat.h"
+
+#include <getopt.h>
+#include <libpq-fe.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "relay/common.h"
+#include "relay/config.h"
+#include "relay/consumer.h"
+#include "relay/log.h"
+
+struct email_app {
+    const char *conninfo;
+    const char *group;
+    PGconn *db;
+    double fail_rate;
+};
+
+static struct relay_consumer *the_consumer;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    if (the_consumer != NULL)
+        relay_consumer_stop(the_consumer);
+}
+
+static int db_ready(struct email_app *app, char *err, size_t errlen)
+{
+    if (app->db != NULL && PQstatus(app->db) == CONNECTION_OK)
+        return 0;
+    if (app->db != NULL)
+        PQfinish(app->db);
+    const char *const keys[] = {"application_name", "connect_timeout", "options", "dbname", NULL};
+    const char *const vals[] = {"outbox-email-consumer", "5", "-c statement_timeout=10000",
+                                app->conninfo, NULL};
+    app->db = PQconnectdbParams(keys, vals, 1);
+    if (PQstatus(app->db) != CONNECTION_OK) {
+        snprintf(err, errlen, "database unavailable: %s", PQerrorMessage(app->db));
+        return -1;
+    }
+    return 0;
+}
+
+static const char *header(const struct relay_message *m, const char *name)
+{
+    for (size_t i = 0; i < m->nheaders; i++)
+        if (strcmp(m->header_names[i], name) == 0)
+            return m->header_values[i];
+    return NULL;
+}
+
+static enum relay_handled fail_from_sql(struct email_app *app, PGresult *res, char *err,
+                                        size_t errlen)
+{
+    const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+    snprintf(err, errlen, "%s", PQresultErrorMessage(res));
+    for (char *p = err; *p; p++)
+        if (*p == '\n')
+            *p = ' ';
+    PQclear(res);
+    PQclear(PQexec(app->db, "ROLLBACK"));
+    /* Class 22 (data exception: not JSON, not a number) never gets better. */
+    if (state != NULL && strncmp(state, "22", 2) == 0)
+        return RELAY_HANDLED_FAIL;
+    return RELAY_HANDLED_RETRY;
+}
+
+static enum relay_handled send_email(const struct relay_message *m, void *arg, char *err,
+                                     size_t errlen)
+{
+    struct email_app *app = arg;
+    const char *fail = header(m, "fail");
+    if (fail != NULL && strcmp(fail, "permanent") == 0) {
+        snprintf(err, errlen, "the message asked for a permanent failure");
+        return RELAY_HANDLED_FAIL;
+    }
+    if (fail != NULL && strncmp(fail, "transient", 9) == 0) {
+        long upto = fail[9] == ':' ? strtol(fail + 10, NULL, 10) : -1;
+        if (upto < 0 || (long)m->deliveries <= upto) {
+            snprintf(err, errlen, "the message asked for a transient failure");
+            return RELAY_HANDLED_RETRY;
+        }
+    }
+    if (app->fail_rate > 0 && m->deliveries == 1 &&
+        (double)random() / RAND_MAX < app->fail_rate) {
+        snprintf(err, errlen, "mail provider timed out (simulated)");
+        return RELAY_HANDLED_RETRY;
+    }
+    if (db_ready(app, err, errlen) < 0)
+        return RELAY_HANDLED_RETRY;
+
+    PGresult *res = PQexec(app->db, "BEGIN");
+    if (PQresultStatus(res) != PGRES_COMMAND_OK)
+        return fail_from_sql(app, res, err, errlen);
+    PQclear(res);
+
+    const char *p1[2] = {app->group, m->id};
+    res = PQexecParams(app->db, "SELECT outbox_consumer.begin_message($1, $2::uuid)", 2, NULL, p1,
+                       NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK)
+        return fail_from_sql(app, res, err, errlen);
+    int is_new = strcmp(PQgetvalue(res, 0, 0), "t") == 0;
+    PQclear(res);
+
+    if (is_new) {
+        const char *p2[3] = {m->id, m->payload, app->group};
+        int lens[3] = {0, (int)m->payload_len, 0};
+        int formats[3] = {0, 1, 0};
+        res = PQexecParams(app->db,
+                           "INSERT INTO emails (message_id, order_id, customer, consumer)"
+                           " SELECT $1::uuid, (p ->> 'order')::bigint, p ->> 'customer', $3"
+                           " FROM (SELECT convert_from($2::bytea, 'UTF8')::jsonb AS p) AS s",
+                           3, NULL, p2, lens, formats, 0);
+        if (PQresultStatus(res) != PGRES_COMMAND_OK)
+            return fail_from_sql(app, res, err, errlen);
+        PQclear(res);
+    }
+    res = PQexec(app->db, "COMMIT");
+    if (PQresultStatus(res) != PGRES_COMMAND_OK)
+        return fail_from_sql(app, res, err, errlen);
+    PQclear(res);
+    return RELAY_HANDLED_DONE;
+}
+
+/* "1s,10s,100ms" into opts->backoff_ms. */
+static int parse_backoff(const char *s, struct relay_consumer_options *o)
+{
+    char buf[512];
+    snprintf(buf, sizeof(buf), "%s", s);
+    o->nbackoff = 0;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok != NULL;
+         tok = strtok_r(NULL, ",", &save)) {
+        uint32_t ms;
+        if (o->nbackoff == RELAY_CONSUMER_BACKOFF_MAX || relay_config_parse_duration(tok, &ms) < 0 ||
+            ms == 0)
+            return -1;
+        o->backoff_ms[o->nbackoff++] = ms;
+    }
+    return o->nbackoff > 0 ? 0 : -1;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f, "Usage: outbox-email-consumer --redis URL --postgres CONNINFO [options]\n"
+               "  --stream NAME          stream to read (orders)\n"
+               "  --group NAME           consumer group (email)\n"
+               "  --consumer NAME        this consumer's name (host-pid)\n"
+               "  --max-deliveries N     deliveries before dead-lettering (5)\n"
+               "  --backoff LIST         delays between deliveries (1s,10s,100s,1000s)\n"
+               "  --block DURATION       XREADGROUP BLOCK time (1s)\n"
+               "  --fail-rate R          share of first deliveries that fail transiently (0)\n"
+               "  --log-level LEVEL      debug, info, warning or error (info)\n");
+}
+
+int main(int argc, char **argv)
+{
+    struct relay_consumer_options o;
+    struct email_app app = {NULL, "email", NULL, 0.0};
+    const char *redis = NULL;
+    memset(&o, 0, sizeof(o));
+    o.stream = "orders";
+    static const struct option longopts[] = {
+        {"redis", required_argument, NULL, 'r'},
+        {"postgres", required_argument, NULL, 'p'},
+        {"stream", required_argument, NULL, 's'},
+        {"group", required_argument, NULL, 'g'},
+        {"consumer", required_argument, NULL, 'c'},
+        {"max-deliveries", required_argument, NULL, 'm'},
+        {"backoff", required_argument, NULL, 'b'},
+        {"block", required_argument, NULL, 'k'},
+        {"fail-rate", required_argument, NULL, 'f'},
+        {"log-level", required_argument, NULL, 'l'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    int ch;
+    while ((ch = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+        char *end;
+        uint32_t ms;
+        int level;
+        switch (ch) {
+        case 'r':
+            redis = optarg;
+            break;
+        case 'p':
+            app.conninfo = optarg;
+            break;
+        case 's':
+            o.stream = optarg;
+            break;
+        case 'g':
+            app.group = optarg;
+            break;
+        case 'c':
+            o.consumer = optarg;
+            break;
+        case 'm':
+            o.max_deliveries = (uint32_t)strtoul(optarg, &end, 10);
+            if (*end != '\0' || o.max_deliveries == 0 || o.max_deliveries > 1000) {
+                fprintf(stderr, "outbox-email-consumer: --max-deliveries must be 1 to 1000\n");
+                return RELAY_EX_USAGE;
+            }
+            break;
+        case 'b':
+            if (parse_backoff(optarg, &o) < 0) {
+                fprintf(stderr, "outbox-email-consumer: --backoff takes durations like "
+                                "1s,10s,100s (at most 16, each at least 1ms)\n");
+                return RELAY_EX_USAGE;
+            }
+            break;
+        case 'k':
+            if (relay_config_parse_duration(optarg, &ms) < 0 || ms == 0) {
+                fprintf(stderr, "outbox-email-consumer: --block takes a duration like 1s\n");
+                return RELAY_EX_USAGE;
+            }
+            o.block_ms = ms;
+            break;
+        case 'f':
+            app.fail_rate = strtod(optarg, &end);
+            if (*end != '\0' || app.fail_rate < 0 || app.fail_rate > 1) {
+                fprintf(stderr, "outbox-email-consumer: --fail-rate is between 0 and 1\n");
+                return RELAY_EX_USAGE;
+            }
+            break;
+        case 'l':
+            level = relay_log_parse_level(optarg);
+            if (level < 0) {
+                fprintf(stderr, "outbox-email-consumer: --log-level is debug, info, warning "
+                                "or error\n");
+                return RELAY_EX_USAGE;
+            }
+            relay_log_set_level((enum relay_log_level)level);
+            break;
+        case 'h':
+            usage(stdout);
+            return RELAY_EX_OK;
+        default:
+            usage(stderr);
+            return RELAY_EX_USAGE;
+        }
+    }
+    if (redis == NULL || app.conninfo == NULL || optind != argc) {
+        usage(stderr);
+        return RELAY_EX_USAGE;
+    }
+    o.group = app.group;
+    o.redis_url = redis;
+    char err[512];
+    struct relay_consumer *c = relay_consumer_new(&o, send_email, &app, err, sizeof(err));
+    if (c == NULL) {
+        fprintf(stderr, "outbox-email-consumer: %s\n", err);
+        return RELAY_EX_CONFIG;
+    }
+    srandom((unsigned)time(NULL) ^ ((unsigned)getpid() << 16));
+    signal(SIGPIPE, SIG_IGN);
+    the_consumer = c;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_signal;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+
+    relay_consumer_run(c);
+    const struct relay_consumer_stats *st = relay_consumer_stats(c);
+    printf("consumer %s: delivered=%llu done=%llu retried=%llu dead_lettered=%llu malformed=%llu "
+           "lost=%llu reclaimed=%llu\n",
+           relay_consumer_name(c), st->delivered, st->done, st->retried, st->dead_lettered,
+           st->malformed, st->lost, st->reclaimed);
+    the_consumer = NULL;
+    relay_consumer_free(c);
+    PQfinish(app.db);
+    return RELAY_EX_OK;
+}

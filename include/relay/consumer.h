@@ -1,0 +1,127 @@
+/*
+ * The consumer library: read a relay stream through a Redis consumer group and
+ * turn at-least-once delivery into one effect per message.
+ *
+ * The caller's handler gets every field of the stream contract and answers
+ * done, retry later or failed for good. Done is acknowledged (the handler has
+ * committed its own transaction, with the message recorded in the processed
+ * table, before it returns). Retry leaves the entry pending: it is delivered
+ * again once it has been idle for the backoff of its delivery count (default
+ * 1 s, 10 s, 100 s, 1000 s), to this consumer or any other of the group, so
+ * the entries of a consumer that died are taken over the same way. Failed for
+ * good, or a retry at the last allowed delivery, moves the entry to the
+ * dead-letter stream with the error, atomically with its XACK.
+ *
+ * Each group also reads its own replay stream "<stream>.<group>.replay": that
+ * is where "outbox-relay dlq replay" puts dead letters back, so a replay
+ * reaches only the group that failed. The library uses hiredis's blocking API
+ * on two connections of its own (one for XREADGROUP BLOCK, one for XACK,
+ * XPENDING, XCLAIM and dead letters), each call with a deadline; it runs in
+ * the caller's thread until relay_consumer_stop.
+ */
+#ifndef RELAY_CONSUMER_H
+#define RELAY_CONSUMER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define RELAY_CONSUMER_BACKOFF_MAX 16
+
+/* One message, as the handler sees it. Pointers are valid during the call. */
+struct relay_message {
+    const char *stream;   /* the stream it was read from (main or replay) */
+    const char *entry_id; /* Redis entry id */
+    const char *id;       /* message_id: the idempotency key */
+    const char *topic;
+    const char *key; /* NULL when the row had no partition key */
+    size_t key_len;
+    const char *payload; /* verbatim bytes */
+    size_t payload_len;
+    const char *created_at; /* RFC 3339 UTC */
+    long long outbox_id;
+    size_t nheaders; /* header names without the "h." prefix */
+    const char *const *header_names;
+    const char *const *header_values;
+    const size_t *header_value_lens;
+    uint32_t deliveries; /* 1 on the first delivery */
+};
+
+enum relay_handled {
+    RELAY_HANDLED_DONE = 0,  /* effect committed: acknowledge */
+    RELAY_HANDLED_RETRY = 1, /* transient failure: deliver again after backoff */
+    RELAY_HANDLED_FAIL = 2,  /* permanent failure: dead-letter now */
+};
+
+/* The handler. On RETRY or FAIL it writes why into err (kept in the dead letter). */
+typedef enum relay_handled relay_consumer_handler_fn(const struct relay_message *m, void *arg,
+                                                     char *err, size_t errlen);
+
+struct relay_consumer_options {
+    const char *redis_url; /* redis://[user:password@]host:port[/db] */
+    const char *stream;
+    const char *group;
+    const char *consumer; /* NULL: "<hostname>-<pid>" */
+    const char *dlq;      /* NULL: "<stream>.<group>.dlq" */
+    uint32_t max_deliveries;       /* 0: 5 */
+    uint32_t backoff_ms[RELAY_CONSUMER_BACKOFF_MAX]; /* zeros: 1 s, 10 s, 100 s, 1000 s */
+    uint32_t nbackoff;             /* entries used in backoff_ms; the last repeats */
+    uint32_t block_ms;             /* 0: 1000; XREADGROUP BLOCK, also the stop latency */
+    uint32_t command_timeout_ms;   /* 0: 5000; deadline of every other call */
+    uint32_t count;                /* 0: 16; entries per read */
+    uint32_t reclaim_interval_ms;  /* 0: 250; how often pending entries are scanned */
+    uint32_t reconnect_min_ms;     /* 0: 100 */
+    uint32_t reconnect_max_ms;     /* 0: 10000 */
+};
+
+struct relay_consumer_stats {
+    unsigned long long delivered;     /* handler calls */
+    unsigned long long done;          /* acknowledged */
+    unsigned long long retried;       /* left pending for a later delivery */
+    unsigned long long dead_lettered; /* moved to the dead-letter stream (all reasons) */
+    unsigned long long malformed;     /* entries without the contract's fields */
+    unsigned long long lost;          /* pending entries deleted from the stream */
+    unsigned long long reclaimed;     /* deliveries taken over after backoff */
+};
+
+struct relay_consumer;
+
+/* Validates the options (err says what is wrong) and copies them. No I/O. */
+struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *opts,
+                                          relay_consumer_handler_fn *handler, void *arg,
+                                          char *err, size_t errlen);
+
+/* Runs until relay_consumer_stop: connects (retrying with jittered backoff),
+ * creates the group on the stream and on its replay stream when missing (at
+ * id 0, creating the streams), then reads, handles and reclaims. Returns 0
+ * after a stop; the message in hand is finished first. */
+int relay_consumer_run(struct relay_consumer *c);
+
+/* Asks run to return after the message in hand. Async-signal-safe. */
+void relay_consumer_stop(struct relay_consumer *c);
+
+const struct relay_consumer_stats *relay_consumer_stats(const struct relay_consumer *c);
+const char *relay_consumer_name(const struct relay_consumer *c);
+const char *relay_consumer_dlq(const struct relay_consumer *c);
+
+/* NULL-safe. */
+void relay_consumer_free(struct relay_consumer *c);
+
+/* The backoff before delivery number deliveries+1 (deliveries >= 1). */
+uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts,
+                                   uint32_t deliveries);
+
+/* Names: "<stream>.<group>.dlq" and "<stream>.<group>.replay". -1 if too long. */
+int relay_consumer_dlq_name(const char *stream, const char *group, char *out, size_t outlen);
+int relay_consumer_replay_name(const char *stream, const char *group, char *out, size_t outlen);
+
+/* Dead-letter entry fields added to the original ones. */
+#define RELAY_DLQ_FIELD_STREAM "dlq.stream"
+#define RELAY_DLQ_FIELD_GROUP "dlq.group"
+#define RELAY_DLQ_FIELD_CONSUMER "dlq.consumer"
+#define RELAY_DLQ_FIELD_ENTRY "dlq.entry_id"
+#define RELAY_DLQ_FIELD_DELIVERIES "dlq.deliveries"
+#define RELAY_DLQ_FIELD_REASON "dlq.reason" /* permanent, exhausted, malformed, lost */
+#define RELAY_DLQ_FIELD_ERROR "dlq.error"
+#define RELAY_DLQ_FIELD_TIME "dlq.failed_at"
+
+#endif

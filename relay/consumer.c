@@ -1,0 +1,783 @@
+/*
+ * The consumer library (include/relay/consumer.h): a consumer group reader
+ * that gives handlers retries with backoff, dead letters and take-over of the
+ * entries of consumers that died.
+ *
+ * Redis keeps everything that matters: an entry stays in the group's pending
+ * list (PEL) until it is acknowledged, with its delivery count and the time
+ * since its last delivery ("idle"). So a retry is simply "do not acknowledge":
+ * the reclaim pass lists pending entries with XPENDING, and any entry whose
+ * idle time has reached the backoff for its delivery count is taken with
+ * XCLAIM (which re-checks the idle time on the server, so two consumers never
+ * take the same entry, and counts one more delivery). A consumer that died
+ * leaves its entries pending; the living ones take them over the same way.
+ *
+ * Dead letters are written with MULTI/EXEC: XADD to the dead-letter stream and
+ * XACK in one transaction, so an entry is never both gone and not recorded.
+ * XCLAIM in Redis 7.0 drops pending entries that were deleted or trimmed from
+ * the stream instead of returning them; those are recorded as "lost".
+ *
+ * hiredis's blocking API is the right tool here: the library owns the thread
+ * while it runs, every call has a socket deadline (redisSetTimeout), and the
+ * blocking read lives on a connection of its own so acknowledgements and
+ * claims are never queued behind it.
+ */
+#include "relay/compat.h"
+
+#include "relay/consumer.h"
+
+#include <errno.h>
+#include <hiredis/hiredis.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "relay/backoff.h"
+#include "relay/common.h"
+#include "relay/config.h"
+#include "relay/log.h"
+
+#define COMPONENT "consumer"
+#define RECLAIM_BATCH 64
+#define NAME_MAX_LEN 512
+
+static const uint32_t default_backoff[] = {1000, 10000, 100000, 1000000};
+
+struct relay_consumer {
+    struct relay_consumer_options o;
+    char stream[NAME_MAX_LEN];
+    char group[NAME_MAX_LEN];
+    char consumer[NAME_MAX_LEN];
+    char dlq[2 * NAME_MAX_LEN + 16];
+    char replay[2 * NAME_MAX_LEN + 16];
+    struct relay_redis_url url;
+    relay_consumer_handler_fn *handler;
+    void *arg;
+
+    redisContext *rd; /* XREADGROUP BLOCK */
+    redisContext *wr; /* everything else */
+    volatile sig_atomic_t stop;
+    struct relay_backoff reconnect;
+    struct relay_consumer_stats stats;
+    long long last_reclaim_ms;
+    char last_error[256];
+};
+
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* "<stream>.<group><suffix>" into out, or -1 when it does not fit. */
+static int join_name(const char *stream, const char *group, const char *suffix, char *out,
+                     size_t outlen)
+{
+    size_t a = strlen(stream), b = strlen(group), c = strlen(suffix);
+    if (a + 1 + b + c + 1 > outlen)
+        return -1;
+    memcpy(out, stream, a);
+    out[a] = '.';
+    memcpy(out + a + 1, group, b);
+    memcpy(out + a + 1 + b, suffix, c + 1);
+    return (int)(a + 1 + b + c);
+}
+
+int relay_consumer_dlq_name(const char *stream, const char *group, char *out, size_t outlen)
+{
+    return join_name(stream, group, ".dlq", out, outlen);
+}
+
+int relay_consumer_replay_name(const char *stream, const char *group, char *out, size_t outlen)
+{
+    return join_name(stream, group, ".replay", out, outlen);
+}
+
+uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts, uint32_t deliveries)
+{
+    const uint32_t *b = opts->nbackoff ? opts->backoff_ms : default_backoff;
+    uint32_t n = opts->nbackoff ? opts->nbackoff : RELAY_ARRAY_LEN(default_backoff);
+    uint32_t i = deliveries == 0 ? 0 : deliveries - 1;
+    return b[i < n ? i : n - 1];
+}
+
+static uint32_t min_backoff(const struct relay_consumer_options *o)
+{
+    uint32_t n = o->nbackoff ? o->nbackoff : RELAY_ARRAY_LEN(default_backoff);
+    uint32_t m = UINT32_MAX;
+    for (uint32_t d = 1; d <= n; d++) {
+        uint32_t b = relay_consumer_backoff_ms(o, d);
+        if (b < m)
+            m = b;
+    }
+    return m;
+}
+
+static int copy_name(char *dst, const char *src, const char *what, char *err, size_t errlen)
+{
+    if (src == NULL || src[0] == '\0') {
+        snprintf(err, errlen, "%s is required", what);
+        return -1;
+    }
+    if (strlen(src) >= NAME_MAX_LEN - 32) {
+        snprintf(err, errlen, "%s is too long (at most %d bytes)", what, NAME_MAX_LEN - 32);
+        return -1;
+    }
+    snprintf(dst, NAME_MAX_LEN, "%s", src);
+    return 0;
+}
+
+struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *opts,
+                                          relay_consumer_handler_fn *handler, void *arg,
+                                          char *err, size_t errlen)
+{
+    if (opts == NULL || handler == NULL) {
+        snprintf(err, errlen, "options and handler are required");
+        return NULL;
+    }
+    struct relay_consumer *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    c->o = *opts;
+    c->handler = handler;
+    c->arg = arg;
+    if (c->o.max_deliveries == 0)
+        c->o.max_deliveries = 5;
+    if (c->o.nbackoff > RELAY_CONSUMER_BACKOFF_MAX) {
+        snprintf(err, errlen, "at most %d backoff steps", RELAY_CONSUMER_BACKOFF_MAX);
+        goto fail;
+    }
+    for (uint32_t i = 0; i < c->o.nbackoff; i++)
+        if (c->o.backoff_ms[i] == 0) {
+            snprintf(err, errlen, "backoff steps must be at least 1 ms");
+            goto fail;
+        }
+    if (c->o.block_ms == 0)
+        c->o.block_ms = 1000;
+    if (c->o.command_timeout_ms == 0)
+        c->o.command_timeout_ms = 5000;
+    if (c->o.count == 0)
+        c->o.count = 16;
+    if (c->o.reclaim_interval_ms == 0)
+        c->o.reclaim_interval_ms = 250;
+    if (c->o.reconnect_min_ms == 0)
+        c->o.reconnect_min_ms = 100;
+    if (c->o.reconnect_max_ms == 0)
+        c->o.reconnect_max_ms = 10000;
+    if (copy_name(c->stream, opts->stream, "stream", err, errlen) < 0 ||
+        copy_name(c->group, opts->group, "group", err, errlen) < 0)
+        goto fail;
+    if (opts->consumer != NULL && opts->consumer[0] != '\0') {
+        if (copy_name(c->consumer, opts->consumer, "consumer", err, errlen) < 0)
+            goto fail;
+    } else {
+        char host[256] = "consumer";
+        gethostname(host, sizeof(host) - 1);
+        host[sizeof(host) - 1] = '\0';
+        snprintf(c->consumer, sizeof(c->consumer), "%s-%ld", host, (long)getpid());
+    }
+    if (opts->dlq != NULL && opts->dlq[0] != '\0') {
+        if (copy_name(c->dlq, opts->dlq, "dlq", err, errlen) < 0)
+            goto fail;
+    } else {
+        relay_consumer_dlq_name(c->stream, c->group, c->dlq, sizeof(c->dlq));
+    }
+    relay_consumer_replay_name(c->stream, c->group, c->replay, sizeof(c->replay));
+    if (relay_url_parse(opts->redis_url ? opts->redis_url : "", &c->url, err, errlen) < 0)
+        goto fail;
+    /* The strings of the copied options point to the caller's memory. */
+    c->o.stream = c->stream;
+    c->o.group = c->group;
+    c->o.consumer = c->consumer;
+    c->o.dlq = c->dlq;
+    c->o.redis_url = NULL;
+    relay_backoff_init(&c->reconnect, c->o.reconnect_min_ms, c->o.reconnect_max_ms);
+    return c;
+fail:
+    free(c);
+    return NULL;
+}
+
+void relay_consumer_stop(struct relay_consumer *c)
+{
+    c->stop = 1;
+}
+
+const struct relay_consumer_stats *relay_consumer_stats(const struct relay_consumer *c)
+{
+    return &c->stats;
+}
+
+const char *relay_consumer_name(const struct relay_consumer *c)
+{
+    return c->consumer;
+}
+
+const char *relay_consumer_dlq(const struct relay_consumer *c)
+{
+    return c->dlq;
+}
+
+static void disconnect(struct relay_consumer *c)
+{
+    if (c->rd != NULL)
+        redisFree(c->rd);
+    if (c->wr != NULL)
+        redisFree(c->wr);
+    c->rd = c->wr = NULL;
+}
+
+void relay_consumer_free(struct relay_consumer *c)
+{
+    if (c == NULL)
+        return;
+    disconnect(c);
+    free(c);
+}
+
+static struct timeval tv_ms(uint32_t ms)
+{
+    struct timeval tv = {.tv_sec = ms / 1000, .tv_usec = (suseconds_t)(ms % 1000) * 1000};
+    return tv;
+}
+
+/* One command with the context's deadline. NULL when the connection failed. */
+static redisReply *command(redisContext *ctx, int argc, const char **argv, const size_t *lens)
+{
+    return redisCommandArgv(ctx, argc, argv, lens);
+}
+
+static redisReply *command2(redisContext *ctx, const char *a, const char *b)
+{
+    const char *argv[2] = {a, b};
+    size_t lens[2] = {strlen(a), strlen(b)};
+    return command(ctx, 2, argv, lens);
+}
+
+/* Logs a connection problem once per change of its text. */
+static void problem(struct relay_consumer *c, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+static void problem(struct relay_consumer *c, const char *fmt, ...)
+{
+    char text[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    if (strcmp(text, c->last_error) == 0) {
+        relay_debug(COMPONENT, "%s", text);
+        return;
+    }
+    snprintf(c->last_error, sizeof(c->last_error), "%s", text);
+    relay_error(COMPONENT, "%s; retrying with backoff", text);
+}
+
+static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, const char *role)
+{
+    struct timeval ctv = tv_ms(c->o.command_timeout_ms);
+    redisContext *ctx = redisConnectWithTimeout(c->url.host, c->url.port, ctv);
+    if (ctx == NULL || ctx->err) {
+        problem(c, "cannot connect to Redis: %s", ctx ? ctx->errstr : "out of memory");
+        if (ctx)
+            redisFree(ctx);
+        return NULL;
+    }
+    redisSetTimeout(ctx, tv_ms(timeout_ms));
+    redisEnableKeepAlive(ctx);
+    redisReply *r;
+    if (c->url.password[0] != '\0') {
+        const char *argv[3] = {"AUTH", c->url.user, c->url.password};
+        size_t lens[3] = {4, strlen(c->url.user), strlen(c->url.password)};
+        r = c->url.user[0] ? command(ctx, 3, argv, lens)
+                           : command2(ctx, "AUTH", c->url.password);
+        if (r == NULL || r->type == REDIS_REPLY_ERROR) {
+            problem(c, "Redis AUTH failed: %s (check the user and password of the Redis URL)",
+                    r ? r->str : ctx->errstr);
+            if (r)
+                freeReplyObject(r);
+            redisFree(ctx);
+            return NULL;
+        }
+        freeReplyObject(r);
+    }
+    if (c->url.db != 0) {
+        char db[16];
+        snprintf(db, sizeof(db), "%d", c->url.db);
+        r = command2(ctx, "SELECT", db);
+        if (r == NULL || r->type == REDIS_REPLY_ERROR) {
+            problem(c, "Redis SELECT failed: %s", r ? r->str : ctx->errstr);
+            if (r)
+                freeReplyObject(r);
+            redisFree(ctx);
+            return NULL;
+        }
+        freeReplyObject(r);
+    }
+    char name[NAME_MAX_LEN + 16];
+    snprintf(name, sizeof(name), "%s:%s", c->consumer, role);
+    for (char *p = name; *p; p++)
+        if (*p == ' ')
+            *p = '_';
+    const char *argv[3] = {"CLIENT", "SETNAME", name};
+    size_t lens[3] = {6, 7, strlen(name)};
+    r = command(ctx, 3, argv, lens);
+    if (r)
+        freeReplyObject(r);
+    return ctx;
+}
+
+/* XGROUP CREATE at 0 with MKSTREAM: nothing published before the group existed is missed. */
+static int ensure_group(struct relay_consumer *c, const char *stream)
+{
+    const char *argv[6] = {"XGROUP", "CREATE", stream, c->group, "0", "MKSTREAM"};
+    size_t lens[6] = {6, 6, strlen(stream), strlen(c->group), 1, 8};
+    redisReply *r = command(c->wr, 6, argv, lens);
+    if (r == NULL) {
+        problem(c, "Redis connection lost: %s", c->wr->errstr);
+        return -1;
+    }
+    int ok = r->type != REDIS_REPLY_ERROR || strncmp(r->str, "BUSYGROUP", 9) == 0;
+    if (!ok)
+        problem(c, "cannot create the consumer group: %s", r->str);
+    freeReplyObject(r);
+    return ok ? 0 : -1;
+}
+
+static void sleep_ms_interruptible(struct relay_consumer *c, uint32_t ms)
+{
+    while (ms > 0 && !c->stop) {
+        uint32_t step = ms > 50 ? 50 : ms;
+        struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)step * 1000000L};
+        nanosleep(&ts, NULL);
+        ms -= step;
+    }
+}
+
+static int connect_all(struct relay_consumer *c)
+{
+    disconnect(c);
+    c->wr = open_conn(c, c->o.command_timeout_ms, "ack");
+    if (c->wr != NULL)
+        c->rd = open_conn(c, c->o.block_ms + c->o.command_timeout_ms, "read");
+    if (c->rd == NULL || ensure_group(c, c->stream) < 0 || ensure_group(c, c->replay) < 0) {
+        disconnect(c);
+        return -1;
+    }
+    if (c->last_error[0] != '\0')
+        relay_info(COMPONENT, "%s: connected again, reading %s and %s as group %s", c->consumer,
+                   c->stream, c->replay, c->group);
+    else
+        relay_info(COMPONENT, "%s: reading %s and %s as group %s, dead letters to %s",
+                   c->consumer, c->stream, c->replay, c->group, c->dlq);
+    c->last_error[0] = '\0';
+    relay_backoff_reset(&c->reconnect);
+    return 0;
+}
+
+static const redisReply *field(const redisReply *fields, const char *name, size_t *len)
+{
+    for (size_t i = 0; i + 1 < fields->elements; i += 2) {
+        const redisReply *k = fields->element[i], *v = fields->element[i + 1];
+        if (k->type == REDIS_REPLY_STRING && strcmp(k->str, name) == 0 &&
+            v->type == REDIS_REPLY_STRING) {
+            if (len)
+                *len = v->len;
+            return v;
+        }
+    }
+    return NULL;
+}
+
+static void rfc3339_now(char *out, size_t outlen)
+{
+    struct timespec ts;
+    struct tm tm;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    gmtime_r(&ts.tv_sec, &tm);
+    char base[32];
+    strftime(base, sizeof(base), "%Y-%m-%dT%H:%M:%S", &tm);
+    snprintf(out, outlen, "%.19s.%06dZ", base, (int)(ts.tv_nsec / 1000));
+}
+
+/*
+ * Moves one entry to the dead-letter stream with its XACK, in one MULTI/EXEC.
+ * fields may be NULL (a lost entry). Returns 0, or -1 when Redis failed (the
+ * entry stays pending and is dead-lettered by a later pass).
+ */
+static int dead_letter(struct relay_consumer *c, const char *stream, const char *entry_id,
+                       const redisReply *fields, const char *reason, const char *error,
+                       uint32_t deliveries)
+{
+    size_t nf = fields && fields->type == REDIS_REPLY_ARRAY ? fields->elements : 0;
+    size_t argc_max = 3 + nf + 16;
+    const char **argv = calloc(argc_max, sizeof(*argv));
+    size_t *lens = calloc(argc_max, sizeof(*lens));
+    int rc = -1;
+    if (argv == NULL || lens == NULL)
+        goto out;
+    int argc = 0;
+#define ARG(s, l) (argv[argc] = (s), lens[argc] = (l), argc++)
+    ARG("XADD", 4);
+    ARG(c->dlq, strlen(c->dlq));
+    ARG("*", 1);
+    for (size_t i = 0; i + 1 < nf; i += 2) {
+        const redisReply *k = fields->element[i], *v = fields->element[i + 1];
+        if (k->type != REDIS_REPLY_STRING || v->type != REDIS_REPLY_STRING)
+            continue;
+        if (strncmp(k->str, "dlq.", 4) == 0)
+            continue; /* a replayed entry carries none, but never copy them twice */
+        ARG(k->str, k->len);
+        ARG(v->str, v->len);
+    }
+    char count[16], when[40];
+    snprintf(count, sizeof(count), "%u", deliveries);
+    rfc3339_now(when, sizeof(when));
+    ARG(RELAY_DLQ_FIELD_STREAM, strlen(RELAY_DLQ_FIELD_STREAM));
+    ARG(stream, strlen(stream));
+    ARG(RELAY_DLQ_FIELD_GROUP, strlen(RELAY_DLQ_FIELD_GROUP));
+    ARG(c->group, strlen(c->group));
+    ARG(RELAY_DLQ_FIELD_CONSUMER, strlen(RELAY_DLQ_FIELD_CONSUMER));
+    ARG(c->consumer, strlen(c->consumer));
+    ARG(RELAY_DLQ_FIELD_ENTRY, strlen(RELAY_DLQ_FIELD_ENTRY));
+    ARG(entry_id, strlen(entry_id));
+    ARG(RELAY_DLQ_FIELD_DELIVERIES, strlen(RELAY_DLQ_FIELD_DELIVERIES));
+    ARG(count, strlen(count));
+    ARG(RELAY_DLQ_FIELD_REASON, strlen(RELAY_DLQ_FIELD_REASON));
+    ARG(reason, strlen(reason));
+    ARG(RELAY_DLQ_FIELD_ERROR, strlen(RELAY_DLQ_FIELD_ERROR));
+    ARG(error, strlen(error));
+    ARG(RELAY_DLQ_FIELD_TIME, strlen(RELAY_DLQ_FIELD_TIME));
+    ARG(when, strlen(when));
+#undef ARG
+    const char *multi[1] = {"MULTI"}, *exec[1] = {"EXEC"};
+    size_t l5[1] = {5}, l4[1] = {4};
+    const char *ack[4] = {"XACK", stream, c->group, entry_id};
+    size_t acklens[4] = {4, strlen(stream), strlen(c->group), strlen(entry_id)};
+    redisAppendCommandArgv(c->wr, 1, multi, l5);
+    redisAppendCommandArgv(c->wr, argc, argv, lens);
+    redisAppendCommandArgv(c->wr, 4, ack, acklens);
+    redisAppendCommandArgv(c->wr, 1, exec, l4);
+    int ok = 1;
+    for (int i = 0; i < 4; i++) {
+        redisReply *r = NULL;
+        if (redisGetReply(c->wr, (void **)&r) != REDIS_OK || r == NULL) {
+            problem(c, "Redis connection lost while dead-lettering: %s", c->wr->errstr);
+            ok = 0;
+            break;
+        }
+        if (r->type == REDIS_REPLY_ERROR ||
+            (i == 3 && (r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
+                        r->element[0]->type == REDIS_REPLY_ERROR))) {
+            relay_error(COMPONENT, "dead-lettering %s %s failed: %s", stream, entry_id,
+                        r->type == REDIS_REPLY_ERROR ? r->str : "transaction not executed");
+            ok = 0;
+        }
+        freeReplyObject(r);
+    }
+    if (ok) {
+        c->stats.dead_lettered++;
+        relay_warn(COMPONENT, "%s %s -> %s (%s after %u deliveries): %s", stream, entry_id,
+                   c->dlq, reason, deliveries, error);
+        rc = 0;
+    } else if (c->wr->err) {
+        disconnect(c);
+    }
+out:
+    free(argv);
+    free(lens);
+    return rc;
+}
+
+static int ack(struct relay_consumer *c, const char *stream, const char *entry_id)
+{
+    const char *argv[4] = {"XACK", stream, c->group, entry_id};
+    size_t lens[4] = {4, strlen(stream), strlen(c->group), strlen(entry_id)};
+    redisReply *r = command(c->wr, 4, argv, lens);
+    if (r == NULL) {
+        problem(c, "Redis connection lost while acknowledging: %s", c->wr->errstr);
+        disconnect(c);
+        return -1;
+    }
+    int ok = r->type == REDIS_REPLY_INTEGER;
+    freeReplyObject(r);
+    return ok ? 0 : -1;
+}
+
+/* Checks the contract's fields; NULL when fine, else what is missing. */
+static const char *parse_message(const redisReply *fields, struct relay_message *m,
+                                 const char **names, const char **values, size_t *vlens)
+{
+    size_t len;
+    const redisReply *v;
+    if (fields == NULL || fields->type != REDIS_REPLY_ARRAY || fields->elements % 2 != 0)
+        return "the entry has no field list";
+    if ((v = field(fields, "id", &len)) == NULL || len == 0)
+        return "the entry has no \"id\" field (it was not written by outbox-relay)";
+    m->id = v->str;
+    if ((v = field(fields, "topic", NULL)) == NULL)
+        return "the entry has no \"topic\" field";
+    m->topic = v->str;
+    if ((v = field(fields, "payload", &len)) == NULL)
+        return "the entry has no \"payload\" field";
+    m->payload = v->str;
+    m->payload_len = len;
+    if ((v = field(fields, "created_at", NULL)) == NULL)
+        return "the entry has no \"created_at\" field";
+    m->created_at = v->str;
+    if ((v = field(fields, "outbox_id", NULL)) == NULL)
+        return "the entry has no \"outbox_id\" field";
+    char *end;
+    errno = 0;
+    m->outbox_id = strtoll(v->str, &end, 10);
+    if (errno != 0 || *end != '\0' || end == v->str)
+        return "the \"outbox_id\" field is not a number";
+    if ((v = field(fields, "key", &len)) != NULL) {
+        m->key = v->str;
+        m->key_len = len;
+    }
+    size_t nh = 0;
+    for (size_t i = 0; i + 1 < fields->elements; i += 2) {
+        const redisReply *k = fields->element[i], *val = fields->element[i + 1];
+        if (k->type != REDIS_REPLY_STRING || val->type != REDIS_REPLY_STRING ||
+            strncmp(k->str, "h.", 2) != 0)
+            continue;
+        if (nh == RELAY_HEADERS_MAX)
+            return "the entry has more headers than the contract allows";
+        names[nh] = k->str + 2;
+        values[nh] = val->str;
+        vlens[nh] = val->len;
+        nh++;
+    }
+    m->nheaders = nh;
+    m->header_names = names;
+    m->header_values = values;
+    m->header_value_lens = vlens;
+    return NULL;
+}
+
+/* Handles one delivered entry. */
+static void handle(struct relay_consumer *c, const char *stream, const redisReply *entry,
+                   uint32_t deliveries)
+{
+    if (entry->type != REDIS_REPLY_ARRAY || entry->elements != 2 ||
+        entry->element[0]->type != REDIS_REPLY_STRING)
+        return;
+    const char *entry_id = entry->element[0]->str;
+    const redisReply *fields = entry->element[1];
+
+    if (fields->type == REDIS_REPLY_NIL) {
+        /* Delivered from the PEL after it was deleted: nothing left to handle. */
+        c->stats.lost++;
+        dead_letter(c, stream, entry_id, NULL, "lost",
+                    "the entry was deleted or trimmed from the stream while pending", deliveries);
+        return;
+    }
+    struct relay_message m;
+    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
+    size_t vlens[RELAY_HEADERS_MAX];
+    memset(&m, 0, sizeof(m));
+    const char *bad = parse_message(fields, &m, names, values, vlens);
+    if (bad != NULL) {
+        c->stats.malformed++;
+        char why[300];
+        snprintf(why, sizeof(why), "malformed: %s", bad);
+        dead_letter(c, stream, entry_id, fields, "malformed", why, deliveries);
+        return;
+    }
+    if (deliveries > c->o.max_deliveries) {
+        char why[200];
+        snprintf(why, sizeof(why),
+                 "delivered %u times (max_deliveries %u): the consumer of the last delivery did "
+                 "not finish it",
+                 deliveries, c->o.max_deliveries);
+        dead_letter(c, stream, entry_id, fields, "exhausted", why, deliveries);
+        return;
+    }
+    m.stream = stream;
+    m.entry_id = entry_id;
+    m.deliveries = deliveries;
+
+    char err[512] = "";
+    c->stats.delivered++;
+    enum relay_handled result = c->handler(&m, c->arg, err, sizeof(err));
+    if (err[0] == '\0')
+        snprintf(err, sizeof(err), "the handler gave no reason");
+    switch (result) {
+    case RELAY_HANDLED_DONE:
+        if (ack(c, stream, entry_id) == 0)
+            c->stats.done++;
+        break;
+    case RELAY_HANDLED_FAIL:
+        dead_letter(c, stream, entry_id, fields, "permanent", err, deliveries);
+        break;
+    case RELAY_HANDLED_RETRY:
+    default:
+        if (deliveries >= c->o.max_deliveries) {
+            dead_letter(c, stream, entry_id, fields, "exhausted", err, deliveries);
+        } else {
+            c->stats.retried++;
+            relay_info(COMPONENT, "%s %s (message %s) will be retried in %u ms (delivery %u of "
+                                  "%u): %s",
+                       stream, entry_id, m.id, relay_consumer_backoff_ms(&c->o, deliveries),
+                       deliveries, c->o.max_deliveries, err);
+        }
+        break;
+    }
+}
+
+/* Has the entry been deleted from the stream? 1 yes, 0 no, -1 unknown. */
+static int entry_gone(struct relay_consumer *c, const char *stream, const char *id)
+{
+    const char *argv[6] = {"XRANGE", stream, id, id, "COUNT", "1"};
+    size_t lens[6] = {6, strlen(stream), strlen(id), strlen(id), 5, 1};
+    redisReply *r = command(c->wr, 6, argv, lens);
+    if (r == NULL)
+        return -1;
+    int gone = r->type == REDIS_REPLY_ARRAY && r->elements == 0;
+    freeReplyObject(r);
+    return gone;
+}
+
+/* Takes over pending entries whose backoff has passed, of any consumer. */
+static void reclaim_stream(struct relay_consumer *c, const char *stream)
+{
+    char idle[16], cnt[16];
+    snprintf(idle, sizeof(idle), "%u", min_backoff(&c->o));
+    snprintf(cnt, sizeof(cnt), "%d", RECLAIM_BATCH);
+    const char *argv[8] = {"XPENDING", stream, c->group, "IDLE", idle, "-", "+", cnt};
+    size_t lens[8] = {8, strlen(stream), strlen(c->group), 4, strlen(idle), 1, 1, strlen(cnt)};
+    redisReply *p = command(c->wr, 8, argv, lens);
+    if (p == NULL) {
+        problem(c, "Redis connection lost: %s", c->wr->errstr);
+        disconnect(c);
+        return;
+    }
+    if (p->type != REDIS_REPLY_ARRAY) {
+        freeReplyObject(p);
+        return;
+    }
+    for (size_t i = 0; i < p->elements && !c->stop && c->wr != NULL; i++) {
+        const redisReply *e = p->element[i];
+        if (e->type != REDIS_REPLY_ARRAY || e->elements != 4 ||
+            e->element[0]->type != REDIS_REPLY_STRING ||
+            e->element[2]->type != REDIS_REPLY_INTEGER ||
+            e->element[3]->type != REDIS_REPLY_INTEGER)
+            continue;
+        const char *id = e->element[0]->str;
+        long long idle_ms = e->element[2]->integer;
+        uint32_t deliveries = (uint32_t)e->element[3]->integer;
+        uint32_t due = relay_consumer_backoff_ms(&c->o, deliveries);
+        if (idle_ms < (long long)due)
+            continue;
+        char min_idle[16];
+        snprintf(min_idle, sizeof(min_idle), "%u", due);
+        const char *cargv[6] = {"XCLAIM", stream, c->group, c->consumer, min_idle, id};
+        size_t clens[6] = {6, strlen(stream), strlen(c->group), strlen(c->consumer),
+                           strlen(min_idle), strlen(id)};
+        redisReply *cl = command(c->wr, 6, cargv, clens);
+        if (cl == NULL) {
+            problem(c, "Redis connection lost: %s", c->wr->errstr);
+            disconnect(c);
+            break;
+        }
+        if (cl->type == REDIS_REPLY_ARRAY && cl->elements == 1) {
+            c->stats.reclaimed++;
+            handle(c, stream, cl->element[0], deliveries + 1);
+        } else if (cl->type == REDIS_REPLY_ARRAY && cl->elements == 0) {
+            /* Either another consumer took it first, or Redis 7.0 dropped it
+             * from the PEL because the entry no longer exists. */
+            if (entry_gone(c, stream, id) == 1) {
+                c->stats.lost++;
+                dead_letter(c, stream, id, NULL, "lost",
+                            "the entry was deleted or trimmed from the stream while pending",
+                            deliveries);
+            }
+        }
+        freeReplyObject(cl);
+    }
+    freeReplyObject(p);
+}
+
+static void read_once(struct relay_consumer *c)
+{
+    char count[16], block[16];
+    snprintf(count, sizeof(count), "%u", c->o.count);
+    snprintf(block, sizeof(block), "%u", c->o.block_ms);
+    const char *argv[11] = {"XREADGROUP", "GROUP", c->group, c->consumer, "COUNT", count,
+                            "BLOCK", block, "STREAMS", c->stream, c->replay};
+    size_t lens[13];
+    const char *full[13];
+    memcpy(full, argv, sizeof(argv));
+    full[11] = ">";
+    full[12] = ">";
+    for (int i = 0; i < 13; i++)
+        lens[i] = strlen(full[i]);
+    redisReply *r = command(c->rd, 13, full, lens);
+    if (r == NULL) {
+        problem(c, "Redis connection lost while reading: %s", c->rd->errstr);
+        disconnect(c);
+        return;
+    }
+    if (r->type == REDIS_REPLY_ERROR) {
+        /* NOGROUP: the stream or group was deleted; create them again. */
+        problem(c, "XREADGROUP failed: %s", r->str);
+        freeReplyObject(r);
+        disconnect(c);
+        return;
+    }
+    if (r->type == REDIS_REPLY_ARRAY) {
+        for (size_t s = 0; s < r->elements && c->wr != NULL; s++) {
+            const redisReply *sr = r->element[s];
+            if (sr->type != REDIS_REPLY_ARRAY || sr->elements != 2 ||
+                sr->element[0]->type != REDIS_REPLY_STRING ||
+                sr->element[1]->type != REDIS_REPLY_ARRAY)
+                continue;
+            const char *stream = sr->element[0]->str;
+            const redisReply *entries = sr->element[1];
+            /* The message in hand is finished on stop; the rest stay pending
+             * and are taken over after their backoff. */
+            for (size_t i = 0; i < entries->elements && !c->stop && c->wr != NULL; i++)
+                handle(c, stream, entries->element[i], 1);
+        }
+    }
+    freeReplyObject(r);
+}
+
+int relay_consumer_run(struct relay_consumer *c)
+{
+    while (!c->stop) {
+        if (c->wr == NULL || c->rd == NULL) {
+            if (connect_all(c) < 0) {
+                sleep_ms_interruptible(
+                    c, relay_backoff_next(&c->reconnect, relay_backoff_random()));
+                continue;
+            }
+        }
+        long long now = now_ms();
+        if (now - c->last_reclaim_ms >= (long long)c->o.reclaim_interval_ms) {
+            c->last_reclaim_ms = now;
+            reclaim_stream(c, c->stream);
+            if (c->wr != NULL && !c->stop)
+                reclaim_stream(c, c->replay);
+            if (c->wr == NULL || c->stop)
+                continue;
+        }
+        read_once(c);
+    }
+    relay_info(COMPONENT,
+               "%s stopped: %llu delivered, %llu done, %llu retried, %llu dead-lettered "
+               "(%llu malformed, %llu lost), %llu taken over",
+               c->consumer, c->stats.delivered, c->stats.done, c->stats.retried,
+               c->stats.dead_lettered, c->stats.malformed, c->stats.lost, c->stats.reclaimed);
+    disconnect(c);
+    return 0;
+}
