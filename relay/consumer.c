@@ -513,7 +513,10 @@ static int ack(struct relay_consumer *c, const char *stream, const char *entry_i
 }
 
 /* Checks the contract's fields; NULL when fine, else what is missing. */
-static const char *parse_message(const redisReply *fields, struct relay_message *m,
+RELAY_STATIC const char *parse_message(const redisReply *fields, struct relay_message *m,
+                                       const char **names, const char **values, size_t *vlens);
+
+RELAY_STATIC const char *parse_message(const redisReply *fields, struct relay_message *m,
                                  const char **names, const char **values, size_t *vlens)
 {
     size_t len;

@@ -1,0 +1,209 @@
+/* Unit tests of the pure parts of relay/consumer.c: the backoff schedule, the
+ * dead-letter and replay stream names, and the check of an entry against the
+ * stream contract (replies are built by hiredis's own reader from RESP). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <hiredis/hiredis.h>
+
+#include "relay/common.h"
+#include "relay/consumer.h"
+
+const char *parse_message(const redisReply *fields, struct relay_message *m, const char **names,
+                          const char **values, size_t *vlens);
+
+/* Parses one RESP reply; the caller frees it with freeReplyObject. */
+static redisReply *resp(const char *buf, size_t len)
+{
+    redisReader *r = redisReaderCreate();
+    void *reply = NULL;
+    assert_int_equal(redisReaderFeed(r, buf, len), REDIS_OK);
+    assert_int_equal(redisReaderGetReply(r, &reply), REDIS_OK);
+    assert_non_null(reply);
+    redisReaderFree(r);
+    return reply;
+}
+
+/* RESP array of bulk strings from pairs; NULL-terminated list of C strings,
+ * except that a string starting with "\x01" is taken as 3 bytes a\0b. */
+static size_t build(char *out, size_t cap, const char *const *items)
+{
+    size_t n = 0, off = 0;
+    while (items[n] != NULL)
+        n++;
+    off += (size_t)snprintf(out + off, cap - off, "*%zu\r\n", n);
+    for (size_t i = 0; i < n; i++) {
+        if (items[i][0] == '\x01') {
+            memcpy(out + off, "$3\r\na\0b\r\n", 9);
+            off += 9;
+            continue;
+        }
+        off += (size_t)snprintf(out + off, cap - off, "$%zu\r\n%s\r\n", strlen(items[i]),
+                                items[i]);
+    }
+    return off;
+}
+
+static void test_default_backoff_schedule(void **state)
+{
+    (void)state;
+    struct relay_consumer_options o;
+    memset(&o, 0, sizeof(o));
+    assert_int_equal(relay_consumer_backoff_ms(&o, 1), 1000);
+    assert_int_equal(relay_consumer_backoff_ms(&o, 2), 10000);
+    assert_int_equal(relay_consumer_backoff_ms(&o, 3), 100000);
+    assert_int_equal(relay_consumer_backoff_ms(&o, 4), 1000000);
+    /* The last step repeats. */
+    assert_int_equal(relay_consumer_backoff_ms(&o, 9), 1000000);
+}
+
+static void test_custom_backoff_schedule(void **state)
+{
+    (void)state;
+    struct relay_consumer_options o;
+    memset(&o, 0, sizeof(o));
+    o.backoff_ms[0] = 200;
+    o.backoff_ms[1] = 400;
+    o.nbackoff = 2;
+    assert_int_equal(relay_consumer_backoff_ms(&o, 1), 200);
+    assert_int_equal(relay_consumer_backoff_ms(&o, 2), 400);
+    assert_int_equal(relay_consumer_backoff_ms(&o, 3), 400);
+}
+
+static void test_stream_names(void **state)
+{
+    (void)state;
+    char buf[64];
+    assert_int_equal(relay_consumer_dlq_name("orders", "email", buf, sizeof(buf)), 16);
+    assert_string_equal(buf, "orders.email.dlq");
+    assert_true(relay_consumer_replay_name("orders", "email", buf, sizeof(buf)) > 0);
+    assert_string_equal(buf, "orders.email.replay");
+    assert_int_equal(relay_consumer_dlq_name("orders", "email", buf, 16), -1);
+}
+
+static void test_new_validates_options(void **state)
+{
+    (void)state;
+    char err[256];
+    struct relay_consumer_options o;
+    memset(&o, 0, sizeof(o));
+    o.redis_url = "redis://127.0.0.1:6379/0";
+    o.stream = "orders";
+    assert_null(relay_consumer_new(&o, NULL, NULL, err, sizeof(err)));
+    o.group = "email";
+    o.redis_url = "http://x";
+    assert_null(relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err)));
+    o.redis_url = "redis://127.0.0.1:6379/0";
+    o.nbackoff = 1; /* a zero step */
+    assert_null(relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err)));
+    assert_non_null(strstr(err, "at least 1 ms"));
+    o.nbackoff = 0;
+    struct relay_consumer *c =
+        relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err));
+    assert_non_null(c);
+    assert_string_equal(relay_consumer_dlq(c), "orders.email.dlq");
+    relay_consumer_free(c);
+    relay_consumer_free(NULL);
+}
+
+static void test_parse_good_entry(void **state)
+{
+    (void)state;
+    static const char *const items[] = {
+        "id",        "0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b", "topic", "orders", "key", "k-1",
+        "payload",   "\x01", "created_at", "2026-11-30T11:35:14.123456Z", "outbox_id", "42",
+        "h.trace",   "abc",  NULL};
+    char buf[1024];
+    redisReply *r = resp(buf, build(buf, sizeof(buf), items));
+    struct relay_message m;
+    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
+    size_t vlens[RELAY_HEADERS_MAX];
+    memset(&m, 0, sizeof(m));
+    assert_null(parse_message(r, &m, names, values, vlens));
+    assert_string_equal(m.id, "0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b");
+    assert_string_equal(m.topic, "orders");
+    assert_int_equal(m.key_len, 3);
+    assert_int_equal(m.payload_len, 3);
+    assert_memory_equal(m.payload, "a\0b", 3);
+    assert_true(m.outbox_id == 42);
+    assert_int_equal(m.nheaders, 1);
+    assert_string_equal(m.header_names[0], "trace");
+    assert_string_equal(m.header_values[0], "abc");
+    freeReplyObject(r);
+}
+
+static void test_parse_rejects_foreign_entries(void **state)
+{
+    (void)state;
+    static const char *const foreign[] = {"foo", "bar", NULL};
+    static const char *const no_payload[] = {"id", "x", "topic", "t", "created_at", "c",
+                                             "outbox_id", "1", NULL};
+    static const char *const bad_outbox_id[] = {"id", "x", "topic", "t", "payload", "p",
+                                                "created_at", "c", "outbox_id", "1x", NULL};
+    char buf[512];
+    struct relay_message m;
+    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
+    size_t vlens[RELAY_HEADERS_MAX];
+
+    redisReply *r = resp(buf, build(buf, sizeof(buf), foreign));
+    const char *why = parse_message(r, &m, names, values, vlens);
+    assert_non_null(why);
+    assert_non_null(strstr(why, "\"id\""));
+    freeReplyObject(r);
+
+    r = resp(buf, build(buf, sizeof(buf), no_payload));
+    assert_non_null(strstr(parse_message(r, &m, names, values, vlens), "payload"));
+    freeReplyObject(r);
+
+    r = resp(buf, build(buf, sizeof(buf), bad_outbox_id));
+    assert_non_null(strstr(parse_message(r, &m, names, values, vlens), "not a number"));
+    freeReplyObject(r);
+
+    r = resp("$-1\r\n", 5);
+    assert_non_null(parse_message(r, &m, names, values, vlens));
+    freeReplyObject(r);
+}
+
+static void test_parse_caps_headers(void **state)
+{
+    (void)state;
+    const char *items[2 * (RELAY_HEADERS_MAX + 1) + 11];
+    char names_buf[RELAY_HEADERS_MAX + 1][16];
+    size_t n = 0;
+    static const char *const base[] = {"id", "x", "topic", "t", "payload", "p", "created_at",
+                                       "c", "outbox_id", "1"};
+    for (size_t i = 0; i < 10; i++)
+        items[n++] = base[i];
+    for (int i = 0; i <= RELAY_HEADERS_MAX; i++) {
+        snprintf(names_buf[i], sizeof(names_buf[i]), "h.n%d", i);
+        items[n++] = names_buf[i];
+        items[n++] = "v";
+    }
+    items[n] = NULL;
+    static char buf[8192];
+    redisReply *r = resp(buf, build(buf, sizeof(buf), items));
+    struct relay_message m;
+    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
+    size_t vlens[RELAY_HEADERS_MAX];
+    assert_non_null(strstr(parse_message(r, &m, names, values, vlens), "more headers"));
+    freeReplyObject(r);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_default_backoff_schedule),
+        cmocka_unit_test(test_custom_backoff_schedule),
+        cmocka_unit_test(test_stream_names),
+        cmocka_unit_test(test_new_validates_options),
+        cmocka_unit_test(test_parse_good_entry),
+        cmocka_unit_test(test_parse_rejects_foreign_entries),
+        cmocka_unit_test(test_parse_caps_headers),
+    };
+    return cmocka_run_group_tests_name("consumer", tests, NULL, NULL);
+}
