@@ -31,6 +31,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "relay/backoff.h"
 #include "relay/batch.h"
@@ -67,7 +69,10 @@ struct relay {
     ev_timer retry_timer; /* backoff after a failed batch */
     ev_timer deadline;    /* publish deadline of the batch in flight */
     ev_timer drain_timer;
+    ev_timer watchdog;    /* WATCHDOG=1 at half of WatchdogSec, while healthy */
+    ev_timer status;      /* STATUS= line for systemctl status */
     ev_signal sigterm, sigint, sighup;
+    char status_text[256];
 
     enum cycle_state state;
     int want_claim;
@@ -546,6 +551,68 @@ static void sink_ready(struct relay_sink *s, void *arg)
     want_cycle(arg);
 }
 
+/* ---- supervision ---------------------------------------------------- */
+
+/* The loop is healthy when it runs (this timer fires) and no cycle is stuck
+ * beyond every deadline that should have ended it. */
+static int healthy(struct relay *r)
+{
+    if (r->state == CYCLE_IDLE)
+        return 1;
+    double limit = (r->cfg->publish_timeout_ms + 2.0 * r->cfg->statement_timeout_ms +
+                    r->cfg->connect_timeout_ms) /
+                   1000.0;
+    return ev_now(r->loop) - r->batch_started < limit;
+}
+
+static void on_watchdog(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    struct relay *r = w->data;
+    (void)loop;
+    (void)revents;
+    if (healthy(r))
+        relay_sd_notify("WATCHDOG=1");
+    else
+        relay_warn(COMPONENT, "a claim cycle is stuck past every deadline; not feeding the "
+                              "systemd watchdog");
+}
+
+static void on_status(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    struct relay *r = w->data;
+    char text[256];
+    (void)loop;
+    (void)revents;
+    snprintf(text, sizeof(text), "STATUS=%llu published, %llu quarantined; PostgreSQL %s, Redis %s%s",
+             r->published_total, r->quarantined_total,
+             relay_pgsrc_state(r->claim) == RELAY_PG_DOWN ? "down" : "up",
+             relay_sink_ready(r->sink) ? "up" : "down", r->in_backoff ? "; retrying a batch" : "");
+    if (strcmp(text, r->status_text) == 0)
+        return;
+    snprintf(r->status_text, sizeof(r->status_text), "%s", text);
+    relay_sd_notify(text);
+}
+
+/* Starts the watchdog timer when systemd asked for one (sd_watchdog_enabled). */
+static void start_watchdog(struct relay *r)
+{
+    const char *usec = getenv("WATCHDOG_USEC");
+    const char *pid = getenv("WATCHDOG_PID");
+    if (usec == NULL || usec[0] == '\0')
+        return;
+    if (pid != NULL && pid[0] != '\0' && strtol(pid, NULL, 10) != (long)getpid())
+        return;
+    char *end;
+    unsigned long long us = strtoull(usec, &end, 10);
+    if (*end != '\0' || us == 0)
+        return;
+    double every = us / 2e6;
+    ev_timer_init(&r->watchdog, on_watchdog, every, every);
+    r->watchdog.data = r;
+    ev_timer_start(r->loop, &r->watchdog);
+    relay_info(COMPONENT, "systemd watchdog: feeding it every %.3f s while healthy", every);
+}
+
 /* ---- signals --------------------------------------------------------- */
 
 static void on_drain_deadline(struct ev_loop *loop, ev_timer *w, int revents)
@@ -590,7 +657,13 @@ static void on_hup(struct ev_loop *loop, ev_signal *w, int revents)
     (void)loop;
     (void)revents;
 
-    relay_sd_notify("RELOADING=1");
+    /* RELOADING=1 must carry the monotonic time of the reload (systemd 253+). */
+    struct timespec now;
+    char reloading[64];
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    snprintf(reloading, sizeof(reloading), "RELOADING=1\nMONOTONIC_USEC=%llu",
+             (unsigned long long)now.tv_sec * 1000000ull + (unsigned long long)now.tv_nsec / 1000);
+    relay_sd_notify(reloading);
     relay_config_init(&fresh);
     if (relay_config_load(&fresh, r->reload.config_path, environ, r->reload.argc, r->reload.argv,
                           err, sizeof(err)) < 0) {
@@ -685,6 +758,10 @@ int relay_run(struct relay *r)
                                                       : backend == EVBACKEND_SELECT ? "select"
                                                                                     : "other",
                r->cfg->batch_size, r->cfg->poll_interval_ms, r->cfg->listen ? "on" : "off");
+    start_watchdog(r);
+    ev_timer_init(&r->status, on_status, 0.0, 2.0);
+    r->status.data = r;
+    ev_timer_start(r->loop, &r->status);
     relay_sd_notify("READY=1");
     ev_run(r->loop, 0);
     r->stopping = 1;
@@ -704,6 +781,8 @@ void relay_free(struct relay *r)
         ev_timer_stop(r->loop, &r->retry_timer);
         ev_timer_stop(r->loop, &r->deadline);
         ev_timer_stop(r->loop, &r->drain_timer);
+        ev_timer_stop(r->loop, &r->watchdog);
+        ev_timer_stop(r->loop, &r->status);
         ev_signal_stop(r->loop, &r->sigterm);
         ev_signal_stop(r->loop, &r->sigint);
         ev_signal_stop(r->loop, &r->sighup);
