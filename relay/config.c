@@ -86,6 +86,27 @@ static int cfg_check_redis(const char *value, char *rule, size_t rulelen);
 static int cfg_check_stream_prefix(const char *value, char *rule, size_t rulelen);
 
 /* The one place a key is defined. docs/CONFIGURATION.md documents this table. */
+/* "host:port" with a numeric port, or empty. */
+static int cfg_check_listen(const char *value, char *rule, size_t rulelen)
+{
+    const char *colon = strrchr(value, ':');
+    char *end;
+    unsigned long port;
+    if (value[0] == '\0')
+        return 0;
+    if (colon == NULL || colon == value) {
+        snprintf(rule, rulelen, "must be host:port, e.g. 127.0.0.1:9479, or empty to switch "
+                                "the endpoint off");
+        return -1;
+    }
+    port = strtoul(colon + 1, &end, 10);
+    if (*end != '\0' || port == 0 || port > 65535 || colon[1] == '\0') {
+        snprintf(rule, rulelen, "port must be a number between 1 and 65535");
+        return -1;
+    }
+    return 0;
+}
+
 static const struct cfg_key cfg_keys[] = {
     {"postgres", CFG_SECRET_STRING, CFG_OFF(postgres), 0, CFG_VALUE_MAX, "", CFG_REQUIRED, NULL,
      "PostgreSQL connection: a libpq conninfo string or a postgresql:// URI"},
@@ -121,6 +142,18 @@ static const struct cfg_key cfg_keys[] = {
      "how long a dedup record lives in Redis"},
     {"log_level", CFG_LOGLEVEL, CFG_OFF(log_level), RELAY_LOG_DEBUG, RELAY_LOG_ERROR, "info",
      CFG_RELOADABLE, NULL, "least severe level logged: debug, info, warning or error"},
+    {"metrics_listen", CFG_STRING, CFG_OFF(metrics_listen), 0, 300, "127.0.0.1:9479", 0,
+     cfg_check_listen, "address of /metrics, /healthz and /readyz (host:port); empty: off"},
+    {"observe_interval", CFG_DURATION, CFG_OFF(observe_interval_ms), 100, 10 * CFG_MIN, "5s", 0,
+     NULL, "how often queue age, lag and producer admission are read"},
+    {"pause_lag_entries", CFG_UINT, CFG_OFF(pause_lag_entries), 0, 2000000000, "0", 0, NULL,
+     "stop publishing to a stream when one of its groups lags this many entries; 0: never"},
+    {"resume_lag_entries", CFG_UINT, CFG_OFF(resume_lag_entries), 0, 2000000000, "0", 0, NULL,
+     "publish to a paused stream again when every group lags less than this"},
+    {"pause_queue_age", CFG_DURATION, CFG_OFF(pause_queue_age_ms), 0, 30 * CFG_DAY, "0", 0, NULL,
+     "stop publishing to a stream when a group's queue age reaches this; 0: never"},
+    {"resume_queue_age", CFG_DURATION, CFG_OFF(resume_queue_age_ms), 0, 30 * CFG_DAY, "0", 0, NULL,
+     "publish to a paused stream again when every group's queue age is below this"},
 };
 
 static const char *const cfg_level_names[] = {"debug", "info", "warning", "error"};
@@ -1079,6 +1112,24 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
         config_format_duration(cfg->reconnect_min_ms, a, sizeof a);
         config_format_duration(cfg->reconnect_max_ms, b, sizeof b);
         cfg_err(err, errlen, "reconnect_min = \"%s\": must not be greater than reconnect_max (%s)",
+                a, b);
+        return -1;
+    }
+    /* Hysteresis: a low-water mark at or above its high-water mark would pause
+     * and resume on every observation. */
+    if (cfg->pause_lag_entries > 0 && cfg->resume_lag_entries >= cfg->pause_lag_entries) {
+        cfg_err(err, errlen,
+                "resume_lag_entries = \"%u\": must be below pause_lag_entries (%u), the mark "
+                "that pauses a stream",
+                cfg->resume_lag_entries, cfg->pause_lag_entries);
+        return -1;
+    }
+    if (cfg->pause_queue_age_ms > 0 && cfg->resume_queue_age_ms >= cfg->pause_queue_age_ms) {
+        config_format_duration(cfg->resume_queue_age_ms, a, sizeof a);
+        config_format_duration(cfg->pause_queue_age_ms, b, sizeof b);
+        cfg_err(err, errlen,
+                "resume_queue_age = \"%s\": must be below pause_queue_age (%s), the mark that "
+                "pauses a stream",
                 a, b);
         return -1;
     }

@@ -43,6 +43,7 @@ const char relay_pgsrc_claim_sql[] =
     " attempts"
     " FROM outbox.messages"
     " WHERE sent_at IS NULL AND failed_at IS NULL AND (retry_at IS NULL OR retry_at <= now())"
+    "  AND topic <> ALL ($2::text[])"
     " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED";
 
 /* Migration files by the version they bring, to name the one to apply. */
@@ -572,7 +573,7 @@ static void run_setup(struct relay_pgsrc *pg)
         return;
     }
     if (pg->setup == SETUP_PREPARE) {
-        if (!PQsendPrepare(pg->conn, "claim", relay_pgsrc_claim_sql, 1, NULL)) {
+        if (!PQsendPrepare(pg->conn, "claim", relay_pgsrc_claim_sql, 2, NULL)) {
             setup_failed(pg, PQerrorMessage(pg->conn));
             return;
         }

@@ -25,6 +25,7 @@
 
 #include <ev.h>
 #include <hiredis/async.h>
+#include <pthread.h>
 #include <hiredis/hiredis.h>
 #include <libpq-fe.h>
 #include <signal.h>
@@ -38,6 +39,8 @@
 #include "relay/batch.h"
 #include "relay/config.h"
 #include "relay/log.h"
+#include "relay/metrics.h"
+#include "relay/observe.h"
 #include "relay/pgsrc.h"
 #include "relay/sdnotify.h"
 #include "relay/sink.h"
@@ -95,7 +98,43 @@ struct relay {
     unsigned long long published_total;
     unsigned long long quarantined_total;
     char last_batch_error[512];
+
+    /* Counters for /metrics. */
+    struct topic_count {
+        char topic[RELAY_TOPIC_MAX + 1];
+        unsigned long long published;
+    } topic_counts[RELAY_OBS_TOPICS_MAX];
+    size_t ntopic_counts;
+    unsigned long long other_published; /* topics beyond the table */
+    unsigned long long batches_total;
+    unsigned long long batch_hist[16]; /* cumulative at scrape; here per bucket */
+    double batch_sum;
+    unsigned long long errors[6];
+    struct relay_metrics *metrics;
+
+    /* Observation thread: reads queue age, lag and admission off the loop. */
+    pthread_t obs_thread;
+    int obs_started;
+    pthread_mutex_t obs_lock;
+    pthread_cond_t obs_cond;
+    int obs_stop;                      /* under obs_lock */
+    struct relay_observation *obs_new; /* written by the thread, under obs_lock */
+    int obs_fresh;                     /* under obs_lock */
+    struct relay_observation *obs;     /* the loop's copy */
+    ev_async obs_async;
+    /* Streams paused for backpressure, as the claim's $2 text[] literal. */
+    unsigned char paused[RELAY_OBS_TOPICS_MAX];
+    char paused_topics[RELAY_OBS_TOPICS_MAX][RELAY_TOPIC_MAX + 1];
+    size_t npaused;
+    char paused_param[RELAY_OBS_TOPICS_MAX * (RELAY_TOPIC_MAX + 4) + 4];
 };
+
+/* Error kinds of outbox_relay_publish_errors_total. */
+static const char *const error_kinds[6] = {"redis_connection", "redis_timeout", "redis_error",
+                                           "redis_reply", "postgres", "row"};
+/* Upper bounds of the batch duration histogram, in seconds. */
+static const double batch_buckets[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                       0.25,  0.5,    1,     2.5,  5,     10};
 
 static void maybe_claim(struct relay *r);
 static void log_row_failures(struct relay *r);
@@ -159,9 +198,23 @@ static void on_rolled_back(struct relay_pgsrc *pg, PGresult *res, const char *er
     cycle_ended(r);
 }
 
+static int error_kind(const char *why)
+{
+    if (strncmp(why, "Redis connection", 16) == 0)
+        return 0;
+    if (strncmp(why, "no reply to the batch", 21) == 0)
+        return 1;
+    if (strncmp(why, "Redis answered", 14) == 0)
+        return 2;
+    if (strncmp(why, "unexpected reply", 16) == 0)
+        return 3;
+    return 4;
+}
+
 /* A failure of the whole batch: roll back, nobody is blamed, try again later. */
 static void batch_failed(struct relay *r, const char *why)
 {
+    r->errors[error_kind(why)]++;
     if (strcmp(why, r->last_batch_error) != 0) {
         relay_warn(COMPONENT,
                    "batch of %zu rows not published: %s; rolled back, will retry with backoff",
@@ -224,6 +277,39 @@ static void drop_dedup_records(struct relay *r)
     (void)done;
 }
 
+/* Published messages per topic, for outbox_relay_messages_published_total. */
+static void count_topics(struct relay *r)
+{
+    size_t hint = 0;
+    for (size_t i = 0; i < r->nrows; i++) {
+        const struct relay_row *row = &r->rows[i];
+        if (row->state != RELAY_ROW_PUBLISHED)
+            continue;
+        size_t j = hint;
+        int found = 0;
+        for (size_t n = 0; n < r->ntopic_counts; n++, j = (j + 1) % r->ntopic_counts) {
+            struct topic_count *t = &r->topic_counts[j];
+            if (strlen(t->topic) == row->topic_len &&
+                memcmp(t->topic, row->topic, row->topic_len) == 0) {
+                t->published++;
+                hint = j;
+                found = 1;
+                break;
+            }
+        }
+        if (found)
+            continue;
+        if (r->ntopic_counts < RELAY_OBS_TOPICS_MAX && row->topic_len <= RELAY_TOPIC_MAX) {
+            struct topic_count *t = &r->topic_counts[r->ntopic_counts++];
+            memcpy(t->topic, row->topic, row->topic_len);
+            t->topic[row->topic_len] = '\0';
+            t->published = 1;
+        } else {
+            r->other_published++;
+        }
+    }
+}
+
 static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
                         const char *sqlstate, void *arg)
 {
@@ -251,6 +337,15 @@ static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
             failed++;
     }
     r->published_total += published;
+    r->errors[5] += failed;
+    r->batches_total++;
+    double took = ev_now(r->loop) - r->batch_started;
+    r->batch_sum += took;
+    size_t b = 0;
+    while (b < RELAY_ARRAY_LEN(batch_buckets) && took > batch_buckets[b])
+        b++;
+    r->batch_hist[b]++;
+    count_topics(r);
     log_row_failures(r);
     for (size_t i = 0; i < r->nrows; i++)
         if (r->rows[i].state == RELAY_ROW_FAILED &&
@@ -484,8 +579,8 @@ static void on_begun(struct relay_pgsrc *pg, PGresult *res, const char *err, con
     }
     char limit[16];
     snprintf(limit, sizeof(limit), "%u", r->cfg->batch_size);
-    const char *params[1] = {limit};
-    if (relay_pgsrc_send_prepared(pg, "claim", 1, params, 1, on_claimed, r) < 0) {
+    const char *params[2] = {limit, r->paused_param};
+    if (relay_pgsrc_send_prepared(pg, "claim", 2, params, 1, on_claimed, r) < 0) {
         batch_failed(r, "PostgreSQL connection lost before the claim");
         return;
     }
@@ -549,6 +644,269 @@ static void sink_ready(struct relay_sink *s, void *arg)
 {
     (void)s;
     want_cycle(arg);
+}
+
+/* ---- observation and backpressure ------------------------------------ */
+
+/* The observation thread: blocking reads with deadlines, off the loop. */
+static void *observe_main(void *arg)
+{
+    struct relay *r = arg;
+    struct relay_observation *o = malloc(sizeof(*o));
+    PGconn *pg = NULL;
+    redisContext *rd = NULL;
+    if (o == NULL)
+        return NULL;
+    pthread_mutex_lock(&r->obs_lock);
+    while (!r->obs_stop) {
+        pthread_mutex_unlock(&r->obs_lock);
+        relay_observe(r->cfg, &pg, &rd, 1, o);
+        pthread_mutex_lock(&r->obs_lock);
+        memcpy(r->obs_new, o, sizeof(*o));
+        r->obs_fresh = 1;
+        ev_async_send(r->loop, &r->obs_async);
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        uint64_t ns = (uint64_t)until.tv_nsec + (uint64_t)r->cfg->observe_interval_ms * 1000000u;
+        until.tv_sec += (time_t)(ns / 1000000000u);
+        until.tv_nsec = (long)(ns % 1000000000u);
+        while (!r->obs_stop && pthread_cond_timedwait(&r->obs_cond, &r->obs_lock, &until) == 0)
+            ;
+    }
+    pthread_mutex_unlock(&r->obs_lock);
+    PQfinish(pg);
+    if (rd != NULL)
+        redisFree(rd);
+    free(o);
+    return NULL;
+}
+
+/* Stream-side age of a group: what waits in Redis, not in the outbox (a paused
+ * stream's outbox wait must not keep it paused). */
+static double stream_age(const struct relay_group_obs *g)
+{
+    return g->oldest_pending_age > g->oldest_undelivered_age ? g->oldest_pending_age
+                                                              : g->oldest_undelivered_age;
+}
+
+static int topic_paused(const struct relay *r, const char *topic)
+{
+    for (size_t i = 0; i < r->npaused; i++)
+        if (strcmp(r->paused_topics[i], topic) == 0)
+            return 1;
+    return 0;
+}
+
+/* Pauses a stream when a group lags beyond a high-water mark and resumes it
+ * when every group is back below the low-water mark; the claim skips the
+ * paused topics, whose rows wait safely in the outbox. */
+static void apply_backpressure(struct relay *r)
+{
+    const struct relay_config *cfg = r->cfg;
+    const struct relay_observation *o = r->obs;
+    char next[RELAY_OBS_TOPICS_MAX][RELAY_TOPIC_MAX + 1];
+    size_t nnext = 0;
+    if (!o->redis_ok || (cfg->pause_lag_entries == 0 && cfg->pause_queue_age_ms == 0))
+        goto apply;
+    for (size_t t = 0; t < o->ntopics; t++) {
+        const char *topic = o->topics[t].topic;
+        int was = topic_paused(r, topic), over = 0, under = 1;
+        for (size_t g = 0; g < o->ngroups; g++) {
+            const struct relay_group_obs *go = &o->groups[g];
+            if (go->topic != (int)t)
+                continue;
+            double age_ms = stream_age(go) * 1000.0;
+            if (cfg->pause_lag_entries && go->lag >= (long long)cfg->pause_lag_entries)
+                over = 1;
+            if (cfg->pause_queue_age_ms && age_ms >= cfg->pause_queue_age_ms)
+                over = 1;
+            if ((cfg->pause_lag_entries && go->lag > (long long)cfg->resume_lag_entries) ||
+                (cfg->pause_queue_age_ms && age_ms > cfg->resume_queue_age_ms))
+                under = 0;
+        }
+        int paused = was ? !under : over;
+        if (paused != was)
+            relay_log(paused ? RELAY_LOG_WARNING : RELAY_LOG_INFO, COMPONENT,
+                      "stream %s %s (backpressure: consumer groups %s)", o->topics[t].stream,
+                      paused ? "paused" : "resumed",
+                      paused ? "lag beyond the high-water mark; its rows wait in the outbox"
+                             : "caught up below the low-water mark");
+        if (paused && nnext < RELAY_OBS_TOPICS_MAX)
+            snprintf(next[nnext++], sizeof(next[0]), "%s", topic);
+    }
+apply:
+    r->npaused = nnext;
+    size_t len = 0;
+    r->paused_param[len++] = '{';
+    for (size_t i = 0; i < nnext; i++) {
+        memcpy(r->paused_topics[i], next[i], sizeof(next[i]));
+        len += (size_t)snprintf(r->paused_param + len, sizeof(r->paused_param) - len, "%s\"%s\"",
+                                i ? "," : "", next[i]);
+    }
+    snprintf(r->paused_param + len, sizeof(r->paused_param) - len, "}");
+}
+
+static void on_observation(struct ev_loop *loop, ev_async *w, int revents)
+{
+    struct relay *r = w->data;
+    (void)loop;
+    (void)revents;
+    pthread_mutex_lock(&r->obs_lock);
+    int fresh = r->obs_fresh;
+    if (fresh)
+        memcpy(r->obs, r->obs_new, sizeof(*r->obs));
+    r->obs_fresh = 0;
+    pthread_mutex_unlock(&r->obs_lock);
+    if (fresh)
+        apply_backpressure(r);
+}
+
+static int relay_is_ready(void *arg, char *why, size_t whylen)
+{
+    struct relay *r = arg;
+    if (relay_pgsrc_state(r->claim) == RELAY_PG_DOWN || relay_pgsrc_state(r->claim) ==
+                                                            RELAY_PG_CONNECTING) {
+        snprintf(why, whylen, "PostgreSQL not connected");
+        return 0;
+    }
+    if (!relay_sink_ready(r->sink)) {
+        snprintf(why, whylen, "Redis not connected");
+        return 0;
+    }
+    if (r->state != CYCLE_IDLE && ev_now(r->loop) - r->batch_started >
+                                      (r->cfg->publish_timeout_ms + 2.0 * r->cfg->statement_timeout_ms) /
+                                          1000.0) {
+        snprintf(why, whylen, "a claim cycle is stalled");
+        return 0;
+    }
+    return 1;
+}
+
+static void metric_help(struct relay_text *t, const char *name, const char *type,
+                        const char *help)
+{
+    relay_text_printf(t, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static long render_metrics(void *arg, char **out)
+{
+    struct relay *r = arg;
+    const struct relay_observation *o = r->obs;
+    struct relay_text t = {NULL, 0, 0, 0};
+    char why[128];
+    int pqv = PQlibVersion();
+
+    metric_help(&t, "outbox_relay_build_info", "gauge", "Version of the relay and its libraries.");
+    relay_text_printf(&t,
+                      "outbox_relay_build_info{version=\"%s\",libpq=\"%d.%d\",hiredis=\"%d.%d.%d\"} 1\n",
+                      RELAY_VERSION, pqv / 10000, pqv % 10000, HIREDIS_MAJOR, HIREDIS_MINOR,
+                      HIREDIS_PATCH);
+    metric_help(&t, "outbox_relay_up", "gauge", "Connection state of each server (1 connected).");
+    relay_text_printf(&t, "outbox_relay_up{server=\"postgres\"} %d\n",
+                      relay_pgsrc_state(r->claim) == RELAY_PG_READY ||
+                          relay_pgsrc_state(r->claim) == RELAY_PG_BUSY);
+    relay_text_printf(&t, "outbox_relay_up{server=\"redis\"} %d\n", relay_sink_ready(r->sink));
+    metric_help(&t, "outbox_relay_ready", "gauge",
+                "1 when connected to both servers and not stalled.");
+    relay_text_printf(&t, "outbox_relay_ready %d\n", relay_is_ready(r, why, sizeof(why)));
+
+    metric_help(&t, "outbox_relay_messages_published_total", "counter",
+                "Messages published to their stream, per topic.");
+    for (size_t i = 0; i < r->ntopic_counts; i++)
+        relay_text_printf(&t, "outbox_relay_messages_published_total{topic=\"%s\"} %llu\n",
+                          r->topic_counts[i].topic, r->topic_counts[i].published);
+    if (r->other_published)
+        relay_text_printf(&t, "outbox_relay_messages_published_total{topic=\"_other\"} %llu\n",
+                          r->other_published);
+    metric_help(&t, "outbox_relay_batches_total", "counter", "Claim cycles committed.");
+    relay_text_printf(&t, "outbox_relay_batches_total %llu\n", r->batches_total);
+    metric_help(&t, "outbox_relay_batch_duration_seconds", "histogram",
+                "Time from claim to commit of a batch.");
+    unsigned long long cum = 0;
+    for (size_t b = 0; b < RELAY_ARRAY_LEN(batch_buckets); b++) {
+        cum += r->batch_hist[b];
+        relay_text_printf(&t, "outbox_relay_batch_duration_seconds_bucket{le=\"%g\"} %llu\n",
+                          batch_buckets[b], cum);
+    }
+    cum += r->batch_hist[RELAY_ARRAY_LEN(batch_buckets)];
+    relay_text_printf(&t, "outbox_relay_batch_duration_seconds_bucket{le=\"+Inf\"} %llu\n", cum);
+    relay_text_printf(&t, "outbox_relay_batch_duration_seconds_sum %.6f\n", r->batch_sum);
+    relay_text_printf(&t, "outbox_relay_batch_duration_seconds_count %llu\n", cum);
+    metric_help(&t, "outbox_relay_publish_errors_total", "counter",
+                "Failed batches by kind, and rows that failed for reasons of their own (row).");
+    for (size_t k = 0; k < RELAY_ARRAY_LEN(error_kinds); k++)
+        relay_text_printf(&t, "outbox_relay_publish_errors_total{kind=\"%s\"} %llu\n",
+                          error_kinds[k], r->errors[k]);
+    metric_help(&t, "outbox_relay_rows_quarantined_total", "counter",
+                "Rows this relay quarantined after max_attempts.");
+    relay_text_printf(&t, "outbox_relay_rows_quarantined_total %llu\n", r->quarantined_total);
+
+    if (o->taken_at > 0) {
+        metric_help(&t, "outbox_relay_observation_age_seconds", "gauge",
+                    "Age of the observation behind the gauges below.");
+        struct timespec now;
+        clock_gettime(CLOCK_REALTIME, &now);
+        relay_text_printf(&t, "outbox_relay_observation_age_seconds %.3f\n",
+                          (double)now.tv_sec + now.tv_nsec / 1e9 - o->taken_at);
+    }
+    if (o->pg_ok) {
+        metric_help(&t, "outbox_relay_outbox_pending_rows", "gauge",
+                    "Rows waiting in the outbox (an estimate from the span of pending ids).");
+        relay_text_printf(&t, "outbox_relay_outbox_pending_rows %lld\n", o->outbox_pending);
+        metric_help(&t, "outbox_relay_outbox_oldest_pending_age_seconds", "gauge",
+                    "Age of the oldest row waiting in the outbox (0 when none).");
+        relay_text_printf(&t, "outbox_relay_outbox_oldest_pending_age_seconds %.3f\n",
+                          o->outbox_oldest_age < 0 ? 0 : o->outbox_oldest_age);
+        metric_help(&t, "outbox_relay_outbox_quarantined_rows", "gauge",
+                    "Quarantined rows waiting for an operator.");
+        relay_text_printf(&t, "outbox_relay_outbox_quarantined_rows %lld\n", o->quarantined);
+        metric_help(&t, "outbox_relay_topic_admitting", "gauge",
+                    "1 when producers of the topic are admitted, 0 when refused (backpressure).");
+        for (size_t i = 0; i < o->ntopics; i++)
+            if (o->topics[i].admitting >= 0)
+                relay_text_printf(&t, "outbox_relay_topic_admitting{topic=\"%s\"} %d\n",
+                                  o->topics[i].topic, o->topics[i].admitting);
+    }
+    metric_help(&t, "outbox_relay_stream_paused", "gauge",
+                "1 while the relay holds a stream back for its lagging consumer groups.");
+    for (size_t i = 0; i < o->ntopics; i++)
+        relay_text_printf(&t, "outbox_relay_stream_paused{stream=\"%s\"} %d\n",
+                          o->topics[i].stream, topic_paused(r, o->topics[i].topic));
+    if (o->redis_ok) {
+        static const char *const names[6][2] = {
+            {"outbox_relay_group_lag_entries", "Entries not yet delivered to the group."},
+            {"outbox_relay_group_pending_entries", "Entries delivered, not acknowledged."},
+            {"outbox_relay_group_oldest_pending_age_seconds",
+             "Age of the oldest delivered, unacknowledged entry (0 when none)."},
+            {"outbox_relay_group_oldest_undelivered_age_seconds",
+             "Age of the oldest entry not yet delivered (0 when none)."},
+            {"outbox_relay_group_queue_age_seconds",
+             "Age of the oldest message the group has not acknowledged, from its outbox row."},
+            {"outbox_relay_group_dead_letters", "Entries in the group's dead-letter stream."},
+        };
+        for (int m = 0; m < 6; m++) {
+            metric_help(&t, names[m][0], "gauge", names[m][1]);
+            for (size_t i = 0; i < o->ngroups; i++) {
+                const struct relay_group_obs *g = &o->groups[i];
+                double v = m == 0 ? (double)g->lag
+                         : m == 1 ? (double)g->pending
+                         : m == 2 ? g->oldest_pending_age
+                         : m == 3 ? g->oldest_undelivered_age
+                         : m == 4 ? g->queue_age
+                                  : (double)g->dead_letters;
+                if (m == 0 && g->lag < 0)
+                    continue; /* Redis cannot tell: no sample rather than a wrong one */
+                relay_text_printf(&t, "%s{stream=\"%s\",group=\"%s\"} %.3f\n", names[m][0],
+                                  g->stream, g->group, v < 0 ? 0 : v);
+            }
+        }
+    }
+    if (t.failed) {
+        free(t.data);
+        return -1;
+    }
+    *out = t.data;
+    return (long)t.len;
 }
 
 /* ---- supervision ---------------------------------------------------- */
@@ -742,6 +1100,31 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
         return NULL;
     }
     r->want_claim = 1;
+    snprintf(r->paused_param, sizeof(r->paused_param), "{}");
+
+    r->obs = calloc(1, sizeof(*r->obs));
+    r->obs_new = calloc(1, sizeof(*r->obs_new));
+    if (r->obs == NULL || r->obs_new == NULL) {
+        relay_free(r);
+        return NULL;
+    }
+    pthread_mutex_init(&r->obs_lock, NULL);
+    pthread_cond_init(&r->obs_cond, NULL);
+    ev_async_init(&r->obs_async, on_observation);
+    r->obs_async.data = r;
+    ev_async_start(loop, &r->obs_async);
+    if (pthread_create(&r->obs_thread, NULL, observe_main, r) == 0)
+        r->obs_started = 1;
+    else
+        relay_warn(COMPONENT, "cannot start the observation thread: no queue age, lag or "
+                              "backpressure");
+    if (cfg->metrics_listen != NULL && cfg->metrics_listen[0] != '\0') {
+        char err[300];
+        struct relay_metrics_hooks mh = {r, render_metrics, relay_is_ready};
+        r->metrics = relay_metrics_new(loop, cfg->metrics_listen, &mh, err, sizeof(err));
+        if (r->metrics == NULL)
+            relay_warn("metrics", "%s", err);
+    }
     return r;
 }
 
@@ -787,6 +1170,20 @@ void relay_free(struct relay *r)
         ev_signal_stop(r->loop, &r->sigint);
         ev_signal_stop(r->loop, &r->sighup);
     }
+    if (r->obs_started) {
+        pthread_mutex_lock(&r->obs_lock);
+        r->obs_stop = 1;
+        pthread_cond_signal(&r->obs_cond);
+        pthread_mutex_unlock(&r->obs_lock);
+        pthread_join(r->obs_thread, NULL);
+        pthread_mutex_destroy(&r->obs_lock);
+        pthread_cond_destroy(&r->obs_cond);
+    }
+    if (r->loop != NULL)
+        ev_async_stop(r->loop, &r->obs_async);
+    relay_metrics_free(r->metrics);
+    free(r->obs);
+    free(r->obs_new);
     /* Redis first: its pending callbacks run now and see r->stopping. */
     relay_sink_free(r->sink);
     relay_pgsrc_free(r->listen);

@@ -51,6 +51,14 @@ struct relay_config {
     uint32_t dedup_ttl_ms;
 
     int log_level; /* enum relay_log_level */
+
+    /* Operations. */
+    char *metrics_listen;          /* "host:port" of /metrics, /healthz, /readyz; "" = off */
+    uint32_t observe_interval_ms;  /* how often queue age, lag and admission are read */
+    uint32_t pause_lag_entries;    /* pause a stream when a group lags this much; 0 = off */
+    uint32_t resume_lag_entries;   /* ... and resume below this */
+    uint32_t pause_queue_age_ms;   /* pause a stream at this queue age; 0 = off */
+    uint32_t resume_queue_age_ms;  /* ... and resume below this */
 };
 
 /* Fills every key with its documented default; strings are heap copies. */

@@ -89,7 +89,7 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
 #define RELAY_SCHEMA_VERSION 4
 
 /* The claim statement, prepared on the claim connection as "claim". $1 is the
- * batch size. Columns: see relay.c. */
+ * batch size, $2 the topics paused for backpressure (a text[] literal). */
 extern const char relay_pgsrc_claim_sql[];
 
 #endif

@@ -1,0 +1,42 @@
+/*
+ * A small HTTP endpoint on the relay's event loop: /metrics (Prometheus text
+ * format), /healthz (the loop answers) and /readyz (connected to both servers
+ * and not stalled). One request per connection, bounded in size, time and
+ * number of clients, so a slow or half-open client cannot stall the loop.
+ */
+#ifndef RELAY_METRICS_H
+#define RELAY_METRICS_H
+
+#include <stddef.h>
+
+struct ev_loop;
+struct relay_metrics;
+
+struct relay_metrics_hooks {
+    void *arg;
+    /* Writes the /metrics body into a buffer it allocates (*out, freed by the
+     * server with free); returns its length or -1. */
+    long (*render)(void *arg, char **out);
+    /* 1 when ready; otherwise writes why into why. */
+    int (*ready)(void *arg, char *why, size_t whylen);
+};
+
+/* Listens on "host:port" (numeric host). NULL with err on failure. */
+struct relay_metrics *relay_metrics_new(struct ev_loop *loop, const char *listen_addr,
+                                        const struct relay_metrics_hooks *hooks, char *err,
+                                        size_t errlen);
+
+/* Closes the listener and every client. NULL-safe. */
+void relay_metrics_free(struct relay_metrics *m);
+
+/* Appends to a growing text buffer (for render): 0, or -1 when out of memory
+ * or over the 16 MiB cap. */
+struct relay_text {
+    char *data;
+    size_t len, cap;
+    int failed;
+};
+void relay_text_printf(struct relay_text *t, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+#endif

@@ -1,0 +1,81 @@
+/*
+ * Observation: what an operator needs to know about the outbox and the
+ * streams, read from PostgreSQL and Redis with short blocking calls that each
+ * have a deadline. "outbox-relay status" runs it once; the daemon runs it
+ * every few seconds on a thread of its own (never on the event loop) for its
+ * metrics and its backpressure decisions.
+ *
+ * Queue age, the number that matters: for each stream and consumer group,
+ * the age of the oldest message that group has not yet acknowledged, counted
+ * from its outbox row's created_at, whether the message still waits in the
+ * outbox, sits undelivered in the stream, or is pending (delivered, not acked).
+ */
+#ifndef RELAY_OBSERVE_H
+#define RELAY_OBSERVE_H
+
+#include <stddef.h>
+
+#include "relay/common.h"
+
+struct pg_conn;
+struct redisContext;
+struct relay_config;
+
+#define RELAY_OBS_TOPICS_MAX 64
+#define RELAY_OBS_GROUPS_MAX 128
+
+struct relay_topic_obs {
+    char topic[RELAY_TOPIC_MAX + 1];
+    char stream[RELAY_TOPIC_MAX + 80];
+    long long pending;         /* rows waiting in the outbox (estimate) */
+    double oldest_pending_age; /* seconds; -1 when none wait */
+    int admitting;             /* producer admission: 1, 0, or -1 unknown */
+};
+
+struct relay_group_obs {
+    char stream[RELAY_TOPIC_MAX + 80];
+    char group[128];
+    int topic; /* index into topics, -1 when the stream is not a relay topic */
+    long long consumers;
+    long long lag;     /* entries not yet delivered; -1 when Redis cannot tell */
+    long long pending; /* delivered, not acknowledged */
+    long long dead_letters;
+    double oldest_pending_age;     /* seconds; -1 when none */
+    double oldest_undelivered_age; /* seconds; -1 when none */
+    double queue_age;              /* seconds; 0 when nothing waits */
+};
+
+struct relay_observation {
+    double taken_at; /* Unix time */
+    int pg_ok;
+    char pg_error[256];
+    int redis_ok;
+    char redis_error[256];
+    long long outbox_pending;   /* estimate: the span of pending ids */
+    double outbox_oldest_age;   /* seconds; -1 when none */
+    long long quarantined;      /* rows with failed_at set */
+    char durability[128];       /* "appendonly yes, appendfsync always" */
+    size_t ntopics;
+    struct relay_topic_obs topics[RELAY_OBS_TOPICS_MAX];
+    size_t ngroups;
+    struct relay_group_obs groups[RELAY_OBS_GROUPS_MAX];
+};
+
+/*
+ * Fills o. *pg and *rd are connections the caller keeps between calls: NULL
+ * or broken ones are (re)opened here with cfg's deadlines. With update_admission
+ * set (the daemon), each topic's producer admission is recomputed through
+ * outbox.observe_topic. Returns 0 when both servers answered, -1 otherwise
+ * (o says which and why).
+ */
+int relay_observe(const struct relay_config *cfg, struct pg_conn **pg, struct redisContext **rd,
+                  int update_admission, struct relay_observation *o);
+
+/* "2026-11-30T11:35:14.123456Z" -> Unix time; -1 if not that form. */
+double relay_observe_parse_time(const char *s);
+
+/* Renders for humans (status) or scripts (status --json). */
+void relay_observe_text(const struct relay_observation *o, char *out, size_t outlen);
+void relay_observe_json(const struct relay_observation *o, char *out, size_t outlen);
+
+#endif

@@ -1,0 +1,315 @@
+/*
+ * The HTTP endpoint of include/relay/metrics.h.
+ *
+ * Deliberately small: HTTP/1.0-style, one request per connection, the
+ * response written in full and the socket closed. Every client has a
+ * deadline for the whole exchange, a request is at most 8 KiB, and at most
+ * 32 clients are served at once (more are closed at accept), so nothing a
+ * client does can hold the relay's loop.
+ */
+#include "relay/compat.h"
+
+#include "relay/metrics.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <ev.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "relay/log.h"
+
+#define COMPONENT "metrics"
+#define REQUEST_MAX 8192
+#define CLIENTS_MAX 32
+#define CLIENT_DEADLINE 5.0
+#define TEXT_CAP (16u << 20)
+
+struct client {
+    struct relay_metrics *m;
+    int fd;
+    ev_io io;
+    ev_timer deadline;
+    char req[REQUEST_MAX];
+    size_t reqlen;
+    char *resp;
+    size_t resplen, sent;
+    struct client *next;
+};
+
+struct relay_metrics {
+    struct ev_loop *loop;
+    struct relay_metrics_hooks hooks;
+    int fd;
+    ev_io accept_io;
+    struct client *clients;
+    int nclients;
+};
+
+void relay_text_printf(struct relay_text *t, const char *fmt, ...)
+{
+    if (t->failed)
+        return;
+    for (;;) {
+        size_t room = t->cap - t->len;
+        va_list ap;
+        va_start(ap, fmt);
+        int n = room ? vsnprintf(t->data + t->len, room, fmt, ap) : -1;
+        va_end(ap);
+        if (n >= 0 && (size_t)n < room) {
+            t->len += (size_t)n;
+            return;
+        }
+        size_t cap = t->cap ? t->cap * 2 : 16384;
+        while (n >= 0 && cap < t->len + (size_t)n + 1)
+            cap *= 2;
+        char *p = cap <= TEXT_CAP ? realloc(t->data, cap) : NULL;
+        if (p == NULL) {
+            t->failed = 1;
+            return;
+        }
+        t->data = p;
+        t->cap = cap;
+    }
+}
+
+static void client_close(struct client *c)
+{
+    struct relay_metrics *m = c->m;
+    ev_io_stop(m->loop, &c->io);
+    ev_timer_stop(m->loop, &c->deadline);
+    close(c->fd);
+    for (struct client **p = &m->clients; *p; p = &(*p)->next)
+        if (*p == c) {
+            *p = c->next;
+            break;
+        }
+    m->nclients--;
+    free(c->resp);
+    free(c);
+}
+
+static void on_client_write(struct ev_loop *loop, ev_io *w, int revents);
+
+static void respond(struct client *c, int status, const char *reason, const char *ctype,
+                    const char *extra_headers, const char *body, size_t bodylen, int head)
+{
+    char hdr[512];
+    int n = snprintf(hdr, sizeof(hdr),
+                     "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s"
+                     "Connection: close\r\n\r\n",
+                     status, reason, ctype, bodylen, extra_headers ? extra_headers : "");
+    size_t total = (size_t)n + (head ? 0 : bodylen);
+    c->resp = malloc(total);
+    if (c->resp == NULL) {
+        client_close(c);
+        return;
+    }
+    memcpy(c->resp, hdr, (size_t)n);
+    if (!head)
+        memcpy(c->resp + n, body, bodylen);
+    c->resplen = total;
+    c->sent = 0;
+    ev_io_stop(c->m->loop, &c->io);
+    ev_io_init(&c->io, on_client_write, c->fd, EV_WRITE);
+    c->io.data = c;
+    ev_io_start(c->m->loop, &c->io);
+}
+
+static void respond_text(struct client *c, int status, const char *reason, const char *body,
+                         const char *extra, int head)
+{
+    respond(c, status, reason, "text/plain; charset=utf-8", extra, body, strlen(body), head);
+}
+
+static void handle_request(struct client *c)
+{
+    char method[16], path[256];
+    if (sscanf(c->req, "%15s %255s", method, path) != 2) {
+        respond_text(c, 400, "Bad Request", "bad request\n", NULL, 0);
+        return;
+    }
+    int head = strcmp(method, "HEAD") == 0;
+    int known = strcmp(path, "/metrics") == 0 || strcmp(path, "/healthz") == 0 ||
+                strcmp(path, "/readyz") == 0;
+    if (!known) {
+        respond_text(c, 404, "Not Found", "not found: try /metrics, /healthz or /readyz\n", NULL,
+                     head);
+        return;
+    }
+    if (strcmp(method, "GET") != 0 && !head) {
+        respond_text(c, 405, "Method Not Allowed", "method not allowed\n", "Allow: GET, HEAD\r\n",
+                     0);
+        return;
+    }
+    if (strcmp(path, "/healthz") == 0) {
+        respond_text(c, 200, "OK", "ok\n", NULL, head);
+    } else if (strcmp(path, "/readyz") == 0) {
+        char why[256] = "";
+        if (c->m->hooks.ready == NULL || c->m->hooks.ready(c->m->hooks.arg, why, sizeof(why))) {
+            respond_text(c, 200, "OK", "ready\n", NULL, head);
+        } else {
+            char body[300];
+            snprintf(body, sizeof(body), "not ready: %s\n", why);
+            respond_text(c, 503, "Service Unavailable", body, NULL, head);
+        }
+    } else {
+        char *body = NULL;
+        long len = c->m->hooks.render ? c->m->hooks.render(c->m->hooks.arg, &body) : -1;
+        if (len < 0) {
+            respond_text(c, 500, "Internal Server Error", "cannot render metrics\n", NULL, head);
+        } else {
+            respond(c, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", NULL, body,
+                    (size_t)len, head);
+        }
+        free(body);
+    }
+}
+
+static void on_client_write(struct ev_loop *loop, ev_io *w, int revents)
+{
+    struct client *c = w->data;
+    (void)loop;
+    (void)revents;
+    while (c->sent < c->resplen) {
+        ssize_t n = send(c->fd, c->resp + c->sent, c->resplen - c->sent, MSG_NOSIGNAL);
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return;
+        if (n <= 0) {
+            client_close(c);
+            return;
+        }
+        c->sent += (size_t)n;
+    }
+    client_close(c);
+}
+
+static void on_client_read(struct ev_loop *loop, ev_io *w, int revents)
+{
+    struct client *c = w->data;
+    (void)loop;
+    (void)revents;
+    ssize_t n = recv(c->fd, c->req + c->reqlen, sizeof(c->req) - 1 - c->reqlen, 0);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+        return;
+    if (n <= 0) {
+        client_close(c);
+        return;
+    }
+    c->reqlen += (size_t)n;
+    c->req[c->reqlen] = '\0';
+    if (strstr(c->req, "\r\n\r\n") != NULL || strstr(c->req, "\n\n") != NULL) {
+        handle_request(c);
+        return;
+    }
+    if (c->reqlen >= sizeof(c->req) - 1)
+        respond_text(c, 431, "Request Header Fields Too Large", "request too large\n", NULL, 0);
+}
+
+static void on_client_deadline(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop;
+    (void)revents;
+    client_close(w->data);
+}
+
+static void on_accept(struct ev_loop *loop, ev_io *w, int revents)
+{
+    struct relay_metrics *m = w->data;
+    (void)revents;
+    for (;;) {
+        int fd = accept(m->fd, NULL, NULL);
+        if (fd < 0)
+            return; /* EAGAIN, or a transient error: the next event retries */
+        if (fcntl(fd, F_SETFL, O_NONBLOCK) < 0 || fcntl(fd, F_SETFD, FD_CLOEXEC) < 0) {
+            close(fd);
+            continue;
+        }
+        if (m->nclients >= CLIENTS_MAX) {
+            close(fd);
+            continue;
+        }
+        struct client *c = calloc(1, sizeof(*c));
+        if (c == NULL) {
+            close(fd);
+            continue;
+        }
+        c->m = m;
+        c->fd = fd;
+        c->next = m->clients;
+        m->clients = c;
+        m->nclients++;
+        ev_io_init(&c->io, on_client_read, fd, EV_READ);
+        c->io.data = c;
+        ev_io_start(loop, &c->io);
+        ev_timer_init(&c->deadline, on_client_deadline, CLIENT_DEADLINE, 0.0);
+        c->deadline.data = c;
+        ev_timer_start(loop, &c->deadline);
+    }
+}
+
+struct relay_metrics *relay_metrics_new(struct ev_loop *loop, const char *listen_addr,
+                                        const struct relay_metrics_hooks *hooks, char *err,
+                                        size_t errlen)
+{
+    char host[256];
+    const char *colon = strrchr(listen_addr, ':');
+    if (colon == NULL || (size_t)(colon - listen_addr) >= sizeof(host)) {
+        snprintf(err, errlen, "metrics_listen \"%s\" is not host:port", listen_addr);
+        return NULL;
+    }
+    memcpy(host, listen_addr, (size_t)(colon - listen_addr));
+    host[colon - listen_addr] = '\0';
+    int port = (int)strtol(colon + 1, NULL, 10); /* validated by the configuration */
+    struct sockaddr_in sin;
+    memset(&sin, 0, sizeof(sin));
+    sin.sin_family = AF_INET;
+    sin.sin_port = htons((uint16_t)port);
+    if (inet_pton(AF_INET, strcmp(host, "localhost") == 0 ? "127.0.0.1" : host,
+                  &sin.sin_addr) != 1) {
+        snprintf(err, errlen, "metrics_listen host \"%s\" must be an IPv4 address", host);
+        return NULL;
+    }
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    int one = 1;
+    if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
+        bind(fd, (struct sockaddr *)&sin, sizeof(sin)) < 0 || listen(fd, 64) < 0) {
+        snprintf(err, errlen, "cannot listen on %s: %s (change metrics_listen, or set it empty "
+                              "to switch the endpoint off)",
+                 listen_addr, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return NULL;
+    }
+    struct relay_metrics *m = calloc(1, sizeof(*m));
+    if (m == NULL) {
+        close(fd);
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    m->loop = loop;
+    m->hooks = *hooks;
+    m->fd = fd;
+    ev_io_init(&m->accept_io, on_accept, fd, EV_READ);
+    m->accept_io.data = m;
+    ev_io_start(loop, &m->accept_io);
+    relay_info(COMPONENT, "serving /metrics, /healthz and /readyz on http://%s", listen_addr);
+    return m;
+}
+
+void relay_metrics_free(struct relay_metrics *m)
+{
+    if (m == NULL)
+        return;
+    while (m->clients != NULL)
+        client_close(m->clients);
+    ev_io_stop(m->loop, &m->accept_io);
+    close(m->fd);
+    free(m);
+}
