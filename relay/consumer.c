@@ -650,64 +650,78 @@ static int entry_gone(struct relay_consumer *c, const char *stream, const char *
     return gone;
 }
 
-/* Takes over pending entries whose backoff has passed, of any consumer. */
-static void reclaim_stream(struct relay_consumer *c, const char *stream)
+/* Takes over one pending entry whose backoff has passed. */
+static void take_over(struct relay_consumer *c, const char *stream, const char *id,
+                      uint32_t deliveries, uint32_t due)
 {
-    char idle[16], cnt[16];
-    snprintf(idle, sizeof(idle), "%u", min_backoff(&c->o));
-    snprintf(cnt, sizeof(cnt), "%d", RECLAIM_BATCH);
-    const char *argv[8] = {"XPENDING", stream, c->group, "IDLE", idle, "-", "+", cnt};
-    size_t lens[8] = {8, strlen(stream), strlen(c->group), 4, strlen(idle), 1, 1, strlen(cnt)};
-    redisReply *p = command(c->wr, 8, argv, lens);
-    if (p == NULL) {
+    char min_idle[16];
+    snprintf(min_idle, sizeof(min_idle), "%u", due);
+    const char *cargv[6] = {"XCLAIM", stream, c->group, c->consumer, min_idle, id};
+    size_t clens[6] = {6, strlen(stream), strlen(c->group), strlen(c->consumer), strlen(min_idle),
+                       strlen(id)};
+    redisReply *cl = command(c->wr, 6, cargv, clens);
+    if (cl == NULL) {
         problem(c, "Redis connection lost: %s", c->wr->errstr);
         disconnect(c);
         return;
     }
-    if (p->type != REDIS_REPLY_ARRAY) {
-        freeReplyObject(p);
-        return;
+    if (cl->type == REDIS_REPLY_ARRAY && cl->elements == 1) {
+        c->stats.reclaimed++;
+        handle(c, stream, cl->element[0], deliveries + 1);
+    } else if (cl->type == REDIS_REPLY_ARRAY && cl->elements == 0) {
+        /* Either another consumer took it first, or Redis 7.0 dropped it from
+         * the PEL because the entry no longer exists. */
+        if (entry_gone(c, stream, id) == 1) {
+            c->stats.lost++;
+            dead_letter(c, stream, id, NULL, "lost",
+                        "the entry was deleted or trimmed from the stream while pending",
+                        deliveries);
+        }
     }
-    for (size_t i = 0; i < p->elements && !c->stop && c->wr != NULL; i++) {
-        const redisReply *e = p->element[i];
-        if (e->type != REDIS_REPLY_ARRAY || e->elements != 4 ||
-            e->element[0]->type != REDIS_REPLY_STRING ||
-            e->element[2]->type != REDIS_REPLY_INTEGER ||
-            e->element[3]->type != REDIS_REPLY_INTEGER)
-            continue;
-        const char *id = e->element[0]->str;
-        long long idle_ms = e->element[2]->integer;
-        uint32_t deliveries = (uint32_t)e->element[3]->integer;
-        uint32_t due = relay_consumer_backoff_ms(&c->o, deliveries);
-        if (idle_ms < (long long)due)
-            continue;
-        char min_idle[16];
-        snprintf(min_idle, sizeof(min_idle), "%u", due);
-        const char *cargv[6] = {"XCLAIM", stream, c->group, c->consumer, min_idle, id};
-        size_t clens[6] = {6, strlen(stream), strlen(c->group), strlen(c->consumer),
-                           strlen(min_idle), strlen(id)};
-        redisReply *cl = command(c->wr, 6, cargv, clens);
-        if (cl == NULL) {
+    freeReplyObject(cl);
+}
+
+/*
+ * Takes over pending entries whose backoff has passed, of any consumer. The
+ * scan pages through the pending list (oldest first) so that entries waiting
+ * out a long backoff never hide due ones behind them; one pass looks at no
+ * more than RECLAIM_PAGES pages.
+ */
+#define RECLAIM_PAGES 16
+static void reclaim_stream(struct relay_consumer *c, const char *stream)
+{
+    char idle[16], cnt[16], start[64] = "-";
+    snprintf(idle, sizeof(idle), "%u", min_backoff(&c->o));
+    snprintf(cnt, sizeof(cnt), "%d", RECLAIM_BATCH);
+    for (int page = 0; page < RECLAIM_PAGES && !c->stop && c->wr != NULL; page++) {
+        const char *argv[8] = {"XPENDING", stream, c->group, "IDLE", idle, start, "+", cnt};
+        size_t lens[8] = {8, strlen(stream), strlen(c->group), 4, strlen(idle), strlen(start),
+                          1, strlen(cnt)};
+        redisReply *p = command(c->wr, 8, argv, lens);
+        if (p == NULL) {
             problem(c, "Redis connection lost: %s", c->wr->errstr);
             disconnect(c);
-            break;
+            return;
         }
-        if (cl->type == REDIS_REPLY_ARRAY && cl->elements == 1) {
-            c->stats.reclaimed++;
-            handle(c, stream, cl->element[0], deliveries + 1);
-        } else if (cl->type == REDIS_REPLY_ARRAY && cl->elements == 0) {
-            /* Either another consumer took it first, or Redis 7.0 dropped it
-             * from the PEL because the entry no longer exists. */
-            if (entry_gone(c, stream, id) == 1) {
-                c->stats.lost++;
-                dead_letter(c, stream, id, NULL, "lost",
-                            "the entry was deleted or trimmed from the stream while pending",
-                            deliveries);
-            }
+        size_t n = p->type == REDIS_REPLY_ARRAY ? p->elements : 0;
+        for (size_t i = 0; i < n && !c->stop && c->wr != NULL; i++) {
+            const redisReply *e = p->element[i];
+            if (e->type != REDIS_REPLY_ARRAY || e->elements != 4 ||
+                e->element[0]->type != REDIS_REPLY_STRING ||
+                e->element[2]->type != REDIS_REPLY_INTEGER ||
+                e->element[3]->type != REDIS_REPLY_INTEGER)
+                continue;
+            uint32_t deliveries = (uint32_t)e->element[3]->integer;
+            uint32_t due = relay_consumer_backoff_ms(&c->o, deliveries);
+            if (i + 1 == n)
+                snprintf(start, sizeof(start), "(%s", e->element[0]->str);
+            if (e->element[2]->integer >= (long long)due)
+                take_over(c, stream, e->element[0]->str, deliveries, due);
         }
-        freeReplyObject(cl);
+        freeReplyObject(p);
+        if (n < RECLAIM_BATCH)
+            return;
     }
-    freeReplyObject(p);
 }
 
 static void read_once(struct relay_consumer *c)

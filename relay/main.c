@@ -28,6 +28,11 @@ static void usage(FILE *out)
             "Usage: outbox-relay [-c FILE] [--check-config] [--KEY VALUE]...\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... failed list [--limit N]\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... failed retry ID... | --all\n"
+            "       outbox-relay [-c FILE] [--KEY VALUE]... dlq list STREAM GROUP [--count N]\n"
+            "       outbox-relay [-c FILE] [--KEY VALUE]... dlq show STREAM GROUP ID\n"
+            "       outbox-relay [-c FILE] [--KEY VALUE]... dlq replay|purge STREAM GROUP\n"
+            "                                               ID... | FROM-TO... | --all\n"
+            "       outbox-relay [-c FILE] [--KEY VALUE]... status [--json]\n"
             "       outbox-relay --help | --version\n"
             "\n"
             "Publishes committed rows of outbox.messages to Redis Streams, at least once.\n"
@@ -40,13 +45,23 @@ static void usage(FILE *out)
             "Commands:\n"
             "  failed list         show quarantined rows and their errors\n"
             "  failed retry        put quarantined rows back in line (ids, or --all)\n"
+            "  dlq list            show a consumer group's dead letters (STREAM.GROUP.dlq)\n"
+            "  dlq show            show every field of one dead letter\n"
+            "  dlq replay          send dead letters back to that group only\n"
+            "                      (STREAM.GROUP.replay), with their original fields\n"
+            "  dlq purge           delete dead letters\n"
+            "  status              queue age, lag, pending, dead letters and quarantined\n"
+            "                      rows per stream and group; --json for scripts\n"
+            "  (failed needs only the postgres setting, dlq only the redis setting;\n"
+            "  'outbox-relay dlq --help' explains ids and ranges)\n"
             "\n"
             "Every key can also be set with OUTBOX_RELAY_<KEY> in the environment or\n"
             "--<key-with-dashes> on the command line (command line > environment > file).\n"
             "\n"
             "Keys:\n%s\n"
             "Exit status: 0 after a clean shutdown, 64 for bad usage, 78 for a bad\n"
-            "configuration.\n",
+            "configuration; the commands: 65 when what they name does not exist, 69 when\n"
+            "the server cannot be reached.\n",
             keys);
 }
 
@@ -87,7 +102,8 @@ int main(int argc, char **argv)
             /* "--key value": the value goes along unless the flag holds '='. */
             if (strchr(a, '=') == NULL && i + 1 < argc)
                 overrides[noverrides++] = argv[++i];
-        } else if (strcmp(a, "failed") == 0) {
+        } else if (strcmp(a, "failed") == 0 || strcmp(a, "dlq") == 0 ||
+                   strcmp(a, "status") == 0) {
             tool_argc = argc - i;
             tool_argv = argv + i;
             break;
@@ -101,10 +117,14 @@ int main(int argc, char **argv)
     struct relay_config cfg;
     char err[RELAY_CONFIG_ERR_MAX];
     relay_config_init(&cfg);
-    /* Operator commands talk to PostgreSQL only: a Redis address is not needed. */
-    if (tool_argv != NULL) {
+    /* Each operator command talks to one server: "failed" to PostgreSQL, "dlq"
+     * to Redis. The other setting gets a placeholder so it is not demanded. */
+    int is_dlq = tool_argv != NULL && strcmp(tool_argv[0], "dlq") == 0;
+    int is_status = tool_argv != NULL && strcmp(tool_argv[0], "status") == 0;
+    if (tool_argv != NULL && !is_status) {
         char unused[RELAY_CONFIG_ERR_MAX];
-        if (relay_config_set(&cfg, "default", "redis", "redis://127.0.0.1:6379", unused,
+        if (relay_config_set(&cfg, "default", is_dlq ? "postgres" : "redis",
+                             is_dlq ? "dbname=unused-by-dlq" : "redis://127.0.0.1:6379", unused,
                              sizeof(unused)) < 0)
             return RELAY_EX_SOFTWARE;
     }
@@ -117,7 +137,9 @@ int main(int argc, char **argv)
     }
     relay_log_set_level((enum relay_log_level)cfg.log_level);
     if (tool_argv != NULL) {
-        int rc = relay_tool_failed(&cfg, tool_argc, tool_argv, stdout, stderr);
+        int rc = is_dlq      ? relay_tool_dlq(&cfg, tool_argc, tool_argv, stdout, stderr)
+                 : is_status ? relay_tool_status(&cfg, tool_argc, tool_argv, stdout, stderr)
+                             : relay_tool_failed(&cfg, tool_argc, tool_argv, stdout, stderr);
         relay_config_free(&cfg);
         free(overrides);
         return rc;

@@ -12,6 +12,11 @@
  * good, or a retry at the last allowed delivery, moves the entry to the
  * dead-letter stream with the error, atomically with its XACK.
  *
+ * Take-over is decided by idle time alone: an entry whose handler runs longer
+ * than the first backoff step may be delivered to another consumer meanwhile.
+ * The processed table keeps the effect single; size the first step above the
+ * handler's usual run time.
+ *
  * Each group also reads its own replay stream "<stream>.<group>.replay": that
  * is where "outbox-relay dlq replay" puts dead letters back, so a replay
  * reaches only the group that failed. The library uses hiredis's blocking API
@@ -63,8 +68,8 @@ struct relay_consumer_options {
     const char *consumer; /* NULL: "<hostname>-<pid>" */
     const char *dlq;      /* NULL: "<stream>.<group>.dlq" */
     uint32_t max_deliveries;       /* 0: 5 */
-    uint32_t backoff_ms[RELAY_CONSUMER_BACKOFF_MAX]; /* zeros: 1 s, 10 s, 100 s, 1000 s */
-    uint32_t nbackoff;             /* entries used in backoff_ms; the last repeats */
+    uint32_t backoff_ms[RELAY_CONSUMER_BACKOFF_MAX]; /* delay before delivery n+1 */
+    uint32_t nbackoff;  /* steps used in backoff_ms (the last repeats); 0: 1 s, 10 s, 100 s, 1000 s */
     uint32_t block_ms;             /* 0: 1000; XREADGROUP BLOCK, also the stop latency */
     uint32_t command_timeout_ms;   /* 0: 5000; deadline of every other call */
     uint32_t count;                /* 0: 16; entries per read */

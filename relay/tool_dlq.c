@@ -1,0 +1,1076 @@
+/*
+ * "outbox-relay dlq": what operators do with a consumer group's dead letters.
+ *
+ * A consumer that gives up on a message (failed for good, out of deliveries,
+ * malformed, or lost from the stream while pending) moves it to the group's
+ * dead-letter stream "<stream>.<group>.dlq": the original fields plus the
+ * dlq.* fields of consumer.h, which say why. "dlq list" and "dlq show" read
+ * them; "dlq replay" puts them back on the group's own replay stream
+ * "<stream>.<group>.replay", which only that group reads, so the other groups
+ * of the stream never see a message twice; "dlq purge" deletes them.
+ *
+ * This is a command line tool: it uses hiredis's blocking API, with the
+ * configuration's connect_timeout for the connect and statement_timeout as
+ * the deadline of every command. Every field is handled with explicit
+ * lengths, so payloads with NUL bytes go through unchanged.
+ */
+#include "relay/compat.h"
+
+#include "relay/tools.h"
+
+#include <errno.h>
+#include <hiredis/hiredis.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/time.h>
+
+#include "relay/common.h"
+#include "relay/config.h"
+#include "relay/consumer.h"
+
+/* Longest stream, dead-letter or replay name we handle (the names are ours). */
+#define DLQ_NAME_MAX 1024
+/* Entries read per XRANGE while walking a range. */
+#define DLQ_PAGE 100
+/* Columns of the error text in "dlq list". */
+#define DLQ_ERROR_COLS 80
+/* A replay retries when a watched key changed under it, at most this often. */
+#define DLQ_WATCH_TRIES 50
+#define DLQ_LIST_MAX 1000000
+
+struct dlq_ctx {
+    redisContext *c;
+    FILE *out;
+    FILE *errout;
+    const char *stream;
+    const char *group;
+    char dlq[DLQ_NAME_MAX];
+    char replay[DLQ_NAME_MAX];
+    char where[512]; /* redis://user:***@host:port/db, for messages */
+};
+
+/* One selection argument: an entry id, or an inclusive range of them. */
+struct dlq_sel {
+    char from[48]; /* "<ms>-<seq>" */
+    char to[48];   /* same as from for a single id */
+    int is_range;
+};
+
+/* ------------------------------------------------------------------------ */
+/* Showing bytes that may be anything.                                      */
+
+/* Length of a valid UTF-8 sequence at p that is safe to print as it is: no C1
+ * control, no bidirectional override. 0 if it is not one. */
+static size_t utf8_printable(const unsigned char *p, size_t n)
+{
+    unsigned char c = p[0], lo = 0x80, hi = 0xbf;
+    size_t need;
+
+    if (c >= 0xc2 && c <= 0xdf) {
+        need = 1;
+        if (c == 0xc2)
+            lo = 0xa0; /* U+0080..U+009F are C1 controls */
+    } else if (c == 0xe0) {
+        need = 2;
+        lo = 0xa0;
+    } else if ((c >= 0xe1 && c <= 0xec) || c == 0xee || c == 0xef) {
+        need = 2;
+    } else if (c == 0xed) {
+        need = 2;
+        hi = 0x9f; /* no surrogates */
+    } else if (c == 0xf0) {
+        need = 3;
+        lo = 0x90;
+    } else if (c >= 0xf1 && c <= 0xf3) {
+        need = 3;
+    } else if (c == 0xf4) {
+        need = 3;
+        hi = 0x8f;
+    } else {
+        return 0;
+    }
+    if (n < need + 1 || p[1] < lo || p[1] > hi)
+        return 0;
+    for (size_t k = 2; k <= need; k++)
+        if ((p[k] & 0xc0) != 0x80)
+            return 0;
+    /* U+202A..U+202E and U+2066..U+2069 reorder the rest of a terminal line. */
+    if (c == 0xe2 && ((p[1] == 0x80 && p[2] >= 0xaa && p[2] <= 0xae) ||
+                      (p[1] == 0x81 && p[2] >= 0xa6 && p[2] <= 0xa9)))
+        return 0;
+    return need + 1;
+}
+
+/*
+ * Writes s[0..len) to f: printable ASCII and valid UTF-8 as they are, a
+ * backslash as \\, a double quote as \" when quoted, any other byte as \xNN.
+ * With max > 0, stops before the column that would pass max and writes "...".
+ * Returns the columns written (one per character or escape sequence byte).
+ */
+static size_t put_escaped(FILE *f, const char *s, size_t len, size_t max, int quoted)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t cols = 0, i = 0;
+
+    while (i < len) {
+        char buf[8];
+        size_t n = 1, blen, w; /* bytes consumed, bytes written, columns */
+        if (p[i] == '\\' || (quoted && p[i] == '"')) {
+            buf[0] = '\\';
+            buf[1] = (char)p[i];
+            blen = w = 2;
+        } else if (p[i] >= 0x20 && p[i] < 0x7f) {
+            buf[0] = (char)p[i];
+            blen = w = 1;
+        } else if ((n = utf8_printable(p + i, len - i)) > 0) {
+            memcpy(buf, p + i, n);
+            blen = n;
+            w = 1;
+        } else {
+            n = 1;
+            snprintf(buf, sizeof(buf), "\\x%02x", p[i]);
+            blen = w = 4;
+        }
+        if (max > 0 && cols + w > max) {
+            fputs("...", f);
+            return cols + 3;
+        }
+        fwrite(buf, 1, blen, f);
+        cols += w;
+        i += n;
+    }
+    return cols;
+}
+
+/* put_escaped, then spaces up to width columns and one more. */
+static void put_column(FILE *f, const char *s, size_t len, size_t width, size_t max)
+{
+    size_t cols = put_escaped(f, s, len, max, 0);
+    do
+        fputc(' ', f);
+    while (++cols < width + 1);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Talking to Redis.                                                          */
+
+static void describe_url(const struct relay_redis_url *u, char *out, size_t outlen)
+{
+    int v6 = strchr(u->host, ':') != NULL;
+    snprintf(out, outlen, "redis://%s%s%s%s%s%s:%d/%d", u->user, u->password[0] ? ":***" : "",
+             (u->user[0] || u->password[0]) ? "@" : "", v6 ? "[" : "", u->host, v6 ? "]" : "",
+             u->port, u->db);
+}
+
+static struct timeval ms_to_tv(uint32_t ms)
+{
+    struct timeval tv;
+    tv.tv_sec = (time_t)(ms / 1000);
+    tv.tv_usec = (suseconds_t)((ms % 1000) * 1000);
+    return tv;
+}
+
+/* Says why the connection failed; the context is unusable afterwards. */
+static int io_failed(struct dlq_ctx *d)
+{
+    fprintf(d->errout, "outbox-relay: Redis at %s: %s\n", d->where,
+            d->c->errstr[0] ? d->c->errstr : "no reply");
+    return RELAY_EX_UNAVAILABLE;
+}
+
+/* Says what Redis refused. */
+static int refused(struct dlq_ctx *d, const char *what, const redisReply *r)
+{
+    fprintf(d->errout, "outbox-relay: %s: %s (Redis at %s)\n", what,
+            r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply", d->where);
+    return RELAY_EX_UNAVAILABLE;
+}
+
+/* One command; NULL after an I/O error or timeout (io_failed says which). The
+ * caller frees the reply. lens may be NULL for NUL-terminated arguments. */
+static redisReply *command(struct dlq_ctx *d, int argc, const char **argv, const size_t *lens)
+{
+    return redisCommandArgv(d->c, argc, argv, lens);
+}
+
+static int is_error(const redisReply *r)
+{
+    return r->type == REDIS_REPLY_ERROR;
+}
+
+/* Connects, authenticates and selects the database. Returns 0 or an exit code. */
+static int dlq_connect(struct dlq_ctx *d, const struct relay_config *cfg)
+{
+    const struct relay_redis_url *u = &cfg->redis_url;
+
+    describe_url(u, d->where, sizeof(d->where));
+    d->c = redisConnectWithTimeout(u->host, u->port, ms_to_tv(cfg->connect_timeout_ms));
+    if (d->c == NULL) {
+        fprintf(d->errout, "outbox-relay: cannot connect to Redis at %s: out of memory\n",
+                d->where);
+        return RELAY_EX_OSERR;
+    }
+    if (d->c->err) {
+        fprintf(d->errout, "outbox-relay: cannot connect to Redis at %s: %s\n", d->where,
+                d->c->errstr);
+        return RELAY_EX_UNAVAILABLE;
+    }
+    if (redisSetTimeout(d->c, ms_to_tv(cfg->statement_timeout_ms)) != REDIS_OK)
+        return io_failed(d);
+
+    redisReply *r;
+    if (u->password[0] != '\0') {
+        /* AUTH [user] password: the ACL form when the URL names a user. */
+        const char *args[3] = {"AUTH", u->user, u->password};
+        int argc = 3;
+        if (u->user[0] == '\0') {
+            args[1] = u->password;
+            argc = 2;
+        }
+        if ((r = command(d, argc, args, NULL)) == NULL)
+            return io_failed(d);
+        if (is_error(r)) {
+            /* The server's text never contains the password. */
+            fprintf(d->errout,
+                    "outbox-relay: Redis at %s refused AUTH (check the user and password of the "
+                    "redis setting): %s\n",
+                    d->where, r->str);
+            freeReplyObject(r);
+            return RELAY_EX_UNAVAILABLE;
+        }
+        freeReplyObject(r);
+    }
+    if (u->db != 0) {
+        char db[16];
+        snprintf(db, sizeof(db), "%d", u->db);
+        const char *argv[2] = {"SELECT", db};
+        if ((r = command(d, 2, argv, NULL)) == NULL)
+            return io_failed(d);
+        int rc = is_error(r) ? refused(d, "SELECT", r) : 0;
+        freeReplyObject(r);
+        if (rc != 0)
+            return rc;
+    }
+    return 0;
+}
+
+/* XINFO GROUPS: the stream must exist and the group must be one of its groups. */
+static int check_group(struct dlq_ctx *d)
+{
+    const char *argv[3] = {"XINFO", "GROUPS", d->stream};
+    redisReply *r = command(d, 3, argv, NULL);
+    int rc = RELAY_EX_DATAERR;
+
+    if (r == NULL)
+        return io_failed(d);
+    if (is_error(r)) {
+        if (strstr(r->str, "no such key") != NULL)
+            fprintf(d->errout, "outbox-relay: stream \"%s\" does not exist\n", d->stream);
+        else if (strncmp(r->str, "WRONGTYPE", 9) == 0)
+            fprintf(d->errout, "outbox-relay: \"%s\" is not a stream\n", d->stream);
+        else
+            rc = refused(d, "XINFO GROUPS", r);
+        freeReplyObject(r);
+        return rc;
+    }
+    if (r->type == REDIS_REPLY_ARRAY) {
+        for (size_t i = 0; i < r->elements; i++) {
+            const redisReply *g = r->element[i];
+            if (g->type != REDIS_REPLY_ARRAY)
+                continue;
+            for (size_t k = 0; k + 1 < g->elements; k += 2) {
+                const redisReply *name = g->element[k], *value = g->element[k + 1];
+                if (name->type == REDIS_REPLY_STRING && strcmp(name->str, "name") == 0 &&
+                    value->type == REDIS_REPLY_STRING && value->len == strlen(d->group) &&
+                    memcmp(value->str, d->group, value->len) == 0)
+                    rc = 0;
+            }
+        }
+    }
+    freeReplyObject(r);
+    if (rc != 0)
+        fprintf(d->errout, "outbox-relay: group \"%s\" does not exist on stream \"%s\"\n", d->group,
+                d->stream);
+    return rc;
+}
+
+/* A key that exists must be a stream: "none" and "stream" are fine. */
+static int check_stream_key(struct dlq_ctx *d, const char *key)
+{
+    const char *argv[2] = {"TYPE", key};
+    redisReply *r = command(d, 2, argv, NULL);
+    int rc = 0;
+
+    if (r == NULL)
+        return io_failed(d);
+    if (is_error(r) || r->type != REDIS_REPLY_STATUS) {
+        rc = refused(d, "TYPE", r);
+    } else if (strcmp(r->str, "none") != 0 && strcmp(r->str, "stream") != 0) {
+        fprintf(d->errout, "outbox-relay: \"%s\" holds a %s, not a stream\n", key, r->str);
+        rc = RELAY_EX_DATAERR;
+    }
+    freeReplyObject(r);
+    return rc;
+}
+
+/* An XRANGE entry: [id, [field, value, ...]]. */
+static int entry_ok(const redisReply *e)
+{
+    if (e->type != REDIS_REPLY_ARRAY || e->elements != 2 ||
+        e->element[0]->type != REDIS_REPLY_STRING)
+        return 0;
+    const redisReply *f = e->element[1];
+    if (f->type != REDIS_REPLY_ARRAY || f->elements % 2 != 0)
+        return 0;
+    for (size_t i = 0; i < f->elements; i++)
+        if (f->element[i]->type != REDIS_REPLY_STRING)
+            return 0;
+    return 1;
+}
+
+/* The value of field name in an entry, or NULL. */
+static const redisReply *entry_field(const redisReply *e, const char *name)
+{
+    const redisReply *f = e->element[1];
+    size_t n = strlen(name);
+    for (size_t i = 0; i + 1 < f->elements; i += 2)
+        if (f->element[i]->len == n && memcmp(f->element[i]->str, name, n) == 0)
+            return f->element[i + 1];
+    return NULL;
+}
+
+static int is_dlq_field(const redisReply *name)
+{
+    return name->len >= 4 && memcmp(name->str, "dlq.", 4) == 0;
+}
+
+/* XRANGE key from to COUNT n: an array of valid entries, or NULL with rc set. */
+static redisReply *xrange(struct dlq_ctx *d, const char *from, const char *to, long long count,
+                          int *rc)
+{
+    char cnt[24];
+    snprintf(cnt, sizeof(cnt), "%lld", count);
+    const char *argv[6] = {"XRANGE", d->dlq, from, to, "COUNT", cnt};
+    redisReply *r = command(d, 6, argv, NULL);
+
+    if (r == NULL) {
+        *rc = io_failed(d);
+        return NULL;
+    }
+    if (r->type != REDIS_REPLY_ARRAY) {
+        *rc = refused(d, "XRANGE", r);
+        freeReplyObject(r);
+        return NULL;
+    }
+    for (size_t i = 0; i < r->elements; i++) {
+        if (!entry_ok(r->element[i])) {
+            fprintf(d->errout, "outbox-relay: XRANGE %s: malformed reply from Redis at %s\n",
+                    d->dlq, d->where);
+            freeReplyObject(r);
+            *rc = RELAY_EX_UNAVAILABLE;
+            return NULL;
+        }
+    }
+    return r;
+}
+
+/* XLEN of the dead-letter stream, or -1 after a message. */
+static long long dlq_length(struct dlq_ctx *d)
+{
+    const char *argv[2] = {"XLEN", d->dlq};
+    redisReply *r = command(d, 2, argv, NULL);
+    long long n = -1;
+
+    if (r == NULL) {
+        io_failed(d);
+        return -1;
+    }
+    if (r->type == REDIS_REPLY_INTEGER)
+        n = r->integer;
+    else
+        refused(d, "XLEN", r);
+    freeReplyObject(r);
+    return n;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Arguments.                                                                 */
+
+/* "<ms>-<seq>", both decimal and in range. */
+static int parse_entry_id(const char *s, size_t len, uint64_t *ms, uint64_t *seq, char *out,
+                          size_t outlen)
+{
+    char buf[48];
+    if (len == 0 || len >= sizeof(buf))
+        return -1;
+    memcpy(buf, s, len);
+    buf[len] = '\0';
+    char *dash = strchr(buf, '-');
+    if (dash == NULL || dash == buf || dash[1] == '\0')
+        return -1;
+    *dash = '\0';
+    for (const char *p = buf; *p; p++)
+        if (*p < '0' || *p > '9')
+            return -1;
+    for (const char *p = dash + 1; *p; p++)
+        if (*p < '0' || *p > '9')
+            return -1;
+    char *end;
+    errno = 0;
+    *ms = strtoull(buf, &end, 10);
+    if (errno != 0)
+        return -1;
+    *seq = strtoull(dash + 1, &end, 10);
+    if (errno != 0)
+        return -1;
+    snprintf(out, outlen, "%llu-%llu", (unsigned long long)*ms, (unsigned long long)*seq);
+    return 0;
+}
+
+/* ID ("1718000000000-0") or FROM-TO ("1718000000000-0-1718000000500-3"). */
+static int parse_selection(const char *s, int allow_range, struct dlq_sel *sel)
+{
+    uint64_t ms1, seq1, ms2, seq2;
+    int dashes = 0;
+    const char *second = NULL;
+
+    for (const char *p = s; *p; p++)
+        if (*p == '-' && ++dashes == 2)
+            second = p;
+    memset(sel, 0, sizeof(*sel));
+    if (dashes == 1) {
+        if (parse_entry_id(s, strlen(s), &ms1, &seq1, sel->from, sizeof(sel->from)) < 0)
+            return -1;
+        memcpy(sel->to, sel->from, sizeof(sel->to));
+        return 0;
+    }
+    if (dashes != 3 || !allow_range)
+        return -1;
+    if (parse_entry_id(s, (size_t)(second - s), &ms1, &seq1, sel->from, sizeof(sel->from)) < 0 ||
+        parse_entry_id(second + 1, strlen(second + 1), &ms2, &seq2, sel->to, sizeof(sel->to)) < 0)
+        return -1;
+    if (ms1 > ms2 || (ms1 == ms2 && seq1 > seq2))
+        return -1;
+    sel->is_range = 1;
+    return 0;
+}
+
+static int parse_count(const char *s, long long *out)
+{
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno != 0 || end == s || *end != '\0' || v <= 0 || v > DLQ_LIST_MAX)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static void dlq_usage(FILE *f)
+{
+    fprintf(f, "Usage: outbox-relay [-c FILE] dlq list STREAM GROUP [--count N]\n"
+               "       outbox-relay [-c FILE] dlq show STREAM GROUP ID\n"
+               "       outbox-relay [-c FILE] dlq replay STREAM GROUP ID... | FROM-TO... | --all\n"
+               "       outbox-relay [-c FILE] dlq purge STREAM GROUP ID... | FROM-TO... | --all\n"
+               "\n"
+               "STREAM is the stream's Redis key (with any stream_prefix), GROUP the consumer\n"
+               "group whose dead letters (STREAM.GROUP.dlq) are meant. ID is a dead letter's\n"
+               "entry id as 'dlq list' shows it (1718000000000-0); FROM-TO is every dead letter\n"
+               "between two such ids, both included (1718000000000-0-1718000000500-3).\n"
+               "replay sends the original message, with its id, to STREAM.GROUP.replay, which\n"
+               "only GROUP reads. Only the redis setting is used.\n");
+}
+
+/* ------------------------------------------------------------------------ */
+/* The commands.                                                             */
+
+static void list_entry(struct dlq_ctx *d, const redisReply *e)
+{
+    static const struct {
+        const char *field;
+        size_t width, max;
+    } cols[] = {
+        {"id", 36, 40},
+        {RELAY_DLQ_FIELD_REASON, 10, 20},
+        {RELAY_DLQ_FIELD_DELIVERIES, 10, 12},
+        {RELAY_DLQ_FIELD_TIME, 27, 32},
+    };
+    put_column(d->out, e->element[0]->str, e->element[0]->len, 20, 0);
+    for (size_t k = 0; k < RELAY_ARRAY_LEN(cols); k++) {
+        const redisReply *v = entry_field(e, cols[k].field);
+        put_column(d->out, v ? v->str : "-", v ? v->len : 1, cols[k].width, cols[k].max);
+    }
+    const redisReply *err = entry_field(e, RELAY_DLQ_FIELD_ERROR);
+    put_escaped(d->out, err ? err->str : "-", err ? err->len : 1, DLQ_ERROR_COLS, 0);
+    fputc('\n', d->out);
+}
+
+/* The oldest count dead letters, read a page at a time so a large --count
+ * never holds more than one page of payloads in memory. */
+static int dlq_list(struct dlq_ctx *d, long long count)
+{
+    char start[56] = "-";
+    long long shown = 0;
+    int rc = check_stream_key(d, d->dlq);
+    if (rc != 0)
+        return rc;
+    while (shown < count) {
+        long long want = count - shown < DLQ_PAGE ? count - shown : DLQ_PAGE;
+        redisReply *page = xrange(d, start, "+", want, &rc);
+        if (page == NULL)
+            return rc;
+        size_t n = page->elements;
+        if (n > 0 && shown == 0)
+            fprintf(d->out, "%-20s %-36s %-10s %-10s %-27s %s\n", "ENTRY", "MESSAGE_ID", "REASON",
+                    "DELIVERIES", "FAILED_AT", "ERROR");
+        for (size_t i = 0; i < n; i++)
+            list_entry(d, page->element[i]);
+        if (n > 0)
+            snprintf(start, sizeof(start), "(%s", page->element[n - 1]->element[0]->str);
+        shown += (long long)n;
+        freeReplyObject(page);
+        if ((long long)n < want)
+            break;
+    }
+    long long total = dlq_length(d);
+    if (total < 0)
+        return RELAY_EX_UNAVAILABLE;
+    if (shown == 0 && total == 0) {
+        fprintf(d->out, "no dead letters in %s\n", d->dlq);
+        return RELAY_EX_OK;
+    }
+    fprintf(d->out, "%lld dead letter(s) in %s", total, d->dlq);
+    if (shown < total)
+        fprintf(d->out, " (showing the oldest %lld; use --count)", shown);
+    fputc('\n', d->out);
+    return RELAY_EX_OK;
+}
+
+static int dlq_show(struct dlq_ctx *d, const struct dlq_sel *sel)
+{
+    int rc = check_stream_key(d, d->dlq);
+    if (rc != 0)
+        return rc;
+    redisReply *r = xrange(d, sel->from, sel->to, 1, &rc);
+    if (r == NULL)
+        return rc;
+    if (r->elements == 0) {
+        fprintf(d->errout, "outbox-relay: no dead letter %s in %s\n", sel->from, d->dlq);
+        freeReplyObject(r);
+        return RELAY_EX_DATAERR;
+    }
+    const redisReply *e = r->element[0], *f = e->element[1];
+    fprintf(d->out, "dead letter %s in %s (%zu fields)\n", e->element[0]->str, d->dlq,
+            f->elements / 2);
+    for (size_t i = 0; i + 1 < f->elements; i += 2) {
+        const redisReply *name = f->element[i], *value = f->element[i + 1];
+        fputs("  ", d->out);
+        size_t cols = put_escaped(d->out, name->str, name->len, 0, 0);
+        do
+            fputc(' ', d->out);
+        while (++cols < 17);
+        fputc('"', d->out);
+        put_escaped(d->out, value->str, value->len, 0, 1);
+        fputc('"', d->out);
+        /* Say the length where the text shown is not the bytes stored. */
+        for (size_t k = 0; k < value->len; k++) {
+            unsigned char c = (unsigned char)value->str[k];
+            if (c < 0x20 || c >= 0x7f || c == '\\' || c == '"') {
+                fprintf(d->out, " (%zu bytes)", value->len);
+                break;
+            }
+        }
+        fputc('\n', d->out);
+    }
+    freeReplyObject(r);
+    return RELAY_EX_OK;
+}
+
+/* Reads n pipelined replies into rs; 0, or an exit code after freeing them. */
+static int get_replies(struct dlq_ctx *d, redisReply **rs, int n)
+{
+    for (int i = 0; i < n; i++) {
+        void *reply = NULL;
+        if (redisGetReply(d->c, &reply) != REDIS_OK) {
+            for (int k = 0; k < i; k++)
+                freeReplyObject(rs[k]);
+            return io_failed(d);
+        }
+        rs[i] = reply;
+    }
+    return 0;
+}
+
+static void free_replies(redisReply **rs, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (rs[i] != NULL)
+            freeReplyObject(rs[i]);
+}
+
+enum replay_result { REPLAYED, NOT_FOUND, NOT_REPLAYABLE };
+
+/*
+ * Replays one dead letter: WATCH both keys and read the entry; then, in one
+ * MULTI/EXEC, XADD its original fields to the replay stream and XDEL it. The
+ * WATCH makes the pair all or nothing even when the XADD could fail at EXEC
+ * time (the replay key changing type) and keeps two operators from replaying
+ * one dead letter twice; a change to either key in between retries.
+ * Returns 0 with *res set, or an exit code.
+ */
+static int replay_one(struct dlq_ctx *d, const char *id, enum replay_result *res)
+{
+    const char *watch[3] = {"WATCH", d->dlq, d->replay};
+    const char *type[2] = {"TYPE", d->replay};
+    const char *range[4] = {"XRANGE", d->dlq, id, id};
+    const char **argv = NULL;
+    size_t *lens = NULL;
+    redisReply *rs[4] = {NULL, NULL, NULL, NULL};
+    int rc = RELAY_EX_UNAVAILABLE;
+
+    for (int attempt = 0; attempt < DLQ_WATCH_TRIES; attempt++) {
+        if (redisAppendCommandArgv(d->c, 3, watch, NULL) != REDIS_OK ||
+            redisAppendCommandArgv(d->c, 2, type, NULL) != REDIS_OK ||
+            redisAppendCommandArgv(d->c, 4, range, NULL) != REDIS_OK)
+            return io_failed(d);
+        if ((rc = get_replies(d, rs, 3)) != 0)
+            return rc;
+        if (is_error(rs[0])) {
+            rc = refused(d, "WATCH", rs[0]);
+            goto out;
+        }
+        if (rs[1]->type != REDIS_REPLY_STATUS) {
+            rc = refused(d, "TYPE", rs[1]);
+            goto out;
+        }
+        if (rs[2]->type != REDIS_REPLY_ARRAY ||
+            (rs[2]->elements > 0 && !entry_ok(rs[2]->element[0]))) {
+            rc = refused(d, "XRANGE", rs[2]);
+            goto out;
+        }
+        if (strcmp(rs[1]->str, "none") != 0 && strcmp(rs[1]->str, "stream") != 0) {
+            fprintf(d->errout, "outbox-relay: \"%s\" holds a %s, not a stream: nothing replayed\n",
+                    d->replay, rs[1]->str);
+            rc = RELAY_EX_DATAERR;
+            goto out;
+        }
+        const redisReply *e = rs[2]->elements > 0 ? rs[2]->element[0] : NULL;
+        size_t nkeep = 0;
+        if (e != NULL)
+            for (size_t i = 0; i + 1 < e->element[1]->elements; i += 2)
+                nkeep += !is_dlq_field(e->element[1]->element[i]);
+        if (e == NULL || nkeep == 0) {
+            /* Nothing to do: let go of the keys. */
+            const char *unwatch[1] = {"UNWATCH"};
+            redisReply *u = command(d, 1, unwatch, NULL);
+            if (u == NULL) {
+                rc = io_failed(d);
+                goto out;
+            }
+            freeReplyObject(u);
+            *res = e == NULL ? NOT_FOUND : NOT_REPLAYABLE;
+            rc = 0;
+            goto out;
+        }
+
+        /* XADD replay * <original fields>: every field but dlq.*, in order. */
+        size_t argc = 3 + nkeep * 2;
+        argv = calloc(argc, sizeof(*argv));
+        lens = calloc(argc, sizeof(*lens));
+        if (argv == NULL || lens == NULL) {
+            rc = RELAY_EX_OSERR;
+            goto out;
+        }
+        argv[0] = "XADD";
+        lens[0] = 4;
+        argv[1] = d->replay;
+        lens[1] = strlen(d->replay);
+        argv[2] = "*";
+        lens[2] = 1;
+        size_t n = 3;
+        const redisReply *f = e->element[1];
+        for (size_t i = 0; i + 1 < f->elements; i += 2) {
+            if (is_dlq_field(f->element[i]))
+                continue;
+            argv[n] = f->element[i]->str;
+            lens[n++] = f->element[i]->len;
+            argv[n] = f->element[i + 1]->str;
+            lens[n++] = f->element[i + 1]->len;
+        }
+        const char *multi[1] = {"MULTI"}, *exec[1] = {"EXEC"};
+        const char *xdel[3] = {"XDEL", d->dlq, id};
+        if (redisAppendCommandArgv(d->c, 1, multi, NULL) != REDIS_OK ||
+            redisAppendCommandArgv(d->c, (int)argc, argv, lens) != REDIS_OK ||
+            redisAppendCommandArgv(d->c, 3, xdel, NULL) != REDIS_OK ||
+            redisAppendCommandArgv(d->c, 1, exec, NULL) != REDIS_OK) {
+            rc = io_failed(d);
+            goto out;
+        }
+        free(argv);
+        free(lens);
+        argv = NULL;
+        lens = NULL;
+        free_replies(rs, 3);
+        memset(rs, 0, sizeof(rs));
+        if ((rc = get_replies(d, rs, 4)) != 0)
+            return rc;
+        const redisReply *ex = rs[3];
+        if (ex->type == REDIS_REPLY_NIL) {
+            free_replies(rs, 4);
+            memset(rs, 0, sizeof(rs));
+            continue; /* a watched key changed: read it again */
+        }
+        if (ex->type != REDIS_REPLY_ARRAY || ex->elements != 2 ||
+            ex->element[0]->type != REDIS_REPLY_STRING) {
+            /* EXECABORT (OOM, NOPERM...) ran nothing, and the queueing reply
+             * says why. An error inside EXEC cannot come from XADD: the
+             * watched TYPE above holds until EXEC. */
+            const redisReply *why = ex;
+            if (is_error(rs[1]))
+                why = rs[1];
+            else if (ex->type == REDIS_REPLY_ARRAY && ex->elements > 0)
+                why = ex->element[0];
+            char what[64];
+            snprintf(what, sizeof(what), "replay of %s", id);
+            rc = refused(d, what, why);
+            goto out;
+        }
+        *res = REPLAYED;
+        rc = 0;
+        goto out;
+    }
+    fprintf(d->errout, "outbox-relay: %s or %s kept changing while replaying %s; try again\n",
+            d->dlq, d->replay, id);
+    return RELAY_EX_TEMPFAIL;
+out:
+    free(argv);
+    free(lens);
+    free_replies(rs, 4);
+    return rc;
+}
+
+/*
+ * Walks the dead letters between from and to (inclusive) a page at a time,
+ * calling fn on each id; fn may delete the entry, since the next page starts
+ * after the last id seen. Returns 0 or an exit code.
+ */
+typedef int dlq_walk_fn(struct dlq_ctx *d, const redisReply *page, void *arg);
+
+static int walk_range(struct dlq_ctx *d, const char *from, const char *to, dlq_walk_fn *fn,
+                      void *arg)
+{
+    char start[56];
+    snprintf(start, sizeof(start), "%s", from);
+    for (;;) {
+        int rc = 0;
+        redisReply *page = xrange(d, start, to, DLQ_PAGE, &rc);
+        if (page == NULL)
+            return rc;
+        size_t n = page->elements;
+        if (n > 0)
+            snprintf(start, sizeof(start), "(%s", page->element[n - 1]->element[0]->str);
+        rc = n > 0 ? fn(d, page, arg) : 0;
+        freeReplyObject(page);
+        if (rc != 0 || n < DLQ_PAGE)
+            return rc;
+    }
+}
+
+struct replay_tally {
+    long long replayed;
+    int unreplayable;
+};
+
+static int replay_page(struct dlq_ctx *d, const redisReply *page, void *arg)
+{
+    struct replay_tally *t = arg;
+    for (size_t i = 0; i < page->elements; i++) {
+        const char *id = page->element[i]->element[0]->str;
+        enum replay_result res;
+        int rc = replay_one(d, id, &res);
+        if (rc != 0)
+            return rc;
+        if (res == REPLAYED) {
+            t->replayed++;
+        } else if (res == NOT_REPLAYABLE) {
+            fprintf(d->errout,
+                    "outbox-relay: dead letter %s has no original fields (reason lost?): not "
+                    "replayed; see 'dlq show', remove it with 'dlq purge'\n",
+                    id);
+            t->unreplayable++;
+        }
+    }
+    return 0;
+}
+
+/*
+ * The group reads its replay stream from the start: the consumer library
+ * creates it so on start-up, and creating it here too means a replay is
+ * pending for the group even before its consumers (of any language) first
+ * ran with replay support.
+ */
+static int ensure_replay_group(struct dlq_ctx *d)
+{
+    const char *argv[6] = {"XGROUP", "CREATE", d->replay, d->group, "0", "MKSTREAM"};
+    redisReply *r = command(d, 6, argv, NULL);
+    int rc = 0;
+
+    if (r == NULL)
+        return io_failed(d);
+    if (is_error(r) && strncmp(r->str, "BUSYGROUP", 9) != 0)
+        rc = refused(d, "XGROUP CREATE", r);
+    else if (!is_error(r))
+        fprintf(d->out, "created group %s on %s at 0: its consumers must read that stream too\n",
+                d->group, d->replay);
+    freeReplyObject(r);
+    return rc;
+}
+
+/* The id of the newest dead letter into last, or "" when there is none. */
+static int newest_id(struct dlq_ctx *d, char *last, size_t lastlen)
+{
+    const char *argv[6] = {"XREVRANGE", d->dlq, "+", "-", "COUNT", "1"};
+    redisReply *r = command(d, 6, argv, NULL);
+    last[0] = '\0';
+    if (r == NULL)
+        return io_failed(d);
+    if (r->type != REDIS_REPLY_ARRAY || (r->elements > 0 && !entry_ok(r->element[0]))) {
+        int rc = refused(d, "XREVRANGE", r);
+        freeReplyObject(r);
+        return rc;
+    }
+    if (r->elements > 0)
+        snprintf(last, lastlen, "%s", r->element[0]->element[0]->str);
+    freeReplyObject(r);
+    return 0;
+}
+
+static int dlq_replay(struct dlq_ctx *d, int all, const struct dlq_sel *sels, int nsel)
+{
+    struct replay_tally t = {0, 0};
+    int missing = 0, rc = 0;
+
+    if ((rc = check_stream_key(d, d->dlq)) != 0 || (rc = check_stream_key(d, d->replay)) != 0 ||
+        (rc = ensure_replay_group(d)) != 0)
+        return rc;
+    if (all) {
+        /* Only what is there now: a message that fails again at once comes
+         * back as a newer dead letter, and must not be replayed in a loop. */
+        char last[64];
+        if ((rc = newest_id(d, last, sizeof(last))) != 0)
+            return rc;
+        if (last[0] != '\0')
+            rc = walk_range(d, "-", last, replay_page, &t);
+    } else {
+        for (int i = 0; i < nsel && rc == 0; i++) {
+            if (sels[i].is_range) {
+                rc = walk_range(d, sels[i].from, sels[i].to, replay_page, &t);
+                continue;
+            }
+            enum replay_result res;
+            if ((rc = replay_one(d, sels[i].from, &res)) != 0)
+                break;
+            if (res == REPLAYED) {
+                t.replayed++;
+            } else if (res == NOT_FOUND) {
+                fprintf(d->errout, "outbox-relay: no dead letter %s in %s\n", sels[i].from, d->dlq);
+                missing++;
+            } else {
+                fprintf(d->errout,
+                        "outbox-relay: dead letter %s has no original fields (reason lost?): "
+                        "not replayed; see 'dlq show', remove it with 'dlq purge'\n",
+                        sels[i].from);
+                t.unreplayable++;
+            }
+        }
+    }
+    fprintf(d->out, "replayed %lld dead letter(s) from %s to %s\n", t.replayed, d->dlq, d->replay);
+    if (rc != 0)
+        return rc;
+    return missing || t.unreplayable ? RELAY_EX_DATAERR : RELAY_EX_OK;
+}
+
+static int purge_page(struct dlq_ctx *d, const redisReply *page, void *arg)
+{
+    long long *purged = arg;
+    const char **argv = calloc(page->elements + 2, sizeof(*argv));
+    if (argv == NULL)
+        return RELAY_EX_OSERR;
+    argv[0] = "XDEL";
+    argv[1] = d->dlq;
+    for (size_t i = 0; i < page->elements; i++)
+        argv[i + 2] = page->element[i]->element[0]->str;
+    redisReply *r = command(d, (int)page->elements + 2, argv, NULL);
+    free(argv);
+    if (r == NULL)
+        return io_failed(d);
+    int rc = 0;
+    if (r->type == REDIS_REPLY_INTEGER)
+        *purged += r->integer;
+    else
+        rc = refused(d, "XDEL", r);
+    freeReplyObject(r);
+    return rc;
+}
+
+static int dlq_purge(struct dlq_ctx *d, int all, const struct dlq_sel *sels, int nsel)
+{
+    long long purged = 0;
+    int missing = 0, rc = 0;
+
+    if ((rc = check_stream_key(d, d->dlq)) != 0)
+        return rc;
+    if (all) {
+        /* The count and the delete in one transaction, so the count is exact. */
+        const char *multi[1] = {"MULTI"}, *exec[1] = {"EXEC"};
+        const char *xlen[2] = {"XLEN", d->dlq}, *del[2] = {"UNLINK", d->dlq};
+        redisReply *rs[4] = {NULL, NULL, NULL, NULL};
+        if (redisAppendCommandArgv(d->c, 1, multi, NULL) != REDIS_OK ||
+            redisAppendCommandArgv(d->c, 2, xlen, NULL) != REDIS_OK ||
+            redisAppendCommandArgv(d->c, 2, del, NULL) != REDIS_OK ||
+            redisAppendCommandArgv(d->c, 1, exec, NULL) != REDIS_OK)
+            return io_failed(d);
+        if ((rc = get_replies(d, rs, 4)) != 0)
+            return rc;
+        const redisReply *ex = rs[3];
+        if (ex->type == REDIS_REPLY_ARRAY && ex->elements == 2 &&
+            ex->element[0]->type == REDIS_REPLY_INTEGER)
+            purged = ex->element[0]->integer;
+        else
+            rc = refused(d, "purge",
+                         ex->type == REDIS_REPLY_ARRAY && ex->elements > 0
+                             ? ex->element[ex->elements - 1]
+                             : ex);
+        free_replies(rs, 4);
+    } else {
+        for (int i = 0; i < nsel && rc == 0; i++) {
+            if (sels[i].is_range) {
+                rc = walk_range(d, sels[i].from, sels[i].to, purge_page, &purged);
+                continue;
+            }
+            const char *argv[3] = {"XDEL", d->dlq, sels[i].from};
+            redisReply *r = command(d, 3, argv, NULL);
+            if (r == NULL) {
+                rc = io_failed(d);
+                break;
+            }
+            if (r->type != REDIS_REPLY_INTEGER) {
+                rc = refused(d, "XDEL", r);
+            } else if (r->integer == 0) {
+                fprintf(d->errout, "outbox-relay: no dead letter %s in %s\n", sels[i].from, d->dlq);
+                missing++;
+            } else {
+                purged += r->integer;
+            }
+            freeReplyObject(r);
+        }
+    }
+    fprintf(d->out, "purged %lld dead letter(s) from %s\n", purged, d->dlq);
+    if (rc != 0)
+        return rc;
+    return missing ? RELAY_EX_DATAERR : RELAY_EX_OK;
+}
+
+int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *out, FILE *errout)
+{
+    struct dlq_ctx d;
+    struct dlq_sel *sels = NULL;
+    int nsel = 0, all = 0, rc = RELAY_EX_USAGE;
+    long long count = 100;
+
+    memset(&d, 0, sizeof(d));
+    d.out = out;
+    d.errout = errout;
+    if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
+        dlq_usage(out);
+        return RELAY_EX_OK;
+    }
+    if (argc < 4) {
+        fprintf(errout, "outbox-relay: dlq needs a command, a stream and a group\n");
+        dlq_usage(errout);
+        return RELAY_EX_USAGE;
+    }
+    const char *verb = argv[1];
+    d.stream = argv[2];
+    d.group = argv[3];
+    if (d.stream[0] == '\0' || d.group[0] == '\0' ||
+        relay_consumer_dlq_name(d.stream, d.group, d.dlq, sizeof(d.dlq)) < 0 ||
+        relay_consumer_replay_name(d.stream, d.group, d.replay, sizeof(d.replay)) < 0) {
+        fprintf(errout, "outbox-relay: dlq: the stream and group names must be 1 to %d bytes\n",
+                DLQ_NAME_MAX - 16);
+        return RELAY_EX_USAGE;
+    }
+
+    int is_list = strcmp(verb, "list") == 0, is_show = strcmp(verb, "show") == 0;
+    int is_replay = strcmp(verb, "replay") == 0, is_purge = strcmp(verb, "purge") == 0;
+    if (is_list) {
+        for (int i = 4; i < argc; i++) {
+            if (strcmp(argv[i], "--count") == 0 && i + 1 < argc &&
+                parse_count(argv[i + 1], &count) == 0) {
+                i++;
+                continue;
+            }
+            fprintf(errout, "outbox-relay: dlq list: unexpected \"%s\" (--count takes 1 to %d)\n",
+                    argv[i], DLQ_LIST_MAX);
+            goto usage;
+        }
+    } else if (is_show || is_replay || is_purge) {
+        if (argc < 5) {
+            fprintf(errout, "outbox-relay: dlq %s needs %s\n", verb,
+                    is_show ? "one entry id" : "entry ids, ranges FROM-TO or --all");
+            goto usage;
+        }
+        sels = calloc((size_t)argc, sizeof(*sels));
+        if (sels == NULL)
+            return RELAY_EX_OSERR;
+        for (int i = 4; i < argc; i++) {
+            if (!is_show && strcmp(argv[i], "--all") == 0) {
+                all = 1;
+                continue;
+            }
+            if (parse_selection(argv[i], !is_show, &sels[nsel]) < 0) {
+                fprintf(errout,
+                        "outbox-relay: dlq %s: \"%s\" is not an entry id (such as "
+                        "1718000000000-0)%s\n",
+                        verb, argv[i],
+                        is_show ? ""
+                                : " or a range FROM-TO of two ids, the first not after the second");
+                goto usage;
+            }
+            nsel++;
+        }
+        if ((all && nsel > 0) || (is_show && nsel != 1)) {
+            fprintf(errout, "outbox-relay: dlq %s: %s\n", verb,
+                    is_show ? "give exactly one entry id" : "give entry ids or --all, not both");
+            goto usage;
+        }
+    } else {
+        fprintf(errout, "outbox-relay: dlq: unknown command \"%s\"\n", verb);
+        goto usage;
+    }
+
+    if ((rc = dlq_connect(&d, cfg)) != 0)
+        goto out;
+    if ((rc = check_group(&d)) != 0)
+        goto out;
+    if (is_list)
+        rc = dlq_list(&d, count);
+    else if (is_show)
+        rc = dlq_show(&d, &sels[0]);
+    else if (is_replay)
+        rc = dlq_replay(&d, all, sels, nsel);
+    else
+        rc = dlq_purge(&d, all, sels, nsel);
+    goto out;
+
+usage:
+    dlq_usage(errout);
+    rc = RELAY_EX_USAGE;
+out:
+    if (d.c != NULL)
+        redisFree(d.c);
+    free(sels);
+    return rc;
+}

@@ -1,0 +1,197 @@
+"""Operating the relay: /metrics, /healthz, /readyz, queue age, stream backpressure
+and `outbox-relay status` (issue: Operate it).
+
+- A real scrape passes `promtool check metrics` (skipped when promtool is
+  missing) and carries the documented names.
+- A bad path gets 404, a bad method 405, and a client that connects and
+  sends nothing does not stall the relay: rows keep flowing and /healthz
+  answers while it hangs.
+- Queue age rises while a group's consumers are stopped and falls when they
+  catch up.
+- With pause_lag_entries set, a stream whose group lags is paused (metric,
+  log line), its rows wait in the outbox while another topic keeps flowing,
+  and it resumes below resume_lag_entries.
+- `outbox-relay status` shows the groups with queue age; --json parses; with
+  a server unreachable it names it and exits 69.
+"""
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import unittest
+import urllib.error
+import urllib.request
+
+import harness
+from harness import insert
+
+harness.require_relay()
+harness.set_deadline(240)
+
+
+def scrape(port, path="/metrics", method="GET"):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def metric(text, name, **labels):
+    """The value of one sample, or None."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else "") + r" (\S+)$"
+    m = re.search(pattern, text, re.MULTILINE)
+    return float(m.group(1)) if m else None
+
+
+class OperationsTest(harness.ServerTestCase):
+
+    def start_relay(self, **flags):
+        self.port = harness.free_port()
+        flags.setdefault("observe_interval", "200ms")
+        flags.setdefault("poll_interval", "200ms")
+        relay = self.relay(metrics_listen=f"127.0.0.1:{self.port}", **flags)
+        harness.wait_until(lambda: harness.port_open(self.port), timeout=15, relay=relay,
+                           message="the metrics endpoint to listen")
+        return relay
+
+    def wait_metric(self, name, pred, timeout=15, relay=None, **labels):
+        def check():
+            _, text = scrape(self.port)
+            v = metric(text, name, **labels)
+            return v is not None and pred(v) and (v,)
+        return harness.wait_until(check, timeout=timeout, relay=relay,
+                                  message=f"{name}{labels} to satisfy the condition")[0]
+
+    def test_scrape_is_valid_prometheus_text(self):
+        relay = self.start_relay()
+        self.r.xgroup_create("orders", "email", id="0", mkstream=True)
+        for i in range(10):
+            insert(self.db, "orders", b"x")
+        harness.wait_all_sent(self.db, relay=relay)
+        self.wait_metric("outbox_relay_group_lag_entries", lambda v: v == 10, relay=relay,
+                         stream="orders", group="email")
+        status, text = scrape(self.port)
+        self.assertEqual(status, 200)
+        for name in ("outbox_relay_messages_published_total", "outbox_relay_batches_total",
+                     "outbox_relay_batch_duration_seconds_bucket",
+                     "outbox_relay_publish_errors_total", "outbox_relay_up",
+                     "outbox_relay_outbox_pending_rows",
+                     "outbox_relay_outbox_oldest_pending_age_seconds",
+                     "outbox_relay_group_queue_age_seconds", "outbox_relay_group_dead_letters",
+                     "outbox_relay_stream_paused", "outbox_relay_build_info"):
+            self.assertIn(name, text)
+        self.assertEqual(metric(text, "outbox_relay_messages_published_total", topic="orders"), 10)
+        promtool = shutil.which("promtool")
+        if promtool is None:
+            self.skipTest("promtool not installed (Debian package prometheus)")
+        proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                              text=True, timeout=30)
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+
+    def test_bad_requests_and_a_silent_client(self):
+        relay = self.start_relay()
+        self.assertEqual(scrape(self.port, "/nope")[0], 404)
+        self.assertEqual(scrape(self.port, "/metrics", "POST")[0], 405)
+        self.assertEqual(scrape(self.port, "/healthz")[0], 200)
+        harness.wait_until(lambda: scrape(self.port, "/readyz")[0] == 200, relay=relay)
+        # A client that connects and never sends a request.
+        silent = [socket.create_connection(("127.0.0.1", self.port)) for _ in range(3)]
+        try:
+            for i in range(20):
+                insert(self.db, "orders", b"while a client hangs")
+            harness.wait_all_sent(self.db, timeout=10, relay=relay)
+            self.assertEqual(scrape(self.port, "/healthz")[0], 200)
+        finally:
+            for s in silent:
+                s.close()
+        self.assertTrue(relay.alive())
+
+    def test_queue_age_rises_while_consumers_stop_and_falls_when_they_resume(self):
+        relay = self.start_relay()
+        self.r.xgroup_create("orders", "email", id="0", mkstream=True)
+        insert(self.db, "orders", b"first")
+        harness.wait_all_sent(self.db, relay=relay)
+        a = self.wait_metric("outbox_relay_group_queue_age_seconds", lambda v: v > 0.5,
+                             relay=relay, stream="orders", group="email")
+        b = self.wait_metric("outbox_relay_group_queue_age_seconds", lambda v: v > a + 1.0,
+                             relay=relay, stream="orders", group="email")
+        print(f"queue age with no consumer: {a:.2f}s, then {b:.2f}s")
+        # The consumer comes back, reads and acknowledges.
+        reply = self.r.xreadgroup("email", "c1", {"orders": ">"}, count=100)
+        ids = [entry_id for _, entries in reply for entry_id, _ in entries]
+        self.r.xack("orders", "email", *ids)
+        c = self.wait_metric("outbox_relay_group_queue_age_seconds", lambda v: v == 0,
+                             relay=relay, stream="orders", group="email")
+        print(f"queue age after the consumer caught up: {c:.2f}s")
+
+    def test_a_lagging_stream_is_paused_and_resumed(self):
+        relay = self.start_relay(pause_lag_entries="50", resume_lag_entries="10")
+        self.r.xgroup_create("orders", "email", id="0", mkstream=True)
+        for i in range(60):
+            insert(self.db, "orders", b"lagging")
+        harness.wait_all_sent(self.db, relay=relay)
+        relay.wait_for_log(r"stream orders paused", timeout=15)
+        self.wait_metric("outbox_relay_stream_paused", lambda v: v == 1, relay=relay,
+                         stream="orders")
+        for i in range(5):
+            insert(self.db, "orders", b"held back")
+        insert(self.db, "invoices", b"other streams keep flowing")
+        harness.wait_until(lambda: harness.scalar(
+            self.db, "SELECT count(*) FROM outbox.messages WHERE topic = 'invoices'"
+                     " AND sent_at IS NOT NULL") == 1, relay=relay)
+        time.sleep(1.0)
+        held = harness.scalar(self.db, "SELECT count(*) FROM outbox.messages"
+                                       " WHERE topic = 'orders' AND sent_at IS NULL")
+        self.assertEqual(held, 5, "rows of a paused stream must wait in the outbox")
+        # The group catches up below the low-water mark: the stream resumes.
+        reply = self.r.xreadgroup("email", "c1", {"orders": ">"}, count=1000)
+        ids = [entry_id for _, entries in reply for entry_id, _ in entries]
+        self.r.xack("orders", "email", *ids)
+        relay.wait_for_log(r"stream orders resumed", timeout=15)
+        harness.wait_all_sent(self.db, timeout=15, relay=relay)
+
+    def status(self, *args, env=None):
+        return harness.run_relay(["status", *args], env=env or harness.relay_env(self.pg,
+                                                                                  self.redis))
+
+    def test_status_command(self):
+        relay = self.start_relay()
+        self.r.xgroup_create("orders", "email", id="0", mkstream=True)
+        insert(self.db, "orders", b"x")
+        harness.wait_all_sent(self.db, relay=relay)
+        done = self.status()
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assertRegex(done.stdout, r"orders\s+email\s+\S+\s+1\s+0\s+0")
+        self.assertIn("appendonly", done.stdout)
+        done = self.status("--json")
+        self.assertEqual(done.returncode, 0, done.output)
+        data = json.loads(done.stdout)
+        self.assertTrue(data["postgres"]["up"])
+        group = [g for g in data["groups"] if g["group"] == "email"][0]
+        self.assertEqual(group["lag"], 1)
+        self.assertGreater(group["queue_age_seconds"], 0)
+
+    def test_status_names_an_unreachable_server(self):
+        env = harness.relay_env(self.pg, None, {
+            "OUTBOX_RELAY_REDIS": f"redis://127.0.0.1:{harness.free_port()}/0",
+            "OUTBOX_RELAY_CONNECT_TIMEOUT": "1s"})
+        done = self.status(env=env)
+        self.assertEqual(done.returncode, 69, done.output)
+        self.assertIn("Redis unreachable", done.stderr)
+        env = harness.relay_env(None, self.redis, {
+            "OUTBOX_RELAY_POSTGRES": f"host=127.0.0.1 port={harness.free_port()} dbname=app"
+                                     " user=postgres",
+            "OUTBOX_RELAY_CONNECT_TIMEOUT": "1s"})
+        done = self.status(env=env)
+        self.assertEqual(done.returncode, 69, done.output)
+        self.assertIn("PostgreSQL unreachable", done.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
