@@ -53,6 +53,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "002_enqueue_and_wakeup.sql",
     "003_roles.sql",
     "004_schema_version.sql",
+    "005_backpressure.sql",
 };
 
 enum setup_step {

@@ -7,13 +7,20 @@
 # Installing redis-server or postgresql-15 may start Debian's own services on
 # ports 6379 and 5432. They are left alone: the tests start their own servers
 # on free loopback ports.
+#
+# prometheus is here for its promtool, which checks and unit-tests
+# monitoring/alerts.yml (tests/integration/test_monitoring.py). Under systemd,
+# installing it also enables and starts Debian's Prometheus server on port
+# 9090; that is left alone too: no test uses the server or that port (stop it
+# with "systemctl disable --now prometheus" if you do not want it).
 set -euo pipefail
 
 packages=(
   build-essential cmake pkg-config
   libpq-dev libhiredis-dev libev-dev libcmocka-dev
   postgresql-15 postgresql-client-15 redis-server
-  python3 python3-psycopg2 python3-redis
+  python3 python3-psycopg2 python3-redis python3-yaml
+  prometheus
 )
 
 installed() {
