@@ -156,6 +156,49 @@ class OperationsTest(harness.ServerTestCase):
         relay.wait_for_log(r"stream orders resumed", timeout=15)
         harness.wait_all_sent(self.db, timeout=15, relay=relay)
 
+    def test_producer_refused_then_admitted(self):
+        """End to end: a lagging group pauses its stream, rows pile up in the outbox,
+        producers of that topic get OB503 from outbox.admit, and are admitted again
+        once the group catches up and the outbox drains below the resume limit."""
+        import psycopg2
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.topic_limits (topic, max_pending, resume_pending)"
+                        " VALUES ('orders', 20, 5)")
+        relay = self.start_relay(pause_lag_entries="10", resume_lag_entries="2")
+        self.r.xgroup_create("orders", "email", id="0", mkstream=True)
+        for i in range(12):
+            insert(self.db, "orders", b"fills the stream")
+        relay.wait_for_log(r"stream orders paused", timeout=15)
+
+        def admit():
+            try:
+                with self.db.cursor() as cur:
+                    cur.execute("SELECT outbox.admit('orders')")
+                return None
+            except psycopg2.Error as e:
+                return e
+
+        refused_at = None
+        for i in range(40):
+            insert(self.db, "orders", b"waits in the outbox")
+        err = harness.wait_until(admit, timeout=20, relay=relay,
+                                 message="outbox.admit to refuse the topic")
+        self.assertEqual(err.pgcode, "OB503", str(err))
+        print(f"producer refused: {err.pgerror.strip().splitlines()[0]}")
+        _, text = scrape(self.port)
+        self.assertEqual(metric(text, "outbox_relay_topic_admitting", topic="orders"), 0)
+        # The consumers come back: the stream resumes, the outbox drains, producers
+        # are admitted again.
+        def consume():
+            reply = self.r.xreadgroup("email", "c1", {"orders": ">"}, count=1000)
+            ids = [entry_id for _, entries in reply or [] for entry_id, _ in entries]
+            if ids:
+                self.r.xack("orders", "email", *ids)
+            return admit() is None
+        harness.wait_until(consume, timeout=30, interval=0.2, relay=relay,
+                           message="producers to be admitted again")
+        print("producer admitted again after the group caught up")
+
     def status(self, *args, env=None):
         return harness.run_relay(["status", *args], env=env or harness.relay_env(self.pg,
                                                                                   self.redis))
