@@ -19,18 +19,28 @@
 /*
  * The publish function. KEYS[1] is the stream, KEYS[2] the message's dedup
  * record; both share the stream's hash tag so the layout is Cluster-safe.
- * ARGV[1] is the record's time to live in ms, ARGV[2..] the entry's fields.
+ * ARGV[1] is the record's time to live in ms, ARGV[2] the validity deadline
+ * (Unix ms on the server's clock), ARGV[3..] the entry's fields.
  *
- * A message id already recorded returns the entry id of the first copy. The
- * record is written only after XADD succeeded: a function body does not roll
- * back, so recording first would turn a failed XADD into a lost message.
+ * A message id already recorded returns the entry id of the first copy. A
+ * call that runs after its deadline publishes nothing: the relay gave up on
+ * it and will publish the row again, and by then it may have committed that
+ * second publish and removed the record, so a late first copy would be a
+ * duplicate. The record is written only after XADD succeeded: a function
+ * body does not roll back, so recording first would turn a failed XADD into
+ * a lost message.
  */
 const char relay_batch_function_source[] =
     "#!lua name=" RELAY_FUNCTION_LIBRARY "\n"
     "local function publish(keys, args)\n"
     "  local seen = redis.call('GET', keys[2])\n"
     "  if seen then return seen end\n"
-    "  local id = redis.call('XADD', keys[1], '*', unpack(args, 2))\n"
+    "  local t = redis.call('TIME')\n"
+    "  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+    "  if now > tonumber(args[2]) then\n"
+    "    return redis.error_reply('EXPIRED publish deadline passed; the relay retries it')\n"
+    "  end\n"
+    "  local id = redis.call('XADD', keys[1], '*', unpack(args, 3))\n"
     "  redis.call('SET', keys[2], id, 'PX', args[1])\n"
     "  return id\n"
     "end\n"
@@ -148,7 +158,8 @@ static void add_arg(struct relay_publish_cmd *cmd, const char *s, size_t len)
 
 int relay_batch_build_publish(const struct relay_row *row, const char *stream_prefix,
                               uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
-                              struct relay_publish_cmd *cmd, char *err, size_t errlen)
+                              uint64_t not_after_ms, struct relay_publish_cmd *cmd, char *err,
+                              size_t errlen)
 {
     cmd->argc = 0;
 
@@ -215,7 +226,9 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
                                      cmd->dedup_key, sizeof(cmd->dedup_key));
     int tlen = snprintf(cmd->ttl, sizeof(cmd->ttl), "%u", dedup_ttl_ms);
     int olen = snprintf(cmd->outbox_id, sizeof(cmd->outbox_id), "%lld", (long long)row->id);
-    if (slen < 0 || dlen < 0 || tlen < 0 || olen < 0) {
+    int nlen = snprintf(cmd->not_after, sizeof(cmd->not_after), "%llu",
+                        (unsigned long long)not_after_ms);
+    if (slen < 0 || dlen < 0 || tlen < 0 || olen < 0 || nlen < 0) {
         snprintf(err, errlen, "stream name too long for topic; shorten stream_prefix or topic");
         return -1;
     }
@@ -226,6 +239,7 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
     add_arg(cmd, cmd->stream, (size_t)slen);
     add_arg(cmd, cmd->dedup_key, (size_t)dlen);
     add_arg(cmd, cmd->ttl, (size_t)tlen);
+    add_arg(cmd, cmd->not_after, (size_t)nlen);
     add_arg(cmd, "id", 2);
     add_arg(cmd, row->message_id, row->message_id_len);
     add_arg(cmd, "topic", 5);
@@ -375,7 +389,8 @@ void relay_sqlbuf_free(struct relay_sqlbuf *b)
 #define ROW_RETRY_MAX_MS (5u * 60u * 1000u)
 
 int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
-                           const struct relay_sql_quoter *q, struct relay_sqlbuf *out)
+                           const struct relay_sql_quoter *q, const char *before_commit,
+                           struct relay_sqlbuf *out)
 {
     char buf[160];
     int any = 0, quarantined = 0;
@@ -413,12 +428,14 @@ int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_
         relay_sqlbuf_append(out, lit);
         q->freefn(lit);
         snprintf(buf, sizeof(buf),
-                 ", retry_at = now() + interval '%u milliseconds', failed_at = %s WHERE id = %lld;",
+                 ", retry_at = statement_timestamp() + interval '%u milliseconds', failed_at = %s WHERE id = %lld;",
                  relay_batch_row_retry_ms(attempts, ROW_RETRY_BASE_MS, ROW_RETRY_MAX_MS),
-                 quarantine ? "now()" : "NULL", (long long)row->id);
+                 quarantine ? "statement_timestamp()" : "NULL", (long long)row->id);
         relay_sqlbuf_append(out, buf);
         quarantined += quarantine;
     }
+    if (before_commit != NULL)
+        relay_sqlbuf_append(out, before_commit);
     relay_sqlbuf_append(out, "COMMIT");
     return out->overflow ? -1 : quarantined;
 }

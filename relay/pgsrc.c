@@ -54,6 +54,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "003_roles.sql",
     "004_schema_version.sql",
     "005_backpressure.sql",
+    "006_wakeup_when_idle.sql",
 };
 
 enum setup_step {

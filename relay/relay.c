@@ -56,7 +56,20 @@ enum cycle_state {
     CYCLE_PUBLISH,    /* FCALLs in flight */
     CYCLE_FINISH,     /* mark + COMMIT sent */
     CYCLE_ROLLBACK,   /* ROLLBACK sent after a failure */
+    CYCLE_SETTLE,     /* declared idle; waiting for transactions that may not notify */
 };
+
+/* The wake-up protocol of migrations/006 (DESIGN.md 7.1): producers notify
+ * only while a relay has declared itself idle. */
+enum wake_mode {
+    WAKE_BUSY = 0, /* claiming on its own until a claim comes back empty */
+    WAKE_IDLE,     /* declared idle: notifications wake it */
+};
+
+#define IDLE_FLAG_ON                                                                               \
+    "UPDATE outbox.relay_wakeup SET relay_idle = true, changed_at = now() WHERE NOT relay_idle;"
+#define IDLE_FLAG_OFF                                                                              \
+    "UPDATE outbox.relay_wakeup SET relay_idle = false, changed_at = now() WHERE relay_idle;"
 
 struct relay {
     struct ev_loop *loop;
@@ -78,6 +91,10 @@ struct relay {
     char status_text[256];
 
     enum cycle_state state;
+    enum wake_mode wake;
+    ev_timer settle_timer;
+    ev_tstamp settle_started;
+    char settle_snapshot[4096];
     int want_claim;
     int in_backoff;
     int draining;
@@ -137,6 +154,8 @@ static const double batch_buckets[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 
                                        0.25,  0.5,    1,     2.5,  5,     10};
 
 static void maybe_claim(struct relay *r);
+static void on_idle_declared(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                             const char *sqlstate, void *arg);
 static void log_row_failures(struct relay *r);
 static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
                        const char *sqlstate, void *arg);
@@ -359,8 +378,12 @@ static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
     relay_debug(COMPONENT, "batch committed: %zu published, %zu failed, %.1f ms", published,
                 failed, (ev_now(r->loop) - r->batch_started) * 1000.0);
     drop_dedup_records(r);
-    /* A full batch means more may be waiting: claim again at once. */
-    if (r->nrows == r->cfg->batch_size)
+    /* A full batch means more may be waiting: claim again at once. A busy
+     * relay gets no notifications (producers skip them), so it claims again
+     * until a claim comes back empty. */
+    if (r->cfg->listen)
+        r->wake = WAKE_BUSY;
+    if (r->nrows == r->cfg->batch_size || (r->cfg->listen && r->wake == WAKE_BUSY))
         r->want_claim = 1;
     cycle_ended(r);
 }
@@ -404,7 +427,9 @@ static void publish_done(struct relay *r)
         return;
     }
     struct relay_sql_quoter q = {quote_literal, relay_pgsrc_freemem, r->claim};
-    int quarantined = relay_batch_finish_sql(r->rows, r->nrows, r->cfg->max_attempts, &q, &r->sql);
+    const char *before_commit = r->cfg->listen && r->wake != WAKE_BUSY ? IDLE_FLAG_OFF : NULL;
+    int quarantined =
+        relay_batch_finish_sql(r->rows, r->nrows, r->cfg->max_attempts, &q, before_commit, &r->sql);
     if (quarantined < 0) {
         batch_failed(r, "cannot build the statement that marks the batch sent");
         return;
@@ -496,6 +521,88 @@ static int parse_row(PGresult *res, int i, struct relay_row *row)
     return 0;
 }
 
+/*
+ * Closing the race of the idle declaration: a producer transaction that was
+ * already running when the flag went up may have read the old value and
+ * skipped its notification. Wait until every transaction in progress at that
+ * moment has ended (bounded by poll_interval, after which the poll covers
+ * it), then claim once more before waiting for notifications.
+ */
+static void on_settle_checked(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                              const char *sqlstate, void *arg);
+
+static void settle_check(struct relay *r)
+{
+    const char *params[1] = {r->settle_snapshot};
+    if (relay_pgsrc_send(r->claim,
+                         "SELECT count(*) FROM unnest(pg_snapshot_xip($1::pg_snapshot)) AS x"
+                         " WHERE pg_xact_status(x) = 'in progress'",
+                         1, params, 0, on_settle_checked, r) < 0) {
+        r->wake = WAKE_BUSY;
+        cycle_ended(r);
+    }
+}
+
+static void on_settle_timer(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    struct relay *r = w->data;
+    (void)loop;
+    (void)revents;
+    if (r->state == CYCLE_SETTLE && !r->stopping)
+        settle_check(r);
+}
+
+static void on_settle_checked(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                              const char *sqlstate, void *arg)
+{
+    struct relay *r = arg;
+    (void)pg;
+    (void)sqlstate;
+    long running = err == NULL && res != NULL && PQntuples(res) == 1
+                       ? strtol(PQgetvalue(res, 0, 0), NULL, 10)
+                       : -1;
+    if (res != NULL)
+        PQclear(res);
+    if (r->stopping)
+        return;
+    double waited_ms = (ev_now(r->loop) - r->settle_started) * 1000.0;
+    if (running > 0 && waited_ms < r->cfg->poll_interval_ms && !r->draining) {
+        ev_timer_set(&r->settle_timer, 0.001, 0.0);
+        ev_timer_start(r->loop, &r->settle_timer);
+        return;
+    }
+    /* The last claim before sleeping: anything those transactions wrote. */
+    r->want_claim = 1;
+    cycle_ended(r);
+}
+
+static void on_idle_declared(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                             const char *sqlstate, void *arg)
+{
+    struct relay *r = arg;
+    (void)pg;
+    (void)sqlstate;
+    if (r->stopping) {
+        if (res != NULL)
+            PQclear(res);
+        return;
+    }
+    if (err != NULL || res == NULL || PQntuples(res) != 1) {
+        if (res != NULL)
+            PQclear(res);
+        if (err != NULL)
+            relay_warn(COMPONENT, "cannot declare the relay idle (%s); the poll keeps it going",
+                       err);
+        cycle_ended(r);
+        return;
+    }
+    snprintf(r->settle_snapshot, sizeof(r->settle_snapshot), "%s", PQgetvalue(res, 0, 0));
+    PQclear(res);
+    r->wake = WAKE_IDLE;
+    r->settle_started = ev_now(r->loop);
+    settle_check(r);
+}
+
 static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
                        const char *sqlstate, void *arg)
 {
@@ -526,6 +633,17 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
         r->nrows++;
     }
     if (r->nrows == 0) {
+        if (r->cfg->listen && r->wake == WAKE_BUSY) {
+            /* Nothing pending: declare idle, so producers notify again, and
+             * read which transactions were running at that moment. */
+            if (relay_pgsrc_send(r->claim,
+                                 IDLE_FLAG_ON " COMMIT; SELECT pg_current_snapshot()::text", 0,
+                                 NULL, 0, on_idle_declared, r) == 0)
+                r->state = CYCLE_SETTLE;
+            else
+                cycle_ended(r);
+            return;
+        }
         /* Nothing pending: end the (empty) transaction. */
         if (relay_pgsrc_send(r->claim, "COMMIT", 0, NULL, 0, on_rolled_back, r) == 0)
             r->state = CYCLE_ROLLBACK;
@@ -537,10 +655,11 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
     r->state = CYCLE_PUBLISH;
     memset(&r->cycle, 0, sizeof(r->cycle));
     struct relay_publish_cmd cmd;
+    uint64_t not_after = relay_sink_deadline_ms(r->sink, r->cfg->publish_timeout_ms);
     for (size_t i = 0; i < r->nrows; i++) {
         struct relay_row *row = &r->rows[i];
         if (relay_batch_build_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
-                                      r->cfg->dedup_ttl_ms, &cmd, row->error,
+                                      r->cfg->dedup_ttl_ms, not_after, &cmd, row->error,
                                       sizeof(row->error)) < 0) {
             row->state = RELAY_ROW_FAILED;
             continue;
@@ -629,9 +748,12 @@ static void on_retry(struct ev_loop *loop, ev_timer *w, int revents)
 
 static void pg_ready(struct relay_pgsrc *pg, void *arg)
 {
-    (void)pg;
-    /* Catch up: notifications sent while we were away are lost. */
-    want_cycle(arg);
+    struct relay *r = arg;
+    /* Catch up: notifications sent while we were away are lost. The claim
+     * connection starts busy: it declares itself idle after the catch-up. */
+    if (pg == r->claim)
+        r->wake = WAKE_BUSY;
+    want_cycle(r);
 }
 
 static void pg_notify(struct relay_pgsrc *pg, void *arg)
@@ -1070,6 +1192,8 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
     ev_init(&r->deadline, on_deadline);
     r->deadline.data = r;
     ev_init(&r->drain_timer, on_drain_deadline);
+    ev_init(&r->settle_timer, on_settle_timer);
+    r->settle_timer.data = r;
     r->drain_timer.data = r;
     double poll = cfg->poll_interval_ms / 1000.0;
     ev_timer_init(&r->poll_timer, on_poll, poll, poll);
@@ -1165,6 +1289,7 @@ void relay_free(struct relay *r)
         ev_timer_stop(r->loop, &r->deadline);
         ev_timer_stop(r->loop, &r->drain_timer);
         ev_timer_stop(r->loop, &r->watchdog);
+        ev_timer_stop(r->loop, &r->settle_timer);
         ev_timer_stop(r->loop, &r->status);
         ev_signal_stop(r->loop, &r->sigterm);
         ev_signal_stop(r->loop, &r->sigint);

@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "relay/backoff.h"
 #include "relay/batch.h"
@@ -52,7 +53,28 @@ struct relay_sink {
     char last_logged[512];
     char durability[512];
     char describe[600];
+    /* Redis's clock minus ours, and the round trip it was measured over. */
+    double clock_offset;
+    double clock_rtt;
+    double time_sent;
 };
+
+static double wall_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+uint64_t relay_sink_deadline_ms(const struct relay_sink *s, uint32_t within_ms)
+{
+    /* The server's clock now, give or take half a round trip; the deadline
+     * is pulled in by a whole round trip so that, on the server's clock, it
+     * never falls after the moment the relay gives up. */
+    double server_now = wall_now() + s->clock_offset;
+    double deadline = server_now + within_ms / 1000.0 - s->clock_rtt;
+    return deadline > 0 ? (uint64_t)(deadline * 1000.0) : 0;
+}
 
 static void start_connect(struct relay_sink *s);
 
@@ -62,6 +84,7 @@ static char step_select[] = "SELECT";
 static char step_setname[] = "CLIENT SETNAME";
 static char step_function[] = "FUNCTION";
 static char step_config[] = "CONFIG";
+static char step_time[] = "TIME";
 
 void *relay_sink_owner(const struct redisAsyncContext *ac)
 {
@@ -203,7 +226,21 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
 
     if (s == NULL || ac != s->ac || s->state != SINK_CONNECTING)
         return;
-    if (strcmp(step, "CONFIG") == 0) {
+    if (strcmp(step, "TIME") == 0) {
+        double received = wall_now();
+        if (r != NULL && r->type == REDIS_REPLY_ARRAY && r->elements == 2 &&
+            r->element[0]->type == REDIS_REPLY_STRING && r->element[1]->type == REDIS_REPLY_STRING) {
+            double server = strtod(r->element[0]->str, NULL) + strtod(r->element[1]->str, NULL) / 1e6;
+            s->clock_rtt = received - s->time_sent;
+            s->clock_offset = server - (s->time_sent + received) / 2.0;
+        } else {
+            char msg[300];
+            snprintf(msg, sizeof(msg), "TIME failed: %s",
+                     r && r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+            relay_sink_abort(s, msg);
+            return;
+        }
+    } else if (strcmp(step, "CONFIG") == 0) {
         check_durability(s, r);
     } else if (r == NULL || r->type == REDIS_REPLY_ERROR) {
         char msg[400];
@@ -314,6 +351,14 @@ static void queue_setup(struct relay_sink *s)
     const char *cargv[5] = {"CONFIG", "GET", "appendonly", "appendfsync", "maxmemory-policy"};
     size_t clens[5] = {6, 3, 10, 11, 16};
     redisAsyncCommandArgv(s->ac, on_setup_reply, step_config, 5, cargv, clens);
+    s->setup_pending++;
+
+    /* The server's clock, for the validity deadline of each publish. Sent
+     * last, when the connection is up: the round trip then measures only it. */
+    const char *targv[1] = {"TIME"};
+    size_t tlens[1] = {4};
+    s->time_sent = wall_now();
+    redisAsyncCommandArgv(s->ac, on_setup_reply, step_time, 1, targv, tlens);
     s->setup_pending++;
 }
 

@@ -14,7 +14,7 @@
 
 /* Name of the Redis function library and of the publish function in it. */
 #define RELAY_FUNCTION_LIBRARY "outbox_relay"
-#define RELAY_FUNCTION_PUBLISH "outbox_relay_publish_v1"
+#define RELAY_FUNCTION_PUBLISH "outbox_relay_publish_v2"
 
 /* The Lua source loaded with FUNCTION LOAD REPLACE. */
 extern const char relay_batch_function_source[];
@@ -59,7 +59,7 @@ enum relay_error_scope {
 };
 
 /* Maximum arguments of one FCALL: fixed part plus two per header. */
-#define RELAY_PUBLISH_ARGV_MAX (18 + 2 * RELAY_HEADERS_MAX)
+#define RELAY_PUBLISH_ARGV_MAX (19 + 2 * RELAY_HEADERS_MAX)
 
 /* The argv of one publish command, with scratch space for the parts that are
  * built rather than pointed to. */
@@ -70,6 +70,7 @@ struct relay_publish_cmd {
     char stream[256 + RELAY_TOPIC_MAX];
     char dedup_key[300 + RELAY_TOPIC_MAX];
     char ttl[16];
+    char not_after[24];
     char outbox_id[24];
     char header_fields[RELAY_HEADERS_MAX][RELAY_HEADER_NAME_MAX + 3];
 };
@@ -93,13 +94,15 @@ int relay_batch_dedup_key(const char *stream, const char *message_id, size_t mes
                           char *out, size_t outlen);
 
 /*
- * Builds the FCALL for row. On a failure of the row's own (bad topic, payload
+ * Builds the FCALL for row; not_after_ms is the validity deadline on the
+ * server's clock (relay_sink_deadline_ms). On a failure of the row's own (bad topic, payload
  * too large, headers that cannot be encoded) returns -1 and writes a message
  * that says what is wrong and what to do into err.
  */
 int relay_batch_build_publish(const struct relay_row *row, const char *stream_prefix,
                               uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
-                              struct relay_publish_cmd *cmd, char *err, size_t errlen);
+                              uint64_t not_after_ms, struct relay_publish_cmd *cmd, char *err,
+                              size_t errlen);
 
 /*
  * Decodes a one-dimensional binary text[] (PostgreSQL array wire format).
@@ -162,12 +165,14 @@ struct relay_sql_quoter {
 /*
  * Writes the statements that end a cycle: mark every published row sent,
  * count one attempt on every failed row (with its error and a retry delay
- * that grows with its attempts, quarantining it at max_attempts), then COMMIT.
+ * that grows with its attempts, quarantining it at max_attempts), then
+ * before_commit (NULL for none; statements ending in ';'), then COMMIT.
  * Returns the number of rows quarantined, or -1 when the buffer overflowed
  * or quoting failed.
  */
 int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
-                           const struct relay_sql_quoter *q, struct relay_sqlbuf *out);
+                           const struct relay_sql_quoter *q, const char *before_commit,
+                           struct relay_sqlbuf *out);
 
 /*
  * Delay before a failed row is claimed again: grows with its attempts,

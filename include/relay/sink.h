@@ -51,6 +51,14 @@ void relay_sink_abort(struct relay_sink *s, const char *why);
  * found"): the connection is dropped and re-established, which reloads it. */
 void relay_sink_reload_function(struct relay_sink *s);
 
+/*
+ * A deadline in the server's clock, in Unix milliseconds: within_ms from now,
+ * less one round trip of the clock measurement. The publish function refuses
+ * to run after it, so commands that reach Redis late, after the relay gave up
+ * on them (a partition that held them in the kernel), publish nothing.
+ */
+uint64_t relay_sink_deadline_ms(const struct relay_sink *s, uint32_t within_ms);
+
 /* The hooks' arg of the sink that owns ac (for reply callbacks). */
 void *relay_sink_owner(const struct redisAsyncContext *ac);
 

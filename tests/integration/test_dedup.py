@@ -37,7 +37,8 @@ from harness import insert, scalar, wait_until
 harness.require_relay()
 harness.set_deadline(240)
 
-FUNCTION = "outbox_relay_publish_v1"
+FUNCTION = "outbox_relay_publish_v2"
+FAR_FUTURE_MS = 9999999999999  # the validity deadline argument: never expired
 RELAY_FLAGS = dict(poll_interval="200ms", reconnect_min="50ms", reconnect_max="500ms")
 README_BYTES_PER_RECORD = 150
 
@@ -68,7 +69,22 @@ class DedupTest(harness.ServerTestCase):
 
     def fcall(self, stream, message_id, *fields, ttl=60000):
         return self.r.fcall(FUNCTION, 2, stream, dedup_key(stream, message_id), ttl,
-                            *fields).decode()
+                            FAR_FUTURE_MS, *fields).decode()
+
+    def test_a_call_past_its_deadline_publishes_nothing(self):
+        """A publish that reaches Redis after the relay gave up on it (a partition
+        that held it in the kernel) must not add an entry: by then the relay may
+        have published the row again, committed, and removed the dedup record."""
+        self.start_relay()
+        mid = str(uuid.uuid4())
+        now_s, now_us = self.r.time()
+        past = now_s * 1000 + now_us // 1000 - 1
+        with self.assertRaises(Exception) as refused:
+            self.r.fcall(FUNCTION, 2, "late", dedup_key("late", mid), 60000, past,
+                         "id", mid, "payload", "x")
+        self.assertIn("EXPIRED", str(refused.exception))
+        self.assertEqual(self.r.exists("late"), 0)
+        self.assertEqual(self.r.exists(dedup_key("late", mid)), 0)
 
     # (a)
     def test_second_call_returns_first_entry_id(self):
@@ -166,7 +182,7 @@ class DedupTest(harness.ServerTestCase):
             pipe = self.r.pipeline(transaction=False)
             for i in range(lo, lo + 1000):
                 pipe.fcall(FUNCTION, 2, "orders", dedup_key("orders", ids[i]), 86400000,
-                           *fields(ids[i], i))
+                           FAR_FUTURE_MS, *fields(ids[i], i))
             pipe.execute()
         m1 = used_memory(self.r)
         for lo in range(0, n, 1000):

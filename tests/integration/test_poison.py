@@ -379,7 +379,7 @@ class PoisonTest(harness.ServerTestCase):
         mark = relay.mark()
         self.r.config_set("maxmemory", 1)
         with self.assertRaises(Exception, msg="FCALL is refused with OOM") as refused:
-            self.r.fcall("outbox_relay_publish_v1", 2, "probe", "{probe}:dedup:x", 1000,
+            self.r.fcall("outbox_relay_publish_v2", 2, "probe", "{probe}:dedup:x", 1000, 9999999999999,
                          "id", "x")
         self.assertIn("maxmemory", str(refused.exception))
         during = [insert(self.db, GOOD_TOPICS[i % 2], b"during OOM %d" % i) for i in range(10)]

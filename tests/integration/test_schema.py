@@ -171,9 +171,9 @@ class SchemaTest(harness.ServerTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 5)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 6)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
-                                         " WHERE version = 5"), "005_backpressure.sql")
+                                         " WHERE version = 6"), "006_wakeup_when_idle.sql")
         with self.db.cursor() as cur:
             cur.execute("SELECT column_name, data_type, is_nullable FROM information_schema.columns"
                         " WHERE table_schema = 'outbox' AND table_name = 'messages'")
@@ -264,7 +264,7 @@ class SchemaTest(harness.ServerTestCase):
                                          " WHERE sent_at IS NOT NULL"), 2)
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
                                          " WHERE failed_at IS NOT NULL"), 2)
-        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 5)
+        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 6)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")

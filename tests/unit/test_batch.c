@@ -63,8 +63,8 @@ static size_t encode_array(char *buf, const char *const *items, int n)
 
 static int find_field(const struct relay_publish_cmd *cmd, const char *name)
 {
-    /* Fields start after FCALL fn 2 stream dedup ttl. */
-    for (int i = 6; i + 1 < cmd->argc; i += 2)
+    /* Fields start after FCALL fn 2 stream dedup ttl not_after. */
+    for (int i = 7; i + 1 < cmd->argc; i += 2)
         if (cmd->argvlen[i] == strlen(name) && memcmp(cmd->argv[i], name, cmd->argvlen[i]) == 0)
             return i + 1;
     return -1;
@@ -106,13 +106,14 @@ static void test_build_publish_fields(void **state)
     row.key_len = 10;
     struct relay_publish_cmd cmd;
     char err[256];
-    assert_int_equal(relay_batch_build_publish(&row, "", 1024, 60000, &cmd, err, sizeof(err)), 0);
+    assert_int_equal(relay_batch_build_publish(&row, "", 1024, 60000, 1796040000000ull, &cmd, err, sizeof(err)), 0);
     assert_string_equal(cmd.argv[0], "FCALL");
     assert_string_equal(cmd.argv[1], RELAY_FUNCTION_PUBLISH);
     assert_string_equal(cmd.argv[2], "2");
     assert_string_equal(cmd.argv[3], "orders");
     assert_string_equal(cmd.argv[4], "{orders}:dedup:0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b");
     assert_string_equal(cmd.argv[5], "60000");
+    assert_string_equal(cmd.argv[6], "1796040000000");
     int p = find_field(&cmd, "payload");
     assert_true(p > 0);
     assert_int_equal(cmd.argvlen[p], sizeof(payload));
@@ -123,8 +124,8 @@ static void test_build_publish_fields(void **state)
     assert_memory_equal(cmd.argv[find_field(&cmd, "created_at")], "2026-11-30T11:35:14.123456Z",
                         27);
     assert_int_equal(find_field(&cmd, "h.x"), -1);
-    /* FCALL fn numkeys 2 keys ttl + 6 fields. */
-    assert_int_equal(cmd.argc, 6 + 12);
+    /* FCALL fn numkeys 2 keys ttl not_after + 6 fields. */
+    assert_int_equal(cmd.argc, 7 + 12);
 }
 
 static void test_build_publish_no_key_field_when_null(void **state)
@@ -133,7 +134,7 @@ static void test_build_publish_no_key_field_when_null(void **state)
     struct relay_row row = make_row("orders", "x", 1);
     struct relay_publish_cmd cmd;
     char err[256];
-    assert_int_equal(relay_batch_build_publish(&row, "p.", 1024, 1000, &cmd, err, sizeof(err)), 0);
+    assert_int_equal(relay_batch_build_publish(&row, "p.", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)), 0);
     assert_int_equal(find_field(&cmd, "key"), -1);
     assert_string_equal(cmd.argv[3], "p.orders");
 }
@@ -153,7 +154,7 @@ static void test_build_publish_headers(void **state)
     row.header_values_len = vlen;
     struct relay_publish_cmd cmd;
     char err[256];
-    assert_int_equal(relay_batch_build_publish(&row, "", 1024, 1000, &cmd, err, sizeof(err)), 0);
+    assert_int_equal(relay_batch_build_publish(&row, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)), 0);
     int i = find_field(&cmd, "h.content-type");
     assert_true(i > 0);
     assert_memory_equal(cmd.argv[i], "application/json", 16);
@@ -169,18 +170,18 @@ static void test_row_errors_say_what_to_do(void **state)
     char err[512];
 
     struct relay_row bad_topic = make_row("bad topic", "x", 1);
-    assert_int_equal(relay_batch_build_publish(&bad_topic, "", 1024, 1000, &cmd, err, sizeof(err)),
+    assert_int_equal(relay_batch_build_publish(&bad_topic, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)),
                      -1);
     assert_non_null(strstr(err, "topic \"bad topic\" is not allowed"));
     assert_non_null(strstr(err, "outbox-relay failed retry"));
 
     struct relay_row big = make_row("orders", "0123456789", 10);
-    assert_int_equal(relay_batch_build_publish(&big, "", 9, 1000, &cmd, err, sizeof(err)), -1);
+    assert_int_equal(relay_batch_build_publish(&big, "", 9, 1000, 1796040000000ull, &cmd, err, sizeof(err)), -1);
     assert_non_null(strstr(err, "payload of 10 bytes exceeds max_payload_bytes (9)"));
 
     struct relay_row arr = make_row("orders", "x", 1);
     arr.headers_type = "array";
-    assert_int_equal(relay_batch_build_publish(&arr, "", 1024, 1000, &cmd, err, sizeof(err)), -1);
+    assert_int_equal(relay_batch_build_publish(&arr, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)), -1);
     assert_non_null(strstr(err, "headers must be a JSON object"));
 
     char toolong[RELAY_HEADER_NAME_MAX + 2];
@@ -195,7 +196,7 @@ static void test_row_errors_say_what_to_do(void **state)
     hdr.header_names_len = encode_array(nbuf, names, 1);
     hdr.header_values = vbuf;
     hdr.header_values_len = encode_array(vbuf, values, 1);
-    assert_int_equal(relay_batch_build_publish(&hdr, "", 1024, 1000, &cmd, err, sizeof(err)), -1);
+    assert_int_equal(relay_batch_build_publish(&hdr, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)), -1);
     assert_non_null(strstr(err, "names are 1 to 128 bytes"));
 }
 
@@ -264,12 +265,16 @@ static void test_row_retry_delay_grows_and_caps(void **state)
 static void test_function_source_records_after_xadd(void **state)
 {
     (void)state;
-    /* The dedup record must be written only after XADD succeeded. */
+    /* The dedup record must be written only after XADD succeeded, and the
+     * deadline checked before XADD. */
     const char *xadd = strstr(relay_batch_function_source, "'XADD'");
     const char *set = strstr(relay_batch_function_source, "'SET'");
+    const char *expired = strstr(relay_batch_function_source, "EXPIRED");
     assert_non_null(xadd);
     assert_non_null(set);
+    assert_non_null(expired);
     assert_true(xadd < set);
+    assert_true(expired < xadd);
     assert_non_null(strstr(relay_batch_function_source, "#!lua name=" RELAY_FUNCTION_LIBRARY));
 }
 
@@ -373,27 +378,27 @@ static void test_finish_sql(void **state)
     struct relay_sqlbuf buf;
     memset(&buf, 0, sizeof(buf));
 
-    assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, &buf), 1);
+    assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, NULL, &buf), 1);
     assert_string_equal(
         buf.data,
         "UPDATE outbox.messages SET sent_at = statement_timestamp() WHERE id = ANY('{10,12}'::bigint[]);"
         "UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'topic \"it''s\" is "
-        "not allowed', retry_at = now() + interval '1000 milliseconds', failed_at = NULL WHERE "
+        "not allowed', retry_at = statement_timestamp() + interval '1000 milliseconds', failed_at = NULL WHERE "
         "id = 11;"
         "UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'too large', retry_at "
-        "= now() + interval '4000 milliseconds', failed_at = now() WHERE id = 13;"
+        "= statement_timestamp() + interval '4000 milliseconds', failed_at = statement_timestamp() WHERE id = 13;"
         "COMMIT");
 
     /* Nothing published: no sent_at update at all. */
     rows[0].state = rows[2].state = RELAY_ROW_FAILED;
-    assert_int_equal(relay_batch_finish_sql(rows, 1, 3, &q, &buf), 0);
+    assert_int_equal(relay_batch_finish_sql(rows, 1, 3, &q, NULL, &buf), 0);
     assert_null(strstr(buf.data, "sent_at"));
 
     /* A cap that is too small is an error, never a truncated statement. */
     struct relay_sqlbuf small;
     memset(&small, 0, sizeof(small));
     small.max = 16;
-    assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, &small), -1);
+    assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, NULL, &small), -1);
     relay_sqlbuf_free(&small);
     relay_sqlbuf_free(&buf);
 }
@@ -419,7 +424,7 @@ static void test_utf8_prefix_never_cuts_a_character(void **state)
     struct relay_row row = make_row(topic, "x", 1);
     struct relay_publish_cmd cmd;
     char err[512];
-    assert_int_equal(relay_batch_build_publish(&row, "", 1024, 1000, &cmd, err, sizeof(err)), -1);
+    assert_int_equal(relay_batch_build_publish(&row, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)), -1);
     const char *q = strstr(err, "\"") + 1;
     const char *end = strchr(q, '\"');
     assert_int_equal((end - q) % 2, 1); /* "a" plus whole two-byte characters */
@@ -443,7 +448,7 @@ static void test_finish_sql_survives_unquotable_error(void **state)
     struct relay_sql_quoter q = {refusing_quote, free, NULL};
     struct relay_sqlbuf buf;
     memset(&buf, 0, sizeof(buf));
-    assert_int_equal(relay_batch_finish_sql(&row, 1, 3, &q, &buf), 0);
+    assert_int_equal(relay_batch_finish_sql(&row, 1, 3, &q, NULL, &buf), 0);
     assert_non_null(strstr(buf.data, "could not be stored"));
     assert_non_null(strstr(buf.data, "COMMIT"));
     relay_sqlbuf_free(&buf);
