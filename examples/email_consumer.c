@@ -73,7 +73,9 @@ static const char *header(const struct relay_message *m, const char *name)
 static enum relay_handled fail_from_sql(struct email_app *app, PGresult *res, char *err,
                                         size_t errlen)
 {
-    const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+    char state[6] = "";
+    const char *s = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+    snprintf(state, sizeof(state), "%s", s ? s : ""); /* res is freed below */
     snprintf(err, errlen, "%s", PQresultErrorMessage(res));
     for (char *p = err; *p; p++)
         if (*p == '\n')
@@ -81,7 +83,7 @@ static enum relay_handled fail_from_sql(struct email_app *app, PGresult *res, ch
     PQclear(res);
     PQclear(PQexec(app->db, "ROLLBACK"));
     /* Class 22 (data exception: not JSON, not a number) never gets better. */
-    if (state != NULL && strncmp(state, "22", 2) == 0)
+    if (strncmp(state, "22", 2) == 0)
         return RELAY_HANDLED_FAIL;
     return RELAY_HANDLED_RETRY;
 }

@@ -724,11 +724,54 @@ static void reclaim_stream(struct relay_consumer *c, const char *stream)
     }
 }
 
+/* Resets the idle time of entries[from..] (ours, not yet handled) with
+ * XCLAIM ... JUSTID, which does not count a delivery. */
+static void touch_entries(struct relay_consumer *c, const char *stream, const redisReply *entries,
+                          size_t from)
+{
+    size_t n = entries->elements - from;
+    const char **argv = calloc(n + 6, sizeof(*argv));
+    size_t *lens = calloc(n + 6, sizeof(*lens));
+    if (argv == NULL || lens == NULL)
+        goto out;
+    size_t argc = 0;
+    argv[argc++] = "XCLAIM";
+    argv[argc++] = stream;
+    argv[argc++] = c->group;
+    argv[argc++] = c->consumer;
+    argv[argc++] = "0";
+    for (size_t i = from; i < entries->elements; i++) {
+        const redisReply *e = entries->element[i];
+        if (e->type == REDIS_REPLY_ARRAY && e->elements == 2 &&
+            e->element[0]->type == REDIS_REPLY_STRING)
+            argv[argc++] = e->element[0]->str;
+    }
+    argv[argc++] = "JUSTID";
+    for (size_t i = 0; i < argc; i++)
+        lens[i] = strlen(argv[i]);
+    redisReply *r = command(c->wr, (int)argc, argv, lens);
+    if (r == NULL) {
+        problem(c, "Redis connection lost: %s", c->wr->errstr);
+        disconnect(c);
+    } else {
+        freeReplyObject(r);
+    }
+out:
+    free(argv);
+    free(lens);
+}
+
 static void read_once(struct relay_consumer *c)
 {
     char count[16], block[16];
+    /* Block no longer than until the next reclaim pass is due, so retries and
+     * take-overs are not held back by an idle read. */
+    long long until_reclaim = c->last_reclaim_ms + c->o.reclaim_interval_ms - now_ms();
+    uint32_t block_ms = c->o.block_ms;
+    if (until_reclaim < (long long)block_ms)
+        block_ms = until_reclaim < 1 ? 1 : (uint32_t)until_reclaim;
     snprintf(count, sizeof(count), "%u", c->o.count);
-    snprintf(block, sizeof(block), "%u", c->o.block_ms);
+    snprintf(block, sizeof(block), "%u", block_ms);
     const char *argv[11] = {"XREADGROUP", "GROUP", c->group, c->consumer, "COUNT", count,
                             "BLOCK", block, "STREAMS", c->stream, c->replay};
     size_t lens[13];
@@ -762,8 +805,16 @@ static void read_once(struct relay_consumer *c)
             const redisReply *entries = sr->element[1];
             /* The message in hand is finished on stop; the rest stay pending
              * and are taken over after their backoff. */
-            for (size_t i = 0; i < entries->elements && !c->stop && c->wr != NULL; i++)
+            long long read_at = now_ms();
+            for (size_t i = 0; i < entries->elements && !c->stop && c->wr != NULL; i++) {
+                /* Entries still waiting in this batch age from the read: keep
+                 * them ours before another consumer counts them as abandoned. */
+                if (i > 0 && now_ms() - read_at > min_backoff(&c->o) / 2) {
+                    touch_entries(c, stream, entries, i);
+                    read_at = now_ms();
+                }
                 handle(c, stream, entries->element[i], 1);
+            }
         }
     }
     freeReplyObject(r);

@@ -1,20 +1,28 @@
-"""The outbox-relay demo: an order service, the relay and a consumer group, live.
+"""The outbox-relay demo: orders, the relay and an e-mail consumer group, live.
 
-Starts a throwaway PostgreSQL and Redis on loopback, applies the migrations,
-starts the relay, and then for a few seconds:
+The story of the messaging lesson, on throwaway servers (PostgreSQL and Redis on
+loopback, in temporary directories, removed at the end, also on Ctrl-C):
   - an order service writes each order and its outbox row in ONE transaction,
-    a few hundred per second, from two connections;
-  - a consumer group "email" reads the stream "orders" and acknowledges;
-and shows live progress. It ends with a summary (orders written, messages
-relayed, messages consumed, commit-to-consume latency) and removes everything,
-also on Ctrl-C.
+    a few hundred per second, from two connections; exactly one order is
+    malformed (its payload is not JSON);
+  - the relay publishes the outbox to the Redis stream "orders";
+  - the consumer group "email" is two outbox-email-consumer processes: each
+    "sends an e-mail" by inserting into emails in the same transaction as its
+    outbox_consumer.processed row, so a redelivery does nothing. A flaky mail
+    provider fails 10% of first deliveries (--fail-rate 0.1): those are retried
+    after a backoff of 1 s, 2 s, 4 s. The malformed order fails for good and
+    lands in the dead-letter stream orders.email.dlq.
+The live view shows orders written, messages relayed, e-mails sent, retries and
+dead letters; the summary shows that every order got exactly one e-mail, the
+commit-to-e-mail latency, and the dead-letter stream as
+`outbox-relay dlq list orders email` prints it.
 
 Run it with scripts/demo.sh, which installs and builds what it needs.
 """
 
 import argparse
 import os
-import statistics
+import re
 import sys
 import threading
 import time
@@ -22,6 +30,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
                                 "integration"))
 import harness  # noqa: E402
+import consumers  # noqa: E402
 
 ORDERS_SQL = """
 CREATE TABLE IF NOT EXISTS orders (
@@ -30,6 +39,9 @@ CREATE TABLE IF NOT EXISTS orders (
     total    numeric NOT NULL,
     placed   timestamptz NOT NULL DEFAULT now()
 )"""
+
+MALFORMED_AT = 150  # the first service's 150th order is the malformed one
+RETRY_LINE = re.compile(r"\(message ([0-9a-f-]{36})\) will be retried in")
 
 
 class OrderService(threading.Thread):
@@ -42,6 +54,7 @@ class OrderService(threading.Thread):
         self.commits, self.lock = commits, lock
         self.number = number
         self.written = 0
+        self.malformed = None  # message id of the malformed order
         self.error = None
 
     def run(self):
@@ -56,14 +69,22 @@ class OrderService(threading.Thread):
                 cur.execute("INSERT INTO orders (customer, total) VALUES (%s, %s) RETURNING id",
                             (customer, total))
                 order_id = cur.fetchone()[0]
-                payload = ('{"order": %d, "customer": "%s", "total": %d}'
-                           % (order_id, customer, total))
-                cur.execute("SELECT outbox.enqueue('orders', %s, %s::jsonb,"
-                            " '{\"content-type\": \"application/json\"}')",
-                            (str(order_id), payload))
-                message_id = cur.fetchone()[0]
+                if self.number == 0 and n == MALFORMED_AT:
+                    # A bug in the order service: this payload is not JSON.
+                    cur.execute("SELECT outbox.enqueue('orders', %s, %s::text,"
+                                " '{\"content-type\": \"application/json\"}')",
+                                (str(order_id), f"order {order_id} for {customer}: oops"))
+                else:
+                    payload = ('{"order": %d, "customer": "%s", "total": %d}'
+                               % (order_id, customer, total))
+                    cur.execute("SELECT outbox.enqueue('orders', %s, %s::jsonb,"
+                                " '{\"content-type\": \"application/json\"}')",
+                                (str(order_id), payload))
+                message_id = str(cur.fetchone()[0])
                 self.conn.commit()
                 committed = time.time()
+                if self.number == 0 and n == MALFORMED_AT:
+                    self.malformed = message_id
                 with self.lock:
                     self.commits[message_id] = committed
                 self.written += 1
@@ -78,47 +99,6 @@ class OrderService(threading.Thread):
             self.conn.close()
 
 
-class EmailConsumer(threading.Thread):
-    """Consumer group "email" on stream "orders": read, handle, acknowledge."""
-
-    def __init__(self, redis, commits, lock):
-        super().__init__(daemon=True)
-        self.client = redis.client()
-        self.commits, self.lock = commits, lock
-        self.consumed = 0
-        self.latencies = []
-        self.stop = threading.Event()
-        self.error = None
-
-    def run(self):
-        try:
-            # From the start of the stream (id 0), creating it if needed, so
-            # nothing published before the group existed is missed.
-            try:
-                self.client.xgroup_create("orders", "email", id="0", mkstream=True)
-            except Exception as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
-            while not self.stop.is_set():
-                reply = self.client.xreadgroup("email", "demo-1", {"orders": ">"}, count=200,
-                                               block=200)
-                now = time.time()
-                for _, entries in reply or []:
-                    ids = []
-                    for entry_id, fields in entries:
-                        message_id = fields[b"id"].decode()
-                        with self.lock:
-                            committed = self.commits.get(message_id)
-                        if committed is not None:
-                            self.latencies.append((now - committed) * 1000.0)
-                        ids.append(entry_id)
-                    if ids:
-                        self.client.xack("orders", "email", *ids)
-                        self.consumed += len(ids)
-        except Exception as e:
-            self.error = e
-
-
 def percentile(values, p):
     if not values:
         return float("nan")
@@ -127,77 +107,149 @@ def percentile(values, p):
     return values[k]
 
 
+def retried_ids(group):
+    ids = set()
+    for c in group:
+        ids.update(RETRY_LINE.findall(c.log()))
+    return ids
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=8.0, help="how long orders are written")
+    parser.add_argument("--seconds", type=float, default=10.0, help="how long orders are written")
     parser.add_argument("--rate", type=int, default=300, help="orders per second in all")
+    parser.add_argument("--fail-rate", type=float, default=0.1,
+                        help="share of first deliveries the mail provider fails")
     args = parser.parse_args()
 
     harness.require_relay()
+    consumers.require_consumer()
     live = sys.stdout.isatty()
+    errors = []
+    ok = False
     print("Starting PostgreSQL and Redis on loopback (temporary directories)...")
-    with harness.Postgres() as pg, harness.Redis(appendonly=True, appendfsync="always") as rd:
-        with pg.connect() as conn, conn.cursor() as cur:
-            cur.execute(ORDERS_SQL)
-        print(f"  PostgreSQL: {pg.dsn()}")
-        print(f"  Redis:      {rd.url()} (appendonly yes, appendfsync always)")
-        with harness.Relay(pg, rd, poll_interval="1s", batch_size=500) as relay:
-            harness.wait_until(lambda: "ready" in relay.log() and "claim connection" in relay.log(),
-                               timeout=30, message="relay did not connect")
-            print(f"Relay running (pid {relay.pid}); writing {args.rate} orders/s for "
-                  f"{args.seconds:g} s from 2 connections...\n")
-            commits, lock = {}, threading.Lock()
-            consumer = EmailConsumer(rd, commits, lock)
-            consumer.start()
-            services = [OrderService(pg, args.rate / 2.0, args.seconds, commits, lock, i)
-                        for i in range(2)]
-            for s in services:
-                s.start()
-            watcher = pg.connect()
-            started = time.monotonic()
-
-            def progress():
-                with watcher.cursor() as cur:
-                    cur.execute("SELECT count(*) FILTER (WHERE sent_at IS NOT NULL),"
-                                " count(*) FILTER (WHERE sent_at IS NULL) FROM outbox.messages")
-                    relayed, pending = cur.fetchone()
-                written = sum(s.written for s in services)
-                return (f"  t={time.monotonic() - started:4.1f}s  orders written {written:6d}"
-                        f" | relayed {relayed:6d} | consumed {consumer.consumed:6d}"
-                        f" | waiting in outbox {pending:4d}"), written, relayed
-
-            while any(s.is_alive() for s in services):
-                line, _, _ = progress()
-                print(("\r" + line) if live else line, end="" if live else "\n", flush=True)
-                time.sleep(0.25 if live else 1.0)
-            # Let the last orders through the relay and the consumer.
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                line, written, relayed = progress()
-                if relayed >= written and consumer.consumed >= written:
-                    break
-                time.sleep(0.1)
-            line, written, relayed = progress()
-            print(("\r" + line) if live else line)
-            consumer.stop.set()
-            consumer.join(timeout=5)
-            watcher.close()
-
-            errors = [s.error for s in services if s.error] + (
-                [consumer.error] if consumer.error else [])
-            lat = consumer.latencies
-            print("\nSummary")
-            print(f"  orders written       {written}")
-            print(f"  messages relayed     {relayed}")
-            print(f"  messages consumed    {consumer.consumed}")
-            print(f"  commit-to-consume    p50 {percentile(lat, 50):.1f} ms, "
-                  f"p99 {percentile(lat, 99):.1f} ms, max {max(lat) if lat else float('nan'):.1f} ms"
-                  f" ({len(lat)} samples)")
-            for e in errors:
-                print(f"  error: {e}")
-    print("\nStopped the relay, PostgreSQL and Redis and removed their directories.")
-    ok = not errors and written > 0 and relayed == written and consumer.consumed == written
+    try:
+        with harness.Postgres() as pg, \
+                harness.Redis(appendonly=True, appendfsync="always") as rd:
+            with pg.connect() as conn, conn.cursor() as cur:
+                cur.execute(ORDERS_SQL)
+            consumers.apply_consumer_schema(pg)
+            print(f"  PostgreSQL: {pg.dsn()} (orders, outbox, outbox_consumer, emails)")
+            print(f"  Redis:      {rd.url()} (appendonly yes, appendfsync always)")
+            with harness.Relay(pg, rd, poll_interval="1s", batch_size=500) as relay:
+                harness.wait_until(lambda: "ready" in relay.log()
+                                   and "claim connection" in relay.log(),
+                                   timeout=30, message="relay did not connect", relay=relay)
+                flags = dict(backoff="1s,2s,4s", fail_rate=args.fail_rate, block="250ms")
+                with consumers.Consumer(pg, rd, consumer="email-1", **flags) as c1, \
+                        consumers.Consumer(pg, rd, consumer="email-2", **flags) as c2:
+                    group = [c1, c2]
+                    for c in group:
+                        c.wait_for_log(r"reading orders", timeout=20)
+                    print(f"Relay running (pid {relay.pid}); consumer group \"email\": "
+                          f"outbox-email-consumer pids {c1.pid} and {c2.pid}\n"
+                          f"  (--fail-rate {args.fail_rate:g}: a flaky mail provider;"
+                          f" --backoff 1s,2s,4s; dead letters to orders.email.dlq)")
+                    print(f"Writing {args.rate} orders/s for {args.seconds:g} s from 2"
+                          " connections; one order is malformed...\n")
+                    ok = run(pg, rd, group, args, errors, live)
+    finally:
+        print("\nStopped the consumers, the relay, PostgreSQL and Redis and removed their"
+              " directories.")
     return 0 if ok else 1
+
+
+def run(pg, rd, group, args, errors, live):
+    commits, lock = {}, threading.Lock()
+    services = [OrderService(pg, args.rate / 2.0, args.seconds, commits, lock, i)
+                for i in range(2)]
+    for s in services:
+        s.start()
+    watcher = pg.connect()
+    r = rd.client()
+    started = time.monotonic()
+
+    def progress():
+        with watcher.cursor() as cur:
+            cur.execute("SELECT count(*) FILTER (WHERE sent_at IS NOT NULL) FROM outbox.messages")
+            relayed = cur.fetchone()[0]
+            cur.execute("SELECT count(*), count(DISTINCT message_id) FROM emails")
+            emails, distinct = cur.fetchone()
+        written = sum(s.written for s in services)
+        retries = sum(len(RETRY_LINE.findall(c.log())) for c in group)
+        dead = r.xlen("orders.email.dlq")
+        line = (f"  t={time.monotonic() - started:4.1f}s  written {written:5d} | relayed"
+                f" {relayed:5d} | emails sent {emails:5d} | retries {retries:3d}"
+                f" | dead letters {dead}")
+        return line, dict(written=written, relayed=relayed, emails=emails, distinct=distinct,
+                          retries=retries, dead=dead)
+
+    while any(s.is_alive() for s in services):
+        line, _ = progress()
+        print(("\r" + line) if live else line, end="" if live else "\n", flush=True)
+        time.sleep(0.25 if live else 1.0)
+    # Let the last orders through the relay, the consumers and their retries.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line, f = progress()
+        print(("\r" + line) if live else line, end="" if live else "\n", flush=True)
+        if (f["relayed"] >= f["written"] and f["distinct"] >= f["written"] - 1 and f["dead"] >= 1
+                and consumers.pending_count(r) == 0):
+            break
+        time.sleep(0.25 if live else 1.0)
+    line, f = progress()
+    print(("\r" + line) if live else line)
+
+    errors += [s.error for s in services if s.error]
+    malformed = next((s.malformed for s in services if s.malformed), None)
+    with watcher.cursor() as cur:
+        cur.execute("SELECT e.message_id::text, extract(epoch FROM e.sent_at)"
+                    " FROM emails e")
+        sent = cur.fetchall()
+    watcher.close()
+    retried = retried_ids(group)
+    lat_all, lat_first = [], []
+    for message_id, sent_at in sent:
+        committed = commits.get(message_id)
+        if committed is None:
+            continue
+        ms = (float(sent_at) - committed) * 1000.0
+        lat_all.append(ms)
+        if message_id not in retried:
+            lat_first.append(ms)
+    pending = consumers.pending_count(r)
+    dlq = consumers.relay_tool(["dlq", "list", "orders", "email"], redis=rd)
+    dead = consumers.dlq_entries(r)
+    r.close()
+
+    duplicates = f["emails"] - f["distinct"]
+    print("\nSummary")
+    print(f"  orders written       {f['written']} (1 malformed: its payload is not JSON)")
+    print(f"  messages relayed     {f['relayed']}")
+    print(f"  emails sent          {f['emails']} rows for {f['distinct']} distinct orders"
+          f" (duplicates: {duplicates}); every good order once:"
+          f" {'yes' if f['distinct'] == f['written'] - 1 and duplicates == 0 else 'NO'}")
+    print(f"  retries              {f['retries']} transient failures, each retried after its"
+          f" backoff ({len(retried)} orders)")
+    print(f"  commit-to-email      p50 {percentile(lat_all, 50):.1f} ms, p99"
+          f" {percentile(lat_all, 99):.1f} ms, max"
+          f" {max(lat_all) if lat_all else float('nan'):.1f} ms ({len(lat_all)} emails);"
+          f" first-try only: p50 {percentile(lat_first, 50):.1f} ms, p99"
+          f" {percentile(lat_first, 99):.1f} ms")
+    print(f"  still pending        {pending}")
+    print("  dead-letter stream   $ outbox-relay dlq list orders email")
+    for text in (dlq.stdout + dlq.stderr).rstrip().splitlines():
+        print(f"    {text}")
+    for e in errors:
+        print(f"  error: {e}")
+    dead_ok = (len(dead) == 1 and dead[0][1].get(b"id", b"").decode() == malformed
+               and dead[0][1].get(b"dlq.reason") == b"permanent")
+    if not dead_ok:
+        print("  error: the dead-letter stream should hold exactly the malformed order"
+              f" {malformed}, reason permanent")
+    return (not errors and f["written"] > 0 and f["relayed"] == f["written"]
+            and f["distinct"] == f["written"] - 1 and duplicates == 0 and pending == 0
+            and dead_ok and dlq.returncode == 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,321 @@
+"""Helpers for the consumer tests: the consumer schema and the example consumer as a process.
+
+    apply_consumer_schema(pg)  migrations/consumer/*.sql, then examples/email_schema.sql
+    Consumer(pg, redis, ...)   outbox-email-consumer as a context manager: its stdout and
+                               stderr in one file, kill(sig), terminate() -> exit code,
+                               log(), stats() (the final stats line), and any sanitizer
+                               report in its output fails the test
+    dlq_entries / pending_count / effects / effect_count   figures for the checks
+    xadd_message               a contract-shaped entry written directly with XADD
+    relay_tool                 `outbox-relay dlq ...` (and other one-shot commands)
+
+Only the standard library, psycopg2 and redis-py (through harness.py) are used.
+"""
+
+import contextlib
+import datetime
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+
+import harness
+
+CONSUMER_MIGRATIONS_DIR = os.path.join(harness.SOURCE_DIR, "migrations", "consumer")
+EMAIL_SCHEMA = os.path.join(harness.SOURCE_DIR, "examples", "email_schema.sql")
+
+# "consumer NAME: delivered=1 done=1 retried=0 dead_lettered=0 malformed=0 lost=0 reclaimed=0"
+STATS_LINE = re.compile(r"^consumer (\S+): ((?:\w+=\d+ ?)+)$", re.MULTILINE)
+# "2026-11-30T11:35:14.123Z INFO consumer: ..."
+LOG_STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})Z (\w+) (\w+): (.*)$")
+
+
+def consumer_binary():
+    path = os.environ.get("OUTBOX_EMAIL_CONSUMER_BIN") or os.path.join(
+        harness.SOURCE_DIR, "build", "outbox-email-consumer")
+    return os.path.abspath(path)
+
+
+def require_consumer():
+    """Exits the test file with 77 (CTest: skipped) when the example consumer is not built."""
+    path = consumer_binary()
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        print(f"SKIP: consumer binary {path} not found (build outbox-email-consumer, or set"
+              " OUTBOX_EMAIL_CONSUMER_BIN)", file=sys.stderr)
+        sys.exit(harness.SKIP)
+    return path
+
+
+def consumer_migration_files():
+    files = sorted(glob.glob(os.path.join(CONSUMER_MIGRATIONS_DIR, "*.sql")))
+    if not files:
+        raise RuntimeError(f"no consumer migrations found in {CONSUMER_MIGRATIONS_DIR}")
+    return files
+
+
+def apply_consumer_schema(pg):
+    """The consumer side in pg's database: schema outbox_consumer, then the emails table."""
+    pg.apply_migrations(consumer_migration_files() + [EMAIL_SCHEMA])
+
+
+def reset_effects(conn):
+    """Empties the consumer's tables (the emails and the processed records)."""
+    with conn.cursor() as cur:
+        cur.execute("TRUNCATE emails, outbox_consumer.processed RESTART IDENTITY")
+    if not conn.autocommit:
+        conn.commit()
+
+
+def parse_log_time(text):
+    """'2026-11-30T11:35:14.123' -> seconds since the epoch (float, UTC)."""
+    dt = datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%f").replace(
+        tzinfo=datetime.timezone.utc)
+    return dt.timestamp()
+
+
+def log_events(text, regex):
+    """[(epoch seconds, match)] for every log line whose message matches regex."""
+    pattern = re.compile(regex)
+    events = []
+    for line in text.splitlines():
+        m = LOG_STAMP.match(line)
+        if not m:
+            continue
+        found = pattern.search(m.group(4))
+        if found:
+            events.append((parse_log_time(m.group(1)), found))
+    return events
+
+
+class Consumer:
+    """outbox-email-consumer on the given servers, as a context manager.
+
+    Consumer(pg, redis, consumer="c1", backoff="200ms,400ms", max_deliveries=4,
+             block="100ms", group="email", stream="orders", fail_rate=0.1)
+    None leaves a flag out (the program's default). Its stdout and stderr go to
+    one file, removed on exit (read stats() and log() before); on exit it gets
+    SIGTERM (then SIGKILL), and a sanitizer report in its output fails the test.
+    """
+
+    _count = 0
+
+    def __init__(self, pg, redis, consumer=None, group=None, stream=None, backoff=None,
+                 max_deliveries=None, block=None, fail_rate=None, log_level=None, args=(),
+                 redis_url=None, stop_timeout=20):
+        self.binary = require_consumer()
+        self.name = consumer
+        self.group = group or "email"
+        self.stream = stream or "orders"
+        flags = {"redis": redis_url or redis.url(), "postgres": pg.dsn(), "stream": stream,
+                 "group": group, "consumer": consumer, "backoff": backoff,
+                 "max_deliveries": max_deliveries, "block": block, "fail_rate": fail_rate,
+                 "log_level": log_level}
+        self.argv = [self.binary, *args,
+                     *harness.flag_args({k: v for k, v in flags.items() if v is not None})]
+        # No PG* or OUTBOX_RELAY_* variables of ours, and plain log lines with times.
+        self.env = harness.relay_env(extra={"JOURNAL_STREAM": None})
+        self.stop_timeout = stop_timeout
+        self.proc = None
+        self.returncode_seen = None
+        Consumer._count += 1
+        self.dir = tempfile.mkdtemp(prefix="outbox-consumer-log-")
+        self.log_path = os.path.join(self.dir, f"consumer-{Consumer._count}-{consumer or 'x'}.log")
+
+    # -- lifecycle
+    def __enter__(self):
+        harness._register(self)
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        failed = exc_type is not None
+        try:
+            self.stop()
+            report = harness.sanitizer_report(self.log())
+            if failed:
+                print(f"\n--- consumer {self.name} output ({self.log_path}), last lines ---\n"
+                      f"{self.log_tail()}", file=sys.stderr)
+            if report and not failed:
+                raise AssertionError(f"sanitizer report in consumer {self.name}'s output:\n"
+                                     f"{report}")
+            if report:
+                print(f"--- sanitizer report ---\n{report}", file=sys.stderr)
+        finally:
+            self.close()
+        return False
+
+    def start(self):
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=log, env=self.env, cwd=self.dir)
+        return self
+
+    def stop(self):
+        """SIGTERM, wait stop_timeout, then SIGKILL. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def close(self):
+        """Kills the process if it still runs and removes its output file."""
+        harness._unregister(self)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- control
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    @property
+    def returncode(self):
+        return self.proc.poll()
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig=signal.SIGKILL):
+        """Sends sig; with SIGKILL also waits for the process to be gone."""
+        self.proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.proc.wait()
+
+    def terminate(self, timeout=20):
+        """Sends SIGTERM and returns the exit code; fails if it does not exit in time."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def wait(self, timeout=20):
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"consumer {self.name} did not exit within {timeout:g}s;"
+                                 f" killed\n{self.log_tail()}") from None
+
+    # -- its output
+    def log(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines=40):
+        return (f"--- consumer {self.name} output, last {lines} lines ---\n"
+                f"{harness.tail(self.log(), lines)}")
+
+    def wait_for_log(self, regex, timeout=10, since=0, flags=re.MULTILINE):
+        """Waits until regex matches the output (from offset since on); returns the match."""
+        pattern = re.compile(regex, flags)
+
+        def found():
+            match = pattern.search(self.log(), since)
+            if match:
+                return match
+            if not self.alive():
+                raise AssertionError(f"consumer {self.name} exited with {self.returncode}"
+                                     f" while waiting for {regex!r}\n{self.log_tail()}")
+            return None
+        return harness.wait_until(found, timeout=timeout, interval=0.05,
+                                  message=f"consumer {self.name} output matching {regex!r}")
+
+    def mark(self):
+        return len(self.log())
+
+    def stats(self):
+        """The final stats line as {name: int} (with "consumer": its name), or None."""
+        matches = list(STATS_LINE.finditer(self.log()))
+        if not matches:
+            return None
+        m = matches[-1]
+        stats = {"consumer": m.group(1)}
+        for pair in m.group(2).split():
+            key, value = pair.split("=")
+            stats[key] = int(value)
+        return stats
+
+
+# --------------------------------------------------------------------------
+# Redis and PostgreSQL figures.
+
+def dlq_name(stream="orders", group="email"):
+    return f"{stream}.{group}.dlq"
+
+
+def dlq_entries(redis_client, stream="orders", group="email"):
+    """[(entry_id, {field: value})] of the dead-letter stream (bytes fields)."""
+    return harness.stream_entries(redis_client, dlq_name(stream, group))
+
+
+def pending_count(redis_client, stream="orders", group="email"):
+    """Entries delivered to the group and not acknowledged (0 without the group)."""
+    try:
+        return redis_client.xpending(stream, group)["pending"]
+    except harness.redis_py.exceptions.ResponseError:
+        return 0
+
+
+def effects(conn, consumer="email"):
+    """(rows, distinct message ids) of emails for one consumer group."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT count(*), count(DISTINCT message_id) FROM emails WHERE consumer = %s",
+                    (consumer,))
+        return tuple(cur.fetchone())
+
+
+def effect_count(conn, message_id, consumer="email"):
+    return harness.scalar(conn, "SELECT count(*) FROM emails WHERE message_id = %s"
+                                " AND consumer = %s", (message_id, consumer))
+
+
+def xadd_message(redis_client, stream="orders", payload=b"{}", message_id=None, topic=None,
+                 key=None, headers=None, outbox_id=1, created_at=None):
+    """XADDs a contract-shaped entry (as the relay writes it); returns (entry_id, message_id)."""
+    message_id = message_id or str(uuid.uuid4())
+    created_at = created_at or datetime.datetime.now(datetime.timezone.utc).strftime(
+        "%Y-%m-%dT%H:%M:%S.%fZ")
+    fields = {"id": message_id, "topic": topic or stream}
+    if key is not None:
+        fields["key"] = key
+    fields["payload"] = payload
+    fields["created_at"] = created_at
+    fields["outbox_id"] = str(outbox_id)
+    for name, value in (headers or {}).items():
+        fields["h." + name] = value
+    entry_id = redis_client.xadd(stream, fields)
+    return entry_id.decode(), message_id
+
+
+def relay_tool(args, redis=None, pg=None, timeout=30):
+    """Runs `outbox-relay ARGS...` once (dlq list|show|replay|purge...) -> harness.Completed."""
+    return harness.run_relay(list(args), env=harness.relay_env(pg, redis), timeout=timeout)
+
+
+@contextlib.contextmanager
+def table_locked(pg, table="emails", mode="EXCLUSIVE"):
+    """Holds LOCK TABLE ... IN mode MODE from its own connection while the block runs."""
+    conn = pg.connect(autocommit=False)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"LOCK TABLE {table} IN {mode} MODE")
+        yield conn
+    finally:
+        with contextlib.suppress(Exception):
+            conn.rollback()
+        conn.close()
