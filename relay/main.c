@@ -65,8 +65,21 @@ static void usage(FILE *out)
             keys);
 }
 
+/* SIGTERM, SIGINT and SIGHUP wait, blocked, until the loop's watchers take
+ * them: a stop request during start-up is then a clean drain, not a kill. */
+static void block_signals(int how)
+{
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGHUP);
+    sigprocmask(how, &set, NULL);
+}
+
 int main(int argc, char **argv)
 {
+    block_signals(SIG_BLOCK);
     const char *config_path = NULL;
     int check_only = 0;
     int tool_argc = 0;
@@ -136,6 +149,8 @@ int main(int argc, char **argv)
         return RELAY_EX_CONFIG;
     }
     relay_log_set_level((enum relay_log_level)cfg.log_level);
+    if (tool_argv != NULL || check_only)
+        block_signals(SIG_UNBLOCK); /* a command line tool stops at once */
     if (tool_argv != NULL) {
         int rc = is_dlq      ? relay_tool_dlq(&cfg, tool_argc, tool_argv, stdout, stderr)
                  : is_status ? relay_tool_status(&cfg, tool_argc, tool_argv, stdout, stderr)
@@ -170,6 +185,10 @@ int main(int argc, char **argv)
         free(overrides);
         return RELAY_EX_OSERR;
     }
+    /* The loop's watchers are installed (as sigaction handlers: the loop is
+     * not created with EVFLAG_SIGNALFD); what arrived while the signals were
+     * blocked is delivered to them now. */
+    block_signals(SIG_UNBLOCK);
     int rc = relay_run(r);
     relay_free(r);
     ev_loop_destroy(loop);
