@@ -108,6 +108,11 @@ class ResourcesTest(harness.ServerTestCase):
         batches = scalar(self.db, "SELECT count(DISTINCT sent_at) FROM outbox.messages")
         published = sum(self.r.xlen(t) for t in TOPICS)
         fcalls = self.r.info("commandstats").get("cmdstat_fcall", {}).get("calls", 0)
+        # Every batch committed (no fault here), so no dedup record may be left.
+        records_left = sum(1 for _ in self.r.scan_iter(match="*:dedup:*", count=10000))
+        print(f"{rows} rows: dedup records left after the drain: {records_left}",
+              file=sys.stderr, flush=True)
+        self.assertEqual(records_left, 0, "dedup records of committed batches were left")
         print(f"{rows} rows: drained in {took:.1f}s ({rows / took:.0f} rows/s), VmHWM {hwm} kB,"
               f" VmRSS {rss} kB, {batches} batches, at most {per_tx} rows per claim"
               f" transaction, at most {peak_records[0]} dedup records at once",
