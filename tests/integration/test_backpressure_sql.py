@@ -411,7 +411,7 @@ class BackpressureSqlTest(harness.TestCase):
     def test_version_and_second_application(self):
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 5"), "005_backpressure.sql")
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 5)
+        self.assertGreaterEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 5)
         self.limits("orders", "1 minute", "20 seconds", 1000, 100)
         self.observe("orders", 5000, 1)
 
