@@ -3,7 +3,7 @@
 No real Redis answers FCALL with an integer, nests arrays nine deep or sends
 bytes that are not RESP, so this file uses a small peer that speaks just
 enough RESP to pass the relay's set-up (AUTH, SELECT, CLIENT SETNAME,
-FUNCTION LOAD, CONFIG GET) and then answers every FCALL with one chosen bad
+FUNCTION LOAD, CONFIG GET, TIME) and then answers every FCALL with one chosen bad
 reply. For each kind the relay must stay up, mark nothing sent, say in its
 log that the batch was not published, and exit 0 on SIGTERM. A last test
 points the same relay configuration at a real Redis and shows the rows
@@ -86,6 +86,11 @@ class BadPeer:
                 elif cmd == b"CONFIG":
                     conn.sendall(b"*6\r\n$10\r\nappendonly\r\n$3\r\nyes\r\n$11\r\nappendfsync\r\n"
                                  b"$6\r\nalways\r\n$16\r\nmaxmemory-policy\r\n$10\r\nnoeviction\r\n")
+                elif cmd == b"TIME":
+                    now = time.time()
+                    secs, usecs = str(int(now)).encode(), str(int(now % 1 * 1e6)).encode()
+                    conn.sendall(b"*2\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+                                 % (len(secs), secs, len(usecs), usecs))
                 elif cmd == b"FUNCTION":
                     conn.sendall(b"$12\r\noutbox_relay\r\n")
                 else:
