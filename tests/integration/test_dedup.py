@@ -40,7 +40,7 @@ harness.set_deadline(240)
 FUNCTION = "outbox_relay_publish_v2"
 FAR_FUTURE_MS = 9999999999999  # the validity deadline argument: never expired
 RELAY_FLAGS = dict(poll_interval="200ms", reconnect_min="50ms", reconnect_max="500ms")
-README_BYTES_PER_RECORD = 150
+README_BYTES_PER_RECORD = 200
 
 
 def dedup_key(stream, message_id):
