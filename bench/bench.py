@@ -1,0 +1,1285 @@
+#!/usr/bin/python3
+"""The outbox-relay benchmark: the relay against the limits of this machine, in one run.
+
+Run it through bench/run.sh, which installs what is missing and builds the relay
+and the tools optimised into build-bench first. Every section starts its own
+PostgreSQL 15 (fsync on) and Redis 7 on loopback through the integration-test
+harness and stops them at the end, also on failure or Ctrl-C.
+
+Sections (BENCH_SECTIONS, comma-separated, all by default):
+  drain      BENCH_ROWS pending rows, then the relay until all are sent and in
+             Redis: msgs/s, CPU per 100k, peak RSS; then the claim's cost with
+             those rows sent and still in the table
+  naive      the same backlog drained by bench-naive, the plain yardstick loop
+  sweep      drain throughput against batch size (relay and naive), and the
+             relay's peak RSS with a 1,000-row backlog
+  latency    an idle relay's single-row latency, then producers at fixed rates:
+             commit -> stream entry and commit -> group acknowledgement
+  producers  pgbench producers at 1/4/16 clients, wake-up trigger present or
+             dropped, synchronous_commit on and off, with a relay running
+  limits     claim-and-mark alone, the publish function alone, the claim's cost
+             with no sent rows
+  profile    perf record -a during a drain: where the machine's time goes
+
+Sizes come from the environment (BENCH_QUICK=1 for a two-minute smoke run);
+see the constants below. Writes bench/results/latest.csv (every raw number),
+latest-table.md (the table), PNG plots, and prints the table.
+"""
+
+import contextlib
+import csv
+import datetime
+import glob
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(SOURCE, "tests", "integration"))
+import harness  # noqa: E402  (the integration tests' throwaway servers)
+
+
+def env_int(name, default):
+    return int(os.environ.get(name) or default)
+
+
+def env_float(name, default):
+    return float(os.environ.get(name) or default)
+
+
+def env_list(name, default):
+    value = os.environ.get(name)
+    return [int(x) for x in value.split(",") if x.strip()] if value else list(default)
+
+
+QUICK = os.environ.get("BENCH_QUICK") == "1"
+BUILD = os.path.abspath(os.environ.get("BENCH_BUILD_DIR") or os.path.join(SOURCE, "build-bench"))
+RESULTS = os.path.abspath(os.environ.get("BENCH_RESULTS") or os.path.join(HERE, "results"))
+RELAY_BIN = os.path.join(BUILD, "outbox-relay")
+NAIVE_BIN = os.path.join(BUILD, "bench-naive")
+LOADGEN_BIN = os.path.join(BUILD, "bench-loadgen")
+
+ROWS = env_int("BENCH_ROWS", 50000 if QUICK else 1000000)          # the drain backlog
+BATCH = env_int("BENCH_BATCH", 500)                                # the relay's default
+SWEEP_ROWS = env_int("BENCH_SWEEP_ROWS", 20000 if QUICK else 80000)
+BATCHES = env_list("BENCH_BATCHES", [50, 200, 500, 2000])
+RSS_SMALL_ROWS = 1000
+RATES = env_list("BENCH_RATES", [500, 2000] if QUICK else [500, 2000, 5000])
+RATE_SECONDS = env_float("BENCH_RATE_SECONDS", 3 if QUICK else 15)
+RAMP_SECONDS = env_float("BENCH_RAMP_SECONDS", 2 if QUICK else 4)
+LOAD_PRODUCERS = env_int("BENCH_LOAD_PRODUCERS", 16)
+IDLE_ROWS = env_int("BENCH_IDLE_ROWS", 30 if QUICK else 100)
+PGBENCH_SECONDS = env_int("BENCH_PGBENCH_SECONDS", 2 if QUICK else 15)
+NORELAY_SECONDS = env_int("BENCH_NORELAY_SECONDS", 2 if QUICK else 6)
+PAIRS = env_int("BENCH_PAIRS", 2 if QUICK else 3)   # interleaved relay/naive pairs at BATCH
+PRODUCER_CLIENTS = env_list("BENCH_PRODUCER_CLIENTS", [1, 4, 16])
+CLAIM_PENDING = env_int("BENCH_CLAIM_PENDING", 10000)
+CLAIM_SECONDS = env_float("BENCH_CLAIM_SECONDS", 1 if QUICK else 4)
+LIMIT_ROWS = env_int("BENCH_LIMIT_ROWS", 30000 if QUICK else 300000)
+PUBLISH_CALLS = env_int("BENCH_PUBLISH_CALLS", 30000 if QUICK else 300000)
+PROFILE_ROWS = env_int("BENCH_PROFILE_ROWS", 20000 if QUICK else 100000)
+TOPICS = 4
+PAYLOAD = 200
+REDIS_AOF = os.environ.get("BENCH_REDIS_AOF") or "everysec"  # no | everysec | always
+ALL_SECTIONS = ["drain", "naive", "sweep", "latency", "producers", "limits", "profile"]
+SECTIONS = [s.strip() for s in (os.environ.get("BENCH_SECTIONS") or ",".join(ALL_SECTIONS))
+            .split(",") if s.strip()]
+if QUICK and not os.environ.get("BENCH_SECTIONS"):
+    SECTIONS = [s for s in SECTIONS if s != "profile"]
+
+# PostgreSQL settings on top of the harness's (which turns fsync off for tests).
+PG_SETTINGS = {
+    "fsync": "on",
+    "full_page_writes": "on",
+    "synchronous_commit": "on",
+    "shared_buffers": "1GB",
+    "max_wal_size": "4GB",
+    "max_connections": "100",
+}
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def log(msg):
+    stamp = time.strftime("%H:%M:%S")
+    print(f"[{stamp}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------
+# Results: every raw number, and the table.
+
+class Results:
+    def __init__(self):
+        self.raw = []       # (section, name, value, unit, detail)
+        self.table = []     # dicts: figure, value, unit, limit, limit_value, ratio, target
+        self.values = {}    # name -> value, for the figures derived later
+        self.failed = []
+
+    def add(self, section, name, value, unit="", detail=""):
+        if isinstance(value, float):
+            value = round(value, 6)
+        self.raw.append((section, name, value, unit, detail))
+        self.values[name] = value
+        return value
+
+    def add_dict(self, section, prefix, d, units=None, detail=""):
+        for key, value in d.items():
+            if isinstance(value, dict):
+                self.add_dict(section, f"{prefix}.{key}", value, units, detail)
+            elif isinstance(value, (int, float, str)):
+                unit, full = "", f"{prefix}.{key}"
+                for suffix, u in (units or {}).items():
+                    if key.endswith(suffix) or f"{suffix}." in full:
+                        unit = u
+                self.add(section, full, value, unit, detail)
+
+    def get(self, name, default=None):
+        return self.values.get(name, default)
+
+    def row(self, figure, value, unit, limit=None, limit_value=None, target=None, ratio=None):
+        if ratio is None and value is not None and limit_value not in (None, 0):
+            try:
+                ratio = value / limit_value
+            except TypeError:
+                ratio = None
+        self.table.append(dict(figure=figure, value=value, unit=unit, limit=limit or "",
+                               limit_value=limit_value, ratio=ratio, target=target or ""))
+
+
+R = Results()
+
+
+def fmt(v):
+    if v is None:
+        return "n/a"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float) and math.isnan(v):
+        return "n/a"
+    a = abs(v)
+    if a >= 1000:
+        return f"{v:,.0f}"
+    if a >= 100:
+        return f"{v:.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    if a >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3f}"
+
+
+# --------------------------------------------------------------------------
+# Processes: CPU time and peak memory from /proc.
+
+def proc_stat(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def proc_cpu(pid):
+    """utime + stime of a live process (all its threads), in seconds."""
+    st = proc_stat(pid)
+    return (int(st[11]) + int(st[12])) / CLK_TCK
+
+
+def proc_status(pid, key):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return None
+
+
+def tree_cpus(root):
+    """{pid: CPU seconds} of a process and its live children (the postmaster and its backends)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            st = proc_stat(entry)
+            if int(entry) == root or int(st[1]) == root:
+                found[int(entry)] = (int(st[11]) + int(st[12])) / CLK_TCK
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def machine_busy():
+    """CPU seconds the whole machine has been busy (every core; idle and iowait excluded)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / CLK_TCK
+
+
+def self_cpu():
+    t = os.times()
+    return t.user + t.system
+
+
+class CpuMeter:
+    """CPU seconds of PostgreSQL (postmaster and children) and redis-server over an interval,
+    and of everything else on the machine (other people's work: the noise).
+
+    Backends exit with their client (pgbench, the load generator), taking their CPU
+    time with them, so a thread samples every backend four times a second and keeps
+    the last value it saw of each. The first read ends the interval."""
+
+    def __init__(self, pg, rd, interval=0.25):
+        self.pg_pid = pg._postmaster_pid()
+        self.rd_pid = rd.proc.pid
+        self.base = tree_cpus(self.pg_pid)
+        self.last = dict(self.base)
+        self.rd0 = proc_cpu(self.rd_pid)
+        self.busy0 = machine_busy()
+        self.self0 = self_cpu()
+        self.final = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval):
+        while not self._stop.wait(interval):
+            self.last.update(tree_cpus(self.pg_pid))
+
+    def _finish(self):
+        if self.final is None:
+            self._stop.set()
+            self._thread.join()
+            self.last.update(tree_cpus(self.pg_pid))
+            pg_cpu = sum(v - self.base.get(pid, 0.0) for pid, v in self.last.items())
+            self.final = (pg_cpu, proc_cpu(self.rd_pid) - self.rd0,
+                          machine_busy() - self.busy0, self_cpu() - self.self0)
+        return self.final
+
+    def read(self):
+        pg_cpu, rd_cpu, _, _ = self._finish()
+        return pg_cpu, rd_cpu
+
+    def other(self, ours):
+        """CPU seconds used by processes other than PostgreSQL, Redis, this script and `ours`."""
+        pg_cpu, rd_cpu, busy, me = self._finish()
+        return max(0.0, busy - pg_cpu - rd_cpu - me - ours)
+
+
+# --------------------------------------------------------------------------
+# Servers.
+
+class BenchPostgres(harness.Postgres):
+    """The harness's throwaway cluster with fsync on and room for a million-row backlog."""
+
+    _configured = False
+
+    def start(self):
+        if not self._configured:
+            with open(os.path.join(self.datadir, "postgresql.conf"), "a") as conf:
+                conf.write("\n# outbox-relay benchmark (later lines win)\n")
+                for key, value in PG_SETTINGS.items():
+                    conf.write(f"{key} = {value}\n")
+            self._configured = True
+        super().start()
+
+
+def bench_redis():
+    if REDIS_AOF == "no":
+        return harness.Redis(appendonly=False)
+    return harness.Redis(appendonly=True, appendfsync=REDIS_AOF)
+
+
+@contextlib.contextmanager
+def servers():
+    with BenchPostgres() as pg, bench_redis() as rd:
+        conn = pg.connect()
+        rc = rd.client()
+        try:
+            yield pg, rd, conn, rc
+        finally:
+            conn.close()
+            rc.close()
+
+
+def execute(conn, sql, args=None):
+    with conn.cursor() as cur:
+        cur.execute(sql, args)
+
+
+def scalar(conn, sql, args=None):
+    with conn.cursor() as cur:
+        cur.execute(sql, args)
+        return cur.fetchone()[0]
+
+
+def insert_backlog(conn, n, prepare=True):
+    """n pending rows, 200-byte payloads over 4 topics, in one INSERT ... SELECT."""
+    started = time.monotonic()
+    execute(conn, "INSERT INTO outbox.messages (topic, payload)"
+                  " SELECT 'bench' || (g %% %s),"
+                  " substring(decode(repeat(md5(g::text), 13), 'hex') FROM 1 FOR %s)"
+                  " FROM generate_series(1, %s) AS g", (TOPICS, PAYLOAD, n))
+    took = time.monotonic() - started
+    if prepare:
+        # A backlog that built up over time has been vacuumed and analysed, and
+        # its pages are checkpointed: the drain starts from that state.
+        execute(conn, "VACUUM ANALYZE outbox.messages")
+        execute(conn, "CHECKPOINT")
+    return took
+
+
+def reset_servers(conn, rc):
+    execute(conn, "TRUNCATE outbox.messages RESTART IDENTITY")
+    rc.flushall()  # the function library stays (FUNCTION FLUSH would remove it)
+    execute(conn, "CHECKPOINT")
+
+
+def stream_total(rc):
+    pipe = rc.pipeline(transaction=False)
+    for i in range(TOPICS):
+        pipe.xlen(f"bench{i}")
+    return sum(pipe.execute())
+
+
+def pending(conn):
+    return scalar(conn, "SELECT count(*) FROM outbox.messages"
+                        " WHERE sent_at IS NULL AND failed_at IS NULL")
+
+
+def wait_drained(conn, timeout, relay=None):
+    deadline = time.monotonic() + timeout
+    while pending(conn) > 0:
+        if relay is not None and not relay.alive():
+            raise RuntimeError("the relay exited\n" + relay.log_tail())
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def start_relay(pg, rd, **flags):
+    flags.setdefault("metrics_listen", f"127.0.0.1:{harness.free_port()}")
+    relay = harness.Relay(pg, rd, stop_timeout=10, **flags)
+    relay.metrics = flags["metrics_listen"]
+    harness._register(relay)
+    relay.start()
+    return relay
+
+
+def relay_metric(relay, name):
+    """One unlabelled sample from the relay's /metrics, or None."""
+    try:
+        with urllib.request.urlopen(f"http://{relay.metrics}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else None
+
+
+def relay_batches(relay):
+    return relay_metric(relay, "outbox_relay_batches_total")
+
+
+def stop_relay(relay):
+    try:
+        code = relay.stop()
+        if code not in (0, None):
+            R.add("notes", "relay.exit_code", code, "",
+                  "the relay did not exit 0 on SIGTERM (killed after 10 s when -9)")
+            log(f"warning: the relay exited with {code} on SIGTERM\n{relay.log_tail(10)}")
+    finally:
+        relay.close()
+
+
+def run_json(argv, timeout=600):
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:3])} ... failed ({proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}{proc.stdout[-2000:]}")
+    return json.loads(proc.stdout)
+
+
+# --------------------------------------------------------------------------
+# Drains.
+
+def drain(pg, rd, conn, rc, kind, rows, batch, extra=None):
+    """Drains a backlog of `rows` with the relay or the naive loop; returns its figures."""
+    meter = CpuMeter(pg, rd)
+    timeout = max(120.0, rows / 1500.0)
+    if kind == "relay":
+        started = time.monotonic()
+        relay = start_relay(pg, rd, batch_size=batch)
+        try:
+            deadline = started + timeout
+            while True:
+                # Redis first, every 20 ms: four XLEN cost next to nothing. The
+                # pending count reads an index of up to a million entries, so it
+                # runs only once every entry is in, to see the last commit.
+                if stream_total(rc) >= rows and pending(conn) == 0:
+                    break
+                if not relay.alive():
+                    raise RuntimeError("the relay exited during the drain\n" + relay.log_tail())
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"drain not done after {timeout:.0f}s\n" + relay.log_tail())
+                time.sleep(0.02)
+            took = time.monotonic() - started
+            cpu = proc_cpu(relay.pid)
+            hwm = proc_status(relay.pid, "VmHWM")
+            pg_cpu, rd_cpu = meter.read()
+            other = meter.other(cpu)
+            batches = relay_batches(relay)
+            batch_sum = relay_metric(relay, "outbox_relay_batch_duration_seconds_sum")
+        finally:
+            stop_relay(relay)
+    else:
+        # --hold: it prints its result and stays connected until stdin closes, so
+        # its CPU, its peak RSS and its backend's CPU are read from /proc as the relay's.
+        argv = [NAIVE_BIN, "--postgres", pg.dsn(), "--redis-port", str(rd.port),
+                "--batch-size", str(batch), "--hold"] + list(extra or [])
+        started = time.monotonic()
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stdout.readline()
+            took = time.monotonic() - started
+            if not line:
+                proc.wait(timeout=30)
+                raise RuntimeError(f"bench-naive failed ({proc.returncode}):"
+                                   f" {proc.stderr.read()[-2000:]}")
+            cpu = proc_cpu(proc.pid)
+            hwm = proc_status(proc.pid, "VmHWM")
+            pg_cpu, rd_cpu = meter.read()
+            other = meter.other(cpu)
+        finally:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+        steps = json.loads(line)
+    in_redis = stream_total(rc)
+    left = pending(conn)
+    if in_redis != rows or left != 0:
+        raise RuntimeError(f"{kind} drain: {in_redis} entries in Redis and {left} rows pending"
+                           f" for {rows} rows")
+    result = dict(rows=rows, batch=batch, seconds=took, rate=rows / took, cpu=cpu,
+                cpu_per_100k=cpu / rows * 1e5, hwm_kb=hwm, pg_cpu=pg_cpu, redis_cpu=rd_cpu,
+                total_cpu_per_100k=(cpu + pg_cpu + rd_cpu) / rows * 1e5,
+                relay_busy=cpu / took, pg_busy=pg_cpu / took, redis_busy=rd_cpu / took,
+                other_busy=other / took)
+    if kind == "relay" and batches:
+        # The relay's own histogram: time from claim to commit of a batch.
+        result["batches"] = batches
+        result["batch_total_ms"] = batch_sum / batches * 1e3 if batch_sum is not None else None
+    if kind != "relay":
+        # The naive loop's own clock: where each batch's time went, in ms.
+        for key in ("claim_ms", "publish_ms", "mark_ms", "commit_ms", "unlink_ms"):
+            result[f"batch_{key}"] = steps[key]
+        result["batches"] = steps["batches"]
+        result["batch_total_ms"] = sum(steps[k] for k in ("claim_ms", "publish_ms", "mark_ms",
+                                                          "commit_ms"))
+    return result
+
+
+def record_drain(section, name, d, detail=""):
+    units = dict(seconds="s", rate="msg/s", cpu="s", cpu_per_100k="s", hwm_kb="kB", _ms="ms",
+                 pg_cpu="s", redis_cpu="s", total_cpu_per_100k="s", busy="cores")
+    R.add_dict(section, name, d, units, detail)
+    log(f"{name}: {d['rows']} rows in {d['seconds']:.2f}s = {d['rate']:,.0f} msg/s,"
+        f" CPU {d['cpu']:.2f}s ({d['cpu_per_100k']:.3f}s/100k), peak RSS {d['hwm_kb']} kB,"
+        f" PostgreSQL CPU {d['pg_cpu']:.1f}s, Redis CPU {d['redis_cpu']:.1f}s;"
+        f" other work on the machine {d['other_busy']:.2f} cores")
+
+
+def claim_cost(pg, conn, label, explain_file):
+    """The claim statement's own time (prepared, binary, BEGIN; claim; ROLLBACK)."""
+    d = run_json([NAIVE_BIN, "--claim-only", "--postgres", pg.dsn(), "--batch-size", str(BATCH),
+                  "--seconds", str(CLAIM_SECONDS)])
+    R.add_dict("claim", f"claim.{label}", d, dict(_ms="ms", seconds="s"))
+    sql = subprocess.run([NAIVE_BIN, "--print-claim-sql"], stdout=subprocess.PIPE, text=True,
+                         check=True).stdout.strip()
+    with conn.cursor() as cur:
+        cur.execute("BEGIN")
+        cur.execute(f"PREPARE bench_claim AS {sql}")
+        cur.execute(f"EXPLAIN (ANALYZE, BUFFERS) EXECUTE bench_claim({BATCH}, '{{}}')")
+        plan = "\n".join(r[0] for r in cur.fetchall())
+        cur.execute("ROLLBACK")
+        cur.execute("DEALLOCATE ALL")
+    with open(os.path.join(RESULTS, explain_file), "w") as f:
+        f.write(f"-- claim with {label}\n{plan}\n")
+    m = re.search(r"Buffers: shared hit=(\d+)(?: read=(\d+))?", plan)
+    if m:
+        R.add("claim", f"claim.{label}.buffers", int(m.group(1)) + int(m.group(2) or 0),
+              "pages", "shared buffers touched by the claim (EXPLAIN ANALYZE, BUFFERS)")
+    log(f"claim with {label}: mean {d['mean_ms']:.3f} ms, p50 {d['p50_ms']:.3f} ms,"
+        f" first {d['first_ms']:.3f} ms over {d['claims']} claims")
+    return d
+
+
+def table_stats(conn):
+    with conn.cursor() as cur:
+        cur.execute("SELECT n_live_tup, n_dead_tup, coalesce(last_autovacuum::text, 'never'),"
+                    " autovacuum_count, pg_relation_size('outbox.messages'),"
+                    " pg_relation_size('outbox.messages_pending_idx')"
+                    " FROM pg_stat_user_tables WHERE relid = 'outbox.messages'::regclass")
+        live, dead, last, count, size, idx = cur.fetchone()
+    return dict(live=live, dead=dead, last_autovacuum=last, autovacuum_count=count,
+                heap_bytes=size, pending_idx_bytes=idx)
+
+
+def section_drain():
+    with servers() as (pg, rd, conn, rc):
+        took = insert_backlog(conn, ROWS)
+        R.add("drain", "insert.rows", ROWS, "rows")
+        R.add("drain", "insert.seconds", took, "s", "one INSERT ... SELECT generate_series")
+        R.add("drain", "insert.rate", ROWS / took, "rows/s")
+        # The claim's cost before anything is sent: the baseline, on the same server.
+        claim_cost(pg, conn, "sent_0_backlog", "claim-explain-sent-0-backlog.txt")
+        d = drain(pg, rd, conn, rc, "relay", ROWS, BATCH)
+        record_drain("drain", "drain.relay", d, f"batch {BATCH}, dedup on")
+        # The claim's cost with the drained rows still in the table (sent, not deleted).
+        insert_backlog(conn, CLAIM_PENDING, prepare=False)
+        R.add_dict("claim", "claim.sent_1m.table", table_stats(conn),
+                   dict(bytes="bytes"), "right after the drain")
+        claim_cost(pg, conn, "sent_1m", "claim-explain-sent-before-vacuum.txt")
+        execute(conn, "VACUUM ANALYZE outbox.messages")
+        claim_cost(pg, conn, "sent_1m_vacuumed", "claim-explain-sent-after-vacuum.txt")
+
+
+def section_naive():
+    with servers() as (pg, rd, conn, rc):
+        insert_backlog(conn, ROWS)
+        d = drain(pg, rd, conn, rc, "naive", ROWS, BATCH)
+        record_drain("naive", "drain.naive", d, f"batch {BATCH}, dedup on")
+
+
+def section_sweep():
+    with servers() as (pg, rd, conn, rc):
+        reset_servers(conn, rc)
+        insert_backlog(conn, RSS_SMALL_ROWS)
+        d = drain(pg, rd, conn, rc, "relay", RSS_SMALL_ROWS, BATCH)
+        record_drain("sweep", "drain.relay_1k", d, "the RSS reference: a 1,000-row backlog")
+        for i, batch in enumerate(BATCHES):
+            kinds = ("relay", "naive") if i % 2 == 0 else ("naive", "relay")
+            if batch == BATCH:
+                kinds += ("naive_unlink",)
+            for kind in kinds:
+                reset_servers(conn, rc)
+                insert_backlog(conn, SWEEP_ROWS)
+                if kind == "naive_unlink":
+                    d = drain(pg, rd, conn, rc, "naive", SWEEP_ROWS, batch, ["--drop-dedup"])
+                    record_drain("sweep", f"sweep.{kind}.b{batch}", d,
+                                 "the naive loop also removing the dedup records, as the relay")
+                    continue
+                d = drain(pg, rd, conn, rc, kind, SWEEP_ROWS, batch)
+                record_drain("sweep", f"sweep.{kind}.b{batch}", d)
+        # More interleaved pairs at the default batch size: on a shared machine one
+        # pair can fall on either side of someone else's burst; the median of the
+        # pairs' ratios is the steadier comparison.
+        ratios = []
+        for pair in range(1, PAIRS + 1):
+            rates = {}
+            for kind in (("relay", "naive") if pair % 2 else ("naive", "relay")):
+                key = f"sweep.{kind}.b{BATCH}" + ("" if pair == 1 else f".pair{pair}")
+                if pair > 1:
+                    reset_servers(conn, rc)
+                    insert_backlog(conn, SWEEP_ROWS)
+                    d = drain(pg, rd, conn, rc, kind, SWEEP_ROWS, BATCH)
+                    record_drain("sweep", key, d, f"pair {pair}")
+                rates[kind] = R.get(f"{key}.rate")
+                R.add("sweep", f"pairs.{pair}.{kind}.cpu_per_100k", R.get(f"{key}.cpu_per_100k"), "s")
+            ratios.append(rates["relay"] / rates["naive"])
+            R.add("sweep", f"pairs.{pair}.ratio", ratios[-1], "", "relay/naive msgs/s")
+        ratios.sort()
+        R.add("sweep", "pairs.median_ratio", ratios[len(ratios) // 2], "",
+              f"median of {PAIRS} interleaved relay/naive pairs, {SWEEP_ROWS} rows, batch {BATCH}")
+        cpu = sorted(R.get(f"pairs.{p}.relay.cpu_per_100k") / R.get(f"pairs.{p}.naive.cpu_per_100k")
+                     for p in range(1, PAIRS + 1))
+        R.add("sweep", "pairs.median_cpu_ratio", cpu[len(cpu) // 2], "",
+              "median relay/naive CPU per message over the pairs")
+
+
+# --------------------------------------------------------------------------
+# Latency.
+
+def loadgen(pg, rd, rate, seconds=None, count=None, producers=LOAD_PRODUCERS, wait=10,
+            group="bench"):
+    argv = [LOADGEN_BIN, "--postgres", pg.dsn(), "--redis-port", str(rd.port),
+            "--rate", str(rate), "--producers", str(producers), "--topics", str(TOPICS),
+            "--payload", str(PAYLOAD), "--group", group, "--wait", str(wait)]
+    argv += ["--count", str(count)] if count else ["--seconds", str(seconds)]
+    return run_json(argv, timeout=(seconds or 0) + (count or 0) / max(rate, 1) + wait + 120)
+
+
+SUSTAINED_P99_MS = 200
+
+
+def sustained(res, rate):
+    """The producers keep the rate and the relay keeps up with them: p99 stays low."""
+    v = res["visible_ms"]
+    return (res["achieved_rate"] >= 0.95 * rate and res["missing_visible"] == 0
+            and v.get("p99", 1e9) < SUSTAINED_P99_MS)
+
+
+def section_latency():
+    with servers() as (pg, rd, conn, rc):
+        relay = start_relay(pg, rd, batch_size=BATCH)
+        try:
+            # Warm up: one row through, then let the relay settle into idle.
+            harness.insert(conn, "bench0", b"warm-up")
+            harness.wait_until(lambda: stream_total(rc) >= 1, timeout=30, relay=relay,
+                               message="the first row to be published")
+            time.sleep(1.5)
+            res = loadgen(pg, rd, rate=20, count=IDLE_ROWS, producers=1, wait=5, group="idle")
+            R.add_dict("latency", "idle", res, dict(_ms="ms", rate="rows/s", seconds="s"),
+                       f"{IDLE_ROWS} single-row commits 50 ms apart, relay idle")
+            log(f"idle relay: commit -> stream p50 {res['visible_ms'].get('p50')} ms,"
+                f" p99 {res['visible_ms'].get('p99')} ms")
+
+            # The ramp: producers flat out, then fixed rates below that until one holds.
+            wait_drained(conn, 60, relay)
+            flat = loadgen(pg, rd, rate=0, seconds=RAMP_SECONDS, wait=10, group="ramp")
+            R.add_dict("latency", "ramp.unthrottled", flat,
+                       dict(_ms="ms", rate="rows/s", seconds="s"))
+            capacity = flat["achieved_rate"]
+            log(f"ramp: producers flat out commit {capacity:,.0f} rows/s,"
+                f" p99 to the stream {flat['visible_ms'].get('p99')} ms")
+            max_rate = None
+            for factor in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2):
+                rate = int(capacity * factor / 100) * 100
+                if rate <= 0:
+                    break
+                wait_drained(conn, 60, relay)
+                res = loadgen(pg, rd, rate=rate, seconds=RAMP_SECONDS, wait=10, group="ramp")
+                ok = sustained(res, rate)
+                R.add("latency", f"ramp.{rate}.achieved_rate", res["achieved_rate"], "rows/s")
+                R.add("latency", f"ramp.{rate}.visible_p99", res["visible_ms"].get("p99"), "ms")
+                R.add("latency", f"ramp.{rate}.sustained", int(ok))
+                log(f"ramp: {rate}/s -> {res['achieved_rate']:,.0f}/s,"
+                    f" p99 {res['visible_ms'].get('p99')} ms: {'holds' if ok else 'does not hold'}")
+                if ok:
+                    max_rate = rate
+                    break
+            R.add("latency", "max_rate", max_rate or 0, "rows/s",
+                  f"highest fixed rate that held in the ramp (achieved >= 95%,"
+                  f" p99 < {SUSTAINED_P99_MS} ms)")
+            rates = sorted(set(RATES + ([max_rate] if max_rate else [])))
+            for rate in rates:
+                wait_drained(conn, 120, relay)
+                relay_cpu0 = proc_cpu(relay.pid)
+                meter = CpuMeter(pg, rd)
+                res = loadgen(pg, rd, rate=rate, seconds=RATE_SECONDS, wait=10,
+                              group=f"g{rate}")
+                relay_cpu = proc_cpu(relay.pid) - relay_cpu0
+                pg_cpu, rd_cpu = meter.read()
+                name = f"load.{rate}"
+                R.add_dict("latency", name, res, dict(_ms="ms", rate="rows/s", seconds="s"),
+                           "max" if rate == max_rate else "")
+                R.add("latency", f"{name}.relay_cpu", relay_cpu, "s")
+                R.add("latency", f"{name}.relay_cpu_per_100k",
+                      relay_cpu / max(res["committed"], 1) * 1e5, "s")
+                R.add("latency", f"{name}.pg_cpu", pg_cpu, "s")
+                R.add("latency", f"{name}.redis_cpu", rd_cpu, "s")
+                v, a = res["visible_ms"], res["acked_ms"]
+                log(f"{rate}/s: achieved {res['achieved_rate']:,.0f}/s; commit -> stream"
+                    f" p50 {v.get('p50')} p99 {v.get('p99')} p99.9 {v.get('p999')} max"
+                    f" {v.get('max')} ms; -> ack p50 {a.get('p50')} p99 {a.get('p99')} ms;"
+                    f" missing {res['missing_visible']}/{res['missing_acked']}")
+            R.add("latency", "latency.rates", ",".join(str(r) for r in rates))
+        finally:
+            stop_relay(relay)
+
+
+# --------------------------------------------------------------------------
+# Producers.
+
+def pgbench(pg, script, clients, seconds):
+    argv = [os.path.join(pg.bindir, "pgbench"), "-n", "-h", "127.0.0.1", "-p", str(pg.port),
+            "-U", "postgres", "-M", "prepared", "-c", str(clients), "-j", str(min(clients, 2)),
+            "-T", str(seconds), "-f", script, pg.database]
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=seconds + 120)
+    m = re.search(r"tps = ([\d.]+) \(without initial connection time\)", proc.stdout)
+    if proc.returncode != 0 or not m:
+        raise RuntimeError(f"pgbench failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
+    lat = re.search(r"latency average = ([\d.]+) ms", proc.stdout)
+    n = re.search(r"number of transactions actually processed: (\d+)", proc.stdout)
+    return dict(tps=float(m.group(1)), latency_ms=float(lat.group(1)) if lat else None,
+                transactions=int(n.group(1)) if n else None)
+
+
+def wake_triggers(conn):
+    with conn.cursor() as cur:
+        cur.execute("SELECT tgname, pg_get_triggerdef(oid) FROM pg_trigger"
+                    " WHERE tgrelid = 'outbox.messages'::regclass AND NOT tgisinternal")
+        return cur.fetchall()
+
+
+def section_producers():
+    with servers() as (pg, rd, conn, rc):
+        triggers = wake_triggers(conn)
+        tdef = dict(triggers).get("messages_notify")
+        if tdef is None:
+            raise RuntimeError(f"no trigger messages_notify on outbox.messages: {triggers}")
+        R.add("producers", "trigger.definition", tdef)
+        src = scalar(conn, "SELECT prosrc FROM pg_proc WHERE oid = 'outbox.notify_relay'::regproc")
+        R.add("producers", "trigger.function", " ".join(src.split()))
+        tmp = tempfile.mkdtemp(prefix="outbox-bench-")
+        script = os.path.join(tmp, "insert.sql")
+        payload = bytes((i * 37 + 11) & 0xFF for i in range(PAYLOAD)).hex()
+        with open(script, "w") as f:
+            f.write(f"INSERT INTO outbox.messages (topic, payload) VALUES ('bench', '\\x{payload}');\n")
+
+        def run(name, clients, relay=None, drop=False, seconds=PGBENCH_SECONDS):
+            if drop:
+                execute(conn, "DROP TRIGGER messages_notify ON outbox.messages")
+            if relay is not None:
+                wait_drained(conn, 120, relay)
+            execute(conn, "CHECKPOINT")
+            cpu0 = proc_cpu(relay.pid) if relay else 0
+            batches0 = relay_batches(relay) if relay else None
+            meter = CpuMeter(pg, rd)
+            children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            try:
+                res = pgbench(pg, script, clients, seconds)
+            finally:
+                if drop:
+                    execute(conn, tdef)
+            children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            pgbench_cpu = (children1.ru_utime - children0.ru_utime
+                           + children1.ru_stime - children0.ru_stime)
+            relay_cpu = proc_cpu(relay.pid) - cpu0 if relay else 0
+            pg_cpu, _ = meter.read()
+            res["pg_cpu"] = pg_cpu
+            res["pgbench_cpu"] = pgbench_cpu
+            res["other_cores"] = meter.other(pgbench_cpu + relay_cpu) / seconds
+            if relay is not None:
+                res["relay_cpu"] = relay_cpu
+                batches1 = relay_batches(relay)
+                if batches0 is not None and batches1 is not None:
+                    res["relay_batches"] = batches1 - batches0
+                    if res.get("transactions"):
+                        res["rows_per_batch"] = res["transactions"] / max(1, batches1 - batches0)
+            R.add_dict("producers", name, res, dict(tps="tx/s", _ms="ms", _cpu="s", _cores="cores"))
+            log(f"{name}: {res['tps']:,.0f} tx/s"
+                + (f", relay CPU {res['relay_cpu']:.1f}s in {res.get('relay_batches')} batches"
+                   if relay is not None else ""))
+            return res
+
+        relay = start_relay(pg, rd, batch_size=BATCH)
+        try:
+            harness.insert(conn, "bench", b"warm-up")
+            harness.wait_until(lambda: pending(conn) == 0, timeout=30, relay=relay,
+                               message="the first row to be published")
+            for sync in ("on", "off"):
+                execute(conn, f"ALTER SYSTEM SET synchronous_commit = {sync}")
+                execute(conn, "SELECT pg_reload_conf()")
+                time.sleep(0.2)
+                for i, clients in enumerate(PRODUCER_CLIENTS):
+                    order = ("with", "without") if i % 2 == 0 else ("without", "with")
+                    for wake in order:
+                        run(f"producers.sync_{sync}.c{clients}.{wake}", clients, relay,
+                            drop=wake == "without")
+        finally:
+            stop_relay(relay)
+        # Without a relay: what the trigger alone costs the producers, when every
+        # transaction notifies (a relay declared idle) and when none does (a
+        # relay declared busy, migrations/006), against no trigger at all.
+        execute(conn, "TRUNCATE outbox.messages")
+        has_flag = scalar(conn, "SELECT to_regclass('outbox.relay_wakeup') IS NOT NULL")
+        clients = max(PRODUCER_CLIENTS)
+        try:
+            for sync in ("on", "off"):
+                execute(conn, f"ALTER SYSTEM SET synchronous_commit = {sync}")
+                execute(conn, "SELECT pg_reload_conf()")
+                time.sleep(0.2)
+                cases = [("notify", False, True), ("dropped", True, None)]
+                if has_flag:
+                    cases.insert(1, ("busy", False, False))
+                for case, drop, idle in cases:
+                    if has_flag and idle is not None:
+                        execute(conn, "UPDATE outbox.relay_wakeup SET relay_idle = %s", (idle,))
+                    run(f"producers.norelay.sync_{sync}.c{clients}.{case}", clients, drop=drop,
+                        seconds=NORELAY_SECONDS)
+        finally:
+            execute(conn, "ALTER SYSTEM RESET synchronous_commit")
+            execute(conn, "SELECT pg_reload_conf()")
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------
+# Limits.
+
+def publish_alone(rd):
+    """redis-benchmark, one connection, BATCH calls pipelined: the relay's argv, new ids."""
+    argv_lines = subprocess.run([NAIVE_BIN, "--print-argv", "--publish-timeout", "86400000"],
+                                stdout=subprocess.PIPE, text=True, check=True).stdout.splitlines()
+    uuid0 = "00000000-0000-0000-0000-000000000000"
+    args = [a.replace(uuid0, "00000000-0000-0000-0000-__rand_int__") for a in argv_lines]
+    cmd = ["redis-benchmark", "-h", "127.0.0.1", "-p", str(rd.port), "-c", "1",
+           "-P", str(BATCH), "-n", str(PUBLISH_CALLS), "-r", "2000000000", "--csv"] + args
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
+    rows = list(csv.reader(proc.stdout.strip().splitlines()))
+    if proc.returncode != 0 or len(rows) < 2:
+        raise RuntimeError(f"redis-benchmark failed:\n{proc.stdout[-2000:]}")
+    header, values = rows[0], rows[-1]
+    return {h: (float(v) if re.fullmatch(r"[\d.]+", v) else v) for h, v in zip(header, values)
+            if h != "test"}
+
+
+def section_limits():
+    with servers() as (pg, rd, conn, rc):
+        insert_backlog(conn, CLAIM_PENDING)
+        claim_cost(pg, conn, "sent_0", "claim-explain-sent-0.txt")
+
+        insert_backlog(conn, LIMIT_ROWS)
+        count = max(1, int(LIMIT_ROWS * 0.8) // BATCH)
+        d = run_json([NAIVE_BIN, "--claim-mark", "--postgres", pg.dsn(), "--batch-size",
+                      str(BATCH), "--count", str(count)])
+        d = {k: v for k, v in d.items() if k not in ("publish_ms", "unlink_ms", "drop_dedup")}
+        R.add_dict("limits", "limit.claim_mark", d, dict(rate="rows/s", seconds="s", _ms="ms"),
+                   "BEGIN; claim; mark sent; COMMIT without Redis, prepared, binary")
+        log(f"claim-and-mark alone: {d['rate']:,.0f} rows/s")
+        source = subprocess.run([NAIVE_BIN, "--print-function"], stdout=subprocess.PIPE,
+                                text=True, check=True).stdout
+        rc.execute_command("FUNCTION", "LOAD", "REPLACE", source)
+        p = publish_alone(rd)
+        R.add_dict("limits", "limit.publish", p, dict(rps="calls/s"),
+                   f"redis-benchmark -c 1 -P {BATCH}: FCALL with the relay's argv, dedup on")
+        log(f"publish function alone: {p.get('rps', 0):,.0f} calls/s")
+
+
+# --------------------------------------------------------------------------
+# Profile.
+
+def section_profile():
+    perf = shutil.which("perf")
+    if perf is None:
+        R.add("profile", "skipped", "perf not installed")
+        return
+    with servers() as (pg, rd, conn, rc):
+        insert_backlog(conn, PROFILE_ROWS)
+        data = os.path.join(tempfile.mkdtemp(prefix="outbox-perf-"), "perf.data")
+        rec = subprocess.Popen([perf, "record", "-a", "-F", "997", "-o", data, "--", "sleep",
+                                "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(0.5)
+            d = drain(pg, rd, conn, rc, "relay", PROFILE_ROWS, BATCH)
+            record_drain("profile", "profile.drain", d, "under perf record -a (slower)")
+        finally:
+            rec.send_signal(signal.SIGINT)
+            rec.wait(timeout=60)
+        out = []
+
+        def report(title, *args):
+            proc = subprocess.run([perf, "report", "-i", data, "--stdio", "--no-children",
+                                   *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                  text=True)
+            lines = [ln for ln in proc.stdout.splitlines() if ln and not ln.startswith("#")]
+            out.append(f"== {title}\n" + "\n".join(lines[:40]) + "\n")
+            return lines
+
+        lines = report("CPU samples by process (both cores; swapper = idle)", "--sort", "comm")
+        for ln in lines:
+            m = re.match(r"\s*([\d.]+)%\s+(\S+)", ln)
+            if m:
+                R.add("profile", f"profile.share.{m.group(2)}", float(m.group(1)), "%")
+        report("by process and library", "--sort", "comm,dso")
+        report("outbox-relay: symbols", "--comm", "outbox-relay", "--sort", "dso,sym")
+        report("postgres: symbols", "--comm", "postgres", "--sort", "dso,sym")
+        report("redis-server: symbols", "--comm", "redis-server", "--sort", "dso,sym")
+        with open(os.path.join(RESULTS, "profile-drain.txt"), "w") as f:
+            f.write(f"perf record -a -F 997 during a drain of {PROFILE_ROWS} rows"
+                    f" (batch {BATCH}); perf report --no-children\n\n" + "\n".join(out))
+        shutil.rmtree(os.path.dirname(data), ignore_errors=True)
+
+
+# --------------------------------------------------------------------------
+# The table.
+
+def build_table():
+    g = R.get
+    relay_rate = g("drain.relay.rate")
+    naive_rate = g("drain.naive.rate")
+    cm = g("limit.claim_mark.rate")
+    pub = g("limit.publish.rps")
+    R.row(f"drain {ROWS:,} rows, relay (batch {BATCH}, dedup)", relay_rate, "msg/s",
+          "naive loop, same backlog", naive_rate, "≥ 1.2")
+    R.row(f"drain {SWEEP_ROWS:,} rows, relay/naive, median of {PAIRS} interleaved pairs",
+          g("pairs.median_ratio"), "ratio", target="≥ 1.2", ratio=g("pairs.median_ratio"))
+    if cm and pub:
+        serial = 1 / (1 / cm + 1 / pub)
+        R.add("limits", "limit.serial_bound", serial, "msg/s",
+              "1/(1/claim_mark + 1/publish): both sides at their limit, one after the other")
+        R.add("limits", "limit.overlap_bound", min(cm, pub), "msg/s",
+              "min(claim_mark, publish): both sides at their limit, overlapped")
+        R.row("drain, relay", relay_rate, "msg/s", "min(claim+mark, publish) alone",
+              min(cm, pub))
+        R.row("drain, naive loop", naive_rate, "msg/s", "serial bound 1/(1/claim+mark + 1/publish)",
+              serial)
+    R.row("claim-and-mark alone (no Redis)", cm, "rows/s")
+    R.row(f"publish function alone (redis-benchmark -P {BATCH})", pub, "calls/s")
+    R.row("relay CPU per 100k messages", g("drain.relay.cpu_per_100k"), "s",
+          "naive loop CPU per 100k", g("drain.naive.cpu_per_100k"), "≤ 1.0")
+    R.row(f"relay/naive CPU per message, median of {PAIRS} pairs", g("pairs.median_cpu_ratio"),
+          "ratio", target="≤ 1.0", ratio=g("pairs.median_cpu_ratio"))
+    steps = [g(f"drain.naive.batch_{k}_ms") for k in ("claim", "publish", "mark", "commit")]
+    if all(v is not None for v in steps):
+        R.row(f"naive loop, one batch of {BATCH}: claim / publish / mark / commit",
+              " / ".join(fmt(v) for v in steps), "ms", "the relay's mean batch (claim to commit)",
+              g("drain.relay.batch_total_ms"))
+    R.row("relay+PostgreSQL+Redis CPU per 100k", g("drain.relay.total_cpu_per_100k"), "s",
+          "the same for the naive loop", g("drain.naive.total_cpu_per_100k"))
+    for kind in ("relay", "naive"):
+        if g(f"drain.{kind}.rate"):
+            parts = [g(f"drain.{kind}.{k}_busy") for k in ("relay", "pg", "redis", "other")]
+            R.row(f"{ROWS:,} drain, {kind}: cores busy (client / PostgreSQL / Redis / others' work)",
+                  " / ".join(fmt(p) for p in parts), "cores")
+    R.row(f"drain {SWEEP_ROWS:,}, relay, batch {BATCH}", g(f"sweep.relay.b{BATCH}.rate"), "msg/s",
+          "naive loop that also UNLINKs the dedup records", g(f"sweep.naive_unlink.b{BATCH}.rate"))
+    R.row(f"relay CPU per 100k, {SWEEP_ROWS:,} drain, batch {BATCH}",
+          g(f"sweep.relay.b{BATCH}.cpu_per_100k"), "s",
+          "naive loop that also UNLINKs the dedup records",
+          g(f"sweep.naive_unlink.b{BATCH}.cpu_per_100k"))
+    hwm1m, hwm1k = g("drain.relay.hwm_kb"), g("drain.relay_1k.hwm_kb")
+    R.row(f"relay peak RSS, {ROWS:,}-row backlog", hwm1m / 1024 if hwm1m else None, "MiB",
+          "relay peak RSS, 1,000-row backlog", hwm1k / 1024 if hwm1k else None, "≤ 1.10")
+    for b in BATCHES:
+        R.row(f"drain {SWEEP_ROWS:,} rows, relay, batch {b}", g(f"sweep.relay.b{b}.rate"), "msg/s",
+              f"naive loop, batch {b}", g(f"sweep.naive.b{b}.rate"))
+    for p in ("p50", "p99"):
+        v = g(f"idle.visible_ms.{p}")
+        R.row(f"idle relay, one row: commit → stream {p}", v, "ms", "a few ms", 5.0, "≤ 1.0")
+    rates = [int(float(x)) for x in str(g("latency.rates", "") or "").split(",") if x]
+    for rate in rates:
+        tag = " (the ramp's highest)" if rate == g("max_rate") else ""
+        R.row(f"load {rate}/s{tag}: achieved", g(f"load.{rate}.achieved_rate"), "rows/s",
+              "target rate", float(rate))
+        for kind, label in (("visible", "commit → stream"), ("acked", "commit → group ack")):
+            vals = [g(f"load.{rate}.{kind}_ms.{p}") for p in ("p50", "p99", "p999", "max")]
+            text = " / ".join(fmt(v) for v in vals)
+            R.row(f"load {rate}/s: {label} p50/p99/p99.9/max", text, "ms")
+    for sync in ("on", "off"):
+        for c in PRODUCER_CLIENTS:
+            w = g(f"producers.sync_{sync}.c{c}.with.tps")
+            wo = g(f"producers.sync_{sync}.c{c}.without.tps")
+            R.row(f"producers {c}, synchronous_commit {sync}, with wake-up", w, "tx/s",
+                  "without wake-up (trigger dropped)", wo, "≥ 0.95" if c == 16 else "")
+    c0 = g("claim.sent_0_backlog.mean_ms")
+    R.row(f"claim of {BATCH}, 0 sent rows (fresh table, {CLAIM_PENDING:,} pending)",
+          g("claim.sent_0.mean_ms"), "ms", f"0 sent rows, {ROWS:,} pending (before the drain)", c0)
+    for label, key in ((f"{ROWS:,} sent rows, before VACUUM", "sent_1m"),
+                       (f"{ROWS:,} sent rows, after VACUUM", "sent_1m_vacuumed")):
+        R.row(f"claim of {BATCH} ({label})", g(f"claim.{key}.mean_ms"), "ms",
+              "0 sent rows, same server before the drain", c0, "≤ 1.10")
+    for sync in ("on", "off"):
+        c = max(PRODUCER_CLIENTS)
+        base = g(f"producers.norelay.sync_{sync}.c{c}.dropped.tps")
+        for case, label in (("notify", "every transaction notifies"),
+                            ("busy", "trigger, relay declared busy (no notify)")):
+            R.row(f"no relay: {c} producers, sc {sync}, {label}",
+                  g(f"producers.norelay.sync_{sync}.c{c}.{case}.tps"), "tx/s",
+                  "no trigger", base)
+    share = {k.split(".")[-1]: v for k, v in R.values.items() if k.startswith("profile.share.")}
+    if share:
+        text = ", ".join(f"{k} {v:.0f}%" for k, v in sorted(share.items(), key=lambda kv: -kv[1])[:5])
+        R.row("profile of a drain: CPU samples by process", text, "")
+
+
+def verdict(row):
+    t, ratio = row["target"], row["ratio"]
+    if not t or ratio is None:
+        return ""
+    m = re.match(r"([≥≤])\s*([\d.]+)", t)
+    if not m:
+        return ""
+    ok = ratio >= float(m.group(2)) if m.group(1) == "≥" else ratio <= float(m.group(2))
+    return "met" if ok else "NOT met"
+
+
+def print_table():
+    head = ("figure", "value", "unit", "compared to", "limit", "ratio", "target")
+    rows = []
+    for r in R.table:
+        ratio = f"{r['ratio']:.2f}" if isinstance(r["ratio"], float) else ""
+        target = f"{r['target']} {verdict(r)}".strip()
+        rows.append((r["figure"], fmt(r["value"]), r["unit"], r["limit"], fmt(r["limit_value"])
+                     if r["limit_value"] is not None else "", ratio, target))
+    widths = [max(len(h), *(len(x[i]) for x in rows)) if rows else len(h)
+              for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)),
+             "  ".join("-" * w for w in widths)]
+    for x in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(x, widths)))
+    text = "\n".join(lines)
+    print(text, flush=True)
+    md = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for x in rows:
+        md.append("| " + " | ".join(c.replace("|", "\\|") for c in x) + " |")
+    with open(os.path.join(RESULTS, "latest-table.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    with open(os.path.join(RESULTS, "latest-table.txt"), "w") as f:
+        f.write(text + "\n")
+
+
+def write_csv():
+    path = os.path.join(RESULTS, "latest.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["section", "name", "value", "unit", "detail"])
+        for row in R.raw:
+            w.writerow(row)
+    return path
+
+
+# --------------------------------------------------------------------------
+# Plots.
+
+def plot():
+    if shutil.which("gnuplot") is None:
+        log("gnuplot not found: no plots (bench/run.sh installs gnuplot-nox)")
+        return
+    g = R.get
+    rates = [int(float(x)) for x in str(g("latency.rates", "") or "").split(",") if x]
+    made = []
+    if rates:
+        dat = os.path.join(RESULTS, "latency.dat")
+        points = sorted((g(f"load.{rate}.achieved_rate") or rate, rate) for rate in rates)
+        with open(dat, "w") as f:
+            f.write("# achieved_rate vis_p50 vis_p99 vis_p999 vis_max ack_p50 ack_p99 ack_p999"
+                    " ack_max target_rate\n")
+            for achieved, rate in points:
+                vals = [g(f"load.{rate}.{k}_ms.{p}") for k in ("visible", "acked")
+                        for p in ("p50", "p99", "p999", "max")]
+                f.write(f"{achieved} " + " ".join(str(max(v, 0.01)) if v is not None else "NaN"
+                                                  for v in vals) + f" {rate}\n")
+        gp = f"""
+set terminal pngcairo size 1100,480 font ",10"
+set output '{RESULTS}/latency.png'
+set multiplot layout 1,2 title "outbox-relay: latency against producer rate (single-row commits, {LOAD_PRODUCERS} producers, batch {BATCH})"
+set logscale y
+set logscale x
+set xlabel "producer rate achieved (rows/s; targets {", ".join(str(r) for r in rates)})"
+set ylabel "milliseconds"
+set grid
+set key top left
+set title "commit → entry visible in the stream (XREAD)"
+plot '{dat}' u 1:2 w lp t 'p50', '' u 1:3 w lp t 'p99', '' u 1:4 w lp t 'p99.9', '' u 1:5 w lp t 'max'
+set title "commit → acknowledged by a consumer group (XREADGROUP + XACK)"
+plot '{dat}' u 1:6 w lp t 'p50', '' u 1:7 w lp t 'p99', '' u 1:8 w lp t 'p99.9', '' u 1:9 w lp t 'max'
+unset multiplot
+"""
+        made.append(("latency", gp))
+    if any(g(f"sweep.relay.b{b}.rate") for b in BATCHES):
+        dat = os.path.join(RESULTS, "drain-batch.dat")
+        with open(dat, "w") as f:
+            f.write("# batch relay_msgs_per_s naive_msgs_per_s\n")
+            for b in BATCHES:
+                f.write(f"{b} {g(f'sweep.relay.b{b}.rate') or 'NaN'}"
+                        f" {g(f'sweep.naive.b{b}.rate') or 'NaN'}\n")
+        limits = ""
+        if g("limit.claim_mark.rate"):
+            limits += f", {g('limit.claim_mark.rate')} w l dt 2 t 'claim+mark alone (batch {BATCH})'"
+        if g("limit.publish.rps"):
+            limits += f", {g('limit.publish.rps')} w l dt 3 t 'publish alone (-P {BATCH})'"
+        gp = f"""
+set terminal pngcairo size 800,480 font ",10"
+set output '{RESULTS}/drain-batch.png'
+set title "outbox-relay: drain throughput against batch size ({SWEEP_ROWS:,}-row backlog, dedup on)"
+set logscale x
+set xlabel "batch size (rows per claim)"
+set ylabel "messages per second"
+set yrange [0:*]
+set grid
+set key bottom right
+plot '{dat}' u 1:2 w lp lw 2 t 'relay', '' u 1:3 w lp lw 2 t 'naive loop'{limits}
+"""
+        made.append(("drain-batch", gp))
+    if g(f"producers.sync_on.c{PRODUCER_CLIENTS[0]}.with.tps"):
+        dat = os.path.join(RESULTS, "producers.dat")
+        with open(dat, "w") as f:
+            f.write("# case with without\n")
+            for sync in ("on", "off"):
+                for c in PRODUCER_CLIENTS:
+                    f.write(f"\"{c} sc={sync}\" {g(f'producers.sync_{sync}.c{c}.with.tps') or 'NaN'}"
+                            f" {g(f'producers.sync_{sync}.c{c}.without.tps') or 'NaN'}\n")
+        gp = f"""
+set terminal pngcairo size 800,480 font ",10"
+set output '{RESULTS}/producers.png'
+set title "producer transactions per second (pgbench, one-row INSERT), relay running"
+set style data histograms
+set style histogram clustered gap 1
+set style fill solid 0.8 border -1
+set ylabel "transactions per second"
+set xlabel "concurrent producers, synchronous_commit" noenhanced
+set yrange [0:*]
+set grid ytics
+set key top left
+plot '{dat}' u 2:xtic(1) t 'with wake-up trigger', '' u 3 t 'trigger dropped'
+"""
+        made.append(("producers", gp))
+    for name, gp in made:
+        path = os.path.join(RESULTS, f"{name}.gp")
+        with open(path, "w") as f:
+            f.write(gp)
+        proc = subprocess.run(["gnuplot", path], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0:
+            log(f"gnuplot {name}: {proc.stdout[-1000:]}")
+        else:
+            log(f"wrote {RESULTS}/{name}.png")
+
+
+# --------------------------------------------------------------------------
+# The machine.
+
+def cmd_out(argv):
+    try:
+        return subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def machine():
+    info = {}
+    info["nproc"] = os.cpu_count()
+    with open("/proc/cpuinfo") as f:
+        m = re.search(r"model name\s*:\s*(.*)", f.read())
+        info["cpu"] = m.group(1).strip() if m else platform.processor()
+    with open("/proc/meminfo") as f:
+        m = re.search(r"MemTotal:\s*(\d+)", f.read())
+        info["memory_gib"] = round(int(m.group(1)) / 1048576, 1) if m else None
+    info["kernel"] = platform.release()
+    info["os"] = cmd_out(["sh", "-c", ". /etc/os-release && echo $PRETTY_NAME"])
+    info["postgres"] = cmd_out([os.path.join(harness._pg_bindir(), "postgres"), "--version"])
+    info["redis"] = cmd_out(["redis-server", "--version"])
+    for pkg in ("libpq5", "libhiredis0.14", "libev4"):
+        info[pkg] = cmd_out(["dpkg-query", "-W", "-f=${Version}", pkg])
+    info["cc"] = cmd_out(["cc", "--version"]).splitlines()[0] if cmd_out(["cc", "--version"]) else ""
+    info["git"] = cmd_out(["git", "-C", SOURCE, "rev-parse", "--short", "HEAD"])
+    info["git_dirty"] = "yes" if cmd_out(["git", "-C", SOURCE, "status", "--porcelain",
+                                          "--", "relay", "include", "migrations"]) else "no"
+    digest = hashlib.sha256()
+    for pattern in ("relay/*.c", "include/relay/*.h", "migrations/*.sql", "bench/*.c"):
+        for path in sorted(glob.glob(os.path.join(SOURCE, pattern))):
+            with open(path, "rb") as f:
+                digest.update(path.encode() + b"\0" + f.read())
+    info["source_sha256"] = digest.hexdigest()[:16]
+    with open("/proc/loadavg") as f:
+        info["loadavg_start"] = f.read().split()[0]
+    return info
+
+
+def replot():
+    """Rebuilds the table and the plots from results/latest.csv, measuring nothing."""
+    global ROWS, SWEEP_ROWS, PAIRS, BATCHES, PRODUCER_CLIENTS, LOAD_PRODUCERS
+    with open(os.path.join(RESULTS, "latest.csv")) as f:
+        for section, name, value, unit, detail in list(csv.reader(f))[1:]:
+            try:
+                value = float(value) if re.fullmatch(r"-?[\d.]+(e-?\d+)?", value) else value
+            except ValueError:
+                pass
+            R.raw.append((section, name, value, unit, detail))
+            R.values[name] = value
+    ROWS = int(R.get("bench.rows", ROWS))
+    SWEEP_ROWS = int(R.get("bench.sweep_rows", SWEEP_ROWS))
+    PAIRS = int(R.get("bench.pairs", PAIRS))
+    LOAD_PRODUCERS = int(R.get("bench.load_producers", LOAD_PRODUCERS))
+    for name, default in (("bench.batches", BATCHES), ("bench.producer_clients", PRODUCER_CLIENTS)):
+        value = R.get(name)
+        parsed = [int(float(x)) for x in str(value).split(",")] if value is not None else default
+        if name == "bench.batches":
+            BATCHES = parsed
+        else:
+            PRODUCER_CLIENTS = parsed
+    R.values["max_rate"] = int(R.get("max_rate") or 0)
+    build_table()
+    print_table()
+    plot()
+
+
+def main():
+    if sys.argv[1:] == ["--replot"]:
+        replot()
+        return
+    os.makedirs(RESULTS, exist_ok=True)
+    for path in (RELAY_BIN, NAIVE_BIN, LOADGEN_BIN):
+        if not os.access(path, os.X_OK):
+            sys.exit(f"bench.py: {path} not found: run bench/run.sh, which builds it")
+    os.environ["OUTBOX_RELAY_BIN"] = RELAY_BIN
+    harness.set_deadline(3600)
+    started = time.monotonic()
+    info = machine()
+    R.add_dict("machine", "machine", info, dict(memory_gib="GiB"))
+    for key, value in PG_SETTINGS.items():
+        R.add("settings", f"postgres.{key}", value)
+    R.add("settings", "redis.appendonly", "no" if REDIS_AOF == "no" else "yes")
+    R.add("settings", "redis.appendfsync", REDIS_AOF if REDIS_AOF != "no" else "-")
+    R.add("settings", "relay.batch_size", BATCH)
+    R.add("settings", "relay.other", "defaults: listen on, poll_interval 1s, dedup_ttl 24h")
+    for key in ("ROWS", "SWEEP_ROWS", "RATE_SECONDS", "PGBENCH_SECONDS", "LOAD_PRODUCERS",
+                "CLAIM_PENDING", "LIMIT_ROWS", "PUBLISH_CALLS", "PROFILE_ROWS", "QUICK"):
+        R.add("settings", f"bench.{key.lower()}", globals()[key])
+    R.add("settings", "bench.sections", ",".join(SECTIONS))
+    R.add("settings", "bench.batches", ",".join(str(b) for b in BATCHES))
+    R.add("settings", "bench.producer_clients", ",".join(str(c) for c in PRODUCER_CLIENTS))
+    R.add("settings", "bench.pairs", PAIRS)
+    log(f"machine: {info['nproc']} x {info['cpu']}, {info['memory_gib']} GiB; {info['postgres']};"
+        f" {info['redis'].split(' sha=')[0]}; load average {info['loadavg_start']}")
+    if float(info["loadavg_start"]) > 0.7:
+        log("warning: the machine is busy with other work (load average above 0.7):"
+            " the numbers will be noisy")
+    log(f"settings: PostgreSQL {', '.join(f'{k}={v}' for k, v in PG_SETTINGS.items())};"
+        f" Redis appendonly={'no' if REDIS_AOF == 'no' else 'yes'} appendfsync={REDIS_AOF};"
+        f" relay batch_size={BATCH}")
+
+    functions = dict(drain=section_drain, naive=section_naive, sweep=section_sweep,
+                     latency=section_latency, producers=section_producers,
+                     limits=section_limits, profile=section_profile)
+    for name in SECTIONS:
+        if name not in functions:
+            sys.exit(f"bench.py: unknown section {name!r}; sections: {', '.join(ALL_SECTIONS)}")
+    for name in SECTIONS:
+        t = time.monotonic()
+        log(f"== {name}")
+        try:
+            functions[name]()
+        except Exception:  # one broken section must not lose the others' numbers
+            R.failed.append(name)
+            log(f"section {name} FAILED:\n{traceback.format_exc()}")
+        R.add("timing", f"section.{name}.seconds", time.monotonic() - t, "s")
+        log(f"== {name}: {time.monotonic() - t:.0f}s")
+
+    total = time.monotonic() - started
+    R.add("timing", "bench.seconds", total, "s", "bench.py alone, without installing and building")
+    with open("/proc/loadavg") as f:
+        R.add("machine", "machine.loadavg_end", f.read().split()[0])
+    R.add("machine", "finished_at", datetime.datetime.now(datetime.timezone.utc)
+          .strftime("%Y-%m-%dT%H:%M:%SZ"))
+    build_table()
+    csv_path = write_csv()
+    print()
+    print_table()
+    plot()
+    print(f"\nraw numbers: {csv_path}; table: {RESULTS}/latest-table.md;"
+          f" bench.py took {total:.0f}s", flush=True)
+    if R.failed:
+        print(f"FAILED sections: {', '.join(R.failed)}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The outbox-relay benchmark, one command:
+#
+#   bench/run.sh                  the full run (about 12 minutes on 2 cores)
+#   BENCH_QUICK=1 bench/run.sh    a smoke run of about 2 minutes, small sizes
+#
+# Installs what is missing (scripts/deps.sh, plus gnuplot-nox for the plots),
+# builds the relay optimised (CMake Release) into build-bench with the two
+# benchmark tools (bench/naive.c, bench/loadgen.c) beside it, then runs
+# bench/bench.py: it starts its own PostgreSQL and Redis on loopback, prints
+# the table, and writes bench/results/latest.csv, latest-table.md and PNG
+# plots. Sizes and sections come from BENCH_* variables: see bench/bench.py
+# and docs/PERFORMANCE.md.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+root=$(pwd)
+build=${BENCH_BUILD_DIR:-$root/build-bench}
+started=$(date +%s)
+
+# --- dependencies -----------------------------------------------------------
+scripts/deps.sh
+extra=(gnuplot-nox)
+missing=()
+for p in "${extra[@]}"; do
+  [[ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" == "install ok installed" ]] || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if ((EUID != 0)); then
+    echo "run.sh: missing Debian packages: ${missing[*]}; run as root or: sudo apt-get install ${missing[*]}" >&2
+    exit 1
+  fi
+  echo "run.sh: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y --no-install-recommends "${missing[@]}" ||
+    { apt-get update && apt-get install -y --no-install-recommends "${missing[@]}"; }
+fi
+if ! command -v perf >/dev/null 2>&1; then
+  echo "run.sh: perf not found (Debian package linux-perf): the profile section is skipped" >&2
+fi
+
+# --- build --------------------------------------------------------------------
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DRELAY_TESTS=OFF >/dev/null
+cmake --build "$build" -j2 --target outbox-relay relay_core
+# The tools link relay_core for the relay's own claim SQL, publish function and
+# argv builder, so the yardstick does exactly the relay's work.
+cflags=(-std=c11 -O3 -DNDEBUG -Wall -Wextra -I"$root/include")
+read -r -a pkgcflags <<<"$(pkg-config --cflags libpq hiredis)"
+read -r -a pkglibs <<<"$(pkg-config --libs libpq hiredis)"
+for tool in naive loadgen; do
+  cc "${cflags[@]}" "${pkgcflags[@]}" "$root/bench/$tool.c" "$build/librelay_core.a" \
+    "${pkglibs[@]}" -lev -lpthread -lm -o "$build/bench-$tool"
+done
+
+# --- run ----------------------------------------------------------------------
+status=0
+BENCH_BUILD_DIR="$build" /usr/bin/python3 "$root/bench/bench.py" || status=$?
+took=$(($(date +%s) - started))
+echo "bench/run.sh: ${took}s in all (installing, building and measuring)"
+csv=${BENCH_RESULTS:-$root/bench/results}/latest.csv
+if [[ -f "$csv" && $(stat -c %Y "$csv") -ge $started ]]; then
+  printf 'timing,run.sh.seconds,%s,s,"bench/run.sh from start to end, build included"\n' "$took" \
+    >>"$csv"
+fi
+exit "$status"
