@@ -263,7 +263,6 @@ static void drop_dedup_records(struct relay *r)
 {
     const size_t keymax = 320 + RELAY_TOPIC_MAX;
     char stream[256 + RELAY_TOPIC_MAX];
-    size_t done = 0;
 
     for (size_t i = 0; i < r->nrows; i++) {
         struct relay_row *lead = &r->rows[i];
@@ -288,12 +287,10 @@ static void drop_dedup_records(struct relay *r)
                 continue;
             r->del_argv[argc] = key;
             r->del_lens[argc++] = (size_t)n;
-            done++;
         }
         if (argc > 1)
             relay_sink_command(r->sink, argc, r->del_argv, r->del_lens, NULL, NULL);
     }
-    (void)done;
 }
 
 /* Published messages per topic, for outbox_relay_messages_published_total. */
@@ -883,6 +880,16 @@ static void on_observation(struct ev_loop *loop, ev_async *w, int revents)
         apply_backpressure(r);
 }
 
+static int healthy(struct relay *r)
+{
+    if (r->state == CYCLE_IDLE)
+        return 1;
+    double limit = (r->cfg->publish_timeout_ms + 2.0 * r->cfg->statement_timeout_ms +
+                    r->cfg->connect_timeout_ms) /
+                   1000.0;
+    return ev_now(r->loop) - r->batch_started < limit;
+}
+
 static int relay_is_ready(void *arg, char *why, size_t whylen)
 {
     struct relay *r = arg;
@@ -895,9 +902,7 @@ static int relay_is_ready(void *arg, char *why, size_t whylen)
         snprintf(why, whylen, "Redis not connected");
         return 0;
     }
-    if (r->state != CYCLE_IDLE && ev_now(r->loop) - r->batch_started >
-                                      (r->cfg->publish_timeout_ms + 2.0 * r->cfg->statement_timeout_ms) /
-                                          1000.0) {
+    if (!healthy(r)) {
         snprintf(why, whylen, "a claim cycle is stalled");
         return 0;
     }
@@ -1035,15 +1040,6 @@ static long render_metrics(void *arg, char **out)
 
 /* The loop is healthy when it runs (this timer fires) and no cycle is stuck
  * beyond every deadline that should have ended it. */
-static int healthy(struct relay *r)
-{
-    if (r->state == CYCLE_IDLE)
-        return 1;
-    double limit = (r->cfg->publish_timeout_ms + 2.0 * r->cfg->statement_timeout_ms +
-                    r->cfg->connect_timeout_ms) /
-                   1000.0;
-    return ev_now(r->loop) - r->batch_started < limit;
-}
 
 static void on_watchdog(struct ev_loop *loop, ev_timer *w, int revents)
 {

@@ -427,16 +427,10 @@ struct relay_sink *relay_sink_new(struct ev_loop *loop, const struct relay_confi
     ev_init(&s->timer, on_timer);
     s->timer.data = s;
     const struct relay_redis_url *u = &cfg->redis_url;
-    const char *v6 = strchr(u->host, ':') ? "[" : "";
-    snprintf(s->describe, sizeof(s->describe), "redis://%s%s%s%s%s:%d/%d", u->user,
-             u->password[0] ? ":***" : "", (u->user[0] || u->password[0]) ? "@" : "", v6,
-             u->host, u->port, u->db);
-    if (*v6) {
-        /* Re-format with the closing bracket. */
-        snprintf(s->describe, sizeof(s->describe), "redis://%s%s%s[%s]:%d/%d", u->user,
-                 u->password[0] ? ":***" : "", (u->user[0] || u->password[0]) ? "@" : "",
-                 u->host, u->port, u->db);
-    }
+    int v6 = strchr(u->host, ':') != NULL;
+    snprintf(s->describe, sizeof(s->describe), "redis://%s%s%s%s%s%s:%d/%d", u->user,
+             u->password[0] ? ":***" : "", (u->user[0] || u->password[0]) ? "@" : "",
+             v6 ? "[" : "", u->host, v6 ? "]" : "", u->port, u->db);
     start_connect(s);
     return s;
 }
