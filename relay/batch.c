@@ -156,13 +156,29 @@ static void add_arg(struct relay_publish_cmd *cmd, const char *s, size_t len)
     cmd->argc++;
 }
 
-int relay_batch_build_publish(const struct relay_row *row, const char *stream_prefix,
-                              uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
-                              uint64_t not_after_ms, struct relay_publish_cmd *cmd, char *err,
-                              size_t errlen)
-{
-    cmd->argc = 0;
+/* Buffers relay_batch_build_publish formats the keys into: the limits on the
+ * stream name and the dedup key, shared with relay_batch_append_publish. */
+#define STREAM_NAME_SIZE sizeof(((struct relay_publish_cmd *)0)->stream)
+#define DEDUP_KEY_SIZE sizeof(((struct relay_publish_cmd *)0)->dedup_key)
 
+/* A row's headers, decoded from its two binary text[] columns. */
+struct row_headers {
+    int n;
+    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
+    size_t name_lens[RELAY_HEADERS_MAX], value_lens[RELAY_HEADERS_MAX];
+};
+
+/*
+ * Every rule a row must pass before it can be published, in the order they
+ * are reported, for both ways of building its command. Fills h and the
+ * lengths of the stream name and the dedup key; -1 with a message in err
+ * when the row cannot be published.
+ */
+static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t max_payload_bytes,
+                     struct row_headers *h, size_t *stream_len, size_t *dedup_len, char *err,
+                     size_t errlen)
+{
+    h->n = 0;
     if (!relay_batch_topic_valid(row->topic, row->topic_len)) {
         size_t shown = relay_batch_utf8_prefix(row->topic, row->topic_len, 64);
         return set_error(err, errlen,
@@ -186,39 +202,64 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
         return -1;
     }
 
-    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
-    size_t name_lens[RELAY_HEADERS_MAX], value_lens[RELAY_HEADERS_MAX];
-    int nheaders = 0;
     if (row->headers_type != NULL) {
         if (strcmp(row->headers_type, "object") != 0)
             return set_error(err, errlen,
                              "headers must be a JSON object of name/value pairs, not a JSON %.*s; "
                              "fix the producer, then re-queue the row",
                              (int)strlen(row->headers_type), row->headers_type);
-        nheaders = relay_batch_decode_text_array(row->header_names, row->header_names_len, names,
-                                                 name_lens, RELAY_HEADERS_MAX);
+        h->n = relay_batch_decode_text_array(row->header_names, row->header_names_len, h->names,
+                                             h->name_lens, RELAY_HEADERS_MAX);
         int nvalues = relay_batch_decode_text_array(row->header_values, row->header_values_len,
-                                                    values, value_lens, RELAY_HEADERS_MAX);
-        if (nheaders < 0 || nvalues != nheaders) {
+                                                    h->values, h->value_lens, RELAY_HEADERS_MAX);
+        if (h->n < 0 || nvalues != h->n) {
+            h->n = 0;
             snprintf(err, errlen,
                      "headers cannot be encoded: at most %d headers are allowed; reduce them in "
                      "the producer, then re-queue the row",
                      RELAY_HEADERS_MAX);
             return -1;
         }
-        for (int i = 0; i < nheaders; i++) {
-            if (name_lens[i] == 0 || name_lens[i] > RELAY_HEADER_NAME_MAX)
+        for (int i = 0; i < h->n; i++) {
+            if (h->name_lens[i] == 0 || h->name_lens[i] > RELAY_HEADER_NAME_MAX)
                 return set_error(err, errlen,
                                  "header name \"%.*s\" cannot be encoded: names are 1 to 128 "
                                  "bytes; fix the producer, then re-queue the row",
-                                 (int)relay_batch_utf8_prefix(names[i], name_lens[i], 64), names[i]);
-            if (value_lens[i] > RELAY_HEADER_VALUE_MAX)
+                                 (int)relay_batch_utf8_prefix(h->names[i], h->name_lens[i], 64),
+                                 h->names[i]);
+            if (h->value_lens[i] > RELAY_HEADER_VALUE_MAX)
                 return set_error(err, errlen,
                                  "value of header \"%.*s\" exceeds 8192 bytes; shorten it in "
                                  "the producer, then re-queue the row",
-                                 (int)relay_batch_utf8_prefix(names[i], name_lens[i], 64), names[i]);
+                                 (int)relay_batch_utf8_prefix(h->names[i], h->name_lens[i], 64),
+                                 h->names[i]);
         }
     }
+
+    /* "<prefix><topic>" and "{<stream>}:dedup:<message id>" must fit the
+     * buffers relay_batch_build_publish formats them into (with their NUL). */
+    *stream_len = prefix_len + row->topic_len;
+    *dedup_len = *stream_len + row->message_id_len + sizeof("{}:dedup:") - 1;
+    if (*stream_len >= STREAM_NAME_SIZE || row->message_id_len >= DEDUP_KEY_SIZE ||
+        *dedup_len >= DEDUP_KEY_SIZE) {
+        snprintf(err, errlen, "stream name too long for topic; shorten stream_prefix or topic");
+        return -1;
+    }
+    return 0;
+}
+
+int relay_batch_build_publish(const struct relay_row *row, const char *stream_prefix,
+                              uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
+                              uint64_t not_after_ms, struct relay_publish_cmd *cmd, char *err,
+                              size_t errlen)
+{
+    struct row_headers h;
+    size_t stream_len, dedup_len;
+
+    cmd->argc = 0;
+    if (check_row(row, stream_prefix ? strlen(stream_prefix) : 0, max_payload_bytes, &h,
+                  &stream_len, &dedup_len, err, errlen) != 0)
+        return -1;
 
     int slen = relay_batch_stream_name(stream_prefix, row->topic, row->topic_len, cmd->stream,
                                        sizeof(cmd->stream));
@@ -254,12 +295,293 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
     add_arg(cmd, row->created_at, row->created_at_len);
     add_arg(cmd, "outbox_id", 9);
     add_arg(cmd, cmd->outbox_id, (size_t)olen);
-    for (int i = 0; i < nheaders; i++) {
+    for (int i = 0; i < h.n; i++) {
         int hl = snprintf(cmd->header_fields[i], sizeof(cmd->header_fields[i]), "h.%.*s",
-                          (int)name_lens[i], names[i]);
+                          (int)h.name_lens[i], h.names[i]);
         add_arg(cmd, cmd->header_fields[i], (size_t)hl);
-        add_arg(cmd, values[i], value_lens[i]);
+        add_arg(cmd, h.values[i], h.value_lens[i]);
     }
+    return 0;
+}
+
+/* ---- commands in the Redis protocol, without printf ----------------------
+ *
+ * The relay spends most of its CPU turning rows into protocol: snprintf for
+ * the numbers and keys, then hiredis's sds formatting, each with its own
+ * allocations. The functions below write the same bytes as
+ * redisFormatCommandArgv straight into one reused buffer: the size of a
+ * command is computed first, the buffer grows once if at all, and the bytes
+ * are copied in with memcpy. */
+
+void relay_respbuf_reset(struct relay_respbuf *b)
+{
+    b->len = 0;
+}
+
+void relay_respbuf_free(struct relay_respbuf *b)
+{
+    if (b == NULL)
+        return;
+    free(b->data);
+    b->data = NULL;
+    b->len = b->cap = 0;
+}
+
+/* Makes room for need more bytes: 0, or RELAY_RESPBUF_FULL past b->max. */
+static int respbuf_reserve(struct relay_respbuf *b, size_t need)
+{
+    size_t max = b->max ? b->max : RELAY_RESPBUF_MAX_DEFAULT;
+    if (need > max || b->len > max - need)
+        return RELAY_RESPBUF_FULL;
+    size_t want = b->len + need;
+    if (want <= b->cap)
+        return 0;
+    size_t cap = b->cap ? b->cap : 4096;
+    if (cap > max)
+        cap = max;
+    while (cap < want)
+        cap = cap > max / 2 ? max : cap * 2;
+    char *p = realloc(b->data, cap);
+    if (p == NULL) {
+        /* The relay's policy for memory (STYLE.md rule 5): no recovery. */
+        fputs("outbox-relay: out of memory\n", stderr);
+        abort();
+    }
+    b->data = p;
+    b->cap = cap;
+    return 0;
+}
+
+/* Decimal digits of v. */
+static size_t count_digits(uint64_t v)
+{
+    size_t n = 1;
+    while (v >= 10) {
+        v /= 10;
+        n++;
+    }
+    return n;
+}
+
+/* Writes v in decimal at p (count_digits(v) bytes); returns the end. */
+static char *put_uint(char *p, uint64_t v)
+{
+    size_t n = count_digits(v);
+    char *end = p + n;
+    do {
+        *--end = (char)('0' + v % 10);
+        v /= 10;
+    } while (v != 0);
+    return p + n;
+}
+
+/* Bytes of one bulk string "$<len>\r\n<bytes>\r\n" holding len bytes. */
+static size_t bulk_size(size_t len)
+{
+    return 1 + count_digits(len) + 2 + len + 2;
+}
+
+/* "*<argc>\r\n" */
+static char *put_array(char *p, size_t argc)
+{
+    *p++ = '*';
+    p = put_uint(p, argc);
+    *p++ = '\r';
+    *p++ = '\n';
+    return p;
+}
+
+/* "$<len>\r\n", the head of a bulk string whose bytes the caller writes. */
+static char *put_bulk_head(char *p, size_t len)
+{
+    *p++ = '$';
+    p = put_uint(p, len);
+    *p++ = '\r';
+    *p++ = '\n';
+    return p;
+}
+
+static char *put_mem(char *p, const char *s, size_t len)
+{
+    memcpy(p, s, len);
+    return p + len;
+}
+
+static char *put_crlf(char *p)
+{
+    *p++ = '\r';
+    *p++ = '\n';
+    return p;
+}
+
+static char *put_bulk(char *p, const char *s, size_t len)
+{
+    return put_crlf(put_mem(put_bulk_head(p, len), s, len));
+}
+
+/* A constant of the protocol, without its NUL. */
+#define PUT_LIT(p, lit) put_mem((p), (lit), sizeof(lit) - 1)
+
+/* A signed integer as "%lld" writes it, into buf (at least 21 bytes). */
+static size_t format_int64(char *buf, int64_t v)
+{
+    char *p = buf;
+    uint64_t u = (uint64_t)v;
+    if (v < 0) {
+        *p++ = '-';
+        u = 0 - u;
+    }
+    return (size_t)(put_uint(p, u) - buf);
+}
+
+/* The fixed head of every publish: FCALL <function> 2 (numkeys). */
+static const char publish_head[] = "$5\r\nFCALL\r\n"
+                                   "$23\r\n" RELAY_FUNCTION_PUBLISH "\r\n"
+                                   "$1\r\n2\r\n";
+_Static_assert(sizeof(RELAY_FUNCTION_PUBLISH) - 1 == 23,
+               "publish_head spells out the length of RELAY_FUNCTION_PUBLISH");
+
+int relay_batch_append_publish(const struct relay_row *row, const char *stream_prefix,
+                               uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
+                               uint64_t not_after_ms, struct relay_respbuf *out, char *err,
+                               size_t errlen)
+{
+    struct row_headers h;
+    size_t stream_len, dedup_len;
+    if (stream_prefix == NULL)
+        stream_prefix = "";
+    size_t prefix_len = strlen(stream_prefix);
+
+    if (check_row(row, prefix_len, max_payload_bytes, &h, &stream_len, &dedup_len, err, errlen) !=
+        0)
+        return -1;
+
+    char ttl[24], not_after[24], outbox_id[24];
+    size_t ttl_len = (size_t)(put_uint(ttl, dedup_ttl_ms) - ttl);
+    size_t not_after_len = (size_t)(put_uint(not_after, not_after_ms) - not_after);
+    size_t outbox_id_len = format_int64(outbox_id, row->id);
+
+    /* FCALL fn numkeys stream dedup ttl not_after, five fields, the key and
+     * the headers. */
+    size_t argc = 7 + 10 + (row->key != NULL ? 2 : 0) + 2 * (size_t)h.n;
+    size_t need = 1 + count_digits(argc) + 2 + sizeof(publish_head) - 1 + bulk_size(stream_len) +
+                  bulk_size(dedup_len) + bulk_size(ttl_len) + bulk_size(not_after_len) +
+                  bulk_size(2) + bulk_size(row->message_id_len) + bulk_size(5) +
+                  bulk_size(row->topic_len) + bulk_size(7) + bulk_size(row->payload_len) +
+                  bulk_size(10) + bulk_size(row->created_at_len) + bulk_size(9) +
+                  bulk_size(outbox_id_len);
+    if (row->key != NULL)
+        need += bulk_size(3) + bulk_size(row->key_len);
+    for (int i = 0; i < h.n; i++)
+        need += bulk_size(2 + h.name_lens[i]) + bulk_size(h.value_lens[i]);
+    if (respbuf_reserve(out, need) != 0) {
+        snprintf(err, errlen, "the command of %zu bytes does not fit the output buffer", need);
+        return RELAY_RESPBUF_FULL;
+    }
+
+    char *p = put_array(out->data + out->len, argc);
+    p = PUT_LIT(p, publish_head);
+    p = put_bulk_head(p, stream_len);
+    p = put_mem(p, stream_prefix, prefix_len);
+    p = put_crlf(put_mem(p, row->topic, row->topic_len));
+    p = put_bulk_head(p, dedup_len);
+    *p++ = '{';
+    p = put_mem(p, stream_prefix, prefix_len);
+    p = put_mem(p, row->topic, row->topic_len);
+    p = PUT_LIT(p, "}:dedup:");
+    p = put_crlf(put_mem(p, row->message_id, row->message_id_len));
+    p = put_bulk(p, ttl, ttl_len);
+    p = put_bulk(p, not_after, not_after_len);
+    p = PUT_LIT(p, "$2\r\nid\r\n");
+    p = put_bulk(p, row->message_id, row->message_id_len);
+    p = PUT_LIT(p, "$5\r\ntopic\r\n");
+    p = put_bulk(p, row->topic, row->topic_len);
+    if (row->key != NULL) {
+        p = PUT_LIT(p, "$3\r\nkey\r\n");
+        p = put_bulk(p, row->key, row->key_len);
+    }
+    p = PUT_LIT(p, "$7\r\npayload\r\n");
+    p = put_bulk(p, row->payload, row->payload_len);
+    p = PUT_LIT(p, "$10\r\ncreated_at\r\n");
+    p = put_bulk(p, row->created_at, row->created_at_len);
+    p = PUT_LIT(p, "$9\r\noutbox_id\r\n");
+    p = put_bulk(p, outbox_id, outbox_id_len);
+    for (int i = 0; i < h.n; i++) {
+        p = PUT_LIT(put_bulk_head(p, 2 + h.name_lens[i]), "h.");
+        p = put_crlf(put_mem(p, h.names[i], h.name_lens[i]));
+        p = put_bulk(p, h.values[i], h.value_lens[i]);
+    }
+    out->len = (size_t)(p - out->data);
+    return 0;
+}
+
+static int same_topic(const struct relay_row *a, const struct relay_row *b)
+{
+    return a->topic_len == b->topic_len && memcmp(a->topic, b->topic, a->topic_len) == 0;
+}
+
+/* drop_dedup_records formats each key into this much room, NUL included. */
+#define UNLINK_KEY_SIZE (320 + RELAY_TOPIC_MAX)
+
+int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char *stream_prefix,
+                              size_t *pos, struct relay_respbuf *out)
+{
+    if (stream_prefix == NULL)
+        stream_prefix = "";
+    size_t prefix_len = strlen(stream_prefix);
+
+    for (size_t i = *pos; i < n; i++) {
+        const struct relay_row *lead = &rows[i];
+        if (lead->state != RELAY_ROW_PUBLISHED)
+            continue;
+        /* A stream's command is sent at its first published row. */
+        size_t j = 0;
+        while (j < i && !(rows[j].state == RELAY_ROW_PUBLISHED && same_topic(&rows[j], lead)))
+            j++;
+        if (j < i)
+            continue;
+        size_t stream_len = prefix_len + lead->topic_len;
+        if (stream_len >= STREAM_NAME_SIZE)
+            continue;
+
+        /* Size first, then write: keys are "{<stream>}:dedup:<message id>". */
+        size_t key_base = stream_len + sizeof("{}:dedup:") - 1;
+        size_t argc = 1, need = 0;
+        for (j = i; j < n; j++) {
+            const struct relay_row *row = &rows[j];
+            if (row->state != RELAY_ROW_PUBLISHED || !same_topic(row, lead) ||
+                key_base + row->message_id_len >= UNLINK_KEY_SIZE)
+                continue;
+            argc++;
+            need += bulk_size(key_base + row->message_id_len);
+        }
+        if (argc == 1)
+            continue;
+        need += 1 + count_digits(argc) + 2 + sizeof("$6\r\nUNLINK\r\n") - 1;
+        if (respbuf_reserve(out, need) != 0) {
+            *pos = i;
+            return RELAY_RESPBUF_FULL;
+        }
+
+        char *p = put_array(out->data + out->len, argc);
+        p = PUT_LIT(p, "$6\r\nUNLINK\r\n");
+        for (j = i; j < n; j++) {
+            const struct relay_row *row = &rows[j];
+            if (row->state != RELAY_ROW_PUBLISHED || !same_topic(row, lead) ||
+                key_base + row->message_id_len >= UNLINK_KEY_SIZE)
+                continue;
+            p = put_bulk_head(p, key_base + row->message_id_len);
+            *p++ = '{';
+            p = put_mem(p, stream_prefix, prefix_len);
+            p = put_mem(p, lead->topic, lead->topic_len);
+            p = PUT_LIT(p, "}:dedup:");
+            p = put_crlf(put_mem(p, row->message_id, row->message_id_len));
+        }
+        out->len = (size_t)(p - out->data);
+        *pos = i + 1;
+        return 1;
+    }
+    *pos = n;
     return 0;
 }
 

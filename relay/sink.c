@@ -162,6 +162,20 @@ int relay_sink_command(struct relay_sink *s, int argc, const char **argv, const 
     return 0;
 }
 
+int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, relay_sink_reply_fn *cb,
+                         void *arg)
+{
+    if (s->state != SINK_READY || s->ac == NULL)
+        return -1;
+    /* hiredis reads the command's name to spot SUBSCRIBE and MONITOR, with
+     * strchr: anything but a protocol array would send it past the buffer. */
+    if (len < 4 || cmd[0] != '*')
+        return -1;
+    if (redisAsyncFormattedCommand(s->ac, cb, arg, cmd, len) != REDIS_OK)
+        return -1;
+    return 0;
+}
+
 /* Reports what an acknowledged XADD is worth on this server (DESIGN.md 7.4). */
 static void check_durability(struct relay_sink *s, const redisReply *r)
 {

@@ -105,6 +105,69 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
                               size_t errlen);
 
 /*
+ * A growable byte buffer for commands already in the Redis protocol (RESP),
+ * ready for relay_sink_formatted. Zero-initialise it; it is meant to live as
+ * long as the relay and be reset, not freed, between commands and batches, so
+ * its memory only grows (to the largest thing ever put in it) and the hot
+ * path does not allocate. data is not NUL-terminated. max caps its size
+ * (0: RELAY_RESPBUF_MAX_DEFAULT); running out of memory aborts (STYLE.md 5).
+ */
+struct relay_respbuf {
+    char *data;
+    size_t len, cap, max;
+};
+
+#define RELAY_RESPBUF_MAX_DEFAULT ((size_t)1 << 30)
+
+/* Empties b and keeps its memory. */
+void relay_respbuf_reset(struct relay_respbuf *b);
+/* Releases b's memory and zeroes it (max is kept). NULL-safe. */
+void relay_respbuf_free(struct relay_respbuf *b);
+
+/* Returned by the append functions when the command would take out past its
+ * max: nothing was appended; send or reset the buffer and try again. */
+#define RELAY_RESPBUF_FULL (-2)
+
+/*
+ * Appends to out the RESP encoding of the command relay_batch_build_publish
+ * builds for the same arguments, byte for byte what redisFormatCommandArgv
+ * makes of that argv, without the argv and without printf or malloc (once out
+ * has grown). The rules and the messages are those of
+ * relay_batch_build_publish.
+ *
+ * Returns 0 when the command was appended: it is out->data[old len .. out->len),
+ * exactly one command, so with a buffer reset before each row it can go
+ * straight to relay_sink_formatted. Returns -1 on a failure of the row's own
+ * (err says what is wrong and what to do), or RELAY_RESPBUF_FULL (err says so);
+ * in both cases out is unchanged.
+ */
+int relay_batch_append_publish(const struct relay_row *row, const char *stream_prefix,
+                               uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
+                               uint64_t not_after_ms, struct relay_respbuf *out, char *err,
+                               size_t errlen) __attribute__((warn_unused_result));
+
+/*
+ * Appends to out the next "UNLINK <dedup key>..." that removes the dedup
+ * records of the published rows of a committed batch: one command per stream
+ * (so each stays inside one hash slot), its keys in row order, as
+ * relay.c's drop_dedup_records sends them with relay_batch_dedup_key. Rows
+ * are not modified. *pos is the iteration state: start it at 0 and call again
+ * until it returns 0.
+ *
+ * Returns 1 when one command was appended (out->data[old len .. out->len),
+ * for one relay_sink_formatted call), 0 when no stream is left, or
+ * RELAY_RESPBUF_FULL (nothing appended, *pos unchanged: send what out holds,
+ * reset it and call again).
+ *
+ * RELAY_RESPBUF_FULL on an empty out means one command alone is over max: it
+ * cannot happen with the default max and the limits the rows are checked
+ * against, but a caller must not retry it forever.
+ */
+int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char *stream_prefix,
+                              size_t *pos, struct relay_respbuf *out)
+    __attribute__((warn_unused_result));
+
+/*
  * Decodes a one-dimensional binary text[] (PostgreSQL array wire format).
  * Fills at most max items and returns their count, or -1 if the data is
  * malformed, multi-dimensional, holds NULLs or more than max items.

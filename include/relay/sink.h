@@ -43,6 +43,22 @@ int relay_sink_ready(const struct relay_sink *s);
 int relay_sink_command(struct relay_sink *s, int argc, const char **argv, const size_t *argvlen,
                        relay_sink_reply_fn *cb, void *arg);
 
+/*
+ * Queues one command already in the Redis protocol (relay_batch_append_publish,
+ * relay_batch_append_unlink) with its callback, like relay_sink_command but
+ * with no formatting: hiredis copies the bytes into its output buffer, so cmd
+ * may be reused as soon as this returns.
+ *
+ * cmd[0 .. len) must hold exactly one complete command ("*<argc>\r\n" and
+ * argc bulk strings). hiredis 0.14 queues one callback per call and cannot
+ * tell how many commands the bytes hold: a second command's reply would find
+ * no callback and hiredis would abort the process (or, for an error reply,
+ * drop the connection), and every later reply would reach the wrong callback.
+ * 0, or -1 when not ready or when cmd does not start like a command.
+ */
+int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, relay_sink_reply_fn *cb,
+                         void *arg);
+
 /* Drops the connection (pending callbacks get NULL) and reconnects after
  * backoff. why is logged. */
 void relay_sink_abort(struct relay_sink *s, const char *why);

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include <cmocka.h>
+#include <hiredis/hiredis.h>
 
 #include "relay/batch.h"
 
@@ -454,6 +455,442 @@ static void test_finish_sql_survives_unquotable_error(void **state)
     relay_sqlbuf_free(&buf);
 }
 
+/* ---- commands in the Redis protocol ------------------------------------ */
+
+/* What the relay sends today: relay_batch_build_publish's argv, formatted by
+ * hiredis. Returns the bytes (free with redisFreeCommand) or NULL with -1 in
+ * *len when the row is refused (message in err). */
+static char *hiredis_publish(const struct relay_row *row, const char *prefix, uint32_t max_payload,
+                             uint32_t ttl, uint64_t not_after, int *len, char *err, size_t errlen)
+{
+    struct relay_publish_cmd cmd;
+    char *out = NULL;
+    *len = -1;
+    if (relay_batch_build_publish(row, prefix, max_payload, ttl, not_after, &cmd, err, errlen) != 0)
+        return NULL;
+    *len = redisFormatCommandArgv(&out, cmd.argc, cmd.argv, cmd.argvlen);
+    assert_true(*len > 0);
+    return out;
+}
+
+/* Appends row both ways and checks the bytes are the same. */
+static void check_publish_same(const struct relay_row *row, const char *prefix,
+                               uint32_t max_payload, uint32_t ttl, uint64_t not_after,
+                               struct relay_respbuf *buf)
+{
+    char err1[512], err2[512];
+    int len;
+    char *want =
+        hiredis_publish(row, prefix, max_payload, ttl, not_after, &len, err1, sizeof(err1));
+    assert_non_null(want);
+    size_t before = buf->len;
+    assert_int_equal(relay_batch_append_publish(row, prefix, max_payload, ttl, not_after, buf, err2,
+                                                sizeof(err2)),
+                     0);
+    assert_int_equal(buf->len - before, (size_t)len);
+    assert_memory_equal(buf->data + before, want, (size_t)len);
+    redisFreeCommand(want);
+}
+
+static void test_append_publish_matches_hiredis(void **state)
+{
+    (void)state;
+    struct relay_respbuf buf;
+    memset(&buf, 0, sizeof(buf));
+
+    /* Binary payload, a key, every prefix form. */
+    static const char bin[] = {'a', '\0', '\xff', '\r', '\n', '$', '*'};
+    struct relay_row row = make_row("orders", bin, sizeof(bin));
+    check_publish_same(&row, "", 1024, 60000, 1796040000000ull, &buf);
+    check_publish_same(&row, NULL, 1024, 60000, 1796040000000ull, &buf);
+    row.key = "customer-7";
+    row.key_len = 10;
+    check_publish_same(&row, "app:", 1024, 60000, 1796040000000ull, &buf);
+    row.key = "";
+    row.key_len = 0;
+    check_publish_same(&row, "app:", 1024, 60000, 1796040000000ull, &buf);
+
+    /* Integers at their edges, in every argument that is one. */
+    static const int64_t ids[] = {0, 1, 9, 10, 42, 99999, INT64_MAX, -1, INT64_MIN};
+    static const uint32_t ttls[] = {0, 9, 10, 86400000u, UINT32_MAX};
+    static const uint64_t deadlines[] = {0, 1796040000000ull, UINT64_MAX};
+    for (size_t i = 0; i < RELAY_ARRAY_LEN(ids); i++)
+        for (size_t t = 0; t < RELAY_ARRAY_LEN(ttls); t++)
+            for (size_t d = 0; d < RELAY_ARRAY_LEN(deadlines); d++) {
+                row.id = ids[i];
+                check_publish_same(&row, "p.", 1024, ttls[t], deadlines[d], &buf);
+            }
+
+    /* Lengths on both sides of each change in digit count, across the
+     * buffer's first growth. */
+    static char big[20000];
+    memset(big, 'x', sizeof(big));
+    static const size_t lens[] = {0,   1,    9,    10,   99,   100,   199,  200,
+                                  999, 1000, 4095, 4096, 9999, 10000, 19999};
+    for (size_t i = 0; i < RELAY_ARRAY_LEN(lens); i++) {
+        struct relay_row r = make_row("bench1", big, lens[i]);
+        check_publish_same(&r, "", sizeof(big), 1000, 1796040000000ull, &buf);
+    }
+
+    /* Headers, one empty value among them; the longest topic and name. */
+    char name128[RELAY_HEADER_NAME_MAX + 1];
+    memset(name128, 'n', RELAY_HEADER_NAME_MAX);
+    name128[RELAY_HEADER_NAME_MAX] = '\0';
+    const char *names[] = {"content-type", "trace", name128};
+    const char *values[] = {"application/json", "", "v"};
+    char nbuf[512], vbuf[256];
+    char topic[RELAY_TOPIC_MAX + 1];
+    memset(topic, 'T', RELAY_TOPIC_MAX);
+    topic[RELAY_TOPIC_MAX] = '\0';
+    struct relay_row hdr = make_row(topic, "{\"a\":1}", 7);
+    hdr.headers_type = "object";
+    hdr.header_names = nbuf;
+    hdr.header_names_len = encode_array(nbuf, names, 3);
+    hdr.header_values = vbuf;
+    hdr.header_values_len = encode_array(vbuf, values, 3);
+    check_publish_same(&hdr, "stream:", 1024, 1000, 1796040000000ull, &buf);
+    hdr.key = "k";
+    hdr.key_len = 1;
+    check_publish_same(&hdr, "stream:", 1024, 1000, 1796040000000ull, &buf);
+
+    /* The empty headers object. */
+    hdr.header_names_len = encode_array(nbuf, names, 0);
+    hdr.header_values_len = encode_array(vbuf, values, 0);
+    check_publish_same(&hdr, "", 1024, 1000, 1796040000000ull, &buf);
+
+    relay_respbuf_free(&buf);
+    assert_null(buf.data);
+    relay_respbuf_free(NULL);
+}
+
+/* A refused row: the same return, the same message, and nothing appended. */
+static void check_publish_refused_same(const struct relay_row *row, const char *prefix,
+                                       uint32_t max_payload, const char *expect)
+{
+    char err1[512], err2[512];
+    int len;
+    struct relay_respbuf buf;
+    memset(&buf, 0, sizeof(buf));
+    struct relay_row ok = make_row("orders", "x", 1);
+    assert_int_equal(relay_batch_append_publish(&ok, "", 1024, 1, 2, &buf, err2, sizeof(err2)), 0);
+    size_t before = buf.len;
+
+    assert_null(hiredis_publish(row, prefix, max_payload, 1000, 1796040000000ull, &len, err1,
+                                sizeof(err1)));
+    memset(err2, 0, sizeof(err2));
+    assert_int_equal(relay_batch_append_publish(row, prefix, max_payload, 1000, 1796040000000ull,
+                                                &buf, err2, sizeof(err2)),
+                     -1);
+    assert_string_equal(err2, err1);
+    assert_non_null(strstr(err2, expect));
+    assert_int_equal(buf.len, before);
+    relay_respbuf_free(&buf);
+}
+
+static void test_append_publish_refuses_what_build_refuses(void **state)
+{
+    (void)state;
+    struct relay_row bad_topic = make_row("bad topic", "x", 1);
+    check_publish_refused_same(&bad_topic, "", 1024, "topic \"bad topic\" is not allowed");
+    struct relay_row no_topic = make_row("", "x", 1);
+    check_publish_refused_same(&no_topic, "", 1024, "is not allowed");
+
+    struct relay_row big = make_row("orders", "0123456789", 10);
+    check_publish_refused_same(&big, "", 9, "payload of 10 bytes exceeds max_payload_bytes (9)");
+
+    static char longkey[RELAY_KEY_MAX + 1];
+    memset(longkey, 'k', sizeof(longkey));
+    struct relay_row key = make_row("orders", "x", 1);
+    key.key = longkey;
+    key.key_len = sizeof(longkey);
+    check_publish_refused_same(&key, "", 1024, "partition key of 1025 bytes");
+
+    struct relay_row arr = make_row("orders", "x", 1);
+    arr.headers_type = "array";
+    check_publish_refused_same(&arr, "", 1024, "headers must be a JSON object");
+
+    char nbuf[512], vbuf[16384];
+    const char *one[] = {"a"};
+    const char *two[] = {"a", "b"};
+    struct relay_row count = make_row("orders", "x", 1);
+    count.headers_type = "object";
+    count.header_names = nbuf;
+    count.header_names_len = encode_array(nbuf, one, 1);
+    count.header_values = vbuf;
+    count.header_values_len = encode_array(vbuf, two, 2);
+    check_publish_refused_same(&count, "", 1024, "headers cannot be encoded");
+
+    char toolong[RELAY_HEADER_NAME_MAX + 2];
+    memset(toolong, 'n', sizeof(toolong) - 1);
+    toolong[sizeof(toolong) - 1] = '\0';
+    const char *names[] = {toolong};
+    const char *empty[] = {""};
+    const char *values[] = {"v"};
+    struct relay_row hdr = make_row("orders", "x", 1);
+    hdr.headers_type = "object";
+    hdr.header_names = nbuf;
+    hdr.header_names_len = encode_array(nbuf, names, 1);
+    hdr.header_values = vbuf;
+    hdr.header_values_len = encode_array(vbuf, values, 1);
+    check_publish_refused_same(&hdr, "", 1024, "names are 1 to 128 bytes");
+    hdr.header_names_len = encode_array(nbuf, empty, 1);
+    check_publish_refused_same(&hdr, "", 1024, "names are 1 to 128 bytes");
+
+    static char bigvalue[RELAY_HEADER_VALUE_MAX + 2];
+    memset(bigvalue, 'v', sizeof(bigvalue) - 1);
+    const char *bigvalues[] = {bigvalue};
+    hdr.header_names_len = encode_array(nbuf, one, 1);
+    hdr.header_values_len = encode_array(vbuf, bigvalues, 1);
+    check_publish_refused_same(&hdr, "", 1024, "exceeds 8192 bytes");
+
+    /* Stream name and dedup key: the longest that fit, then one byte more. */
+    char prefix[512];
+    char topic[RELAY_TOPIC_MAX + 1];
+    memset(topic, 't', RELAY_TOPIC_MAX);
+    topic[RELAY_TOPIC_MAX] = '\0';
+    struct relay_row longest = make_row(topic, "x", 1);
+    struct relay_respbuf buf;
+    memset(&buf, 0, sizeof(buf));
+    char err[512];
+    /* stream: < 256 + 200 bytes; dedup key "{stream}:dedup:<36>": < 500. */
+    size_t fits = 500 - 1 - 9 - 36 - RELAY_TOPIC_MAX;
+    memset(prefix, 'p', fits);
+    prefix[fits] = '\0';
+    check_publish_same(&longest, prefix, 1024, 1000, 1796040000000ull, &buf);
+    prefix[fits] = 'p';
+    prefix[fits + 1] = '\0';
+    check_publish_refused_same(&longest, prefix, 1024, "stream name too long");
+    memset(prefix, 'p', 256);
+    prefix[256] = '\0';
+    check_publish_refused_same(&longest, prefix, 1024, "stream name too long");
+    assert_int_equal(
+        relay_batch_append_publish(&longest, prefix, 1024, 1, 2, &buf, err, sizeof(err)), -1);
+    relay_respbuf_free(&buf);
+}
+
+/* relay.c's drop_dedup_records as it stands, formatted by hiredis: every
+ * command concatenated, and the rows' states restored afterwards. */
+static size_t hiredis_unlinks(struct relay_row *rows, size_t n, const char *prefix, char *out,
+                              size_t outlen, int *commands)
+{
+    const size_t keymax = 320 + RELAY_TOPIC_MAX;
+    char stream[256 + RELAY_TOPIC_MAX];
+    static const char *argv[1 + 64];
+    static size_t lens[1 + 64];
+    static char keys[64][320 + RELAY_TOPIC_MAX];
+    int saved[64];
+    size_t len = 0;
+
+    assert_true(n <= 64);
+    *commands = 0;
+    for (size_t i = 0; i < n; i++)
+        saved[i] = rows[i].state;
+    for (size_t i = 0; i < n; i++) {
+        struct relay_row *lead = &rows[i];
+        if (lead->state != RELAY_ROW_PUBLISHED)
+            continue;
+        if (relay_batch_stream_name(prefix, lead->topic, lead->topic_len, stream, sizeof(stream)) <
+            0)
+            continue;
+        int argc = 0;
+        argv[argc] = "UNLINK";
+        lens[argc++] = 6;
+        for (size_t j = i; j < n; j++) {
+            struct relay_row *row = &rows[j];
+            if (row->state != RELAY_ROW_PUBLISHED || row->topic_len != lead->topic_len ||
+                memcmp(row->topic, lead->topic, lead->topic_len) != 0)
+                continue;
+            char *key = keys[argc - 1];
+            int k =
+                relay_batch_dedup_key(stream, row->message_id, row->message_id_len, key, keymax);
+            row->state = RELAY_ROW_CLAIMED;
+            if (k < 0)
+                continue;
+            argv[argc] = key;
+            lens[argc++] = (size_t)k;
+        }
+        if (argc > 1) {
+            char *cmd;
+            int k = redisFormatCommandArgv(&cmd, argc, argv, lens);
+            assert_true(k > 0 && len + (size_t)k <= outlen);
+            memcpy(out + len, cmd, (size_t)k);
+            len += (size_t)k;
+            redisFreeCommand(cmd);
+            (*commands)++;
+        }
+    }
+    for (size_t i = 0; i < n; i++)
+        rows[i].state = saved[i];
+    return len;
+}
+
+/* The UNLINKs of rows, one per call, each checked to be one whole command. */
+static size_t append_unlinks(const struct relay_row *rows, size_t n, const char *prefix,
+                             struct relay_respbuf *buf, int *commands)
+{
+    size_t pos = 0;
+    int rc;
+    *commands = 0;
+    relay_respbuf_reset(buf);
+    while ((rc = relay_batch_append_unlink(rows, n, prefix, &pos, buf)) == 1) {
+        (*commands)++;
+        assert_true(pos <= n);
+    }
+    assert_int_equal(rc, 0);
+    assert_int_equal(pos, n);
+    /* Done stays done. */
+    assert_int_equal(relay_batch_append_unlink(rows, n, prefix, &pos, buf), 0);
+    return buf->len;
+}
+
+static void check_unlinks_same(struct relay_row *rows, size_t n, const char *prefix)
+{
+    static char want[1 << 16];
+    struct relay_respbuf buf;
+    memset(&buf, 0, sizeof(buf));
+    struct relay_row copy[64];
+    memcpy(copy, rows, n * sizeof(*rows));
+
+    int want_cmds, got_cmds;
+    size_t want_len = hiredis_unlinks(rows, n, prefix, want, sizeof(want), &want_cmds);
+    size_t got_len = append_unlinks(rows, n, prefix, &buf, &got_cmds);
+    assert_int_equal(got_cmds, want_cmds);
+    assert_int_equal(got_len, want_len);
+    if (want_len > 0)
+        assert_memory_equal(buf.data, want, want_len);
+    /* The rows are read, not changed. */
+    assert_memory_equal(copy, rows, n * sizeof(*rows));
+    relay_respbuf_free(&buf);
+}
+
+static void test_append_unlink_matches_hiredis(void **state)
+{
+    (void)state;
+    static const char *ids[] = {
+        "00000000-0000-0000-0000-000000000001", "00000000-0000-0000-0000-000000000002",
+        "00000000-0000-0000-0000-000000000003", "00000000-0000-0000-0000-000000000004",
+        "00000000-0000-0000-0000-000000000005", "00000000-0000-0000-0000-000000000006",
+        "00000000-0000-0000-0000-000000000007", "00000000-0000-0000-0000-000000000008",
+    };
+    static const char *topics[] = {"orders", "users",  "orders", "ord",
+                                   "users",  "orders", "x",      "orders"};
+    static const int states[] = {RELAY_ROW_PUBLISHED, RELAY_ROW_PUBLISHED, RELAY_ROW_FAILED,
+                                 RELAY_ROW_PUBLISHED, RELAY_ROW_PUBLISHED, RELAY_ROW_PUBLISHED,
+                                 RELAY_ROW_CLAIMED,   RELAY_ROW_PUBLISHED};
+    struct relay_row rows[8];
+    for (size_t i = 0; i < 8; i++) {
+        rows[i] = make_row(topics[i], "x", 1);
+        rows[i].message_id = ids[i];
+        rows[i].message_id_len = 36;
+        rows[i].state = states[i];
+    }
+    check_unlinks_same(rows, 8, "");
+    check_unlinks_same(rows, 8, "app:");
+    check_unlinks_same(rows, 8, NULL);
+
+    /* The first row of a stream may come late, after failed rows of it. */
+    rows[0].state = RELAY_ROW_FAILED;
+    check_unlinks_same(rows, 8, "s.");
+    /* Nothing published: no command. */
+    for (size_t i = 0; i < 8; i++)
+        rows[i].state = RELAY_ROW_FAILED;
+    check_unlinks_same(rows, 8, "s.");
+    check_unlinks_same(rows, 0, "s.");
+
+    /* One stream, a full batch of it: one command with every key; and ids of
+     * other lengths. */
+    struct relay_row many[64];
+    static char idbuf[64][40];
+    for (size_t i = 0; i < 64; i++) {
+        snprintf(idbuf[i], sizeof(idbuf[i]), "id-%zu", i * 997);
+        many[i] = make_row("bench1", "x", 1);
+        many[i].message_id = idbuf[i];
+        many[i].message_id_len = strlen(idbuf[i]);
+        many[i].state = RELAY_ROW_PUBLISHED;
+    }
+    check_unlinks_same(many, 64, "");
+    struct relay_respbuf buf;
+    memset(&buf, 0, sizeof(buf));
+    int commands;
+    append_unlinks(many, 64, "", &buf, &commands);
+    assert_int_equal(commands, 1);
+    static const char head[] = "*65\r\n$6\r\nUNLINK\r\n$19\r\n{bench1}:dedup:id-0\r\n";
+    assert_memory_equal(buf.data, head, sizeof(head) - 1);
+    relay_respbuf_free(&buf);
+
+    /* A stream name that does not fit is skipped, as relay_batch_stream_name
+     * refuses it. */
+    char prefix[300];
+    memset(prefix, 'p', sizeof(prefix) - 1);
+    prefix[sizeof(prefix) - 1] = '\0';
+    char topic[RELAY_TOPIC_MAX + 1];
+    memset(topic, 't', RELAY_TOPIC_MAX);
+    topic[RELAY_TOPIC_MAX] = '\0';
+    many[3].topic = topic;
+    many[3].topic_len = RELAY_TOPIC_MAX;
+    check_unlinks_same(many, 64, prefix);
+}
+
+static void test_respbuf_caps_and_reuse(void **state)
+{
+    (void)state;
+    static char payload[200];
+    memset(payload, 'x', sizeof(payload));
+    struct relay_row row = make_row("bench1", payload, sizeof(payload));
+    row.state = RELAY_ROW_PUBLISHED;
+    char err[256];
+    struct relay_respbuf buf;
+    memset(&buf, 0, sizeof(buf));
+
+    /* Reset between rows: the memory is reused, never reallocated. */
+    assert_int_equal(relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err)),
+                     0);
+    const char *data = buf.data;
+    size_t cap = buf.cap, one = buf.len;
+    for (int i = 0; i < 1000; i++) {
+        relay_respbuf_reset(&buf);
+        assert_int_equal(buf.len, 0);
+        row.id = i;
+        assert_int_equal(
+            relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err)), 0);
+        assert_true(buf.len <= one + 3);
+    }
+    assert_ptr_equal(buf.data, data);
+    assert_int_equal(buf.cap, cap);
+    relay_respbuf_free(&buf);
+
+    /* A cap: what does not fit is refused whole, and the buffer is intact. */
+    memset(&buf, 0, sizeof(buf));
+    buf.max = one + one / 2;
+    assert_int_equal(relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err)),
+                     0);
+    size_t len = buf.len;
+    assert_int_equal(relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err)),
+                     RELAY_RESPBUF_FULL);
+    assert_non_null(strstr(err, "does not fit the output buffer"));
+    assert_int_equal(buf.len, len);
+    assert_true(buf.cap <= buf.max);
+
+    /* UNLINK: full keeps its place; after a reset it goes on from there. */
+    struct relay_row rows[2] = {row, row};
+    rows[1].topic = "other";
+    rows[1].topic_len = 5;
+    relay_respbuf_reset(&buf);
+    buf.max = 80; /* room for the first command (74 bytes), not the second (73) */
+    size_t pos = 0;
+    assert_int_equal(relay_batch_append_unlink(rows, 2, "", &pos, &buf), 1);
+    assert_int_equal(relay_batch_append_unlink(rows, 2, "", &pos, &buf), RELAY_RESPBUF_FULL);
+    assert_int_equal(pos, 1);
+    assert_int_equal(buf.len, 74);
+    assert_memory_equal(buf.data, "*2\r\n$6\r\nUNLINK\r\n$51\r\n{bench1}:dedup:", 36);
+    relay_respbuf_reset(&buf);
+    assert_int_equal(relay_batch_append_unlink(rows, 2, "", &pos, &buf), 1);
+    assert_int_equal(buf.len, 73);
+    assert_memory_equal(buf.data, "*2\r\n$6\r\nUNLINK\r\n$50\r\n{other}:dedup:", 35);
+    assert_int_equal(relay_batch_append_unlink(rows, 2, "", &pos, &buf), 0);
+    relay_respbuf_free(&buf);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -473,6 +910,10 @@ int main(void)
         cmocka_unit_test(test_finish_sql),
         cmocka_unit_test(test_utf8_prefix_never_cuts_a_character),
         cmocka_unit_test(test_finish_sql_survives_unquotable_error),
+        cmocka_unit_test(test_append_publish_matches_hiredis),
+        cmocka_unit_test(test_append_publish_refuses_what_build_refuses),
+        cmocka_unit_test(test_append_unlink_matches_hiredis),
+        cmocka_unit_test(test_respbuf_caps_and_reuse),
     };
     return cmocka_run_group_tests_name("batch", tests, NULL, NULL);
 }
