@@ -124,6 +124,8 @@ static const struct cfg_key cfg_keys[] = {
      "larger payloads fail their row (quarantined after max_attempts)"},
     {"listen", CFG_BOOL, CFG_OFF(listen), 0, 1, "on", 0, NULL,
      "wake up on NOTIFY outbox_relay; off relies on polling alone"},
+    {"pipeline", CFG_BOOL, CFG_OFF(pipeline), 0, 1, "on", 0, NULL,
+     "claim the next batch on a second connection while the current one is published"},
     {"poll_interval", CFG_DURATION, CFG_OFF(poll_interval_ms), 10, CFG_HOUR, "1s", 0, NULL,
      "fallback poll: a lost notification costs at most this much latency"},
     {"connect_timeout", CFG_DURATION, CFG_OFF(connect_timeout_ms), 100, 10 * CFG_MIN, "5s", 0, NULL,

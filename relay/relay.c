@@ -1,7 +1,7 @@
 /*
  * The claim cycle, and when to run it.
  *
- * A cycle is one PostgreSQL transaction:
+ * A batch is one PostgreSQL transaction:
  *   BEGIN; claim up to batch_size pending rows in id order FOR UPDATE SKIP LOCKED
  *   -> publish every row through the Redis function, pipelined, under one deadline
  *   -> when every reply is in: mark the published rows sent, record the failures
@@ -14,10 +14,25 @@
  * whatever crashes where (P1). A republish after an unknown commit outcome is
  * absorbed by the function's dedup record (P2).
  *
- * Cycles run on a notification (coalesced), on the fallback poll timer, after
+ * Batches run on a notification (coalesced), on the fallback poll timer, after
  * every (re)connect (notifications sent while disconnected are lost), and at
- * once again while batches come back full. One cycle runs at a time, so the
- * memory in use is bounded by batch_size whatever the backlog (P5).
+ * once again while batches come back full.
+ *
+ * The pipeline. Each batch runs on a lane: a claiming connection with its own
+ * transaction. With pipeline on there are two lanes, so that PostgreSQL and
+ * Redis work at the same time: while batch N is published, batch N+1 is
+ * claimed on the other lane (SKIP LOCKED passes over N's rows), and while N is
+ * marked sent and committed, N+1 is published. Three rules keep this as safe
+ * and as ordered as one batch at a time:
+ *   - claims run one at a time, and a lane claims ahead only while no claimed
+ *     batch is waiting, so at most two batches exist (P5);
+ *   - batches publish one at a time, in claim order, and a batch starts
+ *     publishing only after every reply of the batch before it came back, so
+ *     entries reach each stream in claim order;
+ *   - when a batch fails, every batch claimed after it that has not started
+ *     publishing is rolled back, so its rows cannot overtake the failed ones.
+ * A batch that fails after it was published (its commit failed) leaves its
+ * entries in the streams ahead of the next batch's; its republish is a no-op.
  */
 #include "relay/compat.h"
 
@@ -46,17 +61,19 @@
 #include "relay/sink.h"
 
 #define COMPONENT "relay"
+#define LANES_MAX 2
 
 extern char **environ;
 
-enum cycle_state {
-    CYCLE_IDLE = 0,
-    CYCLE_BEGIN,      /* BEGIN sent */
-    CYCLE_CLAIM,      /* claim sent */
-    CYCLE_PUBLISH,    /* FCALLs in flight */
-    CYCLE_FINISH,     /* mark + COMMIT sent */
-    CYCLE_ROLLBACK,   /* ROLLBACK sent after a failure */
-    CYCLE_SETTLE,     /* declared idle; waiting for transactions that may not notify */
+enum lane_state {
+    LANE_IDLE = 0,
+    LANE_BEGIN,    /* BEGIN sent */
+    LANE_CLAIM,    /* claim sent */
+    LANE_CLAIMED,  /* rows locked; waiting for the batch ahead to finish publishing */
+    LANE_PUBLISH,  /* FCALLs in flight */
+    LANE_FINISH,   /* mark + COMMIT sent */
+    LANE_ROLLBACK, /* ROLLBACK (or the COMMIT of an empty claim) sent */
+    LANE_SETTLE,   /* declared idle; waiting for transactions that may not notify */
 };
 
 /* The wake-up protocol of migrations/006 (DESIGN.md 7.1): producers notify
@@ -71,29 +88,50 @@ enum wake_mode {
 #define IDLE_FLAG_OFF                                                                              \
     "UPDATE outbox.relay_wakeup SET relay_idle = false, changed_at = now() WHERE relay_idle;"
 
+struct relay;
+
+/* One claiming connection and the batch it holds. Rows point into claim_res. */
+struct lane {
+    struct relay *r;
+    struct relay_pgsrc *pg;
+    enum lane_state state;
+    unsigned long long seq; /* claim order */
+    int abandon;            /* a batch ahead failed: roll back instead of publishing */
+    PGresult *claim_res;
+    struct relay_row *rows;
+    size_t nrows;
+    struct relay_cycle cycle;
+    ev_tstamp claimed_at; /* BEGIN sent: the batch duration histogram */
+    ev_tstamp stage_at;   /* the current stage began: the stuck-cycle check */
+    struct relay_sqlbuf sql;
+};
+
 struct relay {
     struct ev_loop *loop;
     struct relay_config *cfg;
     struct relay_reload_source reload;
 
-    struct relay_pgsrc *claim;
+    struct lane lanes[LANES_MAX];
+    size_t nlanes;
+    unsigned long long next_seq;
+    struct lane *publishing; /* the one lane whose FCALLs are in flight, or NULL */
     struct relay_pgsrc *listen;
     struct relay_sink *sink;
 
     ev_timer poll_timer;
-    ev_timer kick;        /* runs a wanted cycle from the loop, not from a callback */
+    ev_timer kick;        /* runs a wanted claim from the loop, not from a callback */
     ev_timer retry_timer; /* backoff after a failed batch */
-    ev_timer deadline;    /* publish deadline of the batch in flight */
+    ev_timer deadline;    /* publish deadline of the batch publishing */
     ev_timer drain_timer;
     ev_timer watchdog;    /* WATCHDOG=1 at half of WatchdogSec, while healthy */
     ev_timer status;      /* STATUS= line for systemctl status */
     ev_signal sigterm, sigint, sighup;
     char status_text[256];
 
-    enum cycle_state state;
     enum wake_mode wake;
     ev_timer settle_timer;
     ev_tstamp settle_started;
+    struct lane *settling;
     char settle_snapshot[4096];
     int want_claim;
     int in_backoff;
@@ -101,16 +139,7 @@ struct relay {
     int stopping; /* the loop is being left: callbacks do nothing */
     struct relay_backoff batch_backoff;
 
-    /* The batch in flight. Rows point into claim_res. */
-    PGresult *claim_res;
-    struct relay_row *rows;
-    size_t nrows;
-    struct relay_cycle cycle;
-    ev_tstamp batch_started;
-    struct relay_sqlbuf sql;
-    const char **del_argv;
-    size_t *del_lens;
-    char *del_keys;
+    struct relay_respbuf out; /* one Redis command, formatted; reused, grows only */
 
     unsigned long long published_total;
     unsigned long long quarantined_total;
@@ -154,41 +183,95 @@ static const double batch_buckets[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 
                                        0.25,  0.5,    1,     2.5,  5,     10};
 
 static void maybe_claim(struct relay *r);
+static void start_publish(struct lane *l);
 static void on_idle_declared(struct relay_pgsrc *pg, PGresult *res, const char *err,
                              const char *sqlstate, void *arg);
-static void log_row_failures(struct relay *r);
+static void log_row_failures(struct lane *l);
 static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
                        const char *sqlstate, void *arg);
 
 /* ---- small helpers ---------------------------------------------------- */
 
+static int all_lanes_idle(const struct relay *r)
+{
+    for (size_t i = 0; i < r->nlanes; i++)
+        if (r->lanes[i].state != LANE_IDLE)
+            return 0;
+    return 1;
+}
+
+static int all_lanes_idle_but(const struct relay *r, const struct lane *but)
+{
+    for (size_t i = 0; i < r->nlanes; i++)
+        if (&r->lanes[i] != but && r->lanes[i].state != LANE_IDLE)
+            return 0;
+    return 1;
+}
+
+/* A claim may start: nothing claiming, settling or waiting to publish, and a
+ * lane free. */
+static struct lane *free_lane(struct relay *r)
+{
+    struct lane *free = NULL;
+    for (size_t i = 0; i < r->nlanes; i++) {
+        struct lane *l = &r->lanes[i];
+        switch (l->state) {
+        case LANE_BEGIN:
+        case LANE_CLAIM:
+        case LANE_CLAIMED:
+        case LANE_SETTLE:
+            return NULL;
+        case LANE_IDLE:
+            if (free == NULL && relay_pgsrc_state(l->pg) == RELAY_PG_READY)
+                free = l;
+            break;
+        default:
+            break;
+        }
+    }
+    return free;
+}
+
 static void want_cycle(struct relay *r)
 {
     r->want_claim = 1;
-    if (r->state == CYCLE_IDLE && !r->in_backoff && !r->draining && !ev_is_active(&r->kick)) {
+    if (!r->in_backoff && !r->draining && !ev_is_active(&r->kick) && free_lane(r) != NULL) {
         ev_timer_set(&r->kick, 0.0, 0.0);
         ev_timer_start(r->loop, &r->kick);
     }
 }
 
-static void free_batch(struct relay *r)
+static void free_batch(struct lane *l)
 {
-    if (r->claim_res != NULL) {
-        PQclear(r->claim_res);
-        r->claim_res = NULL;
+    if (l->claim_res != NULL) {
+        PQclear(l->claim_res);
+        l->claim_res = NULL;
     }
-    r->nrows = 0;
-    memset(&r->cycle, 0, sizeof(r->cycle));
+    l->nrows = 0;
+    memset(&l->cycle, 0, sizeof(l->cycle));
 }
 
-/* The cycle is over: go idle, leave if draining, or run the next one. */
-static void cycle_ended(struct relay *r)
+static void set_stage(struct lane *l, enum lane_state state)
 {
-    free_batch(r);
-    r->state = CYCLE_IDLE;
+    l->state = state;
+    l->stage_at = ev_now(l->r->loop);
+}
+
+/* The lane's batch is over: leave if draining and nothing else is in flight,
+ * or run what is wanted next. */
+static void lane_ended(struct lane *l)
+{
+    struct relay *r = l->r;
+    free_batch(l);
+    l->state = LANE_IDLE;
+    l->abandon = 0;
+    if (r->settling == l)
+        r->settling = NULL;
     if (r->draining) {
-        relay_info(COMPONENT, "batch in flight finished; shutting down");
-        ev_break(r->loop, EVBREAK_ALL);
+        if (all_lanes_idle(r)) {
+            relay_info(COMPONENT, "batch in flight finished; shutting down");
+            ev_break(r->loop, EVBREAK_ALL);
+        }
         return;
     }
     if (r->want_claim)
@@ -208,13 +291,26 @@ static void start_backoff(struct relay *r)
 static void on_rolled_back(struct relay_pgsrc *pg, PGresult *res, const char *err,
                            const char *sqlstate, void *arg)
 {
-    struct relay *r = arg;
+    struct lane *l = arg;
     (void)sqlstate;
     if (res != NULL)
         PQclear(res);
+    if (l->r->stopping)
+        return;
     if (err != NULL)
         relay_pgsrc_reset(pg, "ROLLBACK failed");
-    cycle_ended(r);
+    lane_ended(l);
+}
+
+/* Ends the lane's transaction without marking anything. */
+static void roll_back(struct lane *l)
+{
+    if (!l->r->stopping && relay_pgsrc_state(l->pg) == RELAY_PG_READY &&
+        relay_pgsrc_send(l->pg, "ROLLBACK", 0, NULL, 0, on_rolled_back, l) == 0) {
+        set_stage(l, LANE_ROLLBACK);
+        return;
+    }
+    lane_ended(l);
 }
 
 static int error_kind(const char *why)
@@ -230,27 +326,36 @@ static int error_kind(const char *why)
     return 4;
 }
 
-/* A failure of the whole batch: roll back, nobody is blamed, try again later. */
-static void batch_failed(struct relay *r, const char *why)
+/* A failure of the whole batch: roll back, nobody is blamed, try again later.
+ * Batches claimed after it that have not published yet are rolled back too,
+ * so their rows cannot reach the streams ahead of this batch's. */
+static void batch_failed(struct lane *l, const char *why)
 {
+    struct relay *r = l->r;
     r->errors[error_kind(why)]++;
     if (strcmp(why, r->last_batch_error) != 0) {
         relay_warn(COMPONENT,
                    "batch of %zu rows not published: %s; rolled back, will retry with backoff",
-                   r->nrows, why);
+                   l->nrows, why);
         snprintf(r->last_batch_error, sizeof(r->last_batch_error), "%s", why);
     } else {
-        relay_debug(COMPONENT, "batch of %zu rows not published: %s", r->nrows, why);
+        relay_debug(COMPONENT, "batch of %zu rows not published: %s", l->nrows, why);
     }
-    if (r->cycle.function_missing)
+    if (l->cycle.function_missing)
         relay_sink_reload_function(r->sink);
+    if (r->publishing == l)
+        r->publishing = NULL;
     start_backoff(r);
-    if (!r->stopping && relay_pgsrc_state(r->claim) == RELAY_PG_READY &&
-        relay_pgsrc_send(r->claim, "ROLLBACK", 0, NULL, 0, on_rolled_back, r) == 0) {
-        r->state = CYCLE_ROLLBACK;
-        return;
+    for (size_t i = 0; i < r->nlanes; i++) {
+        struct lane *later = &r->lanes[i];
+        if (later == l || later->seq < l->seq)
+            continue;
+        if (later->state == LANE_CLAIMED)
+            roll_back(later);
+        else if (later->state == LANE_BEGIN || later->state == LANE_CLAIM)
+            later->abandon = 1;
     }
-    cycle_ended(r);
+    roll_back(l);
 }
 
 /* ---- finishing ------------------------------------------------------- */
@@ -258,47 +363,27 @@ static void batch_failed(struct relay *r, const char *why)
 /* Removes the dedup records of a committed batch: its rows are marked sent and
  * will not be claimed again, so the records are no longer needed. This keeps
  * dedup memory bounded by batches whose outcome is unknown (DESIGN.md 7.3).
- * One DEL per stream keeps each command inside one hash slot. */
-static void drop_dedup_records(struct relay *r)
+ * One UNLINK per stream keeps each command inside one hash slot. */
+static void drop_dedup_records(struct lane *l)
 {
-    const size_t keymax = 320 + RELAY_TOPIC_MAX;
-    char stream[256 + RELAY_TOPIC_MAX];
-
-    for (size_t i = 0; i < r->nrows; i++) {
-        struct relay_row *lead = &r->rows[i];
-        if (lead->state != RELAY_ROW_PUBLISHED)
-            continue;
-        if (relay_batch_stream_name(r->cfg->stream_prefix, lead->topic, lead->topic_len, stream,
-                                    sizeof(stream)) < 0)
-            continue;
-        int argc = 0;
-        r->del_argv[argc] = "UNLINK";
-        r->del_lens[argc++] = 6;
-        for (size_t j = i; j < r->nrows; j++) {
-            struct relay_row *row = &r->rows[j];
-            if (row->state != RELAY_ROW_PUBLISHED || row->topic_len != lead->topic_len ||
-                memcmp(row->topic, lead->topic, lead->topic_len) != 0)
-                continue;
-            char *key = r->del_keys + (size_t)(argc - 1) * keymax;
-            int n = relay_batch_dedup_key(stream, row->message_id, row->message_id_len, key,
-                                          keymax);
-            row->state = RELAY_ROW_CLAIMED; /* grouped; state no longer needed */
-            if (n < 0)
-                continue;
-            r->del_argv[argc] = key;
-            r->del_lens[argc++] = (size_t)n;
-        }
-        if (argc > 1)
-            relay_sink_command(r->sink, argc, r->del_argv, r->del_lens, NULL, NULL);
+    struct relay *r = l->r;
+    size_t pos = 0;
+    for (;;) {
+        relay_respbuf_reset(&r->out);
+        if (relay_batch_append_unlink(l->rows, l->nrows, r->cfg->stream_prefix, &pos, &r->out) !=
+            1)
+            break;
+        (void)relay_sink_formatted(r->sink, r->out.data, r->out.len, NULL, NULL);
     }
 }
 
 /* Published messages per topic, for outbox_relay_messages_published_total. */
-static void count_topics(struct relay *r)
+static void count_topics(struct lane *l)
 {
+    struct relay *r = l->r;
     size_t hint = 0;
-    for (size_t i = 0; i < r->nrows; i++) {
-        const struct relay_row *row = &r->rows[i];
+    for (size_t i = 0; i < l->nrows; i++) {
+        const struct relay_row *row = &l->rows[i];
         if (row->state != RELAY_ROW_PUBLISHED)
             continue;
         size_t j = hint;
@@ -329,7 +414,8 @@ static void count_topics(struct relay *r)
 static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
                         const char *sqlstate, void *arg)
 {
-    struct relay *r = arg;
+    struct lane *l = arg;
+    struct relay *r = l->r;
     (void)pg;
     if (res != NULL)
         PQclear(res);
@@ -342,30 +428,30 @@ static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
         snprintf(why, sizeof(why), "marking the batch sent failed (%s%s%s)", err,
                  sqlstate && strcmp(sqlstate, "08006") == 0 ? "; commit outcome unknown" : "",
                  "");
-        batch_failed(r, why);
+        batch_failed(l, why);
         return;
     }
     size_t published = 0, failed = 0;
-    for (size_t i = 0; i < r->nrows; i++) {
-        if (r->rows[i].state == RELAY_ROW_PUBLISHED)
+    for (size_t i = 0; i < l->nrows; i++) {
+        if (l->rows[i].state == RELAY_ROW_PUBLISHED)
             published++;
-        else if (r->rows[i].state == RELAY_ROW_FAILED)
+        else if (l->rows[i].state == RELAY_ROW_FAILED)
             failed++;
     }
     r->published_total += published;
     r->errors[5] += failed;
     r->batches_total++;
-    double took = ev_now(r->loop) - r->batch_started;
+    double took = ev_now(r->loop) - l->claimed_at;
     r->batch_sum += took;
     size_t b = 0;
     while (b < RELAY_ARRAY_LEN(batch_buckets) && took > batch_buckets[b])
         b++;
     r->batch_hist[b]++;
-    count_topics(r);
-    log_row_failures(r);
-    for (size_t i = 0; i < r->nrows; i++)
-        if (r->rows[i].state == RELAY_ROW_FAILED &&
-            (uint32_t)(r->rows[i].attempts + 1) >= r->cfg->max_attempts)
+    count_topics(l);
+    log_row_failures(l);
+    for (size_t i = 0; i < l->nrows; i++)
+        if (l->rows[i].state == RELAY_ROW_FAILED &&
+            (uint32_t)(l->rows[i].attempts + 1) >= r->cfg->max_attempts)
             r->quarantined_total++;
     relay_backoff_reset(&r->batch_backoff);
     if (r->last_batch_error[0] != '\0') {
@@ -373,16 +459,16 @@ static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
         r->last_batch_error[0] = '\0';
     }
     relay_debug(COMPONENT, "batch committed: %zu published, %zu failed, %.1f ms", published,
-                failed, (ev_now(r->loop) - r->batch_started) * 1000.0);
-    drop_dedup_records(r);
+                failed, took * 1000.0);
+    drop_dedup_records(l);
     /* A full batch means more may be waiting: claim again at once. A busy
      * relay gets no notifications (producers skip them), so it claims again
      * until a claim comes back empty. */
     if (r->cfg->listen)
         r->wake = WAKE_BUSY;
-    if (r->nrows == r->cfg->batch_size || (r->cfg->listen && r->wake == WAKE_BUSY))
+    if (l->nrows == r->cfg->batch_size || (r->cfg->listen && r->wake == WAKE_BUSY))
         r->want_claim = 1;
-    cycle_ended(r);
+    lane_ended(l);
 }
 
 static char *quote_literal(void *ctx, const char *s, size_t len)
@@ -390,10 +476,11 @@ static char *quote_literal(void *ctx, const char *s, size_t len)
     return relay_pgsrc_escape_literal(ctx, s, len);
 }
 
-static void log_row_failures(struct relay *r)
+static void log_row_failures(struct lane *l)
 {
-    for (size_t i = 0; i < r->nrows; i++) {
-        const struct relay_row *row = &r->rows[i];
+    const struct relay *r = l->r;
+    for (size_t i = 0; i < l->nrows; i++) {
+        const struct relay_row *row = &l->rows[i];
         if (row->state != RELAY_ROW_FAILED)
             continue;
         int32_t attempts = row->attempts + 1;
@@ -414,28 +501,54 @@ static void log_row_failures(struct relay *r)
     }
 }
 
-static void publish_done(struct relay *r)
+/* The next batch in claim order that waits to publish, if any. */
+static struct lane *next_claimed(struct relay *r)
 {
+    struct lane *next = NULL;
+    for (size_t i = 0; i < r->nlanes; i++) {
+        struct lane *l = &r->lanes[i];
+        if (l->state == LANE_CLAIMED && (next == NULL || l->seq < next->seq))
+            next = l;
+    }
+    return next;
+}
+
+static void publish_done(struct lane *l)
+{
+    struct relay *r = l->r;
     ev_timer_stop(r->loop, &r->deadline);
     if (r->stopping)
         return;
-    if (r->cycle.failed) {
-        batch_failed(r, r->cycle.error);
+    if (r->publishing == l)
+        r->publishing = NULL;
+    if (l->cycle.failed) {
+        batch_failed(l, l->cycle.error);
         return;
     }
-    struct relay_sql_quoter q = {quote_literal, relay_pgsrc_freemem, r->claim};
-    const char *before_commit = r->cfg->listen && r->wake != WAKE_BUSY ? IDLE_FLAG_OFF : NULL;
+    struct relay_sql_quoter q = {quote_literal, relay_pgsrc_freemem, l->pg};
+    const char *before_commit = NULL;
+    if (r->cfg->listen && r->wake != WAKE_BUSY) {
+        /* Producers may stop notifying from here on: this relay claims on
+         * its own until a claim comes back empty. Should this transaction
+         * fail, the flag stays up, which only costs producers notifications. */
+        before_commit = IDLE_FLAG_OFF;
+        r->wake = WAKE_BUSY;
+    }
     int quarantined =
-        relay_batch_finish_sql(r->rows, r->nrows, r->cfg->max_attempts, &q, before_commit, &r->sql);
+        relay_batch_finish_sql(l->rows, l->nrows, r->cfg->max_attempts, &q, before_commit, &l->sql);
     if (quarantined < 0) {
-        batch_failed(r, "cannot build the statement that marks the batch sent");
+        batch_failed(l, "cannot build the statement that marks the batch sent");
         return;
     }
-    if (relay_pgsrc_send(r->claim, r->sql.data, 0, NULL, 0, on_finished, r) < 0) {
-        batch_failed(r, "PostgreSQL connection lost before the batch was marked sent");
+    if (relay_pgsrc_send(l->pg, l->sql.data, 0, NULL, 0, on_finished, l) < 0) {
+        batch_failed(l, "PostgreSQL connection lost before the batch was marked sent");
         return;
     }
-    r->state = CYCLE_FINISH;
+    set_stage(l, LANE_FINISH);
+    /* Every reply of this batch is in: the next batch may publish now. */
+    struct lane *next = next_claimed(r);
+    if (next != NULL)
+        start_publish(next);
 }
 
 /* ---- publishing ------------------------------------------------------ */
@@ -445,8 +558,10 @@ static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg)
     struct relay *r = relay_sink_owner(ac);
     const redisReply *reply = reply_;
 
-    if (r == NULL || r->stopping || r->state != CYCLE_PUBLISH)
+    if (r == NULL || r->stopping || r->publishing == NULL ||
+        r->publishing->state != LANE_PUBLISH)
         return;
+    struct lane *l = r->publishing;
     enum relay_reply_kind kind = RELAY_REPLY_OTHER;
     const char *str = NULL;
     size_t len = 0;
@@ -461,8 +576,8 @@ static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg)
         str = reply->str;
         len = reply->len;
     }
-    if (relay_batch_apply_reply(&r->cycle, arg, kind, str, len))
-        publish_done(r);
+    if (relay_batch_apply_reply(&l->cycle, arg, kind, str, len))
+        publish_done(l);
 }
 
 static void on_deadline(struct ev_loop *loop, ev_timer *w, int revents)
@@ -470,12 +585,13 @@ static void on_deadline(struct ev_loop *loop, ev_timer *w, int revents)
     struct relay *r = w->data;
     (void)loop;
     (void)revents;
+    struct lane *l = r->publishing;
     char why[128];
     snprintf(why, sizeof(why), "no reply to the batch within publish_timeout (%u ms)",
              r->cfg->publish_timeout_ms);
-    if (!r->cycle.failed) {
-        r->cycle.failed = 1;
-        snprintf(r->cycle.error, sizeof(r->cycle.error), "%s", why);
+    if (l != NULL && !l->cycle.failed) {
+        l->cycle.failed = 1;
+        snprintf(l->cycle.error, sizeof(l->cycle.error), "%s", why);
     }
     /* hiredis 0.14 cannot cancel a command: drop the connection, which runs
      * every pending callback with a NULL reply and ends the batch. */
@@ -518,6 +634,41 @@ static int parse_row(PGresult *res, int i, struct relay_row *row)
     return 0;
 }
 
+/* Sends every row of the lane's batch to Redis under one deadline. */
+static void start_publish(struct lane *l)
+{
+    struct relay *r = l->r;
+    r->publishing = l;
+    set_stage(l, LANE_PUBLISH);
+    memset(&l->cycle, 0, sizeof(l->cycle));
+    uint64_t not_after = relay_sink_deadline_ms(r->sink, r->cfg->publish_timeout_ms);
+    for (size_t i = 0; i < l->nrows; i++) {
+        struct relay_row *row = &l->rows[i];
+        relay_respbuf_reset(&r->out);
+        int rc = relay_batch_append_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
+                                            r->cfg->dedup_ttl_ms, not_after, &r->out, row->error,
+                                            sizeof(row->error));
+        if (rc == -1) {
+            row->state = RELAY_ROW_FAILED;
+            continue;
+        }
+        if (rc != 0 ||
+            relay_sink_formatted(r->sink, r->out.data, r->out.len, on_publish_reply, row) < 0) {
+            l->cycle.failed = 1;
+            snprintf(l->cycle.error, sizeof(l->cycle.error), "Redis connection not ready");
+            break;
+        }
+        row->state = RELAY_ROW_PUBLISHING;
+        l->cycle.pending++;
+    }
+    if (l->cycle.pending == 0) {
+        publish_done(l);
+        return;
+    }
+    ev_timer_set(&r->deadline, r->cfg->publish_timeout_ms / 1000.0, 0.0);
+    ev_timer_start(r->loop, &r->deadline);
+}
+
 /*
  * Closing the race of the idle declaration: a producer transaction that was
  * already running when the flag went up may have read the old value and
@@ -528,15 +679,15 @@ static int parse_row(PGresult *res, int i, struct relay_row *row)
 static void on_settle_checked(struct relay_pgsrc *pg, PGresult *res, const char *err,
                               const char *sqlstate, void *arg);
 
-static void settle_check(struct relay *r)
+static void settle_check(struct lane *l)
 {
-    const char *params[1] = {r->settle_snapshot};
-    if (relay_pgsrc_send(r->claim,
+    const char *params[1] = {l->r->settle_snapshot};
+    if (relay_pgsrc_send(l->pg,
                          "SELECT count(*) FROM unnest(pg_snapshot_xip($1::pg_snapshot)) AS x"
                          " WHERE pg_xact_status(x) = 'in progress'",
-                         1, params, 0, on_settle_checked, r) < 0) {
-        r->wake = WAKE_BUSY;
-        cycle_ended(r);
+                         1, params, 0, on_settle_checked, l) < 0) {
+        l->r->wake = WAKE_BUSY;
+        lane_ended(l);
     }
 }
 
@@ -545,14 +696,15 @@ static void on_settle_timer(struct ev_loop *loop, ev_timer *w, int revents)
     struct relay *r = w->data;
     (void)loop;
     (void)revents;
-    if (r->state == CYCLE_SETTLE && !r->stopping)
-        settle_check(r);
+    if (r->settling != NULL && r->settling->state == LANE_SETTLE && !r->stopping)
+        settle_check(r->settling);
 }
 
 static void on_settle_checked(struct relay_pgsrc *pg, PGresult *res, const char *err,
                               const char *sqlstate, void *arg)
 {
-    struct relay *r = arg;
+    struct lane *l = arg;
+    struct relay *r = l->r;
     (void)pg;
     (void)sqlstate;
     long running = err == NULL && res != NULL && PQntuples(res) == 1
@@ -570,13 +722,14 @@ static void on_settle_checked(struct relay_pgsrc *pg, PGresult *res, const char 
     }
     /* The last claim before sleeping: anything those transactions wrote. */
     r->want_claim = 1;
-    cycle_ended(r);
+    lane_ended(l);
 }
 
 static void on_idle_declared(struct relay_pgsrc *pg, PGresult *res, const char *err,
                              const char *sqlstate, void *arg)
 {
-    struct relay *r = arg;
+    struct lane *l = arg;
+    struct relay *r = l->r;
     (void)pg;
     (void)sqlstate;
     if (r->stopping) {
@@ -590,20 +743,21 @@ static void on_idle_declared(struct relay_pgsrc *pg, PGresult *res, const char *
         if (err != NULL)
             relay_warn(COMPONENT, "cannot declare the relay idle (%s); the poll keeps it going",
                        err);
-        cycle_ended(r);
+        lane_ended(l);
         return;
     }
     snprintf(r->settle_snapshot, sizeof(r->settle_snapshot), "%s", PQgetvalue(res, 0, 0));
     PQclear(res);
     r->wake = WAKE_IDLE;
     r->settle_started = ev_now(r->loop);
-    settle_check(r);
+    settle_check(l);
 }
 
 static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
                        const char *sqlstate, void *arg)
 {
-    struct relay *r = arg;
+    struct lane *l = arg;
+    struct relay *r = l->r;
     (void)pg;
     (void)sqlstate;
     if (r->stopping) {
@@ -616,72 +770,61 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
             PQclear(res);
         char why[600];
         snprintf(why, sizeof(why), "claim failed: %s", err ? err : "unexpected result shape");
-        batch_failed(r, why);
+        batch_failed(l, why);
         return;
     }
-    r->claim_res = res;
+    l->claim_res = res;
+    if (l->abandon) {
+        roll_back(l);
+        return;
+    }
     int n = PQntuples(res);
-    r->nrows = 0;
+    l->nrows = 0;
     for (int i = 0; i < n && (size_t)i < r->cfg->batch_size; i++) {
-        if (parse_row(res, i, &r->rows[r->nrows]) < 0) {
-            batch_failed(r, "claim returned a malformed row");
+        if (parse_row(res, i, &l->rows[l->nrows]) < 0) {
+            batch_failed(l, "claim returned a malformed row");
             return;
         }
-        r->nrows++;
+        l->nrows++;
     }
-    if (r->nrows == 0) {
-        if (r->cfg->listen && r->wake == WAKE_BUSY) {
-            /* Nothing pending: declare idle, so producers notify again, and
-             * read which transactions were running at that moment. */
-            if (relay_pgsrc_send(r->claim,
+    if (l->nrows == 0) {
+        if (r->cfg->listen && r->wake == WAKE_BUSY && all_lanes_idle_but(r, l)) {
+            /* Nothing pending and nothing in flight: declare idle, so
+             * producers notify again, and read which transactions were
+             * running at that moment. */
+            if (relay_pgsrc_send(l->pg,
                                  IDLE_FLAG_ON " COMMIT; SELECT pg_current_snapshot()::text", 0,
-                                 NULL, 0, on_idle_declared, r) == 0)
-                r->state = CYCLE_SETTLE;
-            else
-                cycle_ended(r);
+                                 NULL, 0, on_idle_declared, l) == 0) {
+                set_stage(l, LANE_SETTLE);
+                r->settling = l;
+            } else {
+                lane_ended(l);
+            }
             return;
         }
         /* Nothing pending: end the (empty) transaction. */
-        if (relay_pgsrc_send(r->claim, "COMMIT", 0, NULL, 0, on_rolled_back, r) == 0)
-            r->state = CYCLE_ROLLBACK;
+        if (relay_pgsrc_send(l->pg, "COMMIT", 0, NULL, 0, on_rolled_back, l) == 0)
+            set_stage(l, LANE_ROLLBACK);
         else
-            cycle_ended(r);
+            lane_ended(l);
         return;
     }
-
-    r->state = CYCLE_PUBLISH;
-    memset(&r->cycle, 0, sizeof(r->cycle));
-    struct relay_publish_cmd cmd;
-    uint64_t not_after = relay_sink_deadline_ms(r->sink, r->cfg->publish_timeout_ms);
-    for (size_t i = 0; i < r->nrows; i++) {
-        struct relay_row *row = &r->rows[i];
-        if (relay_batch_build_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
-                                      r->cfg->dedup_ttl_ms, not_after, &cmd, row->error,
-                                      sizeof(row->error)) < 0) {
-            row->state = RELAY_ROW_FAILED;
-            continue;
-        }
-        if (relay_sink_command(r->sink, cmd.argc, cmd.argv, cmd.argvlen, on_publish_reply, row) <
-            0) {
-            r->cycle.failed = 1;
-            snprintf(r->cycle.error, sizeof(r->cycle.error), "Redis connection not ready");
-            break;
-        }
-        row->state = RELAY_ROW_PUBLISHING;
-        r->cycle.pending++;
-    }
-    if (r->cycle.pending == 0) {
-        publish_done(r);
-        return;
-    }
-    ev_timer_set(&r->deadline, r->cfg->publish_timeout_ms / 1000.0, 0.0);
-    ev_timer_start(r->loop, &r->deadline);
+    /* A full batch: more is likely waiting, so the other lane claims it while
+     * this one publishes. */
+    if (l->nrows == r->cfg->batch_size && r->nlanes > 1)
+        r->want_claim = 1;
+    if (r->publishing == NULL)
+        start_publish(l);
+    else
+        set_stage(l, LANE_CLAIMED);
+    maybe_claim(r);
 }
 
 static void on_begun(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
                      void *arg)
 {
-    struct relay *r = arg;
+    struct lane *l = arg;
+    struct relay *r = l->r;
     (void)sqlstate;
     if (res != NULL)
         PQclear(res);
@@ -690,32 +833,41 @@ static void on_begun(struct relay_pgsrc *pg, PGresult *res, const char *err, con
     if (err != NULL) {
         char why[600];
         snprintf(why, sizeof(why), "BEGIN failed: %s", err);
-        batch_failed(r, why);
+        batch_failed(l, why);
+        return;
+    }
+    if (l->abandon) {
+        roll_back(l);
         return;
     }
     char limit[16];
     snprintf(limit, sizeof(limit), "%u", r->cfg->batch_size);
     const char *params[2] = {limit, r->paused_param};
-    if (relay_pgsrc_send_prepared(pg, "claim", 2, params, 1, on_claimed, r) < 0) {
-        batch_failed(r, "PostgreSQL connection lost before the claim");
+    if (relay_pgsrc_send_prepared(pg, "claim", 2, params, 1, on_claimed, l) < 0) {
+        batch_failed(l, "PostgreSQL connection lost before the claim");
         return;
     }
-    r->state = CYCLE_CLAIM;
+    set_stage(l, LANE_CLAIM);
 }
 
 static void maybe_claim(struct relay *r)
 {
-    if (r->state != CYCLE_IDLE || r->in_backoff || r->draining || r->stopping || !r->want_claim)
+    if (r->in_backoff || r->draining || r->stopping || !r->want_claim)
         return;
-    if (relay_pgsrc_state(r->claim) != RELAY_PG_READY || !relay_sink_ready(r->sink))
-        return; /* the ready hooks call back here */
+    if (!relay_sink_ready(r->sink))
+        return; /* the ready hook calls back here */
+    struct lane *l = free_lane(r);
+    if (l == NULL)
+        return; /* a lane's end or ready hook calls back here */
     r->want_claim = 0;
-    r->batch_started = ev_now(r->loop);
-    if (relay_pgsrc_send(r->claim, "BEGIN", 0, NULL, 0, on_begun, r) < 0) {
+    l->claimed_at = ev_now(r->loop);
+    l->seq = ++r->next_seq;
+    l->abandon = 0;
+    if (relay_pgsrc_send(l->pg, "BEGIN", 0, NULL, 0, on_begun, l) < 0) {
         r->want_claim = 1;
         return;
     }
-    r->state = CYCLE_BEGIN;
+    set_stage(l, LANE_BEGIN);
 }
 
 /* ---- triggers -------------------------------------------------------- */
@@ -746,11 +898,31 @@ static void on_retry(struct ev_loop *loop, ev_timer *w, int revents)
 static void pg_ready(struct relay_pgsrc *pg, void *arg)
 {
     struct relay *r = arg;
-    /* Catch up: notifications sent while we were away are lost. The claim
+    /* Catch up: notifications sent while we were away are lost. A claiming
      * connection starts busy: it declares itself idle after the catch-up. */
-    if (pg == r->claim)
+    if (pg != r->listen)
         r->wake = WAKE_BUSY;
     want_cycle(r);
+}
+
+/* A claiming connection broke. A lane with a command in flight hears of it
+ * from that command; a lane between commands holds a batch whose locks the
+ * server has just released, so the batch is void. */
+static void pg_down(struct relay_pgsrc *pg, void *arg)
+{
+    struct relay *r = arg;
+    for (size_t i = 0; i < r->nlanes; i++) {
+        struct lane *l = &r->lanes[i];
+        if (l->pg != pg || r->stopping)
+            continue;
+        if (l->state == LANE_CLAIMED) {
+            batch_failed(l, "PostgreSQL connection lost while the batch waited to publish");
+        } else if (l->state == LANE_PUBLISH && !l->cycle.failed) {
+            l->cycle.failed = 1;
+            snprintf(l->cycle.error, sizeof(l->cycle.error),
+                     "PostgreSQL connection lost while the batch was published");
+        }
+    }
 }
 
 static void pg_notify(struct relay_pgsrc *pg, void *arg)
@@ -880,21 +1052,40 @@ static void on_observation(struct ev_loop *loop, ev_async *w, int revents)
         apply_backpressure(r);
 }
 
+/* No lane is stuck: each stage of a batch (claim and wait for the batch
+ * ahead; publish and mark) ends within its deadlines. */
 static int healthy(struct relay *r)
 {
-    if (r->state == CYCLE_IDLE)
-        return 1;
     double limit = (r->cfg->publish_timeout_ms + 2.0 * r->cfg->statement_timeout_ms +
                     r->cfg->connect_timeout_ms) /
                    1000.0;
-    return ev_now(r->loop) - r->batch_started < limit;
+    for (size_t i = 0; i < r->nlanes; i++) {
+        const struct lane *l = &r->lanes[i];
+        if (l->state == LANE_IDLE)
+            continue;
+        ev_tstamp since = l->state == LANE_PUBLISH || l->state == LANE_FINISH ? l->stage_at
+                                                                              : l->claimed_at;
+        if (ev_now(r->loop) - since >= limit)
+            return 0;
+    }
+    return 1;
+}
+
+/* 1 when every claiming connection is connected. */
+static int postgres_up(const struct relay *r)
+{
+    for (size_t i = 0; i < r->nlanes; i++) {
+        enum relay_pgsrc_state st = relay_pgsrc_state(r->lanes[i].pg);
+        if (st != RELAY_PG_READY && st != RELAY_PG_BUSY)
+            return 0;
+    }
+    return 1;
 }
 
 static int relay_is_ready(void *arg, char *why, size_t whylen)
 {
     struct relay *r = arg;
-    if (relay_pgsrc_state(r->claim) == RELAY_PG_DOWN || relay_pgsrc_state(r->claim) ==
-                                                            RELAY_PG_CONNECTING) {
+    if (!postgres_up(r)) {
         snprintf(why, whylen, "PostgreSQL not connected");
         return 0;
     }
@@ -930,8 +1121,7 @@ static long render_metrics(void *arg, char **out)
                       HIREDIS_PATCH);
     metric_help(&t, "outbox_relay_up", "gauge", "Connection state of each server (1 connected).");
     relay_text_printf(&t, "outbox_relay_up{server=\"postgres\"} %d\n",
-                      relay_pgsrc_state(r->claim) == RELAY_PG_READY ||
-                          relay_pgsrc_state(r->claim) == RELAY_PG_BUSY);
+                      postgres_up(r));
     relay_text_printf(&t, "outbox_relay_up{server=\"redis\"} %d\n", relay_sink_ready(r->sink));
     metric_help(&t, "outbox_relay_ready", "gauge",
                 "1 when connected to both servers and not stalled.");
@@ -1061,7 +1251,7 @@ static void on_status(struct ev_loop *loop, ev_timer *w, int revents)
     (void)revents;
     snprintf(text, sizeof(text), "STATUS=%llu published, %llu quarantined; PostgreSQL %s, Redis %s%s",
              r->published_total, r->quarantined_total,
-             relay_pgsrc_state(r->claim) == RELAY_PG_DOWN ? "down" : "up",
+             postgres_up(r) ? "up" : "down",
              relay_sink_ready(r->sink) ? "up" : "down", r->in_backoff ? "; retrying a batch" : "");
     if (strcmp(text, r->status_text) == 0)
         return;
@@ -1114,7 +1304,7 @@ static void on_term(struct ev_loop *loop, ev_signal *w, int revents)
     ev_timer_stop(loop, &r->poll_timer);
     ev_timer_stop(loop, &r->kick);
     ev_timer_stop(loop, &r->retry_timer);
-    if (r->state == CYCLE_IDLE) {
+    if (all_lanes_idle(r)) {
         relay_info(COMPONENT, "signal %d: shutting down", w->signum);
         ev_break(loop, EVBREAK_ALL);
         return;
@@ -1170,14 +1360,14 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
     r->cfg = cfg;
     if (reload != NULL)
         r->reload = *reload;
-    const size_t keymax = 320 + RELAY_TOPIC_MAX;
-    r->rows = calloc(cfg->batch_size, sizeof(*r->rows));
-    r->del_argv = calloc(cfg->batch_size + 1, sizeof(*r->del_argv));
-    r->del_lens = calloc(cfg->batch_size + 1, sizeof(*r->del_lens));
-    r->del_keys = malloc(cfg->batch_size * keymax);
-    if (r->rows == NULL || r->del_argv == NULL || r->del_lens == NULL || r->del_keys == NULL) {
-        relay_free(r);
-        return NULL;
+    r->nlanes = cfg->pipeline ? 2 : 1;
+    for (size_t i = 0; i < r->nlanes; i++) {
+        r->lanes[i].r = r;
+        r->lanes[i].rows = calloc(cfg->batch_size, sizeof(*r->lanes[i].rows));
+        if (r->lanes[i].rows == NULL) {
+            relay_free(r);
+            return NULL;
+        }
     }
     relay_backoff_init(&r->batch_backoff, cfg->reconnect_min_ms, cfg->reconnect_max_ms);
 
@@ -1206,8 +1396,13 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
     ev_signal_start(loop, &r->sigint);
     ev_signal_start(loop, &r->sighup);
 
-    struct relay_pgsrc_hooks claim_hooks = {.arg = r, .on_ready = pg_ready};
-    r->claim = relay_pgsrc_new(loop, cfg, RELAY_PGSRC_CLAIM, &claim_hooks);
+    struct relay_pgsrc_hooks claim_hooks = {.arg = r, .on_ready = pg_ready, .on_down = pg_down};
+    int lanes_ok = 1;
+    for (size_t i = 0; i < r->nlanes; i++) {
+        r->lanes[i].pg = relay_pgsrc_new(loop, cfg, RELAY_PGSRC_CLAIM, &claim_hooks);
+        if (r->lanes[i].pg == NULL)
+            lanes_ok = 0;
+    }
     if (cfg->listen) {
         struct relay_pgsrc_hooks listen_hooks = {.arg = r, .on_ready = pg_ready,
                                                  .on_notify = pg_notify};
@@ -1215,7 +1410,7 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
     }
     struct relay_sink_hooks sink_hooks = {.arg = r, .on_ready = sink_ready};
     r->sink = relay_sink_new(loop, cfg, &sink_hooks);
-    if (r->claim == NULL || (cfg->listen && r->listen == NULL) || r->sink == NULL) {
+    if (!lanes_ok || (cfg->listen && r->listen == NULL) || r->sink == NULL) {
         relay_free(r);
         return NULL;
     }
@@ -1254,13 +1449,14 @@ int relay_run(struct relay *r)
     int pqv = PQlibVersion();
     relay_info(COMPONENT,
                "outbox-relay %s running (libpq %d.%d, hiredis %d.%d.%d, libev %d.%d %s): "
-               "batch_size=%u poll_interval=%u ms listen=%s",
+               "batch_size=%u poll_interval=%u ms listen=%s pipeline=%s",
                RELAY_VERSION, pqv / 10000, pqv % 10000, HIREDIS_MAJOR, HIREDIS_MINOR,
                HIREDIS_PATCH, ev_version_major(), ev_version_minor(),
                backend == EVBACKEND_EPOLL ? "epoll" : backend == EVBACKEND_POLL ? "poll"
                                                       : backend == EVBACKEND_SELECT ? "select"
                                                                                     : "other",
-               r->cfg->batch_size, r->cfg->poll_interval_ms, r->cfg->listen ? "on" : "off");
+               r->cfg->batch_size, r->cfg->poll_interval_ms, r->cfg->listen ? "on" : "off",
+               r->nlanes > 1 ? "on" : "off");
     start_watchdog(r);
     ev_timer_init(&r->status, on_status, 0.0, 2.0);
     r->status.data = r;
@@ -1308,12 +1504,12 @@ void relay_free(struct relay *r)
     /* Redis first: its pending callbacks run now and see r->stopping. */
     relay_sink_free(r->sink);
     relay_pgsrc_free(r->listen);
-    relay_pgsrc_free(r->claim);
-    free_batch(r);
-    free(r->rows);
-    free(r->del_argv);
-    free(r->del_lens);
-    free(r->del_keys);
-    relay_sqlbuf_free(&r->sql);
+    for (size_t i = 0; i < r->nlanes; i++) {
+        relay_pgsrc_free(r->lanes[i].pg);
+        free_batch(&r->lanes[i]);
+        free(r->lanes[i].rows);
+        relay_sqlbuf_free(&r->lanes[i].sql);
+    }
+    relay_respbuf_free(&r->out);
     free(r);
 }

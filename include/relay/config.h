@@ -39,6 +39,7 @@ struct relay_config {
     uint32_t max_attempts;       /* per-row failures before quarantine, 1..1000 */
     uint32_t max_payload_bytes;  /* 1..536870912 */
     int listen;                  /* 1: LISTEN for wake-ups; 0: poll only */
+    int pipeline;                /* 1: claim the next batch while this one publishes */
 
     /* Time, all in milliseconds. */
     uint32_t poll_interval_ms;

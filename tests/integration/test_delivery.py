@@ -10,6 +10,9 @@ Promises tested (DESIGN.md §2 P1, P3, P4 and the stream contract of §5):
   the bytes the table holds;
 - rows of rolled-back transactions (and rolled-back savepoints) never arrive;
   a row that commits after rows with higher ids is not skipped;
+- batches reach each stream in claim order, also with pipeline on while
+  batches fail (Redis frozen past publish_timeout); pipeline off claims on one
+  connection;
 - a row with a topic outside [A-Za-z0-9._-]{1,200} is not published, gets
   last_error, does not hold back the rows behind it, is explained in the log,
   and is quarantined after max_attempts.
@@ -18,6 +21,7 @@ Promises tested (DESIGN.md §2 P1, P3, P4 and the stream contract of §5):
 import datetime
 import json
 import re
+import time
 import unittest
 
 import psycopg2
@@ -121,6 +125,62 @@ class DeliveryTest(harness.ServerTestCase):
             ids = [int(fields[b"outbox_id"]) for _, fields in entries]
             self.assertEqual(ids, sorted(ids), f"stream {stream!r} is in claim (id) order")
             self.assertEqual(len(ids), 350)
+
+    def claim_connections(self):
+        return scalar(self.db, "SELECT count(*) FROM pg_stat_activity"
+                               " WHERE application_name = 'outbox-relay'")
+
+    def test_pipeline_keeps_claim_order_when_batches_fail(self):
+        """With pipeline on, batch N+1 is claimed while N publishes. Freezing Redis
+        fails N by its deadline while N+1 waits, claimed: N+1 is rolled back at
+        once (not left holding its rows until the server ends its transaction),
+        and nothing overtakes N's retry, so each stream stays in id order."""
+        conn = self.pg.connect(autocommit=False)
+        self.addCleanup(conn.close)
+        rows = 12000
+        for start in range(0, rows, 2000):
+            harness.insert_many(conn, [(f"topic{i % 3}", b"%d" % i, None)
+                                       for i in range(start, start + 2000)])
+        relay = self.relay(poll_interval=POLL, batch_size=100, publish_timeout="300ms",
+                           reconnect_min="50ms", reconnect_max="200ms")
+        wait_until(lambda: self.claim_connections() == 2, timeout=20, relay=relay,
+                   message="two claiming connections (pipeline on)")
+        failures = 0
+        remaining = rows
+        for _ in range(3):
+            wait_until(lambda: harness.count_unsent(self.db) <= max(0, remaining - 200),
+                       timeout=60, interval=0.01, relay=relay)
+            if harness.count_unsent(self.db) == 0:
+                break
+            self.redis.pause()
+            try:
+                time.sleep(0.8)
+            finally:
+                self.redis.resume()
+            failures += 1
+            remaining = harness.count_unsent(self.db)
+        harness.wait_all_sent(self.db, timeout=120, relay=relay)
+        self.assertGreater(failures, 0, "the drain ended before Redis could be frozen")
+        relay.wait_for_log(r"no reply to the batch within publish_timeout", timeout=5)
+        self.assertEqual(harness.problem_lines(relay.log(), "pg"), [],
+                         "no claiming connection was lost or timed out")
+        self.verifier().report().assert_exactly_once(self)
+        for stream, entries in harness.all_entries(self.r).items():
+            ids = [int(fields[b"outbox_id"]) for _, fields in entries]
+            self.assertEqual(ids, sorted(ids), f"stream {stream!r} is in claim (id) order")
+            self.assertEqual(len(ids), 4000)
+
+    def test_pipeline_off_claims_on_one_connection(self):
+        conn = self.pg.connect(autocommit=False)
+        self.addCleanup(conn.close)
+        harness.insert_many(conn, [("orders", b"%d" % i, None) for i in range(1000)])
+        relay = self.relay(poll_interval=POLL, batch_size=100, pipeline="off")
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        self.assertEqual(self.claim_connections(), 1)
+        self.assertIn("pipeline=off", relay.log())
+        self.verifier().report().assert_exactly_once(self)
+        ids = [int(f[b"outbox_id"]) for _, f in harness.stream_entries(self.r, "orders")]
+        self.assertEqual(ids, sorted(ids))
 
     def test_enqueue_payloads_arrive_as_stored(self):
         relay = self.relay(poll_interval=POLL)
