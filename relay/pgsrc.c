@@ -55,6 +55,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "004_schema_version.sql",
     "005_backpressure.sql",
     "006_wakeup_when_idle.sql",
+    "007_wakeup_lock.sql",
 };
 
 enum setup_step {

@@ -73,20 +73,27 @@ enum lane_state {
     LANE_PUBLISH,  /* FCALLs in flight */
     LANE_FINISH,   /* mark + COMMIT sent */
     LANE_ROLLBACK, /* ROLLBACK (or the COMMIT of an empty claim) sent */
-    LANE_SETTLE,   /* declared idle; waiting for transactions that may not notify */
 };
 
-/* The wake-up protocol of migrations/006 (DESIGN.md 7.1): producers notify
- * only while a relay has declared itself idle. */
+/* The wake-up protocol of migrations/007 (DESIGN.md 7.1): producers notify
+ * only while no relay holds the wake-up lock, which a busy relay holds on its
+ * LISTEN connection. */
 enum wake_mode {
     WAKE_BUSY = 0, /* claiming on its own until a claim comes back empty */
     WAKE_IDLE,     /* declared idle: notifications wake it */
 };
 
-#define IDLE_FLAG_ON                                                                               \
-    "UPDATE outbox.relay_wakeup SET relay_idle = true, changed_at = now() WHERE NOT relay_idle;"
-#define IDLE_FLAG_OFF                                                                              \
-    "UPDATE outbox.relay_wakeup SET relay_idle = false, changed_at = now() WHERE relay_idle;"
+enum wake_lock {
+    LOCK_FREE = 0, /* not held: producers notify */
+    LOCK_TAKING,   /* requested; new producers already skip their notification */
+    LOCK_HELD,     /* held: producers skip their notification */
+};
+
+/* The advisory lock key of migrations/007: "outbox" in ASCII. */
+#define WAKEUP_LOCK "122550254464888"
+/* How long a busy relay waits for notifying producers to commit before it
+ * gives up taking the lock for this batch. */
+#define WAKEUP_LOCK_TIMEOUT_MS "250"
 
 struct relay;
 
@@ -129,10 +136,12 @@ struct relay {
     char status_text[256];
 
     enum wake_mode wake;
+    enum wake_lock lock;
+    int idle_wanted; /* a claim came back empty while the lock was being taken */
+    int settling;    /* declared idle; waiting for transactions that may not notify */
     ev_timer settle_timer;
     ev_tstamp settle_started;
-    struct lane *settling;
-    char settle_snapshot[4096];
+    char settle_marker[32]; /* a transaction id taken right after the release */
     int want_claim;
     int in_backoff;
     int draining;
@@ -184,6 +193,7 @@ static const double batch_buckets[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 
 
 static void maybe_claim(struct relay *r);
 static void start_publish(struct lane *l);
+static void take_wakeup_lock(struct relay *r);
 static void on_idle_declared(struct relay_pgsrc *pg, PGresult *res, const char *err,
                              const char *sqlstate, void *arg);
 static void log_row_failures(struct lane *l);
@@ -213,13 +223,14 @@ static int all_lanes_idle_but(const struct relay *r, const struct lane *but)
 static struct lane *free_lane(struct relay *r)
 {
     struct lane *free = NULL;
+    if (r->settling)
+        return NULL;
     for (size_t i = 0; i < r->nlanes; i++) {
         struct lane *l = &r->lanes[i];
         switch (l->state) {
         case LANE_BEGIN:
         case LANE_CLAIM:
         case LANE_CLAIMED:
-        case LANE_SETTLE:
             return NULL;
         case LANE_IDLE:
             if (free == NULL && relay_pgsrc_state(l->pg) == RELAY_PG_READY)
@@ -265,8 +276,6 @@ static void lane_ended(struct lane *l)
     free_batch(l);
     l->state = LANE_IDLE;
     l->abandon = 0;
-    if (r->settling == l)
-        r->settling = NULL;
     if (r->draining) {
         if (all_lanes_idle(r)) {
             relay_info(COMPONENT, "batch in flight finished; shutting down");
@@ -464,8 +473,10 @@ static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
     /* A full batch means more may be waiting: claim again at once. A busy
      * relay gets no notifications (producers skip them), so it claims again
      * until a claim comes back empty. */
-    if (r->cfg->listen)
+    if (r->cfg->listen) {
         r->wake = WAKE_BUSY;
+        take_wakeup_lock(r); /* again, if an earlier attempt timed out */
+    }
     if (l->nrows == r->cfg->batch_size || (r->cfg->listen && r->wake == WAKE_BUSY))
         r->want_claim = 1;
     lane_ended(l);
@@ -526,16 +537,14 @@ static void publish_done(struct lane *l)
         return;
     }
     struct relay_sql_quoter q = {quote_literal, relay_pgsrc_freemem, l->pg};
-    const char *before_commit = NULL;
     if (r->cfg->listen && r->wake != WAKE_BUSY) {
-        /* Producers may stop notifying from here on: this relay claims on
-         * its own until a claim comes back empty. Should this transaction
-         * fail, the flag stays up, which only costs producers notifications. */
-        before_commit = IDLE_FLAG_OFF;
+        /* From here on this relay claims on its own until a claim comes back
+         * empty, so producers may stop notifying. */
         r->wake = WAKE_BUSY;
+        take_wakeup_lock(r);
     }
     int quarantined =
-        relay_batch_finish_sql(l->rows, l->nrows, r->cfg->max_attempts, &q, before_commit, &l->sql);
+        relay_batch_finish_sql(l->rows, l->nrows, r->cfg->max_attempts, &q, NULL, &l->sql);
     if (quarantined < 0) {
         batch_failed(l, "cannot build the statement that marks the batch sent");
         return;
@@ -669,26 +678,78 @@ static void start_publish(struct lane *l)
     ev_timer_start(r->loop, &r->deadline);
 }
 
+/* ---- the wake-up lock -------------------------------------------------- */
+
+static void on_lock_taken(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                          const char *sqlstate, void *arg)
+{
+    struct relay *r = arg;
+    (void)pg;
+    (void)sqlstate;
+    if (res != NULL)
+        PQclear(res);
+    if (r->stopping)
+        return;
+    if (err != NULL) {
+        /* Typically lock_timeout: a notifying producer has not committed yet.
+         * Producers keep notifying meanwhile, which costs them, not us. */
+        r->lock = LOCK_FREE;
+        relay_debug(COMPONENT, "wake-up lock not taken (%s); retrying after the next batch", err);
+    } else {
+        r->lock = LOCK_HELD;
+        relay_debug(COMPONENT, "busy: holding the wake-up lock; producers stop notifying");
+    }
+    if (r->idle_wanted) {
+        r->idle_wanted = 0;
+        want_cycle(r);
+    }
+}
+
+/* A busy relay takes the lock so that producers stop notifying. Runs on the
+ * LISTEN connection, which has nothing else to do while the relay is busy. */
+static void take_wakeup_lock(struct relay *r)
+{
+    if (!r->cfg->listen || r->listen == NULL || r->lock != LOCK_FREE || r->settling ||
+        relay_pgsrc_state(r->listen) != RELAY_PG_READY)
+        return;
+    if (relay_pgsrc_send(r->listen,
+                         "SET lock_timeout = " WAKEUP_LOCK_TIMEOUT_MS ";"
+                         " SELECT pg_advisory_lock(" WAKEUP_LOCK ")",
+                         0, NULL, 0, on_lock_taken, r) == 0)
+        r->lock = LOCK_TAKING;
+}
+
 /*
- * Closing the race of the idle declaration: a producer transaction that was
- * already running when the flag went up may have read the old value and
- * skipped its notification. Wait until every transaction in progress at that
- * moment has ended (bounded by poll_interval, after which the poll covers
- * it), then claim once more before waiting for notifications.
+ * Closing the race of the idle declaration: a producer transaction that
+ * checked the lock while it was still held skipped its notification. Every
+ * such transaction had its id before the check (its INSERT assigned it), so
+ * its id is below the one the relay takes right after the release. Wait until
+ * no transaction older than that marker is running (the xmin of a fresh
+ * snapshot has passed it; bounded by poll_interval, after which the poll
+ * covers it), then claim once more before waiting for notifications. A
+ * snapshot's list of running transactions would not do: it leaves out those
+ * newer than the last one to complete.
  */
 static void on_settle_checked(struct relay_pgsrc *pg, PGresult *res, const char *err,
                               const char *sqlstate, void *arg);
 
-static void settle_check(struct lane *l)
+static void settle_ended(struct relay *r)
 {
-    const char *params[1] = {l->r->settle_snapshot};
-    if (relay_pgsrc_send(l->pg,
-                         "SELECT count(*) FROM unnest(pg_snapshot_xip($1::pg_snapshot)) AS x"
-                         " WHERE pg_xact_status(x) = 'in progress'",
-                         1, params, 0, on_settle_checked, l) < 0) {
-        l->r->wake = WAKE_BUSY;
-        lane_ended(l);
-    }
+    relay_debug(COMPONENT, "idle: waited %.1f ms for transactions that may not have notified; "
+                           "claiming once more",
+                (ev_now(r->loop) - r->settle_started) * 1000.0);
+    r->settling = 0;
+    /* The last claim before sleeping: anything those transactions wrote. */
+    want_cycle(r);
+}
+
+static void settle_check(struct relay *r)
+{
+    const char *params[1] = {r->settle_marker};
+    if (relay_pgsrc_send(r->listen,
+                         "SELECT (pg_snapshot_xmin(pg_current_snapshot()) < $1::xid8)::int", 1,
+                         params, 0, on_settle_checked, r) < 0)
+        settle_ended(r);
 }
 
 static void on_settle_timer(struct ev_loop *loop, ev_timer *w, int revents)
@@ -696,15 +757,14 @@ static void on_settle_timer(struct ev_loop *loop, ev_timer *w, int revents)
     struct relay *r = w->data;
     (void)loop;
     (void)revents;
-    if (r->settling != NULL && r->settling->state == LANE_SETTLE && !r->stopping)
-        settle_check(r->settling);
+    if (r->settling && !r->stopping)
+        settle_check(r);
 }
 
 static void on_settle_checked(struct relay_pgsrc *pg, PGresult *res, const char *err,
                               const char *sqlstate, void *arg)
 {
-    struct lane *l = arg;
-    struct relay *r = l->r;
+    struct relay *r = arg;
     (void)pg;
     (void)sqlstate;
     long running = err == NULL && res != NULL && PQntuples(res) == 1
@@ -716,20 +776,20 @@ static void on_settle_checked(struct relay_pgsrc *pg, PGresult *res, const char 
         return;
     double waited_ms = (ev_now(r->loop) - r->settle_started) * 1000.0;
     if (running > 0 && waited_ms < r->cfg->poll_interval_ms && !r->draining) {
-        ev_timer_set(&r->settle_timer, 0.001, 0.0);
+        /* 1 ms at first (a producer's commit is that close), backing off to
+         * 50 ms behind a long transaction. */
+        double delay = waited_ms < 10.0 ? 0.001 : waited_ms < 100.0 ? 0.01 : 0.05;
+        ev_timer_set(&r->settle_timer, delay, 0.0);
         ev_timer_start(r->loop, &r->settle_timer);
         return;
     }
-    /* The last claim before sleeping: anything those transactions wrote. */
-    r->want_claim = 1;
-    lane_ended(l);
+    settle_ended(r);
 }
 
 static void on_idle_declared(struct relay_pgsrc *pg, PGresult *res, const char *err,
                              const char *sqlstate, void *arg)
 {
-    struct lane *l = arg;
-    struct relay *r = l->r;
+    struct relay *r = arg;
     (void)pg;
     (void)sqlstate;
     if (r->stopping) {
@@ -737,20 +797,43 @@ static void on_idle_declared(struct relay_pgsrc *pg, PGresult *res, const char *
             PQclear(res);
         return;
     }
+    /* Released or not, the next busy spell takes the lock afresh
+     * (pg_advisory_unlock_all also drops a lock taken twice). */
+    r->lock = LOCK_FREE;
     if (err != NULL || res == NULL || PQntuples(res) != 1) {
         if (res != NULL)
             PQclear(res);
         if (err != NULL)
             relay_warn(COMPONENT, "cannot declare the relay idle (%s); the poll keeps it going",
                        err);
-        lane_ended(l);
+        r->settling = 0;
         return;
     }
-    snprintf(r->settle_snapshot, sizeof(r->settle_snapshot), "%s", PQgetvalue(res, 0, 0));
+    snprintf(r->settle_marker, sizeof(r->settle_marker), "%s", PQgetvalue(res, 0, 0));
     PQclear(res);
     r->wake = WAKE_IDLE;
     r->settle_started = ev_now(r->loop);
-    settle_check(l);
+    settle_check(r);
+}
+
+/* Nothing pending and nothing in flight: release the lock, so producers
+ * notify again, and take a transaction id to mark that moment.
+ * 0 when it cannot be done now: the relay stays busy and claims again when
+ * the lock request ends, the LISTEN connection is back, or the poll fires. */
+static int declare_idle(struct relay *r)
+{
+    if (r->lock == LOCK_TAKING) {
+        r->idle_wanted = 1;
+        return 0;
+    }
+    if (r->listen == NULL || relay_pgsrc_state(r->listen) != RELAY_PG_READY)
+        return 0;
+    if (relay_pgsrc_send(r->listen,
+                         "SELECT pg_advisory_unlock_all(); SELECT pg_current_xact_id()::text", 0,
+                         NULL, 0, on_idle_declared, r) < 0)
+        return 0;
+    r->settling = 1;
+    return 1;
 }
 
 static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
@@ -788,20 +871,8 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
         l->nrows++;
     }
     if (l->nrows == 0) {
-        if (r->cfg->listen && r->wake == WAKE_BUSY && all_lanes_idle_but(r, l)) {
-            /* Nothing pending and nothing in flight: declare idle, so
-             * producers notify again, and read which transactions were
-             * running at that moment. */
-            if (relay_pgsrc_send(l->pg,
-                                 IDLE_FLAG_ON " COMMIT; SELECT pg_current_snapshot()::text", 0,
-                                 NULL, 0, on_idle_declared, l) == 0) {
-                set_stage(l, LANE_SETTLE);
-                r->settling = l;
-            } else {
-                lane_ended(l);
-            }
-            return;
-        }
+        if (r->cfg->listen && r->wake == WAKE_BUSY && all_lanes_idle_but(r, l))
+            (void)declare_idle(r);
         /* Nothing pending: end the (empty) transaction. */
         if (relay_pgsrc_send(l->pg, "COMMIT", 0, NULL, 0, on_rolled_back, l) == 0)
             set_stage(l, LANE_ROLLBACK);
@@ -923,6 +994,15 @@ static void pg_down(struct relay_pgsrc *pg, void *arg)
                      "PostgreSQL connection lost while the batch was published");
         }
     }
+}
+
+/* The LISTEN connection broke: the server released the wake-up lock with it. */
+static void listen_down(struct relay_pgsrc *pg, void *arg)
+{
+    struct relay *r = arg;
+    (void)pg;
+    if (r->lock == LOCK_HELD)
+        r->lock = LOCK_FREE;
 }
 
 static void pg_notify(struct relay_pgsrc *pg, void *arg)
@@ -1405,7 +1485,7 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
     }
     if (cfg->listen) {
         struct relay_pgsrc_hooks listen_hooks = {.arg = r, .on_ready = pg_ready,
-                                                 .on_notify = pg_notify};
+                                                 .on_down = listen_down, .on_notify = pg_notify};
         r->listen = relay_pgsrc_new(loop, cfg, RELAY_PGSRC_LISTEN, &listen_hooks);
     }
     struct relay_sink_hooks sink_hooks = {.arg = r, .on_ready = sink_ready};

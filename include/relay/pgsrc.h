@@ -86,7 +86,7 @@ void relay_pgsrc_freemem(void *p);
 const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
 
 /* The schema version this relay needs and the migration that brings it. */
-#define RELAY_SCHEMA_VERSION 6
+#define RELAY_SCHEMA_VERSION 7
 
 /* The claim statement, prepared on the claim connection as "claim". $1 is the
  * batch size, $2 the topics paused for backpressure (a text[] literal). */

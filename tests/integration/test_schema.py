@@ -9,7 +9,9 @@ Promises tested:
   SELECT ... FOR UPDATE SKIP LOCKED and mark them sent, but cannot INSERT,
   DELETE or change what a producer wrote;
 - a committed insert notifies channel outbox_relay once per transaction; a
-  rolled-back one does not;
+  rolled-back one does not; no insert notifies while a session (a busy relay)
+  holds the wake-up advisory lock of migrations/007, and a producer that is
+  notifying holds that lock shared until its commit;
 - the harness starts and stops PostgreSQL and Redis, restarts them, removes
   their directories also when the test is killed with SIGTERM, and its
   Verifier counts lost, duplicated and stray entries correctly.
@@ -24,6 +26,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import unittest
 
@@ -171,9 +174,11 @@ class SchemaTest(harness.ServerTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 6)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 7)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
-                                         " WHERE version = 6"), "006_wakeup_when_idle.sql")
+                                         " WHERE version = 7"), "007_wakeup_lock.sql")
+        self.assertIsNone(scalar(self.db, "SELECT to_regclass('outbox.relay_wakeup')"),
+                          "the flag table of 006 is gone")
         with self.db.cursor() as cur:
             cur.execute("SELECT column_name, data_type, is_nullable FROM information_schema.columns"
                         " WHERE table_schema = 'outbox' AND table_name = 'messages'")
@@ -264,7 +269,7 @@ class SchemaTest(harness.ServerTestCase):
                                          " WHERE sent_at IS NOT NULL"), 2)
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
                                          " WHERE failed_at IS NOT NULL"), 2)
-        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 6)
+        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 7)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")
@@ -280,10 +285,10 @@ class SchemaTest(harness.ServerTestCase):
                 with conn.cursor() as cur:
                     cur.execute(sql)
 
-    def test_commit_notifies_once_rollback_does_not(self):
-        listener = self.pg.connect()
-        self.addCleanup(listener.close)
-        listener.cursor().execute("LISTEN outbox_relay")
+    def listener(self):
+        conn = self.pg.connect()
+        self.addCleanup(conn.close)
+        conn.cursor().execute("LISTEN outbox_relay")
 
         def notifications(wait):
             deadline = time.monotonic() + wait
@@ -292,11 +297,14 @@ class SchemaTest(harness.ServerTestCase):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return got
-                select.select([listener], [], [], left)
-                listener.poll()
-                got += [n.channel for n in listener.notifies]
-                listener.notifies.clear()
+                select.select([conn], [], [], left)
+                conn.poll()
+                got += [n.channel for n in conn.notifies]
+                conn.notifies.clear()
+        return notifications
 
+    def test_commit_notifies_once_rollback_does_not(self):
+        notifications = self.listener()
         producer = self.pg.connect(autocommit=False)
         self.addCleanup(producer.close)
         harness.insert_many(producer, [("a", b"1"), ("a", b"2")], commit=False)
@@ -308,6 +316,48 @@ class SchemaTest(harness.ServerTestCase):
         producer.rollback()
         self.assertEqual(notifications(0.5), [], "a rolled-back insert notifies nobody")
 
+    def test_no_notification_while_a_relay_holds_the_wakeup_lock(self):
+        """migrations/007: a busy relay holds advisory lock 122550254464888; the
+        producers' trigger then does not notify, and does again once it is gone
+        (released, or its session ended)."""
+        notifications = self.listener()
+        producer = self.as_role("producer_login")
+        relay = self.as_role("relay_login")
+        relay.cursor().execute("SELECT pg_advisory_lock(122550254464888)")
+        insert(producer, "a", b"while busy")
+        self.assertEqual(notifications(0.5), [], "no notification while the lock is held")
+        relay.cursor().execute("SELECT pg_advisory_unlock_all()")
+        insert(producer, "a", b"when idle")
+        self.assertEqual(notifications(0.5), ["outbox_relay"])
+        relay.cursor().execute("SELECT pg_advisory_lock(122550254464888)")
+        insert(producer, "a", b"busy again")
+        self.assertEqual(notifications(0.5), [])
+        relay.close()  # a relay that dies releases the lock with its session
+        wait_until(lambda: scalar(self.db, "SELECT count(*) FROM pg_locks"
+                                           " WHERE locktype = 'advisory'") == 0, timeout=5)
+        insert(producer, "a", b"relay gone")
+        self.assertEqual(notifications(0.5), ["outbox_relay"])
+
+    def test_a_notifying_producer_holds_the_lock_shared_until_commit(self):
+        """The relay's lock request waits for producers that are notifying; while it
+        waits, new producers skip their notification."""
+        notifications = self.listener()
+        slow = self.as_role("producer_login", autocommit=False)
+        insert(slow, "a", b"notifying, not committed", commit=False)
+        relay = self.as_role("relay_login")
+        self.assertFalse(scalar(relay, "SELECT pg_try_advisory_lock(122550254464888)"))
+        waiter = threading.Thread(target=lambda: relay.cursor().execute(
+            "SELECT pg_advisory_lock(122550254464888)"))
+        waiter.start()
+        wait_until(lambda: scalar(self.db, "SELECT count(*) FROM pg_locks WHERE locktype ="
+                                           " 'advisory' AND NOT granted") == 1, timeout=5)
+        other = self.as_role("producer_login")
+        insert(other, "a", b"while the relay waits")
+        self.assertEqual(notifications(0.3), [], "a waiting relay already stops notifications")
+        slow.commit()
+        waiter.join(5)
+        self.assertFalse(waiter.is_alive(), "the lock was granted once the producer committed")
+        self.assertEqual(notifications(0.5), ["outbox_relay"], "the committed producer notified")
 
 class VerifierTest(harness.ServerTestCase):
     """The helpers that every delivery test trusts can see what goes wrong."""

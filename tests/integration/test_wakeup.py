@@ -5,6 +5,12 @@ Promises tested (DESIGN.md §4 "When to claim", §7.1):
   single-row commits reaches its stream well within a second of the commit
   (the p50/p99/max commit-to-entry latency is printed for the report; the
   1000 ms bound is deliberately generous so machine noise cannot flake it);
+- a busy relay holds the wake-up lock of migrations/007 on its LISTEN
+  connection (so producers skip their notifications) and releases it when it
+  has nothing left to claim;
+- the race of going idle is closed: a row written by a transaction that was
+  open, unnotified, while the relay went idle arrives within a second of its
+  commit, not at the next poll (30 s);
 - with --listen off and a 200 ms poll interval everything still arrives.
 """
 
@@ -53,6 +59,45 @@ class WakeupTest(harness.ServerTestCase):
         self.assertLess(latencies[-1], BOUND_MS,
                         f"slowest commit-to-entry latency {latencies[-1]:.0f} ms")
         harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.verifier().report().assert_exactly_once(self)
+
+    def wakeup_lock_holder(self):
+        """application_name of the session holding the wake-up lock, or None."""
+        return harness.scalar(
+            self.db, "SELECT max(a.application_name) FROM pg_locks l JOIN pg_stat_activity a"
+                     " USING (pid) WHERE l.locktype = 'advisory' AND l.granted"
+                     " AND l.mode = 'ExclusiveLock'"
+                     " AND (l.classid::bigint << 32) + l.objid::bigint = 122550254464888")
+
+    def test_transaction_open_while_the_relay_goes_idle_is_not_missed(self):
+        conn = self.pg.connect(autocommit=False)
+        self.addCleanup(conn.close)
+        for start in range(0, 30000, 5000):
+            harness.insert_many(conn, [("busy", b"%d" % i) for i in range(start, start + 5000)])
+        relay = self.relay(poll_interval="30s", batch_size=100)
+        harness.wait_until(lambda: self.wakeup_lock_holder() is not None, timeout=30,
+                           interval=0.01, relay=relay, message="the busy relay to take the lock")
+        self.assertEqual(self.wakeup_lock_holder(), "outbox-relay listen")
+        # Written while the relay is busy: the trigger sees the lock and does
+        # not notify. It stays open while the relay drains and goes idle.
+        late = self.pg.connect(autocommit=False)
+        self.addCleanup(late.close)
+        message_id = insert(late, "late", b"open while the relay went idle", commit=False)
+        harness.wait_until(lambda: harness.count_unsent(self.db) == 0, timeout=60,
+                           relay=relay, message="the backlog to drain")
+        harness.wait_until(lambda: self.wakeup_lock_holder() is None, timeout=10,
+                           relay=relay, message="the idle relay to release the lock")
+        time.sleep(0.3)
+        late.commit()
+        committed = time.monotonic()
+        harness.wait_until(lambda: harness.count_unsent(self.db) == 0, timeout=5,
+                           interval=0.01, relay=relay,
+                           message="the late row within 5 s (the poll is 30 s)")
+        took = time.monotonic() - committed
+        print(f"row of a transaction open across the idle declaration: published"
+              f" {took * 1000:.0f} ms after its commit", file=sys.stderr, flush=True)
+        self.assertLess(took, 1.0)
+        self.assertIn(message_id, harness.entries_by_message_id(self.r))
         self.verifier().report().assert_exactly_once(self)
 
     def test_poll_only_delivers_everything(self):
