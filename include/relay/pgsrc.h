@@ -1,7 +1,8 @@
 /*
  * PostgreSQL side of the relay: one non-blocking libpq connection driven by
- * libev watchers. The relay keeps two of them: one that stays idle in LISTEN
- * and one that claims and marks. Each connects, runs its session set-up,
+ * libev watchers. The relay keeps up to three: one that stays in LISTEN (and
+ * holds the wake-up lock while the relay is busy) and one or two that claim
+ * and mark (two with pipeline on). Each connects, runs its session set-up,
  * reconnects with jittered backoff when it breaks, and runs one command at a
  * time with a client-side deadline. Nothing here ever blocks the loop.
  */
@@ -88,7 +89,7 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
 /* The schema version this relay needs and the migration that brings it. */
 #define RELAY_SCHEMA_VERSION 7
 
-/* The claim statement, prepared on the claim connection as "claim". $1 is the
+/* The claim statement, prepared on each claim connection as "claim". $1 is the
  * batch size, $2 the topics paused for backpressure (a text[] literal). */
 extern const char relay_pgsrc_claim_sql[];
 

@@ -174,11 +174,15 @@ class SchemaTest(harness.ServerTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 7)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 8)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 7"), "007_wakeup_lock.sql")
         self.assertIsNone(scalar(self.db, "SELECT to_regclass('outbox.relay_wakeup')"),
                           "the flag table of 006 is gone")
+        self.assertEqual(sorted(scalar(self.db, "SELECT reloptions FROM pg_class"
+                                                " WHERE oid = 'outbox.messages'::regclass")),
+                         ["autovacuum_vacuum_scale_factor=0.01",
+                          "autovacuum_vacuum_threshold=10000", "vacuum_index_cleanup=on"])
         with self.db.cursor() as cur:
             cur.execute("SELECT column_name, data_type, is_nullable FROM information_schema.columns"
                         " WHERE table_schema = 'outbox' AND table_name = 'messages'")
@@ -269,7 +273,7 @@ class SchemaTest(harness.ServerTestCase):
                                          " WHERE sent_at IS NOT NULL"), 2)
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
                                          " WHERE failed_at IS NOT NULL"), 2)
-        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 7)
+        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 8)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")
