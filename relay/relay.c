@@ -823,7 +823,14 @@ static void on_idle_declared(struct relay_pgsrc *pg, PGresult *res, const char *
 static int declare_idle(struct relay *r)
 {
     if (r->lock == LOCK_TAKING) {
+        /* Producers already skip their notifications: keep claiming on a
+         * short timer until the lock request ends, then declare. */
         r->idle_wanted = 1;
+        r->want_claim = 1;
+        if (!ev_is_active(&r->kick)) {
+            ev_timer_set(&r->kick, 0.002, 0.0);
+            ev_timer_start(r->loop, &r->kick);
+        }
         return 0;
     }
     if (r->listen == NULL || relay_pgsrc_state(r->listen) != RELAY_PG_READY)
@@ -871,8 +878,16 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
         l->nrows++;
     }
     if (l->nrows == 0) {
-        if (r->cfg->listen && r->wake == WAKE_BUSY && all_lanes_idle_but(r, l))
-            (void)declare_idle(r);
+        if (r->cfg->listen && r->wake == WAKE_BUSY) {
+            if (all_lanes_idle_but(r, l))
+                (void)declare_idle(r);
+            else
+                /* The other lane is still ending its batch (or its own empty
+                 * claim): claim again once this lane is free, so the relay
+                 * either finds rows or declares itself idle. A busy relay
+                 * gets no notifications, so it must never just stop. */
+                r->want_claim = 1;
+        }
         /* Nothing pending: end the (empty) transaction. */
         if (relay_pgsrc_send(l->pg, "COMMIT", 0, NULL, 0, on_rolled_back, l) == 0)
             set_stage(l, LANE_ROLLBACK);

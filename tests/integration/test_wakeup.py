@@ -11,11 +11,16 @@ Promises tested (DESIGN.md §4 "When to claim", §7.1):
 - the race of going idle is closed: a row written by a transaction that was
   open, unnotified, while the relay went idle arrives within a second of its
   commit, not at the next poll (30 s);
+- under a steady stream of single-row commits from several producers (the
+  relay turns busy and idle again and again, both lanes claiming), no row
+  waits for the poll: the stream is up to date within a few seconds of the
+  last commit with a 30 s poll interval;
 - with --listen off and a 200 ms poll interval everything still arrives.
 """
 
 import statistics
 import sys
+import threading
 import time
 import unittest
 
@@ -98,6 +103,47 @@ class WakeupTest(harness.ServerTestCase):
               f" {took * 1000:.0f} ms after its commit", file=sys.stderr, flush=True)
         self.assertLess(took, 1.0)
         self.assertIn(message_id, harness.entries_by_message_id(self.r))
+        self.verifier().report().assert_exactly_once(self)
+
+    def test_steady_trickle_never_waits_for_the_poll(self):
+        relay = self.relay(poll_interval="30s")
+        stop = threading.Event()
+        counts = []
+
+        def produce(n):
+            conn = self.pg.connect()
+            try:
+                sent = 0
+                while not stop.is_set():
+                    insert(conn, "trickle", b"%d-%d" % (n, sent))
+                    sent += 1
+                    time.sleep(0.01)
+                counts.append(sent)
+            finally:
+                conn.close()
+        threads = [threading.Thread(target=produce, args=(n,)) for n in range(6)]
+        for t in threads:
+            t.start()
+        worst = 0
+        ended = time.monotonic() + 6
+        while time.monotonic() < ended:
+            # Every second, the rows committed by then must be out within 3 s.
+            target = harness.scalar(self.db, "SELECT max(id) FROM outbox.messages") or 0
+            since = time.monotonic()
+            harness.wait_until(
+                lambda: harness.scalar(self.db, "SELECT count(*) FROM outbox.messages"
+                                                " WHERE id <= %s AND sent_at IS NULL",
+                                       (target,)) == 0,
+                timeout=3, interval=0.01, relay=relay,
+                message="rows committed a moment ago (the poll is 30 s)")
+            worst = max(worst, time.monotonic() - since)
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - since)))
+        stop.set()
+        for t in threads:
+            t.join(10)
+        harness.wait_all_sent(self.db, timeout=5, relay=relay)
+        print(f"steady trickle: {sum(counts)} rows from 6 producers; the slowest catch-up took"
+              f" {worst * 1000:.0f} ms", file=sys.stderr, flush=True)
         self.verifier().report().assert_exactly_once(self)
 
     def test_poll_only_delivers_everything(self):
