@@ -1158,8 +1158,11 @@ static int healthy(struct relay *r)
         const struct lane *l = &r->lanes[i];
         if (l->state == LANE_IDLE)
             continue;
-        ev_tstamp since = l->state == LANE_PUBLISH || l->state == LANE_FINISH ? l->stage_at
-                                                                              : l->claimed_at;
+        /* Claiming and waiting for the batch ahead count from the claim;
+         * publishing, marking and rolling back from their own start. */
+        int claiming = l->state == LANE_BEGIN || l->state == LANE_CLAIM ||
+                       l->state == LANE_CLAIMED;
+        ev_tstamp since = claiming ? l->claimed_at : l->stage_at;
         if (ev_now(r->loop) - since >= limit)
             return 0;
     }
