@@ -711,8 +711,7 @@ void relay_sqlbuf_free(struct relay_sqlbuf *b)
 #define ROW_RETRY_MAX_MS (5u * 60u * 1000u)
 
 int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
-                           const struct relay_sql_quoter *q, const char *before_commit,
-                           struct relay_sqlbuf *out)
+                           const struct relay_sql_quoter *q, struct relay_sqlbuf *out)
 {
     char buf[160];
     int any = 0, quarantined = 0;
@@ -756,8 +755,6 @@ int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_
         relay_sqlbuf_append(out, buf);
         quarantined += quarantine;
     }
-    if (before_commit != NULL)
-        relay_sqlbuf_append(out, before_commit);
     relay_sqlbuf_append(out, "COMMIT");
     return out->overflow ? -1 : quarantined;
 }

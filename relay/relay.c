@@ -544,7 +544,7 @@ static void publish_done(struct lane *l)
         take_wakeup_lock(r);
     }
     int quarantined =
-        relay_batch_finish_sql(l->rows, l->nrows, r->cfg->max_attempts, &q, NULL, &l->sql);
+        relay_batch_finish_sql(l->rows, l->nrows, r->cfg->max_attempts, &q, &l->sql);
     if (quarantined < 0) {
         batch_failed(l, "cannot build the statement that marks the batch sent");
         return;

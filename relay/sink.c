@@ -152,16 +152,6 @@ void relay_sink_reload_function(struct relay_sink *s)
                         "FUNCTION FLUSH); reconnecting loads it again");
 }
 
-int relay_sink_command(struct relay_sink *s, int argc, const char **argv, const size_t *argvlen,
-                       relay_sink_reply_fn *cb, void *arg)
-{
-    if (s->state != SINK_READY || s->ac == NULL)
-        return -1;
-    if (redisAsyncCommandArgv(s->ac, cb, arg, argc, argv, argvlen) != REDIS_OK)
-        return -1;
-    return 0;
-}
-
 int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, relay_sink_reply_fn *cb,
                          void *arg)
 {

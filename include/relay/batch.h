@@ -229,13 +229,12 @@ struct relay_sql_quoter {
  * Writes the statements that end a cycle: mark every published row sent,
  * count one attempt on every failed row (with its error and a retry delay
  * that grows with its attempts, quarantining it at max_attempts), then
- * before_commit (NULL for none; statements ending in ';'), then COMMIT.
+ * COMMIT.
  * Returns the number of rows quarantined, or -1 when the buffer overflowed
  * or quoting failed.
  */
 int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
-                           const struct relay_sql_quoter *q, const char *before_commit,
-                           struct relay_sqlbuf *out);
+                           const struct relay_sql_quoter *q, struct relay_sqlbuf *out);
 
 /*
  * Delay before a failed row is claimed again: grows with its attempts,

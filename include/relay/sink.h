@@ -39,15 +39,11 @@ void relay_sink_free(struct relay_sink *s);
 /* 1 when connected, authenticated and the function is loaded. */
 int relay_sink_ready(const struct relay_sink *s);
 
-/* Queues one command (binary-safe argv). 0, or -1 when not ready. */
-int relay_sink_command(struct relay_sink *s, int argc, const char **argv, const size_t *argvlen,
-                       relay_sink_reply_fn *cb, void *arg);
-
 /*
  * Queues one command already in the Redis protocol (relay_batch_append_publish,
- * relay_batch_append_unlink) with its callback, like relay_sink_command but
- * with no formatting: hiredis copies the bytes into its output buffer, so cmd
- * may be reused as soon as this returns.
+ * relay_batch_append_unlink) with its callback; nothing is formatted here:
+ * hiredis copies the bytes into its output buffer, so cmd may be reused as
+ * soon as this returns.
  *
  * cmd[0 .. len) must hold exactly one complete command ("*<argc>\r\n" and
  * argc bulk strings). hiredis 0.14 queues one callback per call and cannot

@@ -379,7 +379,7 @@ static void test_finish_sql(void **state)
     struct relay_sqlbuf buf;
     memset(&buf, 0, sizeof(buf));
 
-    assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, NULL, &buf), 1);
+    assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, &buf), 1);
     assert_string_equal(
         buf.data,
         "UPDATE outbox.messages SET sent_at = statement_timestamp() WHERE id = ANY('{10,12}'::bigint[]);"
@@ -392,14 +392,14 @@ static void test_finish_sql(void **state)
 
     /* Nothing published: no sent_at update at all. */
     rows[0].state = rows[2].state = RELAY_ROW_FAILED;
-    assert_int_equal(relay_batch_finish_sql(rows, 1, 3, &q, NULL, &buf), 0);
+    assert_int_equal(relay_batch_finish_sql(rows, 1, 3, &q, &buf), 0);
     assert_null(strstr(buf.data, "sent_at"));
 
     /* A cap that is too small is an error, never a truncated statement. */
     struct relay_sqlbuf small;
     memset(&small, 0, sizeof(small));
     small.max = 16;
-    assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, NULL, &small), -1);
+    assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, &small), -1);
     relay_sqlbuf_free(&small);
     relay_sqlbuf_free(&buf);
 }
@@ -449,7 +449,7 @@ static void test_finish_sql_survives_unquotable_error(void **state)
     struct relay_sql_quoter q = {refusing_quote, free, NULL};
     struct relay_sqlbuf buf;
     memset(&buf, 0, sizeof(buf));
-    assert_int_equal(relay_batch_finish_sql(&row, 1, 3, &q, NULL, &buf), 0);
+    assert_int_equal(relay_batch_finish_sql(&row, 1, 3, &q, &buf), 0);
     assert_non_null(strstr(buf.data, "could not be stored"));
     assert_non_null(strstr(buf.data, "COMMIT"));
     relay_sqlbuf_free(&buf);
