@@ -62,6 +62,9 @@
 
 #define COMPONENT "relay"
 #define LANES_MAX 2
+/* Whole-batch failures in a row that turn /readyz red: one is a blip that
+ * the retry absorbs, three in a row need someone to look. */
+#define FAILURES_NOT_READY 3
 
 extern char **environ;
 
@@ -150,6 +153,7 @@ struct relay {
 
     struct relay_respbuf out; /* one Redis command, formatted; reused, grows only */
 
+    unsigned failures_in_row; /* whole-batch failures since the last commit */
     unsigned long long published_total;
     unsigned long long quarantined_total;
     char last_batch_error[512];
@@ -201,6 +205,16 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
                        const char *sqlstate, void *arg);
 
 /* ---- small helpers ---------------------------------------------------- */
+
+/* Durations are measured on the monotonic clock: libev's ev_now() follows the
+ * wall clock, which steps (NTP, a VM resume), and a step must neither make a
+ * healthy cycle look stuck nor hide a stuck one. */
+static double mono_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
 
 static int all_lanes_idle(const struct relay *r)
 {
@@ -265,7 +279,7 @@ static void free_batch(struct lane *l)
 static void set_stage(struct lane *l, enum lane_state state)
 {
     l->state = state;
-    l->stage_at = ev_now(l->r->loop);
+    l->stage_at = mono_now();
 }
 
 /* The lane's batch is over: leave if draining and nothing else is in flight,
@@ -342,6 +356,7 @@ static void batch_failed(struct lane *l, const char *why)
 {
     struct relay *r = l->r;
     r->errors[error_kind(why)]++;
+    r->failures_in_row++;
     if (strcmp(why, r->last_batch_error) != 0) {
         relay_warn(COMPONENT,
                    "batch of %zu rows not published: %s; rolled back, will retry with backoff",
@@ -450,7 +465,7 @@ static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
     r->published_total += published;
     r->errors[5] += failed;
     r->batches_total++;
-    double took = ev_now(r->loop) - l->claimed_at;
+    double took = mono_now() - l->claimed_at;
     r->batch_sum += took;
     size_t b = 0;
     while (b < RELAY_ARRAY_LEN(batch_buckets) && took > batch_buckets[b])
@@ -463,6 +478,7 @@ static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
             (uint32_t)(l->rows[i].attempts + 1) >= r->cfg->max_attempts)
             r->quarantined_total++;
     relay_backoff_reset(&r->batch_backoff);
+    r->failures_in_row = 0;
     if (r->last_batch_error[0] != '\0') {
         relay_info(COMPONENT, "publishing again after: %s", r->last_batch_error);
         r->last_batch_error[0] = '\0';
@@ -651,6 +667,10 @@ static void start_publish(struct lane *l)
     set_stage(l, LANE_PUBLISH);
     memset(&l->cycle, 0, sizeof(l->cycle));
     uint64_t not_after = relay_sink_deadline_ms(r->sink, r->cfg->publish_timeout_ms);
+    /* Measure Redis's clock again ahead of this batch's publishes, for the
+     * next batch's deadline: a clock step on either host costs at most one
+     * batch. */
+    relay_sink_sync_clock(r->sink);
     for (size_t i = 0; i < l->nrows; i++) {
         struct relay_row *row = &l->rows[i];
         relay_respbuf_reset(&r->out);
@@ -737,7 +757,7 @@ static void settle_ended(struct relay *r)
 {
     relay_debug(COMPONENT, "idle: waited %.1f ms for transactions that may not have notified; "
                            "claiming once more",
-                (ev_now(r->loop) - r->settle_started) * 1000.0);
+                (mono_now() - r->settle_started) * 1000.0);
     r->settling = 0;
     /* The last claim before sleeping: anything those transactions wrote. */
     want_cycle(r);
@@ -774,7 +794,7 @@ static void on_settle_checked(struct relay_pgsrc *pg, PGresult *res, const char 
         PQclear(res);
     if (r->stopping)
         return;
-    double waited_ms = (ev_now(r->loop) - r->settle_started) * 1000.0;
+    double waited_ms = (mono_now() - r->settle_started) * 1000.0;
     if (running > 0 && waited_ms < r->cfg->poll_interval_ms && !r->draining) {
         /* 1 ms at first (a producer's commit is that close), backing off to
          * 50 ms behind a long transaction. */
@@ -812,7 +832,7 @@ static void on_idle_declared(struct relay_pgsrc *pg, PGresult *res, const char *
     snprintf(r->settle_marker, sizeof(r->settle_marker), "%s", PQgetvalue(res, 0, 0));
     PQclear(res);
     r->wake = WAKE_IDLE;
-    r->settle_started = ev_now(r->loop);
+    r->settle_started = mono_now();
     settle_check(r);
 }
 
@@ -946,7 +966,7 @@ static void maybe_claim(struct relay *r)
     if (l == NULL)
         return; /* a lane's end or ready hook calls back here */
     r->want_claim = 0;
-    l->claimed_at = ev_now(r->loop);
+    l->claimed_at = mono_now();
     l->seq = ++r->next_seq;
     l->abandon = 0;
     if (relay_pgsrc_send(l->pg, "BEGIN", 0, NULL, 0, on_begun, l) < 0) {
@@ -1163,7 +1183,7 @@ static int healthy(struct relay *r)
         int claiming = l->state == LANE_BEGIN || l->state == LANE_CLAIM ||
                        l->state == LANE_CLAIMED;
         ev_tstamp since = claiming ? l->claimed_at : l->stage_at;
-        if (ev_now(r->loop) - since >= limit)
+        if (mono_now() - since >= limit)
             return 0;
     }
     return 1;
@@ -1193,6 +1213,11 @@ static int relay_is_ready(void *arg, char *why, size_t whylen)
     }
     if (!healthy(r)) {
         snprintf(why, whylen, "a claim cycle is stalled");
+        return 0;
+    }
+    if (r->failures_in_row >= FAILURES_NOT_READY) {
+        snprintf(why, whylen, "batches keep failing (%u in a row): %s", r->failures_in_row,
+                 r->last_batch_error);
         return 0;
     }
     return 1;
@@ -1252,6 +1277,9 @@ static long render_metrics(void *arg, char **out)
     for (size_t k = 0; k < RELAY_ARRAY_LEN(error_kinds); k++)
         relay_text_printf(&t, "outbox_relay_publish_errors_total{kind=\"%s\"} %llu\n",
                           error_kinds[k], r->errors[k]);
+    metric_help(&t, "outbox_relay_batch_failures_in_row", "gauge",
+                "Whole-batch failures since the last committed batch (3 or more: not ready).");
+    relay_text_printf(&t, "outbox_relay_batch_failures_in_row %u\n", r->failures_in_row);
     metric_help(&t, "outbox_relay_rows_quarantined_total", "counter",
                 "Rows this relay quarantined after max_attempts.");
     relay_text_printf(&t, "outbox_relay_rows_quarantined_total %llu\n", r->quarantined_total);

@@ -53,27 +53,48 @@ struct relay_sink {
     char last_logged[512];
     char durability[512];
     char describe[600];
-    /* Redis's clock minus ours, and the round trip it was measured over. */
+    /* Redis's wall clock minus our monotonic clock, and the round trip it
+     * was measured over (DESIGN.md, "The publish deadline"). */
     double clock_offset;
     double clock_rtt;
     double time_sent;
+    int time_in_flight; /* a TIME of relay_sink_sync_clock is on its way */
 };
 
-static double wall_now(void)
+/* The relay's own wall clock never enters a deadline: it steps (NTP, a VM
+ * resume), the monotonic clock does not. */
+static double mono_now(void)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
+    clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
 uint64_t relay_sink_deadline_ms(const struct relay_sink *s, uint32_t within_ms)
 {
-    /* The server's clock now, give or take half a round trip; the deadline
-     * is pulled in by a whole round trip so that, on the server's clock, it
-     * never falls after the moment the relay gives up. */
-    double server_now = wall_now() + s->clock_offset;
-    double deadline = server_now + within_ms / 1000.0 - s->clock_rtt;
+    /* Redis's clock now, give or take half a round trip. The deadline is
+     * pulled in by the round trip so that, on Redis's clock, it never falls
+     * after the moment the relay gives up; by at most half the window, so a
+     * measurement taken while Redis was slow cannot close it. */
+    double within = within_ms / 1000.0;
+    double server_now = mono_now() + s->clock_offset;
+    double margin = s->clock_rtt < within / 2 ? s->clock_rtt : within / 2;
+    double deadline = server_now + within - margin;
     return deadline > 0 ? (uint64_t)(deadline * 1000.0) : 0;
+}
+
+/* Takes one TIME reply as the clock sample it is: 0, or -1 when the reply
+ * is not a TIME reply. */
+static int take_time_sample(struct relay_sink *s, const redisReply *r)
+{
+    double received = mono_now();
+    if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
+        r->element[0]->type != REDIS_REPLY_STRING || r->element[1]->type != REDIS_REPLY_STRING)
+        return -1;
+    double server = strtod(r->element[0]->str, NULL) + strtod(r->element[1]->str, NULL) / 1e6;
+    s->clock_rtt = received - s->time_sent;
+    s->clock_offset = server - (s->time_sent + received) / 2.0;
+    return 0;
 }
 
 static void start_connect(struct relay_sink *s);
@@ -222,6 +243,10 @@ static void check_durability(struct relay_sink *s, const redisReply *r)
         relay_warn(COMPONENT, "durability: %s", text);
 }
 
+/* Asks for Redis's clock; the reply goes to on_setup_reply (step_time) or
+ * on_time_reply (NULL privdata). */
+static void send_time(struct relay_sink *s, void *privdata);
+
 static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
 {
     struct relay_sink *s = ac->data;
@@ -230,14 +255,8 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
 
     if (s == NULL || ac != s->ac || s->state != SINK_CONNECTING)
         return;
-    if (strcmp(step, "TIME") == 0) {
-        double received = wall_now();
-        if (r != NULL && r->type == REDIS_REPLY_ARRAY && r->elements == 2 &&
-            r->element[0]->type == REDIS_REPLY_STRING && r->element[1]->type == REDIS_REPLY_STRING) {
-            double server = strtod(r->element[0]->str, NULL) + strtod(r->element[1]->str, NULL) / 1e6;
-            s->clock_rtt = received - s->time_sent;
-            s->clock_offset = server - (s->time_sent + received) / 2.0;
-        } else {
+    if (step == step_time) {
+        if (take_time_sample(s, r) != 0) {
             char msg[300];
             snprintf(msg, sizeof(msg), "TIME failed: %s",
                      r && r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
@@ -261,6 +280,14 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
     }
     if (--s->setup_pending > 0)
         return;
+    if (step != step_time) {
+        /* The clock last, alone on a connection that is up and set up: its
+         * round trip then measures the connection, not a slow connect or the
+         * steps before it. */
+        send_time(s, step_time);
+        s->setup_pending++;
+        return;
+    }
     ev_timer_stop(s->loop, &s->timer);
     s->state = SINK_READY;
     s->was_ready = 1;
@@ -270,6 +297,34 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
     s->last_logged[0] = '\0';
     if (s->hooks.on_ready != NULL)
         s->hooks.on_ready(s, s->hooks.arg);
+}
+
+static void on_time_reply(redisAsyncContext *ac, void *reply, void *privdata)
+{
+    struct relay_sink *s = ac->data;
+    (void)privdata;
+    if (s == NULL || ac != s->ac)
+        return;
+    s->time_in_flight = 0;
+    if (reply != NULL && take_time_sample(s, reply) != 0)
+        relay_warn(COMPONENT, "unexpected reply to TIME; keeping the last clock measurement");
+}
+
+static void send_time(struct relay_sink *s, void *privdata)
+{
+    const char *argv[1] = {"TIME"};
+    size_t lens[1] = {4};
+    s->time_sent = mono_now();
+    redisAsyncCommandArgv(s->ac, privdata ? on_setup_reply : on_time_reply, privdata, 1, argv,
+                          lens);
+}
+
+void relay_sink_sync_clock(struct relay_sink *s)
+{
+    if (s->state != SINK_READY || s->ac == NULL || s->time_in_flight)
+        return;
+    s->time_in_flight = 1;
+    send_time(s, NULL);
 }
 
 static void on_connect(const redisAsyncContext *ac, int status)
@@ -356,14 +411,6 @@ static void queue_setup(struct relay_sink *s)
     size_t clens[5] = {6, 3, 10, 11, 16};
     redisAsyncCommandArgv(s->ac, on_setup_reply, step_config, 5, cargv, clens);
     s->setup_pending++;
-
-    /* The server's clock, for the validity deadline of each publish. Sent
-     * last, when the connection is up: the round trip then measures only it. */
-    const char *targv[1] = {"TIME"};
-    size_t tlens[1] = {4};
-    s->time_sent = wall_now();
-    redisAsyncCommandArgv(s->ac, on_setup_reply, step_time, 1, targv, tlens);
-    s->setup_pending++;
 }
 
 static void start_connect(struct relay_sink *s)
@@ -393,6 +440,7 @@ static void start_connect(struct relay_sink *s)
     redisAsyncSetDisconnectCallback(ac, on_disconnect);
     s->ac = ac;
     s->state = SINK_CONNECTING;
+    s->time_in_flight = 0;
     queue_setup(s);
     timer_start(s, s->cfg->connect_timeout_ms);
 }

@@ -65,11 +65,22 @@ void relay_sink_reload_function(struct relay_sink *s);
 
 /*
  * A deadline in the server's clock, in Unix milliseconds: within_ms from now,
- * less one round trip of the clock measurement. The publish function refuses
+ * less one round trip of the clock measurement (at most half of within_ms).
+ * Computed from the monotonic clock and the last measurement of Redis's
+ * clock, so steps of this host's wall clock never move it. The publish function refuses
  * to run after it, so commands that reach Redis late, after the relay gave up
  * on them (a partition that held them in the kernel), publish nothing.
  */
 uint64_t relay_sink_deadline_ms(const struct relay_sink *s, uint32_t within_ms);
+
+/*
+ * Measures Redis's clock again: one TIME, queued now, whose reply updates
+ * what relay_sink_deadline_ms computes from. The relay calls it as each batch
+ * starts publishing, so a clock step on the Redis host costs at most one
+ * batch (refused with EXPIRED, then retried on the new measurement). No-op
+ * when not ready or when a measurement is already on its way.
+ */
+void relay_sink_sync_clock(struct relay_sink *s);
 
 /* The hooks' arg of the sink that owns ac (for reply callbacks). */
 void *relay_sink_owner(const struct redisAsyncContext *ac);
