@@ -391,6 +391,48 @@ class ConsumerTest(harness.ServerTestCase):
         self.assertEqual(l2.stats()["lost"], 1)
 
     # ------------------------------------------------------------------
+    def test_dead_letter_refused_by_redis_leaves_the_entry_pending(self):
+        """XADD: the dead-letter key was SET as a string, so Redis refuses the dead letter
+        (WRONGTYPE). A fail=permanent message must stay pending, not acknowledged, with the
+        failure logged and what to do about it; once the key is deleted, a later pass
+        dead-letters and acknowledges it."""
+        self.r.set("orders.email.dlq", "not a stream")
+        entry_id, mid = xadd_message(self.r, payload=order_payload(13),
+                                     headers={"fail": "permanent"})
+        c = self.consumer(consumer="w1", max_deliveries=50, **FAST)
+        failed = r"dead-lettering orders " + re.escape(entry_id) + r" failed"
+        c.wait_for_log(failed, timeout=10)
+        pending = self.r.xpending_range("orders", "email", "-", "+", 10)
+        self.assertEqual([p["message_id"].decode() for p in pending], [entry_id],
+                         "the entry is still pending: nothing was acknowledged\n" + c.log_tail())
+        self.assertEqual(self.r.get("orders.email.dlq"), b"not a stream")
+        line = log_events(c.log(), failed + r".*")[0][1].group(0)
+        print(f"refused dead letter: {line}", file=sys.stderr, flush=True)
+        self.assertRegex(line, r"WRONGTYPE")
+        self.assertRegex(line, r"orders\.email\.dlq")
+        self.assertRegex(line, r"delete or rename it")
+        self.assertRegex(line, r"stays pending")
+
+        # Later passes try again and keep it pending while the key is wrong.
+        c.wait_for_log(r"(?s)" + failed + r".*" + failed, timeout=10)
+        self.assertEqual(pending_count(self.r), 1)
+        self.assertEqual(self.r.type("orders.email.dlq"), b"string")
+
+        self.r.delete("orders.email.dlq")
+        wait_until(lambda: self.r.exists("orders.email.dlq") and pending_count(self.r) == 0,
+                   timeout=10, message="the dead letter recorded and the entry acknowledged")
+        [(_, fields)] = dlq_entries(self.r)
+        self.assertGreaterEqual(int(fields[b"dlq.deliveries"]), 2)
+        self.assert_dlq_fields(fields, "permanent", int(fields[b"dlq.deliveries"]), "w1",
+                               entry_id)
+        self.assertEqual(fields[b"id"], mid.encode())
+        [(_, original)] = harness.stream_entries(self.r, "orders")
+        self.assertEqual(original_fields(fields), original)
+        self.assertEqual(c.terminate(), 0)
+        st = c.stats()
+        self.assertEqual((st["dead_lettered"], st["done"]), (1, 0), st)
+
+    # ------------------------------------------------------------------
     def test_malformed_entry_is_dead_lettered_and_the_next_one_handled(self):
         """XADD: `XADD orders * foo bar` (no contract fields), then a good contract entry."""
         bad_id = self.r.xadd("orders", {"foo": "bar"}).decode()
