@@ -433,6 +433,27 @@ class ConsumerTest(harness.ServerTestCase):
         self.assertEqual((st["dead_lettered"], st["done"]), (1, 0), st)
 
     # ------------------------------------------------------------------
+    def test_redis_user_that_may_not_load_functions_is_told_the_acl_it_needs(self):
+        """XADD: the consumer's Redis user may not run FUNCTION (ACL -function). The
+        consumer says which permissions it needs and keeps retrying; once FUNCTION LOAD
+        is granted it connects and handles the message."""
+        self.r.execute_command("ACL", "SETUSER", "limited", "reset", "on", ">secret", "~*",
+                               "&*", "+@all", "-function")
+        self.addCleanup(self.r.execute_command, "ACL", "DELUSER", "limited")
+        _, mid = xadd_message(self.r, payload=order_payload(14))
+        c = self.consumer(consumer="n1", redis_url=f"redis://limited:secret@127.0.0.1:"
+                                                   f"{self.redis.port}/0", **FAST)
+        line = c.wait_for_log(r"FUNCTION LOAD of library outbox_consumer .*failed: NOPERM.*",
+                              timeout=10).group(0)
+        print(f"no FUNCTION LOAD: {line}", file=sys.stderr, flush=True)
+        self.assertIn("needs the ACL permissions +function|load and +fcall", line)
+        self.assertEqual(effect_count(self.db, mid), 0)
+        self.r.execute_command("ACL", "SETUSER", "limited", "+function|load")
+        wait_until(lambda: effect_count(self.db, mid) == 1 and pending_count(self.r) == 0,
+                   timeout=20, message="the message handled once FUNCTION LOAD was granted")
+        self.assertEqual(c.terminate(), 0)
+
+    # ------------------------------------------------------------------
     def test_malformed_entry_is_dead_lettered_and_the_next_one_handled(self):
         """XADD: `XADD orders * foo bar` (no contract fields), then a good contract entry."""
         bad_id = self.r.xadd("orders", {"foo": "bar"}).decode()
