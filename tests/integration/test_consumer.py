@@ -14,6 +14,10 @@ consumer schema of migrations/consumer/*.sql:
 - "outbox-relay dlq replay" reaches only the group that failed;
 - the pending entries of a consumer that died are taken over by another;
 - a pending entry deleted from the stream is dead-lettered as lost;
+- a dead letter that Redis refuses (the dead-letter key holds a string, the
+  dead-letter function was deleted) acknowledges nothing: the entry stays
+  pending, the log says what to do, and a later pass records it;
+- a Redis user that may not load functions is told the ACL permissions it needs;
 - an entry without the contract's fields is dead-lettered as malformed and the
   consumer goes on with the next message;
 - SIGTERM: exit 0 within a few seconds, the message in hand finished.
@@ -451,6 +455,24 @@ class ConsumerTest(harness.ServerTestCase):
         self.r.execute_command("ACL", "SETUSER", "limited", "+function|load")
         wait_until(lambda: effect_count(self.db, mid) == 1 and pending_count(self.r) == 0,
                    timeout=20, message="the message handled once FUNCTION LOAD was granted")
+        self.assertEqual(c.terminate(), 0)
+
+    # ------------------------------------------------------------------
+    def test_dead_letter_function_deleted_while_running_is_loaded_again(self):
+        """XADD: FUNCTION DELETE outbox_consumer while the consumer runs, then a
+        fail=permanent message: the refused dead letter leaves it pending, the consumer
+        reconnects (loading the function) and a later pass dead-letters it."""
+        c = self.consumer(consumer="f1", max_deliveries=50, **FAST)
+        c.wait_for_log(r"reading orders", timeout=10)
+        self.r.execute_command("FUNCTION", "DELETE", "outbox_consumer")
+        entry_id, _ = xadd_message(self.r, payload=order_payload(15),
+                                   headers={"fail": "permanent"})
+        c.wait_for_log(r"dead-lettering orders " + re.escape(entry_id)
+                       + r" failed: ERR Function not found.*reconnecting", timeout=10)
+        wait_until(lambda: self.r.exists("orders.email.dlq") and pending_count(self.r) == 0,
+                   timeout=15, message="the dead letter recorded once the function was back")
+        [(_, fields)] = dlq_entries(self.r)
+        self.assertEqual(fields[b"dlq.entry_id"], entry_id.encode())
         self.assertEqual(c.terminate(), 0)
 
     # ------------------------------------------------------------------
