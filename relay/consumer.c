@@ -12,8 +12,14 @@
  * take the same entry, and counts one more delivery). A consumer that died
  * leaves its entries pending; the living ones take them over the same way.
  *
- * Dead letters are written with MULTI/EXEC: XADD to the dead-letter stream and
- * XACK in one transaction, so an entry is never both gone and not recorded.
+ * Dead letters go through a Redis function, loaded on every connect, that adds
+ * the dead letter (XADD) and acknowledges the entry (XACK) only if the add
+ * succeeded, so an entry is never both gone and not recorded. MULTI/EXEC
+ * cannot promise that: Redis does not roll a transaction back, so an XADD
+ * refused at EXEC (the dead-letter key holding a string) still let the XACK
+ * run. A refused dead letter leaves the entry pending; a later pass delivers
+ * it again and dead-letters it once the cause is fixed.
+ *
  * XCLAIM in Redis 7.0 drops pending entries that were deleted or trimmed from
  * the stream instead of returning them; those are recorded as "lost".
  *
@@ -48,6 +54,51 @@
 
 static const uint32_t default_backoff[] = {1000, 10000, 100000, 1000000};
 
+/*
+ * The dead-letter function (contract in include/relay/consumer.h). KEYS[1] is
+ * the dead-letter stream, KEYS[2] the stream the entry was read from; ARGV[1]
+ * the group, ARGV[2] the entry id, ARGV[3..] the dead letter's fields and
+ * values. A function body does not roll back either, so what could make the
+ * XACK fail (a malformed entry id, a stream key of another type) is checked
+ * before anything is written, and the XACK runs only after the XADD
+ * succeeded. The XADD goes through redis.pcall so that its error comes back
+ * as a reply instead of aborting the call, with what to do when the
+ * dead-letter key holds another type. The dead letter is recorded
+ * even when XACK finds the entry no longer pending, as MULTI/EXEC did: the
+ * "lost" record is made after XCLAIM in Redis 7.0 has already dropped the
+ * deleted entry from the pending list, and a dead letter recorded twice (two
+ * consumers giving up on one entry at once) is the lesser harm next to none.
+ */
+const char relay_consumer_function_source[] =
+    "#!lua name=" RELAY_CONSUMER_FUNCTION_LIBRARY "\n"
+    "local function dead_letter(keys, args)\n"
+    "  if #keys ~= 2 or #args < 4 or #args % 2 ~= 0 then\n"
+    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_DEAD_LETTER
+    " 2 <dead-letter stream> <stream> <group> <entry id> <field> <value> [<field> <value> ...]')\n"
+    "  end\n"
+    "  if not string.match(args[2], '^%d+%-%d+$') then\n"
+    "    return redis.error_reply('ERR entry id \"' .. args[2] .. '\" is not of the form "
+    "<ms>-<seq>')\n"
+    "  end\n"
+    "  local t = redis.call('TYPE', keys[2])['ok']\n"
+    "  if t ~= 'stream' and t ~= 'none' then\n"
+    "    return redis.error_reply('WRONGTYPE stream key ' .. keys[2] .. ' holds a ' .. t .. "
+    "', not a stream: nothing was dead-lettered or acknowledged')\n"
+    "  end\n"
+    "  local id = redis.pcall('XADD', keys[1], '*', unpack(args, 3))\n"
+    "  if type(id) == 'table' and id['err'] then\n"
+    "    if string.sub(id['err'], 1, 9) == 'WRONGTYPE' then\n"
+    "      return redis.error_reply('WRONGTYPE dead-letter key ' .. keys[1] .. ' holds a ' .. "
+    "redis.call('TYPE', keys[1])['ok'] .. ', not a stream: delete or rename it; nothing was "
+    "acknowledged')\n"
+    "    end\n"
+    "    return id\n"
+    "  end\n"
+    "  redis.call('XACK', keys[2], args[1], args[2])\n"
+    "  return id\n"
+    "end\n"
+    "redis.register_function('" RELAY_CONSUMER_FUNCTION_DEAD_LETTER "', dead_letter)\n";
+
 struct relay_consumer {
     struct relay_consumer_options o;
     char stream[NAME_MAX_LEN];
@@ -65,7 +116,7 @@ struct relay_consumer {
     struct relay_backoff reconnect;
     struct relay_consumer_stats stats;
     long long last_reclaim_ms;
-    char last_error[256];
+    char last_error[512];
 };
 
 static long long now_ms(void)
@@ -268,7 +319,7 @@ static void problem(struct relay_consumer *c, const char *fmt, ...)
 
 static void problem(struct relay_consumer *c, const char *fmt, ...)
 {
-    char text[256];
+    char text[512];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);
@@ -352,6 +403,32 @@ static int ensure_group(struct relay_consumer *c, const char *stream)
     return ok ? 0 : -1;
 }
 
+/*
+ * FUNCTION LOAD REPLACE of the dead-letter function, on the write connection.
+ * It is persisted and replicated, unlike the script cache; REPLACE makes a
+ * reconnect after an upgrade load the new body.
+ */
+static int load_function(struct relay_consumer *c)
+{
+    const char *argv[4] = {"FUNCTION", "LOAD", "REPLACE", relay_consumer_function_source};
+    size_t lens[4] = {8, 4, 7, strlen(relay_consumer_function_source)};
+    redisReply *r = command(c->wr, 4, argv, lens);
+    if (r == NULL) {
+        problem(c, "Redis connection lost: %s", c->wr->errstr);
+        return -1;
+    }
+    int ok = r->type != REDIS_REPLY_ERROR;
+    if (!ok)
+        problem(c, "FUNCTION LOAD of library %s (the dead-letter function) failed: %s%s",
+                RELAY_CONSUMER_FUNCTION_LIBRARY, r->str,
+                strncmp(r->str, "NOPERM", 6) == 0
+                    ? "; the consumer's Redis user needs the ACL permissions +function|load "
+                      "and +fcall"
+                    : "");
+    freeReplyObject(r);
+    return ok ? 0 : -1;
+}
+
 static void sleep_ms_interruptible(struct relay_consumer *c, uint32_t ms)
 {
     while (ms > 0 && !c->stop) {
@@ -368,7 +445,8 @@ static int connect_all(struct relay_consumer *c)
     c->wr = open_conn(c, c->o.command_timeout_ms, "ack");
     if (c->wr != NULL)
         c->rd = open_conn(c, c->o.block_ms + c->o.command_timeout_ms, "read");
-    if (c->rd == NULL || ensure_group(c, c->stream) < 0 || ensure_group(c, c->replay) < 0) {
+    if (c->rd == NULL || load_function(c) < 0 || ensure_group(c, c->stream) < 0 ||
+        ensure_group(c, c->replay) < 0) {
         disconnect(c);
         return -1;
     }
@@ -409,16 +487,18 @@ static void rfc3339_now(char *out, size_t outlen)
 }
 
 /*
- * Moves one entry to the dead-letter stream with its XACK, in one MULTI/EXEC.
- * fields may be NULL (a lost entry). Returns 0, or -1 when Redis failed (the
- * entry stays pending and is dead-lettered by a later pass).
+ * Moves one entry to the dead-letter stream and acknowledges it, in one call
+ * of the dead-letter function. fields may be NULL (a lost entry). Returns 0,
+ * or -1 when Redis refused or failed (nothing was acknowledged: the entry
+ * stays pending and a later pass delivers it again). A lost entry is no
+ * longer pending, so a refused "lost" record is not tried again.
  */
 static int dead_letter(struct relay_consumer *c, const char *stream, const char *entry_id,
                        const redisReply *fields, const char *reason, const char *error,
                        uint32_t deliveries)
 {
     size_t nf = fields && fields->type == REDIS_REPLY_ARRAY ? fields->elements : 0;
-    size_t argc_max = 3 + nf + 16;
+    size_t argc_max = 7 + nf + 16;
     const char **argv = calloc(argc_max, sizeof(*argv));
     size_t *lens = calloc(argc_max, sizeof(*lens));
     int rc = -1;
@@ -426,9 +506,13 @@ static int dead_letter(struct relay_consumer *c, const char *stream, const char 
         goto out;
     int argc = 0;
 #define ARG(s, l) (argv[argc] = (s), lens[argc] = (l), argc++)
-    ARG("XADD", 4);
+    ARG("FCALL", 5);
+    ARG(RELAY_CONSUMER_FUNCTION_DEAD_LETTER, strlen(RELAY_CONSUMER_FUNCTION_DEAD_LETTER));
+    ARG("2", 1);
     ARG(c->dlq, strlen(c->dlq));
-    ARG("*", 1);
+    ARG(stream, strlen(stream));
+    ARG(c->group, strlen(c->group));
+    ARG(entry_id, strlen(entry_id));
     for (size_t i = 0; i + 1 < nf; i += 2) {
         const redisReply *k = fields->element[i], *v = fields->element[i + 1];
         if (k->type != REDIS_REPLY_STRING || v->type != REDIS_REPLY_STRING)
@@ -458,39 +542,31 @@ static int dead_letter(struct relay_consumer *c, const char *stream, const char 
     ARG(RELAY_DLQ_FIELD_TIME, strlen(RELAY_DLQ_FIELD_TIME));
     ARG(when, strlen(when));
 #undef ARG
-    const char *multi[1] = {"MULTI"}, *exec[1] = {"EXEC"};
-    size_t l5[1] = {5}, l4[1] = {4};
-    const char *ack[4] = {"XACK", stream, c->group, entry_id};
-    size_t acklens[4] = {4, strlen(stream), strlen(c->group), strlen(entry_id)};
-    redisAppendCommandArgv(c->wr, 1, multi, l5);
-    redisAppendCommandArgv(c->wr, argc, argv, lens);
-    redisAppendCommandArgv(c->wr, 4, ack, acklens);
-    redisAppendCommandArgv(c->wr, 1, exec, l4);
-    int ok = 1;
-    for (int i = 0; i < 4; i++) {
-        redisReply *r = NULL;
-        if (redisGetReply(c->wr, (void **)&r) != REDIS_OK || r == NULL) {
-            problem(c, "Redis connection lost while dead-lettering: %s", c->wr->errstr);
-            ok = 0;
-            break;
-        }
-        if (r->type == REDIS_REPLY_ERROR ||
-            (i == 3 && (r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
-                        r->element[0]->type == REDIS_REPLY_ERROR))) {
-            relay_error(COMPONENT, "dead-lettering %s %s failed: %s", stream, entry_id,
-                        r->type == REDIS_REPLY_ERROR ? r->str : "transaction not executed");
-            ok = 0;
-        }
-        freeReplyObject(r);
+    redisReply *r = command(c->wr, argc, argv, lens);
+    if (r == NULL) {
+        problem(c, "Redis connection lost while dead-lettering %s %s: %s", stream, entry_id,
+                c->wr->errstr);
+        disconnect(c);
+        goto out;
     }
-    if (ok) {
+    if (r->type == REDIS_REPLY_STRING) {
         c->stats.dead_lettered++;
         relay_warn(COMPONENT, "%s %s -> %s (%s after %u deliveries): %s", stream, entry_id,
                    c->dlq, reason, deliveries, error);
         rc = 0;
-    } else if (c->wr->err) {
-        disconnect(c);
+    } else {
+        /* "Function not found": someone ran FUNCTION FLUSH or DELETE since
+         * the connect; connecting again loads it. */
+        int missing = r->type == REDIS_REPLY_ERROR && strstr(r->str, "Function not found");
+        relay_error(COMPONENT,
+                    "dead-lettering %s %s failed: %s; the entry stays pending and a later pass "
+                    "tries again%s",
+                    stream, entry_id, r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply",
+                    missing ? " (reconnecting to load the function)" : "");
+        if (missing)
+            disconnect(c);
     }
+    freeReplyObject(r);
 out:
     free(argv);
     free(lens);

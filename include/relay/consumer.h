@@ -10,7 +10,8 @@
  * 1 s, 10 s, 100 s, 1000 s), to this consumer or any other of the group, so
  * the entries of a consumer that died are taken over the same way. Failed for
  * good, or a retry at the last allowed delivery, moves the entry to the
- * dead-letter stream with the error, atomically with its XACK.
+ * dead-letter stream with the error, atomically with its XACK: one call of the
+ * Redis function below, which acknowledges only once the dead letter is in.
  *
  * Take-over is decided by idle time alone: an entry whose handler runs longer
  * than the first backoff step may be delivered to another consumer meanwhile.
@@ -118,6 +119,28 @@ uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts,
 /* Names: "<stream>.<group>.dlq" and "<stream>.<group>.replay". -1 if too long. */
 int relay_consumer_dlq_name(const char *stream, const char *group, char *out, size_t outlen);
 int relay_consumer_replay_name(const char *stream, const char *group, char *out, size_t outlen);
+
+/*
+ * The dead-letter function, in a Redis function library of its own (the
+ * relay's library "outbox_relay" is left alone: FUNCTION LOAD REPLACE of it
+ * would drop the relay's publish function). The library loads it with
+ * FUNCTION LOAD REPLACE on every connect; consumers in other languages may
+ * call it too (docs/CONSUMERS.md section 5):
+ *
+ *   FCALL outbox_consumer_dead_letter_v1 2 <dead-letter stream> <stream>
+ *         <group> <entry id> <field> <value> [<field> <value> ...]
+ *
+ * It adds the fields to the dead-letter stream (XADD *) and only then, if that
+ * succeeded, acknowledges the entry (XACK), and returns the dead letter's
+ * entry id. A refused XADD (the dead-letter key holds another type, OOM)
+ * returns the error and acknowledges nothing, so the entry stays pending. The
+ * dead letter is added even when the entry is no longer pending (XACK 0).
+ */
+#define RELAY_CONSUMER_FUNCTION_LIBRARY "outbox_consumer"
+#define RELAY_CONSUMER_FUNCTION_DEAD_LETTER "outbox_consumer_dead_letter_v1"
+
+/* The Lua source loaded with FUNCTION LOAD REPLACE. */
+extern const char relay_consumer_function_source[];
 
 /* Dead-letter entry fields added to the original ones. */
 #define RELAY_DLQ_FIELD_STREAM "dlq.stream"

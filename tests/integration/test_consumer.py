@@ -14,6 +14,10 @@ consumer schema of migrations/consumer/*.sql:
 - "outbox-relay dlq replay" reaches only the group that failed;
 - the pending entries of a consumer that died are taken over by another;
 - a pending entry deleted from the stream is dead-lettered as lost;
+- a dead letter that Redis refuses (the dead-letter key holds a string, the
+  dead-letter function was deleted) acknowledges nothing: the entry stays
+  pending, the log says what to do, and a later pass records it;
+- a Redis user that may not load functions is told the ACL permissions it needs;
 - an entry without the contract's fields is dead-lettered as malformed and the
   consumer goes on with the next message;
 - SIGTERM: exit 0 within a few seconds, the message in hand finished.
@@ -389,6 +393,87 @@ class ConsumerTest(harness.ServerTestCase):
         self.assertEqual(pending_count(self.r), 0)
         self.assertEqual(l2.terminate(), 0)
         self.assertEqual(l2.stats()["lost"], 1)
+
+    # ------------------------------------------------------------------
+    def test_dead_letter_refused_by_redis_leaves_the_entry_pending(self):
+        """XADD: the dead-letter key was SET as a string, so Redis refuses the dead letter
+        (WRONGTYPE). A fail=permanent message must stay pending, not acknowledged, with the
+        failure logged and what to do about it; once the key is deleted, a later pass
+        dead-letters and acknowledges it."""
+        self.r.set("orders.email.dlq", "not a stream")
+        entry_id, mid = xadd_message(self.r, payload=order_payload(13),
+                                     headers={"fail": "permanent"})
+        c = self.consumer(consumer="w1", max_deliveries=50, **FAST)
+        failed = r"dead-lettering orders " + re.escape(entry_id) + r" failed"
+        c.wait_for_log(failed, timeout=10)
+        pending = self.r.xpending_range("orders", "email", "-", "+", 10)
+        self.assertEqual([p["message_id"].decode() for p in pending], [entry_id],
+                         "the entry is still pending: nothing was acknowledged\n" + c.log_tail())
+        self.assertEqual(self.r.get("orders.email.dlq"), b"not a stream")
+        line = log_events(c.log(), failed + r".*")[0][1].group(0)
+        print(f"refused dead letter: {line}", file=sys.stderr, flush=True)
+        self.assertRegex(line, r"WRONGTYPE")
+        self.assertRegex(line, r"orders\.email\.dlq")
+        self.assertRegex(line, r"delete or rename it")
+        self.assertRegex(line, r"stays pending")
+
+        # Later passes try again and keep it pending while the key is wrong.
+        c.wait_for_log(r"(?s)" + failed + r".*" + failed, timeout=10)
+        self.assertEqual(pending_count(self.r), 1)
+        self.assertEqual(self.r.type("orders.email.dlq"), b"string")
+
+        self.r.delete("orders.email.dlq")
+        wait_until(lambda: self.r.exists("orders.email.dlq") and pending_count(self.r) == 0,
+                   timeout=10, message="the dead letter recorded and the entry acknowledged")
+        [(_, fields)] = dlq_entries(self.r)
+        self.assertGreaterEqual(int(fields[b"dlq.deliveries"]), 2)
+        self.assert_dlq_fields(fields, "permanent", int(fields[b"dlq.deliveries"]), "w1",
+                               entry_id)
+        self.assertEqual(fields[b"id"], mid.encode())
+        [(_, original)] = harness.stream_entries(self.r, "orders")
+        self.assertEqual(original_fields(fields), original)
+        self.assertEqual(c.terminate(), 0)
+        st = c.stats()
+        self.assertEqual((st["dead_lettered"], st["done"]), (1, 0), st)
+
+    # ------------------------------------------------------------------
+    def test_redis_user_that_may_not_load_functions_is_told_the_acl_it_needs(self):
+        """XADD: the consumer's Redis user may not run FUNCTION (ACL -function). The
+        consumer says which permissions it needs and keeps retrying; once FUNCTION LOAD
+        is granted it connects and handles the message."""
+        self.r.execute_command("ACL", "SETUSER", "limited", "reset", "on", ">secret", "~*",
+                               "&*", "+@all", "-function")
+        self.addCleanup(self.r.execute_command, "ACL", "DELUSER", "limited")
+        _, mid = xadd_message(self.r, payload=order_payload(14))
+        c = self.consumer(consumer="n1", redis_url=f"redis://limited:secret@127.0.0.1:"
+                                                   f"{self.redis.port}/0", **FAST)
+        line = c.wait_for_log(r"FUNCTION LOAD of library outbox_consumer .*failed: NOPERM.*",
+                              timeout=10).group(0)
+        print(f"no FUNCTION LOAD: {line}", file=sys.stderr, flush=True)
+        self.assertIn("needs the ACL permissions +function|load and +fcall", line)
+        self.assertEqual(effect_count(self.db, mid), 0)
+        self.r.execute_command("ACL", "SETUSER", "limited", "+function|load")
+        wait_until(lambda: effect_count(self.db, mid) == 1 and pending_count(self.r) == 0,
+                   timeout=20, message="the message handled once FUNCTION LOAD was granted")
+        self.assertEqual(c.terminate(), 0)
+
+    # ------------------------------------------------------------------
+    def test_dead_letter_function_deleted_while_running_is_loaded_again(self):
+        """XADD: FUNCTION DELETE outbox_consumer while the consumer runs, then a
+        fail=permanent message: the refused dead letter leaves it pending, the consumer
+        reconnects (loading the function) and a later pass dead-letters it."""
+        c = self.consumer(consumer="f1", max_deliveries=50, **FAST)
+        c.wait_for_log(r"reading orders", timeout=10)
+        self.r.execute_command("FUNCTION", "DELETE", "outbox_consumer")
+        entry_id, _ = xadd_message(self.r, payload=order_payload(15),
+                                   headers={"fail": "permanent"})
+        c.wait_for_log(r"dead-lettering orders " + re.escape(entry_id)
+                       + r" failed: ERR Function not found.*reconnecting", timeout=10)
+        wait_until(lambda: self.r.exists("orders.email.dlq") and pending_count(self.r) == 0,
+                   timeout=15, message="the dead letter recorded once the function was back")
+        [(_, fields)] = dlq_entries(self.r)
+        self.assertEqual(fields[b"dlq.entry_id"], entry_id.encode())
+        self.assertEqual(c.terminate(), 0)
 
     # ------------------------------------------------------------------
     def test_malformed_entry_is_dead_lettered_and_the_next_one_handled(self):

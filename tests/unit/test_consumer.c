@@ -1,6 +1,7 @@
 /* Unit tests of the pure parts of relay/consumer.c: the backoff schedule, the
- * dead-letter and replay stream names, and the check of an entry against the
- * stream contract (replies are built by hiredis's own reader from RESP). */
+ * dead-letter and replay stream names, the order of the dead-letter function,
+ * and the check of an entry against the stream contract (replies are built by
+ * hiredis's own reader from RESP). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -194,6 +195,29 @@ static void test_parse_caps_headers(void **state)
     freeReplyObject(r);
 }
 
+static void test_dead_letter_function_acknowledges_after_xadd(void **state)
+{
+    (void)state;
+    const char *src = relay_consumer_function_source;
+    /* A library of its own: replacing the relay's would drop its publish function. */
+    assert_non_null(strstr(src, "#!lua name=" RELAY_CONSUMER_FUNCTION_LIBRARY "\n"));
+    assert_string_not_equal(RELAY_CONSUMER_FUNCTION_LIBRARY, "outbox_relay");
+    assert_non_null(
+        strstr(src, "redis.register_function('" RELAY_CONSUMER_FUNCTION_DEAD_LETTER "'"));
+    /* The XADD must not abort the call (pcall), and the XACK runs only after
+     * it, behind the return of its error: a function body does not roll back. */
+    const char *xadd = strstr(src, "redis.pcall('XADD'");
+    const char *err = strstr(src, "return id\n");
+    const char *xack = strstr(src, "'XACK'");
+    assert_non_null(xadd);
+    assert_non_null(err);
+    assert_non_null(xack);
+    assert_true(xadd < err);
+    assert_true(err < xack);
+    assert_null(strstr(src, "redis.call('XADD'"));
+    assert_non_null(strstr(src, "delete or rename it"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -204,6 +228,7 @@ int main(void)
         cmocka_unit_test(test_parse_good_entry),
         cmocka_unit_test(test_parse_rejects_foreign_entries),
         cmocka_unit_test(test_parse_caps_headers),
+        cmocka_unit_test(test_dead_letter_function_acknowledges_after_xadd),
     };
     return cmocka_run_group_tests_name("consumer", tests, NULL, NULL);
 }
