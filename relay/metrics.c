@@ -2,10 +2,20 @@
  * The HTTP endpoint of include/relay/metrics.h.
  *
  * Deliberately small: HTTP/1.0-style, one request per connection, the
- * response written in full and the socket closed. Every client has a
- * deadline for the whole exchange, a request is at most 8 KiB, and at most
- * 32 clients are served at once (more are closed at accept), so nothing a
- * client does can hold the relay's loop.
+ * response written in full and the socket closed. A request is at most
+ * 8 KiB and must be complete within REQUEST_DEADLINE of the accept (in all,
+ * not per read, so a byte a second does not keep it alive); the response
+ * then has RESPONSE_DEADLINE to be sent. Nothing a client does can hold the
+ * relay's loop.
+ *
+ * Idle clients must not lock out the ones that matter: a liveness probe
+ * that gets no answer restarts a healthy relay. So when CLIENTS_MAX are
+ * open, a new connection closes the oldest client that has not sent a
+ * complete request yet; clients are kept in two lists, oldest first, for
+ * that. Only when every client is being answered is a new one turned away.
+ * Running out of file descriptors is handled the same way (an idle client is
+ * closed, or accepting pauses for ACCEPT_PAUSE), so the loop never spins on
+ * a listening socket that stays readable.
  */
 #include "relay/compat.h"
 
@@ -27,20 +37,31 @@
 
 #define COMPONENT "metrics"
 #define REQUEST_MAX 8192
-#define CLIENTS_MAX 32
-#define CLIENT_DEADLINE 5.0
+#define CLIENTS_MAX 256
+#define REQUEST_DEADLINE 2.0  /* seconds from accept to a complete request */
+#define RESPONSE_DEADLINE 5.0 /* seconds to send the response */
+#define ACCEPT_PAUSE 0.1      /* out of descriptors with nobody to close */
+#define EVICT_LOG_EVERY 60.0  /* seconds between two logs of evictions */
 #define TEXT_CAP (16u << 20)
+
+struct client;
+
+/* Clients, oldest first. */
+struct client_list {
+    struct client *head, *tail;
+};
 
 struct client {
     struct relay_metrics *m;
     int fd;
+    int answering; /* in m->answering once the request is complete, else in m->reading */
     ev_io io;
     ev_timer deadline;
     char req[REQUEST_MAX];
     size_t reqlen;
     char *resp;
     size_t resplen, sent;
-    struct client *next;
+    struct client *prev, *next;
 };
 
 struct relay_metrics {
@@ -48,8 +69,12 @@ struct relay_metrics {
     struct relay_metrics_hooks hooks;
     int fd;
     ev_io accept_io;
-    struct client *clients;
+    ev_timer accept_pause;
+    struct client_list reading;   /* no complete request yet: the first to go when full */
+    struct client_list answering; /* a response being sent */
     int nclients;
+    unsigned long evicted;  /* idle clients closed to admit new ones, not yet logged */
+    double evict_logged_at; /* ev_now of that log; 0 before the first */
 };
 
 void relay_text_printf(struct relay_text *t, const char *fmt, ...)
@@ -79,20 +104,60 @@ void relay_text_printf(struct relay_text *t, const char *fmt, ...)
     }
 }
 
+static void list_push(struct client_list *l, struct client *c)
+{
+    c->next = NULL;
+    c->prev = l->tail;
+    if (l->tail != NULL)
+        l->tail->next = c;
+    else
+        l->head = c;
+    l->tail = c;
+}
+
+static void list_remove(struct client_list *l, struct client *c)
+{
+    if (c->prev != NULL)
+        c->prev->next = c->next;
+    else
+        l->head = c->next;
+    if (c->next != NULL)
+        c->next->prev = c->prev;
+    else
+        l->tail = c->prev;
+    c->prev = c->next = NULL;
+}
+
 static void client_close(struct client *c)
 {
     struct relay_metrics *m = c->m;
     ev_io_stop(m->loop, &c->io);
     ev_timer_stop(m->loop, &c->deadline);
     close(c->fd);
-    for (struct client **p = &m->clients; *p; p = &(*p)->next)
-        if (*p == c) {
-            *p = c->next;
-            break;
-        }
+    list_remove(c->answering ? &m->answering : &m->reading, c);
     m->nclients--;
     free(c->resp);
     free(c);
+}
+
+/* Closes the oldest client that has not sent a complete request, to make
+ * room for a new one. 0, or -1 when every client is being answered. */
+static int evict_idle(struct relay_metrics *m)
+{
+    if (m->reading.head == NULL)
+        return -1;
+    client_close(m->reading.head);
+    m->evicted++;
+    double now = ev_now(m->loop);
+    if (m->evict_logged_at == 0 || now - m->evict_logged_at >= EVICT_LOG_EVERY) {
+        relay_warn(COMPONENT,
+                   "closed %lu client(s) that sent no complete request, to admit new ones (at "
+                   "most %d connections at once): something connects and sends nothing",
+                   m->evicted, CLIENTS_MAX);
+        m->evicted = 0;
+        m->evict_logged_at = now;
+    }
+    return 0;
 }
 
 static void on_client_write(struct ev_loop *loop, ev_io *w, int revents);
@@ -116,6 +181,13 @@ static void respond(struct client *c, int status, const char *reason, const char
         memcpy(c->resp + n, body, bodylen);
     c->resplen = total;
     c->sent = 0;
+    /* Answering now: no longer idle, and a deadline of its own. */
+    list_remove(&c->m->reading, c);
+    list_push(&c->m->answering, c);
+    c->answering = 1;
+    ev_timer_stop(c->m->loop, &c->deadline);
+    ev_timer_set(&c->deadline, RESPONSE_DEADLINE, 0.0);
+    ev_timer_start(c->m->loop, &c->deadline);
     ev_io_stop(c->m->loop, &c->io);
     ev_io_init(&c->io, on_client_write, c->fd, EV_WRITE);
     c->io.data = c;
@@ -219,20 +291,37 @@ static void on_client_deadline(struct ev_loop *loop, ev_timer *w, int revents)
     client_close(w->data);
 }
 
+static void on_accept_pause(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    struct relay_metrics *m = w->data;
+    (void)revents;
+    ev_io_start(loop, &m->accept_io);
+}
+
 static void on_accept(struct ev_loop *loop, ev_io *w, int revents)
 {
     struct relay_metrics *m = w->data;
     (void)revents;
     for (;;) {
         int fd = accept(m->fd, NULL, NULL);
-        if (fd < 0)
-            return; /* EAGAIN, or a transient error: the next event retries */
+        if (fd < 0) {
+            if (errno != EMFILE && errno != ENFILE && errno != ENOBUFS && errno != ENOMEM)
+                return; /* EAGAIN, or a transient error: the next event retries */
+            /* Out of descriptors or memory: the connection waits in the
+             * backlog and the socket stays readable. Make room, or stop
+             * listening for a moment rather than spin. */
+            if (evict_idle(m) == 0)
+                continue;
+            ev_io_stop(loop, &m->accept_io);
+            ev_timer_start(loop, &m->accept_pause);
+            return;
+        }
         if (fcntl(fd, F_SETFL, O_NONBLOCK) < 0 || fcntl(fd, F_SETFD, FD_CLOEXEC) < 0) {
             close(fd);
             continue;
         }
-        if (m->nclients >= CLIENTS_MAX) {
-            close(fd);
+        if (m->nclients >= CLIENTS_MAX && evict_idle(m) < 0) {
+            close(fd); /* every client is being answered: this one must retry */
             continue;
         }
         struct client *c = calloc(1, sizeof(*c));
@@ -242,13 +331,12 @@ static void on_accept(struct ev_loop *loop, ev_io *w, int revents)
         }
         c->m = m;
         c->fd = fd;
-        c->next = m->clients;
-        m->clients = c;
+        list_push(&m->reading, c);
         m->nclients++;
         ev_io_init(&c->io, on_client_read, fd, EV_READ);
         c->io.data = c;
         ev_io_start(loop, &c->io);
-        ev_timer_init(&c->deadline, on_client_deadline, CLIENT_DEADLINE, 0.0);
+        ev_timer_init(&c->deadline, on_client_deadline, REQUEST_DEADLINE, 0.0);
         c->deadline.data = c;
         ev_timer_start(loop, &c->deadline);
     }
@@ -279,7 +367,7 @@ struct relay_metrics *relay_metrics_new(struct ev_loop *loop, const char *listen
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     int one = 1;
     if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
-        bind(fd, (struct sockaddr *)&sin, sizeof(sin)) < 0 || listen(fd, 64) < 0) {
+        bind(fd, (struct sockaddr *)&sin, sizeof(sin)) < 0 || listen(fd, SOMAXCONN) < 0) {
         snprintf(err, errlen, "cannot listen on %s: %s (change metrics_listen, or set it empty "
                               "to switch the endpoint off)",
                  listen_addr, strerror(errno));
@@ -299,6 +387,8 @@ struct relay_metrics *relay_metrics_new(struct ev_loop *loop, const char *listen
     ev_io_init(&m->accept_io, on_accept, fd, EV_READ);
     m->accept_io.data = m;
     ev_io_start(loop, &m->accept_io);
+    ev_timer_init(&m->accept_pause, on_accept_pause, ACCEPT_PAUSE, 0.0);
+    m->accept_pause.data = m;
     relay_info(COMPONENT, "serving /metrics, /healthz and /readyz on http://%s", listen_addr);
     return m;
 }
@@ -307,9 +397,12 @@ void relay_metrics_free(struct relay_metrics *m)
 {
     if (m == NULL)
         return;
-    while (m->clients != NULL)
-        client_close(m->clients);
+    while (m->reading.head != NULL)
+        client_close(m->reading.head);
+    while (m->answering.head != NULL)
+        client_close(m->answering.head);
     ev_io_stop(m->loop, &m->accept_io);
+    ev_timer_stop(m->loop, &m->accept_pause);
     close(m->fd);
     free(m);
 }

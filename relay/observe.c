@@ -21,7 +21,9 @@
 #include <sys/time.h>
 #include <time.h>
 
+#include "relay/batch.h"
 #include "relay/config.h"
+#include "relay/tools.h"
 
 double relay_observe_parse_time(const char *s)
 {
@@ -266,7 +268,10 @@ static int redis_observe(const struct relay_config *cfg, redisContext *c,
     freeReplyObject(r);
     freeReplyObject(r2);
 
-    /* Streams: every stream key that is not a dead-letter or replay stream. */
+    /* Streams: every stream key the relay could publish to, "<prefix><topic>"
+     * with a valid topic, that is not a dead-letter or replay stream. Other
+     * keys are someone else's, and their names may be any bytes: a name that
+     * is not UTF-8 would make the topics query below fail as a whole. */
     const char *prefix = cfg->stream_prefix ? cfg->stream_prefix : "";
     size_t plen = strlen(prefix);
     char cursor[32] = "0";
@@ -284,7 +289,10 @@ static int redis_observe(const struct relay_config *cfg, redisContext *c,
         const redisReply *keys = r->element[1];
         for (size_t i = 0; i < keys->elements && o->ntopics < RELAY_OBS_TOPICS_MAX; i++) {
             const char *k = keys->element[i]->str;
-            if (ends_with(k, ".dlq") || ends_with(k, ".replay") || strncmp(k, prefix, plen) != 0)
+            size_t klen = keys->element[i]->len;
+            if (klen < plen || strncmp(k, prefix, plen) != 0 ||
+                !relay_batch_topic_valid(k + plen, klen - plen) || ends_with(k, ".dlq") ||
+                ends_with(k, ".replay"))
                 continue;
             struct relay_topic_obs *t = &o->topics[o->ntopics++];
             snprintf(t->stream, sizeof(t->stream), "%s", k);
@@ -435,20 +443,38 @@ static void age_text(char *out, size_t outlen, double s)
         snprintf(out, outlen, "%dh%02dm", (int)s / 3600, ((int)s % 3600) / 60);
 }
 
+/* Text from the servers or from Redis keys, for a terminal (relay/tools.c):
+ * escaped, cut to maxcols columns (0: not cut) and padded to width. */
+static void put_shown(struct out *b, const char *s, size_t width, size_t maxcols)
+{
+    char shown[RELAY_ESCAPED_SIZE(512)];
+    size_t cols = relay_tools_escape(shown, sizeof(shown), s, strlen(s), maxcols, 0);
+    put(b, "%s%*s", shown, cols < width ? (int)(width - cols) : 0, "");
+}
+
 void relay_observe_text(const struct relay_observation *o, char *outbuf, size_t outlen)
 {
     struct out b = {outbuf, 0, outlen};
     char a1[32], a2[32];
     outbuf[0] = '\0';
     put(&b, "PostgreSQL  %s\n", o->pg_ok ? "up" : "DOWN");
-    if (!o->pg_ok)
-        put(&b, "            %s\n", o->pg_error);
+    if (!o->pg_ok) {
+        put(&b, "            ");
+        put_shown(&b, o->pg_error, 0, 0);
+        put(&b, "\n");
+    }
     put(&b, "Redis       %s", o->redis_ok ? "up" : "DOWN");
-    if (o->redis_ok)
-        put(&b, " (%s)", o->durability);
+    if (o->redis_ok) {
+        put(&b, " (");
+        put_shown(&b, o->durability, 0, 0);
+        put(&b, ")");
+    }
     put(&b, "\n");
-    if (!o->redis_ok)
-        put(&b, "            %s\n", o->redis_error);
+    if (!o->redis_ok) {
+        put(&b, "            ");
+        put_shown(&b, o->redis_error, 0, 0);
+        put(&b, "\n");
+    }
     if (o->pg_ok) {
         age_text(a1, sizeof(a1), o->outbox_oldest_age);
         put(&b, "Outbox      ~%lld pending, oldest %s, %lld quarantined\n", o->outbox_pending, a1,
@@ -473,23 +499,39 @@ void relay_observe_text(const struct relay_observation *o, char *outbuf, size_t 
             snprintf(a2, sizeof(a2), "%lld", t->pending);
         else
             snprintf(a2, sizeof(a2), "-");
-        put(&b, "%-24.24s %-16.16s %10s %8s %8lld %10lld %12s %6s\n", g->stream, g->group, a1, lag,
-            g->pending, g->dead_letters, a2,
+        /* Stream and group names may be any bytes (XGROUP CREATE takes any). */
+        put_shown(&b, g->stream, 24, 24);
+        put(&b, " ");
+        put_shown(&b, g->group, 16, 16);
+        put(&b, " %10s %8s %8lld %10lld %12s %6s\n", a1, lag, g->pending, g->dead_letters, a2,
             t == NULL || t->admitting < 0 ? "-" : t->admitting ? "yes" : "NO");
     }
 }
 
+/*
+ * A JSON string with s exactly: the controls of relay_tools_control_char as
+ * \u escapes (so the output cannot act on a terminal either), other UTF-8 as
+ * it is. JSON text is UTF-8 (RFC 8259), so a byte that is not part of valid
+ * UTF-8, which no JSON string can carry, is U+FFFD.
+ */
 static void json_string(struct out *b, const char *s)
 {
+    size_t len = strlen(s);
     put(b, "\"");
-    for (; *s; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch == '"' || ch == '\\')
-            put(b, "\\%c", ch);
-        else if (ch < 0x20)
-            put(b, "\\u%04x", ch);
-        else
-            put(b, "%c", ch);
+    for (size_t i = 0; i < len;) {
+        unsigned long cp;
+        size_t n = relay_tools_utf8_char(s + i, len - i, &cp);
+        if (n == 0) {
+            put(b, "\\ufffd");
+            n = 1;
+        } else if (cp == '"' || cp == '\\') {
+            put(b, "\\%c", (char)cp);
+        } else if (relay_tools_control_char(cp)) {
+            put(b, "\\u%04lx", cp);
+        } else {
+            put(b, "%.*s", (int)n, s + i);
+        }
+        i += n;
     }
     put(b, "\"");
 }

@@ -48,6 +48,14 @@ struct dlq_ctx {
     const char *group;
     char dlq[DLQ_NAME_MAX];
     char replay[DLQ_NAME_MAX];
+    struct {
+        /* The names as messages show them (relay_tools_escape): a name may be
+         * any bytes, and the operator may have typed them as $'\x1b...'. */
+        char stream[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)];
+        char group[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)];
+        char dlq[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)];
+        char replay[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)];
+    } shown;
     char where[512]; /* redis://user:***@host:port/db, for messages */
 };
 
@@ -57,101 +65,6 @@ struct dlq_sel {
     char to[48];   /* same as from for a single id */
     int is_range;
 };
-
-/* ------------------------------------------------------------------------ */
-/* Showing bytes that may be anything.                                      */
-
-/* Length of a valid UTF-8 sequence at p that is safe to print as it is: no C1
- * control, no bidirectional override. 0 if it is not one. */
-static size_t utf8_printable(const unsigned char *p, size_t n)
-{
-    unsigned char c = p[0], lo = 0x80, hi = 0xbf;
-    size_t need;
-
-    if (c >= 0xc2 && c <= 0xdf) {
-        need = 1;
-        if (c == 0xc2)
-            lo = 0xa0; /* U+0080..U+009F are C1 controls */
-    } else if (c == 0xe0) {
-        need = 2;
-        lo = 0xa0;
-    } else if ((c >= 0xe1 && c <= 0xec) || c == 0xee || c == 0xef) {
-        need = 2;
-    } else if (c == 0xed) {
-        need = 2;
-        hi = 0x9f; /* no surrogates */
-    } else if (c == 0xf0) {
-        need = 3;
-        lo = 0x90;
-    } else if (c >= 0xf1 && c <= 0xf3) {
-        need = 3;
-    } else if (c == 0xf4) {
-        need = 3;
-        hi = 0x8f;
-    } else {
-        return 0;
-    }
-    if (n < need + 1 || p[1] < lo || p[1] > hi)
-        return 0;
-    for (size_t k = 2; k <= need; k++)
-        if ((p[k] & 0xc0) != 0x80)
-            return 0;
-    /* U+202A..U+202E and U+2066..U+2069 reorder the rest of a terminal line. */
-    if (c == 0xe2 && ((p[1] == 0x80 && p[2] >= 0xaa && p[2] <= 0xae) ||
-                      (p[1] == 0x81 && p[2] >= 0xa6 && p[2] <= 0xa9)))
-        return 0;
-    return need + 1;
-}
-
-/*
- * Writes s[0..len) to f: printable ASCII and valid UTF-8 as they are, a
- * backslash as \\, a double quote as \" when quoted, any other byte as \xNN.
- * With max > 0, stops before the column that would pass max and writes "...".
- * Returns the columns written (one per character or escape sequence byte).
- */
-static size_t put_escaped(FILE *f, const char *s, size_t len, size_t max, int quoted)
-{
-    const unsigned char *p = (const unsigned char *)s;
-    size_t cols = 0, i = 0;
-
-    while (i < len) {
-        char buf[8];
-        size_t n = 1, blen, w; /* bytes consumed, bytes written, columns */
-        if (p[i] == '\\' || (quoted && p[i] == '"')) {
-            buf[0] = '\\';
-            buf[1] = (char)p[i];
-            blen = w = 2;
-        } else if (p[i] >= 0x20 && p[i] < 0x7f) {
-            buf[0] = (char)p[i];
-            blen = w = 1;
-        } else if ((n = utf8_printable(p + i, len - i)) > 0) {
-            memcpy(buf, p + i, n);
-            blen = n;
-            w = 1;
-        } else {
-            n = 1;
-            snprintf(buf, sizeof(buf), "\\x%02x", p[i]);
-            blen = w = 4;
-        }
-        if (max > 0 && cols + w > max) {
-            fputs("...", f);
-            return cols + 3;
-        }
-        fwrite(buf, 1, blen, f);
-        cols += w;
-        i += n;
-    }
-    return cols;
-}
-
-/* put_escaped, then spaces up to width columns and one more. */
-static void put_column(FILE *f, const char *s, size_t len, size_t width, size_t max)
-{
-    size_t cols = put_escaped(f, s, len, max, 0);
-    do
-        fputc(' ', f);
-    while (++cols < width + 1);
-}
 
 /* ------------------------------------------------------------------------ */
 /* Talking to Redis.                                                          */
@@ -267,9 +180,9 @@ static int check_group(struct dlq_ctx *d)
         return io_failed(d);
     if (is_error(r)) {
         if (strstr(r->str, "no such key") != NULL)
-            fprintf(d->errout, "outbox-relay: stream \"%s\" does not exist\n", d->stream);
+            fprintf(d->errout, "outbox-relay: stream \"%s\" does not exist\n", d->shown.stream);
         else if (strncmp(r->str, "WRONGTYPE", 9) == 0)
-            fprintf(d->errout, "outbox-relay: \"%s\" is not a stream\n", d->stream);
+            fprintf(d->errout, "outbox-relay: \"%s\" is not a stream\n", d->shown.stream);
         else
             rc = refused(d, "XINFO GROUPS", r);
         freeReplyObject(r);
@@ -291,13 +204,14 @@ static int check_group(struct dlq_ctx *d)
     }
     freeReplyObject(r);
     if (rc != 0)
-        fprintf(d->errout, "outbox-relay: group \"%s\" does not exist on stream \"%s\"\n", d->group,
-                d->stream);
+        fprintf(d->errout, "outbox-relay: group \"%s\" does not exist on stream \"%s\"\n",
+                d->shown.group, d->shown.stream);
     return rc;
 }
 
-/* A key that exists must be a stream: "none" and "stream" are fine. */
-static int check_stream_key(struct dlq_ctx *d, const char *key)
+/* A key that exists must be a stream: "none" and "stream" are fine. shown is
+ * the key as messages show it. */
+static int check_stream_key(struct dlq_ctx *d, const char *key, const char *shown)
 {
     const char *argv[2] = {"TYPE", key};
     redisReply *r = command(d, 2, argv, NULL);
@@ -308,7 +222,7 @@ static int check_stream_key(struct dlq_ctx *d, const char *key)
     if (is_error(r) || r->type != REDIS_REPLY_STATUS) {
         rc = refused(d, "TYPE", r);
     } else if (strcmp(r->str, "none") != 0 && strcmp(r->str, "stream") != 0) {
-        fprintf(d->errout, "outbox-relay: \"%s\" holds a %s, not a stream\n", key, r->str);
+        fprintf(d->errout, "outbox-relay: \"%s\" holds a %s, not a stream\n", shown, r->str);
         rc = RELAY_EX_DATAERR;
     }
     freeReplyObject(r);
@@ -367,7 +281,7 @@ static redisReply *xrange(struct dlq_ctx *d, const char *from, const char *to, l
     for (size_t i = 0; i < r->elements; i++) {
         if (!entry_ok(r->element[i])) {
             fprintf(d->errout, "outbox-relay: XRANGE %s: malformed reply from Redis at %s\n",
-                    d->dlq, d->where);
+                    d->shown.dlq, d->where);
             freeReplyObject(r);
             *rc = RELAY_EX_UNAVAILABLE;
             return NULL;
@@ -497,13 +411,14 @@ static void list_entry(struct dlq_ctx *d, const redisReply *e)
         {RELAY_DLQ_FIELD_DELIVERIES, 10, 12},
         {RELAY_DLQ_FIELD_TIME, 27, 32},
     };
-    put_column(d->out, e->element[0]->str, e->element[0]->len, 20, 0);
+    relay_tools_put_column(d->out, e->element[0]->str, e->element[0]->len, 20, 0);
     for (size_t k = 0; k < RELAY_ARRAY_LEN(cols); k++) {
         const redisReply *v = entry_field(e, cols[k].field);
-        put_column(d->out, v ? v->str : "-", v ? v->len : 1, cols[k].width, cols[k].max);
+        relay_tools_put_column(d->out, v ? v->str : "-", v ? v->len : 1, cols[k].width,
+                               cols[k].max);
     }
     const redisReply *err = entry_field(e, RELAY_DLQ_FIELD_ERROR);
-    put_escaped(d->out, err ? err->str : "-", err ? err->len : 1, DLQ_ERROR_COLS, 0);
+    relay_tools_put_escaped(d->out, err ? err->str : "-", err ? err->len : 1, DLQ_ERROR_COLS, 0);
     fputc('\n', d->out);
 }
 
@@ -513,7 +428,7 @@ static int dlq_list(struct dlq_ctx *d, long long count)
 {
     char start[56] = "-";
     long long shown = 0;
-    int rc = check_stream_key(d, d->dlq);
+    int rc = check_stream_key(d, d->dlq, d->shown.dlq);
     if (rc != 0)
         return rc;
     while (shown < count) {
@@ -538,10 +453,10 @@ static int dlq_list(struct dlq_ctx *d, long long count)
     if (total < 0)
         return RELAY_EX_UNAVAILABLE;
     if (shown == 0 && total == 0) {
-        fprintf(d->out, "no dead letters in %s\n", d->dlq);
+        fprintf(d->out, "no dead letters in %s\n", d->shown.dlq);
         return RELAY_EX_OK;
     }
-    fprintf(d->out, "%lld dead letter(s) in %s", total, d->dlq);
+    fprintf(d->out, "%lld dead letter(s) in %s", total, d->shown.dlq);
     if (shown < total)
         fprintf(d->out, " (showing the oldest %lld; use --count)", shown);
     fputc('\n', d->out);
@@ -550,29 +465,26 @@ static int dlq_list(struct dlq_ctx *d, long long count)
 
 static int dlq_show(struct dlq_ctx *d, const struct dlq_sel *sel)
 {
-    int rc = check_stream_key(d, d->dlq);
+    int rc = check_stream_key(d, d->dlq, d->shown.dlq);
     if (rc != 0)
         return rc;
     redisReply *r = xrange(d, sel->from, sel->to, 1, &rc);
     if (r == NULL)
         return rc;
     if (r->elements == 0) {
-        fprintf(d->errout, "outbox-relay: no dead letter %s in %s\n", sel->from, d->dlq);
+        fprintf(d->errout, "outbox-relay: no dead letter %s in %s\n", sel->from, d->shown.dlq);
         freeReplyObject(r);
         return RELAY_EX_DATAERR;
     }
     const redisReply *e = r->element[0], *f = e->element[1];
-    fprintf(d->out, "dead letter %s in %s (%zu fields)\n", e->element[0]->str, d->dlq,
+    fprintf(d->out, "dead letter %s in %s (%zu fields)\n", e->element[0]->str, d->shown.dlq,
             f->elements / 2);
     for (size_t i = 0; i + 1 < f->elements; i += 2) {
         const redisReply *name = f->element[i], *value = f->element[i + 1];
         fputs("  ", d->out);
-        size_t cols = put_escaped(d->out, name->str, name->len, 0, 0);
-        do
-            fputc(' ', d->out);
-        while (++cols < 17);
+        relay_tools_put_column(d->out, name->str, name->len, 16, 0);
         fputc('"', d->out);
-        put_escaped(d->out, value->str, value->len, 0, 1);
+        relay_tools_put_escaped(d->out, value->str, value->len, 0, RELAY_ESCAPE_QUOTE);
         fputc('"', d->out);
         /* Say the length where the text shown is not the bytes stored. */
         for (size_t k = 0; k < value->len; k++) {
@@ -652,7 +564,7 @@ static int replay_one(struct dlq_ctx *d, const char *id, enum replay_result *res
         }
         if (strcmp(rs[1]->str, "none") != 0 && strcmp(rs[1]->str, "stream") != 0) {
             fprintf(d->errout, "outbox-relay: \"%s\" holds a %s, not a stream: nothing replayed\n",
-                    d->replay, rs[1]->str);
+                    d->shown.replay, rs[1]->str);
             rc = RELAY_EX_DATAERR;
             goto out;
         }
@@ -742,7 +654,7 @@ static int replay_one(struct dlq_ctx *d, const char *id, enum replay_result *res
         goto out;
     }
     fprintf(d->errout, "outbox-relay: %s or %s kept changing while replaying %s; try again\n",
-            d->dlq, d->replay, id);
+            d->shown.dlq, d->shown.replay, id);
     return RELAY_EX_TEMPFAIL;
 out:
     free(argv);
@@ -823,7 +735,7 @@ static int ensure_replay_group(struct dlq_ctx *d)
         rc = refused(d, "XGROUP CREATE", r);
     else if (!is_error(r))
         fprintf(d->out, "created group %s on %s at 0: its consumers must read that stream too\n",
-                d->group, d->replay);
+                d->shown.group, d->shown.replay);
     freeReplyObject(r);
     return rc;
 }
@@ -852,7 +764,8 @@ static int dlq_replay(struct dlq_ctx *d, int all, const struct dlq_sel *sels, in
     struct replay_tally t = {0, 0};
     int missing = 0, rc = 0;
 
-    if ((rc = check_stream_key(d, d->dlq)) != 0 || (rc = check_stream_key(d, d->replay)) != 0 ||
+    if ((rc = check_stream_key(d, d->dlq, d->shown.dlq)) != 0 ||
+        (rc = check_stream_key(d, d->replay, d->shown.replay)) != 0 ||
         (rc = ensure_replay_group(d)) != 0)
         return rc;
     if (all) {
@@ -875,7 +788,8 @@ static int dlq_replay(struct dlq_ctx *d, int all, const struct dlq_sel *sels, in
             if (res == REPLAYED) {
                 t.replayed++;
             } else if (res == NOT_FOUND) {
-                fprintf(d->errout, "outbox-relay: no dead letter %s in %s\n", sels[i].from, d->dlq);
+                fprintf(d->errout, "outbox-relay: no dead letter %s in %s\n", sels[i].from,
+                        d->shown.dlq);
                 missing++;
             } else {
                 fprintf(d->errout,
@@ -886,7 +800,8 @@ static int dlq_replay(struct dlq_ctx *d, int all, const struct dlq_sel *sels, in
             }
         }
     }
-    fprintf(d->out, "replayed %lld dead letter(s) from %s to %s\n", t.replayed, d->dlq, d->replay);
+    fprintf(d->out, "replayed %lld dead letter(s) from %s to %s\n", t.replayed, d->shown.dlq,
+            d->shown.replay);
     if (rc != 0)
         return rc;
     return missing || t.unreplayable ? RELAY_EX_DATAERR : RELAY_EX_OK;
@@ -920,7 +835,7 @@ static int dlq_purge(struct dlq_ctx *d, int all, const struct dlq_sel *sels, int
     long long purged = 0;
     int missing = 0, rc = 0;
 
-    if ((rc = check_stream_key(d, d->dlq)) != 0)
+    if ((rc = check_stream_key(d, d->dlq, d->shown.dlq)) != 0)
         return rc;
     if (all) {
         /* The count and the delete in one transaction, so the count is exact. */
@@ -959,7 +874,8 @@ static int dlq_purge(struct dlq_ctx *d, int all, const struct dlq_sel *sels, int
             if (r->type != REDIS_REPLY_INTEGER) {
                 rc = refused(d, "XDEL", r);
             } else if (r->integer == 0) {
-                fprintf(d->errout, "outbox-relay: no dead letter %s in %s\n", sels[i].from, d->dlq);
+                fprintf(d->errout, "outbox-relay: no dead letter %s in %s\n", sels[i].from,
+                        d->shown.dlq);
                 missing++;
             } else {
                 purged += r->integer;
@@ -967,7 +883,7 @@ static int dlq_purge(struct dlq_ctx *d, int all, const struct dlq_sel *sels, int
             freeReplyObject(r);
         }
     }
-    fprintf(d->out, "purged %lld dead letter(s) from %s\n", purged, d->dlq);
+    fprintf(d->out, "purged %lld dead letter(s) from %s\n", purged, d->shown.dlq);
     if (rc != 0)
         return rc;
     return missing ? RELAY_EX_DATAERR : RELAY_EX_OK;
@@ -1002,6 +918,10 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
                 DLQ_NAME_MAX - 16);
         return RELAY_EX_USAGE;
     }
+    relay_tools_escape(d.shown.stream, sizeof(d.shown.stream), d.stream, strlen(d.stream), 0, 0);
+    relay_tools_escape(d.shown.group, sizeof(d.shown.group), d.group, strlen(d.group), 0, 0);
+    relay_tools_escape(d.shown.dlq, sizeof(d.shown.dlq), d.dlq, strlen(d.dlq), 0, 0);
+    relay_tools_escape(d.shown.replay, sizeof(d.shown.replay), d.replay, strlen(d.replay), 0, 0);
 
     int is_list = strcmp(verb, "list") == 0, is_show = strcmp(verb, "show") == 0;
     int is_replay = strcmp(verb, "replay") == 0, is_purge = strcmp(verb, "purge") == 0;

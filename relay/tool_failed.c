@@ -20,6 +20,9 @@
 #include "relay/common.h"
 #include "relay/config.h"
 
+/* Columns of a topic in "failed list", at most. */
+#define FAILED_TOPIC_COLS 40
+
 static PGconn *connect_db(const struct relay_config *cfg, FILE *errout)
 {
     char timeout[16], options[96];
@@ -72,10 +75,16 @@ static int failed_list(PGconn *conn, long long limit, FILE *out, FILE *errout)
     } else {
         fprintf(out, "%-10s %-36s %-20s %-8s %-20s %s\n", "ID", "MESSAGE_ID", "TOPIC", "ATTEMPTS",
                 "FAILED_AT", "LAST_ERROR");
-        for (int i = 0; i < n; i++)
-            fprintf(out, "%-10s %-36s %-20.40s %-8s %-20s %s\n", PQgetvalue(res, i, 0),
-                    PQgetvalue(res, i, 1), PQgetvalue(res, i, 2), PQgetvalue(res, i, 3),
-                    PQgetvalue(res, i, 4), PQgetvalue(res, i, 5));
+        /* The topic and the error come from producers: escaped, one row a line. */
+        for (int i = 0; i < n; i++) {
+            fprintf(out, "%-10s %-36s ", PQgetvalue(res, i, 0), PQgetvalue(res, i, 1));
+            relay_tools_put_column(out, PQgetvalue(res, i, 2), (size_t)PQgetlength(res, i, 2), 20,
+                                   FAILED_TOPIC_COLS);
+            fprintf(out, "%-8s %-20s ", PQgetvalue(res, i, 3), PQgetvalue(res, i, 4));
+            relay_tools_put_escaped(out, PQgetvalue(res, i, 5), (size_t)PQgetlength(res, i, 5), 0,
+                                    0);
+            fputc('\n', out);
+        }
     }
     PQclear(res);
 

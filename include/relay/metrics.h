@@ -2,7 +2,8 @@
  * A small HTTP endpoint on the relay's event loop: /metrics (Prometheus text
  * format), /healthz (the loop answers) and /readyz (connected to both servers
  * and not stalled). One request per connection, bounded in size, time and
- * number of clients, so a slow or half-open client cannot stall the loop.
+ * number of clients, so a slow or half-open client cannot stall the loop,
+ * and idle clients make way for new ones, so they cannot lock a probe out.
  */
 #ifndef RELAY_METRICS_H
 #define RELAY_METRICS_H

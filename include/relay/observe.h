@@ -74,7 +74,9 @@ int relay_observe(const struct relay_config *cfg, struct pg_conn **pg, struct re
 /* "2026-11-30T11:35:14.123456Z" -> Unix time; -1 if not that form. */
 double relay_observe_parse_time(const char *s);
 
-/* Renders for humans (status) or scripts (status --json). */
+/* Renders for humans (status), with names and errors in the escaped form of
+ * relay/tools.c, or for scripts (status --json), with every name exact as
+ * JSON escapes but bytes that are not UTF-8, which come out as U+FFFD. */
 void relay_observe_text(const struct relay_observation *o, char *out, size_t outlen);
 void relay_observe_json(const struct relay_observation *o, char *out, size_t outlen);
 
