@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include "relay/log.h"
+#include "relay/tools.h"
 
 #define COMPONENT "metrics"
 #define REQUEST_MAX 8192
@@ -405,4 +406,26 @@ void relay_metrics_free(struct relay_metrics *m)
     ev_timer_stop(m->loop, &m->accept_pause);
     close(m->fd);
     free(m);
+}
+
+void relay_text_label(struct relay_text *t, const char *s)
+{
+    size_t len = strlen(s);
+    for (size_t i = 0; i < len && !t->failed;) {
+        size_t n = relay_tools_utf8_char(s + i, len - i, NULL);
+        if (n == 0) {
+            relay_text_printf(t, "\xef\xbf\xbd"); /* U+FFFD for a byte that is not UTF-8 */
+            i++;
+            continue;
+        }
+        if (s[i] == '\\')
+            relay_text_printf(t, "\\\\");
+        else if (s[i] == '"')
+            relay_text_printf(t, "\\\"");
+        else if (s[i] == '\n')
+            relay_text_printf(t, "\\n");
+        else
+            relay_text_printf(t, "%.*s", (int)n, s + i);
+        i += n;
+    }
 }

@@ -1087,6 +1087,39 @@ static void *observe_main(void *arg)
     return NULL;
 }
 
+/*
+ * Writes the text[] literal of items, each element double-quoted with its
+ * backslashes and quotes escaped, so that no name can break out of its
+ * element: the value goes to the claim as a parameter, never into the SQL.
+ * 0, or -1 when out is too small.
+ */
+static int pg_text_array(char *out, size_t outlen, char (*items)[RELAY_TOPIC_MAX + 1],
+                         size_t n)
+{
+    size_t len = 0;
+    if (outlen < 3)
+        return -1;
+    out[len++] = '{';
+    for (size_t i = 0; i < n; i++) {
+        if (i && len < outlen)
+            out[len++] = ',';
+        if (len < outlen)
+            out[len++] = '"';
+        for (const char *c = items[i]; *c != '\0' && len < outlen; c++) {
+            if ((*c == '"' || *c == '\\') && len + 1 < outlen)
+                out[len++] = '\\';
+            out[len++] = *c;
+        }
+        if (len < outlen)
+            out[len++] = '"';
+    }
+    if (len + 2 > outlen)
+        return -1;
+    out[len++] = '}';
+    out[len] = '\0';
+    return 0;
+}
+
 /* Stream-side age of a group: what waits in Redis, not in the outbox (a paused
  * stream's outbox wait must not keep it paused). */
 static double stream_age(const struct relay_group_obs *g)
@@ -1142,14 +1175,14 @@ static void apply_backpressure(struct relay *r)
     }
 apply:
     r->npaused = nnext;
-    size_t len = 0;
-    r->paused_param[len++] = '{';
-    for (size_t i = 0; i < nnext; i++) {
+    for (size_t i = 0; i < nnext; i++)
         memcpy(r->paused_topics[i], next[i], sizeof(next[i]));
-        len += (size_t)snprintf(r->paused_param + len, sizeof(r->paused_param) - len, "%s\"%s\"",
-                                i ? "," : "", next[i]);
+    if (pg_text_array(r->paused_param, sizeof(r->paused_param), next, nnext) < 0) {
+        /* Cannot happen with the sizes above; claim everything rather than
+         * send a literal that would fail every claim. */
+        r->npaused = 0;
+        snprintf(r->paused_param, sizeof(r->paused_param), "{}");
     }
-    snprintf(r->paused_param + len, sizeof(r->paused_param) - len, "}");
 }
 
 static void on_observation(struct ev_loop *loop, ev_async *w, int revents)
@@ -1252,9 +1285,11 @@ static long render_metrics(void *arg, char **out)
 
     metric_help(&t, "outbox_relay_messages_published_total", "counter",
                 "Messages published to their stream, per topic.");
-    for (size_t i = 0; i < r->ntopic_counts; i++)
-        relay_text_printf(&t, "outbox_relay_messages_published_total{topic=\"%s\"} %llu\n",
-                          r->topic_counts[i].topic, r->topic_counts[i].published);
+    for (size_t i = 0; i < r->ntopic_counts; i++) {
+        relay_text_printf(&t, "outbox_relay_messages_published_total{topic=\"");
+        relay_text_label(&t, r->topic_counts[i].topic);
+        relay_text_printf(&t, "\"} %llu\n", r->topic_counts[i].published);
+    }
     if (r->other_published)
         relay_text_printf(&t, "outbox_relay_messages_published_total{topic=\"_other\"} %llu\n",
                           r->other_published);
@@ -1305,16 +1340,21 @@ static long render_metrics(void *arg, char **out)
         relay_text_printf(&t, "outbox_relay_outbox_quarantined_rows %lld\n", o->quarantined);
         metric_help(&t, "outbox_relay_topic_admitting", "gauge",
                     "1 when producers of the topic are admitted, 0 when refused (backpressure).");
-        for (size_t i = 0; i < o->ntopics; i++)
-            if (o->topics[i].admitting >= 0)
-                relay_text_printf(&t, "outbox_relay_topic_admitting{topic=\"%s\"} %d\n",
-                                  o->topics[i].topic, o->topics[i].admitting);
+        for (size_t i = 0; i < o->ntopics; i++) {
+            if (o->topics[i].admitting < 0)
+                continue;
+            relay_text_printf(&t, "outbox_relay_topic_admitting{topic=\"");
+            relay_text_label(&t, o->topics[i].topic);
+            relay_text_printf(&t, "\"} %d\n", o->topics[i].admitting);
+        }
     }
     metric_help(&t, "outbox_relay_stream_paused", "gauge",
                 "1 while the relay holds a stream back for its lagging consumer groups.");
-    for (size_t i = 0; i < o->ntopics; i++)
-        relay_text_printf(&t, "outbox_relay_stream_paused{stream=\"%s\"} %d\n",
-                          o->topics[i].stream, topic_paused(r, o->topics[i].topic));
+    for (size_t i = 0; i < o->ntopics; i++) {
+        relay_text_printf(&t, "outbox_relay_stream_paused{stream=\"");
+        relay_text_label(&t, o->topics[i].stream);
+        relay_text_printf(&t, "\"} %d\n", topic_paused(r, o->topics[i].topic));
+    }
     if (o->redis_ok) {
         static const char *const names[6][2] = {
             {"outbox_relay_group_lag_entries", "Entries not yet delivered to the group."},
@@ -1339,8 +1379,11 @@ static long render_metrics(void *arg, char **out)
                                   : (double)g->dead_letters;
                 if (m == 0 && g->lag < 0)
                     continue; /* Redis cannot tell: no sample rather than a wrong one */
-                relay_text_printf(&t, "%s{stream=\"%s\",group=\"%s\"} %.3f\n", names[m][0],
-                                  g->stream, g->group, v < 0 ? 0 : v);
+                relay_text_printf(&t, "%s{stream=\"", names[m][0]);
+                relay_text_label(&t, g->stream);
+                relay_text_printf(&t, "\",group=\"");
+                relay_text_label(&t, g->group);
+                relay_text_printf(&t, "\"} %.3f\n", v < 0 ? 0 : v);
             }
         }
     }

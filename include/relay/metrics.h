@@ -40,4 +40,11 @@ struct relay_text {
 void relay_text_printf(struct relay_text *t, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
+/* Appends s as a label value of the Prometheus text format, without the
+ * quotes: a backslash, a double quote and a newline escaped, and each byte
+ * that is not part of valid UTF-8 replaced by U+FFFD. Names read from Redis
+ * or PostgreSQL may hold any bytes; one unescaped quote would make the whole
+ * scrape invalid. */
+void relay_text_label(struct relay_text *t, const char *s);
+
 #endif
