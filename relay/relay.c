@@ -148,6 +148,7 @@ struct relay {
     int want_claim;
     int in_backoff;
     int draining;
+    unsigned unlinks_pending; /* UNLINKs of dedup records not yet answered */
     int stopping; /* the loop is being left: callbacks do nothing */
     struct relay_backoff batch_backoff;
 
@@ -282,6 +283,23 @@ static void set_stage(struct lane *l, enum lane_state state)
     l->stage_at = mono_now();
 }
 
+/* Draining is over once no batch is in flight and Redis has answered the
+ * UNLINKs of the last committed batches' dedup records: leaving earlier would
+ * drop them with the client's output buffer, and every record would live out
+ * its dedup_ttl. */
+static int drained(const struct relay *r)
+{
+    return all_lanes_idle(r) && r->unlinks_pending == 0;
+}
+
+static void drain_step(struct relay *r)
+{
+    if (r->draining && drained(r)) {
+        relay_info(COMPONENT, "batch in flight finished; shutting down");
+        ev_break(r->loop, EVBREAK_ALL);
+    }
+}
+
 /* The lane's batch is over: leave if draining and nothing else is in flight,
  * or run what is wanted next. */
 static void lane_ended(struct lane *l)
@@ -291,10 +309,7 @@ static void lane_ended(struct lane *l)
     l->state = LANE_IDLE;
     l->abandon = 0;
     if (r->draining) {
-        if (all_lanes_idle(r)) {
-            relay_info(COMPONENT, "batch in flight finished; shutting down");
-            ev_break(r->loop, EVBREAK_ALL);
-        }
+        drain_step(r);
         return;
     }
     if (r->want_claim)
@@ -388,6 +403,17 @@ static void batch_failed(struct lane *l, const char *why)
  * will not be claimed again, so the records are no longer needed. This keeps
  * dedup memory bounded by batches whose outcome is unknown (DESIGN.md 7.3).
  * One UNLINK per stream keeps each command inside one hash slot. */
+static void on_unlinked(redisAsyncContext *ac, void *reply, void *arg)
+{
+    struct relay *r = arg;
+    (void)ac;
+    (void)reply; /* an error or a lost connection leaves the records to their TTL */
+    if (r->unlinks_pending > 0)
+        r->unlinks_pending--;
+    if (!r->stopping)
+        drain_step(r);
+}
+
 static void drop_dedup_records(struct lane *l)
 {
     struct relay *r = l->r;
@@ -397,7 +423,8 @@ static void drop_dedup_records(struct lane *l)
         if (relay_batch_append_unlink(l->rows, l->nrows, r->cfg->stream_prefix, &pos, &r->out) !=
             1)
             break;
-        (void)relay_sink_formatted(r->sink, r->out.data, r->out.len, NULL, NULL);
+        if (relay_sink_formatted(r->sink, r->out.data, r->out.len, on_unlinked, r) == 0)
+            r->unlinks_pending++;
     }
 }
 
@@ -1473,7 +1500,7 @@ static void on_term(struct ev_loop *loop, ev_signal *w, int revents)
     ev_timer_stop(loop, &r->poll_timer);
     ev_timer_stop(loop, &r->kick);
     ev_timer_stop(loop, &r->retry_timer);
-    if (all_lanes_idle(r)) {
+    if (drained(r)) {
         relay_info(COMPONENT, "signal %d: shutting down", w->signum);
         ev_break(loop, EVBREAK_ALL);
         return;

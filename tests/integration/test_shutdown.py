@@ -8,7 +8,9 @@ Promises tested (DESIGN.md §4 "Shutdown", §2 P1 and P2):
 - SIGTERM while the batch in flight cannot finish (Redis hung): the relay
   still exits within drain_timeout;
 - a second SIGTERM during the drain exits at once, and still nothing is lost
-  or doubled after a restart.
+  or doubled after a restart;
+- the drain waits for Redis to remove the dedup records of the batch it
+  finished: none of 200 is left behind for its dedup_ttl.
 """
 
 import signal
@@ -104,6 +106,33 @@ class ShutdownTest(harness.ServerTestCase):
                    message="the claim of the exited relay to be released")
         self.redis.resume()
         self.deliver_the_rest("after drain deadline")
+
+    def test_drain_removes_the_dedup_records_of_its_last_batch(self):
+        # A batch of 200 in flight (Redis frozen after the relay sent it),
+        # SIGTERM, then Redis answers: the batch commits during the drain and
+        # its dedup records are removed before the relay exits.
+        relay = self.ready_relay(publish_timeout="60s", batch_size=500)
+        wait_until(lambda: sum(1 for _ in self.r.scan_iter(match="*:dedup:*")) == 0,
+                   timeout=10, relay=relay, message="the warm-up's dedup record to go")
+        self.redis.pause()
+        self.addCleanup(self.redis.resume)
+        conn = self.pg.connect(autocommit=False)
+        self.addCleanup(conn.close)
+        harness.insert_many(conn, [("orders", b"last batch %d" % i) for i in range(200)])
+        wait_until(lambda: locked_by_relay(self.db) == 200, timeout=30, relay=relay,
+                   message="the relay to claim the 200 rows")
+        time.sleep(0.2)  # its publishes are written to the frozen Redis
+        relay.kill(signal.SIGTERM)
+        time.sleep(0.5)
+        self.redis.resume()
+        code = relay.wait(timeout=30)
+        self.assertEqual(code, 0, relay.log_tail())
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
+                                         " WHERE sent_at IS NULL"), 0, relay.log_tail())
+        left = sum(1 for _ in self.r.scan_iter(match="*:dedup:*", count=1000))
+        print(f"dedup records left after the drain: {left} of 200", flush=True)
+        self.assertEqual(left, 0, "the drain left dedup records for their dedup_ttl")
+        self.verifier().report("after the drain").assert_exactly_once(self)
 
     def test_second_sigterm_exits_at_once(self):
         relay = self.hang_a_batch(drain_timeout="60s")
