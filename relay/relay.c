@@ -59,6 +59,7 @@
 #include "relay/pgsrc.h"
 #include "relay/sdnotify.h"
 #include "relay/sink.h"
+#include "relay/tools.h"
 
 #define COMPONENT "relay"
 #define LANES_MAX 2
@@ -144,7 +145,11 @@ struct relay {
     int settling;    /* declared idle; waiting for transactions that may not notify */
     ev_timer settle_timer;
     ev_tstamp settle_started;
-    char settle_marker[32]; /* a transaction id taken right after the release */
+    char *settle_writers; /* text[] of the outbox writers open at the release */
+    int holder_check;      /* a check for a foreign wake-up lock holder is running */
+    long foreign_pid;      /* who else holds the wake-up lock, 0 when nobody */
+    char foreign_app[64];
+    char foreign_addr[64];
     int want_claim;
     int in_backoff;
     int draining;
@@ -233,13 +238,12 @@ static int all_lanes_idle_but(const struct relay *r, const struct lane *but)
     return 1;
 }
 
-/* A claim may start: nothing claiming, settling or waiting to publish, and a
- * lane free. */
+/* A claim may start: nothing claiming or waiting to publish, and a lane
+ * free. The settle wait of going idle does not hold claims back: a row that
+ * notified is claimed at once. */
 static struct lane *free_lane(struct relay *r)
 {
     struct lane *free = NULL;
-    if (r->settling)
-        return NULL;
     for (size_t i = 0; i < r->nlanes; i++) {
         struct lane *l = &r->lanes[i];
         switch (l->state) {
@@ -767,35 +771,46 @@ static void take_wakeup_lock(struct relay *r)
 }
 
 /*
- * Closing the race of the idle declaration: a producer transaction that
- * checked the lock while it was still held skipped its notification. Every
- * such transaction had its id before the check (its INSERT assigned it), so
- * its id is below the one the relay takes right after the release. Wait until
- * no transaction older than that marker is running (the xmin of a fresh
- * snapshot has passed it; bounded by poll_interval, after which the poll
- * covers it), then claim once more before waiting for notifications. A
- * snapshot's list of running transactions would not do: it leaves out those
- * newer than the last one to complete.
+ * Closing the race of the idle declaration (docs/DESIGN.md, "The wake-up
+ * protocol"): a producer transaction that checked the lock while it was still
+ * held skipped its notification. Every such transaction inserted into
+ * outbox.messages before the release, so it holds a RowExclusiveLock on that
+ * table from before the release until it ends. The declaration lists those
+ * transactions (their virtual transaction ids) right after the release; the
+ * relay waits until none of them is still running (bounded by poll_interval,
+ * after which the poll covers them), then claims once more before it waits
+ * for notifications. Transactions that never wrote the outbox, in this
+ * database or another, are not waited for, and claims go on meanwhile.
  */
 static void on_settle_checked(struct relay_pgsrc *pg, PGresult *res, const char *err,
                               const char *sqlstate, void *arg);
+static void check_lock_holder(struct relay *r);
+
+/* The writers of outbox.messages in this database, other than this session. */
+#define OUTBOX_WRITERS                                                                          \
+    " FROM pg_locks WHERE locktype = 'relation' AND mode = 'RowExclusiveLock'"                  \
+    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"          \
+    " AND relation = 'outbox.messages'::regclass AND pid <> pg_backend_pid()"
 
 static void settle_ended(struct relay *r)
 {
-    relay_debug(COMPONENT, "idle: waited %.1f ms for transactions that may not have notified; "
-                           "claiming once more",
+    relay_debug(COMPONENT, "idle: waited %.1f ms for outbox writers that may not have "
+                           "notified; claiming once more",
                 (mono_now() - r->settle_started) * 1000.0);
     r->settling = 0;
+    free(r->settle_writers);
+    r->settle_writers = NULL;
     /* The last claim before sleeping: anything those transactions wrote. */
     want_cycle(r);
+    check_lock_holder(r);
 }
 
 static void settle_check(struct relay *r)
 {
-    const char *params[1] = {r->settle_marker};
+    const char *params[1] = {r->settle_writers};
     if (relay_pgsrc_send(r->listen,
-                         "SELECT (pg_snapshot_xmin(pg_current_snapshot()) < $1::xid8)::int", 1,
-                         params, 0, on_settle_checked, r) < 0)
+                         "SELECT count(*)" OUTBOX_WRITERS " AND virtualtransaction = ANY ($1::text[])",
+                         1, params, 0, on_settle_checked, r) < 0)
         settle_ended(r);
 }
 
@@ -847,7 +862,7 @@ static void on_idle_declared(struct relay_pgsrc *pg, PGresult *res, const char *
     /* Released or not, the next busy spell takes the lock afresh
      * (pg_advisory_unlock_all also drops a lock taken twice). */
     r->lock = LOCK_FREE;
-    if (err != NULL || res == NULL || PQntuples(res) != 1) {
+    if (err != NULL || res == NULL || PQntuples(res) != 1 || PQnfields(res) != 2) {
         if (res != NULL)
             PQclear(res);
         if (err != NULL)
@@ -856,11 +871,79 @@ static void on_idle_declared(struct relay_pgsrc *pg, PGresult *res, const char *
         r->settling = 0;
         return;
     }
-    snprintf(r->settle_marker, sizeof(r->settle_marker), "%s", PQgetvalue(res, 0, 0));
+    long writers = strtol(PQgetvalue(res, 0, 0), NULL, 10);
+    free(r->settle_writers);
+    r->settle_writers = writers > 0 ? strdup(PQgetvalue(res, 0, 1)) : NULL;
     PQclear(res);
     r->wake = WAKE_IDLE;
     r->settle_started = mono_now();
-    settle_check(r);
+    if (r->settle_writers == NULL)
+        settle_ended(r); /* no writer was open: nobody can have skipped a notification */
+    else
+        settle_check(r);
+}
+
+/* Who else holds the wake-up lock: while someone does, producers skip their
+ * notifications and an idle relay hears of new rows only at its poll. A
+ * busy relay elsewhere is expected; a stray session is not (a relay host
+ * that vanished keeps its session until TCP gives up on it, or anyone with
+ * access to pg_advisory_lock). Logged once per holder and exported. */
+static void on_lock_holder(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                           const char *sqlstate, void *arg)
+{
+    struct relay *r = arg;
+    (void)pg;
+    (void)sqlstate;
+    r->holder_check = 0;
+    if (r->stopping || err != NULL || res == NULL) {
+        if (res != NULL)
+            PQclear(res);
+        return;
+    }
+    long pid = PQntuples(res) == 1 ? strtol(PQgetvalue(res, 0, 0), NULL, 10) : 0;
+    if (pid != 0 && pid != r->foreign_pid) {
+        snprintf(r->foreign_app, sizeof(r->foreign_app), "%s", PQgetvalue(res, 0, 1));
+        snprintf(r->foreign_addr, sizeof(r->foreign_addr), "%s", PQgetvalue(res, 0, 2));
+        char app[RELAY_ESCAPED_SIZE(sizeof(r->foreign_app))];
+        relay_tools_escape(app, sizeof(app), r->foreign_app, strlen(r->foreign_app), 0, 0);
+        relay_warn(COMPONENT,
+                   "producers skip their notifications: the wake-up lock " WAKEUP_LOCK
+                   " is held by pid %ld (application_name \"%s\", client %s); if that is "
+                   "not a busy outbox-relay, end it with SELECT pg_terminate_backend(%ld); "
+                   "meanwhile new rows wait for the poll (%u ms)",
+                   pid, app, r->foreign_addr, pid, r->cfg->poll_interval_ms);
+    } else if (pid == 0 && r->foreign_pid != 0) {
+        relay_info(COMPONENT, "the wake-up lock is no longer held by pid %ld; producers notify "
+                              "again",
+                   r->foreign_pid);
+    }
+    r->foreign_pid = pid;
+    PQclear(res);
+}
+
+static void check_lock_holder(struct relay *r)
+{
+    if (!r->cfg->listen || r->listen == NULL || r->wake != WAKE_IDLE || r->settling ||
+        r->holder_check || relay_pgsrc_state(r->listen) != RELAY_PG_READY)
+        return;
+    /* pg_advisory_lock(bigint) keeps the key's high half in classid and its
+     * low half in objid, with objsubid 1. client_addr is NULL unless the
+     * relay's role may read other sessions' details (pg_read_all_stats). */
+    if (relay_pgsrc_send(r->listen,
+                         "SELECT l.pid, coalesce(a.application_name, ''),"
+                         " coalesce(host(a.client_addr), CASE WHEN a.pid IS NULL THEN 'unknown'"
+                         " WHEN a.client_port = -1 THEN 'local socket'"
+                         " ELSE 'not visible (grant pg_read_all_stats)' END)"
+                         " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
+                         " WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock'"
+                         " AND l.database = (SELECT oid FROM pg_database"
+                         "  WHERE datname = current_database())"
+                         " AND l.classid = (" WAKEUP_LOCK "::bigint >> 32)::oid"
+                         " AND l.objid = (" WAKEUP_LOCK "::bigint & 4294967295)::oid"
+                         " AND l.objsubid = 1 AND l.pid <> pg_backend_pid()"
+                         " ORDER BY l.pid LIMIT 1",
+                         0, NULL, 0, on_lock_holder, r) == 0)
+        r->holder_check = 1;
 }
 
 /* Nothing pending and nothing in flight: release the lock, so producers
@@ -883,8 +966,10 @@ static int declare_idle(struct relay *r)
     if (r->listen == NULL || relay_pgsrc_state(r->listen) != RELAY_PG_READY)
         return 0;
     if (relay_pgsrc_send(r->listen,
-                         "SELECT pg_advisory_unlock_all(); SELECT pg_current_xact_id()::text", 0,
-                         NULL, 0, on_idle_declared, r) < 0)
+                         "SELECT pg_advisory_unlock_all();"
+                         " SELECT count(*), coalesce(array_agg(virtualtransaction), '{}')::text"
+                         OUTBOX_WRITERS,
+                         0, NULL, 0, on_idle_declared, r) < 0)
         return 0;
     r->settling = 1;
     return 1;
@@ -925,7 +1010,8 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
         l->nrows++;
     }
     if (l->nrows == 0) {
-        if (r->cfg->listen && r->wake == WAKE_BUSY) {
+        if (r->cfg->listen && r->wake == WAKE_BUSY && !r->settling) {
+            /* (While settling, the settle's end claims once more.) */
             if (all_lanes_idle_but(r, l))
                 (void)declare_idle(r);
             else
@@ -1017,6 +1103,7 @@ static void on_poll(struct ev_loop *loop, ev_timer *w, int revents)
     (void)loop;
     (void)revents;
     want_cycle(w->data);
+    check_lock_holder(w->data);
 }
 
 static void on_retry(struct ev_loop *loop, ev_timer *w, int revents)
@@ -1058,13 +1145,15 @@ static void pg_down(struct relay_pgsrc *pg, void *arg)
     }
 }
 
-/* The LISTEN connection broke: the server released the wake-up lock with it. */
+/* The LISTEN connection broke: the server released the wake-up lock with it,
+ * and any settle wait or holder check on it is void. */
 static void listen_down(struct relay_pgsrc *pg, void *arg)
 {
     struct relay *r = arg;
     (void)pg;
     if (r->lock == LOCK_HELD)
         r->lock = LOCK_FREE;
+    r->holder_check = 0;
 }
 
 static void pg_notify(struct relay_pgsrc *pg, void *arg)
@@ -1339,6 +1428,18 @@ static long render_metrics(void *arg, char **out)
     for (size_t k = 0; k < RELAY_ARRAY_LEN(error_kinds); k++)
         relay_text_printf(&t, "outbox_relay_publish_errors_total{kind=\"%s\"} %llu\n",
                           error_kinds[k], r->errors[k]);
+    metric_help(&t, "outbox_relay_wakeup_lock_foreign_holder", "gauge",
+                "1 for the session other than this relay that holds the wake-up lock while "
+                "this relay is idle: producers skip their notifications meanwhile.");
+    if (r->foreign_pid != 0) {
+        relay_text_printf(&t, "outbox_relay_wakeup_lock_foreign_holder{pid=\"%ld\","
+                              "application_name=\"",
+                          r->foreign_pid);
+        relay_text_label(&t, r->foreign_app);
+        relay_text_printf(&t, "\",client_addr=\"");
+        relay_text_label(&t, r->foreign_addr);
+        relay_text_printf(&t, "\"} 1\n");
+    }
     metric_help(&t, "outbox_relay_batch_failures_in_row", "gauge",
                 "Whole-batch failures since the last committed batch (3 or more: not ready).");
     relay_text_printf(&t, "outbox_relay_batch_failures_in_row %u\n", r->failures_in_row);
@@ -1707,5 +1808,6 @@ void relay_free(struct relay *r)
         relay_sqlbuf_free(&r->lanes[i].sql);
     }
     relay_respbuf_free(&r->out);
+    free(r->settle_writers);
     free(r);
 }

@@ -105,6 +105,65 @@ class WakeupTest(harness.ServerTestCase):
         self.assertIn(message_id, harness.entries_by_message_id(self.r))
         self.verifier().report().assert_exactly_once(self)
 
+    def test_unrelated_long_transaction_adds_no_latency(self):
+        # Transactions that hold a transaction id and never touch the outbox:
+        # one in another database of the server, one in the outbox's own.
+        others = []
+        for dbname in ("postgres", None):
+            conn = self.pg.connect(autocommit=False, dbname=dbname)
+            self.addCleanup(conn.close)
+            harness.scalar(conn, "SELECT pg_current_xact_id()::text")
+            others.append(conn)
+        warmup = insert(self.db, "unrelated", b"warm-up")
+        relay = self.relay(poll_interval="30s")
+        harness.wait_until(lambda: warmup in harness.entries_by_message_id(self.r),
+                           timeout=30, relay=relay, message="the warm-up row")
+        latencies = []
+        for i in range(20):
+            # Each row turns the relay busy, then idle again: every idle
+            # declaration runs with the long transactions open.
+            committed = time.monotonic()
+            insert(self.db, "unrelated", b"row %d" % i)
+            harness.wait_until(lambda: harness.count_unsent(self.db) == 0, timeout=40,
+                               interval=0.002, relay=relay, message=f"row {i}")
+            latencies.append((time.monotonic() - committed) * 1000)
+            time.sleep(0.05)
+        latencies.sort()
+        print(f"with two unrelated transactions open: commit-to-sent p50="
+              f"{statistics.median(latencies):.1f}ms max={latencies[-1]:.1f}ms"
+              f" (poll 30 s)", file=sys.stderr, flush=True)
+        self.assertLess(latencies[-1], BOUND_MS,
+                        f"slowest commit-to-sent latency {latencies[-1]:.0f} ms")
+        self.verifier().report().assert_exactly_once(self)
+
+    def test_foreign_holder_of_the_wakeup_lock_is_named(self):
+        port = harness.free_port()
+        relay = self.relay(poll_interval="500ms", metrics_listen=f"127.0.0.1:{port}")
+        warmup = insert(self.db, "foreign", b"warm-up")
+        harness.wait_until(lambda: warmup in harness.entries_by_message_id(self.r),
+                           timeout=30, relay=relay, message="the warm-up row")
+        squatter = self.pg.connect()
+        self.addCleanup(squatter.close)
+        with squatter.cursor() as cur:
+            cur.execute("SET application_name = 'lock squatter'")
+            cur.execute("SELECT pg_advisory_lock(122550254464888), pg_backend_pid()")
+            pid = cur.fetchone()[1]
+        match = relay.wait_for_log(r"WARNING relay: .*wake-up lock.*held by pid (\d+)"
+                                   r".*lock squatter", timeout=15)
+        self.assertEqual(int(match.group(1)), pid)
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        self.assertRegex(text, r'(?m)^outbox_relay_wakeup_lock_foreign_holder\{pid="%d",'
+                               r'application_name="lock squatter",client_addr="[^"]*"\} 1$'
+                         % pid)
+        # The poll still delivers while producers are silenced.
+        insert(self.db, "foreign", b"while silenced")
+        harness.wait_all_sent(self.db, timeout=10, relay=relay)
+        with squatter.cursor() as cur:
+            cur.execute("SELECT pg_advisory_unlock_all()")
+        relay.wait_for_log(r"INFO relay: .*wake-up lock .*no longer held", timeout=15)
+
     def test_steady_trickle_never_waits_for_the_poll(self):
         relay = self.relay(poll_interval="30s")
         stop = threading.Event()
