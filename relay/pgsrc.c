@@ -247,9 +247,10 @@ static void start_connect(struct relay_pgsrc *pg)
     const char *app = pg->role == RELAY_PGSRC_LISTEN ? "outbox-relay listen" : "outbox-relay";
     /* Our defaults come first so the user's conninfo (expanded in place of
      * dbname) overrides them; libpq's PG* variables fill in what is left. */
-    const char *const keys[] = {"application_name", "keepalives", "keepalives_idle",
-                                "keepalives_interval", "keepalives_count", "dbname", NULL};
-    const char *const vals[] = {app, "1", "10", "5", "3", pg->cfg->postgres, NULL};
+    const char *const keys[] = {"application_name", "keepalives",       "keepalives_idle",
+                                "keepalives_interval", "keepalives_count", "tcp_user_timeout",
+                                "dbname",           NULL};
+    const char *const vals[] = {app, "1", "10", "5", "3", "30000", pg->cfg->postgres, NULL};
 
     describe_target(pg);
     pg->conn = PQconnectStartParams(keys, vals, 1);
@@ -550,6 +551,17 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
     become_ready(pg);
 }
 
+/*
+ * The server's side of the same keepalives. Without them a relay host that
+ * vanishes (power loss, a partition) leaves its sessions, their row locks and
+ * the wake-up lock in place until the server's TCP gives up, hours by
+ * default: with them the server ends the sessions within about 30 s. They are
+ * ordinary settings any role may change, and ignored on a Unix socket.
+ */
+#define SERVER_KEEPALIVES                                                                       \
+    "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5;"                            \
+    " SET tcp_keepalives_count = 3; SET tcp_user_timeout = 30000; "
+
 static void run_setup(struct relay_pgsrc *pg)
 {
     char sql[512];
@@ -562,6 +574,7 @@ static void run_setup(struct relay_pgsrc *pg)
         uint32_t idle_tx_ms = cfg->publish_timeout_ms * 2 + cfg->statement_timeout_ms;
         if (pg->role == RELAY_PGSRC_CLAIM)
             snprintf(sql, sizeof(sql),
+                     SERVER_KEEPALIVES
                      "SET statement_timeout = %u; SET lock_timeout = %u;"
                      " SET idle_in_transaction_session_timeout = %u;"
                      " SET idle_session_timeout = 0;"
@@ -569,6 +582,7 @@ static void run_setup(struct relay_pgsrc *pg)
                      cfg->statement_timeout_ms, cfg->statement_timeout_ms, idle_tx_ms);
         else
             snprintf(sql, sizeof(sql),
+                     SERVER_KEEPALIVES
                      "SET statement_timeout = %u; SET idle_session_timeout = 0; LISTEN %s",
                      cfg->statement_timeout_ms, NOTIFY_CHANNEL);
         if (relay_pgsrc_send(pg, sql, 0, NULL, 0, on_setup_done, NULL) < 0)
