@@ -1261,6 +1261,7 @@ static void apply_backpressure(struct relay *r)
     const struct relay_observation *o = r->obs;
     char next[RELAY_OBS_TOPICS_MAX][RELAY_TOPIC_MAX + 1];
     size_t nnext = 0;
+    int resumed = 0;
     if (!o->redis_ok || (cfg->pause_lag_entries == 0 && cfg->pause_queue_age_ms == 0))
         goto apply;
     for (size_t t = 0; t < o->ntopics; t++) {
@@ -1288,8 +1289,12 @@ static void apply_backpressure(struct relay *r)
                              : "caught up below the low-water mark");
         if (paused && nnext < RELAY_OBS_TOPICS_MAX)
             snprintf(next[nnext++], sizeof(next[0]), "%s", topic);
+        if (was && !paused)
+            resumed = 1;
     }
 apply:
+    if (r->npaused > nnext)
+        resumed = 1; /* also when Redis went away or backpressure was switched off */
     r->npaused = nnext;
     for (size_t i = 0; i < nnext; i++)
         memcpy(r->paused_topics[i], next[i], sizeof(next[i]));
@@ -1299,6 +1304,10 @@ apply:
         r->npaused = 0;
         snprintf(r->paused_param, sizeof(r->paused_param), "{}");
     }
+    /* The rows of a resumed stream wait in the outbox and nothing will
+     * notify for them: claim now rather than at the next poll. */
+    if (resumed)
+        want_cycle(r);
 }
 
 static void on_observation(struct ev_loop *loop, ev_async *w, int revents)

@@ -20,6 +20,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import unittest
 import urllib.error
@@ -155,6 +156,30 @@ class OperationsTest(harness.ServerTestCase):
         self.r.xack("orders", "email", *ids)
         relay.wait_for_log(r"stream orders resumed", timeout=15)
         harness.wait_all_sent(self.db, timeout=15, relay=relay)
+
+    def test_resumed_stream_is_claimed_at_once(self):
+        # A 30 s poll: the held rows must not wait for it once the stream resumes.
+        relay = self.start_relay(pause_lag_entries="5", resume_lag_entries="1",
+                                 poll_interval="30s")
+        self.r.xgroup_create("orders", "email", id="0", mkstream=True)
+        for i in range(6):
+            insert(self.db, "orders", b"lagging")
+        harness.wait_all_sent(self.db, timeout=40, relay=relay)
+        relay.wait_for_log(r"stream orders paused", timeout=15)
+        for i in range(5):
+            insert(self.db, "orders", b"held back")
+        time.sleep(0.5)
+        self.assertEqual(harness.count_unsent(self.db), 5)
+        reply = self.r.xreadgroup("email", "c1", {"orders": ">"}, count=1000)
+        self.r.xack("orders", "email", *[i for _, entries in reply for i, _ in entries])
+        mark = relay.mark()
+        relay.wait_for_log(r"stream orders resumed", timeout=15, since=mark)
+        resumed = time.monotonic()
+        harness.wait_all_sent(self.db, timeout=40, relay=relay)
+        took = time.monotonic() - resumed
+        print(f"held rows published {took * 1000:.0f} ms after the stream resumed (poll 30 s)",
+              file=sys.stderr, flush=True)
+        self.assertLess(took, 5, "the resumed stream waited for the poll")
 
     def test_producer_refused_then_admitted(self):
         """End to end: a lagging group pauses its stream, rows pile up in the outbox,
