@@ -459,9 +459,7 @@ static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
     count_topics(l);
     log_row_failures(l);
     for (size_t i = 0; i < l->nrows; i++)
-        if (l->rows[i].state == RELAY_ROW_FAILED &&
-            (uint32_t)(l->rows[i].attempts + 1) >= r->cfg->max_attempts)
-            r->quarantined_total++;
+        r->quarantined_total += relay_batch_row_quarantined(&l->rows[i], r->cfg->max_attempts);
     relay_backoff_reset(&r->batch_backoff);
     if (r->last_batch_error[0] != '\0') {
         relay_info(COMPONENT, "publishing again after: %s", r->last_batch_error);
@@ -496,7 +494,14 @@ static void log_row_failures(struct lane *l)
             continue;
         int32_t attempts = row->attempts + 1;
         int topic_len = (int)relay_batch_utf8_prefix(row->topic, row->topic_len, 64);
-        if ((uint32_t)attempts >= r->cfg->max_attempts)
+        if (row->fault == RELAY_FAULT_PERMANENT)
+            relay_error(COMPONENT,
+                        "row id=%lld message_id=%.*s topic=%.*s quarantined at attempt %d, not "
+                        "retried (no retry can publish it as it is): %s; list with 'outbox-relay "
+                        "failed list', re-queue with 'outbox-relay failed retry %lld'",
+                        (long long)row->id, (int)row->message_id_len, row->message_id, topic_len,
+                        row->topic, attempts, row->error, (long long)row->id);
+        else if (relay_batch_row_quarantined(row, r->cfg->max_attempts))
             relay_error(COMPONENT,
                         "row id=%lld message_id=%.*s topic=%.*s quarantined after %d attempts: "
                         "%s; list with 'outbox-relay failed list', re-queue with 'outbox-relay "
@@ -656,7 +661,7 @@ static void start_publish(struct lane *l)
         relay_respbuf_reset(&r->out);
         int rc = relay_batch_append_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
                                             r->cfg->dedup_ttl_ms, not_after, &r->out, row->error,
-                                            sizeof(row->error));
+                                            sizeof(row->error), &row->fault);
         if (rc == -1) {
             row->state = RELAY_ROW_FAILED;
             continue;
