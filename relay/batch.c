@@ -196,7 +196,9 @@ static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t ma
                          "outbox-relay failed retry",
                          (int)shown, row->topic);
     }
-    if (row->payload_len > max_payload_bytes) {
+    /* A payload the claim left in the database (payload NULL) is too large
+     * by the same limit; its size came alone. */
+    if (row->payload_len > max_payload_bytes || row->payload == NULL) {
         snprintf(err, errlen,
                  "payload of %zu bytes exceeds max_payload_bytes (%u); raise max_payload_bytes "
                  "or store large payloads elsewhere and send a reference, then re-queue the row",

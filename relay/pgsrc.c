@@ -28,23 +28,37 @@
 #define COMPONENT "pg"
 #define NOTIFY_CHANNEL "outbox_relay"
 
-/* The claim: pending rows in id order, skipping rows another relay holds.
- * Everything the entry needs is formatted here so the relay copies nothing:
- * created_at as RFC 3339 UTC, headers as two sorted text arrays. */
-const char relay_pgsrc_claim_sql[] =
-    "SELECT id, message_id::text, topic, partition_key, payload,"
-    " to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),"
-    " jsonb_typeof(headers),"
-    " CASE WHEN jsonb_typeof(headers) = 'object' THEN"
-    "  ARRAY(SELECT k FROM jsonb_object_keys(headers) AS k ORDER BY k) END,"
-    " CASE WHEN jsonb_typeof(headers) = 'object' THEN"
-    "  ARRAY(SELECT CASE WHEN jsonb_typeof(headers -> k) = 'string' THEN headers ->> k"
-    "   ELSE (headers -> k)::text END FROM jsonb_object_keys(headers) AS k ORDER BY k) END,"
-    " attempts"
-    " FROM outbox.messages"
-    " WHERE sent_at IS NULL AND failed_at IS NULL AND (retry_at IS NULL OR retry_at <= now())"
-    "  AND topic <> ALL ($2::text[])"
-    " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED";
+/* The claim's select list. Everything the entry needs is formatted here so
+ * the relay copies nothing: created_at as RFC 3339 UTC, headers as two sorted
+ * text arrays. A payload over max_payload_bytes (the %u) stays in the
+ * database: the column is NULL and the last one carries its size, which
+ * PostgreSQL knows without reading the value (octet_length of a stored bytea
+ * reads only its header), so a row of any size costs the relay a few bytes
+ * and fails with a message that names its size. */
+#define CLAIM_SELECT                                                                               \
+    "SELECT id, message_id::text, topic, partition_key,"                                           \
+    " CASE WHEN octet_length(payload) <= %u THEN payload END,"                                     \
+    " to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),"                \
+    " jsonb_typeof(headers),"                                                                      \
+    " CASE WHEN jsonb_typeof(headers) = 'object' THEN"                                             \
+    "  ARRAY(SELECT k FROM jsonb_object_keys(headers) AS k ORDER BY k) END,"                       \
+    " CASE WHEN jsonb_typeof(headers) = 'object' THEN"                                             \
+    "  ARRAY(SELECT CASE WHEN jsonb_typeof(headers -> k) = 'string' THEN headers ->> k"            \
+    "   ELSE (headers -> k)::text END FROM jsonb_object_keys(headers) AS k ORDER BY k) END,"       \
+    " attempts, octet_length(payload)"
+
+/* The claim: pending rows in id order, skipping rows another relay holds. */
+#define CLAIM_FROM                                                                                 \
+    " FROM outbox.messages"                                                                        \
+    " WHERE sent_at IS NULL AND failed_at IS NULL AND (retry_at IS NULL OR retry_at <= now())"     \
+    "  AND topic <> ALL ($2::text[])"                                                              \
+    " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
+
+int relay_pgsrc_claim_sql(uint32_t max_payload_bytes, char *out, size_t outlen)
+{
+    int n = snprintf(out, outlen, CLAIM_SELECT CLAIM_FROM, max_payload_bytes);
+    return n < 0 || (size_t)n >= outlen ? -1 : n;
+}
 
 /* Migration files by the version they bring, to name the one to apply. */
 static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
@@ -576,7 +590,14 @@ static void run_setup(struct relay_pgsrc *pg)
         return;
     }
     if (pg->setup == SETUP_PREPARE) {
-        if (!PQsendPrepare(pg->conn, "claim", relay_pgsrc_claim_sql, 2, NULL)) {
+        /* max_payload_bytes needs a restart to change, so it is part of the
+         * statement: the planner sees a constant. */
+        char claim[RELAY_PGSRC_CLAIM_SQL_MAX];
+        if (relay_pgsrc_claim_sql(cfg->max_payload_bytes, claim, sizeof(claim)) < 0) {
+            setup_failed(pg, "the claim statement does not fit its buffer");
+            return;
+        }
+        if (!PQsendPrepare(pg->conn, "claim", claim, 2, NULL)) {
             setup_failed(pg, PQerrorMessage(pg->conn));
             return;
         }

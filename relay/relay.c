@@ -627,8 +627,15 @@ static int parse_row(PGresult *res, int i, struct relay_row *row)
         row->key = PQgetvalue(res, i, 3);
         row->key_len = (size_t)PQgetlength(res, i, 3);
     }
-    row->payload = PQgetvalue(res, i, 4);
-    row->payload_len = (size_t)PQgetlength(res, i, 4);
+    if (PQgetisnull(res, i, 4)) {
+        /* Over max_payload_bytes: left in the database, only its size came. */
+        if (PQgetlength(res, i, 10) != 4)
+            return -1;
+        row->payload_len = (size_t)(uint32_t)relay_batch_decode_int4(PQgetvalue(res, i, 10));
+    } else {
+        row->payload = PQgetvalue(res, i, 4);
+        row->payload_len = (size_t)PQgetlength(res, i, 4);
+    }
     row->created_at = PQgetvalue(res, i, 5);
     row->created_at_len = (size_t)PQgetlength(res, i, 5);
     if (!PQgetisnull(res, i, 6))
@@ -860,7 +867,7 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
             PQclear(res);
         return;
     }
-    if (err != NULL || res == NULL || PQnfields(res) != 10) {
+    if (err != NULL || res == NULL || PQnfields(res) != 11) {
         if (res != NULL)
             PQclear(res);
         char why[600];

@@ -44,8 +44,8 @@ struct relay_row {
     size_t topic_len;
     const char *key; /* NULL when partition_key IS NULL */
     size_t key_len;
-    const char *payload;
-    size_t payload_len;
+    const char *payload; /* NULL when over max_payload_bytes: never fetched */
+    size_t payload_len;  /* its size in bytes, also when it was not fetched */
     const char *created_at; /* RFC 3339 UTC, formatted by the claim query */
     size_t created_at_len;
     const char *headers_type; /* jsonb_typeof(headers), NULL when headers IS NULL */
@@ -157,7 +157,8 @@ void relay_respbuf_free(struct relay_respbuf *b);
  * straight to relay_sink_formatted. Returns -1 on a failure of the row's own
  * (err says what is wrong and what to do, and *fault, unless fault is NULL,
  * whether it is permanent or transient), or RELAY_RESPBUF_FULL (err says so);
- * in both cases out is unchanged.
+ * in both cases out is unchanged. A row whose payload the claim left in the
+ * database (payload NULL) fails as too large, a permanent failure.
  */
 int relay_batch_append_publish(const struct relay_row *row, const char *stream_prefix,
                                uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,

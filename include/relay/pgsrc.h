@@ -89,8 +89,16 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
 /* The schema version this relay needs and the migration that brings it. */
 #define RELAY_SCHEMA_VERSION 7
 
-/* The claim statement, prepared on each claim connection as "claim". $1 is the
- * batch size, $2 the topics paused for backpressure (a text[] literal). */
-extern const char relay_pgsrc_claim_sql[];
+/*
+ * Writes the claim statement, prepared on each claim connection as "claim",
+ * into out. $1 is the batch size, $2 the topics paused for backpressure (a
+ * text[] literal). Its rows have 11 columns: id, message_id, topic,
+ * partition_key, payload, created_at, headers type, header names, header
+ * values, attempts and the payload's size in bytes; the payload is NULL when
+ * its size is over max_payload_bytes, which is never transferred. Returns the
+ * length, or -1 when it does not fit (RELAY_PGSRC_CLAIM_SQL_MAX always does).
+ */
+#define RELAY_PGSRC_CLAIM_SQL_MAX 4096
+int relay_pgsrc_claim_sql(uint32_t max_payload_bytes, char *out, size_t outlen);
 
 #endif

@@ -650,6 +650,14 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     struct relay_row big = make_row("orders", "0123456789", 10);
     check_publish_refused_same(&big, "", 9, "payload of 10 bytes exceeds max_payload_bytes (9)");
 
+    /* Over the limit, the claim sends only the payload's size: refused by that
+     * size, and a missing payload is never read whatever the size says. */
+    struct relay_row unfetched = make_row("orders", NULL, 104857600);
+    check_publish_refused_same(&unfetched, "", 1048576,
+                               "payload of 104857600 bytes exceeds max_payload_bytes (1048576)");
+    unfetched.payload_len = 10;
+    check_publish_refused_same(&unfetched, "", 1048576, "payload of 10 bytes");
+
     static char longkey[RELAY_KEY_MAX + 1];
     memset(longkey, 'k', sizeof(longkey));
     struct relay_row key = make_row("orders", "x", 1);
