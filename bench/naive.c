@@ -23,15 +23,19 @@
  *               [--batch-size N] [--dedup-ttl MS] [--publish-timeout MS]
  *               [--drop-dedup] [--hold]
  *   bench-naive --claim-only --postgres CONNINFO [--batch-size N] [--seconds S]
+ *               [--paused TOPICS]
  *   bench-naive --claim-mark --postgres CONNINFO [--batch-size N] [--count N]
  *   bench-naive --print-argv [--publish-timeout MS]
- *   bench-naive --print-claim-sql | --print-function
+ *   bench-naive --print-claim-sql [--paused TOPICS] | --print-function
  *
  * --drop-dedup also removes the dedup records after each commit (UNLINK), as
  * the relay does; without it the loop is exactly the one above. --hold keeps
  * the connections open after the result is printed, until stdin closes.
  * --claim-only times the claim statement alone (BEGIN; claim; ROLLBACK), over
- * and over for S seconds: nothing changes in the table.
+ * and over for S seconds: nothing changes in the table. --paused takes the
+ * claim's $2, the paused topics as a text[] literal ('{orders}'), and makes
+ * --claim-only and --print-claim-sql use the statement the relay prepares for
+ * when topics are paused.
  * --claim-mark runs the loop without Redis (BEGIN; claim; mark; COMMIT), N
  * times: the rate PostgreSQL alone allows.
  * --print-argv prints the argv of one sample publish, one argument a line
@@ -166,11 +170,11 @@ static int cmp_double(const void *a, const void *b)
 }
 
 /* BEGIN; claim; ROLLBACK over and over: the claim statement's own time. */
-static int claim_only(PGconn *pg, int batch, double seconds)
+static int claim_only(PGconn *pg, int batch, double seconds, const char *paused)
 {
     char limit[16];
     snprintf(limit, sizeof(limit), "%d", batch);
-    const char *params[2] = {limit, "{}"};
+    const char *params[2] = {limit, paused ? paused : "{}"};
     size_t cap = 1024, n = 0;
     double *t = malloc(cap * sizeof(double));
     long long rows = 0;
@@ -216,6 +220,7 @@ int main(int argc, char **argv)
     uint32_t ttl_ms = 86400000u, publish_timeout_ms = 5000u;
     double seconds = 5;
     long max_batches = -1;
+    const char *paused = NULL;
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -267,6 +272,8 @@ int main(int argc, char **argv)
             seconds = atof(v);
         else if (strcmp(a, "--count") == 0)
             max_batches = atol(v);
+        else if (strcmp(a, "--paused") == 0)
+            paused = v;
         else
             die("unknown option", a);
     }
@@ -277,7 +284,7 @@ int main(int argc, char **argv)
         return 0;
     }
     char claim_sql[RELAY_PGSRC_CLAIM_SQL_MAX];
-    if (relay_pgsrc_claim_sql(MAX_PAYLOAD_BYTES, claim_sql, sizeof(claim_sql)) < 0)
+    if (relay_pgsrc_claim_sql(paused != NULL, MAX_PAYLOAD_BYTES, claim_sql, sizeof(claim_sql)) < 0)
         die("the claim statement", "does not fit its buffer");
     if (mode == PRINT_SQL) {
         printf("%s\n", claim_sql);
@@ -293,7 +300,7 @@ int main(int argc, char **argv)
     pg_ok(pg, res, "prepare claim");
     PQclear(res);
     if (mode == CLAIM_ONLY)
-        return claim_only(pg, batch, seconds);
+        return claim_only(pg, batch, seconds, paused);
 
     redisContext *rd = NULL;
     if (mode == DRAIN) {

@@ -941,7 +941,9 @@ static void on_begun(struct relay_pgsrc *pg, PGresult *res, const char *err, con
     char limit[16];
     snprintf(limit, sizeof(limit), "%u", r->cfg->batch_size);
     const char *params[2] = {limit, r->paused_param};
-    if (relay_pgsrc_send_prepared(pg, "claim", 2, params, 1, on_claimed, l) < 0) {
+    /* With nothing paused, the plain walk in id order (the hot path). */
+    const char *claim = r->npaused > 0 ? "claim_paused" : "claim";
+    if (relay_pgsrc_send_prepared(pg, claim, 2, params, 1, on_claimed, l) < 0) {
         batch_failed(l, "PostgreSQL connection lost before the claim");
         return;
     }
