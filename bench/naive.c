@@ -23,15 +23,19 @@
  *               [--batch-size N] [--dedup-ttl MS] [--publish-timeout MS]
  *               [--drop-dedup] [--hold]
  *   bench-naive --claim-only --postgres CONNINFO [--batch-size N] [--seconds S]
+ *               [--paused TOPICS]
  *   bench-naive --claim-mark --postgres CONNINFO [--batch-size N] [--count N]
  *   bench-naive --print-argv [--publish-timeout MS]
- *   bench-naive --print-claim-sql | --print-function
+ *   bench-naive --print-claim-sql [--paused TOPICS] | --print-function
  *
  * --drop-dedup also removes the dedup records after each commit (UNLINK), as
  * the relay does; without it the loop is exactly the one above. --hold keeps
  * the connections open after the result is printed, until stdin closes.
  * --claim-only times the claim statement alone (BEGIN; claim; ROLLBACK), over
- * and over for S seconds: nothing changes in the table.
+ * and over for S seconds: nothing changes in the table. --paused takes the
+ * claim's $2, the paused topics as a text[] literal ('{orders}'), and makes
+ * --claim-only and --print-claim-sql use the statement the relay prepares for
+ * when topics are paused.
  * --claim-mark runs the loop without Redis (BEGIN; claim; mark; COMMIT), N
  * times: the rate PostgreSQL alone allows.
  * --print-argv prints the argv of one sample publish, one argument a line
@@ -92,11 +96,14 @@ static void pg_exec(PGconn *pg, const char *sql)
     PQclear(res);
 }
 
+/* The relay's default max_payload_bytes, for the claim and the argv. */
+#define MAX_PAYLOAD_BYTES (1u << 20)
+
 /* The relay's parse_row, for the claim's binary result. */
 static int parse_row(PGresult *res, int i, struct relay_row *row)
 {
     memset(row, 0, sizeof(*row));
-    if (PQgetlength(res, i, 0) != 8 || PQgetlength(res, i, 9) != 4)
+    if (PQgetlength(res, i, 0) != 8 || PQgetlength(res, i, 9) != 4 || PQgetlength(res, i, 10) != 4)
         return -1;
     row->id = relay_batch_decode_int8(PQgetvalue(res, i, 0));
     row->message_id = PQgetvalue(res, i, 1);
@@ -107,8 +114,12 @@ static int parse_row(PGresult *res, int i, struct relay_row *row)
         row->key = PQgetvalue(res, i, 3);
         row->key_len = (size_t)PQgetlength(res, i, 3);
     }
-    row->payload = PQgetvalue(res, i, 4);
-    row->payload_len = (size_t)PQgetlength(res, i, 4);
+    if (PQgetisnull(res, i, 4)) {
+        row->payload_len = (size_t)(uint32_t)relay_batch_decode_int4(PQgetvalue(res, i, 10));
+    } else {
+        row->payload = PQgetvalue(res, i, 4);
+        row->payload_len = (size_t)PQgetlength(res, i, 4);
+    }
     row->created_at = PQgetvalue(res, i, 5);
     row->created_at_len = (size_t)PQgetlength(res, i, 5);
     if (!PQgetisnull(res, i, 6))
@@ -144,7 +155,7 @@ static int print_argv(uint32_t publish_timeout_ms)
     row.created_at_len = sizeof(created) - 1;
     struct relay_publish_cmd cmd;
     char err[RELAY_ERROR_MAX];
-    if (relay_batch_build_publish(&row, "", 1u << 20, 86400000u,
+    if (relay_batch_build_publish(&row, "", MAX_PAYLOAD_BYTES, 86400000u,
                                   wall_ms() + publish_timeout_ms, &cmd, err, sizeof(err)) < 0)
         die("cannot build a publish", err);
     for (int i = 0; i < cmd.argc; i++)
@@ -159,11 +170,11 @@ static int cmp_double(const void *a, const void *b)
 }
 
 /* BEGIN; claim; ROLLBACK over and over: the claim statement's own time. */
-static int claim_only(PGconn *pg, int batch, double seconds)
+static int claim_only(PGconn *pg, int batch, double seconds, const char *paused)
 {
     char limit[16];
     snprintf(limit, sizeof(limit), "%d", batch);
-    const char *params[2] = {limit, "{}"};
+    const char *params[2] = {limit, paused ? paused : "{}"};
     size_t cap = 1024, n = 0;
     double *t = malloc(cap * sizeof(double));
     long long rows = 0;
@@ -209,6 +220,7 @@ int main(int argc, char **argv)
     uint32_t ttl_ms = 86400000u, publish_timeout_ms = 5000u;
     double seconds = 5;
     long max_batches = -1;
+    const char *paused = NULL;
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -260,6 +272,8 @@ int main(int argc, char **argv)
             seconds = atof(v);
         else if (strcmp(a, "--count") == 0)
             max_batches = atol(v);
+        else if (strcmp(a, "--paused") == 0)
+            paused = v;
         else
             die("unknown option", a);
     }
@@ -269,8 +283,11 @@ int main(int argc, char **argv)
         fputs(relay_batch_function_source, stdout);
         return 0;
     }
+    char claim_sql[RELAY_PGSRC_CLAIM_SQL_MAX];
+    if (relay_pgsrc_claim_sql(paused != NULL, MAX_PAYLOAD_BYTES, claim_sql, sizeof(claim_sql)) < 0)
+        die("the claim statement", "does not fit its buffer");
     if (mode == PRINT_SQL) {
-        printf("%s\n", relay_pgsrc_claim_sql);
+        printf("%s\n", claim_sql);
         return 0;
     }
     if (conninfo == NULL || batch < 1 || batch > 100000)
@@ -279,11 +296,11 @@ int main(int argc, char **argv)
     PGconn *pg = PQconnectdb(conninfo);
     if (PQstatus(pg) != CONNECTION_OK)
         die("cannot connect to PostgreSQL", PQerrorMessage(pg));
-    PGresult *res = PQprepare(pg, "claim", relay_pgsrc_claim_sql, 2, NULL);
+    PGresult *res = PQprepare(pg, "claim", claim_sql, 2, NULL);
     pg_ok(pg, res, "prepare claim");
     PQclear(res);
     if (mode == CLAIM_ONLY)
-        return claim_only(pg, batch, seconds);
+        return claim_only(pg, batch, seconds, paused);
 
     redisContext *rd = NULL;
     if (mode == DRAIN) {
@@ -343,8 +360,8 @@ int main(int argc, char **argv)
                 die("claim", "malformed row");
             if (rd == NULL)
                 continue;
-            if (relay_batch_build_publish(&rows[i], "", 1u << 20, ttl_ms, not_after, cmd, err,
-                                          sizeof(err)) < 0)
+            if (relay_batch_build_publish(&rows[i], "", MAX_PAYLOAD_BYTES, ttl_ms, not_after, cmd,
+                                          err, sizeof(err)) < 0)
                 die("cannot build a publish", err);
             /* hiredis formats (copies) the command here. */
             if (redisAppendCommandArgv(rd, cmd->argc, cmd->argv, cmd->argvlen) != REDIS_OK)

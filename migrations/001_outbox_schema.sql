@@ -26,8 +26,9 @@ CREATE TABLE IF NOT EXISTS outbox.messages (
     attempts      integer     NOT NULL DEFAULT 0,
     last_error    text,
     retry_at      timestamptz,
-    -- Set when attempts reached the relay's max_attempts: the row is quarantined
-    -- and skipped until an operator re-queues it (outbox-relay failed retry).
+    -- Set when the relay gave up on the row (at once for a permanent failure,
+    -- when attempts reached max_attempts for a transient one): the row is
+    -- quarantined and skipped until an operator re-queues it (outbox-relay failed retry).
     failed_at     timestamptz
 );
 

@@ -2,9 +2,13 @@
  * The pure half of a claim cycle. The relay claims rows in one PostgreSQL
  * transaction and publishes each through the Redis function below; this file
  * decides what each row's command looks like, whether a row can be published
- * at all, and whether a failure belongs to one row (it is retried and in the
- * end quarantined, so it never blocks the rows behind it) or to the whole batch
- * (it is rolled back and retried later, and no row is blamed).
+ * at all, and whether a failure belongs to one row (it is recorded in the row,
+ * so it never blocks the rows behind it) or to the whole batch (it is rolled
+ * back and retried later, and no row is blamed). A row's failure is permanent
+ * (what the producer wrote breaks a rule: quarantined at once) or transient
+ * (Redis refused it for a reason that can pass: retried, and quarantined after
+ * max_attempts); the kind is set where the failure is found, never read back
+ * from the message.
  */
 #include "relay/compat.h"
 
@@ -172,13 +176,18 @@ struct row_headers {
  * Every rule a row must pass before it can be published, in the order they
  * are reported, for both ways of building its command. Fills h and the
  * lengths of the stream name and the dedup key; -1 with a message in err
- * when the row cannot be published.
+ * when the row cannot be published, and the kind of failure in *fault.
  */
 static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t max_payload_bytes,
                      struct row_headers *h, size_t *stream_len, size_t *dedup_len, char *err,
-                     size_t errlen)
+                     size_t errlen, enum relay_row_fault *fault)
 {
     h->n = 0;
+    /* Each rule below is about what the producer wrote, or about the limits
+     * of this relay's configuration that it was checked against: the same row
+     * fails the same way on every attempt until someone changes one of them,
+     * so a retry cannot help. */
+    *fault = RELAY_FAULT_PERMANENT;
     if (!relay_batch_topic_valid(row->topic, row->topic_len)) {
         size_t shown = relay_batch_utf8_prefix(row->topic, row->topic_len, 64);
         return set_error(err, errlen,
@@ -187,7 +196,9 @@ static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t ma
                          "outbox-relay failed retry",
                          (int)shown, row->topic);
     }
-    if (row->payload_len > max_payload_bytes) {
+    /* A payload the claim left in the database (payload NULL) is too large
+     * by the same limit; its size came alone. */
+    if (row->payload_len > max_payload_bytes || row->payload == NULL) {
         snprintf(err, errlen,
                  "payload of %zu bytes exceeds max_payload_bytes (%u); raise max_payload_bytes "
                  "or store large payloads elsewhere and send a reference, then re-queue the row",
@@ -242,9 +253,12 @@ static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t ma
     *dedup_len = *stream_len + row->message_id_len + sizeof("{}:dedup:") - 1;
     if (*stream_len >= STREAM_NAME_SIZE || row->message_id_len >= DEDUP_KEY_SIZE ||
         *dedup_len >= DEDUP_KEY_SIZE) {
-        snprintf(err, errlen, "stream name too long for topic; shorten stream_prefix or topic");
+        snprintf(err, errlen,
+                 "stream name too long for topic; shorten stream_prefix or topic, then re-queue "
+                 "the row");
         return -1;
     }
+    *fault = RELAY_FAULT_NONE;
     return 0;
 }
 
@@ -255,10 +269,11 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
 {
     struct row_headers h;
     size_t stream_len, dedup_len;
+    enum relay_row_fault fault;
 
     cmd->argc = 0;
     if (check_row(row, stream_prefix ? strlen(stream_prefix) : 0, max_payload_bytes, &h,
-                  &stream_len, &dedup_len, err, errlen) != 0)
+                  &stream_len, &dedup_len, err, errlen, &fault) != 0)
         return -1;
 
     int slen = relay_batch_stream_name(stream_prefix, row->topic, row->topic_len, cmd->stream,
@@ -270,7 +285,9 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
     int nlen = snprintf(cmd->not_after, sizeof(cmd->not_after), "%llu",
                         (unsigned long long)not_after_ms);
     if (slen < 0 || dlen < 0 || tlen < 0 || olen < 0 || nlen < 0) {
-        snprintf(err, errlen, "stream name too long for topic; shorten stream_prefix or topic");
+        snprintf(err, errlen,
+                 "stream name too long for topic; shorten stream_prefix or topic, then re-queue "
+                 "the row");
         return -1;
     }
 
@@ -444,17 +461,21 @@ _Static_assert(sizeof(RELAY_FUNCTION_PUBLISH) - 1 == 23,
 int relay_batch_append_publish(const struct relay_row *row, const char *stream_prefix,
                                uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
                                uint64_t not_after_ms, struct relay_respbuf *out, char *err,
-                               size_t errlen)
+                               size_t errlen, enum relay_row_fault *fault)
 {
     struct row_headers h;
     size_t stream_len, dedup_len;
+    enum relay_row_fault found;
     if (stream_prefix == NULL)
         stream_prefix = "";
     size_t prefix_len = strlen(stream_prefix);
 
-    if (check_row(row, prefix_len, max_payload_bytes, &h, &stream_len, &dedup_len, err, errlen) !=
-        0)
+    if (check_row(row, prefix_len, max_payload_bytes, &h, &stream_len, &dedup_len, err, errlen,
+                  &found) != 0) {
+        if (fault != NULL)
+            *fault = found;
         return -1;
+    }
 
     char ttl[24], not_after[24], outbox_id[24];
     size_t ttl_len = (size_t)(put_uint(ttl, dedup_ttl_ms) - ttl);
@@ -629,7 +650,10 @@ int relay_batch_apply_reply(struct relay_cycle *cycle, struct relay_row *row,
         break;
     case RELAY_REPLY_ERROR:
         if (relay_batch_classify_error(str, len) == RELAY_ERROR_ROW) {
+            /* WRONGTYPE: the stream key holds another type. An operator can
+             * rename or delete it while the row waits for its next attempt. */
             row->state = RELAY_ROW_FAILED;
+            row->fault = RELAY_FAULT_TRANSIENT;
             snprintf(row->error, sizeof(row->error),
                      "Redis refused the entry: %.*s; the stream key for topic \"%.*s\" holds "
                      "another type: rename or delete that key, then re-queue the row",
@@ -710,6 +734,16 @@ void relay_sqlbuf_free(struct relay_sqlbuf *b)
 #define ROW_RETRY_BASE_MS 1000u
 #define ROW_RETRY_MAX_MS (5u * 60u * 1000u)
 
+int relay_batch_row_quarantined(const struct relay_row *row, uint32_t max_attempts)
+{
+    if (row->state != RELAY_ROW_FAILED)
+        return 0;
+    if (row->fault == RELAY_FAULT_PERMANENT)
+        return 1;
+    int32_t attempts = row->attempts + 1;
+    return attempts > 0 && (uint32_t)attempts >= max_attempts;
+}
+
 int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
                            const struct relay_sql_quoter *q, struct relay_sqlbuf *out)
 {
@@ -733,7 +767,7 @@ int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_
         if (row->state != RELAY_ROW_FAILED)
             continue;
         int32_t attempts = row->attempts + 1;
-        int quarantine = attempts > 0 && (uint32_t)attempts >= max_attempts;
+        int quarantine = relay_batch_row_quarantined(row, max_attempts);
         char *lit = q->quote(q->ctx, row->error, strlen(row->error));
         if (lit == NULL) {
             /* Text the server will not take (say, invalid in the database

@@ -28,23 +28,96 @@
 #define COMPONENT "pg"
 #define NOTIFY_CHANNEL "outbox_relay"
 
+/* The claim's select list. Everything the entry needs is formatted here so
+ * the relay copies nothing: created_at as RFC 3339 UTC, headers as two sorted
+ * text arrays. A payload over max_payload_bytes (the %u) stays in the
+ * database: the column is NULL and the last one carries its size, which
+ * PostgreSQL knows without reading the value (octet_length of a stored bytea
+ * reads only its header), so a row of any size costs the relay a few bytes
+ * and fails with a message that names its size. */
+#define CLAIM_SELECT                                                                               \
+    "SELECT id, message_id::text, topic, partition_key,"                                           \
+    " CASE WHEN octet_length(payload) <= %u THEN payload END,"                                     \
+    " to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),"                \
+    " jsonb_typeof(headers),"                                                                      \
+    " CASE WHEN jsonb_typeof(headers) = 'object' THEN"                                             \
+    "  ARRAY(SELECT k FROM jsonb_object_keys(headers) AS k ORDER BY k) END,"                       \
+    " CASE WHEN jsonb_typeof(headers) = 'object' THEN"                                             \
+    "  ARRAY(SELECT CASE WHEN jsonb_typeof(headers -> k) = 'string' THEN headers ->> k"            \
+    "   ELSE (headers -> k)::text END FROM jsonb_object_keys(headers) AS k ORDER BY k) END,"       \
+    " attempts, octet_length(payload)"
+
 /* The claim: pending rows in id order, skipping rows another relay holds.
- * Everything the entry needs is formatted here so the relay copies nothing:
- * created_at as RFC 3339 UTC, headers as two sorted text arrays. */
-const char relay_pgsrc_claim_sql[] =
-    "SELECT id, message_id::text, topic, partition_key, payload,"
-    " to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),"
-    " jsonb_typeof(headers),"
-    " CASE WHEN jsonb_typeof(headers) = 'object' THEN"
-    "  ARRAY(SELECT k FROM jsonb_object_keys(headers) AS k ORDER BY k) END,"
-    " CASE WHEN jsonb_typeof(headers) = 'object' THEN"
-    "  ARRAY(SELECT CASE WHEN jsonb_typeof(headers -> k) = 'string' THEN headers ->> k"
-    "   ELSE (headers -> k)::text END FROM jsonb_object_keys(headers) AS k ORDER BY k) END,"
-    " attempts"
-    " FROM outbox.messages"
-    " WHERE sent_at IS NULL AND failed_at IS NULL AND (retry_at IS NULL OR retry_at <= now())"
-    "  AND topic <> ALL ($2::text[])"
-    " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED";
+ * One walk of messages_pending_idx from its lowest id: the hot path. */
+#define CLAIM_FROM                                                                                 \
+    " FROM outbox.messages"                                                                        \
+    " WHERE sent_at IS NULL AND failed_at IS NULL AND (retry_at IS NULL OR retry_at <= now())"     \
+    "  AND topic <> ALL ($2::text[])"                                                              \
+    " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
+
+/* A row the claim may take, m being outbox.messages. */
+#define CLAIMABLE_M                                                                                \
+    " m.sent_at IS NULL AND m.failed_at IS NULL AND (m.retry_at IS NULL OR m.retry_at <= now())"
+
+/*
+ * The claim while topics are paused. The walk of the hot path would step over
+ * every pending row of a paused topic that lies in front of the others (a
+ * lagging consumer group lets millions pile up), on every claim. Instead the
+ * rows come from messages_pending_topic_idx (topic, id), merged in id order:
+ *   pending_topics  the distinct pending topics, one index probe each (a loose
+ *                   scan that jumps over each topic's entries);
+ *   merged          a k-way merge of the topics that are not paused: the state
+ *                   is each topic's lowest claimable id (heads); each step
+ *                   emits the lowest head and replaces it with the next id of
+ *                   its topic, one more probe. The probes compare (topic, id)
+ *                   as a row so that only the (topic, id) index can serve them.
+ * A recursive query runs only as far as its reader asks, so the merge stops
+ * once $1 rows are locked: the claim reads O(batch + topics + rows other
+ * transactions hold) index entries, whatever the paused backlog (each step
+ * also takes the minimum of one head per topic not paused, in memory). Each
+ * row is locked through a LATERAL lookup by id, which keeps the merge's order
+ * (the lookup runs once per merged id, in turn) and skips rows another relay
+ * holds as the hot path does; only the rows returned are locked.
+ */
+#define CLAIM_PAUSED_WITH                                                                          \
+    "WITH RECURSIVE"                                                                               \
+    " pending_topics(topic) AS ("                                                                  \
+    "  (SELECT topic FROM outbox.messages WHERE sent_at IS NULL AND failed_at IS NULL"             \
+    "   ORDER BY topic LIMIT 1)"                                                                   \
+    "  UNION ALL"                                                                                  \
+    "  SELECT (SELECT m.topic FROM outbox.messages AS m"                                           \
+    "    WHERE m.sent_at IS NULL AND m.failed_at IS NULL AND m.topic > t.topic"                    \
+    "    ORDER BY m.topic LIMIT 1)"                                                                \
+    "  FROM pending_topics AS t WHERE t.topic IS NOT NULL),"                                       \
+    " merged(id, topics, heads) AS ("                                                              \
+    "  SELECT NULL::bigint, array_agg(t.topic), array_agg(h.id)"                                   \
+    "  FROM pending_topics AS t CROSS JOIN LATERAL ("                                              \
+    "   SELECT m.topic, m.id FROM outbox.messages AS m"                                            \
+    "   WHERE m.topic >= t.topic AND" CLAIMABLE_M " ORDER BY m.topic, m.id LIMIT 1) AS h"          \
+    "  WHERE t.topic IS NOT NULL AND t.topic <> ALL ($2::text[]) AND h.topic = t.topic"            \
+    "  UNION ALL"                                                                                  \
+    "  SELECT p.id, g.topics, g.heads[:p.i - 1] || ("                                              \
+    "    SELECT CASE WHEN m.topic = g.topics[p.i] THEN m.id END FROM outbox.messages AS m"         \
+    "    WHERE (m.topic, m.id) > (g.topics[p.i], p.id) AND" CLAIMABLE_M                            \
+    "    ORDER BY m.topic, m.id LIMIT 1) || g.heads[p.i + 1:]"                                     \
+    "  FROM merged AS g CROSS JOIN LATERAL ("                                                      \
+    "   SELECT array_position(g.heads, x.id) AS i, x.id"                                           \
+    "   FROM (SELECT min(h) AS id FROM unnest(g.heads) AS h) AS x WHERE x.id IS NOT NULL) AS p) "
+
+#define CLAIM_PAUSED_FROM                                                                          \
+    " FROM (SELECT c.* FROM merged AS g CROSS JOIN LATERAL ("                                      \
+    "   SELECT * FROM outbox.messages AS m WHERE m.id = g.id AND" CLAIMABLE_M                      \
+    "   FOR UPDATE SKIP LOCKED) AS c"                                                              \
+    "  LIMIT $1) AS c"                                                                             \
+    " ORDER BY id"
+
+int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, size_t outlen)
+{
+    int n = paused ? snprintf(out, outlen, CLAIM_PAUSED_WITH CLAIM_SELECT CLAIM_PAUSED_FROM,
+                              max_payload_bytes)
+                   : snprintf(out, outlen, CLAIM_SELECT CLAIM_FROM, max_payload_bytes);
+    return n < 0 || (size_t)n >= outlen ? -1 : n;
+}
 
 /* Migration files by the version they bring, to name the one to apply. */
 static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
@@ -59,8 +132,9 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
 };
 
 enum setup_step {
-    SETUP_SESSION = 0, /* SETs, plus the schema check on claim connections */
-    SETUP_PREPARE,     /* claim connections: prepare "claim" */
+    SETUP_SESSION = 0,    /* SETs, plus the schema check on claim connections */
+    SETUP_PREPARE,        /* claim connections: prepare "claim" */
+    SETUP_PREPARE_PAUSED, /* claim connections: prepare "claim_paused" */
     SETUP_DONE,
 };
 
@@ -547,6 +621,11 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
         become_ready(pg);
         return;
     }
+    if (pg->setup == SETUP_PREPARE) {
+        pg->setup = SETUP_PREPARE_PAUSED;
+        run_setup(pg);
+        return;
+    }
     pg->setup = SETUP_DONE;
     become_ready(pg);
 }
@@ -589,8 +668,16 @@ static void run_setup(struct relay_pgsrc *pg)
             return;
         return;
     }
-    if (pg->setup == SETUP_PREPARE) {
-        if (!PQsendPrepare(pg->conn, "claim", relay_pgsrc_claim_sql, 2, NULL)) {
+    if (pg->setup == SETUP_PREPARE || pg->setup == SETUP_PREPARE_PAUSED) {
+        /* max_payload_bytes needs a restart to change, so it is part of the
+         * statement: the planner sees a constant. */
+        int paused = pg->setup == SETUP_PREPARE_PAUSED;
+        char claim[RELAY_PGSRC_CLAIM_SQL_MAX];
+        if (relay_pgsrc_claim_sql(paused, cfg->max_payload_bytes, claim, sizeof(claim)) < 0) {
+            setup_failed(pg, "the claim statement does not fit its buffer");
+            return;
+        }
+        if (!PQsendPrepare(pg->conn, paused ? "claim_paused" : "claim", claim, 2, NULL)) {
             setup_failed(pg, PQerrorMessage(pg->conn));
             return;
         }

@@ -505,9 +505,7 @@ static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
     count_topics(l);
     log_row_failures(l);
     for (size_t i = 0; i < l->nrows; i++)
-        if (l->rows[i].state == RELAY_ROW_FAILED &&
-            (uint32_t)(l->rows[i].attempts + 1) >= r->cfg->max_attempts)
-            r->quarantined_total++;
+        r->quarantined_total += relay_batch_row_quarantined(&l->rows[i], r->cfg->max_attempts);
     relay_backoff_reset(&r->batch_backoff);
     r->failures_in_row = 0;
     if (r->last_batch_error[0] != '\0') {
@@ -543,7 +541,14 @@ static void log_row_failures(struct lane *l)
             continue;
         int32_t attempts = row->attempts + 1;
         int topic_len = (int)relay_batch_utf8_prefix(row->topic, row->topic_len, 64);
-        if ((uint32_t)attempts >= r->cfg->max_attempts)
+        if (row->fault == RELAY_FAULT_PERMANENT)
+            relay_error(COMPONENT,
+                        "row id=%lld message_id=%.*s topic=%.*s quarantined at attempt %d, not "
+                        "retried (no retry can publish it as it is): %s; list with 'outbox-relay "
+                        "failed list', re-queue with 'outbox-relay failed retry %lld'",
+                        (long long)row->id, (int)row->message_id_len, row->message_id, topic_len,
+                        row->topic, attempts, row->error, (long long)row->id);
+        else if (relay_batch_row_quarantined(row, r->cfg->max_attempts))
             relay_error(COMPONENT,
                         "row id=%lld message_id=%.*s topic=%.*s quarantined after %d attempts: "
                         "%s; list with 'outbox-relay failed list', re-queue with 'outbox-relay "
@@ -669,8 +674,15 @@ static int parse_row(PGresult *res, int i, struct relay_row *row)
         row->key = PQgetvalue(res, i, 3);
         row->key_len = (size_t)PQgetlength(res, i, 3);
     }
-    row->payload = PQgetvalue(res, i, 4);
-    row->payload_len = (size_t)PQgetlength(res, i, 4);
+    if (PQgetisnull(res, i, 4)) {
+        /* Over max_payload_bytes: left in the database, only its size came. */
+        if (PQgetlength(res, i, 10) != 4)
+            return -1;
+        row->payload_len = (size_t)(uint32_t)relay_batch_decode_int4(PQgetvalue(res, i, 10));
+    } else {
+        row->payload = PQgetvalue(res, i, 4);
+        row->payload_len = (size_t)PQgetlength(res, i, 4);
+    }
     row->created_at = PQgetvalue(res, i, 5);
     row->created_at_len = (size_t)PQgetlength(res, i, 5);
     if (!PQgetisnull(res, i, 6))
@@ -707,7 +719,7 @@ static void start_publish(struct lane *l)
         relay_respbuf_reset(&r->out);
         int rc = relay_batch_append_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
                                             r->cfg->dedup_ttl_ms, not_after, &r->out, row->error,
-                                            sizeof(row->error));
+                                            sizeof(row->error), &row->fault);
         if (rc == -1) {
             row->state = RELAY_ROW_FAILED;
             continue;
@@ -987,7 +999,7 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
             PQclear(res);
         return;
     }
-    if (err != NULL || res == NULL || PQnfields(res) != 10) {
+    if (err != NULL || res == NULL || PQnfields(res) != 11) {
         if (res != NULL)
             PQclear(res);
         char why[600];
@@ -1062,7 +1074,9 @@ static void on_begun(struct relay_pgsrc *pg, PGresult *res, const char *err, con
     char limit[16];
     snprintf(limit, sizeof(limit), "%u", r->cfg->batch_size);
     const char *params[2] = {limit, r->paused_param};
-    if (relay_pgsrc_send_prepared(pg, "claim", 2, params, 1, on_claimed, l) < 0) {
+    /* With nothing paused, the plain walk in id order (the hot path). */
+    const char *claim = r->npaused > 0 ? "claim_paused" : "claim";
+    if (relay_pgsrc_send_prepared(pg, claim, 2, params, 1, on_claimed, l) < 0) {
         batch_failed(l, "PostgreSQL connection lost before the claim");
         return;
     }
@@ -1453,7 +1467,7 @@ static long render_metrics(void *arg, char **out)
                 "Whole-batch failures since the last committed batch (3 or more: not ready).");
     relay_text_printf(&t, "outbox_relay_batch_failures_in_row %u\n", r->failures_in_row);
     metric_help(&t, "outbox_relay_rows_quarantined_total", "counter",
-                "Rows this relay quarantined after max_attempts.");
+                "Rows this relay quarantined: at once for a permanent failure, after max_attempts for a transient one.");
     relay_text_printf(&t, "outbox_relay_rows_quarantined_total %llu\n", r->quarantined_total);
 
     if (o->taken_at > 0) {

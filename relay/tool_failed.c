@@ -1,11 +1,13 @@
 /*
  * "outbox-relay failed": what operators do with quarantined rows.
  *
- * A row that failed max_attempts times for a reason of its own (a bad topic,
- * an oversized payload, WRONGTYPE on its stream key) carries failed_at and its
- * last error, and the relay's claims skip it. "failed list" shows those rows
- * (and how many others are still being retried); "failed retry" puts them back
- * in line with a clean attempt count, and wakes the relay with a notification.
+ * A row that cannot be published for a reason of its own carries failed_at and
+ * its last error once the relay gave up on it (at once for a permanent failure
+ * such as a bad topic or an oversized payload, after max_attempts for a
+ * transient one, WRONGTYPE on its stream key), and the relay's claims skip it.
+ * "failed list" shows those rows (and how many others are still being
+ * retried); "failed retry" puts them back in line with a clean attempt count,
+ * and wakes the relay with a notification.
  */
 #include "relay/compat.h"
 

@@ -19,6 +19,21 @@
 /* The Lua source loaded with FUNCTION LOAD REPLACE. */
 extern const char relay_batch_function_source[];
 
+/*
+ * What a row's own failure means for it, chosen where the failure is found.
+ * Permanent: the row as the producer wrote it breaks a rule (its topic, the
+ * size of its payload, its key, its headers) and fails the same way on every
+ * attempt, so it is quarantined at once with a message that says what to fix.
+ * Transient: Redis refused it for a reason that can pass while the row waits
+ * (WRONGTYPE: an operator renames the key that holds another type), so it is
+ * retried with a growing delay and quarantined after max_attempts.
+ */
+enum relay_row_fault {
+    RELAY_FAULT_NONE = 0, /* not failed; a failure of no stated kind counts as transient */
+    RELAY_FAULT_TRANSIENT,
+    RELAY_FAULT_PERMANENT,
+};
+
 /* One claimed row. Every pointer points into the claim's PGresult, which the
  * batch keeps until the cycle ends: nothing is copied on the hot path. */
 struct relay_row {
@@ -29,8 +44,8 @@ struct relay_row {
     size_t topic_len;
     const char *key; /* NULL when partition_key IS NULL */
     size_t key_len;
-    const char *payload;
-    size_t payload_len;
+    const char *payload; /* NULL when over max_payload_bytes: never fetched */
+    size_t payload_len;  /* its size in bytes, also when it was not fetched */
     const char *created_at; /* RFC 3339 UTC, formatted by the claim query */
     size_t created_at_len;
     const char *headers_type; /* jsonb_typeof(headers), NULL when headers IS NULL */
@@ -42,6 +57,7 @@ struct relay_row {
 
     /* Outcome of this cycle. */
     int state;                 /* enum relay_row_state */
+    enum relay_row_fault fault; /* when state is RELAY_ROW_FAILED */
     char error[RELAY_ERROR_MAX];
 };
 
@@ -97,7 +113,8 @@ int relay_batch_dedup_key(const char *stream, const char *message_id, size_t mes
  * Builds the FCALL for row; not_after_ms is the validity deadline on the
  * server's clock (relay_sink_deadline_ms). On a failure of the row's own (bad topic, payload
  * too large, headers that cannot be encoded) returns -1 and writes a message
- * that says what is wrong and what to do into err.
+ * that says what is wrong and what to do into err. Every such failure is
+ * permanent (relay_batch_append_publish reports the kind).
  */
 int relay_batch_build_publish(const struct relay_row *row, const char *stream_prefix,
                               uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
@@ -138,13 +155,16 @@ void relay_respbuf_free(struct relay_respbuf *b);
  * Returns 0 when the command was appended: it is out->data[old len .. out->len),
  * exactly one command, so with a buffer reset before each row it can go
  * straight to relay_sink_formatted. Returns -1 on a failure of the row's own
- * (err says what is wrong and what to do), or RELAY_RESPBUF_FULL (err says so);
- * in both cases out is unchanged.
+ * (err says what is wrong and what to do, and *fault, unless fault is NULL,
+ * whether it is permanent or transient), or RELAY_RESPBUF_FULL (err says so);
+ * in both cases out is unchanged. A row whose payload the claim left in the
+ * database (payload NULL) fails as too large, a permanent failure.
  */
 int relay_batch_append_publish(const struct relay_row *row, const char *stream_prefix,
                                uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
                                uint64_t not_after_ms, struct relay_respbuf *out, char *err,
-                               size_t errlen) __attribute__((warn_unused_result));
+                               size_t errlen, enum relay_row_fault *fault)
+    __attribute__((warn_unused_result));
 
 /*
  * Appends to out the next "UNLINK <dedup key>..." that removes the dedup
@@ -201,8 +221,9 @@ struct relay_cycle {
 /*
  * Applies one reply to its row and to the cycle: an entry id publishes the
  * row; an error of the row's own fails only the row (with a message that says
- * what to do); anything else fails the whole batch. Returns 1 when this was
- * the last reply the cycle waited for.
+ * what to do, as a transient fault: WRONGTYPE can be fixed while the row
+ * waits); anything else fails the whole batch. Returns 1 when this was the
+ * last reply the cycle waited for.
  */
 int relay_batch_apply_reply(struct relay_cycle *cycle, struct relay_row *row,
                             enum relay_reply_kind kind, const char *str, size_t len);
@@ -226,10 +247,17 @@ struct relay_sql_quoter {
 };
 
 /*
+ * 1 when a failed row is quarantined at the end of this cycle: its failure is
+ * permanent, or this was its max_attempts-th attempt. 0 for rows that did not
+ * fail.
+ */
+int relay_batch_row_quarantined(const struct relay_row *row, uint32_t max_attempts);
+
+/*
  * Writes the statements that end a cycle: mark every published row sent,
  * count one attempt on every failed row (with its error and a retry delay
- * that grows with its attempts, quarantining it at max_attempts), then
- * COMMIT.
+ * that grows with its attempts, quarantining it as
+ * relay_batch_row_quarantined says), then COMMIT.
  * Returns the number of rows quarantined, or -1 when the buffer overflowed
  * or quoting failed.
  */

@@ -89,8 +89,22 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
 /* The schema version this relay needs and the migration that brings it. */
 #define RELAY_SCHEMA_VERSION 7
 
-/* The claim statement, prepared on each claim connection as "claim". $1 is the
- * batch size, $2 the topics paused for backpressure (a text[] literal). */
-extern const char relay_pgsrc_claim_sql[];
+/*
+ * Writes a claim statement into out: with paused 0 the one prepared on each
+ * claim connection as "claim", for when no topic is paused (the hot path), or
+ * else "claim_paused", for when some are. Both take $1, the batch size, and
+ * $2, the topics paused for backpressure (a text[] literal), and return the
+ * same rows: pending rows of the topics not in $2, in id order, at most $1,
+ * locked FOR UPDATE and skipping rows another transaction holds. "claim"
+ * walks the pending rows in id order and steps over those of paused topics;
+ * "claim_paused" reads only the topics not paused, so a paused backlog costs
+ * it nothing. Its rows have 11 columns: id, message_id, topic, partition_key,
+ * payload, created_at, headers type, header names, header values, attempts
+ * and the payload's size in bytes; the payload is NULL when its size is over
+ * max_payload_bytes, which is never transferred. Returns the length, or -1
+ * when it does not fit (RELAY_PGSRC_CLAIM_SQL_MAX always does).
+ */
+#define RELAY_PGSRC_CLAIM_SQL_MAX 8192
+int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, size_t outlen);
 
 #endif

@@ -15,9 +15,13 @@ Every test runs the relay with --poll-interval 500ms --max-attempts 3
   is in its stream within GOOD_ROW_BOUND seconds of its commit (measured from
   the commit to the millisecond time of its stream entry id), the good rows of
   the poison's first batch are committed in that same batch, and the poison row
-  is quarantined after max_attempts: failed_at set, attempts = 3, sent_at NULL,
-  nothing in Redis, last_error says what is wrong and what to do; the relay log
-  names the row id with the error and the quarantine;
+  is quarantined: failed_at set, sent_at NULL, nothing in Redis, last_error says
+  what is wrong and what to do; the relay log names the row id with the error and
+  the quarantine. A permanent failure (the topic, the payload size, the headers:
+  what the producer wrote) is quarantined at its first attempt, in the batch of
+  its neighbours (attempts = 1, failed_at = their sent_at), never retried; a
+  transient one (WRONGTYPE, which an operator can fix while the row waits) is
+  retried with backoff and quarantined after max_attempts (attempts = 3);
 - `outbox-relay failed list` shows the quarantined rows with their errors;
   after the cause is fixed `failed retry <id>` re-queues one row (exit 0) and
   the running relay publishes it; `failed retry --all` re-queues every
@@ -46,6 +50,11 @@ harness.set_deadline(240)
 RELAY_FLAGS = dict(poll_interval="500ms", max_attempts=3, max_payload_bytes=1000,
                    reconnect_min="50ms", reconnect_max="1s")
 MAX_ATTEMPTS = 3
+
+
+def permanent(spec):
+    """Whether a poison spec fails for good: everything but WRONGTYPE, which is transient."""
+    return not spec.get("transient", False)
 GOOD_ROW_BOUND = 5.0   # seconds from commit to the stream: one poll interval plus much slack
 GOOD_TOPICS = ("orders", "billing")
 REQUEUE = "re-queue"   # every per-row error says what to do, ending with a re-queue
@@ -160,23 +169,29 @@ class PoisonTest(harness.ServerTestCase):
         wait_until(lambda: all(r["sent_at"] for r in rows(self.db, good).values()),
                    timeout=10, relay=relay, message=f"sent_at on the good rows ({what})")
 
-    def assert_first_failure_in_same_batch(self, relay, good, poison_ids):
+    def assert_first_failure_in_same_batch(self, relay, good, poison):
         """The first attempt on a poison row is recorded in the transaction that
-        committed its neighbours: retry_at = now() + 1 s there, sent_at = now()."""
-        wait_until(lambda: all(r["attempts"] >= 1 for r in rows(self.db, poison_ids).values()),
+        committed its neighbours: retry_at = now() + 1 s there, sent_at = now().
+        A permanent failure is quarantined right there: failed_at = now()."""
+        wait_until(lambda: all(r["attempts"] >= 1 for r in rows(self.db, poison).values()),
                    timeout=10, relay=relay, message="the first failure of every poison row")
-        poisoned = rows(self.db, poison_ids)
+        poisoned = rows(self.db, poison)
         sent = {r["sent_at"] for r in rows(self.db, good).values()}
         self.assertEqual(len(sent), 1, f"the good rows of one transaction were committed in"
                                        f" {len(sent)} batches")
         sent_at = sent.pop()
         for oid, r in poisoned.items():
+            name = poison[oid][1]["name"]
             self.assertIsNone(r["sent_at"])
             self.assertIsNotNone(r["last_error"], f"poison row {oid} has no last_error")
             if r["attempts"] == 1:  # not retried yet: its retry_at is from the first batch
                 self.assertAlmostEqual(
                     (r["retry_at"] - sent_at).total_seconds(), 1.0, delta=0.01,
                     msg=f"poison row {oid} failed in another batch than its neighbours")
+            if permanent(poison[oid][1]):
+                self.assertEqual(r["attempts"], 1, f"{name}: a permanent failure was retried")
+                self.assertEqual(r["failed_at"], sent_at,
+                                 f"{name}: row {oid} not quarantined in its first batch")
 
     def assert_quarantined(self, relay, poison, phrases_of):
         got = rows(self.db, poison)
@@ -186,7 +201,8 @@ class PoisonTest(harness.ServerTestCase):
             r = got[oid]
             name = spec["name"]
             self.assertIsNotNone(r["failed_at"], f"{name}: row {oid} not quarantined")
-            self.assertEqual(r["attempts"], MAX_ATTEMPTS, f"{name}: attempts of row {oid}")
+            self.assertEqual(r["attempts"], 1 if permanent(spec) else MAX_ATTEMPTS,
+                             f"{name}: attempts of row {oid}")
             self.assertIsNone(r["sent_at"], f"{name}: row {oid} marked sent")
             self.assertNotIn(mid, found, f"{name}: row {oid} published")
             error = r["last_error"] or ""
@@ -270,8 +286,8 @@ class PoisonTest(harness.ServerTestCase):
 
     def test_wrongtype_stream_key_fails_only_its_topic(self):
         self.r.set("ledger", "a string where a stream should be")
-        poisons = [dict(name=f"WRONGTYPE row {i}", topic="ledger", payload=b"ledger %d" % i)
-                   for i in range(3)]
+        poisons = [dict(name=f"WRONGTYPE row {i}", topic="ledger", payload=b"ledger %d" % i,
+                        transient=True) for i in range(3)]
         relay, good, poison = self.run_kind(
             poisons, lambda s: ["WRONGTYPE", 'the stream key for topic "ledger" holds another'
                                 " type", "rename or delete that key"])
@@ -299,8 +315,8 @@ class PoisonTest(harness.ServerTestCase):
         self.r.set("ledger", "not a stream")
         relay = self.start_relay()
         good, poison = self.insert_sandwich([
-            dict(name="WRONGTYPE 1", topic="ledger"),
-            dict(name="WRONGTYPE 2", topic="ledger"),
+            dict(name="WRONGTYPE 1", topic="ledger", transient=True),
+            dict(name="WRONGTYPE 2", topic="ledger", transient=True),
             dict(name="oversized", topic="orders", payload=b"o" * 2000)])
         self.assert_good_rows_prompt(relay, good, "around the rows to quarantine")
         wait_until(lambda: all(r["failed_at"] for r in rows(self.db, poison).values()),

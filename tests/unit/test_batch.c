@@ -296,6 +296,8 @@ static void test_apply_reply_cycle(void **state)
     assert_int_equal(relay_batch_apply_reply(&cycle, &rows[1], RELAY_REPLY_ERROR, wt, strlen(wt)),
                      0);
     assert_int_equal(rows[1].state, RELAY_ROW_FAILED);
+    /* An operator can fix the key while the row waits: retried with backoff. */
+    assert_int_equal(rows[1].fault, RELAY_FAULT_TRANSIENT);
     assert_non_null(strstr(rows[1].error, "rename or delete that key"));
     assert_false(cycle.failed);
     /* The last reply ends the cycle. */
@@ -363,31 +365,42 @@ static char *fake_quote(void *ctx, const char *s, size_t len)
 static void test_finish_sql(void **state)
 {
     (void)state;
-    struct relay_row rows[4];
-    for (int i = 0; i < 4; i++) {
+    struct relay_row rows[5];
+    for (int i = 0; i < 5; i++) {
         rows[i] = make_row("orders", "x", 1);
         rows[i].id = 10 + i;
         rows[i].state = RELAY_ROW_PUBLISHED;
     }
+    /* A permanent failure on its first attempt: quarantined at once. */
     rows[1].state = RELAY_ROW_FAILED;
+    rows[1].fault = RELAY_FAULT_PERMANENT;
     rows[1].attempts = 0;
     snprintf(rows[1].error, sizeof(rows[1].error), "topic \"it's\" is not allowed");
+    /* A transient failure at its max_attempts-th attempt: quarantined. */
     rows[3].state = RELAY_ROW_FAILED;
+    rows[3].fault = RELAY_FAULT_TRANSIENT;
     rows[3].attempts = 2;
-    snprintf(rows[3].error, sizeof(rows[3].error), "too large");
+    snprintf(rows[3].error, sizeof(rows[3].error), "WRONGTYPE");
+    /* A transient failure before that: retried later. */
+    rows[4].state = RELAY_ROW_FAILED;
+    rows[4].fault = RELAY_FAULT_TRANSIENT;
+    rows[4].attempts = 1;
+    snprintf(rows[4].error, sizeof(rows[4].error), "WRONGTYPE again");
     struct relay_sql_quoter q = {fake_quote, free, NULL};
     struct relay_sqlbuf buf;
     memset(&buf, 0, sizeof(buf));
 
-    assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, &buf), 1);
+    assert_int_equal(relay_batch_finish_sql(rows, 5, 3, &q, &buf), 2);
     assert_string_equal(
         buf.data,
         "UPDATE outbox.messages SET sent_at = statement_timestamp() WHERE id = ANY('{10,12}'::bigint[]);"
         "UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'topic \"it''s\" is "
-        "not allowed', retry_at = statement_timestamp() + interval '1000 milliseconds', failed_at = NULL WHERE "
+        "not allowed', retry_at = statement_timestamp() + interval '1000 milliseconds', failed_at = statement_timestamp() WHERE "
         "id = 11;"
-        "UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'too large', retry_at "
+        "UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'WRONGTYPE', retry_at "
         "= statement_timestamp() + interval '4000 milliseconds', failed_at = statement_timestamp() WHERE id = 13;"
+        "UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'WRONGTYPE again', retry_at "
+        "= statement_timestamp() + interval '2000 milliseconds', failed_at = NULL WHERE id = 14;"
         "COMMIT");
 
     /* Nothing published: no sent_at update at all. */
@@ -402,6 +415,39 @@ static void test_finish_sql(void **state)
     assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, &small), -1);
     relay_sqlbuf_free(&small);
     relay_sqlbuf_free(&buf);
+}
+
+static void test_row_quarantined_by_kind(void **state)
+{
+    (void)state;
+    struct relay_row row = make_row("orders", "x", 1);
+    row.state = RELAY_ROW_FAILED;
+
+    /* Permanent: the first attempt already, whatever max_attempts allows. */
+    row.fault = RELAY_FAULT_PERMANENT;
+    row.attempts = 0;
+    assert_true(relay_batch_row_quarantined(&row, 10));
+    assert_true(relay_batch_row_quarantined(&row, 1000));
+
+    /* Transient (and a failure of no stated kind): only at max_attempts. */
+    enum relay_row_fault retried[] = {RELAY_FAULT_TRANSIENT, RELAY_FAULT_NONE};
+    for (size_t i = 0; i < sizeof(retried) / sizeof(retried[0]); i++) {
+        row.fault = retried[i];
+        row.attempts = 0;
+        assert_false(relay_batch_row_quarantined(&row, 10));
+        assert_true(relay_batch_row_quarantined(&row, 1));
+        row.attempts = 8;
+        assert_false(relay_batch_row_quarantined(&row, 10));
+        row.attempts = 9;
+        assert_true(relay_batch_row_quarantined(&row, 10));
+    }
+
+    /* Rows that did not fail are never quarantined. */
+    row.fault = RELAY_FAULT_PERMANENT;
+    row.state = RELAY_ROW_PUBLISHED;
+    assert_false(relay_batch_row_quarantined(&row, 10));
+    row.state = RELAY_ROW_CLAIMED;
+    assert_false(relay_batch_row_quarantined(&row, 10));
 }
 
 static void test_utf8_prefix_never_cuts_a_character(void **state)
@@ -485,7 +531,7 @@ static void check_publish_same(const struct relay_row *row, const char *prefix,
     assert_non_null(want);
     size_t before = buf->len;
     assert_int_equal(relay_batch_append_publish(row, prefix, max_payload, ttl, not_after, buf, err2,
-                                                sizeof(err2)),
+                                                sizeof(err2), NULL),
                      0);
     assert_int_equal(buf->len - before, (size_t)len);
     assert_memory_equal(buf->data + before, want, (size_t)len);
@@ -572,15 +618,21 @@ static void check_publish_refused_same(const struct relay_row *row, const char *
     struct relay_respbuf buf;
     memset(&buf, 0, sizeof(buf));
     struct relay_row ok = make_row("orders", "x", 1);
-    assert_int_equal(relay_batch_append_publish(&ok, "", 1024, 1, 2, &buf, err2, sizeof(err2)), 0);
+    assert_int_equal(
+        relay_batch_append_publish(&ok, "", 1024, 1, 2, &buf, err2, sizeof(err2), NULL), 0);
     size_t before = buf.len;
 
     assert_null(hiredis_publish(row, prefix, max_payload, 1000, 1796040000000ull, &len, err1,
                                 sizeof(err1)));
     memset(err2, 0, sizeof(err2));
+    enum relay_row_fault fault = RELAY_FAULT_NONE;
     assert_int_equal(relay_batch_append_publish(row, prefix, max_payload, 1000, 1796040000000ull,
-                                                &buf, err2, sizeof(err2)),
+                                                &buf, err2, sizeof(err2), &fault),
                      -1);
+    /* What the producer wrote fails the same way on every attempt: the row is
+     * quarantined at once rather than retried. */
+    assert_int_equal(fault, RELAY_FAULT_PERMANENT);
+    assert_non_null(strstr(err2, "re-queue"));
     assert_string_equal(err2, err1);
     assert_non_null(strstr(err2, expect));
     assert_int_equal(buf.len, before);
@@ -597,6 +649,14 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
 
     struct relay_row big = make_row("orders", "0123456789", 10);
     check_publish_refused_same(&big, "", 9, "payload of 10 bytes exceeds max_payload_bytes (9)");
+
+    /* Over the limit, the claim sends only the payload's size: refused by that
+     * size, and a missing payload is never read whatever the size says. */
+    struct relay_row unfetched = make_row("orders", NULL, 104857600);
+    check_publish_refused_same(&unfetched, "", 1048576,
+                               "payload of 104857600 bytes exceeds max_payload_bytes (1048576)");
+    unfetched.payload_len = 10;
+    check_publish_refused_same(&unfetched, "", 1048576, "payload of 10 bytes");
 
     static char longkey[RELAY_KEY_MAX + 1];
     memset(longkey, 'k', sizeof(longkey));
@@ -664,7 +724,8 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     prefix[256] = '\0';
     check_publish_refused_same(&longest, prefix, 1024, "stream name too long");
     assert_int_equal(
-        relay_batch_append_publish(&longest, prefix, 1024, 1, 2, &buf, err, sizeof(err)), -1);
+        relay_batch_append_publish(&longest, prefix, 1024, 1, 2, &buf, err, sizeof(err), NULL),
+        -1);
     relay_respbuf_free(&buf);
 }
 
@@ -843,8 +904,8 @@ static void test_respbuf_caps_and_reuse(void **state)
     memset(&buf, 0, sizeof(buf));
 
     /* Reset between rows: the memory is reused, never reallocated. */
-    assert_int_equal(relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err)),
-                     0);
+    assert_int_equal(
+        relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err), NULL), 0);
     const char *data = buf.data;
     size_t cap = buf.cap, one = buf.len;
     for (int i = 0; i < 1000; i++) {
@@ -852,7 +913,7 @@ static void test_respbuf_caps_and_reuse(void **state)
         assert_int_equal(buf.len, 0);
         row.id = i;
         assert_int_equal(
-            relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err)), 0);
+            relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err), NULL), 0);
         assert_true(buf.len <= one + 3);
     }
     assert_ptr_equal(buf.data, data);
@@ -862,11 +923,12 @@ static void test_respbuf_caps_and_reuse(void **state)
     /* A cap: what does not fit is refused whole, and the buffer is intact. */
     memset(&buf, 0, sizeof(buf));
     buf.max = one + one / 2;
-    assert_int_equal(relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err)),
-                     0);
+    assert_int_equal(
+        relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err), NULL), 0);
     size_t len = buf.len;
-    assert_int_equal(relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err)),
-                     RELAY_RESPBUF_FULL);
+    assert_int_equal(
+        relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err), NULL),
+        RELAY_RESPBUF_FULL);
     assert_non_null(strstr(err, "does not fit the output buffer"));
     assert_int_equal(buf.len, len);
     assert_true(buf.cap <= buf.max);
@@ -908,6 +970,7 @@ int main(void)
         cmocka_unit_test(test_apply_reply_cycle),
         cmocka_unit_test(test_apply_reply_batch_failures),
         cmocka_unit_test(test_finish_sql),
+        cmocka_unit_test(test_row_quarantined_by_kind),
         cmocka_unit_test(test_utf8_prefix_never_cuts_a_character),
         cmocka_unit_test(test_finish_sql_survives_unquotable_error),
         cmocka_unit_test(test_append_publish_matches_hiredis),
