@@ -129,6 +129,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "005_backpressure.sql",
     "006_wakeup_when_idle.sql",
     "007_wakeup_lock.sql",
+    "008_queue_vacuum.sql",
 };
 
 enum setup_step {
@@ -563,9 +564,13 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
     char msg[600];
 
     if (pg->setup == SETUP_SESSION && pg->role == RELAY_PGSRC_CLAIM) {
-        int version = -1;
-        if (err == NULL && res != NULL && PQntuples(res) == 1 && !PQgetisnull(res, 0, 0))
+        int version = -1, missing = 0;
+        if (err == NULL && res != NULL && PQntuples(res) == 1 && PQnfields(res) == 2 &&
+            !PQgetisnull(res, 0, 0)) {
             version = (int)strtol(PQgetvalue(res, 0, 0), NULL, 10); /* server-formatted */
+            if (!PQgetisnull(res, 0, 1))
+                missing = (int)strtol(PQgetvalue(res, 0, 1), NULL, 10);
+        }
         if (res != NULL)
             PQclear(res);
         if (err != NULL && sqlstate != NULL && strcmp(sqlstate, "42P01") == 0 &&
@@ -589,12 +594,15 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
             setup_failed(pg, err);
             return;
         }
-        if (version < RELAY_SCHEMA_VERSION) {
-            int next = version < 1 ? 1 : version + 1;
+        /* Every version up to the newest this relay knows must be recorded
+         * (from 4 on: migrations/004 made the table, the first three come
+         * before it): the first one missing names the file to apply. */
+        if (missing > 0 && missing <= RELAY_SCHEMA_VERSION) {
             snprintf(msg, sizeof(msg),
-                     "the outbox schema is at version %d but this relay needs version %d: "
-                     "apply migrations/%s and the files after it in name order",
-                     version, RELAY_SCHEMA_VERSION, migration_files[next]);
+                     "the outbox schema is at version %d but this relay needs version %d, and "
+                     "version %d is missing: apply migrations/%s and the files after it in "
+                     "name order",
+                     version, RELAY_SCHEMA_VERSION, missing, migration_files[missing]);
             setup_failed(pg, msg);
             return;
         }
@@ -657,8 +665,12 @@ static void run_setup(struct relay_pgsrc *pg)
                      "SET statement_timeout = %u; SET lock_timeout = %u;"
                      " SET idle_in_transaction_session_timeout = %u;"
                      " SET idle_session_timeout = 0;"
-                     " SELECT coalesce(max(version), 0) FROM outbox.schema_version",
-                     cfg->statement_timeout_ms, cfg->statement_timeout_ms, idle_tx_ms);
+                     " SELECT coalesce(max(version), 0), (SELECT min(v)"
+                     "  FROM generate_series(4, %d) AS v WHERE v NOT IN"
+                     "  (SELECT version FROM outbox.schema_version))"
+                     " FROM outbox.schema_version",
+                     cfg->statement_timeout_ms, cfg->statement_timeout_ms, idle_tx_ms,
+                     RELAY_SCHEMA_VERSION);
         else
             snprintf(sql, sizeof(sql),
                      SERVER_KEEPALIVES

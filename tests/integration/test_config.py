@@ -247,6 +247,26 @@ class StartupTest(harness.TestCase):
                     self.assertNotIn(-code, CRASH_SIGNALS)
                     self.assertNotEqual(code, 0, "a missing schema is no clean exit")
 
+    def test_schema_missing_the_newest_migration(self):
+        # Every migration but the newest: the relay must not run on it, and
+        # must name the file that is missing.
+        with harness.Postgres(migrations=False) as pg, harness.Redis() as redis:
+            files = pg.migration_files()
+            newest = os.path.basename(files[-1])
+            pg.apply_migrations(files[:-1])
+            with harness.Relay(pg, redis, poll_interval="200ms", reconnect_min="50ms",
+                               reconnect_max="500ms") as relay:
+                line = relay.wait_for_log(r"ERROR pg: .*needs version.*$", timeout=15).group(0)
+                print(f"without {newest}: {line}", flush=True)
+                self.assertIn(newest, line)
+                db = pg.connect()
+                self.addCleanup(db.close)
+                insert(db, "orders", b"must wait for the schema")
+                time.sleep(1)
+                self.assertEqual(harness.count_unsent(db), 1, "published on an old schema")
+                pg.apply_migrations(files[-1:])
+                harness.wait_all_sent(db, timeout=30, relay=relay)
+
     def test_passwords_never_logged(self):
         with harness.Postgres() as pg, harness.Redis(password=REDIS_SECRET) as redis:
             db = pg.connect()
