@@ -82,6 +82,9 @@ class PoisonTest(harness.ServerTestCase):
         warm = insert(self.db, "warmup", b"warm-up")
         wait_until(lambda: warm in harness.entries_by_message_id(self.r), timeout=30,
                    relay=relay, message="the relay to publish a warm-up row")
+        # Its entry is in Redis before its batch commits: wait for the commit
+        # too, so the tests count only their own rows as unsent.
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
         return relay
 
     def insert_row(self, conn, topic, payload, key=None, headers=None):
