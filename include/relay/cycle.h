@@ -1,0 +1,145 @@
+/*
+ * The claim cycle as a state machine (docs/DESIGN.md, "The claim cycle"),
+ * pure: it never touches a connection, a timer or a clock. The daemon feeds
+ * it events (a command answered, a connection lost, a timer fired) and it
+ * decides what happens next by calling the ops the daemon filled in, the way
+ * hiredis's async context drives an event loop through its adapter's hooks.
+ * Unit tests play scripts of events against fake ops (tests/unit/test_cycle.c).
+ *
+ * A batch lives on a lane: a claiming connection with its own transaction.
+ * With two lanes, batch N+1 is claimed while N publishes, and N+1 publishes
+ * while N is marked sent. The rules that keep this as safe and as ordered as
+ * one batch at a time:
+ *   - claims run one at a time, and a lane claims ahead only while no claimed
+ *     batch waits to publish, so at most two batches exist;
+ *   - batches publish one at a time, in claim order, each only after every
+ *     reply of the one before it came back;
+ *   - when a batch fails, every batch claimed after it that has not started
+ *     publishing is rolled back, so its rows cannot overtake the failed ones.
+ */
+#ifndef RELAY_CYCLE_H
+#define RELAY_CYCLE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "relay/backoff.h"
+
+#define RELAY_CYCLE_LANES_MAX 2
+
+enum relay_lane_state {
+    RELAY_LANE_IDLE = 0,
+    RELAY_LANE_BEGIN,    /* BEGIN sent */
+    RELAY_LANE_CLAIM,    /* claim sent */
+    RELAY_LANE_CLAIMED,  /* rows locked; waiting for the batch ahead to finish publishing */
+    RELAY_LANE_PUBLISH,  /* publishes in flight */
+    RELAY_LANE_FINISH,   /* mark + COMMIT sent */
+    RELAY_LANE_ROLLBACK, /* ROLLBACK (or the COMMIT of an empty claim) sent */
+};
+
+/* Why a whole batch failed: chosen where the failure is found, never read
+ * back from an error message. Also the labels of
+ * outbox_relay_publish_errors_total. */
+enum relay_fail_kind {
+    RELAY_FAIL_REDIS_CONNECTION = 0, /* Redis unreachable or the connection dropped */
+    RELAY_FAIL_REDIS_TIMEOUT,        /* no reply within publish_timeout */
+    RELAY_FAIL_REDIS_ERROR,          /* an error reply about the server, not the row */
+    RELAY_FAIL_REDIS_REPLY,          /* a reply of an unexpected type */
+    RELAY_FAIL_POSTGRES,             /* BEGIN, the claim, the mark or COMMIT failed */
+    RELAY_FAIL_KINDS
+};
+
+/* The label of a failure kind in the metrics: "redis_connection", ... */
+const char *relay_fail_kind_name(enum relay_fail_kind kind);
+
+/*
+ * What the machine asks of the daemon. Each call that sends a command returns
+ * 0 when it was sent (its answer comes back later as an event) or -1 when it
+ * could not be (the connection is not ready), with a reason in why. None of
+ * them may call back into the machine before returning, except publish, whose
+ * batch may end at once (every row failed on its own, or nothing could be
+ * sent): it then reports relay_cycle_published or relay_cycle_failed itself.
+ */
+struct relay_cycle_ops {
+    void *arg;
+    double (*now)(void *arg);                    /* monotonic seconds */
+    int (*lane_ready)(void *arg, size_t lane);   /* its connection can take a command */
+    int (*sink_ready)(void *arg);                /* Redis is connected and set up */
+    int (*begin)(void *arg, size_t lane);
+    int (*claim)(void *arg, size_t lane, char *why, size_t whylen);
+    void (*publish)(void *arg, size_t lane);
+    int (*finish)(void *arg, size_t lane, char *why, size_t whylen); /* mark sent + COMMIT */
+    int (*rollback)(void *arg, size_t lane, int empty); /* ROLLBACK, or COMMIT when empty */
+    void (*release)(void *arg, size_t lane);     /* the lane's batch is over: free its rows */
+    void (*failed)(void *arg, size_t lane, enum relay_fail_kind kind, const char *why);
+    void (*kick)(void *arg);                     /* call relay_cycle_run from the loop, soon */
+    void (*arm_retry)(void *arg, uint32_t ms);   /* call relay_cycle_retry_due after ms */
+    int (*self_driven)(void *arg); /* producers skip notifying: claim until a claim is empty */
+    void (*went_empty)(void *arg); /* an empty claim, nothing else in flight, self-driven */
+    void (*drained)(void *arg);    /* draining and no batch left in flight */
+};
+
+struct relay_cycle_lane {
+    enum relay_lane_state state;
+    unsigned long long seq; /* claim order */
+    int abandon;            /* a batch ahead failed: roll back instead of publishing */
+    int doomed;             /* its connection broke while it published: fail at the end */
+    double claimed_at;      /* BEGIN sent: the batch duration, the stuck check */
+    double stage_at;        /* the current stage began: the stuck check */
+};
+
+struct relay_cycle {
+    struct relay_cycle_ops ops;
+    size_t nlanes;
+    struct relay_cycle_lane lanes[RELAY_CYCLE_LANES_MAX];
+    unsigned long long next_seq;
+    int publishing; /* the lane whose publishes are in flight, or -1 */
+    int want_claim;
+    int in_backoff;
+    int draining;
+    int stopping; /* the loop is being left: every event is ignored */
+    unsigned failures_in_row;
+    struct relay_backoff backoff;
+};
+
+/* nlanes is 1 (pipeline off) or 2. Starts wanting a claim (the catch-up). */
+void relay_cycle_init(struct relay_cycle *c, const struct relay_cycle_ops *ops, size_t nlanes,
+                      uint32_t retry_min_ms, uint32_t retry_max_ms);
+
+/* ---- events -------------------------------------------------------------- */
+
+/* Something may be pending (a notification, the poll, a connection that came
+ * up): claim soon unless a claim is already under way. */
+void relay_cycle_want(struct relay_cycle *c);
+/* The kick: claims now if a claim is wanted and a lane is free. */
+void relay_cycle_run(struct relay_cycle *c);
+void relay_cycle_begun(struct relay_cycle *c, size_t lane);
+/* The claim returned nrows rows, full when as many as were asked for. */
+void relay_cycle_claimed(struct relay_cycle *c, size_t lane, size_t nrows, int full);
+/* Every publish of the lane's batch was answered, none failing the batch. */
+void relay_cycle_published(struct relay_cycle *c, size_t lane);
+void relay_cycle_committed(struct relay_cycle *c, size_t lane, int full);
+/* The ROLLBACK (or the COMMIT of an empty claim) was answered, either way. */
+void relay_cycle_rolled_back(struct relay_cycle *c, size_t lane);
+/* The lane's batch failed as a whole: roll it back and retry after backoff. */
+void relay_cycle_failed(struct relay_cycle *c, size_t lane, enum relay_fail_kind kind,
+                        const char *why);
+/* The lane's connection broke between commands (with a command in flight,
+ * that command's failure is the event). */
+void relay_cycle_lane_down(struct relay_cycle *c, size_t lane);
+void relay_cycle_retry_due(struct relay_cycle *c);
+/* SIGTERM: claim nothing more; drained() once no batch is in flight (at
+ * once, from this call, when none is). */
+void relay_cycle_drain(struct relay_cycle *c);
+
+/* ---- questions ----------------------------------------------------------- */
+
+int relay_cycle_all_idle(const struct relay_cycle *c);
+/* The lane holding a batch whose stage has lasted limit seconds or more, or
+ * -1: claiming and waiting to publish count from the claim, the other stages
+ * from their own start. */
+int relay_cycle_stuck(const struct relay_cycle *c, double now, double limit);
+/* Batches in flight (claimed and not ended). */
+size_t relay_cycle_in_flight(const struct relay_cycle *c);
+
+#endif
