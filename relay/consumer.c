@@ -97,7 +97,61 @@ const char relay_consumer_function_source[] =
     "  redis.call('XACK', keys[2], args[1], args[2])\n"
     "  return id\n"
     "end\n"
-    "redis.register_function('" RELAY_CONSUMER_FUNCTION_DEAD_LETTER "', dead_letter)\n";
+    "redis.register_function('" RELAY_CONSUMER_FUNCTION_DEAD_LETTER "', dead_letter)\n"
+    /*
+     * The replay function, for "outbox-relay dlq replay" (contract in
+     * include/relay/consumer.h). KEYS[1] is the dead-letter stream, KEYS[2]
+     * the group's replay stream, ARGV[1] the dead letter's entry id. It reads
+     * the dead letter itself, so a dead letter that another client has just
+     * replayed is not there to replay twice, and keeps every field but dlq.*,
+     * in order. As above, everything that can be checked is checked before the
+     * first write, the XADD goes through redis.pcall, and the XDEL runs only
+     * once the XADD succeeded: an XADD refused when it runs (a replay stream
+     * whose last id is the largest possible one) leaves the dead letter where
+     * it was. MULTI/EXEC could not promise that: the XDEL queued after a
+     * failed XADD still ran. A dead letter the consumer wrote has at most
+     * 2 * (6 + RELAY_HEADERS_MAX) fields for unpack, far below Lua's limit.
+     */
+    "local function replay(keys, args)\n"
+    "  if #keys ~= 2 or #args ~= 1 then\n"
+    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_REPLAY
+    " 2 <dead-letter stream> <replay stream> <entry id>')\n"
+    "  end\n"
+    "  if not string.match(args[1], '^%d+%-%d+$') then\n"
+    "    return redis.error_reply('ERR entry id \"' .. args[1] .. '\" is not of the form "
+    "<ms>-<seq>')\n"
+    "  end\n"
+    "  local names = {'dead-letter', 'replay'}\n"
+    "  for i = 1, 2 do\n"
+    "    local t = redis.call('TYPE', keys[i])['ok']\n"
+    "    if t ~= 'stream' and t ~= 'none' then\n"
+    "      return redis.error_reply('WRONGTYPE ' .. names[i] .. ' key ' .. keys[i] .. "
+    "' holds a ' .. t .. ', not a stream: nothing was replayed')\n"
+    "    end\n"
+    "  end\n"
+    "  local e = redis.call('XRANGE', keys[1], args[1], args[1])[1]\n"
+    "  if not e then\n"
+    "    return false\n"
+    "  end\n"
+    "  local fields = {}\n"
+    "  for i = 1, #e[2], 2 do\n"
+    "    if string.sub(e[2][i], 1, 4) ~= 'dlq.' then\n"
+    "      fields[#fields + 1] = e[2][i]\n"
+    "      fields[#fields + 1] = e[2][i + 1]\n"
+    "    end\n"
+    "  end\n"
+    "  if #fields == 0 then\n"
+    "    return redis.error_reply('NOTREPLAYABLE dead letter ' .. args[1] .. ' has no original "
+    "fields (reason lost?): nothing was replayed')\n"
+    "  end\n"
+    "  local id = redis.pcall('XADD', keys[2], '*', unpack(fields))\n"
+    "  if type(id) == 'table' and id['err'] then\n"
+    "    return id\n"
+    "  end\n"
+    "  redis.call('XDEL', keys[1], args[1])\n"
+    "  return id\n"
+    "end\n"
+    "redis.register_function('" RELAY_CONSUMER_FUNCTION_REPLAY "', replay)\n";
 
 struct relay_consumer {
     struct relay_consumer_options o;

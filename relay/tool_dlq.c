@@ -7,7 +7,9 @@
  * dlq.* fields of consumer.h, which say why. "dlq list" and "dlq show" read
  * them; "dlq replay" puts them back on the group's own replay stream
  * "<stream>.<group>.replay", which only that group reads, so the other groups
- * of the stream never see a message twice; "dlq purge" deletes them.
+ * of the stream never see a message twice; "dlq purge" deletes them. A
+ * replay is one call of the consumer library's replay function per dead
+ * letter, which deletes the dead letter only once it is on the replay stream.
  *
  * This is a command line tool: it uses hiredis's blocking API, with the
  * configuration's connect_timeout for the connect and statement_timeout as
@@ -36,8 +38,6 @@
 #define DLQ_PAGE 100
 /* Columns of the error text in "dlq list". */
 #define DLQ_ERROR_COLS 80
-/* A replay retries when a watched key changed under it, at most this often. */
-#define DLQ_WATCH_TRIES 50
 #define DLQ_LIST_MAX 1000000
 
 struct dlq_ctx {
@@ -253,11 +253,6 @@ static const redisReply *entry_field(const redisReply *e, const char *name)
         if (f->element[i]->len == n && memcmp(f->element[i]->str, name, n) == 0)
             return f->element[i + 1];
     return NULL;
-}
-
-static int is_dlq_field(const redisReply *name)
-{
-    return name->len >= 4 && memcmp(name->str, "dlq.", 4) == 0;
 }
 
 /* XRANGE key from to COUNT n: an array of valid entries, or NULL with rc set. */
@@ -525,141 +520,69 @@ static void free_replies(redisReply **rs, int n)
 enum replay_result { REPLAYED, NOT_FOUND, NOT_REPLAYABLE };
 
 /*
- * Replays one dead letter: WATCH both keys and read the entry; then, in one
- * MULTI/EXEC, XADD its original fields to the replay stream and XDEL it. The
- * WATCH makes the pair all or nothing even when the XADD could fail at EXEC
- * time (the replay key changing type) and keeps two operators from replaying
- * one dead letter twice; a change to either key in between retries.
+ * Loads the consumer's function library, which holds the replay function, with
+ * FUNCTION LOAD REPLACE of the same source the consumer library loads: the
+ * tool may be the first to use the library on this Redis, and REPLACE brings
+ * an older body up to date. Returns 0 or an exit code.
+ */
+static int load_library(struct dlq_ctx *d)
+{
+    const char *argv[4] = {"FUNCTION", "LOAD", "REPLACE", relay_consumer_function_source};
+    size_t lens[4] = {8, 4, 7, strlen(relay_consumer_function_source)};
+    redisReply *r = command(d, 4, argv, lens);
+    int rc = 0;
+
+    if (r == NULL)
+        return io_failed(d);
+    if (is_error(r)) {
+        fprintf(d->errout,
+                "outbox-relay: FUNCTION LOAD of library %s (the replay function): %s (Redis at "
+                "%s)%s\n",
+                RELAY_CONSUMER_FUNCTION_LIBRARY, r->str, d->where,
+                strncmp(r->str, "NOPERM", 6) == 0
+                    ? "; to replay, the Redis user needs the ACL permissions +function|load "
+                      "and +fcall"
+                    : "");
+        rc = RELAY_EX_UNAVAILABLE;
+    }
+    freeReplyObject(r);
+    return rc;
+}
+
+/*
+ * Replays one dead letter with one call of the replay function (consumer.h):
+ * on the server, in one step, it adds the dead letter's original fields to the
+ * replay stream and deletes the dead letter only if the add succeeded. So an
+ * add refused when it runs keeps the dead letter, and two operators replaying
+ * the same one at once replay it once (the second finds nothing).
  * Returns 0 with *res set, or an exit code.
  */
 static int replay_one(struct dlq_ctx *d, const char *id, enum replay_result *res)
 {
-    const char *watch[3] = {"WATCH", d->dlq, d->replay};
-    const char *type[2] = {"TYPE", d->replay};
-    const char *range[4] = {"XRANGE", d->dlq, id, id};
-    const char **argv = NULL;
-    size_t *lens = NULL;
-    redisReply *rs[4] = {NULL, NULL, NULL, NULL};
-    int rc = RELAY_EX_UNAVAILABLE;
+    const char *argv[6] = {"FCALL", RELAY_CONSUMER_FUNCTION_REPLAY, "2", d->dlq, d->replay, id};
+    redisReply *r = command(d, 6, argv, NULL);
+    int rc = 0;
 
-    for (int attempt = 0; attempt < DLQ_WATCH_TRIES; attempt++) {
-        if (redisAppendCommandArgv(d->c, 3, watch, NULL) != REDIS_OK ||
-            redisAppendCommandArgv(d->c, 2, type, NULL) != REDIS_OK ||
-            redisAppendCommandArgv(d->c, 4, range, NULL) != REDIS_OK)
-            return io_failed(d);
-        if ((rc = get_replies(d, rs, 3)) != 0)
-            return rc;
-        if (is_error(rs[0])) {
-            rc = refused(d, "WATCH", rs[0]);
-            goto out;
-        }
-        if (rs[1]->type != REDIS_REPLY_STATUS) {
-            rc = refused(d, "TYPE", rs[1]);
-            goto out;
-        }
-        if (rs[2]->type != REDIS_REPLY_ARRAY ||
-            (rs[2]->elements > 0 && !entry_ok(rs[2]->element[0]))) {
-            rc = refused(d, "XRANGE", rs[2]);
-            goto out;
-        }
-        if (strcmp(rs[1]->str, "none") != 0 && strcmp(rs[1]->str, "stream") != 0) {
-            fprintf(d->errout, "outbox-relay: \"%s\" holds a %s, not a stream: nothing replayed\n",
-                    d->shown.replay, rs[1]->str);
-            rc = RELAY_EX_DATAERR;
-            goto out;
-        }
-        const redisReply *e = rs[2]->elements > 0 ? rs[2]->element[0] : NULL;
-        size_t nkeep = 0;
-        if (e != NULL)
-            for (size_t i = 0; i + 1 < e->element[1]->elements; i += 2)
-                nkeep += !is_dlq_field(e->element[1]->element[i]);
-        if (e == NULL || nkeep == 0) {
-            /* Nothing to do: let go of the keys. */
-            const char *unwatch[1] = {"UNWATCH"};
-            redisReply *u = command(d, 1, unwatch, NULL);
-            if (u == NULL) {
-                rc = io_failed(d);
-                goto out;
-            }
-            freeReplyObject(u);
-            *res = e == NULL ? NOT_FOUND : NOT_REPLAYABLE;
-            rc = 0;
-            goto out;
-        }
-
-        /* XADD replay * <original fields>: every field but dlq.*, in order. */
-        size_t argc = 3 + nkeep * 2;
-        argv = calloc(argc, sizeof(*argv));
-        lens = calloc(argc, sizeof(*lens));
-        if (argv == NULL || lens == NULL) {
-            rc = RELAY_EX_OSERR;
-            goto out;
-        }
-        argv[0] = "XADD";
-        lens[0] = 4;
-        argv[1] = d->replay;
-        lens[1] = strlen(d->replay);
-        argv[2] = "*";
-        lens[2] = 1;
-        size_t n = 3;
-        const redisReply *f = e->element[1];
-        for (size_t i = 0; i + 1 < f->elements; i += 2) {
-            if (is_dlq_field(f->element[i]))
-                continue;
-            argv[n] = f->element[i]->str;
-            lens[n++] = f->element[i]->len;
-            argv[n] = f->element[i + 1]->str;
-            lens[n++] = f->element[i + 1]->len;
-        }
-        const char *multi[1] = {"MULTI"}, *exec[1] = {"EXEC"};
-        const char *xdel[3] = {"XDEL", d->dlq, id};
-        if (redisAppendCommandArgv(d->c, 1, multi, NULL) != REDIS_OK ||
-            redisAppendCommandArgv(d->c, (int)argc, argv, lens) != REDIS_OK ||
-            redisAppendCommandArgv(d->c, 3, xdel, NULL) != REDIS_OK ||
-            redisAppendCommandArgv(d->c, 1, exec, NULL) != REDIS_OK) {
-            rc = io_failed(d);
-            goto out;
-        }
-        free(argv);
-        free(lens);
-        argv = NULL;
-        lens = NULL;
-        free_replies(rs, 3);
-        memset(rs, 0, sizeof(rs));
-        if ((rc = get_replies(d, rs, 4)) != 0)
-            return rc;
-        const redisReply *ex = rs[3];
-        if (ex->type == REDIS_REPLY_NIL) {
-            free_replies(rs, 4);
-            memset(rs, 0, sizeof(rs));
-            continue; /* a watched key changed: read it again */
-        }
-        if (ex->type != REDIS_REPLY_ARRAY || ex->elements != 2 ||
-            ex->element[0]->type != REDIS_REPLY_STRING) {
-            /* EXECABORT (OOM, NOPERM...) ran nothing, and the queueing reply
-             * says why. An error inside EXEC cannot come from XADD: the
-             * watched TYPE above holds until EXEC. */
-            const redisReply *why = ex;
-            if (is_error(rs[1]))
-                why = rs[1];
-            else if (ex->type == REDIS_REPLY_ARRAY && ex->elements > 0)
-                why = ex->element[0];
-            char what[64];
-            snprintf(what, sizeof(what), "replay of %s", id);
-            rc = refused(d, what, why);
-            goto out;
-        }
+    if (r == NULL)
+        return io_failed(d);
+    if (r->type == REDIS_REPLY_STRING) {
         *res = REPLAYED;
-        rc = 0;
-        goto out;
+    } else if (r->type == REDIS_REPLY_NIL) {
+        *res = NOT_FOUND;
+    } else if (is_error(r) && strncmp(r->str, "NOTREPLAYABLE ", 14) == 0) {
+        *res = NOT_REPLAYABLE;
+    } else if (is_error(r) && strncmp(r->str, "WRONGTYPE ", 10) == 0) {
+        /* A key took another type since check_stream_key; nothing was written. */
+        fprintf(d->errout, "outbox-relay: replay of %s: ", id);
+        relay_tools_put_escaped(d->errout, r->str, r->len, 0, 0);
+        fputc('\n', d->errout);
+        rc = RELAY_EX_DATAERR;
+    } else {
+        char what[64];
+        snprintf(what, sizeof(what), "replay of %s", id);
+        rc = refused(d, what, r);
     }
-    fprintf(d->errout, "outbox-relay: %s or %s kept changing while replaying %s; try again\n",
-            d->shown.dlq, d->shown.replay, id);
-    return RELAY_EX_TEMPFAIL;
-out:
-    free(argv);
-    free(lens);
-    free_replies(rs, 4);
+    freeReplyObject(r);
     return rc;
 }
 
@@ -766,7 +689,7 @@ static int dlq_replay(struct dlq_ctx *d, int all, const struct dlq_sel *sels, in
 
     if ((rc = check_stream_key(d, d->dlq, d->shown.dlq)) != 0 ||
         (rc = check_stream_key(d, d->replay, d->shown.replay)) != 0 ||
-        (rc = ensure_replay_group(d)) != 0)
+        (rc = load_library(d)) != 0 || (rc = ensure_replay_group(d)) != 0)
         return rc;
     if (all) {
         /* Only what is there now: a message that fails again at once comes

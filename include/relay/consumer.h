@@ -139,7 +139,27 @@ int relay_consumer_replay_name(const char *stream, const char *group, char *out,
 #define RELAY_CONSUMER_FUNCTION_LIBRARY "outbox_consumer"
 #define RELAY_CONSUMER_FUNCTION_DEAD_LETTER "outbox_consumer_dead_letter_v1"
 
-/* The Lua source loaded with FUNCTION LOAD REPLACE. */
+/*
+ * The replay function, in the same library; "outbox-relay dlq replay" loads
+ * the library the same way and calls it once per dead letter
+ * (docs/CONSUMERS.md section 5):
+ *
+ *   FCALL outbox_consumer_replay_v1 2 <dead-letter stream> <replay stream>
+ *         <entry id>
+ *
+ * It reads the dead letter, adds its fields but the dlq.* ones, in order, to
+ * the replay stream (XADD *) and only then, if that succeeded, deletes the
+ * dead letter (XDEL); it returns the new entry id in the replay stream. nil
+ * when there is no such dead letter (replayed already, purged, never there);
+ * a NOTREPLAYABLE error when it has only dlq.* fields (a lost entry). A
+ * refused XADD (OOM, a replay stream whose last id is the largest possible)
+ * returns the error and deletes nothing. Usage errors and a key of another
+ * type (WRONGTYPE) are reported before anything is written.
+ */
+#define RELAY_CONSUMER_FUNCTION_REPLAY "outbox_consumer_replay_v1"
+
+/* The Lua source of the library (both functions), loaded with FUNCTION LOAD
+ * REPLACE. */
 extern const char relay_consumer_function_source[];
 
 /* Dead-letter entry fields added to the original ones. */

@@ -17,6 +17,14 @@ Promises tested:
   the other groups see nothing new: only the failed group can read the replay;
   an unknown id is reported (exit 65) while the other ids are still replayed; a
   dead letter with no original fields (reason lost) is not replayed and stays;
+- a replay Redis refuses keeps the dead letter and exits 69 with Redis's reason:
+  an XADD refused only when it runs (a replay stream whose last id is the
+  largest possible; MULTI/EXEC deleted the dead letter anyway) and OOM under
+  maxmemory with noeviction; a Redis user without FUNCTION LOAD is told the ACL
+  permissions a replay needs, and nothing changes;
+- the replay function's contract (FCALL outbox_consumer_replay_v1): the new id,
+  nil for a missing dead letter, NOTREPLAYABLE for a lost one, usage and
+  WRONGTYPE errors that write nothing;
 - `dlq purge` by ids, a range and --all (which deletes the key), with the count;
 - errors: a missing stream or group exits 65 with `stream "x" does not exist` /
   `group "g" does not exist on stream "x"` and changes nothing; bad usage exits
@@ -58,6 +66,7 @@ harness.set_deadline(300)
 STREAM, GROUP, OTHER_GROUP = "orders", "email", "invoice"
 DLQ = f"{STREAM}.{GROUP}.dlq"
 REPLAY = f"{STREAM}.{GROUP}.replay"
+REPLAY_FUNCTION = "outbox_consumer_replay_v1"
 CONSUMER_MIGRATIONS = sorted(glob.glob(os.path.join(harness.SOURCE_DIR, "migrations",
                                                     "consumer", "*.sql")))
 BINARY_PAYLOAD = b"\x00\x01bin\xff\n\"q\"\\"
@@ -287,6 +296,108 @@ class DlqToolTest(harness.ServerTestCase):
         self.assertIn("replayed 1 dead letter(s)", done.stdout)
         self.assert_replayed_exactly([orig])
         self.assertEqual(self.dlq_ids(), [lost], "the lost dead letter stays for an operator")
+
+    def test_replay_refused_at_execution_keeps_the_dead_letter(self):
+        """The replay stream is a stream (so no type check can object) whose last id is
+        the largest there is: every XADD * to it is refused when it runs, with "ERR The
+        stream has exhausted the last possible ID". The dead letters must stay, the
+        replay stream must stay empty, and the tool must say why and exit 69."""
+        (e1, o1), (e2, o2) = self.dead_letter(), self.dead_letter()
+        self.r.xgroup_create(REPLAY, GROUP, id="0", mkstream=True)
+        self.r.execute_command("XSETID", REPLAY, "18446744073709551615-18446744073709551615")
+        for args in ([e2], [f"{e1}-{e2}"], ["--all"]):
+            done = self.dlq("replay", STREAM, GROUP, *args)
+            self.assertEqual(done.returncode, 69, done.output)
+            self.assertIn(f"replay of {e1 if args != [e2] else e2}: ERR The stream has "
+                          "exhausted the last possible ID", done.stderr)
+            self.assertIn("replayed 0 dead letter(s)", done.stdout)
+            self.assertEqual(self.dlq_ids(), [e1, e2], f"replay {args} lost a dead letter")
+            self.assertEqual(self.r.xlen(REPLAY), 0)
+
+        # Once the replay stream is usable again, both go, in order.
+        self.r.delete(REPLAY)
+        done = self.dlq("replay", STREAM, GROUP, "--all")
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assertIn("replayed 2 dead letter(s)", done.stdout)
+        self.assert_replayed_exactly([o1, o2])
+        self.assertEqual(self.dlq_ids(), [])
+
+    def test_replay_under_oom_keeps_the_dead_letter(self):
+        """maxmemory 1 byte with noeviction: Redis refuses every write with OOM. The
+        replay reports it (exit 69) and leaves the dead letter where it was; called
+        directly, the replay function is refused too and changes nothing."""
+        (e1, o1), (e2, o2) = self.dead_letter(), self.dead_letter()
+        loaded = self.dlq("replay", STREAM, GROUP, e1)  # loads the function library
+        self.assertEqual(loaded.returncode, 0, loaded.output)
+        self.assertEqual(self.r.config_get("maxmemory-policy")["maxmemory-policy"], "noeviction")
+        self.addCleanup(lambda: self.redis.client().config_set("maxmemory", 0))
+        self.r.config_set("maxmemory", 1)
+        done = self.dlq("replay", STREAM, GROUP, e2)
+        self.assertEqual(done.returncode, 69, done.output)
+        self.assertIn("OOM command not allowed", done.stderr)
+        with self.assertRaises(harness.redis_py.exceptions.ResponseError) as refused:
+            self.r.fcall(REPLAY_FUNCTION, 2, DLQ, REPLAY, e2)
+        self.assertIn("OOM", str(refused.exception))
+        self.r.config_set("maxmemory", 0)
+        self.assertEqual(self.dlq_ids(), [e2], "the refused dead letter stays")
+        self.assert_replayed_exactly([o1])
+
+        done = self.dlq("replay", STREAM, GROUP, e2)
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assert_replayed_exactly([o1, o2])
+        self.assertEqual(self.dlq_ids(), [])
+
+    def test_replay_function_contract(self):
+        """FCALL outbox_consumer_replay_v1 2 <dlq> <replay> <entry id>, as
+        docs/CONSUMERS.md documents it for callers other than the tool."""
+        entry, orig = self.dead_letter(original=self.original(payload=BINARY_PAYLOAD))
+        lost, _ = self.dead_letter("lost", "the entry was deleted", original={})
+        self.assertEqual(self.dlq("replay", STREAM, GROUP, "1-0").returncode, 65)  # loads it
+
+        new_id = self.r.fcall(REPLAY_FUNCTION, 2, DLQ, REPLAY, entry)
+        self.assertEqual(self.replayed(), [(new_id.decode(), orig)],
+                         "the original fields, in order, no dlq.* field, under the new id")
+        self.assertEqual(self.dlq_ids(), [lost])
+        self.assertIsNone(self.r.fcall(REPLAY_FUNCTION, 2, DLQ, REPLAY, entry),
+                          "a dead letter replayed already is not there any more")
+
+        with self.assertRaises(harness.redis_py.exceptions.ResponseError) as e:
+            self.r.fcall(REPLAY_FUNCTION, 2, DLQ, REPLAY, lost)
+        self.assertRegex(str(e.exception), r"^NOTREPLAYABLE dead letter " + re.escape(lost))
+        for bad in ((1, DLQ, entry), (2, DLQ, REPLAY), (2, DLQ, REPLAY, "x-1"),
+                    (2, DLQ, REPLAY, entry, "extra")):
+            with self.assertRaises(harness.redis_py.exceptions.ResponseError) as e:
+                self.r.fcall(REPLAY_FUNCTION, *bad)
+            self.assertRegex(str(e.exception), r"^(usage|entry id)", bad)
+        self.r.set("plain", b"x")
+        with self.assertRaises(harness.redis_py.exceptions.ResponseError) as e:
+            self.r.fcall(REPLAY_FUNCTION, 2, DLQ, "plain", lost)
+        self.assertIn("WRONGTYPE replay key plain holds a string", str(e.exception))
+        with self.assertRaises(harness.redis_py.exceptions.ResponseError) as e:
+            self.r.fcall(REPLAY_FUNCTION, 2, "plain", REPLAY, lost)
+        self.assertIn("WRONGTYPE dead-letter key plain holds a string", str(e.exception))
+        self.assertEqual(self.dlq_ids(), [lost], "no error changed anything")
+        self.assertEqual(len(self.replayed()), 1)
+
+    def test_replay_needs_function_load(self):
+        """A Redis user without FUNCTION LOAD can list dead letters but not replay them;
+        the tool names the permissions it needs and changes nothing."""
+        entry, orig = self.dead_letter()
+        self.r.execute_command("ACL", "SETUSER", "operator", "reset", "on", ">secret", "~*",
+                               "&*", "+@all", "-function")
+        self.addCleanup(self.r.execute_command, "ACL", "DELUSER", "operator")
+        url = f"redis://operator:secret@127.0.0.1:{self.redis.port}/0"
+        self.assertEqual(self.dlq("list", STREAM, GROUP, redis_url=url).returncode, 0)
+        done = self.dlq("replay", STREAM, GROUP, entry, redis_url=url)
+        self.assertEqual(done.returncode, 69, done.output)
+        self.assertIn("NOPERM", done.stderr)
+        self.assertIn("+function|load and +fcall", done.stderr)
+        self.assertEqual(self.dlq_ids(), [entry])
+        self.assertFalse(self.r.exists(REPLAY), "nothing created before the refusal")
+        self.r.execute_command("ACL", "SETUSER", "operator", "+function|load")
+        done = self.dlq("replay", STREAM, GROUP, entry, redis_url=url)
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assert_replayed_exactly([orig])
 
     # ---- purge ---------------------------------------------------------
 

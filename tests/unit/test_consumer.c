@@ -1,7 +1,7 @@
 /* Unit tests of the pure parts of relay/consumer.c: the backoff schedule, the
- * dead-letter and replay stream names, the order of the dead-letter function,
- * and the check of an entry against the stream contract (replies are built by
- * hiredis's own reader from RESP). */
+ * dead-letter and replay stream names, the order of the dead-letter and replay
+ * functions, and the check of an entry against the stream contract (replies are
+ * built by hiredis's own reader from RESP). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -218,6 +218,27 @@ static void test_dead_letter_function_acknowledges_after_xadd(void **state)
     assert_non_null(strstr(src, "delete or rename it"));
 }
 
+static void test_replay_function_deletes_after_xadd(void **state)
+{
+    (void)state;
+    const char *src = relay_consumer_function_source;
+    /* In the same library, so loading either tool or consumer loads both. */
+    assert_non_null(strstr(src, "redis.register_function('" RELAY_CONSUMER_FUNCTION_REPLAY "'"));
+    const char *body = strstr(src, "local function replay(");
+    assert_non_null(body);
+    /* The dead letter is deleted only after the XADD succeeded. */
+    const char *xadd = strstr(body, "redis.pcall('XADD'");
+    const char *err = xadd != NULL ? strstr(xadd, "return id\n") : NULL;
+    const char *xdel = strstr(body, "'XDEL'");
+    assert_non_null(xadd);
+    assert_non_null(err);
+    assert_non_null(xdel);
+    assert_true(xadd < err);
+    assert_true(err < xdel);
+    assert_null(strstr(body, "redis.call('XADD'"));
+    assert_non_null(strstr(body, "'dlq.'"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -229,6 +250,7 @@ int main(void)
         cmocka_unit_test(test_parse_rejects_foreign_entries),
         cmocka_unit_test(test_parse_caps_headers),
         cmocka_unit_test(test_dead_letter_function_acknowledges_after_xadd),
+        cmocka_unit_test(test_replay_function_deletes_after_xadd),
     };
     return cmocka_run_group_tests_name("consumer", tests, NULL, NULL);
 }
