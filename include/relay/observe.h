@@ -1,9 +1,9 @@
 /*
  * Observation: what an operator needs to know about the outbox and the
- * streams, read from PostgreSQL and Redis with short blocking calls that each
- * have a deadline. "outbox-relay status" runs it once; the daemon runs it
- * every few seconds on a thread of its own (never on the event loop) for its
- * metrics and its backpressure decisions.
+ * streams, read from PostgreSQL and Redis with short calls that each have a
+ * deadline. "outbox-relay status" runs it once; the daemon runs it every few
+ * seconds on a thread of its own (never on the event loop) for its metrics
+ * and its backpressure decisions.
  *
  * Queue age, the number that matters: for each stream and consumer group,
  * the age of the oldest message that group has not yet acknowledged, counted
@@ -20,6 +20,7 @@
 struct pg_conn;
 struct redisContext;
 struct relay_config;
+struct relay_observe_stop;
 
 #define RELAY_OBS_TOPICS_MAX 64
 #define RELAY_OBS_GROUPS_MAX 128
@@ -62,14 +63,33 @@ struct relay_observation {
 };
 
 /*
+ * Lets another thread end relay_observe at once: a call that waits for a
+ * server returns as soon as the stop is triggered, and a triggered stop
+ * stays triggered (every later wait ends at once too). new returns NULL when
+ * out of memory or descriptors; trigger is safe from any thread and
+ * NULL-safe; free is NULL-safe and must not race with a relay_observe using it.
+ */
+struct relay_observe_stop *relay_observe_stop_new(void);
+void relay_observe_stop_trigger(struct relay_observe_stop *s);
+void relay_observe_stop_free(struct relay_observe_stop *s);
+
+/*
  * Fills o. *pg and *rd are connections the caller keeps between calls: NULL
- * or broken ones are (re)opened here with cfg's deadlines. With update_admission
- * set (the daemon), each topic's producer admission is recomputed through
- * outbox.observe_topic. Returns 0 when both servers answered, -1 otherwise
- * (o says which and why).
+ * or broken ones are (re)opened here. Every wait has a deadline: connecting,
+ * connect_timeout; a PostgreSQL statement, statement_timeout +
+ * connect_timeout (the server's own statement_timeout fires first unless the
+ * network is gone); a Redis command, connect_timeout. A connection that
+ * misses its deadline is closed. stop (may be NULL) ends every wait at once.
+ * The PostgreSQL connection has TCP keepalives and tcp_user_timeout, so a
+ * dead peer is noticed between observations too.
+ *
+ * With update_admission set (the daemon), each topic's producer admission is
+ * recomputed through outbox.observe_topic. Returns 0 when both servers
+ * answered, -1 otherwise (o says which and why).
  */
 int relay_observe(const struct relay_config *cfg, struct pg_conn **pg, struct redisContext **rd,
-                  int update_admission, struct relay_observation *o);
+                  int update_admission, const struct relay_observe_stop *stop,
+                  struct relay_observation *o);
 
 /* "2026-11-30T11:35:14.123456Z" -> Unix time; -1 if not that form. */
 double relay_observe_parse_time(const char *s);
