@@ -290,18 +290,132 @@ static const char outbox_sql[] =
     " (SELECT count(*) FROM outbox.messages WHERE failed_at IS NOT NULL AND sent_at IS NULL)";
 
 /* Per topic, from the (topic, id) pending index: the span of pending ids and
- * the age of the oldest; with $2, also the admission verdict. */
+ * the age of the oldest. */
+#define TOPIC_PENDING(m, t)                                                                  \
+    " FROM outbox.messages " m " WHERE " m ".topic = " t                                     \
+    " AND " m ".sent_at IS NULL AND " m ".failed_at IS NULL"
+#define TOPIC_FIRST " ORDER BY m.id LIMIT 1"
+#define TOPIC_LAST " ORDER BY m.id DESC LIMIT 1"
+
 static const char topics_sql[] =
-    "SELECT t,"
-    " (SELECT max(id) - min(id) + 1 FROM ("
-    "   (SELECT id FROM outbox.messages WHERE topic = t AND sent_at IS NULL AND failed_at IS NULL"
-    "    ORDER BY id LIMIT 1) UNION ALL"
-    "   (SELECT id FROM outbox.messages WHERE topic = t AND sent_at IS NULL AND failed_at IS NULL"
-    "    ORDER BY id DESC LIMIT 1)) e),"
-    " o.created_at, extract(epoch FROM clock_timestamp() - o.created_at)"
-    " FROM unnest($1::text[]) AS t LEFT JOIN LATERAL"
-    "  (SELECT created_at FROM outbox.messages WHERE topic = t AND sent_at IS NULL"
-    "   AND failed_at IS NULL ORDER BY id LIMIT 1) AS o ON true";
+    "SELECT t, (SELECT max(id) - min(id) + 1 FROM ("
+    "   (SELECT m.id" TOPIC_PENDING("m", "t") TOPIC_FIRST ") UNION ALL"
+    "   (SELECT m.id" TOPIC_PENDING("m", "t") TOPIC_LAST ")) e),"
+    " extract(epoch FROM clock_timestamp() - o.created_at)"
+    " FROM unnest($1::text[]) AS t"
+    " LEFT JOIN LATERAL (SELECT m.created_at" TOPIC_PENDING("m", "t") TOPIC_FIRST ") o ON true";
+
+/*
+ * Admission, from PostgreSQL alone: every topic with limits, and every topic
+ * with a state row (a topic whose limits were deleted is released by
+ * observe_topic, which admits a topic without limits). Per topic, the three
+ * probes above. Columns: topic, pending span, age of the oldest pending row,
+ * admitting; refused topics first.
+ *
+ * Deciding takes each state row's lock (observe_topic's FOR UPDATE) until the
+ * statement ends, in topic order, so relays that decide at the same time wait
+ * for each other instead of deadlocking.
+ */
+#define ADMISSION_FROM                                                                       \
+    " FROM (SELECT topic FROM outbox.topic_limits UNION SELECT topic FROM outbox.topic_state) t" \
+    " LEFT JOIN LATERAL (SELECT m.created_at" TOPIC_PENDING("m", "t.topic") TOPIC_FIRST        \
+    " ) o ON true"                                                                           \
+    " CROSS JOIN LATERAL (SELECT max(e.id) - min(e.id) + 1 AS span FROM ("                   \
+    "   (SELECT m.id" TOPIC_PENDING("m", "t.topic") TOPIC_FIRST ") UNION ALL"                \
+    "   (SELECT m.id" TOPIC_PENDING("m", "t.topic") TOPIC_LAST ")) e) p"
+
+static const char admission_decide_sql[] =
+    "SELECT topic, span, age, outbox.observe_topic(topic, coalesce(span, 0), created_at)"
+    " AS admitting FROM (SELECT t.topic, p.span, o.created_at,"
+    "   extract(epoch FROM clock_timestamp() - o.created_at) AS age" ADMISSION_FROM
+    "   ORDER BY t.topic OFFSET 0) f"
+    " ORDER BY admitting, topic";
+
+static const char admission_read_sql[] =
+    "SELECT t.topic, p.span, extract(epoch FROM clock_timestamp() - o.created_at),"
+    " coalesce(s.admitting, true) AS admitting" ADMISSION_FROM
+    " LEFT JOIN outbox.topic_state s ON s.topic = t.topic"
+    " ORDER BY 4, 1";
+
+static struct relay_topic_obs *find_topic(struct relay_topic_obs *list, size_t n,
+                                          const char *topic)
+{
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(list[i].topic, topic) == 0)
+            return &list[i];
+    return NULL;
+}
+
+/*
+ * Lists the topics of the admission rows r together with the streams the
+ * scan of Redis found (o->topics, which the groups point into): the refused
+ * topics first, which an operator must see, then the streams, then the other
+ * admission topics, RELAY_OBS_TOPICS_MAX in all. A topic the relay could not
+ * publish (not [A-Za-z0-9._-]) is decided but not listed. covered[i] is set
+ * for each listed topic whose figures came with its admission row.
+ */
+static void merge_admission(const char *prefix, struct relay_observation *o, PGresult *r,
+                            unsigned char *covered)
+{
+    struct relay_topic_obs prev[RELAY_OBS_TOPICS_MAX];
+    int remap[RELAY_OBS_TOPICS_MAX];
+    size_t nprev = o->ntopics, n = 0;
+    int rows = PQntuples(r);
+
+    memcpy(prev, o->topics, nprev * sizeof(prev[0]));
+    for (size_t i = 0; i < RELAY_OBS_TOPICS_MAX; i++) {
+        remap[i] = -1;
+        covered[i] = 0;
+    }
+    o->admission_topics = rows;
+    o->admission_refused = 0;
+    for (int pass = 0; pass < 3; pass++) {
+        if (pass == 1) {
+            for (size_t i = 0; i < nprev && n < RELAY_OBS_TOPICS_MAX; i++) {
+                if (remap[i] >= 0)
+                    continue; /* listed as refused */
+                o->topics[n] = prev[i];
+                remap[i] = (int)n++;
+            }
+            continue;
+        }
+        for (int i = 0; i < rows; i++) {
+            int admitting = strcmp(PQgetvalue(r, i, 3), "t") == 0;
+            if (admitting != (pass == 2))
+                continue;
+            if (!admitting)
+                o->admission_refused++;
+            const char *topic = PQgetvalue(r, i, 0);
+            if (!relay_batch_topic_valid(topic, (size_t)PQgetlength(r, i, 0)))
+                continue;
+            struct relay_topic_obs *t = find_topic(o->topics, n, topic);
+            if (t == NULL) {
+                if (n == RELAY_OBS_TOPICS_MAX)
+                    continue;
+                t = &o->topics[n];
+                struct relay_topic_obs *p = find_topic(prev, nprev, topic);
+                if (p != NULL) {
+                    *t = *p;
+                    remap[p - prev] = (int)n;
+                } else {
+                    memset(t, 0, sizeof(*t));
+                    snprintf(t->topic, sizeof(t->topic), "%s", topic);
+                    snprintf(t->stream, sizeof(t->stream), "%s%s", prefix, topic);
+                }
+                n++;
+            }
+            covered[t - o->topics] = 1;
+            t->pending = PQgetisnull(r, i, 1) ? 0 : strtoll(PQgetvalue(r, i, 1), NULL, 10);
+            t->oldest_pending_age = PQgetisnull(r, i, 2) ? -1 : strtod(PQgetvalue(r, i, 2), NULL);
+            t->admitting = admitting;
+        }
+    }
+    for (size_t g = 0; g < o->ngroups; g++) {
+        int ti = o->groups[g].topic;
+        o->groups[g].topic = ti >= 0 && (size_t)ti < nprev ? remap[ti] : -1;
+    }
+    o->ntopics = n;
+}
 
 static int pg_observe(const struct relay_config *cfg, PGconn **pg,
                       const struct relay_observe_stop *stop, int update_admission,
@@ -315,48 +429,43 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
     o->quarantined = strtoll(PQgetvalue(r, 0, 2), NULL, 10);
     PQclear(r);
 
-    if (o->ntopics == 0)
-        return 0;
+    r = pg_exec(pg, cfg, stop, update_admission ? admission_decide_sql : admission_read_sql, 0,
+                NULL, o->pg_error, sizeof(o->pg_error));
+    if (!pg_rows(r, o))
+        return -1;
+    unsigned char covered[RELAY_OBS_TOPICS_MAX];
+    merge_admission(cfg->stream_prefix ? cfg->stream_prefix : "", o, r, covered);
+    PQclear(r);
+
+    /* The streams of topics without limits or state: their figures, for the
+     * queue age. They admit (observe_topic admits a topic without limits). */
     /* '{"a","b"}': topics are [A-Za-z0-9._-], nothing to escape. */
     char arr[RELAY_OBS_TOPICS_MAX * (RELAY_TOPIC_MAX + 4) + 4];
-    size_t len = 0;
+    size_t len = 0, nrest = 0;
     arr[len++] = '{';
-    for (size_t i = 0; i < o->ntopics; i++)
-        len += (size_t)snprintf(arr + len, sizeof(arr) - len, "%s\"%s\"", i ? "," : "",
+    for (size_t i = 0; i < o->ntopics; i++) {
+        if (covered[i])
+            continue;
+        o->topics[i].admitting = 1;
+        len += (size_t)snprintf(arr + len, sizeof(arr) - len, "%s\"%s\"", nrest++ ? "," : "",
                                 o->topics[i].topic);
+    }
+    if (nrest == 0)
+        return 0;
     snprintf(arr + len, sizeof(arr) - len, "}");
     const char *params[1] = {arr};
     r = pg_exec(pg, cfg, stop, topics_sql, 1, params, o->pg_error, sizeof(o->pg_error));
     if (!pg_rows(r, o))
         return -1;
-    for (int i = 0; i < PQntuples(r) && (size_t)i < o->ntopics && *pg != NULL; i++) {
-        struct relay_topic_obs *t = &o->topics[i];
+    for (int i = 0; i < PQntuples(r); i++) {
+        struct relay_topic_obs *t = find_topic(o->topics, o->ntopics, PQgetvalue(r, i, 0));
+        if (t == NULL)
+            continue;
         t->pending = PQgetisnull(r, i, 1) ? 0 : strtoll(PQgetvalue(r, i, 1), NULL, 10);
-        t->oldest_pending_age = PQgetisnull(r, i, 3) ? -1 : strtod(PQgetvalue(r, i, 3), NULL);
-        if (update_admission) {
-            char pending[32];
-            snprintf(pending, sizeof(pending), "%lld", t->pending);
-            const char *p3[3] = {t->topic, pending,
-                                 PQgetisnull(r, i, 2) ? NULL : PQgetvalue(r, i, 2)};
-            PGresult *a = pg_exec(pg, cfg, stop, "SELECT outbox.observe_topic($1, $2, $3)", 3,
-                                  p3, o->pg_error, sizeof(o->pg_error));
-            t->admitting = PQresultStatus(a) == PGRES_TUPLES_OK
-                               ? strcmp(PQgetvalue(a, 0, 0), "t") == 0
-                               : -1;
-            PQclear(a);
-        } else {
-            const char *p1[1] = {t->topic};
-            PGresult *a = pg_exec(pg, cfg, stop,
-                                  "SELECT admitting FROM outbox.topic_state WHERE topic = $1", 1,
-                                  p1, o->pg_error, sizeof(o->pg_error));
-            t->admitting = PQresultStatus(a) == PGRES_TUPLES_OK && PQntuples(a) == 1
-                               ? strcmp(PQgetvalue(a, 0, 0), "t") == 0
-                               : -1;
-            PQclear(a);
-        }
+        t->oldest_pending_age = PQgetisnull(r, i, 2) ? -1 : strtod(PQgetvalue(r, i, 2), NULL);
     }
     PQclear(r);
-    return *pg != NULL ? 0 : -1;
+    return 0;
 }
 
 /* ---- Redis ----------------------------------------------------------- */
@@ -749,6 +858,9 @@ void relay_observe_text(const struct relay_observation *o, char *outbuf, size_t 
         age_text(a1, sizeof(a1), o->outbox_oldest_age);
         put(&b, "Outbox      ~%lld pending, oldest %s, %lld quarantined\n", o->outbox_pending, a1,
             o->quarantined);
+        if (o->admission_topics > 0)
+            put(&b, "Admission   %lld topics with limits, %lld refused\n", o->admission_topics,
+                o->admission_refused);
     }
     if (o->ngroups == 0) {
         put(&b, "\nNo consumer groups yet.\n");
@@ -818,8 +930,10 @@ void relay_observe_json(const struct relay_observation *o, char *outbuf, size_t 
     put(&b, ",\"error\":");
     json_string(&b, o->redis_ok ? "" : o->redis_error);
     put(&b, "},\"outbox\":{\"pending_estimate\":%lld,\"oldest_pending_age_seconds\":%.3f,"
-            "\"quarantined\":%lld},\"topics\":[",
-        o->outbox_pending, o->outbox_oldest_age, o->quarantined);
+            "\"quarantined\":%lld},\"admission\":{\"topics\":%lld,\"refused\":%lld},"
+            "\"topics\":[",
+        o->outbox_pending, o->outbox_oldest_age, o->quarantined, o->admission_topics,
+        o->admission_refused);
     for (size_t i = 0; i < o->ntopics; i++) {
         const struct relay_topic_obs *t = &o->topics[i];
         put(&b, "%s{\"topic\":", i ? "," : "");

@@ -9,6 +9,10 @@
  * the age of the oldest message that group has not yet acknowledged, counted
  * from its outbox row's created_at, whether the message still waits in the
  * outbox, sits undelivered in the stream, or is pending (delivered, not acked).
+ *
+ * Producer admission is decided from PostgreSQL alone: every topic with a row
+ * in outbox.topic_limits or outbox.topic_state, whether or not it has a
+ * stream and whether or not Redis answers.
  */
 #ifndef RELAY_OBSERVE_H
 #define RELAY_OBSERVE_H
@@ -22,6 +26,9 @@ struct redisContext;
 struct relay_config;
 struct relay_observe_stop;
 
+/* Topics an observation lists: the streams, and the topics with limits or
+ * state, refused ones first. Admission is decided for every topic with limits
+ * or state, listed or not. */
 #define RELAY_OBS_TOPICS_MAX 64
 #define RELAY_OBS_GROUPS_MAX 128
 
@@ -56,6 +63,8 @@ struct relay_observation {
     double outbox_oldest_age;   /* seconds; -1 when none */
     long long quarantined;      /* rows with failed_at set */
     char durability[128];       /* "appendonly yes, appendfsync always" */
+    long long admission_topics;  /* topics whose admission was decided (or read) */
+    long long admission_refused; /* of those, refused */
     size_t ntopics;
     struct relay_topic_obs topics[RELAY_OBS_TOPICS_MAX];
     size_t ngroups;
@@ -83,9 +92,11 @@ void relay_observe_stop_free(struct relay_observe_stop *s);
  * The PostgreSQL connection has TCP keepalives and tcp_user_timeout, so a
  * dead peer is noticed between observations too.
  *
- * With update_admission set (the daemon), each topic's producer admission is
- * recomputed through outbox.observe_topic. Returns 0 when both servers
- * answered, -1 otherwise (o says which and why).
+ * With update_admission set (the daemon), the producer admission of every
+ * topic in outbox.topic_limits or outbox.topic_state is recomputed through
+ * outbox.observe_topic, in one statement; without, the last decisions are
+ * read. Neither depends on Redis. Returns 0 when both servers answered, -1
+ * otherwise (o says which and why).
  */
 int relay_observe(const struct relay_config *cfg, struct pg_conn **pg, struct redisContext **rd,
                   int update_admission, const struct relay_observe_stop *stop,

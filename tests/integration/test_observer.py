@@ -12,6 +12,7 @@ Promises tested:
     drained;
   - with Redis stopped, admission still follows the outbox: refused over the
     limit, admitted once drained;
+  - a refused topic whose limits are deleted is admitted again;
   - more limited topics than the observation lists (64) are all decided.
 """
 
@@ -145,6 +146,16 @@ class ObserverTest(harness.ServerTestCase):
         self.wait_admitted("nostream", relay)
         print("admitted again once drained")
 
+    def test_deleted_limits_release_a_refused_topic(self):
+        self.limits("nostream", 5, 2)
+        relay = self.start_relay()
+        self.insert_waiting("nostream", 12)
+        self.wait_refused("nostream", relay)
+        with self.db.cursor() as cur:
+            cur.execute("DELETE FROM outbox.topic_limits WHERE topic = 'nostream'")
+        self.wait_admitted("nostream", relay)
+        print("released once its limits were deleted, its backlog still there")
+
     def test_admission_while_redis_is_stopped(self):
         self.limits("orders", 5, 2)
         relay = self.start_relay()
@@ -189,6 +200,11 @@ class ObserverTest(harness.ServerTestCase):
         finally:
             print(f"limited topics refused: {refused()} of {len(topics)}")
         self.assertEqual(self.admit(topics[-1]).pgcode, "OB503")
+        status = harness.run_relay(["status", "--json"],
+                                   env=harness.relay_env(self.pg, self.redis))
+        data = json.loads(status.stdout)
+        self.assertEqual(data["admission"], {"topics": len(topics), "refused": len(topics)})
+        self.assertEqual(len(data["topics"]), 64, "the observation lists 64 topics")
         with self.db.cursor() as cur:
             cur.execute("UPDATE outbox.messages SET retry_at = NULL")
         harness.wait_all_sent(self.db, timeout=60, relay=relay)
