@@ -1,6 +1,8 @@
 """The relay's observer thread: deadlines, shutdown, and producer admission.
 
 Promises tested:
+- the per-topic figures cost a few index probes, whatever the backlog of the
+  other topics (outbox-relay status runs the same reads);
 - a relay whose PostgreSQL is partitioned (every connection, the claiming ones
   and the observer's, through a proxy that stops forwarding) still exits soon
   after SIGTERM: within drain_timeout and a few seconds, not when the
@@ -94,6 +96,47 @@ class ObserverTest(harness.ServerTestCase):
     def wait_admitted(self, topic, relay, timeout=20):
         wait_until(lambda: self.admit(topic) is None, timeout=timeout, relay=relay,
                    message=f"outbox.admit to admit topic {topic} again")
+
+    def pending_index_reads(self):
+        """Index entries read so far from the pending index (id order) and scans of
+        the (topic, id) pending index."""
+        with self.db.cursor() as cur:
+            cur.execute("SELECT pg_stat_clear_snapshot()")
+            cur.execute("SELECT indexrelname, idx_scan, idx_tup_read FROM pg_stat_user_indexes"
+                        " WHERE indexrelname IN ('messages_pending_idx',"
+                        " 'messages_pending_topic_idx')")
+            return {name: (scans, read) for name, scans, read in cur.fetchall()}
+
+    # -- bounded reads
+    def test_per_topic_figures_do_not_walk_the_other_topics(self):
+        """The per-topic probes go through messages_pending_topic_idx, never through
+        the id-ordered pending index filtered on the topic, which reads the whole
+        backlog of the other topics for every probe."""
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                        " SELECT 'bulk', 'backlog' FROM generate_series(1, 100000)")
+            cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                        " VALUES ('orders', 'x'), ('other', 'y')")
+            cur.execute("ANALYZE outbox.messages")
+        self.limits("orders", 10, 5)    # figures with its admission
+        self.r.xadd("other", {"seed": "1"})  # figures as a stream without limits
+        before = self.pending_index_reads()
+        status = harness.run_relay(["status", "--json"],
+                                   env=harness.relay_env(self.pg, self.redis))
+        self.assertEqual(status.returncode, 0, status.output)
+        data = json.loads(status.stdout)
+        pending = {t["topic"]: t["outbox_pending"] for t in data["topics"]}
+        self.assertEqual((pending.get("orders"), pending.get("other")), (1, 1), status.stdout)
+        def scans(reads):
+            return sum(n for n, _ in reads.values())
+        # Six probes (two topics, three each) and the outbox's two ends.
+        after = wait_until(
+            lambda: (lambda a: scans(a) >= scans(before) + 8 and a)(self.pending_index_reads()),
+            timeout=10, message="the status command's index statistics")
+        read = after["messages_pending_idx"][1] - before["messages_pending_idx"][1]
+        print(f"pending index entries read by one status with 100,000 rows of another"
+              f" topic pending: {read}")
+        self.assertLess(read, 1000)
 
     # -- shutdown during a partition
     def test_sigterm_while_postgres_is_partitioned(self):
