@@ -289,13 +289,22 @@ static const char outbox_sql[] =
     "   WHERE sent_at IS NULL AND failed_at IS NULL ORDER BY id LIMIT 1),"
     " (SELECT count(*) FROM outbox.messages WHERE failed_at IS NOT NULL AND sent_at IS NULL)";
 
-/* Per topic, from the (topic, id) pending index: the span of pending ids and
- * the age of the oldest. */
+/*
+ * Per topic, from the (topic, id) pending index: the span of pending ids and
+ * the age of the oldest.
+ *
+ * "topic >= t AND topic <= t ... ORDER BY topic, id" is "topic = t ORDER BY
+ * id" spelled so that only messages_pending_topic_idx answers it. With the
+ * equality the planner drops topic from the ORDER BY and may walk
+ * messages_pending_idx in id order instead, filtering on the topic: through
+ * the whole backlog of the other topics for every probe (2 s for 64 topics
+ * behind 200,000 rows of others, against 1 ms this way).
+ */
 #define TOPIC_PENDING(m, t)                                                                  \
-    " FROM outbox.messages " m " WHERE " m ".topic = " t                                     \
+    " FROM outbox.messages " m " WHERE " m ".topic >= " t " AND " m ".topic <= " t          \
     " AND " m ".sent_at IS NULL AND " m ".failed_at IS NULL"
-#define TOPIC_FIRST " ORDER BY m.id LIMIT 1"
-#define TOPIC_LAST " ORDER BY m.id DESC LIMIT 1"
+#define TOPIC_FIRST " ORDER BY m.topic, m.id LIMIT 1"
+#define TOPIC_LAST " ORDER BY m.topic DESC, m.id DESC LIMIT 1"
 
 static const char topics_sql[] =
     "SELECT t, (SELECT max(id) - min(id) + 1 FROM ("
