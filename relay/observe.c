@@ -440,11 +440,20 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
 
     r = pg_exec(pg, cfg, stop, update_admission ? admission_decide_sql : admission_read_sql, 0,
                 NULL, o->pg_error, sizeof(o->pg_error));
-    if (!pg_rows(r, o))
-        return -1;
-    unsigned char covered[RELAY_OBS_TOPICS_MAX];
-    merge_admission(cfg->stream_prefix ? cfg->stream_prefix : "", o, r, covered);
-    PQclear(r);
+    unsigned char covered[RELAY_OBS_TOPICS_MAX] = {0};
+    const char *state = r != NULL ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
+    int admission_known = 1;
+    if (!update_admission && state != NULL && strcmp(state, "42501") == 0) {
+        /* Reading only, as a role that may not read the limits: the rest of
+         * the observation does not need them; admission stays unknown. */
+        PQclear(r);
+        admission_known = 0;
+    } else {
+        if (!pg_rows(r, o))
+            return -1;
+        merge_admission(cfg->stream_prefix ? cfg->stream_prefix : "", o, r, covered);
+        PQclear(r);
+    }
 
     /* The streams of topics without limits or state: their figures, for the
      * queue age. They admit (observe_topic admits a topic without limits). */
@@ -455,7 +464,7 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
     for (size_t i = 0; i < o->ntopics; i++) {
         if (covered[i])
             continue;
-        o->topics[i].admitting = 1;
+        o->topics[i].admitting = admission_known ? 1 : -1;
         len += (size_t)snprintf(arr + len, sizeof(arr) - len, "%s\"%s\"", nrest++ ? "," : "",
                                 o->topics[i].topic);
     }

@@ -15,7 +15,8 @@ Promises tested:
   - with Redis stopped, admission still follows the outbox: refused over the
     limit, admitted once drained;
   - a refused topic whose limits are deleted is admitted again;
-  - more limited topics than the observation lists (64) are all decided.
+  - more limited topics than the observation lists (64) are all decided;
+- status run as a role that may not read the limits still shows the rest.
 """
 
 import json
@@ -137,6 +138,24 @@ class ObserverTest(harness.ServerTestCase):
         print(f"pending index entries read by one status with 100,000 rows of another"
               f" topic pending: {read}")
         self.assertLess(read, 1000)
+
+    def test_status_as_a_role_that_may_not_read_the_limits(self):
+        """status shows the rest of the observation, admission unknown."""
+        with self.db.cursor() as cur:
+            cur.execute("DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname ="
+                        " 'watcher') THEN CREATE ROLE watcher LOGIN; END IF; END $$;"
+                        " GRANT USAGE ON SCHEMA outbox TO watcher;"
+                        " GRANT SELECT ON outbox.messages TO watcher")
+        self.limits("orders", 5, 2)
+        self.insert_waiting("orders", 3)
+        self.r.xadd("orders", {"seed": "1"})
+        dsn = f"host=127.0.0.1 port={self.pg.port} dbname={self.pg.database} user=watcher"
+        status = harness.run_relay(["status", "--json"], env=harness.relay_env(
+            None, self.redis, {"OUTBOX_RELAY_POSTGRES": dsn}))
+        self.assertEqual(status.returncode, 0, status.output)
+        data = json.loads(status.stdout)
+        self.assertEqual([(t["topic"], t["outbox_pending"], t["admitting"])
+                          for t in data["topics"]], [("orders", 3, None)])
 
     # -- shutdown during a partition
     def test_sigterm_while_postgres_is_partitioned(self):
