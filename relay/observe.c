@@ -10,10 +10,11 @@
  * Every wait has a deadline of our own and ends early when the caller's stop
  * is triggered: both connections are non-blocking, and each wait is a poll()
  * on the server's socket and the stop's pipe. Blocking libpq or hiredis calls
- * would wait as long as the kernel keeps a silent connection open, which in a
- * network partition is a quarter of an hour, and the daemon's shutdown waits
- * for this thread. What is left unbounded is name resolution (getaddrinfo
- * blocks, for as long as the resolver's own timeouts).
+ * would wait as long as the kernel keeps a silent connection open: in a
+ * network partition, a quarter of an hour with a request unacknowledged,
+ * for ever without keepalives once it was; and the daemon's shutdown waits
+ * for this thread. Only name resolution is left to its own timeouts
+ * (getaddrinfo blocks).
  */
 #include "relay/compat.h"
 
