@@ -184,6 +184,7 @@ struct relay {
     pthread_cond_t obs_cond;
     int obs_stop;                      /* under obs_lock */
     struct relay_observation *obs_new; /* written by the thread, under obs_lock */
+    struct relay_observe_stop *obs_interrupt; /* ends the thread's waits at shutdown */
     int obs_fresh;                     /* under obs_lock */
     struct relay_observation *obs;     /* the loop's copy */
     ev_async obs_async;
@@ -1196,7 +1197,7 @@ static void *observe_main(void *arg)
     pthread_mutex_lock(&r->obs_lock);
     while (!r->obs_stop) {
         pthread_mutex_unlock(&r->obs_lock);
-        relay_observe(r->cfg, &pg, &rd, 1, o);
+        relay_observe(r->cfg, &pg, &rd, 1, r->obs_interrupt, o);
         pthread_mutex_lock(&r->obs_lock);
         memcpy(r->obs_new, o, sizeof(*o));
         r->obs_fresh = 1;
@@ -1748,6 +1749,7 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
     ev_async_init(&r->obs_async, on_observation);
     r->obs_async.data = r;
     ev_async_start(loop, &r->obs_async);
+    r->obs_interrupt = relay_observe_stop_new(); /* NULL: waits end at their deadlines */
     if (pthread_create(&r->obs_thread, NULL, observe_main, r) == 0)
         r->obs_started = 1;
     else
@@ -1812,6 +1814,7 @@ void relay_free(struct relay *r)
         r->obs_stop = 1;
         pthread_cond_signal(&r->obs_cond);
         pthread_mutex_unlock(&r->obs_lock);
+        relay_observe_stop_trigger(r->obs_interrupt); /* a server may not be answering */
         pthread_join(r->obs_thread, NULL);
         pthread_mutex_destroy(&r->obs_lock);
         pthread_cond_destroy(&r->obs_cond);
@@ -1819,6 +1822,7 @@ void relay_free(struct relay *r)
     if (r->loop != NULL)
         ev_async_stop(r->loop, &r->obs_async);
     relay_metrics_free(r->metrics);
+    relay_observe_stop_free(r->obs_interrupt);
     free(r->obs);
     free(r->obs_new);
     /* Redis first: its pending callbacks run now and see r->stopping. */

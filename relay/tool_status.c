@@ -39,7 +39,7 @@ int relay_tool_status(const struct relay_config *cfg, int argc, char **argv, FIL
     }
     PGconn *pg = NULL;
     redisContext *rd = NULL;
-    int rc = relay_observe(cfg, &pg, &rd, 0, o);
+    int rc = relay_observe(cfg, &pg, &rd, 0, NULL, o);
     if (json)
         relay_observe_json(o, text, 256 * 1024);
     else

@@ -1,14 +1,18 @@
 /*
  * Observation: what an operator needs to know about the outbox and the
- * streams, read from PostgreSQL and Redis with short blocking calls that each
- * have a deadline. "outbox-relay status" runs it once; the daemon runs it
- * every few seconds on a thread of its own (never on the event loop) for its
- * metrics and its backpressure decisions.
+ * streams, read from PostgreSQL and Redis with short calls that each have a
+ * deadline. "outbox-relay status" runs it once; the daemon runs it every few
+ * seconds on a thread of its own (never on the event loop) for its metrics
+ * and its backpressure decisions.
  *
  * Queue age, the number that matters: for each stream and consumer group,
  * the age of the oldest message that group has not yet acknowledged, counted
  * from its outbox row's created_at, whether the message still waits in the
  * outbox, sits undelivered in the stream, or is pending (delivered, not acked).
+ *
+ * Producer admission is decided from PostgreSQL alone: every topic with a row
+ * in outbox.topic_limits or outbox.topic_state, whether or not it has a
+ * stream and whether or not Redis answers.
  */
 #ifndef RELAY_OBSERVE_H
 #define RELAY_OBSERVE_H
@@ -20,7 +24,11 @@
 struct pg_conn;
 struct redisContext;
 struct relay_config;
+struct relay_observe_stop;
 
+/* Topics an observation lists: the streams, and the topics with limits or
+ * state, refused ones first. Admission is decided for every topic with limits
+ * or state, listed or not. */
 #define RELAY_OBS_TOPICS_MAX 64
 #define RELAY_OBS_GROUPS_MAX 128
 
@@ -55,6 +63,8 @@ struct relay_observation {
     double outbox_oldest_age;   /* seconds; -1 when none */
     long long quarantined;      /* rows with failed_at set */
     char durability[128];       /* "appendonly yes, appendfsync always" */
+    long long admission_topics;  /* topics whose admission was decided (or read) */
+    long long admission_refused; /* of those, refused */
     size_t ntopics;
     struct relay_topic_obs topics[RELAY_OBS_TOPICS_MAX];
     size_t ngroups;
@@ -62,14 +72,35 @@ struct relay_observation {
 };
 
 /*
+ * Lets another thread end relay_observe at once: a call that waits for a
+ * server returns as soon as the stop is triggered, and a triggered stop
+ * stays triggered (every later wait ends at once too). new returns NULL when
+ * out of memory or descriptors; trigger is safe from any thread and
+ * NULL-safe; free is NULL-safe and must not race with a relay_observe using it.
+ */
+struct relay_observe_stop *relay_observe_stop_new(void);
+void relay_observe_stop_trigger(struct relay_observe_stop *s);
+void relay_observe_stop_free(struct relay_observe_stop *s);
+
+/*
  * Fills o. *pg and *rd are connections the caller keeps between calls: NULL
- * or broken ones are (re)opened here with cfg's deadlines. With update_admission
- * set (the daemon), each topic's producer admission is recomputed through
- * outbox.observe_topic. Returns 0 when both servers answered, -1 otherwise
- * (o says which and why).
+ * or broken ones are (re)opened here. Every wait has a deadline: connecting,
+ * connect_timeout; a PostgreSQL statement, statement_timeout +
+ * connect_timeout (the server's own statement_timeout fires first unless the
+ * network is gone); a Redis command, connect_timeout. A connection that
+ * misses its deadline is closed. stop (may be NULL) ends every wait at once.
+ * The PostgreSQL connection has TCP keepalives and tcp_user_timeout, so a
+ * dead peer is noticed between observations too.
+ *
+ * With update_admission set (the daemon), the producer admission of every
+ * topic in outbox.topic_limits or outbox.topic_state is recomputed through
+ * outbox.observe_topic, in one statement; without, the last decisions are
+ * read. Neither depends on Redis. Returns 0 when both servers answered, -1
+ * otherwise (o says which and why).
  */
 int relay_observe(const struct relay_config *cfg, struct pg_conn **pg, struct redisContext **rd,
-                  int update_admission, struct relay_observation *o);
+                  int update_admission, const struct relay_observe_stop *stop,
+                  struct relay_observation *o);
 
 /* "2026-11-30T11:35:14.123456Z" -> Unix time; -1 if not that form. */
 double relay_observe_parse_time(const char *s);

@@ -4,7 +4,9 @@ Promises tested:
 - every migration applies in name order, and applying them all a second time
   succeeds and changes nothing (schema, grants, version rows, data);
 - producers (a role granted outbox_producer) can INSERT rows and call
-  outbox.enqueue with text, jsonb and bytea payloads, and nothing else;
+  outbox.enqueue with text, jsonb and bytea payloads, which returns the
+  message_id, and nothing else: they read no column of outbox.messages, not
+  even the ids of other topics' rows (migrations/010);
 - the relay (a role granted outbox_relay) can claim rows with
   SELECT ... FOR UPDATE SKIP LOCKED and mark them sent, but cannot INSERT,
   DELETE or change what a producer wrote;
@@ -29,10 +31,12 @@ import textwrap
 import threading
 import time
 import unittest
+import uuid
 
 import psycopg2
 import psycopg2.errors
 
+import consumers
 import harness
 from harness import insert, scalar, wait_until
 
@@ -41,6 +45,18 @@ harness.set_deadline(300)
 
 def dir_gone(path):
     return not os.path.exists(path)
+
+
+def produce(conn, topic, payload, commit=True):
+    """What a producer can do: a plain INSERT (no RETURNING, which would need
+    SELECT), with a message_id of its own. Returns that message_id."""
+    message_id = str(uuid.uuid4())
+    with conn.cursor() as cur:
+        cur.execute("INSERT INTO outbox.messages (message_id, topic, payload)"
+                    " VALUES (%s, %s, %s)", (message_id, topic, psycopg2.Binary(payload)))
+    if commit and not conn.autocommit:
+        conn.commit()
+    return message_id
 
 
 class HarnessServersTest(harness.TestCase):
@@ -174,9 +190,11 @@ class SchemaTest(harness.ServerTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 8)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 10)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 7"), "007_wakeup_lock.sql")
+        self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
+                                         " WHERE version = 10"), "010_producer_grants.sql")
         self.assertIsNone(scalar(self.db, "SELECT to_regclass('outbox.relay_wakeup')"),
                           "the flag table of 006 is gone")
         self.assertEqual(sorted(scalar(self.db, "SELECT reloptions FROM pg_class"
@@ -234,6 +252,79 @@ class SchemaTest(harness.ServerTestCase):
                 self.assertEqual(len(cur.fetchone()[0]), 36)
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"), 4)
 
+    def test_producer_role_reads_no_row(self):
+        """migrations/010: a producer learns nothing of the outbox's rows, its own or
+        another topic's; outbox.enqueue (SECURITY DEFINER, run as the schema owner)
+        still returns the message_id, and a plain INSERT may carry its own."""
+        insert(self.db, "payments", b"another topic's row")
+        conn = self.as_role("producer_login")
+        for sql in ("SELECT id FROM outbox.messages",
+                    "SELECT message_id FROM outbox.messages",
+                    "SELECT id, message_id, payload FROM outbox.messages",
+                    "SELECT count(*) FROM outbox.messages",
+                    "INSERT INTO outbox.messages (topic, payload) VALUES ('orders', 'x')"
+                    " RETURNING message_id",
+                    "INSERT INTO outbox.messages (topic, payload) VALUES ('orders', 'x')"
+                    " RETURNING id"):
+            with self.subTest(sql=sql), self.assertRaises(
+                    psycopg2.errors.InsufficientPrivilege):
+                with conn.cursor() as cur:
+                    cur.execute(sql)
+        own = produce(conn, "orders", b"a message_id of its own")
+        with conn.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, payload) VALUES ('orders', 'plain')")
+            # A search_path of the producer's cannot redirect what enqueue runs.
+            cur.execute("CREATE TEMP TABLE messages (topic text, payload bytea)")
+            cur.execute("SET search_path = pg_temp, public")
+            cur.execute("SELECT outbox.enqueue('orders', 'k', %s::jsonb)", ('{"a": 1}',))
+            enqueued = cur.fetchone()[0]
+            cur.execute("SELECT outbox.enqueue('orders', NULL, 'admitted'::text, NULL, true)")
+            admitted = cur.fetchone()[0]
+        with self.db.cursor() as cur:
+            cur.execute("SELECT message_id::text, payload FROM outbox.messages"
+                        " WHERE topic = 'orders' ORDER BY id")
+            rows = [(m, bytes(p)) for m, p in cur.fetchall()]
+        self.assertEqual([p for _, p in rows],
+                         [b"a message_id of its own", b"plain", b'{"a": 1}', b"admitted"])
+        self.assertEqual([m for m, _ in rows if m in (own, str(enqueued), str(admitted))],
+                         [own, str(enqueued), str(admitted)])
+        with self.db.cursor() as cur:
+            cur.execute("SELECT p.oid::regprocedure::text, p.prosecdef, p.proconfig,"
+                        " p.proowner = n.nspowner FROM pg_proc p"
+                        " JOIN pg_namespace n ON n.oid = p.pronamespace"
+                        " WHERE n.nspname = 'outbox' AND p.proname = 'enqueue'"
+                        " AND p.pronargs = 4 AND p.proargtypes[2] = 'bytea'::regtype")
+            name, definer, config, owned = cur.fetchone()
+        self.assertTrue(definer, name)
+        self.assertEqual(config, ["search_path=pg_catalog, pg_temp"], name)
+        self.assertTrue(owned, f"{name} belongs to the owner of schema outbox")
+
+    def test_relay_and_consumer_roles_still_work(self):
+        """The producers' narrower grants leave the relay's and the consumer's roles as
+        they were: the relay claims and marks rows; a consumer records a message."""
+        produce(self.as_role("producer_login"), "orders", b"for the relay")
+        relay = self.as_role("relay_login", autocommit=False)
+        with relay.cursor() as cur:
+            cur.execute("SELECT id, message_id, payload FROM outbox.messages"
+                        " WHERE sent_at IS NULL AND failed_at IS NULL"
+                        " ORDER BY id LIMIT 10 FOR UPDATE SKIP LOCKED")
+            claimed = cur.fetchall()
+            self.assertEqual(len(claimed), 1)
+            cur.execute("UPDATE outbox.messages SET sent_at = now() WHERE id = %s",
+                        (claimed[0][0],))
+        relay.commit()
+        self.pg.apply_migrations(consumers.consumer_migration_files())
+        with self.db.cursor() as cur:
+            cur.execute("DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname ="
+                        " 'consumer_login') THEN CREATE ROLE consumer_login LOGIN"
+                        " IN ROLE outbox_consumer; END IF; END $$")
+        consumer = self.as_role("consumer_login")
+        message_id = str(claimed[0][1])
+        self.assertIs(scalar(consumer, "SELECT outbox_consumer.begin_message('email', %s)",
+                             (message_id,)), True)
+        self.assertIs(scalar(consumer, "SELECT outbox_consumer.begin_message('email', %s)",
+                             (message_id,)), False)
+
     def test_producer_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")
         conn = self.as_role("producer_login")
@@ -273,7 +364,7 @@ class SchemaTest(harness.ServerTestCase):
                                          " WHERE sent_at IS NOT NULL"), 2)
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
                                          " WHERE failed_at IS NOT NULL"), 2)
-        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 8)
+        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 10)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")
@@ -328,18 +419,18 @@ class SchemaTest(harness.ServerTestCase):
         producer = self.as_role("producer_login")
         relay = self.as_role("relay_login")
         relay.cursor().execute("SELECT pg_advisory_lock(122550254464888)")
-        insert(producer, "a", b"while busy")
+        produce(producer, "a", b"while busy")
         self.assertEqual(notifications(0.5), [], "no notification while the lock is held")
         relay.cursor().execute("SELECT pg_advisory_unlock_all()")
-        insert(producer, "a", b"when idle")
+        produce(producer, "a", b"when idle")
         self.assertEqual(notifications(0.5), ["outbox_relay"])
         relay.cursor().execute("SELECT pg_advisory_lock(122550254464888)")
-        insert(producer, "a", b"busy again")
+        produce(producer, "a", b"busy again")
         self.assertEqual(notifications(0.5), [])
         relay.close()  # a relay that dies releases the lock with its session
         wait_until(lambda: scalar(self.db, "SELECT count(*) FROM pg_locks"
                                            " WHERE locktype = 'advisory'") == 0, timeout=5)
-        insert(producer, "a", b"relay gone")
+        produce(producer, "a", b"relay gone")
         self.assertEqual(notifications(0.5), ["outbox_relay"])
 
     def test_a_notifying_producer_holds_the_lock_shared_until_commit(self):
@@ -347,7 +438,7 @@ class SchemaTest(harness.ServerTestCase):
         waits, new producers skip their notification."""
         notifications = self.listener()
         slow = self.as_role("producer_login", autocommit=False)
-        insert(slow, "a", b"notifying, not committed", commit=False)
+        produce(slow, "a", b"notifying, not committed", commit=False)
         relay = self.as_role("relay_login")
         self.assertFalse(scalar(relay, "SELECT pg_try_advisory_lock(122550254464888)"))
         waiter = threading.Thread(target=lambda: relay.cursor().execute(
@@ -356,7 +447,7 @@ class SchemaTest(harness.ServerTestCase):
         wait_until(lambda: scalar(self.db, "SELECT count(*) FROM pg_locks WHERE locktype ="
                                            " 'advisory' AND NOT granted") == 1, timeout=5)
         other = self.as_role("producer_login")
-        insert(other, "a", b"while the relay waits")
+        produce(other, "a", b"while the relay waits")
         self.assertEqual(notifications(0.3), [], "a waiting relay already stops notifications")
         slow.commit()
         waiter.join(5)

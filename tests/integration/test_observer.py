@@ -1,0 +1,279 @@
+"""The relay's observer thread: deadlines, shutdown, and producer admission.
+
+Promises tested:
+- the per-topic figures cost a few index probes, whatever the backlog of the
+  other topics (outbox-relay status runs the same reads);
+- a relay whose PostgreSQL is partitioned (every connection, the claiming ones
+  and the observer's, through a proxy that stops forwarding) still exits soon
+  after SIGTERM: within drain_timeout and a few seconds, not when the
+  partition ends;
+- producer admission (outbox.observe_topic) is decided from PostgreSQL alone,
+  for every topic in outbox.topic_limits:
+  - a limited topic whose rows wait in the outbox but that has no stream in
+    Redis yet is refused (OB503) while over its limit and admitted once
+    drained;
+  - with Redis stopped, admission still follows the outbox: refused over the
+    limit, admitted once drained;
+  - a refused topic whose limits are deleted is admitted again;
+  - more limited topics than the observation lists (64) are all decided;
+- status run as a role that may not read the limits still shows the rest.
+"""
+
+import json
+import re
+import signal
+import subprocess
+import time
+import unittest
+import urllib.request
+
+import psycopg2
+
+import faults
+import harness
+from harness import scalar, wait_until
+
+harness.require_relay()
+harness.set_deadline(420)
+
+
+def metric(text, name, **labels):
+    """The value of one sample, or None."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else "") + r" (\S+)$"
+    m = re.search(pattern, text, re.MULTILINE)
+    return float(m.group(1)) if m else None
+
+
+class ObserverTest(harness.ServerTestCase):
+
+    def setUp(self):
+        super().setUp()
+        with self.db.cursor() as cur:
+            cur.execute("TRUNCATE outbox.topic_limits, outbox.topic_state")
+
+    # -- helpers
+    def start_relay(self, **flags):
+        self.port = harness.free_port()
+        flags.setdefault("observe_interval", "200ms")
+        flags.setdefault("poll_interval", "200ms")
+        relay = self.relay(metrics_listen=f"127.0.0.1:{self.port}", **flags)
+        wait_until(lambda: harness.port_open(self.port), timeout=15, relay=relay,
+                   message="the metrics endpoint to listen")
+        return relay
+
+    def scrape(self):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def limits(self, topic, max_pending, resume_pending):
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.topic_limits (topic, max_pending, resume_pending)"
+                        " VALUES (%s, %s, %s)", (topic, max_pending, resume_pending))
+
+    def insert_waiting(self, topic, n):
+        """n rows that wait in the outbox for their retry time, as the rows of a
+        failed publish do: pending for the observer, not yet claimed."""
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, payload, retry_at)"
+                        " SELECT %s, 'waits', now() + interval '1 hour'"
+                        " FROM generate_series(1, %s)", (topic, n))
+
+    def admit(self, topic):
+        """None when outbox.admit admits the topic, else the error it raised."""
+        try:
+            with self.db.cursor() as cur:
+                cur.execute("SELECT outbox.admit(%s)", (topic,))
+            return None
+        except psycopg2.Error as e:
+            return e
+
+    def wait_refused(self, topic, relay, timeout=20):
+        err = wait_until(lambda: self.admit(topic), timeout=timeout, relay=relay,
+                         message=f"outbox.admit to refuse topic {topic}")
+        self.assertEqual(err.pgcode, "OB503", str(err))
+        return err
+
+    def wait_admitted(self, topic, relay, timeout=20):
+        wait_until(lambda: self.admit(topic) is None, timeout=timeout, relay=relay,
+                   message=f"outbox.admit to admit topic {topic} again")
+
+    def pending_index_reads(self):
+        """Index entries read so far from the pending index (id order) and scans of
+        the (topic, id) pending index."""
+        with self.db.cursor() as cur:
+            cur.execute("SELECT pg_stat_clear_snapshot()")
+            cur.execute("SELECT indexrelname, idx_scan, idx_tup_read FROM pg_stat_user_indexes"
+                        " WHERE indexrelname IN ('messages_pending_idx',"
+                        " 'messages_pending_topic_idx')")
+            return {name: (scans, read) for name, scans, read in cur.fetchall()}
+
+    # -- bounded reads
+    def test_per_topic_figures_do_not_walk_the_other_topics(self):
+        """The per-topic probes go through messages_pending_topic_idx, never through
+        the id-ordered pending index filtered on the topic, which reads the whole
+        backlog of the other topics for every probe."""
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                        " SELECT 'bulk', 'backlog' FROM generate_series(1, 100000)")
+            cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                        " VALUES ('orders', 'x'), ('other', 'y')")
+            cur.execute("ANALYZE outbox.messages")
+        self.limits("orders", 10, 5)    # figures with its admission
+        self.r.xadd("other", {"seed": "1"})  # figures as a stream without limits
+        before = self.pending_index_reads()
+        status = harness.run_relay(["status", "--json"],
+                                   env=harness.relay_env(self.pg, self.redis))
+        self.assertEqual(status.returncode, 0, status.output)
+        data = json.loads(status.stdout)
+        pending = {t["topic"]: t["outbox_pending"] for t in data["topics"]}
+        self.assertEqual((pending.get("orders"), pending.get("other")), (1, 1), status.stdout)
+        def scans(reads):
+            return sum(n for n, _ in reads.values())
+        # Six probes (two topics, three each) and the outbox's two ends.
+        after = wait_until(
+            lambda: (lambda a: scans(a) >= scans(before) + 8 and a)(self.pending_index_reads()),
+            timeout=10, message="the status command's index statistics")
+        read = after["messages_pending_idx"][1] - before["messages_pending_idx"][1]
+        print(f"pending index entries read by one status with 100,000 rows of another"
+              f" topic pending: {read}")
+        self.assertLess(read, 1000)
+
+    def test_status_as_a_role_that_may_not_read_the_limits(self):
+        """status shows the rest of the observation, admission unknown."""
+        with self.db.cursor() as cur:
+            cur.execute("DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname ="
+                        " 'watcher') THEN CREATE ROLE watcher LOGIN; END IF; END $$;"
+                        " GRANT USAGE ON SCHEMA outbox TO watcher;"
+                        " GRANT SELECT ON outbox.messages TO watcher")
+        self.limits("orders", 5, 2)
+        self.insert_waiting("orders", 3)
+        self.r.xadd("orders", {"seed": "1"})
+        dsn = f"host=127.0.0.1 port={self.pg.port} dbname={self.pg.database} user=watcher"
+        status = harness.run_relay(["status", "--json"], env=harness.relay_env(
+            None, self.redis, {"OUTBOX_RELAY_POSTGRES": dsn}))
+        self.assertEqual(status.returncode, 0, status.output)
+        data = json.loads(status.stdout)
+        self.assertEqual([(t["topic"], t["outbox_pending"], t["admitting"])
+                          for t in data["topics"]], [("orders", 3, None)])
+
+    # -- shutdown during a partition
+    def test_sigterm_while_postgres_is_partitioned(self):
+        drain = 2
+        proxy = self.enterContext(faults.TcpProxy(self.pg.port, name="pg-proxy"))
+        dsn = f"host=127.0.0.1 port={proxy.port} dbname={self.pg.database} user=postgres"
+        relay = self.enterContext(harness.Relay(
+            None, self.redis, env={"OUTBOX_RELAY_POSTGRES": dsn}, poll_interval="200ms",
+            observe_interval="200ms", drain_timeout=f"{drain}s"))
+        harness.insert(self.db, "orders", b"warm-up")
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        wait_until(lambda: scalar(self.db, "SELECT count(*) FROM pg_stat_activity"
+                                           " WHERE application_name = 'outbox-relay observe'"),
+                   timeout=15, relay=relay, message="the observer to be connected")
+        time.sleep(0.5)  # a few observations
+        caught = proxy.live()
+        proxy.blackhole()
+        time.sleep(1.0)  # the observer's next query and the next claim now wait
+        started = time.monotonic()
+        relay.kill(signal.SIGTERM)
+        try:
+            code = relay.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            code = None
+        took = time.monotonic() - started
+        print(f"exit after SIGTERM with PostgreSQL partitioned ({caught} connections held,"
+              f" drain_timeout {drain}s): {took:.2f}s, code {code}", flush=True)
+        proxy.restore(held="drop")
+        self.assertIsNotNone(code, "the relay did not exit within 60 s\n" + relay.log_tail())
+        self.assertLess(took, drain + 15, relay.log_tail())
+        self.assertEqual(code, 0, relay.log_tail())
+
+    # -- admission from PostgreSQL alone
+    def test_limited_topic_without_a_stream(self):
+        self.limits("nostream", 5, 2)
+        relay = self.start_relay()
+        for _ in range(3):  # a backlog that grows
+            self.insert_waiting("nostream", 4)
+            time.sleep(0.3)
+        err = self.wait_refused("nostream", relay)
+        print(f"refused without a stream: {err.pgerror.strip().splitlines()[0]}")
+        self.assertNotIn(b"nostream", harness.stream_names(self.r), "no stream yet")
+        wait_until(lambda: metric(self.scrape(), "outbox_relay_topic_admitting",
+                                  topic="nostream") == 0, timeout=10, relay=relay,
+                   message="the admitting metric of the stream-less topic to be 0")
+        # The rows fall due, the relay publishes them: the topic is drained.
+        with self.db.cursor() as cur:
+            cur.execute("UPDATE outbox.messages SET retry_at = NULL")
+        harness.wait_all_sent(self.db, relay=relay)
+        self.wait_admitted("nostream", relay)
+        print("admitted again once drained")
+
+    def test_deleted_limits_release_a_refused_topic(self):
+        self.limits("nostream", 5, 2)
+        relay = self.start_relay()
+        self.insert_waiting("nostream", 12)
+        self.wait_refused("nostream", relay)
+        with self.db.cursor() as cur:
+            cur.execute("DELETE FROM outbox.topic_limits WHERE topic = 'nostream'")
+        self.wait_admitted("nostream", relay)
+        print("released once its limits were deleted, its backlog still there")
+
+    def test_admission_while_redis_is_stopped(self):
+        self.limits("orders", 5, 2)
+        relay = self.start_relay()
+        self.redis.stop()
+        self.addCleanup(self.redis.start)
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                        " SELECT 'orders', 'Redis is down' FROM generate_series(1, 12)")
+        err = self.wait_refused("orders", relay)
+        print(f"refused with Redis stopped: {err.pgerror.strip().splitlines()[0]}")
+        # Drained elsewhere (say, by another relay whose Redis is up).
+        with self.db.cursor() as cur:
+            cur.execute("UPDATE outbox.messages SET sent_at = now() WHERE topic = 'orders'")
+        self.wait_admitted("orders", relay)
+        print("admitted again once drained, Redis still stopped")
+        status = harness.run_relay(["status", "--json"],
+                                   env=harness.relay_env(self.pg, self.redis, {
+                                       "OUTBOX_RELAY_CONNECT_TIMEOUT": "1s"}))
+        data = json.loads(status.stdout)
+        self.assertFalse(data["redis"]["up"])
+        self.assertIn({"topic": "orders", "admitting": True},
+                      [{"topic": t["topic"], "admitting": t["admitting"]}
+                       for t in data["topics"]])
+
+    def test_more_limited_topics_than_the_observation_lists(self):
+        topics = [f"t{i:03d}" for i in range(80)]
+        with self.db.cursor() as cur:
+            cur.executemany("INSERT INTO outbox.topic_limits (topic, max_pending, resume_pending)"
+                            " VALUES (%s, 3, 1)", [(t,) for t in topics])
+        for t in topics:  # every topic has a stream, so a scan of Redis finds them all
+            self.r.xadd(t, {"seed": "1"})
+        relay = self.start_relay()
+        for t in topics:
+            self.insert_waiting(t, 5)
+
+        def refused():
+            return scalar(self.db, "SELECT count(*) FROM outbox.topic_state"
+                                   " WHERE NOT admitting")
+        try:
+            wait_until(lambda: refused() == len(topics), timeout=30, relay=relay,
+                       message=f"all {len(topics)} topics to be refused")
+        finally:
+            print(f"limited topics refused: {refused()} of {len(topics)}")
+        self.assertEqual(self.admit(topics[-1]).pgcode, "OB503")
+        status = harness.run_relay(["status", "--json"],
+                                   env=harness.relay_env(self.pg, self.redis))
+        data = json.loads(status.stdout)
+        self.assertEqual(data["admission"], {"topics": len(topics), "refused": len(topics)})
+        self.assertEqual(len(data["topics"]), 64, "the observation lists 64 topics")
+        with self.db.cursor() as cur:
+            cur.execute("UPDATE outbox.messages SET retry_at = NULL")
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        wait_until(lambda: refused() == 0, timeout=30, relay=relay,
+                   message="every topic to be admitted again")
+        print(f"all {len(topics)} admitted again once drained")
+
+
+if __name__ == "__main__":
+    unittest.main()
