@@ -23,7 +23,7 @@ GRANT INSERT (message_id, topic, partition_key, payload, headers)
     ON outbox.messages TO outbox_producer;
 -- INSERT ... RETURNING (and outbox.enqueue, which returns the message_id)
 -- needs SELECT on the returned columns; nothing else is readable.
--- 010_producer_grants.sql takes this SELECT back: enqueue returns the
+-- 009_producer_grants.sql takes this SELECT back: enqueue returns the
 -- message_id as the schema owner, and producers read no column at all.
 GRANT SELECT (id, message_id) ON outbox.messages TO outbox_producer;
 GRANT EXECUTE ON FUNCTION

@@ -130,6 +130,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "006_wakeup_when_idle.sql",
     "007_wakeup_lock.sql",
     "008_queue_vacuum.sql",
+    "009_producer_grants.sql",
 };
 
 enum setup_step {

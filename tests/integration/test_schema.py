@@ -6,7 +6,7 @@ Promises tested:
 - producers (a role granted outbox_producer) can INSERT rows and call
   outbox.enqueue with text, jsonb and bytea payloads, which returns the
   message_id, and nothing else: they read no column of outbox.messages, not
-  even the ids of other topics' rows (migrations/010);
+  even the ids of other topics' rows (migrations/009);
 - the relay (a role granted outbox_relay) can claim rows with
   SELECT ... FOR UPDATE SKIP LOCKED and mark them sent, but cannot INSERT,
   DELETE or change what a producer wrote;
@@ -190,11 +190,11 @@ class SchemaTest(harness.ServerTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 10)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 9)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 7"), "007_wakeup_lock.sql")
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
-                                         " WHERE version = 10"), "010_producer_grants.sql")
+                                         " WHERE version = 9"), "009_producer_grants.sql")
         self.assertIsNone(scalar(self.db, "SELECT to_regclass('outbox.relay_wakeup')"),
                           "the flag table of 006 is gone")
         self.assertEqual(sorted(scalar(self.db, "SELECT reloptions FROM pg_class"
@@ -253,7 +253,7 @@ class SchemaTest(harness.ServerTestCase):
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"), 4)
 
     def test_producer_role_reads_no_row(self):
-        """migrations/010: a producer learns nothing of the outbox's rows, its own or
+        """migrations/009: a producer learns nothing of the outbox's rows, its own or
         another topic's; outbox.enqueue (SECURITY DEFINER, run as the schema owner)
         still returns the message_id, and a plain INSERT may carry its own."""
         insert(self.db, "payments", b"another topic's row")
@@ -364,7 +364,7 @@ class SchemaTest(harness.ServerTestCase):
                                          " WHERE sent_at IS NOT NULL"), 2)
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
                                          " WHERE failed_at IS NOT NULL"), 2)
-        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 10)
+        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 9)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")

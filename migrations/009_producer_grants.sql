@@ -1,4 +1,4 @@
--- outbox-relay schema, part 10: producers write messages and read none.
+-- outbox-relay schema, part 9: producers write messages and read none.
 --
 -- 003 granted outbox_producer SELECT on id and message_id, so that INSERT ...
 -- RETURNING message_id and outbox.enqueue could hand back the message_id. It
@@ -77,5 +77,5 @@ GRANT EXECUTE ON FUNCTION
     TO outbox_producer;
 
 INSERT INTO outbox.schema_version (version, name)
-VALUES (10, '010_producer_grants.sql')
+VALUES (9, '009_producer_grants.sql')
 ON CONFLICT (version) DO NOTHING;
