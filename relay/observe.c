@@ -165,11 +165,16 @@ static enum wait_result wait_fd(const struct relay_observe_stop *stop, int fd, s
 static PGconn *pg_open(const struct relay_config *cfg, const struct relay_observe_stop *stop,
                        char *err, size_t errlen)
 {
-    char timeout[16], options[96];
+    char timeout[16], options[256];
     /* connect_timeout is libpq's record of the setting: PQconnectPoll does not
      * enforce it, the deadline below does. */
     snprintf(timeout, sizeof(timeout), "%u", (cfg->connect_timeout_ms + 999) / 1000);
-    snprintf(options, sizeof(options), "-c statement_timeout=%u", cfg->statement_timeout_ms);
+    /* The server's side of the keepalives too, as the relay's own sessions
+     * set them: a vanished host's session then ends within about 30 s. */
+    snprintf(options, sizeof(options),
+             "-c statement_timeout=%u -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5"
+             " -c tcp_keepalives_count=3 -c tcp_user_timeout=30000",
+             cfg->statement_timeout_ms);
     /* Our defaults come first so the user's conninfo (expanded in place of
      * dbname) overrides them. */
     const char *const keys[] = {"application_name", "connect_timeout", "keepalives",

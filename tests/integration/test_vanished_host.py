@@ -95,7 +95,7 @@ class VanishedHostTest(harness.TestCase):
             with self.db.cursor() as cur:
                 cur.execute("SELECT application_name, state, backend_start FROM pg_stat_activity"
                             " WHERE client_addr = %s AND application_name IN"
-                            " ('outbox-relay', 'outbox-relay listen')", (self.ns_ip,))
+                            " ('outbox-relay', 'outbox-relay listen', 'outbox-relay observe')", (self.ns_ip,))
                 return cur.fetchall()
         try:
             harness.wait_until(lambda: scalar(self.db, LOCK_HELD) == 0 and not remaining(),
