@@ -33,7 +33,11 @@ int relay_sd_notify(const char *state)
     if (fd < 0)
         return -1;
     socklen_t alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len);
-    ssize_t n = sendto(fd, state, strlen(state), MSG_NOSIGNAL, (struct sockaddr *)&addr, alen);
+    /* Never wait for the receiver: a full queue would stall the event loop.
+     * A notification that does not fit now is dropped, and the next one
+     * (STATUS= every 2 s, WATCHDOG=1 at half the watchdog period) follows. */
+    ssize_t n = sendto(fd, state, strlen(state), MSG_NOSIGNAL | MSG_DONTWAIT,
+                       (struct sockaddr *)&addr, alen);
     close(fd);
     return n < 0 ? -1 : 1;
 }
