@@ -240,7 +240,7 @@ static void cfg_err(char *err, size_t errlen, const char *fmt, ...)
 
 static void *cfg_oom(void)
 {
-    /* Same policy as relay_xmalloc (STYLE.md rule 5): no recovery from OOM. */
+    /* Same policy as relay_xmalloc as everywhere in the relay: no recovery from OOM. */
     fputs("outbox-relay: out of memory\n", stderr);
     abort();
 }

@@ -54,7 +54,7 @@ struct relay_sink {
     char durability[512];
     char describe[600];
     /* Redis's wall clock minus our monotonic clock, and the round trip it
-     * was measured over (DESIGN.md, "The publish deadline"). */
+     * was measured over (docs/DESIGN.md, "The publish deadline"). */
     double clock_offset;
     double clock_rtt;
     double time_sent;
@@ -187,7 +187,7 @@ int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, rela
     return 0;
 }
 
-/* Reports what an acknowledged XADD is worth on this server (DESIGN.md 7.4). */
+/* Reports what an acknowledged XADD is worth on this server (README, "What Redis keeps is up to Redis"). */
 static void check_durability(struct relay_sink *s, const redisReply *r)
 {
     char text[512];

@@ -1,6 +1,6 @@
 """Configuration and start-up, as an operator meets them.
 
-Promises tested (DESIGN.md §3, §4 "Configuration", "Logs"):
+Promises tested (docs/CONFIGURATION.md; the README's "Run the relay"):
 - --check-config with a good file exits 0 and connects to nothing;
 - an unknown key or a bad value exits 78 and names the file and line; a bad
   command-line or environment value exits 78 too; a missing -c argument is a

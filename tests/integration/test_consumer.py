@@ -1,6 +1,6 @@
 """Consumers: one effect per message, retries with backoff, dead letters, take-over, replay.
 
-Promises tested (DESIGN.md §6), with the example consumer outbox-email-consumer
+Promises tested (docs/DESIGN.md P6, P7; docs/CONSUMERS.md), with the example consumer outbox-email-consumer
 (examples/email_consumer.c: it inserts into emails in the same transaction as
 outbox_consumer.begin_message; a header "fail" injects failures) against the
 consumer schema of migrations/consumer/*.sql:

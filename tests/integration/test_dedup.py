@@ -1,4 +1,4 @@
-"""The publish function's dedup records (DESIGN.md §2 P2 and §7.3).
+"""The publish function's dedup records (docs/DESIGN.md P2, "Key layout").
 
 Promises tested:
 - the relay's function, called twice with one message id, adds one entry and

@@ -1,6 +1,6 @@
 """Delivery: every committed row arrives once, with every field as the stream contract says.
 
-Promises tested (DESIGN.md §2 P1, P3, P4 and the stream contract of §5):
+Promises tested (docs/DESIGN.md P1, P3, P4, and the README's stream contract):
 - rows committed before and after the relay starts each arrive exactly once in
   the stream named by their topic, and get sent_at;
 - an entry carries id (message_id), topic, key (absent when partition_key is

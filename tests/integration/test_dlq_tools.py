@@ -1,4 +1,4 @@
-"""Dead-letter tools and the consumer's SQL (DESIGN.md §6, docs/CONSUMERS.md).
+"""Dead-letter tools and the consumer's SQL (docs/DESIGN.md P7, docs/CONSUMERS.md).
 
 `outbox-relay dlq ...` against a real Redis, with dead letters written
 directly with redis-py in the documented format (include/relay/consumer.h:

@@ -1,4 +1,4 @@
-"""What Redis keeps is up to Redis: the relay's start-up check (DESIGN.md §7.4, README table).
+"""What Redis keeps is up to Redis: the relay's start-up check (the README's table, "What Redis keeps is up to Redis").
 
 Promises tested (each with its own redis-server):
 - appendonly no: exactly one WARNING at start-up, saying acknowledged messages

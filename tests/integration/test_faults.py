@@ -1,6 +1,6 @@
 """Fault injection under sustained load: nothing lost, nothing doubled, whatever breaks.
 
-Promises tested (DESIGN.md §2 P1 and P2, §4): while 4 producers keep committing
+Promises tested (docs/DESIGN.md P1 and P2, "The claim cycle"): while 4 producers keep committing
 transactions of 1..20 rows (3 topics, payloads of 0..300 bytes, half of them
 binary), faults are injected at random moments, one kind per test:
 

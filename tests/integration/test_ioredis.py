@@ -1,6 +1,6 @@
 """The stream contract, checked by a client the project did not write: ioredis on Node.js.
 
-Promise tested (DESIGN.md §5: "test it with a client the project did not write"):
+Promise tested (the README's stream contract, read with a client the project did not write):
 rows written to PostgreSQL and relayed by the real relay are read by
 tests/integration/ioredis/check.js through a consumer group it creates at id 0
 (XGROUP CREATE ... 0 MKSTREAM, XREADGROUP, XACK), and every documented field is

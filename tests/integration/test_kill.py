@@ -1,6 +1,6 @@
 """Crash safety: SIGKILL at random moments loses nothing and doubles nothing.
 
-Promises tested (DESIGN.md §2 P1 and P2):
+Promises tested (docs/DESIGN.md P1 and P2):
 - 100,000 rows committed by 4 concurrent producers (transactions of 1..20
   rows, 3 topics, payloads of 0..300 random bytes) while the relay is killed
   with SIGKILL and restarted at least 5 times at random moments: at the end

@@ -1,4 +1,4 @@
-"""Rows over max_payload_bytes cost the relay no memory (DESIGN.md §2 P4, P5).
+"""Rows over max_payload_bytes cost the relay no memory (docs/DESIGN.md P4, P5).
 
 Promises tested, with the default max_payload_bytes (1 MiB) and batch_size:
 - five rows of 100 MiB each, committed in one transaction between good rows

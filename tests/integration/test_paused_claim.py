@@ -1,4 +1,4 @@
-"""A paused topic's backlog costs the claim nothing (DESIGN.md §2 P5, backpressure).
+"""A paused topic's backlog costs the claim nothing (docs/DESIGN.md P5; docs/OPERATIONS.md, backpressure).
 
 The relay pauses a stream whose consumer group lags (pause_lag_entries) and
 its claim skips that topic, whose rows wait in the outbox. Here a group on

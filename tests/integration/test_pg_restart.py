@@ -1,6 +1,6 @@
 """PostgreSQL restarts: the relay reconnects on its own and every committed row arrives once.
 
-Promises tested (DESIGN.md §2 P1, P2, §4 "PostgreSQL"):
+Promises tested (docs/DESIGN.md P1, P2, "The claim cycle"):
 - PostgreSQL restarted as in a crash (pg_ctl -m immediate) and cleanly
   (-m fast) while a producer keeps committing rows: the relay logs the loss,
   reconnects (logged), and every row committed before, during and after the

@@ -1,4 +1,4 @@
-"""Poison rows: one bad row never stops the others (DESIGN.md §2 P4).
+"""Poison rows: one bad row never stops the others (docs/DESIGN.md P4).
 
 Every test runs the relay with --poll-interval 500ms --max-attempts 3
 --max-payload-bytes 1000. Promises tested:

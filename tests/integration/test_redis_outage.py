@@ -1,6 +1,6 @@
 """Redis outages: nothing is marked sent while Redis is away, and nothing is lost or doubled after.
 
-Promises tested (DESIGN.md §2 P1, P2, §4 "Redis"):
+Promises tested (docs/DESIGN.md P1, P2, "The claim cycle"):
 - Redis stopped for ~3 s while rows are committed: no row gets sent_at during
   the outage, the relay logs the problem, reconnects when Redis is back on the
   same port (logged), and every row arrives exactly once;

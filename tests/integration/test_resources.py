@@ -1,4 +1,4 @@
-"""Bounded memory whatever the backlog (DESIGN.md §2 P5).
+"""Bounded memory whatever the backlog (docs/DESIGN.md P5).
 
 Promise tested: the relay's peak resident memory (VmHWM in /proc/<pid>/status)
 while draining a backlog of BIG_ROWS pending rows stays within 10 % of its peak

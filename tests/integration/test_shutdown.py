@@ -1,6 +1,6 @@
 """Shutdown: SIGTERM drains and exits 0; a second signal exits at once; nothing is lost either way.
 
-Promises tested (DESIGN.md §4 "Shutdown", §2 P1 and P2):
+Promises tested (docs/DESIGN.md, "The claim cycle": drain; P1 and P2):
 - SIGTERM (and SIGINT) while idle: exit code 0, promptly;
 - SIGTERM under load: the batch in flight is finished or rolled back, the
   relay exits 0 within drain_timeout, every row it marked sent is in Redis,

@@ -1,4 +1,4 @@
-"""The daemon behaves as systemd expects (DESIGN.md 4, STYLE.md rule 10).
+"""The daemon behaves as systemd expects (docs/OPERATIONS.md, the systemd units).
 
 - Both units pass `systemd-analyze verify` and rate an exposure of 2.0 or
   lower in `systemd-analyze security --offline=true`.

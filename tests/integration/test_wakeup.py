@@ -1,6 +1,6 @@
 """Wake-up: an idle relay publishes a new row at once, not at its next poll.
 
-Promises tested (DESIGN.md §4 "When to claim", §7.1):
+Promises tested (docs/DESIGN.md, "The claim cycle" and "The wake-up protocol"):
 - with LISTEN on (the default) and a 30 s poll interval, every one of ~50
   single-row commits reaches its stream well within a second of the commit
   (the p50/p99/max commit-to-entry latency is printed for the report; the
