@@ -360,7 +360,7 @@ static int respbuf_reserve(struct relay_respbuf *b, size_t need)
         cap = cap > max / 2 ? max : cap * 2;
     char *p = realloc(b->data, cap);
     if (p == NULL) {
-        /* The relay's policy for memory (STYLE.md rule 5): no recovery. */
+        /* The relay's policy for memory: no recovery. */
         fputs("outbox-relay: out of memory\n", stderr);
         abort();
     }
@@ -638,12 +638,12 @@ static int contains(const char *s, size_t len, const char *needle)
     return 0;
 }
 
-int relay_batch_apply_reply(struct relay_cycle *cycle, struct relay_row *row,
+int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
                             enum relay_reply_kind kind, const char *str, size_t len)
 {
-    if (cycle->pending == 0)
+    if (tally->pending == 0)
         return 0;
-    cycle->pending--;
+    tally->pending--;
     switch (kind) {
     case RELAY_REPLY_ENTRY:
         row->state = RELAY_ROW_PUBLISHED;
@@ -661,32 +661,35 @@ int relay_batch_apply_reply(struct relay_cycle *cycle, struct relay_row *row,
                      (int)relay_batch_utf8_prefix(row->topic, row->topic_len, 64), row->topic);
             break;
         }
-        if (!cycle->failed) {
-            cycle->failed = 1;
-            snprintf(cycle->error, sizeof(cycle->error), "Redis answered: %.*s",
+        if (!tally->failed) {
+            tally->failed = 1;
+            tally->kind = RELAY_FAIL_REDIS_ERROR;
+            snprintf(tally->error, sizeof(tally->error), "Redis answered: %.*s",
                      (int)relay_batch_utf8_prefix(str, len, 300), str ? str : "");
         }
         if (contains(str, len, "Function not found"))
-            cycle->function_missing = 1;
+            tally->function_missing = 1;
         break;
     case RELAY_REPLY_OTHER:
-        if (!cycle->failed) {
-            cycle->failed = 1;
-            snprintf(cycle->error, sizeof(cycle->error),
+        if (!tally->failed) {
+            tally->failed = 1;
+            tally->kind = RELAY_FAIL_REDIS_REPLY;
+            snprintf(tally->error, sizeof(tally->error),
                      "unexpected reply type from the publish function (is this Redis 7 with the "
                      "outbox_relay library?)");
         }
         break;
     case RELAY_REPLY_LOST:
     default:
-        if (!cycle->failed) {
-            cycle->failed = 1;
-            snprintf(cycle->error, sizeof(cycle->error), "Redis connection lost: %.*s",
+        if (!tally->failed) {
+            tally->failed = 1;
+            tally->kind = RELAY_FAIL_REDIS_CONNECTION;
+            snprintf(tally->error, sizeof(tally->error), "Redis connection lost: %.*s",
                      (int)relay_batch_utf8_prefix(str, len, 200), str && len ? str : "dropped");
         }
         break;
     }
-    return cycle->pending == 0;
+    return tally->pending == 0;
 }
 
 void relay_sqlbuf_reset(struct relay_sqlbuf *b)

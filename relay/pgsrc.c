@@ -158,6 +158,7 @@ struct relay_pgsrc {
     relay_pgsrc_done_fn *done;
     void *done_arg;
     PGresult *keep;
+    PGresult *delivered; /* the result a done callback is reading */
     char err[512];
     char sqlstate[6];
 
@@ -396,6 +397,13 @@ static int begin_command(struct relay_pgsrc *pg, relay_pgsrc_done_fn *done, void
     return flush(pg);
 }
 
+struct pg_result *relay_pgsrc_take_result(struct relay_pgsrc *pg)
+{
+    PGresult *res = pg->delivered;
+    pg->delivered = NULL;
+    return res;
+}
+
 int relay_pgsrc_send(struct relay_pgsrc *pg, const char *sql, int nparams,
                      const char *const *params, int binary, relay_pgsrc_done_fn *done, void *arg)
 {
@@ -446,10 +454,15 @@ static void collect(struct relay_pgsrc *pg)
                 PQclear(keep);
                 keep = NULL;
             }
+            /* The result is the callback's to read and ours to free once it
+             * returns, unless it takes it (relay_pgsrc_take_result). */
+            pg->delivered = keep;
             if (done != NULL)
                 done(pg, keep, pg->err[0] ? pg->err : NULL, pg->sqlstate, arg);
-            else if (keep != NULL)
-                PQclear(keep);
+            if (pg->delivered != NULL) {
+                PQclear(pg->delivered);
+                pg->delivered = NULL;
+            }
             return;
         }
         switch (PQresultStatus(res)) {
@@ -572,8 +585,6 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
             if (!PQgetisnull(res, 0, 1))
                 missing = (int)strtol(PQgetvalue(res, 0, 1), NULL, 10);
         }
-        if (res != NULL)
-            PQclear(res);
         if (err != NULL && sqlstate != NULL && strcmp(sqlstate, "42P01") == 0 &&
             strstr(err, "outbox") != NULL) {
             snprintf(msg, sizeof(msg),
@@ -611,8 +622,6 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
         run_setup(pg);
         return;
     }
-    if (res != NULL)
-        PQclear(res);
     if (err != NULL) {
         if (sqlstate != NULL && strcmp(sqlstate, "42501") == 0) {
             snprintf(msg, sizeof(msg),

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "relay/common.h"
+#include "relay/cycle.h"
 
 /* Name of the Redis function library and of the publish function in it. */
 #define RELAY_FUNCTION_LIBRARY "outbox_relay"
@@ -127,7 +128,7 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
  * long as the relay and be reset, not freed, between commands and batches, so
  * its memory only grows (to the largest thing ever put in it) and the hot
  * path does not allocate. data is not NUL-terminated. max caps its size
- * (0: RELAY_RESPBUF_MAX_DEFAULT); running out of memory aborts (STYLE.md 5).
+ * (0: RELAY_RESPBUF_MAX_DEFAULT); running out of memory aborts, as everywhere in the relay.
  */
 struct relay_respbuf {
     char *data;
@@ -210,22 +211,23 @@ enum relay_reply_kind {
     RELAY_REPLY_OTHER,    /* any other type: a malformed answer */
 };
 
-/* The outcome of a cycle so far, across all of its rows. */
-struct relay_cycle {
-    size_t pending;       /* publish commands not answered yet */
-    int failed;           /* the whole batch failed: roll back */
-    int function_missing; /* the publish function must be loaded again */
-    char error[512];      /* why the batch failed (first reason) */
+/* The publishes of one batch so far, across all of its rows. */
+struct relay_tally {
+    size_t pending;            /* publish commands not answered yet */
+    int failed;                /* the whole batch failed: roll back */
+    enum relay_fail_kind kind; /* why, when failed (the first reason) */
+    int function_missing;      /* the publish function must be loaded again */
+    char error[512];           /* why the batch failed (first reason), for the log */
 };
 
 /*
- * Applies one reply to its row and to the cycle: an entry id publishes the
+ * Applies one reply to its row and to the tally: an entry id publishes the
  * row; an error of the row's own fails only the row (with a message that says
  * what to do, as a transient fault: WRONGTYPE can be fixed while the row
  * waits); anything else fails the whole batch. Returns 1 when this was the
- * last reply the cycle waited for.
+ * last reply the tally waited for.
  */
-int relay_batch_apply_reply(struct relay_cycle *cycle, struct relay_row *row,
+int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
                             enum relay_reply_kind kind, const char *str, size_t len);
 
 /* A growable text buffer with a hard cap; overflow sticks until reset. */

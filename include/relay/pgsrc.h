@@ -29,10 +29,12 @@ enum relay_pgsrc_state {
     RELAY_PG_CLOSED,     /* relay_pgsrc_close was called */
 };
 
-/* Called when a command finished. res is the last result that carried rows
- * (owned by the callee, who must PQclear it) or NULL; err is NULL on success or
- * the server's message. After a connection failure the callback runs with
- * err set and the connection is already being re-established. */
+/* Called when a command finished. res is the last result that carried rows,
+ * or NULL; err is NULL on success or the server's message. res belongs to the
+ * connection, which frees it when the callback returns, unless the callback
+ * takes it with relay_pgsrc_take_result (as hiredis frees a reply after its
+ * callback). After a connection failure the callback runs with err set and
+ * the connection is already being re-established. */
 typedef void relay_pgsrc_done_fn(struct relay_pgsrc *pg, struct pg_result *res, const char *err,
                                  const char *sqlstate, void *arg);
 
@@ -55,6 +57,11 @@ enum relay_pgsrc_role {
 struct relay_pgsrc *relay_pgsrc_new(struct ev_loop *loop, const struct relay_config *cfg,
                                     enum relay_pgsrc_role role,
                                     const struct relay_pgsrc_hooks *hooks);
+
+/* Inside a done callback: takes its result, which the caller then owns and
+ * frees with PQclear. NULL when there is none. */
+struct pg_result *relay_pgsrc_take_result(struct relay_pgsrc *pg)
+    __attribute__((warn_unused_result));
 
 /* Closes the connection (an open transaction is rolled back by the server)
  * and frees everything. Pending done callbacks are not called. */

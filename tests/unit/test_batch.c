@@ -286,7 +286,7 @@ static void test_apply_reply_cycle(void **state)
     rows[0] = make_row("orders", "a", 1);
     rows[1] = make_row("orders", "b", 1);
     rows[2] = make_row("orders", "c", 1);
-    struct relay_cycle cycle;
+    struct relay_tally cycle;
     memset(&cycle, 0, sizeof(cycle));
     cycle.pending = 3;
 
@@ -312,7 +312,7 @@ static void test_apply_reply_batch_failures(void **state)
 {
     (void)state;
     struct relay_row row = make_row("orders", "a", 1);
-    struct relay_cycle cycle;
+    struct relay_tally cycle;
 
     memset(&cycle, 0, sizeof(cycle));
     cycle.pending = 2;

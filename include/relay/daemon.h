@@ -1,0 +1,133 @@
+/*
+ * The daemon's parts and the one struct they share (docs/DESIGN.md, "Modules").
+ * Not part of any library's interface: only the daemon's own files include it.
+ *
+ *   relay/relay.c     life cycle, timers, signals, drain, reload, watchdog
+ *   relay/lanes.c     the claim cycle's ops on the claiming connections and Redis
+ *   relay/wakeup.c    the wake-up protocol's ops on the LISTEN connection
+ *   relay/observer.c  the observation thread and its hand-off to the loop
+ *   relay/render.c    /metrics text, /readyz and the stuck-cycle check
+ *
+ * The decisions live in pure modules with unit tests: relay/cycle.c,
+ * relay/wake.c, relay/backpressure.c and relay/batch.c.
+ */
+#ifndef RELAY_DAEMON_H
+#define RELAY_DAEMON_H
+
+/* This header defines the struct that embeds the loop's watchers, so unlike
+ * the public headers it includes libev's. */
+#include <ev.h>
+#include <stddef.h>
+#include <time.h>
+
+#include "relay/backpressure.h"
+#include "relay/batch.h"
+#include "relay/cycle.h"
+#include "relay/observe.h"
+#include "relay/relay.h"
+#include "relay/wake.h"
+
+struct pg_result;
+struct relay_metrics;
+struct relay_observer;
+struct relay_pgsrc;
+struct relay_sink;
+
+/* One claiming connection and the batch it holds. Rows point into claim_res. */
+struct relay_lane {
+    struct relay *r;
+    size_t index;
+    struct relay_pgsrc *pg;
+    struct pg_result *claim_res;
+    struct relay_row *rows;
+    size_t nrows;
+    struct relay_tally tally;
+    struct relay_sqlbuf sql;
+};
+
+/* What /metrics counts. */
+struct relay_figures {
+    unsigned long long published_total;
+    unsigned long long quarantined_total;
+    unsigned long long batches_total;
+    unsigned long long batch_hist[16]; /* per bucket; cumulated when rendered */
+    double batch_sum;
+    unsigned long long errors[RELAY_FAIL_KINDS];
+    unsigned long long row_errors; /* rows that failed for reasons of their own */
+    struct {
+        char topic[RELAY_TOPIC_MAX + 1];
+        unsigned long long published;
+    } topics[RELAY_OBS_TOPICS_MAX];
+    size_t ntopics;
+    unsigned long long other_published; /* topics beyond the table */
+    char last_batch_error[512];
+};
+
+struct relay {
+    struct ev_loop *loop;
+    struct relay_config *cfg;
+    struct relay_reload_source reload;
+    int stopping; /* the loop is being left: callbacks do nothing */
+
+    struct relay_cycle cycle;
+    struct relay_lane lanes[RELAY_CYCLE_LANES_MAX];
+    size_t nlanes;
+    struct relay_sink *sink;
+    struct relay_respbuf out; /* one Redis command, formatted; reused, grows only */
+    unsigned unlinks_pending; /* UNLINKs of dedup records not yet answered */
+    ev_timer kick;            /* runs a wanted claim from the loop, not from a callback */
+    ev_timer retry_timer;     /* backoff after a failed batch */
+    ev_timer deadline;        /* publish deadline of the batch publishing */
+    ev_timer poll_timer;
+
+    struct relay_wake wake;
+    struct relay_pgsrc *listen;
+    ev_timer settle_timer;
+    char *settle_writers; /* text[] of the outbox writers open at the release */
+    int holder_check;     /* a check for another holder of the wake-up lock runs */
+    long foreign_pid;     /* who else holds the wake-up lock, 0 when nobody */
+    char foreign_app[64];
+    char foreign_addr[64];
+
+    struct relay_observer *observer;
+    struct relay_observation *obs; /* the loop's copy of the latest observation */
+    struct relay_paused paused;     /* streams held back for their consumer groups */
+
+    struct relay_figures fig;
+    struct relay_metrics *metrics;
+    ev_timer drain_timer;
+    ev_timer watchdog; /* WATCHDOG=1 at half of WatchdogSec, while healthy */
+    ev_timer status;   /* STATUS= line for systemctl status */
+    char status_text[256];
+    ev_signal sigterm, sigint, sighup;
+};
+
+/* Monotonic seconds: libev's ev_now() follows the wall clock, which steps. */
+static inline double relay_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* relay/lanes.c: creates the claiming connections and Redis and starts the
+ * cycle on them. 0, or -1 when out of memory. */
+int relay_lanes_start(struct relay *r) __attribute__((warn_unused_result));
+void relay_lanes_stop(struct relay *r);
+/* A notification, the poll, or anything else that may mean rows wait. */
+void relay_lanes_want(struct relay *r);
+
+/* relay/wakeup.c: the LISTEN connection and the wake-up protocol. */
+int relay_wakeup_start(struct relay *r) __attribute__((warn_unused_result));
+void relay_wakeup_stop(struct relay *r);
+
+/* relay/relay.c: leaves the loop once draining is complete. */
+void relay_drain_step(struct relay *r);
+
+/* relay/render.c */
+int relay_healthy(const struct relay *r);
+int relay_postgres_up(const struct relay *r);
+int relay_is_ready(void *arg, char *why, size_t whylen);
+long relay_render_metrics(void *arg, char **out);
+
+#endif

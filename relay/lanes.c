@@ -1,0 +1,666 @@
+/*
+ * The claim cycle on real connections: the ops of relay/cycle.c's machine
+ * for the claiming PostgreSQL connections and the Redis sink, and the
+ * callbacks that turn their answers into the machine's events.
+ *
+ * A batch is one PostgreSQL transaction:
+ *   BEGIN; claim up to batch_size pending rows in id order FOR UPDATE SKIP LOCKED
+ *   -> publish every row through the Redis function, pipelined, under one deadline
+ *   -> when every reply is in: mark the published rows sent, record the failures
+ *      of rows that failed for reasons of their own, COMMIT.
+ * Any failure of the whole batch rolls the transaction back and retries after
+ * a jittered backoff: a row is marked sent only in the transaction that
+ * claimed it, and that transaction commits only after Redis acknowledged it,
+ * so a committed row is published at least once whatever crashes where (P1).
+ * A republish after an unknown commit outcome is absorbed by the function's
+ * dedup record (P2). docs/DESIGN.md, "The claim cycle", has the states.
+ */
+#include "relay/compat.h"
+
+#include <ev.h>
+#include <hiredis/async.h>
+#include <hiredis/hiredis.h>
+#include <libpq-fe.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "relay/config.h"
+#include "relay/daemon.h"
+#include "relay/log.h"
+#include "relay/pgsrc.h"
+#include "relay/sink.h"
+
+#define COMPONENT "relay"
+
+/* Upper bounds of the batch duration histogram, in seconds (render.c). */
+const double relay_batch_buckets[13] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                        0.25,  0.5,    1,     2.5,  5,     10};
+
+static void on_begun(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                     void *arg);
+static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                       const char *sqlstate, void *arg);
+static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                        const char *sqlstate, void *arg);
+static void on_rolled_back(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                           const char *sqlstate, void *arg);
+
+/* ---- the machine's ops ------------------------------------------------ */
+
+static double op_now(void *arg)
+{
+    (void)arg;
+    return relay_now();
+}
+
+static int op_lane_ready(void *arg, size_t lane)
+{
+    const struct relay *r = arg;
+    return relay_pgsrc_state(r->lanes[lane].pg) == RELAY_PG_READY;
+}
+
+static int op_sink_ready(void *arg)
+{
+    const struct relay *r = arg;
+    return relay_sink_ready(r->sink);
+}
+
+static int op_begin(void *arg, size_t lane)
+{
+    struct relay *r = arg;
+    struct relay_lane *l = &r->lanes[lane];
+    return relay_pgsrc_send(l->pg, "BEGIN", 0, NULL, 0, on_begun, l);
+}
+
+static int op_claim(void *arg, size_t lane, char *why, size_t whylen)
+{
+    struct relay *r = arg;
+    struct relay_lane *l = &r->lanes[lane];
+    char limit[16];
+    (void)why;
+    (void)whylen;
+    snprintf(limit, sizeof(limit), "%u", r->cfg->batch_size);
+    const char *params[2] = {limit, r->paused.param};
+    /* With a topic paused, the claim that walks the pending topics' index
+     * instead of the paused backlog (relay/pgsrc.c). */
+    const char *claim = r->paused.n > 0 ? "claim_paused" : "claim";
+    return relay_pgsrc_send_prepared(l->pg, claim, 2, params, 1, on_claimed, l);
+}
+
+static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg);
+static void publish_done(struct relay_lane *l);
+
+/* Sends every row of the lane's batch to Redis under one deadline. */
+static void op_publish(void *arg, size_t lane)
+{
+    struct relay *r = arg;
+    struct relay_lane *l = &r->lanes[lane];
+    memset(&l->tally, 0, sizeof(l->tally));
+    uint64_t not_after = relay_sink_deadline_ms(r->sink, r->cfg->publish_timeout_ms);
+    /* Measure Redis's clock again ahead of this batch's publishes, for the
+     * next batch's deadline: a clock step on either host costs at most one
+     * batch (docs/DESIGN.md, "The publish deadline"). */
+    relay_sink_sync_clock(r->sink);
+    for (size_t i = 0; i < l->nrows; i++) {
+        struct relay_row *row = &l->rows[i];
+        relay_respbuf_reset(&r->out);
+        int rc = relay_batch_append_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
+                                            r->cfg->dedup_ttl_ms, not_after, &r->out, row->error,
+                                            sizeof(row->error), &row->fault);
+        if (rc == -1) {
+            row->state = RELAY_ROW_FAILED;
+            continue;
+        }
+        if (rc != 0 ||
+            relay_sink_formatted(r->sink, r->out.data, r->out.len, on_publish_reply, row) < 0) {
+            l->tally.failed = 1;
+            l->tally.kind = RELAY_FAIL_REDIS_CONNECTION;
+            snprintf(l->tally.error, sizeof(l->tally.error), "Redis connection not ready");
+            break;
+        }
+        row->state = RELAY_ROW_PUBLISHING;
+        l->tally.pending++;
+    }
+    if (l->tally.pending == 0) {
+        publish_done(l);
+        return;
+    }
+    ev_timer_set(&r->deadline, r->cfg->publish_timeout_ms / 1000.0, 0.0);
+    ev_timer_start(r->loop, &r->deadline);
+}
+
+static char *quote_literal(void *ctx, const char *s, size_t len)
+{
+    return relay_pgsrc_escape_literal(ctx, s, len);
+}
+
+static int op_finish(void *arg, size_t lane, char *why, size_t whylen)
+{
+    struct relay *r = arg;
+    struct relay_lane *l = &r->lanes[lane];
+    struct relay_sql_quoter q = {quote_literal, relay_pgsrc_freemem, l->pg};
+    if (relay_batch_finish_sql(l->rows, l->nrows, r->cfg->max_attempts, &q, &l->sql) < 0) {
+        snprintf(why, whylen, "cannot build the statement that marks the batch sent");
+        return -1;
+    }
+    return relay_pgsrc_send(l->pg, l->sql.data, 0, NULL, 0, on_finished, l);
+}
+
+static int op_rollback(void *arg, size_t lane, int empty)
+{
+    struct relay *r = arg;
+    struct relay_lane *l = &r->lanes[lane];
+    if (r->stopping || relay_pgsrc_state(l->pg) != RELAY_PG_READY)
+        return -1;
+    return relay_pgsrc_send(l->pg, empty ? "COMMIT" : "ROLLBACK", 0, NULL, 0, on_rolled_back, l);
+}
+
+static void op_release(void *arg, size_t lane)
+{
+    struct relay *r = arg;
+    struct relay_lane *l = &r->lanes[lane];
+    if (l->claim_res != NULL) {
+        PQclear(l->claim_res);
+        l->claim_res = NULL;
+    }
+    l->nrows = 0;
+    memset(&l->tally, 0, sizeof(l->tally));
+}
+
+/* A failure of the whole batch: nobody is blamed; logged once per reason. */
+static void op_failed(void *arg, size_t lane, enum relay_fail_kind kind, const char *why)
+{
+    struct relay *r = arg;
+    struct relay_lane *l = &r->lanes[lane];
+    r->fig.errors[kind]++;
+    if (strcmp(why, r->fig.last_batch_error) != 0) {
+        relay_warn(COMPONENT,
+                   "batch of %zu rows not published: %s; rolled back, will retry with backoff",
+                   l->nrows, why);
+        snprintf(r->fig.last_batch_error, sizeof(r->fig.last_batch_error), "%s", why);
+    } else {
+        relay_debug(COMPONENT, "batch of %zu rows not published: %s", l->nrows, why);
+    }
+    if (l->tally.function_missing)
+        relay_sink_reload_function(r->sink);
+}
+
+static void op_kick(void *arg)
+{
+    struct relay *r = arg;
+    if (!ev_is_active(&r->kick)) {
+        ev_timer_set(&r->kick, 0.0, 0.0);
+        ev_timer_start(r->loop, &r->kick);
+    }
+}
+
+static void op_arm_retry(void *arg, uint32_t ms)
+{
+    struct relay *r = arg;
+    ev_timer_stop(r->loop, &r->retry_timer);
+    ev_timer_set(&r->retry_timer, ms / 1000.0, 0.0);
+    ev_timer_start(r->loop, &r->retry_timer);
+}
+
+static int op_self_driven(void *arg)
+{
+    const struct relay *r = arg;
+    return relay_wake_self_driven(&r->wake);
+}
+
+static void op_went_empty(void *arg)
+{
+    struct relay *r = arg;
+    relay_wake_empty(&r->wake);
+}
+
+static void op_drained(void *arg)
+{
+    relay_drain_step(arg);
+}
+
+/* ---- answers into events ----------------------------------------------- */
+
+static void on_begun(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                     void *arg)
+{
+    struct relay_lane *l = arg;
+    struct relay *r = l->r;
+    (void)pg;
+    (void)res;
+    (void)sqlstate;
+    if (r->stopping)
+        return;
+    if (err != NULL) {
+        char why[600];
+        snprintf(why, sizeof(why), "BEGIN failed: %s", err);
+        relay_cycle_failed(&r->cycle, l->index, RELAY_FAIL_POSTGRES, why);
+        return;
+    }
+    relay_cycle_begun(&r->cycle, l->index);
+}
+
+static int parse_row(PGresult *res, int i, struct relay_row *row)
+{
+    if (PQgetlength(res, i, 0) != 8)
+        return -1;
+    memset(row, 0, offsetof(struct relay_row, error));
+    row->error[0] = '\0';
+    row->id = relay_batch_decode_int8(PQgetvalue(res, i, 0));
+    row->message_id = PQgetvalue(res, i, 1);
+    row->message_id_len = (size_t)PQgetlength(res, i, 1);
+    row->topic = PQgetvalue(res, i, 2);
+    row->topic_len = (size_t)PQgetlength(res, i, 2);
+    if (!PQgetisnull(res, i, 3)) {
+        row->key = PQgetvalue(res, i, 3);
+        row->key_len = (size_t)PQgetlength(res, i, 3);
+    }
+    if (PQgetisnull(res, i, 4)) {
+        /* Over max_payload_bytes: left in the database, only its size came. */
+        if (PQgetlength(res, i, 10) != 4)
+            return -1;
+        row->payload_len = (size_t)(uint32_t)relay_batch_decode_int4(PQgetvalue(res, i, 10));
+    } else {
+        row->payload = PQgetvalue(res, i, 4);
+        row->payload_len = (size_t)PQgetlength(res, i, 4);
+    }
+    row->created_at = PQgetvalue(res, i, 5);
+    row->created_at_len = (size_t)PQgetlength(res, i, 5);
+    if (!PQgetisnull(res, i, 6))
+        row->headers_type = PQgetvalue(res, i, 6);
+    if (!PQgetisnull(res, i, 7)) {
+        row->header_names = PQgetvalue(res, i, 7);
+        row->header_names_len = (size_t)PQgetlength(res, i, 7);
+    }
+    if (!PQgetisnull(res, i, 8)) {
+        row->header_values = PQgetvalue(res, i, 8);
+        row->header_values_len = (size_t)PQgetlength(res, i, 8);
+    }
+    if (PQgetlength(res, i, 9) != 4)
+        return -1;
+    row->attempts = relay_batch_decode_int4(PQgetvalue(res, i, 9));
+    row->state = RELAY_ROW_CLAIMED;
+    return 0;
+}
+
+static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                       const char *sqlstate, void *arg)
+{
+    struct relay_lane *l = arg;
+    struct relay *r = l->r;
+    (void)sqlstate;
+    if (r->stopping)
+        return;
+    if (err != NULL || res == NULL || PQnfields(res) != 11) {
+        char why[600];
+        snprintf(why, sizeof(why), "claim failed: %s", err ? err : "unexpected result shape");
+        relay_cycle_failed(&r->cycle, l->index, RELAY_FAIL_POSTGRES, why);
+        return;
+    }
+    if (r->cycle.lanes[l->index].abandon) {
+        relay_cycle_claimed(&r->cycle, l->index, 0, 0); /* rolled back, not published */
+        return;
+    }
+    /* The rows point into the result: the lane keeps it until the batch ends. */
+    l->claim_res = relay_pgsrc_take_result(pg);
+    int n = PQntuples(res);
+    l->nrows = 0;
+    for (int i = 0; i < n && (size_t)i < r->cfg->batch_size; i++) {
+        if (parse_row(res, i, &l->rows[l->nrows]) < 0) {
+            relay_cycle_failed(&r->cycle, l->index, RELAY_FAIL_POSTGRES,
+                               "claim returned a malformed row");
+            return;
+        }
+        l->nrows++;
+    }
+    relay_cycle_claimed(&r->cycle, l->index, l->nrows, l->nrows == r->cfg->batch_size);
+}
+
+/* Every reply of the batch is in (or it never published anything). */
+static void publish_done(struct relay_lane *l)
+{
+    struct relay *r = l->r;
+    ev_timer_stop(r->loop, &r->deadline);
+    if (r->stopping)
+        return;
+    if (l->tally.failed) {
+        relay_cycle_failed(&r->cycle, l->index, l->tally.kind, l->tally.error);
+        return;
+    }
+    /* From here on the relay claims on its own until a claim comes back
+     * empty, so producers may stop notifying. */
+    relay_wake_busy(&r->wake);
+    relay_cycle_published(&r->cycle, l->index);
+}
+
+static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg)
+{
+    struct relay *r = relay_sink_owner(ac);
+    const redisReply *reply = reply_;
+    if (r == NULL || r->stopping || r->cycle.publishing < 0)
+        return;
+    struct relay_lane *l = &r->lanes[r->cycle.publishing];
+    if (r->cycle.lanes[l->index].state != RELAY_LANE_PUBLISH)
+        return;
+    enum relay_reply_kind kind = RELAY_REPLY_OTHER;
+    const char *str = NULL;
+    size_t len = 0;
+    if (reply == NULL) {
+        kind = RELAY_REPLY_LOST;
+        str = ac->errstr;
+        len = strlen(ac->errstr);
+    } else if (reply->type == REDIS_REPLY_STRING || reply->type == REDIS_REPLY_STATUS) {
+        kind = RELAY_REPLY_ENTRY;
+    } else if (reply->type == REDIS_REPLY_ERROR) {
+        kind = RELAY_REPLY_ERROR;
+        str = reply->str;
+        len = reply->len;
+    }
+    if (relay_batch_apply_reply(&l->tally, arg, kind, str, len))
+        publish_done(l);
+}
+
+static void on_deadline(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    struct relay *r = w->data;
+    (void)loop;
+    (void)revents;
+    char why[128];
+    snprintf(why, sizeof(why), "no reply to the batch within publish_timeout (%u ms)",
+             r->cfg->publish_timeout_ms);
+    if (r->cycle.publishing >= 0) {
+        struct relay_tally *t = &r->lanes[r->cycle.publishing].tally;
+        if (!t->failed) {
+            t->failed = 1;
+            t->kind = RELAY_FAIL_REDIS_TIMEOUT;
+            snprintf(t->error, sizeof(t->error), "%s", why);
+        }
+    }
+    /* hiredis 0.14 cannot cancel a command: drop the connection, which runs
+     * every pending callback with a NULL reply and ends the batch. */
+    relay_sink_abort(r->sink, why);
+}
+
+/* Published messages per topic, for outbox_relay_messages_published_total. */
+static void count_topics(struct relay_lane *l)
+{
+    struct relay_figures *f = &l->r->fig;
+    size_t hint = 0;
+    for (size_t i = 0; i < l->nrows; i++) {
+        const struct relay_row *row = &l->rows[i];
+        if (row->state != RELAY_ROW_PUBLISHED)
+            continue;
+        size_t j = hint;
+        int found = 0;
+        for (size_t n = 0; n < f->ntopics; n++, j = (j + 1) % f->ntopics) {
+            if (strlen(f->topics[j].topic) == row->topic_len &&
+                memcmp(f->topics[j].topic, row->topic, row->topic_len) == 0) {
+                f->topics[j].published++;
+                hint = j;
+                found = 1;
+                break;
+            }
+        }
+        if (found)
+            continue;
+        if (f->ntopics < RELAY_OBS_TOPICS_MAX && row->topic_len <= RELAY_TOPIC_MAX) {
+            memcpy(f->topics[f->ntopics].topic, row->topic, row->topic_len);
+            f->topics[f->ntopics].topic[row->topic_len] = '\0';
+            f->topics[f->ntopics++].published = 1;
+        } else {
+            f->other_published++;
+        }
+    }
+}
+
+static void log_row_failures(const struct relay_lane *l)
+{
+    const struct relay *r = l->r;
+    for (size_t i = 0; i < l->nrows; i++) {
+        const struct relay_row *row = &l->rows[i];
+        if (row->state != RELAY_ROW_FAILED)
+            continue;
+        int32_t attempts = row->attempts + 1;
+        int topic_len = (int)relay_batch_utf8_prefix(row->topic, row->topic_len, 64);
+        if (row->fault == RELAY_FAULT_PERMANENT)
+            relay_error(COMPONENT,
+                        "row id=%lld message_id=%.*s topic=%.*s quarantined at attempt %d, not "
+                        "retried (no retry can publish it as it is): %s; list with 'outbox-relay "
+                        "failed list', re-queue with 'outbox-relay failed retry %lld'",
+                        (long long)row->id, (int)row->message_id_len, row->message_id, topic_len,
+                        row->topic, attempts, row->error, (long long)row->id);
+        else if (relay_batch_row_quarantined(row, r->cfg->max_attempts))
+            relay_error(COMPONENT,
+                        "row id=%lld message_id=%.*s topic=%.*s quarantined after %d attempts: "
+                        "%s; list with 'outbox-relay failed list', re-queue with 'outbox-relay "
+                        "failed retry %lld'",
+                        (long long)row->id, (int)row->message_id_len, row->message_id, topic_len,
+                        row->topic, attempts, row->error, (long long)row->id);
+        else
+            relay_warn(COMPONENT,
+                       "row id=%lld message_id=%.*s topic=%.*s not published (attempt %d of %u): "
+                       "%s",
+                       (long long)row->id, (int)row->message_id_len, row->message_id, topic_len,
+                       row->topic, attempts, r->cfg->max_attempts, row->error);
+    }
+}
+
+static void on_unlinked(redisAsyncContext *ac, void *reply, void *arg)
+{
+    struct relay *r = arg;
+    (void)ac;
+    (void)reply; /* an error or a lost connection leaves the records to their TTL */
+    if (r->unlinks_pending > 0)
+        r->unlinks_pending--;
+    if (!r->stopping && r->cycle.draining && relay_cycle_all_idle(&r->cycle))
+        relay_drain_step(r);
+}
+
+/* Removes the dedup records of a committed batch: its rows are marked sent and
+ * will not be claimed again, so the records are no longer needed. This keeps
+ * dedup memory bounded by batches whose outcome is unknown. One UNLINK per
+ * stream keeps each command inside one hash slot. */
+static void drop_dedup_records(struct relay_lane *l)
+{
+    struct relay *r = l->r;
+    size_t pos = 0;
+    for (;;) {
+        relay_respbuf_reset(&r->out);
+        if (relay_batch_append_unlink(l->rows, l->nrows, r->cfg->stream_prefix, &pos, &r->out) !=
+            1)
+            break;
+        if (relay_sink_formatted(r->sink, r->out.data, r->out.len, on_unlinked, r) == 0)
+            r->unlinks_pending++;
+    }
+}
+
+/* The batch committed: count it, log its rows' failures, drop its records. */
+static void batch_committed(struct relay_lane *l)
+{
+    struct relay *r = l->r;
+    struct relay_figures *f = &r->fig;
+    size_t published = 0, failed = 0;
+    for (size_t i = 0; i < l->nrows; i++) {
+        if (l->rows[i].state == RELAY_ROW_PUBLISHED)
+            published++;
+        else if (l->rows[i].state == RELAY_ROW_FAILED)
+            failed++;
+        f->quarantined_total += relay_batch_row_quarantined(&l->rows[i], r->cfg->max_attempts);
+    }
+    f->published_total += published;
+    f->row_errors += failed;
+    f->batches_total++;
+    double took = relay_now() - r->cycle.lanes[l->index].claimed_at;
+    f->batch_sum += took;
+    size_t b = 0;
+    while (b < RELAY_ARRAY_LEN(relay_batch_buckets) && took > relay_batch_buckets[b])
+        b++;
+    f->batch_hist[b]++;
+    count_topics(l);
+    log_row_failures(l);
+    if (f->last_batch_error[0] != '\0') {
+        relay_info(COMPONENT, "publishing again after: %s", f->last_batch_error);
+        f->last_batch_error[0] = '\0';
+    }
+    relay_debug(COMPONENT, "batch committed: %zu published, %zu failed, %.1f ms", published,
+                failed, took * 1000.0);
+    drop_dedup_records(l);
+}
+
+static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                        const char *sqlstate, void *arg)
+{
+    struct relay_lane *l = arg;
+    struct relay *r = l->r;
+    (void)pg;
+    (void)res;
+    if (r->stopping)
+        return;
+    if (err != NULL) {
+        /* A lost connection during COMMIT leaves the outcome unknown: the rows
+         * may be claimed again, and their dedup records absorb the republish. */
+        char why[700];
+        snprintf(why, sizeof(why), "marking the batch sent failed (%s%s)", err,
+                 sqlstate && strcmp(sqlstate, "08006") == 0 ? "; commit outcome unknown" : "");
+        relay_cycle_failed(&r->cycle, l->index, RELAY_FAIL_POSTGRES, why);
+        return;
+    }
+    batch_committed(l);
+    relay_wake_busy(&r->wake); /* takes the lock again if an earlier try timed out */
+    relay_cycle_committed(&r->cycle, l->index, l->nrows == r->cfg->batch_size);
+}
+
+static void on_rolled_back(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                           const char *sqlstate, void *arg)
+{
+    struct relay_lane *l = arg;
+    (void)res;
+    (void)sqlstate;
+    if (l->r->stopping)
+        return;
+    if (err != NULL)
+        relay_pgsrc_reset(pg, "ROLLBACK failed");
+    relay_cycle_rolled_back(&l->r->cycle, l->index);
+}
+
+/* ---- connections ------------------------------------------------------- */
+
+static void on_kick(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop;
+    (void)revents;
+    relay_cycle_run(&((struct relay *)w->data)->cycle);
+}
+
+static void on_retry(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop;
+    (void)revents;
+    relay_cycle_retry_due(&((struct relay *)w->data)->cycle);
+}
+
+void relay_lanes_want(struct relay *r)
+{
+    relay_cycle_want(&r->cycle);
+}
+
+/* Catch up: notifications sent while the connection was away are lost. A
+ * claiming connection starts busy: it declares itself idle after the catch-up. */
+static void lane_ready(struct relay_pgsrc *pg, void *arg)
+{
+    struct relay *r = arg;
+    (void)pg;
+    relay_wake_busy(&r->wake);
+    relay_cycle_want(&r->cycle);
+}
+
+/* A claiming connection broke. A lane with a command in flight hears of it
+ * from that command; a lane between commands holds a batch whose locks the
+ * server has just released, so the batch is void. */
+static void lane_down(struct relay_pgsrc *pg, void *arg)
+{
+    struct relay *r = arg;
+    for (size_t i = 0; i < r->nlanes; i++)
+        if (r->lanes[i].pg == pg)
+            relay_cycle_lane_down(&r->cycle, i);
+}
+
+static void sink_ready(struct relay_sink *s, void *arg)
+{
+    struct relay *r = arg;
+    (void)s;
+    relay_cycle_want(&r->cycle);
+}
+
+int relay_lanes_start(struct relay *r)
+{
+    const struct relay_cycle_ops ops = {
+        .arg = r,
+        .now = op_now,
+        .lane_ready = op_lane_ready,
+        .sink_ready = op_sink_ready,
+        .begin = op_begin,
+        .claim = op_claim,
+        .publish = op_publish,
+        .finish = op_finish,
+        .rollback = op_rollback,
+        .release = op_release,
+        .failed = op_failed,
+        .kick = op_kick,
+        .arm_retry = op_arm_retry,
+        .self_driven = op_self_driven,
+        .went_empty = op_went_empty,
+        .drained = op_drained,
+    };
+    const struct relay_config *cfg = r->cfg;
+    r->nlanes = cfg->pipeline ? 2 : 1;
+    relay_cycle_init(&r->cycle, &ops, r->nlanes, cfg->reconnect_min_ms, cfg->reconnect_max_ms);
+    ev_init(&r->kick, on_kick);
+    r->kick.data = r;
+    ev_init(&r->retry_timer, on_retry);
+    r->retry_timer.data = r;
+    ev_init(&r->deadline, on_deadline);
+    r->deadline.data = r;
+
+    struct relay_pgsrc_hooks hooks = {.arg = r, .on_ready = lane_ready, .on_down = lane_down};
+    for (size_t i = 0; i < r->nlanes; i++) {
+        struct relay_lane *l = &r->lanes[i];
+        l->r = r;
+        l->index = i;
+        l->rows = calloc(cfg->batch_size, sizeof(*l->rows));
+        if (l->rows == NULL)
+            return -1;
+        l->pg = relay_pgsrc_new(r->loop, cfg, RELAY_PGSRC_CLAIM, &hooks);
+        if (l->pg == NULL)
+            return -1;
+    }
+    struct relay_sink_hooks sink_hooks = {.arg = r, .on_ready = sink_ready};
+    r->sink = relay_sink_new(r->loop, cfg, &sink_hooks);
+    return r->sink != NULL ? 0 : -1;
+}
+
+void relay_lanes_stop(struct relay *r)
+{
+    r->cycle.stopping = 1;
+    if (r->loop != NULL) {
+        ev_timer_stop(r->loop, &r->kick);
+        ev_timer_stop(r->loop, &r->retry_timer);
+        ev_timer_stop(r->loop, &r->deadline);
+    }
+    /* Redis first: its pending callbacks run now and see r->stopping. */
+    relay_sink_free(r->sink);
+    r->sink = NULL;
+    for (size_t i = 0; i < r->nlanes; i++) {
+        struct relay_lane *l = &r->lanes[i];
+        relay_pgsrc_free(l->pg);
+        l->pg = NULL;
+        if (l->claim_res != NULL)
+            PQclear(l->claim_res);
+        l->claim_res = NULL;
+        free(l->rows);
+        l->rows = NULL;
+        relay_sqlbuf_free(&l->sql);
+    }
+    relay_respbuf_free(&r->out);
+}

@@ -1,0 +1,243 @@
+/*
+ * What the relay tells about itself: the /metrics text (Prometheus text
+ * format, label values escaped: names come from Redis and from data), the
+ * /readyz verdict, and the stuck-cycle check that the watchdog shares with
+ * it. docs/OPERATIONS.md documents every metric.
+ */
+#include "relay/compat.h"
+
+#include <hiredis/hiredis.h>
+#include <libpq-fe.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "relay/config.h"
+#include "relay/daemon.h"
+#include "relay/metrics.h"
+#include "relay/pgsrc.h"
+#include "relay/sink.h"
+
+/* Whole-batch failures in a row that turn /readyz red: one is a blip that
+ * the retry absorbs, three in a row need someone to look. */
+#define FAILURES_NOT_READY 3
+
+extern const double relay_batch_buckets[13];
+
+int relay_healthy(const struct relay *r)
+{
+    /* Every stage of a batch ends within its deadlines: publishing within
+     * publish_timeout, each statement within statement_timeout (and the
+     * client's own deadline), a reconnect within connect_timeout. */
+    double limit = (r->cfg->publish_timeout_ms + 2.0 * r->cfg->statement_timeout_ms +
+                    r->cfg->connect_timeout_ms) /
+                   1000.0;
+    return relay_cycle_stuck(&r->cycle, relay_now(), limit) < 0;
+}
+
+int relay_postgres_up(const struct relay *r)
+{
+    for (size_t i = 0; i < r->nlanes; i++) {
+        enum relay_pgsrc_state st = relay_pgsrc_state(r->lanes[i].pg);
+        if (st != RELAY_PG_READY && st != RELAY_PG_BUSY)
+            return 0;
+    }
+    return 1;
+}
+
+static int ready(const struct relay *r, char *why, size_t whylen)
+{
+    if (!relay_postgres_up(r)) {
+        snprintf(why, whylen, "PostgreSQL not connected");
+        return 0;
+    }
+    if (!relay_sink_ready(r->sink)) {
+        snprintf(why, whylen, "Redis not connected");
+        return 0;
+    }
+    if (!relay_healthy(r)) {
+        snprintf(why, whylen, "a claim cycle is stalled");
+        return 0;
+    }
+    if (r->cycle.failures_in_row >= FAILURES_NOT_READY) {
+        snprintf(why, whylen, "batches keep failing (%u in a row): %s", r->cycle.failures_in_row,
+                 r->fig.last_batch_error);
+        return 0;
+    }
+    return 1;
+}
+
+int relay_is_ready(void *arg, char *why, size_t whylen)
+{
+    return ready(arg, why, whylen);
+}
+
+static void help(struct relay_text *t, const char *name, const char *type, const char *text)
+{
+    relay_text_printf(t, "# HELP %s %s\n# TYPE %s %s\n", name, text, name, type);
+}
+
+/* The relay's own state and counters. */
+static void render_relay(const struct relay *r, struct relay_text *t)
+{
+    const struct relay_figures *f = &r->fig;
+    char why[128];
+    int pqv = PQlibVersion();
+    help(t, "outbox_relay_build_info", "gauge", "Version of the relay and its libraries.");
+    relay_text_printf(t,
+                      "outbox_relay_build_info{version=\"%s\",libpq=\"%d.%d\","
+                      "hiredis=\"%d.%d.%d\"} 1\n",
+                      RELAY_VERSION, pqv / 10000, pqv % 10000, HIREDIS_MAJOR, HIREDIS_MINOR,
+                      HIREDIS_PATCH);
+    help(t, "outbox_relay_up", "gauge", "Connection state of each server (1 connected).");
+    relay_text_printf(t, "outbox_relay_up{server=\"postgres\"} %d\n", relay_postgres_up(r));
+    relay_text_printf(t, "outbox_relay_up{server=\"redis\"} %d\n", relay_sink_ready(r->sink));
+    help(t, "outbox_relay_ready", "gauge", "1 when connected to both servers and not stalled.");
+    relay_text_printf(t, "outbox_relay_ready %d\n", ready(r, why, sizeof(why)));
+
+    help(t, "outbox_relay_messages_published_total", "counter",
+         "Messages published to their stream, per topic.");
+    for (size_t i = 0; i < f->ntopics; i++) {
+        relay_text_printf(t, "outbox_relay_messages_published_total{topic=\"");
+        relay_text_label(t, f->topics[i].topic);
+        relay_text_printf(t, "\"} %llu\n", f->topics[i].published);
+    }
+    if (f->other_published)
+        relay_text_printf(t, "outbox_relay_messages_published_total{topic=\"_other\"} %llu\n",
+                          f->other_published);
+    help(t, "outbox_relay_batches_total", "counter", "Claim cycles committed.");
+    relay_text_printf(t, "outbox_relay_batches_total %llu\n", f->batches_total);
+    help(t, "outbox_relay_batch_duration_seconds", "histogram",
+         "Time from claim to commit of a batch.");
+    unsigned long long cum = 0;
+    for (size_t b = 0; b < RELAY_ARRAY_LEN(relay_batch_buckets); b++) {
+        cum += f->batch_hist[b];
+        relay_text_printf(t, "outbox_relay_batch_duration_seconds_bucket{le=\"%g\"} %llu\n",
+                          relay_batch_buckets[b], cum);
+    }
+    cum += f->batch_hist[RELAY_ARRAY_LEN(relay_batch_buckets)];
+    relay_text_printf(t, "outbox_relay_batch_duration_seconds_bucket{le=\"+Inf\"} %llu\n", cum);
+    relay_text_printf(t, "outbox_relay_batch_duration_seconds_sum %.6f\n", f->batch_sum);
+    relay_text_printf(t, "outbox_relay_batch_duration_seconds_count %llu\n", cum);
+    help(t, "outbox_relay_publish_errors_total", "counter",
+         "Failed batches by kind, and rows that failed for reasons of their own (row).");
+    for (int k = 0; k < RELAY_FAIL_KINDS; k++)
+        relay_text_printf(t, "outbox_relay_publish_errors_total{kind=\"%s\"} %llu\n",
+                          relay_fail_kind_name((enum relay_fail_kind)k), f->errors[k]);
+    relay_text_printf(t, "outbox_relay_publish_errors_total{kind=\"row\"} %llu\n",
+                      f->row_errors);
+    help(t, "outbox_relay_batch_failures_in_row", "gauge",
+         "Whole-batch failures since the last committed batch (3 or more: not ready).");
+    relay_text_printf(t, "outbox_relay_batch_failures_in_row %u\n", r->cycle.failures_in_row);
+    help(t, "outbox_relay_rows_quarantined_total", "counter",
+         "Rows this relay quarantined: at once for a permanent failure, after max_attempts for "
+         "a transient one.");
+    relay_text_printf(t, "outbox_relay_rows_quarantined_total %llu\n", f->quarantined_total);
+    help(t, "outbox_relay_wakeup_lock_foreign_holder", "gauge",
+         "1 for the session other than this relay that holds the wake-up lock while this relay "
+         "is idle: producers skip their notifications meanwhile.");
+    if (r->foreign_pid != 0) {
+        relay_text_printf(t, "outbox_relay_wakeup_lock_foreign_holder{pid=\"%ld\","
+                             "application_name=\"",
+                          r->foreign_pid);
+        relay_text_label(t, r->foreign_app);
+        relay_text_printf(t, "\",client_addr=\"");
+        relay_text_label(t, r->foreign_addr);
+        relay_text_printf(t, "\"} 1\n");
+    }
+}
+
+/* The outbox and its topics, as last observed. */
+static void render_outbox(const struct relay *r, struct relay_text *t)
+{
+    const struct relay_observation *o = r->obs;
+    if (o->taken_at > 0) {
+        help(t, "outbox_relay_observation_age_seconds", "gauge",
+             "Age of the observation behind the gauges below.");
+        struct timespec now;
+        clock_gettime(CLOCK_REALTIME, &now);
+        relay_text_printf(t, "outbox_relay_observation_age_seconds %.3f\n",
+                          (double)now.tv_sec + now.tv_nsec / 1e9 - o->taken_at);
+    }
+    if (o->pg_ok) {
+        help(t, "outbox_relay_outbox_pending_rows", "gauge",
+             "Rows waiting in the outbox (an estimate from the span of pending ids).");
+        relay_text_printf(t, "outbox_relay_outbox_pending_rows %lld\n", o->outbox_pending);
+        help(t, "outbox_relay_outbox_oldest_pending_age_seconds", "gauge",
+             "Age of the oldest row waiting in the outbox (0 when none).");
+        relay_text_printf(t, "outbox_relay_outbox_oldest_pending_age_seconds %.3f\n",
+                          o->outbox_oldest_age < 0 ? 0 : o->outbox_oldest_age);
+        help(t, "outbox_relay_outbox_quarantined_rows", "gauge",
+             "Quarantined rows waiting for an operator.");
+        relay_text_printf(t, "outbox_relay_outbox_quarantined_rows %lld\n", o->quarantined);
+        help(t, "outbox_relay_topic_admitting", "gauge",
+             "1 when producers of the topic are admitted, 0 when refused (backpressure).");
+        for (size_t i = 0; i < o->ntopics; i++) {
+            if (o->topics[i].admitting < 0)
+                continue;
+            relay_text_printf(t, "outbox_relay_topic_admitting{topic=\"");
+            relay_text_label(t, o->topics[i].topic);
+            relay_text_printf(t, "\"} %d\n", o->topics[i].admitting);
+        }
+    }
+    help(t, "outbox_relay_stream_paused", "gauge",
+         "1 while the relay holds a stream back for its lagging consumer groups.");
+    for (size_t i = 0; i < o->ntopics; i++) {
+        relay_text_printf(t, "outbox_relay_stream_paused{stream=\"");
+        relay_text_label(t, o->topics[i].stream);
+        relay_text_printf(t, "\"} %d\n", relay_paused_has(&r->paused, o->topics[i].topic));
+    }
+}
+
+/* Every consumer group of the relay's streams, as last observed. */
+static void render_groups(const struct relay *r, struct relay_text *t)
+{
+    static const char *const names[6][2] = {
+        {"outbox_relay_group_lag_entries", "Entries not yet delivered to the group."},
+        {"outbox_relay_group_pending_entries", "Entries delivered, not acknowledged."},
+        {"outbox_relay_group_oldest_pending_age_seconds",
+         "Age of the oldest delivered, unacknowledged entry (0 when none)."},
+        {"outbox_relay_group_oldest_undelivered_age_seconds",
+         "Age of the oldest entry not yet delivered (0 when none)."},
+        {"outbox_relay_group_queue_age_seconds",
+         "Age of the oldest message the group has not acknowledged, from its outbox row."},
+        {"outbox_relay_group_dead_letters", "Entries in the group's dead-letter stream."},
+    };
+    const struct relay_observation *o = r->obs;
+    if (!o->redis_ok)
+        return;
+    for (int m = 0; m < 6; m++) {
+        help(t, names[m][0], "gauge", names[m][1]);
+        for (size_t i = 0; i < o->ngroups; i++) {
+            const struct relay_group_obs *g = &o->groups[i];
+            double v = m == 0 ? (double)g->lag
+                     : m == 1 ? (double)g->pending
+                     : m == 2 ? g->oldest_pending_age
+                     : m == 3 ? g->oldest_undelivered_age
+                     : m == 4 ? g->queue_age
+                              : (double)g->dead_letters;
+            if (m == 0 && g->lag < 0)
+                continue; /* Redis cannot tell: no sample rather than a wrong one */
+            relay_text_printf(t, "%s{stream=\"", names[m][0]);
+            relay_text_label(t, g->stream);
+            relay_text_printf(t, "\",group=\"");
+            relay_text_label(t, g->group);
+            relay_text_printf(t, "\"} %.3f\n", v < 0 ? 0 : v);
+        }
+    }
+}
+
+long relay_render_metrics(void *arg, char **out)
+{
+    const struct relay *r = arg;
+    struct relay_text t = {NULL, 0, 0, 0};
+    render_relay(r, &t);
+    render_outbox(r, &t);
+    render_groups(r, &t);
+    if (t.failed) {
+        free(t.data);
+        return -1;
+    }
+    *out = t.data;
+    return (long)t.len;
+}
