@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing, configures, builds and runs every
-# test (unit tests in parallel, then the integration tests one at a time, since
-# each starts its own PostgreSQL, Redis and relay). Works from any directory.
+# test in two tiers. Works from any directory.
+#   quick  the unit tests and the quick integration files, two at a time
+#          (each starts its own PostgreSQL, Redis and relay on free ports);
+#   slow   faults, kills, restarts, resources and the vanished host, one at a
+#          time, since they load the machine on purpose.
+#
+# Usage: scripts/test.sh [--quick]   (--quick: the quick tier alone)
 #
 # Environment:
 #   BUILD_DIR       build directory, relative to the repository root (default build)
@@ -10,6 +15,13 @@
 #   RELAY_SANITIZE  e.g. address,undefined (default none)
 # Exits with ctest's status: non-zero if any test failed.
 set -euo pipefail
+
+quick=0
+case "${1:-}" in
+  --quick) quick=1 ;;
+  "") ;;
+  *) echo "usage: scripts/test.sh [--quick]" >&2; exit 64 ;;
+esac
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -32,5 +44,8 @@ fi
 
 status=0
 ctest --test-dir "$build_dir" --output-on-failure -L unit -j2 || status=$?
-ctest --test-dir "$build_dir" --output-on-failure -L integration || status=$?
+ctest --test-dir "$build_dir" --output-on-failure -L quick -j2 || status=$?
+if ((quick == 0)); then
+  ctest --test-dir "$build_dir" --output-on-failure -L slow || status=$?
+fi
 exit "$status"

@@ -453,6 +453,9 @@ def relay_env(pg=None, redis=None, extra=None):
         env["OUTBOX_RELAY_POSTGRES"] = pg.dsn()
     if redis is not None:
         env["OUTBOX_RELAY_REDIS"] = redis.url()
+    # A port of its own for the metrics endpoint, so relays of tests that run
+    # at the same time never compete for the default one.
+    env["OUTBOX_RELAY_METRICS_LISTEN"] = f"127.0.0.1:{free_port()}"
     for key, value in (extra or {}).items():
         if value is None:
             env.pop(key, None)
