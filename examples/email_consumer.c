@@ -34,7 +34,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "relay/consumer.h"
+#include <outbox/consumer.h>
 
 struct email_app {
     const char *conninfo;

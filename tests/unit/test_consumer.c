@@ -1,4 +1,4 @@
-/* Unit tests of the pure parts of relay/consumer.c: the backoff schedule, the
+/* Unit tests of the pure parts of consumer/consumer.c: the backoff schedule, the
  * dead-letter and replay stream names, the order of the dead-letter and replay
  * functions, and the check of an entry against the stream contract (replies are
  * built by hiredis's own reader from RESP). */
@@ -13,7 +13,7 @@
 #include <hiredis/hiredis.h>
 
 #include "relay/common.h"
-#include "relay/consumer.h"
+#include "outbox/consumer.h"
 
 const char *parse_message(const redisReply *fields, struct relay_message *m, const char **names,
                           const char **values, size_t *vlens);

@@ -1,5 +1,5 @@
 /*
- * The consumer library (include/relay/consumer.h): a consumer group reader
+ * The consumer library (include/outbox/consumer.h): a consumer group reader
  * that gives handlers retries with backoff, dead letters and take-over of the
  * entries of consumers that died.
  *
@@ -34,7 +34,7 @@
  */
 #include "relay/compat.h"
 
-#include "relay/consumer.h"
+#include "outbox/consumer.h"
 
 #include <errno.h>
 #include <hiredis/hiredis.h>
@@ -59,7 +59,7 @@
 static const uint32_t default_backoff[] = {1000, 10000, 100000, 1000000};
 
 /*
- * The dead-letter function (contract in include/relay/consumer.h). KEYS[1] is
+ * The dead-letter function (contract in include/outbox/consumer.h). KEYS[1] is
  * the dead-letter stream, KEYS[2] the stream the entry was read from; ARGV[1]
  * the group, ARGV[2] the entry id, ARGV[3..] the dead letter's fields and
  * values. A function body does not roll back either, so what could make the
@@ -104,7 +104,7 @@ const char relay_consumer_function_source[] =
     "redis.register_function('" RELAY_CONSUMER_FUNCTION_DEAD_LETTER "', dead_letter)\n"
     /*
      * The replay function, for "outbox-relay dlq replay" (contract in
-     * include/relay/consumer.h). KEYS[1] is the dead-letter stream, KEYS[2]
+     * include/outbox/consumer.h). KEYS[1] is the dead-letter stream, KEYS[2]
      * the group's replay stream, ARGV[1] the dead letter's entry id. It reads
      * the dead letter itself, so a dead letter that another client has just
      * replayed is not there to replay twice, and keeps every field but dlq.*,

@@ -1,6 +1,8 @@
 /*
- * The consumer library: read a relay stream through a Redis consumer group and
- * turn at-least-once delivery into one effect per message.
+ * The consumer library (liboutbox_consumer.a, built from consumer/ and
+ * common/), and the only header a service includes: <outbox/consumer.h>. It
+ * reads a relay stream through a Redis consumer group and turns at-least-once
+ * delivery into one effect per message.
  *
  * The caller's handler gets every field of the stream contract and answers
  * done, retry later or failed for good. Done is acknowledged (the handler has
@@ -30,8 +32,8 @@
  * (relay_consumer_err and relay_consumer_errstr, like hiredis's c->err and
  * c->errstr) for a health check to read.
  */
-#ifndef RELAY_CONSUMER_H
-#define RELAY_CONSUMER_H
+#ifndef OUTBOX_CONSUMER_H
+#define OUTBOX_CONSUMER_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -98,7 +100,7 @@ struct relay_consumer_options {
     const char *dlq;      /* NULL: "<stream>.<group>.dlq" */
     uint32_t max_deliveries;       /* 0: 5 */
     uint32_t backoff_ms[RELAY_CONSUMER_BACKOFF_MAX]; /* delay before delivery n+1 */
-    uint32_t nbackoff;  /* steps used in backoff_ms (the last repeats); 0: 1 s, 10 s, 100 s, 1000 s */
+    uint32_t nbackoff; /* steps used in backoff_ms (the last repeats); 0: 1s, 10s, 100s, 1000s */
     uint32_t block_ms;             /* 0: 1000; XREADGROUP BLOCK, also the stop latency */
     uint32_t command_timeout_ms;   /* 0: 5000; deadline of every other call */
     uint32_t count;                /* 0: 16; entries per read */
