@@ -430,10 +430,12 @@ static redisReply *command2(redisContext *ctx, const char *a, const char *b)
 
 /* Records a problem that run retries, and logs it as an error once per
  * change of its text (a repeat is a debug line). */
-static void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt, ...)
+RELAY_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt,
+                          ...)
     __attribute__((format(printf, 3, 4)));
 
-static void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt, ...)
+RELAY_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt,
+                          ...)
 {
     char text[512];
     va_list ap;
