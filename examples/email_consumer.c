@@ -12,22 +12,29 @@
  * "permanent", "transient" (every delivery) or "transient:N" (the first N
  * deliveries); --fail-rate makes that share of first deliveries fail
  * transiently, like a flaky mail provider.
+ *
+ * It uses only what a service of its own would: <outbox/consumer.h>, libpq
+ * and libc. The library prints nothing, so the program gives it a log hook
+ * that writes one line per event to stderr, "<time> <LEVEL> consumer: <text>"
+ * (or "<N>" priority prefixes when stderr is the journal).
  */
-#include "relay/compat.h"
+#ifndef _DEFAULT_SOURCE
+#define _DEFAULT_SOURCE 1 /* random, strtok_r, gmtime_r */
+#endif
 
 #include <getopt.h>
 #include <libpq-fe.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <sysexits.h>
 #include <time.h>
 #include <unistd.h>
 
-#include "relay/common.h"
-#include "relay/config.h"
-#include "relay/consumer.h"
-#include "relay/log.h"
+#include <outbox/consumer.h>
 
 struct email_app {
     const char *conninfo;
@@ -37,6 +44,58 @@ struct email_app {
 };
 
 static struct relay_consumer *the_consumer;
+
+/* What the log hook prints: --log-level, and whether stderr is the journal. */
+struct email_log {
+    enum relay_consumer_log_level min_level;
+    int journal;
+};
+
+static const char *const level_names[] = {"DEBUG", "INFO", "WARNING", "ERROR"};
+
+/* The library's log hook: one line per event on stderr. Under systemd the
+ * journal stamps lines itself, so there a "<N>" priority replaces the time. */
+static void log_line(enum relay_consumer_log_level level, const char *message, void *arg)
+{
+    static const int syslog_priority[] = {7, 6, 4, 3}; /* debug info warning err */
+    const struct email_log *lg = arg;
+    if ((int)level < (int)lg->min_level || (int)level < 0 || (int)level > 3)
+        return;
+    if (lg->journal) {
+        fprintf(stderr, "<%d>%s consumer: %s\n", syslog_priority[level], level_names[level],
+                message);
+    } else {
+        char stamp[32] = "0000-00-00T00:00:00";
+        struct timespec ts = {0, 0};
+        struct tm tm;
+        if (clock_gettime(CLOCK_REALTIME, &ts) == 0 && gmtime_r(&ts.tv_sec, &tm) != NULL)
+            strftime(stamp, sizeof(stamp), "%Y-%m-%dT%H:%M:%S", &tm);
+        fprintf(stderr, "%s.%03ldZ %s consumer: %s\n", stamp, (long)(ts.tv_nsec / 1000000),
+                level_names[level], message);
+    }
+    fflush(stderr);
+}
+
+/* "250ms", "5s", "2m", "1h" or a bare number of milliseconds; 0 or -1. */
+static int parse_ms(const char *s, uint32_t *ms)
+{
+    static const struct {
+        const char *unit;
+        unsigned long long mult;
+    } units[] = {{"", 1}, {"ms", 1}, {"s", 1000}, {"m", 60000}, {"h", 3600000}};
+    char *end;
+    if (s[0] < '0' || s[0] > '9')
+        return -1;
+    unsigned long long v = strtoull(s, &end, 10);
+    for (size_t i = 0; i < sizeof(units) / sizeof(units[0]); i++)
+        if (strcmp(end, units[i].unit) == 0) {
+            if (v > UINT32_MAX / units[i].mult)
+                return -1;
+            *ms = (uint32_t)(v * units[i].mult);
+            return 0;
+        }
+    return -1;
+}
 
 static void on_signal(int sig)
 {
@@ -154,8 +213,7 @@ static int parse_backoff(const char *s, struct relay_consumer_options *o)
     for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok != NULL;
          tok = strtok_r(NULL, ",", &save)) {
         uint32_t ms;
-        if (o->nbackoff == RELAY_CONSUMER_BACKOFF_MAX || relay_config_parse_duration(tok, &ms) < 0 ||
-            ms == 0)
+        if (o->nbackoff == RELAY_CONSUMER_BACKOFF_MAX || parse_ms(tok, &ms) < 0 || ms == 0)
             return -1;
         o->backoff_ms[o->nbackoff++] = ms;
     }
@@ -179,9 +237,13 @@ int main(int argc, char **argv)
 {
     struct relay_consumer_options o;
     struct email_app app = {NULL, "email", NULL, 0.0};
+    const char *js = getenv("JOURNAL_STREAM");
+    struct email_log lg = {RELAY_CONSUMER_LOG_INFO, js != NULL && js[0] != '\0'};
     const char *redis = NULL;
     memset(&o, 0, sizeof(o));
     o.stream = "orders";
+    o.log = log_line;
+    o.log_arg = &lg;
     static const struct option longopts[] = {
         {"redis", required_argument, NULL, 'r'},
         {"postgres", required_argument, NULL, 'p'},
@@ -200,7 +262,7 @@ int main(int argc, char **argv)
     while ((ch = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
         char *end;
         uint32_t ms;
-        int level;
+        int level = -1;
         switch (ch) {
         case 'r':
             redis = optarg;
@@ -221,20 +283,20 @@ int main(int argc, char **argv)
             o.max_deliveries = (uint32_t)strtoul(optarg, &end, 10);
             if (*end != '\0' || o.max_deliveries == 0 || o.max_deliveries > 1000) {
                 fprintf(stderr, "outbox-email-consumer: --max-deliveries must be 1 to 1000\n");
-                return RELAY_EX_USAGE;
+                return EX_USAGE;
             }
             break;
         case 'b':
             if (parse_backoff(optarg, &o) < 0) {
                 fprintf(stderr, "outbox-email-consumer: --backoff takes durations like "
                                 "1s,10s,100s (at most 16, each at least 1ms)\n");
-                return RELAY_EX_USAGE;
+                return EX_USAGE;
             }
             break;
         case 'k':
-            if (relay_config_parse_duration(optarg, &ms) < 0 || ms == 0) {
+            if (parse_ms(optarg, &ms) < 0 || ms == 0) {
                 fprintf(stderr, "outbox-email-consumer: --block takes a duration like 1s\n");
-                return RELAY_EX_USAGE;
+                return EX_USAGE;
             }
             o.block_ms = ms;
             break;
@@ -242,29 +304,31 @@ int main(int argc, char **argv)
             app.fail_rate = strtod(optarg, &end);
             if (*end != '\0' || app.fail_rate < 0 || app.fail_rate > 1) {
                 fprintf(stderr, "outbox-email-consumer: --fail-rate is between 0 and 1\n");
-                return RELAY_EX_USAGE;
+                return EX_USAGE;
             }
             break;
         case 'l':
-            level = relay_log_parse_level(optarg);
+            for (int i = 0; i < 4; i++)
+                if (strcasecmp(optarg, level_names[i]) == 0)
+                    level = i;
             if (level < 0) {
                 fprintf(stderr, "outbox-email-consumer: --log-level is debug, info, warning "
                                 "or error\n");
-                return RELAY_EX_USAGE;
+                return EX_USAGE;
             }
-            relay_log_set_level((enum relay_log_level)level);
+            lg.min_level = (enum relay_consumer_log_level)level;
             break;
         case 'h':
             usage(stdout);
-            return RELAY_EX_OK;
+            return EX_OK;
         default:
             usage(stderr);
-            return RELAY_EX_USAGE;
+            return EX_USAGE;
         }
     }
     if (redis == NULL || app.conninfo == NULL || optind != argc) {
         usage(stderr);
-        return RELAY_EX_USAGE;
+        return EX_USAGE;
     }
     o.group = app.group;
     o.redis_url = redis;
@@ -272,7 +336,7 @@ int main(int argc, char **argv)
     struct relay_consumer *c = relay_consumer_new(&o, send_email, &app, err, sizeof(err));
     if (c == NULL) {
         fprintf(stderr, "outbox-email-consumer: %s\n", err);
-        return RELAY_EX_CONFIG;
+        return EX_CONFIG;
     }
     srandom((unsigned)time(NULL) ^ ((unsigned)getpid() << 16));
     signal(SIGPIPE, SIG_IGN);
@@ -292,5 +356,5 @@ int main(int argc, char **argv)
     the_consumer = NULL;
     relay_consumer_free(c);
     PQfinish(app.db);
-    return RELAY_EX_OK;
+    return EX_OK;
 }

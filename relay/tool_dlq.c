@@ -30,7 +30,7 @@
 
 #include "relay/common.h"
 #include "relay/config.h"
-#include "relay/consumer.h"
+#include "outbox/consumer.h"
 
 /* Longest stream, dead-letter or replay name we handle (the names are ours). */
 #define DLQ_NAME_MAX 1024

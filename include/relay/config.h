@@ -11,16 +11,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define RELAY_CONFIG_ERR_MAX 512
+#include "relay/url.h" /* struct relay_redis_url, relay_url_parse */
 
-/* A parsed redis://[user:password@]host:port[/db] address. */
-struct relay_redis_url {
-    char host[256];
-    int port;          /* 1..65535, default 6379 */
-    char user[128];    /* empty when absent */
-    char password[256];/* empty when absent */
-    int db;            /* 0..15 by default range check, default 0 */
-};
+#define RELAY_CONFIG_ERR_MAX 512
 
 struct relay_config {
     /* Connections. postgres is a libpq conninfo string or URI; libpq's PG*
@@ -90,12 +83,6 @@ int relay_config_set(struct relay_config *cfg, const char *origin, const char *k
 
 /* Cross-key validation and derived fields (redis_url); 0 or -1 with err. */
 int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen);
-
-/*
- * Parses a redis:// URL into out. 0 on success, -1 with a message in err that
- * says which part is wrong (the password is never echoed).
- */
-int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, size_t errlen);
 
 /*
  * Copies s into out with any password removed: "password=..." in a conninfo

@@ -1,7 +1,7 @@
 """Dead-letter tools and the consumer's SQL (docs/DESIGN.md P7, docs/CONSUMERS.md).
 
 `outbox-relay dlq ...` against a real Redis, with dead letters written
-directly with redis-py in the documented format (include/relay/consumer.h:
+directly with redis-py in the documented format (include/outbox/consumer.h:
 the original contract fields plus dlq.*), one of them with a binary payload.
 Only OUTBOX_RELAY_REDIS is set: the dlq commands must not demand `postgres`.
 Promises tested:

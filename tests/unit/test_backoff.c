@@ -1,4 +1,4 @@
-/* Unit tests of relay/backoff.c: growth, cap, jitter range and reset. */
+/* Unit tests of common/backoff.c: growth, cap, jitter range and reset. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

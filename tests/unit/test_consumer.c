@@ -1,7 +1,7 @@
-/* Unit tests of the pure parts of relay/consumer.c: the backoff schedule, the
+/* Unit tests of the pure parts of consumer/consumer.c: the backoff schedule, the
  * dead-letter and replay stream names, the order of the dead-letter and replay
- * functions, and the check of an entry against the stream contract (replies are
- * built by hiredis's own reader from RESP). */
+ * functions, the check of an entry against the stream contract (replies are
+ * built by hiredis's own reader from RESP), and how problems are reported. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -13,10 +13,11 @@
 #include <hiredis/hiredis.h>
 
 #include "relay/common.h"
-#include "relay/consumer.h"
+#include "outbox/consumer.h"
 
 const char *parse_message(const redisReply *fields, struct relay_message *m, const char **names,
                           const char **values, size_t *vlens);
+void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt, ...);
 
 /* Parses one RESP reply; the caller frees it with freeReplyObject. */
 static redisReply *resp(const char *buf, size_t len)
@@ -110,6 +111,70 @@ static void test_new_validates_options(void **state)
     assert_string_equal(relay_consumer_dlq(c), "orders.email.dlq");
     relay_consumer_free(c);
     relay_consumer_free(NULL);
+}
+
+/* What the log hook saw. */
+struct seen {
+    int calls;
+    enum relay_consumer_log_level level;
+    char message[256];
+};
+
+static void remember(enum relay_consumer_log_level level, const char *message, void *arg)
+{
+    struct seen *s = arg;
+    s->calls++;
+    s->level = level;
+    snprintf(s->message, sizeof(s->message), "%s", message);
+}
+
+/* The library reports through its hook and its object, never by itself: a
+ * problem is kept as kind and text, logged as an error once per change of its
+ * text, on one line. */
+static void test_problems_go_to_the_hook_and_the_object(void **state)
+{
+    (void)state;
+    char err[256];
+    struct seen seen = {0, RELAY_CONSUMER_LOG_DEBUG, ""};
+    struct relay_consumer_options o;
+    memset(&o, 0, sizeof(o));
+    o.redis_url = "redis://127.0.0.1:6379/0";
+    o.stream = "orders";
+    o.group = "email";
+    o.log = remember;
+    o.log_arg = &seen;
+    struct relay_consumer *c =
+        relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err));
+    assert_non_null(c);
+    assert_int_equal(seen.calls, 0);
+    assert_int_equal(relay_consumer_err(c), RELAY_CONSUMER_ERR_NONE);
+    assert_string_equal(relay_consumer_errstr(c), "");
+
+    problem(c, RELAY_CONSUMER_ERR_IO, "cannot connect to Redis: %s", "Connection\nrefused");
+    assert_int_equal(seen.calls, 1);
+    assert_int_equal(seen.level, RELAY_CONSUMER_LOG_ERROR);
+    assert_string_equal(seen.message,
+                        "cannot connect to Redis: Connection refused; retrying with backoff");
+    assert_int_equal(relay_consumer_err(c), RELAY_CONSUMER_ERR_IO);
+    assert_string_equal(relay_consumer_errstr(c), "cannot connect to Redis: Connection\nrefused");
+
+    problem(c, RELAY_CONSUMER_ERR_IO, "cannot connect to Redis: %s", "Connection\nrefused");
+    assert_int_equal(seen.calls, 2);
+    assert_int_equal(seen.level, RELAY_CONSUMER_LOG_DEBUG); /* a repeat */
+
+    problem(c, RELAY_CONSUMER_ERR_REDIS, "XREADGROUP failed: %s", "NOGROUP");
+    assert_int_equal(seen.level, RELAY_CONSUMER_LOG_ERROR);
+    assert_int_equal(relay_consumer_err(c), RELAY_CONSUMER_ERR_REDIS);
+    relay_consumer_free(c);
+
+    /* Without a hook the library is silent, and still keeps the error. */
+    o.log = NULL;
+    c = relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err));
+    assert_non_null(c);
+    problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", "timeout");
+    assert_int_equal(seen.calls, 3);
+    assert_string_equal(relay_consumer_errstr(c), "Redis connection lost: timeout");
+    relay_consumer_free(c);
 }
 
 static void test_parse_good_entry(void **state)
@@ -246,6 +311,7 @@ int main(void)
         cmocka_unit_test(test_custom_backoff_schedule),
         cmocka_unit_test(test_stream_names),
         cmocka_unit_test(test_new_validates_options),
+        cmocka_unit_test(test_problems_go_to_the_hook_and_the_object),
         cmocka_unit_test(test_parse_good_entry),
         cmocka_unit_test(test_parse_rejects_foreign_entries),
         cmocka_unit_test(test_parse_caps_headers),

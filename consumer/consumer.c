@@ -1,5 +1,5 @@
 /*
- * The consumer library (include/relay/consumer.h): a consumer group reader
+ * The consumer library (include/outbox/consumer.h): a consumer group reader
  * that gives handlers retries with backoff, dead letters and take-over of the
  * entries of consumers that died.
  *
@@ -27,10 +27,14 @@
  * while it runs, every call has a socket deadline (redisSetTimeout), and the
  * blocking read lives on a connection of its own so acknowledgements and
  * claims are never queued behind it.
+ *
+ * Nothing here prints: events go to the caller's log hook (none: silent), and
+ * the most recent failure stays in the object, in err and errstr, with its
+ * kind decided where it happens.
  */
 #include "relay/compat.h"
 
-#include "relay/consumer.h"
+#include "outbox/consumer.h"
 
 #include <errno.h>
 #include <hiredis/hiredis.h>
@@ -45,17 +49,17 @@
 
 #include "relay/backoff.h"
 #include "relay/common.h"
-#include "relay/config.h"
-#include "relay/log.h"
+#include "relay/url.h"
 
-#define COMPONENT "consumer"
 #define RECLAIM_BATCH 64
 #define NAME_MAX_LEN 512
+/* Longest line given to the log hook; longer text is cut and ends in "...". */
+#define LOG_LINE_MAX 2048
 
 static const uint32_t default_backoff[] = {1000, 10000, 100000, 1000000};
 
 /*
- * The dead-letter function (contract in include/relay/consumer.h). KEYS[1] is
+ * The dead-letter function (contract in include/outbox/consumer.h). KEYS[1] is
  * the dead-letter stream, KEYS[2] the stream the entry was read from; ARGV[1]
  * the group, ARGV[2] the entry id, ARGV[3..] the dead letter's fields and
  * values. A function body does not roll back either, so what could make the
@@ -100,7 +104,7 @@ const char relay_consumer_function_source[] =
     "redis.register_function('" RELAY_CONSUMER_FUNCTION_DEAD_LETTER "', dead_letter)\n"
     /*
      * The replay function, for "outbox-relay dlq replay" (contract in
-     * include/relay/consumer.h). KEYS[1] is the dead-letter stream, KEYS[2]
+     * include/outbox/consumer.h). KEYS[1] is the dead-letter stream, KEYS[2]
      * the group's replay stream, ARGV[1] the dead letter's entry id. It reads
      * the dead letter itself, so a dead letter that another client has just
      * replayed is not there to replay twice, and keeps every field but dlq.*,
@@ -170,8 +174,49 @@ struct relay_consumer {
     struct relay_backoff reconnect;
     struct relay_consumer_stats stats;
     long long last_reclaim_ms;
-    char last_error[512];
+    char last_error[512]; /* the last problem logged, to log each change once */
+    enum relay_consumer_err err;
+    char errstr[512];
 };
+
+/* Hands one event to the log hook, as one line. */
+static void emit(const struct relay_consumer *c, enum relay_consumer_log_level level,
+                 const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+static void emit(const struct relay_consumer *c, enum relay_consumer_log_level level,
+                 const char *fmt, ...)
+{
+    char text[LOG_LINE_MAX];
+    va_list ap;
+    int n;
+
+    if (c->o.log == NULL)
+        return;
+    va_start(ap, fmt);
+    n = vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        snprintf(text, sizeof(text), "(log message could not be formatted)");
+    else if ((size_t)n >= sizeof(text))
+        memcpy(text + sizeof(text) - 4, "...", 4);
+    for (char *p = text; *p; p++)
+        if ((unsigned char)*p < 0x20 || *p == 0x7f)
+            *p = ' '; /* a server's multi-line error is still one line */
+    c->o.log(level, text, c->o.log_arg);
+}
+
+/* Records the most recent failure for relay_consumer_err/errstr. */
+static void set_error(struct relay_consumer *c, enum relay_consumer_err kind, const char *text)
+{
+    c->err = kind;
+    snprintf(c->errstr, sizeof(c->errstr), "%s", text);
+}
+
+static void clear_error(struct relay_consumer *c)
+{
+    c->err = RELAY_CONSUMER_ERR_NONE;
+    c->errstr[0] = '\0';
+}
 
 static long long now_ms(void)
 {
@@ -293,9 +338,15 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
         if (copy_name(c->dlq, opts->dlq, "dlq", err, errlen) < 0)
             goto fail;
     } else {
-        relay_consumer_dlq_name(c->stream, c->group, c->dlq, sizeof(c->dlq));
+        if (relay_consumer_dlq_name(c->stream, c->group, c->dlq, sizeof(c->dlq)) < 0) {
+            snprintf(err, errlen, "stream and group names are too long together");
+            goto fail;
+        }
     }
-    relay_consumer_replay_name(c->stream, c->group, c->replay, sizeof(c->replay));
+    if (relay_consumer_replay_name(c->stream, c->group, c->replay, sizeof(c->replay)) < 0) {
+        snprintf(err, errlen, "stream and group names are too long together");
+        goto fail;
+    }
     if (relay_url_parse(opts->redis_url ? opts->redis_url : "", &c->url, err, errlen) < 0)
         goto fail;
     /* The strings of the copied options point to the caller's memory. */
@@ -303,7 +354,7 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
     c->o.group = c->group;
     c->o.consumer = c->consumer;
     c->o.dlq = c->dlq;
-    c->o.redis_url = NULL;
+    c->o.redis_url = NULL; /* parsed into c->url */
     relay_backoff_init(&c->reconnect, c->o.reconnect_min_ms, c->o.reconnect_max_ms);
     return c;
 fail:
@@ -329,6 +380,16 @@ const char *relay_consumer_name(const struct relay_consumer *c)
 const char *relay_consumer_dlq(const struct relay_consumer *c)
 {
     return c->dlq;
+}
+
+enum relay_consumer_err relay_consumer_err(const struct relay_consumer *c)
+{
+    return c->err;
+}
+
+const char *relay_consumer_errstr(const struct relay_consumer *c)
+{
+    return c->errstr;
 }
 
 static void disconnect(struct relay_consumer *c)
@@ -367,23 +428,27 @@ static redisReply *command2(redisContext *ctx, const char *a, const char *b)
     return command(ctx, 2, argv, lens);
 }
 
-/* Logs a connection problem once per change of its text. */
-static void problem(struct relay_consumer *c, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+/* Records a problem that run retries, and logs it as an error once per
+ * change of its text (a repeat is a debug line). */
+RELAY_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt,
+                          ...)
+    __attribute__((format(printf, 3, 4)));
 
-static void problem(struct relay_consumer *c, const char *fmt, ...)
+RELAY_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt,
+                          ...)
 {
     char text[512];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
+    set_error(c, kind, text);
     if (strcmp(text, c->last_error) == 0) {
-        relay_debug(COMPONENT, "%s", text);
+        emit(c, RELAY_CONSUMER_LOG_DEBUG, "%s", text);
         return;
     }
     snprintf(c->last_error, sizeof(c->last_error), "%s", text);
-    relay_error(COMPONENT, "%s; retrying with backoff", text);
+    emit(c, RELAY_CONSUMER_LOG_ERROR, "%s; retrying with backoff", text);
 }
 
 static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, const char *role)
@@ -391,7 +456,8 @@ static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, co
     struct timeval ctv = tv_ms(c->o.command_timeout_ms);
     redisContext *ctx = redisConnectWithTimeout(c->url.host, c->url.port, ctv);
     if (ctx == NULL || ctx->err) {
-        problem(c, "cannot connect to Redis: %s", ctx ? ctx->errstr : "out of memory");
+        problem(c, ctx ? RELAY_CONSUMER_ERR_IO : RELAY_CONSUMER_ERR_OOM,
+                "cannot connect to Redis: %s", ctx ? ctx->errstr : "out of memory");
         if (ctx)
             redisFree(ctx);
         return NULL;
@@ -405,7 +471,8 @@ static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, co
         r = c->url.user[0] ? command(ctx, 3, argv, lens)
                            : command2(ctx, "AUTH", c->url.password);
         if (r == NULL || r->type == REDIS_REPLY_ERROR) {
-            problem(c, "Redis AUTH failed: %s (check the user and password of the Redis URL)",
+            problem(c, r ? RELAY_CONSUMER_ERR_REDIS : RELAY_CONSUMER_ERR_IO,
+                    "Redis AUTH failed: %s (check the user and password of the Redis URL)",
                     r ? r->str : ctx->errstr);
             if (r)
                 freeReplyObject(r);
@@ -419,7 +486,8 @@ static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, co
         snprintf(db, sizeof(db), "%d", c->url.db);
         r = command2(ctx, "SELECT", db);
         if (r == NULL || r->type == REDIS_REPLY_ERROR) {
-            problem(c, "Redis SELECT failed: %s", r ? r->str : ctx->errstr);
+            problem(c, r ? RELAY_CONSUMER_ERR_REDIS : RELAY_CONSUMER_ERR_IO,
+                    "Redis SELECT failed: %s", r ? r->str : ctx->errstr);
             if (r)
                 freeReplyObject(r);
             redisFree(ctx);
@@ -447,12 +515,12 @@ static int ensure_group(struct relay_consumer *c, const char *stream)
     size_t lens[6] = {6, 6, strlen(stream), strlen(c->group), 1, 8};
     redisReply *r = command(c->wr, 6, argv, lens);
     if (r == NULL) {
-        problem(c, "Redis connection lost: %s", c->wr->errstr);
+        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
         return -1;
     }
     int ok = r->type != REDIS_REPLY_ERROR || strncmp(r->str, "BUSYGROUP", 9) == 0;
     if (!ok)
-        problem(c, "cannot create the consumer group: %s", r->str);
+        problem(c, RELAY_CONSUMER_ERR_REDIS, "cannot create the consumer group: %s", r->str);
     freeReplyObject(r);
     return ok ? 0 : -1;
 }
@@ -468,12 +536,13 @@ static int load_function(struct relay_consumer *c)
     size_t lens[4] = {8, 4, 7, strlen(relay_consumer_function_source)};
     redisReply *r = command(c->wr, 4, argv, lens);
     if (r == NULL) {
-        problem(c, "Redis connection lost: %s", c->wr->errstr);
+        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
         return -1;
     }
     int ok = r->type != REDIS_REPLY_ERROR;
     if (!ok)
-        problem(c, "FUNCTION LOAD of library %s (the dead-letter function) failed: %s%s",
+        problem(c, RELAY_CONSUMER_ERR_REDIS,
+                "FUNCTION LOAD of library %s (the dead-letter function) failed: %s%s",
                 RELAY_CONSUMER_FUNCTION_LIBRARY, r->str,
                 strncmp(r->str, "NOPERM", 6) == 0
                     ? "; the consumer's Redis user needs the ACL permissions +function|load "
@@ -505,12 +574,13 @@ static int connect_all(struct relay_consumer *c)
         return -1;
     }
     if (c->last_error[0] != '\0')
-        relay_info(COMPONENT, "%s: connected again, reading %s and %s as group %s", c->consumer,
-                   c->stream, c->replay, c->group);
+        emit(c, RELAY_CONSUMER_LOG_INFO, "%s: connected again, reading %s and %s as group %s",
+             c->consumer, c->stream, c->replay, c->group);
     else
-        relay_info(COMPONENT, "%s: reading %s and %s as group %s, dead letters to %s",
-                   c->consumer, c->stream, c->replay, c->group, c->dlq);
+        emit(c, RELAY_CONSUMER_LOG_INFO, "%s: reading %s and %s as group %s, dead letters to %s",
+             c->consumer, c->stream, c->replay, c->group, c->dlq);
     c->last_error[0] = '\0';
+    clear_error(c);
     relay_backoff_reset(&c->reconnect);
     return 0;
 }
@@ -556,8 +626,13 @@ static int dead_letter(struct relay_consumer *c, const char *stream, const char 
     const char **argv = calloc(argc_max, sizeof(*argv));
     size_t *lens = calloc(argc_max, sizeof(*lens));
     int rc = -1;
-    if (argv == NULL || lens == NULL)
+    if (argv == NULL || lens == NULL) {
+        set_error(c, RELAY_CONSUMER_ERR_OOM, "out of memory for a dead letter");
+        emit(c, RELAY_CONSUMER_LOG_ERROR,
+             "dead-lettering %s %s failed: out of memory; the entry stays pending", stream,
+             entry_id);
         goto out;
+    }
     int argc = 0;
 #define ARG(s, l) (argv[argc] = (s), lens[argc] = (l), argc++)
     ARG("FCALL", 5);
@@ -598,25 +673,29 @@ static int dead_letter(struct relay_consumer *c, const char *stream, const char 
 #undef ARG
     redisReply *r = command(c->wr, argc, argv, lens);
     if (r == NULL) {
-        problem(c, "Redis connection lost while dead-lettering %s %s: %s", stream, entry_id,
+        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while dead-lettering %s %s: %s",
+                stream, entry_id,
                 c->wr->errstr);
         disconnect(c);
         goto out;
     }
     if (r->type == REDIS_REPLY_STRING) {
         c->stats.dead_lettered++;
-        relay_warn(COMPONENT, "%s %s -> %s (%s after %u deliveries): %s", stream, entry_id,
-                   c->dlq, reason, deliveries, error);
+        clear_error(c);
+        emit(c, RELAY_CONSUMER_LOG_WARNING, "%s %s -> %s (%s after %u deliveries): %s", stream,
+             entry_id, c->dlq, reason, deliveries, error);
         rc = 0;
     } else {
         /* "Function not found": someone ran FUNCTION FLUSH or DELETE since
          * the connect; connecting again loads it. */
         int missing = r->type == REDIS_REPLY_ERROR && strstr(r->str, "Function not found");
-        relay_error(COMPONENT,
-                    "dead-lettering %s %s failed: %s; the entry stays pending and a later pass "
-                    "tries again%s",
-                    stream, entry_id, r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply",
-                    missing ? " (reconnecting to load the function)" : "");
+        char text[512];
+        snprintf(text, sizeof(text), "dead-lettering %s %s failed: %s", stream, entry_id,
+                 r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+        set_error(c, RELAY_CONSUMER_ERR_REDIS, text);
+        emit(c, RELAY_CONSUMER_LOG_ERROR,
+             "%s; the entry stays pending and a later pass tries again%s", text,
+             missing ? " (reconnecting to load the function)" : "");
         if (missing)
             disconnect(c);
     }
@@ -633,11 +712,21 @@ static int ack(struct relay_consumer *c, const char *stream, const char *entry_i
     size_t lens[4] = {4, strlen(stream), strlen(c->group), strlen(entry_id)};
     redisReply *r = command(c->wr, 4, argv, lens);
     if (r == NULL) {
-        problem(c, "Redis connection lost while acknowledging: %s", c->wr->errstr);
+        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while acknowledging: %s",
+                c->wr->errstr);
         disconnect(c);
         return -1;
     }
     int ok = r->type == REDIS_REPLY_INTEGER;
+    if (ok) {
+        clear_error(c);
+    } else {
+        char text[512];
+        snprintf(text, sizeof(text), "acknowledging %s %s failed: %s", stream, entry_id,
+                 r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+        set_error(c, RELAY_CONSUMER_ERR_REDIS, text);
+        emit(c, RELAY_CONSUMER_LOG_ERROR, "%s; the entry stays pending", text);
+    }
     freeReplyObject(r);
     return ok ? 0 : -1;
 }
@@ -758,10 +847,10 @@ static void handle(struct relay_consumer *c, const char *stream, const redisRepl
             dead_letter(c, stream, entry_id, fields, "exhausted", err, deliveries);
         } else {
             c->stats.retried++;
-            relay_info(COMPONENT, "%s %s (message %s) will be retried in %u ms (delivery %u of "
-                                  "%u): %s",
-                       stream, entry_id, m.id, relay_consumer_backoff_ms(&c->o, deliveries),
-                       deliveries, c->o.max_deliveries, err);
+            emit(c, RELAY_CONSUMER_LOG_INFO,
+                 "%s %s (message %s) will be retried in %u ms (delivery %u of %u): %s", stream,
+                 entry_id, m.id, relay_consumer_backoff_ms(&c->o, deliveries), deliveries,
+                 c->o.max_deliveries, err);
         }
         break;
     }
@@ -791,7 +880,7 @@ static void take_over(struct relay_consumer *c, const char *stream, const char *
                        strlen(id)};
     redisReply *cl = command(c->wr, 6, cargv, clens);
     if (cl == NULL) {
-        problem(c, "Redis connection lost: %s", c->wr->errstr);
+        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
         disconnect(c);
         return;
     }
@@ -829,7 +918,7 @@ static void reclaim_stream(struct relay_consumer *c, const char *stream)
                           1, strlen(cnt)};
         redisReply *p = command(c->wr, 8, argv, lens);
         if (p == NULL) {
-            problem(c, "Redis connection lost: %s", c->wr->errstr);
+            problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
             disconnect(c);
             return;
         }
@@ -862,8 +951,11 @@ static void touch_entries(struct relay_consumer *c, const char *stream, const re
     size_t n = entries->elements - from;
     const char **argv = calloc(n + 6, sizeof(*argv));
     size_t *lens = calloc(n + 6, sizeof(*lens));
-    if (argv == NULL || lens == NULL)
+    if (argv == NULL || lens == NULL) {
+        /* Not fatal: the entries may be taken over by another consumer. */
+        set_error(c, RELAY_CONSUMER_ERR_OOM, "out of memory for XCLAIM JUSTID");
         goto out;
+    }
     size_t argc = 0;
     argv[argc++] = "XCLAIM";
     argv[argc++] = stream;
@@ -881,7 +973,7 @@ static void touch_entries(struct relay_consumer *c, const char *stream, const re
         lens[i] = strlen(argv[i]);
     redisReply *r = command(c->wr, (int)argc, argv, lens);
     if (r == NULL) {
-        problem(c, "Redis connection lost: %s", c->wr->errstr);
+        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
         disconnect(c);
     } else {
         freeReplyObject(r);
@@ -913,13 +1005,14 @@ static void read_once(struct relay_consumer *c)
         lens[i] = strlen(full[i]);
     redisReply *r = command(c->rd, 13, full, lens);
     if (r == NULL) {
-        problem(c, "Redis connection lost while reading: %s", c->rd->errstr);
+        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while reading: %s",
+                c->rd->errstr);
         disconnect(c);
         return;
     }
     if (r->type == REDIS_REPLY_ERROR) {
         /* NOGROUP: the stream or group was deleted; create them again. */
-        problem(c, "XREADGROUP failed: %s", r->str);
+        problem(c, RELAY_CONSUMER_ERR_REDIS, "XREADGROUP failed: %s", r->str);
         freeReplyObject(r);
         disconnect(c);
         return;
@@ -971,11 +1064,11 @@ int relay_consumer_run(struct relay_consumer *c)
         }
         read_once(c);
     }
-    relay_info(COMPONENT,
-               "%s stopped: %llu delivered, %llu done, %llu retried, %llu dead-lettered "
-               "(%llu malformed, %llu lost), %llu taken over",
-               c->consumer, c->stats.delivered, c->stats.done, c->stats.retried,
-               c->stats.dead_lettered, c->stats.malformed, c->stats.lost, c->stats.reclaimed);
+    emit(c, RELAY_CONSUMER_LOG_INFO,
+         "%s stopped: %llu delivered, %llu done, %llu retried, %llu dead-lettered "
+         "(%llu malformed, %llu lost), %llu taken over",
+         c->consumer, c->stats.delivered, c->stats.done, c->stats.retried, c->stats.dead_lettered,
+         c->stats.malformed, c->stats.lost, c->stats.reclaimed);
     disconnect(c);
     return 0;
 }

@@ -1,6 +1,8 @@
 /*
- * The consumer library: read a relay stream through a Redis consumer group and
- * turn at-least-once delivery into one effect per message.
+ * The consumer library (liboutbox_consumer.a, built from consumer/ and
+ * common/), and the only header a service includes: <outbox/consumer.h>. It
+ * reads a relay stream through a Redis consumer group and turns at-least-once
+ * delivery into one effect per message.
  *
  * The caller's handler gets every field of the stream contract and answers
  * done, retry later or failed for good. Done is acknowledged (the handler has
@@ -24,14 +26,25 @@
  * on two connections of its own (one for XREADGROUP BLOCK, one for XACK,
  * XPENDING, XCLAIM and dead letters), each call with a deadline; it runs in
  * the caller's thread until relay_consumer_stop.
+ *
+ * The library never prints. It reports what happens through the log hook of
+ * the options (NULL: silent), and keeps the most recent failure in the object
+ * (relay_consumer_err and relay_consumer_errstr, like hiredis's c->err and
+ * c->errstr) for a health check to read.
  */
-#ifndef RELAY_CONSUMER_H
-#define RELAY_CONSUMER_H
+#ifndef OUTBOX_CONSUMER_H
+#define OUTBOX_CONSUMER_H
 
 #include <stddef.h>
 #include <stdint.h>
 
 #define RELAY_CONSUMER_BACKOFF_MAX 16
+
+#if defined(__GNUC__) || defined(__clang__)
+#define RELAY_CONSUMER_MUSTCHECK __attribute__((warn_unused_result))
+#else
+#define RELAY_CONSUMER_MUSTCHECK
+#endif
 
 /* One message, as the handler sees it. Pointers are valid during the call. */
 struct relay_message {
@@ -62,6 +75,23 @@ enum relay_handled {
 typedef enum relay_handled relay_consumer_handler_fn(const struct relay_message *m, void *arg,
                                                      char *err, size_t errlen);
 
+/* The level of a line given to the log hook. */
+enum relay_consumer_log_level {
+    RELAY_CONSUMER_LOG_DEBUG = 0,   /* a connection problem repeated while retrying */
+    RELAY_CONSUMER_LOG_INFO = 1,    /* connected, a retry scheduled, stopped with totals */
+    RELAY_CONSUMER_LOG_WARNING = 2, /* a message dead-lettered */
+    RELAY_CONSUMER_LOG_ERROR = 3,   /* a failure (also kept in relay_consumer_errstr) */
+};
+
+/*
+ * The log hook: one event as one line of text (no newline, control characters
+ * made spaces, at most 2047 bytes), valid during the call only. It is called
+ * from the thread running relay_consumer_run, with the log_arg of the options.
+ * The text never holds the Redis password.
+ */
+typedef void relay_consumer_log_fn(enum relay_consumer_log_level level, const char *message,
+                                   void *arg);
+
 struct relay_consumer_options {
     const char *redis_url; /* redis://[user:password@]host:port[/db] */
     const char *stream;
@@ -70,13 +100,24 @@ struct relay_consumer_options {
     const char *dlq;      /* NULL: "<stream>.<group>.dlq" */
     uint32_t max_deliveries;       /* 0: 5 */
     uint32_t backoff_ms[RELAY_CONSUMER_BACKOFF_MAX]; /* delay before delivery n+1 */
-    uint32_t nbackoff;  /* steps used in backoff_ms (the last repeats); 0: 1 s, 10 s, 100 s, 1000 s */
+    uint32_t nbackoff; /* steps used in backoff_ms (the last repeats); 0: 1s, 10s, 100s, 1000s */
     uint32_t block_ms;             /* 0: 1000; XREADGROUP BLOCK, also the stop latency */
     uint32_t command_timeout_ms;   /* 0: 5000; deadline of every other call */
     uint32_t count;                /* 0: 16; entries per read */
     uint32_t reclaim_interval_ms;  /* 0: 250; how often pending entries are scanned */
     uint32_t reconnect_min_ms;     /* 0: 100 */
     uint32_t reconnect_max_ms;     /* 0: 10000 */
+    relay_consumer_log_fn *log;    /* NULL: silent */
+    void *log_arg;                 /* passed to log */
+};
+
+/* The kind of the most recent failure (relay_consumer_err). */
+enum relay_consumer_err {
+    RELAY_CONSUMER_ERR_NONE = 0,
+    RELAY_CONSUMER_ERR_IO = 1,    /* cannot connect, or the connection was lost or timed out */
+    RELAY_CONSUMER_ERR_REDIS = 2, /* Redis refused a command: AUTH, FUNCTION LOAD, XGROUP, a
+                                     dead letter, XACK */
+    RELAY_CONSUMER_ERR_OOM = 3,   /* out of memory for a command */
 };
 
 struct relay_consumer_stats {
@@ -91,10 +132,12 @@ struct relay_consumer_stats {
 
 struct relay_consumer;
 
-/* Validates the options (err says what is wrong) and copies them. No I/O. */
+/* Validates the options and copies them (the strings too). No I/O. NULL with
+ * the reason in err when an option is wrong or memory is short; free the
+ * result with relay_consumer_free. */
 struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *opts,
                                           relay_consumer_handler_fn *handler, void *arg,
-                                          char *err, size_t errlen);
+                                          char *err, size_t errlen) RELAY_CONSUMER_MUSTCHECK;
 
 /* Runs until relay_consumer_stop: connects (retrying with jittered backoff),
  * creates the group on the stream and on its replay stream when missing (at
@@ -104,6 +147,14 @@ int relay_consumer_run(struct relay_consumer *c);
 
 /* Asks run to return after the message in hand. Async-signal-safe. */
 void relay_consumer_stop(struct relay_consumer *c);
+
+/* The most recent failure while running, or RELAY_CONSUMER_ERR_NONE and "":
+ * cleared once the consumer connects again or finishes an entry (acknowledged
+ * or dead-lettered). Connection failures are retried by run itself; these say
+ * what is wrong meanwhile. The string belongs to c and changes as run goes on:
+ * read it from the thread that runs it, or copy it. */
+enum relay_consumer_err relay_consumer_err(const struct relay_consumer *c);
+const char *relay_consumer_errstr(const struct relay_consumer *c);
 
 const struct relay_consumer_stats *relay_consumer_stats(const struct relay_consumer *c);
 const char *relay_consumer_name(const struct relay_consumer *c);
@@ -116,9 +167,12 @@ void relay_consumer_free(struct relay_consumer *c);
 uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts,
                                    uint32_t deliveries);
 
-/* Names: "<stream>.<group>.dlq" and "<stream>.<group>.replay". -1 if too long. */
-int relay_consumer_dlq_name(const char *stream, const char *group, char *out, size_t outlen);
-int relay_consumer_replay_name(const char *stream, const char *group, char *out, size_t outlen);
+/* Names: "<stream>.<group>.dlq" and "<stream>.<group>.replay" into out. The
+ * length written, or -1 when it does not fit (out is then untouched). */
+int relay_consumer_dlq_name(const char *stream, const char *group, char *out,
+                            size_t outlen) RELAY_CONSUMER_MUSTCHECK;
+int relay_consumer_replay_name(const char *stream, const char *group, char *out,
+                               size_t outlen) RELAY_CONSUMER_MUSTCHECK;
 
 /*
  * The dead-letter function, in a Redis function library of its own (the

@@ -1,0 +1,237 @@
+/*
+ * The redis:// URL parser, one for the whole tree: the daemon's configuration
+ * (relay/config.c) and the consumer library both parse their Redis address
+ * here. Pure: no I/O, no logging; every problem comes back as a message in err
+ * that says which part of the URL is wrong and never echoes the user name or
+ * password.
+ */
+#include "relay/compat.h"
+
+#include "relay/url.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+static void url_err(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void url_err(char *err, size_t errlen, const char *fmt, ...)
+{
+    va_list ap;
+
+    if (!err || errlen == 0)
+        return;
+    va_start(ap, fmt);
+    if (vsnprintf(err, errlen, fmt, ap) < 0)
+        err[0] = '\0';
+    va_end(ap);
+}
+
+/* A run of decimal digits at s; -1 when s does not start with one, -2 on overflow. */
+static int url_parse_digits(const char *s, uint64_t *out, const char **end)
+{
+    char *e;
+    unsigned long long v;
+
+    if (!isdigit((unsigned char)s[0]))
+        return -1;
+    errno = 0;
+    v = strtoull(s, &e, 10);
+    if (errno == ERANGE)
+        return -2;
+    *out = (uint64_t)v;
+    *end = e;
+    return 0;
+}
+
+static int url_hexval(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* Percent-decodes s[0..n) into out (cap bytes with the NUL). */
+static int url_pct_decode(const char *s, size_t n, char *out, size_t cap)
+{
+    size_t i, o = 0;
+
+    for (i = 0; i < n; i++) {
+        char c = s[i];
+        if (c == '%') {
+            int hi = i + 2 < n ? url_hexval(s[i + 1]) : -1;
+            int lo = i + 2 < n ? url_hexval(s[i + 2]) : -1;
+            if (hi < 0 || lo < 0 || (hi == 0 && lo == 0))
+                return -1;
+            c = (char)(hi * 16 + lo);
+            i += 2;
+        }
+        if (o + 1 >= cap)
+            return -2;
+        out[o++] = c;
+    }
+    out[o] = '\0';
+    return 0;
+}
+
+int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, size_t errlen)
+{
+    static const char shape[] = "use redis://[user:password@]host[:port][/db]";
+    struct relay_redis_url u;
+    const char *p, *at, *host, *hend, *q;
+    uint64_t v;
+    size_t hlen;
+    int r;
+
+    memset(&u, 0, sizeof u);
+    u.port = 6379;
+    if (!url || url[0] == '\0') {
+        url_err(err, errlen, "is empty: %s", shape);
+        return -1;
+    }
+    if (strncasecmp(url, "rediss://", 9) == 0) {
+        url_err(err, errlen,
+                "rediss:// (TLS) is not supported by this build: connect with redis:// to a local "
+                "stunnel that speaks TLS to Redis (see README)");
+        return -1;
+    }
+    if (strncasecmp(url, "redis://", 8) != 0) {
+        url_err(err, errlen, "must start with redis://: %s", shape);
+        return -1;
+    }
+    p = url + 8;
+
+    /*
+     * The userinfo ends at the last '@' (a raw '@' in a password is a common
+     * slip). It must not contain a character that ends the authority, or the
+     * URL means something else than it seems: ask for percent-encoding instead.
+     * No message here ever echoes the userinfo.
+     */
+    at = strrchr(p, '@');
+    if (at) {
+        const char *colon = memchr(p, ':', (size_t)(at - p));
+        const char *uend = colon ? colon : at;
+
+        for (q = p; q < at; q++) {
+            if (strchr("/?#[]@", *q) || (unsigned char)*q <= ' ') {
+                url_err(err, errlen,
+                        "the user name or password has a character that must be "
+                        "percent-encoded (e.g. %%40 for @, %%2F for /)");
+                return -1;
+            }
+        }
+        r = url_pct_decode(p, (size_t)(uend - p), u.user, sizeof u.user);
+        if (r == -2) {
+            url_err(err, errlen, "the user name is longer than %zu bytes", sizeof u.user - 1);
+            return -1;
+        }
+        if (r == 0 && colon) {
+            r = url_pct_decode(colon + 1, (size_t)(at - colon - 1), u.password, sizeof u.password);
+            if (r == -2) {
+                url_err(err, errlen, "the password is longer than %zu bytes",
+                        sizeof u.password - 1);
+                return -1;
+            }
+        }
+        if (r != 0) {
+            url_err(err, errlen,
+                    "bad percent-escape in the user name or password: write %%XX with two hex "
+                    "digits (not %%00)");
+            return -1;
+        }
+        p = at + 1;
+    }
+
+    /* Host: a name or IPv4 address, or an IPv6 address in brackets. */
+    if (*p == '[') {
+        host = p + 1;
+        hend = strchr(host, ']');
+        if (!hend) {
+            url_err(err, errlen,
+                    "IPv6 address has no closing \"]\": write it as redis://[::1]:6379");
+            return -1;
+        }
+        for (q = host; q < hend; q++) {
+            if (!isxdigit((unsigned char)*q) && *q != ':' && *q != '.') {
+                url_err(err, errlen,
+                        "IPv6 address \"%.*s\" has a character that is not allowed: use hex "
+                        "digits, ':' and '.'",
+                        (int)((size_t)(hend - host) > 64 ? 64 : (size_t)(hend - host)), host);
+                return -1;
+            }
+        }
+        p = hend + 1;
+        if (*p != '\0' && *p != ':' && *p != '/' && *p != '?') {
+            url_err(err, errlen, "unexpected text after \"]\": %s", shape);
+            return -1;
+        }
+    } else {
+        host = p;
+        hend = host + strcspn(host, ":/?#");
+        for (q = host; q < hend; q++) {
+            if (!isalnum((unsigned char)*q) && *q != '-' && *q != '.' && *q != '_') {
+                url_err(err, errlen,
+                        "host has a character that is not allowed: use a host name, an IPv4 "
+                        "address or an IPv6 address in [brackets]");
+                return -1;
+            }
+        }
+        p = hend;
+    }
+    hlen = (size_t)(hend - host);
+    if (hlen == 0) {
+        url_err(err, errlen, "host is missing: %s", shape);
+        return -1;
+    }
+    if (hlen >= sizeof u.host) {
+        url_err(err, errlen, "host is longer than %zu bytes", sizeof u.host - 1);
+        return -1;
+    }
+    snprintf(u.host, sizeof u.host, "%.*s", (int)hlen, host);
+
+    if (*p == ':') {
+        const char *pend = p + 1 + strcspn(p + 1, "/?#");
+        int plen = (int)((size_t)(pend - p - 1) > 16 ? 16 : (size_t)(pend - p - 1));
+        r = url_parse_digits(p + 1, &v, &q);
+        if (r != 0 || q != pend || v < 1 || v > 65535) {
+            url_err(err, errlen, "port \"%.*s\" must be a number between 1 and 65535", plen, p + 1);
+            return -1;
+        }
+        u.port = (int)v;
+        p = pend;
+    }
+    if (*p == '/') {
+        const char *dend = p + 1 + strcspn(p + 1, "?#");
+        int dlen = (int)((size_t)(dend - p - 1) > 16 ? 16 : (size_t)(dend - p - 1));
+        if (dend != p + 1) { /* "redis://host/" means database 0 */
+            r = url_parse_digits(p + 1, &v, &q);
+            if (r != 0 || q != dend || v > RELAY_URL_DB_MAX) {
+                url_err(err, errlen, "database \"%.*s\" must be a number between 0 and %d", dlen,
+                        p + 1, RELAY_URL_DB_MAX);
+                return -1;
+            }
+            u.db = (int)v;
+        }
+        p = dend;
+    }
+    if (*p == '?' || *p == '#') {
+        url_err(err, errlen, "options after \"%c\" are not supported: remove them and %s", *p,
+                shape);
+        return -1;
+    }
+    if (*p != '\0') {
+        url_err(err, errlen, "unexpected text after the host: %s", shape);
+        return -1;
+    }
+    *out = u;
+    return 0;
+}
