@@ -32,8 +32,7 @@ static void url_err(char *err, size_t errlen, const char *fmt, ...)
     va_end(ap);
 }
 
-/* A run of decimal digits at s; -1 when s does not start with one, -2 on overflow. */
-static int url_parse_digits(const char *s, uint64_t *out, const char **end)
+int relay_parse_digits(const char *s, uint64_t *out, const char **end)
 {
     char *e;
     unsigned long long v;
@@ -201,7 +200,7 @@ int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, siz
     if (*p == ':') {
         const char *pend = p + 1 + strcspn(p + 1, "/?#");
         int plen = (int)((size_t)(pend - p - 1) > 16 ? 16 : (size_t)(pend - p - 1));
-        r = url_parse_digits(p + 1, &v, &q);
+        r = relay_parse_digits(p + 1, &v, &q);
         if (r != 0 || q != pend || v < 1 || v > 65535) {
             url_err(err, errlen, "port \"%.*s\" must be a number between 1 and 65535", plen, p + 1);
             return -1;
@@ -213,7 +212,7 @@ int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, siz
         const char *dend = p + 1 + strcspn(p + 1, "?#");
         int dlen = (int)((size_t)(dend - p - 1) > 16 ? 16 : (size_t)(dend - p - 1));
         if (dend != p + 1) { /* "redis://host/" means database 0 */
-            r = url_parse_digits(p + 1, &v, &q);
+            r = relay_parse_digits(p + 1, &v, &q);
             if (r != 0 || q != dend || v > RELAY_URL_DB_MAX) {
                 url_err(err, errlen, "database \"%.*s\" must be a number between 0 and %d", dlen,
                         p + 1, RELAY_URL_DB_MAX);

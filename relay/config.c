@@ -466,26 +466,6 @@ static void config_show(const char *value, int secret, char *out, size_t outlen)
 /* ------------------------------------------------------------------------ */
 /* Values.                                                                   */
 
-/*
- * Parses a run of decimal digits at s (no sign, no space: strtoull would take
- * both). Returns 0 and sets *end after the digits, -1 if s does not start with
- * a digit, -2 if the number does not fit in 64 bits.
- */
-static int cfg_parse_digits(const char *s, uint64_t *out, const char **end)
-{
-    char *e;
-    unsigned long long v;
-
-    if (!isdigit((unsigned char)s[0]))
-        return -1;
-    errno = 0;
-    v = strtoull(s, &e, 10);
-    if (errno == ERANGE)
-        return -2;
-    *out = (uint64_t)v;
-    *end = e;
-    return 0;
-}
 
 int relay_config_parse_duration(const char *s, uint32_t *ms)
 {
@@ -498,7 +478,7 @@ int relay_config_parse_duration(const char *s, uint32_t *ms)
     const char *end;
     size_t i;
 
-    if (!s || cfg_parse_digits(s, &v, &end) != 0)
+    if (!s || relay_parse_digits(s, &v, &end) != 0)
         return -1;
     for (i = 0; i < RELAY_ARRAY_LEN(units); i++) {
         if (strcmp(end, units[i].unit) != 0)
@@ -624,7 +604,7 @@ static int config_convert(struct relay_config *cfg, const struct cfg_key *k, con
         return 0;
     }
     case CFG_UINT:
-        r = cfg_parse_digits(value, &v, &end);
+        r = relay_parse_digits(value, &v, &end);
         if (r == -1 || (r == 0 && *end != '\0')) {
             snprintf(rule, rulelen, "must be a whole number between %lu and %lu",
                      (unsigned long)k->min, (unsigned long)k->max);

@@ -34,6 +34,26 @@ extern char **environ;
 
 /* ---- observation and backpressure -------------------------------------- */
 
+/* Logs what an observation could not read, once per change: without it,
+ * queue age, producer admission and backpressure stand still. */
+static void log_observation_problem(struct relay *r, int which, int ok, const char *error)
+{
+    static const char *const servers[2] = {"PostgreSQL", "Redis"};
+    const char *now = ok ? "" : error;
+    if (strcmp(now, r->obs_problem[which]) == 0)
+        return;
+    if (ok)
+        relay_info("observe", "reading %s again", servers[which]);
+    else
+        relay_warn("observe",
+                   "cannot read %s (%s): queue age, %s wait for it; the relay "
+                   "itself goes on",
+                   servers[which], error,
+                   which == 0 ? "producer admission and the outbox gauges"
+                              : "consumer-group lag and stream backpressure");
+    snprintf(r->obs_problem[which], sizeof(r->obs_problem[which]), "%s", now);
+}
+
 /* A fresh observation: keep it for /metrics and apply stream backpressure. */
 static void on_observation(void *arg, const struct relay_observation *o)
 {
@@ -41,6 +61,9 @@ static void on_observation(void *arg, const struct relay_observation *o)
     struct relay_bp_change changes[RELAY_OBS_TOPICS_MAX];
     int resumed = 0;
     memcpy(r->obs, o, sizeof(*r->obs));
+    log_observation_problem(r, 0, o->pg_ok, o->pg_error[0] ? o->pg_error : "unknown error");
+    log_observation_problem(r, 1, o->redis_ok,
+                            o->redis_error[0] ? o->redis_error : "unknown error");
     size_t n = relay_backpressure_apply(&r->paused, r->cfg, r->obs, changes, &resumed);
     for (size_t i = 0; i < n; i++)
         relay_log(changes[i].paused ? RELAY_LOG_WARNING : RELAY_LOG_INFO, COMPONENT,

@@ -7,6 +7,7 @@
 #define RELAY_URL_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* Highest database number a URL may select. */
 #define RELAY_URL_DB_MAX 15
@@ -26,6 +27,15 @@ struct relay_redis_url {
  * on failure.
  */
 int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, size_t errlen)
+    __attribute__((warn_unused_result));
+
+/*
+ * Parses a run of decimal digits at s (no sign, no space: strtoull would take
+ * both), for the URL's port and database and the configuration's numbers.
+ * Returns 0 and sets *out and *end (after the digits), -1 if s does not start
+ * with a digit, -2 if the number does not fit in 64 bits.
+ */
+int relay_parse_digits(const char *s, uint64_t *out, const char **end)
     __attribute__((warn_unused_result));
 
 #endif

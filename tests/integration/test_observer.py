@@ -228,6 +228,9 @@ class ObserverTest(harness.ServerTestCase):
                         " SELECT 'orders', 'Redis is down' FROM generate_series(1, 12)")
         err = self.wait_refused("orders", relay)
         print(f"refused with Redis stopped: {err.pgerror.strip().splitlines()[0]}")
+        # The relay says what its observation cannot read, and what waits for it.
+        relay.wait_for_log(r"WARNING observe: cannot read Redis \(.*\): queue age, "
+                           r"consumer-group lag and stream backpressure wait for it", timeout=15)
         # Drained elsewhere (say, by another relay whose Redis is up).
         with self.db.cursor() as cur:
             cur.execute("UPDATE outbox.messages SET sent_at = now() WHERE topic = 'orders'")
