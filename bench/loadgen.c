@@ -58,12 +58,12 @@ static long cap;          /* slots in the arrays below */
 static double *t_commit, *t_visible, *t_acked;
 static double t0;
 
-static atomic_long slot_next;     /* next schedule slot */
-static atomic_long committed;     /* rows committed by the producers */
+static atomic_long slot_next; /* next schedule slot */
+static atomic_long committed; /* rows committed by the producers */
 static atomic_long n_visible, n_acked, out_of_range;
 static atomic_int producers_done;
 static atomic_int consumers_stop;
-static double last_commit_at;     /* under last_lock */
+static double last_commit_at; /* under last_lock */
 static pthread_mutex_t last_lock = PTHREAD_MUTEX_INITIALIZER;
 
 struct producer {
@@ -423,8 +423,7 @@ int main(int argc, char **argv)
     PGconn *pg = PQconnectdb(conninfo);
     if (PQstatus(pg) != CONNECTION_OK)
         die("cannot connect to PostgreSQL", PQerrorMessage(pg));
-    PGresult *res =
-        PQexec(pg, "SELECT nextval(pg_get_serial_sequence('outbox.messages', 'id'))");
+    PGresult *res = PQexec(pg, "SELECT nextval(pg_get_serial_sequence('outbox.messages', 'id'))");
     if (PQresultStatus(res) != PGRES_TUPLES_OK)
         die("reading the id sequence", PQerrorMessage(pg));
     base_id = strtoll(PQgetvalue(res, 0, 0), NULL, 10) + 1;
@@ -458,8 +457,7 @@ int main(int argc, char **argv)
         pthread_join(ps[i].thread, NULL);
     double produced_at = now_s();
     atomic_store(&producers_done, 1);
-    while (now_s() < produced_at + wait_s &&
-           (!all_seen(&n_visible) || !all_seen(&n_acked)))
+    while (now_s() < produced_at + wait_s && (!all_seen(&n_visible) || !all_seen(&n_acked)))
         sleep_until(now_s() + 0.01);
     atomic_store(&consumers_stop, 1);
     pthread_join(vis, NULL);
@@ -501,8 +499,8 @@ int main(int argc, char **argv)
     printf("{\n  \"target_rate\": %.1f, \"producers\": %d, \"committed\": %ld,"
            " \"seconds\": %.3f, \"achieved_rate\": %.1f,\n"
            "  \"missing_visible\": %ld, \"missing_acked\": %ld, \"out_of_range\": %ld,\n",
-           rate, producers, n_committed, span, span > 0 ? n_committed / span : 0.0, miss_v,
-           miss_a, atomic_load(&out_of_range));
+           rate, producers, n_committed, span, span > 0 ? n_committed / span : 0.0, miss_v, miss_a,
+           atomic_load(&out_of_range));
     print_stats("commit_ms", commit_lat, ncl, 0);
     print_stats("visible_ms", vis_lat, nv, 0);
     print_stats("acked_ms", ack_lat, na, 1);

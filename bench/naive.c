@@ -209,14 +209,7 @@ int main(int argc, char **argv)
 {
     const char *conninfo = NULL, *rhost = "127.0.0.1";
     int rport = 6379, batch = 500, drop_dedup = 0, hold = 0;
-    enum {
-        DRAIN,
-        CLAIM_ONLY,
-        CLAIM_MARK,
-        PRINT_ARGV,
-        PRINT_SQL,
-        PRINT_FUNCTION
-    } mode = DRAIN;
+    enum { DRAIN, CLAIM_ONLY, CLAIM_MARK, PRINT_ARGV, PRINT_SQL, PRINT_FUNCTION } mode = DRAIN;
     uint32_t ttl_ms = 86400000u, publish_timeout_ms = 5000u;
     double seconds = 5;
     long max_batches = -1;
@@ -308,8 +301,7 @@ int main(int argc, char **argv)
         if (rd == NULL || rd->err)
             die("cannot connect to Redis", rd ? rd->errstr : "out of memory");
         /* The relay's function, as the relay loads it. */
-        redisReply *rep =
-            redisCommand(rd, "FUNCTION LOAD REPLACE %s", relay_batch_function_source);
+        redisReply *rep = redisCommand(rd, "FUNCTION LOAD REPLACE %s", relay_batch_function_source);
         if (rep == NULL || rep->type == REDIS_REPLY_ERROR)
             die("FUNCTION LOAD", rep ? rep->str : rd->errstr);
         freeReplyObject(rep);

@@ -284,8 +284,8 @@ static int copy_name(char *dst, const char *src, const char *what, char *err, si
 }
 
 struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *opts,
-                                          relay_consumer_handler_fn *handler, void *arg,
-                                          char *err, size_t errlen)
+                                          relay_consumer_handler_fn *handler, void *arg, char *err,
+                                          size_t errlen)
 {
     if (opts == NULL || handler == NULL) {
         snprintf(err, errlen, "options and handler are required");
@@ -431,8 +431,7 @@ static redisReply *command2(redisContext *ctx, const char *a, const char *b)
 /* Records a problem that run retries, and logs it as an error once per
  * change of its text (a repeat is a debug line). */
 RELAY_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt,
-                          ...)
-    __attribute__((format(printf, 3, 4)));
+                          ...) __attribute__((format(printf, 3, 4)));
 
 RELAY_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt,
                           ...)
@@ -468,8 +467,7 @@ static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, co
     if (c->url.password[0] != '\0') {
         const char *argv[3] = {"AUTH", c->url.user, c->url.password};
         size_t lens[3] = {4, strlen(c->url.user), strlen(c->url.password)};
-        r = c->url.user[0] ? command(ctx, 3, argv, lens)
-                           : command2(ctx, "AUTH", c->url.password);
+        r = c->url.user[0] ? command(ctx, 3, argv, lens) : command2(ctx, "AUTH", c->url.password);
         if (r == NULL || r->type == REDIS_REPLY_ERROR) {
             problem(c, r ? RELAY_CONSUMER_ERR_REDIS : RELAY_CONSUMER_ERR_IO,
                     "Redis AUTH failed: %s (check the user and password of the Redis URL)",
@@ -674,8 +672,7 @@ static int dead_letter(struct relay_consumer *c, const char *stream, const char 
     redisReply *r = command(c->wr, argc, argv, lens);
     if (r == NULL) {
         problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while dead-lettering %s %s: %s",
-                stream, entry_id,
-                c->wr->errstr);
+                stream, entry_id, c->wr->errstr);
         disconnect(c);
         goto out;
     }
@@ -736,7 +733,7 @@ RELAY_STATIC const char *parse_message(const redisReply *fields, struct relay_me
                                        const char **names, const char **values, size_t *vlens);
 
 RELAY_STATIC const char *parse_message(const redisReply *fields, struct relay_message *m,
-                                 const char **names, const char **values, size_t *vlens)
+                                       const char **names, const char **values, size_t *vlens)
 {
     size_t len;
     const redisReply *v;
@@ -876,8 +873,8 @@ static void take_over(struct relay_consumer *c, const char *stream, const char *
     char min_idle[16];
     snprintf(min_idle, sizeof(min_idle), "%u", due);
     const char *cargv[6] = {"XCLAIM", stream, c->group, c->consumer, min_idle, id};
-    size_t clens[6] = {6, strlen(stream), strlen(c->group), strlen(c->consumer), strlen(min_idle),
-                       strlen(id)};
+    size_t clens[6] = {
+        6, strlen(stream), strlen(c->group), strlen(c->consumer), strlen(min_idle), strlen(id)};
     redisReply *cl = command(c->wr, 6, cargv, clens);
     if (cl == NULL) {
         problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
@@ -994,8 +991,8 @@ static void read_once(struct relay_consumer *c)
         block_ms = until_reclaim < 1 ? 1 : (uint32_t)until_reclaim;
     snprintf(count, sizeof(count), "%u", c->o.count);
     snprintf(block, sizeof(block), "%u", block_ms);
-    const char *argv[11] = {"XREADGROUP", "GROUP", c->group, c->consumer, "COUNT", count,
-                            "BLOCK", block, "STREAMS", c->stream, c->replay};
+    const char *argv[11] = {"XREADGROUP", "GROUP", c->group,  c->consumer, "COUNT",  count,
+                            "BLOCK",      block,   "STREAMS", c->stream,   c->replay};
     size_t lens[13];
     const char *full[13];
     memcpy(full, argv, sizeof(argv));
@@ -1005,8 +1002,7 @@ static void read_once(struct relay_consumer *c)
         lens[i] = strlen(full[i]);
     redisReply *r = command(c->rd, 13, full, lens);
     if (r == NULL) {
-        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while reading: %s",
-                c->rd->errstr);
+        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while reading: %s", c->rd->errstr);
         disconnect(c);
         return;
     }
@@ -1048,8 +1044,8 @@ int relay_consumer_run(struct relay_consumer *c)
     while (!c->stop) {
         if (c->wr == NULL || c->rd == NULL) {
             if (connect_all(c) < 0) {
-                sleep_ms_interruptible(
-                    c, relay_backoff_next(&c->reconnect, relay_backoff_random()));
+                sleep_ms_interruptible(c,
+                                       relay_backoff_next(&c->reconnect, relay_backoff_random()));
                 continue;
             }
         }

@@ -163,8 +163,7 @@ static enum relay_handled send_email(const struct relay_message *m, void *arg, c
             return RELAY_HANDLED_RETRY;
         }
     }
-    if (app->fail_rate > 0 && m->deliveries == 1 &&
-        (double)random() / RAND_MAX < app->fail_rate) {
+    if (app->fail_rate > 0 && m->deliveries == 1 && (double)random() / RAND_MAX < app->fail_rate) {
         snprintf(err, errlen, "mail provider timed out (simulated)");
         return RELAY_HANDLED_RETRY;
     }

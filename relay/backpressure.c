@@ -59,7 +59,7 @@ int relay_pg_text_array(char *out, size_t outlen, const char (*items)[RELAY_TOPI
 static double stream_age(const struct relay_group_obs *g)
 {
     return g->oldest_pending_age > g->oldest_undelivered_age ? g->oldest_pending_age
-                                                              : g->oldest_undelivered_age;
+                                                             : g->oldest_undelivered_age;
 }
 
 size_t relay_backpressure_apply(struct relay_paused *p, const struct relay_config *cfg,
@@ -101,7 +101,7 @@ size_t relay_backpressure_apply(struct relay_paused *p, const struct relay_confi
         *resumed = 1; /* also when Redis went away or pausing was switched off */
     p->n = nnext;
     memcpy(p->topics, next, nnext * sizeof(next[0]));
-    if (relay_pg_text_array(p->param, sizeof(p->param), (const char(*)[RELAY_TOPIC_MAX + 1])next,
+    if (relay_pg_text_array(p->param, sizeof(p->param), (const char(*)[RELAY_TOPIC_MAX + 1]) next,
                             nnext) < 0) {
         /* Cannot happen with the sizes above; claim everything rather than
          * send a value that would fail every claim. */

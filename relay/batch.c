@@ -282,8 +282,8 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
                                      cmd->dedup_key, sizeof(cmd->dedup_key));
     int tlen = snprintf(cmd->ttl, sizeof(cmd->ttl), "%u", dedup_ttl_ms);
     int olen = snprintf(cmd->outbox_id, sizeof(cmd->outbox_id), "%lld", (long long)row->id);
-    int nlen = snprintf(cmd->not_after, sizeof(cmd->not_after), "%llu",
-                        (unsigned long long)not_after_ms);
+    int nlen =
+        snprintf(cmd->not_after, sizeof(cmd->not_after), "%llu", (unsigned long long)not_after_ms);
     if (slen < 0 || dlen < 0 || tlen < 0 || olen < 0 || nlen < 0) {
         snprintf(err, errlen,
                  "stream name too long for topic; shorten stream_prefix or topic, then re-queue "
@@ -757,8 +757,9 @@ int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_
     for (size_t i = 0; i < n; i++) {
         if (rows[i].state != RELAY_ROW_PUBLISHED)
             continue;
-        relay_sqlbuf_append(out, any ? "," : "UPDATE outbox.messages SET sent_at = statement_timestamp() "
-                                             "WHERE id = ANY('{");
+        relay_sqlbuf_append(out, any ? ","
+                                     : "UPDATE outbox.messages SET sent_at = statement_timestamp() "
+                                       "WHERE id = ANY('{");
         snprintf(buf, sizeof(buf), "%lld", (long long)rows[i].id);
         relay_sqlbuf_append(out, buf);
         any = 1;
@@ -786,7 +787,8 @@ int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_
         relay_sqlbuf_append(out, lit);
         q->freefn(lit);
         snprintf(buf, sizeof(buf),
-                 ", retry_at = statement_timestamp() + interval '%u milliseconds', failed_at = %s WHERE id = %lld;",
+                 ", retry_at = statement_timestamp() + interval '%u milliseconds', failed_at = %s "
+                 "WHERE id = %lld;",
                  relay_batch_row_retry_ms(attempts, ROW_RETRY_BASE_MS, ROW_RETRY_MAX_MS),
                  quarantine ? "statement_timestamp()" : "NULL", (long long)row->id);
         relay_sqlbuf_append(out, buf);

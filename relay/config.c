@@ -94,8 +94,9 @@ static int cfg_check_listen(const char *value, char *rule, size_t rulelen)
     if (value[0] == '\0')
         return 0;
     if (colon == NULL || colon == value) {
-        snprintf(rule, rulelen, "must be host:port, e.g. 127.0.0.1:9479, or empty to switch "
-                                "the endpoint off");
+        snprintf(rule, rulelen,
+                 "must be host:port, e.g. 127.0.0.1:9479, or empty to switch "
+                 "the endpoint off");
         return -1;
     }
     port = strtoul(colon + 1, &end, 10);
@@ -465,7 +466,6 @@ static void config_show(const char *value, int secret, char *out, size_t outlen)
 
 /* ------------------------------------------------------------------------ */
 /* Values.                                                                   */
-
 
 int relay_config_parse_duration(const char *s, uint32_t *ms)
 {

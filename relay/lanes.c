@@ -39,8 +39,8 @@ const double relay_batch_buckets[13] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 
 static void on_begun(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
                      void *arg);
-static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
-                       const char *sqlstate, void *arg);
+static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                       void *arg);
 static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
                         const char *sqlstate, void *arg);
 static void on_rolled_back(struct relay_pgsrc *pg, PGresult *res, const char *err,
@@ -284,8 +284,8 @@ static int parse_row(PGresult *res, int i, struct relay_row *row)
     return 0;
 }
 
-static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err,
-                       const char *sqlstate, void *arg)
+static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                       void *arg)
 {
     struct relay_lane *l = arg;
     struct relay *r = l->r;
@@ -467,8 +467,7 @@ static void drop_dedup_records(struct relay_lane *l)
     size_t pos = 0;
     for (;;) {
         relay_respbuf_reset(&r->out);
-        if (relay_batch_append_unlink(l->rows, l->nrows, r->cfg->stream_prefix, &pos, &r->out) !=
-            1)
+        if (relay_batch_append_unlink(l->rows, l->nrows, r->cfg->stream_prefix, &pos, &r->out) != 1)
             break;
         if (relay_sink_formatted(r->sink, r->out.data, r->out.len, on_unlinked, r) == 0)
             r->unlinks_pending++;
@@ -503,8 +502,8 @@ static void batch_committed(struct relay_lane *l)
         relay_info(COMPONENT, "publishing again after: %s", f->last_batch_error);
         f->last_batch_error[0] = '\0';
     }
-    relay_debug(COMPONENT, "batch committed: %zu published, %zu failed, %.1f ms", published,
-                failed, took * 1000.0);
+    relay_debug(COMPONENT, "batch committed: %zu published, %zu failed, %.1f ms", published, failed,
+                took * 1000.0);
     drop_dedup_records(l);
 }
 

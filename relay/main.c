@@ -115,8 +115,7 @@ int main(int argc, char **argv)
             /* "--key value": the value goes along unless the flag holds '='. */
             if (strchr(a, '=') == NULL && i + 1 < argc)
                 overrides[noverrides++] = argv[++i];
-        } else if (strcmp(a, "failed") == 0 || strcmp(a, "dlq") == 0 ||
-                   strcmp(a, "status") == 0) {
+        } else if (strcmp(a, "failed") == 0 || strcmp(a, "dlq") == 0 || strcmp(a, "status") == 0) {
             tool_argc = argc - i;
             tool_argv = argv + i;
             break;

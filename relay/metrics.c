@@ -360,8 +360,8 @@ struct relay_metrics *relay_metrics_new(struct ev_loop *loop, const char *listen
     memset(&sin, 0, sizeof(sin));
     sin.sin_family = AF_INET;
     sin.sin_port = htons((uint16_t)port);
-    if (inet_pton(AF_INET, strcmp(host, "localhost") == 0 ? "127.0.0.1" : host,
-                  &sin.sin_addr) != 1) {
+    if (inet_pton(AF_INET, strcmp(host, "localhost") == 0 ? "127.0.0.1" : host, &sin.sin_addr) !=
+        1) {
         snprintf(err, errlen, "metrics_listen host \"%s\" must be an IPv4 address", host);
         return NULL;
     }
@@ -369,8 +369,9 @@ struct relay_metrics *relay_metrics_new(struct ev_loop *loop, const char *listen
     int one = 1;
     if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
         bind(fd, (struct sockaddr *)&sin, sizeof(sin)) < 0 || listen(fd, SOMAXCONN) < 0) {
-        snprintf(err, errlen, "cannot listen on %s: %s (change metrics_listen, or set it empty "
-                              "to switch the endpoint off)",
+        snprintf(err, errlen,
+                 "cannot listen on %s: %s (change metrics_listen, or set it empty "
+                 "to switch the endpoint off)",
                  listen_addr, strerror(errno));
         if (fd >= 0)
             close(fd);

@@ -177,13 +177,26 @@ static PGconn *pg_open(const struct relay_config *cfg, const struct relay_observ
              cfg->statement_timeout_ms);
     /* Our defaults come first so the user's conninfo (expanded in place of
      * dbname) overrides them. */
-    const char *const keys[] = {"application_name", "connect_timeout", "keepalives",
-                                "keepalives_idle", "keepalives_interval", "keepalives_count",
-                                "tcp_user_timeout", "options", "dbname", NULL};
-    const char *const vals[] = {"outbox-relay observe", timeout, "1",
-                                OBS_PG_KEEPALIVES_IDLE, OBS_PG_KEEPALIVES_INTERVAL,
-                                OBS_PG_KEEPALIVES_COUNT, OBS_PG_TCP_USER_TIMEOUT, options,
-                                cfg->postgres, NULL};
+    const char *const keys[] = {"application_name",
+                                "connect_timeout",
+                                "keepalives",
+                                "keepalives_idle",
+                                "keepalives_interval",
+                                "keepalives_count",
+                                "tcp_user_timeout",
+                                "options",
+                                "dbname",
+                                NULL};
+    const char *const vals[] = {"outbox-relay observe",
+                                timeout,
+                                "1",
+                                OBS_PG_KEEPALIVES_IDLE,
+                                OBS_PG_KEEPALIVES_INTERVAL,
+                                OBS_PG_KEEPALIVES_COUNT,
+                                OBS_PG_TCP_USER_TIMEOUT,
+                                options,
+                                cfg->postgres,
+                                NULL};
     PGconn *c = PQconnectStartParams(keys, vals, 1);
     if (c == NULL) {
         snprintf(err, errlen, "out of memory");
@@ -191,8 +204,7 @@ static PGconn *pg_open(const struct relay_config *cfg, const struct relay_observ
     }
     double deadline = mono_now() + cfg->connect_timeout_ms / 1000.0;
     PostgresPollingStatusType st = PGRES_POLLING_WRITING;
-    while (PQstatus(c) != CONNECTION_BAD && st != PGRES_POLLING_OK &&
-           st != PGRES_POLLING_FAILED) {
+    while (PQstatus(c) != CONNECTION_BAD && st != PGRES_POLLING_OK && st != PGRES_POLLING_FAILED) {
         enum wait_result w =
             wait_fd(stop, PQsocket(c), st == PGRES_POLLING_READING ? POLLIN : POLLOUT, deadline);
         if (w != WAIT_READY) {
@@ -306,16 +318,17 @@ static const char outbox_sql[] =
  * the whole backlog of the other topics for every probe (2 s for 64 topics
  * behind 200,000 rows of others, against 1 ms this way).
  */
-#define TOPIC_PENDING(m, t)                                                                  \
-    " FROM outbox.messages " m " WHERE " m ".topic >= " t " AND " m ".topic <= " t          \
-    " AND " m ".sent_at IS NULL AND " m ".failed_at IS NULL"
+#define TOPIC_PENDING(m, t)                                                                        \
+    " FROM outbox.messages " m " WHERE " m ".topic >= " t " AND " m ".topic <= " t " AND " m       \
+    ".sent_at IS NULL AND " m ".failed_at IS NULL"
 #define TOPIC_FIRST " ORDER BY m.topic, m.id LIMIT 1"
 #define TOPIC_LAST " ORDER BY m.topic DESC, m.id DESC LIMIT 1"
 
-static const char topics_sql[] =
-    "SELECT t, (SELECT max(id) - min(id) + 1 FROM ("
-    "   (SELECT m.id" TOPIC_PENDING("m", "t") TOPIC_FIRST ") UNION ALL"
-    "   (SELECT m.id" TOPIC_PENDING("m", "t") TOPIC_LAST ")) e),"
+static const char topics_sql[] = "SELECT t, (SELECT max(id) - min(id) + 1 FROM ("
+                                 "   (SELECT m.id" TOPIC_PENDING("m", "t") TOPIC_FIRST
+    ") UNION ALL"
+    "   (SELECT m.id" TOPIC_PENDING("m", "t") TOPIC_LAST
+    ")) e),"
     " extract(epoch FROM clock_timestamp() - o.created_at)"
     " FROM unnest($1::text[]) AS t"
     " LEFT JOIN LATERAL (SELECT m.created_at" TOPIC_PENDING("m", "t") TOPIC_FIRST ") o ON true";
@@ -331,13 +344,14 @@ static const char topics_sql[] =
  * statement ends, in topic order, so relays that decide at the same time wait
  * for each other instead of deadlocking.
  */
-#define ADMISSION_FROM                                                                       \
-    " FROM (SELECT topic FROM outbox.topic_limits UNION SELECT topic FROM outbox.topic_state) t" \
-    " LEFT JOIN LATERAL (SELECT m.created_at" TOPIC_PENDING("m", "t.topic") TOPIC_FIRST        \
-    " ) o ON true"                                                                           \
-    " CROSS JOIN LATERAL (SELECT max(e.id) - min(e.id) + 1 AS span FROM ("                   \
-    "   (SELECT m.id" TOPIC_PENDING("m", "t.topic") TOPIC_FIRST ") UNION ALL"                \
-    "   (SELECT m.id" TOPIC_PENDING("m", "t.topic") TOPIC_LAST ")) e) p"
+#define ADMISSION_FROM                                                                             \
+    " FROM (SELECT topic FROM outbox.topic_limits UNION SELECT topic FROM outbox.topic_state) t"   \
+    " LEFT JOIN LATERAL (SELECT m.created_at" TOPIC_PENDING("m", "t.topic") TOPIC_FIRST            \
+        " ) o ON true"                                                                             \
+        " CROSS JOIN LATERAL (SELECT max(e.id) - min(e.id) + 1 AS span FROM ("                     \
+        "   (SELECT m.id" TOPIC_PENDING("m", "t.topic") TOPIC_FIRST                                \
+        ") UNION ALL"                                                                              \
+        "   (SELECT m.id" TOPIC_PENDING("m", "t.topic") TOPIC_LAST ")) e) p"
 
 static const char admission_decide_sql[] =
     "SELECT topic, span, age, outbox.observe_topic(topic, coalesce(span, 0), created_at)"
@@ -352,8 +366,7 @@ static const char admission_read_sql[] =
     " LEFT JOIN outbox.topic_state s ON s.topic = t.topic"
     " ORDER BY 4, 1";
 
-static struct relay_topic_obs *find_topic(struct relay_topic_obs *list, size_t n,
-                                          const char *topic)
+static struct relay_topic_obs *find_topic(struct relay_topic_obs *list, size_t n, const char *topic)
 {
     for (size_t i = 0; i < n; i++)
         if (strcmp(list[i].topic, topic) == 0)
@@ -574,8 +587,9 @@ static redisContext *redis_open(const struct relay_config *cfg,
     if (w != WAIT_READY || getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &soerr, &len) != 0 ||
         soerr != 0) {
         if (w == WAIT_DEADLINE)
-            snprintf(err, errlen, "cannot connect to %.100s:%d: no connection within "
-                                  "connect_timeout (%u ms)",
+            snprintf(err, errlen,
+                     "cannot connect to %.100s:%d: no connection within "
+                     "connect_timeout (%u ms)",
                      u->host, u->port, cfg->connect_timeout_ms);
         else if (w == WAIT_STOPPED)
             snprintf(err, errlen, "stopped");
@@ -711,8 +725,8 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
             snprintf(o->redis_error, sizeof(o->redis_error), "%s", c->c->errstr);
             return -1;
         }
-        for (size_t g = 0; r->type == REDIS_REPLY_ARRAY && g < r->elements &&
-                           o->ngroups < RELAY_OBS_GROUPS_MAX;
+        for (size_t g = 0;
+             r->type == REDIS_REPLY_ARRAY && g < r->elements && o->ngroups < RELAY_OBS_GROUPS_MAX;
              g++) {
             const redisReply *info = r->element[g];
             const redisReply *name = map_get(info, "name");
@@ -724,14 +738,12 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
             snprintf(go->group, sizeof(go->group), "%s", name->str);
             go->topic = (int)ti;
             const redisReply *v;
-            go->consumers = (v = map_get(info, "consumers")) && v->type == REDIS_REPLY_INTEGER
-                                ? v->integer
-                                : 0;
-            go->pending = (v = map_get(info, "pending")) && v->type == REDIS_REPLY_INTEGER
-                              ? v->integer
-                              : 0;
-            go->lag = (v = map_get(info, "lag")) && v->type == REDIS_REPLY_INTEGER ? v->integer
-                                                                                    : -1;
+            go->consumers =
+                (v = map_get(info, "consumers")) && v->type == REDIS_REPLY_INTEGER ? v->integer : 0;
+            go->pending =
+                (v = map_get(info, "pending")) && v->type == REDIS_REPLY_INTEGER ? v->integer : 0;
+            go->lag =
+                (v = map_get(info, "lag")) && v->type == REDIS_REPLY_INTEGER ? v->integer : -1;
             go->oldest_pending_age = go->oldest_undelivered_age = -1;
             double now = now_unix();
             if (go->pending > 0) {
@@ -910,7 +922,9 @@ void relay_observe_text(const struct relay_observation *o, char *outbuf, size_t 
         put(&b, " ");
         put_shown(&b, g->group, 16, 16);
         put(&b, " %10s %8s %8lld %10lld %12s %6s\n", a1, lag, g->pending, g->dead_letters, a2,
-            t == NULL || t->admitting < 0 ? "-" : t->admitting ? "yes" : "NO");
+            t == NULL || t->admitting < 0 ? "-"
+            : t->admitting                ? "yes"
+                                          : "NO");
     }
 }
 
@@ -953,9 +967,10 @@ void relay_observe_json(const struct relay_observation *o, char *outbuf, size_t 
     json_string(&b, o->durability);
     put(&b, ",\"error\":");
     json_string(&b, o->redis_ok ? "" : o->redis_error);
-    put(&b, "},\"outbox\":{\"pending_estimate\":%lld,\"oldest_pending_age_seconds\":%.3f,"
-            "\"quarantined\":%lld},\"admission\":{\"topics\":%lld,\"refused\":%lld},"
-            "\"topics\":[",
+    put(&b,
+        "},\"outbox\":{\"pending_estimate\":%lld,\"oldest_pending_age_seconds\":%.3f,"
+        "\"quarantined\":%lld},\"admission\":{\"topics\":%lld,\"refused\":%lld},"
+        "\"topics\":[",
         o->outbox_pending, o->outbox_oldest_age, o->quarantined, o->admission_topics,
         o->admission_refused);
     for (size_t i = 0; i < o->ntopics; i++) {
@@ -966,7 +981,9 @@ void relay_observe_json(const struct relay_observation *o, char *outbuf, size_t 
         json_string(&b, t->stream);
         put(&b, ",\"outbox_pending\":%lld,\"outbox_oldest_age_seconds\":%.3f,\"admitting\":%s}",
             t->pending, t->oldest_pending_age,
-            t->admitting < 0 ? "null" : t->admitting ? "true" : "false");
+            t->admitting < 0 ? "null"
+            : t->admitting   ? "true"
+                             : "false");
     }
     put(&b, "],\"groups\":[");
     for (size_t i = 0; i < o->ngroups; i++) {
@@ -980,8 +997,9 @@ void relay_observe_json(const struct relay_observation *o, char *outbuf, size_t 
             put(&b, "null");
         else
             put(&b, "%lld", g->lag);
-        put(&b, ",\"pending\":%lld,\"dead_letters\":%lld,\"oldest_pending_age_seconds\":%.3f,"
-                "\"oldest_undelivered_age_seconds\":%.3f,\"queue_age_seconds\":%.3f}",
+        put(&b,
+            ",\"pending\":%lld,\"dead_letters\":%lld,\"oldest_pending_age_seconds\":%.3f,"
+            "\"oldest_undelivered_age_seconds\":%.3f,\"queue_age_seconds\":%.3f}",
             g->pending, g->dead_letters, g->oldest_pending_age, g->oldest_undelivered_age,
             g->queue_age);
     }

@@ -211,10 +211,18 @@ static void describe_target(struct relay_pgsrc *pg)
             user = o->val;
     }
     snprintf(pg->describe, sizeof(pg->describe), "host=%s port=%s dbname=%s user=%s",
-             host ? host : getenv("PGHOST") ? getenv("PGHOST") : "(default)",
-             port ? port : getenv("PGPORT") ? getenv("PGPORT") : "(default)",
-             db ? db : getenv("PGDATABASE") ? getenv("PGDATABASE") : "(default)",
-             user ? user : getenv("PGUSER") ? getenv("PGUSER") : "(default)");
+             host               ? host
+             : getenv("PGHOST") ? getenv("PGHOST")
+                                : "(default)",
+             port               ? port
+             : getenv("PGPORT") ? getenv("PGPORT")
+                                : "(default)",
+             db                     ? db
+             : getenv("PGDATABASE") ? getenv("PGDATABASE")
+                                    : "(default)",
+             user               ? user
+             : getenv("PGUSER") ? getenv("PGUSER")
+                                : "(default)");
     PQconninfoFree(opts);
 }
 
@@ -324,9 +332,9 @@ static void start_connect(struct relay_pgsrc *pg)
     const char *app = pg->role == RELAY_PGSRC_LISTEN ? "outbox-relay listen" : "outbox-relay";
     /* Our defaults come first so the user's conninfo (expanded in place of
      * dbname) overrides them; libpq's PG* variables fill in what is left. */
-    const char *const keys[] = {"application_name", "keepalives",       "keepalives_idle",
-                                "keepalives_interval", "keepalives_count", "tcp_user_timeout",
-                                "dbname",           NULL};
+    const char *const keys[] = {
+        "application_name", "keepalives",       "keepalives_idle", "keepalives_interval",
+        "keepalives_count", "tcp_user_timeout", "dbname",          NULL};
     const char *const vals[] = {app, "1", "10", "5", "3", "30000", pg->cfg->postgres, NULL};
 
     describe_target(pg);
@@ -510,8 +518,7 @@ static void on_io(struct ev_loop *loop, ev_io *w, int revents)
     }
     if (revents & EV_READ) {
         if (!PQconsumeInput(pg->conn)) {
-            fail(pg, pg->was_ready ? "connection lost" : "set-up failed",
-                 PQerrorMessage(pg->conn));
+            fail(pg, pg->was_ready ? "connection lost" : "set-up failed", PQerrorMessage(pg->conn));
             return;
         }
     }
@@ -655,8 +662,8 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
  * default: with them the server ends the sessions within about 30 s. They are
  * ordinary settings any role may change, and ignored on a Unix socket.
  */
-#define SERVER_KEEPALIVES                                                                       \
-    "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5;"                            \
+#define SERVER_KEEPALIVES                                                                          \
+    "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5;"                               \
     " SET tcp_keepalives_count = 3; SET tcp_user_timeout = 30000; "
 
 static void run_setup(struct relay_pgsrc *pg)
@@ -671,14 +678,13 @@ static void run_setup(struct relay_pgsrc *pg)
         uint32_t idle_tx_ms = cfg->publish_timeout_ms * 2 + cfg->statement_timeout_ms;
         if (pg->role == RELAY_PGSRC_CLAIM)
             snprintf(sql, sizeof(sql),
-                     SERVER_KEEPALIVES
-                     "SET statement_timeout = %u; SET lock_timeout = %u;"
-                     " SET idle_in_transaction_session_timeout = %u;"
-                     " SET idle_session_timeout = 0;"
-                     " SELECT coalesce(max(version), 0), (SELECT min(v)"
-                     "  FROM generate_series(4, %d) AS v WHERE v NOT IN"
-                     "  (SELECT version FROM outbox.schema_version))"
-                     " FROM outbox.schema_version",
+                     SERVER_KEEPALIVES "SET statement_timeout = %u; SET lock_timeout = %u;"
+                                       " SET idle_in_transaction_session_timeout = %u;"
+                                       " SET idle_session_timeout = 0;"
+                                       " SELECT coalesce(max(version), 0), (SELECT min(v)"
+                                       "  FROM generate_series(4, %d) AS v WHERE v NOT IN"
+                                       "  (SELECT version FROM outbox.schema_version))"
+                                       " FROM outbox.schema_version",
                      cfg->statement_timeout_ms, cfg->statement_timeout_ms, idle_tx_ms,
                      RELAY_SCHEMA_VERSION);
         else

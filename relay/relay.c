@@ -68,8 +68,7 @@ static void on_observation(void *arg, const struct relay_observation *o)
     for (size_t i = 0; i < n; i++)
         relay_log(changes[i].paused ? RELAY_LOG_WARNING : RELAY_LOG_INFO, COMPONENT,
                   "stream %s %s (backpressure: consumer groups %s)",
-                  r->obs->topics[changes[i].topic].stream,
-                  changes[i].paused ? "paused" : "resumed",
+                  r->obs->topics[changes[i].topic].stream, changes[i].paused ? "paused" : "resumed",
                   changes[i].paused ? "lag beyond the high-water mark; its rows wait in the outbox"
                                     : "caught up below the low-water mark");
     /* The rows of a resumed stream wait in the outbox and nothing will
@@ -109,11 +108,10 @@ static void on_status(struct ev_loop *loop, ev_timer *w, int revents)
     char text[256];
     (void)loop;
     (void)revents;
-    snprintf(text, sizeof(text),
-             "STATUS=%llu published, %llu quarantined; PostgreSQL %s, Redis %s%s",
-             r->fig.published_total, r->fig.quarantined_total,
-             relay_postgres_up(r) ? "up" : "down", relay_sink_ready(r->sink) ? "up" : "down",
-             r->cycle.in_backoff ? "; retrying a batch" : "");
+    snprintf(
+        text, sizeof(text), "STATUS=%llu published, %llu quarantined; PostgreSQL %s, Redis %s%s",
+        r->fig.published_total, r->fig.quarantined_total, relay_postgres_up(r) ? "up" : "down",
+        relay_sink_ready(r->sink) ? "up" : "down", r->cycle.in_backoff ? "; retrying a batch" : "");
     if (strcmp(text, r->status_text) == 0)
         return;
     snprintf(r->status_text, sizeof(r->status_text), "%s", text);
@@ -277,8 +275,8 @@ int relay_run(struct relay *r)
     relay_info(COMPONENT,
                "outbox-relay %s running (libpq %d.%d, hiredis %d.%d.%d, libev %d.%d %s): "
                "batch_size=%u poll_interval=%u ms listen=%s pipeline=%s",
-               RELAY_VERSION, pqv / 10000, pqv % 10000, HIREDIS_MAJOR, HIREDIS_MINOR,
-               HIREDIS_PATCH, ev_version_major(), ev_version_minor(),
+               RELAY_VERSION, pqv / 10000, pqv % 10000, HIREDIS_MAJOR, HIREDIS_MINOR, HIREDIS_PATCH,
+               ev_version_major(), ev_version_minor(),
                backend == EVBACKEND_EPOLL    ? "epoll"
                : backend == EVBACKEND_POLL   ? "poll"
                : backend == EVBACKEND_SELECT ? "select"

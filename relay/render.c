@@ -124,8 +124,7 @@ static void render_relay(const struct relay *r, struct relay_text *t)
     for (int k = 0; k < RELAY_FAIL_KINDS; k++)
         relay_text_printf(t, "outbox_relay_publish_errors_total{kind=\"%s\"} %llu\n",
                           relay_fail_kind_name((enum relay_fail_kind)k), f->errors[k]);
-    relay_text_printf(t, "outbox_relay_publish_errors_total{kind=\"row\"} %llu\n",
-                      f->row_errors);
+    relay_text_printf(t, "outbox_relay_publish_errors_total{kind=\"row\"} %llu\n", f->row_errors);
     help(t, "outbox_relay_batch_failures_in_row", "gauge",
          "Whole-batch failures since the last committed batch (3 or more: not ready).");
     relay_text_printf(t, "outbox_relay_batch_failures_in_row %u\n", r->cycle.failures_in_row);
@@ -137,8 +136,9 @@ static void render_relay(const struct relay *r, struct relay_text *t)
          "1 for the session other than this relay that holds the wake-up lock while this relay "
          "is idle: producers skip their notifications meanwhile.");
     if (r->foreign_pid != 0) {
-        relay_text_printf(t, "outbox_relay_wakeup_lock_foreign_holder{pid=\"%ld\","
-                             "application_name=\"",
+        relay_text_printf(t,
+                          "outbox_relay_wakeup_lock_foreign_holder{pid=\"%ld\","
+                          "application_name=\"",
                           r->foreign_pid);
         relay_text_label(t, r->foreign_app);
         relay_text_printf(t, "\",client_addr=\"");
@@ -210,12 +210,12 @@ static void render_groups(const struct relay *r, struct relay_text *t)
         help(t, names[m][0], "gauge", names[m][1]);
         for (size_t i = 0; i < o->ngroups; i++) {
             const struct relay_group_obs *g = &o->groups[i];
-            double v = m == 0 ? (double)g->lag
-                     : m == 1 ? (double)g->pending
-                     : m == 2 ? g->oldest_pending_age
-                     : m == 3 ? g->oldest_undelivered_age
-                     : m == 4 ? g->queue_age
-                              : (double)g->dead_letters;
+            double v = m == 0   ? (double)g->lag
+                       : m == 1 ? (double)g->pending
+                       : m == 2 ? g->oldest_pending_age
+                       : m == 3 ? g->oldest_undelivered_age
+                       : m == 4 ? g->queue_age
+                                : (double)g->dead_letters;
             if (m == 0 && g->lag < 0)
                 continue; /* Redis cannot tell: no sample rather than a wrong one */
             relay_text_printf(t, "%s{stream=\"", names[m][0]);

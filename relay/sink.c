@@ -148,8 +148,8 @@ static void went_down(struct relay_sink *s, const char *what, const char *msg)
         relay_debug(COMPONENT, "%s: %s; retrying in %u ms", s->describe, line, delay);
     } else {
         snprintf(s->last_logged, sizeof(s->last_logged), "%s", line);
-        relay_error(COMPONENT, "%s: %s; retrying with backoff (first retry in %u ms)",
-                    s->describe, line, delay);
+        relay_error(COMPONENT, "%s: %s; retrying with backoff (first retry in %u ms)", s->describe,
+                    line, delay);
     }
     timer_start(s, delay);
     if (s->hooks.on_down != NULL)
@@ -187,7 +187,8 @@ int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, rela
     return 0;
 }
 
-/* Reports what an acknowledged XADD is worth on this server (README, "What Redis keeps is up to Redis"). */
+/* Reports what an acknowledged XADD is worth on this server (README, "What Redis keeps is up to
+ * Redis"). */
 static void check_durability(struct relay_sink *s, const redisReply *r)
 {
     char text[512];
@@ -347,7 +348,8 @@ static void on_disconnect(const redisAsyncContext *ac, int status)
     if (s == NULL || ac != s->ac)
         return;
     char msg[256];
-    snprintf(msg, sizeof(msg), "%s", ac->c.errstr[0] ? ac->c.errstr : "server closed the connection");
+    snprintf(msg, sizeof(msg), "%s",
+             ac->c.errstr[0] ? ac->c.errstr : "server closed the connection");
     s->ac = NULL;
     ev_timer_stop(s->loop, &s->timer);
     went_down(s, "connection lost", msg);
@@ -481,8 +483,8 @@ struct relay_sink *relay_sink_new(struct ev_loop *loop, const struct relay_confi
     const struct relay_redis_url *u = &cfg->redis_url;
     int v6 = strchr(u->host, ':') != NULL;
     snprintf(s->describe, sizeof(s->describe), "redis://%s%s%s%s%s%s:%d/%d", u->user,
-             u->password[0] ? ":***" : "", (u->user[0] || u->password[0]) ? "@" : "",
-             v6 ? "[" : "", u->host, v6 ? "]" : "", u->port, u->db);
+             u->password[0] ? ":***" : "", (u->user[0] || u->password[0]) ? "@" : "", v6 ? "[" : "",
+             u->host, v6 ? "]" : "", u->port, u->db);
     start_connect(s);
     return s;
 }

@@ -34,9 +34,9 @@
 #define WAKEUP_LOCK_TIMEOUT_MS "250"
 
 /* The writers of outbox.messages in this database, other than this session. */
-#define OUTBOX_WRITERS                                                                          \
-    " FROM pg_locks WHERE locktype = 'relation' AND mode = 'RowExclusiveLock'"                  \
-    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"          \
+#define OUTBOX_WRITERS                                                                             \
+    " FROM pg_locks WHERE locktype = 'relation' AND mode = 'RowExclusiveLock'"                     \
+    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"             \
     " AND relation = 'outbox.messages'::regclass AND pid <> pg_backend_pid()"
 
 static int listen_ready(const struct relay *r)
@@ -116,11 +116,11 @@ static int op_declare_idle(void *arg)
     struct relay *r = arg;
     if (!listen_ready(r))
         return -1;
-    return relay_pgsrc_send(r->listen,
-                            "SELECT pg_advisory_unlock_all();"
-                            " SELECT count(*), coalesce(array_agg(virtualtransaction), '{}')::text"
-                            OUTBOX_WRITERS,
-                            0, NULL, 0, on_idle_declared, r);
+    return relay_pgsrc_send(
+        r->listen,
+        "SELECT pg_advisory_unlock_all();"
+        " SELECT count(*), coalesce(array_agg(virtualtransaction), '{}')::text" OUTBOX_WRITERS,
+        0, NULL, 0, on_idle_declared, r);
 }
 
 static void on_settle_checked(struct relay_pgsrc *pg, PGresult *res, const char *err,
@@ -137,8 +137,9 @@ static void on_settle_checked(struct relay_pgsrc *pg, PGresult *res, const char 
     double started = r->wake.settle_started;
     relay_wake_settle_checked(&r->wake, running);
     if (!r->wake.settling)
-        relay_debug(COMPONENT, "idle: waited %.1f ms for outbox writers that may not have "
-                               "notified; claiming once more",
+        relay_debug(COMPONENT,
+                    "idle: waited %.1f ms for outbox writers that may not have "
+                    "notified; claiming once more",
                     (relay_now() - started) * 1000.0);
     after_event(r);
 }
@@ -149,10 +150,9 @@ static int op_settle_check(void *arg)
     if (!listen_ready(r) || r->settle_writers == NULL)
         return -1;
     const char *params[1] = {r->settle_writers};
-    return relay_pgsrc_send(r->listen,
-                            "SELECT count(*)" OUTBOX_WRITERS
-                            " AND virtualtransaction = ANY ($1::text[])",
-                            1, params, 0, on_settle_checked, r);
+    return relay_pgsrc_send(
+        r->listen, "SELECT count(*)" OUTBOX_WRITERS " AND virtualtransaction = ANY ($1::text[])", 1,
+        params, 0, on_settle_checked, r);
 }
 
 static void op_arm_settle(void *arg, double delay)

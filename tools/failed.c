@@ -58,14 +58,14 @@ static int failed_list(PGconn *conn, long long limit, FILE *out, FILE *errout)
     char lim[24];
     snprintf(lim, sizeof(lim), "%lld", limit);
     const char *params[1] = {lim};
-    PGresult *res = PQexecParams(
-        conn,
-        "SELECT id, message_id, topic, attempts,"
-        " to_char(failed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),"
-        " coalesce(last_error, '')"
-        " FROM outbox.messages WHERE failed_at IS NOT NULL AND sent_at IS NULL"
-        " ORDER BY id LIMIT $1",
-        1, NULL, params, NULL, NULL, 0);
+    PGresult *res =
+        PQexecParams(conn,
+                     "SELECT id, message_id, topic, attempts,"
+                     " to_char(failed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),"
+                     " coalesce(last_error, '')"
+                     " FROM outbox.messages WHERE failed_at IS NOT NULL AND sent_at IS NULL"
+                     " ORDER BY id LIMIT $1",
+                     1, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
         fprintf(errout, "outbox-relay: cannot list failed rows: %s", PQresultErrorMessage(res));
         PQclear(res);
@@ -116,8 +116,9 @@ static int failed_retry(PGconn *conn, int all, int nids, char **ids, FILE *out, 
     for (int i = 0; i < nids; i++) {
         long long id;
         if (parse_id(ids[i], &id) < 0) {
-            fprintf(errout, "outbox-relay: \"%s\" is not a row id (a positive integer from "
-                            "'outbox-relay failed list')\n",
+            fprintf(errout,
+                    "outbox-relay: \"%s\" is not a row id (a positive integer from "
+                    "'outbox-relay failed list')\n",
                     ids[i]);
             free(arr);
             return RELAY_EX_USAGE;
@@ -133,7 +134,8 @@ static int failed_retry(PGconn *conn, int all, int nids, char **ids, FILE *out, 
         "WITH requeued AS ("
         " UPDATE outbox.messages SET failed_at = NULL, attempts = 0, retry_at = NULL,"
         "  last_error = NULL"
-        " WHERE failed_at IS NOT NULL AND sent_at IS NULL AND ($1::boolean OR id = ANY($2::bigint[]))"
+        " WHERE failed_at IS NOT NULL AND sent_at IS NULL AND ($1::boolean OR id = "
+        "ANY($2::bigint[]))"
         " RETURNING id)"
         " SELECT (SELECT count(*) FROM requeued),"
         "  ARRAY(SELECT x FROM unnest($2::bigint[]) AS x WHERE x NOT IN (SELECT id FROM requeued)"
@@ -176,7 +178,8 @@ int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FIL
     int all = 0;
     if (strcmp(verb, "list") == 0) {
         for (int i = 2; i < argc; i++) {
-            if (strcmp(argv[i], "--limit") == 0 && i + 1 < argc && parse_id(argv[i + 1], &limit) == 0) {
+            if (strcmp(argv[i], "--limit") == 0 && i + 1 < argc &&
+                parse_id(argv[i + 1], &limit) == 0) {
                 i++;
                 continue;
             }
@@ -200,9 +203,9 @@ int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FIL
     PGconn *conn = connect_db(cfg, errout);
     if (conn == NULL)
         return RELAY_EX_UNAVAILABLE;
-    int rc = strcmp(verb, "list") == 0 ? failed_list(conn, limit, out, errout)
-                                       : failed_retry(conn, all, all ? 0 : argc - 2, argv + 2,
-                                                      out, errout);
+    int rc = strcmp(verb, "list") == 0
+                 ? failed_list(conn, limit, out, errout)
+                 : failed_retry(conn, all, all ? 0 : argc - 2, argv + 2, out, errout);
     PQfinish(conn);
     return rc;
 }

@@ -24,8 +24,9 @@ int relay_tool_status(const struct relay_config *cfg, int argc, char **argv, FIL
         if (strcmp(argv[i], "--json") == 0) {
             json = 1;
         } else {
-            fprintf(errout, "outbox-relay: status: unexpected \"%s\"\n"
-                            "Usage: outbox-relay [-c FILE] status [--json]\n",
+            fprintf(errout,
+                    "outbox-relay: status: unexpected \"%s\"\n"
+                    "Usage: outbox-relay [-c FILE] status [--json]\n",
                     argv[i]);
             return RELAY_EX_USAGE;
         }

@@ -96,19 +96,19 @@ struct relay_consumer_options {
     const char *redis_url; /* redis://[user:password@]host:port[/db] */
     const char *stream;
     const char *group;
-    const char *consumer; /* NULL: "<hostname>-<pid>" */
-    const char *dlq;      /* NULL: "<stream>.<group>.dlq" */
-    uint32_t max_deliveries;       /* 0: 5 */
+    const char *consumer;                            /* NULL: "<hostname>-<pid>" */
+    const char *dlq;                                 /* NULL: "<stream>.<group>.dlq" */
+    uint32_t max_deliveries;                         /* 0: 5 */
     uint32_t backoff_ms[RELAY_CONSUMER_BACKOFF_MAX]; /* delay before delivery n+1 */
     uint32_t nbackoff; /* steps used in backoff_ms (the last repeats); 0: 1s, 10s, 100s, 1000s */
-    uint32_t block_ms;             /* 0: 1000; XREADGROUP BLOCK, also the stop latency */
-    uint32_t command_timeout_ms;   /* 0: 5000; deadline of every other call */
-    uint32_t count;                /* 0: 16; entries per read */
-    uint32_t reclaim_interval_ms;  /* 0: 250; how often pending entries are scanned */
-    uint32_t reconnect_min_ms;     /* 0: 100 */
-    uint32_t reconnect_max_ms;     /* 0: 10000 */
-    relay_consumer_log_fn *log;    /* NULL: silent */
-    void *log_arg;                 /* passed to log */
+    uint32_t block_ms; /* 0: 1000; XREADGROUP BLOCK, also the stop latency */
+    uint32_t command_timeout_ms;  /* 0: 5000; deadline of every other call */
+    uint32_t count;               /* 0: 16; entries per read */
+    uint32_t reclaim_interval_ms; /* 0: 250; how often pending entries are scanned */
+    uint32_t reconnect_min_ms;    /* 0: 100 */
+    uint32_t reconnect_max_ms;    /* 0: 10000 */
+    relay_consumer_log_fn *log;   /* NULL: silent */
+    void *log_arg;                /* passed to log */
 };
 
 /* The kind of the most recent failure (relay_consumer_err). */
@@ -136,8 +136,8 @@ struct relay_consumer;
  * the reason in err when an option is wrong or memory is short; free the
  * result with relay_consumer_free. */
 struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *opts,
-                                          relay_consumer_handler_fn *handler, void *arg,
-                                          char *err, size_t errlen) RELAY_CONSUMER_MUSTCHECK;
+                                          relay_consumer_handler_fn *handler, void *arg, char *err,
+                                          size_t errlen) RELAY_CONSUMER_MUSTCHECK;
 
 /* Runs until relay_consumer_stop: connects (retrying with jittered backoff),
  * creates the group on the stream and on its replay stream when missing (at
@@ -164,8 +164,7 @@ const char *relay_consumer_dlq(const struct relay_consumer *c);
 void relay_consumer_free(struct relay_consumer *c);
 
 /* The backoff before delivery number deliveries+1 (deliveries >= 1). */
-uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts,
-                                   uint32_t deliveries);
+uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts, uint32_t deliveries);
 
 /* Names: "<stream>.<group>.dlq" and "<stream>.<group>.replay" into out. The
  * length written, or -1 when it does not fit (out is then untouched). */

@@ -8,9 +8,9 @@
 #include <stdint.h>
 
 struct relay_backoff {
-    uint32_t min_ms;   /* first delay's ceiling */
-    uint32_t max_ms;   /* no delay exceeds this */
-    uint32_t attempt;  /* failures since the last success */
+    uint32_t min_ms;  /* first delay's ceiling */
+    uint32_t max_ms;  /* no delay exceeds this */
+    uint32_t attempt; /* failures since the last success */
 };
 
 void relay_backoff_init(struct relay_backoff *b, uint32_t min_ms, uint32_t max_ms);

@@ -45,8 +45,8 @@ struct relay_row {
     size_t topic_len;
     const char *key; /* NULL when partition_key IS NULL */
     size_t key_len;
-    const char *payload; /* NULL when over max_payload_bytes: never fetched */
-    size_t payload_len;  /* its size in bytes, also when it was not fetched */
+    const char *payload;    /* NULL when over max_payload_bytes: never fetched */
+    size_t payload_len;     /* its size in bytes, also when it was not fetched */
     const char *created_at; /* RFC 3339 UTC, formatted by the claim query */
     size_t created_at_len;
     const char *headers_type; /* jsonb_typeof(headers), NULL when headers IS NULL */
@@ -57,7 +57,7 @@ struct relay_row {
     int32_t attempts;
 
     /* Outcome of this cycle. */
-    int state;                 /* enum relay_row_state */
+    int state;                  /* enum relay_row_state */
     enum relay_row_fault fault; /* when state is RELAY_ROW_FAILED */
     char error[RELAY_ERROR_MAX];
 };
@@ -103,8 +103,8 @@ int relay_batch_topic_valid(const char *topic, size_t len);
  * Writes the stream name "<prefix><topic>" into out. Returns its length, or -1
  * when it does not fit.
  */
-int relay_batch_stream_name(const char *prefix, const char *topic, size_t topic_len,
-                            char *out, size_t outlen);
+int relay_batch_stream_name(const char *prefix, const char *topic, size_t topic_len, char *out,
+                            size_t outlen);
 
 /* Writes the dedup record key "{<stream>}:dedup:<message_id>"; length or -1. */
 int relay_batch_dedup_key(const char *stream, const char *message_id, size_t message_id_len,
@@ -193,8 +193,8 @@ int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char
  * Fills at most max items and returns their count, or -1 if the data is
  * malformed, multi-dimensional, holds NULLs or more than max items.
  */
-int relay_batch_decode_text_array(const char *buf, size_t len, const char **items,
-                                  size_t *lens, size_t max);
+int relay_batch_decode_text_array(const char *buf, size_t len, const char **items, size_t *lens,
+                                  size_t max);
 
 /* Big-endian integers as PostgreSQL sends them in binary results. */
 int64_t relay_batch_decode_int8(const char *buf);

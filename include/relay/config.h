@@ -21,18 +21,18 @@ struct relay_config {
      * secrets and are never printed as they are (see relay_config_redact). */
     char *postgres;
     char *redis;
-    char *redis_password_file; /* optional; its first line overrides the URL's password */
+    char *redis_password_file;        /* optional; its first line overrides the URL's password */
     struct relay_redis_url redis_url; /* derived from redis (+ password file) */
 
     /* Streams. */
     char *stream_prefix; /* put in front of the topic to name the stream; may be "" */
 
     /* Work. */
-    uint32_t batch_size;         /* rows per claim, 1..10000 */
-    uint32_t max_attempts;       /* per-row failures before quarantine, 1..1000 */
-    uint32_t max_payload_bytes;  /* 1..536870912 */
-    int listen;                  /* 1: LISTEN for wake-ups; 0: poll only */
-    int pipeline;                /* 1: claim the next batch while this one publishes */
+    uint32_t batch_size;        /* rows per claim, 1..10000 */
+    uint32_t max_attempts;      /* per-row failures before quarantine, 1..1000 */
+    uint32_t max_payload_bytes; /* 1..536870912 */
+    int listen;                 /* 1: LISTEN for wake-ups; 0: poll only */
+    int pipeline;               /* 1: claim the next batch while this one publishes */
 
     /* Time, all in milliseconds. */
     uint32_t poll_interval_ms;
@@ -47,12 +47,12 @@ struct relay_config {
     int log_level; /* enum relay_log_level */
 
     /* Operations. */
-    char *metrics_listen;          /* "host:port" of /metrics, /healthz, /readyz; "" = off */
-    uint32_t observe_interval_ms;  /* how often queue age, lag and admission are read */
-    uint32_t pause_lag_entries;    /* pause a stream when a group lags this much; 0 = off */
-    uint32_t resume_lag_entries;   /* ... and resume below this */
-    uint32_t pause_queue_age_ms;   /* pause a stream at this queue age; 0 = off */
-    uint32_t resume_queue_age_ms;  /* ... and resume below this */
+    char *metrics_listen;         /* "host:port" of /metrics, /healthz, /readyz; "" = off */
+    uint32_t observe_interval_ms; /* how often queue age, lag and admission are read */
+    uint32_t pause_lag_entries;   /* pause a stream when a group lags this much; 0 = off */
+    uint32_t resume_lag_entries;  /* ... and resume below this */
+    uint32_t pause_queue_age_ms;  /* pause a stream at this queue age; 0 = off */
+    uint32_t resume_queue_age_ms; /* ... and resume below this */
 };
 
 /* Fills every key with its documented default; strings are heap copies. */
@@ -70,8 +70,8 @@ void relay_config_free(struct relay_config *cfg);
  *   relay.conf:12: batch_size = "0": must be between 1 and 10000
  * and returns -1. Values of secret keys are redacted in messages.
  */
-int relay_config_load(struct relay_config *cfg, const char *path, char *const *envp,
-                      int argc, char *const *argv, char *err, size_t errlen);
+int relay_config_load(struct relay_config *cfg, const char *path, char *const *envp, int argc,
+                      char *const *argv, char *err, size_t errlen);
 
 /*
  * Sets one key from a source: origin names the place for messages ("relay.conf:12",

@@ -62,18 +62,18 @@ const char *relay_fail_kind_name(enum relay_fail_kind kind);
  */
 struct relay_cycle_ops {
     void *arg;
-    double (*now)(void *arg);                    /* monotonic seconds */
-    int (*lane_ready)(void *arg, size_t lane);   /* its connection can take a command */
-    int (*sink_ready)(void *arg);                /* Redis is connected and set up */
+    double (*now)(void *arg);                  /* monotonic seconds */
+    int (*lane_ready)(void *arg, size_t lane); /* its connection can take a command */
+    int (*sink_ready)(void *arg);              /* Redis is connected and set up */
     int (*begin)(void *arg, size_t lane);
     int (*claim)(void *arg, size_t lane, char *why, size_t whylen);
     void (*publish)(void *arg, size_t lane);
     int (*finish)(void *arg, size_t lane, char *why, size_t whylen); /* mark sent + COMMIT */
     int (*rollback)(void *arg, size_t lane, int empty); /* ROLLBACK, or COMMIT when empty */
-    void (*release)(void *arg, size_t lane);     /* the lane's batch is over: free its rows */
+    void (*release)(void *arg, size_t lane); /* the lane's batch is over: free its rows */
     void (*failed)(void *arg, size_t lane, enum relay_fail_kind kind, const char *why);
-    void (*kick)(void *arg);                     /* call relay_cycle_run from the loop, soon */
-    void (*arm_retry)(void *arg, uint32_t ms);   /* call relay_cycle_retry_due after ms */
+    void (*kick)(void *arg);                   /* call relay_cycle_run from the loop, soon */
+    void (*arm_retry)(void *arg, uint32_t ms); /* call relay_cycle_retry_due after ms */
     int (*self_driven)(void *arg); /* producers skip notifying: claim until a claim is empty */
     void (*went_empty)(void *arg); /* an empty claim, nothing else in flight, self-driven */
     void (*drained)(void *arg);    /* draining and no batch left in flight */

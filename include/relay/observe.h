@@ -59,10 +59,10 @@ struct relay_observation {
     char pg_error[256];
     int redis_ok;
     char redis_error[256];
-    long long outbox_pending;   /* estimate: the span of pending ids */
-    double outbox_oldest_age;   /* seconds; -1 when none */
-    long long quarantined;      /* rows with failed_at set */
-    char durability[128];       /* "appendonly yes, appendfsync always" */
+    long long outbox_pending;    /* estimate: the span of pending ids */
+    double outbox_oldest_age;    /* seconds; -1 when none */
+    long long quarantined;       /* rows with failed_at set */
+    char durability[128];        /* "appendonly yes, appendfsync always" */
     long long admission_topics;  /* topics whose admission was decided (or read) */
     long long admission_refused; /* of those, refused */
     size_t ntopics;

@@ -85,8 +85,7 @@ int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FIL
  * cannot be replayed; 69 when Redis cannot be reached or refuses a command;
  * 75 when a replay kept racing with other writers.
  */
-int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *out,
-                   FILE *errout);
+int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *out, FILE *errout);
 
 /*
  * outbox-relay status [--json]: queue age, lag, pending, dead letters and

@@ -32,7 +32,8 @@ static long long step_ms(void)
     struct timespec now;
     if (real_clock_gettime()(CLOCK_MONOTONIC, &now) != 0)
         return cached;
-    long long since = (now.tv_sec - read_at.tv_sec) * 1000LL + (now.tv_nsec - read_at.tv_nsec) / 1000000;
+    long long since =
+        (now.tv_sec - read_at.tv_sec) * 1000LL + (now.tv_nsec - read_at.tv_nsec) / 1000000;
     if (read_at.tv_sec != 0 && since < 20)
         return cached;
     read_at = now;

@@ -151,13 +151,11 @@ static void test_array_value_escapes_every_name(void **state)
     (void)state;
     char items[3][RELAY_TOPIC_MAX + 1] = {"plain", "quo\"te", "back\\slash"};
     char out[128];
-    assert_int_equal(relay_pg_text_array(out, sizeof(out),
-                                         (const char(*)[RELAY_TOPIC_MAX + 1])items, 3),
-                     0);
+    assert_int_equal(
+        relay_pg_text_array(out, sizeof(out), (const char(*)[RELAY_TOPIC_MAX + 1]) items, 3), 0);
     assert_string_equal(out, "{\"plain\",\"quo\\\"te\",\"back\\\\slash\"}");
-    assert_int_equal(relay_pg_text_array(out, sizeof(out),
-                                         (const char(*)[RELAY_TOPIC_MAX + 1])items, 0),
-                     0);
+    assert_int_equal(
+        relay_pg_text_array(out, sizeof(out), (const char(*)[RELAY_TOPIC_MAX + 1]) items, 0), 0);
     assert_string_equal(out, "{}");
 }
 
@@ -166,10 +164,9 @@ static void test_array_value_too_small(void **state)
     (void)state;
     char items[1][RELAY_TOPIC_MAX + 1] = {"orders"};
     char out[8];
-    assert_int_equal(relay_pg_text_array(out, sizeof(out),
-                                         (const char(*)[RELAY_TOPIC_MAX + 1])items, 1),
-                     -1);
-    assert_int_equal(relay_pg_text_array(out, 2, (const char(*)[RELAY_TOPIC_MAX + 1])items, 0),
+    assert_int_equal(
+        relay_pg_text_array(out, sizeof(out), (const char(*)[RELAY_TOPIC_MAX + 1]) items, 1), -1);
+    assert_int_equal(relay_pg_text_array(out, 2, (const char(*)[RELAY_TOPIC_MAX + 1]) items, 0),
                      -1);
 }
 
@@ -182,7 +179,7 @@ static void test_worst_case_names_fit(void **state)
         items[i][RELAY_TOPIC_MAX] = '\0';
     }
     assert_int_equal(relay_pg_text_array(paused.param, sizeof(paused.param),
-                                         (const char(*)[RELAY_TOPIC_MAX + 1])items,
+                                         (const char(*)[RELAY_TOPIC_MAX + 1]) items,
                                          RELAY_OBS_TOPICS_MAX),
                      0);
 }

@@ -107,7 +107,9 @@ static void test_build_publish_fields(void **state)
     row.key_len = 10;
     struct relay_publish_cmd cmd;
     char err[256];
-    assert_int_equal(relay_batch_build_publish(&row, "", 1024, 60000, 1796040000000ull, &cmd, err, sizeof(err)), 0);
+    assert_int_equal(
+        relay_batch_build_publish(&row, "", 1024, 60000, 1796040000000ull, &cmd, err, sizeof(err)),
+        0);
     assert_string_equal(cmd.argv[0], "FCALL");
     assert_string_equal(cmd.argv[1], RELAY_FUNCTION_PUBLISH);
     assert_string_equal(cmd.argv[2], "2");
@@ -135,7 +137,9 @@ static void test_build_publish_no_key_field_when_null(void **state)
     struct relay_row row = make_row("orders", "x", 1);
     struct relay_publish_cmd cmd;
     char err[256];
-    assert_int_equal(relay_batch_build_publish(&row, "p.", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)), 0);
+    assert_int_equal(
+        relay_batch_build_publish(&row, "p.", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)),
+        0);
     assert_int_equal(find_field(&cmd, "key"), -1);
     assert_string_equal(cmd.argv[3], "p.orders");
 }
@@ -155,7 +159,9 @@ static void test_build_publish_headers(void **state)
     row.header_values_len = vlen;
     struct relay_publish_cmd cmd;
     char err[256];
-    assert_int_equal(relay_batch_build_publish(&row, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)), 0);
+    assert_int_equal(
+        relay_batch_build_publish(&row, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)),
+        0);
     int i = find_field(&cmd, "h.content-type");
     assert_true(i > 0);
     assert_memory_equal(cmd.argv[i], "application/json", 16);
@@ -171,18 +177,22 @@ static void test_row_errors_say_what_to_do(void **state)
     char err[512];
 
     struct relay_row bad_topic = make_row("bad topic", "x", 1);
-    assert_int_equal(relay_batch_build_publish(&bad_topic, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)),
+    assert_int_equal(relay_batch_build_publish(&bad_topic, "", 1024, 1000, 1796040000000ull, &cmd,
+                                               err, sizeof(err)),
                      -1);
     assert_non_null(strstr(err, "topic \"bad topic\" is not allowed"));
     assert_non_null(strstr(err, "outbox-relay failed retry"));
 
     struct relay_row big = make_row("orders", "0123456789", 10);
-    assert_int_equal(relay_batch_build_publish(&big, "", 9, 1000, 1796040000000ull, &cmd, err, sizeof(err)), -1);
+    assert_int_equal(
+        relay_batch_build_publish(&big, "", 9, 1000, 1796040000000ull, &cmd, err, sizeof(err)), -1);
     assert_non_null(strstr(err, "payload of 10 bytes exceeds max_payload_bytes (9)"));
 
     struct relay_row arr = make_row("orders", "x", 1);
     arr.headers_type = "array";
-    assert_int_equal(relay_batch_build_publish(&arr, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)), -1);
+    assert_int_equal(
+        relay_batch_build_publish(&arr, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)),
+        -1);
     assert_non_null(strstr(err, "headers must be a JSON object"));
 
     char toolong[RELAY_HEADER_NAME_MAX + 2];
@@ -197,7 +207,9 @@ static void test_row_errors_say_what_to_do(void **state)
     hdr.header_names_len = encode_array(nbuf, names, 1);
     hdr.header_values = vbuf;
     hdr.header_values_len = encode_array(vbuf, values, 1);
-    assert_int_equal(relay_batch_build_publish(&hdr, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)), -1);
+    assert_int_equal(
+        relay_batch_build_publish(&hdr, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)),
+        -1);
     assert_non_null(strstr(err, "names are 1 to 128 bytes"));
 }
 
@@ -393,13 +405,17 @@ static void test_finish_sql(void **state)
     assert_int_equal(relay_batch_finish_sql(rows, 5, 3, &q, &buf), 2);
     assert_string_equal(
         buf.data,
-        "UPDATE outbox.messages SET sent_at = statement_timestamp() WHERE id = ANY('{10,12}'::bigint[]);"
+        "UPDATE outbox.messages SET sent_at = statement_timestamp() WHERE id = "
+        "ANY('{10,12}'::bigint[]);"
         "UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'topic \"it''s\" is "
-        "not allowed', retry_at = statement_timestamp() + interval '1000 milliseconds', failed_at = statement_timestamp() WHERE "
+        "not allowed', retry_at = statement_timestamp() + interval '1000 milliseconds', failed_at "
+        "= statement_timestamp() WHERE "
         "id = 11;"
         "UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'WRONGTYPE', retry_at "
-        "= statement_timestamp() + interval '4000 milliseconds', failed_at = statement_timestamp() WHERE id = 13;"
-        "UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'WRONGTYPE again', retry_at "
+        "= statement_timestamp() + interval '4000 milliseconds', failed_at = statement_timestamp() "
+        "WHERE id = 13;"
+        "UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'WRONGTYPE again', "
+        "retry_at "
         "= statement_timestamp() + interval '2000 milliseconds', failed_at = NULL WHERE id = 14;"
         "COMMIT");
 
@@ -471,7 +487,9 @@ static void test_utf8_prefix_never_cuts_a_character(void **state)
     struct relay_row row = make_row(topic, "x", 1);
     struct relay_publish_cmd cmd;
     char err[512];
-    assert_int_equal(relay_batch_build_publish(&row, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)), -1);
+    assert_int_equal(
+        relay_batch_build_publish(&row, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)),
+        -1);
     const char *q = strstr(err, "\"") + 1;
     const char *end = strchr(q, '\"');
     assert_int_equal((end - q) % 2, 1); /* "a" plus whole two-byte characters */
@@ -724,8 +742,7 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     prefix[256] = '\0';
     check_publish_refused_same(&longest, prefix, 1024, "stream name too long");
     assert_int_equal(
-        relay_batch_append_publish(&longest, prefix, 1024, 1, 2, &buf, err, sizeof(err), NULL),
-        -1);
+        relay_batch_append_publish(&longest, prefix, 1024, 1, 2, &buf, err, sizeof(err), NULL), -1);
     relay_respbuf_free(&buf);
 }
 

@@ -45,8 +45,7 @@ static size_t build(char *out, size_t cap, const char *const *items)
             off += 9;
             continue;
         }
-        off += (size_t)snprintf(out + off, cap - off, "$%zu\r\n%s\r\n", strlen(items[i]),
-                                items[i]);
+        off += (size_t)snprintf(out + off, cap - off, "$%zu\r\n%s\r\n", strlen(items[i]), items[i]);
     }
     return off;
 }
@@ -180,10 +179,14 @@ static void test_problems_go_to_the_hook_and_the_object(void **state)
 static void test_parse_good_entry(void **state)
 {
     (void)state;
-    static const char *const items[] = {
-        "id",        "0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b", "topic", "orders", "key", "k-1",
-        "payload",   "\x01", "created_at", "2026-11-30T11:35:14.123456Z", "outbox_id", "42",
-        "h.trace",   "abc",  NULL};
+    static const char *const items[] = {"id",         "0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b",
+                                        "topic",      "orders",
+                                        "key",        "k-1",
+                                        "payload",    "\x01",
+                                        "created_at", "2026-11-30T11:35:14.123456Z",
+                                        "outbox_id",  "42",
+                                        "h.trace",    "abc",
+                                        NULL};
     char buf[1024];
     redisReply *r = resp(buf, build(buf, sizeof(buf), items));
     struct relay_message m;
@@ -207,10 +210,10 @@ static void test_parse_rejects_foreign_entries(void **state)
 {
     (void)state;
     static const char *const foreign[] = {"foo", "bar", NULL};
-    static const char *const no_payload[] = {"id", "x", "topic", "t", "created_at", "c",
-                                             "outbox_id", "1", NULL};
-    static const char *const bad_outbox_id[] = {"id", "x", "topic", "t", "payload", "p",
-                                                "created_at", "c", "outbox_id", "1x", NULL};
+    static const char *const no_payload[] = {"id", "x",         "topic", "t", "created_at",
+                                             "c",  "outbox_id", "1",     NULL};
+    static const char *const bad_outbox_id[] = {
+        "id", "x", "topic", "t", "payload", "p", "created_at", "c", "outbox_id", "1x", NULL};
     char buf[512];
     struct relay_message m;
     const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
@@ -241,8 +244,8 @@ static void test_parse_caps_headers(void **state)
     const char *items[2 * (RELAY_HEADERS_MAX + 1) + 11];
     char names_buf[RELAY_HEADERS_MAX + 1][16];
     size_t n = 0;
-    static const char *const base[] = {"id", "x", "topic", "t", "payload", "p", "created_at",
-                                       "c", "outbox_id", "1"};
+    static const char *const base[] = {"id", "x",          "topic", "t",         "payload",
+                                       "p",  "created_at", "c",     "outbox_id", "1"};
     for (size_t i = 0; i < 10; i++)
         items[n++] = base[i];
     for (int i = 0; i <= RELAY_HEADERS_MAX; i++) {

@@ -127,8 +127,8 @@ static struct fake F;
 static struct relay_cycle C;
 
 static const struct relay_cycle_ops fake_ops = {
-    &F,          op_now,      op_lane_ready, op_sink_ready, op_begin,    op_claim,
-    op_publish,  op_finish,   op_rollback,   op_release,    op_failed,   op_kick,
+    &F,           op_now,         op_lane_ready, op_sink_ready, op_begin,  op_claim,
+    op_publish,   op_finish,      op_rollback,   op_release,    op_failed, op_kick,
     op_arm_retry, op_self_driven, op_went_empty, op_drained};
 
 static int setup(size_t nlanes)
@@ -152,10 +152,10 @@ static int two_lanes(void **state)
 }
 
 /* Asserts the log so far and clears it. */
-#define expect_log(text)                                                                        \
-    do {                                                                                        \
-        assert_string_equal(F.log, text);                                                       \
-        F.log[0] = '\0';                                                                        \
+#define expect_log(text)                                                                           \
+    do {                                                                                           \
+        assert_string_equal(F.log, text);                                                          \
+        F.log[0] = '\0';                                                                           \
     } while (0)
 
 /* Claims a batch of n rows on the free lane; leaves the log empty. */

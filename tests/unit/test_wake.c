@@ -76,7 +76,7 @@ static void op_check_holder(void *arg)
     say("holder");
 }
 
-static const struct relay_wake_ops ops = {NULL,          op_now,        op_take_lock,
+static const struct relay_wake_ops ops = {NULL,          op_now,          op_take_lock,
                                           op_declare,    op_settle_check, op_arm_settle,
                                           op_want_claim, op_check_holder};
 
@@ -88,10 +88,10 @@ static int setup(void **state)
     return 0;
 }
 
-#define expect_log(text)                                                                        \
-    do {                                                                                        \
-        assert_string_equal(F.log, text);                                                       \
-        F.log[0] = '\0';                                                                        \
+#define expect_log(text)                                                                           \
+    do {                                                                                           \
+        assert_string_equal(F.log, text);                                                          \
+        F.log[0] = '\0';                                                                           \
     } while (0)
 
 /* Busy with the lock held. */
