@@ -8,6 +8,9 @@
 # ports 6379 and 5432. They are left alone: the tests start their own servers
 # on free loopback ports.
 #
+# clang-format checks that the C sources keep the project's .clang-format
+# (scripts/format.sh, run by CI).
+#
 # prometheus is here for its promtool, which checks and unit-tests
 # monitoring/alerts.yml (tests/integration/test_monitoring.py). Under systemd,
 # installing it also enables and starts Debian's Prometheus server on port
@@ -16,7 +19,7 @@
 set -euo pipefail
 
 packages=(
-  build-essential cmake pkg-config
+  build-essential cmake pkg-config clang-format
   libpq-dev libhiredis-dev libev-dev libcmocka-dev
   postgresql-15 postgresql-client-15 redis-server
   python3 python3-psycopg2 python3-redis python3-yaml
