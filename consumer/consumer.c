@@ -48,6 +48,7 @@
 #include <unistd.h>
 
 #include "relay/backoff.h"
+#include "relay/keys.h"
 #include "relay/common.h"
 #include "relay/url.h"
 
@@ -225,28 +226,14 @@ static long long now_ms(void)
     return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* "<stream>.<group><suffix>" into out, or -1 when it does not fit. */
-static int join_name(const char *stream, const char *group, const char *suffix, char *out,
-                     size_t outlen)
-{
-    size_t a = strlen(stream), b = strlen(group), c = strlen(suffix);
-    if (a + 1 + b + c + 1 > outlen)
-        return -1;
-    memcpy(out, stream, a);
-    out[a] = '.';
-    memcpy(out + a + 1, group, b);
-    memcpy(out + a + 1 + b, suffix, c + 1);
-    return (int)(a + 1 + b + c);
-}
-
 int relay_consumer_dlq_name(const char *stream, const char *group, char *out, size_t outlen)
 {
-    return join_name(stream, group, ".dlq", out, outlen);
+    return relay_key_dlq(stream, group, out, outlen);
 }
 
 int relay_consumer_replay_name(const char *stream, const char *group, char *out, size_t outlen)
 {
-    return join_name(stream, group, ".replay", out, outlen);
+    return relay_key_replay(stream, group, out, outlen);
 }
 
 uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts, uint32_t deliveries)

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "relay/keys.h"
+
 /*
  * The publish function. KEYS[1] is the stream, KEYS[2] the message's dedup
  * record; both share the stream's hash tag so the layout is Cluster-safe.
@@ -73,24 +75,6 @@ int relay_batch_topic_valid(const char *topic, size_t len)
             return 0;
     }
     return 1;
-}
-
-int relay_batch_stream_name(const char *prefix, const char *topic, size_t topic_len, char *out,
-                            size_t outlen)
-{
-    int n = snprintf(out, outlen, "%s%.*s", prefix ? prefix : "", (int)topic_len, topic);
-    if (n < 0 || (size_t)n >= outlen)
-        return -1;
-    return n;
-}
-
-int relay_batch_dedup_key(const char *stream, const char *message_id, size_t message_id_len,
-                          char *out, size_t outlen)
-{
-    int n = snprintf(out, outlen, "{%s}:dedup:%.*s", stream, (int)message_id_len, message_id);
-    if (n < 0 || (size_t)n >= outlen)
-        return -1;
-    return n;
 }
 
 int64_t relay_batch_decode_int8(const char *buf)
@@ -276,10 +260,10 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
                   &stream_len, &dedup_len, err, errlen, &fault) != 0)
         return -1;
 
-    int slen = relay_batch_stream_name(stream_prefix, row->topic, row->topic_len, cmd->stream,
-                                       sizeof(cmd->stream));
-    int dlen = relay_batch_dedup_key(cmd->stream, row->message_id, row->message_id_len,
-                                     cmd->dedup_key, sizeof(cmd->dedup_key));
+    int slen = relay_key_stream(stream_prefix, row->topic, row->topic_len, cmd->stream,
+                                sizeof(cmd->stream));
+    int dlen = relay_key_dedup(cmd->stream, row->message_id, row->message_id_len, cmd->dedup_key,
+                               sizeof(cmd->dedup_key));
     int tlen = snprintf(cmd->ttl, sizeof(cmd->ttl), "%u", dedup_ttl_ms);
     int olen = snprintf(cmd->outbox_id, sizeof(cmd->outbox_id), "%lld", (long long)row->id);
     int nlen =

@@ -37,6 +37,7 @@
 
 #include "relay/batch.h"
 #include "relay/config.h"
+#include "relay/keys.h"
 #include "relay/tools.h"
 
 double relay_observe_parse_time(const char *s)
@@ -764,7 +765,8 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
                     go->oldest_undelivered_age = now - t;
             }
             char dlq[RELAY_TOPIC_MAX + 300];
-            snprintf(dlq, sizeof(dlq), "%s.%s.dlq", stream, go->group);
+            if (relay_key_dlq(stream, go->group, dlq, sizeof(dlq)) < 0)
+                dlq[0] = '\0'; /* cannot happen: both names are bounded above */
             redisReply *d = cmd(c, "XLEN %s", dlq);
             go->dead_letters = d && d->type == REDIS_REPLY_INTEGER ? d->integer : 0;
             if (d)

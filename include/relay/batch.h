@@ -100,17 +100,6 @@ size_t relay_batch_utf8_prefix(const char *s, size_t len, size_t max);
 int relay_batch_topic_valid(const char *topic, size_t len);
 
 /*
- * Writes the stream name "<prefix><topic>" into out. Returns its length, or -1
- * when it does not fit.
- */
-int relay_batch_stream_name(const char *prefix, const char *topic, size_t topic_len, char *out,
-                            size_t outlen);
-
-/* Writes the dedup record key "{<stream>}:dedup:<message_id>"; length or -1. */
-int relay_batch_dedup_key(const char *stream, const char *message_id, size_t message_id_len,
-                          char *out, size_t outlen);
-
-/*
  * Builds the FCALL for row; not_after_ms is the validity deadline on the
  * server's clock (relay_sink_deadline_ms). On a failure of the row's own (bad topic, payload
  * too large, headers that cannot be encoded) returns -1 and writes a message
@@ -171,7 +160,7 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
  * Appends to out the next "UNLINK <dedup key>..." that removes the dedup
  * records of the published rows of a committed batch: one command per stream
  * (so each stays inside one hash slot), its keys in row order, as
- * relay.c's drop_dedup_records sends them with relay_batch_dedup_key. Rows
+ * relay_key_dedup (common/keys.c) names them; lanes.c sends them. Rows
  * are not modified. *pos is the iteration state: start it at 0 and call again
  * until it returns 0.
  *

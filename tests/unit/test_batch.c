@@ -13,6 +13,7 @@
 #include <hiredis/hiredis.h>
 
 #include "relay/batch.h"
+#include "relay/keys.h"
 
 static const char MID[] = "0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b";
 
@@ -91,11 +92,11 @@ static void test_stream_and_dedup_key_share_hash_tag(void **state)
 {
     (void)state;
     char stream[64], key[128];
-    assert_int_equal(relay_batch_stream_name("app:", "orders", 6, stream, sizeof(stream)), 10);
+    assert_int_equal(relay_key_stream("app:", "orders", 6, stream, sizeof(stream)), 10);
     assert_string_equal(stream, "app:orders");
-    assert_true(relay_batch_dedup_key(stream, MID, strlen(MID), key, sizeof(key)) > 0);
+    assert_true(relay_key_dedup(stream, MID, strlen(MID), key, sizeof(key)) > 0);
     assert_string_equal(key, "{app:orders}:dedup:0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b");
-    assert_int_equal(relay_batch_stream_name("", "orders", 6, stream, 4), -1);
+    assert_int_equal(relay_key_stream("", "orders", 6, stream, 4), -1);
 }
 
 static void test_build_publish_fields(void **state)
@@ -767,8 +768,7 @@ static size_t hiredis_unlinks(struct relay_row *rows, size_t n, const char *pref
         struct relay_row *lead = &rows[i];
         if (lead->state != RELAY_ROW_PUBLISHED)
             continue;
-        if (relay_batch_stream_name(prefix, lead->topic, lead->topic_len, stream, sizeof(stream)) <
-            0)
+        if (relay_key_stream(prefix, lead->topic, lead->topic_len, stream, sizeof(stream)) < 0)
             continue;
         int argc = 0;
         argv[argc] = "UNLINK";
@@ -779,8 +779,7 @@ static size_t hiredis_unlinks(struct relay_row *rows, size_t n, const char *pref
                 memcmp(row->topic, lead->topic, lead->topic_len) != 0)
                 continue;
             char *key = keys[argc - 1];
-            int k =
-                relay_batch_dedup_key(stream, row->message_id, row->message_id_len, key, keymax);
+            int k = relay_key_dedup(stream, row->message_id, row->message_id_len, key, keymax);
             row->state = RELAY_ROW_CLAIMED;
             if (k < 0)
                 continue;
@@ -896,7 +895,7 @@ static void test_append_unlink_matches_hiredis(void **state)
     assert_memory_equal(buf.data, head, sizeof(head) - 1);
     relay_respbuf_free(&buf);
 
-    /* A stream name that does not fit is skipped, as relay_batch_stream_name
+    /* A stream name that does not fit is skipped, as relay_key_stream
      * refuses it. */
     char prefix[300];
     memset(prefix, 'p', sizeof(prefix) - 1);
