@@ -56,9 +56,11 @@ struct relay_sink {
     /* Redis's wall clock minus our monotonic clock, and the round trip it
      * was measured over (docs/DESIGN.md, "The publish deadline"). */
     double clock_offset;
-    double clock_rtt;
+    double clock_rtt; /* of the sample in use */
+    double best_rtt;  /* the shortest round trip on this connection */
     double time_sent;
     int time_in_flight; /* a TIME of relay_sink_sync_clock is on its way */
+    int time_tries;     /* TIMEs of the set-up so far */
 };
 
 /* The relay's own wall clock never enters a deadline: it steps (NTP, a VM
@@ -83,16 +85,28 @@ uint64_t relay_sink_deadline_ms(const struct relay_sink *s, uint32_t within_ms)
     return deadline > 0 ? (uint64_t)(deadline * 1000.0) : 0;
 }
 
-/* Takes one TIME reply as the clock sample it is: 0, or -1 when the reply
- * is not a TIME reply. */
-static int take_time_sample(struct relay_sink *s, const redisReply *r)
+/*
+ * Takes one TIME reply as the clock sample it is: 0, or -1 when the reply is
+ * not a TIME reply. A sample's error is at most half its round trip, so one
+ * taken while Redis or the loop was slow is worth less than the one in use:
+ * it replaces it only when its round trip is within twice the shortest seen
+ * on this connection (or 2 ms). A clock step changes no round trip, so the
+ * next quick sample after a step is taken at once.
+ */
+static int take_time_sample(struct relay_sink *s, const redisReply *r, int first)
 {
     double received = mono_now();
     if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
         r->element[0]->type != REDIS_REPLY_STRING || r->element[1]->type != REDIS_REPLY_STRING)
         return -1;
     double server = strtod(r->element[0]->str, NULL) + strtod(r->element[1]->str, NULL) / 1e6;
-    s->clock_rtt = received - s->time_sent;
+    double rtt = received - s->time_sent;
+    double good = 2 * s->best_rtt > 0.002 ? 2 * s->best_rtt : 0.002;
+    if (first || rtt < s->best_rtt)
+        s->best_rtt = rtt;
+    if (!first && rtt > good && rtt > s->clock_rtt)
+        return 0; /* slower than the sample in use: keep that one */
+    s->clock_rtt = rtt;
     s->clock_offset = server - (s->time_sent + received) / 2.0;
     return 0;
 }
@@ -257,11 +271,18 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
     if (s == NULL || ac != s->ac || s->state != SINK_CONNECTING)
         return;
     if (step == step_time) {
-        if (take_time_sample(s, r) != 0) {
+        if (take_time_sample(s, r, s->time_tries++ == 0) != 0) {
             char msg[300];
             snprintf(msg, sizeof(msg), "TIME failed: %s",
                      r && r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
             relay_sink_abort(s, msg);
+            return;
+        }
+        /* A first measurement slower than a quarter of the publish window
+         * would cost its deadlines too much: measure again, three times at
+         * most, keeping the quickest. */
+        if (s->clock_rtt > s->cfg->publish_timeout_ms / 4000.0 && s->time_tries < 3) {
+            send_time(s, step_time);
             return;
         }
     } else if (strcmp(step, "CONFIG") == 0) {
@@ -307,7 +328,7 @@ static void on_time_reply(redisAsyncContext *ac, void *reply, void *privdata)
     if (s == NULL || ac != s->ac)
         return;
     s->time_in_flight = 0;
-    if (reply != NULL && take_time_sample(s, reply) != 0)
+    if (reply != NULL && take_time_sample(s, reply, 0) != 0)
         relay_warn(COMPONENT, "unexpected reply to TIME; keeping the last clock measurement");
 }
 
@@ -443,6 +464,7 @@ static void start_connect(struct relay_sink *s)
     s->ac = ac;
     s->state = SINK_CONNECTING;
     s->time_in_flight = 0;
+    s->time_tries = 0;
     queue_setup(s);
     timer_start(s, s->cfg->connect_timeout_ms);
 }
