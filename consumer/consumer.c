@@ -49,6 +49,7 @@
 
 #include "relay/backoff.h"
 #include "relay/keys.h"
+#include "relay/redisconn.h"
 #include "relay/common.h"
 #include "relay/url.h"
 
@@ -396,23 +397,10 @@ void relay_consumer_free(struct relay_consumer *c)
     free(c);
 }
 
-static struct timeval tv_ms(uint32_t ms)
-{
-    struct timeval tv = {.tv_sec = ms / 1000, .tv_usec = (suseconds_t)(ms % 1000) * 1000};
-    return tv;
-}
-
 /* One command with the context's deadline. NULL when the connection failed. */
 static redisReply *command(redisContext *ctx, int argc, const char **argv, const size_t *lens)
 {
     return redisCommandArgv(ctx, argc, argv, lens);
-}
-
-static redisReply *command2(redisContext *ctx, const char *a, const char *b)
-{
-    const char *argv[2] = {a, b};
-    size_t lens[2] = {strlen(a), strlen(b)};
-    return command(ctx, 2, argv, lens);
 }
 
 /* Records a problem that run retries, and logs it as an error once per
@@ -439,47 +427,19 @@ RELAY_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind
 
 static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, const char *role)
 {
-    struct timeval ctv = tv_ms(c->o.command_timeout_ms);
-    redisContext *ctx = redisConnectWithTimeout(c->url.host, c->url.port, ctv);
-    if (ctx == NULL || ctx->err) {
-        problem(c, ctx ? RELAY_CONSUMER_ERR_IO : RELAY_CONSUMER_ERR_OOM,
-                "cannot connect to Redis: %s", ctx ? ctx->errstr : "out of memory");
-        if (ctx)
-            redisFree(ctx);
+    char err[512];
+    enum relay_redis_fault fault;
+    redisContext *ctx =
+        relay_redis_open(&c->url, c->o.command_timeout_ms, timeout_ms, err, sizeof(err), &fault);
+    if (ctx == NULL) {
+        problem(c,
+                fault == RELAY_REDIS_NOMEM     ? RELAY_CONSUMER_ERR_OOM
+                : fault == RELAY_REDIS_REFUSED ? RELAY_CONSUMER_ERR_REDIS
+                                               : RELAY_CONSUMER_ERR_IO,
+                "%s", err);
         return NULL;
     }
-    redisSetTimeout(ctx, tv_ms(timeout_ms));
-    redisEnableKeepAlive(ctx);
     redisReply *r;
-    if (c->url.password[0] != '\0') {
-        const char *argv[3] = {"AUTH", c->url.user, c->url.password};
-        size_t lens[3] = {4, strlen(c->url.user), strlen(c->url.password)};
-        r = c->url.user[0] ? command(ctx, 3, argv, lens) : command2(ctx, "AUTH", c->url.password);
-        if (r == NULL || r->type == REDIS_REPLY_ERROR) {
-            problem(c, r ? RELAY_CONSUMER_ERR_REDIS : RELAY_CONSUMER_ERR_IO,
-                    "Redis AUTH failed: %s (check the user and password of the Redis URL)",
-                    r ? r->str : ctx->errstr);
-            if (r)
-                freeReplyObject(r);
-            redisFree(ctx);
-            return NULL;
-        }
-        freeReplyObject(r);
-    }
-    if (c->url.db != 0) {
-        char db[16];
-        snprintf(db, sizeof(db), "%d", c->url.db);
-        r = command2(ctx, "SELECT", db);
-        if (r == NULL || r->type == REDIS_REPLY_ERROR) {
-            problem(c, r ? RELAY_CONSUMER_ERR_REDIS : RELAY_CONSUMER_ERR_IO,
-                    "Redis SELECT failed: %s", r ? r->str : ctx->errstr);
-            if (r)
-                freeReplyObject(r);
-            redisFree(ctx);
-            return NULL;
-        }
-        freeReplyObject(r);
-    }
     char name[NAME_MAX_LEN + 16];
     snprintf(name, sizeof(name), "%s:%s", c->consumer, role);
     for (char *p = name; *p; p++)

@@ -163,8 +163,8 @@ static enum wait_result wait_fd(const struct relay_observe_stop *stop, int fd, s
 #define OBS_PG_KEEPALIVES_COUNT "3"
 #define OBS_PG_TCP_USER_TIMEOUT "25000"
 
-static PGconn *pg_open(const struct relay_config *cfg, const struct relay_observe_stop *stop,
-                       char *err, size_t errlen)
+PGconn *relay_observe_pg_open(const struct relay_config *cfg, const char *application_name,
+                              const struct relay_observe_stop *stop, char *err, size_t errlen)
 {
     char timeout[16], options[256];
     /* connect_timeout is libpq's record of the setting: PQconnectPoll does not
@@ -188,7 +188,7 @@ static PGconn *pg_open(const struct relay_config *cfg, const struct relay_observ
                                 "options",
                                 "dbname",
                                 NULL};
-    const char *const vals[] = {"outbox-relay observe",
+    const char *const vals[] = {application_name,
                                 timeout,
                                 "1",
                                 OBS_PG_KEEPALIVES_IDLE,
@@ -820,7 +820,8 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
         *pg = NULL;
     }
     if (*pg == NULL)
-        *pg = pg_open(cfg, stop, o->pg_error, sizeof(o->pg_error));
+        *pg = relay_observe_pg_open(cfg, "outbox-relay observe", stop, o->pg_error,
+                                    sizeof(o->pg_error));
     if (*pg != NULL)
         o->pg_ok = pg_observe(cfg, pg, stop, update_admission, o) == 0;
     finish_queue_ages(o);

@@ -30,6 +30,7 @@
 
 #include "relay/common.h"
 #include "relay/config.h"
+#include "relay/redisconn.h"
 #include "outbox/consumer.h"
 
 /* Longest stream, dead-letter or replay name we handle (the names are ours). */
@@ -77,14 +78,6 @@ static void describe_url(const struct relay_redis_url *u, char *out, size_t outl
              u->port, u->db);
 }
 
-static struct timeval ms_to_tv(uint32_t ms)
-{
-    struct timeval tv;
-    tv.tv_sec = (time_t)(ms / 1000);
-    tv.tv_usec = (suseconds_t)((ms % 1000) * 1000);
-    return tv;
-}
-
 /* Says why the connection failed; the context is unusable afterwards. */
 static int io_failed(struct dlq_ctx *d)
 {
@@ -116,55 +109,14 @@ static int is_error(const redisReply *r)
 /* Connects, authenticates and selects the database. Returns 0 or an exit code. */
 static int dlq_connect(struct dlq_ctx *d, const struct relay_config *cfg)
 {
-    const struct relay_redis_url *u = &cfg->redis_url;
-
-    describe_url(u, d->where, sizeof(d->where));
-    d->c = redisConnectWithTimeout(u->host, u->port, ms_to_tv(cfg->connect_timeout_ms));
+    char err[512];
+    enum relay_redis_fault fault;
+    describe_url(&cfg->redis_url, d->where, sizeof(d->where));
+    d->c = relay_redis_open(&cfg->redis_url, cfg->connect_timeout_ms, cfg->statement_timeout_ms,
+                            err, sizeof(err), &fault);
     if (d->c == NULL) {
-        fprintf(d->errout, "outbox-relay: cannot connect to Redis at %s: out of memory\n",
-                d->where);
-        return RELAY_EX_OSERR;
-    }
-    if (d->c->err) {
-        fprintf(d->errout, "outbox-relay: cannot connect to Redis at %s: %s\n", d->where,
-                d->c->errstr);
-        return RELAY_EX_UNAVAILABLE;
-    }
-    if (redisSetTimeout(d->c, ms_to_tv(cfg->statement_timeout_ms)) != REDIS_OK)
-        return io_failed(d);
-
-    redisReply *r;
-    if (u->password[0] != '\0') {
-        /* AUTH [user] password: the ACL form when the URL names a user. */
-        const char *args[3] = {"AUTH", u->user, u->password};
-        int argc = 3;
-        if (u->user[0] == '\0') {
-            args[1] = u->password;
-            argc = 2;
-        }
-        if ((r = command(d, argc, args, NULL)) == NULL)
-            return io_failed(d);
-        if (is_error(r)) {
-            /* The server's text never contains the password. */
-            fprintf(d->errout,
-                    "outbox-relay: Redis at %s refused AUTH (check the user and password of the "
-                    "redis setting): %s\n",
-                    d->where, r->str);
-            freeReplyObject(r);
-            return RELAY_EX_UNAVAILABLE;
-        }
-        freeReplyObject(r);
-    }
-    if (u->db != 0) {
-        char db[16];
-        snprintf(db, sizeof(db), "%d", u->db);
-        const char *argv[2] = {"SELECT", db};
-        if ((r = command(d, 2, argv, NULL)) == NULL)
-            return io_failed(d);
-        int rc = is_error(r) ? refused(d, "SELECT", r) : 0;
-        freeReplyObject(r);
-        if (rc != 0)
-            return rc;
+        fprintf(d->errout, "outbox-relay: %s (Redis at %s)\n", err, d->where);
+        return fault == RELAY_REDIS_NOMEM ? RELAY_EX_OSERR : RELAY_EX_UNAVAILABLE;
     }
     return 0;
 }

@@ -21,24 +21,17 @@
 
 #include "relay/common.h"
 #include "relay/config.h"
+#include "relay/observe.h"
 
 /* Columns of a topic in "failed list", at most. */
 #define FAILED_TOPIC_COLS 40
 
 static PGconn *connect_db(const struct relay_config *cfg, FILE *errout)
 {
-    char timeout[16], options[96];
-    snprintf(timeout, sizeof(timeout), "%u", (cfg->connect_timeout_ms + 999) / 1000);
-    snprintf(options, sizeof(options), "-c statement_timeout=%u", cfg->statement_timeout_ms);
-    const char *const keys[] = {"application_name", "connect_timeout", "options", "dbname", NULL};
-    const char *const vals[] = {"outbox-relay failed", timeout, options, cfg->postgres, NULL};
-    PGconn *conn = PQconnectdbParams(keys, vals, 1);
-    if (conn == NULL || PQstatus(conn) != CONNECTION_OK) {
-        fprintf(errout, "outbox-relay: cannot connect to PostgreSQL: %s",
-                conn ? PQerrorMessage(conn) : "out of memory\n");
-        PQfinish(conn);
-        return NULL;
-    }
+    char err[512];
+    PGconn *conn = relay_observe_pg_open(cfg, "outbox-relay failed", NULL, err, sizeof(err));
+    if (conn == NULL)
+        fprintf(errout, "outbox-relay: cannot connect to PostgreSQL: %s\n", err);
     return conn;
 }
 

@@ -102,6 +102,18 @@ int relay_observe(const struct relay_config *cfg, struct pg_conn **pg, struct re
                   int update_admission, const struct relay_observe_stop *stop,
                   struct relay_observation *o);
 
+/*
+ * The one blocking PostgreSQL connect: within connect_timeout (stop, which
+ * may be NULL, ends the wait at once), with TCP keepalives and
+ * tcp_user_timeout on both ends, the server's statement_timeout set, and
+ * application_name as given. The connection comes back in nonblocking mode
+ * (PQexec still blocks; the observation's own reads add a client-side
+ * deadline). NULL with a message in err.
+ */
+struct pg_conn *relay_observe_pg_open(const struct relay_config *cfg, const char *application_name,
+                                      const struct relay_observe_stop *stop, char *err,
+                                      size_t errlen) __attribute__((warn_unused_result));
+
 /* "2026-11-30T11:35:14.123456Z" -> Unix time; -1 if not that form. */
 double relay_observe_parse_time(const char *s);
 
