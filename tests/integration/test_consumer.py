@@ -110,14 +110,20 @@ class ConsumerTest(harness.ServerTestCase):
             return self.consumer(consumer=name or f"k{serial[0]}", **flags)
 
         live = [start() for _ in range(3)]
+        # The consumers create the group as they start: a victim's pending
+        # entries can be listed only once it exists.
+        wait_until(lambda: any(g["name"] == b"email" for g in self.r.xinfo_groups("orders"))
+                   if self.r.exists("orders") else False, timeout=30, relay=relay,
+                   message="the consumers to create group email")
         produced = [0]
         failure = []
+        stop = threading.Event()
 
         def produce():
             try:
                 with self.pg.connect(autocommit=False) as conn:
                     n = 0
-                    while n < total:
+                    while n < total and not stop.is_set():
                         chunk = min(200, total - n)
                         insert_many(conn, [("orders", order_payload(n + i)) for i in range(chunk)])
                         n += chunk
@@ -127,6 +133,9 @@ class ConsumerTest(harness.ServerTestCase):
                 failure.append(e)
         producer = threading.Thread(target=produce, daemon=True)
         producer.start()
+        # Whatever happens below, no row is written after this test ends.
+        self.addCleanup(producer.join, 30)
+        self.addCleanup(stop.set)
 
         kills = same_name = 0
         stranded = set()
