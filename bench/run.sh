@@ -41,7 +41,7 @@ fi
 
 # --- build --------------------------------------------------------------------
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DRELAY_TESTS=OFF >/dev/null
-cmake --build "$build" -j2 --target outbox-relay relay_core
+cmake --build "$build" -j2 --target outbox-relay relay_core outbox_consumer
 # The tools link relay_core for the relay's own claim SQL, publish function and
 # argv builder, so the yardstick does exactly the relay's work.
 cflags=(-std=c11 -O3 -DNDEBUG -Wall -Wextra -I"$root/include")
@@ -49,7 +49,7 @@ read -r -a pkgcflags <<<"$(pkg-config --cflags libpq hiredis)"
 read -r -a pkglibs <<<"$(pkg-config --libs libpq hiredis)"
 for tool in naive loadgen; do
   cc "${cflags[@]}" "${pkgcflags[@]}" "$root/bench/$tool.c" "$build/librelay_core.a" \
-    "${pkglibs[@]}" -lev -lpthread -lm -o "$build/bench-$tool"
+    "$build/liboutbox_consumer.a" "${pkglibs[@]}" -lev -lpthread -lm -o "$build/bench-$tool"
 done
 
 # --- run ----------------------------------------------------------------------
