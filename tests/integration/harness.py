@@ -7,7 +7,9 @@ SIGTERM or SIGINT of the test, and on the per-file deadline.
 
     Postgres()  initdb + pg_ctl, database "app" with migrations/*.sql applied
     Redis()     redis-server on 127.0.0.1, no RDB, AOF configurable
-    Relay()     the outbox-relay binary, stderr captured, sanitizer reports fail
+    Daemon()    one of our daemons as a process: command line, environment, log
+                file, start/stop/kill/wait, wait_for_log, sanitizer reports fail
+    Relay()     the outbox-relay binary as a Daemon
     Verifier    every outbox row against every stream: one line of figures
 
 Only the standard library, psycopg2 and redis-py (Debian's python3-psycopg2
@@ -121,7 +123,8 @@ def port_open(port, host="127.0.0.1"):
 def wait_until(pred, timeout=30.0, interval=0.05, message=None, relay=None):
     """Calls pred until it returns something true and returns that; fails after timeout.
 
-    With relay given, fails at once (with the relay's log) if the relay exits.
+    With relay given (a Daemon: the relay or a consumer), fails at once, with
+    its log, if that process exits.
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -130,7 +133,7 @@ def wait_until(pred, timeout=30.0, interval=0.05, message=None, relay=None):
             return value
         if relay is not None and not relay.alive():
             raise AssertionError(
-                f"{message or 'condition'}: the relay exited with code {relay.returncode}"
+                f"{message or 'condition'}: the {relay.label} exited with code {relay.returncode}"
                 f" while waiting\n{relay.log_tail()}")
         if time.monotonic() >= deadline:
             detail = f"\n{relay.log_tail()}" if relay is not None else ""
@@ -427,7 +430,7 @@ class Redis:
 
 
 # --------------------------------------------------------------------------
-# The relay.
+# The relay, and our daemons as processes.
 
 def relay_binary():
     path = os.environ.get("OUTBOX_RELAY_BIN") or os.path.join(SOURCE_DIR, "build", "outbox-relay")
@@ -513,29 +516,32 @@ def run_relay(args=(), env=None, timeout=20):
     return done
 
 
-class Relay:
-    """The daemon under test, as a context manager.
+class Daemon:
+    """One of our daemons (the relay, the example consumer) as a child process.
 
-    Relay(pg, redis, poll_interval='200ms', batch_size=100) runs
-    `outbox-relay --poll-interval 200ms --batch-size 100` with
-    OUTBOX_RELAY_POSTGRES=pg.dsn() and OUTBOX_RELAY_REDIS=redis.url().
-    args are put on the command line before the flags; env adds to (None:
-    removes from) the environment. On exit: SIGTERM, then SIGKILL if needed,
-    and any sanitizer report in its stderr fails the test.
+    Daemon(argv, env, label) runs argv with exactly the environment env, in a
+    temporary directory of its own that also holds its log: its stdout and
+    stderr in one file, kept across start() after kill() and removed on exit.
+    label names it in messages ("relay", "consumer c1"). As a context manager
+    it starts on entry; on exit it gets SIGTERM (then SIGKILL after
+    stop_timeout), and a sanitizer report in its log fails the test.
     """
 
     _count = 0
 
-    def __init__(self, pg=None, redis=None, args=(), env=None, stop_timeout=30, **flags):
-        self.binary = require_relay()
-        self.argv = [self.binary, *args, *flag_args(flags)]
-        self.env = relay_env(pg, redis, env)
+    def __init__(self, argv, env, label, stop_timeout=30):
+        self.argv = list(argv)
+        self.env = env
+        self.label = label
         self.stop_timeout = stop_timeout
         self.proc = None
-        Relay._count += 1
-        self.dir = tempfile.mkdtemp(prefix="outbox-relay-log-")
-        self.log_path = os.path.join(self.dir, f"relay-{Relay._count}.stderr")
+        Daemon._count += 1
+        kind = label.split()[0]
+        self.dir = tempfile.mkdtemp(prefix=f"outbox-{kind}-log-")
+        self.log_path = os.path.join(self.dir,
+                                     f"{'-'.join(label.split())}-{Daemon._count}.log")
 
+    # -- lifecycle
     def __enter__(self):
         _register(self)
         self.start()
@@ -547,10 +553,10 @@ class Relay:
             self.stop()
             report = sanitizer_report(self.log())
             if failed:
-                print(f"\n--- relay stderr ({self.log_path}), last lines ---\n{self.log_tail()}",
-                      file=sys.stderr)
+                print(f"\n--- {self.label} output ({self.log_path}), last lines ---\n"
+                      f"{self.log_tail()}", file=sys.stderr)
             if report and not failed:
-                raise AssertionError(f"sanitizer report in the relay's stderr:\n{report}")
+                raise AssertionError(f"sanitizer report in the {self.label}'s output:\n{report}")
             if report:
                 print(f"--- sanitizer report ---\n{report}", file=sys.stderr)
         finally:
@@ -558,6 +564,7 @@ class Relay:
         return False
 
     def start(self):
+        """Starts the program (again, after kill(): its log goes on in the same file)."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=log, env=self.env, cwd=self.dir)
@@ -577,6 +584,7 @@ class Relay:
         return self.proc.returncode
 
     def close(self):
+        """Kills the process if it still runs and removes its directory and log."""
         _unregister(self)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
@@ -596,6 +604,7 @@ class Relay:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self, sig=signal.SIGKILL):
+        """Sends sig; with SIGKILL also waits for the process to be gone."""
         self.proc.send_signal(sig)
         if sig == signal.SIGKILL:
             self.proc.wait()
@@ -611,7 +620,7 @@ class Relay:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"the relay did not exit within {timeout:g}s; killed\n"
+            raise AssertionError(f"the {self.label} did not exit within {timeout:g}s; killed\n"
                                  + self.log_tail()) from None
 
     # -- its log
@@ -623,26 +632,43 @@ class Relay:
             return ""
 
     def log_tail(self, lines=40):
-        return f"--- relay stderr, last {lines} lines ---\n{tail(self.log(), lines)}"
+        return f"--- {self.label} output, last {lines} lines ---\n{tail(self.log(), lines)}"
 
     def mark(self):
         """The current length of the log, for wait_for_log(since=...)."""
         return len(self.log())
 
     def wait_for_log(self, regex, timeout=10, since=0, flags=re.MULTILINE):
-        """Waits until regex matches the log (from offset since on); returns the match."""
+        """Waits until regex matches the log (from offset since on); returns the match.
+        Fails at once, with the log, if the process exits first."""
         pattern = re.compile(regex, flags)
 
         def found():
             return pattern.search(self.log(), since)
         try:
             return wait_until(found, timeout=timeout, interval=0.05, relay=self,
-                              message=f"relay log line matching {regex!r}")
+                              message=f"{self.label} log line matching {regex!r}")
         except AssertionError:
             match = found()  # it may have logged it just before it exited
             if match:
                 return match
             raise
+
+
+class Relay(Daemon):
+    """The relay daemon under test, as a context manager (see Daemon).
+
+    Relay(pg, redis, poll_interval='200ms', batch_size=100) runs
+    `outbox-relay --poll-interval 200ms --batch-size 100` with
+    OUTBOX_RELAY_POSTGRES=pg.dsn() and OUTBOX_RELAY_REDIS=redis.url().
+    args are put on the command line before the flags; env adds to (None:
+    removes from) the environment of relay_env().
+    """
+
+    def __init__(self, pg=None, redis=None, args=(), env=None, stop_timeout=30, **flags):
+        self.binary = require_relay()
+        super().__init__([self.binary, *args, *flag_args(flags)], relay_env(pg, redis, env),
+                         "relay", stop_timeout=stop_timeout)
 
 
 # Log lines: "2026-11-30T11:35:14.123Z WARNING redis: text". A problem is a
