@@ -10,7 +10,10 @@ SIGTERM or SIGINT of the test, and on the per-file deadline.
     Daemon()    one of our daemons as a process: command line, environment, log
                 file, start/stop/kill/wait, wait_for_log, sanitizer reports fail
     Relay()     the outbox-relay binary as a Daemon
-    Verifier    every outbox row against every stream: one line of figures
+    Producer    a thread committing outbox rows at a steady rate, surviving
+                restarts (Producers: several at once)
+    Verifier    every outbox row against every stream: one line of figures;
+                optionally duplicates across all streams and payloads compared
 
 Only the standard library, psycopg2 and redis-py (Debian's python3-psycopg2
 and python3-redis) are used. Run the files with /usr/bin/python3.
@@ -288,10 +291,13 @@ class Postgres:
     def dsn(self, dbname=None, user="postgres"):
         return f"host=127.0.0.1 port={self.port} dbname={dbname or self.database} user={user}"
 
-    def connect(self, autocommit=True, dbname=None, user="postgres"):
-        """A psycopg2 connection; statements give up after 60 s so no test hangs on a lock."""
-        conn = psycopg2.connect(self.dsn(dbname, user), connect_timeout=10,
-                                options="-c statement_timeout=60000")
+    def connect(self, autocommit=True, dbname=None, user="postgres", connect_timeout=10,
+                statement_timeout=60000, application_name=None):
+        """A psycopg2 connection; statements give up after statement_timeout ms (60 s)
+        so no test hangs on a lock."""
+        extra = {"application_name": application_name} if application_name else {}
+        conn = psycopg2.connect(self.dsn(dbname, user), connect_timeout=connect_timeout,
+                                options=f"-c statement_timeout={statement_timeout}", **extra)
         conn.autocommit = autocommit
         return conn
 
@@ -784,19 +790,41 @@ def entries_by_message_id(redis_client):
     return found
 
 
+# SQLSTATE classes that mean "the server or the connection went away", not "your SQL is wrong".
+_CONNECTION_CLASSES = ("08", "57")
+_ALPHABET = b"abcdefghijklmnopqrstuvwxyz0123456789 {}\":,"
+_PRINTABLE = bytes(_ALPHABET[i % len(_ALPHABET)] for i in range(256))
+
+
+def connection_trouble(exc, conn=None):
+    """Whether a psycopg2 error means the server or the connection went away."""
+    if isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError)):
+        return True
+    if conn is not None and conn.closed:
+        return True
+    code = getattr(exc, "pgcode", None) or ""
+    return code[:2] in _CONNECTION_CLASSES
+
+
 class Producer(threading.Thread):
-    """Commits outbox rows from its own connection until it has committed `rows` or is stopped.
+    """Commits outbox rows from its own connection until it has committed `rows`
+    (None: no limit) or is stopped.
 
     Each transaction holds a random number of rows in tx_rows (inclusive), each
     with a random topic of topics and a random payload of payload_bytes
-    (inclusive) bytes. With rate (rows per second) it keeps to that pace.
-    Connection failures (a PostgreSQL restart) are counted and survived: it
-    reconnects and goes on. Commits whose outcome is unknown are possible then;
-    the Verifier reads the table, so it counts what really committed.
+    (inclusive) bytes: random binary, or with text_payloads half of them
+    printable text. With rate (rows per second) it keeps to that pace, also
+    after an outage. connect: keyword arguments for Postgres.connect.
+
+    Connection failures (a PostgreSQL restart, a terminated session) are
+    counted and survived: it reconnects and goes on. A COMMIT that failed that
+    way has an unknown outcome; its rows are counted in `unknown`, and the
+    Verifier reads the table, so it counts what really committed. Any other
+    error ends the thread and is reported by check() and stop().
     """
 
-    def __init__(self, pg, rows, topics=("orders",), tx_rows=(1, 1), payload_bytes=(0, 300),
-                 rate=None, seed=0, name=None):
+    def __init__(self, pg, rows=None, topics=("orders",), tx_rows=(1, 1), payload_bytes=(0, 300),
+                 rate=None, seed=0, name=None, text_payloads=False, connect=None):
         super().__init__(name=name, daemon=True)
         self.pg = pg
         self.rows = rows
@@ -804,38 +832,59 @@ class Producer(threading.Thread):
         self.tx_rows = tx_rows
         self.payload_bytes = payload_bytes
         self.rate = rate
+        self.text_payloads = text_payloads
+        self.connect_options = dict(connect or {})
         self.random = random.Random(seed)
-        self.committed = 0
+        self.committed = 0          # rows whose COMMIT succeeded
+        self.unknown = 0            # rows whose COMMIT failed with the outcome unknown
         self.transactions = 0
         self.connection_errors = 0
         self.error = None
         self._stop_event = threading.Event()
 
+    def _payload(self):
+        data = self.random.randbytes(self.random.randint(*self.payload_bytes))
+        if self.text_payloads and self.random.random() >= 0.5:
+            return data.translate(_PRINTABLE)
+        return data  # binary: NUL bytes and invalid UTF-8 included
+
+    def _done(self):
+        return self._stop_event.is_set() or (self.rows is not None
+                                             and self.committed >= self.rows)
+
     def run(self):
         conn = None
         started = time.monotonic()
         try:
-            while self.committed < self.rows and not self._stop_event.is_set():
+            while not self._done():
                 if self.rate:
-                    ahead = self.committed / self.rate - (time.monotonic() - started)
+                    ahead = ((self.committed + self.unknown) / self.rate
+                             - (time.monotonic() - started))
                     if ahead > 0:
-                        self._stop_event.wait(ahead)
+                        self._stop_event.wait(min(ahead, 0.5))
                         continue
                 if conn is None:
                     try:
-                        conn = self.pg.connect(autocommit=False)
-                    except psycopg2.OperationalError:
+                        conn = self.pg.connect(autocommit=False, **self.connect_options)
+                    except psycopg2.Error:
                         self.connection_errors += 1
-                        self._stop_event.wait(0.1)
+                        self._stop_event.wait(0.05)
                         continue
-                n = min(self.random.randint(*self.tx_rows), self.rows - self.committed)
-                batch = [(self.random.choice(self.topics),
-                          self.random.randbytes(self.random.randint(*self.payload_bytes)))
-                         for _ in range(n)]
+                n = self.random.randint(*self.tx_rows)
+                if self.rows is not None:
+                    n = min(n, self.rows - self.committed)
+                batch = [(self.random.choice(self.topics), self._payload()) for _ in range(n)]
+                committing = False
                 try:
-                    insert_many(conn, batch)
-                except (psycopg2.OperationalError, psycopg2.InterfaceError):
+                    insert_many(conn, batch, commit=False)
+                    committing = True
+                    conn.commit()
+                except psycopg2.Error as e:
+                    if not connection_trouble(e, conn):
+                        raise
                     self.connection_errors += 1
+                    if committing:
+                        self.unknown += n   # may or may not be in the table
                     with contextlib.suppress(Exception):
                         conn.close()
                     conn = None
@@ -849,8 +898,12 @@ class Producer(threading.Thread):
                 with contextlib.suppress(Exception):
                     conn.close()
 
-    def stop(self, timeout=60):
+    def signal_stop(self):
+        """Asks the thread to stop after its current transaction; see stop()."""
         self._stop_event.set()
+
+    def stop(self, timeout=60):
+        self.signal_stop()
         self.join(timeout)
         self.check()
 
@@ -861,6 +914,54 @@ class Producer(threading.Thread):
             raise AssertionError(f"producer {self.name} did not stop")
 
 
+class Producers:
+    """n Producers at once, each on its own connection, until stop().
+
+    rate (rows per second) is for all of them together; producer i is seeded
+    with seed * 1000 + i; the other options are Producer's.
+    """
+
+    def __init__(self, pg, n=4, rate=None, seed=0, name="producer", **options):
+        self.threads = [Producer(pg, rate=rate / n if rate else None, seed=seed * 1000 + i,
+                                 name=f"{name}-{i}", **options) for i in range(n)]
+
+    def start(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def stop(self, timeout=60):
+        """Stops every thread; fails if one failed for another reason than the connection."""
+        for t in self.threads:
+            t.signal_stop()
+        for t in self.threads:
+            t.join(timeout)
+        for t in self.threads:
+            t.check()
+
+    @property
+    def committed(self):
+        return sum(t.committed for t in self.threads)
+
+    @property
+    def unknown(self):
+        return sum(t.unknown for t in self.threads)
+
+    @property
+    def connection_errors(self):
+        return sum(t.connection_errors for t in self.threads)
+
+    def alive(self):
+        return all(t.is_alive() for t in self.threads)
+
+    def failed(self):
+        """The first thread's error as a message, or None."""
+        for t in self.threads:
+            if t.error is not None:
+                return f"producer {t.name} failed: {t.error!r}"
+        return None
+
+
 @dataclasses.dataclass
 class Figures:
     committed: int = 0
@@ -869,7 +970,8 @@ class Figures:
     duplicates: int = 0
     sent_but_absent: int = 0
     unsent: int = 0
-    stray: int = 0  # entries whose id is no row's, or in another topic's stream
+    stray: int = 0    # entries whose id is no row's, or in another topic's stream
+    corrupt: int = 0  # entries whose payload, topic or outbox_id differ from the row's
     lost_ids: list = dataclasses.field(default_factory=list)
     duplicate_ids: list = dataclasses.field(default_factory=list)
 
@@ -879,12 +981,14 @@ class Figures:
                 f" unsent={self.unsent}")
         if self.stray:
             text += f" stray={self.stray}"
+        if self.corrupt:
+            text += f" corrupt={self.corrupt}"
         return text
 
     def assert_exactly_once(self, test):
-        """Every row sent and published once, nothing else in the streams."""
+        """Every row sent and published once, as written, nothing else in the streams."""
         test.assertEqual((self.lost, self.duplicates, self.sent_but_absent, self.unsent,
-                          self.stray), (0, 0, 0, 0, 0),
+                          self.stray, self.corrupt), (0, 0, 0, 0, 0, 0),
                          f"{self.line()}; lost e.g. {self.lost_ids[:5]},"
                          f" duplicated e.g. {self.duplicate_ids[:5]}")
 
@@ -893,19 +997,28 @@ class Verifier:
     """Compares every row of outbox.messages with every stream.
 
     lost:            rows with no entry in their topic's stream
-    duplicates:      entries beyond the first for one message id
+    duplicates:      entries beyond the first for one message id in the row's
+                     stream (across_streams=True: in all streams together)
     sent_but_absent: rows with sent_at set but no entry
     unsent:          rows with sent_at NULL
+    stray:           entries of no row, or in another topic's stream
+    corrupt:         with compare_payloads=True, entries in the row's stream
+                     whose payload bytes, topic or outbox_id differ from the row's
+    Reads every row and every stream once.
     """
 
-    def __init__(self, pg_conn, redis_client, stream_prefix=""):
+    def __init__(self, pg_conn, redis_client, stream_prefix="", across_streams=False,
+                 compare_payloads=False):
         self.pg = pg_conn
         self.redis = redis_client
         self.prefix = stream_prefix.encode()
+        self.across_streams = across_streams
+        self.compare_payloads = compare_payloads
 
     def figures(self):
+        payload = "payload" if self.compare_payloads else "NULL"
         with self.pg.cursor() as cur:
-            cur.execute("SELECT message_id::text, topic, sent_at IS NOT NULL"
+            cur.execute(f"SELECT message_id::text, id, topic, {payload}, sent_at IS NOT NULL"
                         " FROM outbox.messages ORDER BY id")
             rows = cur.fetchall()
         if not self.pg.autocommit:
@@ -913,7 +1026,7 @@ class Verifier:
         found = entries_by_message_id(self.redis)
         fig = Figures(committed=len(rows))
         known = set()
-        for message_id, topic, sent in rows:
+        for message_id, outbox_id, topic, payload, sent in rows:
             known.add(message_id)
             stream = self.prefix + topic.encode()
             entries = found.get(message_id, [])
@@ -926,11 +1039,18 @@ class Verifier:
                 fig.lost_ids.append(message_id)
                 if sent:
                     fig.sent_but_absent += 1
-            if len(here) > 1:
-                fig.duplicates += len(here) - 1
+            copies = len(entries) if self.across_streams else len(here)
+            if copies > 1:
+                fig.duplicates += copies - 1
                 fig.duplicate_ids.append(message_id)
             if not sent:
                 fig.unsent += 1
+            if self.compare_payloads:
+                for _, _, fields in here:
+                    if (fields.get(b"payload") != bytes(payload)
+                            or fields.get(b"topic") != topic.encode()
+                            or fields.get(b"outbox_id") != str(outbox_id).encode()):
+                        fig.corrupt += 1
         fig.stray += sum(len(v) for k, v in found.items() if k not in known)
         return fig
 
@@ -939,6 +1059,17 @@ class Verifier:
         fig = self.figures()
         print(fig.line() + (f" {suffix}" if suffix else ""), file=sys.stderr, flush=True)
         return fig
+
+
+def duplicate_detail(redis_client, message_ids, limit=3):
+    """Where the entries of some duplicated message ids are, for a failure message."""
+    found = entries_by_message_id(redis_client)
+    lines = []
+    for mid in message_ids[:limit]:
+        for stream, entry_id, fields in found.get(mid, []):
+            lines.append(f"  {mid}: {stream.decode()} {entry_id}"
+                         f" outbox_id={fields.get(b'outbox_id', b'?').decode()}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------
