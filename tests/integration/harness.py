@@ -1084,28 +1084,49 @@ class TestCase(unittest.TestCase):
         return super().run(result)
 
 
-class ServerTestCase(TestCase):
-    """One PostgreSQL and one Redis for the whole class; each test starts empty.
+class PostgresTestCase(TestCase):
+    """One PostgreSQL for the whole class, and no Redis: pg, and db (an
+    autocommit connection as postgres). Each test starts with outbox.messages
+    empty, unless the class sets reset_outbox = False (a database without the
+    outbox schema, or a test that empties what it needs itself).
 
-    Subclasses may set pg_options / redis_options (keyword arguments).
+    Subclasses may set pg_options (keyword arguments of Postgres).
     """
 
     pg_options = {}
-    redis_options = {}
+    reset_outbox = True
 
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
         cls.pg = cls.enterClassContext(Postgres(**cls.pg_options))
-        cls.redis = cls.enterClassContext(Redis(**cls.redis_options))
         cls.db = cls.pg.connect()
         cls.addClassCleanup(cls.db.close)
+
+    def setUp(self):
+        super().setUp()
+        if self.reset_outbox:
+            reset(self.db)
+
+
+class ServerTestCase(PostgresTestCase):
+    """One PostgreSQL and one Redis for the whole class; each test starts empty.
+
+    Subclasses may set pg_options / redis_options (keyword arguments).
+    """
+
+    redis_options = {}
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.redis = cls.enterClassContext(Redis(**cls.redis_options))
         cls.r = cls.redis.client()
         cls.addClassCleanup(cls.r.close)
 
     def setUp(self):
         super().setUp()
-        reset(self.db, self.r)
+        self.r.flushall()
 
     def relay(self, **kwargs):
         """Starts a relay on this class's servers for the rest of the test."""

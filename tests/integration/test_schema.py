@@ -141,7 +141,7 @@ class HarnessServersTest(harness.TestCase):
                          "servers stopped")
 
 
-class SchemaTest(harness.ServerTestCase):
+class SchemaTest(harness.PostgresTestCase):
     """migrations/*.sql against a real PostgreSQL 15."""
 
     @classmethod
