@@ -1,10 +1,10 @@
 """Helpers for the consumer tests: the consumer schema and the example consumer as a process.
 
     apply_consumer_schema(pg)  migrations/consumer/*.sql, then examples/email_schema.sql
-    Consumer(pg, redis, ...)   outbox-email-consumer as a context manager: its stdout and
-                               stderr in one file, kill(sig), terminate() -> exit code,
-                               log(), stats() (the final stats line), and any sanitizer
-                               report in its output fails the test
+    Consumer(pg, redis, ...)   outbox-email-consumer as a harness.Daemon (one log file,
+                               kill(sig), terminate() -> exit code, wait_for_log, and any
+                               sanitizer report in its output fails the test), plus
+                               stats(): the final stats line
     dlq_entries / pending_count / effects / effect_count   figures for the checks
     xadd_message               a contract-shaped entry written directly with XADD
     relay_tool                 `outbox-relay dlq ...` (and other one-shot commands)
@@ -17,11 +17,7 @@ import datetime
 import glob
 import os
 import re
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import uuid
 
 import harness
@@ -92,8 +88,8 @@ def log_events(text, regex):
     return events
 
 
-class Consumer:
-    """outbox-email-consumer on the given servers, as a context manager.
+class Consumer(harness.Daemon):
+    """outbox-email-consumer on the given servers, as a context manager (see harness.Daemon).
 
     Consumer(pg, redis, consumer="c1", backoff="200ms,400ms", max_deliveries=4,
              block="100ms", group="email", stream="orders", fail_rate=0.1)
@@ -101,8 +97,6 @@ class Consumer:
     one file, removed on exit (read stats() and log() before); on exit it gets
     SIGTERM (then SIGKILL), and a sanitizer report in its output fails the test.
     """
-
-    _count = 0
 
     def __init__(self, pg, redis, consumer=None, group=None, stream=None, backoff=None,
                  max_deliveries=None, block=None, fail_rate=None, log_level=None, args=(),
@@ -115,128 +109,11 @@ class Consumer:
                  "group": group, "consumer": consumer, "backoff": backoff,
                  "max_deliveries": max_deliveries, "block": block, "fail_rate": fail_rate,
                  "log_level": log_level}
-        self.argv = [self.binary, *args,
-                     *harness.flag_args({k: v for k, v in flags.items() if v is not None})]
+        argv = [self.binary, *args,
+                *harness.flag_args({k: v for k, v in flags.items() if v is not None})]
         # No PG* or OUTBOX_RELAY_* variables of ours, and plain log lines with times.
-        self.env = harness.relay_env(extra={"JOURNAL_STREAM": None})
-        self.stop_timeout = stop_timeout
-        self.proc = None
-        self.returncode_seen = None
-        Consumer._count += 1
-        self.dir = tempfile.mkdtemp(prefix="outbox-consumer-log-")
-        self.log_path = os.path.join(self.dir, f"consumer-{Consumer._count}-{consumer or 'x'}.log")
-
-    # -- lifecycle
-    def __enter__(self):
-        harness._register(self)
-        self.start()
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        failed = exc_type is not None
-        try:
-            self.stop()
-            report = harness.sanitizer_report(self.log())
-            if failed:
-                print(f"\n--- consumer {self.name} output ({self.log_path}), last lines ---\n"
-                      f"{self.log_tail()}", file=sys.stderr)
-            if report and not failed:
-                raise AssertionError(f"sanitizer report in consumer {self.name}'s output:\n"
-                                     f"{report}")
-            if report:
-                print(f"--- sanitizer report ---\n{report}", file=sys.stderr)
-        finally:
-            self.close()
-        return False
-
-    def start(self):
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=log, env=self.env, cwd=self.dir)
-        return self
-
-    def stop(self):
-        """SIGTERM, wait stop_timeout, then SIGKILL. Returns the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def close(self):
-        """Kills the process if it still runs and removes its output file."""
-        harness._unregister(self)
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    # -- control
-    @property
-    def pid(self):
-        return self.proc.pid
-
-    @property
-    def returncode(self):
-        return self.proc.poll()
-
-    def alive(self):
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self, sig=signal.SIGKILL):
-        """Sends sig; with SIGKILL also waits for the process to be gone."""
-        self.proc.send_signal(sig)
-        if sig == signal.SIGKILL:
-            self.proc.wait()
-
-    def terminate(self, timeout=20):
-        """Sends SIGTERM and returns the exit code; fails if it does not exit in time."""
-        self.proc.send_signal(signal.SIGTERM)
-        return self.wait(timeout)
-
-    def wait(self, timeout=20):
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"consumer {self.name} did not exit within {timeout:g}s;"
-                                 f" killed\n{self.log_tail()}") from None
-
-    # -- its output
-    def log(self):
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, lines=40):
-        return (f"--- consumer {self.name} output, last {lines} lines ---\n"
-                f"{harness.tail(self.log(), lines)}")
-
-    def wait_for_log(self, regex, timeout=10, since=0, flags=re.MULTILINE):
-        """Waits until regex matches the output (from offset since on); returns the match."""
-        pattern = re.compile(regex, flags)
-
-        def found():
-            match = pattern.search(self.log(), since)
-            if match:
-                return match
-            if not self.alive():
-                raise AssertionError(f"consumer {self.name} exited with {self.returncode}"
-                                     f" while waiting for {regex!r}\n{self.log_tail()}")
-            return None
-        return harness.wait_until(found, timeout=timeout, interval=0.05,
-                                  message=f"consumer {self.name} output matching {regex!r}")
-
-    def mark(self):
-        return len(self.log())
+        env = harness.relay_env(extra={"JOURNAL_STREAM": None})
+        super().__init__(argv, env, f"consumer {consumer or 'x'}", stop_timeout=stop_timeout)
 
     def stats(self):
         """The final stats line as {name: int} (with "consumer": its name), or None."""

@@ -1,19 +1,18 @@
-"""Fault-injection helpers for the integration tests: a TCP proxy, producers, a verifier.
+"""Fault injection for the integration tests: a controllable loopback TCP proxy.
 
-    TcpProxy   a controllable loopback TCP proxy: cut(), blackhole(), restore()
-    Producers  N threads committing outbox rows as fast as asked, surviving restarts
-    FaultVerifier  the harness's Verifier, with duplicates counted across all streams
-               and every entry's payload compared with its row
+    TcpProxy   a TCP proxy in front of a server: cut(), blackhole(), restore()
 
-Only the standard library and psycopg2 (through harness.py) are used. Nothing
-here listens on anything but 127.0.0.1.
+The load and the checks under faults are the harness's: harness.Producers
+(threads that survive restarts and keep a steady rate) and harness.Verifier
+(across_streams=True, compare_payloads=True).
+
+Only the standard library (and harness.py) is used. Nothing here listens on
+anything but 127.0.0.1.
 """
 
 import contextlib
-import dataclasses
 import errno
 import queue
-import random
 import select
 import selectors
 import socket
@@ -21,8 +20,6 @@ import struct
 import sys
 import threading
 import time
-
-import psycopg2
 
 import harness
 
@@ -391,231 +388,3 @@ class TcpProxy:
             else:
                 with contextlib.suppress(OSError):
                     sock.close()
-
-
-# --------------------------------------------------------------------------
-# Producers under sustained load.
-
-TOPICS = ("orders", "billing.invoices", "mail-out")
-
-# SQLSTATE classes that mean "the server or the connection went away", not "your SQL is wrong".
-_CONNECTION_CLASSES = ("08", "57")
-_ALPHABET = b"abcdefghijklmnopqrstuvwxyz0123456789 {}\":,"
-_PRINTABLE = bytes(_ALPHABET[i % len(_ALPHABET)] for i in range(256))
-
-
-def _connection_trouble(exc, conn):
-    if isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError)):
-        return True
-    if conn is not None and conn.closed:
-        return True
-    code = getattr(exc, "pgcode", None) or ""
-    return code[:2] in _CONNECTION_CLASSES
-
-
-class _ProducerThread(threading.Thread):
-
-    def __init__(self, owner, index, seed):
-        super().__init__(name=f"fault-producer-{index}", daemon=True)
-        self.owner = owner
-        self.random = random.Random(seed)
-        self.committed = 0          # rows whose COMMIT succeeded
-        self.unknown = 0            # rows whose COMMIT failed with the outcome unknown
-        self.transactions = 0
-        self.connection_errors = 0
-        self.error = None
-
-    def _payload(self):
-        n = self.random.randint(*self.owner.payload_bytes)
-        data = self.random.randbytes(n)
-        if self.random.random() < 0.5:   # binary: NUL bytes and invalid UTF-8 included
-            return data
-        return data.translate(_PRINTABLE)  # text
-
-    def _connect(self):
-        conn = psycopg2.connect(self.owner.pg.dsn(), connect_timeout=5,
-                                application_name="fault-producer",
-                                options="-c statement_timeout=30000")
-        conn.autocommit = False
-        return conn
-
-    def run(self):
-        conn = None
-        owner = self.owner
-        started = time.monotonic()
-        try:
-            while not owner.stopping.is_set():
-                if owner.rate_per_thread:
-                    ahead = (self.committed + self.unknown) / owner.rate_per_thread \
-                        - (time.monotonic() - started)
-                    if ahead > 0:
-                        owner.stopping.wait(min(ahead, 0.5))
-                        continue
-                if conn is None:
-                    try:
-                        conn = self._connect()
-                    except psycopg2.Error:
-                        self.connection_errors += 1
-                        owner.stopping.wait(0.05)
-                        continue
-                n = self.random.randint(*owner.tx_rows)
-                rows = [(self.random.choice(owner.topics), self._payload()) for _ in range(n)]
-                committing = False
-                try:
-                    harness.insert_many(conn, rows, commit=False)
-                    committing = True
-                    conn.commit()
-                except psycopg2.Error as e:
-                    if not _connection_trouble(e, conn):
-                        raise
-                    self.connection_errors += 1
-                    if committing:
-                        self.unknown += n   # may or may not be in the table
-                    with contextlib.suppress(Exception):
-                        conn.close()
-                    conn = None
-                    continue
-                self.committed += n
-                self.transactions += 1
-        except BaseException as e:  # reported by Producers.stop()
-            self.error = e
-        finally:
-            if conn is not None:
-                with contextlib.suppress(Exception):
-                    conn.close()
-
-
-class Producers:
-    """n threads, each on its own connection, committing transactions of tx_rows rows
-    into outbox.messages (random topic of topics, payload of payload_bytes bytes, half
-    of them random binary) until stop(); rate (rows per second, all threads together)
-    paces them, None means as fast as they can.
-
-    Connection failures (a PostgreSQL restart) are survived: the thread reconnects
-    and carries on. A COMMIT that failed that way has an unknown outcome; such
-    rows are counted in `unknown`, and the verifier counts what is in the table.
-    """
-
-    def __init__(self, pg, n=4, rate=None, seed=0, topics=TOPICS, tx_rows=(1, 20),
-                 payload_bytes=(0, 300)):
-        self.pg = pg
-        self.topics = list(topics)
-        self.tx_rows = tx_rows
-        self.payload_bytes = payload_bytes
-        self.rate_per_thread = rate / n if rate else None
-        self.stopping = threading.Event()
-        self.threads = [_ProducerThread(self, i, seed * 1000 + i) for i in range(n)]
-
-    def start(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def stop(self, timeout=60):
-        """Stops every thread; fails if one failed for another reason than the connection."""
-        self.stopping.set()
-        for t in self.threads:
-            t.join(timeout)
-        for t in self.threads:
-            if t.error is not None:
-                raise AssertionError(f"{t.name} failed: {t.error!r}")
-            if t.is_alive():
-                raise AssertionError(f"{t.name} did not stop within {timeout} s")
-
-    @property
-    def committed(self):
-        return sum(t.committed for t in self.threads)
-
-    @property
-    def unknown(self):
-        return sum(t.unknown for t in self.threads)
-
-    @property
-    def connection_errors(self):
-        return sum(t.connection_errors for t in self.threads)
-
-    def alive(self):
-        return all(t.is_alive() for t in self.threads)
-
-    def failed(self):
-        """The first thread error, or None."""
-        for t in self.threads:
-            if t.error is not None:
-                return f"{t.name} failed: {t.error!r}"
-        return None
-
-
-# --------------------------------------------------------------------------
-# Verification.
-
-@dataclasses.dataclass
-class FaultFigures(harness.Figures):
-    corrupt: int = 0     # entries whose payload, topic or outbox_id differ from the row's
-
-    def fault_line(self, scenario, injected):
-        text = (f"faults: scenario={scenario} injected={injected} committed={self.committed}"
-                f" lost={self.lost} duplicates={self.duplicates}"
-                f" sent_but_absent={self.sent_but_absent} unsent={self.unsent}")
-        if self.stray:
-            text += f" stray={self.stray}"
-        if self.corrupt:
-            text += f" corrupt={self.corrupt}"
-        return text
-
-
-class FaultVerifier(harness.Verifier):
-    """harness.Verifier with two differences:
-
-    - duplicates are entries beyond the first per message id across ALL streams
-      (the harness counts them within the row's own stream only);
-    - every entry of a row is compared with the row: payload bytes, topic and
-      outbox_id (corrupt).
-    Reads every row and every stream once.
-    """
-
-    def figures(self):
-        with self.pg.cursor() as cur:
-            cur.execute("SELECT message_id::text, id, topic, payload, sent_at IS NOT NULL"
-                        " FROM outbox.messages ORDER BY id")
-            rows = cur.fetchall()
-        if not self.pg.autocommit:
-            self.pg.commit()
-        found = harness.entries_by_message_id(self.redis)
-        fig = FaultFigures(committed=len(rows))
-        known = set()
-        for message_id, outbox_id, topic, payload, sent in rows:
-            known.add(message_id)
-            stream = self.prefix + topic.encode()
-            entries = found.get(message_id, [])
-            here = [e for e in entries if e[0] == stream]
-            fig.stray += len(entries) - len(here)
-            if here:
-                fig.published += 1
-            else:
-                fig.lost += 1
-                fig.lost_ids.append(message_id)
-                if sent:
-                    fig.sent_but_absent += 1
-            if len(entries) > 1:
-                fig.duplicates += len(entries) - 1
-                fig.duplicate_ids.append(message_id)
-            if not sent:
-                fig.unsent += 1
-            for _, _, fields in here:
-                if (fields.get(b"payload") != bytes(payload)
-                        or fields.get(b"topic") != topic.encode()
-                        or fields.get(b"outbox_id") != str(outbox_id).encode()):
-                    fig.corrupt += 1
-        fig.stray += sum(len(v) for k, v in found.items() if k not in known)
-        return fig
-
-
-def duplicate_detail(redis_client, message_ids, limit=3):
-    """Where the entries of some duplicated message ids are, for a failure message."""
-    found = harness.entries_by_message_id(redis_client)
-    lines = []
-    for mid in message_ids[:limit]:
-        for stream, entry_id, fields in found.get(mid, []):
-            lines.append(f"  {mid}: {stream.decode()} {entry_id}"
-                         f" outbox_id={fields.get(b'outbox_id', b'?').decode()}")
-    return "\n".join(lines)

@@ -7,8 +7,13 @@ SIGTERM or SIGINT of the test, and on the per-file deadline.
 
     Postgres()  initdb + pg_ctl, database "app" with migrations/*.sql applied
     Redis()     redis-server on 127.0.0.1, no RDB, AOF configurable
-    Relay()     the outbox-relay binary, stderr captured, sanitizer reports fail
-    Verifier    every outbox row against every stream: one line of figures
+    Daemon()    one of our daemons as a process: command line, environment, log
+                file, start/stop/kill/wait, wait_for_log, sanitizer reports fail
+    Relay()     the outbox-relay binary as a Daemon
+    Producer    a thread committing outbox rows at a steady rate, surviving
+                restarts (Producers: several at once)
+    Verifier    every outbox row against every stream: one line of figures;
+                optionally duplicates across all streams and payloads compared
 
 Only the standard library, psycopg2 and redis-py (Debian's python3-psycopg2
 and python3-redis) are used. Run the files with /usr/bin/python3.
@@ -121,7 +126,8 @@ def port_open(port, host="127.0.0.1"):
 def wait_until(pred, timeout=30.0, interval=0.05, message=None, relay=None):
     """Calls pred until it returns something true and returns that; fails after timeout.
 
-    With relay given, fails at once (with the relay's log) if the relay exits.
+    With relay given (a Daemon: the relay or a consumer), fails at once, with
+    its log, if that process exits.
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -130,7 +136,7 @@ def wait_until(pred, timeout=30.0, interval=0.05, message=None, relay=None):
             return value
         if relay is not None and not relay.alive():
             raise AssertionError(
-                f"{message or 'condition'}: the relay exited with code {relay.returncode}"
+                f"{message or 'condition'}: the {relay.label} exited with code {relay.returncode}"
                 f" while waiting\n{relay.log_tail()}")
         if time.monotonic() >= deadline:
             detail = f"\n{relay.log_tail()}" if relay is not None else ""
@@ -285,10 +291,13 @@ class Postgres:
     def dsn(self, dbname=None, user="postgres"):
         return f"host=127.0.0.1 port={self.port} dbname={dbname or self.database} user={user}"
 
-    def connect(self, autocommit=True, dbname=None, user="postgres"):
-        """A psycopg2 connection; statements give up after 60 s so no test hangs on a lock."""
-        conn = psycopg2.connect(self.dsn(dbname, user), connect_timeout=10,
-                                options="-c statement_timeout=60000")
+    def connect(self, autocommit=True, dbname=None, user="postgres", connect_timeout=10,
+                statement_timeout=60000, application_name=None):
+        """A psycopg2 connection; statements give up after statement_timeout ms (60 s)
+        so no test hangs on a lock."""
+        extra = {"application_name": application_name} if application_name else {}
+        conn = psycopg2.connect(self.dsn(dbname, user), connect_timeout=connect_timeout,
+                                options=f"-c statement_timeout={statement_timeout}", **extra)
         conn.autocommit = autocommit
         return conn
 
@@ -427,7 +436,7 @@ class Redis:
 
 
 # --------------------------------------------------------------------------
-# The relay.
+# The relay, and our daemons as processes.
 
 def relay_binary():
     path = os.environ.get("OUTBOX_RELAY_BIN") or os.path.join(SOURCE_DIR, "build", "outbox-relay")
@@ -513,29 +522,32 @@ def run_relay(args=(), env=None, timeout=20):
     return done
 
 
-class Relay:
-    """The daemon under test, as a context manager.
+class Daemon:
+    """One of our daemons (the relay, the example consumer) as a child process.
 
-    Relay(pg, redis, poll_interval='200ms', batch_size=100) runs
-    `outbox-relay --poll-interval 200ms --batch-size 100` with
-    OUTBOX_RELAY_POSTGRES=pg.dsn() and OUTBOX_RELAY_REDIS=redis.url().
-    args are put on the command line before the flags; env adds to (None:
-    removes from) the environment. On exit: SIGTERM, then SIGKILL if needed,
-    and any sanitizer report in its stderr fails the test.
+    Daemon(argv, env, label) runs argv with exactly the environment env, in a
+    temporary directory of its own that also holds its log: its stdout and
+    stderr in one file, kept across start() after kill() and removed on exit.
+    label names it in messages ("relay", "consumer c1"). As a context manager
+    it starts on entry; on exit it gets SIGTERM (then SIGKILL after
+    stop_timeout), and a sanitizer report in its log fails the test.
     """
 
     _count = 0
 
-    def __init__(self, pg=None, redis=None, args=(), env=None, stop_timeout=30, **flags):
-        self.binary = require_relay()
-        self.argv = [self.binary, *args, *flag_args(flags)]
-        self.env = relay_env(pg, redis, env)
+    def __init__(self, argv, env, label, stop_timeout=30):
+        self.argv = list(argv)
+        self.env = env
+        self.label = label
         self.stop_timeout = stop_timeout
         self.proc = None
-        Relay._count += 1
-        self.dir = tempfile.mkdtemp(prefix="outbox-relay-log-")
-        self.log_path = os.path.join(self.dir, f"relay-{Relay._count}.stderr")
+        Daemon._count += 1
+        kind = label.split()[0]
+        self.dir = tempfile.mkdtemp(prefix=f"outbox-{kind}-log-")
+        self.log_path = os.path.join(self.dir,
+                                     f"{'-'.join(label.split())}-{Daemon._count}.log")
 
+    # -- lifecycle
     def __enter__(self):
         _register(self)
         self.start()
@@ -547,10 +559,10 @@ class Relay:
             self.stop()
             report = sanitizer_report(self.log())
             if failed:
-                print(f"\n--- relay stderr ({self.log_path}), last lines ---\n{self.log_tail()}",
-                      file=sys.stderr)
+                print(f"\n--- {self.label} output ({self.log_path}), last lines ---\n"
+                      f"{self.log_tail()}", file=sys.stderr)
             if report and not failed:
-                raise AssertionError(f"sanitizer report in the relay's stderr:\n{report}")
+                raise AssertionError(f"sanitizer report in the {self.label}'s output:\n{report}")
             if report:
                 print(f"--- sanitizer report ---\n{report}", file=sys.stderr)
         finally:
@@ -558,6 +570,7 @@ class Relay:
         return False
 
     def start(self):
+        """Starts the program (again, after kill(): its log goes on in the same file)."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=log, env=self.env, cwd=self.dir)
@@ -577,6 +590,7 @@ class Relay:
         return self.proc.returncode
 
     def close(self):
+        """Kills the process if it still runs and removes its directory and log."""
         _unregister(self)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
@@ -596,6 +610,7 @@ class Relay:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self, sig=signal.SIGKILL):
+        """Sends sig; with SIGKILL also waits for the process to be gone."""
         self.proc.send_signal(sig)
         if sig == signal.SIGKILL:
             self.proc.wait()
@@ -611,7 +626,7 @@ class Relay:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"the relay did not exit within {timeout:g}s; killed\n"
+            raise AssertionError(f"the {self.label} did not exit within {timeout:g}s; killed\n"
                                  + self.log_tail()) from None
 
     # -- its log
@@ -623,26 +638,43 @@ class Relay:
             return ""
 
     def log_tail(self, lines=40):
-        return f"--- relay stderr, last {lines} lines ---\n{tail(self.log(), lines)}"
+        return f"--- {self.label} output, last {lines} lines ---\n{tail(self.log(), lines)}"
 
     def mark(self):
         """The current length of the log, for wait_for_log(since=...)."""
         return len(self.log())
 
     def wait_for_log(self, regex, timeout=10, since=0, flags=re.MULTILINE):
-        """Waits until regex matches the log (from offset since on); returns the match."""
+        """Waits until regex matches the log (from offset since on); returns the match.
+        Fails at once, with the log, if the process exits first."""
         pattern = re.compile(regex, flags)
 
         def found():
             return pattern.search(self.log(), since)
         try:
             return wait_until(found, timeout=timeout, interval=0.05, relay=self,
-                              message=f"relay log line matching {regex!r}")
+                              message=f"{self.label} log line matching {regex!r}")
         except AssertionError:
             match = found()  # it may have logged it just before it exited
             if match:
                 return match
             raise
+
+
+class Relay(Daemon):
+    """The relay daemon under test, as a context manager (see Daemon).
+
+    Relay(pg, redis, poll_interval='200ms', batch_size=100) runs
+    `outbox-relay --poll-interval 200ms --batch-size 100` with
+    OUTBOX_RELAY_POSTGRES=pg.dsn() and OUTBOX_RELAY_REDIS=redis.url().
+    args are put on the command line before the flags; env adds to (None:
+    removes from) the environment of relay_env().
+    """
+
+    def __init__(self, pg=None, redis=None, args=(), env=None, stop_timeout=30, **flags):
+        self.binary = require_relay()
+        super().__init__([self.binary, *args, *flag_args(flags)], relay_env(pg, redis, env),
+                         "relay", stop_timeout=stop_timeout)
 
 
 # Log lines: "2026-11-30T11:35:14.123Z WARNING redis: text". A problem is a
@@ -758,19 +790,41 @@ def entries_by_message_id(redis_client):
     return found
 
 
+# SQLSTATE classes that mean "the server or the connection went away", not "your SQL is wrong".
+_CONNECTION_CLASSES = ("08", "57")
+_ALPHABET = b"abcdefghijklmnopqrstuvwxyz0123456789 {}\":,"
+_PRINTABLE = bytes(_ALPHABET[i % len(_ALPHABET)] for i in range(256))
+
+
+def connection_trouble(exc, conn=None):
+    """Whether a psycopg2 error means the server or the connection went away."""
+    if isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError)):
+        return True
+    if conn is not None and conn.closed:
+        return True
+    code = getattr(exc, "pgcode", None) or ""
+    return code[:2] in _CONNECTION_CLASSES
+
+
 class Producer(threading.Thread):
-    """Commits outbox rows from its own connection until it has committed `rows` or is stopped.
+    """Commits outbox rows from its own connection until it has committed `rows`
+    (None: no limit) or is stopped.
 
     Each transaction holds a random number of rows in tx_rows (inclusive), each
     with a random topic of topics and a random payload of payload_bytes
-    (inclusive) bytes. With rate (rows per second) it keeps to that pace.
-    Connection failures (a PostgreSQL restart) are counted and survived: it
-    reconnects and goes on. Commits whose outcome is unknown are possible then;
-    the Verifier reads the table, so it counts what really committed.
+    (inclusive) bytes: random binary, or with text_payloads half of them
+    printable text. With rate (rows per second) it keeps to that pace, also
+    after an outage. connect: keyword arguments for Postgres.connect.
+
+    Connection failures (a PostgreSQL restart, a terminated session) are
+    counted and survived: it reconnects and goes on. A COMMIT that failed that
+    way has an unknown outcome; its rows are counted in `unknown`, and the
+    Verifier reads the table, so it counts what really committed. Any other
+    error ends the thread and is reported by check() and stop().
     """
 
-    def __init__(self, pg, rows, topics=("orders",), tx_rows=(1, 1), payload_bytes=(0, 300),
-                 rate=None, seed=0, name=None):
+    def __init__(self, pg, rows=None, topics=("orders",), tx_rows=(1, 1), payload_bytes=(0, 300),
+                 rate=None, seed=0, name=None, text_payloads=False, connect=None):
         super().__init__(name=name, daemon=True)
         self.pg = pg
         self.rows = rows
@@ -778,38 +832,59 @@ class Producer(threading.Thread):
         self.tx_rows = tx_rows
         self.payload_bytes = payload_bytes
         self.rate = rate
+        self.text_payloads = text_payloads
+        self.connect_options = dict(connect or {})
         self.random = random.Random(seed)
-        self.committed = 0
+        self.committed = 0          # rows whose COMMIT succeeded
+        self.unknown = 0            # rows whose COMMIT failed with the outcome unknown
         self.transactions = 0
         self.connection_errors = 0
         self.error = None
         self._stop_event = threading.Event()
 
+    def _payload(self):
+        data = self.random.randbytes(self.random.randint(*self.payload_bytes))
+        if self.text_payloads and self.random.random() >= 0.5:
+            return data.translate(_PRINTABLE)
+        return data  # binary: NUL bytes and invalid UTF-8 included
+
+    def _done(self):
+        return self._stop_event.is_set() or (self.rows is not None
+                                             and self.committed >= self.rows)
+
     def run(self):
         conn = None
         started = time.monotonic()
         try:
-            while self.committed < self.rows and not self._stop_event.is_set():
+            while not self._done():
                 if self.rate:
-                    ahead = self.committed / self.rate - (time.monotonic() - started)
+                    ahead = ((self.committed + self.unknown) / self.rate
+                             - (time.monotonic() - started))
                     if ahead > 0:
-                        self._stop_event.wait(ahead)
+                        self._stop_event.wait(min(ahead, 0.5))
                         continue
                 if conn is None:
                     try:
-                        conn = self.pg.connect(autocommit=False)
-                    except psycopg2.OperationalError:
+                        conn = self.pg.connect(autocommit=False, **self.connect_options)
+                    except psycopg2.Error:
                         self.connection_errors += 1
-                        self._stop_event.wait(0.1)
+                        self._stop_event.wait(0.05)
                         continue
-                n = min(self.random.randint(*self.tx_rows), self.rows - self.committed)
-                batch = [(self.random.choice(self.topics),
-                          self.random.randbytes(self.random.randint(*self.payload_bytes)))
-                         for _ in range(n)]
+                n = self.random.randint(*self.tx_rows)
+                if self.rows is not None:
+                    n = min(n, self.rows - self.committed)
+                batch = [(self.random.choice(self.topics), self._payload()) for _ in range(n)]
+                committing = False
                 try:
-                    insert_many(conn, batch)
-                except (psycopg2.OperationalError, psycopg2.InterfaceError):
+                    insert_many(conn, batch, commit=False)
+                    committing = True
+                    conn.commit()
+                except psycopg2.Error as e:
+                    if not connection_trouble(e, conn):
+                        raise
                     self.connection_errors += 1
+                    if committing:
+                        self.unknown += n   # may or may not be in the table
                     with contextlib.suppress(Exception):
                         conn.close()
                     conn = None
@@ -823,8 +898,12 @@ class Producer(threading.Thread):
                 with contextlib.suppress(Exception):
                     conn.close()
 
-    def stop(self, timeout=60):
+    def signal_stop(self):
+        """Asks the thread to stop after its current transaction; see stop()."""
         self._stop_event.set()
+
+    def stop(self, timeout=60):
+        self.signal_stop()
         self.join(timeout)
         self.check()
 
@@ -835,6 +914,54 @@ class Producer(threading.Thread):
             raise AssertionError(f"producer {self.name} did not stop")
 
 
+class Producers:
+    """n Producers at once, each on its own connection, until stop().
+
+    rate (rows per second) is for all of them together; producer i is seeded
+    with seed * 1000 + i; the other options are Producer's.
+    """
+
+    def __init__(self, pg, n=4, rate=None, seed=0, name="producer", **options):
+        self.threads = [Producer(pg, rate=rate / n if rate else None, seed=seed * 1000 + i,
+                                 name=f"{name}-{i}", **options) for i in range(n)]
+
+    def start(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def stop(self, timeout=60):
+        """Stops every thread; fails if one failed for another reason than the connection."""
+        for t in self.threads:
+            t.signal_stop()
+        for t in self.threads:
+            t.join(timeout)
+        for t in self.threads:
+            t.check()
+
+    @property
+    def committed(self):
+        return sum(t.committed for t in self.threads)
+
+    @property
+    def unknown(self):
+        return sum(t.unknown for t in self.threads)
+
+    @property
+    def connection_errors(self):
+        return sum(t.connection_errors for t in self.threads)
+
+    def alive(self):
+        return all(t.is_alive() for t in self.threads)
+
+    def failed(self):
+        """The first thread's error as a message, or None."""
+        for t in self.threads:
+            if t.error is not None:
+                return f"producer {t.name} failed: {t.error!r}"
+        return None
+
+
 @dataclasses.dataclass
 class Figures:
     committed: int = 0
@@ -843,7 +970,8 @@ class Figures:
     duplicates: int = 0
     sent_but_absent: int = 0
     unsent: int = 0
-    stray: int = 0  # entries whose id is no row's, or in another topic's stream
+    stray: int = 0    # entries whose id is no row's, or in another topic's stream
+    corrupt: int = 0  # entries whose payload, topic or outbox_id differ from the row's
     lost_ids: list = dataclasses.field(default_factory=list)
     duplicate_ids: list = dataclasses.field(default_factory=list)
 
@@ -853,12 +981,14 @@ class Figures:
                 f" unsent={self.unsent}")
         if self.stray:
             text += f" stray={self.stray}"
+        if self.corrupt:
+            text += f" corrupt={self.corrupt}"
         return text
 
     def assert_exactly_once(self, test):
-        """Every row sent and published once, nothing else in the streams."""
+        """Every row sent and published once, as written, nothing else in the streams."""
         test.assertEqual((self.lost, self.duplicates, self.sent_but_absent, self.unsent,
-                          self.stray), (0, 0, 0, 0, 0),
+                          self.stray, self.corrupt), (0, 0, 0, 0, 0, 0),
                          f"{self.line()}; lost e.g. {self.lost_ids[:5]},"
                          f" duplicated e.g. {self.duplicate_ids[:5]}")
 
@@ -867,19 +997,28 @@ class Verifier:
     """Compares every row of outbox.messages with every stream.
 
     lost:            rows with no entry in their topic's stream
-    duplicates:      entries beyond the first for one message id
+    duplicates:      entries beyond the first for one message id in the row's
+                     stream (across_streams=True: in all streams together)
     sent_but_absent: rows with sent_at set but no entry
     unsent:          rows with sent_at NULL
+    stray:           entries of no row, or in another topic's stream
+    corrupt:         with compare_payloads=True, entries in the row's stream
+                     whose payload bytes, topic or outbox_id differ from the row's
+    Reads every row and every stream once.
     """
 
-    def __init__(self, pg_conn, redis_client, stream_prefix=""):
+    def __init__(self, pg_conn, redis_client, stream_prefix="", across_streams=False,
+                 compare_payloads=False):
         self.pg = pg_conn
         self.redis = redis_client
         self.prefix = stream_prefix.encode()
+        self.across_streams = across_streams
+        self.compare_payloads = compare_payloads
 
     def figures(self):
+        payload = "payload" if self.compare_payloads else "NULL"
         with self.pg.cursor() as cur:
-            cur.execute("SELECT message_id::text, topic, sent_at IS NOT NULL"
+            cur.execute(f"SELECT message_id::text, id, topic, {payload}, sent_at IS NOT NULL"
                         " FROM outbox.messages ORDER BY id")
             rows = cur.fetchall()
         if not self.pg.autocommit:
@@ -887,7 +1026,7 @@ class Verifier:
         found = entries_by_message_id(self.redis)
         fig = Figures(committed=len(rows))
         known = set()
-        for message_id, topic, sent in rows:
+        for message_id, outbox_id, topic, payload, sent in rows:
             known.add(message_id)
             stream = self.prefix + topic.encode()
             entries = found.get(message_id, [])
@@ -900,11 +1039,18 @@ class Verifier:
                 fig.lost_ids.append(message_id)
                 if sent:
                     fig.sent_but_absent += 1
-            if len(here) > 1:
-                fig.duplicates += len(here) - 1
+            copies = len(entries) if self.across_streams else len(here)
+            if copies > 1:
+                fig.duplicates += copies - 1
                 fig.duplicate_ids.append(message_id)
             if not sent:
                 fig.unsent += 1
+            if self.compare_payloads:
+                for _, _, fields in here:
+                    if (fields.get(b"payload") != bytes(payload)
+                            or fields.get(b"topic") != topic.encode()
+                            or fields.get(b"outbox_id") != str(outbox_id).encode()):
+                        fig.corrupt += 1
         fig.stray += sum(len(v) for k, v in found.items() if k not in known)
         return fig
 
@@ -913,6 +1059,17 @@ class Verifier:
         fig = self.figures()
         print(fig.line() + (f" {suffix}" if suffix else ""), file=sys.stderr, flush=True)
         return fig
+
+
+def duplicate_detail(redis_client, message_ids, limit=3):
+    """Where the entries of some duplicated message ids are, for a failure message."""
+    found = entries_by_message_id(redis_client)
+    lines = []
+    for mid in message_ids[:limit]:
+        for stream, entry_id, fields in found.get(mid, []):
+            lines.append(f"  {mid}: {stream.decode()} {entry_id}"
+                         f" outbox_id={fields.get(b'outbox_id', b'?').decode()}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------
@@ -927,28 +1084,49 @@ class TestCase(unittest.TestCase):
         return super().run(result)
 
 
-class ServerTestCase(TestCase):
-    """One PostgreSQL and one Redis for the whole class; each test starts empty.
+class PostgresTestCase(TestCase):
+    """One PostgreSQL for the whole class, and no Redis: pg, and db (an
+    autocommit connection as postgres). Each test starts with outbox.messages
+    empty, unless the class sets reset_outbox = False (a database without the
+    outbox schema, or a test that empties what it needs itself).
 
-    Subclasses may set pg_options / redis_options (keyword arguments).
+    Subclasses may set pg_options (keyword arguments of Postgres).
     """
 
     pg_options = {}
-    redis_options = {}
+    reset_outbox = True
 
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
         cls.pg = cls.enterClassContext(Postgres(**cls.pg_options))
-        cls.redis = cls.enterClassContext(Redis(**cls.redis_options))
         cls.db = cls.pg.connect()
         cls.addClassCleanup(cls.db.close)
+
+    def setUp(self):
+        super().setUp()
+        if self.reset_outbox:
+            reset(self.db)
+
+
+class ServerTestCase(PostgresTestCase):
+    """One PostgreSQL and one Redis for the whole class; each test starts empty.
+
+    Subclasses may set pg_options / redis_options (keyword arguments).
+    """
+
+    redis_options = {}
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.redis = cls.enterClassContext(Redis(**cls.redis_options))
         cls.r = cls.redis.client()
         cls.addClassCleanup(cls.r.close)
 
     def setUp(self):
         super().setUp()
-        reset(self.db, self.r)
+        self.r.flushall()
 
     def relay(self, **kwargs):
         """Starts a relay on this class's servers for the rest of the test."""

@@ -38,14 +38,11 @@ OB503 = "OB503"
 HINT = "retry after a few seconds; map to HTTP 503 with Retry-After"
 
 
-class BackpressureSqlTest(harness.TestCase):
+class BackpressureSqlTest(harness.PostgresTestCase):
 
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.pg = cls.enterClassContext(harness.Postgres())
-        cls.db = cls.pg.connect()
-        cls.addClassCleanup(cls.db.close)
         with cls.db.cursor() as cur:
             cur.execute("CREATE ROLE producer_login LOGIN IN ROLE outbox_producer;"
                         "CREATE ROLE relay_login LOGIN IN ROLE outbox_relay;"
@@ -56,10 +53,9 @@ class BackpressureSqlTest(harness.TestCase):
         cls.addClassCleanup(cls.relay.close)
 
     def setUp(self):
-        super().setUp()
+        super().setUp()  # outbox.messages emptied
         with self.db.cursor() as cur:
-            cur.execute("TRUNCATE outbox.messages RESTART IDENTITY;"
-                        "TRUNCATE outbox.topic_limits, outbox.topic_state")
+            cur.execute("TRUNCATE outbox.topic_limits, outbox.topic_state")
 
     # -- helpers
     def limits(self, topic, max_age=None, resume_age=None, max_pending=None,

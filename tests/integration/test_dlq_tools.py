@@ -494,22 +494,20 @@ class DlqToolTest(harness.ServerTestCase):
         self.assertIn("redis", done.stderr)
 
 
-class ConsumerSchemaTest(harness.TestCase):
+class ConsumerSchemaTest(harness.PostgresTestCase):
     """migrations/consumer/*.sql on a fresh database of its own."""
 
     DATABASE = "consumer_app"
+    # A cluster with an empty database and none of the producer's migrations.
+    pg_options = dict(migrations=False, database=DATABASE)
+    reset_outbox = False  # there is no outbox here
 
     @classmethod
     def setUpClass(cls):
-        super().setUpClass()
         if not CONSUMER_MIGRATIONS:
             raise AssertionError("no migrations/consumer/*.sql")
-        # A cluster with an empty database and none of the producer's migrations.
-        cls.pg = cls.enterClassContext(harness.Postgres(migrations=False,
-                                                        database=cls.DATABASE))
+        super().setUpClass()
         cls.pg.apply_migrations(CONSUMER_MIGRATIONS)
-        cls.db = cls.pg.connect()
-        cls.addClassCleanup(cls.db.close)
         with cls.db.cursor() as cur:
             cur.execute("CREATE TABLE effects (message_id uuid, what text);"
                         "GRANT INSERT, SELECT ON effects TO outbox_consumer;"

@@ -41,18 +41,8 @@ def durability_lines(log, since=0):
     return re.findall(DURABILITY, log[since:], re.MULTILINE)
 
 
-class DurabilityTest(harness.TestCase):
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.pg = cls.enterClassContext(harness.Postgres())
-        cls.db = cls.pg.connect()
-        cls.addClassCleanup(cls.db.close)
-
-    def setUp(self):
-        super().setUp()
-        harness.reset(self.db)
+class DurabilityTest(harness.PostgresTestCase):
+    """The class's PostgreSQL; each test starts a Redis of its own."""
 
     def redis(self, **options):
         redis = self.enterContext(harness.Redis(**options))

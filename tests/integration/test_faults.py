@@ -70,6 +70,11 @@ FREEZE_SECONDS = (2.3, 2.8)            # longer than the 1 s publish deadline
 LATE_SECONDS = 1.5                     # how much later an abandoned connection delivers
 DEADLINE_LOGGED = r"within publish_timeout"
 RUNNING_LOGGED = r"^\S+ INFO relay: outbox-relay \S+ running\b"
+TOPICS = ("orders", "billing.invoices", "mail-out")
+PRODUCER_OPTIONS = dict(topics=TOPICS, tx_rows=(1, 20), payload_bytes=(0, 300),
+                        text_payloads=True,
+                        connect=dict(application_name="fault-producer", connect_timeout=5,
+                                     statement_timeout=30000))
 TERMINATE_SQL = ("SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity"
                  " WHERE application_name LIKE 'outbox-relay%'")
 
@@ -80,6 +85,18 @@ def problem_tail(relay, lines=25):
     problems = re.findall(r"^\S+ (?:WARNING|ERROR) .*$", log, re.MULTILINE)
     return (f"--- relay {relay.log_path}: last {lines} WARNING/ERROR lines ---\n"
             + "\n".join(problems[-lines:]) + "\n" + relay.log_tail(lines))
+
+
+def fault_line(fig, scenario, injected):
+    """The one line of figures printed after each scenario."""
+    text = (f"faults: scenario={scenario} injected={injected} committed={fig.committed}"
+            f" lost={fig.lost} duplicates={fig.duplicates}"
+            f" sent_but_absent={fig.sent_but_absent} unsent={fig.unsent}")
+    if fig.stray:
+        text += f" stray={fig.stray}"
+    if fig.corrupt:
+        text += f" corrupt={fig.corrupt}"
+    return text
 
 
 class FaultTest(harness.ServerTestCase):
@@ -139,7 +156,9 @@ class FaultTest(harness.ServerTestCase):
         """Runs the producers and calls inject() after pause(rnd) seconds, again and again,
         until at least LOAD_SECONDS passed and inject() returned true minimum times
         (or OVERRUN_SECONDS more passed). Returns (faults injected, producers)."""
-        producers = faults.Producers(self.pg, n=PRODUCERS, rate=RATE, seed=rnd.randrange(1 << 30))
+        producers = harness.Producers(self.pg, n=PRODUCERS, rate=RATE,
+                                      seed=rnd.randrange(1 << 30), name="fault-producer",
+                                      **PRODUCER_OPTIONS)
         self.addCleanup(_quiet_stop, producers)
         producers.start()
         started = time.monotonic()
@@ -207,15 +226,15 @@ class FaultTest(harness.ServerTestCase):
                              + problem_tail(relay))
         r = self.redis.client()
         self.addCleanup(r.close)
-        fig = faults.FaultVerifier(conn, r).figures()
+        fig = harness.Verifier(conn, r, across_streams=True, compare_payloads=True).figures()
         dedup = sum(1 for _ in r.scan_iter(match="*:dedup:*", count=1000))
         print(f"faults: scenario={self.scenario} dedup records left (batches with an unknown"
               f" outcome): {dedup}", file=sys.stderr, flush=True)
-        print(fig.fault_line(self.scenario, injected), file=sys.stderr, flush=True)
+        print(fault_line(fig, self.scenario, injected), file=sys.stderr, flush=True)
 
-        detail = (f"seed {SEED}; {fig.fault_line(self.scenario, injected)}\n"
+        detail = (f"seed {SEED}; {fault_line(fig, self.scenario, injected)}\n"
                   f"lost e.g. {fig.lost_ids[:5]}\n"
-                  f"duplicated e.g.:\n{faults.duplicate_detail(r, fig.duplicate_ids)}\n"
+                  f"duplicated e.g.:\n{harness.duplicate_detail(r, fig.duplicate_ids)}\n"
                   + "\n".join(problem_tail(rl) for rl in self.relays))
         self.assertEqual(fig.sent_but_absent, 0, "rows marked sent but not in Redis: " + detail)
         self.assertEqual(fig.lost, 0, "rows with no entry in their stream: " + detail)

@@ -26,18 +26,8 @@ RELAY_FLAGS = dict(poll_interval="200ms", reconnect_min="50ms", reconnect_max="5
 OUTAGE_SECONDS = 3
 
 
-class RedisOutageTest(harness.TestCase):
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.pg = cls.enterClassContext(harness.Postgres())
-        cls.db = cls.pg.connect()
-        cls.addClassCleanup(cls.db.close)
-
-    def setUp(self):
-        super().setUp()
-        harness.reset(self.db)
+class RedisOutageTest(harness.PostgresTestCase):
+    """The class's PostgreSQL; each test starts a Redis of its own."""
 
     def start(self, appendfsync="everysec", **flags):
         self.redis = self.enterContext(harness.Redis(appendonly=True, appendfsync=appendfsync))

@@ -16,7 +16,8 @@ Promises tested:
   notifying holds that lock shared until its commit;
 - the harness starts and stops PostgreSQL and Redis, restarts them, removes
   their directories also when the test is killed with SIGTERM, and its
-  Verifier counts lost, duplicated and stray entries correctly.
+  Verifier counts lost, duplicated and stray entries correctly (duplicates
+  also across streams, and entries that differ from their row, when asked).
 """
 
 import contextlib
@@ -140,7 +141,7 @@ class HarnessServersTest(harness.TestCase):
                          "servers stopped")
 
 
-class SchemaTest(harness.ServerTestCase):
+class SchemaTest(harness.PostgresTestCase):
     """migrations/*.sql against a real PostgreSQL 15."""
 
     @classmethod
@@ -492,6 +493,25 @@ class VerifierTest(harness.ServerTestCase):
             self.r.xadd("pre.orders", {"id": mid})
         harness.Verifier(self.db, self.r, stream_prefix="pre.").figures().assert_exactly_once(self)
         self.assertEqual(harness.Verifier(self.db, self.r).figures().lost, 3)
+
+    def test_verifier_options_across_streams_and_payloads(self):
+        both, changed = insert(self.db, "t", b"same"), insert(self.db, "t", b"written")
+        self.db.cursor().execute("UPDATE outbox.messages SET sent_at = now()")
+        with self.db.cursor() as cur:
+            cur.execute("SELECT message_id::text, id FROM outbox.messages")
+            outbox_id = {mid: str(i) for mid, i in cur.fetchall()}
+        self.r.xadd("t", {"id": both, "topic": "t", "payload": b"same",
+                          "outbox_id": outbox_id[both]})
+        self.r.xadd("other", {"id": both})
+        self.r.xadd("t", {"id": changed, "topic": "t", "payload": b"not as written",
+                          "outbox_id": outbox_id[changed]})
+        plain = harness.Verifier(self.db, self.r).figures()
+        self.assertEqual((plain.duplicates, plain.stray, plain.corrupt), (0, 1, 0))
+        strict = harness.Verifier(self.db, self.r, across_streams=True,
+                                  compare_payloads=True).figures()
+        self.assertEqual((strict.duplicates, strict.stray, strict.corrupt), (1, 1, 1))
+        self.assertEqual(strict.duplicate_ids, [both])
+        self.assertTrue(strict.line().endswith(" stray=1 corrupt=1"), strict.line())
 
     def test_wait_until_and_time_parsing(self):
         self.assertEqual(wait_until(lambda: 7, timeout=1), 7)
