@@ -747,7 +747,7 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     relay_respbuf_free(&buf);
 }
 
-/* relay.c's drop_dedup_records as it stands, formatted by hiredis: every
+/* lanes.c's drop_dedup_records as it stands, formatted by hiredis: every
  * command concatenated, and the rows' states restored afterwards. */
 static size_t hiredis_unlinks(struct relay_row *rows, size_t n, const char *prefix, char *out,
                               size_t outlen, int *commands)
