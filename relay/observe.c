@@ -37,6 +37,7 @@
 
 #include "relay/batch.h"
 #include "relay/config.h"
+#include "relay/backpressure.h"
 #include "relay/keys.h"
 #include "relay/tools.h"
 
@@ -477,20 +478,21 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
 
     /* The streams of topics without limits or state: their figures, for the
      * queue age. They admit (observe_topic admits a topic without limits). */
-    /* '{"a","b"}': topics are [A-Za-z0-9._-], nothing to escape. */
-    char arr[RELAY_OBS_TOPICS_MAX * (RELAY_TOPIC_MAX + 4) + 4];
-    size_t len = 0, nrest = 0;
-    arr[len++] = '{';
+    /* A text[] value with every element quoted and escaped, as the claim's:
+     * the names come from Redis, so none is trusted to need no escaping. */
+    char rest[RELAY_OBS_TOPICS_MAX][RELAY_TOPIC_MAX + 1];
+    char arr[RELAY_OBS_TOPICS_MAX * (2 * RELAY_TOPIC_MAX + 3) + 3];
+    size_t nrest = 0;
     for (size_t i = 0; i < o->ntopics; i++) {
         if (covered[i])
             continue;
         o->topics[i].admitting = admission_known ? 1 : -1;
-        len += (size_t)snprintf(arr + len, sizeof(arr) - len, "%s\"%s\"", nrest++ ? "," : "",
-                                o->topics[i].topic);
+        snprintf(rest[nrest++], sizeof(rest[0]), "%s", o->topics[i].topic);
     }
     if (nrest == 0)
         return 0;
-    snprintf(arr + len, sizeof(arr) - len, "}");
+    if (relay_pg_text_array(arr, sizeof(arr), (const char(*)[RELAY_TOPIC_MAX + 1]) rest, nrest) < 0)
+        return 0; /* cannot happen: the value is sized for the most names */
     const char *params[1] = {arr};
     r = pg_exec(pg, cfg, stop, topics_sql, 1, params, o->pg_error, sizeof(o->pg_error));
     if (!pg_rows(r, o))
