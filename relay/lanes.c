@@ -33,9 +33,8 @@
 
 #define COMPONENT "relay"
 
-/* Upper bounds of the batch duration histogram, in seconds (render.c). */
-const double relay_batch_buckets[13] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                                        0.25,  0.5,    1,     2.5,  5,     10};
+const double relay_batch_buckets[RELAY_BATCH_BUCKETS] = {
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
 
 static void on_begun(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
                      void *arg);
@@ -557,11 +556,6 @@ static void on_retry(struct ev_loop *loop, ev_timer *w, int revents)
     (void)loop;
     (void)revents;
     relay_cycle_retry_due(&((struct relay *)w->data)->cycle);
-}
-
-void relay_lanes_want(struct relay *r)
-{
-    relay_cycle_want(&r->cycle);
 }
 
 /* Catch up: notifications sent while the connection was away are lost. A

@@ -22,8 +22,6 @@
  * the retry absorbs, three in a row need someone to look. */
 #define FAILURES_NOT_READY 3
 
-extern const double relay_batch_buckets[13];
-
 int relay_healthy(const struct relay *r)
 {
     /* Every stage of a batch ends within its deadlines: publishing within

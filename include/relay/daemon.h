@@ -45,12 +45,16 @@ struct relay_lane {
     struct relay_sqlbuf sql;
 };
 
+/* Buckets of the batch duration histogram, +Inf not counted. */
+#define RELAY_BATCH_BUCKETS 13
+
 /* What /metrics counts. */
 struct relay_figures {
     unsigned long long published_total;
     unsigned long long quarantined_total;
     unsigned long long batches_total;
-    unsigned long long batch_hist[16]; /* per bucket; cumulated when rendered */
+    unsigned long long batch_hist[RELAY_BATCH_BUCKETS + 1]; /* the last is +Inf; cumulated
+                                                               when rendered */
     double batch_sum;
     unsigned long long errors[RELAY_FAIL_KINDS];
     unsigned long long row_errors; /* rows that failed for reasons of their own */
@@ -115,8 +119,9 @@ static inline double relay_now(void)
  * cycle on them. 0, or -1 when out of memory. */
 int relay_lanes_start(struct relay *r) __attribute__((warn_unused_result));
 void relay_lanes_stop(struct relay *r);
-/* A notification, the poll, or anything else that may mean rows wait. */
-void relay_lanes_want(struct relay *r);
+/* Upper bounds of the batch duration histogram, in seconds (lanes.c fills
+ * it, render.c shows it). */
+extern const double relay_batch_buckets[RELAY_BATCH_BUCKETS];
 
 /* relay/wakeup.c: the LISTEN connection and the wake-up protocol. */
 int relay_wakeup_start(struct relay *r) __attribute__((warn_unused_result));
