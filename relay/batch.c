@@ -314,43 +314,16 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
  * command is computed first, the buffer grows once if at all, and the bytes
  * are copied in with memcpy. */
 
-void relay_respbuf_reset(struct relay_respbuf *b)
+/* Makes room for need more bytes: 0, or RELAY_BUF_FULL past out->max. */
+static int respbuf_reserve(struct relay_buf *out, size_t need)
 {
-    b->len = 0;
-}
-
-void relay_respbuf_free(struct relay_respbuf *b)
-{
-    if (b == NULL)
-        return;
-    free(b->data);
-    b->data = NULL;
-    b->len = b->cap = 0;
-}
-
-/* Makes room for need more bytes: 0, or RELAY_RESPBUF_FULL past b->max. */
-static int respbuf_reserve(struct relay_respbuf *b, size_t need)
-{
-    size_t max = b->max ? b->max : RELAY_RESPBUF_MAX_DEFAULT;
-    if (need > max || b->len > max - need)
-        return RELAY_RESPBUF_FULL;
-    size_t want = b->len + need;
-    if (want <= b->cap)
-        return 0;
-    size_t cap = b->cap ? b->cap : 4096;
-    if (cap > max)
-        cap = max;
-    while (cap < want)
-        cap = cap > max / 2 ? max : cap * 2;
-    char *p = realloc(b->data, cap);
-    if (p == NULL) {
+    int rc = relay_buf_reserve(out, need);
+    if (rc == RELAY_BUF_NOMEM) {
         /* The relay's policy for memory: no recovery. */
         fputs("outbox-relay: out of memory\n", stderr);
         abort();
     }
-    b->data = p;
-    b->cap = cap;
-    return 0;
+    return rc;
 }
 
 /* Decimal digits of v. */
@@ -444,7 +417,7 @@ _Static_assert(sizeof(RELAY_FUNCTION_PUBLISH) - 1 == 23,
 
 int relay_batch_append_publish(const struct relay_row *row, const char *stream_prefix,
                                uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
-                               uint64_t not_after_ms, struct relay_respbuf *out, char *err,
+                               uint64_t not_after_ms, struct relay_buf *out, char *err,
                                size_t errlen, enum relay_row_fault *fault)
 {
     struct row_headers h;
@@ -481,7 +454,7 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
         need += bulk_size(2 + h.name_lens[i]) + bulk_size(h.value_lens[i]);
     if (respbuf_reserve(out, need) != 0) {
         snprintf(err, errlen, "the command of %zu bytes does not fit the output buffer", need);
-        return RELAY_RESPBUF_FULL;
+        return RELAY_BUF_FULL;
     }
 
     char *p = put_array(out->data + out->len, argc);
@@ -516,6 +489,7 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
         p = put_crlf(put_mem(p, h.names[i], h.name_lens[i]));
         p = put_bulk(p, h.values[i], h.value_lens[i]);
     }
+    *p = '\0'; /* relay_buf keeps data NUL-terminated */
     out->len = (size_t)(p - out->data);
     return 0;
 }
@@ -529,7 +503,7 @@ static int same_topic(const struct relay_row *a, const struct relay_row *b)
 #define UNLINK_KEY_SIZE (320 + RELAY_TOPIC_MAX)
 
 int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char *stream_prefix,
-                              size_t *pos, struct relay_respbuf *out)
+                              size_t *pos, struct relay_buf *out)
 {
     if (stream_prefix == NULL)
         stream_prefix = "";
@@ -565,7 +539,7 @@ int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char
         need += 1 + count_digits(argc) + 2 + sizeof("$6\r\nUNLINK\r\n") - 1;
         if (respbuf_reserve(out, need) != 0) {
             *pos = i;
-            return RELAY_RESPBUF_FULL;
+            return RELAY_BUF_FULL;
         }
 
         char *p = put_array(out->data + out->len, argc);
@@ -582,6 +556,7 @@ int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char
             p = PUT_LIT(p, "}:dedup:");
             p = put_crlf(put_mem(p, row->message_id, row->message_id_len));
         }
+        *p = '\0'; /* relay_buf keeps data NUL-terminated */
         out->len = (size_t)(p - out->data);
         *pos = i + 1;
         return 1;
@@ -676,47 +651,6 @@ int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
     return tally->pending == 0;
 }
 
-void relay_sqlbuf_reset(struct relay_sqlbuf *b)
-{
-    b->len = 0;
-    b->overflow = 0;
-    if (b->data != NULL)
-        b->data[0] = '\0';
-}
-
-void relay_sqlbuf_append(struct relay_sqlbuf *b, const char *s)
-{
-    size_t n = strlen(s);
-    size_t max = b->max ? b->max : (64u << 20);
-    if (b->overflow)
-        return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        if (cap > max) {
-            b->overflow = 1;
-            return;
-        }
-        char *p = realloc(b->data, cap);
-        if (p == NULL) {
-            b->overflow = 1;
-            return;
-        }
-        b->data = p;
-        b->cap = cap;
-    }
-    memcpy(b->data + b->len, s, n + 1);
-    b->len += n;
-}
-
-void relay_sqlbuf_free(struct relay_sqlbuf *b)
-{
-    free(b->data);
-    b->data = NULL;
-    b->len = b->cap = 0;
-}
-
 /* Failed rows wait 1 s, 2 s, 4 s ... between attempts, at most 5 minutes. */
 #define ROW_RETRY_BASE_MS 1000u
 #define ROW_RETRY_MAX_MS (5u * 60u * 1000u)
@@ -732,24 +666,24 @@ int relay_batch_row_quarantined(const struct relay_row *row, uint32_t max_attemp
 }
 
 int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
-                           const struct relay_sql_quoter *q, struct relay_sqlbuf *out)
+                           const struct relay_sql_quoter *q, struct relay_buf *out)
 {
     char buf[160];
     int any = 0, quarantined = 0;
 
-    relay_sqlbuf_reset(out);
+    relay_buf_reset(out);
     for (size_t i = 0; i < n; i++) {
         if (rows[i].state != RELAY_ROW_PUBLISHED)
             continue;
-        relay_sqlbuf_append(out, any ? ","
-                                     : "UPDATE outbox.messages SET sent_at = statement_timestamp() "
-                                       "WHERE id = ANY('{");
+        relay_buf_puts(out, any ? ","
+                                : "UPDATE outbox.messages SET sent_at = statement_timestamp() "
+                                  "WHERE id = ANY('{");
         snprintf(buf, sizeof(buf), "%lld", (long long)rows[i].id);
-        relay_sqlbuf_append(out, buf);
+        relay_buf_puts(out, buf);
         any = 1;
     }
     if (any)
-        relay_sqlbuf_append(out, "}'::bigint[]);");
+        relay_buf_puts(out, "}'::bigint[]);");
     for (size_t i = 0; i < n; i++) {
         const struct relay_row *row = &rows[i];
         if (row->state != RELAY_ROW_FAILED)
@@ -766,18 +700,18 @@ int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_
             if (lit == NULL)
                 return -1;
         }
-        relay_sqlbuf_append(out, "UPDATE outbox.messages SET attempts = attempts + 1, "
-                                 "last_error = ");
-        relay_sqlbuf_append(out, lit);
+        relay_buf_puts(out, "UPDATE outbox.messages SET attempts = attempts + 1, "
+                            "last_error = ");
+        relay_buf_puts(out, lit);
         q->freefn(lit);
         snprintf(buf, sizeof(buf),
                  ", retry_at = statement_timestamp() + interval '%u milliseconds', failed_at = %s "
                  "WHERE id = %lld;",
                  relay_batch_row_retry_ms(attempts, ROW_RETRY_BASE_MS, ROW_RETRY_MAX_MS),
                  quarantine ? "statement_timestamp()" : "NULL", (long long)row->id);
-        relay_sqlbuf_append(out, buf);
+        relay_buf_puts(out, buf);
         quarantined += quarantine;
     }
-    relay_sqlbuf_append(out, "COMMIT");
-    return out->overflow ? -1 : quarantined;
+    relay_buf_puts(out, "COMMIT");
+    return out->failed ? -1 : quarantined;
 }

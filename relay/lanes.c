@@ -103,7 +103,7 @@ static void op_publish(void *arg, size_t lane)
     relay_sink_sync_clock(r->sink);
     for (size_t i = 0; i < l->nrows; i++) {
         struct relay_row *row = &l->rows[i];
-        relay_respbuf_reset(&r->out);
+        relay_buf_reset(&r->out);
         int rc = relay_batch_append_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
                                             r->cfg->dedup_ttl_ms, not_after, &r->out, row->error,
                                             sizeof(row->error), &row->fault);
@@ -465,7 +465,7 @@ static void drop_dedup_records(struct relay_lane *l)
     struct relay *r = l->r;
     size_t pos = 0;
     for (;;) {
-        relay_respbuf_reset(&r->out);
+        relay_buf_reset(&r->out);
         if (relay_batch_append_unlink(l->rows, l->nrows, r->cfg->stream_prefix, &pos, &r->out) != 1)
             break;
         if (relay_sink_formatted(r->sink, r->out.data, r->out.len, on_unlinked, r) == 0)
@@ -653,7 +653,7 @@ void relay_lanes_stop(struct relay *r)
         l->claim_res = NULL;
         free(l->rows);
         l->rows = NULL;
-        relay_sqlbuf_free(&l->sql);
+        relay_buf_free(&l->sql);
     }
-    relay_respbuf_free(&r->out);
+    relay_buf_free(&r->out);
 }

@@ -43,7 +43,6 @@
 #define RESPONSE_DEADLINE 5.0 /* seconds to send the response */
 #define ACCEPT_PAUSE 0.1      /* out of descriptors with nobody to close */
 #define EVICT_LOG_EVERY 60.0  /* seconds between two logs of evictions */
-#define TEXT_CAP (16u << 20)
 
 struct client;
 
@@ -77,33 +76,6 @@ struct relay_metrics {
     unsigned long evicted;  /* idle clients closed to admit new ones, not yet logged */
     double evict_logged_at; /* ev_now of that log; 0 before the first */
 };
-
-void relay_text_printf(struct relay_text *t, const char *fmt, ...)
-{
-    if (t->failed)
-        return;
-    for (;;) {
-        size_t room = t->cap - t->len;
-        va_list ap;
-        va_start(ap, fmt);
-        int n = room ? vsnprintf(t->data + t->len, room, fmt, ap) : -1;
-        va_end(ap);
-        if (n >= 0 && (size_t)n < room) {
-            t->len += (size_t)n;
-            return;
-        }
-        size_t cap = t->cap ? t->cap * 2 : 16384;
-        while (n >= 0 && cap < t->len + (size_t)n + 1)
-            cap *= 2;
-        char *p = cap <= TEXT_CAP ? realloc(t->data, cap) : NULL;
-        if (p == NULL) {
-            t->failed = 1;
-            return;
-        }
-        t->data = p;
-        t->cap = cap;
-    }
-}
 
 static void list_push(struct client_list *l, struct client *c)
 {
@@ -409,24 +381,24 @@ void relay_metrics_free(struct relay_metrics *m)
     free(m);
 }
 
-void relay_text_label(struct relay_text *t, const char *s)
+void relay_text_label(struct relay_buf *t, const char *s)
 {
     size_t len = strlen(s);
     for (size_t i = 0; i < len && !t->failed;) {
         size_t n = relay_tools_utf8_char(s + i, len - i, NULL);
         if (n == 0) {
-            relay_text_printf(t, "\xef\xbf\xbd"); /* U+FFFD for a byte that is not UTF-8 */
+            relay_buf_printf(t, "\xef\xbf\xbd"); /* U+FFFD for a byte that is not UTF-8 */
             i++;
             continue;
         }
         if (s[i] == '\\')
-            relay_text_printf(t, "\\\\");
+            relay_buf_printf(t, "\\\\");
         else if (s[i] == '"')
-            relay_text_printf(t, "\\\"");
+            relay_buf_printf(t, "\\\"");
         else if (s[i] == '\n')
-            relay_text_printf(t, "\\n");
+            relay_buf_printf(t, "\\n");
         else
-            relay_text_printf(t, "%.*s", (int)n, s + i);
+            relay_buf_printf(t, "%.*s", (int)n, s + i);
         i += n;
     }
 }

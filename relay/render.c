@@ -70,83 +70,83 @@ int relay_is_ready(void *arg, char *why, size_t whylen)
     return ready(arg, why, whylen);
 }
 
-static void help(struct relay_text *t, const char *name, const char *type, const char *text)
+static void help(struct relay_buf *t, const char *name, const char *type, const char *text)
 {
-    relay_text_printf(t, "# HELP %s %s\n# TYPE %s %s\n", name, text, name, type);
+    relay_buf_printf(t, "# HELP %s %s\n# TYPE %s %s\n", name, text, name, type);
 }
 
 /* The relay's own state and counters. */
-static void render_relay(const struct relay *r, struct relay_text *t)
+static void render_relay(const struct relay *r, struct relay_buf *t)
 {
     const struct relay_figures *f = &r->fig;
     char why[128];
     int pqv = PQlibVersion();
     help(t, "outbox_relay_build_info", "gauge", "Version of the relay and its libraries.");
-    relay_text_printf(t,
-                      "outbox_relay_build_info{version=\"%s\",libpq=\"%d.%d\","
-                      "hiredis=\"%d.%d.%d\"} 1\n",
-                      RELAY_VERSION, pqv / 10000, pqv % 10000, HIREDIS_MAJOR, HIREDIS_MINOR,
-                      HIREDIS_PATCH);
+    relay_buf_printf(t,
+                     "outbox_relay_build_info{version=\"%s\",libpq=\"%d.%d\","
+                     "hiredis=\"%d.%d.%d\"} 1\n",
+                     RELAY_VERSION, pqv / 10000, pqv % 10000, HIREDIS_MAJOR, HIREDIS_MINOR,
+                     HIREDIS_PATCH);
     help(t, "outbox_relay_up", "gauge", "Connection state of each server (1 connected).");
-    relay_text_printf(t, "outbox_relay_up{server=\"postgres\"} %d\n", relay_postgres_up(r));
-    relay_text_printf(t, "outbox_relay_up{server=\"redis\"} %d\n", relay_sink_ready(r->sink));
+    relay_buf_printf(t, "outbox_relay_up{server=\"postgres\"} %d\n", relay_postgres_up(r));
+    relay_buf_printf(t, "outbox_relay_up{server=\"redis\"} %d\n", relay_sink_ready(r->sink));
     help(t, "outbox_relay_ready", "gauge", "1 when connected to both servers and not stalled.");
-    relay_text_printf(t, "outbox_relay_ready %d\n", ready(r, why, sizeof(why)));
+    relay_buf_printf(t, "outbox_relay_ready %d\n", ready(r, why, sizeof(why)));
 
     help(t, "outbox_relay_messages_published_total", "counter",
          "Messages published to their stream, per topic.");
     for (size_t i = 0; i < f->ntopics; i++) {
-        relay_text_printf(t, "outbox_relay_messages_published_total{topic=\"");
+        relay_buf_printf(t, "outbox_relay_messages_published_total{topic=\"");
         relay_text_label(t, f->topics[i].topic);
-        relay_text_printf(t, "\"} %llu\n", f->topics[i].published);
+        relay_buf_printf(t, "\"} %llu\n", f->topics[i].published);
     }
     if (f->other_published)
-        relay_text_printf(t, "outbox_relay_messages_published_total{topic=\"_other\"} %llu\n",
-                          f->other_published);
+        relay_buf_printf(t, "outbox_relay_messages_published_total{topic=\"_other\"} %llu\n",
+                         f->other_published);
     help(t, "outbox_relay_batches_total", "counter", "Claim cycles committed.");
-    relay_text_printf(t, "outbox_relay_batches_total %llu\n", f->batches_total);
+    relay_buf_printf(t, "outbox_relay_batches_total %llu\n", f->batches_total);
     help(t, "outbox_relay_batch_duration_seconds", "histogram",
          "Time from claim to commit of a batch.");
     unsigned long long cum = 0;
     for (size_t b = 0; b < RELAY_ARRAY_LEN(relay_batch_buckets); b++) {
         cum += f->batch_hist[b];
-        relay_text_printf(t, "outbox_relay_batch_duration_seconds_bucket{le=\"%g\"} %llu\n",
-                          relay_batch_buckets[b], cum);
+        relay_buf_printf(t, "outbox_relay_batch_duration_seconds_bucket{le=\"%g\"} %llu\n",
+                         relay_batch_buckets[b], cum);
     }
     cum += f->batch_hist[RELAY_ARRAY_LEN(relay_batch_buckets)];
-    relay_text_printf(t, "outbox_relay_batch_duration_seconds_bucket{le=\"+Inf\"} %llu\n", cum);
-    relay_text_printf(t, "outbox_relay_batch_duration_seconds_sum %.6f\n", f->batch_sum);
-    relay_text_printf(t, "outbox_relay_batch_duration_seconds_count %llu\n", cum);
+    relay_buf_printf(t, "outbox_relay_batch_duration_seconds_bucket{le=\"+Inf\"} %llu\n", cum);
+    relay_buf_printf(t, "outbox_relay_batch_duration_seconds_sum %.6f\n", f->batch_sum);
+    relay_buf_printf(t, "outbox_relay_batch_duration_seconds_count %llu\n", cum);
     help(t, "outbox_relay_publish_errors_total", "counter",
          "Failed batches by kind, and rows that failed for reasons of their own (row).");
     for (int k = 0; k < RELAY_FAIL_KINDS; k++)
-        relay_text_printf(t, "outbox_relay_publish_errors_total{kind=\"%s\"} %llu\n",
-                          relay_fail_kind_name((enum relay_fail_kind)k), f->errors[k]);
-    relay_text_printf(t, "outbox_relay_publish_errors_total{kind=\"row\"} %llu\n", f->row_errors);
+        relay_buf_printf(t, "outbox_relay_publish_errors_total{kind=\"%s\"} %llu\n",
+                         relay_fail_kind_name((enum relay_fail_kind)k), f->errors[k]);
+    relay_buf_printf(t, "outbox_relay_publish_errors_total{kind=\"row\"} %llu\n", f->row_errors);
     help(t, "outbox_relay_batch_failures_in_row", "gauge",
          "Whole-batch failures since the last committed batch (3 or more: not ready).");
-    relay_text_printf(t, "outbox_relay_batch_failures_in_row %u\n", r->cycle.failures_in_row);
+    relay_buf_printf(t, "outbox_relay_batch_failures_in_row %u\n", r->cycle.failures_in_row);
     help(t, "outbox_relay_rows_quarantined_total", "counter",
          "Rows this relay quarantined: at once for a permanent failure, after max_attempts for "
          "a transient one.");
-    relay_text_printf(t, "outbox_relay_rows_quarantined_total %llu\n", f->quarantined_total);
+    relay_buf_printf(t, "outbox_relay_rows_quarantined_total %llu\n", f->quarantined_total);
     help(t, "outbox_relay_wakeup_lock_foreign_holder", "gauge",
          "1 for the session other than this relay that holds the wake-up lock while this relay "
          "is idle: producers skip their notifications meanwhile.");
     if (r->foreign_pid != 0) {
-        relay_text_printf(t,
-                          "outbox_relay_wakeup_lock_foreign_holder{pid=\"%ld\","
-                          "application_name=\"",
-                          r->foreign_pid);
+        relay_buf_printf(t,
+                         "outbox_relay_wakeup_lock_foreign_holder{pid=\"%ld\","
+                         "application_name=\"",
+                         r->foreign_pid);
         relay_text_label(t, r->foreign_app);
-        relay_text_printf(t, "\",client_addr=\"");
+        relay_buf_printf(t, "\",client_addr=\"");
         relay_text_label(t, r->foreign_addr);
-        relay_text_printf(t, "\"} 1\n");
+        relay_buf_printf(t, "\"} 1\n");
     }
 }
 
 /* The outbox and its topics, as last observed. */
-static void render_outbox(const struct relay *r, struct relay_text *t)
+static void render_outbox(const struct relay *r, struct relay_buf *t)
 {
     const struct relay_observation *o = r->obs;
     if (o->taken_at > 0) {
@@ -154,41 +154,41 @@ static void render_outbox(const struct relay *r, struct relay_text *t)
              "Age of the observation behind the gauges below.");
         struct timespec now;
         clock_gettime(CLOCK_REALTIME, &now);
-        relay_text_printf(t, "outbox_relay_observation_age_seconds %.3f\n",
-                          (double)now.tv_sec + now.tv_nsec / 1e9 - o->taken_at);
+        relay_buf_printf(t, "outbox_relay_observation_age_seconds %.3f\n",
+                         (double)now.tv_sec + now.tv_nsec / 1e9 - o->taken_at);
     }
     if (o->pg_ok) {
         help(t, "outbox_relay_outbox_pending_rows", "gauge",
              "Rows waiting in the outbox (an estimate from the span of pending ids).");
-        relay_text_printf(t, "outbox_relay_outbox_pending_rows %lld\n", o->outbox_pending);
+        relay_buf_printf(t, "outbox_relay_outbox_pending_rows %lld\n", o->outbox_pending);
         help(t, "outbox_relay_outbox_oldest_pending_age_seconds", "gauge",
              "Age of the oldest row waiting in the outbox (0 when none).");
-        relay_text_printf(t, "outbox_relay_outbox_oldest_pending_age_seconds %.3f\n",
-                          o->outbox_oldest_age < 0 ? 0 : o->outbox_oldest_age);
+        relay_buf_printf(t, "outbox_relay_outbox_oldest_pending_age_seconds %.3f\n",
+                         o->outbox_oldest_age < 0 ? 0 : o->outbox_oldest_age);
         help(t, "outbox_relay_outbox_quarantined_rows", "gauge",
              "Quarantined rows waiting for an operator.");
-        relay_text_printf(t, "outbox_relay_outbox_quarantined_rows %lld\n", o->quarantined);
+        relay_buf_printf(t, "outbox_relay_outbox_quarantined_rows %lld\n", o->quarantined);
         help(t, "outbox_relay_topic_admitting", "gauge",
              "1 when producers of the topic are admitted, 0 when refused (backpressure).");
         for (size_t i = 0; i < o->ntopics; i++) {
             if (o->topics[i].admitting < 0)
                 continue;
-            relay_text_printf(t, "outbox_relay_topic_admitting{topic=\"");
+            relay_buf_printf(t, "outbox_relay_topic_admitting{topic=\"");
             relay_text_label(t, o->topics[i].topic);
-            relay_text_printf(t, "\"} %d\n", o->topics[i].admitting);
+            relay_buf_printf(t, "\"} %d\n", o->topics[i].admitting);
         }
     }
     help(t, "outbox_relay_stream_paused", "gauge",
          "1 while the relay holds a stream back for its lagging consumer groups.");
     for (size_t i = 0; i < o->ntopics; i++) {
-        relay_text_printf(t, "outbox_relay_stream_paused{stream=\"");
+        relay_buf_printf(t, "outbox_relay_stream_paused{stream=\"");
         relay_text_label(t, o->topics[i].stream);
-        relay_text_printf(t, "\"} %d\n", relay_paused_has(&r->paused, o->topics[i].topic));
+        relay_buf_printf(t, "\"} %d\n", relay_paused_has(&r->paused, o->topics[i].topic));
     }
 }
 
 /* Every consumer group of the relay's streams, as last observed. */
-static void render_groups(const struct relay *r, struct relay_text *t)
+static void render_groups(const struct relay *r, struct relay_buf *t)
 {
     static const char *const names[6][2] = {
         {"outbox_relay_group_lag_entries", "Entries not yet delivered to the group."},
@@ -216,11 +216,11 @@ static void render_groups(const struct relay *r, struct relay_text *t)
                                 : (double)g->dead_letters;
             if (m == 0 && g->lag < 0)
                 continue; /* Redis cannot tell: no sample rather than a wrong one */
-            relay_text_printf(t, "%s{stream=\"", names[m][0]);
+            relay_buf_printf(t, "%s{stream=\"", names[m][0]);
             relay_text_label(t, g->stream);
-            relay_text_printf(t, "\",group=\"");
+            relay_buf_printf(t, "\",group=\"");
             relay_text_label(t, g->group);
-            relay_text_printf(t, "\"} %.3f\n", v < 0 ? 0 : v);
+            relay_buf_printf(t, "\"} %.3f\n", v < 0 ? 0 : v);
         }
     }
 }
@@ -228,7 +228,7 @@ static void render_groups(const struct relay *r, struct relay_text *t)
 long relay_render_metrics(void *arg, char **out)
 {
     const struct relay *r = arg;
-    struct relay_text t = {NULL, 0, 0, 0};
+    struct relay_buf t = {.max = RELAY_METRICS_TEXT_MAX};
     render_relay(r, &t);
     render_outbox(r, &t);
     render_groups(r, &t);

@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "relay/buf.h"
 #include "relay/common.h"
 #include "relay/cycle.h"
 
@@ -111,29 +112,13 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
                               uint64_t not_after_ms, struct relay_publish_cmd *cmd, char *err,
                               size_t errlen);
 
-/*
- * A growable byte buffer for commands already in the Redis protocol (RESP),
- * ready for relay_sink_formatted. Zero-initialise it; it is meant to live as
- * long as the relay and be reset, not freed, between commands and batches, so
- * its memory only grows (to the largest thing ever put in it) and the hot
- * path does not allocate. data is not NUL-terminated. max caps its size
- * (0: RELAY_RESPBUF_MAX_DEFAULT); running out of memory aborts, as everywhere in the relay.
- */
-struct relay_respbuf {
-    char *data;
-    size_t len, cap, max;
-};
-
-#define RELAY_RESPBUF_MAX_DEFAULT ((size_t)1 << 30)
-
-/* Empties b and keeps its memory. */
-void relay_respbuf_reset(struct relay_respbuf *b);
-/* Releases b's memory and zeroes it (max is kept). NULL-safe. */
-void relay_respbuf_free(struct relay_respbuf *b);
-
-/* Returned by the append functions when the command would take out past its
- * max: nothing was appended; send or reset the buffer and try again. */
-#define RELAY_RESPBUF_FULL (-2)
+/* The two functions below write the Redis protocol (RESP) into a
+ * struct relay_buf (include/relay/buf.h) meant to live as long as the relay
+ * and be reset, not freed, between commands and batches: its memory only
+ * grows to the largest thing ever put in it, and the hot path does not
+ * allocate. When a command would take the buffer past its max they return
+ * RELAY_BUF_FULL and append nothing: send or reset the buffer and try
+ * again. */
 
 /*
  * Appends to out the RESP encoding of the command relay_batch_build_publish
@@ -146,13 +131,13 @@ void relay_respbuf_free(struct relay_respbuf *b);
  * exactly one command, so with a buffer reset before each row it can go
  * straight to relay_sink_formatted. Returns -1 on a failure of the row's own
  * (err says what is wrong and what to do, and *fault, unless fault is NULL,
- * whether it is permanent or transient), or RELAY_RESPBUF_FULL (err says so);
+ * whether it is permanent or transient), or RELAY_BUF_FULL (err says so);
  * in both cases out is unchanged. A row whose payload the claim left in the
  * database (payload NULL) fails as too large, a permanent failure.
  */
 int relay_batch_append_publish(const struct relay_row *row, const char *stream_prefix,
                                uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
-                               uint64_t not_after_ms, struct relay_respbuf *out, char *err,
+                               uint64_t not_after_ms, struct relay_buf *out, char *err,
                                size_t errlen, enum relay_row_fault *fault)
     __attribute__((warn_unused_result));
 
@@ -166,15 +151,15 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
  *
  * Returns 1 when one command was appended (out->data[old len .. out->len),
  * for one relay_sink_formatted call), 0 when no stream is left, or
- * RELAY_RESPBUF_FULL (nothing appended, *pos unchanged: send what out holds,
+ * RELAY_BUF_FULL (nothing appended, *pos unchanged: send what out holds,
  * reset it and call again).
  *
- * RELAY_RESPBUF_FULL on an empty out means one command alone is over max: it
+ * RELAY_BUF_FULL on an empty out means one command alone is over max: it
  * cannot happen with the default max and the limits the rows are checked
  * against, but a caller must not retry it forever.
  */
 int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char *stream_prefix,
-                              size_t *pos, struct relay_respbuf *out)
+                              size_t *pos, struct relay_buf *out)
     __attribute__((warn_unused_result));
 
 /*
@@ -219,17 +204,6 @@ struct relay_tally {
 int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
                             enum relay_reply_kind kind, const char *str, size_t len);
 
-/* A growable text buffer with a hard cap; overflow sticks until reset. */
-struct relay_sqlbuf {
-    char *data;
-    size_t len, cap, max;
-    int overflow;
-};
-
-void relay_sqlbuf_reset(struct relay_sqlbuf *b);
-void relay_sqlbuf_append(struct relay_sqlbuf *b, const char *s);
-void relay_sqlbuf_free(struct relay_sqlbuf *b);
-
 /* Quotes s as an SQL literal (the connection's rules); freed with freefn. */
 struct relay_sql_quoter {
     char *(*quote)(void *ctx, const char *s, size_t len);
@@ -253,7 +227,7 @@ int relay_batch_row_quarantined(const struct relay_row *row, uint32_t max_attemp
  * or quoting failed.
  */
 int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
-                           const struct relay_sql_quoter *q, struct relay_sqlbuf *out);
+                           const struct relay_sql_quoter *q, struct relay_buf *out);
 
 /*
  * Delay before a failed row is claimed again: grows with its attempts,

@@ -42,7 +42,7 @@ struct relay_lane {
     struct relay_row *rows;
     size_t nrows;
     struct relay_tally tally;
-    struct relay_sqlbuf sql;
+    struct relay_buf sql;
 };
 
 /* Buckets of the batch duration histogram, +Inf not counted. */
@@ -77,7 +77,7 @@ struct relay {
     struct relay_lane lanes[RELAY_CYCLE_LANES_MAX];
     size_t nlanes;
     struct relay_sink *sink;
-    struct relay_respbuf out; /* one Redis command, formatted; reused, grows only */
+    struct relay_buf out;     /* one Redis command, formatted; reused, grows only */
     unsigned unlinks_pending; /* UNLINKs of dedup records not yet answered */
     ev_timer kick;            /* runs a wanted claim from the loop, not from a callback */
     ev_timer retry_timer;     /* backoff after a failed batch */

@@ -10,6 +10,8 @@
 
 #include <stddef.h>
 
+#include "relay/buf.h"
+
 struct ev_loop;
 struct relay_metrics;
 
@@ -30,21 +32,14 @@ struct relay_metrics *relay_metrics_new(struct ev_loop *loop, const char *listen
 /* Closes the listener and every client. NULL-safe. */
 void relay_metrics_free(struct relay_metrics *m);
 
-/* Appends to a growing text buffer (for render): 0, or -1 when out of memory
- * or over the 16 MiB cap. */
-struct relay_text {
-    char *data;
-    size_t len, cap;
-    int failed;
-};
-void relay_text_printf(struct relay_text *t, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+/* The largest page a render hook builds (struct relay_buf's max). */
+#define RELAY_METRICS_TEXT_MAX ((size_t)16 << 20)
 
 /* Appends s as a label value of the Prometheus text format, without the
  * quotes: a backslash, a double quote and a newline escaped, and each byte
  * that is not part of valid UTF-8 replaced by U+FFFD. Names read from Redis
  * or PostgreSQL may hold any bytes; one unescaped quote would make the whole
  * scrape invalid. */
-void relay_text_label(struct relay_text *t, const char *s);
+void relay_text_label(struct relay_buf *t, const char *s);
 
 #endif

@@ -400,7 +400,7 @@ static void test_finish_sql(void **state)
     rows[4].attempts = 1;
     snprintf(rows[4].error, sizeof(rows[4].error), "WRONGTYPE again");
     struct relay_sql_quoter q = {fake_quote, free, NULL};
-    struct relay_sqlbuf buf;
+    struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
 
     assert_int_equal(relay_batch_finish_sql(rows, 5, 3, &q, &buf), 2);
@@ -426,12 +426,12 @@ static void test_finish_sql(void **state)
     assert_null(strstr(buf.data, "sent_at"));
 
     /* A cap that is too small is an error, never a truncated statement. */
-    struct relay_sqlbuf small;
+    struct relay_buf small;
     memset(&small, 0, sizeof(small));
     small.max = 16;
     assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, &small), -1);
-    relay_sqlbuf_free(&small);
-    relay_sqlbuf_free(&buf);
+    relay_buf_free(&small);
+    relay_buf_free(&buf);
 }
 
 static void test_row_quarantined_by_kind(void **state)
@@ -512,12 +512,12 @@ static void test_finish_sql_survives_unquotable_error(void **state)
     row.state = RELAY_ROW_FAILED;
     snprintf(row.error, sizeof(row.error), "bad \xc3");
     struct relay_sql_quoter q = {refusing_quote, free, NULL};
-    struct relay_sqlbuf buf;
+    struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
     assert_int_equal(relay_batch_finish_sql(&row, 1, 3, &q, &buf), 0);
     assert_non_null(strstr(buf.data, "could not be stored"));
     assert_non_null(strstr(buf.data, "COMMIT"));
-    relay_sqlbuf_free(&buf);
+    relay_buf_free(&buf);
 }
 
 /* ---- commands in the Redis protocol ------------------------------------ */
@@ -541,7 +541,7 @@ static char *hiredis_publish(const struct relay_row *row, const char *prefix, ui
 /* Appends row both ways and checks the bytes are the same. */
 static void check_publish_same(const struct relay_row *row, const char *prefix,
                                uint32_t max_payload, uint32_t ttl, uint64_t not_after,
-                               struct relay_respbuf *buf)
+                               struct relay_buf *buf)
 {
     char err1[512], err2[512];
     int len;
@@ -560,7 +560,7 @@ static void check_publish_same(const struct relay_row *row, const char *prefix,
 static void test_append_publish_matches_hiredis(void **state)
 {
     (void)state;
-    struct relay_respbuf buf;
+    struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
 
     /* Binary payload, a key, every prefix form. */
@@ -623,9 +623,9 @@ static void test_append_publish_matches_hiredis(void **state)
     hdr.header_values_len = encode_array(vbuf, values, 0);
     check_publish_same(&hdr, "", 1024, 1000, 1796040000000ull, &buf);
 
-    relay_respbuf_free(&buf);
+    relay_buf_free(&buf);
     assert_null(buf.data);
-    relay_respbuf_free(NULL);
+    relay_buf_free(NULL);
 }
 
 /* A refused row: the same return, the same message, and nothing appended. */
@@ -634,7 +634,7 @@ static void check_publish_refused_same(const struct relay_row *row, const char *
 {
     char err1[512], err2[512];
     int len;
-    struct relay_respbuf buf;
+    struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
     struct relay_row ok = make_row("orders", "x", 1);
     assert_int_equal(
@@ -655,7 +655,7 @@ static void check_publish_refused_same(const struct relay_row *row, const char *
     assert_string_equal(err2, err1);
     assert_non_null(strstr(err2, expect));
     assert_int_equal(buf.len, before);
-    relay_respbuf_free(&buf);
+    relay_buf_free(&buf);
 }
 
 static void test_append_publish_refuses_what_build_refuses(void **state)
@@ -728,7 +728,7 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     memset(topic, 't', RELAY_TOPIC_MAX);
     topic[RELAY_TOPIC_MAX] = '\0';
     struct relay_row longest = make_row(topic, "x", 1);
-    struct relay_respbuf buf;
+    struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
     char err[512];
     /* stream: < 256 + 200 bytes; dedup key "{stream}:dedup:<36>": < 500. */
@@ -744,7 +744,7 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     check_publish_refused_same(&longest, prefix, 1024, "stream name too long");
     assert_int_equal(
         relay_batch_append_publish(&longest, prefix, 1024, 1, 2, &buf, err, sizeof(err), NULL), -1);
-    relay_respbuf_free(&buf);
+    relay_buf_free(&buf);
 }
 
 /* lanes.c's drop_dedup_records as it stands, formatted by hiredis: every
@@ -803,12 +803,12 @@ static size_t hiredis_unlinks(struct relay_row *rows, size_t n, const char *pref
 
 /* The UNLINKs of rows, one per call, each checked to be one whole command. */
 static size_t append_unlinks(const struct relay_row *rows, size_t n, const char *prefix,
-                             struct relay_respbuf *buf, int *commands)
+                             struct relay_buf *buf, int *commands)
 {
     size_t pos = 0;
     int rc;
     *commands = 0;
-    relay_respbuf_reset(buf);
+    relay_buf_reset(buf);
     while ((rc = relay_batch_append_unlink(rows, n, prefix, &pos, buf)) == 1) {
         (*commands)++;
         assert_true(pos <= n);
@@ -823,7 +823,7 @@ static size_t append_unlinks(const struct relay_row *rows, size_t n, const char 
 static void check_unlinks_same(struct relay_row *rows, size_t n, const char *prefix)
 {
     static char want[1 << 16];
-    struct relay_respbuf buf;
+    struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
     struct relay_row copy[64];
     memcpy(copy, rows, n * sizeof(*rows));
@@ -837,7 +837,7 @@ static void check_unlinks_same(struct relay_row *rows, size_t n, const char *pre
         assert_memory_equal(buf.data, want, want_len);
     /* The rows are read, not changed. */
     assert_memory_equal(copy, rows, n * sizeof(*rows));
-    relay_respbuf_free(&buf);
+    relay_buf_free(&buf);
 }
 
 static void test_append_unlink_matches_hiredis(void **state)
@@ -886,14 +886,14 @@ static void test_append_unlink_matches_hiredis(void **state)
         many[i].state = RELAY_ROW_PUBLISHED;
     }
     check_unlinks_same(many, 64, "");
-    struct relay_respbuf buf;
+    struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
     int commands;
     append_unlinks(many, 64, "", &buf, &commands);
     assert_int_equal(commands, 1);
     static const char head[] = "*65\r\n$6\r\nUNLINK\r\n$19\r\n{bench1}:dedup:id-0\r\n";
     assert_memory_equal(buf.data, head, sizeof(head) - 1);
-    relay_respbuf_free(&buf);
+    relay_buf_free(&buf);
 
     /* A stream name that does not fit is skipped, as relay_key_stream
      * refuses it. */
@@ -916,7 +916,7 @@ static void test_respbuf_caps_and_reuse(void **state)
     struct relay_row row = make_row("bench1", payload, sizeof(payload));
     row.state = RELAY_ROW_PUBLISHED;
     char err[256];
-    struct relay_respbuf buf;
+    struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
 
     /* Reset between rows: the memory is reused, never reallocated. */
@@ -925,7 +925,7 @@ static void test_respbuf_caps_and_reuse(void **state)
     const char *data = buf.data;
     size_t cap = buf.cap, one = buf.len;
     for (int i = 0; i < 1000; i++) {
-        relay_respbuf_reset(&buf);
+        relay_buf_reset(&buf);
         assert_int_equal(buf.len, 0);
         row.id = i;
         assert_int_equal(
@@ -934,7 +934,7 @@ static void test_respbuf_caps_and_reuse(void **state)
     }
     assert_ptr_equal(buf.data, data);
     assert_int_equal(buf.cap, cap);
-    relay_respbuf_free(&buf);
+    relay_buf_free(&buf);
 
     /* A cap: what does not fit is refused whole, and the buffer is intact. */
     memset(&buf, 0, sizeof(buf));
@@ -944,7 +944,7 @@ static void test_respbuf_caps_and_reuse(void **state)
     size_t len = buf.len;
     assert_int_equal(
         relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err), NULL),
-        RELAY_RESPBUF_FULL);
+        RELAY_BUF_FULL);
     assert_non_null(strstr(err, "does not fit the output buffer"));
     assert_int_equal(buf.len, len);
     assert_true(buf.cap <= buf.max);
@@ -953,20 +953,20 @@ static void test_respbuf_caps_and_reuse(void **state)
     struct relay_row rows[2] = {row, row};
     rows[1].topic = "other";
     rows[1].topic_len = 5;
-    relay_respbuf_reset(&buf);
+    relay_buf_reset(&buf);
     buf.max = 80; /* room for the first command (74 bytes), not the second (73) */
     size_t pos = 0;
     assert_int_equal(relay_batch_append_unlink(rows, 2, "", &pos, &buf), 1);
-    assert_int_equal(relay_batch_append_unlink(rows, 2, "", &pos, &buf), RELAY_RESPBUF_FULL);
+    assert_int_equal(relay_batch_append_unlink(rows, 2, "", &pos, &buf), RELAY_BUF_FULL);
     assert_int_equal(pos, 1);
     assert_int_equal(buf.len, 74);
     assert_memory_equal(buf.data, "*2\r\n$6\r\nUNLINK\r\n$51\r\n{bench1}:dedup:", 36);
-    relay_respbuf_reset(&buf);
+    relay_buf_reset(&buf);
     assert_int_equal(relay_batch_append_unlink(rows, 2, "", &pos, &buf), 1);
     assert_int_equal(buf.len, 73);
     assert_memory_equal(buf.data, "*2\r\n$6\r\nUNLINK\r\n$50\r\n{other}:dedup:", 35);
     assert_int_equal(relay_batch_append_unlink(rows, 2, "", &pos, &buf), 0);
-    relay_respbuf_free(&buf);
+    relay_buf_free(&buf);
 }
 
 int main(void)
