@@ -1,30 +1,94 @@
 /*
- * The one blocking Redis connect (include/relay/redisconn.h).
+ * The one Redis connect (include/relay/redisconn.h).
  */
 #include "relay/compat.h"
 
 #include "relay/redisconn.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <hiredis/hiredis.h>
+#include <poll.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/time.h>
 
 #include "relay/url.h"
+#include "relay/wait.h"
 
-static struct timeval tv_ms(uint32_t ms)
+/* Marks the context failed, as hiredis does, so the caller drops it. */
+static void call_failed(redisContext *c, enum relay_wait w, uint32_t timeout_ms)
 {
-    struct timeval tv = {.tv_sec = ms / 1000, .tv_usec = (suseconds_t)(ms % 1000) * 1000};
-    return tv;
+    c->err = REDIS_ERR_IO;
+    if (w == RELAY_WAIT_DEADLINE)
+        snprintf(c->errstr, sizeof(c->errstr), "no answer within %u ms", timeout_ms);
+    else
+        snprintf(c->errstr, sizeof(c->errstr), "stopped");
+}
+
+static redisReply *vcall(redisContext *c, int stop_fd, uint32_t timeout_ms, const char *fmt,
+                         va_list ap)
+{
+    if (c->err)
+        return NULL;
+    if (redisvAppendCommand(c, fmt, ap) != REDIS_OK)
+        return NULL;
+    double deadline = relay_mono_now() + timeout_ms / 1000.0;
+    enum relay_wait w;
+    int done = 0;
+    for (;;) {
+        if (redisBufferWrite(c, &done) != REDIS_OK)
+            return NULL;
+        if (done)
+            break;
+        if ((w = relay_wait_fd(c->fd, POLLOUT, stop_fd, deadline)) != RELAY_WAIT_READY) {
+            call_failed(c, w, timeout_ms);
+            return NULL;
+        }
+    }
+    for (;;) {
+        void *reply = NULL;
+        if (redisGetReplyFromReader(c, &reply) != REDIS_OK)
+            return NULL;
+        if (reply != NULL)
+            return reply;
+        if ((w = relay_wait_fd(c->fd, POLLIN, stop_fd, deadline)) != RELAY_WAIT_READY) {
+            call_failed(c, w, timeout_ms);
+            return NULL;
+        }
+        if (redisBufferRead(c) != REDIS_OK)
+            return NULL;
+    }
+}
+
+redisReply *relay_redis_call(redisContext *c, int stop_fd, uint32_t timeout_ms, const char *fmt,
+                             ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    redisReply *r = vcall(c, stop_fd, timeout_ms, fmt, ap);
+    va_end(ap);
+    return r;
+}
+
+static enum relay_redis_fault io_fault(const redisContext *c)
+{
+    return strcmp(c->errstr, "stopped") == 0 ? RELAY_REDIS_STOPPED : RELAY_REDIS_IO;
 }
 
 /* Runs one set-up command; 0, or -1 with err and fault set. */
-static int setup(redisContext *c, int argc, const char **argv, const char *what, const char *hint,
-                 char *err, size_t errlen, enum relay_redis_fault *fault)
+static int setup(redisContext *c, int stop_fd, uint32_t timeout_ms, const char *what,
+                 const char *hint, char *err, size_t errlen, enum relay_redis_fault *fault,
+                 const char *fmt, ...)
 {
-    redisReply *r = redisCommandArgv(c, argc, argv, NULL);
+    va_list ap;
+    va_start(ap, fmt);
+    redisReply *r = vcall(c, stop_fd, timeout_ms, fmt, ap);
+    va_end(ap);
     if (r == NULL) {
-        *fault = RELAY_REDIS_IO;
+        *fault = io_fault(c);
         snprintf(err, errlen, "%s: %s", what, c->errstr[0] ? c->errstr : "no reply");
         return -1;
     }
@@ -32,55 +96,96 @@ static int setup(redisContext *c, int argc, const char **argv, const char *what,
     if (r->type == REDIS_REPLY_ERROR) {
         /* The server's text never contains the password. */
         *fault = RELAY_REDIS_REFUSED;
-        snprintf(err, errlen, "Redis refused %s: %s%s", what, r->str, hint);
+        snprintf(err, errlen, "Redis refused %s: %.200s%s", what, r->str, hint);
         rc = -1;
     }
     freeReplyObject(r);
     return rc;
 }
 
+/* Waits for the non-blocking connect: 0, or -1 with err and fault set. */
+static int connected(redisContext *c, const struct relay_redis_url *u, uint32_t timeout_ms,
+                     int stop_fd, char *err, size_t errlen, enum relay_redis_fault *fault)
+{
+    enum relay_wait w =
+        relay_wait_fd(c->fd, POLLOUT, stop_fd, relay_mono_now() + timeout_ms / 1000.0);
+    int soerr = 0;
+    socklen_t len = sizeof(soerr);
+    if (w == RELAY_WAIT_READY && getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &soerr, &len) == 0 &&
+        soerr == 0)
+        return 0;
+    *fault = w == RELAY_WAIT_STOPPED ? RELAY_REDIS_STOPPED : RELAY_REDIS_IO;
+    if (w == RELAY_WAIT_DEADLINE)
+        snprintf(err, errlen, "cannot connect to Redis at %.100s:%d: no connection within %u ms",
+                 u->host, u->port, timeout_ms);
+    else if (w == RELAY_WAIT_STOPPED)
+        snprintf(err, errlen, "stopped");
+    else
+        snprintf(err, errlen, "cannot connect to Redis at %.100s:%d: %.100s", u->host, u->port,
+                 strerror(soerr != 0 ? soerr : errno));
+    return -1;
+}
+
+/* Turns the connected context into a blocking one whose commands wait at
+ * most timeout_ms, as redisConnectWithTimeout leaves it once connected. */
+static int make_blocking(redisContext *c, uint32_t timeout_ms)
+{
+    int fl = fcntl(c->fd, F_GETFL);
+    if (fl < 0 || fcntl(c->fd, F_SETFL, fl & ~O_NONBLOCK) < 0)
+        return -1;
+    c->flags |= REDIS_BLOCK;
+    struct timeval tv = {.tv_sec = timeout_ms / 1000,
+                         .tv_usec = (suseconds_t)(timeout_ms % 1000) * 1000};
+    return redisSetTimeout(c, tv) == REDIS_OK ? 0 : -1;
+}
+
+static int open_steps(redisContext *c, const struct relay_redis_url *u, uint32_t connect_timeout_ms,
+                      uint32_t command_timeout_ms, int stop_fd, char *err, size_t errlen,
+                      enum relay_redis_fault *fault)
+{
+    if (connected(c, u, connect_timeout_ms, stop_fd, err, errlen, fault) < 0)
+        return -1;
+    (void)redisEnableKeepAlive(c); /* a dead peer is noticed between commands too */
+    static const char auth_hint[] = " (check the user and password of the Redis URL)";
+    if (u->password[0] != '\0' && u->user[0] != '\0' &&
+        setup(c, stop_fd, connect_timeout_ms, "AUTH", auth_hint, err, errlen, fault, "AUTH %s %s",
+              u->user, u->password) < 0)
+        return -1;
+    if (u->password[0] != '\0' && u->user[0] == '\0' &&
+        setup(c, stop_fd, connect_timeout_ms, "AUTH", auth_hint, err, errlen, fault, "AUTH %s",
+              u->password) < 0)
+        return -1;
+    if (u->db != 0 && setup(c, stop_fd, connect_timeout_ms, "SELECT", "", err, errlen, fault,
+                            "SELECT %d", u->db) < 0)
+        return -1;
+    if (stop_fd < 0 && make_blocking(c, command_timeout_ms) < 0) {
+        *fault = RELAY_REDIS_IO;
+        snprintf(err, errlen, "cannot set the command deadline: %s", strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
 redisContext *relay_redis_open(const struct relay_redis_url *u, uint32_t connect_timeout_ms,
-                               uint32_t command_timeout_ms, char *err, size_t errlen,
+                               uint32_t command_timeout_ms, int stop_fd, char *err, size_t errlen,
                                enum relay_redis_fault *fault)
 {
     *fault = RELAY_REDIS_OK;
-    redisContext *c = redisConnectWithTimeout(u->host, u->port, tv_ms(connect_timeout_ms));
+    redisContext *c = redisConnectNonBlock(u->host, u->port);
     if (c == NULL) {
         *fault = RELAY_REDIS_NOMEM;
         snprintf(err, errlen, "cannot connect to Redis: out of memory");
         return NULL;
     }
-    if (c->err) {
-        *fault = RELAY_REDIS_IO;
-        snprintf(err, errlen, "cannot connect to Redis: %s", c->errstr);
+    if (c->err ||
+        open_steps(c, u, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, fault) < 0) {
+        if (c->err && *fault == RELAY_REDIS_OK) {
+            *fault = RELAY_REDIS_IO;
+            snprintf(err, errlen, "cannot connect to Redis at %.100s:%d: %s", u->host, u->port,
+                     c->errstr);
+        }
         redisFree(c);
         return NULL;
-    }
-    if (redisSetTimeout(c, tv_ms(command_timeout_ms)) != REDIS_OK) {
-        *fault = RELAY_REDIS_IO;
-        snprintf(err, errlen, "cannot set the command deadline: %s", c->errstr);
-        redisFree(c);
-        return NULL;
-    }
-    (void)redisEnableKeepAlive(c); /* a dead peer is noticed between commands too */
-    if (u->password[0] != '\0') {
-        const char *argv[3] = {"AUTH", u->user, u->password};
-        if (u->user[0] == '\0')
-            argv[1] = u->password;
-        if (setup(c, u->user[0] ? 3 : 2, argv, "AUTH",
-                  " (check the user and password of the Redis URL)", err, errlen, fault) < 0) {
-            redisFree(c);
-            return NULL;
-        }
-    }
-    if (u->db != 0) {
-        char db[16];
-        snprintf(db, sizeof(db), "%d", u->db);
-        const char *argv[2] = {"SELECT", db};
-        if (setup(c, 2, argv, "SELECT", "", err, errlen, fault) < 0) {
-            redisFree(c);
-            return NULL;
-        }
     }
     return c;
 }

@@ -429,8 +429,8 @@ static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, co
 {
     char err[512];
     enum relay_redis_fault fault;
-    redisContext *ctx =
-        relay_redis_open(&c->url, c->o.command_timeout_ms, timeout_ms, err, sizeof(err), &fault);
+    redisContext *ctx = relay_redis_open(&c->url, c->o.command_timeout_ms, timeout_ms, -1, err,
+                                         sizeof(err), &fault);
     if (ctx == NULL) {
         problem(c,
                 fault == RELAY_REDIS_NOMEM     ? RELAY_CONSUMER_ERR_OOM

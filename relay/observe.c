@@ -8,8 +8,9 @@
  * the backlog.
  *
  * Every wait has a deadline of our own and ends early when the caller's stop
- * is triggered: both connections are non-blocking, and each wait is a poll()
- * on the server's socket and the stop's pipe. Blocking libpq or hiredis calls
+ * is triggered: each wait is a poll() on the server's socket and the stop's
+ * pipe (common/wait.c; the Redis connection and its commands come from
+ * common/redisconn.c, the one Redis connect). Blocking libpq or hiredis calls
  * would wait as long as the kernel keeps a silent connection open: in a
  * network partition, a quarter of an hour with a request unacknowledged,
  * for ever without keepalives once it was; and the daemon's shutdown waits
@@ -20,7 +21,6 @@
 
 #include "relay/observe.h"
 
-#include <errno.h>
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
 #include <libpq-fe.h>
@@ -30,7 +30,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
@@ -39,7 +38,9 @@
 #include "relay/config.h"
 #include "relay/backpressure.h"
 #include "relay/keys.h"
+#include "relay/redisconn.h"
 #include "relay/tools.h"
+#include "relay/wait.h"
 
 double relay_observe_parse_time(const char *s)
 {
@@ -70,13 +71,6 @@ static double now_unix(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
-static double mono_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
@@ -131,27 +125,10 @@ void relay_observe_stop_free(struct relay_observe_stop *s)
     free(s);
 }
 
-enum wait_result { WAIT_READY, WAIT_DEADLINE, WAIT_STOPPED };
-
-/* Waits until fd is ready for events (or in error: the library finds out
- * which), the monotonic deadline passes, or stop is triggered. */
-static enum wait_result wait_fd(const struct relay_observe_stop *stop, int fd, short events,
-                                double deadline)
+/* The stop pipe's read end, or -1 without one. */
+static int stop_fd(const struct relay_observe_stop *stop)
 {
-    for (;;) {
-        struct pollfd p[2] = {{.fd = fd, .events = events},
-                              {.fd = stop ? stop->fd[0] : -1, .events = POLLIN}};
-        double left = deadline - mono_now();
-        if (left <= 0)
-            return WAIT_DEADLINE;
-        int n = poll(p, 2, left > 3600.0 ? 3600 * 1000 : (int)(left * 1000.0) + 1);
-        if (n < 0 && errno != EINTR)
-            return WAIT_STOPPED; /* cannot wait: give up as if stopped */
-        if (n > 0 && p[1].revents != 0)
-            return WAIT_STOPPED;
-        if (n > 0 && p[0].revents != 0)
-            return WAIT_READY;
-    }
+    return stop != NULL ? stop->fd[0] : -1;
 }
 
 /* ---- PostgreSQL ------------------------------------------------------ */
@@ -204,13 +181,13 @@ PGconn *relay_observe_pg_open(const struct relay_config *cfg, const char *applic
         snprintf(err, errlen, "out of memory");
         return NULL;
     }
-    double deadline = mono_now() + cfg->connect_timeout_ms / 1000.0;
+    double deadline = relay_mono_now() + cfg->connect_timeout_ms / 1000.0;
     PostgresPollingStatusType st = PGRES_POLLING_WRITING;
     while (PQstatus(c) != CONNECTION_BAD && st != PGRES_POLLING_OK && st != PGRES_POLLING_FAILED) {
-        enum wait_result w =
-            wait_fd(stop, PQsocket(c), st == PGRES_POLLING_READING ? POLLIN : POLLOUT, deadline);
-        if (w != WAIT_READY) {
-            if (w == WAIT_DEADLINE)
+        enum relay_wait w = relay_wait_fd(
+            PQsocket(c), st == PGRES_POLLING_READING ? POLLIN : POLLOUT, stop_fd(stop), deadline);
+        if (w != RELAY_WAIT_READY) {
+            if (w == RELAY_WAIT_DEADLINE)
                 snprintf(err, errlen, "no connection within connect_timeout (%u ms)",
                          cfg->connect_timeout_ms);
             else
@@ -240,8 +217,8 @@ static PGresult *pg_exec(PGconn **pg, const struct relay_config *cfg,
 {
     PGconn *c = *pg;
     uint32_t limit_ms = cfg->statement_timeout_ms + cfg->connect_timeout_ms;
-    double deadline = mono_now() + limit_ms / 1000.0;
-    enum wait_result w = WAIT_READY;
+    double deadline = relay_mono_now() + limit_ms / 1000.0;
+    enum relay_wait w = RELAY_WAIT_READY;
     PGresult *res = NULL;
     int flushed;
 
@@ -249,7 +226,8 @@ static PGresult *pg_exec(PGconn **pg, const struct relay_config *cfg,
         goto lost;
     /* A server that sends while we write must be read, or both wait. */
     while ((flushed = PQflush(c)) == 1) {
-        if ((w = wait_fd(stop, PQsocket(c), POLLOUT | POLLIN, deadline)) != WAIT_READY)
+        if ((w = relay_wait_fd(PQsocket(c), POLLOUT | POLLIN, stop_fd(stop), deadline)) !=
+            RELAY_WAIT_READY)
             goto waited;
         if (!PQconsumeInput(c))
             goto lost;
@@ -258,7 +236,8 @@ static PGresult *pg_exec(PGconn **pg, const struct relay_config *cfg,
         goto lost;
     for (;;) {
         while (PQisBusy(c)) {
-            if ((w = wait_fd(stop, PQsocket(c), POLLIN, deadline)) != WAIT_READY)
+            if ((w = relay_wait_fd(PQsocket(c), POLLIN, stop_fd(stop), deadline)) !=
+                RELAY_WAIT_READY)
                 goto waited;
             if (!PQconsumeInput(c))
                 goto lost;
@@ -277,7 +256,7 @@ lost:
     one_line(err, errlen, PQerrorMessage(c));
     goto drop;
 waited:
-    if (w == WAIT_DEADLINE)
+    if (w == RELAY_WAIT_DEADLINE)
         snprintf(err, errlen, "no answer within %u ms (statement_timeout + connect_timeout)",
                  limit_ms);
     else
@@ -510,122 +489,16 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
 
 /* ---- Redis ----------------------------------------------------------- */
 
-/* A non-blocking hiredis context driven by wait_fd: each command has
- * connect_timeout to be answered (as the blocking context's socket timeouts
- * gave it before), and stop ends it. */
+/* A non-blocking context from relay_redis_open with the observer's stop and
+ * each command's deadline, connect_timeout. */
 struct rconn {
     redisContext *c;
-    const struct relay_observe_stop *stop;
+    int stop_fd;
     uint32_t timeout_ms;
 };
 
-/* Marks the context failed, as hiredis does, so the caller drops it. */
-static void rconn_fail(struct rconn *rc, enum wait_result w)
-{
-    rc->c->err = REDIS_ERR_IO;
-    if (w == WAIT_DEADLINE)
-        snprintf(rc->c->errstr, sizeof(rc->c->errstr), "no answer within %u ms (connect_timeout)",
-                 rc->timeout_ms);
-    else
-        snprintf(rc->c->errstr, sizeof(rc->c->errstr), "stopped");
-}
-
 /* The reply (caller frees), or NULL with rc->c->err set. */
-static redisReply *cmd(struct rconn *rc, const char *fmt, ...)
-{
-    redisContext *c = rc->c;
-    if (c->err)
-        return NULL;
-    va_list ap;
-    va_start(ap, fmt);
-    int appended = redisvAppendCommand(c, fmt, ap);
-    va_end(ap);
-    if (appended != REDIS_OK)
-        return NULL;
-    double deadline = mono_now() + rc->timeout_ms / 1000.0;
-    enum wait_result w;
-    int done = 0;
-    for (;;) {
-        if (redisBufferWrite(c, &done) != REDIS_OK)
-            return NULL;
-        if (done)
-            break;
-        if ((w = wait_fd(rc->stop, c->fd, POLLOUT, deadline)) != WAIT_READY) {
-            rconn_fail(rc, w);
-            return NULL;
-        }
-    }
-    for (;;) {
-        void *reply = NULL;
-        if (redisGetReplyFromReader(c, &reply) != REDIS_OK)
-            return NULL;
-        if (reply != NULL)
-            return reply;
-        if ((w = wait_fd(rc->stop, c->fd, POLLIN, deadline)) != WAIT_READY) {
-            rconn_fail(rc, w);
-            return NULL;
-        }
-        if (redisBufferRead(c) != REDIS_OK)
-            return NULL;
-    }
-}
-
-static redisContext *redis_open(const struct relay_config *cfg,
-                                const struct relay_observe_stop *stop, char *err, size_t errlen)
-{
-    const struct relay_redis_url *u = &cfg->redis_url;
-    redisContext *c = redisConnectNonBlock(u->host, u->port);
-    if (c == NULL || c->err) {
-        snprintf(err, errlen, "cannot connect to %.100s:%d: %.100s", u->host, u->port,
-                 c ? c->errstr : "out of memory");
-        if (c != NULL)
-            redisFree(c);
-        return NULL;
-    }
-    struct rconn rc = {c, stop, cfg->connect_timeout_ms};
-    enum wait_result w =
-        wait_fd(stop, c->fd, POLLOUT, mono_now() + cfg->connect_timeout_ms / 1000.0);
-    int soerr = 0;
-    socklen_t len = sizeof(soerr);
-    if (w != WAIT_READY || getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &soerr, &len) != 0 ||
-        soerr != 0) {
-        if (w == WAIT_DEADLINE)
-            snprintf(err, errlen,
-                     "cannot connect to %.100s:%d: no connection within "
-                     "connect_timeout (%u ms)",
-                     u->host, u->port, cfg->connect_timeout_ms);
-        else if (w == WAIT_STOPPED)
-            snprintf(err, errlen, "stopped");
-        else
-            snprintf(err, errlen, "cannot connect to %.100s:%d: %.100s", u->host, u->port,
-                     strerror(soerr != 0 ? soerr : errno));
-        redisFree(c);
-        return NULL;
-    }
-    redisEnableKeepAlive(c);
-    redisReply *r = NULL;
-    if (u->password[0] != '\0') {
-        r = u->user[0] ? cmd(&rc, "AUTH %s %s", u->user, u->password)
-                       : cmd(&rc, "AUTH %s", u->password);
-        if (r == NULL || r->type == REDIS_REPLY_ERROR) {
-            if (r != NULL)
-                snprintf(err, errlen, "AUTH failed: %.150s (check the user and password)", r->str);
-            else
-                snprintf(err, errlen, "AUTH failed: %.150s", c->errstr);
-            if (r != NULL)
-                freeReplyObject(r);
-            redisFree(c);
-            return NULL;
-        }
-        freeReplyObject(r);
-    }
-    if (u->db != 0) {
-        r = cmd(&rc, "SELECT %d", u->db);
-        if (r != NULL)
-            freeReplyObject(r);
-    }
-    return c;
-}
+#define cmd(rc, ...) relay_redis_call((rc)->c, (rc)->stop_fd, (rc)->timeout_ms, __VA_ARGS__)
 
 static const redisReply *map_get(const redisReply *m, const char *key)
 {
@@ -806,10 +679,12 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
         redisFree(*rd);
         *rd = NULL;
     }
+    enum relay_redis_fault fault;
     if (*rd == NULL)
-        *rd = redis_open(cfg, stop, o->redis_error, sizeof(o->redis_error));
+        *rd = relay_redis_open(&cfg->redis_url, cfg->connect_timeout_ms, cfg->connect_timeout_ms,
+                               stop_fd(stop), o->redis_error, sizeof(o->redis_error), &fault);
     if (*rd != NULL) {
-        struct rconn rc = {*rd, stop, cfg->connect_timeout_ms};
+        struct rconn rc = {*rd, stop_fd(stop), cfg->connect_timeout_ms};
         o->redis_ok = redis_observe(cfg, &rc, o) == 0;
         if (!o->redis_ok && (*rd)->err) {
             redisFree(*rd);

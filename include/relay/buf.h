@@ -21,8 +21,8 @@
 struct relay_buf {
     char *data;
     size_t len, cap;
-    size_t max;   /* 0: RELAY_BUF_MAX_DEFAULT */
-    int failed;   /* an append did not fit or found no memory */
+    size_t max; /* 0: RELAY_BUF_MAX_DEFAULT */
+    int failed; /* an append did not fit or found no memory */
 };
 
 #define RELAY_BUF_MAX_DEFAULT ((size_t)1 << 30)

@@ -1,11 +1,11 @@
 /*
- * The one blocking Redis connect (common/redisconn.c), for every part that
- * talks to Redis with blocking calls: the consumer library and the dlq
- * commands. It connects within a deadline, gives every later command a
- * deadline of its own, turns TCP keepalive on, authenticates (the ACL form
- * AUTH user password when the URL names a user) and selects the database.
- * The daemon's event loop uses hiredis's async API instead (relay/sink.c),
- * and its observation thread a stoppable variant (relay/observe.c).
+ * The one Redis connect (common/redisconn.c), for every part that talks to
+ * Redis with blocking calls: the consumer library, the dlq commands and the
+ * daemon's observation thread. It connects within a deadline, turns TCP
+ * keepalive on, authenticates (the ACL form AUTH user password when the URL
+ * names a user) and selects the database, each step within the deadline
+ * too. The daemon's event loop uses hiredis's async API instead
+ * (relay/sink.c).
  */
 #ifndef RELAY_REDISCONN_H
 #define RELAY_REDISCONN_H
@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 struct redisContext;
+struct redisReply;
 struct relay_redis_url;
 
 enum relay_redis_fault {
@@ -21,16 +22,33 @@ enum relay_redis_fault {
     RELAY_REDIS_NOMEM,   /* out of memory */
     RELAY_REDIS_IO,      /* cannot connect, or no answer within the deadline */
     RELAY_REDIS_REFUSED, /* Redis answered with an error (AUTH, SELECT) */
+    RELAY_REDIS_STOPPED, /* stop_fd became readable */
 };
 
 /*
  * The connection, or NULL with *fault set and a message in err that says what
- * to do (the password is never in it). command_timeout_ms bounds every
- * command's reply from then on (hiredis's redisSetTimeout).
+ * to do (the password is never in it). Connecting and each set-up command
+ * have connect_timeout_ms.
+ *
+ * stop_fd < 0: the context comes back blocking, and command_timeout_ms
+ * bounds every command's reply from then on (hiredis's redisSetTimeout).
+ * stop_fd >= 0: every wait also ends at once when stop_fd becomes readable,
+ * and the context comes back non-blocking: send its commands with
+ * relay_redis_call (command_timeout_ms is then the caller's to pass).
  */
 struct redisContext *relay_redis_open(const struct relay_redis_url *u, uint32_t connect_timeout_ms,
-                                      uint32_t command_timeout_ms, char *err, size_t errlen,
-                                      enum relay_redis_fault *fault)
+                                      uint32_t command_timeout_ms, int stop_fd, char *err,
+                                      size_t errlen, enum relay_redis_fault *fault)
     __attribute__((warn_unused_result));
+
+/*
+ * One command on a context from relay_redis_open, of either kind: the reply (the caller frees it),
+ * or NULL with c->err and c->errstr set, as hiredis does; then the context is done for and the
+ * caller frees it. timeout_ms bounds sending the command and reading its reply; stop_fd (-1: none)
+ * ends the wait at once.
+ */
+struct redisReply *relay_redis_call(struct redisContext *c, int stop_fd, uint32_t timeout_ms,
+                                    const char *fmt, ...) __attribute__((warn_unused_result))
+__attribute__((format(printf, 4, 5)));
 
 #endif

@@ -42,7 +42,7 @@ static void test_max_counts_the_nul_and_failure_sticks(void **state)
     relay_buf_puts(&b, "8"); /* would need 9 */
     assert_true(b.failed);
     assert_string_equal(b.data, "1234567"); /* nothing of it appended */
-    relay_buf_puts(&b, ""); /* sticks, even for what would fit */
+    relay_buf_puts(&b, "");                 /* sticks, even for what would fit */
     relay_buf_printf(&b, "%s", "");
     assert_true(b.failed);
     assert_int_equal(b.len, 7);
