@@ -110,7 +110,7 @@ int relay_batch_topic_valid(const char *topic, size_t len);
 int relay_batch_build_publish(const struct relay_row *row, const char *stream_prefix,
                               uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
                               uint64_t not_after_ms, struct relay_publish_cmd *cmd, char *err,
-                              size_t errlen);
+                              size_t errlen) __attribute__((warn_unused_result));
 
 /* The two functions below write the Redis protocol (RESP) into a
  * struct relay_buf (include/relay/buf.h) meant to live as long as the relay
@@ -168,7 +168,7 @@ int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char
  * malformed, multi-dimensional, holds NULLs or more than max items.
  */
 int relay_batch_decode_text_array(const char *buf, size_t len, const char **items, size_t *lens,
-                                  size_t max);
+                                  size_t max) __attribute__((warn_unused_result));
 
 /* Big-endian integers as PostgreSQL sends them in binary results. */
 int64_t relay_batch_decode_int8(const char *buf);
@@ -202,7 +202,8 @@ struct relay_tally {
  * last reply the tally waited for.
  */
 int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
-                            enum relay_reply_kind kind, const char *str, size_t len);
+                            enum relay_reply_kind kind, const char *str, size_t len)
+    __attribute__((warn_unused_result));
 
 /* Quotes s as an SQL literal (the connection's rules); freed with freefn. */
 struct relay_sql_quoter {
@@ -227,7 +228,8 @@ int relay_batch_row_quarantined(const struct relay_row *row, uint32_t max_attemp
  * or quoting failed.
  */
 int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
-                           const struct relay_sql_quoter *q, struct relay_buf *out);
+                           const struct relay_sql_quoter *q, struct relay_buf *out)
+    __attribute__((warn_unused_result));
 
 /*
  * Delay before a failed row is claimed again: grows with its attempts,

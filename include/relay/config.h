@@ -71,7 +71,8 @@ void relay_config_free(struct relay_config *cfg);
  * and returns -1. Values of secret keys are redacted in messages.
  */
 int relay_config_load(struct relay_config *cfg, const char *path, char *const *envp, int argc,
-                      char *const *argv, char *err, size_t errlen);
+                      char *const *argv, char *err, size_t errlen)
+    __attribute__((warn_unused_result));
 
 /*
  * Sets one key from a source: origin names the place for messages ("relay.conf:12",
@@ -79,10 +80,12 @@ int relay_config_load(struct relay_config *cfg, const char *path, char *const *e
  * Returns 0 or -1 with a message in err.
  */
 int relay_config_set(struct relay_config *cfg, const char *origin, const char *key,
-                     const char *value, char *err, size_t errlen);
+                     const char *value, char *err, size_t errlen)
+    __attribute__((warn_unused_result));
 
 /* Cross-key validation and derived fields (redis_url); 0 or -1 with err. */
-int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen);
+int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
+    __attribute__((warn_unused_result));
 
 /*
  * Copies s into out with any password removed: "password=..." in a conninfo
@@ -92,7 +95,7 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen);
 void relay_config_redact(const char *s, char *out, size_t outlen);
 
 /* Parses a duration: "250ms", "5s", "2m", "1h" or a bare number of ms. */
-int relay_config_parse_duration(const char *s, uint32_t *ms);
+int relay_config_parse_duration(const char *s, uint32_t *ms) __attribute__((warn_unused_result));
 
 /* Writes every key with its effective value (secrets redacted), one per line. */
 void relay_config_dump(const struct relay_config *cfg, char *out, size_t outlen);
@@ -109,6 +112,6 @@ void relay_config_help(char *out, size_t outlen);
  * change of redis_password_file.
  */
 int relay_config_diff_restart(const struct relay_config *cur, const struct relay_config *next,
-                              char *out, size_t outlen);
+                              char *out, size_t outlen) __attribute__((warn_unused_result));
 
 #endif

@@ -21,7 +21,7 @@ enum relay_log_level relay_log_get_level(void);
 void relay_log_set_journal(int on);
 
 /* Parses "debug", "info", "warning" or "error"; returns -1 on anything else. */
-int relay_log_parse_level(const char *name);
+int relay_log_parse_level(const char *name) __attribute__((warn_unused_result));
 
 /* Writes one line. The text must not contain secrets: callers redact first. */
 void relay_log(enum relay_log_level level, const char *component, const char *fmt, ...)

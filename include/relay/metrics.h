@@ -27,7 +27,7 @@ struct relay_metrics_hooks {
 /* Listens on "host:port" (numeric host). NULL with err on failure. */
 struct relay_metrics *relay_metrics_new(struct ev_loop *loop, const char *listen_addr,
                                         const struct relay_metrics_hooks *hooks, char *err,
-                                        size_t errlen);
+                                        size_t errlen) __attribute__((warn_unused_result));
 
 /* Closes the listener and every client. NULL-safe. */
 void relay_metrics_free(struct relay_metrics *m);

@@ -78,7 +78,7 @@ struct relay_observation {
  * out of memory or descriptors; trigger is safe from any thread and
  * NULL-safe; free is NULL-safe and must not race with a relay_observe using it.
  */
-struct relay_observe_stop *relay_observe_stop_new(void);
+struct relay_observe_stop *relay_observe_stop_new(void) __attribute__((warn_unused_result));
 void relay_observe_stop_trigger(struct relay_observe_stop *s);
 void relay_observe_stop_free(struct relay_observe_stop *s);
 

@@ -18,7 +18,8 @@ typedef void relay_observer_fn(void *arg, const struct relay_observation *o);
 /* Starts the thread. NULL when it cannot (out of memory, or no thread): the
  * relay then runs without queue age, lag or backpressure, and says so. */
 struct relay_observer *relay_observer_start(struct ev_loop *loop, const struct relay_config *cfg,
-                                            relay_observer_fn *fresh, void *arg);
+                                            relay_observer_fn *fresh, void *arg)
+    __attribute__((warn_unused_result));
 
 /* Ends the thread's waits at once (a server may not be answering), joins it
  * and frees everything. NULL-safe. */

@@ -56,7 +56,8 @@ enum relay_pgsrc_role {
 /* Creates a connection object and starts connecting at once. */
 struct relay_pgsrc *relay_pgsrc_new(struct ev_loop *loop, const struct relay_config *cfg,
                                     enum relay_pgsrc_role role,
-                                    const struct relay_pgsrc_hooks *hooks);
+                                    const struct relay_pgsrc_hooks *hooks)
+    __attribute__((warn_unused_result));
 
 /* Inside a done callback: takes its result, which the caller then owns and
  * frees with PQclear. NULL when there is none. */
@@ -75,19 +76,21 @@ enum relay_pgsrc_state relay_pgsrc_state(const struct relay_pgsrc *pg);
  * 0, or -1 if the connection is not READY. done runs exactly once.
  */
 int relay_pgsrc_send(struct relay_pgsrc *pg, const char *sql, int nparams,
-                     const char *const *params, int binary, relay_pgsrc_done_fn *done, void *arg);
+                     const char *const *params, int binary, relay_pgsrc_done_fn *done, void *arg)
+    __attribute__((warn_unused_result));
 
 /* Sends a statement prepared during set-up ("claim"). Same contract. */
 int relay_pgsrc_send_prepared(struct relay_pgsrc *pg, const char *name, int nparams,
                               const char *const *params, int binary, relay_pgsrc_done_fn *done,
-                              void *arg);
+                              void *arg) __attribute__((warn_unused_result));
 
 /* Drops the connection now and reconnects after backoff (a stuck server). */
 void relay_pgsrc_reset(struct relay_pgsrc *pg, const char *why);
 
 /* Escapes a literal for SQL text with the connection's encoding rules; the
  * caller frees the result with relay_pgsrc_freemem. NULL when not connected. */
-char *relay_pgsrc_escape_literal(struct relay_pgsrc *pg, const char *s, size_t len);
+char *relay_pgsrc_escape_literal(struct relay_pgsrc *pg, const char *s, size_t len)
+    __attribute__((warn_unused_result));
 void relay_pgsrc_freemem(void *p);
 
 /* "host=... port=... dbname=... user=..." of the target, without secrets. */
@@ -112,6 +115,7 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
  * when it does not fit (RELAY_PGSRC_CLAIM_SQL_MAX always does).
  */
 #define RELAY_PGSRC_CLAIM_SQL_MAX 8192
-int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, size_t outlen);
+int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, size_t outlen)
+    __attribute__((warn_unused_result));
 
 #endif

@@ -19,10 +19,11 @@ struct relay_reload_source {
 
 /* Creates the relay and starts connecting. cfg must outlive the relay. */
 struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
-                        const struct relay_reload_source *reload);
+                        const struct relay_reload_source *reload)
+    __attribute__((warn_unused_result));
 
 /* Runs the loop until shutdown; returns the process exit code. */
-int relay_run(struct relay *r);
+int relay_run(struct relay *r) __attribute__((warn_unused_result));
 
 /* Closes every connection and frees the relay. */
 void relay_free(struct relay *r);

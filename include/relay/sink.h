@@ -31,7 +31,8 @@ struct relay_sink_hooks {
 };
 
 struct relay_sink *relay_sink_new(struct ev_loop *loop, const struct relay_config *cfg,
-                                  const struct relay_sink_hooks *hooks);
+                                  const struct relay_sink_hooks *hooks)
+    __attribute__((warn_unused_result));
 
 /* Disconnects now; pending callbacks run with NULL replies first. */
 void relay_sink_free(struct relay_sink *s);
@@ -53,7 +54,7 @@ int relay_sink_ready(const struct relay_sink *s);
  * 0, or -1 when not ready or when cmd does not start like a command.
  */
 int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, relay_sink_reply_fn *cb,
-                         void *arg);
+                         void *arg) __attribute__((warn_unused_result));
 
 /* Drops the connection (pending callbacks get NULL) and reconnects after
  * backoff. why is logged. */

@@ -70,7 +70,7 @@ void relay_tools_put_column(FILE *f, const char *s, size_t len, size_t width, si
  * an ID names no quarantined row).
  */
 int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FILE *out,
-                      FILE *errout);
+                      FILE *errout) __attribute__((warn_unused_result));
 
 /*
  * outbox-relay dlq list STREAM GROUP [--count N]
@@ -85,7 +85,8 @@ int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FIL
  * cannot be replayed; 69 when Redis cannot be reached or refuses a command;
  * 75 when a replay kept racing with other writers.
  */
-int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *out, FILE *errout);
+int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *out, FILE *errout)
+    __attribute__((warn_unused_result));
 
 /*
  * outbox-relay status [--json]: queue age, lag, pending, dead letters and
@@ -93,6 +94,6 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
  * durability in force. 0, or 69 when a server cannot be reached.
  */
 int relay_tool_status(const struct relay_config *cfg, int argc, char **argv, FILE *out,
-                      FILE *errout);
+                      FILE *errout) __attribute__((warn_unused_result));
 
 #endif

@@ -330,12 +330,13 @@ static void test_apply_reply_batch_failures(void **state)
     memset(&cycle, 0, sizeof(cycle));
     cycle.pending = 2;
     const char *oom = "OOM command not allowed when used memory > 'maxmemory'.";
-    relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_ERROR, oom, strlen(oom));
+    assert_int_equal(relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_ERROR, oom, strlen(oom)), 0);
     assert_true(cycle.failed);
     assert_non_null(strstr(cycle.error, "OOM"));
     assert_int_equal(row.state, RELAY_ROW_CLAIMED);
     /* The first reason is kept. */
-    relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_LOST, "Connection reset", 16);
+    assert_int_equal(
+        relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_LOST, "Connection reset", 16), 1);
     assert_non_null(strstr(cycle.error, "OOM"));
 
     memset(&cycle, 0, sizeof(cycle));
@@ -347,13 +348,13 @@ static void test_apply_reply_batch_failures(void **state)
 
     memset(&cycle, 0, sizeof(cycle));
     cycle.pending = 1;
-    relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_OTHER, NULL, 0);
+    assert_int_equal(relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_OTHER, NULL, 0), 1);
     assert_true(cycle.failed);
     assert_non_null(strstr(cycle.error, "unexpected reply type"));
 
     memset(&cycle, 0, sizeof(cycle));
     cycle.pending = 1;
-    relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_LOST, NULL, 0);
+    assert_int_equal(relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_LOST, NULL, 0), 1);
     assert_true(cycle.failed);
     assert_non_null(strstr(cycle.error, "connection lost"));
 }
