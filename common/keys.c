@@ -16,8 +16,9 @@ static int fits(int n, size_t outlen)
 int relay_key_stream(const char *prefix, const char *topic, size_t topic_len, char *out,
                      size_t outlen)
 {
-    return fits(snprintf(out, outlen, "%s%.*s", prefix ? prefix : "", (int)topic_len, topic),
-                outlen);
+    return fits(
+        snprintf(out, outlen, "%s%.*s", prefix != NULL ? prefix : "", (int)topic_len, topic),
+        outlen);
 }
 
 int relay_key_dedup(const char *stream, const char *message_id, size_t message_id_len, char *out,

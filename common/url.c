@@ -24,7 +24,7 @@ static void url_err(char *err, size_t errlen, const char *fmt, ...)
 {
     va_list ap;
 
-    if (!err || errlen == 0)
+    if (err == NULL || errlen == 0)
         return;
     va_start(ap, fmt);
     if (vsnprintf(err, errlen, fmt, ap) < 0)
@@ -91,9 +91,9 @@ int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, siz
     size_t hlen;
     int r;
 
-    memset(&u, 0, sizeof u);
+    memset(&u, 0, sizeof(u));
     u.port = 6379;
-    if (!url || url[0] == '\0') {
+    if (url == NULL || url[0] == '\0') {
         url_err(err, errlen, "is empty: %s", shape);
         return -1;
     }
@@ -116,28 +116,28 @@ int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, siz
      * No message here ever echoes the userinfo.
      */
     at = strrchr(p, '@');
-    if (at) {
+    if (at != NULL) {
         const char *colon = memchr(p, ':', (size_t)(at - p));
-        const char *uend = colon ? colon : at;
+        const char *uend = colon != NULL ? colon : at;
 
         for (q = p; q < at; q++) {
-            if (strchr("/?#[]@", *q) || (unsigned char)*q <= ' ') {
+            if (strchr("/?#[]@", *q) != NULL || (unsigned char)*q <= ' ') {
                 url_err(err, errlen,
                         "the user name or password has a character that must be "
                         "percent-encoded (e.g. %%40 for @, %%2F for /)");
                 return -1;
             }
         }
-        r = url_pct_decode(p, (size_t)(uend - p), u.user, sizeof u.user);
+        r = url_pct_decode(p, (size_t)(uend - p), u.user, sizeof(u.user));
         if (r == -2) {
-            url_err(err, errlen, "the user name is longer than %zu bytes", sizeof u.user - 1);
+            url_err(err, errlen, "the user name is longer than %zu bytes", sizeof(u.user) - 1);
             return -1;
         }
-        if (r == 0 && colon) {
-            r = url_pct_decode(colon + 1, (size_t)(at - colon - 1), u.password, sizeof u.password);
+        if (r == 0 && colon != NULL) {
+            r = url_pct_decode(colon + 1, (size_t)(at - colon - 1), u.password, sizeof(u.password));
             if (r == -2) {
                 url_err(err, errlen, "the password is longer than %zu bytes",
-                        sizeof u.password - 1);
+                        sizeof(u.password) - 1);
                 return -1;
             }
         }
@@ -154,7 +154,7 @@ int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, siz
     if (*p == '[') {
         host = p + 1;
         hend = strchr(host, ']');
-        if (!hend) {
+        if (hend == NULL) {
             url_err(err, errlen,
                     "IPv6 address has no closing \"]\": write it as redis://[::1]:6379");
             return -1;
@@ -191,11 +191,11 @@ int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, siz
         url_err(err, errlen, "host is missing: %s", shape);
         return -1;
     }
-    if (hlen >= sizeof u.host) {
-        url_err(err, errlen, "host is longer than %zu bytes", sizeof u.host - 1);
+    if (hlen >= sizeof(u.host)) {
+        url_err(err, errlen, "host is longer than %zu bytes", sizeof(u.host) - 1);
         return -1;
     }
-    snprintf(u.host, sizeof u.host, "%.*s", (int)hlen, host);
+    snprintf(u.host, sizeof(u.host), "%.*s", (int)hlen, host);
 
     if (*p == ':') {
         const char *pend = p + 1 + strcspn(p + 1, "/?#");

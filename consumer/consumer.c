@@ -335,7 +335,7 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
         snprintf(err, errlen, "stream and group names are too long together");
         goto fail;
     }
-    if (relay_url_parse(opts->redis_url ? opts->redis_url : "", &c->url, err, errlen) < 0)
+    if (relay_url_parse(opts->redis_url != NULL ? opts->redis_url : "", &c->url, err, errlen) < 0)
         goto fail;
     /* The strings of the copied options point to the caller's memory. */
     c->o.stream = c->stream;
@@ -448,7 +448,7 @@ static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, co
     const char *argv[3] = {"CLIENT", "SETNAME", name};
     size_t lens[3] = {6, 7, strlen(name)};
     r = command(ctx, 3, argv, lens);
-    if (r)
+    if (r != NULL)
         freeReplyObject(r);
     return ctx;
 }
@@ -536,7 +536,7 @@ static const redisReply *field(const redisReply *fields, const char *name, size_
         const redisReply *k = fields->element[i], *v = fields->element[i + 1];
         if (k->type == REDIS_REPLY_STRING && strcmp(k->str, name) == 0 &&
             v->type == REDIS_REPLY_STRING) {
-            if (len)
+            if (len != NULL)
                 *len = v->len;
             return v;
         }
@@ -566,7 +566,7 @@ static int dead_letter(struct relay_consumer *c, const char *stream, const char 
                        const redisReply *fields, const char *reason, const char *error,
                        uint32_t deliveries)
 {
-    size_t nf = fields && fields->type == REDIS_REPLY_ARRAY ? fields->elements : 0;
+    size_t nf = fields != NULL && fields->type == REDIS_REPLY_ARRAY ? fields->elements : 0;
     size_t argc_max = 7 + nf + 16;
     const char **argv = calloc(argc_max, sizeof(*argv));
     size_t *lens = calloc(argc_max, sizeof(*lens));
@@ -632,7 +632,7 @@ static int dead_letter(struct relay_consumer *c, const char *stream, const char 
     } else {
         /* "Function not found": someone ran FUNCTION FLUSH or DELETE since
          * the connect; connecting again loads it. */
-        int missing = r->type == REDIS_REPLY_ERROR && strstr(r->str, "Function not found");
+        int missing = r->type == REDIS_REPLY_ERROR && strstr(r->str, "Function not found") != NULL;
         char text[512];
         snprintf(text, sizeof(text), "dead-lettering %s %s failed: %s", stream, entry_id,
                  r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");

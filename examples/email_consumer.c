@@ -134,7 +134,7 @@ static enum relay_handled fail_from_sql(struct email_app *app, PGresult *res, ch
 {
     char state[6] = "";
     const char *s = PQresultErrorField(res, PG_DIAG_SQLSTATE);
-    snprintf(state, sizeof(state), "%s", s ? s : ""); /* res is freed below */
+    snprintf(state, sizeof(state), "%s", s != NULL ? s : ""); /* res is freed below */
     snprintf(err, errlen, "%s", PQresultErrorMessage(res));
     for (char *p = err; *p; p++)
         if (*p == '\n')

@@ -256,7 +256,7 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
     enum relay_row_fault fault;
 
     cmd->argc = 0;
-    if (check_row(row, stream_prefix ? strlen(stream_prefix) : 0, max_payload_bytes, &h,
+    if (check_row(row, stream_prefix != NULL ? strlen(stream_prefix) : 0, max_payload_bytes, &h,
                   &stream_len, &dedup_len, err, errlen, &fault) != 0)
         return -1;
 
@@ -624,7 +624,7 @@ int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
             tally->failed = 1;
             tally->kind = RELAY_FAIL_REDIS_ERROR;
             snprintf(tally->error, sizeof(tally->error), "Redis answered: %.*s",
-                     (int)relay_batch_utf8_prefix(str, len, 300), str ? str : "");
+                     (int)relay_batch_utf8_prefix(str, len, 300), str != NULL ? str : "");
         }
         if (contains(str, len, "Function not found"))
             tally->function_missing = 1;
@@ -644,7 +644,8 @@ int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
             tally->failed = 1;
             tally->kind = RELAY_FAIL_REDIS_CONNECTION;
             snprintf(tally->error, sizeof(tally->error), "Redis connection lost: %.*s",
-                     (int)relay_batch_utf8_prefix(str, len, 200), str && len ? str : "dropped");
+                     (int)relay_batch_utf8_prefix(str, len, 200),
+                     str != NULL && len ? str : "dropped");
         }
         break;
     }

@@ -230,7 +230,7 @@ static void cfg_err(char *err, size_t errlen, const char *fmt, ...)
 {
     va_list ap;
 
-    if (!err || errlen == 0)
+    if (err == NULL || errlen == 0)
         return;
     va_start(ap, fmt);
     if (vsnprintf(err, errlen, fmt, ap) < 0)
@@ -249,7 +249,7 @@ static char *cfg_strdup(const char *s)
 {
     char *p = strdup(s);
 
-    if (!p)
+    if (p == NULL)
         return cfg_oom();
     return p;
 }
@@ -346,16 +346,16 @@ static void config_unknown(const char *where, const char *name, enum cfg_source 
     const struct cfg_key *k = config_suggest(name);
     char spelled[CFG_NAME_MAX + 32];
 
-    if (!k) {
+    if (k == NULL) {
         cfg_err(err, errlen, "%s: unknown key \"%.*s\"", where, CFG_NAME_MAX, name);
         return;
     }
     if (src == SRC_ENV)
-        config_env_name(k->name, spelled, sizeof spelled);
+        config_env_name(k->name, spelled, sizeof(spelled));
     else if (src == SRC_CLI)
-        config_flag_name(k->name, spelled, sizeof spelled);
+        config_flag_name(k->name, spelled, sizeof(spelled));
     else
-        snprintf(spelled, sizeof spelled, "\"%s\"", k->name);
+        snprintf(spelled, sizeof(spelled), "\"%s\"", k->name);
     cfg_err(err, errlen, "%s: unknown key \"%.*s\" (did you mean %s?)", where, CFG_NAME_MAX, name,
             spelled);
 }
@@ -374,7 +374,7 @@ void relay_config_redact(const char *s, char *out, size_t outlen)
     const char *uri, *pw_from = NULL, *pw_to = NULL, *p;
 
     out_init(&o, out, outlen);
-    if (!s)
+    if (s == NULL)
         return;
 
     /*
@@ -384,15 +384,15 @@ void relay_config_redact(const char *s, char *out, size_t outlen)
      * password with a raw '@' or '/' in it is still hidden.
      */
     uri = strstr(s, "://");
-    if (uri) {
+    if (uri != NULL) {
         const char *a = uri + 3, *end = a + strcspn(a, " \t\r\n"), *at = NULL, *q;
 
         for (q = a; q < end; q++)
             if (*q == '@')
                 at = q;
-        if (at) {
+        if (at != NULL) {
             const char *colon = memchr(a, ':', (size_t)(at - a));
-            if (colon) {
+            if (colon != NULL) {
                 pw_from = colon + 1;
                 pw_to = at;
             }
@@ -423,10 +423,11 @@ void relay_config_redact(const char *s, char *out, size_t outlen)
                     if (*q)
                         q++;
                 } else {
-                    while (*q && !isspace((unsigned char)*q) && !(uri && (*q == '&' || *q == '#')))
+                    while (*q && !isspace((unsigned char)*q) &&
+                           !(uri != NULL && (*q == '&' || *q == '#')))
                         q++;
                 }
-                if (pw_from && pw_from >= p && pw_from < q)
+                if (pw_from != NULL && pw_from >= p && pw_from < q)
                     pw_from = NULL; /* already hidden inside this value */
                 p = q;
                 continue;
@@ -450,7 +451,7 @@ static void config_show(const char *value, int secret, char *out, size_t outlen)
     struct cfg_out o;
 
     if (secret) {
-        relay_config_redact(value, red, sizeof red);
+        relay_config_redact(value, red, sizeof(red));
         v = red;
     }
     out_init(&o, out, outlen);
@@ -478,7 +479,7 @@ int relay_config_parse_duration(const char *s, uint32_t *ms)
     const char *end;
     size_t i;
 
-    if (!s || relay_parse_digits(s, &v, &end) != 0)
+    if (s == NULL || relay_parse_digits(s, &v, &end) != 0)
         return -1;
     for (i = 0; i < RELAY_ARRAY_LEN(units); i++) {
         if (strcmp(end, units[i].unit) != 0)
@@ -539,7 +540,7 @@ static int cfg_check_stream_prefix(const char *value, char *rule, size_t rulelen
     const char *p;
 
     for (p = value; *p; p++)
-        if (!isalnum((unsigned char)*p) && !strchr("._:-", *p))
+        if (!isalnum((unsigned char)*p) && strchr("._:-", *p) == NULL)
             break;
     if (*p != '\0' || p - value > CFG_STREAM_PREFIX_MAX) {
         snprintf(rule, rulelen, "must be at most %d characters from A-Z a-z 0-9 . _ : -",
@@ -597,7 +598,7 @@ static int config_convert(struct relay_config *cfg, const struct cfg_key *k, con
             snprintf(rule, rulelen, "must be at most %lu bytes", (unsigned long)k->max);
             return -1;
         }
-        if (k->check && k->check(value, rule, rulelen) != 0)
+        if (k->check != NULL && k->check(value, rule, rulelen) != 0)
             return -1;
         free(*field);
         *field = cfg_strdup(value);
@@ -618,8 +619,8 @@ static int config_convert(struct relay_config *cfg, const struct cfg_key *k, con
         *cfg_u32_field(cfg, k) = (uint32_t)v;
         return 0;
     case CFG_DURATION:
-        config_format_duration((uint32_t)k->min, lo, sizeof lo);
-        config_format_duration((uint32_t)k->max, hi, sizeof hi);
+        config_format_duration((uint32_t)k->min, lo, sizeof(lo));
+        config_format_duration((uint32_t)k->max, hi, sizeof(hi));
         if (relay_config_parse_duration(value, &ms) != 0) {
             snprintf(rule, rulelen,
                      "must be a duration between %s and %s: a whole number with a unit ms, s, m, "
@@ -660,9 +661,9 @@ static int config_apply(struct relay_config *cfg, const struct cfg_key *k, const
     char rule[RELAY_CONFIG_ERR_MAX];
     char shown[CFG_SHOW_MAX + 8];
 
-    if (config_convert(cfg, k, value, rule, sizeof rule) == 0)
+    if (config_convert(cfg, k, value, rule, sizeof(rule)) == 0)
         return 0;
-    config_show(value, k->type == CFG_SECRET_STRING, shown, sizeof shown);
+    config_show(value, k->type == CFG_SECRET_STRING, shown, sizeof(shown));
     cfg_err(err, errlen, "%s = \"%s\": %s", label, shown, rule);
     return -1;
 }
@@ -673,9 +674,9 @@ static int config_origin_names(const char *origin, const struct cfg_key *k)
     char names[3][CFG_NAME_MAX + 32];
     size_t lo = strlen(origin), i;
 
-    snprintf(names[0], sizeof names[0], "%s", k->name);
-    config_env_name(k->name, names[1], sizeof names[1]);
-    config_flag_name(k->name, names[2], sizeof names[2]);
+    snprintf(names[0], sizeof(names[0]), "%s", k->name);
+    config_env_name(k->name, names[1], sizeof(names[1]));
+    config_flag_name(k->name, names[2], sizeof(names[2]));
     for (i = 0; i < 3; i++) {
         size_t ln = strlen(names[i]);
         if (ln <= lo && strcmp(origin + lo - ln, names[i]) == 0 &&
@@ -691,14 +692,14 @@ int relay_config_set(struct relay_config *cfg, const char *origin, const char *k
     const struct cfg_key *k = config_find(key);
     char label[RELAY_CONFIG_ERR_MAX];
 
-    if (!k) {
+    if (k == NULL) {
         config_unknown(origin, key, SRC_FILE, err, errlen);
         return -1;
     }
     if (config_origin_names(origin, k))
-        snprintf(label, sizeof label, "%s", origin);
+        snprintf(label, sizeof(label), "%s", origin);
     else
-        snprintf(label, sizeof label, "%s: %s", origin, k->name);
+        snprintf(label, sizeof(label), "%s: %s", origin, k->name);
     return config_apply(cfg, k, label, value, err, errlen);
 }
 
@@ -710,10 +711,10 @@ void relay_config_init(struct relay_config *cfg)
     char err[RELAY_CONFIG_ERR_MAX];
     size_t i;
 
-    memset(cfg, 0, sizeof *cfg);
+    memset(cfg, 0, sizeof(*cfg));
     for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
         const struct cfg_key *k = &cfg_keys[i];
-        if (config_apply(cfg, k, k->name, k->defval, err, sizeof err) != 0) {
+        if (config_apply(cfg, k, k->name, k->defval, err, sizeof(err)) != 0) {
             /* A default that fails its own rule is a bug in the table above. */
             fprintf(stderr, "outbox-relay: bad built-in default: %s\n", err);
             abort();
@@ -725,7 +726,7 @@ void relay_config_free(struct relay_config *cfg)
 {
     size_t i;
 
-    if (!cfg)
+    if (cfg == NULL)
         return;
     for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
         const struct cfg_key *k = &cfg_keys[i];
@@ -736,7 +737,7 @@ void relay_config_free(struct relay_config *cfg)
         }
     }
     /* Also wipes the derived password. */
-    memset(cfg, 0, sizeof *cfg);
+    memset(cfg, 0, sizeof(*cfg));
 }
 
 /* ------------------------------------------------------------------------ */
@@ -757,12 +758,12 @@ RELAY_STATIC int config_parse_line(char *line, char **key, char **value, char *r
         return 0;
 
     eq = strchr(p, '=');
-    if (!eq) {
+    if (eq == NULL) {
         char shown[CFG_SHOW_MAX + 8];
         char *e = p + strlen(p);
         while (e > p && isspace((unsigned char)e[-1]))
             *--e = '\0';
-        config_show(p, 1, shown, sizeof shown);
+        config_show(p, 1, shown, sizeof(shown));
         snprintf(rule, rulelen, "missing \"=\" in \"%s\": write key = value", shown);
         return -1;
     }
@@ -846,7 +847,7 @@ static int config_load_file(struct relay_config *cfg, const char *path, char *er
     int rc = -1;
 
     f = fopen(path, "r");
-    if (!f) {
+    if (f == NULL) {
         cfg_err(err, errlen, "%s: cannot open the config file: %s", path, strerror(errno));
         return -1;
     }
@@ -857,7 +858,7 @@ static int config_load_file(struct relay_config *cfg, const char *path, char *er
         int r;
 
         errno = 0;
-        if (!fgets(line, sizeof line, f))
+        if (fgets(line, sizeof(line), f) == NULL)
             break;
         lineno++;
         len = strlen(line);
@@ -868,8 +869,8 @@ static int config_load_file(struct relay_config *cfg, const char *path, char *er
                     CFG_LINE_MAX);
             goto out;
         }
-        snprintf(where, sizeof where, "%s:%u", path, lineno);
-        r = config_parse_line(line, &key, &value, rule, sizeof rule);
+        snprintf(where, sizeof(where), "%s:%u", path, lineno);
+        r = config_parse_line(line, &key, &value, rule, sizeof(rule));
         if (r < 0) {
             cfg_err(err, errlen, "%s: %s", where, rule);
             goto out;
@@ -877,13 +878,13 @@ static int config_load_file(struct relay_config *cfg, const char *path, char *er
         if (r == 0)
             continue;
         k = config_find(key);
-        if (!k) {
+        if (k == NULL) {
             config_unknown(where, key, SRC_FILE, err, errlen);
             goto out;
         }
-        snprintf(label, sizeof label, "%s: %.64s", where, k->name);
+        snprintf(label, sizeof(label), "%s: %.64s", where, k->name);
         if (seen[k - cfg_keys]) {
-            config_show(value, k->type == CFG_SECRET_STRING, shown, sizeof shown);
+            config_show(value, k->type == CFG_SECRET_STRING, shown, sizeof(shown));
             cfg_err(err, errlen, "%s = \"%s\": already set on line %u: set each key only once",
                     label, shown, seen[k - cfg_keys]);
             goto out;
@@ -907,20 +908,20 @@ static int config_load_env(struct relay_config *cfg, char *const *envp, char *er
                            size_t errlen) CFG_MUSTCHECK;
 static int config_load_env(struct relay_config *cfg, char *const *envp, char *err, size_t errlen)
 {
-    const size_t plen = sizeof CFG_ENV_PREFIX - 1;
+    const size_t plen = sizeof(CFG_ENV_PREFIX) - 1;
     char key[CFG_NAME_MAX + 1];
-    char where[CFG_NAME_MAX + sizeof CFG_ENV_PREFIX + 32];
+    char where[CFG_NAME_MAX + sizeof(CFG_ENV_PREFIX) + 32];
     size_t i;
 
-    for (i = 0; envp && envp[i]; i++) {
+    for (i = 0; envp != NULL && envp[i] != NULL; i++) {
         const char *e = envp[i], *eq = strchr(e, '=');
         const struct cfg_key *k = NULL;
         size_t nlen, j;
 
-        if (!eq || strncmp(e, CFG_ENV_PREFIX, plen) != 0)
+        if (eq == NULL || strncmp(e, CFG_ENV_PREFIX, plen) != 0)
             continue;
         nlen = (size_t)(eq - e);
-        snprintf(where, sizeof where, "environment: %.*s",
+        snprintf(where, sizeof(where), "environment: %.*s",
                  (int)(nlen - plen > CFG_NAME_MAX ? CFG_NAME_MAX + plen : nlen), e);
         if (nlen - plen <= CFG_NAME_MAX) {
             for (j = 0; j < nlen - plen; j++)
@@ -928,9 +929,9 @@ static int config_load_env(struct relay_config *cfg, char *const *envp, char *er
             key[j] = '\0';
             k = config_find(key);
         } else {
-            snprintf(key, sizeof key, "%.*s", CFG_NAME_MAX, e + plen);
+            snprintf(key, sizeof(key), "%.*s", CFG_NAME_MAX, e + plen);
         }
-        if (!k) {
+        if (k == NULL) {
             config_unknown(where, key, SRC_ENV, err, errlen);
             return -1;
         }
@@ -956,7 +957,7 @@ static int config_load_argv(struct relay_config *cfg, int argc, char *const *arg
         size_t nlen, j;
 
         if (strncmp(a, "--", 2) != 0 || a[2] == '\0') {
-            config_show(a, 1, shown, sizeof shown);
+            config_show(a, 1, shown, sizeof(shown));
             cfg_err(err, errlen,
                     "command line: \"%s\": unexpected argument: write --key=value or --key value",
                     shown);
@@ -964,8 +965,8 @@ static int config_load_argv(struct relay_config *cfg, int argc, char *const *arg
         }
         name = a + 2;
         eq = strchr(name, '=');
-        nlen = eq ? (size_t)(eq - name) : strlen(name);
-        snprintf(where, sizeof where, "command line: --%.*s",
+        nlen = eq != NULL ? (size_t)(eq - name) : strlen(name);
+        snprintf(where, sizeof(where), "command line: --%.*s",
                  (int)(nlen > CFG_NAME_MAX ? CFG_NAME_MAX : nlen), name);
         if (nlen <= CFG_NAME_MAX) {
             for (j = 0; j < nlen; j++)
@@ -973,13 +974,13 @@ static int config_load_argv(struct relay_config *cfg, int argc, char *const *arg
             key[j] = '\0';
             k = config_find(key);
         } else {
-            snprintf(key, sizeof key, "%.*s", CFG_NAME_MAX, name);
+            snprintf(key, sizeof(key), "%.*s", CFG_NAME_MAX, name);
         }
-        if (!k) {
+        if (k == NULL) {
             config_unknown(where, key, SRC_CLI, err, errlen);
             return -1;
         }
-        if (eq) {
+        if (eq != NULL) {
             value = eq + 1;
         } else if (i + 1 < argc) {
             value = argv[++i];
@@ -1003,21 +1004,21 @@ static int config_read_password(const char *path, struct relay_redis_url *url, c
 static int config_read_password(const char *path, struct relay_redis_url *url, char *err,
                                 size_t errlen)
 {
-    char line[sizeof url->password + 2];
+    char line[sizeof(url->password) + 2];
     char shown[CFG_SHOW_MAX + 8];
     size_t len;
     FILE *f;
     int rc = -1;
 
-    config_show(path, 0, shown, sizeof shown);
+    config_show(path, 0, shown, sizeof(shown));
     f = fopen(path, "r");
-    if (!f) {
+    if (f == NULL) {
         cfg_err(err, errlen, "redis_password_file = \"%s\": cannot open: %s", shown,
                 strerror(errno));
         return -1;
     }
     errno = 0;
-    if (!fgets(line, sizeof line, f)) {
+    if (fgets(line, sizeof(line), f) == NULL) {
         if (ferror(f))
             cfg_err(err, errlen, "redis_password_file = \"%s\": cannot read: %s", shown,
                     strerror(errno ? errno : EIO));
@@ -1033,11 +1034,11 @@ static int config_read_password(const char *path, struct relay_redis_url *url, c
         line[--len] = '\0';
     if (len > 0 && line[len - 1] == '\r')
         line[--len] = '\0';
-    if (len >= sizeof url->password) {
+    if (len >= sizeof(url->password)) {
         cfg_err(err, errlen,
                 "redis_password_file = \"%s\": first line is longer than %zu bytes: the Redis "
                 "password must fit in %zu bytes",
-                shown, sizeof url->password - 1, sizeof url->password - 1);
+                shown, sizeof(url->password) - 1, sizeof(url->password) - 1);
         goto out;
     }
     if (len == 0) {
@@ -1047,10 +1048,10 @@ static int config_read_password(const char *path, struct relay_redis_url *url, c
                 shown);
         goto out;
     }
-    snprintf(url->password, sizeof url->password, "%.*s", (int)len, line);
+    snprintf(url->password, sizeof(url->password), "%.*s", (int)len, line);
     rc = 0;
 out:
-    memset(line, 0, sizeof line);
+    memset(line, 0, sizeof(line));
     fclose(f);
     return rc;
 }
@@ -1070,28 +1071,28 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
         if (!(k->flags & CFG_REQUIRED))
             continue;
         field = cfg_cstr_field(cfg, k);
-        if (*field && (*field)[0] != '\0')
+        if (*field != NULL && (*field)[0] != '\0')
             continue;
-        config_env_name(k->name, env, sizeof env);
-        config_flag_name(k->name, flag, sizeof flag);
+        config_env_name(k->name, env, sizeof(env));
+        config_flag_name(k->name, flag, sizeof(flag));
         cfg_err(err, errlen, "%s is not set: set it in the config file, %s or %s", k->name, env,
                 flag);
         return -1;
     }
 
-    memset(&cfg->redis_url, 0, sizeof cfg->redis_url);
-    if (relay_url_parse(cfg->redis, &cfg->redis_url, rule, sizeof rule) != 0) {
-        config_show(cfg->redis, 1, shown, sizeof shown);
+    memset(&cfg->redis_url, 0, sizeof(cfg->redis_url));
+    if (relay_url_parse(cfg->redis, &cfg->redis_url, rule, sizeof(rule)) != 0) {
+        config_show(cfg->redis, 1, shown, sizeof(shown));
         cfg_err(err, errlen, "redis = \"%s\": %s", shown, rule);
         return -1;
     }
-    if (cfg->redis_password_file && cfg->redis_password_file[0] != '\0' &&
+    if (cfg->redis_password_file != NULL && cfg->redis_password_file[0] != '\0' &&
         config_read_password(cfg->redis_password_file, &cfg->redis_url, err, errlen) != 0)
         return -1;
 
     if (cfg->reconnect_min_ms > cfg->reconnect_max_ms) {
-        config_format_duration(cfg->reconnect_min_ms, a, sizeof a);
-        config_format_duration(cfg->reconnect_max_ms, b, sizeof b);
+        config_format_duration(cfg->reconnect_min_ms, a, sizeof(a));
+        config_format_duration(cfg->reconnect_max_ms, b, sizeof(b));
         cfg_err(err, errlen, "reconnect_min = \"%s\": must not be greater than reconnect_max (%s)",
                 a, b);
         return -1;
@@ -1106,8 +1107,8 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
         return -1;
     }
     if (cfg->pause_queue_age_ms > 0 && cfg->resume_queue_age_ms >= cfg->pause_queue_age_ms) {
-        config_format_duration(cfg->resume_queue_age_ms, a, sizeof a);
-        config_format_duration(cfg->pause_queue_age_ms, b, sizeof b);
+        config_format_duration(cfg->resume_queue_age_ms, a, sizeof(a));
+        config_format_duration(cfg->pause_queue_age_ms, b, sizeof(b));
         cfg_err(err, errlen,
                 "resume_queue_age = \"%s\": must be below pause_queue_age (%s), the mark that "
                 "pauses a stream",
@@ -1120,7 +1121,7 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
 int relay_config_load(struct relay_config *cfg, const char *path, char *const *envp, int argc,
                       char *const *argv, char *err, size_t errlen)
 {
-    if (path && config_load_file(cfg, path, err, errlen) != 0)
+    if (path != NULL && config_load_file(cfg, path, err, errlen) != 0)
         return -1;
     if (config_load_env(cfg, envp, err, errlen) != 0)
         return -1;
@@ -1156,10 +1157,10 @@ static void config_value_text(const struct relay_config *cfg, const struct cfg_k
     case CFG_STRING:
     case CFG_SECRET_STRING: {
         const char *s = *cfg_cstr_field(cfg, k);
-        if (!s)
+        if (s == NULL)
             s = "";
         if (k->type == CFG_SECRET_STRING) {
-            relay_config_redact(s, buf, sizeof buf);
+            relay_config_redact(s, buf, sizeof(buf));
             s = buf;
         }
         out_quoted(o, s);
@@ -1169,7 +1170,7 @@ static void config_value_text(const struct relay_config *cfg, const struct cfg_k
         out_printf(o, "%lu", (unsigned long)*cfg_cu32_field(cfg, k));
         return;
     case CFG_DURATION:
-        config_format_duration(*cfg_cu32_field(cfg, k), buf, sizeof buf);
+        config_format_duration(*cfg_cu32_field(cfg, k), buf, sizeof(buf));
         out_puts(o, buf);
         return;
     case CFG_BOOL:
@@ -1207,8 +1208,8 @@ void relay_config_help(char *out, size_t outlen)
         const struct cfg_key *k = &cfg_keys[i];
         char env[CFG_NAME_MAX + 32], flag[CFG_NAME_MAX + 32], lo[32], hi[32];
 
-        config_env_name(k->name, env, sizeof env);
-        config_flag_name(k->name, flag, sizeof flag);
+        config_env_name(k->name, env, sizeof(env));
+        config_flag_name(k->name, flag, sizeof(flag));
         out_printf(&o, "  %s", k->name);
         switch (k->type) {
         case CFG_STRING:
@@ -1223,8 +1224,8 @@ void relay_config_help(char *out, size_t outlen)
                        (unsigned long)k->max);
             break;
         case CFG_DURATION:
-            config_format_duration((uint32_t)k->min, lo, sizeof lo);
-            config_format_duration((uint32_t)k->max, hi, sizeof hi);
+            config_format_duration((uint32_t)k->min, lo, sizeof(lo));
+            config_format_duration((uint32_t)k->max, hi, sizeof(hi));
             out_printf(&o, " (default %s, %s..%s)", k->defval, lo, hi);
             break;
         case CFG_BOOL:
@@ -1246,7 +1247,7 @@ static int config_key_differs(const struct relay_config *a, const struct relay_c
     case CFG_STRING:
     case CFG_SECRET_STRING: {
         const char *x = *cfg_cstr_field(a, k), *y = *cfg_cstr_field(b, k);
-        return strcmp(x ? x : "", y ? y : "") != 0;
+        return strcmp(x != NULL ? x : "", y != NULL ? y : "") != 0;
     }
     case CFG_UINT:
     case CFG_DURATION:

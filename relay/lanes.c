@@ -293,7 +293,8 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err, c
         return;
     if (err != NULL || res == NULL || PQnfields(res) != 11) {
         char why[600];
-        snprintf(why, sizeof(why), "claim failed: %s", err ? err : "unexpected result shape");
+        snprintf(why, sizeof(why), "claim failed: %s",
+                 err != NULL ? err : "unexpected result shape");
         relay_cycle_failed(&r->cycle, l->index, RELAY_FAIL_POSTGRES, why);
         return;
     }
@@ -520,7 +521,8 @@ static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
          * may be claimed again, and their dedup records absorb the republish. */
         char why[700];
         snprintf(why, sizeof(why), "marking the batch sent failed (%s%s)", err,
-                 sqlstate && strcmp(sqlstate, "08006") == 0 ? "; commit outcome unknown" : "");
+                 sqlstate != NULL && strcmp(sqlstate, "08006") == 0 ? "; commit outcome unknown"
+                                                                    : "");
         relay_cycle_failed(&r->cycle, l->index, RELAY_FAIL_POSTGRES, why);
         return;
     }

@@ -58,9 +58,9 @@ int relay_log_parse_level(const char *name)
     static const char *const names[] = {"debug", "info", "warning", "error"};
     size_t i;
 
-    if (!name)
+    if (name == NULL)
         return -1;
-    for (i = 0; i < sizeof names / sizeof names[0]; i++)
+    for (i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if (strcasecmp(name, names[i]) == 0)
             return (int)i;
     return -1;
@@ -83,19 +83,19 @@ void relay_log(enum relay_log_level level, const char *component, const char *fm
     name = ((int)level >= 0 && (int)level <= (int)RELAY_LOG_ERROR) ? log_level_names[level] : "LOG";
 
     va_start(ap, fmt);
-    n = vsnprintf(text, sizeof text, fmt, ap);
+    n = vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
     if (n < 0)
-        snprintf(text, sizeof text, "(log message could not be formatted)");
-    else if ((size_t)n >= sizeof text)
-        memcpy(text + sizeof text - 4, "...", 4);
+        snprintf(text, sizeof(text), "(log message could not be formatted)");
+    else if ((size_t)n >= sizeof(text))
+        memcpy(text + sizeof(text) - 4, "...", 4);
     for (p = text; *p; p++)
         if ((unsigned char)*p < 0x20 && *p != '\t')
             *p = ' '; /* \r and \n above all: one event, one line */
 
-    if (clock_gettime(CLOCK_REALTIME, &ts) != 0 || !gmtime_r(&ts.tv_sec, &tm) ||
-        strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%S", &tm) == 0) {
-        snprintf(stamp, sizeof stamp, "0000-00-00T00:00:00");
+    if (clock_gettime(CLOCK_REALTIME, &ts) != 0 || gmtime_r(&ts.tv_sec, &tm) == NULL ||
+        strftime(stamp, sizeof(stamp), "%Y-%m-%dT%H:%M:%S", &tm) == 0) {
+        snprintf(stamp, sizeof(stamp), "0000-00-00T00:00:00");
         ts.tv_nsec = 0;
     }
 
@@ -107,14 +107,14 @@ void relay_log(enum relay_log_level level, const char *component, const char *fm
         int prio = ((int)level >= 0 && (int)level <= (int)RELAY_LOG_ERROR)
                        ? log_syslog_priority[level]
                        : 6;
-        fprintf(stderr, "<%d>%s %s%s%s\n", prio, name, component ? component : "",
-                component ? ": " : "", text);
+        fprintf(stderr, "<%d>%s %s%s%s\n", prio, name, component != NULL ? component : "",
+                component != NULL ? ": " : "", text);
         fflush(stderr);
         errno = saved_errno;
         return;
     }
     fprintf(stderr, "%s.%03ldZ %s %s%s%s\n", stamp, (long)(ts.tv_nsec / 1000000), name,
-            component ? component : "", component ? ": " : "", text);
+            component != NULL ? component : "", component != NULL ? ": " : "", text);
     fflush(stderr);
     errno = saved_errno;
 }

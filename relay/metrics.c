@@ -142,7 +142,7 @@ static void respond(struct client *c, int status, const char *reason, const char
     int n = snprintf(hdr, sizeof(hdr),
                      "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s"
                      "Connection: close\r\n\r\n",
-                     status, reason, ctype, bodylen, extra_headers ? extra_headers : "");
+                     status, reason, ctype, bodylen, extra_headers != NULL ? extra_headers : "");
     size_t total = (size_t)n + (head ? 0 : bodylen);
     c->resp = malloc(total);
     if (c->resp == NULL) {
@@ -206,7 +206,7 @@ static void handle_request(struct client *c)
         }
     } else {
         char *body = NULL;
-        long len = c->m->hooks.render ? c->m->hooks.render(c->m->hooks.arg, &body) : -1;
+        long len = c->m->hooks.render != NULL ? c->m->hooks.render(c->m->hooks.arg, &body) : -1;
         if (len < 0) {
             respond_text(c, 500, "Internal Server Error", "cannot render metrics\n", NULL, head);
         } else {

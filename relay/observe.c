@@ -76,7 +76,7 @@ static double now_unix(void)
 
 static void one_line(char *dst, size_t dstlen, const char *src)
 {
-    snprintf(dst, dstlen, "%s", src ? src : "unknown error");
+    snprintf(dst, dstlen, "%s", src != NULL ? src : "unknown error");
     for (char *p = dst; *p; p++)
         if (*p == '\n' || *p == '\r')
             *p = ' ';
@@ -451,7 +451,7 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
     } else {
         if (!pg_rows(r, o))
             return -1;
-        merge_admission(cfg->stream_prefix ? cfg->stream_prefix : "", o, r, covered);
+        merge_admission(cfg->stream_prefix != NULL ? cfg->stream_prefix : "", o, r, covered);
         PQclear(r);
     }
 
@@ -516,17 +516,17 @@ static double entry_time(struct rconn *c, const char *stream, const char *id, in
     redisReply *r = exclusive ? cmd(c, "XRANGE %s (%s + COUNT 1", stream, id)
                               : cmd(c, "XRANGE %s %s %s COUNT 1", stream, id, id);
     double t = -1;
-    if (r && r->type == REDIS_REPLY_ARRAY && r->elements == 1) {
+    if (r != NULL && r->type == REDIS_REPLY_ARRAY && r->elements == 1) {
         const redisReply *e = r->element[0];
         const redisReply *f = e->elements == 2 ? map_get(e->element[1], "created_at") : NULL;
-        if (f && f->type == REDIS_REPLY_STRING)
+        if (f != NULL && f->type == REDIS_REPLY_STRING)
             t = relay_observe_parse_time(f->str);
         if (t < 0 && e->element[0]->type == REDIS_REPLY_STRING)
             t = strtod(e->element[0]->str, NULL) / 1000.0;
-    } else if (r && r->type == REDIS_REPLY_ARRAY && r->elements == 0 && !exclusive) {
+    } else if (r != NULL && r->type == REDIS_REPLY_ARRAY && r->elements == 0 && !exclusive) {
         t = strtod(id, NULL) / 1000.0; /* deleted entry: its id still dates it */
     }
-    if (r)
+    if (r != NULL)
         freeReplyObject(r);
     return t;
 }
@@ -544,9 +544,9 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
     redisReply *r2 = cmd(c, "CONFIG GET appendfsync");
     if (r == NULL || r2 == NULL) {
         snprintf(o->redis_error, sizeof(o->redis_error), "%s", c->c->errstr);
-        if (r)
+        if (r != NULL)
             freeReplyObject(r);
-        if (r2)
+        if (r2 != NULL)
             freeReplyObject(r2);
         return -1;
     }
@@ -563,7 +563,7 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
      * with a valid topic, that is not a dead-letter or replay stream. Other
      * keys are someone else's, and their names may be any bytes: a name that
      * is not UTF-8 would make the topics query below fail as a whole. */
-    const char *prefix = cfg->stream_prefix ? cfg->stream_prefix : "";
+    const char *prefix = cfg->stream_prefix != NULL ? cfg->stream_prefix : "";
     size_t plen = strlen(prefix);
     char cursor[32] = "0";
     int rounds = 0;
@@ -571,8 +571,8 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
         r = cmd(c, "SCAN %s TYPE stream COUNT 1000", cursor);
         if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2) {
             snprintf(o->redis_error, sizeof(o->redis_error), "SCAN failed: %s",
-                     r && r->type == REDIS_REPLY_ERROR ? r->str : c->c->errstr);
-            if (r)
+                     r != NULL && r->type == REDIS_REPLY_ERROR ? r->str : c->c->errstr);
+            if (r != NULL)
                 freeReplyObject(r);
             return -1;
         }
@@ -615,26 +615,30 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
             go->topic = (int)ti;
             const redisReply *v;
             go->consumers =
-                (v = map_get(info, "consumers")) && v->type == REDIS_REPLY_INTEGER ? v->integer : 0;
-            go->pending =
-                (v = map_get(info, "pending")) && v->type == REDIS_REPLY_INTEGER ? v->integer : 0;
-            go->lag =
-                (v = map_get(info, "lag")) && v->type == REDIS_REPLY_INTEGER ? v->integer : -1;
+                (v = map_get(info, "consumers")) != NULL && v->type == REDIS_REPLY_INTEGER
+                    ? v->integer
+                    : 0;
+            go->pending = (v = map_get(info, "pending")) != NULL && v->type == REDIS_REPLY_INTEGER
+                              ? v->integer
+                              : 0;
+            go->lag = (v = map_get(info, "lag")) != NULL && v->type == REDIS_REPLY_INTEGER
+                          ? v->integer
+                          : -1;
             go->oldest_pending_age = go->oldest_undelivered_age = -1;
             double now = now_unix();
             if (go->pending > 0) {
                 redisReply *p = cmd(c, "XPENDING %s %s", stream, go->group);
-                if (p && p->type == REDIS_REPLY_ARRAY && p->elements >= 2 &&
+                if (p != NULL && p->type == REDIS_REPLY_ARRAY && p->elements >= 2 &&
                     p->element[1]->type == REDIS_REPLY_STRING) {
                     double t = entry_time(c, stream, p->element[1]->str, 0);
                     if (t > 0)
                         go->oldest_pending_age = now - t;
                 }
-                if (p)
+                if (p != NULL)
                     freeReplyObject(p);
             }
             const redisReply *last = map_get(info, "last-delivered-id");
-            if (last && last->type == REDIS_REPLY_STRING) {
+            if (last != NULL && last->type == REDIS_REPLY_STRING) {
                 double t = entry_time(c, stream, last->str, 1);
                 if (t > 0)
                     go->oldest_undelivered_age = now - t;
@@ -643,8 +647,8 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
             if (relay_key_dlq(stream, go->group, dlq, sizeof(dlq)) < 0)
                 dlq[0] = '\0'; /* cannot happen: both names are bounded above */
             redisReply *d = cmd(c, "XLEN %s", dlq);
-            go->dead_letters = d && d->type == REDIS_REPLY_INTEGER ? d->integer : 0;
-            if (d)
+            go->dead_letters = d != NULL && d->type == REDIS_REPLY_INTEGER ? d->integer : 0;
+            if (d != NULL)
                 freeReplyObject(d);
         }
         freeReplyObject(r);

@@ -188,7 +188,8 @@ static void describe_target(struct relay_pgsrc *pg)
         db = PQdb(pg->conn);
         user = PQuser(pg->conn);
         snprintf(pg->describe, sizeof(pg->describe), "host=%s port=%s dbname=%s user=%s",
-                 host ? host : "", port ? port : "", db ? db : "", user ? user : "");
+                 host != NULL ? host : "", port != NULL ? port : "", db != NULL ? db : "",
+                 user != NULL ? user : "");
         return;
     }
     char *errmsg = NULL;
@@ -201,7 +202,8 @@ static void describe_target(struct relay_pgsrc *pg)
     for (PQconninfoOption *o = opts; o->keyword != NULL; o++) {
         if (o->val == NULL)
             continue;
-        if (strcmp(o->keyword, "host") == 0 || (strcmp(o->keyword, "hostaddr") == 0 && !host))
+        if (strcmp(o->keyword, "host") == 0 ||
+            (strcmp(o->keyword, "hostaddr") == 0 && host == NULL))
             host = o->val;
         else if (strcmp(o->keyword, "port") == 0)
             port = o->val;
@@ -211,18 +213,18 @@ static void describe_target(struct relay_pgsrc *pg)
             user = o->val;
     }
     snprintf(pg->describe, sizeof(pg->describe), "host=%s port=%s dbname=%s user=%s",
-             host               ? host
-             : getenv("PGHOST") ? getenv("PGHOST")
-                                : "(default)",
-             port               ? port
-             : getenv("PGPORT") ? getenv("PGPORT")
-                                : "(default)",
-             db                     ? db
-             : getenv("PGDATABASE") ? getenv("PGDATABASE")
-                                    : "(default)",
-             user               ? user
-             : getenv("PGUSER") ? getenv("PGUSER")
-                                : "(default)");
+             host != NULL               ? host
+             : getenv("PGHOST") != NULL ? getenv("PGHOST")
+                                        : "(default)",
+             port != NULL               ? port
+             : getenv("PGPORT") != NULL ? getenv("PGPORT")
+                                        : "(default)",
+             db != NULL                     ? db
+             : getenv("PGDATABASE") != NULL ? getenv("PGDATABASE")
+                                            : "(default)",
+             user != NULL               ? user
+             : getenv("PGUSER") != NULL ? getenv("PGUSER")
+                                        : "(default)");
     PQconninfoFree(opts);
 }
 
@@ -239,7 +241,7 @@ enum relay_pgsrc_state relay_pgsrc_state(const struct relay_pgsrc *pg)
 /* libpq messages end in a newline and may hold several lines: one line each. */
 static void one_line(char *dst, size_t dstlen, const char *src)
 {
-    snprintf(dst, dstlen, "%s", src ? src : "unknown error");
+    snprintf(dst, dstlen, "%s", src != NULL ? src : "unknown error");
     for (char *p = dst; *p; p++)
         if (*p == '\n' || *p == '\r' || *p == '\t')
             *p = ' ';
@@ -487,7 +489,7 @@ static void collect(struct relay_pgsrc *pg)
             if (pg->err[0] == '\0') {
                 const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
                 one_line(pg->err, sizeof(pg->err), PQresultErrorMessage(res));
-                snprintf(pg->sqlstate, sizeof(pg->sqlstate), "%s", state ? state : "");
+                snprintf(pg->sqlstate, sizeof(pg->sqlstate), "%s", state != NULL ? state : "");
             }
             PQclear(res);
             break;

@@ -124,7 +124,7 @@ static char step_time[] = "TIME";
 void *relay_sink_owner(const struct redisAsyncContext *ac)
 {
     const struct relay_sink *s = ac->data;
-    return s ? s->hooks.arg : NULL;
+    return s != NULL ? s->hooks.arg : NULL;
 }
 
 const char *relay_sink_describe(const struct relay_sink *s)
@@ -155,7 +155,7 @@ static void went_down(struct relay_sink *s, const char *what, const char *msg)
 
     uint32_t delay = relay_backoff_next(&s->backoff, relay_backoff_random());
     char line[512];
-    snprintf(line, sizeof(line), "%s: %s", what, msg ? msg : "unknown error");
+    snprintf(line, sizeof(line), "%s: %s", what, msg != NULL ? msg : "unknown error");
     if (was_ready)
         s->last_logged[0] = '\0';
     if (strcmp(line, s->last_logged) == 0) {
@@ -213,7 +213,8 @@ static void check_durability(struct relay_sink *s, const redisReply *r)
                  "could not check the durability settings (%s); make sure the server runs with "
                  "appendonly yes and appendfsync always, or acknowledged messages can be lost "
                  "in a crash",
-                 r && r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply to CONFIG GET");
+                 r != NULL && r->type == REDIS_REPLY_ERROR ? r->str
+                                                           : "unexpected reply to CONFIG GET");
     } else {
         for (size_t i = 0; i + 1 < r->elements; i += 2) {
             const redisReply *k = r->element[i], *v = r->element[i + 1];
@@ -274,7 +275,7 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
         if (take_time_sample(s, r, s->time_tries++ == 0) != 0) {
             char msg[300];
             snprintf(msg, sizeof(msg), "TIME failed: %s",
-                     r && r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+                     r != NULL && r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
             relay_sink_abort(s, msg);
             return;
         }
@@ -296,7 +297,7 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
                                       "UNLINK and CLIENT SETNAME"
                                     : "";
         snprintf(msg, sizeof(msg), "%s failed: %s%s", step,
-                 r ? r->str : (ac->errstr[0] ? ac->errstr : "connection closed"), hint);
+                 r != NULL ? r->str : (ac->errstr[0] ? ac->errstr : "connection closed"), hint);
         relay_sink_abort(s, msg);
         return;
     }
@@ -337,8 +338,8 @@ static void send_time(struct relay_sink *s, void *privdata)
     const char *argv[1] = {"TIME"};
     size_t lens[1] = {4};
     s->time_sent = mono_now();
-    redisAsyncCommandArgv(s->ac, privdata ? on_setup_reply : on_time_reply, privdata, 1, argv,
-                          lens);
+    redisAsyncCommandArgv(s->ac, privdata != NULL ? on_setup_reply : on_time_reply, privdata, 1,
+                          argv, lens);
 }
 
 void relay_sink_sync_clock(struct relay_sink *s)

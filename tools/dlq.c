@@ -361,11 +361,12 @@ static void list_entry(struct dlq_ctx *d, const redisReply *e)
     relay_tools_put_column(d->out, e->element[0]->str, e->element[0]->len, 20, 0);
     for (size_t k = 0; k < RELAY_ARRAY_LEN(cols); k++) {
         const redisReply *v = entry_field(e, cols[k].field);
-        relay_tools_put_column(d->out, v ? v->str : "-", v ? v->len : 1, cols[k].width,
-                               cols[k].max);
+        relay_tools_put_column(d->out, v != NULL ? v->str : "-", v != NULL ? v->len : 1,
+                               cols[k].width, cols[k].max);
     }
     const redisReply *err = entry_field(e, RELAY_DLQ_FIELD_ERROR);
-    relay_tools_put_escaped(d->out, err ? err->str : "-", err ? err->len : 1, DLQ_ERROR_COLS, 0);
+    relay_tools_put_escaped(d->out, err != NULL ? err->str : "-", err != NULL ? err->len : 1,
+                            DLQ_ERROR_COLS, 0);
     fputc('\n', d->out);
 }
 

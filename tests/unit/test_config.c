@@ -43,14 +43,14 @@ void config_format_duration(uint32_t ms, char *out, size_t outlen);
  */
 static char **strv(const char *first, ...)
 {
-    char **v = calloc(16, sizeof *v);
+    char **v = calloc(16, sizeof(*v));
     const char *s = first;
     size_t n = 0;
     va_list ap;
 
     assert_non_null(v);
     va_start(ap, first);
-    while (s) {
+    while (s != NULL) {
         assert_true(n < 15);
         v[n] = strdup(s);
         assert_non_null(v[n]);
@@ -65,7 +65,7 @@ static int strv_len(char **v)
 {
     int n = 0;
 
-    while (v[n])
+    while (v[n] != NULL)
         n++;
     return n;
 }
@@ -74,7 +74,7 @@ static void strv_free(char **v)
 {
     size_t i;
 
-    for (i = 0; v && v[i]; i++)
+    for (i = 0; v != NULL && v[i] != NULL; i++)
         free(v[i]);
     free(v);
 }
@@ -100,7 +100,7 @@ static void expect_load_error(const char *path, char **envp, char **argv, const 
     struct relay_config cfg;
     char err[ERRLEN];
 
-    assert_int_equal(load(&cfg, path, envp, argv ? strv_len(argv) : 0, argv, err), -1);
+    assert_int_equal(load(&cfg, path, envp, argv != NULL ? strv_len(argv) : 0, argv, err), -1);
     assert_string_equal(err, want);
     relay_config_free(&cfg);
     strv_free(envp);
@@ -162,9 +162,9 @@ static char *slurp(const char *path)
     size_t n;
     FILE *f = fopen(path, "r");
 
-    if (!f)
+    if (f == NULL)
         return NULL;
-    n = fread(buf, 1, sizeof buf - 1, f);
+    n = fread(buf, 1, sizeof(buf) - 1, f);
     fclose(f);
     buf[n] = '\0';
     return strdup(buf);
@@ -190,7 +190,7 @@ static void test_bad_config_table(void **state)
         }
     }
     closedir(d);
-    qsort(names, count, sizeof names[0], cmp_names);
+    qsort(names, count, sizeof(names[0]), cmp_names);
     assert_true(count >= 15);
 
     for (i = 0; i < count; i++) {
@@ -198,16 +198,16 @@ static void test_bad_config_table(void **state)
         char err[ERRLEN], errpath[300], *want, *nl;
         int rc;
 
-        snprintf(errpath, sizeof errpath, "%.*s.err", (int)(strlen(names[i]) - 5), names[i]);
+        snprintf(errpath, sizeof(errpath), "%.*s.err", (int)(strlen(names[i]) - 5), names[i]);
         want = slurp(errpath);
-        if (!want) {
+        if (want == NULL) {
             print_error("%s: no %s next to it\n", names[i], errpath);
             failures++;
             free(names[i]);
             continue;
         }
         nl = strchr(want, '\n');
-        if (!nl || nl[1] != '\0') {
+        if (nl == NULL || nl[1] != '\0') {
             print_error("%s: must hold exactly one line ending in a newline\n", errpath);
             failures++;
         } else {
@@ -219,7 +219,7 @@ static void test_bad_config_table(void **state)
             failures++;
         }
         /* Whatever went wrong, a password never reaches the message. */
-        if (strstr(err, "hunter2") || strstr(err, "secret")) {
+        if (strstr(err, "hunter2") != NULL || strstr(err, "secret") != NULL) {
             print_error("%s: message leaks a password: %s\n", names[i], err);
             failures++;
         }
@@ -378,30 +378,30 @@ static void test_set_names_origin_once(void **state)
 
     (void)state;
     relay_config_init(&cfg);
-    assert_int_equal(relay_config_set(&cfg, "relay.conf:12", "batch_size", "0", err, sizeof err),
+    assert_int_equal(relay_config_set(&cfg, "relay.conf:12", "batch_size", "0", err, sizeof(err)),
                      -1);
     assert_string_equal(err, "relay.conf:12: batch_size = \"0\": must be between 1 and 10000");
     assert_int_equal(relay_config_set(&cfg, "environment: OUTBOX_RELAY_BATCH_SIZE", "batch_size",
-                                      "0", err, sizeof err),
+                                      "0", err, sizeof(err)),
                      -1);
     assert_string_equal(
         err, "environment: OUTBOX_RELAY_BATCH_SIZE = \"0\": must be between 1 and 10000");
     assert_int_equal(
-        relay_config_set(&cfg, "command line: --batch-size", "batch_size", "0", err, sizeof err),
+        relay_config_set(&cfg, "command line: --batch-size", "batch_size", "0", err, sizeof(err)),
         -1);
     assert_string_equal(err, "command line: --batch-size = \"0\": must be between 1 and 10000");
-    assert_int_equal(relay_config_set(&cfg, "reload", "batchsize", "5", err, sizeof err), -1);
+    assert_int_equal(relay_config_set(&cfg, "reload", "batchsize", "5", err, sizeof(err)), -1);
     assert_string_equal(err, "reload: unknown key \"batchsize\" (did you mean \"batch_size\"?)");
 
     /* Setting a string twice frees the first copy (ASan's leak check sees it). */
-    assert_int_equal(relay_config_set(&cfg, "t", "stream_prefix", "a", err, sizeof err), 0);
-    assert_int_equal(relay_config_set(&cfg, "t", "stream_prefix", "b", err, sizeof err), 0);
+    assert_int_equal(relay_config_set(&cfg, "t", "stream_prefix", "a", err, sizeof(err)), 0);
+    assert_int_equal(relay_config_set(&cfg, "t", "stream_prefix", "b", err, sizeof(err)), 0);
     assert_string_equal(cfg.stream_prefix, "b");
-    assert_int_equal(relay_config_set(&cfg, "t", "log_level", "Error", err, sizeof err), 0);
+    assert_int_equal(relay_config_set(&cfg, "t", "log_level", "Error", err, sizeof(err)), 0);
     assert_int_equal(cfg.log_level, RELAY_LOG_ERROR);
 
     /* A failed set leaves the old value in place. */
-    assert_int_equal(relay_config_set(&cfg, "t", "stream_prefix", "a b", err, sizeof err), -1);
+    assert_int_equal(relay_config_set(&cfg, "t", "stream_prefix", "a b", err, sizeof(err)), -1);
     assert_string_equal(cfg.stream_prefix, "b");
     relay_config_free(&cfg);
 }
@@ -467,17 +467,17 @@ static void test_format_duration(void **state)
     char buf[32];
 
     (void)state;
-    config_format_duration(0, buf, sizeof buf);
+    config_format_duration(0, buf, sizeof(buf));
     assert_string_equal(buf, "0ms");
-    config_format_duration(1500, buf, sizeof buf);
+    config_format_duration(1500, buf, sizeof(buf));
     assert_string_equal(buf, "1500ms");
-    config_format_duration(60000, buf, sizeof buf);
+    config_format_duration(60000, buf, sizeof(buf));
     assert_string_equal(buf, "1m");
-    config_format_duration(90000, buf, sizeof buf);
+    config_format_duration(90000, buf, sizeof(buf));
     assert_string_equal(buf, "90s");
-    config_format_duration(30u * 86400000u, buf, sizeof buf);
+    config_format_duration(30u * 86400000u, buf, sizeof(buf));
     assert_string_equal(buf, "30d");
-    config_format_duration(7200000, buf, sizeof buf);
+    config_format_duration(7200000, buf, sizeof(buf));
     assert_string_equal(buf, "2h");
 }
 
@@ -522,9 +522,9 @@ static void test_parse_line(void **state)
         char *key = NULL, *value = NULL;
         int rc;
 
-        snprintf(line, sizeof line, "%s", cases[i].line);
+        snprintf(line, sizeof(line), "%s", cases[i].line);
         rule[0] = '\0';
-        rc = config_parse_line(line, &key, &value, rule, sizeof rule);
+        rc = config_parse_line(line, &key, &value, rule, sizeof(rule));
         if (rc != cases[i].rc)
             fail_msg("line \"%s\": rc %d, want %d (%s)", cases[i].line, rc, cases[i].rc, rule);
         if (rc == 1) {
@@ -561,7 +561,7 @@ static void test_redact(void **state)
 
     (void)state;
     for (i = 0; i < RELAY_ARRAY_LEN(cases); i++) {
-        relay_config_redact(cases[i].in, out, sizeof out);
+        relay_config_redact(cases[i].in, out, sizeof(out));
         assert_string_equal(out, cases[i].out);
     }
     /* Truncation keeps the NUL and never shows what was cut off. */
@@ -569,7 +569,7 @@ static void test_redact(void **state)
     assert_string_equal(out, "redis://u:*");
     relay_config_redact("password=secret", out, 1);
     assert_string_equal(out, "");
-    relay_config_redact(NULL, out, sizeof out);
+    relay_config_redact(NULL, out, sizeof(out));
     assert_string_equal(out, "");
 }
 
@@ -597,7 +597,7 @@ static void test_url_parse_valid(void **state)
     (void)state;
     for (i = 0; i < RELAY_ARRAY_LEN(cases); i++) {
         err[0] = '\0';
-        if (relay_url_parse(cases[i].url, &u, err, sizeof err) != 0)
+        if (relay_url_parse(cases[i].url, &u, err, sizeof(err)) != 0)
             fail_msg("%s: %s", cases[i].url, err);
         assert_string_equal(u.host, cases[i].host);
         assert_string_equal(u.user, cases[i].user);
@@ -642,7 +642,7 @@ static void test_url_parse_invalid(void **state)
 
     (void)state;
     for (i = 0; i < RELAY_ARRAY_LEN(cases); i++) {
-        assert_int_equal(relay_url_parse(cases[i].url, &u, err, sizeof err), -1);
+        assert_int_equal(relay_url_parse(cases[i].url, &u, err, sizeof(err)), -1);
         assert_string_equal(err, cases[i].err);
         assert_null(strstr(err, "hunter2"));
     }
@@ -654,18 +654,18 @@ static void test_url_size_caps(void **state)
     struct relay_redis_url u;
 
     (void)state;
-    snprintf(url, sizeof url, "redis://%0256d", 0);
-    assert_int_equal(relay_url_parse(url, &u, err, sizeof err), -1);
+    snprintf(url, sizeof(url), "redis://%0256d", 0);
+    assert_int_equal(relay_url_parse(url, &u, err, sizeof(err)), -1);
     assert_string_equal(err, "host is longer than 255 bytes");
-    snprintf(url, sizeof url, "redis://%0255d", 0);
-    assert_int_equal(relay_url_parse(url, &u, err, sizeof err), 0);
+    snprintf(url, sizeof(url), "redis://%0255d", 0);
+    assert_int_equal(relay_url_parse(url, &u, err, sizeof(err)), 0);
     assert_int_equal(strlen(u.host), 255);
 
-    snprintf(url, sizeof url, "redis://:%0256d@h", 0);
-    assert_int_equal(relay_url_parse(url, &u, err, sizeof err), -1);
+    snprintf(url, sizeof(url), "redis://:%0256d@h", 0);
+    assert_int_equal(relay_url_parse(url, &u, err, sizeof(err)), -1);
     assert_string_equal(err, "the password is longer than 255 bytes");
-    snprintf(url, sizeof url, "redis://%0128d@h", 0);
-    assert_int_equal(relay_url_parse(url, &u, err, sizeof err), -1);
+    snprintf(url, sizeof(url), "redis://%0128d@h", 0);
+    assert_int_equal(relay_url_parse(url, &u, err, sizeof(err)), -1);
     assert_string_equal(err, "the user name is longer than 127 bytes");
 }
 
@@ -679,7 +679,7 @@ static void test_password_file(void **state)
     assert_string_equal(cfg.redis_url.user, "relay");
     assert_string_equal(cfg.redis_url.password, "from file p@ss");
     /* Validating again starts from the URL and reads the file again. */
-    assert_int_equal(relay_config_validate(&cfg, err, sizeof err), 0);
+    assert_int_equal(relay_config_validate(&cfg, err, sizeof(err)), 0);
     assert_string_equal(cfg.redis_url.password, "from file p@ss");
     relay_config_free(&cfg);
 }
@@ -693,7 +693,7 @@ static void test_dump_redacts(void **state)
 
     (void)state;
     assert_int_equal(load(&cfg, NULL, envp, 0, NULL, err), 0);
-    relay_config_dump(&cfg, out, sizeof out);
+    relay_config_dump(&cfg, out, sizeof(out));
     assert_null(strstr(out, "secret"));
     assert_non_null(strstr(out, "postgres = \"host=db password=***\"\n"));
     assert_non_null(strstr(out, "redis = \"redis://u:***@cache:6380/1\"\n"));
@@ -729,11 +729,11 @@ static void test_help_lists_every_key(void **state)
     size_t i;
 
     (void)state;
-    relay_config_help(out, sizeof out);
+    relay_config_help(out, sizeof(out));
     for (i = 0; i < RELAY_ARRAY_LEN(want); i++)
-        if (!strstr(out, want[i]))
+        if (strstr(out, want[i]) == NULL)
             fail_msg("help lacks \"%s\":\n%s", want[i], out);
-    assert_true(strlen(out) < sizeof out - 1); /* nothing was cut */
+    assert_true(strlen(out) < sizeof(out) - 1); /* nothing was cut */
 }
 
 static void test_edit_distance(void **state)
@@ -756,16 +756,16 @@ static void test_diff_restart(void **state)
     (void)state;
     assert_int_equal(load(&a, NULL, envp, 0, NULL, err), 0);
     assert_int_equal(load(&b, NULL, envp, 0, NULL, err), 0);
-    assert_int_equal(relay_config_diff_restart(&a, &b, out, sizeof out), 0);
+    assert_int_equal(relay_config_diff_restart(&a, &b, out, sizeof(out)), 0);
     assert_string_equal(out, "");
     relay_config_free(&b);
 
     assert_int_equal(load(&b, NULL, envp, 1, argv, err), 0);
-    assert_int_equal(relay_config_diff_restart(&a, &b, out, sizeof out), 0); /* log_level only */
+    assert_int_equal(relay_config_diff_restart(&a, &b, out, sizeof(out)), 0); /* log_level only */
     relay_config_free(&b);
 
     assert_int_equal(load(&b, NULL, envp, 3, argv, err), 0);
-    assert_int_equal(relay_config_diff_restart(&a, &b, out, sizeof out), 2);
+    assert_int_equal(relay_config_diff_restart(&a, &b, out, sizeof(out)), 2);
     assert_string_equal(out, "redis, batch_size");
     relay_config_free(&b);
     relay_config_free(&a);
