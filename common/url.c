@@ -82,19 +82,152 @@ static int url_pct_decode(const char *s, size_t n, char *out, size_t cap)
     return 0;
 }
 
+static const char url_shape[] = "use redis://[user:password@]host[:port][/db]";
+
+/*
+ * The userinfo at p, if the URL has one: it ends at the last '@' (a raw '@'
+ * in a password is a common slip). It must not contain a character that ends
+ * the authority, or the URL means something else than it seems: ask for
+ * percent-encoding instead. No message here ever echoes the userinfo.
+ * Returns where the host starts, or NULL with err set.
+ */
+static const char *url_userinfo(const char *p, struct relay_redis_url *u, char *err, size_t errlen)
+{
+    const char *at = strrchr(p, '@');
+    if (at == NULL)
+        return p;
+    const char *colon = memchr(p, ':', (size_t)(at - p));
+    const char *uend = colon != NULL ? colon : at;
+    for (const char *q = p; q < at; q++) {
+        if (strchr("/?#[]@", *q) != NULL || (unsigned char)*q <= ' ') {
+            url_err(err, errlen,
+                    "the user name or password has a character that must be "
+                    "percent-encoded (e.g. %%40 for @, %%2F for /)");
+            return NULL;
+        }
+    }
+    int r = url_pct_decode(p, (size_t)(uend - p), u->user, sizeof(u->user));
+    if (r == -2) {
+        url_err(err, errlen, "the user name is longer than %zu bytes", sizeof(u->user) - 1);
+        return NULL;
+    }
+    if (r == 0 && colon != NULL) {
+        r = url_pct_decode(colon + 1, (size_t)(at - colon - 1), u->password, sizeof(u->password));
+        if (r == -2) {
+            url_err(err, errlen, "the password is longer than %zu bytes", sizeof(u->password) - 1);
+            return NULL;
+        }
+    }
+    if (r != 0) {
+        url_err(err, errlen,
+                "bad percent-escape in the user name or password: write %%XX with two hex "
+                "digits (not %%00)");
+        return NULL;
+    }
+    return at + 1;
+}
+
+/* The host at p: a name or IPv4 address, or an IPv6 address in brackets.
+ * Returns what follows it, or NULL with err set. */
+static const char *url_host(const char *p, struct relay_redis_url *u, char *err, size_t errlen)
+{
+    const char *host, *hend;
+    if (*p == '[') {
+        host = p + 1;
+        hend = strchr(host, ']');
+        if (hend == NULL) {
+            url_err(err, errlen,
+                    "IPv6 address has no closing \"]\": write it as redis://[::1]:6379");
+            return NULL;
+        }
+        for (const char *q = host; q < hend; q++) {
+            if (!isxdigit((unsigned char)*q) && *q != ':' && *q != '.') {
+                url_err(err, errlen,
+                        "IPv6 address \"%.*s\" has a character that is not allowed: use hex "
+                        "digits, ':' and '.'",
+                        (int)((size_t)(hend - host) > 64 ? 64 : (size_t)(hend - host)), host);
+                return NULL;
+            }
+        }
+        p = hend + 1;
+        if (*p != '\0' && *p != ':' && *p != '/' && *p != '?') {
+            url_err(err, errlen, "unexpected text after \"]\": %s", url_shape);
+            return NULL;
+        }
+    } else {
+        host = p;
+        hend = host + strcspn(host, ":/?#");
+        for (const char *q = host; q < hend; q++) {
+            if (!isalnum((unsigned char)*q) && *q != '-' && *q != '.' && *q != '_') {
+                url_err(err, errlen,
+                        "host has a character that is not allowed: use a host name, an IPv4 "
+                        "address or an IPv6 address in [brackets]");
+                return NULL;
+            }
+        }
+        p = hend;
+    }
+    size_t hlen = (size_t)(hend - host);
+    if (hlen == 0) {
+        url_err(err, errlen, "host is missing: %s", url_shape);
+        return NULL;
+    }
+    if (hlen >= sizeof(u->host)) {
+        url_err(err, errlen, "host is longer than %zu bytes", sizeof(u->host) - 1);
+        return NULL;
+    }
+    snprintf(u->host, sizeof(u->host), "%.*s", (int)hlen, host);
+    return p;
+}
+
+/* ":port" and "/db" at p, each optional, and nothing after them.
+ * 0, or -1 with err set. */
+static int url_port_db(const char *p, struct relay_redis_url *u, char *err, size_t errlen)
+{
+    uint64_t v;
+    const char *q;
+    if (*p == ':') {
+        const char *pend = p + 1 + strcspn(p + 1, "/?#");
+        int plen = (int)((size_t)(pend - p - 1) > 16 ? 16 : (size_t)(pend - p - 1));
+        if (relay_parse_digits(p + 1, &v, &q) != 0 || q != pend || v < 1 || v > 65535) {
+            url_err(err, errlen, "port \"%.*s\" must be a number between 1 and 65535", plen, p + 1);
+            return -1;
+        }
+        u->port = (int)v;
+        p = pend;
+    }
+    if (*p == '/') {
+        const char *dend = p + 1 + strcspn(p + 1, "?#");
+        int dlen = (int)((size_t)(dend - p - 1) > 16 ? 16 : (size_t)(dend - p - 1));
+        if (dend != p + 1) { /* "redis://host/" means database 0 */
+            if (relay_parse_digits(p + 1, &v, &q) != 0 || q != dend || v > RELAY_URL_DB_MAX) {
+                url_err(err, errlen, "database \"%.*s\" must be a number between 0 and %d", dlen,
+                        p + 1, RELAY_URL_DB_MAX);
+                return -1;
+            }
+            u->db = (int)v;
+        }
+        p = dend;
+    }
+    if (*p == '?' || *p == '#') {
+        url_err(err, errlen, "options after \"%c\" are not supported: remove them and %s", *p,
+                url_shape);
+        return -1;
+    }
+    if (*p != '\0') {
+        url_err(err, errlen, "unexpected text after the host: %s", url_shape);
+        return -1;
+    }
+    return 0;
+}
+
 int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, size_t errlen)
 {
-    static const char shape[] = "use redis://[user:password@]host[:port][/db]";
     struct relay_redis_url u;
-    const char *p, *at, *host, *hend, *q;
-    uint64_t v;
-    size_t hlen;
-    int r;
-
     memset(&u, 0, sizeof(u));
     u.port = 6379;
     if (url == NULL || url[0] == '\0') {
-        url_err(err, errlen, "is empty: %s", shape);
+        url_err(err, errlen, "is empty: %s", url_shape);
         return -1;
     }
     if (strncasecmp(url, "rediss://", 9) == 0) {
@@ -104,133 +237,14 @@ int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, siz
         return -1;
     }
     if (strncasecmp(url, "redis://", 8) != 0) {
-        url_err(err, errlen, "must start with redis://: %s", shape);
+        url_err(err, errlen, "must start with redis://: %s", url_shape);
         return -1;
     }
-    p = url + 8;
-
-    /*
-     * The userinfo ends at the last '@' (a raw '@' in a password is a common
-     * slip). It must not contain a character that ends the authority, or the
-     * URL means something else than it seems: ask for percent-encoding instead.
-     * No message here ever echoes the userinfo.
-     */
-    at = strrchr(p, '@');
-    if (at != NULL) {
-        const char *colon = memchr(p, ':', (size_t)(at - p));
-        const char *uend = colon != NULL ? colon : at;
-
-        for (q = p; q < at; q++) {
-            if (strchr("/?#[]@", *q) != NULL || (unsigned char)*q <= ' ') {
-                url_err(err, errlen,
-                        "the user name or password has a character that must be "
-                        "percent-encoded (e.g. %%40 for @, %%2F for /)");
-                return -1;
-            }
-        }
-        r = url_pct_decode(p, (size_t)(uend - p), u.user, sizeof(u.user));
-        if (r == -2) {
-            url_err(err, errlen, "the user name is longer than %zu bytes", sizeof(u.user) - 1);
-            return -1;
-        }
-        if (r == 0 && colon != NULL) {
-            r = url_pct_decode(colon + 1, (size_t)(at - colon - 1), u.password, sizeof(u.password));
-            if (r == -2) {
-                url_err(err, errlen, "the password is longer than %zu bytes",
-                        sizeof(u.password) - 1);
-                return -1;
-            }
-        }
-        if (r != 0) {
-            url_err(err, errlen,
-                    "bad percent-escape in the user name or password: write %%XX with two hex "
-                    "digits (not %%00)");
-            return -1;
-        }
-        p = at + 1;
-    }
-
-    /* Host: a name or IPv4 address, or an IPv6 address in brackets. */
-    if (*p == '[') {
-        host = p + 1;
-        hend = strchr(host, ']');
-        if (hend == NULL) {
-            url_err(err, errlen,
-                    "IPv6 address has no closing \"]\": write it as redis://[::1]:6379");
-            return -1;
-        }
-        for (q = host; q < hend; q++) {
-            if (!isxdigit((unsigned char)*q) && *q != ':' && *q != '.') {
-                url_err(err, errlen,
-                        "IPv6 address \"%.*s\" has a character that is not allowed: use hex "
-                        "digits, ':' and '.'",
-                        (int)((size_t)(hend - host) > 64 ? 64 : (size_t)(hend - host)), host);
-                return -1;
-            }
-        }
-        p = hend + 1;
-        if (*p != '\0' && *p != ':' && *p != '/' && *p != '?') {
-            url_err(err, errlen, "unexpected text after \"]\": %s", shape);
-            return -1;
-        }
-    } else {
-        host = p;
-        hend = host + strcspn(host, ":/?#");
-        for (q = host; q < hend; q++) {
-            if (!isalnum((unsigned char)*q) && *q != '-' && *q != '.' && *q != '_') {
-                url_err(err, errlen,
-                        "host has a character that is not allowed: use a host name, an IPv4 "
-                        "address or an IPv6 address in [brackets]");
-                return -1;
-            }
-        }
-        p = hend;
-    }
-    hlen = (size_t)(hend - host);
-    if (hlen == 0) {
-        url_err(err, errlen, "host is missing: %s", shape);
+    const char *p = url_userinfo(url + 8, &u, err, errlen);
+    if (p != NULL)
+        p = url_host(p, &u, err, errlen);
+    if (p == NULL || url_port_db(p, &u, err, errlen) != 0)
         return -1;
-    }
-    if (hlen >= sizeof(u.host)) {
-        url_err(err, errlen, "host is longer than %zu bytes", sizeof(u.host) - 1);
-        return -1;
-    }
-    snprintf(u.host, sizeof(u.host), "%.*s", (int)hlen, host);
-
-    if (*p == ':') {
-        const char *pend = p + 1 + strcspn(p + 1, "/?#");
-        int plen = (int)((size_t)(pend - p - 1) > 16 ? 16 : (size_t)(pend - p - 1));
-        r = relay_parse_digits(p + 1, &v, &q);
-        if (r != 0 || q != pend || v < 1 || v > 65535) {
-            url_err(err, errlen, "port \"%.*s\" must be a number between 1 and 65535", plen, p + 1);
-            return -1;
-        }
-        u.port = (int)v;
-        p = pend;
-    }
-    if (*p == '/') {
-        const char *dend = p + 1 + strcspn(p + 1, "?#");
-        int dlen = (int)((size_t)(dend - p - 1) > 16 ? 16 : (size_t)(dend - p - 1));
-        if (dend != p + 1) { /* "redis://host/" means database 0 */
-            r = relay_parse_digits(p + 1, &v, &q);
-            if (r != 0 || q != dend || v > RELAY_URL_DB_MAX) {
-                url_err(err, errlen, "database \"%.*s\" must be a number between 0 and %d", dlen,
-                        p + 1, RELAY_URL_DB_MAX);
-                return -1;
-            }
-            u.db = (int)v;
-        }
-        p = dend;
-    }
-    if (*p == '?' || *p == '#') {
-        url_err(err, errlen, "options after \"%c\" are not supported: remove them and %s", *p,
-                shape);
-        return -1;
-    }
-    if (*p != '\0') {
-        url_err(err, errlen, "unexpected text after the host: %s", shape);
-        return -1;
-    }
     *out = u;
     return 0;
 }

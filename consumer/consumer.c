@@ -562,61 +562,80 @@ static void rfc3339_now(char *out, size_t outlen)
  * stays pending and a later pass delivers it again). A lost entry is no
  * longer pending, so a refused "lost" record is not tried again.
  */
-static int dead_letter(struct relay_consumer *c, const char *stream, const char *entry_id,
-                       const redisReply *fields, const char *reason, const char *error,
-                       uint32_t deliveries)
+/* A command's arguments as it is built. */
+struct argv_buf {
+    const char **argv;
+    size_t *lens;
+    int argc;
+};
+
+static void arg_add(struct argv_buf *a, const char *s, size_t len)
 {
-    size_t nf = fields != NULL && fields->type == REDIS_REPLY_ARRAY ? fields->elements : 0;
-    size_t argc_max = 7 + nf + 16;
-    const char **argv = calloc(argc_max, sizeof(*argv));
-    size_t *lens = calloc(argc_max, sizeof(*lens));
-    int rc = -1;
-    if (argv == NULL || lens == NULL) {
-        set_error(c, RELAY_CONSUMER_ERR_OOM, "out of memory for a dead letter");
-        emit(c, RELAY_CONSUMER_LOG_ERROR,
-             "dead-lettering %s %s failed: out of memory; the entry stays pending", stream,
-             entry_id);
-        goto out;
-    }
-    int argc = 0;
-#define ARG(s, l) (argv[argc] = (s), lens[argc] = (l), argc++)
-    ARG("FCALL", 5);
-    ARG(RELAY_CONSUMER_FUNCTION_DEAD_LETTER, strlen(RELAY_CONSUMER_FUNCTION_DEAD_LETTER));
-    ARG("2", 1);
-    ARG(c->dlq, strlen(c->dlq));
-    ARG(stream, strlen(stream));
-    ARG(c->group, strlen(c->group));
-    ARG(entry_id, strlen(entry_id));
+    a->argv[a->argc] = s;
+    a->lens[a->argc] = len;
+    a->argc++;
+}
+
+static void arg_str(struct argv_buf *a, const char *s)
+{
+    arg_add(a, s, strlen(s));
+}
+
+/* FCALL of the dead-letter function for one entry: the entry's own fields
+ * (not its "dlq." ones), then the dead-letter fields. count and when are the
+ * caller's buffers, alive until the command is sent. a has room for
+ * 7 + the fields + 16 arguments. */
+static void dead_letter_args(struct argv_buf *a, const struct relay_consumer *c, const char *stream,
+                             const char *entry_id, const redisReply *fields, size_t nf,
+                             const char *reason, const char *error, const char *count,
+                             const char *when)
+{
+    arg_str(a, "FCALL");
+    arg_str(a, RELAY_CONSUMER_FUNCTION_DEAD_LETTER);
+    arg_str(a, "2");
+    arg_str(a, c->dlq);
+    arg_str(a, stream);
+    arg_str(a, c->group);
+    arg_str(a, entry_id);
     for (size_t i = 0; i + 1 < nf; i += 2) {
         const redisReply *k = fields->element[i], *v = fields->element[i + 1];
         if (k->type != REDIS_REPLY_STRING || v->type != REDIS_REPLY_STRING)
             continue;
         if (strncmp(k->str, "dlq.", 4) == 0)
             continue; /* a replayed entry carries none, but never copy them twice */
-        ARG(k->str, k->len);
-        ARG(v->str, v->len);
+        arg_add(a, k->str, k->len);
+        arg_add(a, v->str, v->len);
+    }
+    const char *const tail[] = {
+        RELAY_DLQ_FIELD_STREAM,     stream,      RELAY_DLQ_FIELD_GROUP,  c->group,
+        RELAY_DLQ_FIELD_CONSUMER,   c->consumer, RELAY_DLQ_FIELD_ENTRY,  entry_id,
+        RELAY_DLQ_FIELD_DELIVERIES, count,       RELAY_DLQ_FIELD_REASON, reason,
+        RELAY_DLQ_FIELD_ERROR,      error,       RELAY_DLQ_FIELD_TIME,   when,
+    };
+    for (size_t i = 0; i < sizeof(tail) / sizeof(tail[0]); i++)
+        arg_str(a, tail[i]);
+}
+
+static int dead_letter(struct relay_consumer *c, const char *stream, const char *entry_id,
+                       const redisReply *fields, const char *reason, const char *error,
+                       uint32_t deliveries)
+{
+    size_t nf = fields != NULL && fields->type == REDIS_REPLY_ARRAY ? fields->elements : 0;
+    size_t argc_max = 7 + nf + 16;
+    struct argv_buf a = {calloc(argc_max, sizeof(*a.argv)), calloc(argc_max, sizeof(*a.lens)), 0};
+    int rc = -1;
+    if (a.argv == NULL || a.lens == NULL) {
+        set_error(c, RELAY_CONSUMER_ERR_OOM, "out of memory for a dead letter");
+        emit(c, RELAY_CONSUMER_LOG_ERROR,
+             "dead-lettering %s %s failed: out of memory; the entry stays pending", stream,
+             entry_id);
+        goto out;
     }
     char count[16], when[40];
     snprintf(count, sizeof(count), "%u", deliveries);
     rfc3339_now(when, sizeof(when));
-    ARG(RELAY_DLQ_FIELD_STREAM, strlen(RELAY_DLQ_FIELD_STREAM));
-    ARG(stream, strlen(stream));
-    ARG(RELAY_DLQ_FIELD_GROUP, strlen(RELAY_DLQ_FIELD_GROUP));
-    ARG(c->group, strlen(c->group));
-    ARG(RELAY_DLQ_FIELD_CONSUMER, strlen(RELAY_DLQ_FIELD_CONSUMER));
-    ARG(c->consumer, strlen(c->consumer));
-    ARG(RELAY_DLQ_FIELD_ENTRY, strlen(RELAY_DLQ_FIELD_ENTRY));
-    ARG(entry_id, strlen(entry_id));
-    ARG(RELAY_DLQ_FIELD_DELIVERIES, strlen(RELAY_DLQ_FIELD_DELIVERIES));
-    ARG(count, strlen(count));
-    ARG(RELAY_DLQ_FIELD_REASON, strlen(RELAY_DLQ_FIELD_REASON));
-    ARG(reason, strlen(reason));
-    ARG(RELAY_DLQ_FIELD_ERROR, strlen(RELAY_DLQ_FIELD_ERROR));
-    ARG(error, strlen(error));
-    ARG(RELAY_DLQ_FIELD_TIME, strlen(RELAY_DLQ_FIELD_TIME));
-    ARG(when, strlen(when));
-#undef ARG
-    redisReply *r = command(c->wr, argc, argv, lens);
+    dead_letter_args(&a, c, stream, entry_id, fields, nf, reason, error, count, when);
+    redisReply *r = command(c->wr, a.argc, a.argv, a.lens);
     if (r == NULL) {
         problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while dead-lettering %s %s: %s",
                 stream, entry_id, c->wr->errstr);
@@ -645,8 +664,8 @@ static int dead_letter(struct relay_consumer *c, const char *stream, const char 
     }
     freeReplyObject(r);
 out:
-    free(argv);
-    free(lens);
+    free(a.argv);
+    free(a.lens);
     return rc;
 }
 

@@ -156,6 +156,44 @@ struct row_headers {
     size_t name_lens[RELAY_HEADERS_MAX], value_lens[RELAY_HEADERS_MAX];
 };
 
+/* The row's headers, decoded into h: 0, or -1 with err set. */
+static int check_headers(const struct relay_row *row, struct row_headers *h, char *err,
+                         size_t errlen)
+{
+    if (strcmp(row->headers_type, "object") != 0)
+        return set_error(err, errlen,
+                         "headers must be a JSON object of name/value pairs, not a JSON %.*s; "
+                         "fix the producer, then re-queue the row",
+                         (int)strlen(row->headers_type), row->headers_type);
+    h->n = relay_batch_decode_text_array(row->header_names, row->header_names_len, h->names,
+                                         h->name_lens, RELAY_HEADERS_MAX);
+    int nvalues = relay_batch_decode_text_array(row->header_values, row->header_values_len,
+                                                h->values, h->value_lens, RELAY_HEADERS_MAX);
+    if (h->n < 0 || nvalues != h->n) {
+        h->n = 0;
+        snprintf(err, errlen,
+                 "headers cannot be encoded: at most %d headers are allowed; reduce them in "
+                 "the producer, then re-queue the row",
+                 RELAY_HEADERS_MAX);
+        return -1;
+    }
+    for (int i = 0; i < h->n; i++) {
+        if (h->name_lens[i] == 0 || h->name_lens[i] > RELAY_HEADER_NAME_MAX)
+            return set_error(err, errlen,
+                             "header name \"%.*s\" cannot be encoded: names are 1 to 128 "
+                             "bytes; fix the producer, then re-queue the row",
+                             (int)relay_batch_utf8_prefix(h->names[i], h->name_lens[i], 64),
+                             h->names[i]);
+        if (h->value_lens[i] > RELAY_HEADER_VALUE_MAX)
+            return set_error(err, errlen,
+                             "value of header \"%.*s\" exceeds 8192 bytes; shorten it in "
+                             "the producer, then re-queue the row",
+                             (int)relay_batch_utf8_prefix(h->names[i], h->name_lens[i], 64),
+                             h->names[i]);
+    }
+    return 0;
+}
+
 /*
  * Every rule a row must pass before it can be published, in the order they
  * are reported, for both ways of building its command. Fills h and the
@@ -197,39 +235,8 @@ static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t ma
         return -1;
     }
 
-    if (row->headers_type != NULL) {
-        if (strcmp(row->headers_type, "object") != 0)
-            return set_error(err, errlen,
-                             "headers must be a JSON object of name/value pairs, not a JSON %.*s; "
-                             "fix the producer, then re-queue the row",
-                             (int)strlen(row->headers_type), row->headers_type);
-        h->n = relay_batch_decode_text_array(row->header_names, row->header_names_len, h->names,
-                                             h->name_lens, RELAY_HEADERS_MAX);
-        int nvalues = relay_batch_decode_text_array(row->header_values, row->header_values_len,
-                                                    h->values, h->value_lens, RELAY_HEADERS_MAX);
-        if (h->n < 0 || nvalues != h->n) {
-            h->n = 0;
-            snprintf(err, errlen,
-                     "headers cannot be encoded: at most %d headers are allowed; reduce them in "
-                     "the producer, then re-queue the row",
-                     RELAY_HEADERS_MAX);
-            return -1;
-        }
-        for (int i = 0; i < h->n; i++) {
-            if (h->name_lens[i] == 0 || h->name_lens[i] > RELAY_HEADER_NAME_MAX)
-                return set_error(err, errlen,
-                                 "header name \"%.*s\" cannot be encoded: names are 1 to 128 "
-                                 "bytes; fix the producer, then re-queue the row",
-                                 (int)relay_batch_utf8_prefix(h->names[i], h->name_lens[i], 64),
-                                 h->names[i]);
-            if (h->value_lens[i] > RELAY_HEADER_VALUE_MAX)
-                return set_error(err, errlen,
-                                 "value of header \"%.*s\" exceeds 8192 bytes; shorten it in "
-                                 "the producer, then re-queue the row",
-                                 (int)relay_batch_utf8_prefix(h->names[i], h->name_lens[i], 64),
-                                 h->names[i]);
-        }
-    }
+    if (row->headers_type != NULL && check_headers(row, h, err, errlen) < 0)
+        return -1;
 
     /* "<prefix><topic>" and "{<stream>}:dedup:<message id>" must fit the
      * buffers relay_batch_build_publish formats them into (with their NUL). */

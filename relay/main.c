@@ -77,94 +77,92 @@ static void block_signals(int how)
     sigprocmask(how, &set, NULL);
 }
 
-int main(int argc, char **argv)
-{
-    block_signals(SIG_BLOCK);
-    const char *config_path = NULL;
-    int check_only = 0;
-    int tool_argc = 0;
-    char **tool_argv = NULL;
-    char **overrides = calloc((size_t)argc + 1, sizeof(*overrides));
-    int noverrides = 0;
-    if (overrides == NULL)
-        return RELAY_EX_OSERR;
+/* What the command line asks for. */
+struct cmdline {
+    const char *config_path;
+    int check_only;
+    int tool_argc; /* an operator command and its arguments, or 0 */
+    char **tool_argv;
+    char **overrides; /* "--key value" or "--key=value" settings, in order */
+    int noverrides;
+};
 
+/* Reads the options into cl (whose overrides holds argc entries). Returns -1
+ * to go on, or the exit code to leave with at once. */
+static int parse_args(int argc, char **argv, struct cmdline *cl)
+{
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
             usage(stdout);
-            free(overrides);
             return RELAY_EX_OK;
         } else if (strcmp(a, "-V") == 0 || strcmp(a, "--version") == 0) {
             printf("outbox-relay %s\n", RELAY_VERSION);
-            free(overrides);
             return RELAY_EX_OK;
         } else if (strcmp(a, "--check-config") == 0) {
-            check_only = 1;
+            cl->check_only = 1;
         } else if (strcmp(a, "-c") == 0 || strcmp(a, "--config") == 0) {
             if (i + 1 >= argc) {
                 fprintf(stderr, "outbox-relay: %s needs a file name; see --help\n", a);
-                free(overrides);
                 return RELAY_EX_USAGE;
             }
-            config_path = argv[++i];
+            cl->config_path = argv[++i];
         } else if (strncmp(a, "--config=", 9) == 0) {
-            config_path = a + 9;
+            cl->config_path = a + 9;
         } else if (strncmp(a, "--", 2) == 0 && a[2] != '\0') {
-            overrides[noverrides++] = argv[i];
+            cl->overrides[cl->noverrides++] = argv[i];
             /* "--key value": the value goes along unless the flag holds '='. */
             if (strchr(a, '=') == NULL && i + 1 < argc)
-                overrides[noverrides++] = argv[++i];
+                cl->overrides[cl->noverrides++] = argv[++i];
         } else if (strcmp(a, "failed") == 0 || strcmp(a, "dlq") == 0 || strcmp(a, "status") == 0) {
-            tool_argc = argc - i;
-            tool_argv = argv + i;
-            break;
+            cl->tool_argc = argc - i;
+            cl->tool_argv = argv + i;
+            return -1;
         } else {
             fprintf(stderr, "outbox-relay: unexpected argument \"%s\"; see --help\n", a);
-            free(overrides);
             return RELAY_EX_USAGE;
         }
     }
+    return -1;
+}
 
-    struct relay_config cfg;
+/* Loads the configuration the command line names into cfg: 0, or the exit
+ * code. Each operator command talks to one server: "failed" to PostgreSQL,
+ * "dlq" to Redis; the other setting gets a placeholder so it is not
+ * demanded. */
+static int load_config(const struct cmdline *cl, struct relay_config *cfg)
+{
     char err[RELAY_CONFIG_ERR_MAX];
-    relay_config_init(&cfg);
-    /* Each operator command talks to one server: "failed" to PostgreSQL, "dlq"
-     * to Redis. The other setting gets a placeholder so it is not demanded. */
-    int is_dlq = tool_argv != NULL && strcmp(tool_argv[0], "dlq") == 0;
-    int is_status = tool_argv != NULL && strcmp(tool_argv[0], "status") == 0;
-    if (tool_argv != NULL && !is_status) {
-        char unused[RELAY_CONFIG_ERR_MAX];
-        if (relay_config_set(&cfg, "default", is_dlq ? "postgres" : "redis",
-                             is_dlq ? "dbname=unused-by-dlq" : "redis://127.0.0.1:6379", unused,
-                             sizeof(unused)) < 0)
+    const char *tool = cl->tool_argv != NULL ? cl->tool_argv[0] : NULL;
+    if (tool != NULL && strcmp(tool, "status") != 0) {
+        int is_dlq = strcmp(tool, "dlq") == 0;
+        if (relay_config_set(cfg, "default", is_dlq ? "postgres" : "redis",
+                             is_dlq ? "dbname=unused-by-dlq" : "redis://127.0.0.1:6379", err,
+                             sizeof(err)) < 0)
             return RELAY_EX_SOFTWARE;
     }
-    if (relay_config_load(&cfg, config_path, environ, noverrides, overrides, err, sizeof(err)) <
-        0) {
+    if (relay_config_load(cfg, cl->config_path, environ, cl->noverrides, cl->overrides, err,
+                          sizeof(err)) < 0) {
         fprintf(stderr, "outbox-relay: %s\n", err);
-        relay_config_free(&cfg);
-        free(overrides);
         return RELAY_EX_CONFIG;
     }
-    relay_log_set_level((enum relay_log_level)cfg.log_level);
-    if (tool_argv != NULL || check_only)
-        block_signals(SIG_UNBLOCK); /* a command line tool stops at once */
-    if (tool_argv != NULL) {
-        int rc = is_dlq      ? relay_tool_dlq(&cfg, tool_argc, tool_argv, stdout, stderr)
-                 : is_status ? relay_tool_status(&cfg, tool_argc, tool_argv, stdout, stderr)
-                             : relay_tool_failed(&cfg, tool_argc, tool_argv, stdout, stderr);
-        relay_config_free(&cfg);
-        free(overrides);
-        return rc;
-    }
-    if (check_only) {
-        printf("configuration OK\n");
-        relay_config_free(&cfg);
-        free(overrides);
-        return RELAY_EX_OK;
-    }
+    return 0;
+}
 
+/* An operator command: its exit code. */
+static int run_tool(const struct cmdline *cl, const struct relay_config *cfg)
+{
+    const char *tool = cl->tool_argv[0];
+    if (strcmp(tool, "dlq") == 0)
+        return relay_tool_dlq(cfg, cl->tool_argc, cl->tool_argv, stdout, stderr);
+    if (strcmp(tool, "status") == 0)
+        return relay_tool_status(cfg, cl->tool_argc, cl->tool_argv, stdout, stderr);
+    return relay_tool_failed(cfg, cl->tool_argc, cl->tool_argv, stdout, stderr);
+}
+
+/* The daemon, until it stops: its exit code. */
+static int run_daemon(const struct cmdline *cl, struct relay_config *cfg)
+{
     /* hiredis 0.14 writes with write(2): a closed peer must not kill us. */
     signal(SIGPIPE, SIG_IGN);
     srandom((unsigned)time(NULL) ^ ((unsigned)getpid() << 16));
@@ -172,16 +170,13 @@ int main(int argc, char **argv)
     struct ev_loop *loop = ev_default_loop(EVFLAG_AUTO);
     if (loop == NULL) {
         fprintf(stderr, "outbox-relay: cannot start the event loop (libev)\n");
-        relay_config_free(&cfg);
-        free(overrides);
         return RELAY_EX_OSERR;
     }
-    struct relay_reload_source reload = {config_path, noverrides, overrides};
-    struct relay *r = relay_new(loop, &cfg, &reload);
+    struct relay_reload_source reload = {cl->config_path, cl->noverrides, cl->overrides};
+    struct relay *r = relay_new(loop, cfg, &reload);
     if (r == NULL) {
         fprintf(stderr, "outbox-relay: out of memory at start-up\n");
-        relay_config_free(&cfg);
-        free(overrides);
+        ev_loop_destroy(loop);
         return RELAY_EX_OSERR;
     }
     /* The loop's watchers are installed (as sigaction handlers: the loop is
@@ -191,7 +186,39 @@ int main(int argc, char **argv)
     int rc = relay_run(r);
     relay_free(r);
     ev_loop_destroy(loop);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    block_signals(SIG_BLOCK);
+    struct cmdline cl = {0};
+    cl.overrides = calloc((size_t)argc + 1, sizeof(*cl.overrides));
+    if (cl.overrides == NULL)
+        return RELAY_EX_OSERR;
+    int rc = parse_args(argc, argv, &cl);
+    if (rc >= 0) {
+        free(cl.overrides);
+        return rc;
+    }
+
+    struct relay_config cfg;
+    relay_config_init(&cfg);
+    rc = load_config(&cl, &cfg);
+    if (rc == 0) {
+        relay_log_set_level((enum relay_log_level)cfg.log_level);
+        if (cl.tool_argv != NULL || cl.check_only)
+            block_signals(SIG_UNBLOCK); /* a command line tool stops at once */
+        if (cl.tool_argv != NULL) {
+            rc = run_tool(&cl, &cfg);
+        } else if (cl.check_only) {
+            printf("configuration OK\n");
+            rc = RELAY_EX_OK;
+        } else {
+            rc = run_daemon(&cl, &cfg);
+        }
+    }
     relay_config_free(&cfg);
-    free(overrides);
+    free(cl.overrides);
     return rc;
 }

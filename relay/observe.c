@@ -537,38 +537,44 @@ static int ends_with(const char *s, const char *suffix)
     return a >= b && strcmp(s + a - b, suffix) == 0;
 }
 
-static int redis_observe(const struct relay_config *cfg, struct rconn *c,
-                         struct relay_observation *o)
+/* The persistence settings, for the durability warning: 0, or -1 with
+ * o->redis_error set when the connection failed. */
+static int redis_durability(struct rconn *c, struct relay_observation *o)
 {
     redisReply *r = cmd(c, "CONFIG GET appendonly");
     redisReply *r2 = cmd(c, "CONFIG GET appendfsync");
+    int rc = 0;
     if (r == NULL || r2 == NULL) {
         snprintf(o->redis_error, sizeof(o->redis_error), "%s", c->c->errstr);
-        if (r != NULL)
-            freeReplyObject(r);
-        if (r2 != NULL)
-            freeReplyObject(r2);
-        return -1;
-    }
-    if (r->type == REDIS_REPLY_ARRAY && r->elements == 2 && r2->type == REDIS_REPLY_ARRAY &&
-        r2->elements == 2)
+        rc = -1;
+    } else if (r->type == REDIS_REPLY_ARRAY && r->elements == 2 && r2->type == REDIS_REPLY_ARRAY &&
+               r2->elements == 2) {
         snprintf(o->durability, sizeof(o->durability), "appendonly %s, appendfsync %s",
                  r->element[1]->str, r2->element[1]->str);
-    else
+    } else {
         snprintf(o->durability, sizeof(o->durability), "unknown (CONFIG not permitted)");
-    freeReplyObject(r);
-    freeReplyObject(r2);
+    }
+    if (r != NULL)
+        freeReplyObject(r);
+    if (r2 != NULL)
+        freeReplyObject(r2);
+    return rc;
+}
 
-    /* Streams: every stream key the relay could publish to, "<prefix><topic>"
-     * with a valid topic, that is not a dead-letter or replay stream. Other
-     * keys are someone else's, and their names may be any bytes: a name that
-     * is not UTF-8 would make the topics query below fail as a whole. */
+/* Streams: every stream key the relay could publish to, "<prefix><topic>"
+ * with a valid topic, that is not a dead-letter or replay stream. Other keys
+ * are someone else's, and their names may be any bytes: a name that is not
+ * UTF-8 would make the topics query fail as a whole. 0, or -1 with
+ * o->redis_error set. */
+static int redis_streams(const struct relay_config *cfg, struct rconn *c,
+                         struct relay_observation *o)
+{
     const char *prefix = cfg->stream_prefix != NULL ? cfg->stream_prefix : "";
     size_t plen = strlen(prefix);
     char cursor[32] = "0";
     int rounds = 0;
     do {
-        r = cmd(c, "SCAN %s TYPE stream COUNT 1000", cursor);
+        redisReply *r = cmd(c, "SCAN %s TYPE stream COUNT 1000", cursor);
         if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2) {
             snprintf(o->redis_error, sizeof(o->redis_error), "SCAN failed: %s",
                      r != NULL && r->type == REDIS_REPLY_ERROR ? r->str : c->c->errstr);
@@ -593,10 +599,59 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
         }
         freeReplyObject(r);
     } while (strcmp(cursor, "0") != 0 && ++rounds < 10000);
+    return 0;
+}
 
+static long long int_field(const redisReply *info, const char *key, long long missing)
+{
+    const redisReply *v = map_get(info, key);
+    return v != NULL && v->type == REDIS_REPLY_INTEGER ? v->integer : missing;
+}
+
+/* One group of a stream, from its XINFO GROUPS entry, with the ages of its
+ * oldest pending and oldest undelivered entries and its dead letters. */
+static void redis_group(struct rconn *c, const char *stream, const redisReply *info,
+                        struct relay_group_obs *go)
+{
+    go->consumers = int_field(info, "consumers", 0);
+    go->pending = int_field(info, "pending", 0);
+    go->lag = int_field(info, "lag", -1);
+    go->oldest_pending_age = go->oldest_undelivered_age = -1;
+    double now = now_unix();
+    if (go->pending > 0) {
+        redisReply *p = cmd(c, "XPENDING %s %s", stream, go->group);
+        if (p != NULL && p->type == REDIS_REPLY_ARRAY && p->elements >= 2 &&
+            p->element[1]->type == REDIS_REPLY_STRING) {
+            double t = entry_time(c, stream, p->element[1]->str, 0);
+            if (t > 0)
+                go->oldest_pending_age = now - t;
+        }
+        if (p != NULL)
+            freeReplyObject(p);
+    }
+    const redisReply *last = map_get(info, "last-delivered-id");
+    if (last != NULL && last->type == REDIS_REPLY_STRING) {
+        double t = entry_time(c, stream, last->str, 1);
+        if (t > 0)
+            go->oldest_undelivered_age = now - t;
+    }
+    char dlq[RELAY_TOPIC_MAX + 300];
+    if (relay_key_dlq(stream, go->group, dlq, sizeof(dlq)) < 0)
+        dlq[0] = '\0'; /* cannot happen: both names are bounded above */
+    redisReply *d = cmd(c, "XLEN %s", dlq);
+    go->dead_letters = d != NULL && d->type == REDIS_REPLY_INTEGER ? d->integer : 0;
+    if (d != NULL)
+        freeReplyObject(d);
+}
+
+static int redis_observe(const struct relay_config *cfg, struct rconn *c,
+                         struct relay_observation *o)
+{
+    if (redis_durability(c, o) < 0 || redis_streams(cfg, c, o) < 0)
+        return -1;
     for (size_t ti = 0; ti < o->ntopics; ti++) {
         const char *stream = o->topics[ti].stream;
-        r = cmd(c, "XINFO GROUPS %s", stream);
+        redisReply *r = cmd(c, "XINFO GROUPS %s", stream);
         if (r == NULL) {
             snprintf(o->redis_error, sizeof(o->redis_error), "%s", c->c->errstr);
             return -1;
@@ -604,8 +659,7 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
         for (size_t g = 0;
              r->type == REDIS_REPLY_ARRAY && g < r->elements && o->ngroups < RELAY_OBS_GROUPS_MAX;
              g++) {
-            const redisReply *info = r->element[g];
-            const redisReply *name = map_get(info, "name");
+            const redisReply *name = map_get(r->element[g], "name");
             if (name == NULL || name->type != REDIS_REPLY_STRING)
                 continue;
             struct relay_group_obs *go = &o->groups[o->ngroups++];
@@ -613,43 +667,7 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
             snprintf(go->stream, sizeof(go->stream), "%s", stream);
             snprintf(go->group, sizeof(go->group), "%s", name->str);
             go->topic = (int)ti;
-            const redisReply *v;
-            go->consumers =
-                (v = map_get(info, "consumers")) != NULL && v->type == REDIS_REPLY_INTEGER
-                    ? v->integer
-                    : 0;
-            go->pending = (v = map_get(info, "pending")) != NULL && v->type == REDIS_REPLY_INTEGER
-                              ? v->integer
-                              : 0;
-            go->lag = (v = map_get(info, "lag")) != NULL && v->type == REDIS_REPLY_INTEGER
-                          ? v->integer
-                          : -1;
-            go->oldest_pending_age = go->oldest_undelivered_age = -1;
-            double now = now_unix();
-            if (go->pending > 0) {
-                redisReply *p = cmd(c, "XPENDING %s %s", stream, go->group);
-                if (p != NULL && p->type == REDIS_REPLY_ARRAY && p->elements >= 2 &&
-                    p->element[1]->type == REDIS_REPLY_STRING) {
-                    double t = entry_time(c, stream, p->element[1]->str, 0);
-                    if (t > 0)
-                        go->oldest_pending_age = now - t;
-                }
-                if (p != NULL)
-                    freeReplyObject(p);
-            }
-            const redisReply *last = map_get(info, "last-delivered-id");
-            if (last != NULL && last->type == REDIS_REPLY_STRING) {
-                double t = entry_time(c, stream, last->str, 1);
-                if (t > 0)
-                    go->oldest_undelivered_age = now - t;
-            }
-            char dlq[RELAY_TOPIC_MAX + 300];
-            if (relay_key_dlq(stream, go->group, dlq, sizeof(dlq)) < 0)
-                dlq[0] = '\0'; /* cannot happen: both names are bounded above */
-            redisReply *d = cmd(c, "XLEN %s", dlq);
-            go->dead_letters = d != NULL && d->type == REDIS_REPLY_INTEGER ? d->integer : 0;
-            if (d != NULL)
-                freeReplyObject(d);
+            redis_group(c, stream, r->element[g], go);
         }
         freeReplyObject(r);
     }

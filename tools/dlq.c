@@ -765,6 +765,79 @@ static int dlq_purge(struct dlq_ctx *d, int all, const struct dlq_sel *sels, int
     return missing ? RELAY_EX_DATAERR : RELAY_EX_OK;
 }
 
+/* The stream, the group and the names derived from them, checked and kept
+ * with their escaped forms for messages. 0, or -1 after saying why. */
+static int dlq_names(struct dlq_ctx *d, const char *stream, const char *group)
+{
+    d->stream = stream;
+    d->group = group;
+    if (stream[0] == '\0' || group[0] == '\0' ||
+        relay_consumer_dlq_name(stream, group, d->dlq, sizeof(d->dlq)) < 0 ||
+        relay_consumer_replay_name(stream, group, d->replay, sizeof(d->replay)) < 0) {
+        fprintf(d->errout, "outbox-relay: dlq: the stream and group names must be 1 to %d bytes\n",
+                DLQ_NAME_MAX - 16);
+        return -1;
+    }
+    relay_tools_escape(d->shown.stream, sizeof(d->shown.stream), stream, strlen(stream), 0, 0);
+    relay_tools_escape(d->shown.group, sizeof(d->shown.group), group, strlen(group), 0, 0);
+    relay_tools_escape(d->shown.dlq, sizeof(d->shown.dlq), d->dlq, strlen(d->dlq), 0, 0);
+    relay_tools_escape(d->shown.replay, sizeof(d->shown.replay), d->replay, strlen(d->replay), 0,
+                       0);
+    return 0;
+}
+
+/* "list [--count N]": 0, or -1 after saying why. */
+static int parse_list_args(int argc, char **argv, FILE *errout, long long *count)
+{
+    for (int i = 4; i < argc; i++) {
+        if (strcmp(argv[i], "--count") == 0 && i + 1 < argc &&
+            parse_count(argv[i + 1], count) == 0) {
+            i++;
+            continue;
+        }
+        fprintf(errout, "outbox-relay: dlq list: unexpected \"%s\" (--count takes 1 to %d)\n",
+                argv[i], DLQ_LIST_MAX);
+        return -1;
+    }
+    return 0;
+}
+
+/* The entries "show", "replay" and "purge" act on: ids, ranges (not for
+ * show) or --all, into sels (argc entries) and *all. 0, or -1 after saying
+ * why. */
+static int parse_selections(const char *verb, int argc, char **argv, FILE *errout,
+                            struct dlq_sel *sels, int *nsel, int *all)
+{
+    int is_show = strcmp(verb, "show") == 0;
+    if (argc < 5) {
+        fprintf(errout, "outbox-relay: dlq %s needs %s\n", verb,
+                is_show ? "one entry id" : "entry ids, ranges FROM-TO or --all");
+        return -1;
+    }
+    for (int i = 4; i < argc; i++) {
+        if (!is_show && strcmp(argv[i], "--all") == 0) {
+            *all = 1;
+            continue;
+        }
+        if (parse_selection(argv[i], !is_show, &sels[*nsel]) < 0) {
+            fprintf(errout,
+                    "outbox-relay: dlq %s: \"%s\" is not an entry id (such as "
+                    "1718000000000-0)%s\n",
+                    verb, argv[i],
+                    is_show ? ""
+                            : " or a range FROM-TO of two ids, the first not after the second");
+            return -1;
+        }
+        (*nsel)++;
+    }
+    if ((*all && *nsel > 0) || (is_show && *nsel != 1)) {
+        fprintf(errout, "outbox-relay: dlq %s: %s\n", verb,
+                is_show ? "give exactly one entry id" : "give entry ids or --all, not both");
+        return -1;
+    }
+    return 0;
+}
+
 int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *out, FILE *errout)
 {
     struct dlq_ctx d;
@@ -785,63 +858,20 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
         return RELAY_EX_USAGE;
     }
     const char *verb = argv[1];
-    d.stream = argv[2];
-    d.group = argv[3];
-    if (d.stream[0] == '\0' || d.group[0] == '\0' ||
-        relay_consumer_dlq_name(d.stream, d.group, d.dlq, sizeof(d.dlq)) < 0 ||
-        relay_consumer_replay_name(d.stream, d.group, d.replay, sizeof(d.replay)) < 0) {
-        fprintf(errout, "outbox-relay: dlq: the stream and group names must be 1 to %d bytes\n",
-                DLQ_NAME_MAX - 16);
+    if (dlq_names(&d, argv[2], argv[3]) < 0)
         return RELAY_EX_USAGE;
-    }
-    relay_tools_escape(d.shown.stream, sizeof(d.shown.stream), d.stream, strlen(d.stream), 0, 0);
-    relay_tools_escape(d.shown.group, sizeof(d.shown.group), d.group, strlen(d.group), 0, 0);
-    relay_tools_escape(d.shown.dlq, sizeof(d.shown.dlq), d.dlq, strlen(d.dlq), 0, 0);
-    relay_tools_escape(d.shown.replay, sizeof(d.shown.replay), d.replay, strlen(d.replay), 0, 0);
 
     int is_list = strcmp(verb, "list") == 0, is_show = strcmp(verb, "show") == 0;
     int is_replay = strcmp(verb, "replay") == 0, is_purge = strcmp(verb, "purge") == 0;
     if (is_list) {
-        for (int i = 4; i < argc; i++) {
-            if (strcmp(argv[i], "--count") == 0 && i + 1 < argc &&
-                parse_count(argv[i + 1], &count) == 0) {
-                i++;
-                continue;
-            }
-            fprintf(errout, "outbox-relay: dlq list: unexpected \"%s\" (--count takes 1 to %d)\n",
-                    argv[i], DLQ_LIST_MAX);
+        if (parse_list_args(argc, argv, errout, &count) < 0)
             goto usage;
-        }
     } else if (is_show || is_replay || is_purge) {
-        if (argc < 5) {
-            fprintf(errout, "outbox-relay: dlq %s needs %s\n", verb,
-                    is_show ? "one entry id" : "entry ids, ranges FROM-TO or --all");
-            goto usage;
-        }
         sels = calloc((size_t)argc, sizeof(*sels));
         if (sels == NULL)
             return RELAY_EX_OSERR;
-        for (int i = 4; i < argc; i++) {
-            if (!is_show && strcmp(argv[i], "--all") == 0) {
-                all = 1;
-                continue;
-            }
-            if (parse_selection(argv[i], !is_show, &sels[nsel]) < 0) {
-                fprintf(errout,
-                        "outbox-relay: dlq %s: \"%s\" is not an entry id (such as "
-                        "1718000000000-0)%s\n",
-                        verb, argv[i],
-                        is_show ? ""
-                                : " or a range FROM-TO of two ids, the first not after the second");
-                goto usage;
-            }
-            nsel++;
-        }
-        if ((all && nsel > 0) || (is_show && nsel != 1)) {
-            fprintf(errout, "outbox-relay: dlq %s: %s\n", verb,
-                    is_show ? "give exactly one entry id" : "give entry ids or --all, not both");
+        if (parse_selections(verb, argc, argv, errout, sels, &nsel, &all) < 0)
             goto usage;
-        }
     } else {
         fprintf(errout, "outbox-relay: dlq: unknown command \"%s\"\n", verb);
         goto usage;
