@@ -245,6 +245,16 @@ uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts, ui
     return b[i < n ? i : n - 1];
 }
 
+uint64_t relay_consumer_redelivery_horizon_ms(const struct relay_consumer_options *opts)
+{
+    uint32_t deliveries = opts->max_deliveries ? opts->max_deliveries : 5;
+    uint32_t reclaim = opts->reclaim_interval_ms ? opts->reclaim_interval_ms : 250;
+    uint64_t ms = 0;
+    for (uint32_t d = 1; d < deliveries; d++)
+        ms += (uint64_t)relay_consumer_backoff_ms(opts, d) + reclaim;
+    return ms;
+}
+
 static uint32_t min_backoff(const struct relay_consumer_options *o)
 {
     uint32_t n = o->nbackoff ? o->nbackoff : RELAY_ARRAY_LEN(default_backoff);
@@ -298,6 +308,17 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
             snprintf(err, errlen, "backoff steps must be at least 1 ms");
             goto fail;
         }
+    uint64_t horizon = relay_consumer_redelivery_horizon_ms(&c->o);
+    if (c->o.processed_horizon_ms > 0 && c->o.processed_horizon_ms < horizon &&
+        !c->o.allow_short_processed_horizon) {
+        snprintf(err, errlen,
+                 "the processed-table horizon (%llu ms) is shorter than the redelivery horizon "
+                 "(%llu ms: every backoff step over max_deliveries): a message delivered again "
+                 "after its processed row was purged would be handled twice; keep processed "
+                 "rows longer, or set allow_short_processed_horizon to accept it",
+                 (unsigned long long)c->o.processed_horizon_ms, (unsigned long long)horizon);
+        goto fail;
+    }
     if (c->o.block_ms == 0)
         c->o.block_ms = 1000;
     if (c->o.command_timeout_ms == 0)
@@ -1007,6 +1028,13 @@ static void read_once(struct relay_consumer *c)
 
 int relay_consumer_run(struct relay_consumer *c)
 {
+    uint64_t horizon = relay_consumer_redelivery_horizon_ms(&c->o);
+    if (c->o.processed_horizon_ms > 0 && c->o.processed_horizon_ms < horizon)
+        emit(c, RELAY_CONSUMER_LOG_WARNING,
+             "the processed-table horizon (%llu ms) is shorter than the redelivery horizon "
+             "(%llu ms), as allow_short_processed_horizon allows: a message delivered again "
+             "after its processed row was purged is handled twice",
+             (unsigned long long)c->o.processed_horizon_ms, (unsigned long long)horizon);
     while (!c->stop) {
         if (c->wr == NULL || c->rd == NULL) {
             if (connect_all(c) < 0) {

@@ -41,6 +41,8 @@ struct email_app {
     const char *group;
     PGconn *db;
     double fail_rate;
+    uint32_t processed_horizon_ms; /* 0: never purge outbox_consumer.processed */
+    time_t next_purge;
 };
 
 static struct relay_consumer *the_consumer;
@@ -76,13 +78,13 @@ static void log_line(enum relay_consumer_log_level level, const char *message, v
     fflush(stderr);
 }
 
-/* "250ms", "5s", "2m", "1h" or a bare number of milliseconds; 0 or -1. */
+/* "250ms", "5s", "2m", "1h", "7d" or a bare number of milliseconds; 0 or -1. */
 static int parse_ms(const char *s, uint32_t *ms)
 {
     static const struct {
         const char *unit;
         unsigned long long mult;
-    } units[] = {{"", 1}, {"ms", 1}, {"s", 1000}, {"m", 60000}, {"h", 3600000}};
+    } units[] = {{"", 1}, {"ms", 1}, {"s", 1000}, {"m", 60000}, {"h", 3600000}, {"d", 86400000}};
     char *end;
     if (s[0] < '0' || s[0] > '9')
         return -1;
@@ -147,6 +149,24 @@ static enum relay_handled fail_from_sql(struct email_app *app, PGresult *res, ch
     return RELAY_HANDLED_RETRY;
 }
 
+/* With --processed-horizon: deletes processed rows older than that, one
+ * batch at most every few seconds, after a message's own transaction. A
+ * failure is left for the next time. */
+static void purge_processed(struct email_app *app)
+{
+    time_t now = time(NULL);
+    if (app->processed_horizon_ms == 0 || now < app->next_purge)
+        return;
+    uint32_t every = app->processed_horizon_ms / 10000; /* a tenth of it, in s */
+    app->next_purge = now + (every < 1 ? 1 : every > 60 ? 60 : every);
+    char ms[16];
+    snprintf(ms, sizeof(ms), "%u", app->processed_horizon_ms);
+    const char *p[1] = {ms};
+    PQclear(PQexecParams(app->db,
+                         "SELECT outbox_consumer.purge_processed($1::bigint * interval '1 ms')", 1,
+                         NULL, p, NULL, NULL, 0));
+}
+
 static enum relay_handled send_email(const struct relay_message *m, void *arg, char *err,
                                      size_t errlen)
 {
@@ -200,6 +220,7 @@ static enum relay_handled send_email(const struct relay_message *m, void *arg, c
     if (PQresultStatus(res) != PGRES_COMMAND_OK)
         return fail_from_sql(app, res, err, errlen);
     PQclear(res);
+    purge_processed(app);
     return RELAY_HANDLED_DONE;
 }
 
@@ -229,13 +250,17 @@ static void usage(FILE *f)
                "  --backoff LIST         delays between deliveries (1s,10s,100s,1000s)\n"
                "  --block DURATION       XREADGROUP BLOCK time (1s)\n"
                "  --fail-rate R          share of first deliveries that fail transiently (0)\n"
-               "  --log-level LEVEL      debug, info, warning or error (info)\n");
+               "  --log-level LEVEL      debug, info, warning or error (info)\n"
+               "  --processed-horizon DURATION\n"
+               "                         purge processed rows older than this (0: never)\n"
+               "  --allow-short-processed-horizon\n"
+               "                         accept a horizon shorter than the redelivery horizon\n");
 }
 
 int main(int argc, char **argv)
 {
     struct relay_consumer_options o;
-    struct email_app app = {NULL, "email", NULL, 0.0};
+    struct email_app app = {NULL, "email", NULL, 0.0, 0, 0};
     const char *js = getenv("JOURNAL_STREAM");
     struct email_log lg = {RELAY_CONSUMER_LOG_INFO, js != NULL && js[0] != '\0'};
     const char *redis = NULL;
@@ -254,6 +279,8 @@ int main(int argc, char **argv)
         {"block", required_argument, NULL, 'k'},
         {"fail-rate", required_argument, NULL, 'f'},
         {"log-level", required_argument, NULL, 'l'},
+        {"processed-horizon", required_argument, NULL, 'P'},
+        {"allow-short-processed-horizon", no_argument, NULL, 'A'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -316,6 +343,18 @@ int main(int argc, char **argv)
                 return EX_USAGE;
             }
             lg.min_level = (enum relay_consumer_log_level)level;
+            break;
+        case 'P':
+            if (parse_ms(optarg, &ms) < 0) {
+                fprintf(stderr, "outbox-email-consumer: --processed-horizon takes a duration "
+                                "like 7d\n");
+                return EX_USAGE;
+            }
+            app.processed_horizon_ms = ms;
+            o.processed_horizon_ms = ms;
+            break;
+        case 'A':
+            o.allow_short_processed_horizon = 1;
             break;
         case 'h':
             usage(stdout);

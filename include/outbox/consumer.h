@@ -109,6 +109,13 @@ struct relay_consumer_options {
     uint32_t reconnect_max_ms;    /* 0: 10000 */
     relay_consumer_log_fn *log;   /* NULL: silent */
     void *log_arg;                /* passed to log */
+    /* How long the application keeps rows of outbox_consumer.processed (the
+     * older_than it passes to outbox_consumer.purge_processed); 0: it does
+     * not purge. Shorter than the redelivery horizon is refused by
+     * relay_consumer_new unless allow_short_processed_horizon is set, and
+     * then logged as a warning when run starts. */
+    uint64_t processed_horizon_ms;
+    int allow_short_processed_horizon;
 };
 
 /* The kind of the most recent failure (relay_consumer_err). */
@@ -165,6 +172,11 @@ void relay_consumer_free(struct relay_consumer *c);
 
 /* The backoff before delivery number deliveries+1 (deliveries >= 1). */
 uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts, uint32_t deliveries);
+
+/* The redelivery horizon: the longest time from an entry's first delivery to
+ * its last, over max_deliveries, with every backoff step and a reclaim
+ * interval between deliveries. A processed row must outlive it. */
+uint64_t relay_consumer_redelivery_horizon_ms(const struct relay_consumer_options *opts);
 
 /* Names: "<stream>.<group>.dlq" and "<stream>.<group>.replay" into out. The
  * length written, or -1 when it does not fit (out is then untouched). */

@@ -562,7 +562,8 @@ class ConsumerSchemaTest(harness.PostgresTestCase):
         self.assertEqual(diff, "", "applying the consumer migrations again changed the schema")
         self.assertEqual(before[1:], after[1:])
         self.assertEqual(before[1], [("outbox_consumer", False)], "one NOLOGIN role")
-        self.assertEqual([v[:2] for v in after[2]], [(2, "002_schema_version.sql")])
+        self.assertEqual([v[:2] for v in after[2]], [(2, "002_schema_version.sql"),
+                                                     (3, "003_purge_processed.sql")])
         self.assertEqual(self.processed(), [("email", message_id)], "data kept")
         self.assertFalse(scalar(self.db, "SELECT to_regclass('outbox.messages') IS NOT NULL"),
                          "the consumer set does not need or create the producer's outbox")
@@ -649,13 +650,22 @@ class ConsumerSchemaTest(harness.PostgresTestCase):
         self.assertEqual(scalar(conn, "SELECT outbox_consumer.purge_processed('1 day')"), 1)
         self.assertEqual(scalar(conn, "SELECT outbox_consumer.purge_processed('1 day')"), 0)
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox_consumer.processed"), 2)
+        # In batches: at most max_rows a call, oldest first; again until fewer come back.
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox_consumer.processed (consumer, message_id, handled_at)"
+                        " SELECT 'email', gen_random_uuid(), now() - interval '40 days' - i"
+                        " * interval '1 minute' FROM generate_series(1, 25) AS i")
+        got = [scalar(conn, "SELECT outbox_consumer.purge_processed('30 days', 10)")
+               for _ in range(4)]
+        self.assertEqual(got, [10, 10, 5, 0])
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox_consumer.processed"), 2)
 
     def test_role_rights(self):
         m = str(uuid.uuid4())
         member = self.connect(user="consumer_login")
         self.assertTrue(self.begin(member, "email", m))
         self.assertEqual(scalar(member, "SELECT max(version) FROM outbox_consumer.schema_version"),
-                         2)
+                         3)
         stranger = self.connect(user="stranger")
         with self.assertRaises(psycopg2.errors.InsufficientPrivilege):
             self.begin(stranger, "email", str(uuid.uuid4()))

@@ -112,6 +112,39 @@ static void test_new_validates_options(void **state)
     relay_consumer_free(NULL);
 }
 
+static void test_processed_horizon_against_redelivery(void **state)
+{
+    (void)state;
+    char err[512];
+    struct relay_consumer_options o;
+    memset(&o, 0, sizeof(o));
+    o.redis_url = "redis://127.0.0.1:6379/0";
+    o.stream = "orders";
+    o.group = "email";
+    /* Defaults: 5 deliveries, 1 s, 10 s, 100 s, 1000 s apart, each after a
+     * reclaim pass of 250 ms. */
+    assert_int_equal(relay_consumer_redelivery_horizon_ms(&o), 1111000 + 4 * 250);
+    o.max_deliveries = 3;
+    o.nbackoff = 1;
+    o.backoff_ms[0] = 2000;
+    o.reclaim_interval_ms = 100;
+    assert_int_equal(relay_consumer_redelivery_horizon_ms(&o), 2 * 2100);
+
+    o.processed_horizon_ms = 4199; /* a millisecond short */
+    assert_null(relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err)));
+    assert_non_null(strstr(err, "shorter than the redelivery horizon (4200 ms"));
+    o.allow_short_processed_horizon = 1; /* the operator's choice: accepted */
+    struct relay_consumer *c =
+        relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err));
+    assert_non_null(c);
+    relay_consumer_free(c);
+    o.allow_short_processed_horizon = 0;
+    o.processed_horizon_ms = 4200;
+    c = relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err));
+    assert_non_null(c);
+    relay_consumer_free(c);
+}
+
 /* What the log hook saw. */
 struct seen {
     int calls;
@@ -318,6 +351,7 @@ int main(void)
         cmocka_unit_test(test_parse_good_entry),
         cmocka_unit_test(test_parse_rejects_foreign_entries),
         cmocka_unit_test(test_parse_caps_headers),
+        cmocka_unit_test(test_processed_horizon_against_redelivery),
         cmocka_unit_test(test_dead_letter_function_acknowledges_after_xadd),
         cmocka_unit_test(test_replay_function_deletes_after_xadd),
     };
