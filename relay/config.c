@@ -156,6 +156,14 @@ static const struct cfg_key cfg_keys[] = {
      "stop publishing to a stream when a group's queue age reaches this; 0: never"},
     {"resume_queue_age", CFG_DURATION, CFG_OFF(resume_queue_age_ms), 0, 30 * CFG_DAY, "0", 0, NULL,
      "publish to a paused stream again when every group's queue age is below this"},
+    {"sent_retention", CFG_DURATION, CFG_OFF(sent_retention_ms), 0, 30 * CFG_DAY, "1h", 0, NULL,
+     "delete sent rows this long after they were sent; 0: delete each row as it is published"},
+    {"stream_retention", CFG_DURATION, CFG_OFF(stream_retention_ms), 0, 30 * CFG_DAY, "24h", 0,
+     NULL, "trim stream entries older than this that every group has acknowledged; 0: never"},
+    {"stream_trim_max_hold", CFG_DURATION, CFG_OFF(stream_trim_max_hold_ms), 0, 30 * CFG_DAY, "0",
+     0, NULL, "trim past a group whose unacknowledged entries are older than this; 0: never"},
+    {"allow_short_stream_retention", CFG_BOOL, CFG_OFF(allow_short_stream_retention), 0, 1, "off",
+     0, NULL, "accept a stream_retention shorter than dedup_ttl, with a warning"},
 };
 
 static const char *const cfg_level_names[] = {"debug", "info", "warning", "error"};
@@ -1115,7 +1123,40 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
                 a, b);
         return -1;
     }
+    if (relay_config_short_stream_retention(cfg) && !cfg->allow_short_stream_retention) {
+        config_format_duration(cfg->stream_retention_ms, a, sizeof(a));
+        config_format_duration(cfg->dedup_ttl_ms, b, sizeof(b));
+        cfg_err(err, errlen,
+                "stream_retention = \"%s\": must not be shorter than dedup_ttl (%s): a message "
+                "published again within dedup_ttl is answered with its first entry's id, which "
+                "must still be in the stream; raise stream_retention, lower dedup_ttl, or set "
+                "allow_short_stream_retention = on to accept it",
+                a, b);
+        return -1;
+    }
+    if (cfg->stream_trim_max_hold_ms > 0 && cfg->stream_retention_ms == 0) {
+        config_format_duration(cfg->stream_trim_max_hold_ms, a, sizeof(a));
+        cfg_err(err, errlen,
+                "stream_trim_max_hold = \"%s\": has no effect while stream_retention = 0 "
+                "(streams are never trimmed); set stream_retention or remove it",
+                a);
+        return -1;
+    }
+    if (cfg->stream_trim_max_hold_ms > 0 &&
+        cfg->stream_trim_max_hold_ms < cfg->stream_retention_ms) {
+        config_format_duration(cfg->stream_trim_max_hold_ms, a, sizeof(a));
+        config_format_duration(cfg->stream_retention_ms, b, sizeof(b));
+        cfg_err(err, errlen,
+                "stream_trim_max_hold = \"%s\": must not be shorter than stream_retention (%s)", a,
+                b);
+        return -1;
+    }
     return 0;
+}
+
+int relay_config_short_stream_retention(const struct relay_config *cfg)
+{
+    return cfg->stream_retention_ms > 0 && cfg->stream_retention_ms < cfg->dedup_ttl_ms;
 }
 
 int relay_config_load(struct relay_config *cfg, const char *path, char *const *envp, int argc,

@@ -139,7 +139,8 @@ static int op_finish(void *arg, size_t lane, char *why, size_t whylen)
     struct relay *r = arg;
     struct relay_lane *l = &r->lanes[lane];
     struct relay_sql_quoter q = {quote_literal, relay_pgsrc_freemem, l->pg};
-    if (relay_batch_finish_sql(l->rows, l->nrows, r->cfg->max_attempts, &q, &l->sql) < 0) {
+    if (relay_batch_finish_sql(l->rows, l->nrows, r->cfg->max_attempts,
+                               r->cfg->sent_retention_ms == 0, &q, &l->sql) < 0) {
         snprintf(why, whylen, "cannot build the statement that marks the batch sent");
         return -1;
     }

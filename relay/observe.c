@@ -125,8 +125,7 @@ void relay_observe_stop_free(struct relay_observe_stop *s)
     free(s);
 }
 
-/* The stop pipe's read end, or -1 without one. */
-static int stop_fd(const struct relay_observe_stop *stop)
+int relay_observe_stop_fd(const struct relay_observe_stop *stop)
 {
     return stop != NULL ? stop->fd[0] : -1;
 }
@@ -184,8 +183,9 @@ PGconn *relay_observe_pg_open(const struct relay_config *cfg, const char *applic
     double deadline = relay_mono_now() + cfg->connect_timeout_ms / 1000.0;
     PostgresPollingStatusType st = PGRES_POLLING_WRITING;
     while (PQstatus(c) != CONNECTION_BAD && st != PGRES_POLLING_OK && st != PGRES_POLLING_FAILED) {
-        enum relay_wait w = relay_wait_fd(
-            PQsocket(c), st == PGRES_POLLING_READING ? POLLIN : POLLOUT, stop_fd(stop), deadline);
+        enum relay_wait w =
+            relay_wait_fd(PQsocket(c), st == PGRES_POLLING_READING ? POLLIN : POLLOUT,
+                          relay_observe_stop_fd(stop), deadline);
         if (w != RELAY_WAIT_READY) {
             if (w == RELAY_WAIT_DEADLINE)
                 snprintf(err, errlen, "no connection within connect_timeout (%u ms)",
@@ -211,9 +211,9 @@ PGconn *relay_observe_pg_open(const struct relay_config *cfg, const char *applic
  * answer within statement_timeout + connect_timeout, or stop was triggered.
  * The connection is then closed and *pg set to NULL.
  */
-static PGresult *pg_exec(PGconn **pg, const struct relay_config *cfg,
-                         const struct relay_observe_stop *stop, const char *sql, int nparams,
-                         const char *const *params, char *err, size_t errlen)
+PGresult *relay_observe_pg_exec(PGconn **pg, const struct relay_config *cfg,
+                                const struct relay_observe_stop *stop, const char *sql, int nparams,
+                                const char *const *params, char *err, size_t errlen)
 {
     PGconn *c = *pg;
     uint32_t limit_ms = cfg->statement_timeout_ms + cfg->connect_timeout_ms;
@@ -226,8 +226,8 @@ static PGresult *pg_exec(PGconn **pg, const struct relay_config *cfg,
         goto lost;
     /* A server that sends while we write must be read, or both wait. */
     while ((flushed = PQflush(c)) == 1) {
-        if ((w = relay_wait_fd(PQsocket(c), POLLOUT | POLLIN, stop_fd(stop), deadline)) !=
-            RELAY_WAIT_READY)
+        if ((w = relay_wait_fd(PQsocket(c), POLLOUT | POLLIN, relay_observe_stop_fd(stop),
+                               deadline)) != RELAY_WAIT_READY)
             goto waited;
         if (!PQconsumeInput(c))
             goto lost;
@@ -236,7 +236,7 @@ static PGresult *pg_exec(PGconn **pg, const struct relay_config *cfg,
         goto lost;
     for (;;) {
         while (PQisBusy(c)) {
-            if ((w = relay_wait_fd(PQsocket(c), POLLIN, stop_fd(stop), deadline)) !=
+            if ((w = relay_wait_fd(PQsocket(c), POLLIN, relay_observe_stop_fd(stop), deadline)) !=
                 RELAY_WAIT_READY)
                 goto waited;
             if (!PQconsumeInput(c))
@@ -286,7 +286,9 @@ static const char outbox_sql[] =
     "   ORDER BY id DESC LIMIT 1) b USING (id)),"
     " (SELECT extract(epoch FROM clock_timestamp() - created_at) FROM outbox.messages"
     "   WHERE sent_at IS NULL AND failed_at IS NULL ORDER BY id LIMIT 1),"
-    " (SELECT count(*) FROM outbox.messages WHERE failed_at IS NOT NULL AND sent_at IS NULL)";
+    " (SELECT count(*) FROM outbox.messages WHERE failed_at IS NOT NULL AND sent_at IS NULL),"
+    " pg_total_relation_size('outbox.messages'::regclass),"
+    " (SELECT n_dead_tup FROM pg_stat_all_tables WHERE relid = 'outbox.messages'::regclass)";
 
 /*
  * Per topic, from the (topic, id) pending index: the span of pending ids and
@@ -430,16 +432,20 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
                       const struct relay_observe_stop *stop, int update_admission,
                       struct relay_observation *o)
 {
-    PGresult *r = pg_exec(pg, cfg, stop, outbox_sql, 0, NULL, o->pg_error, sizeof(o->pg_error));
+    PGresult *r =
+        relay_observe_pg_exec(pg, cfg, stop, outbox_sql, 0, NULL, o->pg_error, sizeof(o->pg_error));
     if (!pg_rows(r, o))
         return -1;
     o->outbox_pending = PQgetisnull(r, 0, 0) ? 0 : strtoll(PQgetvalue(r, 0, 0), NULL, 10);
     o->outbox_oldest_age = PQgetisnull(r, 0, 1) ? -1 : strtod(PQgetvalue(r, 0, 1), NULL);
     o->quarantined = strtoll(PQgetvalue(r, 0, 2), NULL, 10);
+    o->outbox_bytes = PQgetisnull(r, 0, 3) ? -1 : strtoll(PQgetvalue(r, 0, 3), NULL, 10);
+    o->outbox_dead_rows = PQgetisnull(r, 0, 4) ? -1 : strtoll(PQgetvalue(r, 0, 4), NULL, 10);
     PQclear(r);
 
-    r = pg_exec(pg, cfg, stop, update_admission ? admission_decide_sql : admission_read_sql, 0,
-                NULL, o->pg_error, sizeof(o->pg_error));
+    r = relay_observe_pg_exec(pg, cfg, stop,
+                              update_admission ? admission_decide_sql : admission_read_sql, 0, NULL,
+                              o->pg_error, sizeof(o->pg_error));
     unsigned char covered[RELAY_OBS_TOPICS_MAX] = {0};
     const char *state = r != NULL ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
     int admission_known = 1;
@@ -473,7 +479,8 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
     if (relay_pg_text_array(arr, sizeof(arr), (const char(*)[RELAY_TOPIC_MAX + 1]) rest, nrest) < 0)
         return 0; /* cannot happen: the value is sized for the most names */
     const char *params[1] = {arr};
-    r = pg_exec(pg, cfg, stop, topics_sql, 1, params, o->pg_error, sizeof(o->pg_error));
+    r = relay_observe_pg_exec(pg, cfg, stop, topics_sql, 1, params, o->pg_error,
+                              sizeof(o->pg_error));
     if (!pg_rows(r, o))
         return -1;
     for (int i = 0; i < PQntuples(r); i++) {
@@ -531,12 +538,6 @@ static double entry_time(struct rconn *c, const char *stream, const char *id, in
     return t;
 }
 
-static int ends_with(const char *s, const char *suffix)
-{
-    size_t a = strlen(s), b = strlen(suffix);
-    return a >= b && strcmp(s + a - b, suffix) == 0;
-}
-
 /* The persistence settings, for the durability warning: 0, or -1 with
  * o->redis_error set when the connection failed. */
 static int redis_durability(struct rconn *c, struct relay_observation *o)
@@ -588,14 +589,15 @@ static int redis_streams(const struct relay_config *cfg, struct rconn *c,
             const char *k = keys->element[i]->str;
             size_t klen = keys->element[i]->len;
             if (klen < plen || strncmp(k, prefix, plen) != 0 ||
-                !relay_batch_topic_valid(k + plen, klen - plen) || ends_with(k, ".dlq") ||
-                ends_with(k, ".replay"))
+                !relay_batch_topic_valid(k + plen, klen - plen) ||
+                relay_tools_ends_with(k, ".dlq") || relay_tools_ends_with(k, ".replay"))
                 continue;
             struct relay_topic_obs *t = &o->topics[o->ntopics++];
             snprintf(t->stream, sizeof(t->stream), "%s", k);
             snprintf(t->topic, sizeof(t->topic), "%s", k + plen);
             t->oldest_pending_age = -1;
             t->admitting = -1;
+            t->memory_bytes = -1;
         }
         freeReplyObject(r);
     } while (strcmp(cursor, "0") != 0 && ++rounds < 10000);
@@ -644,13 +646,32 @@ static void redis_group(struct rconn *c, const char *stream, const redisReply *i
         freeReplyObject(d);
 }
 
+/* used_memory from INFO memory, when Redis answers it. */
+static void redis_memory(struct rconn *c, struct relay_observation *o)
+{
+    redisReply *r = cmd(c, "INFO memory");
+    if (r != NULL && r->type == REDIS_REPLY_STRING) {
+        const char *p = strstr(r->str, "\nused_memory:"); /* after "# Memory" */
+        if (p != NULL)
+            o->redis_used_memory = strtoll(p + 13, NULL, 10);
+    }
+    if (r != NULL)
+        freeReplyObject(r);
+}
+
 static int redis_observe(const struct relay_config *cfg, struct rconn *c,
                          struct relay_observation *o)
 {
     if (redis_durability(c, o) < 0 || redis_streams(cfg, c, o) < 0)
         return -1;
+    redis_memory(c, o);
     for (size_t ti = 0; ti < o->ntopics; ti++) {
         const char *stream = o->topics[ti].stream;
+        redisReply *m = cmd(c, "MEMORY USAGE %s", stream);
+        if (m != NULL && m->type == REDIS_REPLY_INTEGER)
+            o->topics[ti].memory_bytes = m->integer;
+        if (m != NULL)
+            freeReplyObject(m);
         redisReply *r = cmd(c, "XINFO GROUPS %s", stream);
         if (r == NULL) {
             snprintf(o->redis_error, sizeof(o->redis_error), "%s", c->c->errstr);
@@ -696,6 +717,8 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
     memset(o, 0, sizeof(*o));
     o->taken_at = now_unix();
     o->outbox_oldest_age = -1;
+    o->outbox_bytes = o->outbox_dead_rows = o->redis_used_memory = -1;
+    o->oldest_sent_age = -1;
 
     if (*rd != NULL && (*rd)->err) {
         redisFree(*rd);
@@ -704,9 +727,10 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
     enum relay_redis_fault fault;
     if (*rd == NULL)
         *rd = relay_redis_open(&cfg->redis_url, cfg->connect_timeout_ms, cfg->connect_timeout_ms,
-                               stop_fd(stop), o->redis_error, sizeof(o->redis_error), &fault);
+                               relay_observe_stop_fd(stop), o->redis_error, sizeof(o->redis_error),
+                               &fault);
     if (*rd != NULL) {
-        struct rconn rc = {*rd, stop_fd(stop), cfg->connect_timeout_ms};
+        struct rconn rc = {*rd, relay_observe_stop_fd(stop), cfg->connect_timeout_ms};
         o->redis_ok = redis_observe(cfg, &rc, o) == 0;
         if (!o->redis_ok && (*rd)->err) {
             redisFree(*rd);

@@ -1,5 +1,6 @@
 /*
  * The daemon's observation thread and its hand-off (include/relay/observer.h).
+ * After each observation the thread also runs retention (relay/retention.c).
  * The thread writes into a buffer under a mutex and wakes the loop with an
  * ev_async; the loop copies it out under the same mutex and calls back.
  */
@@ -18,6 +19,7 @@
 
 #include "relay/config.h"
 #include "relay/observe.h"
+#include "relay/retention.h"
 
 struct relay_observer {
     struct ev_loop *loop;
@@ -41,12 +43,15 @@ static void *observe_main(void *arg)
     struct relay_observation *o = malloc(sizeof(*o));
     PGconn *pg = NULL;
     redisContext *rd = NULL;
+    struct relay_retention retention;
+    memset(&retention, 0, sizeof(retention));
     if (o == NULL)
         return NULL;
     pthread_mutex_lock(&ob->lock);
     while (!ob->stop) {
         pthread_mutex_unlock(&ob->lock);
         relay_observe(ob->cfg, &pg, &rd, 1, ob->interrupt, o);
+        relay_retention_run(ob->cfg, &pg, &rd, ob->interrupt, &retention, o);
         pthread_mutex_lock(&ob->lock);
         memcpy(ob->next, o, sizeof(*o));
         ob->fresh = 1;

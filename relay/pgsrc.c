@@ -131,6 +131,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "007_wakeup_lock.sql",
     "008_queue_vacuum.sql",
     "009_producer_grants.sql",
+    "010_retention.sql",
 };
 
 enum setup_step {

@@ -268,6 +268,22 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
     return r;
 }
 
+/* What retention keeps, and a warning for a choice the operator forced. */
+static void log_retention(const struct relay_config *cfg)
+{
+    relay_info("retention", "sent rows: %s; streams: %s",
+               cfg->sent_retention_ms == 0 ? "deleted as they are published"
+                                           : "deleted once sent_retention has passed",
+               cfg->stream_retention_ms == 0 ? "never trimmed (stream_retention = 0)"
+                                             : "trimmed past stream_retention once acknowledged");
+    if (relay_config_short_stream_retention(cfg))
+        relay_warn("retention",
+                   "stream_retention (%u ms) is shorter than dedup_ttl (%u ms), as "
+                   "allow_short_stream_retention allows: a message published again within "
+                   "dedup_ttl may be answered with an entry that was already trimmed",
+                   cfg->stream_retention_ms, cfg->dedup_ttl_ms);
+}
+
 int relay_run(struct relay *r)
 {
     unsigned backend = ev_backend(r->loop);
@@ -283,6 +299,7 @@ int relay_run(struct relay *r)
                                              : "other",
                r->cfg->batch_size, r->cfg->poll_interval_ms, r->cfg->listen ? "on" : "off",
                r->nlanes > 1 ? "on" : "off");
+    log_retention(r->cfg);
     start_watchdog(r);
     ev_timer_init(&r->status, on_status, 0.0, 2.0);
     r->status.data = r;

@@ -146,6 +146,61 @@ static void render_relay(const struct relay *r, struct relay_buf *t)
 }
 
 /* The outbox and its topics, as last observed. */
+/* Storage on both sides and retention (docs/OPERATIONS.md, "Retention"). */
+static void render_retention(const struct relay_observation *o, struct relay_buf *t)
+{
+    if (o->outbox_bytes >= 0) {
+        help(t, "outbox_relay_outbox_bytes", "gauge",
+             "Size of outbox.messages with its indexes and TOAST.");
+        relay_buf_printf(t, "outbox_relay_outbox_bytes %lld\n", o->outbox_bytes);
+    }
+    if (o->outbox_dead_rows >= 0) {
+        help(t, "outbox_relay_outbox_dead_rows", "gauge",
+             "Dead row versions in outbox.messages that vacuum has not removed yet.");
+        relay_buf_printf(t, "outbox_relay_outbox_dead_rows %lld\n", o->outbox_dead_rows);
+    }
+    help(t, "outbox_relay_outbox_oldest_sent_age_seconds", "gauge",
+         "Time since the oldest sent row still kept was sent (0 when none is kept).");
+    relay_buf_printf(t, "outbox_relay_outbox_oldest_sent_age_seconds %.3f\n",
+                     o->oldest_sent_age < 0 ? 0 : o->oldest_sent_age);
+    help(t, "outbox_relay_sent_rows_deleted_total", "counter",
+         "Sent rows deleted by retention (sent_retention > 0).");
+    relay_buf_printf(t, "outbox_relay_sent_rows_deleted_total %llu\n", o->sent_deleted_total);
+    help(t, "outbox_relay_stream_entries_trimmed_total", "counter",
+         "Stream entries removed by trimming (stream_retention).");
+    relay_buf_printf(t, "outbox_relay_stream_entries_trimmed_total %llu\n",
+                     o->stream_trimmed_total);
+    help(t, "outbox_relay_retention_errors_total", "counter",
+         "Retention runs that failed (deleting sent rows or trimming); each is logged.");
+    relay_buf_printf(t, "outbox_relay_retention_errors_total %llu\n", o->retention_errors_total);
+    if (o->redis_used_memory >= 0) {
+        help(t, "outbox_relay_redis_used_memory_bytes", "gauge",
+             "Memory Redis uses in all (INFO memory used_memory).");
+        relay_buf_printf(t, "outbox_relay_redis_used_memory_bytes %lld\n", o->redis_used_memory);
+    }
+    help(t, "outbox_relay_stream_memory_bytes", "gauge",
+         "Memory of each of the relay's streams in Redis (MEMORY USAGE, sampled).");
+    for (size_t i = 0; i < o->ntopics; i++) {
+        if (o->topics[i].memory_bytes < 0)
+            continue;
+        relay_buf_printf(t, "outbox_relay_stream_memory_bytes{stream=\"");
+        relay_text_label(t, o->topics[i].stream);
+        relay_buf_printf(t, "\"} %lld\n", o->topics[i].memory_bytes);
+    }
+    help(t, "outbox_relay_stream_trim_held_back_seconds", "gauge",
+         "How far past stream_retention a consumer group keeps a stream's oldest entry, by "
+         "not acknowledging it.");
+    for (size_t i = 0; i < o->ntopics; i++) {
+        if (o->topics[i].trim_holder[0] == '\0')
+            continue;
+        relay_buf_printf(t, "outbox_relay_stream_trim_held_back_seconds{stream=\"");
+        relay_text_label(t, o->topics[i].stream);
+        relay_buf_printf(t, "\",group=\"");
+        relay_text_label(t, o->topics[i].trim_holder);
+        relay_buf_printf(t, "\"} %.3f\n", o->topics[i].trim_held_back);
+    }
+}
+
 static void render_outbox(const struct relay *r, struct relay_buf *t)
 {
     const struct relay_observation *o = r->obs;
@@ -178,6 +233,7 @@ static void render_outbox(const struct relay *r, struct relay_buf *t)
             relay_buf_printf(t, "\"} %d\n", o->topics[i].admitting);
         }
     }
+    render_retention(o, t);
     help(t, "outbox_relay_stream_paused", "gauge",
          "1 while the relay holds a stream back for its lagging consumer groups.");
     for (size_t i = 0; i < o->ntopics; i++) {

@@ -178,3 +178,9 @@ void relay_tools_put_column(FILE *f, const char *s, size_t len, size_t width, si
         fputc(' ', f);
     while (++cols < width + 1);
 }
+
+int relay_tools_ends_with(const char *s, const char *suffix)
+{
+    size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && strcmp(s + a - b, suffix) == 0;
+}

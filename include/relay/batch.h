@@ -14,9 +14,10 @@
 #include "relay/common.h"
 #include "relay/cycle.h"
 
-/* Name of the Redis function library and of the publish function in it. */
+/* Name of the Redis function library and of the functions in it. */
 #define RELAY_FUNCTION_LIBRARY "outbox_relay"
 #define RELAY_FUNCTION_PUBLISH "outbox_relay_publish_v2"
+#define RELAY_FUNCTION_TRIM "outbox_relay_trim_v1"
 
 /* The Lua source loaded with FUNCTION LOAD REPLACE. */
 extern const char relay_batch_function_source[];
@@ -220,7 +221,9 @@ struct relay_sql_quoter {
 int relay_batch_row_quarantined(const struct relay_row *row, uint32_t max_attempts);
 
 /*
- * Writes the statements that end a cycle: mark every published row sent,
+ * Writes the statements that end a cycle: mark every published row sent (or,
+ * with delete_sent, for sent_retention = 0, delete it through
+ * outbox.delete_published),
  * count one attempt on every failed row (with its error and a retry delay
  * that grows with its attempts, quarantining it as
  * relay_batch_row_quarantined says), then COMMIT.
@@ -228,7 +231,7 @@ int relay_batch_row_quarantined(const struct relay_row *row, uint32_t max_attemp
  * or quoting failed.
  */
 int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
-                           const struct relay_sql_quoter *q, struct relay_buf *out)
+                           int delete_sent, const struct relay_sql_quoter *q, struct relay_buf *out)
     __attribute__((warn_unused_result));
 
 /*

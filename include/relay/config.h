@@ -53,6 +53,12 @@ struct relay_config {
     uint32_t resume_lag_entries;  /* ... and resume below this */
     uint32_t pause_queue_age_ms;  /* pause a stream at this queue age; 0 = off */
     uint32_t resume_queue_age_ms; /* ... and resume below this */
+
+    /* Retention (docs/OPERATIONS.md, "Retention"). */
+    uint32_t sent_retention_ms;       /* delete sent rows older than this; 0 = at publish */
+    uint32_t stream_retention_ms;     /* trim acknowledged entries older than this; 0 = never */
+    uint32_t stream_trim_max_hold_ms; /* trim past a group this far behind; 0 = never */
+    int allow_short_stream_retention; /* 1: stream_retention below dedup_ttl only warns */
 };
 
 /* Fills every key with its documented default; strings are heap copies. */
@@ -86,6 +92,10 @@ int relay_config_set(struct relay_config *cfg, const char *origin, const char *k
 /* Cross-key validation and derived fields (redis_url); 0 or -1 with err. */
 int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
     __attribute__((warn_unused_result));
+
+/* 1 when stream_retention is set and shorter than dedup_ttl: refused unless
+ * allow_short_stream_retention is on, then logged as a warning at start. */
+int relay_config_short_stream_retention(const struct relay_config *cfg);
 
 /*
  * Copies s into out with any password removed: "password=..." in a conninfo

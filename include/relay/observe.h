@@ -38,6 +38,11 @@ struct relay_topic_obs {
     long long pending;         /* rows waiting in the outbox (estimate) */
     double oldest_pending_age; /* seconds; -1 when none wait */
     int admitting;             /* producer admission: 1, 0, or -1 unknown */
+    long long memory_bytes;    /* the stream's memory in Redis (MEMORY USAGE); -1 unknown */
+    /* Set by the last trim (relay/retention.c): the group that holds the
+     * stream's oldest entry past stream_retention, and by how long. */
+    char trim_holder[128];
+    double trim_held_back; /* seconds; 0 when nothing is held */
 };
 
 struct relay_group_obs {
@@ -65,6 +70,14 @@ struct relay_observation {
     char durability[128];        /* "appendonly yes, appendfsync always" */
     long long admission_topics;  /* topics whose admission was decided (or read) */
     long long admission_refused; /* of those, refused */
+    long long outbox_bytes;      /* outbox.messages with its indexes and TOAST; -1 unknown */
+    long long outbox_dead_rows;  /* dead row versions not yet vacuumed; -1 unknown */
+    long long redis_used_memory; /* INFO memory used_memory; -1 unknown */
+    /* Retention (relay/retention.c), carried from run to run. */
+    double oldest_sent_age; /* seconds since the oldest sent row kept was sent; -1 none */
+    unsigned long long sent_deleted_total;
+    unsigned long long stream_trimmed_total;
+    unsigned long long retention_errors_total;
     size_t ntopics;
     struct relay_topic_obs topics[RELAY_OBS_TOPICS_MAX];
     size_t ngroups;
@@ -81,6 +94,8 @@ struct relay_observation {
 struct relay_observe_stop *relay_observe_stop_new(void) __attribute__((warn_unused_result));
 void relay_observe_stop_trigger(struct relay_observe_stop *s);
 void relay_observe_stop_free(struct relay_observe_stop *s);
+/* The descriptor that becomes readable once s is triggered; -1 for NULL. */
+int relay_observe_stop_fd(const struct relay_observe_stop *s);
 
 /*
  * Fills o. *pg and *rd are connections the caller keeps between calls: NULL
@@ -101,6 +116,17 @@ void relay_observe_stop_free(struct relay_observe_stop *s);
 int relay_observe(const struct relay_config *cfg, struct pg_conn **pg, struct redisContext **rd,
                   int update_admission, const struct relay_observe_stop *stop,
                   struct relay_observation *o);
+
+/*
+ * One statement on the observer's connection (from relay_observe_pg_open),
+ * within statement_timeout + connect_timeout, ended at once by stop. The
+ * result (the caller clears it, and checks its status), or NULL with err set;
+ * then the connection was closed and *pg is NULL.
+ */
+struct pg_result *relay_observe_pg_exec(struct pg_conn **pg, const struct relay_config *cfg,
+                                        const struct relay_observe_stop *stop, const char *sql,
+                                        int nparams, const char *const *params, char *err,
+                                        size_t errlen) __attribute__((warn_unused_result));
 
 /*
  * The one blocking PostgreSQL connect: within connect_timeout (stop, which

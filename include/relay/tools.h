@@ -53,6 +53,9 @@ int relay_tools_control_char(unsigned long cp);
  * character counts one column, \\ two and \xNN four. Returns the columns
  * written.
  */
+/* 1 when s ends with suffix. */
+int relay_tools_ends_with(const char *s, const char *suffix);
+
 size_t relay_tools_escape(char *dst, size_t dstlen, const char *s, size_t len, size_t maxcols,
                           unsigned flags);
 

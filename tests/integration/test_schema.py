@@ -191,7 +191,7 @@ class SchemaTest(harness.PostgresTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 9)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 10)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 7"), "007_wakeup_lock.sql")
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
@@ -365,7 +365,7 @@ class SchemaTest(harness.PostgresTestCase):
                                          " WHERE sent_at IS NOT NULL"), 2)
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
                                          " WHERE failed_at IS NOT NULL"), 2)
-        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 9)
+        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 10)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")

@@ -404,7 +404,7 @@ static void test_finish_sql(void **state)
     struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
 
-    assert_int_equal(relay_batch_finish_sql(rows, 5, 3, &q, &buf), 2);
+    assert_int_equal(relay_batch_finish_sql(rows, 5, 3, 0, &q, &buf), 2);
     assert_string_equal(
         buf.data,
         "UPDATE outbox.messages SET sent_at = statement_timestamp() WHERE id = "
@@ -421,16 +421,24 @@ static void test_finish_sql(void **state)
         "= statement_timestamp() + interval '2000 milliseconds', failed_at = NULL WHERE id = 14;"
         "COMMIT");
 
+    /* sent_retention = 0: the published rows are deleted, not marked; the
+     * failed ones are counted as before. */
+    assert_int_equal(relay_batch_finish_sql(rows, 5, 3, 1, &q, &buf), 2);
+    static const char head[] = "SELECT outbox.delete_published('{10,12}'::bigint[]);UPDATE";
+    assert_memory_equal(buf.data, head, sizeof(head) - 1);
+    assert_null(strstr(buf.data, "sent_at ="));
+    assert_non_null(strstr(buf.data, "WHERE id = 14;COMMIT"));
+
     /* Nothing published: no sent_at update at all. */
     rows[0].state = rows[2].state = RELAY_ROW_FAILED;
-    assert_int_equal(relay_batch_finish_sql(rows, 1, 3, &q, &buf), 0);
+    assert_int_equal(relay_batch_finish_sql(rows, 1, 3, 0, &q, &buf), 0);
     assert_null(strstr(buf.data, "sent_at"));
 
     /* A cap that is too small is an error, never a truncated statement. */
     struct relay_buf small;
     memset(&small, 0, sizeof(small));
     small.max = 16;
-    assert_int_equal(relay_batch_finish_sql(rows, 4, 3, &q, &small), -1);
+    assert_int_equal(relay_batch_finish_sql(rows, 4, 3, 0, &q, &small), -1);
     relay_buf_free(&small);
     relay_buf_free(&buf);
 }
@@ -515,7 +523,7 @@ static void test_finish_sql_survives_unquotable_error(void **state)
     struct relay_sql_quoter q = {refusing_quote, free, NULL};
     struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
-    assert_int_equal(relay_batch_finish_sql(&row, 1, 3, &q, &buf), 0);
+    assert_int_equal(relay_batch_finish_sql(&row, 1, 3, 0, &q, &buf), 0);
     assert_non_null(strstr(buf.data, "could not be stored"));
     assert_non_null(strstr(buf.data, "COMMIT"));
     relay_buf_free(&buf);

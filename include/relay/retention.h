@@ -1,0 +1,54 @@
+/*
+ * Retention (relay/retention.c): the observation thread deletes sent rows and
+ * trims streams, after each observation, on its own connections, so that
+ * neither the outbox nor Redis grows without end (docs/OPERATIONS.md,
+ * "Retention"; docs/DESIGN.md, "Retention").
+ *
+ *   Sent rows: outbox.purge_sent (migrations/010) deletes rows sent more than
+ *   sent_retention ago, a batch per call, each call its own short
+ *   transaction, for at most a second per run.
+ *
+ *   Streams: every stream of the relay's topics, and every replay stream, is
+ *   trimmed by the relay's trim function in Redis to the entries younger than
+ *   stream_retention (replay streams: 0) or not yet acknowledged by every
+ *   group. Dead-letter streams are never trimmed.
+ */
+#ifndef RELAY_RETENTION_H
+#define RELAY_RETENTION_H
+
+#include "relay/observe.h"
+
+struct pg_conn;
+struct redisContext;
+struct relay_config;
+
+/* What the thread keeps between runs. Zero-initialise it. */
+struct relay_retention {
+    long long purge_after_id; /* the purge goes on from here */
+    double purge_restart_at;  /* monotonic seconds: walk from the first row again */
+    int purge_caught_up;      /* the last call reached the rows to keep */
+    double oldest_sent_age;   /* from the last purge; -1 none kept */
+    double next_trim_at;      /* monotonic seconds */
+    unsigned long long sent_deleted_total;
+    unsigned long long stream_trimmed_total;
+    unsigned long long errors_total;
+    char last_error[256]; /* the last failure logged, so each is logged once */
+    /* From the last trim: the streams a group holds back, and by whom. */
+    size_t nheld;
+    struct {
+        char stream[RELAY_TOPIC_MAX + 80];
+        char group[128];
+        double held_back; /* seconds past stream_retention */
+    } held[RELAY_OBS_TOPICS_MAX];
+};
+
+/*
+ * One run, after relay_observe filled o on the same connections (NULL or
+ * broken ones are skipped: the next run tries again). Copies the totals and,
+ * per topic, the group that holds trimming back into o.
+ */
+void relay_retention_run(const struct relay_config *cfg, struct pg_conn **pg,
+                         struct redisContext **rd, const struct relay_observe_stop *stop,
+                         struct relay_retention *st, struct relay_observation *o);
+
+#endif

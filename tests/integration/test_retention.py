@@ -1,0 +1,251 @@
+"""Retention: bounded storage on both sides (docs/OPERATIONS.md, "Retention").
+
+Promises tested:
+- sent rows are deleted once sent_retention has passed, and never a
+  quarantined row; with a long sent_retention they stay;
+- sent_retention = 0 deletes each row in the transaction that publishes it:
+  every message is in its stream once, and no sent row is kept;
+- the relay's role may delete only sent rows: no DELETE on the table, and
+  outbox.purge_sent / outbox.delete_published touch neither pending rows
+  (purge_sent) nor quarantined or sent ones (delete_published);
+- stream trimming never removes an entry a consumer group has not
+  acknowledged (pending or not yet delivered), removes acknowledged entries
+  older than stream_retention, reports the group that holds trimming back,
+  and trims everything once the group caught up;
+- with stream_trim_max_hold set, a group that holds trimming back longer is
+  passed over, and the relay says so;
+- dead-letter streams are never trimmed; replay streams are trimmed once
+  their group acknowledged them;
+- a stream_retention shorter than dedup_ttl is refused at start (exit 78)
+  unless allow_short_stream_retention is on, which is logged as a warning;
+- the scrape carries the storage figures: outbox size, dead rows, oldest sent
+  row kept, Redis memory of each stream.
+"""
+
+import re
+import subprocess
+import time
+import unittest
+import urllib.request
+
+import psycopg2
+
+import harness
+from harness import scalar, wait_until
+
+harness.require_relay()
+harness.set_deadline(400)
+
+
+def metric(text, name, **labels):
+    """The value of one sample, or None."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = "^" + re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else "") + r" (\S+)$"
+    m = re.search(pattern, text, re.MULTILINE)
+    return float(m.group(1)) if m else None
+
+
+class RetentionTest(harness.ServerTestCase):
+
+    def start_relay(self, **flags):
+        self.port = harness.free_port()
+        flags.setdefault("observe_interval", "200ms")
+        flags.setdefault("poll_interval", "200ms")
+        relay = self.relay(metrics_listen=f"127.0.0.1:{self.port}", **flags)
+        wait_until(lambda: harness.port_open(self.port), timeout=15, relay=relay,
+                   message="the metrics endpoint to listen")
+        return relay
+
+    def scrape(self):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def rows(self, where="true"):
+        return scalar(self.db, f"SELECT count(*) FROM outbox.messages WHERE {where}")
+
+    def insert_rows(self, topic, n):
+        harness.insert_many(self.db, [(topic, b"m%d" % i) for i in range(n)])
+
+    def quarantine_one(self):
+        """A row the relay quarantines at its first attempt: its topic is not allowed."""
+        harness.insert(self.db, "bad topic!", b"never")
+
+    # -- sent rows ----------------------------------------------------------
+    def test_sent_rows_are_deleted_after_sent_retention(self):
+        relay = self.start_relay(sent_retention="2s", stream_retention="0")
+        self.quarantine_one()
+        self.insert_rows("orders", 300)
+        wait_until(lambda: self.r.xlen("orders") == 300, timeout=30, relay=relay,
+                   message="300 entries in the stream")
+        wait_until(lambda: self.rows("failed_at IS NOT NULL") == 1, timeout=30, relay=relay)
+        # Kept while younger than sent_retention...
+        self.assertEqual(self.rows("sent_at IS NOT NULL"), 300)
+        # ...deleted after it; the quarantined row stays.
+        wait_until(lambda: self.rows() == 1, timeout=30, relay=relay,
+                   message="the sent rows to be deleted")
+        self.assertEqual(self.rows("failed_at IS NOT NULL AND sent_at IS NULL"), 1)
+        text = wait_until(
+            lambda: (t := self.scrape()) and
+            (metric(t, "outbox_relay_sent_rows_deleted_total") or 0) >= 300 and t,
+            timeout=15, relay=relay)
+        self.assertEqual(metric(text, "outbox_relay_outbox_oldest_sent_age_seconds"), 0)
+        self.assertGreater(metric(text, "outbox_relay_outbox_bytes"), 0)
+        self.assertIsNotNone(metric(text, "outbox_relay_outbox_dead_rows"))
+        self.assertGreater(metric(text, "outbox_relay_stream_memory_bytes", stream="orders"), 0)
+        self.assertGreater(metric(text, "outbox_relay_redis_used_memory_bytes"), 0)
+        self.assertEqual(self.r.xlen("orders"), 300)  # sent_retention is the outbox's alone
+
+    def test_long_sent_retention_keeps_rows(self):
+        relay = self.start_relay(sent_retention="1h", stream_retention="0")
+        self.insert_rows("orders", 50)
+        wait_until(lambda: self.rows("sent_at IS NOT NULL") == 50, timeout=30, relay=relay)
+        text = wait_until(
+            lambda: (t := self.scrape()) and
+            (metric(t, "outbox_relay_outbox_oldest_sent_age_seconds") or 0) > 0.5 and t,
+            timeout=15, relay=relay, message="the oldest sent row's age to show")
+        self.assertEqual(self.rows(), 50)
+        self.assertEqual(metric(text, "outbox_relay_sent_rows_deleted_total"), 0)
+
+    def test_zero_sent_retention_deletes_in_the_publishing_transaction(self):
+        relay = self.start_relay(sent_retention="0", stream_retention="0", batch_size=50)
+        self.quarantine_one()
+        ids = []
+        for i in range(20):  # committed while the relay works
+            ids += harness.insert_many(self.db, [("ab"[j % 2], b"p%d" % j) for j in range(100)])
+        self.assertEqual(len(set(ids)), 2000)
+        wait_until(lambda: self.r.xlen("a") + self.r.xlen("b") >= 2000, timeout=60, relay=relay,
+                   message="2000 entries")
+        wait_until(lambda: self.rows() == 1, timeout=15, relay=relay)
+        found = harness.entries_by_message_id(self.r)
+        self.assertEqual(sorted(found), sorted(ids), "every message, and nothing else")
+        self.assertEqual([m for m, e in found.items() if len(e) != 1], [], "no duplicate")
+        # Every published row went with its publish; only the quarantined one is left.
+        self.assertEqual(self.rows("failed_at IS NOT NULL AND sent_at IS NULL"), 1)
+        relay.stop()
+        problems = [line for line in harness.problem_lines(relay.log(), "relay")
+                    if "quarantined" not in line]
+        self.assertEqual(problems, [])
+
+    def test_relay_role_may_delete_only_sent_rows(self):
+        with self.db.cursor() as cur:
+            cur.execute("DROP ROLE IF EXISTS retention_relay")
+            cur.execute("CREATE ROLE retention_relay LOGIN IN ROLE outbox_relay")
+            cur.execute("INSERT INTO outbox.messages (topic, payload, sent_at)"
+                        " SELECT 'old', 'x', now() - interval '2 hours'"
+                        " FROM generate_series(1, 5)")
+            cur.execute("INSERT INTO outbox.messages (topic, payload, sent_at)"
+                        " SELECT 'young', 'x', now() FROM generate_series(1, 3)")
+            cur.execute("INSERT INTO outbox.messages (topic, payload, failed_at, created_at)"
+                        " VALUES ('quarantined', 'x', now(), now() - interval '3 hours')")
+            cur.execute("INSERT INTO outbox.messages (topic, payload) VALUES ('pending', 'x')")
+        self.addCleanup(lambda: self.db.cursor().execute("DROP ROLE IF EXISTS retention_relay"))
+        conn = psycopg2.connect(self.pg.dsn(user="retention_relay"))
+        conn.autocommit = True
+        self.addCleanup(conn.close)
+        cur = conn.cursor()
+        with self.assertRaises(psycopg2.errors.InsufficientPrivilege):
+            cur.execute("DELETE FROM outbox.messages WHERE topic = 'pending'")
+        cur.execute("SELECT deleted, caught_up FROM outbox.purge_sent(interval '1 hour', 0, 100)")
+        self.assertEqual(cur.fetchone(), (5, True))
+        cur.execute("SELECT deleted FROM outbox.purge_sent(interval '0', 0, 100)")
+        self.assertEqual(cur.fetchone(), (3,))
+        # Nothing but sent rows went.
+        self.assertEqual(sorted(r[0] for r in self.db_rows("topic")), ["pending", "quarantined"])
+        # delete_published: pending rows only, never a quarantined one.
+        cur.execute("SELECT outbox.delete_published(array_agg(id)) FROM outbox.messages")
+        self.assertEqual(cur.fetchone(), (1,))
+        self.assertEqual([r[0] for r in self.db_rows("topic")], ["quarantined"])
+        # Small batches: a call deletes at most max_rows and says it is not done.
+        with self.db.cursor() as c2:
+            c2.execute("INSERT INTO outbox.messages (topic, payload, sent_at)"
+                       " SELECT 'old', 'x', now() - interval '2 hours'"
+                       " FROM generate_series(1, 25)")
+        cur.execute("SELECT deleted, caught_up FROM outbox.purge_sent(interval '1 hour', 0, 10)")
+        self.assertEqual(cur.fetchone(), (10, False))
+
+    def db_rows(self, column):
+        with self.db.cursor() as cur:
+            cur.execute(f"SELECT {column} FROM outbox.messages ORDER BY id")
+            return cur.fetchall()
+
+    # -- streams ------------------------------------------------------------
+    def test_trim_keeps_every_unacknowledged_entry(self):
+        # Small stream nodes, so that "~" trimming has a fine grain.
+        self.r.config_set("stream-node-max-entries", 10)
+        self.addCleanup(self.r.config_set, "stream-node-max-entries", 100)
+        self.r.xgroup_create("orders", "g1", id="$", mkstream=True)
+        relay = self.start_relay(stream_retention="1s", dedup_ttl="1s")
+        self.insert_rows("orders", 200)
+        wait_until(lambda: self.r.xlen("orders") >= 200, timeout=30, relay=relay)
+        all_ids = [e[0] for e in self.r.xrange("orders")]
+        self.assertEqual(len(all_ids), 200)
+        # g1 reads 120 and acknowledges the first 50: 70 pending, 80 undelivered.
+        got = self.r.xreadgroup("g1", "c1", {"orders": ">"}, count=120)[0][1]
+        self.r.xack("orders", "g1", *[e[0] for e in got[:50]])
+        keep = set(all_ids[50:])
+        time.sleep(1.5)  # past stream_retention
+        text = wait_until(
+            lambda: (t := self.scrape()) and
+            metric(t, "outbox_relay_stream_trim_held_back_seconds", stream="orders",
+                   group="g1") is not None and t,
+            timeout=20, relay=relay, message="the held-back gauge")
+        self.assertGreaterEqual(metric(text, "outbox_relay_stream_entries_trimmed_total"), 40)
+        left = {e[0] for e in self.r.xrange("orders")}
+        self.assertTrue(keep <= left, "an unacknowledged entry was trimmed")
+        self.assertLessEqual(len(left), 160)  # acknowledged nodes went
+        # Caught up: everything is acknowledged, everything old goes.
+        rest = self.r.xreadgroup("g1", "c1", {"orders": ">"}, count=1000)[0][1]
+        self.r.xack("orders", "g1", *[e[0] for e in got[50:] + rest])
+        wait_until(lambda: self.r.xlen("orders") < 10, timeout=30, relay=relay,
+                   message="the acknowledged stream to be trimmed")
+        wait_until(lambda: metric(self.scrape(), "outbox_relay_stream_trim_held_back_seconds",
+                                  stream="orders", group="g1") is None, timeout=20, relay=relay)
+
+    def test_trim_max_hold_passes_a_stuck_group(self):
+        self.r.config_set("stream-node-max-entries", 10)
+        self.addCleanup(self.r.config_set, "stream-node-max-entries", 100)
+        self.r.xgroup_create("orders", "stuck", id="$", mkstream=True)
+        relay = self.start_relay(stream_retention="1s", dedup_ttl="1s", stream_trim_max_hold="2s")
+        self.insert_rows("orders", 100)
+        wait_until(lambda: self.r.xlen("orders") >= 100, timeout=30, relay=relay)
+        self.r.xreadgroup("stuck", "c1", {"orders": ">"}, count=100)  # read, never acknowledged
+        wait_until(lambda: self.r.xlen("orders") < 10, timeout=30, relay=relay,
+                   message="the stuck group to be passed over")
+        wait_until(lambda: re.search(r"WARNING retention: trimmed orders past group stuck",
+                                     relay.log()), timeout=10, relay=relay)
+
+    def test_dead_letters_never_trimmed_replays_trimmed_once_acknowledged(self):
+        self.r.config_set("stream-node-max-entries", 10)
+        self.addCleanup(self.r.config_set, "stream-node-max-entries", 100)
+        self.r.xgroup_create("orders", "g1", id="$", mkstream=True)
+        old = "1000-0"  # entries from long ago
+        for i in range(30):
+            self.r.xadd("orders.g1.dlq", {"f": "v"}, id=f"{1000 + i}-0")
+            self.r.xadd("orders.g1.replay", {"f": "v"}, id=f"{1000 + i}-0")
+        self.r.xgroup_create("orders.g1.replay", "g1", id="0")
+        replayed = self.r.xreadgroup("g1", "c1", {"orders.g1.replay": ">"}, count=20)[0][1]
+        self.r.xack("orders.g1.replay", "g1", *[e[0] for e in replayed])
+        relay = self.start_relay(stream_retention="1s", dedup_ttl="1s")
+        self.insert_rows("orders", 5)
+        wait_until(lambda: self.r.xlen("orders.g1.replay") <= 10, timeout=30, relay=relay,
+                   message="the acknowledged replays to be trimmed")
+        left = [e[0].decode() for e in self.r.xrange("orders.g1.replay")]
+        self.assertEqual(left[-10:], [f"{1000 + i}-0" for i in range(20, 30)])
+        time.sleep(1.5)
+        self.assertEqual(self.r.xlen("orders.g1.dlq"), 30)
+        self.assertEqual(self.r.xrange("orders.g1.dlq", count=1)[0][0].decode(), old)
+
+    def test_short_stream_retention_refused_unless_allowed(self):
+        done = subprocess.run([harness.require_relay(), "--stream-retention", "1h",
+                               "--check-config"], env=harness.relay_env(self.pg, self.redis),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              timeout=30)
+        self.assertEqual(done.returncode, 78, done.stderr)
+        self.assertIn("must not be shorter than dedup_ttl", done.stderr)
+        relay = self.start_relay(stream_retention="1h", allow_short_stream_retention="on")
+        wait_until(lambda: "WARNING retention: stream_retention" in relay.log(), timeout=10,
+                   relay=relay)
+
+
+if __name__ == "__main__":
+    unittest.main()
