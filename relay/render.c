@@ -147,7 +147,8 @@ static void render_relay(const struct relay *r, struct relay_buf *t)
 
 /* The outbox and its topics, as last observed. */
 /* Storage on both sides and retention (docs/OPERATIONS.md, "Retention"). */
-static void render_retention(const struct relay_observation *o, struct relay_buf *t)
+static void render_retention(const struct relay_config *cfg, const struct relay_observation *o,
+                             struct relay_buf *t)
 {
     if (o->outbox_bytes >= 0) {
         help(t, "outbox_relay_outbox_bytes", "gauge",
@@ -163,6 +164,15 @@ static void render_retention(const struct relay_observation *o, struct relay_buf
          "Time since the oldest sent row still kept was sent (0 when none is kept).");
     relay_buf_printf(t, "outbox_relay_outbox_oldest_sent_age_seconds %.3f\n",
                      o->oldest_sent_age < 0 ? 0 : o->oldest_sent_age);
+    help(t, "outbox_relay_sent_retention_seconds", "gauge",
+         "The sent_retention setting: sent rows are deleted this long after they were sent.");
+    relay_buf_printf(t, "outbox_relay_sent_retention_seconds %.3f\n",
+                     cfg->sent_retention_ms / 1000.0);
+    help(t, "outbox_relay_stream_retention_seconds", "gauge",
+         "The stream_retention setting: acknowledged entries older than this are trimmed "
+         "(0: never).");
+    relay_buf_printf(t, "outbox_relay_stream_retention_seconds %.3f\n",
+                     cfg->stream_retention_ms / 1000.0);
     help(t, "outbox_relay_sent_rows_deleted_total", "counter",
          "Sent rows deleted by retention (sent_retention > 0).");
     relay_buf_printf(t, "outbox_relay_sent_rows_deleted_total %llu\n", o->sent_deleted_total);
@@ -233,7 +243,7 @@ static void render_outbox(const struct relay *r, struct relay_buf *t)
             relay_buf_printf(t, "\"} %d\n", o->topics[i].admitting);
         }
     }
-    render_retention(o, t);
+    render_retention(r->cfg, o, t);
     help(t, "outbox_relay_stream_paused", "gauge",
          "1 while the relay holds a stream back for its lagging consumer groups.");
     for (size_t i = 0; i < o->ntopics; i++) {

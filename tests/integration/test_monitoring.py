@@ -53,6 +53,17 @@ METRICS = {
     "outbox_relay_group_queue_age_seconds",
     "outbox_relay_group_dead_letters",
     "outbox_relay_topic_admitting",
+    "outbox_relay_outbox_bytes",
+    "outbox_relay_outbox_dead_rows",
+    "outbox_relay_outbox_oldest_sent_age_seconds",
+    "outbox_relay_sent_retention_seconds",
+    "outbox_relay_stream_retention_seconds",
+    "outbox_relay_sent_rows_deleted_total",
+    "outbox_relay_stream_entries_trimmed_total",
+    "outbox_relay_retention_errors_total",
+    "outbox_relay_redis_used_memory_bytes",
+    "outbox_relay_stream_memory_bytes",
+    "outbox_relay_stream_trim_held_back_seconds",
 }
 HISTOGRAMS = {"outbox_relay_batch_duration_seconds"}
 # Series names a query may use: histograms only through their _bucket, _sum
@@ -60,7 +71,8 @@ HISTOGRAMS = {"outbox_relay_batch_duration_seconds"}
 SERIES = (METRICS - HISTOGRAMS) | {h + s for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
 
 ALERT_NAMES = {"OutboxDeadLettersRising", "OutboxQueueAgeAboveSLO", "OutboxRelayNotReady",
-               "OutboxQuarantinedRows", "OutboxStreamPaused", "OutboxProducersRefused"}
+               "OutboxQuarantinedRows", "OutboxStreamPaused", "OutboxProducersRefused",
+               "OutboxSentRowsPileUp", "OutboxStreamTrimHeldBack"}
 
 PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset",
                    "bool", "and", "or", "unless", "inf", "nan", "atan2", "start", "end"}
