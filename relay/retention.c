@@ -114,12 +114,13 @@ static int trim_stream(const struct relay_config *cfg, redisContext *c, int stop
         if (holder->type == REDIS_REPLY_STRING && holder->len > 0 &&
             held->type == REDIS_REPLY_INTEGER && held->integer > 0 &&
             st->nheld < RELAY_OBS_TOPICS_MAX) {
-            double age = o->taken_at - (double)held->integer / 1000.0;
-            double past = age - retention_ms / 1000.0;
-            snprintf(st->held[st->nheld].stream, sizeof(st->held[0].stream), "%s", stream);
-            snprintf(st->held[st->nheld].group, sizeof(st->held[0].group), "%s", holder->str);
-            st->held[st->nheld].held_back = past > 0 ? past : 0;
-            st->nheld++;
+            double past = o->taken_at - (double)held->integer / 1000.0 - retention_ms / 1000.0;
+            if (past > 0) {
+                snprintf(st->held[st->nheld].stream, sizeof(st->held[0].stream), "%s", stream);
+                snprintf(st->held[st->nheld].group, sizeof(st->held[0].group), "%s", holder->str);
+                st->held[st->nheld].held_back = past;
+                st->nheld++;
+            }
         }
         if (passed->type == REDIS_REPLY_STRING && passed->len > 0) {
             char shown_stream[200], shown_group[200];
