@@ -22,7 +22,12 @@
  *   bench-loadgen --postgres CONNINFO --redis-port PORT [--redis-host HOST]
  *                 --rate R (--seconds S | --count N) [--producers P]
  *                 [--topics T] [--payload BYTES] [--group NAME] [--wait S]
+ *                 [--windows W]
  *
+ * --windows W adds "windows": the commit -> stream latency of the rows
+ * committed in each W seconds of the run (its start "t" in seconds from the
+ * first commit, "n", "p50", "p99" and "max" in ms, "missing" for rows not
+ * seen in the stream), for a run long enough to show how it changes.
  * Topics are bench0..bench<T-1>, round-robin. Prints one JSON object.
  */
 #include "relay/compat.h"
@@ -52,6 +57,7 @@ static int ntopics = 4;
 static int payload_bytes = 200;
 static const char *group = "bench";
 static double wait_s = 10;
+static double windows_s = 0;
 
 static long long base_id; /* ids above it are ours */
 static long cap;          /* slots in the arrays below */
@@ -368,6 +374,58 @@ static void print_stats(const char *name, double *v, long n, int last)
     printf("}%s\n", last ? "" : ",");
 }
 
+/* A row's window and its commit -> stream latency (negative: not seen). */
+struct windowed {
+    long window;
+    double latency;
+};
+
+static int cmp_windowed(const void *a, const void *b)
+{
+    const struct windowed *x = a, *y = b;
+    if (x->window != y->window)
+        return x->window < y->window ? -1 : 1;
+    return x->latency < y->latency ? -1 : x->latency > y->latency;
+}
+
+/* "windows": one object per windows_s seconds of commits, in order. */
+static void print_windows(void)
+{
+    struct windowed *w = malloc((size_t)cap * sizeof(*w));
+    double *lat = malloc((size_t)cap * sizeof(double));
+    if (w == NULL || lat == NULL)
+        die("out of memory", NULL);
+    long n = 0;
+    for (long i = 0; i < cap; i++)
+        if (t_commit[i] > -1e8) {
+            w[n].window = (long)(t_commit[i] / windows_s); /* from t0 already */
+            w[n].latency = t_visible[i] > -1e8 ? t_visible[i] - t_commit[i] : -1;
+            n++;
+        }
+    qsort(w, (size_t)n, sizeof(*w), cmp_windowed);
+    printf("  \"windows\": [");
+    for (long i = 0, first = 1; i < n;) {
+        long j = i, nl = 0, missing = 0;
+        for (; j < n && w[j].window == w[i].window; j++) {
+            if (w[j].latency < 0)
+                missing++;
+            else
+                lat[nl++] = w[j].latency;
+        }
+        printf("%s\n    {\"t\": %.1f, \"n\": %ld, \"missing\": %ld", first ? "" : ",",
+               (double)w[i].window * windows_s, j - i, missing);
+        if (nl > 0)
+            printf(", \"p50\": %.4f, \"p99\": %.4f, \"max\": %.4f", pct(lat, nl, 50) * 1e3,
+                   pct(lat, nl, 99) * 1e3, lat[nl - 1] * 1e3);
+        printf("}");
+        first = 0;
+        i = j;
+    }
+    printf("\n  ],\n");
+    free(w);
+    free(lat);
+}
+
 int main(int argc, char **argv)
 {
     long max_rows = 0;
@@ -399,6 +457,8 @@ int main(int argc, char **argv)
             group = v;
         else if (strcmp(a, "--wait") == 0)
             wait_s = atof(v);
+        else if (strcmp(a, "--windows") == 0)
+            windows_s = atof(v);
         else if (strcmp(a, "--max-rows") == 0)
             max_rows = atol(v);
         else
@@ -501,6 +561,8 @@ int main(int argc, char **argv)
            "  \"missing_visible\": %ld, \"missing_acked\": %ld, \"out_of_range\": %ld,\n",
            rate, producers, n_committed, span, span > 0 ? n_committed / span : 0.0, miss_v, miss_a,
            atomic_load(&out_of_range));
+    if (windows_s > 0)
+        print_windows();
     print_stats("commit_ms", commit_lat, ncl, 0);
     print_stats("visible_ms", vis_lat, nv, 0);
     print_stats("acked_ms", ack_lat, na, 1);

@@ -3,6 +3,8 @@
 #
 #   bench/run.sh                  the full run (about 12 minutes on 2 cores)
 #   BENCH_QUICK=1 bench/run.sh    a smoke run of about 2 minutes, small sizes
+#   bench/run.sh --soak           the soak run instead (bench/soak.py): 30 minutes
+#                                 of steady load, storage and latency against time
 #
 # Installs what is missing (scripts/deps.sh, plus gnuplot-nox for the plots),
 # builds the relay optimised (CMake Release) into build-bench with the two
@@ -54,6 +56,11 @@ done
 
 # --- run ----------------------------------------------------------------------
 status=0
+if [[ "${1:-}" == "--soak" ]]; then
+  BENCH_BUILD_DIR="$build" /usr/bin/python3 "$root/bench/soak.py" || status=$?
+  echo "bench/run.sh --soak: $(($(date +%s) - started))s in all"
+  exit "$status"
+fi
 BENCH_BUILD_DIR="$build" /usr/bin/python3 "$root/bench/bench.py" || status=$?
 took=$(($(date +%s) - started))
 echo "bench/run.sh: ${took}s in all (installing, building and measuring)"

@@ -1,0 +1,338 @@
+#!/usr/bin/python3
+"""The soak benchmark: does the relay run for a year? Storage must stay bounded.
+
+    bench/run.sh --soak                   30 minutes (the full run)
+    SOAK_MINUTES=4 bench/run.sh --soak    the same checks in 4 minutes
+
+Starts its own PostgreSQL 15 (fsync on) and Redis 7 (appendonly, everysec) on
+loopback, a relay with retention, and for SOAK_MINUTES a steady SOAK_RATE
+(2,000) messages a second over 4 topics from bench-loadgen (8 producers,
+single-row transactions). Two consumer groups read every stream: "steady"
+(bench-loadgen's own, reading and acknowledging at once) and "lagger", which
+stops for the middle third of the run and then catches up.
+
+The retention settings scale with the run so that storage reaches its steady
+state within the first third: sent_retention = SOAK_MINUTES x 4 s,
+stream_retention = dedup_ttl = SOAK_MINUTES x 10 s (2 min and 5 min for 30).
+
+Every SOAK_SAMPLE seconds it records the outbox's table+index size, the
+claim's time (the relay's claim statement, 500 rows, in a transaction rolled
+back), Redis's used_memory, the stream lengths and the relay's retention
+figures; bench-loadgen records commit -> stream latency per window of commits.
+
+Targets, checked at the end (exit 1 when one is missed):
+- over the last third of the run (10 minutes of 30) the outbox's table+index
+  size grows less than 5 %, and Redis's used_memory less than 5 %;
+- commit -> stream p99 never above 50 ms in a window outside the lagger's
+  stop (and the minute after, while it catches up);
+- no entry that the lagger had not acknowledged is trimmed: it reads every
+  message exactly once, in the end;
+- nothing is lost: every committed row reaches its stream and the steady group.
+
+Writes bench/results/soak.csv (the samples), soak-windows.csv (latency),
+soak-summary.md and soak.png (the five figures against time).
+"""
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+import harness  # noqa: E402
+
+MINUTES = bench.env_float("SOAK_MINUTES", 30)
+RATE = bench.env_int("SOAK_RATE", 2000)
+SAMPLE = bench.env_float("SOAK_SAMPLE", 10 if MINUTES >= 10 else 5)
+PRODUCERS = bench.env_int("SOAK_PRODUCERS", 8)
+TOPICS = 4
+SECONDS = MINUTES * 60
+STOP_FROM, STOP_UNTIL = SECONDS / 3, 2 * SECONDS / 3
+CATCH_UP = min(60.0, SECONDS / 10)  # after the stop: the lagger's reads compete
+SENT_RETENTION_S = int(MINUTES * 4)
+STREAM_RETENTION_S = int(MINUTES * 10)
+P99_LIMIT_MS = 50.0
+GROWTH_LIMIT = 0.05
+# 0: the latency target is reported, not checked (the test tier's short run:
+# a speed figure has no place in a test on a shared machine).
+LATENCY_CHECK = os.environ.get("SOAK_LATENCY_CHECK", "1") != "0"
+RESULTS = bench.RESULTS
+STREAMS = [f"bench{i}" for i in range(TOPICS)]
+
+
+def log(msg):
+    bench.log(f"soak: {msg}")
+
+
+class Lagger(threading.Thread):
+    """Consumer group "lagger": reads and acknowledges everything, except while
+    stopped; remembers every outbox_id it read and how often."""
+
+    def __init__(self, rd, t0):
+        super().__init__(daemon=True)
+        self.rc = rd.client()
+        self.t0 = t0
+        self.seen = {}
+        self.done = threading.Event()
+        self.error = None
+
+    def stopped(self):
+        t = time.monotonic() - self.t0
+        return STOP_FROM <= t < STOP_UNTIL
+
+    def run(self):
+        try:
+            while not self.done.is_set():
+                if self.stopped():
+                    time.sleep(0.2)
+                    continue
+                got = self.rc.xreadgroup("lagger", "c1", {s: ">" for s in STREAMS},
+                                         count=2000, block=200)
+                for stream, entries in got or []:
+                    ids = []
+                    for entry_id, fields in entries:
+                        oid = int(fields[b"outbox_id"])
+                        self.seen[oid] = self.seen.get(oid, 0) + 1
+                        ids.append(entry_id)
+                    if ids:
+                        self.rc.xack(stream, "lagger", *ids)
+        except Exception as e:  # reported, and fails the run
+            self.error = repr(e)
+
+
+def scrape(relay):
+    with urllib.request.urlopen(f"http://{relay.metrics}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("outbox_relay_") and "{" not in line:
+            name, _, value = line.partition(" ")
+            out[name] = float(value)
+    return out
+
+
+def timed_claim(conn, sql):
+    """ms for the relay's claim of 500 rows, rolled back: the rows are free again at once."""
+    with conn.cursor() as cur:
+        started = time.perf_counter()
+        cur.execute(sql)
+        cur.fetchall()
+        took = (time.perf_counter() - started) * 1e3
+    conn.rollback()
+    return took
+
+
+def sampler(pg, rd, relay, claim_sql, t0, samples, stop):
+    conn = pg.connect()
+    conn.autocommit = False
+    rc = rd.client()
+    auto = pg.connect()
+    while not stop.wait(SAMPLE):
+        try:
+            s = {"t": round(time.monotonic() - t0, 1)}
+            s["table_bytes"] = bench.scalar(
+                auto, "SELECT pg_total_relation_size('outbox.messages')")
+            s["rows"] = bench.scalar(auto, "SELECT n_live_tup FROM pg_stat_all_tables"
+                                           " WHERE relid = 'outbox.messages'::regclass")
+            s["claim_ms"] = round(timed_claim(conn, claim_sql), 3)
+            s["redis_used_memory"] = rc.info("memory")["used_memory"]
+            lengths = [rc.xlen(x) for x in STREAMS]
+            s["stream_entries"] = sum(lengths)
+            m = scrape(relay)
+            for key in ("outbox_relay_outbox_dead_rows", "outbox_relay_sent_rows_deleted_total",
+                        "outbox_relay_stream_entries_trimmed_total",
+                        "outbox_relay_outbox_oldest_sent_age_seconds",
+                        "outbox_relay_retention_errors_total"):
+                s[key.replace("outbox_relay_", "")] = m.get(key)
+            samples.append(s)
+            log(f"t={s['t']:.0f}s table {s['table_bytes'] / 2**20:.1f} MiB ({s['rows']} rows),"
+                f" claim {s['claim_ms']:.2f} ms, redis {s['redis_used_memory'] / 2**20:.1f} MiB,"
+                f" streams {s['stream_entries']} entries")
+        except Exception as e:
+            log(f"sample failed: {e!r}")
+    conn.close()
+    auto.close()
+    rc.close()
+
+
+def growth(samples, key):
+    """Relative growth of key over the last third: the last sample against the
+    first of the last third."""
+    last = [s for s in samples if s["t"] >= 2 * SECONDS / 3]
+    if len(last) < 2:
+        return None, None, None
+    a, b = last[0][key], last[-1][key]
+    return a, b, (b - a) / a if a else None
+
+
+def plot(samples, windows):
+    if shutil.which("gnuplot") is None:
+        log("gnuplot not found: no plot (bench/run.sh installs gnuplot-nox)")
+        return
+    dat = os.path.join(RESULTS, "soak.dat")
+    with open(dat, "w") as f:
+        for s in samples:
+            f.write(f"{s['t'] / 60:.3f} {s['table_bytes'] / 2**20:.3f} {s['claim_ms']}"
+                    f" {s['redis_used_memory'] / 2**20:.3f} {s['stream_entries']}\n")
+    wdat = os.path.join(RESULTS, "soak-windows.dat")
+    with open(wdat, "w") as f:
+        for w in windows:
+            if "p99" in w:
+                f.write(f"{w['t'] / 60:.3f} {w['p99']}\n")
+    stop = (f"set object 1 rect from {STOP_FROM / 60},graph 0 to {STOP_UNTIL / 60},graph 1"
+            " fc rgb '#eeeeee' behind\n")
+    gp = os.path.join(RESULTS, "soak.gp")
+    with open(gp, "w") as f:
+        f.write(f"""set terminal pngcairo size 1000,1400 font ',9'
+set output '{os.path.join(RESULTS, "soak.png")}'
+set multiplot layout 5,1 title 'outbox-relay soak: {RATE} msg/s over {TOPICS} topics for {MINUTES:g} min (grey: group "lagger" stopped)'
+set xlabel 'minutes'
+set grid
+{stop}set ylabel 'MiB'
+plot '{dat}' u 1:2 w l lw 2 t 'outbox.messages, table + indexes'
+set ylabel 'ms'
+plot '{dat}' u 1:3 w lp pt 7 ps 0.4 t 'claim of 500 rows'
+set ylabel 'ms'
+set yrange [0:*]
+plot '{wdat}' u 1:2 w lp pt 7 ps 0.4 t 'commit -> stream p99 (per window)', {P99_LIMIT_MS} w l dt 2 t 'target'
+unset yrange
+set ylabel 'MiB'
+plot '{dat}' u 1:4 w l lw 2 t 'Redis used_memory'
+set ylabel 'entries'
+plot '{dat}' u 1:5 w l lw 2 t 'entries in the 4 streams'
+unset multiplot
+""")
+    proc = subprocess.run(["gnuplot", gp], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    if proc.returncode != 0:
+        log(f"gnuplot: {proc.stdout[-1000:]}")
+
+
+def main():
+    os.makedirs(RESULTS, exist_ok=True)
+    for path in (bench.RELAY_BIN, bench.LOADGEN_BIN, bench.NAIVE_BIN):
+        if not os.access(path, os.X_OK):
+            sys.exit(f"soak.py: {path} not found: run bench/run.sh --soak, which builds it")
+    os.environ["OUTBOX_RELAY_BIN"] = bench.RELAY_BIN
+    harness.set_deadline(SECONDS + 900)
+    log(f"{RATE} msg/s for {MINUTES:g} min; sent_retention {SENT_RETENTION_S}s,"
+        f" stream_retention {STREAM_RETENTION_S}s; group lagger stops from"
+        f" {STOP_FROM:.0f}s to {STOP_UNTIL:.0f}s")
+    with bench.servers() as (pg, rd, conn, rc):
+        for s in STREAMS:
+            rc.xgroup_create(s, "lagger", id="$", mkstream=True)
+        relay = bench.start_relay(pg, rd, sent_retention=f"{SENT_RETENTION_S}s",
+                                  stream_retention=f"{STREAM_RETENTION_S}s",
+                                  dedup_ttl=f"{STREAM_RETENTION_S}s", observe_interval="1s")
+        claim_sql = relay_claim_sql()
+        samples, stop = [], threading.Event()
+        t0 = time.monotonic()
+        lagger = Lagger(rd, t0)
+        lagger.start()
+        th = threading.Thread(target=sampler, args=(pg, rd, relay, claim_sql, t0, samples, stop),
+                              daemon=True)
+        th.start()
+        try:
+            res = bench.run_json([bench.LOADGEN_BIN, "--postgres", pg.dsn(), "--redis-port",
+                                  str(rd.port), "--rate", str(RATE), "--seconds", str(SECONDS),
+                                  "--producers", str(PRODUCERS), "--topics", str(TOPICS),
+                                  "--payload", "200", "--group", "steady", "--wait", "60",
+                                  "--windows", str(SAMPLE)], timeout=SECONDS + 600)
+            # The lagger catches up on what is left.
+            deadline = time.monotonic() + 120
+            while len(lagger.seen) < res["committed"] and time.monotonic() < deadline:
+                time.sleep(0.5)
+        finally:
+            stop.set()
+            lagger.done.set()
+            th.join(30)
+            lagger.join(10)
+            relay_log = relay.log()
+            bench.stop_relay(relay)
+    return report(res, samples, lagger, relay_log)
+
+
+def relay_claim_sql():
+    """The relay's claim statement with its parameters filled in: 500 rows, nothing paused."""
+    out = subprocess.run([bench.NAIVE_BIN, "--print-claim-sql"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench-naive --print-claim-sql: {out.stderr}")
+    return out.stdout.strip().replace("$1", "500").replace("$2", "'{}'")
+
+
+def report(res, samples, lagger, relay_log):
+    windows = res.get("windows", [])
+    with open(os.path.join(RESULTS, "soak.csv"), "w") as f:
+        keys = list(samples[0].keys()) if samples else []
+        f.write(",".join(keys) + "\n")
+        for s in samples:
+            f.write(",".join("" if s.get(k) is None else str(s[k]) for k in keys) + "\n")
+    with open(os.path.join(RESULTS, "soak-windows.csv"), "w") as f:
+        f.write("t,n,missing,p50,p99,max\n")
+        for w in windows:
+            f.write(f"{w['t']},{w['n']},{w['missing']},{w.get('p50', '')},{w.get('p99', '')},"
+                    f"{w.get('max', '')}\n")
+    plot(samples, windows)
+
+    checks = []
+    a, b, g = growth(samples, "table_bytes")
+    checks.append(("outbox table+index size, growth over the last third",
+                   f"{a / 2**20:.1f} -> {b / 2**20:.1f} MiB ({g:+.1%})" if g is not None else "n/a",
+                   g is not None and g < GROWTH_LIMIT))
+    a, b, g = growth(samples, "redis_used_memory")
+    checks.append(("Redis used_memory, growth over the last third",
+                   f"{a / 2**20:.1f} -> {b / 2**20:.1f} MiB ({g:+.1%})" if g is not None else "n/a",
+                   g is not None and g < GROWTH_LIMIT))
+    outside = [w for w in windows if "p99" in w and not (
+        STOP_FROM - SAMPLE < w["t"] < STOP_UNTIL + CATCH_UP)]
+    worst = max((w["p99"] for w in outside), default=None)
+    where = max(outside, key=lambda w: w["p99"])["t"] if outside else None
+    checks.append(("commit -> stream p99, worst window outside the lagger's stop",
+                   (f"{worst:.1f} ms at {where:.0f}s (limit {P99_LIMIT_MS:g})"
+                    if worst is not None else "n/a") + ("" if LATENCY_CHECK else " (reported)"),
+                   not LATENCY_CHECK or (worst is not None and worst <= P99_LIMIT_MS)))
+    inside = [w["p99"] for w in windows if "p99" in w and w not in outside]
+    committed = res["committed"]
+    read_once = sum(1 for c in lagger.seen.values() if c == 1)
+    checks.append(("entries the lagger had not acknowledged, trimmed",
+                   f"read {len(lagger.seen)} of {committed} messages, {read_once} exactly once"
+                   + (f"; error {lagger.error}" if lagger.error else ""),
+                   lagger.error is None and len(lagger.seen) == committed
+                   and read_once == committed))
+    checks.append(("nothing lost: missing from the streams / from group steady",
+                   f"{res['missing_visible']} / {res['missing_acked']} of {committed}",
+                   res["missing_visible"] == 0 and res["missing_acked"] == 0 and committed > 0))
+    claims = [s["claim_ms"] for s in samples]
+    lines = [f"# Soak: {RATE} msg/s over {TOPICS} topics for {MINUTES:g} minutes", "",
+             f"sent_retention {SENT_RETENTION_S}s, stream_retention {STREAM_RETENTION_S}s;"
+             f" group lagger stopped from {STOP_FROM:.0f}s to {STOP_UNTIL:.0f}s;"
+             f" achieved {res['achieved_rate']:.0f} msg/s, {committed} messages.", "",
+             "| check | figure | met |", "|---|---|---|"]
+    for what, figure, ok in checks:
+        lines.append(f"| {what} | {figure} | {'yes' if ok else '**no**'} |")
+    lines += ["", f"commit -> stream p99 in the lagger's stop and catch-up: worst"
+              f" {max(inside, default=0):.1f} ms; over the whole run p99"
+              f" {res['visible_ms'].get('p99', 0):.1f} ms.",
+              f"claim of 500 rows: median {statistics.median(claims):.2f} ms, first third"
+              f" {statistics.median([s['claim_ms'] for s in samples if s['t'] < SECONDS / 3] or [0]):.2f} ms,"
+              f" last third"
+              f" {statistics.median([s['claim_ms'] for s in samples if s['t'] >= 2 * SECONDS / 3] or [0]):.2f} ms."
+              if claims else "no samples",
+              f"retention warnings in the relay's log: "
+              f"{len([x for x in relay_log.splitlines() if 'WARNING retention' in x])}."]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(RESULTS, "soak-summary.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0 if all(ok for _, _, ok in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
