@@ -19,6 +19,10 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
              dropped, synchronous_commit on and off, with a relay running
   limits     claim-and-mark alone, the publish function alone, the claim's cost
              with no sent rows
+  storage    the same backlog drained twice: rows marked sent and kept
+             (sent_retention 1h, autovacuum alone) and the default (each row
+             deleted as it is published, the relay vacuums): PostgreSQL CPU
+             per message and the claim before and right after each drain
   profile    perf record -a during a drain: where the machine's time goes
 
 Sizes come from the environment (BENCH_QUICK=1 for a two-minute smoke run);
@@ -96,7 +100,8 @@ PROFILE_ROWS = env_int("BENCH_PROFILE_ROWS", 20000 if QUICK else 100000)
 TOPICS = 4
 PAYLOAD = 200
 REDIS_AOF = os.environ.get("BENCH_REDIS_AOF") or "everysec"  # no | everysec | always
-ALL_SECTIONS = ["drain", "naive", "sweep", "latency", "producers", "limits", "profile"]
+ALL_SECTIONS = ["drain", "naive", "sweep", "latency", "producers", "limits", "storage",
+                "profile"]
 SECTIONS = [s.strip() for s in (os.environ.get("BENCH_SECTIONS") or ",".join(ALL_SECTIONS))
             .split(",") if s.strip()]
 if QUICK and not os.environ.get("BENCH_SECTIONS"):
@@ -575,6 +580,69 @@ def section_drain():
         claim_cost(pg, conn, "sent_1m_vacuumed", "claim-explain-sent-after-vacuum.txt")
 
 
+# The storage designs of section "storage": name, relay flags, what it is.
+STORAGE_MODES = [
+    ("mark", dict(sent_retention="1h", vacuum_dead_rows="0"),
+     "rows marked sent (UPDATE sent_at) and kept an hour; autovacuum alone"),
+    ("delete", {}, "the default: each row deleted as it is published; the relay vacuums"),
+]
+
+
+def vacuum_settled(conn, threshold):
+    """No VACUUM runs and fewer dead rows than the relay's end-of-drain mark."""
+    return (scalar(conn, "SELECT count(*) FROM pg_stat_progress_vacuum") == 0
+            and table_stats(conn)["dead"] < threshold)
+
+
+def section_storage():
+    for name, flags, what in STORAGE_MODES:
+        with servers() as (pg, rd, conn, rc):
+            insert_backlog(conn, ROWS)
+            before = claim_cost(pg, conn, f"storage.{name}.before",
+                                f"claim-explain-storage-{name}-before.txt")
+            meter = CpuMeter(pg, rd)
+            started = time.monotonic()
+            relay = start_relay(pg, rd, batch_size=BATCH, **flags)
+            try:
+                while not (stream_total(rc) >= ROWS and pending(conn) == 0):
+                    if not relay.alive():
+                        raise RuntimeError("the relay exited\n" + relay.log_tail())
+                    if time.monotonic() - started > max(120.0, ROWS / 1500.0):
+                        raise RuntimeError("drain not done\n" + relay.log_tail())
+                    time.sleep(0.02)
+                took = time.monotonic() - started
+                # A running relay's own work after a drain: its VACUUM (the
+                # marking design leaves its dead rows to autovacuum instead).
+                if name == "delete":
+                    deadline = time.monotonic() + 120
+                    while not vacuum_settled(conn, 10000) and time.monotonic() < deadline:
+                        time.sleep(0.2)
+                settled = time.monotonic() - started - took
+                vacuums = relay_metric(relay, "outbox_relay_vacuums_total")
+                pg_cpu, rd_cpu = meter.read()
+            finally:
+                stop_relay(relay)
+            stats = table_stats(conn)
+            insert_backlog(conn, CLAIM_PENDING, prepare=False)
+            after = claim_cost(pg, conn, f"storage.{name}.after",
+                               f"claim-explain-storage-{name}-after.txt")
+            R.add("storage", f"storage.{name}.rate", ROWS / took, "msg/s", what)
+            R.add("storage", f"storage.{name}.pg_cpu_per_msg_us", pg_cpu / ROWS * 1e6, "us",
+                  "PostgreSQL CPU (every process) from the drain's start until it and the"
+                  " relay's VACUUM are done, per message")
+            R.add("storage", f"storage.{name}.settle_seconds", settled, "s",
+                  "from the last commit until the relay's VACUUM is done")
+            R.add("storage", f"storage.{name}.relay_vacuums", vacuums or 0)
+            R.add("storage", f"storage.{name}.dead_rows_after", stats["dead"], "rows")
+            R.add("storage", f"storage.{name}.claim_ratio",
+                  after["mean_ms"] / before["mean_ms"], "",
+                  "claim of 500 right after the drain / before it, same server")
+            log(f"storage {name}: {ROWS / took:,.0f} msg/s, PostgreSQL"
+                f" {pg_cpu / ROWS * 1e6:.1f} us/msg, relay VACUUMs {vacuums},"
+                f" settled {settled:.1f}s after the drain, claim {before['mean_ms']:.2f} ->"
+                f" {after['mean_ms']:.2f} ms ({after['mean_ms'] / before['mean_ms']:.2f}x)")
+
+
 def section_naive():
     with servers() as (pg, rd, conn, rc):
         insert_backlog(conn, ROWS)
@@ -1003,6 +1071,14 @@ def build_table():
                        (f"{ROWS:,} sent rows, after VACUUM", "sent_1m_vacuumed")):
         R.row(f"claim of {BATCH} ({label})", g(f"claim.{key}.mean_ms"), "ms",
               "0 sent rows, same server before the drain", c0, "≤ 1.10")
+    mark_cpu = g("storage.mark.pg_cpu_per_msg_us")
+    R.row(f"PostgreSQL CPU per message, {ROWS:,}-row drain, default (delete as published,"
+          " relay vacuums)", g("storage.delete.pg_cpu_per_msg_us"), "us",
+          "rows marked sent (UPDATE), same run", mark_cpu, "≤ 0.70")
+    for name, _, what in STORAGE_MODES:
+        R.row(f"claim of {BATCH} right after a {ROWS:,}-row drain, {name}: after / before",
+              g(f"storage.{name}.claim_ratio"), "ratio", target="≤ 1.10" if name == "delete"
+              else "", ratio=g(f"storage.{name}.claim_ratio"))
     for sync in ("on", "off"):
         c = max(PRODUCER_CLIENTS)
         base = g(f"producers.norelay.sync_{sync}.c{c}.dropped.tps")
@@ -1267,7 +1343,8 @@ def main():
 
     functions = dict(drain=section_drain, naive=section_naive, sweep=section_sweep,
                      latency=section_latency, producers=section_producers,
-                     limits=section_limits, profile=section_profile)
+                     limits=section_limits, storage=section_storage,
+                     profile=section_profile)
     for name in SECTIONS:
         if name not in functions:
             sys.exit(f"bench.py: unknown section {name!r}; sections: {', '.join(ALL_SECTIONS)}")

@@ -156,7 +156,7 @@ static const struct cfg_key cfg_keys[] = {
      "stop publishing to a stream when a group's queue age reaches this; 0: never"},
     {"resume_queue_age", CFG_DURATION, CFG_OFF(resume_queue_age_ms), 0, 30 * CFG_DAY, "0", 0, NULL,
      "publish to a paused stream again when every group's queue age is below this"},
-    {"sent_retention", CFG_DURATION, CFG_OFF(sent_retention_ms), 0, 30 * CFG_DAY, "1h", 0, NULL,
+    {"sent_retention", CFG_DURATION, CFG_OFF(sent_retention_ms), 0, 30 * CFG_DAY, "0", 0, NULL,
      "delete sent rows this long after they were sent; 0: delete each row as it is published"},
     {"stream_retention", CFG_DURATION, CFG_OFF(stream_retention_ms), 0, 30 * CFG_DAY, "24h", 0,
      NULL, "trim stream entries older than this that every group has acknowledged; 0: never"},
@@ -164,6 +164,8 @@ static const struct cfg_key cfg_keys[] = {
      0, NULL, "trim past a group whose unacknowledged entries are older than this; 0: never"},
     {"allow_short_stream_retention", CFG_BOOL, CFG_OFF(allow_short_stream_retention), 0, 1, "off",
      0, NULL, "accept a stream_retention shorter than dedup_ttl, with a warning"},
+    {"vacuum_dead_rows", CFG_UINT, CFG_OFF(vacuum_dead_rows), 0, 2000000000, "100000", 0, NULL,
+     "VACUUM outbox.messages when it holds this many dead rows (needs its owner); 0: never"},
 };
 
 static const char *const cfg_level_names[] = {"debug", "info", "warning", "error"};

@@ -65,6 +65,7 @@ static void *observe_main(void *arg)
             ;
     }
     pthread_mutex_unlock(&ob->lock);
+    relay_retention_end(&retention);
     PQfinish(pg);
     if (rd != NULL)
         redisFree(rd);

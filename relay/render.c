@@ -180,6 +180,9 @@ static void render_retention(const struct relay_config *cfg, const struct relay_
          "Stream entries removed by trimming (stream_retention).");
     relay_buf_printf(t, "outbox_relay_stream_entries_trimmed_total %llu\n",
                      o->stream_trimmed_total);
+    help(t, "outbox_relay_vacuums_total", "counter",
+         "VACUUMs of outbox.messages the relay ran (vacuum_dead_rows) that finished.");
+    relay_buf_printf(t, "outbox_relay_vacuums_total %llu\n", o->vacuums_total);
     help(t, "outbox_relay_retention_errors_total", "counter",
          "Retention runs that failed (deleting sent rows or trimming); each is logged.");
     relay_buf_printf(t, "outbox_relay_retention_errors_total %llu\n", o->retention_errors_total);

@@ -26,9 +26,14 @@
 #define PURGE_BUDGET 1.0
 /* The purge steps over rows that are not sent yet (in flight, paused,
  * quarantined) and goes on from after them; once it has caught up, it starts
- * from the first row again at most this often, for the rows it stepped over
- * that were sent since. */
-#define PURGE_RESTART_EVERY 10.0
+ * from the first row again, for the rows it stepped over that were sent
+ * since: as often as sent_retention, between these bounds. With
+ * sent_retention = 0 rows are deleted as they are published, and only rows
+ * marked before (by an older setting) are left to purge: a pass every
+ * PURGE_ZERO_EVERY. */
+#define PURGE_RESTART_MIN 10.0
+#define PURGE_RESTART_MAX 60.0
+#define PURGE_ZERO_EVERY 600.0
 /* Streams are trimmed at most this often. */
 #define TRIM_EVERY 10.0
 /* The most streams one run trims, so that a run stays short. */
@@ -55,9 +60,15 @@ static void purge_sent(const struct relay_config *cfg, PGconn **pg,
                        const struct relay_observe_stop *stop, struct relay_retention *st)
 {
     double started = relay_mono_now();
+    if (cfg->sent_retention_ms == 0 && st->purge_caught_up && started < st->purge_restart_at)
+        return;
     if (st->purge_caught_up && started >= st->purge_restart_at) {
+        double every = cfg->sent_retention_ms / 1000.0;
+        every = every < PURGE_RESTART_MIN   ? PURGE_RESTART_MIN
+                : every > PURGE_RESTART_MAX ? PURGE_RESTART_MAX
+                                            : every;
         st->purge_after_id = 0;
-        st->purge_restart_at = started + PURGE_RESTART_EVERY;
+        st->purge_restart_at = started + (cfg->sent_retention_ms == 0 ? PURGE_ZERO_EVERY : every);
     }
     for (;;) {
         char ms[24], after[24], max[16], err[256];
@@ -85,6 +96,121 @@ static void purge_sent(const struct relay_config *cfg, PGconn **pg,
         if (caught_up || relay_mono_now() - started >= PURGE_BUDGET)
             return;
     }
+}
+
+/* ---- vacuum ---------------------------------------------------------- */
+
+/* 1 when the session's role may VACUUM outbox.messages (owns it, through
+ * membership, or is a superuser), 0 when not, -1 when it cannot tell. */
+static int may_vacuum(const struct relay_config *cfg, PGconn **c,
+                      const struct relay_observe_stop *stop, char *err, size_t errlen)
+{
+    static const char sql[] = "SELECT pg_has_role(c.relowner, 'USAGE')"
+                              " OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)"
+                              " FROM pg_class AS c WHERE c.oid = 'outbox.messages'::regclass";
+    PGresult *r = relay_observe_pg_exec(c, cfg, stop, sql, 0, NULL, err, errlen);
+    if (r == NULL)
+        return -1;
+    int rc = -1;
+    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
+        rc = strcmp(PQgetvalue(r, 0, 0), "t") == 0;
+    else
+        snprintf(err, errlen, "%s", PQresultErrorMessage(r));
+    PQclear(r);
+    return rc;
+}
+
+/* Starts a VACUUM on a connection of its own and returns at once. */
+static void vacuum_start(const struct relay_config *cfg, const struct relay_observe_stop *stop,
+                         struct relay_retention *st, long long dead_rows)
+{
+    char err[256];
+    PGconn *c = relay_observe_pg_open(cfg, "outbox-relay vacuum", stop, err, sizeof(err));
+    if (c == NULL) {
+        failed(st, "vacuuming the outbox", err);
+        return;
+    }
+    int may = may_vacuum(cfg, &c, stop, err, sizeof(err));
+    if (may == 0) {
+        relay_warn("retention",
+                   "the relay's role does not own outbox.messages, so it cannot VACUUM it: "
+                   "autovacuum alone removes the dead rows, and the claim is slower until it "
+                   "has; set vacuum_dead_rows = 0 to say so, or see docs/OPERATIONS.md, "
+                   "\"Retention\"");
+        st->vacuum_not_owner = 1;
+    }
+    /* VACUUM takes as long as the table needs, not statement_timeout. */
+    PGresult *r = may == 1 ? relay_observe_pg_exec(&c, cfg, stop, "SET statement_timeout = 0", 0,
+                                                   NULL, err, sizeof(err))
+                           : NULL;
+    if (r != NULL && PQresultStatus(r) == PGRES_COMMAND_OK &&
+        PQsendQuery(c, "VACUUM (INDEX_CLEANUP ON) outbox.messages") == 1) {
+        PQclear(r);
+        st->vacuum_conn = c;
+        st->vacuum_started = relay_mono_now();
+        relay_info("retention", "VACUUM of outbox.messages started (%lld dead rows)", dead_rows);
+        return;
+    }
+    if (may != 0)
+        failed(st, "vacuuming the outbox", r != NULL ? PQresultErrorMessage(r) : err);
+    PQclear(r);
+    if (c != NULL)
+        PQfinish(c);
+}
+
+/* Looks at the VACUUM in flight without waiting for it. */
+static void vacuum_poll(struct relay_retention *st)
+{
+    PGconn *c = st->vacuum_conn;
+    if (PQconsumeInput(c) == 1 && PQisBusy(c))
+        return;
+    const char *why = PQerrorMessage(c);
+    int ok = 0;
+    PGresult *r;
+    while ((r = PQgetResult(c)) != NULL) {
+        if (PQresultStatus(r) == PGRES_COMMAND_OK)
+            ok = 1;
+        else
+            why = PQresultErrorMessage(r);
+        PQclear(r);
+    }
+    if (ok) {
+        st->vacuums_total++;
+        relay_info("retention", "VACUUM of outbox.messages done in %.1f s",
+                   relay_mono_now() - st->vacuum_started);
+    } else {
+        failed(st, "vacuuming the outbox", why);
+    }
+    relay_retention_end(st);
+}
+
+void relay_retention_end(struct relay_retention *st)
+{
+    if (st->vacuum_conn != NULL && PQisBusy(st->vacuum_conn)) {
+        /* The server would go on vacuuming for a client that is gone. */
+        char err[256];
+        PGcancel *cancel = PQgetCancel(st->vacuum_conn);
+        if (cancel != NULL && PQcancel(cancel, err, sizeof(err)) == 0)
+            relay_warn("retention", "cannot cancel the VACUUM in flight: %s", err);
+        PQfreeCancel(cancel);
+    }
+    if (st->vacuum_conn != NULL)
+        PQfinish(st->vacuum_conn);
+    st->vacuum_conn = NULL;
+    st->vacuum_started = 0;
+}
+
+static void vacuum(const struct relay_config *cfg, const struct relay_observe_stop *stop,
+                   struct relay_retention *st, const struct relay_observation *o)
+{
+    if (st->vacuum_conn != NULL)
+        vacuum_poll(st);
+    else if (cfg->vacuum_dead_rows > 0 && !st->vacuum_not_owner && o->pg_ok &&
+             (o->outbox_dead_rows >= (long long)cfg->vacuum_dead_rows ||
+              /* drained: the next burst's claims start on a clean index */
+              (o->outbox_pending == 0 &&
+               o->outbox_dead_rows >= (long long)cfg->vacuum_dead_rows / 10)))
+        vacuum_start(cfg, stop, st, o->outbox_dead_rows);
 }
 
 /* ---- streams --------------------------------------------------------- */
@@ -197,6 +323,7 @@ void relay_retention_run(const struct relay_config *cfg, PGconn **pg, redisConte
         st->oldest_sent_age = -1;
     if (*pg != NULL && PQstatus(*pg) == CONNECTION_OK)
         purge_sent(cfg, pg, stop, st);
+    vacuum(cfg, stop, st, o);
     double now = relay_mono_now();
     if (cfg->stream_retention_ms > 0 && *rd != NULL && (*rd)->err == 0 && now >= st->next_trim_at) {
         st->next_trim_at = now + TRIM_EVERY;
@@ -213,4 +340,6 @@ void relay_retention_run(const struct relay_config *cfg, PGconn **pg, redisConte
     o->sent_deleted_total = st->sent_deleted_total;
     o->stream_trimmed_total = st->stream_trimmed_total;
     o->retention_errors_total = st->errors_total;
+    o->vacuums_total = st->vacuums_total;
+    o->vacuum_running = st->vacuum_conn != NULL;
 }

@@ -59,6 +59,7 @@ struct relay_config {
     uint32_t stream_retention_ms;     /* trim acknowledged entries older than this; 0 = never */
     uint32_t stream_trim_max_hold_ms; /* trim past a group this far behind; 0 = never */
     int allow_short_stream_retention; /* 1: stream_retention below dedup_ttl only warns */
+    uint32_t vacuum_dead_rows;        /* VACUUM outbox.messages at this many dead rows; 0 = never */
 };
 
 /* Fills every key with its documented default; strings are heap copies. */

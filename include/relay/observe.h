@@ -78,6 +78,8 @@ struct relay_observation {
     unsigned long long sent_deleted_total;
     unsigned long long stream_trimmed_total;
     unsigned long long retention_errors_total;
+    unsigned long long vacuums_total; /* VACUUMs the relay ran and that finished */
+    int vacuum_running;
     size_t ntopics;
     struct relay_topic_obs topics[RELAY_OBS_TOPICS_MAX];
     size_t ngroups;

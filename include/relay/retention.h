@@ -8,6 +8,16 @@
  *   sent_retention ago, a batch per call, each call its own short
  *   transaction, for at most a second per run.
  *
+ *   Vacuum: when the outbox holds vacuum_dead_rows dead row versions (a tenth
+ *   of that once nothing waits), a VACUUM runs on a connection of its own,
+ *   without waiting for it: the
+ *   claim walks the pending index from its lowest id, and the entries of
+ *   sent rows in front of it stay there until vacuum removes them.
+ *   Autovacuum looks at a table once a minute at most; a burst of a million
+ *   rows leaves the claim several times slower meanwhile. Only the table's
+ *   owner may VACUUM it: a relay whose role is not is told once, and leaves
+ *   it to autovacuum.
+ *
  *   Streams: every stream of the relay's topics, and every replay stream, is
  *   trimmed by the relay's trim function in Redis to the entries younger than
  *   stream_retention (replay streams: 0) or not yet acknowledged by every
@@ -33,6 +43,11 @@ struct relay_retention {
     unsigned long long stream_trimmed_total;
     unsigned long long errors_total;
     char last_error[256]; /* the last failure logged, so each is logged once */
+    /* The VACUUM in flight, on a connection of its own. */
+    struct pg_conn *vacuum_conn;
+    double vacuum_started; /* monotonic seconds; 0 when none runs */
+    int vacuum_not_owner;  /* 1: the role may not VACUUM; not tried again */
+    unsigned long long vacuums_total;
     /* From the last trim: the streams a group holds back, and by whom. */
     size_t nheld;
     struct {
@@ -50,5 +65,8 @@ struct relay_retention {
 void relay_retention_run(const struct relay_config *cfg, struct pg_conn **pg,
                          struct redisContext **rd, const struct relay_observe_stop *stop,
                          struct relay_retention *st, struct relay_observation *o);
+
+/* Cancels a VACUUM in flight and closes its connection. */
+void relay_retention_end(struct relay_retention *st);
 
 #endif

@@ -671,8 +671,15 @@ class Relay(Daemon):
     removes from) the environment of relay_env().
     """
 
+    # The suite's relays keep sent rows for an hour (the default, 0, deletes
+    # each row as it is published), so that a test can compare the rows with
+    # the stream entries (Verifier) and see when each was marked sent.
+    # test_retention.py covers the default; the benchmark clears this.
+    test_defaults = {"sent_retention": "1h"}
+
     def __init__(self, pg=None, redis=None, args=(), env=None, stop_timeout=30, **flags):
         self.binary = require_relay()
+        flags = {**self.test_defaults, **flags}
         super().__init__([self.binary, *args, *flag_args(flags)], relay_env(pg, redis, env),
                          "relay", stop_timeout=stop_timeout)
 

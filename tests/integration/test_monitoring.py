@@ -61,6 +61,7 @@ METRICS = {
     "outbox_relay_sent_rows_deleted_total",
     "outbox_relay_stream_entries_trimmed_total",
     "outbox_relay_retention_errors_total",
+    "outbox_relay_vacuums_total",
     "outbox_relay_redis_used_memory_bytes",
     "outbox_relay_stream_memory_bytes",
     "outbox_relay_stream_trim_held_back_seconds",

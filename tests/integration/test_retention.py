@@ -16,6 +16,9 @@ Promises tested:
   passed over, and the relay says so;
 - dead-letter streams are never trimmed; replay streams are trimmed once
   their group acknowledged them;
+- with vacuum_dead_rows set, the relay runs VACUUM on the outbox itself once
+  that many dead rows are there (a manual vacuum, not autovacuum's); a role
+  that does not own the table is told once, and the relay relays on;
 - a stream_retention shorter than dedup_ttl is refused at start (exit 78)
   unless allow_short_stream_retention is on, which is logged as a warning;
 - the scrape carries the storage figures: outbox size, dead rows, oldest sent
@@ -167,6 +170,47 @@ class RetentionTest(harness.ServerTestCase):
         with self.db.cursor() as cur:
             cur.execute(f"SELECT {column} FROM outbox.messages ORDER BY id")
             return cur.fetchall()
+
+    def vacuum_count(self):
+        return scalar(self.db, "SELECT vacuum_count FROM pg_stat_all_tables"
+                               " WHERE relid = 'outbox.messages'::regclass")
+
+    def test_relay_vacuums_the_outbox_after_many_dead_rows(self):
+        with self.db.cursor() as cur:
+            cur.execute("ALTER TABLE outbox.messages SET (autovacuum_enabled = off)")
+        self.addCleanup(lambda: self.db.cursor().execute(
+            "ALTER TABLE outbox.messages RESET (autovacuum_enabled)"))
+        before = self.vacuum_count()
+        relay = self.start_relay(sent_retention="0", stream_retention="0",
+                                 vacuum_dead_rows="2000")
+        self.insert_rows("orders", 5000)
+        wait_until(lambda: self.r.xlen("orders") == 5000, timeout=60, relay=relay)
+        wait_until(lambda: self.vacuum_count() > before, timeout=60, relay=relay,
+                   message="the relay's VACUUM")
+        relay.wait_for_log(r"INFO retention: VACUUM of outbox.messages done", timeout=30)
+        wait_until(lambda: (metric(self.scrape(), "outbox_relay_vacuums_total") or 0) >= 1,
+                   timeout=15, relay=relay)
+        self.assertEqual(self.rows(), 0)
+
+    def test_vacuum_needs_the_owner(self):
+        with self.db.cursor() as cur:
+            cur.execute("DROP ROLE IF EXISTS retention_member")
+            cur.execute("CREATE ROLE retention_member LOGIN IN ROLE outbox_relay")
+        self.addCleanup(lambda: self.db.cursor().execute("DROP ROLE IF EXISTS retention_member"))
+        self.port = harness.free_port()
+        relay = self.enterContext(harness.Relay(
+            self.pg, self.redis, env={"OUTBOX_RELAY_POSTGRES": self.pg.dsn(user="retention_member")},
+            metrics_listen=f"127.0.0.1:{self.port}", sent_retention="0", stream_retention="0",
+            vacuum_dead_rows="100", observe_interval="200ms", poll_interval="200ms"))
+        self.insert_rows("orders", 500)
+        wait_until(lambda: self.r.xlen("orders") == 500, timeout=60, relay=relay)
+        relay.wait_for_log(r"WARNING retention: the relay's role does not own outbox.messages",
+                           timeout=30)
+        self.insert_rows("orders", 500)
+        wait_until(lambda: self.r.xlen("orders") == 1000, timeout=60, relay=relay)
+        time.sleep(1)
+        self.assertEqual(relay.log().count("does not own outbox.messages"), 1, "told once")
+        self.assertEqual(self.rows(), 0)
 
     # -- streams ------------------------------------------------------------
     def test_trim_keeps_every_unacknowledged_entry(self):

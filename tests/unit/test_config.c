@@ -131,6 +131,10 @@ static void test_defaults(void **state)
     assert_int_equal(cfg.reconnect_max_ms, 30000);
     assert_int_equal(cfg.drain_timeout_ms, 10000);
     assert_int_equal(cfg.dedup_ttl_ms, 24u * 3600u * 1000u);
+    assert_int_equal(cfg.sent_retention_ms, 0);
+    assert_int_equal(cfg.stream_retention_ms, 24u * 3600u * 1000u);
+    assert_int_equal(cfg.stream_trim_max_hold_ms, 0);
+    assert_int_equal(cfg.vacuum_dead_rows, 100000);
     assert_int_equal(cfg.log_level, RELAY_LOG_INFO);
     relay_config_free(&cfg);
 }
@@ -259,10 +263,11 @@ static void test_good_file_every_form(void **state)
     assert_int_equal(cfg.reconnect_max_ms, 3600000);
     assert_int_equal(cfg.drain_timeout_ms, 15000);
     assert_int_equal(cfg.dedup_ttl_ms, 2u * 86400000u);
-    assert_int_equal(cfg.sent_retention_ms, 0);
+    assert_int_equal(cfg.sent_retention_ms, 90u * 60000u);
     assert_int_equal(cfg.stream_retention_ms, 36u * 3600000u);
     assert_int_equal(cfg.stream_trim_max_hold_ms, 7u * 86400000u);
     assert_int_equal(cfg.allow_short_stream_retention, 1);
+    assert_int_equal(cfg.vacuum_dead_rows, 5000);
     assert_true(relay_config_short_stream_retention(&cfg));
     assert_int_equal(cfg.log_level, RELAY_LOG_WARNING);
     relay_config_free(&cfg);
