@@ -48,6 +48,7 @@
 #include <unistd.h>
 
 #include "relay/backoff.h"
+#include "relay/entry.h"
 #include "relay/keys.h"
 #include "relay/redisconn.h"
 #include "relay/common.h"
@@ -551,18 +552,13 @@ static int connect_all(struct relay_consumer *c)
     return 0;
 }
 
+/* A field's value, and its length when len is not NULL. */
 static const redisReply *field(const redisReply *fields, const char *name, size_t *len)
 {
-    for (size_t i = 0; i + 1 < fields->elements; i += 2) {
-        const redisReply *k = fields->element[i], *v = fields->element[i + 1];
-        if (k->type == REDIS_REPLY_STRING && strcmp(k->str, name) == 0 &&
-            v->type == REDIS_REPLY_STRING) {
-            if (len != NULL)
-                *len = v->len;
-            return v;
-        }
-    }
-    return NULL;
+    const redisReply *v = relay_entry_field(fields, name);
+    if (v != NULL && len != NULL)
+        *len = v->len;
+    return v;
 }
 
 static void rfc3339_now(char *out, size_t outlen)

@@ -30,6 +30,7 @@
 
 #include "relay/common.h"
 #include "relay/config.h"
+#include "relay/entry.h"
 #include "relay/redisconn.h"
 #include "outbox/consumer.h"
 
@@ -196,17 +197,6 @@ static int entry_ok(const redisReply *e)
     return 1;
 }
 
-/* The value of field name in an entry, or NULL. */
-static const redisReply *entry_field(const redisReply *e, const char *name)
-{
-    const redisReply *f = e->element[1];
-    size_t n = strlen(name);
-    for (size_t i = 0; i + 1 < f->elements; i += 2)
-        if (f->element[i]->len == n && memcmp(f->element[i]->str, name, n) == 0)
-            return f->element[i + 1];
-    return NULL;
-}
-
 /* XRANGE key from to COUNT n: an array of valid entries, or NULL with rc set. */
 static redisReply *xrange(struct dlq_ctx *d, const char *from, const char *to, long long count,
                           int *rc)
@@ -360,11 +350,11 @@ static void list_entry(struct dlq_ctx *d, const redisReply *e)
     };
     relay_tools_put_column(d->out, e->element[0]->str, e->element[0]->len, 20, 0);
     for (size_t k = 0; k < RELAY_ARRAY_LEN(cols); k++) {
-        const redisReply *v = entry_field(e, cols[k].field);
+        const redisReply *v = relay_entry_field(e->element[1], cols[k].field);
         relay_tools_put_column(d->out, v != NULL ? v->str : "-", v != NULL ? v->len : 1,
                                cols[k].width, cols[k].max);
     }
-    const redisReply *err = entry_field(e, RELAY_DLQ_FIELD_ERROR);
+    const redisReply *err = relay_entry_field(e->element[1], RELAY_DLQ_FIELD_ERROR);
     relay_tools_put_escaped(d->out, err != NULL ? err->str : "-", err != NULL ? err->len : 1,
                             DLQ_ERROR_COLS, 0);
     fputc('\n', d->out);
