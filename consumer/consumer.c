@@ -282,6 +282,23 @@ static int copy_name(char *dst, const char *src, const char *what, char *err, si
     return 0;
 }
 
+/* A processed-table horizon must outlive every redelivery: 0, or -1 with
+ * err, unless the options allow a shorter one. */
+static int check_horizon(const struct relay_consumer_options *o, char *err, size_t errlen)
+{
+    uint64_t horizon = relay_consumer_redelivery_horizon_ms(o);
+    if (o->processed_horizon_ms == 0 || o->processed_horizon_ms >= horizon ||
+        o->allow_short_processed_horizon)
+        return 0;
+    snprintf(err, errlen,
+             "the processed-table horizon (%llu ms) is shorter than the redelivery horizon "
+             "(%llu ms: every backoff step over max_deliveries): a message delivered again "
+             "after its processed row was purged would be handled twice; keep processed "
+             "rows longer, or set allow_short_processed_horizon to accept it",
+             (unsigned long long)o->processed_horizon_ms, (unsigned long long)horizon);
+    return -1;
+}
+
 struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *opts,
                                           relay_consumer_handler_fn *handler, void *arg, char *err,
                                           size_t errlen)
@@ -309,17 +326,8 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
             snprintf(err, errlen, "backoff steps must be at least 1 ms");
             goto fail;
         }
-    uint64_t horizon = relay_consumer_redelivery_horizon_ms(&c->o);
-    if (c->o.processed_horizon_ms > 0 && c->o.processed_horizon_ms < horizon &&
-        !c->o.allow_short_processed_horizon) {
-        snprintf(err, errlen,
-                 "the processed-table horizon (%llu ms) is shorter than the redelivery horizon "
-                 "(%llu ms: every backoff step over max_deliveries): a message delivered again "
-                 "after its processed row was purged would be handled twice; keep processed "
-                 "rows longer, or set allow_short_processed_horizon to accept it",
-                 (unsigned long long)c->o.processed_horizon_ms, (unsigned long long)horizon);
+    if (check_horizon(&c->o, err, errlen) < 0)
         goto fail;
-    }
     if (c->o.block_ms == 0)
         c->o.block_ms = 1000;
     if (c->o.command_timeout_ms == 0)

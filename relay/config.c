@@ -1066,6 +1066,41 @@ out:
     return rc;
 }
 
+/* The retention keys against each other and dedup_ttl: 0, or -1 with err. */
+static int validate_retention(const struct relay_config *cfg, char *err, size_t errlen)
+{
+    char a[32], b[32];
+    if (relay_config_short_stream_retention(cfg) && !cfg->allow_short_stream_retention) {
+        config_format_duration(cfg->stream_retention_ms, a, sizeof(a));
+        config_format_duration(cfg->dedup_ttl_ms, b, sizeof(b));
+        cfg_err(err, errlen,
+                "stream_retention = \"%s\": must not be shorter than dedup_ttl (%s): a message "
+                "published again within dedup_ttl is answered with its first entry's id, which "
+                "must still be in the stream; raise stream_retention, lower dedup_ttl, or set "
+                "allow_short_stream_retention = on to accept it",
+                a, b);
+        return -1;
+    }
+    if (cfg->stream_trim_max_hold_ms > 0 && cfg->stream_retention_ms == 0) {
+        config_format_duration(cfg->stream_trim_max_hold_ms, a, sizeof(a));
+        cfg_err(err, errlen,
+                "stream_trim_max_hold = \"%s\": has no effect while stream_retention = 0 "
+                "(streams are never trimmed); set stream_retention or remove it",
+                a);
+        return -1;
+    }
+    if (cfg->stream_trim_max_hold_ms > 0 &&
+        cfg->stream_trim_max_hold_ms < cfg->stream_retention_ms) {
+        config_format_duration(cfg->stream_trim_max_hold_ms, a, sizeof(a));
+        config_format_duration(cfg->stream_retention_ms, b, sizeof(b));
+        cfg_err(err, errlen,
+                "stream_trim_max_hold = \"%s\": must not be shorter than stream_retention (%s)", a,
+                b);
+        return -1;
+    }
+    return 0;
+}
+
 int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
 {
     char rule[RELAY_CONFIG_ERR_MAX];
@@ -1125,35 +1160,7 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
                 a, b);
         return -1;
     }
-    if (relay_config_short_stream_retention(cfg) && !cfg->allow_short_stream_retention) {
-        config_format_duration(cfg->stream_retention_ms, a, sizeof(a));
-        config_format_duration(cfg->dedup_ttl_ms, b, sizeof(b));
-        cfg_err(err, errlen,
-                "stream_retention = \"%s\": must not be shorter than dedup_ttl (%s): a message "
-                "published again within dedup_ttl is answered with its first entry's id, which "
-                "must still be in the stream; raise stream_retention, lower dedup_ttl, or set "
-                "allow_short_stream_retention = on to accept it",
-                a, b);
-        return -1;
-    }
-    if (cfg->stream_trim_max_hold_ms > 0 && cfg->stream_retention_ms == 0) {
-        config_format_duration(cfg->stream_trim_max_hold_ms, a, sizeof(a));
-        cfg_err(err, errlen,
-                "stream_trim_max_hold = \"%s\": has no effect while stream_retention = 0 "
-                "(streams are never trimmed); set stream_retention or remove it",
-                a);
-        return -1;
-    }
-    if (cfg->stream_trim_max_hold_ms > 0 &&
-        cfg->stream_trim_max_hold_ms < cfg->stream_retention_ms) {
-        config_format_duration(cfg->stream_trim_max_hold_ms, a, sizeof(a));
-        config_format_duration(cfg->stream_retention_ms, b, sizeof(b));
-        cfg_err(err, errlen,
-                "stream_trim_max_hold = \"%s\": must not be shorter than stream_retention (%s)", a,
-                b);
-        return -1;
-    }
-    return 0;
+    return validate_retention(cfg, err, errlen);
 }
 
 int relay_config_short_stream_retention(const struct relay_config *cfg)

@@ -146,6 +146,8 @@ static void render_relay(const struct relay *r, struct relay_buf *t)
 }
 
 /* The outbox and its topics, as last observed. */
+static void render_streams(const struct relay_observation *o, struct relay_buf *t);
+
 /* Storage on both sides and retention (docs/OPERATIONS.md, "Retention"). */
 static void render_retention(const struct relay_config *cfg, const struct relay_observation *o,
                              struct relay_buf *t)
@@ -186,6 +188,12 @@ static void render_retention(const struct relay_config *cfg, const struct relay_
     help(t, "outbox_relay_retention_errors_total", "counter",
          "Retention runs that failed (deleting sent rows or trimming); each is logged.");
     relay_buf_printf(t, "outbox_relay_retention_errors_total %llu\n", o->retention_errors_total);
+    render_streams(o, t);
+}
+
+/* Redis's memory and the trimming of each stream. */
+static void render_streams(const struct relay_observation *o, struct relay_buf *t)
+{
     if (o->redis_used_memory >= 0) {
         help(t, "outbox_relay_redis_used_memory_bytes", "gauge",
              "Memory Redis uses in all (INFO memory used_memory).");
