@@ -13,7 +13,9 @@ stops for the middle third of the run and then catches up.
 
 The retention settings scale with the run so that storage reaches its steady
 state within the first third: sent_retention = SOAK_MINUTES x 4 s,
-stream_retention = dedup_ttl = SOAK_MINUTES x 10 s (2 min and 5 min for 30).
+stream_retention = dedup_ttl = SOAK_MINUTES x 10 s (2 min and 5 min for 30),
+vacuum_dead_rows = SOAK_RATE x SOAK_MINUTES x 2 (at least 5,000; 120,000 for
+30 minutes at 2,000 a second, about the default).
 
 Every SOAK_SAMPLE seconds it records the outbox's table+index size, the
 claim's time (the relay's claim statement, 500 rows, in a transaction rolled
@@ -57,6 +59,7 @@ STOP_FROM, STOP_UNTIL = SECONDS / 3, 2 * SECONDS / 3
 CATCH_UP = min(60.0, SECONDS / 10)  # after the stop: the lagger's reads compete
 SENT_RETENTION_S = int(MINUTES * 4)
 STREAM_RETENTION_S = int(MINUTES * 10)
+VACUUM_DEAD_ROWS = max(5000, int(RATE * MINUTES * 2))
 P99_LIMIT_MS = 50.0
 GROWTH_LIMIT = 0.05
 # 0: the latency target is reported, not checked (the test tier's short run:
@@ -222,14 +225,16 @@ def main():
     os.environ["OUTBOX_RELAY_BIN"] = bench.RELAY_BIN
     harness.set_deadline(SECONDS + 900)
     log(f"{RATE} msg/s for {MINUTES:g} min; sent_retention {SENT_RETENTION_S}s,"
-        f" stream_retention {STREAM_RETENTION_S}s; group lagger stops from"
+        f" stream_retention {STREAM_RETENTION_S}s, vacuum_dead_rows {VACUUM_DEAD_ROWS};"
+        f" group lagger stops from"
         f" {STOP_FROM:.0f}s to {STOP_UNTIL:.0f}s")
     with bench.servers() as (pg, rd, conn, rc):
         for s in STREAMS:
             rc.xgroup_create(s, "lagger", id="$", mkstream=True)
         relay = bench.start_relay(pg, rd, sent_retention=f"{SENT_RETENTION_S}s",
                                   stream_retention=f"{STREAM_RETENTION_S}s",
-                                  dedup_ttl=f"{STREAM_RETENTION_S}s", observe_interval="1s")
+                                  dedup_ttl=f"{STREAM_RETENTION_S}s", observe_interval="1s",
+                                  vacuum_dead_rows=str(VACUUM_DEAD_ROWS))
         claim_sql = relay_claim_sql()
         samples, stop = [], threading.Event()
         t0 = time.monotonic()
