@@ -206,7 +206,7 @@ set yrange [0:*]
 plot '{wdat}' u 1:2 w lp pt 7 ps 0.4 t 'commit -> stream p99 (per window)', {P99_LIMIT_MS} w l dt 2 t 'target'
 unset yrange
 set ylabel 'MiB'
-plot '{dat}' u 1:4 w l lw 2 t 'Redis used_memory'
+plot '{dat}' u 1:4 w l lw 2 t 'Redis used memory'
 set ylabel 'entries'
 plot '{dat}' u 1:5 w l lw 2 t 'entries in the 4 streams'
 unset multiplot
