@@ -376,6 +376,8 @@ def wait_drained(conn, timeout, relay=None):
 
 
 def start_relay(pg, rd, **flags):
+    # The relay's own defaults, not the test suite's (harness.Relay.test_defaults).
+    harness.Relay.test_defaults = {}
     flags.setdefault("metrics_listen", f"127.0.0.1:{harness.free_port()}")
     relay = harness.Relay(pg, rd, stop_timeout=10, **flags)
     relay.metrics = flags["metrics_listen"]
