@@ -117,6 +117,16 @@ def free_port():
     raise RuntimeError("no free port found")
 
 
+def metric(text, name, **labels):
+    """The value of one sample of a /metrics page, or None. Anchored at the
+    line's start, so "# TYPE <name> counter" never passes for a sample."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = ("^" + re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else "")
+               + r" (\S+)$")
+    m = re.search(pattern, text, re.MULTILINE)
+    return float(m.group(1)) if m else None
+
+
 def port_open(port, host="127.0.0.1"):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)

@@ -37,12 +37,7 @@ harness.require_relay()
 harness.set_deadline(420)
 
 
-def metric(text, name, **labels):
-    """The value of one sample, or None."""
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else "") + r" (\S+)$"
-    m = re.search(pattern, text, re.MULTILINE)
-    return float(m.group(1)) if m else None
+metric = harness.metric
 
 
 class ObserverTest(harness.ServerTestCase):

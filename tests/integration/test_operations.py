@@ -42,12 +42,7 @@ def scrape(port, path="/metrics", method="GET"):
         return e.code, e.read().decode()
 
 
-def metric(text, name, **labels):
-    """The value of one sample, or None."""
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else "") + r" (\S+)$"
-    m = re.search(pattern, text, re.MULTILINE)
-    return float(m.group(1)) if m else None
+metric = harness.metric
 
 
 class OperationsTest(harness.ServerTestCase):

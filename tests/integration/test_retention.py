@@ -40,12 +40,7 @@ harness.require_relay()
 harness.set_deadline(400)
 
 
-def metric(text, name, **labels):
-    """The value of one sample, or None."""
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pattern = "^" + re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else "") + r" (\S+)$"
-    m = re.search(pattern, text, re.MULTILINE)
-    return float(m.group(1)) if m else None
+metric = harness.metric
 
 
 class RetentionTest(harness.ServerTestCase):
