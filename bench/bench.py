@@ -19,10 +19,12 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
              dropped, synchronous_commit on and off, with a relay running
   limits     claim-and-mark alone, the publish function alone, the claim's cost
              with no sent rows
-  storage    the same backlog drained twice: rows marked sent and kept
-             (sent_retention 1h, autovacuum alone) and the default (each row
-             deleted as it is published, the relay vacuums): PostgreSQL CPU
-             per message and the claim before and right after each drain
+  storage    the same backlog drained with rows marked sent and kept
+             (sent_retention 1h, autovacuum alone) and with the default (each
+             row deleted as it is published, the relay vacuums), in
+             BENCH_STORAGE_ROUNDS alternating rounds: PostgreSQL CPU per
+             message and the claim on fresh rows before and right after each
+             drain
   profile    perf record -a during a drain: where the machine's time goes
 
 Sizes come from the environment (BENCH_QUICK=1 for a two-minute smoke run);
@@ -43,6 +45,7 @@ import re
 import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -92,6 +95,7 @@ NORELAY_SECONDS = env_int("BENCH_NORELAY_SECONDS", 2 if QUICK else 6)
 PAIRS = env_int("BENCH_PAIRS", 2 if QUICK else 3)   # interleaved relay/naive pairs at BATCH
 PRODUCER_CLIENTS = env_list("BENCH_PRODUCER_CLIENTS", [1, 4, 16])
 CLAIM_PENDING = env_int("BENCH_CLAIM_PENDING", 10000)
+STORAGE_ROUNDS = env_int("BENCH_STORAGE_ROUNDS", 2)
 CLAIM_SECONDS = env_float("BENCH_CLAIM_SECONDS", 1 if QUICK else 4)
 AUTOVACUUM_WAIT = env_float("BENCH_AUTOVACUUM_WAIT", 5 if QUICK else 90)
 LIMIT_ROWS = env_int("BENCH_LIMIT_ROWS", 30000 if QUICK else 300000)
@@ -535,6 +539,22 @@ def claim_cost(pg, conn, label, explain_file):
     return d
 
 
+def claims_interleaved(pg_a, pg_b, slices=8):
+    """The claim timed on two servers in turn, CLAIM_SECONDS in all on each, in
+    `slices` alternating slices, so that a drift of the shared machine's speed
+    falls on both alike. Returns (a, b), each {mean_ms, server_cpu_ms, claims}."""
+    out = [dict(claims=0, ms=0.0, cpu_ms=0.0) for _ in range(2)]
+    for i in range(slices):
+        for j, pg in (((0, pg_a), (1, pg_b)) if i % 2 == 0 else ((1, pg_b), (0, pg_a))):
+            d = run_json([NAIVE_BIN, "--claim-only", "--postgres", pg.dsn(), "--batch-size",
+                          str(BATCH), "--seconds", str(CLAIM_SECONDS / slices)])
+            out[j]["claims"] += d["claims"]
+            out[j]["ms"] += d["mean_ms"] * d["claims"]
+            out[j]["cpu_ms"] += d["server_cpu_ms"] * d["claims"]
+    return tuple(dict(claims=o["claims"], mean_ms=o["ms"] / o["claims"],
+                      server_cpu_ms=o["cpu_ms"] / o["claims"]) for o in out)
+
+
 def table_stats(conn):
     with conn.cursor() as cur:
         cur.execute("SELECT n_live_tup, n_dead_tup, coalesce(last_autovacuum::text, 'never'),"
@@ -645,70 +665,115 @@ def vacuum_cpu(pg):
         conn.close()
 
 
+def storage_round(name, flags, what, tag):
+    """One drain of ROWS rows with one storage design, on fresh servers. The
+    claim is measured the same way before and after: on CLAIM_PENDING rows just
+    inserted (not vacuumed), first into the fresh table, then into the table
+    the drain (and the relay's cleanup) left behind. A twin PostgreSQL server
+    stays in the state before the drain, and the claim after it is timed in
+    turns with the twin's: the ratio of the two is the claim after against the
+    claim before, with the machine's drift taken out."""
+    with servers() as (pg, rd, conn, rc), BenchPostgres() as twin:
+        with contextlib.closing(twin.connect()) as tconn:
+            insert_backlog(tconn, CLAIM_PENDING, prepare=False)
+        insert_backlog(conn, CLAIM_PENDING, prepare=False)
+        before = claim_cost(pg, conn, f"storage.{name}.{tag}.before",
+                            f"claim-explain-storage-{name}-before.txt")
+        insert_backlog(conn, ROWS - CLAIM_PENDING)
+        meter = CpuMeter(pg, rd)
+        sessions = SessionMeter(pg)
+        started = time.monotonic()
+        relay = start_relay(pg, rd, batch_size=BATCH, **flags)
+        try:
+            while not (stream_total(rc) >= ROWS and pending(conn) == 0):
+                if not relay.alive():
+                    raise RuntimeError("the relay exited\n" + relay.log_tail())
+                if time.monotonic() - started > max(120.0, ROWS / 1500.0):
+                    raise RuntimeError("drain not done\n" + relay.log_tail())
+                time.sleep(0.02)
+            took = time.monotonic() - started
+            # A running relay's own work after a drain: its VACUUM (the
+            # marking design leaves its dead rows to autovacuum instead).
+            if name == "delete":
+                deadline = time.monotonic() + 120
+                while not vacuum_settled(conn, 10000) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+            settled = time.monotonic() - started - took
+            vacuums = relay_metric(relay, "outbox_relay_vacuums_total")
+            pg_cpu, _ = meter.read()
+            split = sessions.split(meter)
+        finally:
+            stop_relay(relay)
+        stats = table_stats(conn)
+        insert_backlog(conn, CLAIM_PENDING, prepare=False)
+        after = claim_cost(pg, conn, f"storage.{name}.{tag}.after",
+                           f"claim-explain-storage-{name}-after.txt")
+        side, same = claims_interleaved(twin, pg)
+        R.add_dict("claim", f"claim.storage.{name}.{tag}.twin_before", side,
+                   dict(_ms="ms"))
+        R.add_dict("claim", f"claim.storage.{name}.{tag}.twin_after", same,
+                   dict(_ms="ms"))
+        # The cleanup still owed: the dead rows the drain left, vacuumed now
+        # (for the marking design, what autovacuum does later).
+        owed = vacuum_cpu(pg)
+    per = 1e6 / ROWS
+    fig = {
+        "rate": (ROWS / took, "msg/s", what),
+        "relay_sessions_us": (split["relay"] * per, "us", "CPU of the relay's claiming sessions"
+                              " (claim, mark or delete, commit) per message"),
+        "vacuum_us": ((split["vacuum"] + owed) * per, "us", "CPU of every VACUUM during the"
+                      " drain (the relay's, autovacuum's) and of the one still owed after it,"
+                      " per message"),
+        "work_us": ((split["relay"] + split["vacuum"] + owed) * per, "us",
+                    "the two above: PostgreSQL's work for each message, cleanup included"),
+        "pg_cpu_per_msg_us": (pg_cpu * per, "us", "every PostgreSQL process, from the drain's"
+                              " start until it and the relay's VACUUM are done (WAL writer,"
+                              " checkpointer, observer included)"),
+        "settle_seconds": (settled, "s", "from the last commit until the relay's VACUUM is done"),
+        "relay_vacuums": (vacuums or 0, "", ""),
+        "dead_rows_after": (stats["dead"], "rows", ""),
+        "claim_ratio": (same["mean_ms"] / side["mean_ms"], "", f"claim of {BATCH} on"
+                        f" {CLAIM_PENDING:,} new rows right after the drain / the same on a twin"
+                        " server in the state before it, timed in turns: client-side time"),
+        "claim_cpu_ratio": (same["server_cpu_ms"] / side["server_cpu_ms"], "", "the same, the"
+                            " server process's CPU per claim"),
+        "claim_ratio_sequential": (after["mean_ms"] / before["mean_ms"], "", "the claim after"
+                                   " the drain / the claim before it, same server, a minute"
+                                   " apart (the machine's drift included)"),
+    }
+    for key, (value, unit, detail) in fig.items():
+        R.add("storage", f"storage.{name}.{tag}.{key}", value, unit, detail)
+    log(f"storage {name} ({tag}): {ROWS / took:,.0f} msg/s; PostgreSQL per message: relay"
+        f" sessions {split['relay'] * per:.1f} us, vacuum {(split['vacuum'] + owed) * per:.1f} us,"
+        f" all processes {pg_cpu * per:.1f} us; relay VACUUMs {vacuums}, settled"
+        f" {settled:.1f}s after the drain; claim {before['mean_ms']:.2f} ->"
+        f" {after['mean_ms']:.2f} ms ({after['mean_ms'] / before['mean_ms']:.2f}x); in turns"
+        f" with the twin {side['mean_ms']:.2f} -> {same['mean_ms']:.2f} ms"
+        f" ({same['mean_ms'] / side['mean_ms']:.2f}x), server CPU {side['server_cpu_ms']:.2f} ->"
+        f" {same['server_cpu_ms']:.2f} ms ({same['server_cpu_ms'] / side['server_cpu_ms']:.2f}x)")
+    return fig
+
+
 def section_storage():
-    for name, flags, what in STORAGE_MODES:
-        with servers() as (pg, rd, conn, rc):
-            insert_backlog(conn, ROWS)
-            before = claim_cost(pg, conn, f"storage.{name}.before",
-                                f"claim-explain-storage-{name}-before.txt")
-            meter = CpuMeter(pg, rd)
-            sessions = SessionMeter(pg)
-            started = time.monotonic()
-            relay = start_relay(pg, rd, batch_size=BATCH, **flags)
-            try:
-                while not (stream_total(rc) >= ROWS and pending(conn) == 0):
-                    if not relay.alive():
-                        raise RuntimeError("the relay exited\n" + relay.log_tail())
-                    if time.monotonic() - started > max(120.0, ROWS / 1500.0):
-                        raise RuntimeError("drain not done\n" + relay.log_tail())
-                    time.sleep(0.02)
-                took = time.monotonic() - started
-                # A running relay's own work after a drain: its VACUUM (the
-                # marking design leaves its dead rows to autovacuum instead).
-                if name == "delete":
-                    deadline = time.monotonic() + 120
-                    while not vacuum_settled(conn, 10000) and time.monotonic() < deadline:
-                        time.sleep(0.2)
-                settled = time.monotonic() - started - took
-                vacuums = relay_metric(relay, "outbox_relay_vacuums_total")
-                pg_cpu, rd_cpu = meter.read()
-                split = sessions.split(meter)
-            finally:
-                stop_relay(relay)
-            stats = table_stats(conn)
-            insert_backlog(conn, CLAIM_PENDING, prepare=False)
-            after = claim_cost(pg, conn, f"storage.{name}.after",
-                               f"claim-explain-storage-{name}-after.txt")
-            # The cleanup still owed: the dead rows the drain left, vacuumed now
-            # (for the marking design, what autovacuum does later).
-            owed = vacuum_cpu(pg)
-            per = 1e6 / ROWS
-            R.add("storage", f"storage.{name}.rate", ROWS / took, "msg/s", what)
-            R.add("storage", f"storage.{name}.relay_sessions_us", split["relay"] * per, "us",
-                  "CPU of the relay's claiming sessions (claim, mark or delete, commit) per"
-                  " message")
-            R.add("storage", f"storage.{name}.vacuum_us", (split["vacuum"] + owed) * per, "us",
-                  "CPU of every VACUUM during the drain (the relay's, autovacuum's) and of the"
-                  " one still owed after it, per message")
-            R.add("storage", f"storage.{name}.work_us",
-                  (split["relay"] + split["vacuum"] + owed) * per, "us",
-                  "the two above: PostgreSQL's work for each message, cleanup included")
-            R.add("storage", f"storage.{name}.pg_cpu_per_msg_us", pg_cpu * per, "us",
-                  "every PostgreSQL process, from the drain's start until it and the relay's"
-                  " VACUUM are done (WAL writer, checkpointer, observer included)")
-            R.add("storage", f"storage.{name}.settle_seconds", settled, "s",
-                  "from the last commit until the relay's VACUUM is done")
-            R.add("storage", f"storage.{name}.relay_vacuums", vacuums or 0)
-            R.add("storage", f"storage.{name}.dead_rows_after", stats["dead"], "rows")
-            R.add("storage", f"storage.{name}.claim_ratio",
-                  after["mean_ms"] / before["mean_ms"], "",
-                  "claim of 500 right after the drain / before it, same server")
-            log(f"storage {name}: {ROWS / took:,.0f} msg/s; PostgreSQL per message: relay"
-                f" sessions {split['relay'] * per:.1f} us, vacuum"
-                f" {(split['vacuum'] + owed) * per:.1f} us, all processes {pg_cpu * per:.1f} us;"
-                f" relay VACUUMs {vacuums}, settled {settled:.1f}s after the drain; claim"
-                f" {before['mean_ms']:.2f} -> {after['mean_ms']:.2f} ms"
-                f" ({after['mean_ms'] / before['mean_ms']:.2f}x)")
+    """STORAGE_ROUNDS rounds of every design, the order turned round each
+    round (mark, delete, delete, mark, ...) so that a drift of the shared
+    machine falls on both; each figure is the median over the rounds."""
+    rounds = {name: [] for name, _, _ in STORAGE_MODES}
+    for r in range(STORAGE_ROUNDS):
+        modes = STORAGE_MODES if r % 2 == 0 else list(reversed(STORAGE_MODES))
+        for name, flags, what in modes:
+            rounds[name].append(storage_round(name, flags, what, f"r{r + 1}"))
+    for name, figs in rounds.items():
+        for key, (_, unit, detail) in figs[0].items():
+            values = [f[key][0] for f in figs]
+            R.add("storage", f"storage.{name}.{key}", statistics.median(values), unit,
+                  f"{detail}; median of {len(values)} rounds" if detail else
+                  f"median of {len(values)} rounds")
+    mark, delete = rounds["mark"], rounds["delete"]
+    pairs = [d["pg_cpu_per_msg_us"][0] / m["pg_cpu_per_msg_us"][0] for m, d in zip(mark, delete)]
+    R.add("storage", "storage.delete_vs_mark.pg_cpu_ratio", statistics.median(pairs), "",
+          "PostgreSQL CPU per message, delete / mark, per round: " +
+          ", ".join(f"{p:.2f}" for p in pairs))
 
 
 def section_naive():
@@ -1144,11 +1209,15 @@ def build_table():
           "rows marked sent (UPDATE), same run", g("storage.mark.work_us"), "≤ 0.70")
     R.row(f"PostgreSQL CPU per message, {ROWS:,}-row drain, every process, default",
           g("storage.delete.pg_cpu_per_msg_us"), "us", "rows marked sent (UPDATE), same run",
-          g("storage.mark.pg_cpu_per_msg_us"))
-    for name, _, what in STORAGE_MODES:
-        R.row(f"claim of {BATCH} right after a {ROWS:,}-row drain, {name}: after / before",
-              g(f"storage.{name}.claim_ratio"), "ratio", target="≤ 1.10" if name == "delete"
-              else "", ratio=g(f"storage.{name}.claim_ratio"))
+          g("storage.mark.pg_cpu_per_msg_us"), "≤ 0.70")
+    for name, _, _ in STORAGE_MODES:
+        for key, what in (("claim_ratio", "time, in turns with a twin in the state before"),
+                          ("claim_cpu_ratio", "server CPU, in turns with the twin"),
+                          ("claim_ratio_sequential", "time, same server, before and after")):
+            R.row(f"claim of {BATCH} on {CLAIM_PENDING:,} new rows right after a {ROWS:,}-row"
+                  f" drain, {name}: after / before, {what}",
+                  g(f"storage.{name}.{key}"), "ratio", target="≤ 1.10" if name == "delete"
+                  else "", ratio=g(f"storage.{name}.{key}"))
     for sync in ("on", "off"):
         c = max(PRODUCER_CLIENTS)
         base = g(f"producers.norelay.sync_{sync}.c{c}.dropped.tps")
