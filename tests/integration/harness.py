@@ -685,11 +685,7 @@ class Relay(Daemon):
     # each row as it is published), so that a test can compare the rows with
     # the stream entries (Verifier) and see when each was marked sent.
     # test_retention.py covers the default; the benchmark clears this.
-    # They do not VACUUM the outbox themselves (vacuum_dead_rows = 0): under
-    # the sanitizers, test_resources saw two batches' rows share one sent_at
-    # while the relay's VACUUM ran, which is not understood yet;
-    # test_retention.py covers the relay's VACUUM.
-    test_defaults = {"sent_retention": "1h", "vacuum_dead_rows": "0"}
+    test_defaults = {"sent_retention": "1h"}
 
     def __init__(self, pg=None, redis=None, args=(), env=None, stop_timeout=30, **flags):
         self.binary = require_relay()

@@ -16,12 +16,15 @@ is in flight, plus one sampled from Redis:
 - rows per claim transaction: the relay publishes only the rows a claim
   transaction holds, one batch at a time (with pipeline on, the next batch is
   claimed on a second connection while this one publishes, but waits for
-  every reply of this one before its own publishes start), and marks them with sent_at = now(), which is the start time of that
-  transaction: the same for every row of one batch and different between
-  batches. The largest group of rows sharing one sent_at is therefore exactly
-  the largest number of publish commands the relay had in flight, taken from
-  the table after the fact, with no sampling and no timing: it must be at most
-  batch_size (and, with a backlog, equal to it);
+  every reply of this one before its own publishes start), and marks them sent
+  in that same transaction. The row version the mark writes carries that
+  transaction's id (xmin), the same for every row of one batch and different
+  between batches, whatever the clock says (two batches marked by two
+  backends woken in the same microsecond share a sent_at). The largest group
+  of rows sharing one xmin is therefore exactly the largest number of publish
+  commands the relay had in flight, taken from the table after the fact, with
+  no sampling and no timing: it must be at most batch_size (and, with a
+  backlog, equal to it);
 - dedup records in Redis, sampled with DBSIZE (O(1)) every few milliseconds
   during the drain: every executed publish leaves one record until its batch
   is committed and the records dropped. One batch can publish while the one
@@ -121,8 +124,9 @@ class ResourcesTest(harness.ServerTestCase):
         sampler.join(5)
 
         per_tx = scalar(self.db, "SELECT max(n) FROM (SELECT count(*) AS n FROM outbox.messages"
-                                 " GROUP BY sent_at) AS batches")
-        batches = scalar(self.db, "SELECT count(DISTINCT sent_at) FROM outbox.messages")
+                                 " GROUP BY xmin::text) AS batches")
+        batches = scalar(self.db, "SELECT count(DISTINCT xmin::text) FROM outbox.messages")
+        stamps = scalar(self.db, "SELECT count(DISTINCT sent_at) FROM outbox.messages")
         published = sum(self.r.xlen(t) for t in TOPICS)
         fcalls = self.r.info("commandstats").get("cmdstat_fcall", {}).get("calls", 0)
         # Every batch committed (no fault here), so no dedup record may be left.
@@ -131,8 +135,8 @@ class ResourcesTest(harness.ServerTestCase):
               file=sys.stderr, flush=True)
         self.assertEqual(records_left, 0, "dedup records of committed batches were left")
         print(f"{rows} rows: drained in {took:.1f}s ({rows / took:.0f} rows/s), VmHWM {hwm} kB,"
-              f" VmRSS {rss} kB, {batches} batches, at most {per_tx} rows per claim"
-              f" transaction, at most {peak_records[0]} dedup records at once",
+              f" VmRSS {rss} kB, {batches} batches ({stamps} distinct sent_at), at most {per_tx}"
+              f" rows per claim transaction, at most {peak_records[0]} dedup records at once",
               file=sys.stderr, flush=True)
         self.assertEqual(problems, [], "the relay warned while draining")
         self.assertEqual(published, rows, "entries in the streams")
