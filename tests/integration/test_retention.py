@@ -17,8 +17,10 @@ Promises tested:
 - dead-letter streams are never trimmed; replay streams are trimmed once
   their group acknowledged them;
 - with vacuum_dead_rows set, the relay runs VACUUM on the outbox itself once
-  that many dead rows are there (a manual vacuum, not autovacuum's); a role
-  that does not own the table is told once, and the relay relays on;
+  that many dead rows are there (a manual vacuum, not autovacuum's), or a
+  tenth of that once the outbox is drained; a VACUUM still running when the
+  relay exits is cancelled in the server; a role that does not own the table
+  is told once, and the relay relays on;
 - a stream_retention shorter than dedup_ttl is refused at start (exit 78)
   unless allow_short_stream_retention is on, which is logged as a warning;
 - the scrape carries the storage figures: outbox size, dead rows, oldest sent
@@ -186,6 +188,49 @@ class RetentionTest(harness.ServerTestCase):
         wait_until(lambda: (metric(self.scrape(), "outbox_relay_vacuums_total") or 0) >= 1,
                    timeout=15, relay=relay)
         self.assertEqual(self.rows(), 0)
+
+    def test_relay_vacuums_a_drained_outbox_at_a_tenth(self):
+        # 3,000 dead rows, fewer than vacuum_dead_rows: only the rule for a
+        # drained outbox (a tenth of it) starts this VACUUM.
+        with self.db.cursor() as cur:
+            cur.execute("ALTER TABLE outbox.messages SET (autovacuum_enabled = off)")
+        self.addCleanup(lambda: self.db.cursor().execute(
+            "ALTER TABLE outbox.messages RESET (autovacuum_enabled)"))
+        before = self.vacuum_count()
+        relay = self.start_relay(sent_retention="0", stream_retention="0",
+                                 vacuum_dead_rows="20000")
+        self.insert_rows("orders", 3000)
+        wait_until(lambda: self.r.xlen("orders") == 3000, timeout=60, relay=relay)
+        wait_until(lambda: self.vacuum_count() > before, timeout=60, relay=relay,
+                   message="the relay's VACUUM of a drained outbox")
+
+    def test_shutdown_cancels_a_running_vacuum(self):
+        # A VACUUM slowed down to a crawl (cost-based delay, set for the
+        # database) must not go on in the server once the relay has exited.
+        with self.db.cursor() as cur:
+            cur.execute("ALTER TABLE outbox.messages SET (autovacuum_enabled = off)")
+            cur.execute("ALTER DATABASE app SET vacuum_cost_delay = '100ms'")
+            cur.execute("ALTER DATABASE app SET vacuum_cost_limit = 1")
+        self.addCleanup(lambda: self.db.cursor().execute(
+            "ALTER TABLE outbox.messages RESET (autovacuum_enabled)"))
+        self.addCleanup(lambda: self.db.cursor().execute(
+            "ALTER DATABASE app RESET vacuum_cost_delay"))
+        self.addCleanup(lambda: self.db.cursor().execute(
+            "ALTER DATABASE app RESET vacuum_cost_limit"))
+
+        def vacuums_running():
+            return scalar(self.db, "SELECT count(*) FROM pg_stat_activity"
+                                   " WHERE application_name = 'outbox-relay vacuum'"
+                                   " AND query LIKE 'VACUUM%' AND state = 'active'")
+        relay = self.start_relay(sent_retention="0", stream_retention="0",
+                                 vacuum_dead_rows="2000")
+        self.insert_rows("orders", 20000)
+        wait_until(lambda: self.r.xlen("orders") == 20000, timeout=60, relay=relay)
+        wait_until(lambda: vacuums_running() == 1, timeout=60, relay=relay,
+                   message="the relay's VACUUM to run")
+        self.assertEqual(relay.terminate(), 0, relay.log_tail())
+        wait_until(lambda: vacuums_running() == 0, timeout=10,
+                   message="the VACUUM to be cancelled when the relay exited")
 
     def test_vacuum_needs_the_owner(self):
         with self.db.cursor() as cur:
