@@ -253,8 +253,8 @@ static int trim_stream(const struct relay_config *cfg, redisContext *c, int stop
             relay_tools_escape(shown_stream, sizeof(shown_stream), stream, strlen(stream), 0, 0);
             relay_tools_escape(shown_group, sizeof(shown_group), passed->str, passed->len, 0, 0);
             relay_warn("retention",
-                       "trimmed %s past group %s, whose oldest unacknowledged entry is older "
-                       "than stream_trim_max_hold: its consumers record what they miss as lost",
+                       "trimmed %s past the pending entries of group %s, whose oldest is "
+                       "older than stream_trim_max_hold: its consumers record them as lost",
                        shown_stream, shown_group);
         }
     }

@@ -13,7 +13,8 @@ consumer schema of migrations/consumer/*.sql:
   the original fields verbatim and the dlq.* fields set;
 - "outbox-relay dlq replay" reaches only the group that failed;
 - the pending entries of a consumer that died are taken over by another;
-- a pending entry deleted from the stream is dead-lettered as lost;
+- a pending entry deleted from the stream is dead-lettered as lost, also when
+  the relay trimmed it past a stuck group (stream_trim_max_hold);
 - a dead letter that Redis refuses (the dead-letter key holds a string, the
   dead-letter function was deleted) acknowledges nothing: the entry stays
   pending, the log says what to do, and a later pass records it;
@@ -402,6 +403,42 @@ class ConsumerTest(harness.ServerTestCase):
         self.assertEqual(pending_count(self.r), 0)
         self.assertEqual(l2.terminate(), 0)
         self.assertEqual(l2.stats()["lost"], 1)
+
+    # ------------------------------------------------------------------
+    def test_entries_trimmed_past_a_stuck_group_are_dead_lettered_as_lost(self):
+        """Through the relay: t1 fails three messages transiently (backoff 30 s) and is
+        killed, so they stay pending; the relay, told to trim past a group that holds
+        trimming back longer than 2 s, trims them; t2 records each as lost and handles the
+        messages published after them."""
+        # One entry per node: trimming with MINID ~ is then exact.
+        self.r.config_set("stream-node-max-entries", 1)
+        self.addCleanup(self.r.config_set, "stream-node-max-entries", 100)
+        relay = self.relay(poll_interval=POLL, observe_interval="200ms", stream_retention="1s",
+                           dedup_ttl="1s", stream_trim_max_hold="2s")
+        t1 = self.consumer(consumer="t1", backoff="30s", block="100ms")
+        bad = [insert(self.db, "orders", order_payload(n), headers={"fail": "transient"})
+               for n in range(3)]
+        wait_until(lambda: len(re.findall(r"will be retried in 30000 ms", t1.log())) == 3,
+                   timeout=20, relay=relay, message="three transient failures")
+        t1.kill(signal.SIGKILL)
+        lost_ids = [p["message_id"] for p in self.r.xpending_range("orders", "email", "-", "+", 10)]
+        self.assertEqual(len(lost_ids), 3)
+        good = insert_many(self.db, [("orders", order_payload(n)) for n in range(10, 20)])
+        wait_until(lambda: self.r.xlen("orders") >= 10 and
+                   not set(lost_ids) & {e[0] for e in self.r.xrange("orders")},
+                   timeout=40, relay=relay, message="the pending entries to be trimmed")
+        t2 = self.consumer(consumer="t2", **FAST)
+        wait_until(lambda: len(dlq_entries(self.r)) == 3 and all(effect_count(self.db, i) == 1
+                                                                for i in good),
+                   timeout=20, message="three lost entries and ten effects")
+        for _, fields in dlq_entries(self.r):
+            self.assertEqual(fields[b"dlq.reason"], b"lost", fields)
+        self.assertEqual(sorted(f[b"dlq.entry_id"] for _, f in dlq_entries(self.r)),
+                         sorted(lost_ids))
+        self.assertEqual(pending_count(self.r), 0)
+        self.assertEqual(t2.terminate(), 0)
+        self.assertEqual(t2.stats()["lost"], 3)
+        self.assertEqual(sum(effect_count(self.db, i) for i in bad), 0)
 
     # ------------------------------------------------------------------
     def test_dead_letter_refused_by_redis_leaves_the_entry_pending(self):

@@ -12,8 +12,9 @@ Promises tested:
   acknowledged (pending or not yet delivered), removes acknowledged entries
   older than stream_retention, reports the group that holds trimming back,
   and trims everything once the group caught up;
-- with stream_trim_max_hold set, a group that holds trimming back longer is
-  passed over, and the relay says so;
+- with stream_trim_max_hold set, the pending entries of a group that holds
+  trimming back longer are trimmed, and the relay says so, but never an entry
+  the group was not delivered yet;
 - dead-letter streams are never trimmed; replay streams are trimmed once
   their group acknowledged them;
 - with vacuum_dead_rows set, the relay runs VACUUM on the outbox itself once
@@ -168,15 +169,19 @@ class RetentionTest(harness.ServerTestCase):
             cur.execute(f"SELECT {column} FROM outbox.messages ORDER BY id")
             return cur.fetchall()
 
+    def autovacuum_off(self):
+        """Only the relay vacuums the outbox, for the rest of the test."""
+        with self.db.cursor() as cur:
+            cur.execute("ALTER TABLE outbox.messages SET (autovacuum_enabled = off)")
+        self.addCleanup(lambda: self.db.cursor().execute(
+            "ALTER TABLE outbox.messages RESET (autovacuum_enabled)"))
+
     def vacuum_count(self):
         return scalar(self.db, "SELECT vacuum_count FROM pg_stat_all_tables"
                                " WHERE relid = 'outbox.messages'::regclass")
 
     def test_relay_vacuums_the_outbox_after_many_dead_rows(self):
-        with self.db.cursor() as cur:
-            cur.execute("ALTER TABLE outbox.messages SET (autovacuum_enabled = off)")
-        self.addCleanup(lambda: self.db.cursor().execute(
-            "ALTER TABLE outbox.messages RESET (autovacuum_enabled)"))
+        self.autovacuum_off()
         before = self.vacuum_count()
         relay = self.start_relay(sent_retention="0", stream_retention="0",
                                  vacuum_dead_rows="2000")
@@ -192,10 +197,7 @@ class RetentionTest(harness.ServerTestCase):
     def test_relay_vacuums_a_drained_outbox_at_a_tenth(self):
         # 3,000 dead rows, fewer than vacuum_dead_rows: only the rule for a
         # drained outbox (a tenth of it) starts this VACUUM.
-        with self.db.cursor() as cur:
-            cur.execute("ALTER TABLE outbox.messages SET (autovacuum_enabled = off)")
-        self.addCleanup(lambda: self.db.cursor().execute(
-            "ALTER TABLE outbox.messages RESET (autovacuum_enabled)"))
+        self.autovacuum_off()
         before = self.vacuum_count()
         relay = self.start_relay(sent_retention="0", stream_retention="0",
                                  vacuum_dead_rows="20000")
@@ -207,12 +209,10 @@ class RetentionTest(harness.ServerTestCase):
     def test_shutdown_cancels_a_running_vacuum(self):
         # A VACUUM slowed down to a crawl (cost-based delay, set for the
         # database) must not go on in the server once the relay has exited.
+        self.autovacuum_off()
         with self.db.cursor() as cur:
-            cur.execute("ALTER TABLE outbox.messages SET (autovacuum_enabled = off)")
             cur.execute("ALTER DATABASE app SET vacuum_cost_delay = '100ms'")
             cur.execute("ALTER DATABASE app SET vacuum_cost_limit = 1")
-        self.addCleanup(lambda: self.db.cursor().execute(
-            "ALTER TABLE outbox.messages RESET (autovacuum_enabled)"))
         self.addCleanup(lambda: self.db.cursor().execute(
             "ALTER DATABASE app RESET vacuum_cost_delay"))
         self.addCleanup(lambda: self.db.cursor().execute(
@@ -286,18 +286,29 @@ class RetentionTest(harness.ServerTestCase):
         wait_until(lambda: metric(self.scrape(), "outbox_relay_stream_trim_held_back_seconds",
                                   stream="orders", group="g1") is None, timeout=20, relay=relay)
 
-    def test_trim_max_hold_passes_a_stuck_group(self):
+    def test_trim_max_hold_passes_a_stuck_groups_pending_entries_only(self):
         self.r.config_set("stream-node-max-entries", 10)
         self.addCleanup(self.r.config_set, "stream-node-max-entries", 100)
         self.r.xgroup_create("orders", "stuck", id="$", mkstream=True)
         relay = self.start_relay(stream_retention="1s", dedup_ttl="1s", stream_trim_max_hold="2s")
         self.insert_rows("orders", 100)
         wait_until(lambda: self.r.xlen("orders") >= 100, timeout=30, relay=relay)
-        self.r.xreadgroup("stuck", "c1", {"orders": ">"}, count=100)  # read, never acknowledged
-        wait_until(lambda: self.r.xlen("orders") < 10, timeout=30, relay=relay,
-                   message="the stuck group to be passed over")
-        wait_until(lambda: re.search(r"WARNING retention: trimmed orders past group stuck",
-                                     relay.log()), timeout=10, relay=relay)
+        all_ids = [e[0] for e in self.r.xrange("orders")]
+        # Read, never acknowledged: 60 pending; 40 never delivered to the group.
+        self.r.xreadgroup("stuck", "c1", {"orders": ">"}, count=60)
+        undelivered = set(all_ids[60:])
+        wait_until(lambda: self.r.xlen("orders") <= 50, timeout=30, relay=relay,
+                   message="the stuck group's pending entries to be passed over")
+        wait_until(lambda: re.search(r"WARNING retention: trimmed orders past the pending"
+                                     r" entries of group stuck", relay.log()),
+                   timeout=10, relay=relay)
+        # Past the hold, and trimmed again since: entries the group was never
+        # delivered stay, since no consumer could record them as lost.
+        wait_until(lambda: (metric(self.scrape(), "outbox_relay_stream_trim_held_back_seconds",
+                                   stream="orders", group="stuck") or 0) > 3,
+                   timeout=30, relay=relay, message="a trim held back past stream_trim_max_hold")
+        left = {e[0] for e in self.r.xrange("orders")}
+        self.assertTrue(undelivered <= left, "an entry not yet delivered to the group was trimmed")
 
     def test_dead_letters_never_trimmed_replays_trimmed_once_acknowledged(self):
         self.r.config_set("stream-node-max-entries", 10)
