@@ -10,6 +10,9 @@
  *              right after the reply. rate 0: as fast as they can.
  *   visible    one thread doing XREAD BLOCK on every stream from its last
  *              entry on; an entry is visible when the reply holding it arrives.
+ *              The entry's id also says when Redis added it to the stream
+ *              (its first part is Redis's clock in ms, this host's real-time
+ *              clock): "stream" is that time, independent of this thread.
  *   acked      one thread doing XREADGROUP BLOCK as consumer group `group`
  *              and XACK of what it read; acknowledged when the XACK returns.
  *
@@ -24,10 +27,12 @@
  *                 [--topics T] [--payload BYTES] [--group NAME] [--wait S]
  *                 [--windows W]
  *
- * --windows W adds "windows": the commit -> stream latency of the rows
- * committed in each W seconds of the run (its start "t" in seconds from the
- * first commit, "n", "p50", "p99" and "max" in ms, "missing" for rows not
- * seen in the stream), for a run long enough to show how it changes.
+ * --windows W adds "windows": the latency of the rows committed in each W
+ * seconds of the run (its start "t" in seconds from the first commit, "n",
+ * "missing" for rows not seen in the stream; commit -> visible "p50", "p99"
+ * and "max" in ms, and commit -> added to the stream "stream_p50",
+ * "stream_p99", "stream_max", to the ms of the entry id), for a run long
+ * enough to show how it changes.
  * Topics are bench0..bench<T-1>, round-robin. Prints one JSON object.
  */
 #include "relay/compat.h"
@@ -61,7 +66,9 @@ static double windows_s = 0;
 
 static long long base_id; /* ids above it are ours */
 static long cap;          /* slots in the arrays below */
-static double *t_commit, *t_visible, *t_acked;
+static double *t_commit, *t_visible, *t_acked, *t_stream;
+/* CLOCK_REALTIME - CLOCK_MONOTONIC, at the start: turns an entry id's ms into this clock. */
+static double real_minus_mono;
 static double t0;
 
 static atomic_long slot_next; /* next schedule slot */
@@ -251,6 +258,10 @@ static void *visible_main(void *arg)
                     long idx = (long)(id - base_id);
                     if (id > 0 && idx >= 0 && idx < cap && t_visible[idx] < -1e8) {
                         t_visible[idx] = at;
+                        const redisReply *eid = entries->element[e]->element[0];
+                        if (eid->type == REDIS_REPLY_STRING)
+                            t_stream[idx] =
+                                (double)strtoll(eid->str, NULL, 10) / 1e3 - real_minus_mono - t0;
                         atomic_fetch_add(&n_visible, 1);
                     }
                 }
@@ -374,9 +385,12 @@ static void print_stats(const char *name, double *v, long n, int last)
     printf("}%s\n", last ? "" : ",");
 }
 
-/* A row's window and its commit -> stream latency (negative: not seen). */
+/* A row's window and its commit -> visible and commit -> stream latencies
+ * (missing: not seen). */
 struct windowed {
     long window;
+    int missing;
+    double stream;
     double latency;
 };
 
@@ -393,13 +407,16 @@ static void print_windows(void)
 {
     struct windowed *w = malloc((size_t)cap * sizeof(*w));
     double *lat = malloc((size_t)cap * sizeof(double));
-    if (w == NULL || lat == NULL)
+    double *slat = malloc((size_t)cap * sizeof(double));
+    if (w == NULL || lat == NULL || slat == NULL)
         die("out of memory", NULL);
     long n = 0;
     for (long i = 0; i < cap; i++)
         if (t_commit[i] > -1e8) {
             w[n].window = (long)(t_commit[i] / windows_s); /* from t0 already */
-            w[n].latency = t_visible[i] > -1e8 ? t_visible[i] - t_commit[i] : -1;
+            w[n].missing = t_visible[i] < -1e8;
+            w[n].latency = w[n].missing ? 0 : t_visible[i] - t_commit[i];
+            w[n].stream = w[n].missing ? 0 : t_stream[i] - t_commit[i];
             n++;
         }
     qsort(w, (size_t)n, sizeof(*w), cmp_windowed);
@@ -407,21 +424,28 @@ static void print_windows(void)
     for (long i = 0, first = 1; i < n;) {
         long j = i, nl = 0, missing = 0;
         for (; j < n && w[j].window == w[i].window; j++) {
-            if (w[j].latency < 0)
+            if (w[j].missing) {
                 missing++;
-            else
+            } else {
+                slat[nl] = w[j].stream;
                 lat[nl++] = w[j].latency;
+            }
         }
+        qsort(slat, (size_t)nl, sizeof(double), cmp_double);
         printf("%s\n    {\"t\": %.1f, \"n\": %ld, \"missing\": %ld", first ? "" : ",",
                (double)w[i].window * windows_s, j - i, missing);
-        if (nl > 0)
+        if (nl > 0) {
             printf(", \"p50\": %.4f, \"p99\": %.4f, \"max\": %.4f", pct(lat, nl, 50) * 1e3,
                    pct(lat, nl, 99) * 1e3, lat[nl - 1] * 1e3);
+            printf(", \"stream_p50\": %.4f, \"stream_p99\": %.4f, \"stream_max\": %.4f",
+                   pct(slat, nl, 50) * 1e3, pct(slat, nl, 99) * 1e3, slat[nl - 1] * 1e3);
+        }
         printf("}");
         first = 0;
         i = j;
     }
     printf("\n  ],\n");
+    free(slat);
     free(w);
     free(lat);
 }
@@ -474,10 +498,11 @@ int main(int argc, char **argv)
     t_commit = malloc((size_t)cap * sizeof(double));
     t_visible = malloc((size_t)cap * sizeof(double));
     t_acked = malloc((size_t)cap * sizeof(double));
-    if (t_commit == NULL || t_visible == NULL || t_acked == NULL)
+    t_stream = malloc((size_t)cap * sizeof(double));
+    if (t_commit == NULL || t_visible == NULL || t_acked == NULL || t_stream == NULL)
         die("out of memory", NULL);
     for (long i = 0; i < cap; i++)
-        t_commit[i] = t_visible[i] = t_acked[i] = -1e9;
+        t_commit[i] = t_visible[i] = t_acked[i] = t_stream[i] = -1e9;
 
     /* Every row inserted from now on has an id above base_id. */
     PGconn *pg = PQconnectdb(conninfo);
@@ -502,6 +527,9 @@ int main(int argc, char **argv)
     }
     redisFree(rd);
 
+    struct timespec real;
+    clock_gettime(CLOCK_REALTIME, &real);
+    real_minus_mono = (double)real.tv_sec + real.tv_nsec / 1e9 - now_s();
     t0 = now_s();
     pthread_t vis, ack;
     pthread_create(&vis, NULL, visible_main, NULL);
@@ -527,14 +555,17 @@ int main(int argc, char **argv)
     double span = last_commit_at - t0;
     double *vis_lat = malloc((size_t)cap * sizeof(double));
     double *ack_lat = malloc((size_t)cap * sizeof(double));
+    double *stream_lat = malloc((size_t)cap * sizeof(double));
     long nv = 0, na = 0, miss_v = 0, miss_a = 0;
     for (long i = 0; i < cap; i++) {
         if (t_commit[i] < -1e8)
             continue;
-        if (t_visible[i] > -1e8)
+        if (t_visible[i] > -1e8) {
+            stream_lat[nv] = t_stream[i] - t_commit[i];
             vis_lat[nv++] = t_visible[i] - t_commit[i];
-        else
+        } else {
             miss_v++;
+        }
         if (t_acked[i] > -1e8)
             ack_lat[na++] = t_acked[i] - t_commit[i];
         else
@@ -565,6 +596,7 @@ int main(int argc, char **argv)
         print_windows();
     print_stats("commit_ms", commit_lat, ncl, 0);
     print_stats("visible_ms", vis_lat, nv, 0);
+    print_stats("stream_ms", stream_lat, nv, 0);
     print_stats("acked_ms", ack_lat, na, 1);
     printf("}\n");
     return failed ? 1 : 0;

@@ -12,7 +12,8 @@ single-row transactions). Two consumer groups read every stream: "steady"
 stops for the middle third of the run and then catches up.
 
 The retention settings scale with the run so that storage reaches its steady
-state within the first third: sent_retention = SOAK_MINUTES x 4 s,
+state within the first third: sent_retention = SOAK_MINUTES x 4 s (at least
+45 s; SOAK_SENT_RETENTION sets it),
 stream_retention = dedup_ttl = SOAK_MINUTES x 10 s (2 min and 5 min for 30),
 vacuum_dead_rows = SOAK_RATE x SOAK_MINUTES x 2 (at least 5,000; 120,000 for
 30 minutes at 2,000 a second, about the default).
@@ -20,7 +21,9 @@ vacuum_dead_rows = SOAK_RATE x SOAK_MINUTES x 2 (at least 5,000; 120,000 for
 Every SOAK_SAMPLE seconds it records the outbox's table+index size, the
 claim's time (the relay's claim statement, 500 rows, in a transaction rolled
 back), Redis's used_memory, the stream lengths and the relay's retention
-figures; bench-loadgen records commit -> stream latency per window of commits.
+figures; bench-loadgen records, per window of commits, commit -> stream (the
+time Redis added the entry, from its id) and commit -> read by its own XREAD
+reader, which shares the load generator's process and cores.
 
 Targets, checked at the end (exit 1 when one is missed):
 - over the last third of the run (10 minutes of 30) the outbox's table+index
@@ -57,7 +60,10 @@ TOPICS = 4
 SECONDS = MINUTES * 60
 STOP_FROM, STOP_UNTIL = SECONDS / 3, 2 * SECONDS / 3
 CATCH_UP = min(60.0, SECONDS / 10)  # after the stop: the lagger's reads compete
-SENT_RETENTION_S = int(MINUTES * 4)
+# At least 45 s: a few minutes' run then keeps tens of MiB of sent rows,
+# large against the steps PostgreSQL extends a busy table by (up to 512
+# pages at once), which would otherwise decide the 5 % check alone.
+SENT_RETENTION_S = bench.env_int("SOAK_SENT_RETENTION", max(45, int(MINUTES * 4)))
 STREAM_RETENTION_S = int(MINUTES * 10)
 VACUUM_DEAD_ROWS = max(5000, int(RATE * MINUTES * 2))
 P99_LIMIT_MS = 50.0
@@ -187,7 +193,7 @@ def plot(samples, windows):
     with open(wdat, "w") as f:
         for w in windows:
             if "p99" in w:
-                f.write(f"{w['t'] / 60:.3f} {w['p99']}\n")
+                f.write(f"{w['t'] / 60:.3f} {w['stream_p99']} {w['p99']}\n")
     stop = (f"set object 1 rect from {STOP_FROM / 60},graph 0 to {STOP_UNTIL / 60},graph 1"
             " fc rgb '#eeeeee' behind\n")
     gp = os.path.join(RESULTS, "soak.gp")
@@ -203,7 +209,7 @@ set ylabel 'ms'
 plot '{dat}' u 1:3 w lp pt 7 ps 0.4 t 'claim of 500 rows'
 set ylabel 'ms'
 set yrange [0:*]
-plot '{wdat}' u 1:2 w lp pt 7 ps 0.4 t 'commit -> stream p99 (per window)', {P99_LIMIT_MS} w l dt 2 t 'target'
+plot '{wdat}' u 1:2 w lp pt 7 ps 0.4 t 'commit -> stream p99 (per window)', '{wdat}' u 1:3 w l lc rgb '#999999' t 'commit -> read by a consumer, p99', {P99_LIMIT_MS} w l dt 2 t 'target'
 unset yrange
 set ylabel 'MiB'
 plot '{dat}' u 1:4 w l lw 2 t 'Redis used memory'
@@ -280,10 +286,12 @@ def report(res, samples, lagger, relay_log):
         for s in samples:
             f.write(",".join("" if s.get(k) is None else str(s[k]) for k in keys) + "\n")
     with open(os.path.join(RESULTS, "soak-windows.csv"), "w") as f:
-        f.write("t,n,missing,p50,p99,max\n")
+        f.write("t,n,missing,stream_p50,stream_p99,stream_max,visible_p50,visible_p99,"
+                "visible_max\n")
         for w in windows:
-            f.write(f"{w['t']},{w['n']},{w['missing']},{w.get('p50', '')},{w.get('p99', '')},"
-                    f"{w.get('max', '')}\n")
+            f.write(f"{w['t']},{w['n']},{w['missing']},{w.get('stream_p50', '')},"
+                    f"{w.get('stream_p99', '')},{w.get('stream_max', '')},{w.get('p50', '')},"
+                    f"{w.get('p99', '')},{w.get('max', '')}\n")
     plot(samples, windows)
 
     checks = []
@@ -295,15 +303,21 @@ def report(res, samples, lagger, relay_log):
     checks.append(("Redis used_memory, growth over the last third",
                    f"{a / 2**20:.1f} -> {b / 2**20:.1f} MiB ({g:+.1%})" if g is not None else "n/a",
                    g is not None and g < GROWTH_LIMIT))
-    outside = [w for w in windows if "p99" in w and not (
-        STOP_FROM - SAMPLE < w["t"] < STOP_UNTIL + CATCH_UP)]
-    worst = max((w["p99"] for w in outside), default=None)
-    where = max(outside, key=lambda w: w["p99"])["t"] if outside else None
+    # A window with fewer than half the rows it should hold (the last one, cut
+    # by the end of the run) has no p99 to speak of.
+    full = [w for w in windows if "stream_p99" in w and w["n"] >= RATE * SAMPLE / 2]
+    outside = [w for w in full if not (STOP_FROM - SAMPLE < w["t"] < STOP_UNTIL + CATCH_UP)]
+    worst = max((w["stream_p99"] for w in outside), default=None)
+    where = max(outside, key=lambda w: w["stream_p99"])["t"] if outside else None
+    over = sum(1 for w in outside if w["stream_p99"] > P99_LIMIT_MS)
     checks.append(("commit -> stream p99, worst window outside the lagger's stop",
-                   (f"{worst:.1f} ms at {where:.0f}s (limit {P99_LIMIT_MS:g})"
-                    if worst is not None else "n/a") + ("" if LATENCY_CHECK else " (reported)"),
+                   (f"{worst:.1f} ms at {where:.0f}s (limit {P99_LIMIT_MS:g}; {over} of"
+                    f" {len(outside)} windows above)" if worst is not None else "n/a")
+                   + ("" if LATENCY_CHECK else " (reported)"),
                    not LATENCY_CHECK or (worst is not None and worst <= P99_LIMIT_MS)))
-    inside = [w["p99"] for w in windows if "p99" in w and w not in outside]
+    inside = [w["stream_p99"] for w in full if w not in outside]
+    read_worst = max((w["p99"] for w in outside), default=0)
+    read_over = sum(1 for w in outside if w["p99"] > P99_LIMIT_MS)
     committed = res["committed"]
     read_once = sum(1 for c in lagger.seen.values() if c == 1)
     checks.append(("entries the lagger had not acknowledged, trimmed",
@@ -324,7 +338,11 @@ def report(res, samples, lagger, relay_log):
         lines.append(f"| {what} | {figure} | {'yes' if ok else '**no**'} |")
     lines += ["", f"commit -> stream p99 in the lagger's stop and catch-up: worst"
               f" {max(inside, default=0):.1f} ms; over the whole run p99"
-              f" {res['visible_ms'].get('p99', 0):.1f} ms.",
+              f" {res['stream_ms'].get('p99', 0):.1f} ms.",
+              f"commit -> read by bench-loadgen's own reader (XREAD, in the load generator's"
+              f" process): p99 over the whole run {res['visible_ms'].get('p99', 0):.1f} ms;"
+              f" outside the stop worst window {read_worst:.1f} ms, {read_over} of"
+              f" {len(outside)} windows above {P99_LIMIT_MS:g} ms.",
               f"claim of 500 rows: median {statistics.median(claims):.2f} ms, first third"
               f" {statistics.median([s['claim_ms'] for s in samples if s['t'] < SECONDS / 3] or [0]):.2f} ms,"
               f" last third"

@@ -3,9 +3,9 @@
 # test in two tiers. Works from any directory.
 #   quick  the unit tests and the quick integration files, two at a time
 #          (each starts its own PostgreSQL, Redis and relay on free ports);
-#   slow   faults, kills, restarts, resources and the vanished host (and,
-#          with OUTBOX_RELAY_SOAK=1, a short soak), one at a time, since they
-#          load the machine on purpose.
+#   slow   faults, kills, restarts, resources, the vanished host and a
+#          three-minute soak, one at a time, since they load the machine on
+#          purpose.
 #
 # Usage: scripts/test.sh [--quick]   (--quick: the quick tier alone)
 #

@@ -10,7 +10,7 @@ set ylabel 'ms'
 plot '/work/main/bench/results/soak.dat' u 1:3 w lp pt 7 ps 0.4 t 'claim of 500 rows'
 set ylabel 'ms'
 set yrange [0:*]
-plot '/work/main/bench/results/soak-windows.dat' u 1:2 w lp pt 7 ps 0.4 t 'commit -> stream p99 (per window)', 50.0 w l dt 2 t 'target'
+plot '/work/main/bench/results/soak-windows.dat' u 1:2 w lp pt 7 ps 0.4 t 'commit -> stream p99 (per window)', '/work/main/bench/results/soak-windows.dat' u 1:3 w l lc rgb '#999999' t 'commit -> read by a consumer, p99', 50.0 w l dt 2 t 'target'
 unset yrange
 set ylabel 'MiB'
 plot '/work/main/bench/results/soak.dat' u 1:4 w l lw 2 t 'Redis used memory'

@@ -10,12 +10,10 @@ Promises tested (docs/OPERATIONS.md, "Retention"; docs/PERFORMANCE.md, "Soak"):
 
 The latency target of the benchmark (commit -> stream p99 under 50 ms) is a
 speed figure: here it is reported, not asserted (SOAK_LATENCY_CHECK=0). The
-run takes SOAK_MINUTES (3) at SOAK_RATE (1,000) messages a second.
-
-It runs only with OUTBOX_RELAY_SOAK=1 (else it is skipped, exit 77): in
-three minutes the outbox's table is a few MiB, and one more extension of it
-in the last minute (7.6 -> 8.1 MiB, +6.2 %, in one run) fails the 5 % check
-that the full 30-minute run (bench/run.sh --soak) is made for.
+run takes SOAK_MINUTES (3) at SOAK_RATE (1,000) messages a second, with sent
+rows kept 45 s (bench/soak.py's floor), so that the outbox holds some 45,000
+rows and one more extension of the table file by PostgreSQL (up to 512 pages
+at once under concurrent inserts) is not by itself 5 %.
 """
 
 import os
@@ -25,10 +23,6 @@ import tempfile
 import unittest
 
 import harness
-
-if os.environ.get("OUTBOX_RELAY_SOAK") != "1":
-    print("test_soak: skipped; set OUTBOX_RELAY_SOAK=1 to run it", file=sys.stderr)
-    sys.exit(77)
 
 harness.require_relay()
 harness.set_deadline(900)
