@@ -36,82 +36,81 @@
  * body does not roll back, so recording first would turn a failed XADD into
  * a lost message.
  */
-const char
-    relay_batch_function_source[] =
-        "#!lua name=" RELAY_FUNCTION_LIBRARY "\n"
-        "local function publish(keys, args)\n"
-        "  local seen = redis.call('GET', keys[2])\n"
-        "  if seen then return seen end\n"
-        "  local t = redis.call('TIME')\n"
-        "  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
-        "  if now > tonumber(args[2]) then\n"
-        "    return redis.error_reply('EXPIRED publish deadline passed; the relay retries it')\n"
-        "  end\n"
-        "  local id = redis.call('XADD', keys[1], '*', unpack(args, 3))\n"
-        "  redis.call('SET', keys[2], id, 'PX', args[1])\n"
-        "  return id\n"
-        "end\n"
-        "redis.register_function('" RELAY_FUNCTION_PUBLISH "', publish)\n"
-        /* The trim function (docs/DESIGN.md, "Stream retention"). KEYS[1] is a
-         * stream, ARGV[1] the retention and ARGV[2] the longest a group may hold
-         * trimming back (0: for ever), both in ms. It removes entries older than
-         * the retention that every group has acknowledged: the bound is the
-         * lowest of the time cutoff and, for each group, its oldest pending entry
-         * and the entry after the last one delivered to it. Reading the groups and
-         * trimming in one function leaves no gap for a group to be created, or to
-         * fall behind, in between. MINID with "~" removes whole nodes only, never
-         * an entry at or above the bound. A group whose oldest pending entry is
-         * older than ARGV[2] allows holds the bound only at the entry after the
-         * last one delivered to it: its pending entries may go (its consumers
-         * find them gone when they claim them, and record them as lost), never
-         * one it has not been delivered, which nothing would record. Such a group
-         * is named in the reply, so that the relay can say so. Returns {entries removed, the bound,
-         * the group that held the bound below the cutoff or "", the time in ms of the oldest entry
-         * left when a group held it (else 0), the group passed over or ""}. */
-        "local function id_parts(id)\n"
-        "  local ms, seq = string.match(id or '', '^(%d+)-(%d+)$')\n"
-        "  return tonumber(ms) or 0, tonumber(seq) or 0\n"
-        "end\n"
-        "local function before(ams, aseq, bms, bseq)\n"
-        "  return ams < bms or (ams == bms and aseq < bseq)\n"
-        "end\n"
-        "local function trim(keys, args)\n"
-        "  if redis.call('TYPE', keys[1])['ok'] ~= 'stream' then return {0, '', '', 0, ''} end\n"
-        "  local t = redis.call('TIME')\n"
-        "  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
-        "  local bms, bseq = now - tonumber(args[1]), 0\n"
-        "  local hold = tonumber(args[2])\n"
-        "  local holder, held, passed = '', 0, ''\n"
-        "  for _, g in ipairs(redis.call('XINFO', 'GROUPS', keys[1])) do\n"
-        "    local f = {}\n"
-        "    for i = 1, #g, 2 do f[g[i]] = g[i + 1] end\n"
-        "    local gms, gseq = id_parts(f['last-delivered-id'])\n"
-        "    gseq = gseq + 1\n"
-        "    if tonumber(f['pending']) > 0 then\n"
-        "      local p = redis.call('XPENDING', keys[1], f['name'])\n"
-        "      local pms, pseq = id_parts(p[2])\n"
-        "      if before(pms, pseq, gms, gseq) then\n"
-        "        if hold > 0 and pms < now - hold then\n"
-        "          passed = f['name']\n"
-        "        else\n"
-        "          gms, gseq = pms, pseq\n"
-        "        end\n"
-        "      end\n"
-        "    end\n"
-        "    if before(gms, gseq, bms, bseq) then\n"
-        "      bms, bseq, holder = gms, gseq, f['name']\n"
-        "    end\n"
-        "  end\n"
-        "  if bms < 0 then bms, bseq = 0, 0 end\n"
-        "  local bound = string.format('%.0f-%.0f', bms, bseq)\n"
-        "  local removed = redis.call('XTRIM', keys[1], 'MINID', '~', bound)\n"
-        "  if holder ~= '' then\n"
-        "    local first = redis.call('XRANGE', keys[1], '-', '+', 'COUNT', 1)[1]\n"
-        "    if first then held = id_parts(first[1]) end\n"
-        "  end\n"
-        "  return {removed, bound, holder, held, passed}\n"
-        "end\n"
-        "redis.register_function('" RELAY_FUNCTION_TRIM "', trim)\n";
+const char relay_batch_function_source[] =
+    "#!lua name=" RELAY_FUNCTION_LIBRARY "\n"
+    "local function publish(keys, args)\n"
+    "  local seen = redis.call('GET', keys[2])\n"
+    "  if seen then return seen end\n"
+    "  local t = redis.call('TIME')\n"
+    "  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+    "  if now > tonumber(args[2]) then\n"
+    "    return redis.error_reply('EXPIRED publish deadline passed; the relay retries it')\n"
+    "  end\n"
+    "  local id = redis.call('XADD', keys[1], '*', unpack(args, 3))\n"
+    "  redis.call('SET', keys[2], id, 'PX', args[1])\n"
+    "  return id\n"
+    "end\n"
+    "redis.register_function('" RELAY_FUNCTION_PUBLISH "', publish)\n"
+    /* The trim function (docs/DESIGN.md, "Stream retention"). KEYS[1] is a
+     * stream, ARGV[1] the retention and ARGV[2] the longest a group may hold
+     * trimming back (0: for ever), both in ms. It removes entries older than
+     * the retention that every group has acknowledged: the bound is the
+     * lowest of the time cutoff and, for each group, its oldest pending entry
+     * and the entry after the last one delivered to it. Reading the groups and
+     * trimming in one function leaves no gap for a group to be created, or to
+     * fall behind, in between. MINID with "~" removes whole nodes only, never
+     * an entry at or above the bound. A group whose oldest pending entry is
+     * older than ARGV[2] allows holds the bound only at the entry after the
+     * last one delivered to it: its pending entries may go (its consumers
+     * find them gone when they claim them, and record them as lost), never
+     * one it has not been delivered, which nothing would record. Such a group
+     * is named in the reply, so that the relay can say so. Returns {entries removed, the bound,
+     * the group that held the bound below the cutoff or "", the time in ms of the oldest entry
+     * left when a group held it (else 0), the group passed over or ""}. */
+    "local function id_parts(id)\n"
+    "  local ms, seq = string.match(id or '', '^(%d+)-(%d+)$')\n"
+    "  return tonumber(ms) or 0, tonumber(seq) or 0\n"
+    "end\n"
+    "local function before(ams, aseq, bms, bseq)\n"
+    "  return ams < bms or (ams == bms and aseq < bseq)\n"
+    "end\n"
+    "local function trim(keys, args)\n"
+    "  if redis.call('TYPE', keys[1])['ok'] ~= 'stream' then return {0, '', '', 0, ''} end\n"
+    "  local t = redis.call('TIME')\n"
+    "  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+    "  local bms, bseq = now - tonumber(args[1]), 0\n"
+    "  local hold = tonumber(args[2])\n"
+    "  local holder, held, passed = '', 0, ''\n"
+    "  for _, g in ipairs(redis.call('XINFO', 'GROUPS', keys[1])) do\n"
+    "    local f = {}\n"
+    "    for i = 1, #g, 2 do f[g[i]] = g[i + 1] end\n"
+    "    local gms, gseq = id_parts(f['last-delivered-id'])\n"
+    "    gseq = gseq + 1\n"
+    "    if tonumber(f['pending']) > 0 then\n"
+    "      local p = redis.call('XPENDING', keys[1], f['name'])\n"
+    "      local pms, pseq = id_parts(p[2])\n"
+    "      if before(pms, pseq, gms, gseq) then\n"
+    "        if hold > 0 and pms < now - hold then\n"
+    "          passed = f['name']\n"
+    "        else\n"
+    "          gms, gseq = pms, pseq\n"
+    "        end\n"
+    "      end\n"
+    "    end\n"
+    "    if before(gms, gseq, bms, bseq) then\n"
+    "      bms, bseq, holder = gms, gseq, f['name']\n"
+    "    end\n"
+    "  end\n"
+    "  if bms < 0 then bms, bseq = 0, 0 end\n"
+    "  local bound = string.format('%.0f-%.0f', bms, bseq)\n"
+    "  local removed = redis.call('XTRIM', keys[1], 'MINID', '~', bound)\n"
+    "  if holder ~= '' then\n"
+    "    local first = redis.call('XRANGE', keys[1], '-', '+', 'COUNT', 1)[1]\n"
+    "    if first then held = id_parts(first[1]) end\n"
+    "  end\n"
+    "  return {removed, bound, holder, held, passed}\n"
+    "end\n"
+    "redis.register_function('" RELAY_FUNCTION_TRIM "', trim)\n";
 
 size_t relay_batch_utf8_prefix(const char *s, size_t len, size_t max)
 {
