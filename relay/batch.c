@@ -64,9 +64,10 @@ const char relay_batch_function_source[] =
      * last one delivered to it: its pending entries may go (its consumers
      * find them gone when they claim them, and record them as lost), never
      * one it has not been delivered, which nothing would record. Such a group
-     * is named in the reply, so that the relay can say so. Returns {entries removed, the bound,
-     * the group that held the bound below the cutoff or "", the time in ms of the oldest entry
-     * left when a group held it (else 0), the group passed over or ""}. */
+     * is named in the reply, so that the relay can say so. Returns {entries
+     * removed, the bound, the group that held the bound below the cutoff or
+     * "", the time in ms of the oldest entry left when a group held it (else
+     * 0), the group passed over or ""}. */
     "local function id_parts(id)\n"
     "  local ms, seq = string.match(id or '', '^(%d+)-(%d+)$')\n"
     "  return tonumber(ms) or 0, tonumber(seq) or 0\n"
