@@ -599,5 +599,16 @@ int main(int argc, char **argv)
     print_stats("stream_ms", stream_lat, nv, 0);
     print_stats("acked_ms", ack_lat, na, 1);
     printf("}\n");
+    for (int i = 0; i < producers; i++)
+        free(ps[i].commit_lat);
+    free(ps);
+    free(commit_lat);
+    free(stream_lat);
+    free(ack_lat);
+    free(vis_lat);
+    free(t_stream);
+    free(t_acked);
+    free(t_visible);
+    free(t_commit);
     return failed ? 1 : 0;
 }
