@@ -21,6 +21,54 @@ int relay_key_stream(const char *prefix, const char *topic, size_t topic_len, ch
         outlen);
 }
 
+uint32_t relay_partition_hash(const void *data, size_t len)
+{
+    const unsigned char *p = data;
+    uint32_t h = 2166136261u;
+    for (size_t i = 0; i < len; i++) {
+        h ^= p[i];
+        h *= 16777619u;
+    }
+    return h;
+}
+
+uint32_t relay_partition_of(const char *key, size_t key_len, int64_t id, uint32_t partitions)
+{
+    if (partitions <= 1)
+        return 0;
+    if (key == NULL)
+        return (uint32_t)((uint64_t)id % partitions);
+    return relay_partition_hash(key, key_len) % partitions;
+}
+
+int relay_key_partition_stream(const char *prefix, const char *topic, size_t topic_len,
+                               uint32_t partition, uint32_t partitions, char *out, size_t outlen)
+{
+    if (partitions <= 1)
+        return relay_key_stream(prefix, topic, topic_len, out, outlen);
+    return fits(snprintf(out, outlen, "%s%.*s:%03u", prefix != NULL ? prefix : "", (int)topic_len,
+                         topic, (unsigned)(partition % RELAY_PARTITIONS_MAX)),
+                outlen);
+}
+
+size_t relay_key_stream_topic_len(const char *name, size_t name_len, int *partition)
+{
+    *partition = -1;
+    if (name_len < RELAY_PARTITION_SUFFIX_LEN + 1)
+        return name_len;
+    const char *s = name + name_len - RELAY_PARTITION_SUFFIX_LEN;
+    if (s[0] != ':')
+        return name_len;
+    int v = 0;
+    for (int i = 1; i < RELAY_PARTITION_SUFFIX_LEN; i++) {
+        if (s[i] < '0' || s[i] > '9')
+            return name_len;
+        v = v * 10 + (s[i] - '0');
+    }
+    *partition = v;
+    return name_len - RELAY_PARTITION_SUFFIX_LEN;
+}
+
 int relay_key_dedup(const char *stream, const char *message_id, size_t message_id_len, char *out,
                     size_t outlen)
 {

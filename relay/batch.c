@@ -301,7 +301,8 @@ static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t ma
 
     /* "<prefix><topic>" and "{<stream>}:dedup:<message id>" must fit the
      * buffers relay_batch_build_publish formats them into (with their NUL). */
-    *stream_len = prefix_len + row->topic_len;
+    *stream_len =
+        prefix_len + row->topic_len + (row->partitions > 1 ? RELAY_PARTITION_SUFFIX_LEN : 0);
     *dedup_len = *stream_len + row->message_id_len + sizeof("{}:dedup:") - 1;
     if (*stream_len >= STREAM_NAME_SIZE || row->message_id_len >= DEDUP_KEY_SIZE ||
         *dedup_len >= DEDUP_KEY_SIZE) {
@@ -328,8 +329,8 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
                   &stream_len, &dedup_len, err, errlen, &fault) != 0)
         return -1;
 
-    int slen = relay_key_stream(stream_prefix, row->topic, row->topic_len, cmd->stream,
-                                sizeof(cmd->stream));
+    int slen = relay_key_partition_stream(stream_prefix, row->topic, row->topic_len, row->partition,
+                                          row->partitions, cmd->stream, sizeof(cmd->stream));
     int dlen = relay_key_dedup(cmd->stream, row->message_id, row->message_id_len, cmd->dedup_key,
                                sizeof(cmd->dedup_key));
     int tlen = snprintf(cmd->ttl, sizeof(cmd->ttl), "%u", dedup_ttl_ms);
@@ -476,6 +477,20 @@ static size_t format_int64(char *buf, int64_t v)
     return (size_t)(put_uint(p, u) - buf);
 }
 
+/* ":<ppp>" for a row of a partitioned topic, nothing for the others: what
+ * follows the topic in its stream's name (relay_key_partition_stream). */
+static size_t partition_suffix(const struct relay_row *row, char out[RELAY_PARTITION_SUFFIX_LEN])
+{
+    if (row->partitions <= 1)
+        return 0;
+    unsigned v = row->partition % RELAY_PARTITIONS_MAX;
+    out[0] = ':';
+    out[1] = (char)('0' + v / 100);
+    out[2] = (char)('0' + v / 10 % 10);
+    out[3] = (char)('0' + v % 10);
+    return RELAY_PARTITION_SUFFIX_LEN;
+}
+
 /* The fixed head of every publish: FCALL <function> 2 (numkeys). */
 static const char publish_head[] = "$5\r\nFCALL\r\n"
                                    "$23\r\n" RELAY_FUNCTION_PUBLISH "\r\n"
@@ -527,13 +542,17 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
 
     char *p = put_array(out->data + out->len, argc);
     p = PUT_LIT(p, publish_head);
+    char suffix[RELAY_PARTITION_SUFFIX_LEN];
+    size_t suffix_len = partition_suffix(row, suffix);
     p = put_bulk_head(p, stream_len);
     p = put_mem(p, stream_prefix, prefix_len);
-    p = put_crlf(put_mem(p, row->topic, row->topic_len));
+    p = put_mem(p, row->topic, row->topic_len);
+    p = put_crlf(put_mem(p, suffix, suffix_len));
     p = put_bulk_head(p, dedup_len);
     *p++ = '{';
     p = put_mem(p, stream_prefix, prefix_len);
     p = put_mem(p, row->topic, row->topic_len);
+    p = put_mem(p, suffix, suffix_len);
     p = PUT_LIT(p, "}:dedup:");
     p = put_crlf(put_mem(p, row->message_id, row->message_id_len));
     p = put_bulk(p, ttl, ttl_len);
@@ -562,9 +581,12 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
     return 0;
 }
 
-static int same_topic(const struct relay_row *a, const struct relay_row *b)
+/* Rows of one stream: one topic, one partition. */
+static int same_stream(const struct relay_row *a, const struct relay_row *b)
 {
-    return a->topic_len == b->topic_len && memcmp(a->topic, b->topic, a->topic_len) == 0;
+    return a->topic_len == b->topic_len && memcmp(a->topic, b->topic, a->topic_len) == 0 &&
+           (a->partitions > 1) == (b->partitions > 1) &&
+           (a->partitions <= 1 || a->partition == b->partition);
 }
 
 /* drop_dedup_records formats each key into this much room, NUL included. */
@@ -583,11 +605,13 @@ int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char
             continue;
         /* A stream's command is sent at its first published row. */
         size_t j = 0;
-        while (j < i && !(rows[j].state == RELAY_ROW_PUBLISHED && same_topic(&rows[j], lead)))
+        while (j < i && !(rows[j].state == RELAY_ROW_PUBLISHED && same_stream(&rows[j], lead)))
             j++;
         if (j < i)
             continue;
-        size_t stream_len = prefix_len + lead->topic_len;
+        char suffix[RELAY_PARTITION_SUFFIX_LEN];
+        size_t suffix_len = partition_suffix(lead, suffix);
+        size_t stream_len = prefix_len + lead->topic_len + suffix_len;
         if (stream_len >= STREAM_NAME_SIZE)
             continue;
 
@@ -596,7 +620,7 @@ int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char
         size_t argc = 1, need = 0;
         for (j = i; j < n; j++) {
             const struct relay_row *row = &rows[j];
-            if (row->state != RELAY_ROW_PUBLISHED || !same_topic(row, lead) ||
+            if (row->state != RELAY_ROW_PUBLISHED || !same_stream(row, lead) ||
                 key_base + row->message_id_len >= UNLINK_KEY_SIZE)
                 continue;
             argc++;
@@ -614,13 +638,14 @@ int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char
         p = PUT_LIT(p, "$6\r\nUNLINK\r\n");
         for (j = i; j < n; j++) {
             const struct relay_row *row = &rows[j];
-            if (row->state != RELAY_ROW_PUBLISHED || !same_topic(row, lead) ||
+            if (row->state != RELAY_ROW_PUBLISHED || !same_stream(row, lead) ||
                 key_base + row->message_id_len >= UNLINK_KEY_SIZE)
                 continue;
             p = put_bulk_head(p, key_base + row->message_id_len);
             *p++ = '{';
             p = put_mem(p, stream_prefix, prefix_len);
             p = put_mem(p, lead->topic, lead->topic_len);
+            p = put_mem(p, suffix, suffix_len);
             p = PUT_LIT(p, "}:dedup:");
             p = put_crlf(put_mem(p, row->message_id, row->message_id_len));
         }

@@ -27,6 +27,7 @@
 
 #include "relay/config.h"
 #include "relay/daemon.h"
+#include "relay/keys.h"
 #include "relay/log.h"
 #include "relay/pgsrc.h"
 #include "relay/sink.h"
@@ -280,6 +281,11 @@ static int parse_row(PGresult *res, int i, struct relay_row *row)
     if (PQgetlength(res, i, 9) != 4)
         return -1;
     row->attempts = relay_batch_decode_int4(PQgetvalue(res, i, 9));
+    if (PQgetlength(res, i, 11) != 4)
+        return -1;
+    int32_t partitions = relay_batch_decode_int4(PQgetvalue(res, i, 11));
+    row->partitions = partitions < 1 ? 1 : (uint32_t)partitions;
+    row->partition = relay_partition_of(row->key, row->key_len, row->id, row->partitions);
     row->state = RELAY_ROW_CLAIMED;
     return 0;
 }
@@ -292,7 +298,7 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err, c
     (void)sqlstate;
     if (r->stopping)
         return;
-    if (err != NULL || res == NULL || PQnfields(res) != 11) {
+    if (err != NULL || res == NULL || PQnfields(res) != 12) {
         char why[600];
         snprintf(why, sizeof(why), "claim failed: %s",
                  err != NULL ? err : "unexpected result shape");

@@ -45,12 +45,13 @@
     " CASE WHEN jsonb_typeof(headers) = 'object' THEN"                                             \
     "  ARRAY(SELECT CASE WHEN jsonb_typeof(headers -> k) = 'string' THEN headers ->> k"            \
     "   ELSE (headers -> k)::text END FROM jsonb_object_keys(headers) AS k ORDER BY k) END,"       \
-    " attempts, octet_length(payload)"
+    " attempts, octet_length(payload),"                                                            \
+    " coalesce((SELECT t.partitions FROM outbox.topics AS t WHERE t.topic = c.topic), 1)"
 
 /* The claim: pending rows in id order, skipping rows another relay holds.
  * One walk of messages_pending_idx from its lowest id: the hot path. */
 #define CLAIM_FROM                                                                                 \
-    " FROM outbox.messages"                                                                        \
+    " FROM outbox.messages AS c"                                                                   \
     " WHERE sent_at IS NULL AND failed_at IS NULL AND (retry_at IS NULL OR retry_at <= now())"     \
     "  AND topic <> ALL ($2::text[])"                                                              \
     " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
@@ -132,6 +133,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "008_queue_vacuum.sql",
     "009_producer_grants.sql",
     "010_retention.sql",
+    "011_partitions.sql",
 };
 
 enum setup_step {

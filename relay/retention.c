@@ -263,7 +263,8 @@ static int trim_stream(const struct relay_config *cfg, redisContext *c, int stop
 }
 
 /*
- * Every stream of the relay's topics ("<prefix><topic>", as the observer
+ * Every stream of the relay's topics ("<prefix><topic>" and the partitions'
+ * "<prefix><topic>:<ppp>", as the observer
  * finds them, but all of them, not only those it lists), with
  * stream_retention; then the replay stream of each group observed, with 0:
  * a replayed entry is gone once its group acknowledged it. Dead-letter
@@ -292,9 +293,12 @@ static void trim_streams(const struct relay_config *cfg, redisContext **rd, int 
         const redisReply *keys = r->element[1];
         for (size_t i = 0; i < keys->elements && trimmed < TRIM_STREAMS_MAX; i++) {
             const redisReply *k = keys->element[i];
+            int partition;
             if (k->type != REDIS_REPLY_STRING || k->len < plen ||
                 strncmp(k->str, prefix, plen) != 0 ||
-                !relay_batch_topic_valid(k->str + plen, k->len - plen) ||
+                !relay_batch_topic_valid(
+                    k->str + plen,
+                    relay_key_stream_topic_len(k->str + plen, k->len - plen, &partition)) ||
                 relay_tools_ends_with(k->str, ".dlq") || relay_tools_ends_with(k->str, ".replay"))
                 continue;
             trimmed++;

@@ -57,6 +57,8 @@ struct relay_row {
     const char *header_values; /* binary text[] or NULL */
     size_t header_values_len;
     int32_t attempts;
+    uint32_t partitions; /* of its topic: 1 publishes to "<prefix><topic>" */
+    uint32_t partition;  /* relay_partition_of, when partitions > 1 */
 
     /* Outcome of this cycle. */
     int state;                  /* enum relay_row_state */

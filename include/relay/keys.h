@@ -8,10 +8,35 @@
 #define RELAY_KEYS_H
 
 #include <stddef.h>
+#include <stdint.h>
+
+/* Partitions of a topic: 1 (no suffix) to RELAY_PARTITIONS_MAX. */
+#define RELAY_PARTITIONS_MAX 1000
+/* ":<ppp>", what a partition adds to its topic's stream name. */
+#define RELAY_PARTITION_SUFFIX_LEN 4
+
+/* FNV-1a 32 of the bytes: the partition hash (docs/PARTITIONS.md, and
+ * outbox.fnv1a32 in migrations/011_partitions.sql, which must agree). */
+uint32_t relay_partition_hash(const void *data, size_t len);
+
+/* The partition of a row: the hash of its key mod partitions, or, for a row
+ * without a key (key NULL), its id mod partitions. 0 when partitions <= 1. */
+uint32_t relay_partition_of(const char *key, size_t key_len, int64_t id, uint32_t partitions);
 
 /* "<prefix><topic>": a topic's stream. prefix may be NULL. */
 int relay_key_stream(const char *prefix, const char *topic, size_t topic_len, char *out,
                      size_t outlen) __attribute__((warn_unused_result));
+
+/* A partition's stream: "<prefix><topic>:<ppp>" (ppp: three digits) when
+ * the topic has more than one partition, else "<prefix><topic>". */
+int relay_key_partition_stream(const char *prefix, const char *topic, size_t topic_len,
+                               uint32_t partition, uint32_t partitions, char *out, size_t outlen)
+    __attribute__((warn_unused_result));
+
+/* The length of the topic in a stream name without its prefix: name_len, or
+ * name_len - 4 when the name ends in ":<three digits>" (the partition, then
+ * stored in *partition; -1 there when there is none). */
+size_t relay_key_stream_topic_len(const char *name, size_t name_len, int *partition);
 
 /* "{<stream>}:dedup:<message id>": a message's dedup record, in its stream's
  * hash slot. The publish path writes the same bytes straight into the Redis

@@ -97,7 +97,7 @@ void relay_pgsrc_freemem(void *p);
 const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
 
 /* The schema version this relay needs and the migration that brings it. */
-#define RELAY_SCHEMA_VERSION 10
+#define RELAY_SCHEMA_VERSION 11
 
 /*
  * Writes a claim statement into out: with paused 0 the one prepared on each

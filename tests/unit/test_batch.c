@@ -99,6 +99,63 @@ static void test_stream_and_dedup_key_share_hash_tag(void **state)
     assert_int_equal(relay_key_stream("", "orders", 6, stream, 4), -1);
 }
 
+/* The vectors of docs/PARTITIONS.md; tests/integration/test_partitions.py
+ * checks outbox.fnv1a32 against the same. */
+static void test_partition_hash_vectors(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *key;
+        uint32_t hash;
+    } v[] = {
+        {"", 0x811c9dc5u},         {"a", 0xe40c292cu},
+        {"foobar", 0xbf9cf968u},   {"123456789", 0xbb86b11cu},
+        {"\xc3\xa9", 0x1e9de8c1u}, {"\xe6\x97\xa5\xe6\x9c\xac", 0x9f26ee51u},
+        {"order-42", 0x572446f4u},
+    };
+    for (size_t i = 0; i < RELAY_ARRAY_LEN(v); i++)
+        assert_int_equal(relay_partition_hash(v[i].key, strlen(v[i].key)), v[i].hash);
+    assert_int_equal(relay_partition_of("order-42", 8, 7, 8), 0x572446f4u % 8);
+    assert_int_equal(relay_partition_of("order-42", 8, 7, 1000), 0x572446f4u % 1000);
+    assert_int_equal(relay_partition_of("order-42", 8, 7, 1), 0);
+    assert_int_equal(relay_partition_of("order-42", 8, 7, 0), 0);
+    /* No key: spread by id. */
+    assert_int_equal(relay_partition_of(NULL, 0, 13, 8), 5);
+    assert_int_equal(relay_partition_of(NULL, 0, 13, 1), 0);
+}
+
+static void test_partition_stream_names(void **state)
+{
+    (void)state;
+    char stream[64];
+    int partition;
+    assert_int_equal(relay_key_partition_stream("app:", "orders", 6, 3, 8, stream, sizeof(stream)),
+                     14);
+    assert_string_equal(stream, "app:orders:003");
+    assert_int_equal(relay_key_partition_stream("", "orders", 6, 999, 1000, stream, sizeof(stream)),
+                     10);
+    assert_string_equal(stream, "orders:999");
+    assert_int_equal(relay_key_partition_stream("app:", "orders", 6, 0, 1, stream, sizeof(stream)),
+                     10);
+    assert_string_equal(stream, "app:orders");
+    assert_int_equal(relay_key_partition_stream("", "orders", 6, 1, 2, stream, 10), -1);
+
+    assert_int_equal(relay_key_stream_topic_len("orders:003", 10, &partition), 6);
+    assert_int_equal(partition, 3);
+    assert_int_equal(relay_key_stream_topic_len("a.b:120", 7, &partition), 3);
+    assert_int_equal(partition, 120);
+    assert_int_equal(relay_key_stream_topic_len("orders", 6, &partition), 6);
+    assert_int_equal(partition, -1);
+    assert_int_equal(relay_key_stream_topic_len("orders:12", 9, &partition), 9);
+    assert_int_equal(partition, -1);
+    assert_int_equal(relay_key_stream_topic_len("x:1234", 6, &partition), 6);
+    assert_int_equal(partition, -1);
+    assert_int_equal(relay_key_stream_topic_len(":003", 4, &partition), 4);
+    assert_int_equal(partition, -1);
+    assert_int_equal(relay_key_stream_topic_len("o:0a3", 5, &partition), 5);
+    assert_int_equal(partition, -1);
+}
+
 static void test_build_publish_fields(void **state)
 {
     (void)state;
@@ -583,6 +640,17 @@ static void test_append_publish_matches_hiredis(void **state)
     row.key = "";
     row.key_len = 0;
     check_publish_same(&row, "app:", 1024, 60000, 1796040000000ull, &buf);
+    /* A partition's stream, the first, the last. */
+    row.partitions = 8;
+    row.partition = 5;
+    check_publish_same(&row, "app:", 1024, 60000, 1796040000000ull, &buf);
+    row.partitions = 1000;
+    row.partition = 0;
+    check_publish_same(&row, "", 1024, 60000, 1796040000000ull, &buf);
+    row.partition = 999;
+    check_publish_same(&row, NULL, 1024, 60000, 1796040000000ull, &buf);
+    row.partitions = 1;
+    row.partition = 0;
 
     /* Integers at their edges, in every argument that is one. */
     static const int64_t ids[] = {0, 1, 9, 10, 42, 99999, INT64_MAX, -1, INT64_MIN};
@@ -777,7 +845,8 @@ static size_t hiredis_unlinks(struct relay_row *rows, size_t n, const char *pref
         struct relay_row *lead = &rows[i];
         if (lead->state != RELAY_ROW_PUBLISHED)
             continue;
-        if (relay_key_stream(prefix, lead->topic, lead->topic_len, stream, sizeof(stream)) < 0)
+        if (relay_key_partition_stream(prefix, lead->topic, lead->topic_len, lead->partition,
+                                       lead->partitions, stream, sizeof(stream)) < 0)
             continue;
         int argc = 0;
         argv[argc] = "UNLINK";
@@ -785,7 +854,9 @@ static size_t hiredis_unlinks(struct relay_row *rows, size_t n, const char *pref
         for (size_t j = i; j < n; j++) {
             struct relay_row *row = &rows[j];
             if (row->state != RELAY_ROW_PUBLISHED || row->topic_len != lead->topic_len ||
-                memcmp(row->topic, lead->topic, lead->topic_len) != 0)
+                memcmp(row->topic, lead->topic, lead->topic_len) != 0 ||
+                (row->partitions > 1) != (lead->partitions > 1) ||
+                (row->partitions > 1 && row->partition != lead->partition))
                 continue;
             char *key = keys[argc - 1];
             int k = relay_key_dedup(stream, row->message_id, row->message_id_len, key, keymax);
@@ -902,6 +973,21 @@ static void test_append_unlink_matches_hiredis(void **state)
     assert_int_equal(commands, 1);
     static const char head[] = "*65\r\n$6\r\nUNLINK\r\n$19\r\n{bench1}:dedup:id-0\r\n";
     assert_memory_equal(buf.data, head, sizeof(head) - 1);
+
+    /* Partitions of one topic are streams of their own: one command each. */
+    for (size_t i = 0; i < 64; i++) {
+        many[i].partitions = 4;
+        many[i].partition = (uint32_t)(i % 3);
+    }
+    check_unlinks_same(many, 64, "app:");
+    append_unlinks(many, 64, "", &buf, &commands);
+    assert_int_equal(commands, 3);
+    static const char phead[] = "*23\r\n$6\r\nUNLINK\r\n$23\r\n{bench1:000}:dedup:id-0\r\n";
+    assert_memory_equal(buf.data, phead, sizeof(phead) - 1);
+    many[5].partitions = 1; /* the topic's unpartitioned stream, beside them */
+    check_unlinks_same(many, 64, "");
+    append_unlinks(many, 64, "", &buf, &commands);
+    assert_int_equal(commands, 4);
     relay_buf_free(&buf);
 
     /* A stream name that does not fit is skipped, as relay_key_stream
@@ -983,6 +1069,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_topic_charset),
         cmocka_unit_test(test_stream_and_dedup_key_share_hash_tag),
+        cmocka_unit_test(test_partition_hash_vectors),
+        cmocka_unit_test(test_partition_stream_names),
         cmocka_unit_test(test_build_publish_fields),
         cmocka_unit_test(test_build_publish_no_key_field_when_null),
         cmocka_unit_test(test_build_publish_headers),

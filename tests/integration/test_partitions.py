@@ -1,0 +1,234 @@
+"""Partitioned topics (docs/PARTITIONS.md, migrations/011_partitions.sql).
+
+Promises tested:
+- outbox.fnv1a32 gives the documented test vectors and agrees with a plain
+  FNV-1a 32 over the UTF-8 bytes for 2,000 keys of every script;
+  outbox.partition_of is that hash mod the topic's partitions (1 when the
+  topic is not listed) and NULL for a NULL key;
+- outbox.set_partitions refuses a bad topic name or a count outside 1..1000
+  (SQLSTATE 22023), refuses while the topic has a row not yet sent, pending or
+  quarantined (55000, with a hint that says what to do), returns the count
+  before, and may be run by the schema's owner alone; the relay's and the
+  producers' roles may read outbox.topics;
+- the relay publishes each row of a topic with 8 partitions to
+  "<prefix><topic>:<ppp>", ppp = partition_of(topic, key) in three digits,
+  a row without a key to its id mod 8, a row of an unpartitioned topic to
+  "<prefix><topic>" as before; with 4 producers writing 50 keys each in
+  order while the relay runs, every key's entries are in one stream, in the
+  order of their sequence numbers, none missing, none doubled;
+- stream_retention trims the streams of partitions as it trims the others.
+"""
+
+import random
+import threading
+import time
+import unittest
+
+import psycopg2
+import psycopg2.errors
+
+import harness
+from harness import insert, insert_many, scalar, wait_until
+
+harness.require_relay()
+harness.set_deadline(240)
+
+# docs/PARTITIONS.md lists the same; tests/unit/test_batch.c checks the C hash.
+VECTORS = [("", 0x811c9dc5), ("a", 0xe40c292c), ("foobar", 0xbf9cf968),
+           ("123456789", 0xbb86b11c), ("\u00e9", 0x1e9de8c1), ("\u65e5\u672c", 0x9f26ee51),
+           ("order-42", 0x572446f4)]
+
+
+def fnv1a32(data):
+    h = 0x811c9dc5
+    for b in data:
+        h = ((h ^ b) * 16777619) & 0xffffffff
+    return h
+
+
+def partition_of(key, n):
+    return fnv1a32(key.encode("utf-8")) % n
+
+
+def random_key(rng):
+    alphabet = "abcXYZ019-_.:{} \u00e9\u00df\u65e5\u672c\U0001f600"
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+
+
+class PartitionSchemaTest(harness.PostgresTestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        with cls.db.cursor() as cur:
+            cur.execute("CREATE ROLE part_producer LOGIN IN ROLE outbox_producer;"
+                        "CREATE ROLE part_relay LOGIN IN ROLE outbox_relay")
+
+    def sql(self, query, args=None):
+        return scalar(self.db, query, args)
+
+    def assert_sqlstate(self, state, query, args=None, conn=None):
+        conn = conn or self.db
+        with self.assertRaises(psycopg2.Error) as cm:
+            with conn.cursor() as cur:
+                cur.execute(query, args)
+        if not conn.autocommit:
+            conn.rollback()
+        self.assertEqual(cm.exception.pgcode, state, cm.exception.pgerror)
+        return cm.exception
+
+    def test_hash_vectors_and_agreement(self):
+        for text, want in VECTORS:
+            got = self.sql("SELECT outbox.fnv1a32(convert_to(%s, 'UTF8'))", (text,))
+            self.assertEqual(got, want, f"fnv1a32({text!r})")
+        rng = random.Random(13)
+        keys = [random_key(rng) for _ in range(2000)]
+        with self.db.cursor() as cur:
+            cur.execute("SELECT k, outbox.fnv1a32(convert_to(k, 'UTF8'))"
+                        " FROM unnest(%s::text[]) AS k", (keys,))
+            for key, got in cur.fetchall():
+                self.assertEqual(got, fnv1a32(key.encode("utf-8")), repr(key))
+
+    def test_partition_of(self):
+        self.assertEqual(self.sql("SELECT outbox.partition_of('orders', 'order-42')"), 0)
+        self.assertIsNone(self.sql("SELECT outbox.partition_of('orders', NULL)"))
+        self.assertEqual(self.sql("SELECT outbox.set_partitions('orders', 8)"), 1)
+        self.assertEqual(self.sql("SELECT outbox.partition_of('orders', 'order-42')"),
+                         0x572446f4 % 8)
+        self.assertIsNone(self.sql("SELECT outbox.partition_of('orders', NULL)"))
+        self.assertEqual(self.sql("SELECT outbox.partition_of('other', 'order-42')"), 0)
+        rng = random.Random(8)
+        keys = [random_key(rng) for _ in range(500)]
+        with self.db.cursor() as cur:
+            cur.execute("SELECT k, outbox.partition_of('orders', k) FROM unnest(%s::text[]) AS k",
+                        (keys,))
+            for key, got in cur.fetchall():
+                self.assertEqual(got, partition_of(key, 8), repr(key))
+        self.assertEqual(self.sql("SELECT outbox.set_partitions('orders', 1000)"), 8)
+        self.assertEqual(self.sql("SELECT outbox.partition_of('orders', 'order-42')"),
+                         0x572446f4 % 1000)
+
+    def test_set_partitions_refuses_bad_input(self):
+        for topic in ["", "a b", "a{b}", "orders:001", "x" * 201, None]:
+            e = self.assert_sqlstate("22023", "SELECT outbox.set_partitions(%s, 4)", (topic,))
+            self.assertIn("A-Z a-z 0-9", e.diag.message_hint)
+        for n in [0, -1, 1001, None]:
+            e = self.assert_sqlstate("22023", "SELECT outbox.set_partitions('orders', %s)", (n,))
+            self.assertIn("1 to 1000", e.diag.message_hint)
+        self.assertEqual(self.sql("SELECT count(*) FROM outbox.topics"), 0)
+
+    def test_set_partitions_refused_while_rows_are_unsent(self):
+        insert(self.db, "orders", b"x", key="k1")
+        insert(self.db, "other", b"x", key="k1")
+        e = self.assert_sqlstate("55000", "SELECT outbox.set_partitions('orders', 4)")
+        self.assertIn("topic orders has 1 unsent rows", e.diag.message_primary)
+        self.assertIn("let the relay publish what is left", e.diag.message_hint)
+        # The same count changes nothing, so it is not refused.
+        self.assertEqual(self.sql("SELECT outbox.set_partitions('orders', 1)"), 1)
+        # Quarantined is not sent either.
+        with self.db.cursor() as cur:
+            cur.execute("UPDATE outbox.messages SET failed_at = now() WHERE topic = 'orders'")
+        self.assert_sqlstate("55000", "SELECT outbox.set_partitions('orders', 4)")
+        with self.db.cursor() as cur:
+            cur.execute("UPDATE outbox.messages SET sent_at = now() WHERE topic = 'orders'")
+        self.assertEqual(self.sql("SELECT outbox.set_partitions('orders', 4)"), 1)
+        self.assertEqual(self.sql("SELECT partitions FROM outbox.topics WHERE topic = 'orders'"), 4)
+        # Another topic's rows are another topic's business: "other" is unsent.
+        self.assertEqual(self.sql("SELECT outbox.set_partitions('third', 2)"), 1)
+
+    def test_only_the_owner_sets_partitions(self):
+        self.sql("SELECT outbox.set_partitions('orders', 4)")
+        for role in ["part_producer", "part_relay"]:
+            conn = self.pg.connect(user=role, autocommit=True)
+            self.addCleanup(conn.close)
+            self.assert_sqlstate("42501", "SELECT outbox.set_partitions('orders', 2)", conn=conn)
+            self.assertEqual(scalar(conn, "SELECT partitions FROM outbox.topics"), 4)
+            self.assertEqual(scalar(conn, "SELECT outbox.partition_of('orders', 'order-42')"),
+                             0x572446f4 % 4)
+
+
+class PartitionRelayTest(harness.ServerTestCase):
+
+    def entries(self, stream):
+        return harness.stream_entries(self.r, stream)
+
+    def test_keys_in_order_in_their_partition_streams(self):
+        self.assertEqual(scalar(self.db, "SELECT outbox.set_partitions('orders', 8)"), 1)
+        relay = self.relay(stream_prefix="app:", batch_size=50)
+        producers, keys_each, seqs = 4, 50, 20
+        errors = []
+
+        def produce(p):
+            try:
+                conn = self.pg.connect(autocommit=True)
+                try:
+                    rng = random.Random(p)
+                    keys = [f"k{p}-{i}-\u00e9" for i in range(keys_each)]
+                    nxt = {k: 0 for k in keys}
+                    while keys:
+                        k = rng.choice(keys)
+                        insert(conn, "orders", str(nxt[k]).encode(), key=k)
+                        nxt[k] += 1
+                        if nxt[k] == seqs:
+                            keys.remove(k)
+                finally:
+                    conn.close()
+            except Exception as e:  # reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+        for t in threads:
+            t.start()
+        keyless = insert_many(self.db, [("orders", b"nokey")] * 40)
+        plain = insert_many(self.db, [("plain", b"p", "k1")] * 10)
+        for t in threads:
+            t.join(120)
+        self.assertEqual(errors, [])
+        total = producers * keys_each * seqs + len(keyless) + len(plain)
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+
+        names = {n.decode() for n in harness.stream_names(self.r)}
+        self.assertEqual(names, {f"app:orders:{p:03d}" for p in range(8)} | {"app:plain"})
+        seen, per_key = 0, {}
+        for p in range(8):
+            stream = f"app:orders:{p:03d}"
+            for _, f in self.entries(stream):
+                seen += 1
+                key = f.get(b"key")
+                if key is None:
+                    self.assertEqual(f[b"payload"], b"nokey")
+                    self.assertEqual(int(f[b"outbox_id"]) % 8, p, "a keyless row spread by id")
+                    continue
+                key = key.decode()
+                self.assertEqual(partition_of(key, 8), p, f"{key!r} in {stream}")
+                per_key.setdefault(key, []).append(int(f[b"payload"]))
+        self.assertEqual(len(per_key), producers * keys_each)
+        for key, got in per_key.items():
+            self.assertEqual(got, list(range(seqs)), f"{key!r}: in order, none missing or doubled")
+        plain_entries = self.entries("app:plain")
+        self.assertEqual(len(plain_entries), 10)
+        self.assertEqual(seen + len(plain_entries), total)
+        # Each dedup record was in its stream's slot, and went with its batch.
+        self.assertEqual(list(self.r.scan_iter(match="*:dedup:*")), [])
+
+    def test_retention_trims_partition_streams(self):
+        scalar(self.db, "SELECT outbox.set_partitions('orders', 4)")
+        self.r.xgroup_create("app:orders:001", "g1", id="0", mkstream=True)
+        relay = self.relay(stream_prefix="app:", stream_retention="1s", dedup_ttl="1s")
+        keys = [f"key-{i}" for i in range(200)]
+        insert_many(self.db, [("orders", b"x", k) for k in keys])
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        streams = [f"app:orders:{p:03d}" for p in range(4)]
+        self.assertEqual(sum(self.r.xlen(s) for s in streams), 200)
+        in_001 = self.r.xlen("app:orders:001")
+        self.assertGreater(in_001, 0)
+        time.sleep(1.2)
+        # Nobody reads the other three: trimmed once past stream_retention. The
+        # group of 001 has not read its entries: they stay.
+        wait_until(lambda: all(self.r.xlen(s) == 0 for s in streams if s != "app:orders:001"),
+                   timeout=30, relay=relay, message="the partitions' streams to be trimmed")
+        self.assertEqual(self.r.xlen("app:orders:001"), in_001)
+
+
+if __name__ == "__main__":
+    unittest.main()
