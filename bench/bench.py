@@ -25,6 +25,9 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
              BENCH_STORAGE_ROUNDS alternating rounds: PostgreSQL CPU per
              message and the claim on fresh rows before and right after each
              drain
+  partitions the same keyed backlog drained by one relay with its 4 topics
+             unpartitioned and with 8 partitions each, in
+             BENCH_PARTITION_ROUNDS alternating rounds
   profile    perf record -a during a drain: where the machine's time goes
 
 Sizes come from the environment (BENCH_QUICK=1 for a two-minute smoke run);
@@ -105,7 +108,7 @@ TOPICS = 4
 PAYLOAD = 200
 REDIS_AOF = os.environ.get("BENCH_REDIS_AOF") or "everysec"  # no | everysec | always
 ALL_SECTIONS = ["drain", "naive", "sweep", "latency", "producers", "limits", "storage",
-                "profile"]
+                "partitions", "profile"]
 SECTIONS = [s.strip() for s in (os.environ.get("BENCH_SECTIONS") or ",".join(ALL_SECTIONS))
             .split(",") if s.strip()]
 if QUICK and not os.environ.get("BENCH_SECTIONS"):
@@ -600,6 +603,70 @@ def section_drain():
             log(f"no autovacuum within {AUTOVACUUM_WAIT} s of the drain")
         execute(conn, "VACUUM ANALYZE outbox.messages")
         claim_cost(pg, conn, "sent_1m_vacuumed", "claim-explain-sent-after-vacuum.txt")
+
+
+PARTITION_ROWS = env_int("BENCH_PARTITION_ROWS", 20000 if QUICK else 300000)
+PARTITION_ROUNDS = env_int("BENCH_PARTITION_ROUNDS", 2)
+PARTITION_KEYS = 10000
+
+
+def keyed_backlog(conn, rc, n, partitions):
+    """n pending rows with partition keys ('key-0' ... 'key-9999') over TOPICS
+    topics of `partitions` partitions each, vacuumed and checkpointed."""
+    execute(conn, "TRUNCATE outbox.messages RESTART IDENTITY")
+    execute(conn, "TRUNCATE outbox.topics")
+    rc.flushall()
+    if partitions > 1:
+        for i in range(TOPICS):
+            execute(conn, "SELECT outbox.set_partitions(%s, %s)", (f"bench{i}", partitions))
+    execute(conn, "INSERT INTO outbox.messages (topic, partition_key, payload)"
+                  " SELECT 'bench' || (g %% %s), 'key-' || (g %% %s),"
+                  " substring(decode(repeat(md5(g::text), 13), 'hex') FROM 1 FOR %s)"
+                  " FROM generate_series(1, %s) AS g", (TOPICS, PARTITION_KEYS, PAYLOAD, n))
+    execute(conn, "VACUUM ANALYZE outbox.messages")
+    execute(conn, "CHECKPOINT")
+
+
+def section_partitions():
+    """One relay draining a keyed backlog: unpartitioned topics against 8
+    partitions per topic (streams bench<i>:000 ... :007), same server, rounds
+    alternating so that drift on the machine falls on both."""
+    streams = {1: [f"bench{i}" for i in range(TOPICS)],
+               8: [f"bench{i}:{p:03d}" for i in range(TOPICS) for p in range(8)]}
+    rates = {1: [], 8: []}
+    with servers() as (pg, rd, conn, rc):
+        for rnd in range(PARTITION_ROUNDS):
+            for n in (1, 8):
+                keyed_backlog(conn, rc, PARTITION_ROWS, n)
+                started = time.monotonic()
+                relay = start_relay(pg, rd, batch_size=BATCH)
+                try:
+                    deadline = started + max(120.0, PARTITION_ROWS / 1500.0)
+                    while True:
+                        pipe = rc.pipeline(transaction=False)
+                        for st in streams[n]:
+                            pipe.xlen(st)
+                        if sum(pipe.execute()) >= PARTITION_ROWS and pending(conn) == 0:
+                            break
+                        if not relay.alive() or time.monotonic() > deadline:
+                            raise RuntimeError("partitioned drain did not finish\n"
+                                               + relay.log_tail())
+                        time.sleep(0.02)
+                    took = time.monotonic() - started
+                finally:
+                    stop_relay(relay)
+                rates[n].append(PARTITION_ROWS / took)
+                label = "unpartitioned" if n == 1 else "partitions_8"
+                R.add("partitions", f"{label}.round{rnd}.rate", PARTITION_ROWS / took, "msg/s")
+                log(f"partitions: {label} round {rnd}: {PARTITION_ROWS} rows in {took:.2f}s"
+                    f" = {PARTITION_ROWS / took:,.0f} msg/s")
+    for n, label in ((1, "unpartitioned"), (8, "partitions_8")):
+        R.add("partitions", f"{label}.rate", statistics.median(rates[n]), "msg/s",
+              f"median of {PARTITION_ROUNDS} rounds, {PARTITION_ROWS} keyed rows, one relay")
+    ratio = statistics.median(rates[8]) / statistics.median(rates[1])
+    R.add("partitions", "ratio_partitioned_to_unpartitioned", ratio, "x",
+          "drain rate with 8 partitions per topic / without")
+    log(f"partitions: 8 partitions drain at {ratio:.2f}x the unpartitioned rate")
 
 
 # The storage designs of section "storage": name, relay flags, what it is.
@@ -1216,8 +1283,12 @@ def build_table():
                           ("claim_ratio_sequential", "time, same server, before and after")):
             R.row(f"claim of {BATCH} on {CLAIM_PENDING:,} new rows right after a {ROWS:,}-row"
                   f" drain, {name}: after / before, {what}",
-                  g(f"storage.{name}.{key}"), "ratio", target="≤ 1.10" if name == "delete"
-                  else "", ratio=g(f"storage.{name}.{key}"))
+                  g(f"storage.{name}.{key}"), "ratio",
+                  target="≤ 1.10" if name == "delete" and key == "claim_ratio" else "",
+                  ratio=g(f"storage.{name}.{key}"))
+    R.row(f"drain of {PARTITION_ROWS:,} keyed rows, one relay, 4 topics of 8 partitions",
+          g("partitions.partitions_8.rate"), "msg/s", "the same rows, topics unpartitioned",
+          g("partitions.unpartitioned.rate"))
     for sync in ("on", "off"):
         c = max(PRODUCER_CLIENTS)
         base = g(f"producers.norelay.sync_{sync}.c{c}.dropped.tps")
@@ -1483,7 +1554,7 @@ def main():
     functions = dict(drain=section_drain, naive=section_naive, sweep=section_sweep,
                      latency=section_latency, producers=section_producers,
                      limits=section_limits, storage=section_storage,
-                     profile=section_profile)
+                     partitions=section_partitions, profile=section_profile)
     for name in SECTIONS:
         if name not in functions:
             sys.exit(f"bench.py: unknown section {name!r}; sections: {', '.join(ALL_SECTIONS)}")

@@ -18,6 +18,7 @@
 --                                     refused while the topic has unsent rows
 --   outbox.partition_of(topic, key)   the partition a key's rows go to
 --   outbox.fnv1a32(bytes)             the hash itself
+--   messages_held_idx                 the rows that hold back their key
 --
 -- Idempotent like every file here.
 
@@ -117,8 +118,19 @@ $$;
 COMMENT ON FUNCTION outbox.set_partitions(text, integer) IS
     'Sets the number of partitions of a topic (1 to 1000); refused while the topic has unsent rows. Returns the count before.';
 
+-- Order per key holds through failures: in a partitioned topic, a row that
+-- is quarantined or waiting to retry holds back the later rows of its key
+-- (the relay's claim skips them) until it is published, retried or dropped
+-- (outbox-relay failed retry | drop). This index holds only such rows, so the
+-- claim's check costs one probe of an almost empty index per row.
+CREATE INDEX IF NOT EXISTS messages_held_idx
+    ON outbox.messages (topic, partition_key, id)
+    WHERE sent_at IS NULL AND (failed_at IS NOT NULL OR retry_at IS NOT NULL);
+
 REVOKE EXECUTE ON FUNCTION outbox.set_partitions(text, integer) FROM PUBLIC;
-GRANT SELECT ON outbox.topics TO outbox_producer, outbox_relay;
+-- Partition counts are no secret: consumers in any language read them to
+-- compute partitions, and outbox-relay status reads them as any role.
+GRANT SELECT ON outbox.topics TO PUBLIC;
 
 INSERT INTO outbox.schema_version (version, name)
 VALUES (11, '011_partitions.sql')

@@ -58,6 +58,8 @@ static int others_idle(const struct relay_cycle *c, size_t lane)
 static int free_lane(const struct relay_cycle *c)
 {
     int found = -1;
+    if (c->hold_seq != 0)
+        return -1; /* the batch ending it calls relay_cycle_want */
     for (size_t i = 0; i < c->nlanes; i++) {
         switch (c->lanes[i].state) {
         case RELAY_LANE_BEGIN:
@@ -96,6 +98,8 @@ static void lane_ended(struct relay_cycle *c, size_t lane)
 {
     struct relay_cycle_lane *l = &c->lanes[lane];
     c->ops.release(c->ops.arg, lane);
+    if (c->hold_seq == l->seq)
+        c->hold_seq = 0;
     l->state = RELAY_LANE_IDLE;
     l->abandon = 0;
     l->doomed = 0;
@@ -118,6 +122,23 @@ static void roll_back(struct relay_cycle *c, size_t lane, int empty)
     lane_ended(c, lane);
 }
 
+/* Every batch claimed after the lane's that has not begun publishing rolls
+ * back: at once when it waits to publish, when its claim returns when it is
+ * still claiming. */
+static void roll_back_later(struct relay_cycle *c, size_t lane)
+{
+    unsigned long long seq = c->lanes[lane].seq;
+    for (size_t i = 0; i < c->nlanes; i++) {
+        struct relay_cycle_lane *later = &c->lanes[i];
+        if (i == lane || later->seq < seq)
+            continue;
+        if (later->state == RELAY_LANE_CLAIMED)
+            roll_back(c, i, 0);
+        else if (later->state == RELAY_LANE_BEGIN || later->state == RELAY_LANE_CLAIM)
+            later->abandon = 1;
+    }
+}
+
 void relay_cycle_failed(struct relay_cycle *c, size_t lane, enum relay_fail_kind kind,
                         const char *why)
 {
@@ -133,16 +154,7 @@ void relay_cycle_failed(struct relay_cycle *c, size_t lane, enum relay_fail_kind
     c->ops.arm_retry(c->ops.arg, relay_backoff_next(&c->backoff, relay_backoff_random()));
     /* Batches claimed after this one that have not published yet go too, so
      * their rows cannot reach the streams ahead of this batch's. */
-    unsigned long long seq = c->lanes[lane].seq;
-    for (size_t i = 0; i < c->nlanes; i++) {
-        struct relay_cycle_lane *later = &c->lanes[i];
-        if (i == lane || later->seq < seq)
-            continue;
-        if (later->state == RELAY_LANE_CLAIMED)
-            roll_back(c, i, 0);
-        else if (later->state == RELAY_LANE_BEGIN || later->state == RELAY_LANE_CLAIM)
-            later->abandon = 1;
-    }
+    roll_back_later(c, lane);
     roll_back(c, lane, 0);
 }
 
@@ -249,6 +261,15 @@ void relay_cycle_published(struct relay_cycle *c, size_t lane)
         return;
     }
     set_stage(c, lane, RELAY_LANE_FINISH);
+    if (c->ops.holds_keys != NULL && c->ops.holds_keys(c->ops.arg, lane)) {
+        /* The later batches were claimed before these failures are
+         * committed, so they may hold rows the failures hold back: they go
+         * back, and the next claim waits for this commit. */
+        c->hold_seq = c->lanes[lane].seq;
+        c->want_claim = 1;
+        roll_back_later(c, lane);
+        return;
+    }
     /* Every reply of this batch is in: the next batch may publish now. */
     int next = next_claimed(c);
     if (next >= 0)

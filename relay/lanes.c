@@ -91,6 +91,41 @@ static int op_claim(void *arg, size_t lane, char *why, size_t whylen)
 static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg);
 static void publish_done(struct relay_lane *l);
 
+/* A row of a partitioned topic with a key: one whose failure holds back the
+ * later rows of its key (docs/PARTITIONS.md). */
+static int keeps_key_order(const struct relay_row *row)
+{
+    return row->partitions > 1 && row->key != NULL;
+}
+
+/* Whether an earlier row of the batch, of the same topic and key, failed or
+ * was held back itself: then this row waits for it (it stays claimed, so it
+ * is neither published nor marked, and the next claims skip it while the
+ * failed row is quarantined or waits to retry). */
+static int held_back(const struct relay_row *rows, size_t i)
+{
+    const struct relay_row *row = &rows[i];
+    for (size_t j = 0; j < i; j++) {
+        const struct relay_row *e = &rows[j];
+        if ((e->state == RELAY_ROW_FAILED || e->state == RELAY_ROW_CLAIMED) && keeps_key_order(e) &&
+            e->topic_len == row->topic_len && e->key_len == row->key_len &&
+            memcmp(e->topic, row->topic, row->topic_len) == 0 &&
+            memcmp(e->key, row->key, row->key_len) == 0)
+            return 1;
+    }
+    return 0;
+}
+
+static int op_holds_keys(void *arg, size_t lane)
+{
+    const struct relay *r = arg;
+    const struct relay_lane *l = &r->lanes[lane];
+    for (size_t i = 0; i < l->nrows; i++)
+        if (l->rows[i].state != RELAY_ROW_PUBLISHED && keeps_key_order(&l->rows[i]))
+            return 1;
+    return 0;
+}
+
 /* Sends every row of the lane's batch to Redis under one deadline. */
 static void op_publish(void *arg, size_t lane)
 {
@@ -102,14 +137,20 @@ static void op_publish(void *arg, size_t lane)
      * next batch's deadline: a clock step on either host costs at most one
      * batch (docs/DESIGN.md, "The publish deadline"). */
     relay_sink_sync_clock(r->sink);
+    int failed_in_order = 0;
     for (size_t i = 0; i < l->nrows; i++) {
         struct relay_row *row = &l->rows[i];
+        if (failed_in_order && keeps_key_order(row) && held_back(l->rows, i)) {
+            l->tally.held++;
+            continue;
+        }
         relay_buf_reset(&r->out);
         int rc = relay_batch_append_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
                                             r->cfg->dedup_ttl_ms, not_after, &r->out, row->error,
                                             sizeof(row->error), &row->fault);
         if (rc == -1) {
             row->state = RELAY_ROW_FAILED;
+            failed_in_order |= keeps_key_order(row);
             continue;
         }
         if (rc != 0 ||
@@ -614,6 +655,7 @@ int relay_lanes_start(struct relay *r)
         .self_driven = op_self_driven,
         .went_empty = op_went_empty,
         .drained = op_drained,
+        .holds_keys = op_holds_keys,
     };
     const struct relay_config *cfg = r->cfg;
     r->nlanes = cfg->pipeline ? 2 : 1;

@@ -28,6 +28,7 @@ static void usage(FILE *out)
             "Usage: outbox-relay [-c FILE] [--check-config] [--KEY VALUE]...\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... failed list [--limit N]\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... failed retry ID... | --all\n"
+            "       outbox-relay [-c FILE] [--KEY VALUE]... failed drop ID...\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... dlq list STREAM GROUP [--count N]\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... dlq show STREAM GROUP ID\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... dlq replay|purge STREAM GROUP\n"

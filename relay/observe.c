@@ -288,7 +288,14 @@ static const char outbox_sql[] =
     "   WHERE sent_at IS NULL AND failed_at IS NULL ORDER BY id LIMIT 1),"
     " (SELECT count(*) FROM outbox.messages WHERE failed_at IS NOT NULL AND sent_at IS NULL),"
     " pg_total_relation_size('outbox.messages'::regclass),"
-    " (SELECT n_dead_tup FROM pg_stat_all_tables WHERE relid = 'outbox.messages'::regclass)";
+    " (SELECT n_dead_tup FROM pg_stat_all_tables WHERE relid = 'outbox.messages'::regclass),"
+    /* Keys of partitioned topics whose next row is quarantined or waits to
+     * retry: the claim holds back their later rows (messages_held_idx). */
+    " (SELECT count(*) FROM (SELECT DISTINCT b.topic, b.partition_key FROM outbox.messages b"
+    "   WHERE b.sent_at IS NULL AND (b.failed_at IS NOT NULL OR b.retry_at > now())"
+    "   AND b.partition_key IS NOT NULL"
+    "   AND b.topic = ANY(ARRAY(SELECT t.topic FROM outbox.topics t WHERE t.partitions > 1))"
+    "   LIMIT 1000000) k)";
 
 /*
  * Per topic, from the (topic, id) pending index: the span of pending ids and
@@ -441,6 +448,7 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
     o->quarantined = strtoll(PQgetvalue(r, 0, 2), NULL, 10);
     o->outbox_bytes = PQgetisnull(r, 0, 3) ? -1 : strtoll(PQgetvalue(r, 0, 3), NULL, 10);
     o->outbox_dead_rows = PQgetisnull(r, 0, 4) ? -1 : strtoll(PQgetvalue(r, 0, 4), NULL, 10);
+    o->blocked_keys = strtoll(PQgetvalue(r, 0, 5), NULL, 10);
     PQclear(r);
 
     r = relay_observe_pg_exec(pg, cfg, stop,
@@ -820,6 +828,11 @@ void relay_observe_text(const struct relay_observation *o, char *outbuf, size_t 
         age_text(a1, sizeof(a1), o->outbox_oldest_age);
         put(&b, "Outbox      ~%lld pending, oldest %s, %lld quarantined\n", o->outbox_pending, a1,
             o->quarantined);
+        if (o->blocked_keys > 0)
+            put(&b,
+                "Keys        %lld held back behind a quarantined or retrying row"
+                " (outbox-relay failed list)\n",
+                o->blocked_keys);
         if (o->admission_topics > 0)
             put(&b, "Admission   %lld topics with limits, %lld refused\n", o->admission_topics,
                 o->admission_refused);
@@ -895,10 +908,11 @@ void relay_observe_json(const struct relay_observation *o, char *outbuf, size_t 
     json_string(&b, o->redis_ok ? "" : o->redis_error);
     put(&b,
         "},\"outbox\":{\"pending_estimate\":%lld,\"oldest_pending_age_seconds\":%.3f,"
-        "\"quarantined\":%lld},\"admission\":{\"topics\":%lld,\"refused\":%lld},"
+        "\"quarantined\":%lld,\"blocked_keys\":%lld},"
+        "\"admission\":{\"topics\":%lld,\"refused\":%lld},"
         "\"topics\":[",
-        o->outbox_pending, o->outbox_oldest_age, o->quarantined, o->admission_topics,
-        o->admission_refused);
+        o->outbox_pending, o->outbox_oldest_age, o->quarantined, o->blocked_keys,
+        o->admission_topics, o->admission_refused);
     for (size_t i = 0; i < o->ntopics; i++) {
         const struct relay_topic_obs *t = &o->topics[i];
         put(&b, "%s{\"topic\":", i ? "," : "");

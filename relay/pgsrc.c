@@ -28,6 +28,10 @@
 #define COMPONENT "pg"
 #define NOTIFY_CHANNEL "outbox_relay"
 
+/* The topics with more than one partition, computed once per claim (an
+ * InitPlan): rows of other topics cost no lookup. */
+#define PARTITIONED_TOPICS "ARRAY(SELECT t.topic FROM outbox.topics AS t WHERE t.partitions > 1)"
+
 /* The claim's select list. Everything the entry needs is formatted here so
  * the relay copies nothing: created_at as RFC 3339 UTC, headers as two sorted
  * text arrays. A payload over max_payload_bytes (the %u) stays in the
@@ -46,15 +50,25 @@
     "  ARRAY(SELECT CASE WHEN jsonb_typeof(headers -> k) = 'string' THEN headers ->> k"            \
     "   ELSE (headers -> k)::text END FROM jsonb_object_keys(headers) AS k ORDER BY k) END,"       \
     " attempts, octet_length(payload),"                                                            \
-    " coalesce((SELECT t.partitions FROM outbox.topics AS t WHERE t.topic = c.topic), 1)"
+    " CASE WHEN c.topic = ANY(" PARTITIONED_TOPICS ") THEN"                                        \
+    "  (SELECT t.partitions FROM outbox.topics AS t WHERE t.topic = c.topic) ELSE 1 END"
+
+/* Not held back: in a partitioned topic, no earlier row of the same key is
+ * quarantined or waiting to retry (docs/PARTITIONS.md): one probe of
+ * messages_held_idx, which holds only such rows, for the rows of
+ * partitioned topics alone. */
+#define NOT_HELD(m)                                                                                \
+    " AND NOT (" m ".topic = ANY(" PARTITIONED_TOPICS ") AND " m ".partition_key IS NOT NULL"      \
+    "  AND EXISTS (SELECT 1 FROM outbox.messages AS b WHERE b.topic = " m ".topic"                 \
+    "  AND b.partition_key = " m ".partition_key AND b.id < " m ".id AND b.sent_at IS NULL"        \
+    "  AND (b.failed_at IS NOT NULL OR b.retry_at > now())))"
 
 /* The claim: pending rows in id order, skipping rows another relay holds.
  * One walk of messages_pending_idx from its lowest id: the hot path. */
 #define CLAIM_FROM                                                                                 \
     " FROM outbox.messages AS c"                                                                   \
     " WHERE sent_at IS NULL AND failed_at IS NULL AND (retry_at IS NULL OR retry_at <= now())"     \
-    "  AND topic <> ALL ($2::text[])"                                                              \
-    " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
+    "  AND topic <> ALL ($2::text[])" NOT_HELD("c") " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
 
 /* A row the claim may take, m being outbox.messages. */
 #define CLAIMABLE_M                                                                                \
@@ -107,10 +121,10 @@
 
 #define CLAIM_PAUSED_FROM                                                                          \
     " FROM (SELECT c.* FROM merged AS g CROSS JOIN LATERAL ("                                      \
-    "   SELECT * FROM outbox.messages AS m WHERE m.id = g.id AND" CLAIMABLE_M                      \
-    "   FOR UPDATE SKIP LOCKED) AS c"                                                              \
-    "  LIMIT $1) AS c"                                                                             \
-    " ORDER BY id"
+    "   SELECT * FROM outbox.messages AS m WHERE m.id = g.id AND" CLAIMABLE_M NOT_HELD(            \
+        "m") "   FOR UPDATE SKIP LOCKED) AS c"                                                     \
+             "  LIMIT $1) AS c"                                                                    \
+             " ORDER BY id"
 
 int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, size_t outlen)
 {
@@ -679,12 +693,17 @@ static void run_setup(struct relay_pgsrc *pg)
     if (pg->setup == SETUP_SESSION) {
         /* A claim transaction stays open while Redis acknowledges the batch:
          * the idle-in-transaction limit sits well above the publish deadline
-         * but still frees the row locks if this process hangs. */
+         * but still frees the row locks if this process hangs. The claim is
+         * planned once: its generic plan is the one wanted for any
+         * parameters, where a custom plan each time costs 0.4 ms, and JIT
+         * would compile it (15-25 ms) whenever the generic estimate passes
+         * jit_above_cost. */
         uint32_t idle_tx_ms = cfg->publish_timeout_ms * 2 + cfg->statement_timeout_ms;
         if (pg->role == RELAY_PGSRC_CLAIM)
             snprintf(sql, sizeof(sql),
                      SERVER_KEEPALIVES "SET statement_timeout = %u; SET lock_timeout = %u;"
                                        " SET idle_in_transaction_session_timeout = %u;"
+                                       " SET jit = off; SET plan_cache_mode = force_generic_plan;"
                                        " SET idle_session_timeout = 0;"
                                        " SELECT coalesce(max(version), 0), (SELECT min(v)"
                                        "  FROM generate_series(4, %d) AS v WHERE v NOT IN"

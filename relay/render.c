@@ -244,6 +244,10 @@ static void render_outbox(const struct relay *r, struct relay_buf *t)
         help(t, "outbox_relay_outbox_quarantined_rows", "gauge",
              "Quarantined rows waiting for an operator.");
         relay_buf_printf(t, "outbox_relay_outbox_quarantined_rows %lld\n", o->quarantined);
+        help(t, "outbox_relay_outbox_blocked_keys", "gauge",
+             "Keys of partitioned topics whose later rows wait behind a quarantined or retrying "
+             "row of theirs.");
+        relay_buf_printf(t, "outbox_relay_outbox_blocked_keys %lld\n", o->blocked_keys);
         help(t, "outbox_relay_topic_admitting", "gauge",
              "1 when producers of the topic are admitted, 0 when refused (backpressure).");
         for (size_t i = 0; i < o->ntopics; i++) {

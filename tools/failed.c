@@ -7,7 +7,10 @@
  * transient one, WRONGTYPE on its stream key), and the relay's claims skip it.
  * "failed list" shows those rows (and how many others are still being
  * retried); "failed retry" puts them back in line with a clean attempt count,
- * and wakes the relay with a notification.
+ * and wakes the relay with a notification; "failed drop" gives them up: they
+ * are marked sent without being published (failed_at stays, so the row still
+ * says what happened until retention deletes it), and in a partitioned topic
+ * the later rows of their keys go on.
  */
 #include "relay/compat.h"
 
@@ -97,13 +100,16 @@ static int failed_list(PGconn *conn, long long limit, FILE *out, FILE *errout)
     return RELAY_EX_OK;
 }
 
-static int failed_retry(PGconn *conn, int all, int nids, char **ids, FILE *out, FILE *errout)
+/* '{1,2,3}' from the ids, each checked to be one (the caller frees), or NULL
+ * with *rc set. */
+static char *id_array(int nids, char **ids, FILE *errout, int *rc)
 {
-    /* Build '{1,2,3}' from validated integers. */
     size_t cap = (size_t)nids * 24 + 3;
     char *arr = malloc(cap);
-    if (arr == NULL)
-        return RELAY_EX_OSERR;
+    if (arr == NULL) {
+        *rc = RELAY_EX_OSERR;
+        return NULL;
+    }
     size_t len = 0;
     arr[len++] = '{';
     for (int i = 0; i < nids; i++) {
@@ -114,12 +120,60 @@ static int failed_retry(PGconn *conn, int all, int nids, char **ids, FILE *out, 
                     "'outbox-relay failed list')\n",
                     ids[i]);
             free(arr);
-            return RELAY_EX_USAGE;
+            *rc = RELAY_EX_USAGE;
+            return NULL;
         }
         len += (size_t)snprintf(arr + len, cap - len, "%s%lld", i ? "," : "", id);
     }
     arr[len++] = '}';
     arr[len] = '\0';
+    return arr;
+}
+
+static int failed_drop(PGconn *conn, int nids, char **ids, FILE *out, FILE *errout)
+{
+    int rc = RELAY_EX_OK;
+    char *arr = id_array(nids, ids, errout, &rc);
+    if (arr == NULL)
+        return rc;
+    const char *params[1] = {arr};
+    PGresult *res = PQexecParams(
+        conn,
+        "WITH dropped AS ("
+        " UPDATE outbox.messages SET sent_at = statement_timestamp(), retry_at = NULL,"
+        "  last_error = left('dropped by an operator (outbox-relay failed drop); it failed with: '"
+        "   || coalesce(last_error, ''), 4000)"
+        " WHERE failed_at IS NOT NULL AND sent_at IS NULL AND id = ANY($1::bigint[])"
+        " RETURNING id)"
+        " SELECT (SELECT count(*) FROM dropped),"
+        "  ARRAY(SELECT x FROM unnest($1::bigint[]) AS x WHERE x NOT IN (SELECT id FROM dropped)"
+        "   ORDER BY x)::text,"
+        "  pg_notify('outbox_relay', '')",
+        1, NULL, params, NULL, NULL, 0);
+    free(arr);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        fprintf(errout, "outbox-relay: cannot drop rows: %s", PQresultErrorMessage(res));
+        PQclear(res);
+        return RELAY_EX_UNAVAILABLE;
+    }
+    fprintf(out, "dropped %s row(s): never published; the rows behind them go on\n",
+            PQgetvalue(res, 0, 0));
+    if (strcmp(PQgetvalue(res, 0, 1), "{}") != 0) {
+        fprintf(errout,
+                "outbox-relay: not quarantined (unknown, already sent or still retrying): %s\n",
+                PQgetvalue(res, 0, 1));
+        rc = RELAY_EX_DATAERR;
+    }
+    PQclear(res);
+    return rc;
+}
+
+static int failed_retry(PGconn *conn, int all, int nids, char **ids, FILE *out, FILE *errout)
+{
+    int rc0 = RELAY_EX_OK;
+    char *arr = id_array(nids, ids, errout, &rc0);
+    if (arr == NULL)
+        return rc0;
 
     const char *params[2] = {all ? "t" : "f", arr};
     PGresult *res = PQexecParams(
@@ -156,7 +210,8 @@ static int failed_retry(PGconn *conn, int all, int nids, char **ids, FILE *out, 
 static void failed_usage(FILE *f)
 {
     fprintf(f, "Usage: outbox-relay [-c FILE] failed list [--limit N]\n"
-               "       outbox-relay [-c FILE] failed retry ID... | --all\n");
+               "       outbox-relay [-c FILE] failed retry ID... | --all\n"
+               "       outbox-relay [-c FILE] failed drop ID...\n");
 }
 
 int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FILE *out,
@@ -188,6 +243,12 @@ int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FIL
             failed_usage(errout);
             return RELAY_EX_USAGE;
         }
+    } else if (strcmp(verb, "drop") == 0) {
+        if (argc < 3) {
+            fprintf(errout, "outbox-relay: failed drop needs row ids\n");
+            failed_usage(errout);
+            return RELAY_EX_USAGE;
+        }
     } else {
         failed_usage(errout);
         return RELAY_EX_USAGE;
@@ -196,8 +257,9 @@ int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FIL
     PGconn *conn = connect_db(cfg, errout);
     if (conn == NULL)
         return RELAY_EX_UNAVAILABLE;
-    int rc = strcmp(verb, "list") == 0
-                 ? failed_list(conn, limit, out, errout)
+    int rc = strcmp(verb, "list") == 0 ? failed_list(conn, limit, out, errout)
+             : strcmp(verb, "drop") == 0
+                 ? failed_drop(conn, argc - 2, argv + 2, out, errout)
                  : failed_retry(conn, all, all ? 0 : argc - 2, argv + 2, out, errout);
     PQfinish(conn);
     return rc;

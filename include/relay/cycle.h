@@ -77,6 +77,9 @@ struct relay_cycle_ops {
     int (*self_driven)(void *arg); /* producers skip notifying: claim until a claim is empty */
     void (*went_empty)(void *arg); /* an empty claim, nothing else in flight, self-driven */
     void (*drained)(void *arg);    /* draining and no batch left in flight */
+    /* The published batch has rows that failed on their own in a partitioned
+     * topic: they hold back the later rows of their keys. May be NULL. */
+    int (*holds_keys)(void *arg, size_t lane);
 };
 
 struct relay_cycle_lane {
@@ -99,6 +102,10 @@ struct relay_cycle {
     int draining;
     int stopping; /* the loop is being left: every event is ignored */
     unsigned failures_in_row;
+    /* A batch whose failed rows hold back their keys: nothing is claimed
+     * until its commit has ended, so that the next claim sees them. 0 when
+     * none. */
+    unsigned long long hold_seq;
     struct relay_backoff backoff;
 };
 
@@ -116,7 +123,10 @@ void relay_cycle_run(struct relay_cycle *c);
 void relay_cycle_begun(struct relay_cycle *c, size_t lane);
 /* The claim returned nrows rows, full when as many as were asked for. */
 void relay_cycle_claimed(struct relay_cycle *c, size_t lane, size_t nrows, int full);
-/* Every publish of the lane's batch was answered, none failing the batch. */
+/* Every publish of the lane's batch was answered, none failing the batch.
+ * When its failed rows hold back their keys (ops.holds_keys), the later
+ * batches that have not published go back, as after a failure, and no claim
+ * starts until this batch's commit has ended (docs/PARTITIONS.md). */
 void relay_cycle_published(struct relay_cycle *c, size_t lane);
 void relay_cycle_committed(struct relay_cycle *c, size_t lane, int full);
 /* The ROLLBACK (or the COMMIT of an empty claim) was answered, either way. */

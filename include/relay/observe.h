@@ -67,6 +67,7 @@ struct relay_observation {
     long long outbox_pending;    /* estimate: the span of pending ids */
     double outbox_oldest_age;    /* seconds; -1 when none */
     long long quarantined;       /* rows with failed_at set */
+    long long blocked_keys;      /* keys of partitioned topics held back by a failed row */
     char durability[128];        /* "appendonly yes, appendfsync always" */
     long long admission_topics;  /* topics whose admission was decided (or read) */
     long long admission_refused; /* of those, refused */

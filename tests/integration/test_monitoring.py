@@ -45,6 +45,7 @@ METRICS = {
     "outbox_relay_outbox_pending_rows",
     "outbox_relay_outbox_oldest_pending_age_seconds",
     "outbox_relay_outbox_quarantined_rows",
+    "outbox_relay_outbox_blocked_keys",
     "outbox_relay_stream_paused",
     "outbox_relay_group_lag_entries",
     "outbox_relay_group_pending_entries",

@@ -16,13 +16,22 @@ Promises tested:
   "<prefix><topic>" as before; with 4 producers writing 50 keys each in
   order while the relay runs, every key's entries are in one stream, in the
   order of their sequence numbers, none missing, none doubled;
-- stream_retention trims the streams of partitions as it trims the others.
+- stream_retention trims the streams of partitions as it trims the others;
+- a row that fails on its own (an oversized payload, quarantined at once) in
+  the middle of a key holds back the later rows of that key, and only of that
+  key: the rows behind it in its batch and those inserted after; the other
+  keys of its partition go on; outbox_relay_outbox_blocked_keys and
+  "status --json" count the held keys; once max_payload_bytes is raised,
+  "failed retry" publishes it and then the rows behind it, in order; "failed
+  drop" gives another one up and its key goes on without it.
 """
 
+import json
 import random
 import threading
 import time
 import unittest
+import urllib.request
 
 import psycopg2
 import psycopg2.errors
@@ -228,6 +237,90 @@ class PartitionRelayTest(harness.ServerTestCase):
         wait_until(lambda: all(self.r.xlen(s) == 0 for s in streams if s != "app:orders:001"),
                    timeout=30, relay=relay, message="the partitions' streams to be trimmed")
         self.assertEqual(self.r.xlen("app:orders:001"), in_001)
+
+
+    def test_a_failed_row_holds_back_its_key_only(self):
+        scalar(self.db, "SELECT outbox.set_partitions('orders', 4)")
+        port = harness.free_port()
+        flags = dict(max_payload_bytes="1000", poll_interval="200ms", observe_interval="200ms",
+                     metrics_listen=f"127.0.0.1:{port}")
+        relay = self.relay(**flags)
+        keys = [f"key-{i}" for i in range(20)]
+        poison = {"key-3": 4, "key-7": 2}  # the sequence number that is too large
+
+        def rows(seqs):
+            out = []
+            for seq in seqs:
+                for k in keys:
+                    big = poison.get(k) == seq
+                    out.append(("orders", str(seq).encode() + (b" " * 2000 if big else b""), k))
+            return out
+
+        # Rows 0-5 in one transaction: the held rows share the poison's batch.
+        insert_many(self.db, rows(range(6)))
+        wait_until(lambda: scalar(self.db, "SELECT count(*) FROM outbox.messages"
+                                           " WHERE failed_at IS NOT NULL") == 2,
+                   timeout=30, relay=relay, message="the two oversized rows to be quarantined")
+        # Rows 6-9 later: held by the claim itself.
+        insert_many(self.db, rows(range(6, 10)))
+
+        def published():
+            got = {}
+            for p in range(4):
+                for _, f in self.entries(f"orders:{p:03d}"):
+                    got.setdefault(f[b"key"].decode(), []).append(int(f[b"payload"]))
+            return got
+
+        want = {k: list(range(10)) for k in keys}
+        want["key-3"] = [0, 1, 2, 3]
+        want["key-7"] = [0, 1]
+        wait_until(lambda: published() == want, timeout=30, relay=relay,
+                   message="every key but the two held ones to be published in full")
+        time.sleep(0.5)  # nothing more comes
+        self.assertEqual(published(), want)
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
+                                         " WHERE sent_at IS NULL AND failed_at IS NULL"), 5 + 7)
+
+        def metric():
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            for line in text.splitlines():
+                if line.startswith("outbox_relay_outbox_blocked_keys "):
+                    return int(float(line.split()[1]))
+            return None
+
+        wait_until(lambda: metric() == 2, timeout=15, relay=relay,
+                   message="outbox_relay_outbox_blocked_keys to be 2")
+        env = harness.relay_env(self.pg, self.redis)
+        status = harness.run_relay(["status", "--json"], env=env)
+        self.assertEqual(json.loads(status.stdout)["outbox"]["blocked_keys"], 2, status.output)
+        text = harness.run_relay(["status"], env=env)
+        self.assertIn("2 held back behind a quarantined or retrying row", text.stdout)
+
+        # key-3: the cause fixed (a larger max_payload_bytes), the row retried.
+        relay.stop()
+        relay = self.relay(**{**flags, "max_payload_bytes": "4096"})
+        ids = {k: scalar(self.db, "SELECT id FROM outbox.messages WHERE partition_key = %s"
+                                  " AND failed_at IS NOT NULL", (k,)) for k in poison}
+        done = harness.run_relay(["failed", "retry", str(ids["key-3"])], env=env)
+        self.assertEqual(done.returncode, 0, done.output)
+        want["key-3"] = list(range(10))
+        wait_until(lambda: published() == want, timeout=30, relay=relay,
+                   message="key-3 to be published in order once its row is retried")
+        # key-7: given up; the key goes on without it.
+        done = harness.run_relay(["failed", "drop", str(ids["key-7"])], env=env)
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assertIn("dropped 1 row(s)", done.stdout)
+        want["key-7"] = [0, 1] + list(range(3, 10))
+        wait_until(lambda: published() == want, timeout=30, relay=relay,
+                   message="key-7 to go on without its dropped row")
+        wait_until(lambda: metric() == 0, timeout=15, relay=relay,
+                   message="outbox_relay_outbox_blocked_keys to be 0")
+        self.assertEqual(scalar(self.db, "SELECT last_error FROM outbox.messages WHERE id = %s",
+                                (ids["key-7"],))[:30], "dropped by an operator (outbox")
+        again = harness.run_relay(["failed", "drop", str(ids["key-7"])], env=env)
+        self.assertNotEqual(again.returncode, 0)
+        self.assertIn("not quarantined", again.stderr)
 
 
 if __name__ == "__main__":

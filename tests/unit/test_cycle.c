@@ -22,6 +22,7 @@ struct fake {
     int begin_rc, claim_rc, finish_rc, rollback_rc;
     int self_driven;
     int publish_ends; /* 0: replies come later; 1: published at once; 2: failed at once */
+    int holds[2];     /* what holds_keys answers for each lane */
     uint32_t last_retry_ms;
     struct relay_cycle *c;
 };
@@ -123,13 +124,18 @@ static void op_drained(void *arg)
     say(arg, "drained");
 }
 
+static int op_holds_keys(void *arg, size_t lane)
+{
+    return ((struct fake *)arg)->holds[lane];
+}
+
 static struct fake F;
 static struct relay_cycle C;
 
 static const struct relay_cycle_ops fake_ops = {
-    &F,           op_now,         op_lane_ready, op_sink_ready, op_begin,  op_claim,
-    op_publish,   op_finish,      op_rollback,   op_release,    op_failed, op_kick,
-    op_arm_retry, op_self_driven, op_went_empty, op_drained};
+    &F,           op_now,         op_lane_ready, op_sink_ready, op_begin,     op_claim,
+    op_publish,   op_finish,      op_rollback,   op_release,    op_failed,    op_kick,
+    op_arm_retry, op_self_driven, op_went_empty, op_drained,    op_holds_keys};
 
 static int setup(size_t nlanes)
 {
@@ -244,6 +250,67 @@ static void test_second_batch_waits_for_every_reply_of_the_first(void **state)
     relay_cycle_claimed(&C, 1, 500, 1);
     expect_log("claim1 ");
     assert_int_equal(C.lanes[1].state, RELAY_LANE_CLAIMED);
+    relay_cycle_published(&C, 0);
+    expect_log("finish0 publish1 ");
+}
+
+/* A batch whose failed rows hold back their keys: the batch claimed behind
+ * it (before its failures are committed) goes back without publishing, and
+ * nothing is claimed until its commit has ended. */
+static void test_failed_rows_that_hold_keys_send_the_next_batch_back(void **state)
+{
+    (void)state;
+    claim_batch(0, 500, 1);
+    relay_cycle_begun(&C, 1);
+    relay_cycle_claimed(&C, 1, 500, 1);
+    expect_log("claim1 ");
+    F.holds[0] = 1;
+    relay_cycle_published(&C, 0);
+    expect_log("finish0 rollback1 ");
+    relay_cycle_rolled_back(&C, 1);
+    expect_log("release1 ");
+    relay_cycle_run(&C);
+    expect_log("");
+    relay_cycle_committed(&C, 0, 1);
+    expect_log("release0 kick ");
+    relay_cycle_run(&C);
+    expect_log("begin0 ");
+    assert_int_equal(C.hold_seq, 0);
+}
+
+/* The same while the next batch is still claiming: abandoned when its claim
+ * returns; a failed commit ends the hold as well. */
+static void test_hold_abandons_a_claim_in_flight_and_ends_with_a_failed_commit(void **state)
+{
+    (void)state;
+    claim_batch(0, 500, 1);
+    relay_cycle_begun(&C, 1);
+    expect_log("claim1 ");
+    F.holds[0] = 1;
+    relay_cycle_published(&C, 0);
+    expect_log("finish0 ");
+    relay_cycle_claimed(&C, 1, 500, 1);
+    expect_log("rollback1 ");
+    relay_cycle_rolled_back(&C, 1);
+    expect_log("release1 ");
+    relay_cycle_failed(&C, 0, RELAY_FAIL_POSTGRES, "COMMIT failed");
+    expect_log("failed0:postgres retry rollback0 ");
+    relay_cycle_rolled_back(&C, 0);
+    expect_log("release0 ");
+    assert_int_equal(C.hold_seq, 0);
+    relay_cycle_retry_due(&C);
+    expect_log("kick ");
+}
+
+/* Nothing held: the next batch publishes as ever. */
+static void test_batch_without_held_keys_lets_the_next_publish(void **state)
+{
+    (void)state;
+    claim_batch(0, 500, 1);
+    relay_cycle_begun(&C, 1);
+    relay_cycle_claimed(&C, 1, 500, 1);
+    F.holds[1] = 1; /* the other lane's answer does not matter here */
+    F.log[0] = '\0';
     relay_cycle_published(&C, 0);
     expect_log("finish0 publish1 ");
 }
@@ -599,6 +666,10 @@ int main(void)
         cmocka_unit_test_setup(test_self_driven_relay_claims_until_empty, one_lane),
         cmocka_unit_test_setup(test_full_batch_claims_ahead_on_the_other_lane, two_lanes),
         cmocka_unit_test_setup(test_second_batch_waits_for_every_reply_of_the_first, two_lanes),
+        cmocka_unit_test_setup(test_failed_rows_that_hold_keys_send_the_next_batch_back, two_lanes),
+        cmocka_unit_test_setup(test_hold_abandons_a_claim_in_flight_and_ends_with_a_failed_commit,
+                               two_lanes),
+        cmocka_unit_test_setup(test_batch_without_held_keys_lets_the_next_publish, two_lanes),
         cmocka_unit_test_setup(test_never_more_than_two_batches, two_lanes),
         cmocka_unit_test_setup(test_one_claim_at_a_time, two_lanes),
         cmocka_unit_test_setup(test_failure_after_the_next_batch_was_claimed_rolls_both_back,
