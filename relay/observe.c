@@ -364,6 +364,24 @@ static struct relay_topic_obs *find_topic(struct relay_topic_obs *list, size_t n
     return NULL;
 }
 
+/* The outbox's figures of a topic for every stream of it: PostgreSQL
+ * answers per topic, into the topic's first entry, and a partitioned topic
+ * has an entry per partition stream. covered may be NULL. */
+static void spread_topic_figures(struct relay_observation *o, unsigned char *covered)
+{
+    for (size_t i = 0; i < o->ntopics; i++) {
+        struct relay_topic_obs *t = &o->topics[i];
+        const struct relay_topic_obs *first = find_topic(o->topics, o->ntopics, t->topic);
+        if (first == t)
+            continue;
+        t->pending = first->pending;
+        t->oldest_pending_age = first->oldest_pending_age;
+        t->admitting = first->admitting;
+        if (covered != NULL)
+            covered[i] = covered[first - o->topics];
+    }
+}
+
 /*
  * Lists the topics of the admission rows r together with the streams the
  * scan of Redis found (o->topics, which the groups point into): the refused
@@ -417,6 +435,7 @@ static void merge_admission(const char *prefix, struct relay_observation *o, PGr
                     remap[p - prev] = (int)n;
                 } else {
                     memset(t, 0, sizeof(*t));
+                    t->partition = -1;
                     snprintf(t->topic, sizeof(t->topic), "%s", topic);
                     snprintf(t->stream, sizeof(t->stream), "%s%s", prefix, topic);
                 }
@@ -466,6 +485,7 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
         if (!pg_rows(r, o))
             return -1;
         merge_admission(cfg->stream_prefix != NULL ? cfg->stream_prefix : "", o, r, covered);
+        spread_topic_figures(o, covered);
         PQclear(r);
     }
 
@@ -480,7 +500,8 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
         if (covered[i])
             continue;
         o->topics[i].admitting = admission_known ? 1 : -1;
-        snprintf(rest[nrest++], sizeof(rest[0]), "%s", o->topics[i].topic);
+        if (find_topic(o->topics, o->ntopics, o->topics[i].topic) == &o->topics[i])
+            snprintf(rest[nrest++], sizeof(rest[0]), "%s", o->topics[i].topic);
     }
     if (nrest == 0)
         return 0;
@@ -499,6 +520,7 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
         t->oldest_pending_age = PQgetisnull(r, i, 2) ? -1 : strtod(PQgetvalue(r, i, 2), NULL);
     }
     PQclear(r);
+    spread_topic_figures(o, NULL);
     return 0;
 }
 
@@ -571,7 +593,8 @@ static int redis_durability(struct rconn *c, struct relay_observation *o)
 }
 
 /* Streams: every stream key the relay could publish to, "<prefix><topic>"
- * with a valid topic, that is not a dead-letter or replay stream. Other keys
+ * or "<prefix><topic>:<ppp>" with a valid topic, that is not a dead-letter or
+ * replay stream. Other keys
  * are someone else's, and their names may be any bytes: a name that is not
  * UTF-8 would make the topics query fail as a whole. 0, or -1 with
  * o->redis_error set. */
@@ -596,13 +619,17 @@ static int redis_streams(const struct relay_config *cfg, struct rconn *c,
         for (size_t i = 0; i < keys->elements && o->ntopics < RELAY_OBS_TOPICS_MAX; i++) {
             const char *k = keys->element[i]->str;
             size_t klen = keys->element[i]->len;
+            int partition = -1;
+            size_t tlen =
+                klen < plen ? 0 : relay_key_stream_topic_len(k + plen, klen - plen, &partition);
             if (klen < plen || strncmp(k, prefix, plen) != 0 ||
-                !relay_batch_topic_valid(k + plen, klen - plen) ||
-                relay_tools_ends_with(k, ".dlq") || relay_tools_ends_with(k, ".replay"))
+                !relay_batch_topic_valid(k + plen, tlen) || relay_tools_ends_with(k, ".dlq") ||
+                relay_tools_ends_with(k, ".replay"))
                 continue;
             struct relay_topic_obs *t = &o->topics[o->ntopics++];
             snprintf(t->stream, sizeof(t->stream), "%s", k);
-            snprintf(t->topic, sizeof(t->topic), "%s", k + plen);
+            snprintf(t->topic, sizeof(t->topic), "%.*s", (int)tlen, k + plen);
+            t->partition = partition;
             t->oldest_pending_age = -1;
             t->admitting = -1;
             t->memory_bytes = -1;
@@ -919,6 +946,10 @@ void relay_observe_json(const struct relay_observation *o, char *outbuf, size_t 
         json_string(&b, t->topic);
         put(&b, ",\"stream\":");
         json_string(&b, t->stream);
+        if (t->partition >= 0)
+            put(&b, ",\"partition\":%d", t->partition);
+        else
+            put(&b, ",\"partition\":null");
         put(&b, ",\"outbox_pending\":%lld,\"outbox_oldest_age_seconds\":%.3f,\"admitting\":%s}",
             t->pending, t->oldest_pending_age,
             t->admitting < 0 ? "null"

@@ -32,9 +32,12 @@ struct relay_observe_stop;
 #define RELAY_OBS_TOPICS_MAX 64
 #define RELAY_OBS_GROUPS_MAX 128
 
+/* One stream of a topic: a partitioned topic has one entry per partition
+ * stream, each with the topic's outbox figures. */
 struct relay_topic_obs {
     char topic[RELAY_TOPIC_MAX + 1];
     char stream[RELAY_TOPIC_MAX + 80];
+    int partition;             /* of a partition stream "<topic>:<ppp>"; -1 for "<topic>" */
     long long pending;         /* rows waiting in the outbox (estimate) */
     double oldest_pending_age; /* seconds; -1 when none wait */
     int admitting;             /* producer admission: 1, 0, or -1 unknown */

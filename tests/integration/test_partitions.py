@@ -23,7 +23,10 @@ Promises tested:
   keys of its partition go on; outbox_relay_outbox_blocked_keys and
   "status --json" count the held keys; once max_payload_bytes is raised,
   "failed retry" publishes it and then the rows behind it, in order; "failed
-  drop" gives another one up and its key goes on without it.
+  drop" gives another one up and its key goes on without it;
+- status and the metrics see the streams of partitions: "status --json"
+  lists each with its topic and partition, the groups on them with their
+  lag, and /metrics has their group series and the topic's series once.
 """
 
 import json
@@ -321,6 +324,50 @@ class PartitionRelayTest(harness.ServerTestCase):
         again = harness.run_relay(["failed", "drop", str(ids["key-7"])], env=env)
         self.assertNotEqual(again.returncode, 0)
         self.assertIn("not quarantined", again.stderr)
+
+
+    def test_status_and_metrics_see_partition_streams(self):
+        scalar(self.db, "SELECT outbox.set_partitions('orders', 4)")
+        streams = [f"orders:{p:03d}" for p in range(4)]
+        for st in streams:
+            self.r.xgroup_create(st, "g1", id="0", mkstream=True)
+        port = harness.free_port()
+        relay = self.relay(observe_interval="200ms", metrics_listen=f"127.0.0.1:{port}")
+        keys = [f"key-{i}" for i in range(40)]
+        insert_many(self.db, [("orders", b"x", k) for k in keys] + [("plain", b"y")])
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        per_stream = {st: self.r.xlen(st) for st in streams}
+        self.assertEqual(sum(per_stream.values()), 40)
+
+        env = harness.relay_env(self.pg, self.redis)
+        status = harness.run_relay(["status", "--json"], env=env)
+        self.assertEqual(status.returncode, 0, status.output)
+        doc = json.loads(status.stdout)
+        seen = {t["stream"]: (t["topic"], t["partition"]) for t in doc["topics"]}
+        for p, st in enumerate(streams):
+            self.assertEqual(seen.get(st), ("orders", p), doc["topics"])
+        self.assertEqual(seen.get("plain"), ("plain", None))
+        lags = {g["stream"]: g["lag"] for g in doc["groups"] if g["group"] == "g1"}
+        self.assertEqual(lags, per_stream)
+        text = harness.run_relay(["status"], env=env).stdout
+        for st in streams:
+            self.assertIn(st, text)
+
+        def scrape():
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                return r.read().decode()
+
+        def lag_series(text):
+            return {line.split("\"")[1]: int(float(line.split()[-1]))
+                    for line in text.splitlines()
+                    if line.startswith("outbox_relay_group_lag_entries{")
+                    and 'group="g1"' in line}
+
+        text = wait_until(lambda: (t := scrape()) and lag_series(t) == per_stream and t,
+                          timeout=15, relay=relay, message="the partitions' group series")
+        series = [line.split(" ")[0] for line in text.splitlines()
+                  if line and not line.startswith("#")]
+        self.assertEqual(len(series), len(set(series)), "no series twice")
 
 
 if __name__ == "__main__":

@@ -104,6 +104,37 @@ static void test_every_group_must_catch_up(void **state)
     assert_true(relay_paused_has(&paused, "orders"));
 }
 
+/* A partitioned topic: the groups of all its partition streams decide for
+ * the topic, once, and a stream that caught up does not resume it. */
+static void test_partition_streams_decide_for_their_topic(void **state)
+{
+    (void)state;
+    int resumed;
+    obs.ntopics = 3;
+    snprintf(obs.topics[1].topic, sizeof(obs.topics[1].topic), "orders");
+    snprintf(obs.topics[1].stream, sizeof(obs.topics[1].stream), "orders:001");
+    snprintf(obs.topics[2].topic, sizeof(obs.topics[2].topic), "invoices");
+    snprintf(obs.topics[2].stream, sizeof(obs.topics[2].stream), "invoices");
+    snprintf(obs.topics[0].stream, sizeof(obs.topics[0].stream), "orders:000");
+    obs.ngroups = 3;
+    obs.groups[1].topic = 1;
+    obs.groups[2].topic = 2;
+    obs.groups[2].oldest_pending_age = obs.groups[2].oldest_undelivered_age = -1;
+    obs.groups[1].lag = 150; /* on orders:001 alone */
+    assert_int_equal(apply(&resumed), 1);
+    assert_int_equal(changes[0].paused, 1);
+    assert_string_equal(paused.param, "{\"orders\"}");
+    /* orders:000 is fine, orders:001 still above the resume mark. */
+    assert_int_equal(apply(&resumed), 0);
+    assert_int_equal(resumed, 0);
+    assert_string_equal(paused.param, "{\"orders\"}");
+    obs.groups[1].lag = 5;
+    assert_int_equal(apply(&resumed), 1);
+    assert_int_equal(changes[0].paused, 0);
+    assert_int_equal(resumed, 1);
+    assert_int_equal(paused.n, 0);
+}
+
 static void test_queue_age_pauses_and_resumes(void **state)
 {
     (void)state;
@@ -191,6 +222,7 @@ int main(void)
         cmocka_unit_test_setup(test_a_lagging_group_pauses_its_stream_only, setup),
         cmocka_unit_test_setup(test_hysteresis_between_the_marks, setup),
         cmocka_unit_test_setup(test_every_group_must_catch_up, setup),
+        cmocka_unit_test_setup(test_partition_streams_decide_for_their_topic, setup),
         cmocka_unit_test_setup(test_queue_age_pauses_and_resumes, setup),
         cmocka_unit_test_setup(test_without_redis_nothing_stays_paused, setup),
         cmocka_unit_test_setup(test_pausing_switched_off, setup),
