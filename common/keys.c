@@ -41,13 +41,26 @@ uint32_t relay_partition_of(const char *key, size_t key_len, int64_t id, uint32_
     return relay_partition_hash(key, key_len) % partitions;
 }
 
+size_t relay_key_partition_suffix(uint32_t partition, uint32_t partitions,
+                                  char out[RELAY_PARTITION_SUFFIX_LEN])
+{
+    if (partitions <= 1)
+        return 0;
+    unsigned v = partition % RELAY_PARTITIONS_MAX;
+    out[0] = ':';
+    out[1] = (char)('0' + v / 100);
+    out[2] = (char)('0' + v / 10 % 10);
+    out[3] = (char)('0' + v % 10);
+    return RELAY_PARTITION_SUFFIX_LEN;
+}
+
 int relay_key_partition_stream(const char *prefix, const char *topic, size_t topic_len,
                                uint32_t partition, uint32_t partitions, char *out, size_t outlen)
 {
-    if (partitions <= 1)
-        return relay_key_stream(prefix, topic, topic_len, out, outlen);
-    return fits(snprintf(out, outlen, "%s%.*s:%03u", prefix != NULL ? prefix : "", (int)topic_len,
-                         topic, (unsigned)(partition % RELAY_PARTITIONS_MAX)),
+    char suffix[RELAY_PARTITION_SUFFIX_LEN];
+    size_t slen = relay_key_partition_suffix(partition, partitions, suffix);
+    return fits(snprintf(out, outlen, "%s%.*s%.*s", prefix != NULL ? prefix : "", (int)topic_len,
+                         topic, (int)slen, suffix),
                 outlen);
 }
 

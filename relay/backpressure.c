@@ -62,16 +62,6 @@ static double stream_age(const struct relay_group_obs *g)
                                                              : g->oldest_undelivered_age;
 }
 
-/* Whether entry t is the first of its topic: the groups of every stream of
- * a topic (one per partition) decide for the whole topic, once. */
-static int first_of_topic(const struct relay_observation *o, size_t t)
-{
-    for (size_t i = 0; i < t; i++)
-        if (strcmp(o->topics[i].topic, o->topics[t].topic) == 0)
-            return 0;
-    return 1;
-}
-
 size_t relay_backpressure_apply(struct relay_paused *p, const struct relay_config *cfg,
                                 const struct relay_observation *o, struct relay_bp_change *changes,
                                 int *resumed)
@@ -82,7 +72,7 @@ size_t relay_backpressure_apply(struct relay_paused *p, const struct relay_confi
     if (o->redis_ok && (cfg->pause_lag_entries != 0 || cfg->pause_queue_age_ms != 0)) {
         for (size_t t = 0; t < o->ntopics; t++) {
             const char *topic = o->topics[t].topic;
-            if (!first_of_topic(o, t))
+            if (!relay_observe_first_of_topic(o, t))
                 continue; /* a partitioned topic: decided at its first stream */
             int was = relay_paused_has(p, topic), over = 0, under = 1;
             for (size_t g = 0; g < o->ngroups; g++) {

@@ -477,18 +477,9 @@ static size_t format_int64(char *buf, int64_t v)
     return (size_t)(put_uint(p, u) - buf);
 }
 
-/* ":<ppp>" for a row of a partitioned topic, nothing for the others: what
- * follows the topic in its stream's name (relay_key_partition_stream). */
 static size_t partition_suffix(const struct relay_row *row, char out[RELAY_PARTITION_SUFFIX_LEN])
 {
-    if (row->partitions <= 1)
-        return 0;
-    unsigned v = row->partition % RELAY_PARTITIONS_MAX;
-    out[0] = ':';
-    out[1] = (char)('0' + v / 100);
-    out[2] = (char)('0' + v / 10 % 10);
-    out[3] = (char)('0' + v % 10);
-    return RELAY_PARTITION_SUFFIX_LEN;
+    return relay_key_partition_suffix(row->partition, row->partitions, out);
 }
 
 /* The fixed head of every publish: FCALL <function> 2 (numkeys). */

@@ -364,6 +364,14 @@ static struct relay_topic_obs *find_topic(struct relay_topic_obs *list, size_t n
     return NULL;
 }
 
+int relay_observe_first_of_topic(const struct relay_observation *o, size_t i)
+{
+    for (size_t j = 0; j < i; j++)
+        if (strcmp(o->topics[j].topic, o->topics[i].topic) == 0)
+            return 0;
+    return 1;
+}
+
 /* The outbox's figures of a topic for every stream of it: PostgreSQL
  * answers per topic, into the topic's first entry, and a partitioned topic
  * has an entry per partition stream. covered may be NULL. */
@@ -500,7 +508,7 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
         if (covered[i])
             continue;
         o->topics[i].admitting = admission_known ? 1 : -1;
-        if (find_topic(o->topics, o->ntopics, o->topics[i].topic) == &o->topics[i])
+        if (relay_observe_first_of_topic(o, i))
             snprintf(rest[nrest++], sizeof(rest[0]), "%s", o->topics[i].topic);
     }
     if (nrest == 0)

@@ -222,16 +222,6 @@ static void render_streams(const struct relay_observation *o, struct relay_buf *
     }
 }
 
-/* Whether entry i is the first of its topic: a partitioned topic has an
- * entry per partition stream, and a topic's series is written once. */
-static int first_of_topic(const struct relay_observation *o, size_t i)
-{
-    for (size_t j = 0; j < i; j++)
-        if (strcmp(o->topics[j].topic, o->topics[i].topic) == 0)
-            return 0;
-    return 1;
-}
-
 static void render_outbox(const struct relay *r, struct relay_buf *t)
 {
     const struct relay_observation *o = r->obs;
@@ -261,7 +251,7 @@ static void render_outbox(const struct relay *r, struct relay_buf *t)
         help(t, "outbox_relay_topic_admitting", "gauge",
              "1 when producers of the topic are admitted, 0 when refused (backpressure).");
         for (size_t i = 0; i < o->ntopics; i++) {
-            if (o->topics[i].admitting < 0 || !first_of_topic(o, i))
+            if (o->topics[i].admitting < 0 || !relay_observe_first_of_topic(o, i))
                 continue;
             relay_buf_printf(t, "outbox_relay_topic_admitting{topic=\"");
             relay_text_label(t, o->topics[i].topic);

@@ -130,35 +130,43 @@ static char *id_array(int nids, char **ids, FILE *errout, int *rc)
     return arr;
 }
 
-static int failed_drop(PGconn *conn, int nids, char **ids, FILE *out, FILE *errout)
+/*
+ * Sets `set` (an SQL SET list of the file's own) on the quarantined rows,
+ * every one with all, else those of ids; wakes the relay; prints how many
+ * rows changed ("<done> N row(s)<tail>") and, as an error, the ids that were
+ * not quarantined.
+ */
+static int change_quarantined(PGconn *conn, const char *set, int all, int nids, char **ids,
+                              const char *what, const char *done, const char *tail, FILE *out,
+                              FILE *errout)
 {
     int rc = RELAY_EX_OK;
     char *arr = id_array(nids, ids, errout, &rc);
     if (arr == NULL)
         return rc;
-    const char *params[1] = {arr};
-    PGresult *res = PQexecParams(
-        conn,
-        "WITH dropped AS ("
-        " UPDATE outbox.messages SET sent_at = statement_timestamp(), retry_at = NULL,"
-        "  last_error = left('dropped by an operator (outbox-relay failed drop); it failed with: '"
-        "   || coalesce(last_error, ''), 4000)"
-        " WHERE failed_at IS NOT NULL AND sent_at IS NULL AND id = ANY($1::bigint[])"
+    char sql[1024];
+    snprintf(
+        sql, sizeof(sql),
+        "WITH changed AS ("
+        " UPDATE outbox.messages SET %s"
+        " WHERE failed_at IS NOT NULL AND sent_at IS NULL AND ($1::boolean OR id = "
+        "ANY($2::bigint[]))"
         " RETURNING id)"
-        " SELECT (SELECT count(*) FROM dropped),"
-        "  ARRAY(SELECT x FROM unnest($1::bigint[]) AS x WHERE x NOT IN (SELECT id FROM dropped)"
+        " SELECT (SELECT count(*) FROM changed),"
+        "  ARRAY(SELECT x FROM unnest($2::bigint[]) AS x WHERE x NOT IN (SELECT id FROM changed)"
         "   ORDER BY x)::text,"
         "  pg_notify('outbox_relay', '')",
-        1, NULL, params, NULL, NULL, 0);
+        set);
+    const char *params[2] = {all ? "t" : "f", arr};
+    PGresult *res = PQexecParams(conn, sql, 2, NULL, params, NULL, NULL, 0);
     free(arr);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        fprintf(errout, "outbox-relay: cannot drop rows: %s", PQresultErrorMessage(res));
+        fprintf(errout, "outbox-relay: cannot %s rows: %s", what, PQresultErrorMessage(res));
         PQclear(res);
         return RELAY_EX_UNAVAILABLE;
     }
-    fprintf(out, "dropped %s row(s): never published; the rows behind them go on\n",
-            PQgetvalue(res, 0, 0));
-    if (strcmp(PQgetvalue(res, 0, 1), "{}") != 0) {
+    fprintf(out, "%s %s row(s)%s\n", done, PQgetvalue(res, 0, 0), tail);
+    if (!all && strcmp(PQgetvalue(res, 0, 1), "{}") != 0) {
         fprintf(errout,
                 "outbox-relay: not quarantined (unknown, already sent or still retrying): %s\n",
                 PQgetvalue(res, 0, 1));
@@ -168,43 +176,24 @@ static int failed_drop(PGconn *conn, int nids, char **ids, FILE *out, FILE *erro
     return rc;
 }
 
+/* Back in line with a clean attempt count. */
 static int failed_retry(PGconn *conn, int all, int nids, char **ids, FILE *out, FILE *errout)
 {
-    int rc0 = RELAY_EX_OK;
-    char *arr = id_array(nids, ids, errout, &rc0);
-    if (arr == NULL)
-        return rc0;
+    return change_quarantined(conn,
+                              "failed_at = NULL, attempts = 0, retry_at = NULL, last_error = NULL",
+                              all, nids, ids, "re-queue", "re-queued", "", out, errout);
+}
 
-    const char *params[2] = {all ? "t" : "f", arr};
-    PGresult *res = PQexecParams(
+/* Given up: marked sent, never published; failed_at stays. */
+static int failed_drop(PGconn *conn, int nids, char **ids, FILE *out, FILE *errout)
+{
+    return change_quarantined(
         conn,
-        "WITH requeued AS ("
-        " UPDATE outbox.messages SET failed_at = NULL, attempts = 0, retry_at = NULL,"
-        "  last_error = NULL"
-        " WHERE failed_at IS NOT NULL AND sent_at IS NULL AND ($1::boolean OR id = "
-        "ANY($2::bigint[]))"
-        " RETURNING id)"
-        " SELECT (SELECT count(*) FROM requeued),"
-        "  ARRAY(SELECT x FROM unnest($2::bigint[]) AS x WHERE x NOT IN (SELECT id FROM requeued)"
-        "   ORDER BY x)::text,"
-        "  pg_notify('outbox_relay', '')",
-        2, NULL, params, NULL, NULL, 0);
-    free(arr);
-    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        fprintf(errout, "outbox-relay: cannot re-queue rows: %s", PQresultErrorMessage(res));
-        PQclear(res);
-        return RELAY_EX_UNAVAILABLE;
-    }
-    int rc = RELAY_EX_OK;
-    fprintf(out, "re-queued %s row(s)\n", PQgetvalue(res, 0, 0));
-    if (!all && strcmp(PQgetvalue(res, 0, 1), "{}") != 0) {
-        fprintf(errout,
-                "outbox-relay: not quarantined (unknown, already sent or still retrying): %s\n",
-                PQgetvalue(res, 0, 1));
-        rc = RELAY_EX_DATAERR;
-    }
-    PQclear(res);
-    return rc;
+        "sent_at = statement_timestamp(), retry_at = NULL, last_error = left('dropped by an "
+        "operator (outbox-relay failed drop); it failed with: ' || coalesce(last_error, ''), "
+        "4000)",
+        0, nids, ids, "drop", "dropped", ": never published; the rows behind them go on", out,
+        errout);
 }
 
 static void failed_usage(FILE *f)

@@ -27,6 +27,12 @@ uint32_t relay_partition_of(const char *key, size_t key_len, int64_t id, uint32_
 int relay_key_stream(const char *prefix, const char *topic, size_t topic_len, char *out,
                      size_t outlen) __attribute__((warn_unused_result));
 
+/* ":<ppp>" (partition in three digits) into out when partitions > 1, and its
+ * length; 0 and nothing written for a topic of one partition. What follows
+ * the topic in a partition stream's name. */
+size_t relay_key_partition_suffix(uint32_t partition, uint32_t partitions,
+                                  char out[RELAY_PARTITION_SUFFIX_LEN]);
+
 /* A partition's stream: "<prefix><topic>:<ppp>" (ppp: three digits) when
  * the topic has more than one partition, else "<prefix><topic>". */
 int relay_key_partition_stream(const char *prefix, const char *topic, size_t topic_len,

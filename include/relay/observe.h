@@ -97,6 +97,10 @@ struct relay_observation {
  * out of memory or descriptors; trigger is safe from any thread and
  * NULL-safe; free is NULL-safe and must not race with a relay_observe using it.
  */
+/* Whether topics[i] is the first entry of its topic: a partitioned topic has
+ * one entry per partition stream, and what is per topic is done once. */
+int relay_observe_first_of_topic(const struct relay_observation *o, size_t i);
+
 struct relay_observe_stop *relay_observe_stop_new(void) __attribute__((warn_unused_result));
 void relay_observe_stop_trigger(struct relay_observe_stop *s);
 void relay_observe_stop_free(struct relay_observe_stop *s);
