@@ -29,6 +29,7 @@
 #include "relay/daemon.h"
 #include "relay/keys.h"
 #include "relay/log.h"
+#include "relay/owner.h"
 #include "relay/pgsrc.h"
 #include "relay/sink.h"
 
@@ -70,7 +71,7 @@ static int op_begin(void *arg, size_t lane)
 {
     struct relay *r = arg;
     struct relay_lane *l = &r->lanes[lane];
-    return relay_pgsrc_send(l->pg, "BEGIN", 0, NULL, 0, on_begun, l);
+    return relay_pgsrc_send(l->pg, relay_owner_begin_sql(r->owner), 0, NULL, 0, on_begun, l);
 }
 
 static int op_claim(void *arg, size_t lane, char *why, size_t whylen)
@@ -81,11 +82,12 @@ static int op_claim(void *arg, size_t lane, char *why, size_t whylen)
     (void)why;
     (void)whylen;
     snprintf(limit, sizeof(limit), "%u", r->cfg->batch_size);
-    const char *params[2] = {limit, r->paused.param};
+    const char *params[5] = {limit, r->paused.param, NULL, NULL, NULL};
+    relay_owner_claim_params(r->owner, &params[2], &params[3], &params[4]);
     /* With a topic paused, the claim that walks the pending topics' index
      * instead of the paused backlog (relay/pgsrc.c). */
     const char *claim = r->paused.n > 0 ? "claim_paused" : "claim";
-    return relay_pgsrc_send_prepared(l->pg, claim, 2, params, 1, on_claimed, l);
+    return relay_pgsrc_send_prepared(l->pg, claim, 5, params, 1, on_claimed, l);
 }
 
 static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg);
@@ -366,6 +368,35 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err, c
 }
 
 /* Every reply of the batch is in (or it never published anything). */
+/* At debug level, which partitions a batch published to: several relays'
+ * logs then show that each partition was published by one at a time. */
+static void log_partitions_published(const struct relay_lane *l)
+{
+    char text[1024];
+    size_t len = 0, n = 0;
+    for (size_t i = 0; i < l->nrows && len < sizeof(text) - 64; i++) {
+        const struct relay_row *row = &l->rows[i];
+        if (row->state != RELAY_ROW_PUBLISHED || row->partitions <= 1)
+            continue;
+        int seen = 0;
+        for (size_t j = 0; j < i && !seen; j++) {
+            const struct relay_row *e = &l->rows[j];
+            seen = e->state == RELAY_ROW_PUBLISHED && e->partition == row->partition &&
+                   e->topic_len == row->topic_len &&
+                   memcmp(e->topic, row->topic, e->topic_len) == 0;
+        }
+        if (seen)
+            continue;
+        int w = snprintf(text + len, sizeof(text) - len, " %.*s/%u", (int)row->topic_len,
+                         row->topic, (unsigned)row->partition);
+        if (w > 0)
+            len += (size_t)w < sizeof(text) - len ? (size_t)w : sizeof(text) - len - 1;
+        n++;
+    }
+    if (n > 0)
+        relay_debug(COMPONENT, "published a batch of %zu rows to partitions%s", l->nrows, text);
+}
+
 static void publish_done(struct relay_lane *l)
 {
     struct relay *r = l->r;
@@ -379,6 +410,8 @@ static void publish_done(struct relay_lane *l)
     /* From here on the relay claims on its own until a claim comes back
      * empty, so producers may stop notifying. */
     relay_wake_busy(&r->wake);
+    if (relay_log_get_level() == RELAY_LOG_DEBUG)
+        log_partitions_published(l);
     relay_cycle_published(&r->cycle, l->index);
 }
 

@@ -63,12 +63,31 @@
     "  AND b.partition_key = " m ".partition_key AND b.id < " m ".id AND b.sent_at IS NULL"        \
     "  AND (b.failed_at IS NOT NULL OR b.retry_at > now())))"
 
+/* Owned: a row of a partitioned topic only in a partition this relay owns
+ * (docs/DESIGN.md, "Several relays"). $3 names the partitions the relay
+ * believes it owns as "topic/partition", $4 their lock keys and $5 the
+ * backend of its owner connection. A partition counts only if that backend
+ * holds its lock now and this transaction holds its fence (the BEGIN took
+ * it, relay/lanes.c): a relay whose owner session has ended, and whose
+ * partition another relay may already have, claims none of its rows. One
+ * read of pg_locks per claim (an InitPlan). */
+#define OWNED_UNITS                                                                                \
+    "ARRAY(SELECT o.u FROM unnest($3::text[], $4::int[]) AS o(u, k) WHERE EXISTS ("                \
+    "  SELECT 1 FROM pg_locks AS l WHERE l.locktype = 'advisory' AND l.granted"                    \
+    "  AND l.objsubid = 2 AND l.objid = o.k::oid AND ((l.pid = $5 AND l.classid "                  \
+    "= " RELAY_OWNER_UNIT_NS " AND l.mode = 'ExclusiveLock') OR (l.pid = pg_backend_pid() AND"     \
+    "  l.classid = " RELAY_OWNER_FENCE_NS " AND l.mode = 'ShareLock')) HAVING count(*) = 2))"
+#define OWNED(m)                                                                                   \
+    " AND (" m ".partition_no IS NULL OR (" m ".topic || '/' || " m                                \
+    ".partition_no) = ANY(" OWNED_UNITS "))"
+
 /* The claim: pending rows in id order, skipping rows another relay holds.
  * One walk of messages_pending_idx from its lowest id: the hot path. */
 #define CLAIM_FROM                                                                                 \
     " FROM outbox.messages AS c"                                                                   \
     " WHERE sent_at IS NULL AND failed_at IS NULL AND (retry_at IS NULL OR retry_at <= now())"     \
-    "  AND topic <> ALL ($2::text[])" NOT_HELD("c") " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
+    "  AND topic <> ALL ($2::text[])" OWNED("c")                                                   \
+        NOT_HELD("c") " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
 
 /* A row the claim may take, m being outbox.messages. */
 #define CLAIMABLE_M                                                                                \
@@ -121,10 +140,10 @@
 
 #define CLAIM_PAUSED_FROM                                                                          \
     " FROM (SELECT c.* FROM merged AS g CROSS JOIN LATERAL ("                                      \
-    "   SELECT * FROM outbox.messages AS m WHERE m.id = g.id AND" CLAIMABLE_M NOT_HELD(            \
-        "m") "   FOR UPDATE SKIP LOCKED) AS c"                                                     \
-             "  LIMIT $1) AS c"                                                                    \
-             " ORDER BY id"
+    "   SELECT * FROM outbox.messages AS m WHERE m.id = g.id AND" CLAIMABLE_M OWNED("m")           \
+        NOT_HELD("m") "   FOR UPDATE SKIP LOCKED) AS c"                                            \
+                      "  LIMIT $1) AS c"                                                           \
+                      " ORDER BY id"
 
 int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, size_t outlen)
 {
@@ -148,6 +167,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "009_producer_grants.sql",
     "010_retention.sql",
     "011_partitions.sql",
+    "012_partition_owners.sql",
 };
 
 enum setup_step {
@@ -192,7 +212,9 @@ static void run_setup(struct relay_pgsrc *pg);
 
 static const char *role_name(const struct relay_pgsrc *pg)
 {
-    return pg->role == RELAY_PGSRC_LISTEN ? "listen" : "claim";
+    return pg->role == RELAY_PGSRC_LISTEN  ? "listen"
+           : pg->role == RELAY_PGSRC_OWNER ? "owner"
+                                           : "claim";
 }
 
 /* Describes the target from the conninfo, never including the password. */
@@ -348,7 +370,9 @@ static void notice_receiver(void *arg, const PGresult *res)
 
 static void start_connect(struct relay_pgsrc *pg)
 {
-    const char *app = pg->role == RELAY_PGSRC_LISTEN ? "outbox-relay listen" : "outbox-relay";
+    const char *app = pg->role == RELAY_PGSRC_LISTEN  ? "outbox-relay listen"
+                      : pg->role == RELAY_PGSRC_OWNER ? "outbox-relay owner"
+                                                      : "outbox-relay";
     /* Our defaults come first so the user's conninfo (expanded in place of
      * dbname) overrides them; libpq's PG* variables fill in what is left. */
     const char *const keys[] = {
@@ -660,7 +684,7 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
         }
         return;
     }
-    if (pg->setup == SETUP_SESSION && pg->role == RELAY_PGSRC_LISTEN) {
+    if (pg->setup == SETUP_SESSION && pg->role != RELAY_PGSRC_CLAIM) {
         pg->setup = SETUP_DONE;
         become_ready(pg);
         return;
@@ -711,6 +735,16 @@ static void run_setup(struct relay_pgsrc *pg)
                                        " FROM outbox.schema_version",
                      cfg->statement_timeout_ms, cfg->statement_timeout_ms, idle_tx_ms,
                      RELAY_SCHEMA_VERSION);
+        else if (pg->role == RELAY_PGSRC_OWNER)
+            /* The owner connection holds the relay's partitions. It speaks
+             * once a second (relay/owner.c): a session silent for longer
+             * than RELAY_OWNER_IDLE_MS, a relay frozen or cut off behind a
+             * proxy that the server's keepalives cannot see through, is
+             * ended by the server, and its partitions pass to the others. */
+            snprintf(sql, sizeof(sql),
+                     SERVER_KEEPALIVES "SET statement_timeout = %u; SET idle_session_timeout = %u;"
+                                       " SET idle_in_transaction_session_timeout = %u",
+                     cfg->statement_timeout_ms, RELAY_OWNER_IDLE_MS, RELAY_OWNER_IDLE_MS);
         else
             snprintf(sql, sizeof(sql),
                      SERVER_KEEPALIVES
@@ -729,7 +763,7 @@ static void run_setup(struct relay_pgsrc *pg)
             setup_failed(pg, "the claim statement does not fit its buffer");
             return;
         }
-        if (!PQsendPrepare(pg->conn, paused ? "claim_paused" : "claim", claim, 2, NULL)) {
+        if (!PQsendPrepare(pg->conn, paused ? "claim_paused" : "claim", claim, 5, NULL)) {
             setup_failed(pg, PQerrorMessage(pg->conn));
             return;
         }

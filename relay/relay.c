@@ -25,6 +25,7 @@
 #include "relay/log.h"
 #include "relay/metrics.h"
 #include "relay/observer.h"
+#include "relay/owner.h"
 #include "relay/sdnotify.h"
 #include "relay/sink.h"
 
@@ -254,6 +255,11 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
         relay_free(r);
         return NULL;
     }
+    r->owner = relay_owner_start(r);
+    if (r->owner == NULL) {
+        relay_free(r);
+        return NULL;
+    }
     r->observer = relay_observer_start(loop, cfg, on_observation, r);
     if (r->observer == NULL)
         relay_warn(COMPONENT, "cannot start the observation thread: no queue age, lag or "
@@ -327,6 +333,7 @@ void relay_free(struct relay *r)
     relay_observer_stop(r->observer);
     relay_metrics_free(r->metrics);
     relay_lanes_stop(r);
+    relay_owner_stop(r->owner);
     relay_wakeup_stop(r);
     free(r->obs);
     free(r);

@@ -30,6 +30,7 @@
 struct pg_result;
 struct relay_metrics;
 struct relay_observer;
+struct relay_owner;
 struct relay_pgsrc;
 struct relay_sink;
 
@@ -92,6 +93,8 @@ struct relay {
     long foreign_pid;     /* who else holds the wake-up lock, 0 when nobody */
     char foreign_app[64];
     char foreign_addr[64];
+
+    struct relay_owner *owner; /* the partitions this relay claims from */
 
     struct relay_observer *observer;
     struct relay_observation *obs; /* the loop's copy of the latest observation */

@@ -51,6 +51,7 @@ struct relay_pgsrc_hooks {
 enum relay_pgsrc_role {
     RELAY_PGSRC_CLAIM = 0,
     RELAY_PGSRC_LISTEN = 1,
+    RELAY_PGSRC_OWNER = 2, /* holds the partitions this relay owns (relay/owner.c) */
 };
 
 /* Creates a connection object and starts connecting at once. */
@@ -97,7 +98,17 @@ void relay_pgsrc_freemem(void *p);
 const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
 
 /* The schema version this relay needs and the migration that brings it. */
-#define RELAY_SCHEMA_VERSION 11
+#define RELAY_SCHEMA_VERSION 12
+
+/* The first keys of the relays' two-key advisory locks
+ * (migrations/012_partition_owners.sql, docs/DESIGN.md "Several relays"). */
+#define RELAY_OWNER_MEMBER_NS "1869770093" /* a member slot, one per relay */
+#define RELAY_OWNER_UNIT_NS "1869770100"   /* a partition, held by its owner */
+#define RELAY_OWNER_FENCE_NS "1869770086"  /* shared by claims, alone at takeover */
+/* The owner connection speaks every RELAY_OWNER_TICK_MS; the server ends it
+ * after RELAY_OWNER_IDLE_MS of silence. */
+#define RELAY_OWNER_TICK_MS 1000
+#define RELAY_OWNER_IDLE_MS 3000
 
 /*
  * Writes a claim statement into out: with paused 0 the one prepared on each

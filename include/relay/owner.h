@@ -1,0 +1,31 @@
+/*
+ * The owner connection (relay/owner.c): the partitions of partitioned topics
+ * that this relay may claim, shared with the other relays of the database.
+ */
+#ifndef RELAY_OWNER_H
+#define RELAY_OWNER_H
+
+#include <stddef.h>
+
+struct relay;
+struct relay_owner;
+
+struct relay_owner_figures {
+    size_t members;               /* relays holding a member slot, this one included */
+    size_t partitions;            /* partitions of partitioned topics in all */
+    size_t owned;                 /* partitions this relay claims from */
+    unsigned long long takeovers; /* partitions taken since start */
+};
+
+struct relay_owner *relay_owner_start(struct relay *r) __attribute__((warn_unused_result));
+void relay_owner_stop(struct relay_owner *o);
+
+/* The statement that opens a claim transaction: BEGIN and the shared fences
+ * of the partitions owned. */
+const char *relay_owner_begin_sql(const struct relay_owner *o);
+/* The claim's parameters $3, $4 and $5 (relay/pgsrc.c, OWNED). */
+void relay_owner_claim_params(const struct relay_owner *o, const char **units, const char **keys,
+                              const char **pid);
+void relay_owner_figures(const struct relay_owner *o, struct relay_owner_figures *f);
+
+#endif

@@ -1,0 +1,519 @@
+/*
+ * The owner connection: which partitions of the partitioned topics this
+ * relay publishes (docs/DESIGN.md, "Several relays";
+ * migrations/012_partition_owners.sql). Any number of relays share one
+ * database; PostgreSQL's session advisory locks divide the partitions:
+ *
+ *   member slot   each relay holds (MEMBER_NS, k) for the lowest free k;
+ *                 the members are the slots held, read from pg_locks
+ *   partition     the owner holds (UNIT_NS, key) on this connection; its
+ *                 share is relay/ownership.c's round-robin over the members
+ *   fence         every claim transaction holds (FENCE_NS, key) shared for
+ *                 the partitions it may claim from; a relay that has just
+ *                 taken a partition takes the fence alone once, which waits
+ *                 until every claim of the previous owner has ended, and
+ *                 only then lets its own claims take the partition's rows
+ *
+ * Each tick (RELAY_OWNER_TICK_MS, sooner while a partition is in passage)
+ * reads the members and the partitioned topics, releases what is no longer
+ * this relay's share, tries the locks of what is, and fences what it took.
+ * The claim itself checks, in pg_locks, that this connection still holds
+ * each partition (relay/pgsrc.c, OWNED): a relay whose owner session ended
+ * claims nothing more of its partitions, even before it notices.
+ *
+ * When a relay dies, its sessions end and with them its locks: the others
+ * see one member fewer at their next tick and take its partitions. A relay
+ * frozen or cut off behind a proxy stops speaking on this connection, and
+ * the server ends the session after RELAY_OWNER_IDLE_MS
+ * (idle_session_timeout). A batch the frozen relay had claimed keeps its
+ * fence until its transaction ends; if it is resumed after its publish
+ * deadline, Redis refuses the batch (relay/batch.c), so it can never append
+ * behind the new owner's entries.
+ */
+#include "relay/compat.h"
+
+#include <errno.h>
+#include <ev.h>
+#include <libpq-fe.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "relay/buf.h"
+#include "relay/config.h"
+#include "relay/daemon.h"
+#include "relay/log.h"
+#include "relay/owner.h"
+#include "relay/ownership.h"
+#include "relay/pgsrc.h"
+
+#define COMPONENT "owner"
+
+/* More relays than this against one database are refused a slot. */
+#define MEMBER_SLOTS 1024
+/* More partitions than this, over all topics, are not divided. */
+#define UNITS_MAX 4096
+/* How long the fence waits for a previous owner's claims per tick. */
+#define FENCE_WAIT_MS 500
+/* The tick while a partition is in passage: taken but not fenced, or
+ * wanted but still held by another relay. */
+#define TICK_SOON_MS 200
+
+enum owner_step {
+    STEP_NONE = 0,
+    STEP_MEMBER, /* taking a member slot */
+    STEP_LOOK,   /* reading the members and the partitioned topics */
+    STEP_LOCKS,  /* releasing and trying partition locks */
+    STEP_FENCE,  /* waiting out a previous owner's claims */
+};
+
+struct relay_owner {
+    struct relay *r;
+    struct relay_pgsrc *pg;
+    ev_timer tick;
+    enum owner_step step;
+    int32_t slot; /* -1 until a member slot is held */
+    long pid;     /* the owner session's backend */
+    struct relay_unit *units, *plan;
+    size_t nunits;
+    size_t nmembers;
+    long me;
+    double fence_started;
+    struct relay_buf sql;
+    /* What claims use: "BEGIN; take the fences" and the OWNED parameters. */
+    struct relay_buf begin, param_units, param_keys;
+    char param_pid[24];
+    size_t nready;
+    unsigned long long takeovers;
+    char layout[160]; /* the last "member i of n" logged */
+};
+
+static void schedule(struct relay_owner *o, double ms)
+{
+    ev_timer_stop(o->r->loop, &o->tick);
+    ev_timer_set(&o->tick, ms / 1000.0, 0.0);
+    ev_timer_start(o->r->loop, &o->tick);
+}
+
+/* The claim parameters for the ready partitions. */
+static void publish_claim_params(struct relay_owner *o)
+{
+    relay_buf_reset(&o->param_units);
+    relay_buf_reset(&o->param_keys);
+    relay_buf_reset(&o->begin);
+    relay_buf_puts(&o->param_units, "{");
+    relay_buf_puts(&o->param_keys, "{");
+    size_t n = 0;
+    for (size_t i = 0; i < o->nunits; i++) {
+        const struct relay_unit *u = &o->units[i];
+        if (!u->ready)
+            continue;
+        /* Topic names are [A-Za-z0-9._-]: nothing to escape in quotes. */
+        relay_buf_printf(&o->param_units, "%s\"%s/%u\"", n ? "," : "", u->topic, u->partition);
+        relay_buf_printf(&o->param_keys, "%s%d", n ? "," : "", (int)u->key);
+        n++;
+    }
+    relay_buf_puts(&o->param_units, "}");
+    relay_buf_puts(&o->param_keys, "}");
+    if (n == 0)
+        relay_buf_puts(&o->begin, "BEGIN");
+    else
+        relay_buf_printf(&o->begin,
+                         "BEGIN; SELECT count(pg_try_advisory_xact_lock_shared(" RELAY_OWNER_FENCE_NS
+                         ", k)) FROM unnest('%s'::int[]) AS k",
+                         o->param_keys.data);
+    snprintf(o->param_pid, sizeof(o->param_pid), "%ld", n ? o->pid : 0L);
+    int more = n > o->nready;
+    o->nready = n;
+    if (more)
+        relay_cycle_want(&o->r->cycle);
+}
+
+/* Everything this session held is gone with it. */
+static void forget_all(struct relay_owner *o, const char *why)
+{
+    size_t held = 0;
+    for (size_t i = 0; i < o->nunits; i++)
+        held += o->units[i].held != 0;
+    if (held > 0)
+        relay_warn(COMPONENT, "gave up %zu partitions: %s", held, why);
+    o->nunits = 0;
+    o->slot = -1;
+    o->pid = 0;
+    o->nmembers = 0;
+    o->me = -1;
+    o->layout[0] = '\0';
+    o->step = STEP_NONE;
+    publish_claim_params(o);
+}
+
+static void on_step(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                    void *arg);
+
+static void send_step(struct relay_owner *o, enum owner_step step, const char *sql)
+{
+    o->step = step;
+    if (relay_pgsrc_send(o->pg, sql, 0, NULL, 0, on_step, o) < 0) {
+        o->step = STEP_NONE;
+        schedule(o, RELAY_OWNER_TICK_MS);
+    }
+}
+
+static void look(struct relay_owner *o)
+{
+    if (o->slot < 0) {
+        relay_buf_reset(&o->sql);
+        relay_buf_printf(&o->sql,
+                         "SELECT pg_backend_pid(), (SELECT k FROM generate_series(0, %d) AS k"
+                         " WHERE pg_try_advisory_lock(" RELAY_OWNER_MEMBER_NS ", k) LIMIT 1)",
+                         MEMBER_SLOTS - 1);
+        send_step(o, STEP_MEMBER, o->sql.data);
+        return;
+    }
+    /* Kind 0: a member slot; kind 1: a partitioned topic and its count. */
+    send_step(o, STEP_LOOK,
+              "SELECT 0 AS kind, l.objid::int AS v, NULL::text COLLATE \"C\" AS topic"
+              " FROM pg_locks AS l WHERE l.locktype = 'advisory'"
+              " AND l.classid = " RELAY_OWNER_MEMBER_NS " AND l.objsubid = 2 AND l.granted"
+              " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+              " UNION ALL SELECT 1, t.partitions, t.topic COLLATE \"C\" FROM outbox.topics AS t"
+              " WHERE t.partitions > 1 ORDER BY kind, topic, v");
+}
+
+static void on_tick(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    struct relay_owner *o = w->data;
+    (void)loop;
+    (void)revents;
+    if (o->r->stopping || o->step != STEP_NONE)
+        return;
+    if (relay_pgsrc_state(o->pg) != RELAY_PG_READY) {
+        schedule(o, RELAY_OWNER_TICK_MS);
+        return;
+    }
+    look(o);
+}
+
+static void log_layout(struct relay_owner *o)
+{
+    char text[160];
+    size_t want = 0;
+    for (size_t i = 0; i < o->nunits; i++)
+        want += o->units[i].want != 0;
+    if (o->me >= 0)
+        snprintf(text, sizeof(text), "relay %ld of %zu (member slot %d): its share is %zu of %zu"
+                 " partitions", o->me + 1, o->nmembers, (int)o->slot, want, o->nunits);
+    else
+        snprintf(text, sizeof(text), "member slot %d is not listed yet", (int)o->slot);
+    if (strcmp(text, o->layout) != 0) {
+        relay_info(COMPONENT, "%s", text);
+        snprintf(o->layout, sizeof(o->layout), "%s", text);
+    }
+}
+
+/* Reads the look's rows into the plan; returns -1 on a malformed answer. */
+static int read_look(struct relay_owner *o, PGresult *res)
+{
+    int rows = PQntuples(res);
+    int32_t *members = calloc((size_t)rows + 1, sizeof(*members));
+    struct relay_topic_parts *topics = calloc((size_t)rows + 1, sizeof(*topics));
+    size_t nm = 0, nt = 0, total = 0;
+    int rc = 0;
+    if (members == NULL || topics == NULL) {
+        rc = -1;
+        goto out;
+    }
+    for (int i = 0; i < rows && PQnfields(res) == 3; i++) {
+        long kind = strtol(PQgetvalue(res, i, 0), NULL, 10);
+        long v = strtol(PQgetvalue(res, i, 1), NULL, 10);
+        if (kind == 0) {
+            members[nm++] = (int32_t)v;
+        } else if (v > 1 && v <= 1000 && PQgetlength(res, i, 2) <= RELAY_TOPIC_MAX &&
+                   total + (size_t)v <= UNITS_MAX) {
+            memcpy(topics[nt].topic, PQgetvalue(res, i, 2), (size_t)PQgetlength(res, i, 2));
+            topics[nt].partitions = (uint32_t)v;
+            total += (size_t)v;
+            nt++;
+        } else if (total + (size_t)v > UNITS_MAX) {
+            relay_warn(COMPONENT,
+                          "topic %s and those after it are not divided among relays: more than "
+                          "%d partitions in all; lower their counts with outbox.set_partitions",
+                          PQgetvalue(res, i, 2), UNITS_MAX);
+        }
+    }
+    o->nmembers = nm;
+    o->me = relay_member_position(members, nm, o->slot);
+    long n = relay_units_plan(o->units, o->nunits, topics, nt, nm, o->me, o->plan, UNITS_MAX);
+    if (n < 0) {
+        rc = -1;
+        goto out;
+    }
+    struct relay_unit *t = o->units;
+    o->units = o->plan;
+    o->plan = t;
+    o->nunits = (size_t)n;
+out:
+    free(members);
+    free(topics);
+    return rc;
+}
+
+/* Releases what is no longer this relay's share and tries the locks of
+ * what is; a released partition leaves the claims at once. */
+static int send_locks(struct relay_owner *o)
+{
+    size_t n = 0;
+    relay_buf_reset(&o->sql);
+    relay_buf_puts(&o->sql, "SELECT v.k, CASE WHEN v.w THEN pg_try_advisory_lock(" RELAY_OWNER_UNIT_NS
+                            ", v.k) ELSE pg_advisory_unlock(" RELAY_OWNER_UNIT_NS
+                            ", v.k) END FROM (VALUES ");
+    int dropped = 0;
+    for (size_t i = 0; i < o->nunits; i++) {
+        struct relay_unit *u = &o->units[i];
+        if (u->held == u->want)
+            continue;
+        if (u->held && u->ready) {
+            u->ready = 0;
+            dropped = 1;
+        }
+        relay_buf_printf(&o->sql, "%s(%d, %s)", n ? ", " : "", (int)u->key,
+                         u->want ? "true" : "false");
+        n++;
+    }
+    if (dropped)
+        publish_claim_params(o);
+    if (n == 0)
+        return 0;
+    relay_buf_puts(&o->sql, ") AS v(k, w) ORDER BY v.w, v.k");
+    send_step(o, STEP_LOCKS, o->sql.data);
+    return 1;
+}
+
+static struct relay_unit *unit_by_key(struct relay_owner *o, int32_t key, int held)
+{
+    for (size_t i = 0; i < o->nunits; i++)
+        if (o->units[i].key == key && (o->units[i].held != 0) == held)
+            return &o->units[i];
+    return NULL;
+}
+
+static void read_locks(struct relay_owner *o, PGresult *res)
+{
+    double now = relay_now();
+    for (int i = 0; i < PQntuples(res); i++) {
+        int32_t key = (int32_t)strtol(PQgetvalue(res, i, 0), NULL, 10);
+        int ok = PQgetvalue(res, i, 1)[0] == 't';
+        /* Every unit with this key changes together: they share a lock. */
+        for (size_t j = 0; j < o->nunits; j++) {
+            struct relay_unit *u = &o->units[j];
+            if (u->key != key || u->held == u->want)
+                continue;
+            if (u->want && ok) {
+                u->held = 1;
+                u->since = now;
+            } else if (!u->want) {
+                u->held = 0;
+                u->ready = 0;
+                u->since = now;
+                relay_info(COMPONENT, "released %s/%u to rebalance: relay %ld of %zu", u->topic,
+                           u->partition, o->me + 1, o->nmembers);
+            }
+        }
+    }
+}
+
+static int send_fence(struct relay_owner *o)
+{
+    size_t n = 0;
+    relay_buf_reset(&o->sql);
+    /* One implicit transaction: its locks go with it, also when the wait
+     * times out half-way. */
+    relay_buf_printf(&o->sql,
+                     "SET LOCAL lock_timeout = %d; SELECT count(pg_advisory_xact_lock("
+                     RELAY_OWNER_FENCE_NS ", k)::text) FROM unnest('{",
+                     FENCE_WAIT_MS);
+    for (size_t i = 0; i < o->nunits; i++) {
+        const struct relay_unit *u = &o->units[i];
+        if (u->held && u->want && !u->ready && unit_by_key(o, u->key, 1) == u) {
+            relay_buf_printf(&o->sql, "%s%d", n ? "," : "", (int)u->key);
+            n++;
+        }
+    }
+    if (n == 0)
+        return 0;
+    relay_buf_puts(&o->sql, "}'::int[]) AS k");
+    o->fence_started = relay_now();
+    send_step(o, STEP_FENCE, o->sql.data);
+    return 1;
+}
+
+static void fenced(struct relay_owner *o)
+{
+    double now = relay_now();
+    for (size_t i = 0; i < o->nunits; i++) {
+        struct relay_unit *u = &o->units[i];
+        if (!u->held || !u->want || u->ready)
+            continue;
+        u->ready = 1;
+        o->takeovers++;
+        relay_info(COMPONENT,
+                   "took %s/%u: relay %ld of %zu; the previous owner's claims ended after %.0f ms",
+                   u->topic, u->partition, o->me + 1, o->nmembers,
+                   (now - o->fence_started) * 1000.0);
+    }
+    publish_claim_params(o);
+}
+
+/* The next step after one ended, or the next tick. */
+static void advance(struct relay_owner *o, enum owner_step done)
+{
+    o->step = STEP_NONE;
+    if (done == STEP_MEMBER) {
+        look(o);
+        return;
+    }
+    if (done == STEP_LOOK && send_locks(o))
+        return;
+    if ((done == STEP_LOOK || done == STEP_LOCKS) && send_fence(o))
+        return;
+    int passage = 0;
+    for (size_t i = 0; i < o->nunits; i++)
+        if (o->units[i].want != o->units[i].ready)
+            passage = 1;
+    schedule(o, passage ? TICK_SOON_MS : RELAY_OWNER_TICK_MS);
+}
+
+static void on_step(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                    void *arg)
+{
+    struct relay_owner *o = arg;
+    enum owner_step step = o->step;
+    (void)pg;
+    if (o->r->stopping)
+        return;
+    if (err != NULL) {
+        o->step = STEP_NONE;
+        if (step == STEP_FENCE && sqlstate != NULL && strcmp(sqlstate, "55P03") == 0) {
+            /* A previous owner's claim is still open: its batch is being
+             * published or rolled back. Wait again at the next tick. */
+            relay_debug(COMPONENT, "a previous owner's claim is still open after %d ms",
+                        FENCE_WAIT_MS);
+            schedule(o, TICK_SOON_MS);
+            return;
+        }
+        if (sqlstate != NULL && strcmp(sqlstate, "08006") == 0)
+            return; /* on_down has forgotten everything */
+        /* Which locks the statement took before it failed is unknown: start
+         * again from a new session, which holds none. */
+        relay_warn(COMPONENT, "%s; reconnecting the owner connection", err);
+        relay_pgsrc_reset(o->pg, "an ownership step failed");
+        return;
+    }
+    if (step == STEP_MEMBER) {
+        if (res == NULL || PQntuples(res) != 1 || PQgetisnull(res, 0, 1)) {
+            o->step = STEP_NONE;
+            relay_error(COMPONENT,
+                        "no member slot is free: %d relays or more run against this database;"
+                        " stop some of them",
+                        MEMBER_SLOTS);
+            schedule(o, RELAY_OWNER_TICK_MS * 5.0);
+            return;
+        }
+        o->pid = strtol(PQgetvalue(res, 0, 0), NULL, 10);
+        o->slot = (int32_t)strtol(PQgetvalue(res, 0, 1), NULL, 10);
+    } else if (step == STEP_LOOK) {
+        if (res == NULL || read_look(o, res) < 0) {
+            o->step = STEP_NONE;
+            relay_warn(COMPONENT, "cannot divide the partitions (out of memory); retrying");
+            schedule(o, RELAY_OWNER_TICK_MS);
+            return;
+        }
+        log_layout(o);
+    } else if (step == STEP_LOCKS && res != NULL) {
+        read_locks(o, res);
+    } else if (step == STEP_FENCE) {
+        fenced(o);
+    }
+    advance(o, step);
+}
+
+static void owner_ready(struct relay_pgsrc *pg, void *arg)
+{
+    struct relay_owner *o = arg;
+    (void)pg;
+    if (o->step == STEP_NONE)
+        schedule(o, 0.0);
+}
+
+static void owner_down(struct relay_pgsrc *pg, void *arg)
+{
+    struct relay_owner *o = arg;
+    (void)pg;
+    forget_all(o, "the owner connection to PostgreSQL was lost; another relay may take them");
+}
+
+struct relay_owner *relay_owner_start(struct relay *r)
+{
+    struct relay_owner *o = calloc(1, sizeof(*o));
+    if (o == NULL)
+        return NULL;
+    o->r = r;
+    o->slot = -1;
+    o->me = -1;
+    o->units = calloc(UNITS_MAX, sizeof(*o->units));
+    o->plan = calloc(UNITS_MAX, sizeof(*o->plan));
+    if (o->units == NULL || o->plan == NULL) {
+        relay_owner_stop(o);
+        return NULL;
+    }
+    ev_init(&o->tick, on_tick);
+    o->tick.data = o;
+    publish_claim_params(o);
+    struct relay_pgsrc_hooks hooks = {.arg = o, .on_ready = owner_ready, .on_down = owner_down};
+    o->pg = relay_pgsrc_new(r->loop, r->cfg, RELAY_PGSRC_OWNER, &hooks);
+    if (o->pg == NULL) {
+        relay_owner_stop(o);
+        return NULL;
+    }
+    return o;
+}
+
+void relay_owner_stop(struct relay_owner *o)
+{
+    if (o == NULL)
+        return;
+    ev_timer_stop(o->r->loop, &o->tick);
+    relay_pgsrc_free(o->pg);
+    free(o->units);
+    free(o->plan);
+    relay_buf_free(&o->sql);
+    relay_buf_free(&o->begin);
+    relay_buf_free(&o->param_units);
+    relay_buf_free(&o->param_keys);
+    free(o);
+}
+
+const char *relay_owner_begin_sql(const struct relay_owner *o)
+{
+    return o != NULL && o->begin.data != NULL ? o->begin.data : "BEGIN";
+}
+
+void relay_owner_claim_params(const struct relay_owner *o, const char **units, const char **keys,
+                              const char **pid)
+{
+    int none = o == NULL || o->param_units.data == NULL;
+    *units = none ? "{}" : o->param_units.data;
+    *keys = none ? "{}" : o->param_keys.data;
+    *pid = none ? "0" : o->param_pid;
+}
+
+void relay_owner_figures(const struct relay_owner *o, struct relay_owner_figures *f)
+{
+    memset(f, 0, sizeof(*f));
+    if (o == NULL)
+        return;
+    f->members = o->nmembers;
+    f->owned = o->nready;
+    f->takeovers = o->takeovers;
+    f->partitions = o->nunits;
+}

@@ -1,0 +1,430 @@
+"""Several relays share a partitioned topic (docs/DESIGN.md, "Several relays").
+
+Promises tested, with three relays against one database and one Redis, a
+topic of 8 partitions, 1,000 keys and 8 producers that write each key's
+sequence numbers in transactions serialised per key (the aggregate's row is
+locked, then the outbox row inserted):
+- the relays divide the 8 partitions among themselves (3, 3 and 2);
+- a relay SIGKILLed has its partitions taken over by the others within 5 s,
+  measured from the kill to the last "took" line, and gets its share back
+  when it is restarted;
+- a relay frozen with SIGSTOP for longer than its publish deadline loses its
+  partitions to the others and, resumed, publishes nothing late;
+- a relay cut off from PostgreSQL by a proxy has its partitions taken over
+  within 5 s of the cut;
+- a row too large to publish, in the middle of one key, holds back that key
+  only, through all of the above; fixed and retried with "failed retry", it
+  and the rows behind it are published in order;
+- at the end every key's entries are in the stream of its partition alone,
+  their sequence numbers 1..n in order, none missing, none doubled;
+- each partition was published by one relay at a time: from the relays'
+  logs, every batch a relay published to a partition comes after it took the
+  partition, and the span from a relay's taking a partition to its last batch
+  there never overlaps another relay's span over that partition.
+
+And the fence, step by step: relay A claims a key's rows and sends their
+publish into a blackholed Redis connection; A is frozen and its PostgreSQL
+sessions end; relay B takes the partition, publishes the rows, marks them
+sent and removes their dedup records; then A's publish reaches Redis, long
+after its deadline, and A is resumed. Redis refuses all five (its error
+statistics count five EXPIRED replies): the key's entries are 1..5 once
+each, where a publish without the deadline would have appended all five
+again behind them.
+"""
+
+import collections
+import random
+import re
+import signal
+import statistics
+import sys
+import threading
+import time
+import unittest
+
+import harness
+from faults import TcpProxy
+from harness import scalar, wait_until
+
+harness.require_relay()
+harness.set_deadline(420)
+
+PARTITIONS = 8
+KEYS = [f"k{i:04d}" for i in range(1000)]
+POISON_KEY = "k0042"
+
+LINE = re.compile(r"^(\S+) (\w+) (\w+): (.*)$")
+TOOK = re.compile(r"^took (\S+)/(\d+): ")
+RELEASED = re.compile(r"^released (\S+)/(\d+) ")
+GAVE_UP = re.compile(r"^gave up \d+ partitions")
+PUBLISHED = re.compile(r"^published a batch of \d+ rows to partitions (.*)$")
+
+
+def fnv1a32(data):
+    h = 0x811c9dc5
+    for b in data:
+        h = ((h ^ b) * 16777619) & 0xffffffff
+    return h
+
+
+def log_time(stamp):
+    when, _ = harness.parse_rfc3339_utc(stamp)
+    return when.timestamp()
+
+
+def events(log):
+    """[(time, kind, unit)] of one relay's log: took, released, gave_up, published."""
+    out = []
+    for line in log.splitlines():
+        m = LINE.match(line)
+        if not m or not m.group(1).endswith("Z"):
+            continue
+        t, comp, text = log_time(m.group(1)), m.group(3), m.group(4)
+        if comp == "owner":
+            if TOOK.match(text):
+                g = TOOK.match(text)
+                out.append((t, "took", f"{g.group(1)}/{g.group(2)}"))
+            elif RELEASED.match(text):
+                g = RELEASED.match(text)
+                out.append((t, "released", f"{g.group(1)}/{g.group(2)}"))
+            elif GAVE_UP.match(text):
+                out.append((t, "gave_up", None))
+        elif comp == "relay" and PUBLISHED.match(text):
+            for unit in PUBLISHED.match(text).group(1).split():
+                out.append((t, "published", unit))
+    return out
+
+
+def owned_at_end(evs):
+    owned = set()
+    for _, kind, unit in evs:
+        if kind == "took":
+            owned.add(unit)
+        elif kind == "released":
+            owned.discard(unit)
+        elif kind == "gave_up":
+            owned.clear()
+    return owned
+
+
+def spans(evs, deaths):
+    """{unit: [(start, end of its last publish)]} of one relay, and the publishes
+    that fell outside any ownership. deaths: times the process was killed.
+
+    A span starts when the relay took the partition. A batch claimed before it
+    released the partition (or lost its owner connection) may still publish
+    after that, until its transaction ends; the next owner's fence waits for
+    it. So a span ends at its last publish before the relay takes the
+    partition again or dies; that end must come before another relay's span
+    begins."""
+    stream = sorted(evs + [(t, "dead", None) for t in deaths], key=lambda e: e[0])
+    open_ = {}      # unit -> [took time, last publish or None]
+    out = collections.defaultdict(list)
+    stray = []
+
+    def close(unit):
+        start, last = open_.pop(unit)
+        if last is not None:
+            out[unit].append((start, last))
+
+    for t, kind, unit in stream:
+        if kind == "took":
+            if unit in open_:
+                close(unit)
+            open_[unit] = [t, None]
+        elif kind == "dead":
+            for u in list(open_):
+                close(u)
+        elif kind == "published":
+            if unit in open_:
+                open_[unit][1] = t
+            else:
+                stray.append((t, unit))
+    for u in list(open_):
+        close(u)
+    return out, stray
+
+
+class SeveralRelaysTest(unittest.TestCase):
+
+    def test_three_relays_share_partitions_through_faults(self):
+        with harness.Postgres() as pg, harness.Redis() as redis, \
+                TcpProxy(pg.port, name="pg proxy") as proxy:
+            db = pg.connect()
+            r = redis.client()
+            with db.cursor() as cur:
+                cur.execute("SELECT outbox.set_partitions('orders', %s)", (PARTITIONS,))
+                cur.execute("CREATE TABLE test_keys (key text PRIMARY KEY, seq int NOT NULL)")
+                cur.execute("INSERT INTO test_keys SELECT k, 0 FROM unnest(%s::text[]) AS k",
+                            (KEYS,))
+            flags = dict(poll_interval="100ms", batch_size="100", publish_timeout="2s",
+                         max_payload_bytes="1000", log_level="debug")
+            proxied = pg.dsn().replace(f"port={pg.port}", f"port={proxy.port}")
+            relays = [harness.Relay(pg, redis, **flags), harness.Relay(pg, redis, **flags),
+                      harness.Relay(pg, redis, env={"OUTBOX_RELAY_POSTGRES": proxied}, **flags)]
+            deaths = {i: [] for i in range(3)}
+            for relay in relays:
+                harness._register(relay)
+                relay.start()
+            self.redis = redis
+            try:
+                self.run_faults(pg, db, r, relays, proxy, deaths)
+            except BaseException:
+                for relay in relays:
+                    print(relay.log_tail(60), file=sys.stderr)
+                raise
+            finally:
+                for relay in relays:
+                    relay.stop()
+                    report = harness.sanitizer_report(relay.log())
+                    relay_logs = relay.log()
+                    relay.close()
+                    self.assertIsNone(report, report)
+                    self.logs = getattr(self, "logs", []) + [relay_logs]
+
+    def share(self, relay, since=0):
+        return relay.wait_for_log(r"owner: relay \d of 3 \(member slot \d+\): its share is"
+                                  r" (\d) of 8", timeout=20, since=since)
+
+    def took_after(self, relays, skip, units, t0):
+        """The latest first "took" time after t0, over units, in the other relays; None
+        while one is missing."""
+        first = {}
+        for i, relay in enumerate(relays):
+            if i == skip:
+                continue
+            for t, kind, unit in events(relay.log()):
+                if kind == "took" and unit in units and t >= t0:
+                    first[unit] = min(first.get(unit, t), t)
+        return max(first.values()) if len(first) == len(units) else None
+
+    def run_faults(self, pg, db, r, relays, proxy, deaths):
+        for relay in relays:
+            self.share(relay)
+        wait_until(lambda: sum(len(owned_at_end(events(x.log()))) for x in relays) == 8,
+                   timeout=20, message="the 8 partitions to be taken")
+        shares = sorted(len(owned_at_end(events(x.log()))) for x in relays)
+        self.assertEqual(shares, [2, 3, 3])
+
+        stop = threading.Event()
+        errors = []
+        written = collections.Counter()
+
+        def produce(index):
+            rng = random.Random(index)
+            conn = pg.connect(autocommit=False)
+            try:
+                while not stop.is_set():
+                    key = rng.choice(KEYS)
+                    with conn.cursor() as cur:
+                        cur.execute("UPDATE test_keys SET seq = seq + 1 WHERE key = %s"
+                                    " RETURNING seq", (key,))
+                        seq = cur.fetchone()[0]
+                        payload = str(seq).encode()
+                        if key == POISON_KEY and seq == 3:
+                            payload += b" " * 2000  # over max_payload_bytes
+                        cur.execute("INSERT INTO outbox.messages (topic, partition_key, payload)"
+                                    " VALUES ('orders', %s, %s)", (key, payload))
+                    conn.commit()
+                    written[index] += 1
+                    time.sleep(0.003)
+            except Exception as e:  # noqa: BLE001 - reported by the test
+                errors.append(repr(e))
+            finally:
+                conn.close()
+
+        producers = [threading.Thread(target=produce, args=(i,), daemon=True) for i in range(8)]
+        for t in producers:
+            t.start()
+        takeovers = []
+        try:
+            wait_until(lambda: scalar(db, "SELECT count(*) FROM outbox.messages"
+                                          " WHERE failed_at IS NOT NULL") == 1,
+                       timeout=60, message="the poison row to be quarantined")
+
+            # SIGKILL, four times, then the relay back.
+            for round_ in range(4):
+                victim = round_ % 2
+                owned = owned_at_end(events(relays[victim].log()))
+                self.assertTrue(owned, f"relay {victim} owns nothing before its kill")
+                t_kill = time.time()
+                relays[victim].kill()
+                deaths[victim].append(time.time())  # reaped: it logs nothing after this
+                took = wait_until(lambda: self.took_after(relays, victim, owned, t_kill),
+                                  timeout=15, message=f"the partitions {sorted(owned)} of the"
+                                  " killed relay to be taken over")
+                takeovers.append(("kill", took - t_kill))
+                mark = relays[victim].mark()
+                relays[victim].start()
+                self.share(relays[victim], since=mark)
+                time.sleep(2.0)
+
+            # SIGSTOP for three publish deadlines, then SIGCONT.
+            owned = owned_at_end(events(relays[1].log()))
+            t_stop = time.time()
+            relays[1].kill(signal.SIGSTOP)
+            took = wait_until(lambda: self.took_after(relays, 1, owned, t_stop), timeout=20,
+                              message="the frozen relay's partitions to be taken over")
+            takeovers.append(("stop", took - t_stop))
+            time.sleep(max(0.0, t_stop + 6.0 - time.time()))
+            mark = relays[1].mark()
+            relays[1].kill(signal.SIGCONT)
+            relays[1].wait_for_log(r"owner: gave up \d+ partitions", timeout=15, since=mark)
+            self.share(relays[1], since=mark)
+            time.sleep(2.0)
+
+            # The third relay cut off from PostgreSQL for 6 s.
+            owned = owned_at_end(events(relays[2].log()))
+            t_cut = time.time()
+            proxy.cut()
+            took = wait_until(lambda: self.took_after(relays, 2, owned, t_cut), timeout=15,
+                              message="the cut-off relay's partitions to be taken over")
+            takeovers.append(("cut", took - t_cut))
+            time.sleep(max(0.0, t_cut + 6.0 - time.time()))
+            mark = relays[2].mark()
+            proxy.restore()
+            self.share(relays[2], since=mark)
+            time.sleep(2.0)
+        finally:
+            stop.set()
+            for t in producers:
+                t.join(timeout=30)
+        self.assertEqual(errors, [])
+
+        # The poison row, fixed and retried: its key goes on, in order.
+        self.assertEqual(scalar(db, "SELECT count(*) FROM outbox.messages"
+                                    " WHERE failed_at IS NOT NULL AND sent_at IS NULL"), 1)
+        wait_until(lambda: scalar(db, "SELECT count(*) FROM outbox.messages"
+                                      " WHERE partition_key <> %s AND sent_at IS NULL",
+                                  (POISON_KEY,)) == 0,
+                   timeout=60, message="every row of the other keys to be sent")
+        held = scalar(db, "SELECT count(*) FROM outbox.messages WHERE partition_key = %s"
+                          " AND sent_at IS NULL AND failed_at IS NULL", (POISON_KEY,))
+        poison_id = scalar(db, "SELECT id FROM outbox.messages WHERE failed_at IS NOT NULL")
+        with db.cursor() as cur:
+            cur.execute("UPDATE outbox.messages SET payload = '3' WHERE id = %s", (poison_id,))
+        done = harness.run_relay(["failed", "retry", str(poison_id)],
+                                 env=harness.relay_env(pg, self.redis))
+        self.assertEqual(done.returncode, 0, done.output)
+        harness.wait_all_sent(db, timeout=60)
+        self.assertEqual(scalar(db, "SELECT count(*) FROM outbox.messages"
+                                    " WHERE sent_at IS NULL"), 0)
+
+        # Every key: one stream, the right one, 1..n in order.
+        with db.cursor() as cur:
+            cur.execute("SELECT key, seq FROM test_keys")
+            final = dict(cur.fetchall())
+        per_key = collections.defaultdict(list)
+        streams_of = collections.defaultdict(set)
+        for p in range(PARTITIONS):
+            for _, f in harness.stream_entries(r, f"orders:{p:03d}"):
+                key = f[b"key"].decode()
+                per_key[key].append(int(f[b"payload"]))
+                streams_of[key].add(p)
+        wrong_stream = [k for k in per_key
+                        if streams_of[k] != {fnv1a32(k.encode()) % PARTITIONS}]
+        missing = doubled = disorder = 0
+        for key, n in final.items():
+            got = per_key.get(key, [])
+            missing += len(set(range(1, n + 1)) - set(got))
+            doubled += len(got) - len(set(got))
+            disorder += sum(1 for a, b in zip(got, got[1:]) if b <= a)
+        entries = sum(len(v) for v in per_key.values())
+
+        # One relay at a time per partition, from the logs.
+        by_unit = collections.defaultdict(list)
+        strays = []
+        for i, relay in enumerate(relays):
+            sp, stray = spans(events(relay.log()), deaths[i])
+            strays += [(i, s) for s in stray]
+            for unit, lst in sp.items():
+                by_unit[unit] += [(a, b, i) for a, b in lst]
+        overlaps = []
+        for unit, lst in by_unit.items():
+            lst.sort()
+            for j, (a, b, i) in enumerate(lst):
+                for a2, b2, i2 in lst[j + 1:]:
+                    if i2 != i and a2 < b:
+                        overlaps.append((unit, i, (a, b), i2, (a2, b2)))
+        expired = len(re.findall(r"publish deadline passed", relays[1].log()))
+        times = sorted(t for _, t in takeovers)
+        print(f"\nseveral relays: {entries} entries of {len(final)} keys; {len(takeovers)}"
+              f" takeovers: min {times[0]:.2f} s, median {statistics.median(times):.2f} s,"
+              f" max {times[-1]:.2f} s ({', '.join(f'{k} {t:.2f}' for k, t in takeovers)});"
+              f" {held} rows of the poison row's key waited behind it while every other key"
+              f" was published; missing {missing}, doubled {doubled}, out of order"
+              f" {disorder}, in a wrong stream {len(wrong_stream)}; ownership spans"
+              f" {sum(len(v) for v in by_unit.values())}, overlapping {len(overlaps)},"
+              f" publishes outside ownership {len(strays)}; late publishes the deadline"
+              f" refused after SIGCONT {expired}", file=sys.stderr)
+        self.assertEqual((missing, doubled, disorder, wrong_stream), (0, 0, 0, []))
+        self.assertGreater(held, 0, "no row of the poison row's key was held behind it")
+        self.assertEqual(overlaps, [])
+        self.assertEqual(strays, [])
+        for kind, t in takeovers:
+            if kind in ("kill", "cut"):
+                self.assertLess(t, 5.0, f"takeover after {kind} took {t:.2f} s")
+        self.assertEqual(len(per_key), len(final))
+
+
+class FenceTest(unittest.TestCase):
+
+    def test_a_late_publish_never_lands_behind_the_new_owner(self):
+        with harness.Postgres() as pg, harness.Redis() as redis, \
+                TcpProxy(redis.port, name="redis proxy") as proxy:
+            db = pg.connect()
+            r = redis.client()
+            scalar(db, "SELECT outbox.set_partitions('orders', 2)")
+            flags = dict(poll_interval="100ms", publish_timeout="1s", log_level="debug")
+            a = harness.Relay(pg, redis, env={"OUTBOX_RELAY_REDIS":
+                                              f"redis://127.0.0.1:{proxy.port}/0"}, **flags)
+            with a:
+                a.wait_for_log(r"owner: took orders/1: ", timeout=20)
+                a.wait_for_log(r"owner: took orders/0: ", timeout=20)
+                harness.insert(db, "orders", b"0", key="warm-up")
+                wait_until(lambda: r.xlen("orders:%03d" % (fnv1a32(b"warm-up") % 2)) == 1,
+                           timeout=20, relay=a, message="the warm-up entry")
+                proxy.blackhole()
+                harness.insert_many(db, [("orders", str(i).encode(), "k") for i in range(1, 6)])
+                # Claimed (locked) by A, whose publish now waits in the proxy.
+                wait_until(lambda: scalar(db, "SELECT count(*) FROM (SELECT 1 FROM"
+                                              " outbox.messages WHERE sent_at IS NULL"
+                                              " FOR UPDATE SKIP LOCKED) AS free") == 0,
+                           timeout=20, relay=a, message="relay A to claim the rows")
+                time.sleep(0.2)
+                a.kill(signal.SIGSTOP)
+                try:
+                    scalar(db, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                               " WHERE application_name LIKE 'outbox-relay%'")
+                    with harness.Relay(pg, redis, **flags) as b:
+                        harness.wait_all_sent(db, timeout=30, relay=b)
+                        stream = "orders:%03d" % (fnv1a32(b"k") % 2)
+                        self.assertEqual([int(f[b"payload"]) for _, f in
+                                          harness.stream_entries(r, stream)
+                                          if f[b"key"] == b"k"], [1, 2, 3, 4, 5])
+                        wait_until(lambda: not list(r.scan_iter(match="{%s}:dedup:*" % stream)),
+                                   timeout=20, relay=b,
+                                   message="B to remove the rows' dedup records")
+                        mark = a.mark()
+                        time.sleep(1.5)  # well past A's deadline
+                        proxy.restore(held="deliver")
+                        a.kill(signal.SIGCONT)
+
+                        def expired():
+                            stat = r.info("errorstats").get("errorstat_EXPIRED", "count=0")
+                            if isinstance(stat, dict):
+                                return int(stat.get("count", 0))
+                            return int(str(stat).split("=")[1])
+                        wait_until(lambda: a.mark() > mark, timeout=20, relay=a,
+                                   message="relay A to run again")
+                        time.sleep(2.0)  # A's late publish has reached Redis
+                        got = [int(f[b"payload"]) for _, f in harness.stream_entries(r, stream)
+                               if f[b"key"] == b"k"]
+                        self.assertEqual(got, [1, 2, 3, 4, 5])
+                        self.assertEqual(expired(), 5, "Redis refused A's five late publishes")
+                finally:
+                    a.kill(signal.SIGCONT)
+
+
+if __name__ == "__main__":
+    unittest.main()
