@@ -20,6 +20,7 @@
 #include "relay/compat.h"
 
 #include "relay/observe.h"
+#include "relay/pgsrc.h"
 
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
@@ -279,6 +280,12 @@ static int pg_rows(PGresult *r, struct relay_observation *o)
     PQclear(r);
     return 0;
 }
+/* The relays' advisory locks in this database (relay/owner.c). */
+#define OWNER_LOCKS                                                                                \
+    " FROM pg_locks l WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted"              \
+    " AND l.mode = 'ExclusiveLock' AND l.database ="                                               \
+    " (SELECT oid FROM pg_database WHERE datname = current_database())"
+
 static const char outbox_sql[] =
     "SELECT (SELECT max(id) - min(id) + 1 FROM (SELECT id FROM outbox.messages"
     "   WHERE sent_at IS NULL AND failed_at IS NULL ORDER BY id LIMIT 1) a"
@@ -295,7 +302,12 @@ static const char outbox_sql[] =
     "   WHERE b.sent_at IS NULL AND (b.failed_at IS NOT NULL OR b.retry_at > now())"
     "   AND b.partition_key IS NOT NULL"
     "   AND b.topic = ANY(ARRAY(SELECT t.topic FROM outbox.topics t WHERE t.partitions > 1))"
-    "   LIMIT 1000000) k)";
+    "   LIMIT 1000000) k),"
+    /* The relays running against this database, the partitions they own
+     * and the partitions there are (relay/owner.c). */
+    " (SELECT count(*)" OWNER_LOCKS " AND l.classid = " RELAY_OWNER_MEMBER_NS "),"
+    " (SELECT count(DISTINCT l.objid)" OWNER_LOCKS " AND l.classid = " RELAY_OWNER_UNIT_NS "),"
+    " (SELECT coalesce(sum(t.partitions), 0) FROM outbox.topics t WHERE t.partitions > 1)";
 
 /*
  * Per topic, from the (topic, id) pending index: the span of pending ids and
@@ -476,6 +488,9 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
     o->outbox_bytes = PQgetisnull(r, 0, 3) ? -1 : strtoll(PQgetvalue(r, 0, 3), NULL, 10);
     o->outbox_dead_rows = PQgetisnull(r, 0, 4) ? -1 : strtoll(PQgetvalue(r, 0, 4), NULL, 10);
     o->blocked_keys = strtoll(PQgetvalue(r, 0, 5), NULL, 10);
+    o->relays = strtoll(PQgetvalue(r, 0, 6), NULL, 10);
+    o->partitions_owned = strtoll(PQgetvalue(r, 0, 7), NULL, 10);
+    o->partitions = strtoll(PQgetvalue(r, 0, 8), NULL, 10);
     PQclear(r);
 
     r = relay_observe_pg_exec(pg, cfg, stop,
@@ -863,6 +878,9 @@ void relay_observe_text(const struct relay_observation *o, char *outbuf, size_t 
         age_text(a1, sizeof(a1), o->outbox_oldest_age);
         put(&b, "Outbox      ~%lld pending, oldest %s, %lld quarantined\n", o->outbox_pending, a1,
             o->quarantined);
+        if (o->partitions > 0 || o->relays > 1)
+            put(&b, "Relays      %lld running; %lld of %lld partitions owned\n", o->relays,
+                o->partitions_owned, o->partitions);
         if (o->blocked_keys > 0)
             put(&b,
                 "Keys        %lld held back behind a quarantined or retrying row"
@@ -944,10 +962,11 @@ void relay_observe_json(const struct relay_observation *o, char *outbuf, size_t 
     put(&b,
         "},\"outbox\":{\"pending_estimate\":%lld,\"oldest_pending_age_seconds\":%.3f,"
         "\"quarantined\":%lld,\"blocked_keys\":%lld},"
+        "\"relays\":{\"running\":%lld,\"partitions\":%lld,\"partitions_owned\":%lld},"
         "\"admission\":{\"topics\":%lld,\"refused\":%lld},"
         "\"topics\":[",
-        o->outbox_pending, o->outbox_oldest_age, o->quarantined, o->blocked_keys,
-        o->admission_topics, o->admission_refused);
+        o->outbox_pending, o->outbox_oldest_age, o->quarantined, o->blocked_keys, o->relays,
+        o->partitions, o->partitions_owned, o->admission_topics, o->admission_refused);
     for (size_t i = 0; i < o->ntopics; i++) {
         const struct relay_topic_obs *t = &o->topics[i];
         put(&b, "%s{\"topic\":", i ? "," : "");

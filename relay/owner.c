@@ -118,10 +118,11 @@ static void publish_claim_params(struct relay_owner *o)
     if (n == 0)
         relay_buf_puts(&o->begin, "BEGIN");
     else
-        relay_buf_printf(&o->begin,
-                         "BEGIN; SELECT count(pg_try_advisory_xact_lock_shared(" RELAY_OWNER_FENCE_NS
-                         ", k)) FROM unnest('%s'::int[]) AS k",
-                         o->param_keys.data);
+        relay_buf_printf(
+            &o->begin,
+            "BEGIN; SELECT count(pg_try_advisory_xact_lock_shared(" RELAY_OWNER_FENCE_NS
+            ", k)) FROM unnest('%s'::int[]) AS k",
+            o->param_keys.data);
     snprintf(o->param_pid, sizeof(o->param_pid), "%ld", n ? o->pid : 0L);
     int more = n > o->nready;
     o->nready = n;
@@ -201,8 +202,10 @@ static void log_layout(struct relay_owner *o)
     for (size_t i = 0; i < o->nunits; i++)
         want += o->units[i].want != 0;
     if (o->me >= 0)
-        snprintf(text, sizeof(text), "relay %ld of %zu (member slot %d): its share is %zu of %zu"
-                 " partitions", o->me + 1, o->nmembers, (int)o->slot, want, o->nunits);
+        snprintf(text, sizeof(text),
+                 "relay %ld of %zu (member slot %d): its share is %zu of %zu"
+                 " partitions",
+                 o->me + 1, o->nmembers, (int)o->slot, want, o->nunits);
     else
         snprintf(text, sizeof(text), "member slot %d is not listed yet", (int)o->slot);
     if (strcmp(text, o->layout) != 0) {
@@ -236,9 +239,9 @@ static int read_look(struct relay_owner *o, PGresult *res)
             nt++;
         } else if (total + (size_t)v > UNITS_MAX) {
             relay_warn(COMPONENT,
-                          "topic %s and those after it are not divided among relays: more than "
-                          "%d partitions in all; lower their counts with outbox.set_partitions",
-                          PQgetvalue(res, i, 2), UNITS_MAX);
+                       "topic %s and those after it are not divided among relays: more than "
+                       "%d partitions in all; lower their counts with outbox.set_partitions",
+                       PQgetvalue(res, i, 2), UNITS_MAX);
         }
     }
     o->nmembers = nm;
@@ -264,9 +267,9 @@ static int send_locks(struct relay_owner *o)
 {
     size_t n = 0;
     relay_buf_reset(&o->sql);
-    relay_buf_puts(&o->sql, "SELECT v.k, CASE WHEN v.w THEN pg_try_advisory_lock(" RELAY_OWNER_UNIT_NS
-                            ", v.k) ELSE pg_advisory_unlock(" RELAY_OWNER_UNIT_NS
-                            ", v.k) END FROM (VALUES ");
+    relay_buf_puts(
+        &o->sql, "SELECT v.k, CASE WHEN v.w THEN pg_try_advisory_lock(" RELAY_OWNER_UNIT_NS
+                 ", v.k) ELSE pg_advisory_unlock(" RELAY_OWNER_UNIT_NS ", v.k) END FROM (VALUES ");
     int dropped = 0;
     for (size_t i = 0; i < o->nunits; i++) {
         struct relay_unit *u = &o->units[i];
@@ -328,10 +331,11 @@ static int send_fence(struct relay_owner *o)
     relay_buf_reset(&o->sql);
     /* One implicit transaction: its locks go with it, also when the wait
      * times out half-way. */
-    relay_buf_printf(&o->sql,
-                     "SET LOCAL lock_timeout = %d; SELECT count(pg_advisory_xact_lock("
-                     RELAY_OWNER_FENCE_NS ", k)::text) FROM unnest('{",
-                     FENCE_WAIT_MS);
+    relay_buf_printf(
+        &o->sql,
+        "SET LOCAL lock_timeout = %d; SELECT count(pg_advisory_xact_lock(" RELAY_OWNER_FENCE_NS
+        ", k)::text) FROM unnest('{",
+        FENCE_WAIT_MS);
     for (size_t i = 0; i < o->nunits; i++) {
         const struct relay_unit *u = &o->units[i];
         if (u->held && u->want && !u->ready && unit_by_key(o, u->key, 1) == u) {
@@ -429,6 +433,8 @@ static void on_step(struct relay_pgsrc *pg, PGresult *res, const char *err, cons
             return;
         }
         log_layout(o);
+        if (o->nmembers > 1)
+            relay_wakeup_share(o->r);
     } else if (step == STEP_LOCKS && res != NULL) {
         read_locks(o, res);
     } else if (step == STEP_FENCE) {

@@ -715,14 +715,17 @@ static void run_setup(struct relay_pgsrc *pg)
     const struct relay_config *cfg = pg->cfg;
 
     if (pg->setup == SETUP_SESSION) {
-        /* A claim transaction stays open while Redis acknowledges the batch:
-         * the idle-in-transaction limit sits well above the publish deadline
-         * but still frees the row locks if this process hangs. The claim is
+        /* A claim transaction stays open while Redis acknowledges the batch,
+         * and with the pipeline while the batch before it is acknowledged:
+         * the idle-in-transaction limit sits above two publish deadlines but
+         * frees the row locks soon if this process hangs or is cut off, and
+         * with them the partitions another relay waits to take over
+         * (relay/owner.c). The claim is
          * planned once: its generic plan is the one wanted for any
          * parameters, where a custom plan each time costs 0.4 ms, and JIT
          * would compile it (15-25 ms) whenever the generic estimate passes
          * jit_above_cost. */
-        uint32_t idle_tx_ms = cfg->publish_timeout_ms * 2 + cfg->statement_timeout_ms;
+        uint32_t idle_tx_ms = cfg->publish_timeout_ms * 2 + 2000;
         if (pg->role == RELAY_PGSRC_CLAIM)
             snprintf(sql, sizeof(sql),
                      SERVER_KEEPALIVES "SET statement_timeout = %u; SET lock_timeout = %u;"

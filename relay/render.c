@@ -15,6 +15,7 @@
 #include "relay/config.h"
 #include "relay/daemon.h"
 #include "relay/metrics.h"
+#include "relay/owner.h"
 #include "relay/pgsrc.h"
 #include "relay/sink.h"
 
@@ -130,6 +131,22 @@ static void render_relay(const struct relay *r, struct relay_buf *t)
          "Rows this relay quarantined: at once for a permanent failure, after max_attempts for "
          "a transient one.");
     relay_buf_printf(t, "outbox_relay_rows_quarantined_total %llu\n", f->quarantined_total);
+    struct relay_owner_figures own;
+    relay_owner_figures(r->owner, &own);
+    help(t, "outbox_relay_relays", "gauge",
+         "Relays running against this database (member slots held), as this relay last saw; 0 "
+         "while its owner connection is down.");
+    relay_buf_printf(t, "outbox_relay_relays %zu\n", own.members);
+    help(t, "outbox_relay_partitions", "gauge",
+         "Partitions of partitioned topics in this database, divided among the relays.");
+    relay_buf_printf(t, "outbox_relay_partitions %zu\n", own.partitions);
+    help(t, "outbox_relay_partitions_owned", "gauge",
+         "Partitions this relay owns and claims from.");
+    relay_buf_printf(t, "outbox_relay_partitions_owned %zu\n", own.owned);
+    help(t, "outbox_relay_partition_takeovers_total", "counter",
+         "Partitions this relay has taken: at start, from a relay that stopped or was cut off, "
+         "and when the relays rebalance.");
+    relay_buf_printf(t, "outbox_relay_partition_takeovers_total %llu\n", own.takeovers);
     help(t, "outbox_relay_wakeup_lock_foreign_holder", "gauge",
          "1 for the session other than this relay that holds the wake-up lock while this relay "
          "is idle: producers skip their notifications meanwhile.");

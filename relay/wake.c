@@ -107,6 +107,12 @@ void relay_wake_settle_due(struct relay_wake *w)
         settle_ended(w);
 }
 
+void relay_wake_released(struct relay_wake *w)
+{
+    if (w->lock == RELAY_LOCK_HELD)
+        w->lock = RELAY_LOCK_FREE;
+}
+
 void relay_wake_listen_down(struct relay_wake *w)
 {
     if (w->lock == RELAY_LOCK_HELD)

@@ -22,6 +22,7 @@
 #include "relay/config.h"
 #include "relay/daemon.h"
 #include "relay/log.h"
+#include "relay/owner.h"
 #include "relay/pgsrc.h"
 #include "relay/tools.h"
 
@@ -75,16 +76,45 @@ static void on_lock_taken(struct relay_pgsrc *pg, PGresult *res, const char *err
     relay_wake_lock_taken(&r->wake, err == NULL);
 }
 
-/* Runs on the LISTEN connection, which has nothing else to do while busy. */
+/* Runs on the LISTEN connection, which has nothing else to do while busy.
+ * With several relays against the database none takes the lock: a busy
+ * relay cannot tell whether the others are busy too, and an idle one must
+ * hear of the rows of its partitions at once, so producers always notify
+ * (docs/DESIGN.md, "Several relays"). A relay that held the lock when
+ * another joined releases it the next time it is idle. */
 static int op_take_lock(void *arg)
 {
     struct relay *r = arg;
-    if (!listen_ready(r))
+    struct relay_owner_figures owners;
+    relay_owner_figures(r->owner, &owners);
+    if (!listen_ready(r) || owners.members > 1)
         return -1;
     return relay_pgsrc_send(r->listen,
                             "SET lock_timeout = " WAKEUP_LOCK_TIMEOUT_MS ";"
                             " SELECT pg_advisory_lock(" WAKEUP_LOCK ")",
                             0, NULL, 0, on_lock_taken, r);
+}
+
+static void on_lock_given_up(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                             const char *sqlstate, void *arg)
+{
+    struct relay *r = arg;
+    (void)pg;
+    (void)res;
+    (void)sqlstate;
+    if (r->stopping || err != NULL)
+        return;
+    relay_debug(COMPONENT, "another relay runs: wake-up lock released; producers notify again");
+    relay_wake_released(&r->wake);
+}
+
+void relay_wakeup_share(struct relay *r)
+{
+    if (r->wake.lock != RELAY_LOCK_HELD || r->wake.settling || !listen_ready(r))
+        return;
+    if (relay_pgsrc_send(r->listen, "SELECT pg_advisory_unlock_all()", 0, NULL, 0, on_lock_given_up,
+                         r) < 0)
+        relay_debug(COMPONENT, "cannot release the wake-up lock now; it goes when idle");
 }
 
 static void on_idle_declared(struct relay_pgsrc *pg, PGresult *res, const char *err,

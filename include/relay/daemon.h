@@ -129,6 +129,8 @@ extern const double relay_batch_buckets[RELAY_BATCH_BUCKETS];
 /* relay/wakeup.c: the LISTEN connection and the wake-up protocol. */
 int relay_wakeup_start(struct relay *r) __attribute__((warn_unused_result));
 void relay_wakeup_stop(struct relay *r);
+/* Another relay runs: give the wake-up lock up now if it is held. */
+void relay_wakeup_share(struct relay *r);
 
 /* relay/relay.c: leaves the loop once draining is complete. */
 void relay_drain_step(struct relay *r);

@@ -71,6 +71,9 @@ struct relay_observation {
     double outbox_oldest_age;    /* seconds; -1 when none */
     long long quarantined;       /* rows with failed_at set */
     long long blocked_keys;      /* keys of partitioned topics held back by a failed row */
+    long long relays;            /* relays holding a member slot in this database */
+    long long partitions;        /* partitions of partitioned topics */
+    long long partitions_owned;  /* of those, held by a relay */
     char durability[128];        /* "appendonly yes, appendfsync always" */
     long long admission_topics;  /* topics whose admission was decided (or read) */
     long long admission_refused; /* of those, refused */

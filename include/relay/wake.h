@@ -62,6 +62,9 @@ void relay_wake_declared(struct relay_wake *w, int ok, long writers);
 void relay_wake_settle_checked(struct relay_wake *w, long running);
 /* The settle timer fired. */
 void relay_wake_settle_due(struct relay_wake *w);
+/* The lock was given up while busy (another relay joined): producers
+ * notify again. */
+void relay_wake_released(struct relay_wake *w);
 /* The LISTEN connection broke: the server released the lock with it. */
 void relay_wake_listen_down(struct relay_wake *w);
 /* The poll timer fired. */

@@ -9,9 +9,12 @@ locked, then the outbox row inserted):
   measured from the kill to the last "took" line, and gets its share back
   when it is restarted;
 - a relay frozen with SIGSTOP for longer than its publish deadline loses its
-  partitions to the others and, resumed, publishes nothing late;
+  partitions to the others within 10 s and, resumed, publishes nothing late;
 - a relay cut off from PostgreSQL by a proxy has its partitions taken over
-  within 5 s of the cut;
+  within 5 s of the cut; behind a half-open connection (the proxy forwards
+  nothing and closes nothing), within 10 s: the server ends its silent owner
+  session after 3 s and a claim transaction it left open after two publish
+  deadlines and 2 s;
 - a row too large to publish, in the middle of one key, holds back that key
   only, through all of the above; fixed and retried with "failed retry", it
   and the rows behind it are published in order;
@@ -33,6 +36,7 @@ again behind them.
 """
 
 import collections
+import json
 import random
 import re
 import signal
@@ -41,6 +45,7 @@ import sys
 import threading
 import time
 import unittest
+import urllib.request
 
 import harness
 from faults import TcpProxy
@@ -206,6 +211,23 @@ class SeveralRelaysTest(unittest.TestCase):
         shares = sorted(len(owned_at_end(events(x.log()))) for x in relays)
         self.assertEqual(shares, [2, 3, 3])
 
+        # Seen from outside: each relay's metrics, and status.
+        def figures(relay):
+            url = f"http://{relay.env['OUTBOX_RELAY_METRICS_LISTEN']}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                text = reply.read().decode()
+            return tuple(int(float(harness.metric(text, name) or -1)) for name in
+                         ("outbox_relay_relays", "outbox_relay_partitions",
+                          "outbox_relay_partitions_owned"))
+        wait_until(lambda: sorted(figures(x) for x in relays) ==
+                   [(3, 8, 2), (3, 8, 3), (3, 8, 3)], timeout=15,
+                   message="each relay's metrics to show 3 relays and its share of 8")
+        status = harness.run_relay(["status", "--json"], env=harness.relay_env(pg, self.redis))
+        self.assertEqual(json.loads(status.stdout)["relays"],
+                         {"running": 3, "partitions": 8, "partitions_owned": 8}, status.output)
+        text = harness.run_relay(["status"], env=harness.relay_env(pg, self.redis))
+        self.assertIn("Relays      3 running; 8 of 8 partitions owned", text.stdout)
+
         stop = threading.Event()
         errors = []
         written = collections.Counter()
@@ -283,6 +305,22 @@ class SeveralRelaysTest(unittest.TestCase):
             time.sleep(max(0.0, t_cut + 6.0 - time.time()))
             mark = relays[2].mark()
             proxy.restore()
+            self.share(relays[2], since=mark)
+            time.sleep(2.0)
+
+            # The same relay behind a half-open connection: the proxy keeps
+            # every connection open and forwards nothing. The server ends the
+            # silent owner session after 3 s and an open claim transaction
+            # after two publish deadlines and 2 s.
+            owned = owned_at_end(events(relays[2].log()))
+            t_hole = time.time()
+            proxy.blackhole()
+            took = wait_until(lambda: self.took_after(relays, 2, owned, t_hole), timeout=20,
+                              message="the half-open relay's partitions to be taken over")
+            takeovers.append(("half-open", took - t_hole))
+            time.sleep(max(0.0, t_hole + 8.0 - time.time()))
+            mark = relays[2].mark()
+            proxy.restore(held="drop")
             self.share(relays[2], since=mark)
             time.sleep(2.0)
         finally:
@@ -364,6 +402,8 @@ class SeveralRelaysTest(unittest.TestCase):
         for kind, t in takeovers:
             if kind in ("kill", "cut"):
                 self.assertLess(t, 5.0, f"takeover after {kind} took {t:.2f} s")
+            else:  # the server's idle limits: 3 s, or 2 x 2 s + 2 s with a claim open
+                self.assertLess(t, 10.0, f"takeover after {kind} took {t:.2f} s")
         self.assertEqual(len(per_key), len(final))
 
 
