@@ -127,6 +127,14 @@ def metric(text, name, **labels):
     return float(m.group(1)) if m else None
 
 
+def metrics_text(daemon, timeout=5):
+    """The /metrics page of a relay started with relay_env() (its own port)."""
+    import urllib.request
+    url = f"http://{daemon.env['OUTBOX_RELAY_METRICS_LISTEN']}/metrics"
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return reply.read().decode()
+
+
 def port_open(port, host="127.0.0.1"):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
