@@ -25,9 +25,9 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
              BENCH_STORAGE_ROUNDS alternating rounds: PostgreSQL CPU per
              message and the claim on fresh rows before and right after each
              drain
-  partitions the same keyed backlog drained by one relay with its 4 topics
-             unpartitioned and with 8 partitions each, in
-             BENCH_PARTITION_ROUNDS alternating rounds
+  partitions a keyed backlog on one topic drained by one relay with the
+             topic unpartitioned, and with 8 partitions by 1, 2 and 3 relays,
+             in BENCH_PARTITION_ROUNDS alternating rounds
   profile    perf record -a during a drain: where the machine's time goes
 
 Sizes come from the environment (BENCH_QUICK=1 for a two-minute smoke run);
@@ -610,63 +610,92 @@ PARTITION_ROUNDS = env_int("BENCH_PARTITION_ROUNDS", 2)
 PARTITION_KEYS = 10000
 
 
-def keyed_backlog(conn, rc, n, partitions):
-    """n pending rows with partition keys ('key-0' ... 'key-9999') over TOPICS
-    topics of `partitions` partitions each, vacuumed and checkpointed."""
-    execute(conn, "TRUNCATE outbox.messages RESTART IDENTITY")
-    execute(conn, "TRUNCATE outbox.topics")
-    rc.flushall()
-    if partitions > 1:
-        for i in range(TOPICS):
-            execute(conn, "SELECT outbox.set_partitions(%s, %s)", (f"bench{i}", partitions))
-    execute(conn, "INSERT INTO outbox.messages (topic, partition_key, payload)"
-                  " SELECT 'bench' || (g %% %s), 'key-' || (g %% %s),"
-                  " substring(decode(repeat(md5(g::text), 13), 'hex') FROM 1 FOR %s)"
-                  " FROM generate_series(1, %s) AS g", (TOPICS, PARTITION_KEYS, PAYLOAD, n))
-    execute(conn, "VACUUM ANALYZE outbox.messages")
-    execute(conn, "CHECKPOINT")
+# The drains of section "partitions": label, partitions of the topic, relays.
+PARTITION_RUNS = (("unpartitioned", 1, 1), ("partitions_8", 8, 1),
+                  ("partitions_8_relays_2", 8, 2), ("partitions_8_relays_3", 8, 3))
+
+
+def keyed_backlog(conn, n):
+    """n rows with partition keys ('key-0' ... 'key-9999') on topic bench0,
+    committed at once: the relays, already running, see the whole backlog
+    appear together. Returns the time of the commit."""
+    with conn.cursor() as cur:
+        cur.execute("BEGIN")
+        cur.execute("INSERT INTO outbox.messages (topic, partition_key, payload)"
+                    " SELECT 'bench0', 'key-' || (g %% %s),"
+                    " substring(decode(repeat(md5(g::text), 13), 'hex') FROM 1 FOR %s)"
+                    " FROM generate_series(1, %s) AS g", (PARTITION_KEYS, PAYLOAD, n))
+        cur.execute("COMMIT")
+    return time.monotonic()
 
 
 def section_partitions():
-    """One relay draining a keyed backlog: unpartitioned topics against 8
-    partitions per topic (streams bench<i>:000 ... :007), same server, rounds
-    alternating so that drift on the machine falls on both."""
-    streams = {1: [f"bench{i}" for i in range(TOPICS)],
-               8: [f"bench{i}:{p:03d}" for i in range(TOPICS) for p in range(8)]}
-    rates = {1: [], 8: []}
+    """A keyed backlog on one topic drained by one relay unpartitioned, and
+    with 8 partitions (streams bench0:000 ... :007) by 1, 2 and 3 relays;
+    same server, rounds alternating so that drift on the machine falls on
+    all. The relays start first and divide the partitions (their metrics say
+    so); then the backlog is committed in one transaction and the clock runs
+    until every entry is in Redis and no row is pending."""
+    streams = {1: ["bench0"], 8: [f"bench0:{p:03d}" for p in range(8)]}
+    rates = {label: [] for label, _, _ in PARTITION_RUNS}
     with servers() as (pg, rd, conn, rc):
         for rnd in range(PARTITION_ROUNDS):
-            for n in (1, 8):
-                keyed_backlog(conn, rc, PARTITION_ROWS, n)
-                started = time.monotonic()
-                relay = start_relay(pg, rd, batch_size=BATCH)
+            for label, parts, nrelays in PARTITION_RUNS:
+                execute(conn, "TRUNCATE outbox.messages RESTART IDENTITY")
+                execute(conn, "TRUNCATE outbox.topics")
+                if parts > 1:
+                    execute(conn, "SELECT outbox.set_partitions('bench0', %s)", (parts,))
+                execute(conn, "VACUUM ANALYZE outbox.messages")
+                execute(conn, "CHECKPOINT")
+                rc.flushall()
+                relays = [start_relay(pg, rd, batch_size=BATCH) for _ in range(nrelays)]
                 try:
+                    deadline = time.monotonic() + 60
+                    want = (nrelays, parts if parts > 1 else 0)
+                    while True:
+                        seen = [(relay_metric(x, "outbox_relay_relays"),
+                                 relay_metric(x, "outbox_relay_partitions_owned")) for x in relays]
+                        if all(s[0] == nrelays for s in seen) and \
+                                sum(s[1] or 0 for s in seen) == want[1]:
+                            break
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"{nrelays} relays did not divide {parts}"
+                                               f" partitions: {seen}")
+                        time.sleep(0.05)
+                    started = keyed_backlog(conn, PARTITION_ROWS)
                     deadline = started + max(120.0, PARTITION_ROWS / 1500.0)
                     while True:
                         pipe = rc.pipeline(transaction=False)
-                        for st in streams[n]:
+                        for st in streams[parts]:
                             pipe.xlen(st)
                         if sum(pipe.execute()) >= PARTITION_ROWS and pending(conn) == 0:
                             break
-                        if not relay.alive() or time.monotonic() > deadline:
+                        if not all(x.alive() for x in relays) or time.monotonic() > deadline:
                             raise RuntimeError("partitioned drain did not finish\n"
-                                               + relay.log_tail())
+                                               + relays[0].log_tail())
                         time.sleep(0.02)
                     took = time.monotonic() - started
                 finally:
-                    stop_relay(relay)
-                rates[n].append(PARTITION_ROWS / took)
-                label = "unpartitioned" if n == 1 else "partitions_8"
+                    for relay in relays:
+                        stop_relay(relay)
+                rates[label].append(PARTITION_ROWS / took)
                 R.add("partitions", f"{label}.round{rnd}.rate", PARTITION_ROWS / took, "msg/s")
                 log(f"partitions: {label} round {rnd}: {PARTITION_ROWS} rows in {took:.2f}s"
                     f" = {PARTITION_ROWS / took:,.0f} msg/s")
-    for n, label in ((1, "unpartitioned"), (8, "partitions_8")):
-        R.add("partitions", f"{label}.rate", statistics.median(rates[n]), "msg/s",
-              f"median of {PARTITION_ROUNDS} rounds, {PARTITION_ROWS} keyed rows, one relay")
-    ratio = statistics.median(rates[8]) / statistics.median(rates[1])
-    R.add("partitions", "ratio_partitioned_to_unpartitioned", ratio, "x",
-          "drain rate with 8 partitions per topic / without")
-    log(f"partitions: 8 partitions drain at {ratio:.2f}x the unpartitioned rate")
+    for label, parts, nrelays in PARTITION_RUNS:
+        R.add("partitions", f"{label}.rate", statistics.median(rates[label]), "msg/s",
+              f"median of {PARTITION_ROUNDS} rounds, {PARTITION_ROWS} keyed rows, one topic of"
+              f" {parts} partition(s), {nrelays} relay(s)")
+    base = statistics.median(rates["unpartitioned"])
+    one = statistics.median(rates["partitions_8"])
+    R.add("partitions", "ratio_partitioned_to_unpartitioned", one / base, "x",
+          "drain rate with 8 partitions / without, one relay each")
+    for n in (2, 3):
+        r = statistics.median(rates[f"partitions_8_relays_{n}"]) / one
+        R.add("partitions", f"ratio_relays_{n}_to_1", r, "x",
+              f"drain rate of 8 partitions with {n} relays / with one")
+        log(f"partitions: {n} relays drain 8 partitions at {r:.2f}x one relay's rate")
+    log(f"partitions: 8 partitions drain at {one / base:.2f}x the unpartitioned rate")
 
 
 # The storage designs of section "storage": name, relay flags, what it is.
@@ -1286,9 +1315,13 @@ def build_table():
                   g(f"storage.{name}.{key}"), "ratio",
                   target="≤ 1.10" if name == "delete" and key == "claim_ratio" else "",
                   ratio=g(f"storage.{name}.{key}"))
-    R.row(f"drain of {PARTITION_ROWS:,} keyed rows, one relay, 4 topics of 8 partitions",
-          g("partitions.partitions_8.rate"), "msg/s", "the same rows, topics unpartitioned",
+    R.row(f"drain of {PARTITION_ROWS:,} keyed rows, one relay, a topic of 8 partitions",
+          g("partitions.partitions_8.rate"), "msg/s", "the same rows, topic unpartitioned",
           g("partitions.unpartitioned.rate"))
+    for n in (2, 3):
+        R.row(f"the same drain of 8 partitions by {n} relays",
+              g(f"partitions.partitions_8_relays_{n}.rate"), "msg/s", "by one relay",
+              g("partitions.partitions_8.rate"), target="≥ 1")
     for sync in ("on", "off"):
         c = max(PRODUCER_CLIENTS)
         base = g(f"producers.norelay.sync_{sync}.c{c}.dropped.tps")

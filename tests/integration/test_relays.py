@@ -45,7 +45,6 @@ import sys
 import threading
 import time
 import unittest
-import urllib.request
 
 import harness
 from faults import TcpProxy
@@ -213,9 +212,7 @@ class SeveralRelaysTest(unittest.TestCase):
 
         # Seen from outside: each relay's metrics, and status.
         def figures(relay):
-            url = f"http://{relay.env['OUTBOX_RELAY_METRICS_LISTEN']}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as reply:
-                text = reply.read().decode()
+            text = harness.metrics_text(relay)
             return tuple(int(float(harness.metric(text, name) or -1)) for name in
                          ("outbox_relay_relays", "outbox_relay_partitions",
                           "outbox_relay_partitions_owned"))
