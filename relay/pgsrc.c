@@ -168,6 +168,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "010_retention.sql",
     "011_partitions.sql",
     "012_partition_owners.sql",
+    "013_pinned_plans.sql",
 };
 
 enum setup_step {

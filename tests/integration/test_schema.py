@@ -191,7 +191,7 @@ class SchemaTest(harness.PostgresTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 12)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 13)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 7"), "007_wakeup_lock.sql")
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
@@ -200,6 +200,8 @@ class SchemaTest(harness.PostgresTestCase):
                                          " WHERE version = 11"), "011_partitions.sql")
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 12"), "012_partition_owners.sql")
+        self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
+                                         " WHERE version = 13"), "013_pinned_plans.sql")
         self.assertIsNone(scalar(self.db, "SELECT to_regclass('outbox.relay_wakeup')"),
                           "the flag table of 006 is gone")
         self.assertEqual(sorted(scalar(self.db, "SELECT reloptions FROM pg_class"
@@ -369,7 +371,7 @@ class SchemaTest(harness.PostgresTestCase):
                                          " WHERE sent_at IS NOT NULL"), 2)
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
                                          " WHERE failed_at IS NOT NULL"), 2)
-        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 12)
+        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 13)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")
