@@ -642,7 +642,7 @@ def section_partitions():
         for rnd in range(PARTITION_ROUNDS):
             for label, parts, nrelays in PARTITION_RUNS:
                 execute(conn, "TRUNCATE outbox.messages RESTART IDENTITY")
-                execute(conn, "TRUNCATE outbox.topics")
+                execute(conn, "TRUNCATE outbox.topics; SELECT outbox.sync_partition_trigger()")
                 if parts > 1:
                     execute(conn, "SELECT outbox.set_partitions('bench0', %s)", (parts,))
                 execute(conn, "VACUUM ANALYZE outbox.messages")

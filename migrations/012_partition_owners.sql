@@ -6,7 +6,8 @@
 --
 --   outbox.messages.partition_no   the row's partition (docs/PARTITIONS.md),
 --                                  NULL in a topic of one partition
---   messages_partition             the BEFORE INSERT trigger that sets it
+--   messages_partition             the BEFORE INSERT trigger that sets it,
+--                                  for the partitioned topics alone
 --   outbox.row_partition(t, k, id) the partition of a row: fnv1a32(key) mod
 --                                  n, id mod n without a key, NULL when the
 --                                  topic has one partition
@@ -68,10 +69,84 @@ BEGIN
 END
 $$;
 
-DROP TRIGGER IF EXISTS messages_partition ON outbox.messages;
-CREATE TRIGGER messages_partition
-    BEFORE INSERT ON outbox.messages
-    FOR EACH ROW EXECUTE FUNCTION outbox.set_partition_no();
+-- The trigger exists only while some topic is partitioned, and its WHEN
+-- clause names those topics: a row of any other topic costs its producer a
+-- comparison, not a function call (7 us a row). outbox.set_partitions
+-- rewrites it, under the same lock that keeps inserts out while it runs.
+CREATE OR REPLACE FUNCTION outbox.sync_partition_trigger()
+RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_topics text;
+BEGIN
+    SELECT string_agg(quote_literal(t.topic), ', ' ORDER BY t.topic) INTO v_topics
+    FROM outbox.topics AS t WHERE t.partitions > 1;
+    DROP TRIGGER IF EXISTS messages_partition ON outbox.messages;
+    IF v_topics IS NOT NULL THEN
+        EXECUTE format('CREATE TRIGGER messages_partition BEFORE INSERT ON outbox.messages'
+                       ' FOR EACH ROW WHEN (NEW.topic IN (%s))'
+                       ' EXECUTE FUNCTION outbox.set_partition_no()', v_topics);
+    END IF;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.sync_partition_trigger() IS
+    'Rewrites the trigger that records the partition of each new row, for the topics partitioned now.';
+
+CREATE OR REPLACE FUNCTION outbox.set_partitions(p_topic text, p_partitions integer)
+RETURNS integer
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_before integer;
+    v_unsent bigint;
+BEGIN
+    IF p_topic IS NULL OR p_topic !~ '^[A-Za-z0-9._-]{1,200}$' THEN
+        RAISE EXCEPTION 'outbox.set_partitions: topic % is not a topic name', quote_nullable(p_topic)
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'A topic is 1 to 200 characters of A-Z a-z 0-9 . _ -';
+    END IF;
+    IF p_partitions IS NULL OR p_partitions < 1 OR p_partitions > 1000 THEN
+        RAISE EXCEPTION 'outbox.set_partitions: % partitions is out of range', coalesce(p_partitions::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'A topic has 1 to 1000 partitions.';
+    END IF;
+    PERFORM set_config('lock_timeout', '10s', true);
+    LOCK TABLE outbox.topics IN SHARE ROW EXCLUSIVE MODE;
+    -- Keeps inserts out (and lets the trigger be rewritten) until commit.
+    LOCK TABLE outbox.messages IN SHARE ROW EXCLUSIVE MODE;
+    SELECT t.partitions INTO v_before FROM outbox.topics AS t WHERE t.topic = p_topic;
+    v_before := coalesce(v_before, 1);
+    IF v_before = p_partitions THEN
+        RETURN v_before;
+    END IF;
+    SELECT count(*) INTO v_unsent
+    FROM (SELECT 1 FROM outbox.messages AS m
+          WHERE m.topic = p_topic AND m.sent_at IS NULL LIMIT 1000000) AS u;
+    IF v_unsent > 0 THEN
+        RAISE EXCEPTION 'outbox.set_partitions: topic % has % unsent rows; changing its partitions now could reorder a key', p_topic, v_unsent
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'Stop the topic''s producers, let the relay publish what is left (outbox-relay status), '
+                         'retry or drop its quarantined rows (outbox-relay failed), then call again. '
+                         'See docs/PARTITIONS.md.';
+    END IF;
+    INSERT INTO outbox.topics (topic, partitions, changed_at)
+    VALUES (p_topic, p_partitions, now())
+    ON CONFLICT (topic) DO UPDATE SET partitions = excluded.partitions, changed_at = excluded.changed_at;
+    PERFORM outbox.sync_partition_trigger();
+    RETURN v_before;
+END
+$$;
+
+REVOKE EXECUTE ON FUNCTION outbox.set_partitions(text, integer) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION outbox.sync_partition_trigger() FROM PUBLIC;
+
+SELECT outbox.sync_partition_trigger();
 
 -- Rows written before this file, in topics already partitioned.
 UPDATE outbox.messages AS m

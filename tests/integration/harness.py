@@ -772,7 +772,8 @@ def wait_all_sent(conn, timeout=30, relay=None):
 def reset(pg_conn, redis_client=None):
     """Empties the outbox and Redis between tests (the relay's function stays loaded)."""
     with pg_conn.cursor() as cur:
-        cur.execute("TRUNCATE outbox.messages RESTART IDENTITY; TRUNCATE outbox.topics")
+        cur.execute("TRUNCATE outbox.messages RESTART IDENTITY; TRUNCATE outbox.topics;"
+                    " SELECT outbox.sync_partition_trigger()")
     if not pg_conn.autocommit:
         pg_conn.commit()
     if redis_client is not None:

@@ -5,6 +5,10 @@ Promises tested:
   FNV-1a 32 over the UTF-8 bytes for 2,000 keys of every script;
   outbox.partition_of is that hash mod the topic's partitions (1 when the
   topic is not listed) and NULL for a NULL key;
+- each row of a partitioned topic records its partition on insert
+  (partition_no: the key's, or id mod n without a key), a row of another
+  topic none; the trigger that does it exists only while a topic is
+  partitioned and names those topics in its WHEN clause;
 - outbox.set_partitions refuses a bad topic name or a count outside 1..1000
   (SQLSTATE 22023), refuses while the topic has a row not yet sent, pending or
   quarantined (55000, with a hint that says what to do), returns the count
@@ -119,6 +123,37 @@ class PartitionSchemaTest(harness.PostgresTestCase):
         self.assertEqual(self.sql("SELECT outbox.set_partitions('orders', 1000)"), 8)
         self.assertEqual(self.sql("SELECT outbox.partition_of('orders', 'order-42')"),
                          0x572446f4 % 1000)
+
+    def test_rows_record_their_partition(self):
+        def trigger():
+            return self.sql("SELECT max(pg_get_triggerdef(oid)) FROM pg_trigger"
+                            " WHERE tgname = 'messages_partition'")
+        with self.db.cursor() as cur:
+            cur.execute("TRUNCATE outbox.messages, outbox.topics;"
+                        " SELECT outbox.sync_partition_trigger()")
+        self.assertIsNone(trigger(), "no trigger while no topic is partitioned")
+        self.sql("SELECT outbox.set_partitions('orders', 8)")
+        self.sql("SELECT outbox.set_partitions('b.c-2', 3)")
+        self.assertIn("WHEN ((new.topic = ANY (ARRAY['b.c-2'::text, 'orders'::text])))",
+                      trigger())
+        keys = [f"k{i}" for i in range(200)]
+        insert_many(self.db, [("orders", b"x", k) for k in keys]
+                    + [("orders", b"x", None)] * 5 + [("plain", b"x", "k1")])
+        with self.db.cursor() as cur:
+            cur.execute("SELECT id, topic, partition_key, partition_no FROM outbox.messages")
+            rows = cur.fetchall()
+        for row_id, topic, key, part in rows:
+            if topic == "plain":
+                self.assertIsNone(part)
+            elif key is None:
+                self.assertEqual(part, row_id % 8)
+            else:
+                self.assertEqual(part, partition_of(key, 8), key)
+        with self.db.cursor() as cur:
+            cur.execute("TRUNCATE outbox.messages")
+        self.sql("SELECT outbox.set_partitions('orders', 1)")
+        self.sql("SELECT outbox.set_partitions('b.c-2', 1)")
+        self.assertIsNone(trigger(), "the trigger goes with the last partitioned topic")
 
     def test_set_partitions_refuses_bad_input(self):
         for topic in ["", "a b", "a{b}", "orders:001", "x" * 201, None]:
