@@ -66,6 +66,10 @@ METRICS = {
     "outbox_relay_redis_used_memory_bytes",
     "outbox_relay_stream_memory_bytes",
     "outbox_relay_stream_trim_held_back_seconds",
+    "outbox_relay_relays",
+    "outbox_relay_partitions",
+    "outbox_relay_partitions_owned",
+    "outbox_relay_partition_takeovers_total",
 }
 HISTOGRAMS = {"outbox_relay_batch_duration_seconds"}
 # Series names a query may use: histograms only through their _bucket, _sum
@@ -74,7 +78,7 @@ SERIES = (METRICS - HISTOGRAMS) | {h + s for h in HISTOGRAMS for s in ("_bucket"
 
 ALERT_NAMES = {"OutboxDeadLettersRising", "OutboxQueueAgeAboveSLO", "OutboxRelayNotReady",
                "OutboxQuarantinedRows", "OutboxStreamPaused", "OutboxProducersRefused",
-               "OutboxSentRowsPileUp", "OutboxStreamTrimHeldBack"}
+               "OutboxSentRowsPileUp", "OutboxStreamTrimHeldBack", "OutboxPartitionsUnowned"}
 
 PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset",
                    "bool", "and", "or", "unless", "inf", "nan", "atan2", "start", "end"}
