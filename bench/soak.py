@@ -275,7 +275,9 @@ def relay_claim_sql():
                          stderr=subprocess.PIPE, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"bench-naive --print-claim-sql: {out.stderr}")
-    return out.stdout.strip().replace("$1", "500").replace("$2", "'{}'")
+    # No partition owned ($3-$5): the soak's topics are unpartitioned.
+    return (out.stdout.strip().replace("$1", "500").replace("$2", "'{}'")
+            .replace("$3", "'{}'").replace("$4", "'{}'").replace("$5", "0"))
 
 
 def report(res, samples, lagger, relay_log):

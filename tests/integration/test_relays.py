@@ -261,65 +261,48 @@ class SeveralRelaysTest(unittest.TestCase):
                                           " WHERE failed_at IS NOT NULL") == 1,
                        timeout=60, message="the poison row to be quarantined")
 
-            # SIGKILL, four times, then the relay back.
-            for round_ in range(4):
-                victim = round_ % 2
-                owned = owned_at_end(events(relays[victim].log()))
-                self.assertTrue(owned, f"relay {victim} owns nothing before its kill")
-                t_kill = time.time()
-                relays[victim].kill()
-                deaths[victim].append(time.time())  # reaped: it logs nothing after this
-                took = wait_until(lambda: self.took_after(relays, victim, owned, t_kill),
-                                  timeout=15, message=f"the partitions {sorted(owned)} of the"
-                                  " killed relay to be taken over")
-                takeovers.append(("kill", took - t_kill))
-                mark = relays[victim].mark()
-                relays[victim].start()
-                self.share(relays[victim], since=mark)
+            def fault(index, kind, begin, end, hold):
+                """begin() a fault of relay index, time the takeover of its partitions
+                by the others, keep the fault hold seconds in all, end() it, and wait
+                until the relay has its share again."""
+                owned = owned_at_end(events(relays[index].log()))
+                self.assertTrue(owned, f"relay {index} owns nothing before the {kind}")
+                t0 = time.time()
+                begin()
+                took = wait_until(lambda: self.took_after(relays, index, owned, t0),
+                                  timeout=20, message=f"the partitions {sorted(owned)} of"
+                                  f" relay {index} to be taken over after the {kind}")
+                takeovers.append((kind, took - t0))
+                time.sleep(max(0.0, t0 + hold - time.time()))
+                mark = relays[index].mark()
+                end(mark)
+                self.share(relays[index], since=mark)
                 time.sleep(2.0)
 
+            def kill(index):
+                relays[index].kill()
+                deaths[index].append(time.time())  # reaped: it logs nothing after this
+
+            # SIGKILL, four times, each relay back at once.
+            for round_ in range(4):
+                victim = round_ % 2
+                fault(victim, "kill", lambda: kill(victim), lambda mark: relays[victim].start(),
+                      0)
+
             # SIGSTOP for three publish deadlines, then SIGCONT.
-            owned = owned_at_end(events(relays[1].log()))
-            t_stop = time.time()
-            relays[1].kill(signal.SIGSTOP)
-            took = wait_until(lambda: self.took_after(relays, 1, owned, t_stop), timeout=20,
-                              message="the frozen relay's partitions to be taken over")
-            takeovers.append(("stop", took - t_stop))
-            time.sleep(max(0.0, t_stop + 6.0 - time.time()))
-            mark = relays[1].mark()
-            relays[1].kill(signal.SIGCONT)
-            relays[1].wait_for_log(r"owner: gave up \d+ partitions", timeout=15, since=mark)
-            self.share(relays[1], since=mark)
-            time.sleep(2.0)
+            def resume(mark):
+                relays[1].kill(signal.SIGCONT)
+                relays[1].wait_for_log(r"owner: gave up \d+ partitions", timeout=15, since=mark)
+            fault(1, "stop", lambda: relays[1].kill(signal.SIGSTOP), resume, 6.0)
 
             # The third relay cut off from PostgreSQL for 6 s.
-            owned = owned_at_end(events(relays[2].log()))
-            t_cut = time.time()
-            proxy.cut()
-            took = wait_until(lambda: self.took_after(relays, 2, owned, t_cut), timeout=15,
-                              message="the cut-off relay's partitions to be taken over")
-            takeovers.append(("cut", took - t_cut))
-            time.sleep(max(0.0, t_cut + 6.0 - time.time()))
-            mark = relays[2].mark()
-            proxy.restore()
-            self.share(relays[2], since=mark)
-            time.sleep(2.0)
+            fault(2, "cut", proxy.cut, lambda mark: proxy.restore(), 6.0)
 
             # The same relay behind a half-open connection: the proxy keeps
             # every connection open and forwards nothing. The server ends the
             # silent owner session after 3 s and an open claim transaction
             # after two publish deadlines and 2 s.
-            owned = owned_at_end(events(relays[2].log()))
-            t_hole = time.time()
-            proxy.blackhole()
-            took = wait_until(lambda: self.took_after(relays, 2, owned, t_hole), timeout=20,
-                              message="the half-open relay's partitions to be taken over")
-            takeovers.append(("half-open", took - t_hole))
-            time.sleep(max(0.0, t_hole + 8.0 - time.time()))
-            mark = relays[2].mark()
-            proxy.restore(held="drop")
-            self.share(relays[2], since=mark)
-            time.sleep(2.0)
+            fault(2, "half-open", proxy.blackhole, lambda mark: proxy.restore(held="drop"), 8.0)
         finally:
             stop.set()
             for t in producers:
