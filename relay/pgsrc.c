@@ -56,11 +56,14 @@
 /* Not held back: in a partitioned topic, no earlier row of the same key is
  * quarantined or waiting to retry (docs/PARTITIONS.md): one probe of
  * messages_held_idx, which holds only such rows, for the rows of
- * partitioned topics alone. */
+ * partitioned topics alone. "b.id + 0" keeps the primary key from serving
+ * the probe as a range of lower ids, which a plan made on an empty
+ * outbox's statistics would otherwise choose: a walk over every earlier
+ * row, for each row claimed. */
 #define NOT_HELD(m)                                                                                \
     " AND NOT (" m ".topic = ANY(" PARTITIONED_TOPICS ") AND " m ".partition_key IS NOT NULL"      \
     "  AND EXISTS (SELECT 1 FROM outbox.messages AS b WHERE b.topic = " m ".topic"                 \
-    "  AND b.partition_key = " m ".partition_key AND b.id < " m ".id AND b.sent_at IS NULL"        \
+    "  AND b.partition_key = " m ".partition_key AND b.id + 0 < " m ".id AND b.sent_at IS NULL"    \
     "  AND (b.failed_at IS NOT NULL OR b.retry_at > now())))"
 
 /* Owned: a row of a partitioned topic only in a partition this relay owns

@@ -16,7 +16,8 @@ Promises tested (docs/DESIGN.md P1, P3, P4, and the README's stream contract):
 - a relay started on an empty outbox claims a later burst of 100,000 rows
   through the pending index, not with a sequential scan per claim, and
   deletes each published batch by primary key, not by reading
-  messages_pending_topic_idx whole;
+  messages_pending_topic_idx whole, and checks each keyed row of a
+  partitioned topic with a probe of messages_held_idx;
 - a row with a topic outside [A-Za-z0-9._-]{1,200} is not published, gets
   last_error, does not hold back the rows behind it, is explained in the log,
   and, since no retry can fix it, is quarantined at its first attempt with the
@@ -143,11 +144,15 @@ class DeliveryTest(harness.ServerTestCase):
                 cur.execute("SELECT seq_scan FROM pg_stat_user_tables"
                             " WHERE relid = 'outbox.messages'::regclass")
                 seq = cur.fetchone()[0]
-                cur.execute("SELECT coalesce(sum(idx_scan), 0) FROM pg_stat_user_indexes"
+                cur.execute("SELECT idx_scan FROM pg_stat_user_indexes"
                             " WHERE indexrelid = 'outbox.messages_pending_topic_idx'::regclass")
-                return seq, int(cur.fetchone()[0])
+                topic_idx = cur.fetchone()[0]
+                cur.execute("SELECT idx_scan FROM pg_stat_user_indexes"
+                            " WHERE indexrelid = 'outbox.messages_held_idx'::regclass")
+                return seq, topic_idx, cur.fetchone()[0]
         # Empty and analysed, as autovacuum leaves an outbox after a drain.
         with self.db.cursor() as cur:
+            cur.execute("SELECT outbox.set_partitions('keyed', 4)")
             cur.execute("VACUUM ANALYZE outbox.messages")
         relay = self.relay(poll_interval=POLL, batch_size=500, observe_interval="10m",
                            sent_retention="0")
@@ -159,10 +164,14 @@ class DeliveryTest(harness.ServerTestCase):
             cur.execute("INSERT INTO outbox.messages (topic, payload)"
                         " SELECT 'burst', convert_to(g::text, 'UTF8')"
                         " FROM generate_series(1, 100000) AS g")
-        wait_until(lambda: self.r.exists("burst") and self.r.xlen("burst") == 100000, timeout=120,
-                   relay=relay, message="the burst to be published")
+            cur.execute("INSERT INTO outbox.messages (topic, partition_key, payload)"
+                        " SELECT 'keyed', 'k' || (g % 1000), convert_to(g::text, 'UTF8')"
+                        " FROM generate_series(1, 20000) AS g")
+        wait_until(lambda: self.r.exists("burst") and self.r.xlen("burst") == 100000
+                   and sum(self.r.xlen(f"keyed:{p:03d}") for p in range(4)) == 20000,
+                   timeout=120, relay=relay, message="the burst to be published")
         time.sleep(2.0)
-        seq, topic_idx = (a - b for a, b in zip(scans(), before))
+        seq, topic_idx, held_idx = (a - b for a, b in zip(scans(), before))
         batches = harness.metric(harness.metrics_text(relay), "outbox_relay_batches_total") - batches
         # Other sessions scan the table now and then (the relay's first
         # retention pass among them); a plan that scans runs once per batch.
@@ -171,6 +180,11 @@ class DeliveryTest(harness.ServerTestCase):
                         f"{seq} sequential scans of outbox.messages for {batches:g} batches")
         self.assertLess(topic_idx, batches / 5,
                         f"{topic_idx} scans of messages_pending_topic_idx for {batches:g} batches")
+        # Each keyed row of a partitioned topic is checked against the rows
+        # that hold back its key with one probe of messages_held_idx, not a
+        # walk of the primary key over every earlier row.
+        self.assertGreaterEqual(held_idx, 20000,
+                                f"{held_idx} probes of messages_held_idx for 20,000 keyed rows")
 
     def claim_connections(self):
         return scalar(self.db, "SELECT count(*) FROM pg_stat_activity"
