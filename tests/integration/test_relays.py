@@ -387,6 +387,19 @@ class SeveralRelaysTest(unittest.TestCase):
         self.assertEqual(len(per_key), len(final))
 
 
+def expired_replies(r):
+    """How many EXPIRED replies Redis has given since it started."""
+    stat = r.info("errorstats").get("errorstat_EXPIRED", "count=0")
+    if isinstance(stat, dict):
+        return int(stat.get("count", 0))
+    return int(str(stat).split("=")[1])
+
+
+def key_payloads(r, stream, key):
+    return [int(f[b"payload"]) for _, f in harness.stream_entries(r, stream)
+            if f[b"key"] == key.encode()]
+
+
 class FenceTest(unittest.TestCase):
 
     def test_a_late_publish_never_lands_behind_the_new_owner(self):
@@ -429,21 +442,111 @@ class FenceTest(unittest.TestCase):
                         time.sleep(1.5)  # well past A's deadline
                         proxy.restore(held="deliver")
                         a.kill(signal.SIGCONT)
-
-                        def expired():
-                            stat = r.info("errorstats").get("errorstat_EXPIRED", "count=0")
-                            if isinstance(stat, dict):
-                                return int(stat.get("count", 0))
-                            return int(str(stat).split("=")[1])
                         wait_until(lambda: a.mark() > mark, timeout=20, relay=a,
                                    message="relay A to run again")
                         time.sleep(2.0)  # A's late publish has reached Redis
                         got = [int(f[b"payload"]) for _, f in harness.stream_entries(r, stream)
                                if f[b"key"] == b"k"]
                         self.assertEqual(got, [1, 2, 3, 4, 5])
-                        self.assertEqual(expired(), 5, "Redis refused A's five late publishes")
+                        self.assertEqual(expired_replies(r), 5,
+                                         "Redis refused A's five late publishes")
                 finally:
                     a.kill(signal.SIGCONT)
+
+    def test_a_claim_answered_late_is_published_by_no_one_but_its_new_owner(self):
+        """The claim's answer reaches relay A only after B has taken the
+        partition over: A's publish deadline counts from when it sent the
+        claim, so Redis refuses the publish it sends on reading the answer."""
+        with harness.Postgres() as pg, harness.Redis() as redis, \
+                TcpProxy(pg.port, name="pg proxy") as proxy:
+            db = pg.connect()
+            r = redis.client()
+            scalar(db, "SELECT outbox.set_partitions('orders', 2)")
+            flags = dict(poll_interval="100ms", publish_timeout="1s", log_level="debug")
+            proxied = pg.dsn().replace(f"port={pg.port}", f"port={proxy.port}")
+            a = harness.Relay(pg, redis, env={"OUTBOX_RELAY_POSTGRES": proxied}, **flags)
+            with a:
+                a.wait_for_log(r"owner: took orders/1: ", timeout=20)
+                a.wait_for_log(r"owner: took orders/0: ", timeout=20)
+                stream = "orders:%03d" % (fnv1a32(b"k") % 2)
+                # The rows are written by a transaction that holds the outbox
+                # alone: A's next claim waits for it in the server.
+                locker = pg.connect(autocommit=False)
+                with locker.cursor() as cur:
+                    cur.execute("LOCK TABLE outbox.messages IN EXCLUSIVE MODE")
+                harness.insert_many(locker, [("orders", str(i).encode(), "k")
+                                             for i in range(1, 6)], commit=False)
+                wait_until(lambda: scalar(db, "SELECT count(*) FROM pg_stat_activity"
+                                              " WHERE wait_event_type = 'Lock' AND query LIKE"
+                                              " 'SELECT id, message_id::text, %%'") > 0,
+                           timeout=20, relay=a, message="relay A's claim to wait for the lock")
+                proxy.blackhole()
+                locker.commit()
+                locker.close()
+                # The claim ran; its answer waits in the proxy.
+                wait_until(lambda: scalar(db, "SELECT count(*) FROM (SELECT 1 FROM"
+                                              " outbox.messages WHERE sent_at IS NULL"
+                                              " FOR UPDATE SKIP LOCKED) AS free") == 0,
+                           timeout=20, relay=a, message="relay A to claim the rows")
+                with harness.Relay(pg, redis, **flags) as b:
+                    # A's sessions end on the server's idle limits (3 s, and
+                    # two publish deadlines and 2 s for the open claim).
+                    harness.wait_all_sent(db, timeout=30, relay=b)
+                    self.assertEqual(key_payloads(r, stream, "k"), [1, 2, 3, 4, 5])
+                    wait_until(lambda: not list(r.scan_iter(match="{%s}:dedup:*" % stream)),
+                               timeout=20, relay=b, message="B's dedup records to go")
+                    proxy.restore(held="deliver")
+                    wait_until(lambda: expired_replies(r) >= 5
+                               or len(key_payloads(r, stream, "k")) > 5,
+                               timeout=20, relay=a, message="A's publish of the late answer")
+                    time.sleep(0.5)
+                    self.assertEqual(key_payloads(r, stream, "k"), [1, 2, 3, 4, 5],
+                                     "A published the claim it read late")
+                    self.assertEqual(expired_replies(r), 5,
+                                     "Redis refused A's five late publishes")
+
+    def test_a_publish_delayed_past_its_claims_end_lands_on_the_records(self):
+        """Relay A's PostgreSQL connections are cut while its publish is held
+        on the way to Redis: its claim ends at once, B takes the partition
+        over, publishes the rows and commits. A's publish then reaches Redis
+        before its deadline: it finds the dedup records B's commit left to
+        expire (not removed), and appends nothing."""
+        with harness.Postgres() as pg, harness.Redis() as redis, \
+                TcpProxy(pg.port, name="pg proxy") as pg_proxy, \
+                TcpProxy(redis.port, name="redis proxy") as redis_proxy:
+            db = pg.connect()
+            r = redis.client()
+            scalar(db, "SELECT outbox.set_partitions('orders', 2)")
+            flags = dict(poll_interval="100ms", publish_timeout="20s", log_level="debug")
+            proxied = pg.dsn().replace(f"port={pg.port}", f"port={pg_proxy.port}")
+            a = harness.Relay(pg, redis, env={
+                "OUTBOX_RELAY_POSTGRES": proxied,
+                "OUTBOX_RELAY_REDIS": f"redis://127.0.0.1:{redis_proxy.port}/0"}, **flags)
+            with a:
+                a.wait_for_log(r"owner: took orders/1: ", timeout=20)
+                a.wait_for_log(r"owner: took orders/0: ", timeout=20)
+                stream = "orders:%03d" % (fnv1a32(b"k") % 2)
+                redis_proxy.blackhole()
+                harness.insert_many(db, [("orders", str(i).encode(), "k") for i in range(1, 6)])
+                wait_until(lambda: scalar(db, "SELECT count(*) FROM (SELECT 1 FROM"
+                                              " outbox.messages WHERE sent_at IS NULL"
+                                              " FOR UPDATE SKIP LOCKED) AS free") == 0,
+                           timeout=20, relay=a, message="relay A to claim the rows")
+                time.sleep(0.2)
+                pg_proxy.cut()
+                started = time.monotonic()
+                with harness.Relay(pg, redis, **flags) as b:
+                    harness.wait_all_sent(db, timeout=30, relay=b)
+                    self.assertEqual(key_payloads(r, stream, "k"), [1, 2, 3, 4, 5])
+                    mark = a.mark()
+                    redis_proxy.restore(held="deliver")
+                    self.assertLess(time.monotonic() - started, 15.0,
+                                    "B took too long: A's deadline may have passed")
+                    a.wait_for_log(r"relay: ", since=mark, timeout=20)
+                    time.sleep(2.0)  # A's publish has reached Redis
+                    self.assertEqual(key_payloads(r, stream, "k"), [1, 2, 3, 4, 5],
+                                     "A's delayed publish appended the rows again")
+                    self.assertEqual(expired_replies(r), 0)
 
 
 if __name__ == "__main__":
