@@ -111,7 +111,20 @@ const char relay_batch_function_source[] =
     "  end\n"
     "  return {removed, bound, holder, held, passed}\n"
     "end\n"
-    "redis.register_function('" RELAY_FUNCTION_TRIM "', trim)\n";
+    "redis.register_function('" RELAY_FUNCTION_TRIM "', trim)\n"
+    /* The retire function. KEYS are the dedup records of one stream's rows
+     * in a committed batch, ARGV[1] a time to live in ms. Each record is left
+     * to expire after it rather than removed at once: a copy another relay
+     * sent before its claim ended (its PostgreSQL connection was cut, and
+     * this relay took its rows over) may still reach Redis until that copy's
+     * deadline, which is at most publish_timeout after the claim; it must
+     * find the record, not append the row again. LT never lengthens a
+     * record's life. */
+    "local function retire(keys, args)\n"
+    "  for _, k in ipairs(keys) do redis.call('PEXPIRE', k, args[1], 'LT') end\n"
+    "  return #keys\n"
+    "end\n"
+    "redis.register_function('" RELAY_FUNCTION_RETIRE "', retire)\n";
 
 size_t relay_batch_utf8_prefix(const char *s, size_t len, size_t max)
 {
@@ -580,11 +593,11 @@ static int same_stream(const struct relay_row *a, const struct relay_row *b)
            (a->partitions <= 1 || a->partition == b->partition);
 }
 
-/* drop_dedup_records formats each key into this much room, NUL included. */
+/* retire_dedup_records formats each key into this much room, NUL included. */
 #define UNLINK_KEY_SIZE (320 + RELAY_TOPIC_MAX)
 
-int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char *stream_prefix,
-                              size_t *pos, struct relay_buf *out)
+int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char *stream_prefix,
+                              uint32_t ttl_ms, size_t *pos, struct relay_buf *out)
 {
     if (stream_prefix == NULL)
         stream_prefix = "";
@@ -619,14 +632,23 @@ int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char
         }
         if (argc == 1)
             continue;
-        need += 1 + count_digits(argc) + 2 + sizeof("$6\r\nUNLINK\r\n") - 1;
+        /* FCALL <function> <numkeys> <keys...> <ttl> */
+        size_t nkeys = argc - 1;
+        argc += 3;
+        need += 1 + count_digits(argc) + 2 + sizeof("$5\r\nFCALL\r\n") - 1 +
+                bulk_size(sizeof(RELAY_FUNCTION_RETIRE) - 1) + bulk_size(count_digits(nkeys)) +
+                bulk_size(count_digits(ttl_ms));
         if (respbuf_reserve(out, need) != 0) {
             *pos = i;
             return RELAY_BUF_FULL;
         }
 
         char *p = put_array(out->data + out->len, argc);
-        p = PUT_LIT(p, "$6\r\nUNLINK\r\n");
+        p = PUT_LIT(p, "$5\r\nFCALL\r\n");
+        p = put_bulk_head(p, sizeof(RELAY_FUNCTION_RETIRE) - 1);
+        p = put_crlf(PUT_LIT(p, RELAY_FUNCTION_RETIRE));
+        p = put_bulk_head(p, count_digits(nkeys));
+        p = put_crlf(put_uint(p, nkeys));
         for (j = i; j < n; j++) {
             const struct relay_row *row = &rows[j];
             if (row->state != RELAY_ROW_PUBLISHED || !same_stream(row, lead) ||
@@ -640,6 +662,8 @@ int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char
             p = PUT_LIT(p, "}:dedup:");
             p = put_crlf(put_mem(p, row->message_id, row->message_id_len));
         }
+        p = put_bulk_head(p, count_digits(ttl_ms));
+        p = put_crlf(put_uint(p, ttl_ms));
         *p = '\0'; /* relay_buf keeps data NUL-terminated */
         out->len = (size_t)(p - out->data);
         *pos = i + 1;

@@ -134,7 +134,13 @@ static void op_publish(void *arg, size_t lane)
     struct relay *r = arg;
     struct relay_lane *l = &r->lanes[lane];
     memset(&l->tally, 0, sizeof(l->tally));
-    uint64_t not_after = relay_sink_deadline_ms(r->sink, r->cfg->publish_timeout_ms);
+    /* The deadline counts from the claim's BEGIN, not from now: the claim
+     * transaction may have ended meanwhile (its connection cut, or the
+     * server's idle limit while this process was frozen) and another relay
+     * taken the rows over; a publish sent now must not outlive the dedup
+     * records that relay retires (docs/DESIGN.md, "The publish deadline"). */
+    double since = r->cycle.lanes[lane].claimed_at;
+    uint64_t not_after = relay_sink_deadline_ms(r->sink, since, r->cfg->publish_timeout_ms);
     /* Measure Redis's clock again ahead of this batch's publishes, for the
      * next batch's deadline: a clock step on either host costs at most one
      * batch (docs/DESIGN.md, "The publish deadline"). */
@@ -169,7 +175,8 @@ static void op_publish(void *arg, size_t lane)
         publish_done(l);
         return;
     }
-    ev_timer_set(&r->deadline, r->cfg->publish_timeout_ms / 1000.0, 0.0);
+    double left = since + r->cfg->publish_timeout_ms / 1000.0 - relay_now();
+    ev_timer_set(&r->deadline, left > 0.001 ? left : 0.001, 0.0);
     ev_timer_start(r->loop, &r->deadline);
 }
 
@@ -448,7 +455,7 @@ static void on_deadline(struct ev_loop *loop, ev_timer *w, int revents)
     (void)loop;
     (void)revents;
     char why[128];
-    snprintf(why, sizeof(why), "no reply to the batch within publish_timeout (%u ms)",
+    snprintf(why, sizeof(why), "no reply to the batch within publish_timeout (%u ms) of its claim",
              r->cfg->publish_timeout_ms);
     if (r->cycle.publishing >= 0) {
         struct relay_tally *t = &r->lanes[r->cycle.publishing].tally;
@@ -527,31 +534,35 @@ static void log_row_failures(const struct relay_lane *l)
     }
 }
 
-static void on_unlinked(redisAsyncContext *ac, void *reply, void *arg)
+static void on_retired(redisAsyncContext *ac, void *reply, void *arg)
 {
     struct relay *r = arg;
     (void)ac;
     (void)reply; /* an error or a lost connection leaves the records to their TTL */
-    if (r->unlinks_pending > 0)
-        r->unlinks_pending--;
+    if (r->retires_pending > 0)
+        r->retires_pending--;
     if (!r->stopping && r->cycle.draining && relay_cycle_all_idle(&r->cycle))
         relay_drain_step(r);
 }
 
-/* Removes the dedup records of a committed batch: its rows are marked sent and
- * will not be claimed again, so the records are no longer needed. This keeps
- * dedup memory bounded by batches whose outcome is unknown. One UNLINK per
- * stream keeps each command inside one hash slot. */
-static void drop_dedup_records(struct relay_lane *l)
+/* Retires the dedup records of a committed batch: its rows are marked sent and
+ * will not be claimed again, so the records are needed only until a copy
+ * another relay may have sent before its claim of these rows ended has
+ * passed its deadline, publish_timeout at most after that claim (docs/
+ * DESIGN.md, "The publish deadline"). This keeps dedup memory bounded by
+ * batches whose outcome is unknown and the last publish_timeout's worth.
+ * One call per stream keeps each command inside one hash slot. */
+static void retire_dedup_records(struct relay_lane *l)
 {
     struct relay *r = l->r;
     size_t pos = 0;
     for (;;) {
         relay_buf_reset(&r->out);
-        if (relay_batch_append_unlink(l->rows, l->nrows, r->cfg->stream_prefix, &pos, &r->out) != 1)
+        if (relay_batch_append_retire(l->rows, l->nrows, r->cfg->stream_prefix,
+                                      r->cfg->publish_timeout_ms, &pos, &r->out) != 1)
             break;
-        if (relay_sink_formatted(r->sink, r->out.data, r->out.len, on_unlinked, r) == 0)
-            r->unlinks_pending++;
+        if (relay_sink_formatted(r->sink, r->out.data, r->out.len, on_retired, r) == 0)
+            r->retires_pending++;
     }
 }
 
@@ -585,7 +596,7 @@ static void batch_committed(struct relay_lane *l)
     }
     relay_debug(COMPONENT, "batch committed: %zu published, %zu failed, %.1f ms", published, failed,
                 took * 1000.0);
-    drop_dedup_records(l);
+    retire_dedup_records(l);
 }
 
 static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,

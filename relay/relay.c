@@ -142,12 +142,12 @@ static void start_watchdog(struct relay *r)
 /* ---- drain and signals ------------------------------------------------- */
 
 /* Draining is over once no batch is in flight and Redis has answered the
- * UNLINKs of the last committed batches' dedup records: leaving earlier would
+ * retires of the last committed batches' dedup records: leaving earlier would
  * drop them with the client's output buffer, and every record would live out
  * its dedup_ttl. */
 void relay_drain_step(struct relay *r)
 {
-    if (!r->cycle.draining || !relay_cycle_all_idle(&r->cycle) || r->unlinks_pending > 0)
+    if (!r->cycle.draining || !relay_cycle_all_idle(&r->cycle) || r->retires_pending > 0)
         return;
     relay_info(COMPONENT, "nothing left in flight; shutting down");
     ev_break(r->loop, EVBREAK_ALL);

@@ -72,16 +72,16 @@ static double mono_now(void)
     return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
-uint64_t relay_sink_deadline_ms(const struct relay_sink *s, uint32_t within_ms)
+uint64_t relay_sink_deadline_ms(const struct relay_sink *s, double since, uint32_t within_ms)
 {
-    /* Redis's clock now, give or take half a round trip. The deadline is
-     * pulled in by the round trip so that, on Redis's clock, it never falls
-     * after the moment the relay gives up; by at most half the window, so a
-     * measurement taken while Redis was slow cannot close it. */
+    /* Redis's clock at since, give or take half a round trip. The deadline
+     * is pulled in by the round trip so that, on Redis's clock, it never
+     * falls after the moment the relay gives up; by at most half the window,
+     * so a measurement taken while Redis was slow cannot close it. */
     double within = within_ms / 1000.0;
-    double server_now = mono_now() + s->clock_offset;
+    double server_then = since + s->clock_offset;
     double margin = s->clock_rtt < within / 2 ? s->clock_rtt : within / 2;
-    double deadline = server_now + within - margin;
+    double deadline = server_then + within - margin;
     return deadline > 0 ? (uint64_t)(deadline * 1000.0) : 0;
 }
 
@@ -294,7 +294,7 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
         const char *hint = strcmp(step, "AUTH") == 0
                                ? ": check the user and password of the redis setting"
                            : noperm ? ": the relay's Redis user needs FUNCTION LOAD, FCALL, "
-                                      "UNLINK and CLIENT SETNAME"
+                                      "PEXPIRE and CLIENT SETNAME"
                                     : "";
         snprintf(msg, sizeof(msg), "%s failed: %s%s", step,
                  r != NULL ? r->str : (ac->errstr[0] ? ac->errstr : "connection closed"), hint);

@@ -18,6 +18,7 @@
 #define RELAY_FUNCTION_LIBRARY "outbox_relay"
 #define RELAY_FUNCTION_PUBLISH "outbox_relay_publish_v2"
 #define RELAY_FUNCTION_TRIM "outbox_relay_trim_v1"
+#define RELAY_FUNCTION_RETIRE "outbox_relay_retire_v1"
 
 /* The Lua source loaded with FUNCTION LOAD REPLACE. */
 extern const char relay_batch_function_source[];
@@ -145,11 +146,12 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
     __attribute__((warn_unused_result));
 
 /*
- * Appends to out the next "UNLINK <dedup key>..." that removes the dedup
- * records of the published rows of a committed batch: one command per stream
- * (so each stays inside one hash slot), its keys in row order, as
- * relay_key_dedup (common/keys.c) names them; lanes.c sends them. Rows
- * are not modified. *pos is the iteration state: start it at 0 and call again
+ * Appends to out the next "FCALL retire <n> <dedup key>... <ttl_ms>" that
+ * leaves the dedup records of the published rows of a committed batch to
+ * expire within ttl_ms (docs/DESIGN.md, "The publish deadline"): one command
+ * per stream (so each stays inside one hash slot), its keys in row order, as
+ * relay_key_dedup (common/keys.c) names them; lanes.c sends them. Rows are
+ * not modified. *pos is the iteration state: start it at 0 and call again
  * until it returns 0.
  *
  * Returns 1 when one command was appended (out->data[old len .. out->len),
@@ -161,8 +163,8 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
  * cannot happen with the default max and the limits the rows are checked
  * against, but a caller must not retry it forever.
  */
-int relay_batch_append_unlink(const struct relay_row *rows, size_t n, const char *stream_prefix,
-                              size_t *pos, struct relay_buf *out)
+int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char *stream_prefix,
+                              uint32_t ttl_ms, size_t *pos, struct relay_buf *out)
     __attribute__((warn_unused_result));
 
 /*

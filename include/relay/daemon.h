@@ -79,7 +79,7 @@ struct relay {
     size_t nlanes;
     struct relay_sink *sink;
     struct relay_buf out;     /* one Redis command, formatted; reused, grows only */
-    unsigned unlinks_pending; /* UNLINKs of dedup records not yet answered */
+    unsigned retires_pending; /* retires of dedup records not yet answered */
     ev_timer kick;            /* runs a wanted claim from the loop, not from a callback */
     ev_timer retry_timer;     /* backoff after a failed batch */
     ev_timer deadline;        /* publish deadline of the batch publishing */

@@ -42,7 +42,7 @@ int relay_sink_ready(const struct relay_sink *s);
 
 /*
  * Queues one command already in the Redis protocol (relay_batch_append_publish,
- * relay_batch_append_unlink) with its callback; nothing is formatted here:
+ * relay_batch_append_retire) with its callback; nothing is formatted here:
  * hiredis copies the bytes into its output buffer, so cmd may be reused as
  * soon as this returns.
  *
@@ -65,14 +65,15 @@ void relay_sink_abort(struct relay_sink *s, const char *why);
 void relay_sink_reload_function(struct relay_sink *s);
 
 /*
- * A deadline in the server's clock, in Unix milliseconds: within_ms from now,
- * less one round trip of the clock measurement (at most half of within_ms).
- * Computed from the monotonic clock and the last measurement of Redis's
- * clock, so steps of this host's wall clock never move it. The publish function refuses
- * to run after it, so commands that reach Redis late, after the relay gave up
- * on them (a partition that held them in the kernel), publish nothing.
+ * A deadline in the server's clock, in Unix milliseconds: within_ms from
+ * since (CLOCK_MONOTONIC seconds, relay_now()), less one round trip of the
+ * clock measurement (at most half of within_ms). Computed from the monotonic
+ * clock and the last measurement of Redis's clock, so steps of this host's
+ * wall clock never move it. The publish function refuses to run after it, so
+ * commands that reach Redis late, after the relay gave up on them or after
+ * another relay may have taken their rows over, publish nothing.
  */
-uint64_t relay_sink_deadline_ms(const struct relay_sink *s, uint32_t within_ms);
+uint64_t relay_sink_deadline_ms(const struct relay_sink *s, double since, uint32_t within_ms);
 
 /*
  * Measures Redis's clock again: one TIME, queued now, whose reply updates

@@ -780,6 +780,41 @@ def reset(pg_conn, redis_client=None):
         redis_client.flushall()
 
 
+def publish_calls(redis_client):
+    """Calls of the relay's publish function since the last CONFIG RESETSTAT:
+    each makes exactly one GET (its dedup check), the relay's other functions
+    (retire, trim) none, and commands a function runs count in commandstats."""
+    return redis_client.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+
+
+def dedup_records(redis_client, match="*:dedup:*"):
+    """{key: time to live in ms} of the relay's dedup records (-1: none set)."""
+    keys = list(redis_client.scan_iter(match=match, count=10000))
+    pipe = redis_client.pipeline(transaction=False)
+    for key in keys:
+        pipe.pttl(key)
+    return {k: t for k, t in zip(keys, pipe.execute()) if t != -2}
+
+
+def unretired_dedup_records(redis_client, publish_timeout_ms, match="*:dedup:*"):
+    """The dedup records a committed batch would have retired and has not: a
+    committed batch leaves its records to expire within publish_timeout
+    (docs/DESIGN.md, "The publish deadline"); a longer life means a batch
+    whose outcome the relay does not know, or a record it forgot."""
+    return sorted(k for k, t in dedup_records(redis_client, match).items()
+                  if t < 0 or t > publish_timeout_ms)
+
+
+def max_sent_within(conn, seconds):
+    """The most rows marked sent within any window of the given length: what
+    retired dedup records can add to those of the batches in flight."""
+    return scalar(conn, "SELECT coalesce(max(n), 0) FROM (SELECT sum(c) OVER (ORDER BY s"
+                        " RANGE BETWEEN CURRENT ROW AND %s FOLLOWING) AS n FROM (SELECT"
+                        " sent_at AS s, count(*) AS c FROM outbox.messages WHERE sent_at"
+                        " IS NOT NULL GROUP BY sent_at) AS g) AS w",
+                  (datetime.timedelta(seconds=seconds),))
+
+
 def stream_names(redis_client):
     """Every stream key, without the relay's dedup records."""
     names = []

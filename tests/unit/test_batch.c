@@ -824,15 +824,17 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     relay_buf_free(&buf);
 }
 
-/* lanes.c's drop_dedup_records as it stands, formatted by hiredis: every
+/* lanes.c's retire_dedup_records as it stands, formatted by hiredis: every
  * command concatenated, and the rows' states restored afterwards. */
-static size_t hiredis_unlinks(struct relay_row *rows, size_t n, const char *prefix, char *out,
+#define RETIRE_TTL "5000"
+
+static size_t hiredis_retires(struct relay_row *rows, size_t n, const char *prefix, char *out,
                               size_t outlen, int *commands)
 {
     const size_t keymax = 320 + RELAY_TOPIC_MAX;
     char stream[256 + RELAY_TOPIC_MAX];
-    static const char *argv[1 + 64];
-    static size_t lens[1 + 64];
+    static const char *argv[4 + 64];
+    static size_t lens[4 + 64];
     static char keys[64][320 + RELAY_TOPIC_MAX];
     int saved[64];
     size_t len = 0;
@@ -849,8 +851,13 @@ static size_t hiredis_unlinks(struct relay_row *rows, size_t n, const char *pref
                                        lead->partitions, stream, sizeof(stream)) < 0)
             continue;
         int argc = 0;
-        argv[argc] = "UNLINK";
-        lens[argc++] = 6;
+        argv[argc] = "FCALL";
+        lens[argc++] = 5;
+        argv[argc] = RELAY_FUNCTION_RETIRE;
+        lens[argc++] = strlen(RELAY_FUNCTION_RETIRE);
+        char nkeys[16];
+        argv[argc] = nkeys;
+        lens[argc++] = 0; /* set below */
         for (size_t j = i; j < n; j++) {
             struct relay_row *row = &rows[j];
             if (row->state != RELAY_ROW_PUBLISHED || row->topic_len != lead->topic_len ||
@@ -858,7 +865,7 @@ static size_t hiredis_unlinks(struct relay_row *rows, size_t n, const char *pref
                 (row->partitions > 1) != (lead->partitions > 1) ||
                 (row->partitions > 1 && row->partition != lead->partition))
                 continue;
-            char *key = keys[argc - 1];
+            char *key = keys[argc - 3];
             int k = relay_key_dedup(stream, row->message_id, row->message_id_len, key, keymax);
             row->state = RELAY_ROW_CLAIMED;
             if (k < 0)
@@ -866,7 +873,10 @@ static size_t hiredis_unlinks(struct relay_row *rows, size_t n, const char *pref
             argv[argc] = key;
             lens[argc++] = (size_t)k;
         }
-        if (argc > 1) {
+        if (argc > 3) {
+            lens[2] = (size_t)snprintf(nkeys, sizeof(nkeys), "%d", argc - 3);
+            argv[argc] = RETIRE_TTL;
+            lens[argc++] = strlen(RETIRE_TTL);
             char *cmd;
             int k = redisFormatCommandArgv(&cmd, argc, argv, lens);
             assert_true(k > 0 && len + (size_t)k <= outlen);
@@ -881,26 +891,26 @@ static size_t hiredis_unlinks(struct relay_row *rows, size_t n, const char *pref
     return len;
 }
 
-/* The UNLINKs of rows, one per call, each checked to be one whole command. */
-static size_t append_unlinks(const struct relay_row *rows, size_t n, const char *prefix,
+/* The retires of rows, one per call, each checked to be one whole command. */
+static size_t append_retires(const struct relay_row *rows, size_t n, const char *prefix,
                              struct relay_buf *buf, int *commands)
 {
     size_t pos = 0;
     int rc;
     *commands = 0;
     relay_buf_reset(buf);
-    while ((rc = relay_batch_append_unlink(rows, n, prefix, &pos, buf)) == 1) {
+    while ((rc = relay_batch_append_retire(rows, n, prefix, 5000, &pos, buf)) == 1) {
         (*commands)++;
         assert_true(pos <= n);
     }
     assert_int_equal(rc, 0);
     assert_int_equal(pos, n);
     /* Done stays done. */
-    assert_int_equal(relay_batch_append_unlink(rows, n, prefix, &pos, buf), 0);
+    assert_int_equal(relay_batch_append_retire(rows, n, prefix, 5000, &pos, buf), 0);
     return buf->len;
 }
 
-static void check_unlinks_same(struct relay_row *rows, size_t n, const char *prefix)
+static void check_retires_same(struct relay_row *rows, size_t n, const char *prefix)
 {
     static char want[1 << 16];
     struct relay_buf buf;
@@ -909,8 +919,8 @@ static void check_unlinks_same(struct relay_row *rows, size_t n, const char *pre
     memcpy(copy, rows, n * sizeof(*rows));
 
     int want_cmds, got_cmds;
-    size_t want_len = hiredis_unlinks(rows, n, prefix, want, sizeof(want), &want_cmds);
-    size_t got_len = append_unlinks(rows, n, prefix, &buf, &got_cmds);
+    size_t want_len = hiredis_retires(rows, n, prefix, want, sizeof(want), &want_cmds);
+    size_t got_len = append_retires(rows, n, prefix, &buf, &got_cmds);
     assert_int_equal(got_cmds, want_cmds);
     assert_int_equal(got_len, want_len);
     if (want_len > 0)
@@ -920,7 +930,7 @@ static void check_unlinks_same(struct relay_row *rows, size_t n, const char *pre
     relay_buf_free(&buf);
 }
 
-static void test_append_unlink_matches_hiredis(void **state)
+static void test_append_retire_matches_hiredis(void **state)
 {
     (void)state;
     static const char *ids[] = {
@@ -941,18 +951,18 @@ static void test_append_unlink_matches_hiredis(void **state)
         rows[i].message_id_len = 36;
         rows[i].state = states[i];
     }
-    check_unlinks_same(rows, 8, "");
-    check_unlinks_same(rows, 8, "app:");
-    check_unlinks_same(rows, 8, NULL);
+    check_retires_same(rows, 8, "");
+    check_retires_same(rows, 8, "app:");
+    check_retires_same(rows, 8, NULL);
 
     /* The first row of a stream may come late, after failed rows of it. */
     rows[0].state = RELAY_ROW_FAILED;
-    check_unlinks_same(rows, 8, "s.");
+    check_retires_same(rows, 8, "s.");
     /* Nothing published: no command. */
     for (size_t i = 0; i < 8; i++)
         rows[i].state = RELAY_ROW_FAILED;
-    check_unlinks_same(rows, 8, "s.");
-    check_unlinks_same(rows, 0, "s.");
+    check_retires_same(rows, 8, "s.");
+    check_retires_same(rows, 0, "s.");
 
     /* One stream, a full batch of it: one command with every key; and ids of
      * other lengths. */
@@ -965,13 +975,14 @@ static void test_append_unlink_matches_hiredis(void **state)
         many[i].message_id_len = strlen(idbuf[i]);
         many[i].state = RELAY_ROW_PUBLISHED;
     }
-    check_unlinks_same(many, 64, "");
+    check_retires_same(many, 64, "");
     struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
     int commands;
-    append_unlinks(many, 64, "", &buf, &commands);
+    append_retires(many, 64, "", &buf, &commands);
     assert_int_equal(commands, 1);
-    static const char head[] = "*65\r\n$6\r\nUNLINK\r\n$19\r\n{bench1}:dedup:id-0\r\n";
+    static const char head[] = "*68\r\n$5\r\nFCALL\r\n$22\r\n" RELAY_FUNCTION_RETIRE
+                               "\r\n$2\r\n64\r\n$19\r\n{bench1}:dedup:id-0\r\n";
     assert_memory_equal(buf.data, head, sizeof(head) - 1);
 
     /* Partitions of one topic are streams of their own: one command each. */
@@ -979,14 +990,15 @@ static void test_append_unlink_matches_hiredis(void **state)
         many[i].partitions = 4;
         many[i].partition = (uint32_t)(i % 3);
     }
-    check_unlinks_same(many, 64, "app:");
-    append_unlinks(many, 64, "", &buf, &commands);
+    check_retires_same(many, 64, "app:");
+    append_retires(many, 64, "", &buf, &commands);
     assert_int_equal(commands, 3);
-    static const char phead[] = "*23\r\n$6\r\nUNLINK\r\n$23\r\n{bench1:000}:dedup:id-0\r\n";
+    static const char phead[] = "*26\r\n$5\r\nFCALL\r\n$22\r\n" RELAY_FUNCTION_RETIRE
+                                "\r\n$2\r\n22\r\n$23\r\n{bench1:000}:dedup:id-0\r\n";
     assert_memory_equal(buf.data, phead, sizeof(phead) - 1);
     many[5].partitions = 1; /* the topic's unpartitioned stream, beside them */
-    check_unlinks_same(many, 64, "");
-    append_unlinks(many, 64, "", &buf, &commands);
+    check_retires_same(many, 64, "");
+    append_retires(many, 64, "", &buf, &commands);
     assert_int_equal(commands, 4);
     relay_buf_free(&buf);
 
@@ -1000,7 +1012,7 @@ static void test_append_unlink_matches_hiredis(void **state)
     topic[RELAY_TOPIC_MAX] = '\0';
     many[3].topic = topic;
     many[3].topic_len = RELAY_TOPIC_MAX;
-    check_unlinks_same(many, 64, prefix);
+    check_retires_same(many, 64, prefix);
 }
 
 static void test_respbuf_caps_and_reuse(void **state)
@@ -1044,23 +1056,25 @@ static void test_respbuf_caps_and_reuse(void **state)
     assert_int_equal(buf.len, len);
     assert_true(buf.cap <= buf.max);
 
-    /* UNLINK: full keeps its place; after a reset it goes on from there. */
+    /* Retire: full keeps its place; after a reset it goes on from there. */
     struct relay_row rows[2] = {row, row};
     rows[1].topic = "other";
     rows[1].topic_len = 5;
     relay_buf_reset(&buf);
-    buf.max = 80; /* room for the first command (74 bytes), not the second (73) */
+    buf.max = 125; /* room for the first command (119 bytes), not the second (118) */
     size_t pos = 0;
-    assert_int_equal(relay_batch_append_unlink(rows, 2, "", &pos, &buf), 1);
-    assert_int_equal(relay_batch_append_unlink(rows, 2, "", &pos, &buf), RELAY_BUF_FULL);
+    assert_int_equal(relay_batch_append_retire(rows, 2, "", 5000, &pos, &buf), 1);
+    assert_int_equal(relay_batch_append_retire(rows, 2, "", 5000, &pos, &buf), RELAY_BUF_FULL);
     assert_int_equal(pos, 1);
-    assert_int_equal(buf.len, 74);
-    assert_memory_equal(buf.data, "*2\r\n$6\r\nUNLINK\r\n$51\r\n{bench1}:dedup:", 36);
+    assert_int_equal(buf.len, 119);
+    assert_memory_equal(buf.data, "*5\r\n$5\r\nFCALL\r\n", 15);
+    assert_memory_equal(buf.data + 51, "$51\r\n{bench1}:dedup:", 20);
+    assert_memory_equal(buf.data + 109, "$4\r\n5000\r\n", 10);
     relay_buf_reset(&buf);
-    assert_int_equal(relay_batch_append_unlink(rows, 2, "", &pos, &buf), 1);
-    assert_int_equal(buf.len, 73);
-    assert_memory_equal(buf.data, "*2\r\n$6\r\nUNLINK\r\n$50\r\n{other}:dedup:", 35);
-    assert_int_equal(relay_batch_append_unlink(rows, 2, "", &pos, &buf), 0);
+    assert_int_equal(relay_batch_append_retire(rows, 2, "", 5000, &pos, &buf), 1);
+    assert_int_equal(buf.len, 118);
+    assert_memory_equal(buf.data + 51, "$50\r\n{other}:dedup:", 19);
+    assert_int_equal(relay_batch_append_retire(rows, 2, "", 5000, &pos, &buf), 0);
     relay_buf_free(&buf);
 }
 
@@ -1088,7 +1102,7 @@ int main(void)
         cmocka_unit_test(test_finish_sql_survives_unquotable_error),
         cmocka_unit_test(test_append_publish_matches_hiredis),
         cmocka_unit_test(test_append_publish_refuses_what_build_refuses),
-        cmocka_unit_test(test_append_unlink_matches_hiredis),
+        cmocka_unit_test(test_append_retire_matches_hiredis),
         cmocka_unit_test(test_respbuf_caps_and_reuse),
     };
     return cmocka_run_group_tests_name("batch", tests, NULL, NULL);
