@@ -1,8 +1,11 @@
 """A few minutes of the soak benchmark (bench/soak.py), with its checks.
 
 Promises tested (docs/OPERATIONS.md, "Retention"; docs/PERFORMANCE.md, "Soak"):
-- under steady load with retention running, the outbox's table+index size and
-  Redis's used_memory grow less than 5 % over the last third of the run;
+- under steady load with retention running, Redis's used_memory grows less
+  than 5 % over the last third of the run, and the outbox's table+index size
+  less than 5 % or one step by which PostgreSQL extends a busy table (512
+  pages, 4 MiB), whichever is more (without retention the last third of this
+  run would add some 20 MiB);
 - a consumer group that stops for the middle third and then catches up reads
   every message exactly once: trimming never removed an entry it had not
   acknowledged;
@@ -11,9 +14,8 @@ Promises tested (docs/OPERATIONS.md, "Retention"; docs/PERFORMANCE.md, "Soak"):
 The latency target of the benchmark (commit -> stream p99 under 50 ms) is a
 speed figure: here it is reported, not asserted (SOAK_LATENCY_CHECK=0). The
 run takes SOAK_MINUTES (3) at SOAK_RATE (1,000) messages a second, with sent
-rows kept 45 s (bench/soak.py's floor), so that the outbox holds some 45,000
-rows and one more extension of the table file by PostgreSQL (up to 512 pages
-at once under concurrent inserts) is not by itself 5 %.
+rows kept 45 s (bench/soak.py's floor): the outbox holds some 45,000 rows,
+about 20 MiB.
 """
 
 import os
