@@ -229,6 +229,23 @@ unset multiplot
         log(f"gnuplot: {proc.stdout[-1000:]}")
 
 
+def fork_watcher(rd, t0, forks, stop):
+    """Redis's forks (its AOF rewrites), each as (seconds from t0, the time
+    it blocked Redis in ms), read from INFO stats every 0.25 s."""
+    rc = rd.client()
+    last = None
+    while not stop.wait(0.25):
+        try:
+            st = rc.info("stats")
+        except Exception:
+            continue
+        total = st.get("total_forks", 0)
+        if last is not None and total > last:
+            forks.append((round(time.monotonic() - t0, 2), st.get("latest_fork_usec", 0) / 1000))
+        last = total
+    rc.close()
+
+
 def main():
     os.makedirs(RESULTS, exist_ok=True)
     for path in (bench.RELAY_BIN, bench.LOADGEN_BIN, bench.NAIVE_BIN):
@@ -255,6 +272,9 @@ def main():
         th = threading.Thread(target=sampler, args=(pg, rd, relay, claim_sql, t0, samples, stop),
                               daemon=True)
         th.start()
+        forks = []
+        fw = threading.Thread(target=fork_watcher, args=(rd, t0, forks, stop), daemon=True)
+        fw.start()
         try:
             res = bench.run_json([bench.LOADGEN_BIN, "--postgres", pg.dsn(), "--redis-port",
                                   str(rd.port), "--rate", str(RATE), "--seconds", str(SECONDS),
@@ -269,10 +289,11 @@ def main():
             stop.set()
             lagger.done.set()
             th.join(30)
+            fw.join(10)
             lagger.join(10)
             relay_log = relay.log()
             bench.stop_relay(relay)
-    return report(res, samples, lagger, relay_log)
+    return report(res, samples, lagger, relay_log, forks)
 
 
 def relay_claim_sql():
@@ -286,7 +307,7 @@ def relay_claim_sql():
             .replace("$3", "'{}'").replace("$4", "'{}'").replace("$5", "0"))
 
 
-def report(res, samples, lagger, relay_log):
+def report(res, samples, lagger, relay_log, forks=()):
     windows = res.get("windows", [])
     with open(os.path.join(RESULTS, "soak.csv"), "w") as f:
         keys = list(samples[0].keys()) if samples else []
@@ -332,6 +353,18 @@ def report(res, samples, lagger, relay_log):
                    + ("" if LATENCY_CHECK else " (reported)"),
                    not LATENCY_CHECK or (worst is not None and worst <= P99_LIMIT_MS)))
     inside = [w["stream_p99"] for w in full if w not in outside]
+    # Which slow windows held a fork of Redis (an AOF rewrite), which blocks
+    # every command while the kernel copies its page tables. A window's t is
+    # its start from the first commit, a second or so after t0.
+    with open(os.path.join(RESULTS, "soak-forks.csv"), "w") as f:
+        f.write("t,fork_ms\n")
+        for t, ms in forks:
+            f.write(f"{t},{ms}\n")
+
+    def forked(w):
+        return any(w["t"] - 1 <= t <= w["t"] + SAMPLE + 2 for t, _ in forks)
+    slow = [w for w in outside if w["stream_p99"] > P99_LIMIT_MS]
+    fork_ms = sorted(ms for _, ms in forks)
     read_worst = max((w["p99"] for w in outside), default=0)
     read_over = sum(1 for w in outside if w["p99"] > P99_LIMIT_MS)
     committed = res["committed"]
@@ -364,6 +397,12 @@ def report(res, samples, lagger, relay_log):
               f" last third"
               f" {statistics.median([s['claim_ms'] for s in samples if s['t'] >= 2 * SECONDS / 3] or [0]):.2f} ms."
               if claims else "no samples",
+              f"Redis forked {len(forks)} times (AOF rewrites), blocking it"
+              f" {statistics.median(fork_ms) if fork_ms else 0:.1f} ms in the median, at most"
+              f" {max(fork_ms, default=0):.1f} ms; of the {len(slow)} windows above"
+              f" {P99_LIMIT_MS:g} ms outside the stop, {sum(1 for w in slow if forked(w))} held"
+              f" a fork, and {sum(1 for w in outside if forked(w))} of the {len(outside)}"
+              f" windows there held one.",
               f"retention warnings in the relay's log: "
               f"{len([x for x in relay_log.splitlines() if 'WARNING retention' in x])}."]
     text = "\n".join(lines) + "\n"
