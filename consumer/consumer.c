@@ -78,31 +78,37 @@ static const uint32_t default_backoff[] = {1000, 10000, 100000, 1000000};
  */
 const char relay_consumer_function_source[] =
     "#!lua name=" RELAY_CONSUMER_FUNCTION_LIBRARY "\n"
+    /* The dead letter itself, for both dead-letter functions: args[first]
+     * is the entry id, the fields follow it. */
+    "local function move_to_dead_letters(dlq, stream, group, args, first)\n"
+    "  local id = args[first]\n"
+    "  if not string.match(id, '^%d+%-%d+$') then\n"
+    "    return redis.error_reply('ERR entry id \"' .. id .. '\" is not of the form "
+    "<ms>-<seq>')\n"
+    "  end\n"
+    "  local t = redis.call('TYPE', stream)['ok']\n"
+    "  if t ~= 'stream' and t ~= 'none' then\n"
+    "    return redis.error_reply('WRONGTYPE stream key ' .. stream .. ' holds a ' .. t .. "
+    "', not a stream: nothing was dead-lettered or acknowledged')\n"
+    "  end\n"
+    "  local added = redis.pcall('XADD', dlq, '*', unpack(args, first + 1))\n"
+    "  if type(added) == 'table' and added['err'] then\n"
+    "    if string.sub(added['err'], 1, 9) == 'WRONGTYPE' then\n"
+    "      return redis.error_reply('WRONGTYPE dead-letter key ' .. dlq .. ' holds a ' .. "
+    "redis.call('TYPE', dlq)['ok'] .. ', not a stream: delete or rename it; nothing was "
+    "acknowledged')\n"
+    "    end\n"
+    "    return added\n"
+    "  end\n"
+    "  redis.call('XACK', stream, group, id)\n"
+    "  return added\n"
+    "end\n"
     "local function dead_letter(keys, args)\n"
     "  if #keys ~= 2 or #args < 4 or #args % 2 ~= 0 then\n"
     "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_DEAD_LETTER
     " 2 <dead-letter stream> <stream> <group> <entry id> <field> <value> [<field> <value> ...]')\n"
     "  end\n"
-    "  if not string.match(args[2], '^%d+%-%d+$') then\n"
-    "    return redis.error_reply('ERR entry id \"' .. args[2] .. '\" is not of the form "
-    "<ms>-<seq>')\n"
-    "  end\n"
-    "  local t = redis.call('TYPE', keys[2])['ok']\n"
-    "  if t ~= 'stream' and t ~= 'none' then\n"
-    "    return redis.error_reply('WRONGTYPE stream key ' .. keys[2] .. ' holds a ' .. t .. "
-    "', not a stream: nothing was dead-lettered or acknowledged')\n"
-    "  end\n"
-    "  local id = redis.pcall('XADD', keys[1], '*', unpack(args, 3))\n"
-    "  if type(id) == 'table' and id['err'] then\n"
-    "    if string.sub(id['err'], 1, 9) == 'WRONGTYPE' then\n"
-    "      return redis.error_reply('WRONGTYPE dead-letter key ' .. keys[1] .. ' holds a ' .. "
-    "redis.call('TYPE', keys[1])['ok'] .. ', not a stream: delete or rename it; nothing was "
-    "acknowledged')\n"
-    "    end\n"
-    "    return id\n"
-    "  end\n"
-    "  redis.call('XACK', keys[2], args[1], args[2])\n"
-    "  return id\n"
+    "  return move_to_dead_letters(keys[1], keys[2], args[1], args, 2)\n"
     "end\n"
     "redis.register_function('" RELAY_CONSUMER_FUNCTION_DEAD_LETTER "', dead_letter)\n"
     /*
@@ -158,7 +164,117 @@ const char relay_consumer_function_source[] =
     "  redis.call('XDEL', keys[1], args[1])\n"
     "  return id\n"
     "end\n"
-    "redis.register_function('" RELAY_CONSUMER_FUNCTION_REPLAY "', replay)\n";
+    "redis.register_function('" RELAY_CONSUMER_FUNCTION_REPLAY "', replay)\n"
+    /*
+     * Partition leases (contract in include/outbox/consumer.h; docs/
+     * CONSUMERS.md, "Ordered consumers"). A lease is a string
+     * "<token>:<consumer>" with a time to live, in the partition stream's
+     * hash slot; its token comes from INCR of a counter key that never
+     * expires, so each grant has a token larger than every one before it. The
+     * functions that read, take over, acknowledge or dead-letter check the
+     * token first and, when it is not the lease's, answer LEASELOST and do
+     * nothing: a consumer that has lost its lease cannot touch the partition
+     * any more, however late its call arrives.
+     */
+    "local function lease_of(key)\n"
+    "  local v = redis.call('GET', key)\n"
+    "  if not v then return nil, nil end\n"
+    "  return string.match(v, '^(%d+):(.*)$')\n"
+    "end\n"
+    "local function lease_lost(key, token)\n"
+    "  local t = lease_of(key)\n"
+    "  if t ~= nil and t == token then return nil end\n"
+    "  return redis.error_reply('LEASELOST ' .. key .. ' is not held with token ' .. token .. "
+    "(t and (' (token ' .. t .. ' holds it)') or ' (nobody holds it)') .. ': another consumer "
+    "may own the partition; nothing was done')\n"
+    "end\n"
+    "local function lease(keys, args)\n"
+    "  if #keys ~= 2 or #args ~= 3 then\n"
+    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_LEASE
+    " 2 <lease key> <token counter key> <consumer> <ttl ms> <token, 0 to take>')\n"
+    "  end\n"
+    "  local ttl = tonumber(args[2])\n"
+    "  if args[1] == '' or not ttl or ttl < 1 or ttl > 86400000 or ttl % 1 ~= 0 then\n"
+    "    return redis.error_reply('ERR the consumer name must not be empty and the time to live "
+    "must be 1 to 86400000 ms')\n"
+    "  end\n"
+    "  local t, who = lease_of(keys[1])\n"
+    "  if t ~= nil then\n"
+    "    if t == args[3] and who == args[1] then\n"
+    "      redis.call('PEXPIRE', keys[1], ttl)\n"
+    "      return {tonumber(t), who, ttl}\n"
+    "    end\n"
+    "    return {0, who, redis.call('PTTL', keys[1])}\n"
+    "  end\n"
+    "  if redis.call('EXISTS', keys[1]) == 1 then\n"
+    "    return redis.error_reply('WRONGTYPE lease key ' .. keys[1] .. ' holds something else: "
+    "delete it')\n"
+    "  end\n"
+    "  local n = redis.call('INCR', keys[2])\n"
+    "  redis.call('SET', keys[1], n .. ':' .. args[1], 'PX', ttl)\n"
+    "  return {n, args[1], ttl}\n"
+    "end\n"
+    "redis.register_function('" RELAY_CONSUMER_FUNCTION_LEASE "', lease)\n"
+    "local function release(keys, args)\n"
+    "  if #keys ~= 1 or #args ~= 1 then\n"
+    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_RELEASE
+    " 1 <lease key> <token>')\n"
+    "  end\n"
+    "  if lease_of(keys[1]) == args[1] then\n"
+    "    return redis.call('DEL', keys[1])\n"
+    "  end\n"
+    "  return 0\n"
+    "end\n"
+    "redis.register_function('" RELAY_CONSUMER_FUNCTION_RELEASE "', release)\n"
+    "local function leased_read(keys, args)\n"
+    "  if #keys ~= 2 or #args ~= 5 or (args[5] ~= '>' and not string.match(args[5], "
+    "'^%d+%-%d+$') and args[5] ~= '0') then\n"
+    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_READ
+    " 2 <stream> <lease key> <group> <consumer> <token> <count> <\\'>\\' or an id>')\n"
+    "  end\n"
+    "  local lost = lease_lost(keys[2], args[3])\n"
+    "  if lost then return lost end\n"
+    "  return redis.call('XREADGROUP', 'GROUP', args[1], args[2], 'COUNT', args[4], "
+    "'STREAMS', keys[1], args[5])\n"
+    "end\n"
+    "redis.register_function('" RELAY_CONSUMER_FUNCTION_READ "', leased_read)\n"
+    "local function take(keys, args)\n"
+    "  if #keys ~= 2 or #args ~= 4 then\n"
+    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_TAKE
+    " 2 <stream> <lease key> <group> <consumer> <token> <count>')\n"
+    "  end\n"
+    "  local lost = lease_lost(keys[2], args[3])\n"
+    "  if lost then return lost end\n"
+    "  local ids = {}\n"
+    "  for _, p in ipairs(redis.call('XPENDING', keys[1], args[1], '-', '+', args[4])) do\n"
+    "    if p[2] ~= args[2] then ids[#ids + 1] = p[1] end\n"
+    "  end\n"
+    "  if #ids == 0 then return {{}, {}} end\n"
+    "  return {ids, redis.call('XCLAIM', keys[1], args[1], args[2], 0, unpack(ids))}\n"
+    "end\n"
+    "redis.register_function('" RELAY_CONSUMER_FUNCTION_TAKE "', take)\n"
+    "local function leased_ack(keys, args)\n"
+    "  if #keys ~= 2 or #args < 3 then\n"
+    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_ACK
+    " 2 <stream> <lease key> <group> <token> <entry id> [<entry id> ...]')\n"
+    "  end\n"
+    "  local lost = lease_lost(keys[2], args[2])\n"
+    "  if lost then return lost end\n"
+    "  return redis.call('XACK', keys[1], args[1], unpack(args, 3))\n"
+    "end\n"
+    "redis.register_function('" RELAY_CONSUMER_FUNCTION_ACK "', leased_ack)\n"
+    "local function leased_dead_letter(keys, args)\n"
+    "  if #keys ~= 3 or #args < 5 or #args % 2 ~= 1 then\n"
+    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_DEAD_LETTER_LEASED
+    " 3 <dead-letter stream> <stream> <lease key> <group> <token> <entry id> <field> <value> "
+    "[<field> <value> ...]')\n"
+    "  end\n"
+    "  local lost = lease_lost(keys[3], args[2])\n"
+    "  if lost then return lost end\n"
+    "  return move_to_dead_letters(keys[1], keys[2], args[1], args, 3)\n"
+    "end\n"
+    "redis.register_function('" RELAY_CONSUMER_FUNCTION_DEAD_LETTER_LEASED
+    "', leased_dead_letter)\n";
 
 struct relay_consumer {
     struct relay_consumer_options o;
@@ -236,6 +352,17 @@ int relay_consumer_dlq_name(const char *stream, const char *group, char *out, si
 int relay_consumer_replay_name(const char *stream, const char *group, char *out, size_t outlen)
 {
     return relay_key_replay(stream, group, out, outlen);
+}
+
+int relay_consumer_lease_names(const char *stream, const char *group, char *lease, char *token,
+                               size_t outlen)
+{
+    /* The counter's name is the longer: when it fits, both do. */
+    if (strlen(stream) + strlen(group) + sizeof("{}:lease-token:") > outlen)
+        return -1;
+    if (relay_key_lease(stream, group, 1, token, outlen) < 0)
+        return -1;
+    return relay_key_lease(stream, group, 0, lease, outlen);
 }
 
 uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts, uint32_t deliveries)

@@ -26,6 +26,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "outbox/consumer.h"
 #include "relay/backoff.h"
 #include "relay/batch.h"
 #include "relay/config.h"
@@ -118,6 +119,7 @@ static char step_auth[] = "AUTH";
 static char step_select[] = "SELECT";
 static char step_setname[] = "CLIENT SETNAME";
 static char step_function[] = "FUNCTION";
+static char step_consumer_library[] = "FUNCTION LOAD of library " RELAY_CONSUMER_FUNCTION_LIBRARY;
 static char step_config[] = "CONFIG";
 static char step_time[] = "TIME";
 
@@ -288,6 +290,14 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
         }
     } else if (strcmp(step, "CONFIG") == 0) {
         check_durability(s, r);
+    } else if (step == step_consumer_library) {
+        /* The consumers' functions, for consumers in any language: the C
+         * library loads them itself too, so a refusal stops nothing here. */
+        if (r == NULL || r->type == REDIS_REPLY_ERROR)
+            relay_warn(COMPONENT,
+                       "%s failed: %s; consumers in other languages that call its functions"
+                       " (docs/CONSUMERS.md) need it loaded",
+                       step, r != NULL ? r->str : "connection closed");
     } else if (r == NULL || r->type == REDIS_REPLY_ERROR) {
         char msg[400];
         int noperm = r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOPERM", 6) == 0;
@@ -427,6 +437,10 @@ static void queue_setup(struct relay_sink *s)
     lens[2] = 7;
     lens[3] = strlen(relay_batch_function_source);
     redisAsyncCommandArgv(s->ac, on_setup_reply, step_function, 4, argv, lens);
+    s->setup_pending++;
+    argv[3] = relay_consumer_function_source;
+    lens[3] = strlen(relay_consumer_function_source);
+    redisAsyncCommandArgv(s->ac, on_setup_reply, step_consumer_library, 4, argv, lens);
     s->setup_pending++;
 
     /* Redis 7 takes several parameters in one CONFIG GET. An ACL that forbids

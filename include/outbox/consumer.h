@@ -223,8 +223,60 @@ int relay_consumer_replay_name(const char *stream, const char *group, char *out,
  */
 #define RELAY_CONSUMER_FUNCTION_REPLAY "outbox_consumer_replay_v1"
 
-/* The Lua source of the library (both functions), loaded with FUNCTION LOAD
- * REPLACE. */
+/*
+ * The partition-lease functions, in the same library, for ordered consumers
+ * (docs/CONSUMERS.md, "Ordered consumers"): the consumers of one group divide
+ * the partition streams of a topic among themselves, one consumer per
+ * partition at a time. Every key below is in the partition stream's hash
+ * slot; relay_consumer_lease_names gives the two lease keys.
+ *
+ *   FCALL outbox_consumer_lease_v1 2 <lease key> <token counter key>
+ *         <consumer> <ttl ms> <token, or 0 to take>
+ *
+ * Takes a free lease (a new token, one more than the last ever given for the
+ * partition) or renews the caller's own (same consumer and token), for ttl
+ * ms; replies {token, consumer, ttl ms}. A lease that someone else holds, or
+ * that the caller held with another token, is left alone: {0, its holder, ms
+ * left}.
+ *
+ *   FCALL outbox_consumer_release_v1 1 <lease key> <token>
+ *
+ * Gives the lease up when that token holds it: 1, else 0.
+ *
+ *   FCALL outbox_consumer_read_v1 2 <stream> <lease key> <group> <consumer>
+ *         <token> <count> <">" or an id>
+ *   FCALL outbox_consumer_take_v1 2 <stream> <lease key> <group> <consumer>
+ *         <token> <count>
+ *   FCALL outbox_consumer_ack_v1 2 <stream> <lease key> <group> <token>
+ *         <entry id> [<entry id> ...]
+ *   FCALL outbox_consumer_dead_letter_leased_v1 3 <dead-letter stream>
+ *         <stream> <lease key> <group> <token> <entry id> <field> <value>
+ *         [<field> <value> ...]
+ *
+ * Each first checks that the token holds the lease and otherwise answers an
+ * error beginning "LEASELOST" and does nothing. Then: read is XREADGROUP
+ * (COUNT, no BLOCK) of the stream; take moves the first count pending
+ * entries of the group that other consumers hold to this one (XCLAIM, min
+ * idle 0, which counts a delivery) and replies {the ids it asked for, the
+ * entries XCLAIM returned} (an id missing from the second was deleted from
+ * the stream: lost); ack is XACK; dead_letter_leased is the dead-letter
+ * function above.
+ */
+#define RELAY_CONSUMER_FUNCTION_LEASE "outbox_consumer_lease_v1"
+#define RELAY_CONSUMER_FUNCTION_RELEASE "outbox_consumer_release_v1"
+#define RELAY_CONSUMER_FUNCTION_READ "outbox_consumer_read_v1"
+#define RELAY_CONSUMER_FUNCTION_TAKE "outbox_consumer_take_v1"
+#define RELAY_CONSUMER_FUNCTION_ACK "outbox_consumer_ack_v1"
+#define RELAY_CONSUMER_FUNCTION_DEAD_LETTER_LEASED "outbox_consumer_dead_letter_leased_v1"
+
+/* The lease key "{<stream>}:lease:<group>" and the token counter
+ * "{<stream>}:lease-token:<group>" of a partition stream. The length written
+ * into lease, or -1 when either does not fit (nothing is then written). */
+int relay_consumer_lease_names(const char *stream, const char *group, char *lease, char *token,
+                               size_t outlen) RELAY_CONSUMER_MUSTCHECK;
+
+/* The Lua source of the library (every function above), loaded with FUNCTION
+ * LOAD REPLACE. */
 extern const char relay_consumer_function_source[];
 
 /* Dead-letter entry fields added to the original ones. */

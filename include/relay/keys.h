@@ -58,4 +58,10 @@ int relay_key_dlq(const char *stream, const char *group, char *out, size_t outle
 int relay_key_replay(const char *stream, const char *group, char *out, size_t outlen)
     __attribute__((warn_unused_result));
 
+/* "{<stream>}:lease:<group>" (token 0) or "{<stream>}:lease-token:<group>"
+ * (token 1): a partition lease of an ordered consumer group and the counter
+ * its tokens come from, in the stream's hash slot. */
+int relay_key_lease(const char *stream, const char *group, int token, char *out, size_t outlen)
+    __attribute__((warn_unused_result));
+
 #endif

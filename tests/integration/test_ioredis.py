@@ -7,7 +7,12 @@ tests/integration/ioredis/check.js through a consumer group it creates at id 0
 as the README says: id a UUID, topic, key absent for a NULL key, payload bytes
 verbatim (NUL and 0xff bytes included), created_at RFC 3339 in UTC (Z),
 outbox_id decimal, one h.<name> field per header. Consumers need nothing of
-ours but the contract.
+ours but the contract. And the ordered consumer's steps (docs/CONSUMERS.md,
+"Ordered consumers"), called by tests/integration/ioredis/leases.js through
+FCALL on the functions the relay loaded: a lease taken, renewed and refused to
+another consumer; once it expired and another took it, every fenced call with
+the old token answers LEASELOST and changes nothing; the new holder takes the
+old one's entries over, reads, acknowledges, dead-letters and releases.
 
 ioredis (pinned in ioredis/package.json) is installed from the npm registry
 with `npm install --no-audit --no-fund` into a temporary copy of that
@@ -55,7 +60,7 @@ def prepare_check_dir():
         if shutil.which(tool) is None:
             skip(f"{tool} is not installed (the ioredis check needs Node.js and npm)")
     work = tempfile.mkdtemp(prefix="outbox-ioredis-")
-    for name in ("package.json", "check.js"):
+    for name in ("package.json", "check.js", "leases.js"):
         shutil.copy(os.path.join(CHECK_DIR, name), work)
     cached = os.path.join(cache_dir(), "node_modules")
     if os.path.isdir(os.path.join(cached, "ioredis")):
@@ -147,6 +152,26 @@ class IoredisContractTest(harness.ServerTestCase):
 
         # The group it created is a plain Redis group: nothing left pending.
         self.assertEqual(self.r.xpending("orders", "ioredis-check")["pending"], 0)
+
+    def test_ioredis_calls_the_lease_functions(self):
+        """The ordered consumer's steps from Node.js, on the functions the relay loads."""
+        relay = self.relay(poll_interval="200ms")
+        wait_until(lambda: self.r.execute_command("FUNCTION", "LIST", "LIBRARYNAME",
+                                                  "outbox_consumer"),
+                   timeout=15, relay=relay, message="the relay to load the consumer library")
+        stream, group = "orders:005", "shipping"
+        self.r.xgroup_create(stream, group, id="0", mkstream=True)
+        for i in range(5):
+            self.r.xadd(stream, {"id": f"m{i}", "key": "k", "payload": str(i)})
+        proc = subprocess.run(["node", "leases.js", self.redis.url(), stream, group],
+                              cwd=self.check_dir, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+        output = proc.stdout.decode(errors="replace").strip()
+        print(output, file=sys.stderr, flush=True)
+        self.assertEqual(proc.returncode, 0, f"leases.js failed:\n{output}")
+        self.assertRegex(output, r"ioredis 5\.\d+\.\d+: lease contract, \d+ checks, 0 problems")
+        self.assertEqual(self.r.xpending(stream, group)["pending"], 0)
+        self.assertEqual(self.r.xlen(f"{stream}.{group}.dlq"), 1)
 
 
 if __name__ == "__main__":

@@ -307,9 +307,11 @@ static void test_dead_letter_function_acknowledges_after_xadd(void **state)
         strstr(src, "redis.register_function('" RELAY_CONSUMER_FUNCTION_DEAD_LETTER "'"));
     /* The XADD must not abort the call (pcall), and the XACK runs only after
      * it, behind the return of its error: a function body does not roll back. */
-    const char *xadd = strstr(src, "redis.pcall('XADD'");
-    const char *err = strstr(src, "return id\n");
-    const char *xack = strstr(src, "'XACK'");
+    const char *body = strstr(src, "local function move_to_dead_letters(");
+    assert_non_null(body);
+    const char *xadd = strstr(body, "redis.pcall('XADD'");
+    const char *err = strstr(body, "return added\n");
+    const char *xack = strstr(body, "'XACK'");
     assert_non_null(xadd);
     assert_non_null(err);
     assert_non_null(xack);
@@ -317,6 +319,47 @@ static void test_dead_letter_function_acknowledges_after_xadd(void **state)
     assert_true(err < xack);
     assert_null(strstr(src, "redis.call('XADD'"));
     assert_non_null(strstr(src, "delete or rename it"));
+}
+
+static void test_lease_functions_check_the_token_first(void **state)
+{
+    (void)state;
+    const char *src = relay_consumer_function_source;
+    static const char *const fenced[] = {"local function leased_read(", "local function take(",
+                                         "local function leased_ack(",
+                                         "local function leased_dead_letter("};
+    for (size_t i = 0; i < sizeof(fenced) / sizeof(fenced[0]); i++) {
+        const char *body = strstr(src, fenced[i]);
+        assert_non_null(body);
+        const char *check = strstr(body, "lease_lost(");
+        const char *stop = strstr(body, "if lost then return lost end");
+        const char *end = strstr(body, "\nend\n");
+        /* The check, and the return on its error, come before anything else
+         * in the body that calls Redis. */
+        assert_non_null(check);
+        assert_non_null(stop);
+        assert_true(check < stop && stop < end);
+        const char *call = strstr(body, "redis.call(");
+        assert_true(call == NULL || call > stop);
+    }
+    assert_non_null(strstr(src, "redis.register_function('" RELAY_CONSUMER_FUNCTION_LEASE "'"));
+    assert_non_null(strstr(src, "redis.register_function('" RELAY_CONSUMER_FUNCTION_RELEASE "'"));
+    /* Tokens come from a counter that never expires. */
+    assert_non_null(strstr(src, "redis.call('INCR', keys[2])"));
+
+    char lease[64], token[64];
+    assert_int_equal(
+        relay_consumer_lease_names("orders:003", "billing", lease, token, sizeof(lease)),
+        (int)strlen("{orders:003}:lease:billing"));
+    assert_string_equal(lease, "{orders:003}:lease:billing");
+    assert_string_equal(token, "{orders:003}:lease-token:billing");
+    /* The counter's name does not fit: neither is written. */
+    char small_lease[32] = "untouched", small_token[32] = "untouched";
+    assert_int_equal(relay_consumer_lease_names("orders:003", "billing", small_lease, small_token,
+                                                sizeof("{orders:003}:lease-token:billing") - 1),
+                     -1);
+    assert_string_equal(small_lease, "untouched");
+    assert_string_equal(small_token, "untouched");
 }
 
 static void test_replay_function_deletes_after_xadd(void **state)
@@ -354,6 +397,7 @@ int main(void)
         cmocka_unit_test(test_processed_horizon_against_redelivery),
         cmocka_unit_test(test_dead_letter_function_acknowledges_after_xadd),
         cmocka_unit_test(test_replay_function_deletes_after_xadd),
+        cmocka_unit_test(test_lease_functions_check_the_token_first),
     };
     return cmocka_run_group_tests_name("consumer", tests, NULL, NULL);
 }
