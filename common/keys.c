@@ -113,8 +113,8 @@ int relay_key_replay(const char *stream, const char *group, char *out, size_t ou
     return join_name(stream, group, ".replay", out, outlen);
 }
 
-int relay_key_lease(const char *stream, const char *group, int token, char *out, size_t outlen)
+int relay_key_lease(const char *stream, const char *group, const char *what, char *out,
+                    size_t outlen)
 {
-    return fits(snprintf(out, outlen, "{%s}:lease%s:%s", stream, token ? "-token" : "", group),
-                outlen);
+    return fits(snprintf(out, outlen, "{%s}:%s:%s", stream, what, group), outlen);
 }

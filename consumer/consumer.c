@@ -35,6 +35,7 @@
 #include "relay/compat.h"
 
 #include "outbox/consumer.h"
+#include "outbox/order.h"
 
 #include <errno.h>
 #include <hiredis/hiredis.h>
@@ -55,6 +56,8 @@
 #include "relay/url.h"
 
 #define RECLAIM_BATCH 64
+/* The entries an ordered consumer holds in hand per partition, at most. */
+#define ORDER_QUEUE_MAX 256
 #define NAME_MAX_LEN 512
 /* Longest line given to the log hook; longer text is cut and ends in "...". */
 #define LOG_LINE_MAX 2048
@@ -293,6 +296,7 @@ struct relay_consumer {
     struct relay_backoff reconnect;
     struct relay_consumer_stats stats;
     long long last_reclaim_ms;
+    char lease_ms_s[16];  /* the ordered mode's lease, as an argument */
     char last_error[512]; /* the last problem logged, to log each change once */
     enum relay_consumer_err err;
     char errstr[512];
@@ -360,9 +364,9 @@ int relay_consumer_lease_names(const char *stream, const char *group, char *leas
     /* The counter's name is the longer: when it fits, both do. */
     if (strlen(stream) + strlen(group) + sizeof("{}:lease-token:") > outlen)
         return -1;
-    if (relay_key_lease(stream, group, 1, token, outlen) < 0)
+    if (relay_key_lease(stream, group, "lease-token", token, outlen) < 0)
         return -1;
-    return relay_key_lease(stream, group, 0, lease, outlen);
+    return relay_key_lease(stream, group, "lease", lease, outlen);
 }
 
 uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts, uint32_t deliveries)
@@ -467,6 +471,30 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
         c->o.reconnect_min_ms = 100;
     if (c->o.reconnect_max_ms == 0)
         c->o.reconnect_max_ms = 10000;
+    if (c->o.partitions == 1 || c->o.partitions > RELAY_PARTITIONS_MAX) {
+        snprintf(err, errlen,
+                 "partitions is the number of partitions of a partitioned topic, 2 to %d (0: the "
+                 "unordered mode)",
+                 RELAY_PARTITIONS_MAX);
+        goto fail;
+    }
+    if (c->o.lease_ms == 0)
+        c->o.lease_ms = 10000;
+    if (c->o.lease_ms < 300 || c->o.lease_ms > 600000) {
+        snprintf(err, errlen, "lease_ms is 300 to 600000");
+        goto fail;
+    }
+    snprintf(c->lease_ms_s, sizeof(c->lease_ms_s), "%u", c->o.lease_ms);
+    if (c->o.partitions > 1 && c->o.count > ORDER_QUEUE_MAX) {
+        snprintf(err, errlen, "count is at most %d in the ordered mode", ORDER_QUEUE_MAX);
+        goto fail;
+    }
+    if (c->o.partitions > 1 && opts->dlq != NULL && opts->dlq[0] != '\0') {
+        snprintf(err, errlen,
+                 "dlq is not set in the ordered mode: each partition has its own dead-letter "
+                 "stream, <partition stream>.<group>.dlq");
+        goto fail;
+    }
     if (copy_name(c->stream, opts->stream, "stream", err, errlen) < 0 ||
         copy_name(c->group, opts->group, "group", err, errlen) < 0)
         goto fail;
@@ -714,6 +742,20 @@ static void rfc3339_now(char *out, size_t outlen)
  * stays pending and a later pass delivers it again). A lost entry is no
  * longer pending, so a refused "lost" record is not tried again.
  */
+/* In the ordered mode, the lease a call is made under: its key, its token,
+ * and the partition's dead-letter stream. */
+struct lease_ref {
+    const char *key;
+    const char *token;
+    const char *dlq;
+};
+
+/* Whether a reply is the lease functions' refusal. */
+static int lease_lost_reply(const redisReply *r)
+{
+    return r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "LEASELOST", 9) == 0;
+}
+
 /* A command's arguments as it is built. */
 struct argv_buf {
     const char **argv;
@@ -738,16 +780,26 @@ static void arg_str(struct argv_buf *a, const char *s)
  * caller's buffers, alive until the command is sent. a has room for
  * 7 + the fields + 16 arguments. */
 static void dead_letter_args(struct argv_buf *a, const struct relay_consumer *c, const char *stream,
-                             const char *entry_id, const redisReply *fields, size_t nf,
-                             const char *reason, const char *error, const char *count,
-                             const char *when)
+                             const struct lease_ref *lease, const char *entry_id,
+                             const redisReply *fields, size_t nf, const char *reason,
+                             const char *error, const char *count, const char *when)
 {
     arg_str(a, "FCALL");
-    arg_str(a, RELAY_CONSUMER_FUNCTION_DEAD_LETTER);
-    arg_str(a, "2");
-    arg_str(a, c->dlq);
-    arg_str(a, stream);
-    arg_str(a, c->group);
+    if (lease != NULL) {
+        arg_str(a, RELAY_CONSUMER_FUNCTION_DEAD_LETTER_LEASED);
+        arg_str(a, "3");
+        arg_str(a, lease->dlq);
+        arg_str(a, stream);
+        arg_str(a, lease->key);
+        arg_str(a, c->group);
+        arg_str(a, lease->token);
+    } else {
+        arg_str(a, RELAY_CONSUMER_FUNCTION_DEAD_LETTER);
+        arg_str(a, "2");
+        arg_str(a, c->dlq);
+        arg_str(a, stream);
+        arg_str(a, c->group);
+    }
     arg_str(a, entry_id);
     for (size_t i = 0; i + 1 < nf; i += 2) {
         const redisReply *k = fields->element[i], *v = fields->element[i + 1];
@@ -768,12 +820,16 @@ static void dead_letter_args(struct argv_buf *a, const struct relay_consumer *c,
         arg_str(a, tail[i]);
 }
 
-static int dead_letter(struct relay_consumer *c, const char *stream, const char *entry_id,
-                       const redisReply *fields, const char *reason, const char *error,
-                       uint32_t deliveries)
+/* 0, -1 (refused or failed: the entry stays pending) or, under a lease,
+ * RELAY_LEASE_LOST. */
+#define RELAY_LEASE_LOST (-2)
+static int dead_letter_under(struct relay_consumer *c, const char *stream,
+                             const struct lease_ref *lease, const char *entry_id,
+                             const redisReply *fields, const char *reason, const char *error,
+                             uint32_t deliveries)
 {
     size_t nf = fields != NULL && fields->type == REDIS_REPLY_ARRAY ? fields->elements : 0;
-    size_t argc_max = 7 + nf + 16;
+    size_t argc_max = 9 + nf + 16;
     struct argv_buf a = {calloc(argc_max, sizeof(*a.argv)), calloc(argc_max, sizeof(*a.lens)), 0};
     int rc = -1;
     if (a.argv == NULL || a.lens == NULL) {
@@ -786,7 +842,7 @@ static int dead_letter(struct relay_consumer *c, const char *stream, const char 
     char count[16], when[40];
     snprintf(count, sizeof(count), "%u", deliveries);
     rfc3339_now(when, sizeof(when));
-    dead_letter_args(&a, c, stream, entry_id, fields, nf, reason, error, count, when);
+    dead_letter_args(&a, c, stream, lease, entry_id, fields, nf, reason, error, count, when);
     redisReply *r = command(c->wr, a.argc, a.argv, a.lens);
     if (r == NULL) {
         problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while dead-lettering %s %s: %s",
@@ -798,8 +854,10 @@ static int dead_letter(struct relay_consumer *c, const char *stream, const char 
         c->stats.dead_lettered++;
         clear_error(c);
         emit(c, RELAY_CONSUMER_LOG_WARNING, "%s %s -> %s (%s after %u deliveries): %s", stream,
-             entry_id, c->dlq, reason, deliveries, error);
+             entry_id, lease != NULL ? lease->dlq : c->dlq, reason, deliveries, error);
         rc = 0;
+    } else if (lease != NULL && lease_lost_reply(r)) {
+        rc = RELAY_LEASE_LOST;
     } else {
         /* "Function not found": someone ran FUNCTION FLUSH or DELETE since
          * the connect; connecting again loads it. */
@@ -819,6 +877,13 @@ out:
     free(a.argv);
     free(a.lens);
     return rc;
+}
+
+static int dead_letter(struct relay_consumer *c, const char *stream, const char *entry_id,
+                       const redisReply *fields, const char *reason, const char *error,
+                       uint32_t deliveries)
+{
+    return dead_letter_under(c, stream, NULL, entry_id, fields, reason, error, deliveries);
 }
 
 static int ack(struct relay_consumer *c, const char *stream, const char *entry_id)
@@ -1157,6 +1222,685 @@ static void read_once(struct relay_consumer *c)
     freeReplyObject(r);
 }
 
+/* ---- the ordered mode (docs/CONSUMERS.md, "Ordered consumers") ---------- */
+
+/*
+ * The consumers of a group divide the partition streams of a topic through
+ * the lease functions above, and each handles its partitions' entries one
+ * key at a time, in id order (consumer/order.c decides which entry is next).
+ * Every call that touches a partition carries the lease's token, so once a
+ * lease is lost (this process was frozen past it, or its connection was
+ * slow) nothing more of that partition is read, acknowledged or
+ * dead-lettered; the entries in hand are dropped unacknowledged, and the next
+ * holder takes them over first.
+ *
+ * The members of the group beat in a sorted set "{<stream>}:lease-members:
+ * <group>" (scored by Redis's clock); each member's share is the partitions p
+ * with p % members == its rank in name order (relay_order_mine). A member
+ * gives up what is no longer its share and takes what is, as leases allow.
+ */
+
+struct held {
+    redisReply *entry; /* [id, fields], owned */
+    int replayed;      /* read from the partition's replay stream */
+    uint32_t deliveries;
+    long long retry_at;
+    int done;
+};
+
+struct part {
+    uint32_t p;
+    char stream[NAME_MAX_LEN];
+    char replay[2 * NAME_MAX_LEN + 16];
+    char dlq[2 * NAME_MAX_LEN + 16];
+    char lease[2 * NAME_MAX_LEN + 32];
+    char tokens[2 * NAME_MAX_LEN + 32];
+    long long token; /* 0: not held */
+    char token_s[24];
+    long long valid_until; /* ms: the lease's end at the latest, on our clock */
+    int pel_done[2];       /* own pending entries read (main, replay) */
+    char pel_cursor[2][64];
+    char last_id[2][64]; /* what XREAD waits after (main, replay); "" unknown */
+    struct held q[ORDER_QUEUE_MAX];
+    size_t nq;
+};
+
+struct ordered {
+    struct part *parts;
+    uint32_t n;
+    char members_key[2 * NAME_MAX_LEN + 32];
+    uint32_t rank, members;
+    long long next_upkeep;
+    uint32_t rr; /* where the next handling round starts */
+};
+
+static void part_drop(struct part *pt)
+{
+    for (size_t i = 0; i < pt->nq; i++)
+        freeReplyObject(pt->q[i].entry);
+    pt->nq = 0;
+    pt->token = 0;
+    pt->token_s[0] = '\0';
+    pt->valid_until = 0;
+}
+
+static void part_lost(struct relay_consumer *c, struct part *pt, const char *why)
+{
+    if (pt->token == 0)
+        return;
+    c->stats.leases_lost++;
+    emit(c, RELAY_CONSUMER_LOG_WARNING,
+         "lost the lease of %s (%s): its %zu entries in hand are left to the next holder",
+         pt->stream, why, pt->nq);
+    part_drop(pt);
+}
+
+/* One command, its arguments NULL-terminated (at most 15); NULL when the
+ * connection failed (then logged and disconnected). */
+static redisReply *fcall(struct relay_consumer *c, const char **argv)
+{
+    size_t lens[16];
+    int argc = 0;
+    while (argv[argc] != NULL && argc < 15) {
+        lens[argc] = strlen(argv[argc]);
+        argc++;
+    }
+    redisReply *r = command(c->wr, argc, argv, lens);
+    if (r == NULL) {
+        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
+        disconnect(c);
+    }
+    return r;
+}
+
+/* The group's members, by the beat of each: rank and count. -1 when the
+ * connection failed. */
+static int beat(struct relay_consumer *c, struct ordered *od)
+{
+    redisReply *t = fcall(c, (const char *[]){"TIME", NULL});
+    if (t == NULL)
+        return -1;
+    long long ms = 0;
+    if (t->type == REDIS_REPLY_ARRAY && t->elements == 2)
+        ms = atoll(t->element[0]->str) * 1000 + atoll(t->element[1]->str) / 1000;
+    freeReplyObject(t);
+    char now[32], cutoff[32];
+    snprintf(now, sizeof(now), "%lld", ms);
+    snprintf(cutoff, sizeof(cutoff), "(%lld", ms - (long long)c->o.lease_ms);
+    redisReply *r = fcall(c, (const char *[]){"ZADD", od->members_key, now, c->consumer, NULL});
+    if (r == NULL)
+        return -1;
+    freeReplyObject(r);
+    r = fcall(c, (const char *[]){"ZREMRANGEBYSCORE", od->members_key, "-inf", cutoff, NULL});
+    if (r == NULL)
+        return -1;
+    freeReplyObject(r);
+    r = fcall(c, (const char *[]){"ZRANGE", od->members_key, "0", "-1", NULL});
+    if (r == NULL)
+        return -1;
+    uint32_t rank = 0, members = 0;
+    int found = 0;
+    if (r->type == REDIS_REPLY_ARRAY) {
+        for (size_t i = 0; i < r->elements; i++) {
+            if (r->element[i]->type != REDIS_REPLY_STRING)
+                continue;
+            members++;
+            int cmp = strcmp(r->element[i]->str, c->consumer);
+            if (cmp == 0)
+                found = 1;
+            else if (cmp < 0)
+                rank++;
+        }
+    }
+    freeReplyObject(r);
+    if (!found) { /* our beat was just written: only a clock step can lose it */
+        members++;
+    }
+    if (members != od->members || rank != od->rank)
+        emit(c, RELAY_CONSUMER_LOG_INFO, "%s: consumer %u of %u of group %s on %s", c->consumer,
+             rank + 1, members, c->group, c->stream);
+    od->members = members;
+    od->rank = rank;
+    return 0;
+}
+
+/* Takes the other consumers' pending entries of a partition just taken;
+ * those deleted from the stream meanwhile are dead-lettered as lost. */
+static int take_pending(struct relay_consumer *c, struct part *pt, int replay)
+{
+    const char *stream = replay ? pt->replay : pt->stream;
+    for (int round = 0; round < 1000 && c->wr != NULL; round++) {
+        redisReply *r =
+            fcall(c, (const char *[]){"FCALL", RELAY_CONSUMER_FUNCTION_TAKE, "2", stream, pt->lease,
+                                      c->group, c->consumer, pt->token_s, "100", NULL});
+        if (r == NULL)
+            return -1;
+        if (lease_lost_reply(r)) {
+            freeReplyObject(r);
+            part_lost(c, pt, "taken by another consumer while taking its entries over");
+            return -1;
+        }
+        if (r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
+            r->element[0]->type != REDIS_REPLY_ARRAY || r->element[1]->type != REDIS_REPLY_ARRAY) {
+            problem(c, RELAY_CONSUMER_ERR_REDIS, "taking over the entries of %s failed: %s", stream,
+                    r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+            freeReplyObject(r);
+            return -1;
+        }
+        const redisReply *asked = r->element[0], *got = r->element[1];
+        size_t n = asked->elements;
+        c->stats.reclaimed += got->elements;
+        struct lease_ref lr = {pt->lease, pt->token_s, pt->dlq};
+        for (size_t i = 0; i < n && c->wr != NULL; i++) {
+            const char *id = asked->element[i]->str;
+            int present = 0;
+            for (size_t j = 0; j < got->elements && !present; j++)
+                present = got->element[j]->type == REDIS_REPLY_ARRAY &&
+                          got->element[j]->elements == 2 &&
+                          strcmp(got->element[j]->element[0]->str, id) == 0;
+            if (!present) {
+                c->stats.lost++;
+                dead_letter_under(c, stream, &lr, id, NULL, "lost",
+                                  "the entry was deleted or trimmed from the stream while pending",
+                                  1);
+            }
+        }
+        freeReplyObject(r);
+        if (n < 100)
+            return 0;
+    }
+    return 0;
+}
+
+/* The group's last delivered id on a stream, for XREAD to wait after. */
+static void last_delivered(struct relay_consumer *c, const char *stream, char *out, size_t outlen)
+{
+    redisReply *r = fcall(c, (const char *[]){"XINFO", "GROUPS", stream, NULL});
+    if (r == NULL)
+        return;
+    for (size_t i = 0; r->type == REDIS_REPLY_ARRAY && i < r->elements; i++) {
+        const redisReply *g = r->element[i];
+        const char *name = NULL, *last = NULL;
+        for (size_t k = 0; g->type == REDIS_REPLY_ARRAY && k + 1 < g->elements; k += 2) {
+            if (g->element[k]->type != REDIS_REPLY_STRING ||
+                g->element[k + 1]->type != REDIS_REPLY_STRING)
+                continue;
+            if (strcmp(g->element[k]->str, "name") == 0)
+                name = g->element[k + 1]->str;
+            else if (strcmp(g->element[k]->str, "last-delivered-id") == 0)
+                last = g->element[k + 1]->str;
+        }
+        if (name != NULL && last != NULL && strcmp(name, c->group) == 0)
+            snprintf(out, outlen, "%s", last);
+    }
+    freeReplyObject(r);
+}
+
+static void take_part(struct relay_consumer *c, struct part *pt, long long now)
+{
+    redisReply *r =
+        fcall(c, (const char *[]){"FCALL", RELAY_CONSUMER_FUNCTION_LEASE, "2", pt->lease,
+                                  pt->tokens, c->consumer, c->lease_ms_s, "0", NULL});
+    if (r == NULL)
+        return;
+    long long token = 0;
+    if (r->type == REDIS_REPLY_ARRAY && r->elements == 3 &&
+        r->element[0]->type == REDIS_REPLY_INTEGER)
+        token = r->element[0]->integer;
+    else if (r->type == REDIS_REPLY_ERROR)
+        problem(c, RELAY_CONSUMER_ERR_REDIS, "taking the lease of %s failed: %s", pt->stream,
+                r->str);
+    freeReplyObject(r);
+    if (token <= 0)
+        return;
+    pt->token = token;
+    snprintf(pt->token_s, sizeof(pt->token_s), "%lld", token);
+    pt->valid_until = now + c->o.lease_ms;
+    for (int s = 0; s < 2; s++) {
+        pt->pel_done[s] = 0;
+        snprintf(pt->pel_cursor[s], sizeof(pt->pel_cursor[s]), "0");
+        pt->last_id[s][0] = '\0';
+    }
+    c->stats.leases_taken++;
+    emit(c, RELAY_CONSUMER_LOG_INFO, "%s: took %s (lease token %lld)", c->consumer, pt->stream,
+         token);
+    if (take_pending(c, pt, 0) == 0 && pt->token != 0)
+        take_pending(c, pt, 1);
+}
+
+static void release_part(struct relay_consumer *c, struct part *pt, const char *why)
+{
+    if (pt->token == 0)
+        return;
+    redisReply *r = fcall(c, (const char *[]){"FCALL", RELAY_CONSUMER_FUNCTION_RELEASE, "1",
+                                              pt->lease, pt->token_s, NULL});
+    if (r != NULL)
+        freeReplyObject(r);
+    emit(c, RELAY_CONSUMER_LOG_INFO, "%s: released %s (%s)", c->consumer, pt->stream, why);
+    part_drop(pt);
+}
+
+/* Beats, renews, gives up what is not this consumer's share and takes what
+ * is. */
+static void upkeep(struct relay_consumer *c, struct ordered *od)
+{
+    if (beat(c, od) < 0)
+        return;
+    for (uint32_t i = 0; i < od->n && c->wr != NULL && !c->stop; i++) {
+        struct part *pt = &od->parts[i];
+        long long now = now_ms();
+        int mine = relay_order_mine(pt->p, od->rank, od->members);
+        if (pt->token != 0 && !mine) {
+            release_part(c, pt, "another consumer's share now");
+        } else if (pt->token != 0) {
+            redisReply *r = fcall(c, (const char *[]){"FCALL", RELAY_CONSUMER_FUNCTION_LEASE, "2",
+                                                      pt->lease, pt->tokens, c->consumer,
+                                                      c->lease_ms_s, pt->token_s, NULL});
+            if (r == NULL)
+                return;
+            if (r->type == REDIS_REPLY_ARRAY && r->elements == 3 &&
+                r->element[0]->type == REDIS_REPLY_INTEGER && r->element[0]->integer == pt->token)
+                pt->valid_until = now + c->o.lease_ms;
+            else
+                part_lost(c, pt, "it expired before it was renewed");
+            freeReplyObject(r);
+        } else if (mine) {
+            take_part(c, pt, now);
+        }
+    }
+}
+
+/* Appends a read's entries to a partition's hand; returns how many. */
+static size_t keep_entries(struct part *pt, redisReply *r, int replay, const redisReply *counts,
+                           char *last, size_t lastlen)
+{
+    size_t n = 0;
+    if (r->type != REDIS_REPLY_ARRAY || r->elements != 1)
+        return 0;
+    redisReply *sr = r->element[0];
+    if (sr->type != REDIS_REPLY_ARRAY || sr->elements != 2 ||
+        sr->element[1]->type != REDIS_REPLY_ARRAY)
+        return 0;
+    redisReply *entries = sr->element[1];
+    for (size_t i = 0; i < entries->elements && pt->nq < ORDER_QUEUE_MAX; i++) {
+        redisReply *e = entries->element[i];
+        if (e->type != REDIS_REPLY_ARRAY || e->elements != 2 ||
+            e->element[0]->type != REDIS_REPLY_STRING)
+            continue;
+        uint32_t deliveries = 1;
+        for (size_t k = 0; counts != NULL && k < counts->elements; k++) {
+            const redisReply *pe = counts->element[k];
+            if (pe->type == REDIS_REPLY_ARRAY && pe->elements == 4 &&
+                strcmp(pe->element[0]->str, e->element[0]->str) == 0)
+                deliveries = (uint32_t)pe->element[3]->integer;
+        }
+        struct held *h = &pt->q[pt->nq++];
+        h->entry = e;
+        h->replayed = replay;
+        h->deliveries = deliveries;
+        h->retry_at = 0;
+        h->done = 0;
+        entries->element[i] = NULL; /* ours now: freeReplyObject skips NULL */
+        snprintf(last, lastlen, "%s", e->element[0]->str);
+        n++;
+    }
+    return n;
+}
+
+/* Reads into the partitions' hands: each partition's own pending entries
+ * first (after a take-over or a restart), then new ones. Returns how many
+ * entries came. */
+static size_t fill(struct relay_consumer *c, struct ordered *od)
+{
+    size_t got = 0;
+    for (uint32_t i = 0; i < od->n && c->wr != NULL && !c->stop; i++) {
+        struct part *pt = &od->parts[i];
+        for (int s = 0; s < 2 && pt->token != 0 && c->wr != NULL; s++) {
+            if (pt->nq >= c->o.count)
+                break;
+            const char *stream = s ? pt->replay : pt->stream;
+            char count[24];
+            snprintf(count, sizeof(count), "%zu", (size_t)c->o.count - pt->nq);
+            const char *from = pt->pel_done[s] ? ">" : pt->pel_cursor[s];
+            redisReply *counts = NULL;
+            if (!pt->pel_done[s]) {
+                /* The delivery counts of our own pending entries. */
+                const char *start = strcmp(from, "0") == 0 ? "-" : from;
+                char excl[80];
+                if (strcmp(start, "-") != 0) {
+                    snprintf(excl, sizeof(excl), "(%s", start);
+                    start = excl;
+                }
+                counts = fcall(c, (const char *[]){"XPENDING", stream, c->group, start, "+", count,
+                                                   c->consumer, NULL});
+                if (counts == NULL)
+                    return got;
+            }
+            redisReply *r = fcall(c, (const char *[]){"FCALL", RELAY_CONSUMER_FUNCTION_READ, "2",
+                                                      stream, pt->lease, c->group, c->consumer,
+                                                      pt->token_s, count, from, NULL});
+            if (r == NULL) {
+                freeReplyObject(counts);
+                return got;
+            }
+            if (lease_lost_reply(r)) {
+                part_lost(c, pt, "another consumer holds it");
+            } else if (r->type == REDIS_REPLY_ERROR) {
+                problem(c, RELAY_CONSUMER_ERR_REDIS, "reading %s failed: %s", stream, r->str);
+            } else {
+                size_t want = (size_t)atoi(count);
+                /* XREAD waits after the last entry delivered to the group:
+                 * the last new one read, never one of our pending ones. */
+                int pel = !pt->pel_done[s];
+                size_t n = keep_entries(pt, r, s, counts, pel ? pt->pel_cursor[s] : pt->last_id[s],
+                                        sizeof(pt->last_id[s]));
+                got += n;
+                if (pel) {
+                    if (n < want)
+                        pt->pel_done[s] = 1;
+                } else if (n == 0 && pt->last_id[s][0] == '\0') {
+                    last_delivered(c, stream, pt->last_id[s], sizeof(pt->last_id[s]));
+                }
+            }
+            freeReplyObject(r);
+            freeReplyObject(counts);
+        }
+    }
+    return got;
+}
+
+/* Handles one entry of a partition; the outcome is recorded in h. */
+static void handle_held(struct relay_consumer *c, struct part *pt, struct held *h)
+{
+    const char *stream = h->replayed ? pt->replay : pt->stream;
+    const char *entry_id = h->entry->element[0]->str;
+    const redisReply *fields = h->entry->element[1];
+    struct lease_ref lr = {pt->lease, pt->token_s, pt->dlq};
+    const char *reason = NULL;
+    char why[512] = "";
+
+    struct relay_message m;
+    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
+    size_t vlens[RELAY_HEADERS_MAX];
+    memset(&m, 0, sizeof(m));
+    const char *bad =
+        fields->type == REDIS_REPLY_NIL ? NULL : parse_message(fields, &m, names, values, vlens);
+    if (fields->type == REDIS_REPLY_NIL) {
+        c->stats.lost++;
+        reason = "lost";
+        snprintf(why, sizeof(why),
+                 "the entry was deleted or trimmed from the stream while pending");
+        fields = NULL;
+    } else if (bad != NULL) {
+        c->stats.malformed++;
+        reason = "malformed";
+        snprintf(why, sizeof(why), "malformed: %s", bad);
+    } else if (h->deliveries > c->o.max_deliveries) {
+        reason = "exhausted";
+        snprintf(why, sizeof(why),
+                 "delivered %u times (max_deliveries %u): the consumer of the last delivery did "
+                 "not finish it",
+                 h->deliveries, c->o.max_deliveries);
+    } else {
+        m.stream = stream;
+        m.entry_id = entry_id;
+        m.deliveries = h->deliveries;
+        c->stats.delivered++;
+        enum relay_handled result = c->handler(&m, c->arg, why, sizeof(why));
+        if (why[0] == '\0')
+            snprintf(why, sizeof(why), "the handler gave no reason");
+        if (result == RELAY_HANDLED_DONE) {
+            redisReply *r =
+                fcall(c, (const char *[]){"FCALL", RELAY_CONSUMER_FUNCTION_ACK, "2", stream,
+                                          pt->lease, c->group, pt->token_s, entry_id, NULL});
+            if (r == NULL)
+                return;
+            if (r->type == REDIS_REPLY_INTEGER) {
+                c->stats.done++;
+                h->done = 1;
+                clear_error(c);
+            } else if (lease_lost_reply(r)) {
+                freeReplyObject(r);
+                part_lost(c, pt, "it ran out while a message was handled");
+                return;
+            } else {
+                problem(c, RELAY_CONSUMER_ERR_REDIS, "acknowledging %s %s failed: %s", stream,
+                        entry_id, r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+            }
+            freeReplyObject(r);
+            return;
+        }
+        if (result == RELAY_HANDLED_FAIL) {
+            reason = "permanent";
+        } else if (h->deliveries >= c->o.max_deliveries) {
+            reason = "exhausted";
+        } else {
+            uint32_t wait = relay_consumer_backoff_ms(&c->o, h->deliveries);
+            c->stats.retried++;
+            emit(c, RELAY_CONSUMER_LOG_INFO,
+                 "%s %s (message %s, key %.*s) will be retried in %u ms (delivery %u of %u); "
+                 "later messages of its key wait: %s",
+                 stream, entry_id, m.id, m.key != NULL ? (int)m.key_len : 6,
+                 m.key != NULL ? m.key : "(none)", wait, h->deliveries, c->o.max_deliveries, why);
+            h->retry_at = now_ms() + wait;
+            h->deliveries++;
+            return;
+        }
+    }
+    int rc = dead_letter_under(c, stream, &lr, entry_id, fields, reason, why, h->deliveries);
+    if (rc == 0)
+        h->done = 1;
+    else if (rc == RELAY_LEASE_LOST)
+        part_lost(c, pt, "it ran out while a message was dead-lettered");
+}
+
+/* The key of an entry in hand, for relay_order_next. */
+static void order_item(const struct held *h, struct relay_order_item *it)
+{
+    memset(it, 0, sizeof(*it));
+    it->retry_at = h->retry_at;
+    it->done = h->done;
+    const redisReply *fields = h->entry->element[1];
+    if (fields->type == REDIS_REPLY_ARRAY) {
+        size_t len = 0;
+        const redisReply *k = field(fields, "key", &len);
+        if (k != NULL) {
+            it->key = k->str;
+            it->key_len = len;
+            it->has_key = 1;
+        }
+    }
+}
+
+/* Drops the entries that are done from a partition's hand. */
+static void compact(struct part *pt)
+{
+    size_t w = 0;
+    for (size_t i = 0; i < pt->nq; i++) {
+        if (pt->q[i].done)
+            freeReplyObject(pt->q[i].entry);
+        else
+            pt->q[w++] = pt->q[i];
+    }
+    pt->nq = w;
+}
+
+/* Handles the next entry of the next partition that has one ready; 1 when
+ * it did, 0 when none is ready (*wake_at: the earliest backoff's end, or
+ * -1). */
+static int handle_next(struct relay_consumer *c, struct ordered *od, long long *wake_at)
+{
+    long long now = now_ms();
+    *wake_at = -1;
+    for (uint32_t k = 0; k < od->n; k++) {
+        struct part *pt = &od->parts[(od->rr + k) % od->n];
+        if (pt->token == 0 || pt->nq == 0)
+            continue;
+        if (now >= pt->valid_until) {
+            part_lost(c, pt, "it was not renewed in time");
+            continue;
+        }
+        struct relay_order_item items[ORDER_QUEUE_MAX];
+        for (size_t i = 0; i < pt->nq; i++)
+            order_item(&pt->q[i], &items[i]);
+        long long wake = -1;
+        long next = relay_order_next(items, pt->nq, now, &wake);
+        if (next < 0) {
+            if (wake >= 0 && (*wake_at < 0 || wake < *wake_at))
+                *wake_at = wake;
+            continue;
+        }
+        od->rr = (od->rr + k + 1) % od->n;
+        handle_held(c, pt, &pt->q[next]);
+        compact(pt);
+        return 1;
+    }
+    return 0;
+}
+
+/* Waits for new entries on the held partitions (plain XREAD: it changes
+ * nothing), a backoff's end or the next upkeep, whichever comes first. */
+static void wait_for_entries(struct relay_consumer *c, struct ordered *od, long long wake_at)
+{
+    long long now = now_ms();
+    long long until = od->next_upkeep;
+    if (wake_at >= 0 && wake_at < until)
+        until = wake_at;
+    long long ms = until - now;
+    if (ms > (long long)c->o.block_ms)
+        ms = c->o.block_ms;
+    if (ms < 1)
+        return;
+    size_t n = 0;
+    for (uint32_t i = 0; i < od->n; i++)
+        for (int s = 0; s < 2; s++)
+            n += od->parts[i].token != 0 && od->parts[i].last_id[s][0] != '\0';
+    if (n == 0) {
+        sleep_ms_interruptible(c, (uint32_t)ms);
+        return;
+    }
+    const char **argv = calloc(2 * n + 6, sizeof(*argv));
+    size_t *lens = calloc(2 * n + 6, sizeof(*lens));
+    if (argv == NULL || lens == NULL) {
+        free(argv);
+        free(lens);
+        sleep_ms_interruptible(c, (uint32_t)ms);
+        return;
+    }
+    char block[16];
+    snprintf(block, sizeof(block), "%lld", ms);
+    size_t argc = 0;
+    argv[argc++] = "XREAD";
+    argv[argc++] = "COUNT";
+    argv[argc++] = "1";
+    argv[argc++] = "BLOCK";
+    argv[argc++] = block;
+    argv[argc++] = "STREAMS";
+    for (uint32_t i = 0; i < od->n; i++)
+        for (int s = 0; s < 2; s++)
+            if (od->parts[i].token != 0 && od->parts[i].last_id[s][0] != '\0')
+                argv[argc++] = s ? od->parts[i].replay : od->parts[i].stream;
+    for (uint32_t i = 0; i < od->n; i++)
+        for (int s = 0; s < 2; s++)
+            if (od->parts[i].token != 0 && od->parts[i].last_id[s][0] != '\0')
+                argv[argc++] = od->parts[i].last_id[s];
+    for (size_t i = 0; i < argc; i++)
+        lens[i] = strlen(argv[i]);
+    redisReply *r = command(c->rd, (int)argc, argv, lens);
+    if (r == NULL) {
+        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while waiting: %s", c->rd->errstr);
+        disconnect(c);
+    } else {
+        freeReplyObject(r);
+    }
+    free(argv);
+    free(lens);
+}
+
+static int connect_ordered(struct relay_consumer *c, struct ordered *od)
+{
+    disconnect(c);
+    c->wr = open_conn(c, c->o.command_timeout_ms, "ack");
+    if (c->wr != NULL)
+        c->rd = open_conn(c, c->o.block_ms + c->o.command_timeout_ms, "read");
+    if (c->rd == NULL || load_function(c) < 0)
+        goto fail;
+    for (uint32_t i = 0; i < od->n; i++)
+        if (ensure_group(c, od->parts[i].stream) < 0 || ensure_group(c, od->parts[i].replay) < 0)
+            goto fail;
+    emit(c, RELAY_CONSUMER_LOG_INFO,
+         "%s: %s the %u partitions of %s as group %s, in order per key (leases of %u ms)",
+         c->consumer, c->last_error[0] != '\0' ? "connected again, reading" : "reading", od->n,
+         c->stream, c->group, c->o.lease_ms);
+    c->last_error[0] = '\0';
+    clear_error(c);
+    relay_backoff_reset(&c->reconnect);
+    od->next_upkeep = 0;
+    return 0;
+fail:
+    disconnect(c);
+    return -1;
+}
+
+static int run_ordered(struct relay_consumer *c)
+{
+    struct ordered od;
+    memset(&od, 0, sizeof(od));
+    od.n = c->o.partitions;
+    od.parts = calloc(od.n, sizeof(*od.parts));
+    if (od.parts == NULL || relay_key_lease(c->stream, c->group, "lease-members", od.members_key,
+                                            sizeof(od.members_key)) < 0) {
+        free(od.parts);
+        set_error(c, RELAY_CONSUMER_ERR_OOM, "out of memory for the partitions");
+        return -1;
+    }
+    for (uint32_t i = 0; i < od.n; i++) {
+        struct part *pt = &od.parts[i];
+        pt->p = i;
+        /* relay_consumer_new checked that every name fits. */
+        if (relay_key_partition_stream(NULL, c->stream, strlen(c->stream), i, od.n, pt->stream,
+                                       sizeof(pt->stream)) < 0 ||
+            relay_consumer_replay_name(pt->stream, c->group, pt->replay, sizeof(pt->replay)) < 0 ||
+            relay_consumer_dlq_name(pt->stream, c->group, pt->dlq, sizeof(pt->dlq)) < 0 ||
+            relay_consumer_lease_names(pt->stream, c->group, pt->lease, pt->tokens,
+                                       sizeof(pt->lease)) < 0) {
+            free(od.parts);
+            set_error(c, RELAY_CONSUMER_ERR_OOM, "a partition's key names do not fit");
+            return -1;
+        }
+    }
+    while (!c->stop) {
+        if (c->wr == NULL || c->rd == NULL) {
+            if (connect_ordered(c, &od) < 0) {
+                sleep_ms_interruptible(c,
+                                       relay_backoff_next(&c->reconnect, relay_backoff_random()));
+                continue;
+            }
+        }
+        long long now = now_ms();
+        if (now >= od.next_upkeep) {
+            od.next_upkeep = now + c->o.lease_ms / 3;
+            upkeep(c, &od);
+            continue;
+        }
+        long long wake_at = -1;
+        if (handle_next(c, &od, &wake_at))
+            continue;
+        if (c->wr == NULL || fill(c, &od) > 0 || c->wr == NULL)
+            continue;
+        wait_for_entries(c, &od, wake_at);
+    }
+    /* A clean stop gives the partitions up at once, rather than after the
+     * leases run out. */
+    for (uint32_t i = 0; i < od.n; i++) {
+        if (c->wr != NULL)
+            release_part(c, &od.parts[i], "stopping");
+        part_drop(&od.parts[i]);
+    }
+    free(od.parts);
+    return 0;
+}
+
 int relay_consumer_run(struct relay_consumer *c)
 {
     uint64_t horizon = relay_consumer_redelivery_horizon_ms(&c->o);
@@ -1166,6 +1910,17 @@ int relay_consumer_run(struct relay_consumer *c)
              "(%llu ms), as allow_short_processed_horizon allows: a message delivered again "
              "after its processed row was purged is handled twice",
              (unsigned long long)c->o.processed_horizon_ms, (unsigned long long)horizon);
+    if (c->o.partitions > 1) {
+        int rc = run_ordered(c);
+        emit(c, RELAY_CONSUMER_LOG_INFO,
+             "%s stopped: %llu delivered, %llu done, %llu retried, %llu dead-lettered "
+             "(%llu malformed, %llu lost), %llu taken over; %llu partitions taken, %llu lost",
+             c->consumer, c->stats.delivered, c->stats.done, c->stats.retried,
+             c->stats.dead_lettered, c->stats.malformed, c->stats.lost, c->stats.reclaimed,
+             c->stats.leases_taken, c->stats.leases_lost);
+        disconnect(c);
+        return rc;
+    }
     while (!c->stop) {
         if (c->wr == NULL || c->rd == NULL) {
             if (connect_all(c) < 0) {

@@ -254,7 +254,12 @@ static void usage(FILE *f)
                "  --processed-horizon DURATION\n"
                "                         purge processed rows older than this (0: never)\n"
                "  --allow-short-processed-horizon\n"
-               "                         accept a horizon shorter than the redelivery horizon\n");
+               "                         accept a horizon shorter than the redelivery horizon\n"
+               "  --ordered PARTITIONS   the stream's topic has PARTITIONS partitions: share\n"
+               "                         them with the group's other consumers and handle\n"
+               "                         each key's messages in order\n"
+               "  --lease DURATION       with --ordered, how long a silent consumer keeps its\n"
+               "                         partitions (10s)\n");
 }
 
 int main(int argc, char **argv)
@@ -281,6 +286,8 @@ int main(int argc, char **argv)
         {"log-level", required_argument, NULL, 'l'},
         {"processed-horizon", required_argument, NULL, 'P'},
         {"allow-short-processed-horizon", no_argument, NULL, 'A'},
+        {"ordered", required_argument, NULL, 'O'},
+        {"lease", required_argument, NULL, 'L'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -356,6 +363,22 @@ int main(int argc, char **argv)
         case 'A':
             o.allow_short_processed_horizon = 1;
             break;
+        case 'O':
+            o.partitions = (uint32_t)strtoul(optarg, &end, 10);
+            if (*end != '\0' || o.partitions < 2 || o.partitions > 1000) {
+                fprintf(stderr, "outbox-email-consumer: --ordered takes the topic's number of "
+                                "partitions, 2 to 1000 (outbox.set_partitions)\n");
+                return EX_USAGE;
+            }
+            break;
+        case 'L':
+            if (parse_ms(optarg, &ms) < 0 || ms < 300 || ms > 600000) {
+                fprintf(stderr, "outbox-email-consumer: --lease takes a duration from 300ms "
+                                "to 10m\n");
+                return EX_USAGE;
+            }
+            o.lease_ms = ms;
+            break;
         case 'h':
             usage(stdout);
             return EX_OK;
@@ -388,9 +411,9 @@ int main(int argc, char **argv)
     relay_consumer_run(c);
     const struct relay_consumer_stats *st = relay_consumer_stats(c);
     printf("consumer %s: delivered=%llu done=%llu retried=%llu dead_lettered=%llu malformed=%llu "
-           "lost=%llu reclaimed=%llu\n",
+           "lost=%llu reclaimed=%llu leases_taken=%llu leases_lost=%llu\n",
            relay_consumer_name(c), st->delivered, st->done, st->retried, st->dead_lettered,
-           st->malformed, st->lost, st->reclaimed);
+           st->malformed, st->lost, st->reclaimed, st->leases_taken, st->leases_lost);
     the_consumer = NULL;
     relay_consumer_free(c);
     PQfinish(app.db);

@@ -116,6 +116,19 @@ struct relay_consumer_options {
      * then logged as a warning when run starts. */
     uint64_t processed_horizon_ms;
     int allow_short_processed_horizon;
+    /*
+     * Ordered mode (docs/CONSUMERS.md, "Ordered consumers"). 0: the
+     * unordered mode. Otherwise the number of partitions of the topic whose
+     * stream is `stream` (2 to 1000): the consumers of the group divide its
+     * partition streams "<stream>:000"... through leases in Redis, one
+     * consumer per partition at a time, and each key's messages are handled
+     * in order: a message to retry holds back the later ones of its key
+     * (the other keys go on), until it is acknowledged or dead-lettered.
+     * Dead letters go to each partition's "<partition stream>.<group>.dlq"
+     * (dlq must be NULL), and the partition's replay stream is read too.
+     */
+    uint32_t partitions;
+    uint32_t lease_ms; /* 0: 10000; a consumer silent this long loses its partitions */
 };
 
 /* The kind of the most recent failure (relay_consumer_err). */
@@ -135,6 +148,8 @@ struct relay_consumer_stats {
     unsigned long long malformed;     /* entries without the contract's fields */
     unsigned long long lost;          /* pending entries deleted from the stream */
     unsigned long long reclaimed;     /* deliveries taken over after backoff */
+    unsigned long long leases_taken;  /* ordered mode: partitions taken */
+    unsigned long long leases_lost;   /* ordered mode: partitions lost to another consumer */
 };
 
 struct relay_consumer;

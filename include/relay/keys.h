@@ -58,10 +58,12 @@ int relay_key_dlq(const char *stream, const char *group, char *out, size_t outle
 int relay_key_replay(const char *stream, const char *group, char *out, size_t outlen)
     __attribute__((warn_unused_result));
 
-/* "{<stream>}:lease:<group>" (token 0) or "{<stream>}:lease-token:<group>"
- * (token 1): a partition lease of an ordered consumer group and the counter
- * its tokens come from, in the stream's hash slot. */
-int relay_key_lease(const char *stream, const char *group, int token, char *out, size_t outlen)
-    __attribute__((warn_unused_result));
+/* "{<stream>}:<what>:<group>", the keys of an ordered consumer group
+ * (docs/CONSUMERS.md, "Ordered consumers"), in the stream's hash slot: what
+ * is "lease" (a partition stream's lease), "lease-token" (the counter its
+ * tokens come from) or "lease-members" (the group's consumers, on the
+ * topic's stream). */
+int relay_key_lease(const char *stream, const char *group, const char *what, char *out,
+                    size_t outlen) __attribute__((warn_unused_result));
 
 #endif
