@@ -489,6 +489,10 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
         snprintf(err, errlen, "count is at most %d in the ordered mode", ORDER_QUEUE_MAX);
         goto fail;
     }
+    if (c->o.park_keys && c->o.partitions <= 1) {
+        snprintf(err, errlen, "park_keys needs the ordered mode (partitions)");
+        goto fail;
+    }
     if (c->o.partitions > 1 && opts->dlq != NULL && opts->dlq[0] != '\0') {
         snprintf(err, errlen,
                  "dlq is not set in the ordered mode: each partition has its own dead-letter "
@@ -1246,6 +1250,7 @@ struct held {
     uint32_t deliveries;
     long long retry_at;
     int done;
+    int dropped; /* its key was parked: left pending, out of hand */
 };
 
 struct part {
@@ -1263,6 +1268,8 @@ struct part {
     char last_id[2][64]; /* what XREAD waits after (main, replay); "" unknown */
     struct held q[ORDER_QUEUE_MAX];
     size_t nq;
+    char parked_key[2 * NAME_MAX_LEN + 32];
+    redisReply *parked; /* SMEMBERS of parked_key, with park_keys */
 };
 
 struct ordered {
@@ -1279,6 +1286,8 @@ static void part_drop(struct part *pt)
     for (size_t i = 0; i < pt->nq; i++)
         freeReplyObject(pt->q[i].entry);
     pt->nq = 0;
+    freeReplyObject(pt->parked);
+    pt->parked = NULL;
     pt->token = 0;
     pt->token_s[0] = '\0';
     pt->valid_until = 0;
@@ -1311,6 +1320,61 @@ static redisReply *fcall(struct relay_consumer *c, const char **argv)
         disconnect(c);
     }
     return r;
+}
+
+/* A stream entry's key, or NULL (no key, or no fields: deleted). */
+static const char *entry_key(const redisReply *entry, size_t *len)
+{
+    const redisReply *fields = entry->element[1];
+    if (fields->type != REDIS_REPLY_ARRAY)
+        return NULL;
+    const redisReply *k = field(fields, "key", len);
+    return k != NULL ? k->str : NULL;
+}
+
+static int is_parked(const struct part *pt, const char *key, size_t len)
+{
+    for (size_t i = 0; key != NULL && pt->parked != NULL && i < pt->parked->elements; i++) {
+        const redisReply *k = pt->parked->element[i];
+        if (k->type == REDIS_REPLY_STRING && k->len == len && memcmp(k->str, key, len) == 0)
+            return 1;
+    }
+    return 0;
+}
+
+/* Reads a partition's parked keys (park_keys). A key that has left the set
+ * since the last read was unparked by an operator: its messages, still
+ * pending, are read again from the start of this consumer's pending list. */
+static void load_parked(struct relay_consumer *c, struct part *pt)
+{
+    if (!c->o.park_keys)
+        return;
+    redisReply *r = fcall(c, (const char *[]){"SMEMBERS", pt->parked_key, NULL});
+    if (r == NULL)
+        return;
+    if (r->type != REDIS_REPLY_ARRAY) {
+        freeReplyObject(r);
+        return;
+    }
+    int unparked = 0;
+    for (size_t i = 0; pt->parked != NULL && i < pt->parked->elements && !unparked; i++) {
+        const redisReply *k = pt->parked->element[i];
+        int still = 0;
+        for (size_t j = 0; j < r->elements && !still; j++)
+            still = r->element[j]->len == k->len && memcmp(r->element[j]->str, k->str, k->len) == 0;
+        if (!still) {
+            unparked = 1;
+            emit(c, RELAY_CONSUMER_LOG_INFO, "%s: key %.*s unparked on %s; its messages go on",
+                 c->consumer, (int)k->len, k->str, pt->stream);
+        }
+    }
+    freeReplyObject(pt->parked);
+    pt->parked = r;
+    if (unparked)
+        for (int s = 0; s < 2; s++) {
+            pt->pel_done[s] = 0;
+            snprintf(pt->pel_cursor[s], sizeof(pt->pel_cursor[s]), "0");
+        }
 }
 
 /* The group's members, by the beat of each: rank and count. -1 when the
@@ -1466,6 +1530,8 @@ static void take_part(struct relay_consumer *c, struct part *pt, long long now)
          token);
     if (take_pending(c, pt, 0) == 0 && pt->token != 0)
         take_pending(c, pt, 1);
+    if (pt->token != 0)
+        load_parked(c, pt);
 }
 
 static void release_part(struct relay_consumer *c, struct part *pt, const char *why)
@@ -1504,6 +1570,8 @@ static void upkeep(struct relay_consumer *c, struct ordered *od)
             else
                 part_lost(c, pt, "it expired before it was renewed");
             freeReplyObject(r);
+            if (pt->token != 0)
+                load_parked(c, pt);
         } else if (mine) {
             take_part(c, pt, now);
         }
@@ -1527,6 +1595,16 @@ static size_t keep_entries(struct part *pt, redisReply *r, int replay, const red
         if (e->type != REDIS_REPLY_ARRAY || e->elements != 2 ||
             e->element[0]->type != REDIS_REPLY_STRING)
             continue;
+        /* Read again after an unpark: what is in hand stays as it is. */
+        int in_hand = 0;
+        for (size_t k = 0; k < pt->nq && !in_hand; k++)
+            in_hand = strcmp(pt->q[k].entry->element[0]->str, e->element[0]->str) == 0;
+        size_t key_len = 0;
+        const char *key = entry_key(e, &key_len);
+        snprintf(last, lastlen, "%s", e->element[0]->str);
+        n++;
+        if (in_hand || is_parked(pt, key, key_len))
+            continue; /* a parked key's messages stay pending, out of hand */
         uint32_t deliveries = 1;
         for (size_t k = 0; counts != NULL && k < counts->elements; k++) {
             const redisReply *pe = counts->element[k];
@@ -1540,9 +1618,8 @@ static size_t keep_entries(struct part *pt, redisReply *r, int replay, const red
         h->deliveries = deliveries;
         h->retry_at = 0;
         h->done = 0;
+        h->dropped = 0;
         entries->element[i] = NULL; /* ours now: freeReplyObject skips NULL */
-        snprintf(last, lastlen, "%s", e->element[0]->str);
-        n++;
     }
     return n;
 }
@@ -1687,11 +1764,38 @@ static void handle_held(struct relay_consumer *c, struct part *pt, struct held *
             return;
         }
     }
+    size_t key_len = 0;
+    const char *key = entry_key(h->entry, &key_len);
+    if (c->o.park_keys && key != NULL && !is_parked(pt, key, key_len)) {
+        /* Parked before the dead letter: should the dead letter fail, the
+         * key is parked all the same, and nothing of it runs ahead. */
+        const char *argv[] = {"SADD", pt->parked_key, key, NULL};
+        size_t lens[3] = {4, strlen(pt->parked_key), key_len};
+        redisReply *r = command(c->wr, 3, argv, lens);
+        if (r == NULL) {
+            problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
+            disconnect(c);
+            return;
+        }
+        freeReplyObject(r);
+        load_parked(c, pt);
+        emit(c, RELAY_CONSUMER_LOG_WARNING,
+             "%s: key %.*s parked on %s: its later messages wait until an operator removes it "
+             "from %s",
+             c->consumer, (int)key_len, key, pt->stream, pt->parked_key);
+    }
     int rc = dead_letter_under(c, stream, &lr, entry_id, fields, reason, why, h->deliveries);
     if (rc == 0)
         h->done = 1;
     else if (rc == RELAY_LEASE_LOST)
         part_lost(c, pt, "it ran out while a message was dead-lettered");
+    if (rc == 0 && c->o.park_keys && key != NULL)
+        for (size_t i = 0; i < pt->nq; i++) {
+            size_t len = 0;
+            const char *k = entry_key(pt->q[i].entry, &len);
+            if (&pt->q[i] != h && k != NULL && len == key_len && memcmp(k, key, len) == 0)
+                pt->q[i].dropped = 1;
+        }
 }
 
 /* The key of an entry in hand, for relay_order_next. */
@@ -1717,7 +1821,7 @@ static void compact(struct part *pt)
 {
     size_t w = 0;
     for (size_t i = 0; i < pt->nq; i++) {
-        if (pt->q[i].done)
+        if (pt->q[i].done || pt->q[i].dropped)
             freeReplyObject(pt->q[i].entry);
         else
             pt->q[w++] = pt->q[i];
@@ -1863,7 +1967,9 @@ static int run_ordered(struct relay_consumer *c)
             relay_consumer_replay_name(pt->stream, c->group, pt->replay, sizeof(pt->replay)) < 0 ||
             relay_consumer_dlq_name(pt->stream, c->group, pt->dlq, sizeof(pt->dlq)) < 0 ||
             relay_consumer_lease_names(pt->stream, c->group, pt->lease, pt->tokens,
-                                       sizeof(pt->lease)) < 0) {
+                                       sizeof(pt->lease)) < 0 ||
+            relay_key_lease(pt->stream, c->group, "parked", pt->parked_key,
+                            sizeof(pt->parked_key)) < 0) {
             free(od.parts);
             set_error(c, RELAY_CONSUMER_ERR_OOM, "a partition's key names do not fit");
             return -1;

@@ -259,7 +259,10 @@ static void usage(FILE *f)
                "                         them with the group's other consumers and handle\n"
                "                         each key's messages in order\n"
                "  --lease DURATION       with --ordered, how long a silent consumer keeps its\n"
-               "                         partitions (10s)\n");
+               "                         partitions (10s)\n"
+               "  --park-after-dead-letter\n"
+               "                         with --ordered, hold a key's later messages once one\n"
+               "                         of its messages is dead-lettered\n");
 }
 
 int main(int argc, char **argv)
@@ -288,6 +291,7 @@ int main(int argc, char **argv)
         {"allow-short-processed-horizon", no_argument, NULL, 'A'},
         {"ordered", required_argument, NULL, 'O'},
         {"lease", required_argument, NULL, 'L'},
+        {"park-after-dead-letter", no_argument, NULL, 'K'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -370,6 +374,9 @@ int main(int argc, char **argv)
                                 "partitions, 2 to 1000 (outbox.set_partitions)\n");
                 return EX_USAGE;
             }
+            break;
+        case 'K':
+            o.park_keys = 1;
             break;
         case 'L':
             if (parse_ms(optarg, &ms) < 0 || ms < 300 || ms > 600000) {

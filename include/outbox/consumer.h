@@ -129,6 +129,11 @@ struct relay_consumer_options {
      */
     uint32_t partitions;
     uint32_t lease_ms; /* 0: 10000; a consumer silent this long loses its partitions */
+    /* Ordered mode: once a message with a key is dead-lettered, park the key:
+     * its later messages stay pending, unhandled, until an operator removes
+     * the key from the set "{<partition stream>}:parked:<group>" (SREM). 0:
+     * the key goes on with its next message. */
+    int park_keys;
 };
 
 /* The kind of the most recent failure (relay_consumer_err). */

@@ -10,6 +10,9 @@ Promises tested:
   dead-lettered; the partitions of a killed consumer are taken over (by its
   successor, or by the others while it is down) within 6 s of the kill (the
   lease is 2 s, renewed every third of it);
+- after a dead letter a key goes on with its next message; with
+  --park-after-dead-letter its later messages wait, pending, while the other
+  keys go on, until an operator removes the key from the parked set;
 - a consumer frozen with SIGSTOP past its lease, while a key's first message
   waits out its backoff with the key's later messages behind it, loses the
   partition: another consumer takes the entries over and handles the key in
@@ -40,22 +43,23 @@ KEYS = [f"cust-{i:03d}" for i in range(500)]
 SEQS = 20
 
 
-def partition_stream(key):
+def partition_stream(key, topic="orders"):
     h = 0x811c9dc5
     for b in key.encode():
         h = ((h ^ b) * 16777619) & 0xffffffff
-    return "orders:%03d" % (h % PARTITIONS)
+    return "%s:%03d" % (topic, h % PARTITIONS)
 
 
-def insert_round(db, seq, keys, headers=None):
-    rows = [("orders", json.dumps({"order": seq, "customer": k}).encode(), k, headers)
+def insert_round(db, seq, keys, headers=None, topic="orders"):
+    rows = [(topic, json.dumps({"order": seq, "customer": k}).encode(), k, headers)
             for k in keys]
     harness.insert_many(db, rows)
 
 
-def per_key_effects(db):
+def per_key_effects(db, group="email"):
     with db.cursor() as cur:
-        cur.execute("SELECT customer, order_id FROM emails ORDER BY id")
+        cur.execute("SELECT customer, order_id FROM emails WHERE consumer = %s ORDER BY id",
+                    (group,))
         out = {}
         for customer, order_id in cur.fetchall():
             out.setdefault(customer, []).append(order_id)
@@ -211,6 +215,48 @@ class OrderedTest(unittest.TestCase):
             self.assertIsNotNone(stats)
             self.assertEqual(stats["done"], 0, stats)
             self.assertGreaterEqual(stats["leases_lost"], 1, stats)
+
+    def test_a_dead_letter_parks_its_key_when_asked(self):
+        with harness.Postgres() as pg, harness.Redis() as redis:
+            db = pg.connect()
+            r = redis.client()
+            consumers.apply_consumer_schema(pg)
+            parked, other = KEYS[3], KEYS[4]
+            with harness.Relay(pg, redis, poll_interval="100ms"):
+                # A topic of its own for each mode.
+                for name, args in (("plain", []), ("parking", ["--park-after-dead-letter"])):
+                    with self.subTest(mode=name):
+                        scalar(db, "SELECT outbox.set_partitions(%s, %s)", (name, PARTITIONS))
+                        stream = partition_stream(parked, name)
+                        c = Consumer(pg, redis, consumer=name, group=name, stream=name,
+                                     block="100ms",
+                                     args=["--ordered", str(PARTITIONS), "--lease", "2s", *args])
+                        with c:
+                            c.wait_for_log(rf": took {re.escape(stream)} ", timeout=20)
+                            insert_round(db, 1, [parked], headers={"fail": "permanent"},
+                                         topic=name)
+                            insert_round(db, 1, [other], topic=name)
+                            for seq in range(2, 4):
+                                insert_round(db, seq, [parked, other], topic=name)
+                            wait_until(lambda: per_key_effects(db, name).get(other) == [1, 2, 3],
+                                       timeout=20, relay=c, message="the other key's messages")
+                            time.sleep(1.0)
+                            dlq = f"{stream}.{name}.dlq"
+                            got = per_key_effects(db, name).get(parked)
+                            self.assertEqual(r.xlen(dlq), 1)
+                            if name == "plain":
+                                self.assertEqual(got, [2, 3], "the key goes on")
+                                continue
+                            self.assertIsNone(got, "the parked key's later messages wait")
+                            key = f"{{{stream}}}:parked:{name}"
+                            self.assertEqual(r.smembers(key), {parked.encode()})
+                            c.wait_for_log(rf"key {parked} parked on {re.escape(stream)}")
+                            self.assertEqual(consumers.pending_count(r, stream, name), 2)
+                            r.srem(key, parked)
+                            wait_until(lambda: per_key_effects(db, name).get(parked) == [2, 3],
+                                       timeout=20, relay=c, message="the unparked key's messages")
+                            self.assertEqual(consumers.pending_count(r, stream, name), 0)
+                            c.wait_for_log(rf"key {parked} unparked")
 
 
 if __name__ == "__main__":
