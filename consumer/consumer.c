@@ -1627,17 +1627,32 @@ static size_t keep_entries(struct part *pt, redisReply *r, int replay, const red
 /* Reads into the partitions' hands: each partition's own pending entries
  * first (after a take-over or a restart), then new ones. Returns how many
  * entries came. */
+static void order_item(const struct held *h, struct relay_order_item *it);
+
+/* Whether any entry in a partition's hand may be handled now. */
+static int any_ready(const struct part *pt, long long now)
+{
+    struct relay_order_item items[ORDER_QUEUE_MAX];
+    for (size_t i = 0; i < pt->nq; i++)
+        order_item(&pt->q[i], &items[i]);
+    return relay_order_next(items, pt->nq, now, NULL) >= 0;
+}
+
 static size_t fill(struct relay_consumer *c, struct ordered *od)
 {
     size_t got = 0;
     for (uint32_t i = 0; i < od->n && c->wr != NULL && !c->stop; i++) {
         struct part *pt = &od->parts[i];
+        /* count entries in hand; more, up to ORDER_QUEUE_MAX, while all of
+         * them wait behind retries, so that the other keys go on. */
+        size_t limit = any_ready(pt, now_ms()) ? c->o.count : ORDER_QUEUE_MAX;
         for (int s = 0; s < 2 && pt->token != 0 && c->wr != NULL; s++) {
-            if (pt->nq >= c->o.count)
+            if (pt->nq >= limit)
                 break;
             const char *stream = s ? pt->replay : pt->stream;
             char count[24];
-            snprintf(count, sizeof(count), "%zu", (size_t)c->o.count - pt->nq);
+            size_t room = limit - pt->nq;
+            snprintf(count, sizeof(count), "%zu", room > c->o.count ? (size_t)c->o.count : room);
             const char *from = pt->pel_done[s] ? ">" : pt->pel_cursor[s];
             redisReply *counts = NULL;
             if (!pt->pel_done[s]) {

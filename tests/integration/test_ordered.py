@@ -10,6 +10,9 @@ Promises tested:
   dead-lettered; the partitions of a killed consumer are taken over (by its
   successor, or by the others while it is down) within 6 s of the kill (the
   lease is 2 s, renewed every third of it);
+- a key whose first message waits out a retry, with enough later messages to
+  fill what the consumer holds in hand, does not stop another key of its
+  partition;
 - after a dead letter a key goes on with its next message; with
   --park-after-dead-letter its later messages wait, pending, while the other
   keys go on, until an operator removes the key from the parked set;
@@ -257,6 +260,35 @@ class OrderedTest(unittest.TestCase):
                                        timeout=20, relay=c, message="the unparked key's messages")
                             self.assertEqual(consumers.pending_count(r, stream, name), 0)
                             c.wait_for_log(rf"key {parked} unparked")
+
+    def test_other_keys_pass_a_key_whose_messages_fill_the_hand(self):
+        with harness.Postgres() as pg, harness.Redis() as redis:
+            db = pg.connect()
+            consumers.apply_consumer_schema(pg)
+            scalar(db, "SELECT outbox.set_partitions('orders', %s)", (PARTITIONS,))
+            slow = KEYS[0]
+            stream = partition_stream(slow)
+            other = next(k for k in KEYS[1:] if partition_stream(k) == stream)
+            with harness.Relay(pg, redis, poll_interval="100ms"):
+                # count 16 (the default): the slow key's 40 messages fill the
+                # hand behind its first, which waits 5 s for its retry.
+                c = Consumer(pg, redis, consumer="a", backoff="5s", block="100ms",
+                             args=["--ordered", str(PARTITIONS)])
+                with c:
+                    c.wait_for_log(rf": took {re.escape(stream)} ", timeout=20)
+                    insert_round(db, 1, [slow], headers={"fail": "transient:1"})
+                    for seq in range(2, 41):
+                        insert_round(db, seq, [slow])
+                    for seq in range(1, 11):
+                        insert_round(db, seq, [other])
+                    started = time.monotonic()
+                    wait_until(lambda: per_key_effects(db).get(other) == list(range(1, 11)),
+                               timeout=20, relay=c, message="the other key's messages")
+                    waited = time.monotonic() - started
+                    self.assertIsNone(per_key_effects(db).get(slow), "the slow key waits")
+                    self.assertLess(waited, 4.0, "the other key waited for the retry")
+                    wait_until(lambda: per_key_effects(db).get(slow) == list(range(1, 41)),
+                               timeout=30, relay=c, message="the slow key, in order")
 
 
 if __name__ == "__main__":
