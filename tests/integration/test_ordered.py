@@ -28,6 +28,7 @@ import re
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import time
 import unittest
@@ -289,6 +290,20 @@ class OrderedTest(unittest.TestCase):
                     self.assertLess(waited, 4.0, "the other key waited for the retry")
                     wait_until(lambda: per_key_effects(db).get(slow) == list(range(1, 41)),
                                timeout=30, relay=c, message="the slow key, in order")
+
+    def test_ordered_flags_are_checked(self):
+        binary = consumers.require_consumer()
+        base = [binary, "--redis", "redis://127.0.0.1:1/0", "--postgres", "dbname=x"]
+        for args, code, text in (
+                (["--ordered", "1"], 64, "--ordered takes the topic's number of partitions"),
+                (["--ordered", "abc"], 64, "--ordered takes the topic's number of partitions"),
+                (["--ordered", "8", "--lease", "10ms"], 64, "--lease takes a duration"),
+                (["--park-after-dead-letter"], 78, "park_keys needs the ordered mode"),
+        ):
+            with self.subTest(args=args):
+                done = subprocess.run(base + args, capture_output=True, text=True, timeout=30)
+                self.assertEqual(done.returncode, code, done.stderr)
+                self.assertIn(text, done.stderr)
 
 
 if __name__ == "__main__":
