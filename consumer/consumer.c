@@ -180,8 +180,8 @@ const char relay_consumer_function_source[] =
      * any more, however late its call arrives.
      */
     "local function lease_of(key)\n"
-    "  local v = redis.call('GET', key)\n"
-    "  if not v then return nil, nil end\n"
+    "  local v = redis.pcall('GET', key)\n"
+    "  if type(v) ~= 'string' then return nil, nil end\n"
     "  return string.match(v, '^(%d+):(.*)$')\n"
     "end\n"
     "local function lease_lost(key, token)\n"
@@ -213,6 +213,9 @@ const char relay_consumer_function_source[] =
     "    return redis.error_reply('WRONGTYPE lease key ' .. keys[1] .. ' holds something else: "
     "delete it')\n"
     "  end\n"
+    /* A renewal of a lease that ran out takes nothing: its holder must
+     * learn that it lost the partition, and take it again as anyone would. */
+    "  if args[3] ~= '0' then return {0, '', 0} end\n"
     "  local n = redis.call('INCR', keys[2])\n"
     "  redis.call('SET', keys[1], n .. ':' .. args[1], 'PX', ttl)\n"
     "  return {n, args[1], ttl}\n"
@@ -237,8 +240,21 @@ const char relay_consumer_function_source[] =
     "  end\n"
     "  local lost = lease_lost(keys[2], args[3])\n"
     "  if lost then return lost end\n"
-    "  return redis.call('XREADGROUP', 'GROUP', args[1], args[2], 'COUNT', args[4], "
-    "'STREAMS', keys[1], args[5])\n"
+    "  if args[5] == '>' then\n"
+    "    return redis.call('XREADGROUP', 'GROUP', args[1], args[2], 'COUNT', args[4], "
+    "'STREAMS', keys[1], '>')\n"
+    "  end\n"
+    /* The caller's own pending entries after the id, as XREADGROUP gives
+     * them, but read without counting a delivery each (XREADGROUP with an id
+     * does count one): {id, nil} for an entry deleted from the stream. */
+    "  local start = args[5] == '0' and '-' or ('(' .. args[5])\n"
+    "  local out = {}\n"
+    "  for _, p in ipairs(redis.call('XPENDING', keys[1], args[1], start, '+', args[4], "
+    "args[2])) do\n"
+    "    local e = redis.call('XRANGE', keys[1], p[1], p[1])[1]\n"
+    "    out[#out + 1] = e or {p[1], false}\n"
+    "  end\n"
+    "  return {{keys[1], out}}\n"
     "end\n"
     "redis.register_function('" RELAY_CONSUMER_FUNCTION_READ "', leased_read)\n"
     "local function take(keys, args)\n"
@@ -248,9 +264,19 @@ const char relay_consumer_function_source[] =
     "  end\n"
     "  local lost = lease_lost(keys[2], args[3])\n"
     "  if lost then return lost end\n"
-    "  local ids = {}\n"
-    "  for _, p in ipairs(redis.call('XPENDING', keys[1], args[1], '-', '+', args[4])) do\n"
-    "    if p[2] ~= args[2] then ids[#ids + 1] = p[1] end\n"
+    /* Pages through the whole pending list: the caller's own entries may
+     * come first, and others' after them. */
+    "  local want, ids, start = tonumber(args[4]), {}, '-'\n"
+    "  if not want or want < 1 then\n"
+    "    return redis.error_reply('ERR the count must be a positive number')\n"
+    "  end\n"
+    "  while #ids < want do\n"
+    "    local page = redis.call('XPENDING', keys[1], args[1], start, '+', 100)\n"
+    "    for _, p in ipairs(page) do\n"
+    "      if p[2] ~= args[2] and #ids < want then ids[#ids + 1] = p[1] end\n"
+    "    end\n"
+    "    if #page < 100 then break end\n"
+    "    start = '(' .. page[#page][1]\n"
     "  end\n"
     "  if #ids == 0 then return {{}, {}} end\n"
     "  return {ids, redis.call('XCLAIM', keys[1], args[1], args[2], 0, unpack(ids))}\n"
@@ -480,7 +506,7 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
     }
     if (c->o.lease_ms == 0)
         c->o.lease_ms = 10000;
-    if (c->o.lease_ms < 300 || c->o.lease_ms > 600000) {
+    if (c->o.partitions > 1 && (c->o.lease_ms < 300 || c->o.lease_ms > 600000)) {
         snprintf(err, errlen, "lease_ms is 300 to 600000");
         goto fail;
     }
@@ -832,6 +858,8 @@ static int dead_letter_under(struct relay_consumer *c, const char *stream,
                              const redisReply *fields, const char *reason, const char *error,
                              uint32_t deliveries)
 {
+    if (c->wr == NULL)
+        return -1;
     size_t nf = fields != NULL && fields->type == REDIS_REPLY_ARRAY ? fields->elements : 0;
     size_t argc_max = 9 + nf + 16;
     struct argv_buf a = {calloc(argc_max, sizeof(*a.argv)), calloc(argc_max, sizeof(*a.lens)), 0};
@@ -1250,8 +1278,19 @@ struct held {
     uint32_t deliveries;
     long long retry_at;
     int done;
-    int dropped; /* its key was parked: left pending, out of hand */
+    int dropped;     /* its key was parked: left pending, out of hand */
+    char *dl_reason; /* a dead letter Redis refused, to write again */
+    char *dl_why;
 };
+
+static void held_free(struct held *h)
+{
+    freeReplyObject(h->entry);
+    free(h->dl_reason);
+    free(h->dl_why);
+    h->entry = NULL;
+    h->dl_reason = h->dl_why = NULL;
+}
 
 struct part {
     uint32_t p;
@@ -1263,6 +1302,8 @@ struct part {
     long long token; /* 0: not held */
     char token_s[24];
     long long valid_until; /* ms: the lease's end at the latest, on our clock */
+    int ready;             /* taken over in full: the others' pending entries, the
+                              parked keys; only then is anything read or handled */
     int pel_done[2];       /* own pending entries read (main, replay) */
     char pel_cursor[2][64];
     char last_id[2][64]; /* what XREAD waits after (main, replay); "" unknown */
@@ -1281,11 +1322,22 @@ struct ordered {
     uint32_t rr; /* where the next handling round starts */
 };
 
+/* A refusal that connecting again cures: the library flushed or deleted
+ * (connecting loads it), the group or stream deleted (connecting creates
+ * them again). */
+static void reconnect_if_needed(struct relay_consumer *c, const redisReply *r)
+{
+    if (r != NULL && r->type == REDIS_REPLY_ERROR &&
+        (strstr(r->str, "Function not found") != NULL || strncmp(r->str, "NOGROUP", 7) == 0))
+        disconnect(c);
+}
+
 static void part_drop(struct part *pt)
 {
     for (size_t i = 0; i < pt->nq; i++)
-        freeReplyObject(pt->q[i].entry);
+        held_free(&pt->q[i]);
     pt->nq = 0;
+    pt->ready = 0;
     freeReplyObject(pt->parked);
     pt->parked = NULL;
     pt->token = 0;
@@ -1308,6 +1360,8 @@ static void part_lost(struct relay_consumer *c, struct part *pt, const char *why
  * connection failed (then logged and disconnected). */
 static redisReply *fcall(struct relay_consumer *c, const char **argv)
 {
+    if (c->wr == NULL)
+        return NULL; /* lost earlier in this step: the loop reconnects */
     size_t lens[16];
     int argc = 0;
     while (argv[argc] != NULL && argc < 15) {
@@ -1345,16 +1399,18 @@ static int is_parked(const struct part *pt, const char *key, size_t len)
 /* Reads a partition's parked keys (park_keys). A key that has left the set
  * since the last read was unparked by an operator: its messages, still
  * pending, are read again from the start of this consumer's pending list. */
-static void load_parked(struct relay_consumer *c, struct part *pt)
+static int load_parked(struct relay_consumer *c, struct part *pt)
 {
     if (!c->o.park_keys)
-        return;
+        return 0;
     redisReply *r = fcall(c, (const char *[]){"SMEMBERS", pt->parked_key, NULL});
     if (r == NULL)
-        return;
+        return -1;
     if (r->type != REDIS_REPLY_ARRAY) {
+        problem(c, RELAY_CONSUMER_ERR_REDIS, "reading the parked keys %s failed: %s",
+                pt->parked_key, r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
         freeReplyObject(r);
-        return;
+        return -1;
     }
     int unparked = 0;
     for (size_t i = 0; pt->parked != NULL && i < pt->parked->elements && !unparked; i++) {
@@ -1375,6 +1431,7 @@ static void load_parked(struct relay_consumer *c, struct part *pt)
             pt->pel_done[s] = 0;
             snprintf(pt->pel_cursor[s], sizeof(pt->pel_cursor[s]), "0");
         }
+    return 0;
 }
 
 /* The group's members, by the beat of each: rank and count. -1 when the
@@ -1500,6 +1557,18 @@ static void last_delivered(struct relay_consumer *c, const char *stream, char *o
     freeReplyObject(r);
 }
 
+/* Takes the others' pending entries over and reads the parked keys; until
+ * both are done (a failure is tried again at the next upkeep), nothing of
+ * the partition is read or handled. */
+static void finish_take(struct relay_consumer *c, struct part *pt)
+{
+    if (pt->token == 0 || pt->ready)
+        return;
+    if (take_pending(c, pt, 0) == 0 && pt->token != 0 && take_pending(c, pt, 1) == 0 &&
+        pt->token != 0 && load_parked(c, pt) == 0)
+        pt->ready = 1;
+}
+
 static void take_part(struct relay_consumer *c, struct part *pt, long long now)
 {
     redisReply *r =
@@ -1528,10 +1597,7 @@ static void take_part(struct relay_consumer *c, struct part *pt, long long now)
     c->stats.leases_taken++;
     emit(c, RELAY_CONSUMER_LOG_INFO, "%s: took %s (lease token %lld)", c->consumer, pt->stream,
          token);
-    if (take_pending(c, pt, 0) == 0 && pt->token != 0)
-        take_pending(c, pt, 1);
-    if (pt->token != 0)
-        load_parked(c, pt);
+    finish_take(c, pt);
 }
 
 static void release_part(struct relay_consumer *c, struct part *pt, const char *why)
@@ -1570,7 +1636,9 @@ static void upkeep(struct relay_consumer *c, struct ordered *od)
             else
                 part_lost(c, pt, "it expired before it was renewed");
             freeReplyObject(r);
-            if (pt->token != 0)
+            if (pt->token != 0 && !pt->ready)
+                finish_take(c, pt);
+            else if (pt->token != 0)
                 load_parked(c, pt);
         } else if (mine) {
             take_part(c, pt, now);
@@ -1598,7 +1666,8 @@ static size_t keep_entries(struct part *pt, redisReply *r, int replay, const red
         /* Read again after an unpark: what is in hand stays as it is. */
         int in_hand = 0;
         for (size_t k = 0; k < pt->nq && !in_hand; k++)
-            in_hand = strcmp(pt->q[k].entry->element[0]->str, e->element[0]->str) == 0;
+            in_hand = pt->q[k].replayed == replay &&
+                      strcmp(pt->q[k].entry->element[0]->str, e->element[0]->str) == 0;
         size_t key_len = 0;
         const char *key = entry_key(e, &key_len);
         snprintf(last, lastlen, "%s", e->element[0]->str);
@@ -1619,6 +1688,7 @@ static size_t keep_entries(struct part *pt, redisReply *r, int replay, const red
         h->retry_at = 0;
         h->done = 0;
         h->dropped = 0;
+        h->dl_reason = h->dl_why = NULL;
         entries->element[i] = NULL; /* ours now: freeReplyObject skips NULL */
     }
     return n;
@@ -1646,7 +1716,7 @@ static size_t fill(struct relay_consumer *c, struct ordered *od)
         /* count entries in hand; more, up to ORDER_QUEUE_MAX, while all of
          * them wait behind retries, so that the other keys go on. */
         size_t limit = any_ready(pt, now_ms()) ? c->o.count : ORDER_QUEUE_MAX;
-        for (int s = 0; s < 2 && pt->token != 0 && c->wr != NULL; s++) {
+        for (int s = 0; s < 2 && pt->token != 0 && pt->ready && c->wr != NULL; s++) {
             if (pt->nq >= limit)
                 break;
             const char *stream = s ? pt->replay : pt->stream;
@@ -1679,6 +1749,7 @@ static size_t fill(struct relay_consumer *c, struct ordered *od)
                 part_lost(c, pt, "another consumer holds it");
             } else if (r->type == REDIS_REPLY_ERROR) {
                 problem(c, RELAY_CONSUMER_ERR_REDIS, "reading %s failed: %s", stream, r->str);
+                reconnect_if_needed(c, r);
             } else {
                 size_t want = (size_t)atoi(count);
                 /* XREAD waits after the last entry delivered to the group:
@@ -1702,6 +1773,22 @@ static size_t fill(struct relay_consumer *c, struct ordered *od)
 }
 
 /* Handles one entry of a partition; the outcome is recorded in h. */
+/* How long an entry waits after Redis refused its acknowledgement or its
+ * dead letter (OOM, READONLY, a key of the wrong type) before it is tried
+ * again. */
+#define RETRY_AFTER_REFUSAL_MS 1000
+
+/* Remembers a dead letter that could not be written, to write it again
+ * later without calling the handler once more. */
+static void keep_dead_letter(struct held *h, const char *reason, const char *why)
+{
+    if (h->dl_reason == NULL) {
+        h->dl_reason = strdup(reason);
+        h->dl_why = strdup(why);
+    }
+    h->retry_at = now_ms() + RETRY_AFTER_REFUSAL_MS;
+}
+
 static void handle_held(struct relay_consumer *c, struct part *pt, struct held *h)
 {
     const char *stream = h->replayed ? pt->replay : pt->stream;
@@ -1717,12 +1804,18 @@ static void handle_held(struct relay_consumer *c, struct part *pt, struct held *
     memset(&m, 0, sizeof(m));
     const char *bad =
         fields->type == REDIS_REPLY_NIL ? NULL : parse_message(fields, &m, names, values, vlens);
-    if (fields->type == REDIS_REPLY_NIL) {
+    if (fields->type == REDIS_REPLY_NIL)
+        fields = NULL;
+    if (h->dl_reason != NULL) {
+        /* Its dead letter was refused before: write it again, without
+         * calling the handler once more. */
+        reason = h->dl_reason;
+        snprintf(why, sizeof(why), "%s", h->dl_why != NULL ? h->dl_why : "");
+    } else if (fields == NULL) {
         c->stats.lost++;
         reason = "lost";
         snprintf(why, sizeof(why),
                  "the entry was deleted or trimmed from the stream while pending");
-        fields = NULL;
     } else if (bad != NULL) {
         c->stats.malformed++;
         reason = "malformed";
@@ -1756,8 +1849,12 @@ static void handle_held(struct relay_consumer *c, struct part *pt, struct held *
                 part_lost(c, pt, "it ran out while a message was handled");
                 return;
             } else {
+                /* Handled again after a pause: the processed table makes the
+                 * second call a no-op. */
                 problem(c, RELAY_CONSUMER_ERR_REDIS, "acknowledging %s %s failed: %s", stream,
                         entry_id, r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+                h->retry_at = now_ms() + RETRY_AFTER_REFUSAL_MS;
+                reconnect_if_needed(c, r);
             }
             freeReplyObject(r);
             return;
@@ -1792,8 +1889,18 @@ static void handle_held(struct relay_consumer *c, struct part *pt, struct held *
             disconnect(c);
             return;
         }
+        int parked = r->type == REDIS_REPLY_INTEGER;
+        if (!parked)
+            problem(c, RELAY_CONSUMER_ERR_REDIS,
+                    "parking key %.*s in %s failed: %s; its dead letter waits until it can be"
+                    " parked",
+                    (int)key_len, key, pt->parked_key,
+                    r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
         freeReplyObject(r);
-        load_parked(c, pt);
+        if (!parked || load_parked(c, pt) < 0 || c->wr == NULL) {
+            keep_dead_letter(h, reason, why);
+            return;
+        }
         emit(c, RELAY_CONSUMER_LOG_WARNING,
              "%s: key %.*s parked on %s: its later messages wait until an operator removes it "
              "from %s",
@@ -1804,6 +1911,8 @@ static void handle_held(struct relay_consumer *c, struct part *pt, struct held *
         h->done = 1;
     else if (rc == RELAY_LEASE_LOST)
         part_lost(c, pt, "it ran out while a message was dead-lettered");
+    else
+        keep_dead_letter(h, reason, why);
     if (rc == 0 && c->o.park_keys && key != NULL)
         for (size_t i = 0; i < pt->nq; i++) {
             size_t len = 0;
@@ -1837,7 +1946,7 @@ static void compact(struct part *pt)
     size_t w = 0;
     for (size_t i = 0; i < pt->nq; i++) {
         if (pt->q[i].done || pt->q[i].dropped)
-            freeReplyObject(pt->q[i].entry);
+            held_free(&pt->q[i]);
         else
             pt->q[w++] = pt->q[i];
     }
@@ -1853,7 +1962,7 @@ static int handle_next(struct relay_consumer *c, struct ordered *od, long long *
     *wake_at = -1;
     for (uint32_t k = 0; k < od->n; k++) {
         struct part *pt = &od->parts[(od->rr + k) % od->n];
-        if (pt->token == 0 || pt->nq == 0)
+        if (pt->token == 0 || !pt->ready || pt->nq == 0)
             continue;
         if (now >= pt->valid_until) {
             part_lost(c, pt, "it was not renewed in time");
@@ -1877,6 +1986,15 @@ static int handle_next(struct relay_consumer *c, struct ordered *od, long long *
     return 0;
 }
 
+/* Whether XREAD waits for new entries of a partition's stream (s 0) or
+ * replay stream (s 1): held, taken over, read up to the group's last entry,
+ * and room in hand (with a full hand, new entries would wake it for
+ * nothing). */
+static int waits_on(const struct part *pt, int s)
+{
+    return pt->token != 0 && pt->ready && pt->last_id[s][0] != '\0' && pt->nq < ORDER_QUEUE_MAX;
+}
+
 /* Waits for new entries on the held partitions (plain XREAD: it changes
  * nothing), a backoff's end or the next upkeep, whichever comes first. */
 static void wait_for_entries(struct relay_consumer *c, struct ordered *od, long long wake_at)
@@ -1893,7 +2011,7 @@ static void wait_for_entries(struct relay_consumer *c, struct ordered *od, long 
     size_t n = 0;
     for (uint32_t i = 0; i < od->n; i++)
         for (int s = 0; s < 2; s++)
-            n += od->parts[i].token != 0 && od->parts[i].last_id[s][0] != '\0';
+            n += waits_on(&od->parts[i], s);
     if (n == 0) {
         sleep_ms_interruptible(c, (uint32_t)ms);
         return;
@@ -1917,11 +2035,11 @@ static void wait_for_entries(struct relay_consumer *c, struct ordered *od, long 
     argv[argc++] = "STREAMS";
     for (uint32_t i = 0; i < od->n; i++)
         for (int s = 0; s < 2; s++)
-            if (od->parts[i].token != 0 && od->parts[i].last_id[s][0] != '\0')
+            if (waits_on(&od->parts[i], s))
                 argv[argc++] = s ? od->parts[i].replay : od->parts[i].stream;
     for (uint32_t i = 0; i < od->n; i++)
         for (int s = 0; s < 2; s++)
-            if (od->parts[i].token != 0 && od->parts[i].last_id[s][0] != '\0')
+            if (waits_on(&od->parts[i], s))
                 argv[argc++] = od->parts[i].last_id[s];
     for (size_t i = 0; i < argc; i++)
         lens[i] = strlen(argv[i]);
@@ -1947,6 +2065,21 @@ static int connect_ordered(struct relay_consumer *c, struct ordered *od)
     for (uint32_t i = 0; i < od->n; i++)
         if (ensure_group(c, od->parts[i].stream) < 0 || ensure_group(c, od->parts[i].replay) < 0)
             goto fail;
+    /* What was in hand may have been acknowledged with the reply lost: read
+     * it again from the pending list, after taking over again what others
+     * left. */
+    for (uint32_t i = 0; i < od->n; i++) {
+        struct part *pt = &od->parts[i];
+        for (size_t k = 0; k < pt->nq; k++)
+            held_free(&pt->q[k]);
+        pt->nq = 0;
+        pt->ready = 0;
+        for (int s = 0; s < 2; s++) {
+            pt->pel_done[s] = 0;
+            snprintf(pt->pel_cursor[s], sizeof(pt->pel_cursor[s]), "0");
+            pt->last_id[s][0] = '\0';
+        }
+    }
     emit(c, RELAY_CONSUMER_LOG_INFO,
          "%s: %s the %u partitions of %s as group %s, in order per key (leases of %u ms)",
          c->consumer, c->last_error[0] != '\0' ? "connected again, reading" : "reading", od->n,
@@ -2012,12 +2145,15 @@ static int run_ordered(struct relay_consumer *c)
         wait_for_entries(c, &od, wake_at);
     }
     /* A clean stop gives the partitions up at once, rather than after the
-     * leases run out. */
+     * leases run out, and leaves the members, so that the others count it
+     * out at their next beat. */
     for (uint32_t i = 0; i < od.n; i++) {
         if (c->wr != NULL)
             release_part(c, &od.parts[i], "stopping");
         part_drop(&od.parts[i]);
     }
+    redisReply *r = fcall(c, (const char *[]){"ZREM", od.members_key, c->consumer, NULL});
+    freeReplyObject(r);
     free(od.parts);
     return 0;
 }

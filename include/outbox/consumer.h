@@ -253,11 +253,12 @@ int relay_consumer_replay_name(const char *stream, const char *group, char *out,
  *   FCALL outbox_consumer_lease_v1 2 <lease key> <token counter key>
  *         <consumer> <ttl ms> <token, or 0 to take>
  *
- * Takes a free lease (a new token, one more than the last ever given for the
- * partition) or renews the caller's own (same consumer and token), for ttl
- * ms; replies {token, consumer, ttl ms}. A lease that someone else holds, or
- * that the caller held with another token, is left alone: {0, its holder, ms
- * left}.
+ * With token 0, takes a free lease (a new token, one more than the last ever
+ * given for the partition); with a token, renews the caller's own (same
+ * consumer and token). For ttl ms; replies {token, consumer, ttl ms}. A lease
+ * that someone else holds, or that the caller held with another token, is
+ * left alone: {0, its holder, ms left}; a renewal of a lease that ran out
+ * takes nothing: {0, "", 0}.
  *
  *   FCALL outbox_consumer_release_v1 1 <lease key> <token>
  *
@@ -274,13 +275,16 @@ int relay_consumer_replay_name(const char *stream, const char *group, char *out,
  *         [<field> <value> ...]
  *
  * Each first checks that the token holds the lease and otherwise answers an
- * error beginning "LEASELOST" and does nothing. Then: read is XREADGROUP
- * (COUNT, no BLOCK) of the stream; take moves the first count pending
- * entries of the group that other consumers hold to this one (XCLAIM, min
- * idle 0, which counts a delivery) and replies {the ids it asked for, the
- * entries XCLAIM returned} (an id missing from the second was deleted from
- * the stream: lost); ack is XACK; dead_letter_leased is the dead-letter
- * function above.
+ * error beginning "LEASELOST" and does nothing. Then: read with ">" is
+ * XREADGROUP (COUNT, no BLOCK) of the stream; read with "0" or an id gives
+ * the caller's own pending entries after it, in the same shape, without
+ * counting a delivery ({id, nil} for one deleted from the stream); take
+ * moves the first count pending entries of the group that other consumers
+ * hold, from anywhere in the pending list, to this one (XCLAIM, min idle 0,
+ * which counts a delivery) and replies {the ids it asked for, the entries
+ * XCLAIM returned} (an id missing from the second was deleted from the
+ * stream: lost); ack is XACK; dead_letter_leased is the dead-letter function
+ * above.
  */
 #define RELAY_CONSUMER_FUNCTION_LEASE "outbox_consumer_lease_v1"
 #define RELAY_CONSUMER_FUNCTION_RELEASE "outbox_consumer_release_v1"

@@ -13,8 +13,10 @@ Promises tested, by calling the functions as a consumer in any language would:
   (an error beginning LEASELOST) and nothing is changed: no entry delivered,
   acknowledged, claimed or dead-lettered;
 - take moves the group's pending entries of other consumers to the holder (a
-  delivery more each) and names the ids it asked for, so an entry deleted
-  from the stream shows as missing from the entries;
+  delivery more each), from anywhere in the pending list, and names the ids it
+  asked for, so an entry deleted from the stream shows as missing from the
+  entries; reading one's own pending entries (with an id) counts no delivery;
+- a renewal of a lease that ran out takes nothing;
 - release gives the lease up only for its own token;
 - every function answers a usage error for wrong arguments, before writing.
 """
@@ -128,6 +130,51 @@ class LeaseTest(harness.ServerTestCase):
         self.assertEqual(self.fcall("outbox_consumer_release_v1", [LEASE], token_b), 1)
         self.assertEqual(self.r.exists(LEASE), 0)
         self.assertGreater(self.lease("a", 1000)[0], token_b, "tokens only grow")
+
+    def test_take_pages_and_history_reads_count_nothing(self):
+        # 150 entries pending at "a", 30 at "b" first in the list.
+        ids = [self.r.xadd(STREAM, {"id": f"m{i}"}).decode() for i in range(180)]
+        self.r.xreadgroup(GROUP, "b", {STREAM: ">"}, count=30)
+        self.r.xreadgroup(GROUP, "a", {STREAM: ">"}, count=150)
+        token, _, _ = self.lease("b", 5000)
+        asked, entries = self.fcall("outbox_consumer_take_v1", [STREAM, LEASE], GROUP, "b",
+                                    token, 1000)
+        self.assertEqual([x.decode() for x in asked], ids[30:], "all of a's, past b's own")
+        self.assertEqual(len(entries), 150)
+        self.assertEqual(self.r.xpending_range(STREAM, GROUP, "-", "+", 1000, "a"), [])
+
+        def counts():
+            return {d["message_id"].decode(): d["times_delivered"]
+                    for d in self.r.xpending_range(STREAM, GROUP, "-", "+", 1000)}
+        before = counts()
+        got = self.fcall("outbox_consumer_read_v1", [STREAM, LEASE], GROUP, "b", token, 100,
+                         "0")
+        self.assertEqual([e[0].decode() for e in got[0][1]], ids[:100])
+        got = self.fcall("outbox_consumer_read_v1", [STREAM, LEASE], GROUP, "b", token, 100,
+                         ids[99])
+        self.assertEqual([e[0].decode() for e in got[0][1]], ids[100:])
+        self.assertEqual(counts(), before, "reading one's own pending entries counts nothing")
+        # A deleted pending entry reads as (id, nil).
+        self.r.xdel(STREAM, ids[5])
+        got = self.fcall("outbox_consumer_read_v1", [STREAM, LEASE], GROUP, "b", token, 10,
+                         ids[3])
+        self.assertEqual([(e[0].decode(), e[1]) for e in got[0][1]][1], (ids[5], None))
+
+    def test_a_lease_that_ran_out_is_not_renewed(self):
+        token, _, _ = self.lease("a", 100)
+        time.sleep(0.25)
+        self.assertEqual(self.lease("a", 5000, token), (0, "", 0), "a renewal takes nothing")
+        self.assertEqual(self.r.exists(LEASE), 0)
+        again, holder, _ = self.lease("a", 5000)
+        self.assertEqual(holder, "a")
+        self.assertGreater(again, token)
+        # A lease key of another type: told, not crashed.
+        self.r.delete(LEASE)
+        self.r.hset(LEASE, "x", "y")
+        with self.assertRaises(redis_py.ResponseError) as cm:
+            self.lease("a", 1000)
+        self.assertIn("WRONGTYPE lease key", str(cm.exception))
+        self.lost("outbox_consumer_ack_v1", [STREAM, LEASE], GROUP, again, "1-0")
 
     def test_usage_errors_change_nothing(self):
         self.r.xadd(STREAM, {"id": "m"})
