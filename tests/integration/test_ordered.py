@@ -23,6 +23,7 @@ Promises tested:
   anything, and each message has one effect.
 """
 
+import contextlib
 import json
 import re
 import random
@@ -45,6 +46,17 @@ harness.set_deadline(600)
 PARTITIONS = 8
 KEYS = [f"cust-{i:03d}" for i in range(500)]
 SEQS = 20
+
+
+@contextlib.contextmanager
+def servers():
+    """PostgreSQL with the consumer schema and "orders" in 8 partitions, and
+    Redis: (pg, redis, a connection, a Redis client)."""
+    with harness.Postgres() as pg, harness.Redis() as redis:
+        db = pg.connect()
+        consumers.apply_consumer_schema(pg)
+        scalar(db, "SELECT outbox.set_partitions('orders', %s)", (PARTITIONS,))
+        yield pg, redis, db, redis.client()
 
 
 def partition_stream(key, topic="orders"):
@@ -78,11 +90,7 @@ class OrderedTest(unittest.TestCase):
                         args=["--ordered", str(PARTITIONS), "--lease", lease])
 
     def test_three_ordered_consumers_through_kills(self):
-        with harness.Postgres() as pg, harness.Redis() as redis:
-            db = pg.connect()
-            r = redis.client()
-            consumers.apply_consumer_schema(pg)
-            scalar(db, "SELECT outbox.set_partitions('orders', %s)", (PARTITIONS,))
+        with servers() as (pg, redis, db, r):
             with harness.Relay(pg, redis, poll_interval="100ms"):
                 procs = [self.consumer(pg, redis, f"c{i}", fail_rate=0.1) for i in range(3)]
                 for c in procs:
@@ -174,11 +182,7 @@ class OrderedTest(unittest.TestCase):
                 self.assertLess(t, 6.0, f"a takeover took {t:.2f} s")
 
     def test_a_frozen_consumer_loses_its_partition_and_acknowledges_nothing(self):
-        with harness.Postgres() as pg, harness.Redis() as redis:
-            db = pg.connect()
-            r = redis.client()
-            consumers.apply_consumer_schema(pg)
-            scalar(db, "SELECT outbox.set_partitions('orders', %s)", (PARTITIONS,))
+        with servers() as (pg, redis, db, r):
             key = KEYS[7]
             stream = partition_stream(key)
             with harness.Relay(pg, redis, poll_interval="100ms"):
@@ -221,10 +225,7 @@ class OrderedTest(unittest.TestCase):
             self.assertGreaterEqual(stats["leases_lost"], 1, stats)
 
     def test_a_dead_letter_parks_its_key_when_asked(self):
-        with harness.Postgres() as pg, harness.Redis() as redis:
-            db = pg.connect()
-            r = redis.client()
-            consumers.apply_consumer_schema(pg)
+        with servers() as (pg, redis, db, r):
             parked, other = KEYS[3], KEYS[4]
             with harness.Relay(pg, redis, poll_interval="100ms"):
                 # A topic of its own for each mode.
@@ -263,10 +264,7 @@ class OrderedTest(unittest.TestCase):
                             c.wait_for_log(rf"key {parked} unparked")
 
     def test_other_keys_pass_a_key_whose_messages_fill_the_hand(self):
-        with harness.Postgres() as pg, harness.Redis() as redis:
-            db = pg.connect()
-            consumers.apply_consumer_schema(pg)
-            scalar(db, "SELECT outbox.set_partitions('orders', %s)", (PARTITIONS,))
+        with servers() as (pg, redis, db, _):
             slow = KEYS[0]
             stream = partition_stream(slow)
             other = next(k for k in KEYS[1:] if partition_stream(k) == stream)

@@ -395,6 +395,13 @@ def claims_ready(relay):
                timeout=30, relay=relay, message="the relay's two claim connections")
 
 
+def wait_claimed(db, relay):
+    """Waits until the relay has claimed (locked) every unsent row."""
+    wait_until(lambda: scalar(db, "SELECT count(*) FROM (SELECT 1 FROM outbox.messages"
+                                  " WHERE sent_at IS NULL FOR UPDATE SKIP LOCKED) AS free") == 0,
+               timeout=20, relay=relay, message="relay A to claim the rows")
+
+
 def expired_replies(r):
     """How many EXPIRED replies Redis has given since it started."""
     stat = r.info("errorstats").get("errorstat_EXPIRED", "count=0")
@@ -429,10 +436,7 @@ class FenceTest(unittest.TestCase):
                 proxy.blackhole()
                 harness.insert_many(db, [("orders", str(i).encode(), "k") for i in range(1, 6)])
                 # Claimed (locked) by A, whose publish now waits in the proxy.
-                wait_until(lambda: scalar(db, "SELECT count(*) FROM (SELECT 1 FROM"
-                                              " outbox.messages WHERE sent_at IS NULL"
-                                              " FOR UPDATE SKIP LOCKED) AS free") == 0,
-                           timeout=20, relay=a, message="relay A to claim the rows")
+                wait_claimed(db, a)
                 time.sleep(0.2)
                 a.kill(signal.SIGSTOP)
                 try:
@@ -494,10 +498,7 @@ class FenceTest(unittest.TestCase):
                 locker.commit()
                 locker.close()
                 # The claim ran; its answer waits in the proxy.
-                wait_until(lambda: scalar(db, "SELECT count(*) FROM (SELECT 1 FROM"
-                                              " outbox.messages WHERE sent_at IS NULL"
-                                              " FOR UPDATE SKIP LOCKED) AS free") == 0,
-                           timeout=20, relay=a, message="relay A to claim the rows")
+                wait_claimed(db, a)
                 with harness.Relay(pg, redis, **flags) as b:
                     # A's sessions end on the server's idle limits (3 s, and
                     # two publish deadlines and 2 s for the open claim).
@@ -552,10 +553,7 @@ class FenceTest(unittest.TestCase):
                 stream = "orders:%03d" % (fnv1a32(b"k") % 2)
                 redis_proxy.blackhole()
                 harness.insert_many(db, [("orders", str(i).encode(), "k") for i in range(1, 6)])
-                wait_until(lambda: scalar(db, "SELECT count(*) FROM (SELECT 1 FROM"
-                                              " outbox.messages WHERE sent_at IS NULL"
-                                              " FOR UPDATE SKIP LOCKED) AS free") == 0,
-                           timeout=20, relay=a, message="relay A to claim the rows")
+                wait_claimed(db, a)
                 time.sleep(0.2)
                 pg_proxy.cut()
                 started = time.monotonic()
