@@ -11,6 +11,12 @@
 # clang-format checks that the C sources keep the project's .clang-format
 # (scripts/format.sh, run by CI).
 #
+# valkey-server (Valkey 8) is the second server the Redis-facing tests run
+# against. Debian 12 has it in bookworm-backports only: the script adds that
+# suite to apt's sources (/etc/apt/sources.list.d/outbox-relay-backports.sources)
+# and takes only valkey-server and valkey-tools from it; backports are never
+# installed unless asked for by name, so nothing else on the machine changes.
+#
 # prometheus is here for its promtool, which checks and unit-tests
 # monitoring/alerts.yml (tests/integration/test_monitoring.py). Under systemd,
 # installing it also enables and starts Debian's Prometheus server on port
@@ -25,6 +31,9 @@ packages=(
   python3 python3-psycopg2 python3-redis python3-yaml
   prometheus
 )
+# From bookworm-backports (see above).
+backports=(valkey-server valkey-tools)
+backports_list=/etc/apt/sources.list.d/outbox-relay-backports.sources
 
 installed() {
   [[ "$(dpkg-query -W -f='${Status}' "$1" 2>/dev/null)" == "install ok installed" ]]
@@ -40,24 +49,45 @@ missing=()
 for p in "${packages[@]}"; do
   installed "$p" || missing+=("$p")
 done
+missing_backports=()
+for p in "${backports[@]}"; do
+  installed "$p" || missing_backports+=("$p")
+done
 
-if ((${#missing[@]} == 0)); then
+if ((${#missing[@]} == 0 && ${#missing_backports[@]} == 0)); then
   exit 0
 fi
 
 if ((EUID != 0)); then
-  echo "deps.sh: missing Debian packages: ${missing[*]}" >&2
-  echo "deps.sh: run this script as root, or install them: sudo apt-get install ${missing[*]}" >&2
+  echo "deps.sh: missing Debian packages: ${missing[*]} ${missing_backports[*]}" >&2
+  echo "deps.sh: run this script as root, or install them: sudo apt-get install" \
+    "${missing[*]}; and from bookworm-backports: ${missing_backports[*]}" >&2
   exit 1
 fi
 
-echo "deps.sh: installing ${missing[*]}" >&2
+echo "deps.sh: installing ${missing[*]} ${missing_backports[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
+if ((${#missing_backports[@]} != 0)) && ! grep -rqs "bookworm-backports" /etc/apt/sources.list \
+  /etc/apt/sources.list.d/; then
+  cat >"$backports_list" <<'EOF'
+# Added by outbox-relay's scripts/deps.sh, for valkey-server (Valkey 8).
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOF
+fi
 apt-get update
-apt-get install -y --no-install-recommends "${missing[@]}"
+if ((${#missing[@]} != 0)); then
+  apt-get install -y --no-install-recommends "${missing[@]}"
+fi
+if ((${#missing_backports[@]} != 0)); then
+  apt-get install -y --no-install-recommends -t bookworm-backports "${missing_backports[@]}"
+fi
 
 still=()
-for p in "${missing[@]}"; do
+for p in "${missing[@]}" "${missing_backports[@]}"; do
   installed "$p" || still+=("$p")
 done
 if ((${#still[@]} != 0)); then

@@ -6,7 +6,8 @@ stopped and removed at the end: on success, on failure, on an exception, on
 SIGTERM or SIGINT of the test, and on the per-file deadline.
 
     Postgres()  initdb + pg_ctl, database "app" with migrations/*.sql applied
-    Redis()     redis-server on 127.0.0.1, no RDB, AOF configurable
+    Redis()     redis-server on 127.0.0.1, no RDB, AOF configurable; with
+                OUTBOX_REDIS_SERVER=valkey-server, Valkey instead
     Daemon()    one of our daemons as a process: command line, environment, log
                 file, start/stop/kill/wait, wait_for_log, sanitizer reports fail
     Relay()     the outbox-relay binary as a Daemon
@@ -343,6 +344,21 @@ class Postgres:
 # --------------------------------------------------------------------------
 # Redis.
 
+# The server the tests run against: redis-server (Redis 7.0), or another
+# binary that speaks its protocol and takes its options, such as
+# valkey-server (Valkey 8). A server asked for and missing fails the test.
+REDIS_SERVER = os.environ.get("OUTBOX_REDIS_SERVER") or "redis-server"
+
+
+def redis_server_binary():
+    """The server binary's path; raises when it is not installed."""
+    found = shutil.which(REDIS_SERVER)
+    if found is None:
+        raise RuntimeError(f"{REDIS_SERVER} not found: OUTBOX_REDIS_SERVER names a server "
+                           "that is not installed (scripts/deps.sh installs redis-server and "
+                           "valkey-server)")
+    return found
+
 class Redis:
     """A throwaway redis-server on 127.0.0.1; restartable on the same port and dir."""
 
@@ -387,7 +403,7 @@ class Redis:
     def start(self):
         """Starts redis-server and waits until it answers PING."""
         assert self.proc is None or self.proc.poll() is not None, "redis is already running"
-        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+        argv = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", self.dir, "--save", "", "--daemonize", "no",
                 "--appendonly", "yes" if self.appendonly else "no",
                 "--appendfsync", self.appendfsync,
@@ -400,14 +416,14 @@ class Redis:
 
         def answers():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}\n"
+                raise RuntimeError(f"{REDIS_SERVER} exited with {self.proc.returncode}\n"
                                    + tail(self.log()))
             try:
                 with contextlib.closing(self.client(socket_timeout=1)) as c:
                     return c.ping()
             except redis_py.exceptions.RedisError:
                 return False
-        wait_until(answers, timeout=20, message="redis-server to answer PING")
+        wait_until(answers, timeout=20, message=f"{REDIS_SERVER} to answer PING")
 
     def stop(self):
         """A clean shutdown (SIGTERM: no RDB is written, the AOF is flushed)."""
