@@ -28,6 +28,9 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
   partitions a keyed backlog on one topic drained by one relay with the
              topic unpartitioned, and with 8 partitions by 1, 2 and 3 relays,
              in BENCH_PARTITION_ROUNDS alternating rounds
+  replicas   the same backlog drained with a replica attached, with
+             min_replicas 0 and 1 (a WAIT after every batch), in
+             BENCH_REPLICA_ROUNDS alternating rounds: what the wait costs
   profile    perf record -a during a drain: where the machine's time goes
 
 Sizes come from the environment (BENCH_QUICK=1 for a two-minute smoke run);
@@ -108,7 +111,7 @@ TOPICS = 4
 PAYLOAD = 200
 REDIS_AOF = os.environ.get("BENCH_REDIS_AOF") or "everysec"  # no | everysec | always
 ALL_SECTIONS = ["drain", "naive", "sweep", "latency", "producers", "limits", "storage",
-                "partitions", "profile"]
+                "partitions", "replicas", "profile"]
 SECTIONS = [s.strip() for s in (os.environ.get("BENCH_SECTIONS") or ",".join(ALL_SECTIONS))
             .split(",") if s.strip()]
 if QUICK and not os.environ.get("BENCH_SECTIONS"):
@@ -431,13 +434,14 @@ def run_json(argv, timeout=600):
 # --------------------------------------------------------------------------
 # Drains.
 
-def drain(pg, rd, conn, rc, kind, rows, batch, extra=None):
-    """Drains a backlog of `rows` with the relay or the naive loop; returns its figures."""
+def drain(pg, rd, conn, rc, kind, rows, batch, extra=None, relay_flags=None):
+    """Drains a backlog of `rows` with the relay (with relay_flags) or the naive
+    loop; returns its figures."""
     meter = CpuMeter(pg, rd)
     timeout = max(120.0, rows / 1500.0)
     if kind == "relay":
         started = time.monotonic()
-        relay = start_relay(pg, rd, batch_size=batch)
+        relay = start_relay(pg, rd, batch_size=batch, **(relay_flags or {}))
         try:
             deadline = started + timeout
             while True:
@@ -850,6 +854,55 @@ def storage_round(name, flags, what, tag):
         f" ({same['mean_ms'] / side['mean_ms']:.2f}x), server CPU {side['server_cpu_ms']:.2f} ->"
         f" {same['server_cpu_ms']:.2f} ms ({same['server_cpu_ms'] / side['server_cpu_ms']:.2f}x)")
     return fig
+
+
+REPLICA_ROWS = env_int("BENCH_REPLICA_ROWS", 20000 if QUICK else 200000)
+REPLICA_ROUNDS = env_int("BENCH_REPLICA_ROUNDS", 3)
+
+
+def section_replicas():
+    """What min_replicas costs: one backlog drained with a replica attached
+    to the benchmark's Redis, without WAIT (min_replicas 0) and with a WAIT
+    for one replica after every batch (min_replicas 1), rounds alternating on
+    the same servers. The replica runs as the primary does (append-only)."""
+    rates = {0: [], 1: []}
+    batch_ms = {0: [], 1: []}
+    with servers() as (pg, rd, conn, rc):
+        argv = ["--replicaof", "127.0.0.1", str(rd.port)]
+        replica = (harness.Redis(appendonly=False, extra_args=argv) if REDIS_AOF == "no" else
+                   harness.Redis(appendonly=True, appendfsync=REDIS_AOF, extra_args=argv))
+        with replica:
+            rr = replica.client()
+            deadline = time.monotonic() + 60
+            while rr.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the benchmark's replica did not sync")
+                time.sleep(0.1)
+            for rnd in range(REPLICA_ROUNDS):
+                for m in (0, 1):
+                    execute(conn, "TRUNCATE outbox.messages RESTART IDENTITY")
+                    rc.flushall()
+                    insert_backlog(conn, REPLICA_ROWS)
+                    d = drain(pg, rd, conn, rc, "relay", REPLICA_ROWS, BATCH,
+                              relay_flags=dict(min_replicas=m, replica_timeout="1s"))
+                    record_drain("replicas", f"replicas.min_replicas_{m}.round{rnd}", d,
+                                 f"batch {BATCH}, one replica attached")
+                    rates[m].append(d["rate"])
+                    if d.get("batch_total_ms") is not None:
+                        batch_ms[m].append(d["batch_total_ms"])
+            lag = rr.info("replication").get("master_repl_offset")
+            rr.close()
+            log(f"replicas: replica at offset {lag}")
+    for m in (0, 1):
+        R.add("replicas", f"min_replicas_{m}.rate", statistics.median(rates[m]), "msg/s",
+              f"median of {REPLICA_ROUNDS} rounds, {REPLICA_ROWS} rows, one replica attached")
+        if batch_ms[m]:
+            R.add("replicas", f"min_replicas_{m}.batch_ms", statistics.median(batch_ms[m]), "ms",
+                  "claim to commit of a batch, the relay's histogram")
+    ratio = statistics.median(rates[1]) / statistics.median(rates[0])
+    R.add("replicas", "ratio_wait_to_none", ratio, "x",
+          "drain rate with min_replicas 1 / with 0")
+    log(f"replicas: a WAIT per batch drains at {ratio:.2f}x the rate without")
 
 
 def section_storage():
@@ -1318,12 +1371,15 @@ def build_table():
                   target="≤ 1.10" if name == "delete" and key == "claim_ratio" else "",
                   ratio=g(f"storage.{name}.{key}"))
     R.row(f"drain of {PARTITION_ROWS:,} keyed rows, one relay, a topic of 8 partitions",
-          g("partitions.partitions_8.rate"), "msg/s", "the same rows, topic unpartitioned",
-          g("partitions.unpartitioned.rate"))
+          g("partitions_8.rate"), "msg/s", "the same rows, topic unpartitioned",
+          g("unpartitioned.rate"))
     for n in (2, 3):
         R.row(f"the same drain of 8 partitions by {n} relays",
-              g(f"partitions.partitions_8_relays_{n}.rate"), "msg/s", "by one relay",
-              g("partitions.partitions_8.rate"), target="≥ 1")
+              g(f"partitions_8_relays_{n}.rate"), "msg/s", "by one relay",
+              g("partitions_8.rate"), target="≥ 1")
+    R.row(f"drain of {REPLICA_ROWS:,} rows, min_replicas 1 (a WAIT for one replica per batch)",
+          g("min_replicas_1.rate"), "msg/s", "min_replicas 0, the same replica attached",
+          g("min_replicas_0.rate"))
     for sync in ("on", "off"):
         c = max(PRODUCER_CLIENTS)
         base = g(f"producers.norelay.sync_{sync}.c{c}.dropped.tps")
@@ -1589,7 +1645,8 @@ def main():
     functions = dict(drain=section_drain, naive=section_naive, sweep=section_sweep,
                      latency=section_latency, producers=section_producers,
                      limits=section_limits, storage=section_storage,
-                     partitions=section_partitions, profile=section_profile)
+                     partitions=section_partitions, replicas=section_replicas,
+                     profile=section_profile)
     for name in SECTIONS:
         if name not in functions:
             sys.exit(f"bench.py: unknown section {name!r}; sections: {', '.join(ALL_SECTIONS)}")

@@ -760,6 +760,41 @@ int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
     return tally->pending == 0;
 }
 
+int relay_batch_apply_wait(struct relay_tally *tally, enum relay_reply_kind kind,
+                           long long replicas, const char *str, size_t len, uint32_t wanted,
+                           uint32_t timeout_ms)
+{
+    if (tally->pending == 0)
+        return 0;
+    tally->pending--;
+    if (tally->failed)
+        return tally->pending == 0;
+    if (kind == RELAY_REPLY_COUNT && replicas >= (long long)wanted)
+        return tally->pending == 0;
+    tally->failed = 1;
+    if (kind == RELAY_REPLY_COUNT) {
+        tally->kind = RELAY_FAIL_REDIS_REPLICAS;
+        snprintf(tally->error, sizeof(tally->error),
+                 "%lld of min_replicas = %u replicas acknowledged the batch within "
+                 "replica_timeout (%u ms): check the replicas with INFO replication on the "
+                 "primary, or lower min_replicas",
+                 replicas < 0 ? 0 : replicas, wanted, timeout_ms);
+    } else if (kind == RELAY_REPLY_ERROR) {
+        tally->kind = RELAY_FAIL_REDIS_ERROR;
+        snprintf(tally->error, sizeof(tally->error), "WAIT for min_replicas failed: %.*s",
+                 (int)relay_batch_utf8_prefix(str, len, 300), str != NULL ? str : "");
+    } else if (kind == RELAY_REPLY_LOST) {
+        tally->kind = RELAY_FAIL_REDIS_CONNECTION;
+        snprintf(tally->error, sizeof(tally->error), "Redis connection lost: %.*s",
+                 (int)relay_batch_utf8_prefix(str, len, 200), str != NULL && len ? str : "dropped");
+    } else {
+        tally->kind = RELAY_FAIL_REDIS_REPLY;
+        snprintf(tally->error, sizeof(tally->error),
+                 "unexpected reply type to WAIT (an integer was expected)");
+    }
+    return tally->pending == 0;
+}
+
 /* Failed rows wait 1 s, 2 s, 4 s ... between attempts, at most 5 minutes. */
 #define ROW_RETRY_BASE_MS 1000u
 #define ROW_RETRY_MAX_MS (5u * 60u * 1000u)

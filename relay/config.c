@@ -142,6 +142,10 @@ static const struct cfg_key cfg_keys[] = {
      "on SIGTERM, how long to wait for the batch in flight"},
     {"dedup_ttl", CFG_DURATION, CFG_OFF(dedup_ttl_ms), CFG_SEC, 30 * CFG_DAY, "24h", 0, NULL,
      "how long a dedup record lives in Redis"},
+    {"min_replicas", CFG_UINT, CFG_OFF(min_replicas), 0, 16, "0", 0, NULL,
+     "replicas that must hold a batch's writes (WAIT) before it is marked sent; 0 = off"},
+    {"replica_timeout", CFG_DURATION, CFG_OFF(replica_timeout_ms), 10, 10 * CFG_MIN, "1s", 0, NULL,
+     "how long to wait for min_replicas replicas before the batch is retried"},
     {"log_level", CFG_LOGLEVEL, CFG_OFF(log_level), RELAY_LOG_DEBUG, RELAY_LOG_ERROR, "info",
      CFG_RELOADABLE, NULL, "least severe level logged: debug, info, warning or error"},
     {"metrics_listen", CFG_STRING, CFG_OFF(metrics_listen), 0, 300, "127.0.0.1:9479", 0,
@@ -1158,6 +1162,17 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
         cfg_err(err, errlen,
                 "resume_queue_age = \"%s\": must be below pause_queue_age (%s), the mark that "
                 "pauses a stream",
+                a, b);
+        return -1;
+    }
+    /* WAIT runs inside the batch's publish_timeout, after its publishes. */
+    if (cfg->min_replicas > 0 && cfg->replica_timeout_ms > cfg->publish_timeout_ms / 2) {
+        config_format_duration(cfg->replica_timeout_ms, a, sizeof(a));
+        config_format_duration(cfg->publish_timeout_ms, b, sizeof(b));
+        cfg_err(err, errlen,
+                "replica_timeout = \"%s\": must be at most half of publish_timeout (%s): the "
+                "wait for replicas runs inside the batch's publish deadline; lower "
+                "replica_timeout or raise publish_timeout",
                 a, b);
         return -1;
     }

@@ -9,8 +9,9 @@
 
 #include <string.h>
 
-static const char *const fail_kind_names[RELAY_FAIL_KINDS] = {
-    "redis_connection", "redis_timeout", "redis_error", "redis_reply", "postgres"};
+static const char *const fail_kind_names[RELAY_FAIL_KINDS] = {"redis_connection", "redis_timeout",
+                                                              "redis_error",      "redis_reply",
+                                                              "redis_replicas",   "postgres"};
 
 const char *relay_fail_kind_name(enum relay_fail_kind kind)
 {

@@ -128,6 +128,30 @@ static int op_holds_keys(void *arg, size_t lane)
     return 0;
 }
 
+static void on_wait_reply(redisAsyncContext *ac, void *reply_, void *arg);
+
+/*
+ * With min_replicas, the batch's publishes are followed by a WAIT on the same
+ * connection: its answer comes after theirs and counts the replicas that hold
+ * all of them. The batch is marked sent only when enough do; otherwise it is
+ * rolled back and published again (README, "Replicas and Sentinel").
+ */
+static void send_wait(struct relay *r, struct relay_lane *l)
+{
+    char want[16], ms[16];
+    snprintf(want, sizeof(want), "%u", r->cfg->min_replicas);
+    snprintf(ms, sizeof(ms), "%u", r->cfg->replica_timeout_ms);
+    const char *argv[3] = {"WAIT", want, ms};
+    size_t lens[3] = {4, strlen(want), strlen(ms)};
+    if (relay_sink_command(r->sink, 3, argv, lens, on_wait_reply, l) < 0) {
+        l->tally.failed = 1;
+        l->tally.kind = RELAY_FAIL_REDIS_CONNECTION;
+        snprintf(l->tally.error, sizeof(l->tally.error), "Redis connection not ready");
+        return;
+    }
+    l->tally.pending++;
+}
+
 /* Sends every row of the lane's batch to Redis under one deadline. */
 static void op_publish(void *arg, size_t lane)
 {
@@ -175,6 +199,8 @@ static void op_publish(void *arg, size_t lane)
         publish_done(l);
         return;
     }
+    if (!l->tally.failed && r->cfg->min_replicas > 0)
+        send_wait(r, l);
     double left = since + r->cfg->publish_timeout_ms / 1000.0 - relay_now();
     ev_timer_set(&r->deadline, left > 0.001 ? left : 0.001, 0.0);
     ev_timer_start(r->loop, &r->deadline);
@@ -446,6 +472,36 @@ static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg)
         len = reply->len;
     }
     if (relay_batch_apply_reply(&l->tally, arg, kind, str, len))
+        publish_done(l);
+}
+
+static void on_wait_reply(redisAsyncContext *ac, void *reply_, void *arg)
+{
+    struct relay *r = relay_sink_owner(ac);
+    const redisReply *reply = reply_;
+    if (r == NULL || r->stopping || r->cycle.publishing < 0)
+        return;
+    struct relay_lane *l = &r->lanes[r->cycle.publishing];
+    if (l != arg || r->cycle.lanes[l->index].state != RELAY_LANE_PUBLISH)
+        return;
+    enum relay_reply_kind kind = RELAY_REPLY_OTHER;
+    const char *str = NULL;
+    size_t len = 0;
+    long long replicas = -1;
+    if (reply == NULL) {
+        kind = RELAY_REPLY_LOST;
+        str = ac->errstr;
+        len = strlen(ac->errstr);
+    } else if (reply->type == REDIS_REPLY_INTEGER) {
+        kind = RELAY_REPLY_COUNT;
+        replicas = reply->integer;
+    } else if (reply->type == REDIS_REPLY_ERROR) {
+        kind = RELAY_REPLY_ERROR;
+        str = reply->str;
+        len = reply->len;
+    }
+    if (relay_batch_apply_wait(&l->tally, kind, replicas, str, len, r->cfg->min_replicas,
+                               r->cfg->replica_timeout_ms))
         publish_done(l);
 }
 

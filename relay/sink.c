@@ -203,6 +203,14 @@ int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, rela
     return 0;
 }
 
+int relay_sink_command(struct relay_sink *s, int argc, const char **argv, const size_t *lens,
+                       relay_sink_reply_fn *cb, void *arg)
+{
+    if (s->state != SINK_READY || s->ac == NULL)
+        return -1;
+    return redisAsyncCommandArgv(s->ac, cb, arg, argc, argv, lens) == REDIS_OK ? 0 : -1;
+}
+
 /* Reports what an acknowledged XADD is worth on this server (README, "What Redis keeps is up to
  * Redis"). */
 static void check_durability(struct relay_sink *s, const redisReply *r)

@@ -188,6 +188,7 @@ enum relay_reply_kind {
     RELAY_REPLY_ENTRY,    /* a string or status: the entry id */
     RELAY_REPLY_ERROR,    /* an error reply */
     RELAY_REPLY_OTHER,    /* any other type: a malformed answer */
+    RELAY_REPLY_COUNT,    /* an integer: WAIT's count of replicas */
 };
 
 /* The publishes of one batch so far, across all of its rows. */
@@ -210,6 +211,18 @@ struct relay_tally {
 int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
                             enum relay_reply_kind kind, const char *str, size_t len)
     __attribute__((warn_unused_result));
+
+/*
+ * Applies the reply to the WAIT that follows a batch's publishes when
+ * min_replicas > 0 (RELAY_REPLY_COUNT with the number of replicas that hold
+ * the batch's writes, or any other kind): fewer than `wanted` replicas, or
+ * any other reply, fail the whole batch, which is rolled back and published
+ * again (its dedup records answer the rows that are already in). Returns 1
+ * when this was the last reply the tally waited for.
+ */
+int relay_batch_apply_wait(struct relay_tally *tally, enum relay_reply_kind kind,
+                           long long replicas, const char *str, size_t len, uint32_t wanted,
+                           uint32_t timeout_ms) __attribute__((warn_unused_result));
 
 /* Quotes s as an SQL literal (the connection's rules); freed with freefn. */
 struct relay_sql_quoter {

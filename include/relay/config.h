@@ -44,6 +44,10 @@ struct relay_config {
     uint32_t drain_timeout_ms;
     uint32_t dedup_ttl_ms;
 
+    /* Replica acknowledgement (README, "Redis replicas, Sentinel"). */
+    uint32_t min_replicas;       /* replicas that must hold a batch before its mark; 0 = off */
+    uint32_t replica_timeout_ms; /* how long WAIT waits for them */
+
     int log_level; /* enum relay_log_level */
 
     /* Operations. */

@@ -45,6 +45,7 @@ enum relay_fail_kind {
     RELAY_FAIL_REDIS_TIMEOUT,        /* no reply within publish_timeout */
     RELAY_FAIL_REDIS_ERROR,          /* an error reply about the server, not the row */
     RELAY_FAIL_REDIS_REPLY,          /* a reply of an unexpected type */
+    RELAY_FAIL_REDIS_REPLICAS,       /* fewer than min_replicas replicas hold the batch */
     RELAY_FAIL_POSTGRES,             /* BEGIN, the claim, the mark or COMMIT failed */
     RELAY_FAIL_KINDS
 };

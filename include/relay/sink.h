@@ -56,6 +56,10 @@ int relay_sink_ready(const struct relay_sink *s);
 int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, relay_sink_reply_fn *cb,
                          void *arg) __attribute__((warn_unused_result));
 
+/* Sends one command given as argv; 0, or -1 when not ready. */
+int relay_sink_command(struct relay_sink *s, int argc, const char **argv, const size_t *lens,
+                       relay_sink_reply_fn *cb, void *arg) __attribute__((warn_unused_result));
+
 /* Drops the connection (pending callbacks get NULL) and reconnects after
  * backoff. why is logged. */
 void relay_sink_abort(struct relay_sink *s, const char *why);

@@ -162,6 +162,11 @@ class TcpProxy:
             self._sel = None
 
     # -- control (from any thread)
+    def retarget(self, port, host="127.0.0.1"):
+        """New connections go to host:port from now on (a failover behind
+        one address); live ones keep their upstream."""
+        self.target = (host, port)
+
     def cut(self):
         """Resets every live connection and refuses new ones (accepts and closes them).
         Returns how many live connections were reset."""

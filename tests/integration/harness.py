@@ -362,8 +362,10 @@ def redis_server_binary():
 class Redis:
     """A throwaway redis-server on 127.0.0.1; restartable on the same port and dir."""
 
-    def __init__(self, port=None, appendonly=False, appendfsync="everysec", password=None):
+    def __init__(self, port=None, appendonly=False, appendfsync="everysec", password=None,
+                 extra_args=()):
         self.port = port or free_port()
+        self.extra_args = list(extra_args)  # more options, e.g. ["--replicaof", host, port]
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.password = password
@@ -409,7 +411,8 @@ class Redis:
                 "--appendfsync", self.appendfsync,
                 "--logfile", os.path.join(self.dir, "redis.log")]
         if self.password:
-            argv += ["--requirepass", self.password]
+            argv += ["--requirepass", self.password, "--masterauth", self.password]
+        argv += self.extra_args
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, cwd=self.dir)
         self.paused = False

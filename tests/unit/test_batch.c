@@ -416,6 +416,59 @@ static void test_apply_reply_batch_failures(void **state)
     assert_non_null(strstr(cycle.error, "connection lost"));
 }
 
+/* The WAIT after a batch's publishes (min_replicas): enough replicas let the
+ * batch be marked; too few, an error or a lost connection fail it whole. */
+static void test_apply_wait(void **state)
+{
+    (void)state;
+    struct relay_row row = make_row("orders", "a", 1);
+    struct relay_tally cycle;
+
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 2;
+    assert_int_equal(relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_ENTRY, NULL, 0), 0);
+    assert_int_equal(relay_batch_apply_wait(&cycle, RELAY_REPLY_COUNT, 2, NULL, 0, 2, 1000), 1);
+    assert_false(cycle.failed);
+
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 1;
+    assert_int_equal(relay_batch_apply_wait(&cycle, RELAY_REPLY_COUNT, 1, NULL, 0, 2, 1000), 1);
+    assert_true(cycle.failed);
+    assert_int_equal(cycle.kind, RELAY_FAIL_REDIS_REPLICAS);
+    assert_non_null(strstr(cycle.error, "1 of min_replicas = 2 replicas"));
+    assert_non_null(strstr(cycle.error, "replica_timeout (1000 ms)"));
+    /* A reply after the end is ignored. */
+    assert_int_equal(relay_batch_apply_wait(&cycle, RELAY_REPLY_COUNT, 5, NULL, 0, 2, 1000), 0);
+    assert_true(cycle.failed);
+
+    /* A publish that failed first keeps its reason. */
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 2;
+    const char *oom = "OOM command not allowed when used memory > 'maxmemory'.";
+    assert_int_equal(relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_ERROR, oom, strlen(oom)), 0);
+    assert_int_equal(relay_batch_apply_wait(&cycle, RELAY_REPLY_COUNT, 0, NULL, 0, 1, 1000), 1);
+    assert_int_equal(cycle.kind, RELAY_FAIL_REDIS_ERROR);
+    assert_non_null(strstr(cycle.error, "OOM"));
+
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 1;
+    const char *ro = "ERR WAIT cannot be used with replica instances.";
+    assert_int_equal(relay_batch_apply_wait(&cycle, RELAY_REPLY_ERROR, -1, ro, strlen(ro), 1, 10),
+                     1);
+    assert_int_equal(cycle.kind, RELAY_FAIL_REDIS_ERROR);
+    assert_non_null(strstr(cycle.error, "replica instances"));
+
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 1;
+    assert_int_equal(relay_batch_apply_wait(&cycle, RELAY_REPLY_LOST, -1, NULL, 0, 1, 10), 1);
+    assert_int_equal(cycle.kind, RELAY_FAIL_REDIS_CONNECTION);
+
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 1;
+    assert_int_equal(relay_batch_apply_wait(&cycle, RELAY_REPLY_OTHER, -1, NULL, 0, 1, 10), 1);
+    assert_int_equal(cycle.kind, RELAY_FAIL_REDIS_REPLY);
+}
+
 /* Quotes like PQescapeLiteral for plain text: 'x' with quotes doubled. */
 static char *fake_quote(void *ctx, const char *s, size_t len)
 {
@@ -1096,6 +1149,7 @@ int main(void)
         cmocka_unit_test(test_function_source_records_after_xadd),
         cmocka_unit_test(test_apply_reply_cycle),
         cmocka_unit_test(test_apply_reply_batch_failures),
+        cmocka_unit_test(test_apply_wait),
         cmocka_unit_test(test_finish_sql),
         cmocka_unit_test(test_row_quarantined_by_kind),
         cmocka_unit_test(test_utf8_prefix_never_cuts_a_character),

@@ -653,6 +653,7 @@ static void test_fail_kind_names(void **state)
     (void)state;
     assert_string_equal(relay_fail_kind_name(RELAY_FAIL_REDIS_CONNECTION), "redis_connection");
     assert_string_equal(relay_fail_kind_name(RELAY_FAIL_REDIS_TIMEOUT), "redis_timeout");
+    assert_string_equal(relay_fail_kind_name(RELAY_FAIL_REDIS_REPLICAS), "redis_replicas");
     assert_string_equal(relay_fail_kind_name(RELAY_FAIL_POSTGRES), "postgres");
 }
 
