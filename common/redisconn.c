@@ -166,9 +166,115 @@ static int open_steps(redisContext *c, const struct relay_redis_url *u, uint32_t
     return 0;
 }
 
+static redisContext *open_url(const struct relay_redis_url *u, uint32_t connect_timeout_ms,
+                              uint32_t command_timeout_ms, int stop_fd, char *err, size_t errlen,
+                              enum relay_redis_fault *fault);
+
+/* Reads a "host, port" pair of strings into primary's host and port: 0, or -1. */
+static int take_address(const redisReply *r, struct relay_redis_url *primary)
+{
+    if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
+        r->element[0]->type != REDIS_REPLY_STRING || r->element[1]->type != REDIS_REPLY_STRING ||
+        r->element[0]->len == 0 || r->element[0]->len >= sizeof(primary->host))
+        return -1;
+    uint64_t port;
+    const char *end;
+    if (relay_parse_digits(r->element[1]->str, &port, &end) != 0 || *end != '\0' || port < 1 ||
+        port > 65535)
+        return -1;
+    memcpy(primary->host, r->element[0]->str, r->element[0]->len + 1);
+    primary->port = (int)port;
+    return 0;
+}
+
+/*
+ * Asks each Sentinel in turn for the primary of u's master: primary becomes u
+ * with that host and port and no Sentinel. 0, or -1 with err and fault.
+ */
+static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeout_ms, int stop_fd,
+                         struct relay_redis_url *primary, char *err, size_t errlen,
+                         enum relay_redis_fault *fault)
+{
+    char last[300] = "";
+    for (int i = 0; i < u->sentinels.n; i++) {
+        struct relay_redis_url at;
+        memset(&at, 0, sizeof(at));
+        snprintf(at.host, sizeof(at.host), "%s", u->sentinels.addr[i].host);
+        at.port = u->sentinels.addr[i].port;
+        char why[256];
+        redisContext *c =
+            open_url(&at, connect_timeout_ms, connect_timeout_ms, stop_fd, why, sizeof(why), fault);
+        if (c == NULL) {
+            if (*fault == RELAY_REDIS_STOPPED || *fault == RELAY_REDIS_NOMEM) {
+                snprintf(err, errlen, "%s", why);
+                return -1;
+            }
+            snprintf(last, sizeof(last), "%s", why);
+            continue;
+        }
+        redisReply *r =
+            relay_redis_call(c, stop_fd, connect_timeout_ms, "SENTINEL get-master-addr-by-name %s",
+                             u->sentinels.master);
+        *primary = *u;
+        primary->sentinels.n = 0;
+        int ok = take_address(r, primary) == 0;
+        if (!ok)
+            snprintf(last, sizeof(last), "Sentinel %.100s:%d %s", at.host, at.port,
+                     r == NULL                      ? c->errstr
+                     : r->type == REDIS_REPLY_ERROR ? r->str
+                     : r->type == REDIS_REPLY_NIL   ? "knows no master of that name"
+                                                    : "gave an unexpected reply");
+        if (r != NULL)
+            freeReplyObject(r);
+        redisFree(c);
+        if (ok)
+            return 0;
+    }
+    *fault = RELAY_REDIS_IO;
+    snprintf(err, errlen,
+             "no Sentinel named the primary of master \"%.128s\" (%d asked; last: %.300s): check "
+             "redis_sentinel and redis_master, and that the Sentinels are up",
+             u->sentinels.master, u->sentinels.n, last);
+    return -1;
+}
+
 redisContext *relay_redis_open(const struct relay_redis_url *u, uint32_t connect_timeout_ms,
                                uint32_t command_timeout_ms, int stop_fd, char *err, size_t errlen,
                                enum relay_redis_fault *fault)
+{
+    *fault = RELAY_REDIS_OK;
+    if (u->sentinels.n == 0)
+        return open_url(u, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, fault);
+    struct relay_redis_url primary;
+    if (ask_sentinels(u, connect_timeout_ms, stop_fd, &primary, err, errlen, fault) != 0)
+        return NULL;
+    redisContext *c =
+        open_url(&primary, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, fault);
+    if (c == NULL)
+        return NULL;
+    /* Between a failover and the Sentinels' next answer, the address can
+     * still be the old primary's, now a replica. */
+    redisReply *r = relay_redis_call(c, stop_fd, connect_timeout_ms, "ROLE");
+    int primary_role = r != NULL && r->type == REDIS_REPLY_ARRAY && r->elements > 0 &&
+                       r->element[0]->type == REDIS_REPLY_STRING &&
+                       strcmp(r->element[0]->str, "master") == 0;
+    if (r != NULL)
+        freeReplyObject(r);
+    if (!primary_role) {
+        *fault = RELAY_REDIS_IO;
+        snprintf(err, errlen,
+                 "%.100s:%d, which the Sentinels name as the primary of \"%.128s\", is not a "
+                 "primary (yet): try again in a moment",
+                 primary.host, primary.port, u->sentinels.master);
+        redisFree(c);
+        return NULL;
+    }
+    return c;
+}
+
+static redisContext *open_url(const struct relay_redis_url *u, uint32_t connect_timeout_ms,
+                              uint32_t command_timeout_ms, int stop_fd, char *err, size_t errlen,
+                              enum relay_redis_fault *fault)
 {
     *fault = RELAY_REDIS_OK;
     redisContext *c = redisConnectNonBlock(u->host, u->port);

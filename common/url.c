@@ -221,6 +221,73 @@ static int url_port_db(const char *p, struct relay_redis_url *u, char *err, size
     return 0;
 }
 
+int relay_sentinels_parse(const char *list, const char *master, struct relay_sentinels *out,
+                          char *err, size_t errlen)
+{
+    struct relay_sentinels s;
+    memset(&s, 0, sizeof(s));
+    size_t mlen = master != NULL ? strlen(master) : 0;
+    if (mlen == 0 || mlen >= sizeof(s.master)) {
+        url_err(err, errlen, "the master's name must be 1 to %zu bytes", sizeof(s.master) - 1);
+        return -1;
+    }
+    for (size_t i = 0; i < mlen; i++) {
+        unsigned char c = (unsigned char)master[i];
+        if (!isalnum(c) && c != '.' && c != '_' && c != '-') {
+            url_err(err, errlen,
+                    "the master's name has a character that is not allowed: use A-Z a-z 0-9 . _ -");
+            return -1;
+        }
+    }
+    memcpy(s.master, master, mlen + 1);
+    const char *p = list != NULL ? list : "";
+    for (;;) {
+        while (*p == ' ')
+            p++;
+        const char *end = p + strcspn(p, ",");
+        const char *last = end;
+        while (last > p && last[-1] == ' ')
+            last--;
+        if (last == p) {
+            url_err(err, errlen, "an address is missing: write host:port[,host:port...]");
+            return -1;
+        }
+        if (s.n == RELAY_SENTINELS_MAX) {
+            url_err(err, errlen, "more than %d Sentinels: list at most %d", RELAY_SENTINELS_MAX,
+                    RELAY_SENTINELS_MAX);
+            return -1;
+        }
+        char item[300];
+        if ((size_t)(last - p) >= sizeof(item)) {
+            url_err(err, errlen, "an address is longer than %zu bytes", sizeof(item) - 1);
+            return -1;
+        }
+        memcpy(item, p, (size_t)(last - p));
+        item[last - p] = '\0';
+        if (strpbrk(item, "@/?#") != NULL) {
+            url_err(err, errlen,
+                    "\"%.64s\" is not host[:port]: a Sentinel address has no user, password or "
+                    "database",
+                    item);
+            return -1;
+        }
+        struct relay_redis_url u;
+        memset(&u, 0, sizeof(u));
+        u.port = 26379;
+        const char *q = url_host(item, &u, err, errlen);
+        if (q == NULL || url_port_db(q, &u, err, errlen) != 0)
+            return -1;
+        snprintf(s.addr[s.n].host, sizeof(s.addr[s.n].host), "%s", u.host);
+        s.addr[s.n].port = u.port;
+        s.n++;
+        if (*end == '\0')
+            break;
+        p = end + 1;
+    }
+    *out = s;
+    return 0;
+}
+
 int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, size_t errlen)
 {
     struct relay_redis_url u;

@@ -114,6 +114,11 @@ static const struct cfg_key cfg_keys[] = {
      cfg_check_redis, "Redis address: redis://[user:password@]host[:port][/db]"},
     {"redis_password_file", CFG_STRING, CFG_OFF(redis_password_file), 0, CFG_VALUE_MAX, "", 0, NULL,
      "file whose first line is the Redis password; overrides the password in redis"},
+    {"redis_sentinel", CFG_STRING, CFG_OFF(redis_sentinel), 0, CFG_VALUE_MAX, "", 0, NULL,
+     "Redis Sentinels (host:port,...) that name the primary; redis then gives only the user, "
+     "password and database"},
+    {"redis_master", CFG_STRING, CFG_OFF(redis_master), 0, CFG_VALUE_MAX, "", 0, NULL,
+     "the name of the master the Sentinels monitor"},
     {"stream_prefix", CFG_STRING, CFG_OFF(stream_prefix), 0, CFG_VALUE_MAX, "", 0,
      cfg_check_stream_prefix, "text put in front of the topic to name the stream"},
     {"batch_size", CFG_UINT, CFG_OFF(batch_size), 1, 10000, "500", 0, NULL,
@@ -1120,6 +1125,10 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
 
         if (!(k->flags & CFG_REQUIRED))
             continue;
+        /* With Sentinels, redis only adds the user, password and database. */
+        if (k->off == CFG_OFF(redis) && cfg->redis_sentinel != NULL &&
+            cfg->redis_sentinel[0] != '\0')
+            continue;
         field = cfg_cstr_field(cfg, k);
         if (*field != NULL && (*field)[0] != '\0')
             continue;
@@ -1131,7 +1140,8 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
     }
 
     memset(&cfg->redis_url, 0, sizeof(cfg->redis_url));
-    if (relay_url_parse(cfg->redis, &cfg->redis_url, rule, sizeof(rule)) != 0) {
+    if ((cfg->redis != NULL && cfg->redis[0] != '\0') &&
+        relay_url_parse(cfg->redis, &cfg->redis_url, rule, sizeof(rule)) != 0) {
         config_show(cfg->redis, 1, shown, sizeof(shown));
         cfg_err(err, errlen, "redis = \"%s\": %s", shown, rule);
         return -1;
@@ -1139,6 +1149,23 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
     if (cfg->redis_password_file != NULL && cfg->redis_password_file[0] != '\0' &&
         config_read_password(cfg->redis_password_file, &cfg->redis_url, err, errlen) != 0)
         return -1;
+    int sentinel = cfg->redis_sentinel != NULL && cfg->redis_sentinel[0] != '\0';
+    int master = cfg->redis_master != NULL && cfg->redis_master[0] != '\0';
+    if (sentinel != master) {
+        cfg_err(err, errlen,
+                "%s is set but %s is not: set both to find the primary through Sentinel, or "
+                "neither to connect to the address in redis",
+                sentinel ? "redis_sentinel" : "redis_master",
+                sentinel ? "redis_master" : "redis_sentinel");
+        return -1;
+    }
+    if (sentinel && relay_sentinels_parse(cfg->redis_sentinel, cfg->redis_master,
+                                          &cfg->redis_url.sentinels, rule, sizeof(rule)) != 0) {
+        config_show(cfg->redis_sentinel, 0, shown, sizeof(shown));
+        cfg_err(err, errlen, "redis_sentinel = \"%s\", redis_master = \"%.128s\": %s", shown,
+                cfg->redis_master, rule);
+        return -1;
+    }
 
     if (cfg->reconnect_min_ms > cfg->reconnect_max_ms) {
         config_format_duration(cfg->reconnect_min_ms, a, sizeof(a));

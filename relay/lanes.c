@@ -261,6 +261,9 @@ static void op_failed(void *arg, size_t lane, enum relay_fail_kind kind, const c
     }
     if (l->tally.function_missing)
         relay_sink_reload_function(r->sink);
+    else if (l->tally.not_primary)
+        relay_sink_abort(r->sink, "the server answered READONLY: it is a replica now (a "
+                                  "failover); reconnecting, through the Sentinels when set");
 }
 
 static void op_kick(void *arg)

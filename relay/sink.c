@@ -8,6 +8,12 @@
  * per-batch deadline that calls relay_sink_abort. Set-up commands are queued
  * right after redisAsyncConnect: hiredis sends them once the socket connects.
  *
+ * With Sentinels configured, every connect first asks them, one after the
+ * other on a short-lived async context of its own, for the primary's
+ * address (SINK_RESOLVING), and the set-up checks with ROLE that the server
+ * is a primary; a lost connection or a READONLY reply (the primary became a
+ * replica) makes the next connect ask again, which follows a failover.
+ *
  * Lifetimes follow the hiredis README: after a failed connect callback or a
  * disconnect callback the context is freed by hiredis, so s->ac is cleared
  * there and never touched again; callbacks of an old context compare their ac
@@ -36,6 +42,7 @@
 
 enum sink_state {
     SINK_DOWN = 0,
+    SINK_RESOLVING,  /* asking a Sentinel for the primary's address */
     SINK_CONNECTING, /* socket connecting, set-up commands queued */
     SINK_READY,
 };
@@ -47,6 +54,13 @@ struct relay_sink {
 
     redisAsyncContext *ac;
     enum sink_state state;
+    /* Sentinel: the context asking one, the next one to ask, why the last
+     * one did not answer, and the primary's address they gave. */
+    redisAsyncContext *sentinel_ac;
+    int sentinel_next;
+    char sentinel_error[300];
+    char primary_host[256];
+    int primary_port;
     ev_timer timer; /* connect + set-up deadline, or reconnect wait */
     struct relay_backoff backoff;
     int setup_pending;
@@ -122,6 +136,7 @@ static char step_function[] = "FUNCTION";
 static char step_consumer_library[] = "FUNCTION LOAD of library " RELAY_CONSUMER_FUNCTION_LIBRARY;
 static char step_config[] = "CONFIG";
 static char step_time[] = "TIME";
+static char step_role[] = "ROLE";
 
 void *relay_sink_owner(const struct redisAsyncContext *ac)
 {
@@ -296,6 +311,18 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
             send_time(s, step_time);
             return;
         }
+    } else if (step == step_role) {
+        if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements == 0 ||
+            r->element[0]->type != REDIS_REPLY_STRING ||
+            strcmp(r->element[0]->str, "master") != 0) {
+            char msg[400];
+            snprintf(msg, sizeof(msg),
+                     "%s:%d, which the Sentinels name as the primary, is not a primary (a "
+                     "failover in progress?); asking them again",
+                     s->primary_host, s->primary_port);
+            relay_sink_abort(s, msg);
+            return;
+        }
     } else if (strcmp(step, "CONFIG") == 0) {
         check_durability(s, r);
     } else if (step == step_consumer_library) {
@@ -425,6 +452,14 @@ static void queue_setup(struct relay_sink *s)
         redisAsyncCommandArgv(s->ac, on_setup_reply, step_select, 2, argv, lens);
         s->setup_pending++;
     }
+    if (u->sentinels.n > 0) {
+        /* Before anything is loaded: the address the Sentinels gave can
+         * still be the old primary's, a replica now. */
+        argv[0] = "ROLE";
+        lens[0] = 4;
+        redisAsyncCommandArgv(s->ac, on_setup_reply, step_role, 1, argv, lens);
+        s->setup_pending++;
+    }
     argv[0] = "CLIENT";
     argv[1] = "SETNAME";
     argv[2] = "outbox-relay";
@@ -459,10 +494,155 @@ static void queue_setup(struct relay_sink *s)
     s->setup_pending++;
 }
 
+/* Names the server in log lines: the URL, or the master and its primary. */
+static void describe(struct relay_sink *s)
+{
+    const struct relay_redis_url *u = &s->cfg->redis_url;
+    if (u->sentinels.n > 0) {
+        int v6 = strchr(s->primary_host, ':') != NULL;
+        snprintf(s->describe, sizeof(s->describe), "redis master %s (primary %s%s%s:%d, db %d)",
+                 u->sentinels.master, v6 ? "[" : "", s->primary_host[0] ? s->primary_host : "?",
+                 v6 ? "]" : "", s->primary_port, u->db);
+        return;
+    }
+    int v6 = strchr(u->host, ':') != NULL;
+    snprintf(s->describe, sizeof(s->describe), "redis://%s%s%s%s%s%s:%d/%d", u->user,
+             u->password[0] ? ":***" : "", (u->user[0] || u->password[0]) ? "@" : "", v6 ? "[" : "",
+             u->host, v6 ? "]" : "", u->port, u->db);
+}
+
+static void connect_to(struct relay_sink *s, const char *host, int port);
+static void ask_next_sentinel(struct relay_sink *s);
+
+/* Ends the Sentinel question in flight, if any, without its callbacks. */
+static void drop_sentinel(struct relay_sink *s, int free_it)
+{
+    redisAsyncContext *ac = s->sentinel_ac;
+    s->sentinel_ac = NULL;
+    if (ac != NULL && free_it)
+        redisAsyncFree(ac);
+}
+
+static void on_sentinel_reply(redisAsyncContext *ac, void *reply, void *privdata)
+{
+    struct relay_sink *s = ac->data;
+    const redisReply *r = reply;
+    if (s == NULL || ac != s->sentinel_ac || s->state != SINK_RESOLVING)
+        return;
+    const struct relay_sentinels *st = &s->cfg->redis_url.sentinels;
+    int at = (int)(intptr_t)privdata;
+    if (r != NULL && r->type == REDIS_REPLY_ARRAY && r->elements == 2 &&
+        r->element[0]->type == REDIS_REPLY_STRING && r->element[1]->type == REDIS_REPLY_STRING &&
+        r->element[0]->len > 0 && r->element[0]->len < sizeof(s->primary_host)) {
+        char *end = NULL;
+        long port = strtol(r->element[1]->str, &end, 10);
+        if (end != NULL && *end == '\0' && port >= 1 && port <= 65535) {
+            int moved = strcmp(s->primary_host, r->element[0]->str) != 0 || s->primary_port != port;
+            snprintf(s->primary_host, sizeof(s->primary_host), "%s", r->element[0]->str);
+            s->primary_port = (int)port;
+            describe(s);
+            if (moved)
+                relay_info(COMPONENT, "Sentinel %s:%d names %s:%ld as the primary of %s",
+                           st->addr[at].host, st->addr[at].port, s->primary_host, port, st->master);
+            /* hiredis closes the context once this callback returns. */
+            s->sentinel_ac = NULL;
+            redisAsyncDisconnect(ac);
+            ev_timer_stop(s->loop, &s->timer);
+            connect_to(s, s->primary_host, s->primary_port);
+            return;
+        }
+    }
+    snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d %s",
+             st->addr[at].host, st->addr[at].port,
+             r == NULL                      ? (ac->errstr[0] ? ac->errstr : "closed the connection")
+             : r->type == REDIS_REPLY_ERROR ? r->str
+             : r->type == REDIS_REPLY_NIL   ? "knows no master of that name"
+                                            : "gave an unexpected reply");
+    s->sentinel_ac = NULL;
+    if (r != NULL)
+        redisAsyncDisconnect(ac);
+    ev_timer_stop(s->loop, &s->timer);
+    ask_next_sentinel(s);
+}
+
+static void on_sentinel_connect(const redisAsyncContext *ac, int status)
+{
+    struct relay_sink *s = ac->data;
+    if (s == NULL || ac != s->sentinel_ac || status == REDIS_OK)
+        return;
+    /* hiredis frees the context after this callback. */
+    const struct relay_sentinels *st = &s->cfg->redis_url.sentinels;
+    int at = s->sentinel_next - 1;
+    snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d: %s",
+             st->addr[at].host, st->addr[at].port,
+             ac->c.errstr[0] ? ac->c.errstr : "connect failed");
+    s->sentinel_ac = NULL;
+    ev_timer_stop(s->loop, &s->timer);
+    ask_next_sentinel(s);
+}
+
+static void on_sentinel_disconnect(const redisAsyncContext *ac, int status)
+{
+    struct relay_sink *s = ac->data;
+    (void)status;
+    if (s == NULL || ac != s->sentinel_ac)
+        return;
+    s->sentinel_ac = NULL;
+    ev_timer_stop(s->loop, &s->timer);
+    ask_next_sentinel(s);
+}
+
+/* Asks the next Sentinel of the list for the primary; after the last one,
+ * the sink goes down and the whole list is asked again after a backoff. */
+static void ask_next_sentinel(struct relay_sink *s)
+{
+    const struct relay_sentinels *st = &s->cfg->redis_url.sentinels;
+    while (s->sentinel_next < st->n) {
+        int at = s->sentinel_next++;
+        redisAsyncContext *ac = redisAsyncConnect(st->addr[at].host, st->addr[at].port);
+        if (ac == NULL)
+            break;
+        if (ac->err || redisLibevAttach(s->loop, ac) != REDIS_OK) {
+            snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d: %s",
+                     st->addr[at].host, st->addr[at].port,
+                     ac->err ? ac->errstr : "cannot attach to the event loop");
+            redisAsyncFree(ac);
+            continue;
+        }
+        ac->data = s;
+        redisAsyncSetConnectCallback(ac, on_sentinel_connect);
+        redisAsyncSetDisconnectCallback(ac, on_sentinel_disconnect);
+        s->sentinel_ac = ac;
+        s->state = SINK_RESOLVING;
+        const char *argv[3] = {"SENTINEL", "get-master-addr-by-name", st->master};
+        size_t lens[3] = {8, 23, strlen(st->master)};
+        redisAsyncCommandArgv(ac, on_sentinel_reply, (void *)(intptr_t)at, 3, argv, lens);
+        timer_start(s, s->cfg->connect_timeout_ms);
+        return;
+    }
+    char msg[600];
+    snprintf(msg, sizeof(msg),
+             "no Sentinel named the primary of master \"%s\" (%d asked; last: %s): check "
+             "redis_sentinel and redis_master, and that the Sentinels are up",
+             st->master, st->n, s->sentinel_error[0] ? s->sentinel_error : "out of memory");
+    went_down(s, "cannot find the primary", msg);
+}
+
 static void start_connect(struct relay_sink *s)
 {
     const struct relay_redis_url *u = &s->cfg->redis_url;
-    redisAsyncContext *ac = redisAsyncConnect(u->host, u->port);
+    if (u->sentinels.n > 0) {
+        s->sentinel_next = 0;
+        s->sentinel_error[0] = '\0';
+        ask_next_sentinel(s);
+        return;
+    }
+    connect_to(s, u->host, u->port);
+}
+
+static void connect_to(struct relay_sink *s, const char *host, int port)
+{
+    redisAsyncContext *ac = redisAsyncConnect(host, port);
     if (ac == NULL) {
         went_down(s, "cannot connect", "out of memory");
         return;
@@ -499,6 +679,14 @@ static void on_timer(struct ev_loop *loop, ev_timer *w, int revents)
     (void)revents;
     if (s->state == SINK_DOWN) {
         start_connect(s);
+    } else if (s->state == SINK_RESOLVING) {
+        const struct relay_sentinels *st = &s->cfg->redis_url.sentinels;
+        int at = s->sentinel_next - 1;
+        snprintf(s->sentinel_error, sizeof(s->sentinel_error),
+                 "Sentinel %.100s:%d: no answer within connect_timeout (%u ms)", st->addr[at].host,
+                 st->addr[at].port, s->cfg->connect_timeout_ms);
+        drop_sentinel(s, 1);
+        ask_next_sentinel(s);
     } else if (s->state == SINK_CONNECTING) {
         char msg[128];
         snprintf(msg, sizeof(msg), "not connected and set up within connect_timeout (%u ms)",
@@ -525,11 +713,7 @@ struct relay_sink *relay_sink_new(struct ev_loop *loop, const struct relay_confi
     relay_backoff_init(&s->backoff, cfg->reconnect_min_ms, cfg->reconnect_max_ms);
     ev_init(&s->timer, on_timer);
     s->timer.data = s;
-    const struct relay_redis_url *u = &cfg->redis_url;
-    int v6 = strchr(u->host, ':') != NULL;
-    snprintf(s->describe, sizeof(s->describe), "redis://%s%s%s%s%s%s:%d/%d", u->user,
-             u->password[0] ? ":***" : "", (u->user[0] || u->password[0]) ? "@" : "", v6 ? "[" : "",
-             u->host, v6 ? "]" : "", u->port, u->db);
+    describe(s);
     start_connect(s);
     return s;
 }
@@ -541,6 +725,7 @@ void relay_sink_free(struct relay_sink *s)
     ev_timer_stop(s->loop, &s->timer);
     s->hooks.on_down = NULL;
     s->hooks.on_ready = NULL;
+    drop_sentinel(s, 1);
     if (s->ac != NULL) {
         redisAsyncContext *ac = s->ac;
         s->ac = NULL;

@@ -197,6 +197,7 @@ struct relay_tally {
     int failed;                /* the whole batch failed: roll back */
     enum relay_fail_kind kind; /* why, when failed (the first reason) */
     int function_missing;      /* the publish function must be loaded again */
+    int not_primary;           /* READONLY: the server is a replica now; reconnect */
     size_t held;               /* rows held back behind a failed row of their key */
     char error[512];           /* why the batch failed (first reason), for the log */
 };

@@ -22,6 +22,8 @@ struct relay_config {
     char *postgres;
     char *redis;
     char *redis_password_file;        /* optional; its first line overrides the URL's password */
+    char *redis_sentinel;             /* optional: Sentinels "host:port,..." to find the primary */
+    char *redis_master;               /* the master's name at those Sentinels */
     struct relay_redis_url redis_url; /* derived from redis (+ password file) */
 
     /* Streams. */

@@ -12,6 +12,19 @@
 /* Highest database number a URL may select. */
 #define RELAY_URL_DB_MAX 15
 
+/* Most Sentinels one list may name. */
+#define RELAY_SENTINELS_MAX 8
+
+/* Redis Sentinels to ask for the primary of the master named `master`. */
+struct relay_sentinels {
+    int n; /* 0: no Sentinel, connect to the URL's host and port */
+    char master[128];
+    struct {
+        char host[256];
+        int port; /* default 26379 */
+    } addr[RELAY_SENTINELS_MAX];
+};
+
 /* A parsed redis://[user:password@]host:port[/db] address. */
 struct relay_redis_url {
     char host[256];
@@ -19,7 +32,20 @@ struct relay_redis_url {
     char user[128];     /* empty when absent */
     char password[256]; /* empty when absent */
     int db;             /* 0..RELAY_URL_DB_MAX, default 0 */
+    /* With n > 0, host and port are the primary the Sentinels name, asked
+     * for at every connect (relay_sentinels_parse fills this in). */
+    struct relay_sentinels sentinels;
 };
+
+/*
+ * Parses a comma-separated list of Sentinel addresses, "host[:port]" each
+ * (IPv6 in brackets, port 26379 when absent, spaces around commas allowed),
+ * and the master's name (1 to 127 bytes of A-Z a-z 0-9 . _ -) into out.
+ * 0, or -1 with a message in err that says what is wrong; out is untouched
+ * on failure.
+ */
+int relay_sentinels_parse(const char *list, const char *master, struct relay_sentinels *out,
+                          char *err, size_t errlen) __attribute__((warn_unused_result));
 
 /*
  * Parses a redis:// URL into out. 0 on success, -1 with a message in err that

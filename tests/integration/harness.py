@@ -472,6 +472,69 @@ class Redis:
             return ""
 
 
+def wait_replica_synced(replica, timeout=30):
+    """Waits until the replica's link to its primary is up (its full sync done)."""
+    def up():
+        with contextlib.closing(replica.client(socket_timeout=2)) as c:
+            return c.info("replication").get("master_link_status") == "up"
+    wait_until(up, timeout=timeout, message="the replica's link to its primary")
+
+
+class Sentinel(Redis):
+    """A throwaway Redis Sentinel on 127.0.0.1 that monitors one primary.
+
+        Sentinel(primary, master="mymaster", quorum=2, down_after_ms=1000)
+
+    It writes its own config file (Sentinel rewrites it) in its directory.
+    """
+
+    def __init__(self, primary, master="mymaster", quorum=2, down_after_ms=1000,
+                 failover_timeout_ms=10000):
+        super().__init__()
+        self.primary_port = primary.port
+        self.master = master
+        self.quorum = quorum
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+
+    def start(self):
+        assert self.proc is None or self.proc.poll() is not None, "sentinel is already running"
+        conf = os.path.join(self.dir, "sentinel.conf")
+        if not os.path.exists(conf):
+            with open(conf, "w") as f:
+                f.write(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                        f"logfile {os.path.join(self.dir, 'redis.log')}\n"
+                        f"sentinel monitor {self.master} 127.0.0.1 {self.primary_port}"
+                        f" {self.quorum}\n"
+                        f"sentinel down-after-milliseconds {self.master} {self.down_after_ms}\n"
+                        f"sentinel failover-timeout {self.master} {self.failover_timeout_ms}\n"
+                        f"sentinel parallel-syncs {self.master} 1\n")
+        self.proc = subprocess.Popen([redis_server_binary(), conf, "--sentinel"],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, cwd=self.dir)
+        self.paused = False
+
+        def answers():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sentinel exited with {self.proc.returncode}\n"
+                                   + tail(self.log()))
+            try:
+                with contextlib.closing(self.client(socket_timeout=1)) as c:
+                    return c.ping()
+            except redis_py.exceptions.RedisError:
+                return False
+        wait_until(answers, timeout=20, message="the sentinel to answer PING")
+
+    def primary(self):
+        """The primary's port as this Sentinel names it now."""
+        with contextlib.closing(self.client(socket_timeout=2)) as c:
+            host, port = c.execute_command("SENTINEL", "get-master-addr-by-name", self.master)
+        return int(port)
+
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+
 # --------------------------------------------------------------------------
 # The relay, and our daemons as processes.
 

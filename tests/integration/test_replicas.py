@@ -31,18 +31,17 @@ RELAY_FLAGS = dict(poll_interval="200ms", reconnect_min="50ms", reconnect_max="5
                    min_replicas=1, replica_timeout="300ms")
 
 
+# No delay before a full sync (5 s by default): a replica catches up at once.
+QUICK_SYNC = ["--repl-diskless-sync-delay", "0"]
+
+
 def replica_of(primary):
-    """A replica of primary, synced: the master link is up."""
-    replica = harness.Redis(appendonly=True, extra_args=["--replicaof", "127.0.0.1",
-                                                         str(primary.port)])
-    return replica
+    """A replica of primary (wait_synced waits for its link)."""
+    return harness.Redis(appendonly=True,
+                         extra_args=QUICK_SYNC + ["--replicaof", "127.0.0.1", str(primary.port)])
 
 
-def wait_synced(replica):
-    def up():
-        with replica.client(socket_timeout=2) as c:
-            return c.info("replication").get("master_link_status") == "up"
-    wait_until(up, timeout=30, message="the replica's link to its primary")
+wait_synced = harness.wait_replica_synced
 
 
 def sent_count(conn):
@@ -53,7 +52,7 @@ class ReplicaTest(harness.PostgresTestCase):
     """The class's PostgreSQL; each test starts its own primary and replica."""
 
     def servers(self):
-        primary = self.enterContext(harness.Redis(appendonly=True))
+        primary = self.enterContext(harness.Redis(appendonly=True, extra_args=QUICK_SYNC))
         replica = self.enterContext(replica_of(primary))
         wait_synced(replica)
         return primary, replica
@@ -123,7 +122,7 @@ class ReplicaTest(harness.PostgresTestCase):
         proxy.restore()
         # Until the promoted primary has a replica of its own, nothing is
         # marked sent; the old primary comes back as that replica.
-        primary.extra_args = ["--replicaof", "127.0.0.1", str(replica.port)]
+        primary.extra_args = QUICK_SYNC + ["--replicaof", "127.0.0.1", str(replica.port)]
         primary.start()
         wait_synced(primary)
         # Everything marked sent up to the kill must be on the promoted replica.

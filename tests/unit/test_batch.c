@@ -403,6 +403,15 @@ static void test_apply_reply_batch_failures(void **state)
     assert_true(cycle.failed);
     assert_true(cycle.function_missing);
 
+    /* A primary demoted to a replica: the sink reconnects (and asks Sentinel). */
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 1;
+    const char *ro = "READONLY You can't write against a read only replica.";
+    assert_int_equal(relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_ERROR, ro, strlen(ro)), 1);
+    assert_true(cycle.failed);
+    assert_true(cycle.not_primary);
+    assert_false(cycle.function_missing);
+
     memset(&cycle, 0, sizeof(cycle));
     cycle.pending = 1;
     assert_int_equal(relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_OTHER, NULL, 0), 1);

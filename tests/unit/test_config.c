@@ -583,6 +583,75 @@ static void test_redact(void **state)
     assert_string_equal(out, "");
 }
 
+static void test_sentinels_parse(void **state)
+{
+    struct relay_sentinels s;
+    char err[256];
+    (void)state;
+
+    assert_int_equal(relay_sentinels_parse("10.0.0.1:26379, sentinel-b ,[::1]:5000", "mymaster", &s,
+                                           err, sizeof(err)),
+                     0);
+    assert_int_equal(s.n, 3);
+    assert_string_equal(s.master, "mymaster");
+    assert_string_equal(s.addr[0].host, "10.0.0.1");
+    assert_int_equal(s.addr[0].port, 26379);
+    assert_string_equal(s.addr[1].host, "sentinel-b");
+    assert_int_equal(s.addr[1].port, 26379);
+    assert_string_equal(s.addr[2].host, "::1");
+    assert_int_equal(s.addr[2].port, 5000);
+
+    static const struct {
+        const char *list, *master, *err;
+    } bad[] = {
+        {"", "m", "an address is missing: write host:port[,host:port...]"},
+        {"a:1,,b:2", "m", "an address is missing: write host:port[,host:port...]"},
+        {"a:1,", "m", "an address is missing: write host:port[,host:port...]"},
+        {"a:0", "m", "port \"0\" must be a number between 1 and 65535"},
+        {"u:p@a:1", "m",
+         "\"u:p@a:1\" is not host[:port]: a Sentinel address has no user, password or database"},
+        {"a:1", "", "the master's name must be 1 to 127 bytes"},
+        {"a:1", "my master",
+         "the master's name has a character that is not allowed: use A-Z a-z "
+         "0-9 . _ -"},
+        {"a,b,c,d,e,f,g,h,i", "m", "more than 8 Sentinels: list at most 8"},
+    };
+    for (size_t i = 0; i < RELAY_ARRAY_LEN(bad); i++) {
+        memset(&s, 0x5a, sizeof(s));
+        assert_int_equal(relay_sentinels_parse(bad[i].list, bad[i].master, &s, err, sizeof(err)),
+                         -1);
+        assert_string_equal(err, bad[i].err);
+        assert_int_equal(s.n, 0x5a5a5a5a); /* untouched */
+    }
+}
+
+/* Sentinel keys come in pairs, and their errors name both. */
+static void test_sentinel_keys(void **state)
+{
+    struct relay_config cfg;
+    char err[ERRLEN];
+    (void)state;
+
+    expect_load_error(NULL,
+                      strv("OUTBOX_RELAY_POSTGRES=dbname=app", "OUTBOX_RELAY_REDIS=redis://h:1/0",
+                           "OUTBOX_RELAY_REDIS_SENTINEL=s1:26379", NULL),
+                      NULL,
+                      "redis_sentinel is set but redis_master is not: set both to find the "
+                      "primary through Sentinel, or neither to connect to the address in redis");
+    char **env =
+        strv("OUTBOX_RELAY_POSTGRES=dbname=app", "OUTBOX_RELAY_REDIS=redis://:pw@h/2",
+             "OUTBOX_RELAY_REDIS_SENTINEL=s1:26380,s2", "OUTBOX_RELAY_REDIS_MASTER=orders", NULL);
+    assert_int_equal(load(&cfg, NULL, env, 0, NULL, err), 0);
+    assert_int_equal(cfg.redis_url.sentinels.n, 2);
+    assert_int_equal(cfg.redis_url.sentinels.addr[0].port, 26380);
+    assert_string_equal(cfg.redis_url.sentinels.addr[1].host, "s2");
+    assert_string_equal(cfg.redis_url.sentinels.master, "orders");
+    assert_string_equal(cfg.redis_url.password, "pw");
+    assert_int_equal(cfg.redis_url.db, 2);
+    relay_config_free(&cfg);
+    strv_free(env);
+}
+
 static void test_url_parse_valid(void **state)
 {
     static const struct {
@@ -814,6 +883,8 @@ int main(void)
         cmocka_unit_test(test_parse_line),
         cmocka_unit_test(test_redact),
         cmocka_unit_test(test_url_parse_valid),
+        cmocka_unit_test(test_sentinels_parse),
+        cmocka_unit_test(test_sentinel_keys),
         cmocka_unit_test(test_url_parse_invalid),
         cmocka_unit_test(test_url_size_caps),
         cmocka_unit_test(test_password_file),

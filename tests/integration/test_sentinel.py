@@ -1,0 +1,149 @@
+"""Redis Sentinel: the relay finds the primary through Sentinel and follows failovers.
+
+Promises tested (README, "Redis replicas and Sentinel"):
+- with redis_sentinel and redis_master (and no redis address) the relay asks
+  the Sentinels for the primary and publishes there; `outbox-relay status`
+  finds it the same way;
+- the primary killed with SIGKILL under load: the Sentinels promote the
+  replica, the relay asks them again and goes on with the new primary, and
+  with min_replicas = 1 nothing is lost or doubled;
+- a manual failover under load (SENTINEL FAILOVER: the old primary stays up
+  and becomes a replica): the relay moves to the new primary, nothing lost or
+  doubled;
+- Sentinels that cannot be reached, or that know no master of that name: the
+  relay says so, naming the last answer and what to check, and keeps asking.
+"""
+
+import contextlib
+import time
+import unittest
+
+import harness
+from harness import insert, scalar, wait_until
+
+harness.require_relay()
+harness.set_deadline(420)
+
+MASTER = "orders-primary"
+RELAY_FLAGS = dict(poll_interval="200ms", reconnect_min="50ms", reconnect_max="500ms",
+                   publish_timeout="2s", connect_timeout="1s", batch_size=50,
+                   min_replicas=1, replica_timeout="300ms")
+
+
+def sent_count(conn):
+    return scalar(conn, "SELECT count(*) FROM outbox.messages WHERE sent_at IS NOT NULL")
+
+
+class SentinelTest(harness.PostgresTestCase):
+    """The class's PostgreSQL; each test starts a primary, a replica and three Sentinels."""
+
+    def servers(self):
+        # No delay before a full sync (5 s by default): replicas catch up at once.
+        quick = ["--repl-diskless-sync-delay", "0"]
+        primary = self.enterContext(harness.Redis(appendonly=True, extra_args=quick))
+        replica = self.enterContext(harness.Redis(
+            appendonly=True, extra_args=quick + ["--replicaof", "127.0.0.1", str(primary.port)]))
+        harness.wait_replica_synced(replica)
+        sentinels = [self.enterContext(harness.Sentinel(primary, master=MASTER))
+                     for _ in range(3)]
+
+        def ready():
+            for s in sentinels:
+                with contextlib.closing(s.client(socket_timeout=2)) as c:
+                    m = c.execute_command("SENTINEL", "master", MASTER)
+                    info = dict(zip(m[::2], m[1::2]))
+                    if int(info[b"num-other-sentinels"]) != 2 or int(info[b"num-slaves"]) != 1:
+                        return False
+            return True
+        wait_until(ready, timeout=60, interval=0.2,
+                   message="three Sentinels that know each other and the replica")
+        return primary, replica, sentinels
+
+    def relay_for(self, sentinels, **flags):
+        env = {"OUTBOX_RELAY_REDIS": None,
+               "OUTBOX_RELAY_REDIS_SENTINEL": ",".join(s.address() for s in sentinels),
+               "OUTBOX_RELAY_REDIS_MASTER": MASTER}
+        return self.enterContext(harness.Relay(self.pg, None, env=env,
+                                               **{**RELAY_FLAGS, **flags}))
+
+    def under_load(self, relay, failover):
+        """Rows committed at 1,000 a second across a failover; every one
+        arrives once on the primary the Sentinels name at the end."""
+        producer = harness.Producer(self.pg, rows=10**9, tx_rows=(1, 10), rate=1000,
+                                    topics=("orders", "invoices"))
+        producer.start()
+        self.addCleanup(producer.stop)
+        wait_until(lambda: sent_count(self.db) >= 2000, timeout=60, relay=relay,
+                   message="2,000 rows sent before the failover")
+        started = time.monotonic()
+        new_port = failover()
+        promoted = time.monotonic()
+        before = sent_count(self.db)
+        wait_until(lambda: sent_count(self.db) > before, timeout=60, relay=relay,
+                   message="a row marked sent after the failover")
+        print(f"failover: promoted {promoted - started:.1f} s after it began; rows marked sent"
+              f" again {time.monotonic() - started:.1f} s after it began", flush=True)
+        wait_until(lambda: sent_count(self.db) >= before + 2000, timeout=90, relay=relay,
+                   message="2,000 more rows sent after the failover")
+        producer.stop()
+        producer.check()
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        rc = harness.Redis(port=new_port).client()
+        self.addCleanup(rc.close)
+        fig = harness.Verifier(self.db, rc).report(f"failover after {before} sent")
+        fig.assert_exactly_once(self)
+        return fig
+
+    def test_primary_killed_under_load(self):
+        primary, replica, sentinels = self.servers()
+        relay = self.relay_for(sentinels)
+        mark = relay.mark()
+
+        def failover():
+            primary.kill()
+            wait_until(lambda: all(s.primary() == replica.port for s in sentinels), timeout=60,
+                       interval=0.2, message="the Sentinels to promote the replica")
+            # The old primary comes back and the Sentinels make it the new
+            # primary's replica: with min_replicas = 1 nothing is marked
+            # sent until then.
+            primary.start()
+            return replica.port
+        self.under_load(relay, failover)
+        relay.wait_for_log(rf"Sentinel 127\.0\.0\.1:\d+ names 127\.0\.0\.1:{replica.port} as the"
+                           rf" primary of {MASTER}", since=mark, timeout=10)
+        done = harness.run_relay(["status"], env=harness.relay_env(self.pg, extra={
+            "OUTBOX_RELAY_REDIS_SENTINEL": ",".join(s.address() for s in sentinels),
+            "OUTBOX_RELAY_REDIS_MASTER": MASTER}))
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+
+    def test_manual_failover_under_load(self):
+        primary, replica, sentinels = self.servers()
+        relay = self.relay_for(sentinels)
+
+        def failover():
+            with contextlib.closing(sentinels[0].client()) as c:
+                c.execute_command("SENTINEL", "FAILOVER", MASTER)
+            wait_until(lambda: all(s.primary() == replica.port for s in sentinels), timeout=60,
+                       interval=0.2, message="the Sentinels to promote the replica")
+            return replica.port
+        self.under_load(relay, failover)
+
+    def test_sentinels_that_cannot_answer(self):
+        primary = self.enterContext(harness.Redis())
+        sentinel = self.enterContext(harness.Sentinel(primary, master="another-name"))
+        closed = harness.free_port()
+        env = {"OUTBOX_RELAY_REDIS": None,
+               "OUTBOX_RELAY_REDIS_SENTINEL": f"127.0.0.1:{closed},{sentinel.address()}",
+               "OUTBOX_RELAY_REDIS_MASTER": MASTER}
+        relay = self.enterContext(harness.Relay(self.pg, None, env=env, **RELAY_FLAGS))
+        relay.wait_for_log(rf'no Sentinel named the primary of master "{MASTER}" \(2 asked; last:'
+                           rf" Sentinel 127\.0\.0\.1:{sentinel.port} knows no master of that"
+                           r" name\): check redis_sentinel and redis_master", timeout=15)
+        insert(self.db, "orders", b"waits")
+        time.sleep(1.0)
+        self.assertTrue(relay.alive(), relay.log_tail())
+        self.assertEqual(sent_count(self.db), 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
