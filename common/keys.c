@@ -13,6 +13,31 @@ static int fits(int n, size_t outlen)
     return n >= 0 && (size_t)n < outlen ? n : -1;
 }
 
+static uint16_t crc16_xmodem(const char *data, size_t len)
+{
+    uint16_t crc = 0;
+    for (size_t i = 0; i < len; i++) {
+        crc ^= (uint16_t)((unsigned char)data[i] << 8);
+        for (int b = 0; b < 8; b++)
+            crc = (uint16_t)(crc & 0x8000 ? (crc << 1) ^ 0x1021 : crc << 1);
+    }
+    return crc;
+}
+
+unsigned relay_key_slot(const char *key, size_t len)
+{
+    const char *open = memchr(key, '{', len);
+    if (open != NULL) {
+        size_t at = (size_t)(open - key) + 1;
+        const char *close = memchr(key + at, '}', len - at);
+        if (close != NULL && close > key + at) {
+            key += at;
+            len = (size_t)(close - key);
+        }
+    }
+    return crc16_xmodem(key, len) & (RELAY_CLUSTER_SLOTS - 1);
+}
+
 int relay_key_stream(const char *prefix, const char *topic, size_t topic_len, char *out,
                      size_t outlen)
 {

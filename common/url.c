@@ -221,6 +221,59 @@ static int url_port_db(const char *p, struct relay_redis_url *u, char *err, size
     return 0;
 }
 
+/* Parses "host[:port][,host[:port]...]" into out (at most max, default_port
+ * when a port is left out); items may start with "redis://" when
+ * allow_scheme. 0, or -1 with err. */
+static int parse_addrs(const char *list, int default_port, int allow_scheme, const char *what,
+                       const char *rule, struct relay_addr *out, int max, int *n, char *err,
+                       size_t errlen)
+{
+    const char *p = list != NULL ? list : "";
+    *n = 0;
+    for (;;) {
+        while (*p == ' ')
+            p++;
+        const char *end = p + strcspn(p, ",");
+        const char *last = end;
+        while (last > p && last[-1] == ' ')
+            last--;
+        if (last == p) {
+            url_err(err, errlen, "an address is missing: write host:port[,host:port...]");
+            return -1;
+        }
+        if (*n == max) {
+            url_err(err, errlen, "more than %d %s: list at most %d", max, what, max);
+            return -1;
+        }
+        char item[300];
+        if ((size_t)(last - p) >= sizeof(item)) {
+            url_err(err, errlen, "an address is longer than %zu bytes", sizeof(item) - 1);
+            return -1;
+        }
+        memcpy(item, p, (size_t)(last - p));
+        item[last - p] = '\0';
+        const char *at = item;
+        if (allow_scheme && strncasecmp(at, "redis://", 8) == 0)
+            at += 8;
+        if (strpbrk(at, "@/?#") != NULL) {
+            url_err(err, errlen, "\"%.64s\" is not host[:port]: %s", item, rule);
+            return -1;
+        }
+        struct relay_redis_url u;
+        memset(&u, 0, sizeof(u));
+        u.port = default_port;
+        const char *q = url_host(at, &u, err, errlen);
+        if (q == NULL || url_port_db(q, &u, err, errlen) != 0)
+            return -1;
+        snprintf(out[*n].host, sizeof(out[*n].host), "%s", u.host);
+        out[*n].port = u.port;
+        (*n)++;
+        if (*end == '\0')
+            return 0;
+        p = end + 1;
+    }
+}
+
 int relay_sentinels_parse(const char *list, const char *master, struct relay_sentinels *out,
                           char *err, size_t errlen)
 {
@@ -240,51 +293,41 @@ int relay_sentinels_parse(const char *list, const char *master, struct relay_sen
         }
     }
     memcpy(s.master, master, mlen + 1);
-    const char *p = list != NULL ? list : "";
-    for (;;) {
-        while (*p == ' ')
-            p++;
-        const char *end = p + strcspn(p, ",");
-        const char *last = end;
-        while (last > p && last[-1] == ' ')
-            last--;
-        if (last == p) {
-            url_err(err, errlen, "an address is missing: write host:port[,host:port...]");
-            return -1;
-        }
-        if (s.n == RELAY_SENTINELS_MAX) {
-            url_err(err, errlen, "more than %d Sentinels: list at most %d", RELAY_SENTINELS_MAX,
-                    RELAY_SENTINELS_MAX);
-            return -1;
-        }
-        char item[300];
-        if ((size_t)(last - p) >= sizeof(item)) {
-            url_err(err, errlen, "an address is longer than %zu bytes", sizeof(item) - 1);
-            return -1;
-        }
-        memcpy(item, p, (size_t)(last - p));
-        item[last - p] = '\0';
-        if (strpbrk(item, "@/?#") != NULL) {
-            url_err(err, errlen,
-                    "\"%.64s\" is not host[:port]: a Sentinel address has no user, password or "
-                    "database",
-                    item);
-            return -1;
-        }
-        struct relay_redis_url u;
-        memset(&u, 0, sizeof(u));
-        u.port = 26379;
-        const char *q = url_host(item, &u, err, errlen);
-        if (q == NULL || url_port_db(q, &u, err, errlen) != 0)
-            return -1;
-        snprintf(s.addr[s.n].host, sizeof(s.addr[s.n].host), "%s", u.host);
-        s.addr[s.n].port = u.port;
-        s.n++;
-        if (*end == '\0')
-            break;
-        p = end + 1;
-    }
+    if (parse_addrs(list, 26379, 0, "Sentinels",
+                    "a Sentinel address has no user, password or database", s.addr,
+                    RELAY_SENTINELS_MAX, &s.n, err, errlen) != 0)
+        return -1;
     *out = s;
+    return 0;
+}
+
+int relay_url_parse_seeds(const char *list, struct relay_redis_url *out, char *err, size_t errlen)
+{
+    const char *comma = list != NULL ? strchr(list, ',') : NULL;
+    char first[1024];
+    if (comma == NULL)
+        return relay_url_parse(list, out, err, errlen);
+    if ((size_t)(comma - list) >= sizeof(first)) {
+        url_err(err, errlen, "the first address is longer than %zu bytes", sizeof(first) - 1);
+        return -1;
+    }
+    memcpy(first, list, (size_t)(comma - list));
+    first[comma - list] = '\0';
+    struct relay_redis_url u;
+    int rc = relay_url_parse(first, &u, err, errlen);
+    memset(first, 0, sizeof(first)); /* it holds the password */
+    if (rc != 0)
+        return -1;
+    int n = 0;
+    if (parse_addrs(comma + 1, 6379, 1, "seed nodes",
+                    "the seed nodes after the first take the first one's user, password and "
+                    "database",
+                    u.seeds + 1, RELAY_SEEDS_MAX - 1, &n, err, errlen) != 0)
+        return -1;
+    u.nseeds = n + 1;
+    snprintf(u.seeds[0].host, sizeof(u.seeds[0].host), "%s", u.host);
+    u.seeds[0].port = u.port;
+    *out = u;
     return 0;
 }
 
@@ -312,6 +355,9 @@ int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, siz
         p = url_host(p, &u, err, errlen);
     if (p == NULL || url_port_db(p, &u, err, errlen) != 0)
         return -1;
+    u.nseeds = 1;
+    snprintf(u.seeds[0].host, sizeof(u.seeds[0].host), "%s", u.host);
+    u.seeds[0].port = u.port;
     *out = u;
     return 0;
 }

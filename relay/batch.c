@@ -738,6 +738,8 @@ int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
             tally->function_missing = 1;
         if (len >= 8 && memcmp(str, "READONLY", 8) == 0)
             tally->not_primary = 1;
+        if (len >= 6 && memcmp(str, "MOVED ", 6) == 0)
+            tally->slots_moved = 1;
         break;
     case RELAY_REPLY_OTHER:
         if (!tally->failed) {

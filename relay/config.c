@@ -111,7 +111,9 @@ static const struct cfg_key cfg_keys[] = {
     {"postgres", CFG_SECRET_STRING, CFG_OFF(postgres), 0, CFG_VALUE_MAX, "", CFG_REQUIRED, NULL,
      "PostgreSQL connection: a libpq conninfo string or a postgresql:// URI"},
     {"redis", CFG_SECRET_STRING, CFG_OFF(redis), 0, CFG_VALUE_MAX, "", CFG_REQUIRED,
-     cfg_check_redis, "Redis address: redis://[user:password@]host[:port][/db]"},
+     cfg_check_redis,
+     "Redis address: redis://[user:password@]host[:port][/db][,host:port...] "
+     "(more seed nodes of a Redis Cluster after the first)"},
     {"redis_password_file", CFG_STRING, CFG_OFF(redis_password_file), 0, CFG_VALUE_MAX, "", 0, NULL,
      "file whose first line is the Redis password; overrides the password in redis"},
     {"redis_sentinel", CFG_STRING, CFG_OFF(redis_sentinel), 0, CFG_VALUE_MAX, "", 0, NULL,
@@ -552,7 +554,7 @@ static int cfg_check_redis(const char *value, char *rule, size_t rulelen)
 
     if (value[0] == '\0')
         return 0; /* unset; validation reports it if it is still unset */
-    return relay_url_parse(value, &u, rule, rulelen);
+    return relay_url_parse_seeds(value, &u, rule, rulelen);
 }
 
 static int cfg_check_stream_prefix(const char *value, char *rule, size_t rulelen)
@@ -1141,7 +1143,7 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
 
     memset(&cfg->redis_url, 0, sizeof(cfg->redis_url));
     if ((cfg->redis != NULL && cfg->redis[0] != '\0') &&
-        relay_url_parse(cfg->redis, &cfg->redis_url, rule, sizeof(rule)) != 0) {
+        relay_url_parse_seeds(cfg->redis, &cfg->redis_url, rule, sizeof(rule)) != 0) {
         config_show(cfg->redis, 1, shown, sizeof(shown));
         cfg_err(err, errlen, "redis = \"%s\": %s", shown, rule);
         return -1;

@@ -131,25 +131,23 @@ static int op_holds_keys(void *arg, size_t lane)
 static void on_wait_reply(redisAsyncContext *ac, void *reply_, void *arg);
 
 /*
- * With min_replicas, the batch's publishes are followed by a WAIT on the same
- * connection: its answer comes after theirs and counts the replicas that hold
- * all of them. The batch is marked sent only when enough do; otherwise it is
- * rolled back and published again (README, "Replicas and Sentinel").
+ * With min_replicas, the batch's publishes are followed by a WAIT on each
+ * connection they went to (each primary of a cluster that got a part): its
+ * answer comes after theirs and counts the replicas that hold all of them.
+ * The batch is marked sent only when enough do on every one; otherwise it is
+ * rolled back and published again (docs/DESIGN.md, "Replica acknowledgement").
  */
 static void send_wait(struct relay *r, struct relay_lane *l)
 {
-    char want[16], ms[16];
-    snprintf(want, sizeof(want), "%u", r->cfg->min_replicas);
-    snprintf(ms, sizeof(ms), "%u", r->cfg->replica_timeout_ms);
-    const char *argv[3] = {"WAIT", want, ms};
-    size_t lens[3] = {4, strlen(want), strlen(ms)};
-    if (relay_sink_command(r->sink, 3, argv, lens, on_wait_reply, l) < 0) {
+    int sent = relay_sink_wait(r->sink, r->cfg->min_replicas, r->cfg->replica_timeout_ms,
+                               on_wait_reply, l);
+    if (sent < 0) {
         l->tally.failed = 1;
         l->tally.kind = RELAY_FAIL_REDIS_CONNECTION;
         snprintf(l->tally.error, sizeof(l->tally.error), "Redis connection not ready");
         return;
     }
-    l->tally.pending++;
+    l->tally.pending += (size_t)sent;
 }
 
 /* Sends every row of the lane's batch to Redis under one deadline. */
@@ -169,6 +167,7 @@ static void op_publish(void *arg, size_t lane)
      * next batch's deadline: a clock step on either host costs at most one
      * batch (docs/DESIGN.md, "The publish deadline"). */
     relay_sink_sync_clock(r->sink);
+    relay_sink_written_reset(r->sink);
     int failed_in_order = 0;
     for (size_t i = 0; i < l->nrows; i++) {
         struct relay_row *row = &l->rows[i];
@@ -264,6 +263,9 @@ static void op_failed(void *arg, size_t lane, enum relay_fail_kind kind, const c
     else if (l->tally.not_primary)
         relay_sink_abort(r->sink, "the server answered READONLY: it is a replica now (a "
                                   "failover); reconnecting, through the Sentinels when set");
+    else if (l->tally.slots_moved)
+        relay_sink_abort(r->sink, "a slot of the cluster moved to another primary (MOVED): "
+                                  "reading the slot map again");
 }
 
 static void op_kick(void *arg)

@@ -1,5 +1,16 @@
 /*
- * The Redis connection: hiredis 0.14 async API on its libev adapter.
+ * The Redis connections: hiredis 0.14 async API on its libev adapter.
+ *
+ * A single server takes one connection. A Redis Cluster takes one per
+ * primary: the first connection (to a seed node) asks CLUSTER SLOTS, and a
+ * server without cluster support answers with an error and becomes the one
+ * connection; a cluster's answer becomes the slot map, and the sink connects
+ * to every primary and sets each up (the functions are loaded on every
+ * primary). Every command goes to the primary of its first key's hash slot.
+ * The sink is ready only when every connection is; any connection that
+ * fails, and any MOVED reply the relay reports (relay_sink_abort), drops
+ * them all, and the next connect reads the slot map again, which takes in
+ * failovers, resharding and primaries that joined.
  *
  * hiredis 0.14 has neither connect nor command timeouts, and cannot cancel one
  * command: the only way out of a stuck server is to free the whole context,
@@ -15,9 +26,9 @@
  * replica) makes the next connect ask again, which follows a failover.
  *
  * Lifetimes follow the hiredis README: after a failed connect callback or a
- * disconnect callback the context is freed by hiredis, so s->ac is cleared
+ * disconnect callback the context is freed by hiredis, so node->ac is cleared
  * there and never touched again; callbacks of an old context compare their ac
- * with s->ac and ignore themselves when they differ.
+ * with their node's ac and ignore themselves when they differ.
  */
 #include "relay/compat.h"
 
@@ -30,21 +41,45 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #include "outbox/consumer.h"
 #include "relay/backoff.h"
 #include "relay/batch.h"
 #include "relay/config.h"
+#include "relay/keys.h"
 #include "relay/log.h"
 
 #define COMPONENT "redis"
 
+/* Most primaries of a cluster the sink connects to (a bit each in a mask). */
+#define SINK_NODES_MAX 32
+
 enum sink_state {
     SINK_DOWN = 0,
     SINK_RESOLVING,  /* asking a Sentinel for the primary's address */
-    SINK_CONNECTING, /* socket connecting, set-up commands queued */
+    SINK_PROBING,    /* connected to one node, asking CLUSTER SLOTS */
+    SINK_CONNECTING, /* sockets connecting, set-up commands queued */
     SINK_READY,
+};
+
+/* One connection: to the server, or to one primary of a cluster. */
+struct sink_node {
+    struct relay_sink *s;
+    redisAsyncContext *ac;
+    char host[256];
+    int port;
+    int setup_pending;
+    int ready;
+    /* Redis's wall clock minus our monotonic clock, and the round trip it
+     * was measured over (docs/DESIGN.md, "The publish deadline"). */
+    double clock_offset;
+    double clock_rtt; /* of the sample in use */
+    double best_rtt;  /* the shortest round trip on this connection */
+    double time_sent;
+    int time_in_flight; /* a TIME of relay_sink_sync_clock is on its way */
+    int time_tries;     /* TIMEs of the set-up so far */
 };
 
 struct relay_sink {
@@ -52,8 +87,14 @@ struct relay_sink {
     const struct relay_config *cfg;
     struct relay_sink_hooks hooks;
 
-    redisAsyncContext *ac;
     enum sink_state state;
+    int cluster; /* the slot map is in force */
+    struct sink_node nodes[SINK_NODES_MAX];
+    int nnodes;
+    int nready;
+    uint8_t slot_node[RELAY_CLUSTER_SLOTS]; /* slot -> node index, in a cluster */
+    uint32_t written;                       /* nodes written since relay_sink_wait */
+    int seed_next;                          /* the seed node the next connect tries */
     /* Sentinel: the context asking one, the next one to ask, why the last
      * one did not answer, and the primary's address they gave. */
     redisAsyncContext *sentinel_ac;
@@ -63,19 +104,10 @@ struct relay_sink {
     int primary_port;
     ev_timer timer; /* connect + set-up deadline, or reconnect wait */
     struct relay_backoff backoff;
-    int setup_pending;
     int was_ready;
     char last_logged[512];
     char durability[512];
     char describe[600];
-    /* Redis's wall clock minus our monotonic clock, and the round trip it
-     * was measured over (docs/DESIGN.md, "The publish deadline"). */
-    double clock_offset;
-    double clock_rtt; /* of the sample in use */
-    double best_rtt;  /* the shortest round trip on this connection */
-    double time_sent;
-    int time_in_flight; /* a TIME of relay_sink_sync_clock is on its way */
-    int time_tries;     /* TIMEs of the set-up so far */
 };
 
 /* The relay's own wall clock never enters a deadline: it steps (NTP, a VM
@@ -92,12 +124,19 @@ uint64_t relay_sink_deadline_ms(const struct relay_sink *s, double since, uint32
     /* Redis's clock at since, give or take half a round trip. The deadline
      * is pulled in by the round trip so that, on Redis's clock, it never
      * falls after the moment the relay gives up; by at most half the window,
-     * so a measurement taken while Redis was slow cannot close it. */
+     * so a measurement taken while Redis was slow cannot close it. With
+     * several primaries, the earliest of their deadlines: no primary then
+     * runs a publish later than its own clock allows. */
     double within = within_ms / 1000.0;
-    double server_then = since + s->clock_offset;
-    double margin = s->clock_rtt < within / 2 ? s->clock_rtt : within / 2;
-    double deadline = server_then + within - margin;
-    return deadline > 0 ? (uint64_t)(deadline * 1000.0) : 0;
+    double earliest = 0;
+    for (int i = 0; i < s->nnodes; i++) {
+        const struct sink_node *n = &s->nodes[i];
+        double margin = n->clock_rtt < within / 2 ? n->clock_rtt : within / 2;
+        double deadline = since + n->clock_offset + within - margin;
+        if (i == 0 || deadline < earliest)
+            earliest = deadline;
+    }
+    return earliest > 0 ? (uint64_t)(earliest * 1000.0) : 0;
 }
 
 /*
@@ -108,21 +147,21 @@ uint64_t relay_sink_deadline_ms(const struct relay_sink *s, double since, uint32
  * on this connection (or 2 ms). A clock step changes no round trip, so the
  * next quick sample after a step is taken at once.
  */
-static int take_time_sample(struct relay_sink *s, const redisReply *r, int first)
+static int take_time_sample(struct sink_node *n, const redisReply *r, int first)
 {
     double received = mono_now();
     if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
         r->element[0]->type != REDIS_REPLY_STRING || r->element[1]->type != REDIS_REPLY_STRING)
         return -1;
     double server = strtod(r->element[0]->str, NULL) + strtod(r->element[1]->str, NULL) / 1e6;
-    double rtt = received - s->time_sent;
-    double good = 2 * s->best_rtt > 0.002 ? 2 * s->best_rtt : 0.002;
-    if (first || rtt < s->best_rtt)
-        s->best_rtt = rtt;
-    if (!first && rtt > good && rtt > s->clock_rtt)
+    double rtt = received - n->time_sent;
+    double good = 2 * n->best_rtt > 0.002 ? 2 * n->best_rtt : 0.002;
+    if (first || rtt < n->best_rtt)
+        n->best_rtt = rtt;
+    if (!first && rtt > good && rtt > n->clock_rtt)
         return 0; /* slower than the sample in use: keep that one */
-    s->clock_rtt = rtt;
-    s->clock_offset = server - (s->time_sent + received) / 2.0;
+    n->clock_rtt = rtt;
+    n->clock_offset = server - (n->time_sent + received) / 2.0;
     return 0;
 }
 
@@ -131,6 +170,7 @@ static void start_connect(struct relay_sink *s);
 /* Set-up steps, passed as privdata to name the step in messages. */
 static char step_auth[] = "AUTH";
 static char step_select[] = "SELECT";
+static char step_slots[] = "CLUSTER SLOTS";
 static char step_setname[] = "CLIENT SETNAME";
 static char step_function[] = "FUNCTION";
 static char step_consumer_library[] = "FUNCTION LOAD of library " RELAY_CONSUMER_FUNCTION_LIBRARY;
@@ -140,8 +180,8 @@ static char step_role[] = "ROLE";
 
 void *relay_sink_owner(const struct redisAsyncContext *ac)
 {
-    const struct relay_sink *s = ac->data;
-    return s != NULL ? s->hooks.arg : NULL;
+    const struct sink_node *n = ac->data;
+    return n != NULL ? n->s->hooks.arg : NULL;
 }
 
 const char *relay_sink_describe(const struct relay_sink *s)
@@ -154,6 +194,11 @@ int relay_sink_ready(const struct relay_sink *s)
     return s->state == SINK_READY;
 }
 
+int relay_sink_primaries(const struct relay_sink *s)
+{
+    return s->state == SINK_READY ? s->nnodes : 0;
+}
+
 static void timer_start(struct relay_sink *s, uint32_t ms)
 {
     ev_timer_stop(s->loop, &s->timer);
@@ -161,14 +206,53 @@ static void timer_start(struct relay_sink *s, uint32_t ms)
     ev_timer_start(s->loop, &s->timer);
 }
 
+/* Names the server in log lines: the URL, the master and its primary, or
+ * the cluster. */
+static void describe(struct relay_sink *s)
+{
+    const struct relay_redis_url *u = &s->cfg->redis_url;
+    if (u->sentinels.n > 0) {
+        int v6 = strchr(s->primary_host, ':') != NULL;
+        snprintf(s->describe, sizeof(s->describe), "redis master %s (primary %s%s%s:%d, db %d)",
+                 u->sentinels.master, v6 ? "[" : "", s->primary_host[0] ? s->primary_host : "?",
+                 v6 ? "]" : "", s->primary_port, u->db);
+        return;
+    }
+    if (s->cluster) {
+        snprintf(s->describe, sizeof(s->describe), "redis cluster of %d primaries (seed %s:%d)",
+                 s->nnodes, u->seeds[0].host, u->seeds[0].port);
+        return;
+    }
+    int v6 = strchr(u->host, ':') != NULL;
+    snprintf(s->describe, sizeof(s->describe), "redis://%s%s%s%s%s%s:%d/%d%s", u->user,
+             u->password[0] ? ":***" : "", (u->user[0] || u->password[0]) ? "@" : "", v6 ? "[" : "",
+             u->host, v6 ? "]" : "", u->port, u->db, u->nseeds > 1 ? " (and more seeds)" : "");
+}
+
+/* Frees every connection, detached first so that their callbacks (run by
+ * redisAsyncFree with NULL replies) see a stale context and return. */
+static void drop_nodes(struct relay_sink *s)
+{
+    for (int i = 0; i < s->nnodes; i++) {
+        struct sink_node *n = &s->nodes[i];
+        redisAsyncContext *ac = n->ac;
+        n->ac = NULL;
+        n->ready = 0;
+        n->setup_pending = 0;
+        if (ac != NULL)
+            redisAsyncFree(ac);
+    }
+    s->nready = 0;
+}
+
 /* Marks the sink down, logs once per state change and schedules a reconnect.
- * The context, if any, must already be detached from s. */
+ * The contexts, if any, must already be detached from s. */
 static void went_down(struct relay_sink *s, const char *what, const char *msg)
 {
     int was_ready = s->was_ready;
     s->was_ready = 0;
     s->state = SINK_DOWN;
-    s->setup_pending = 0;
+    s->nready = 0;
 
     uint32_t delay = relay_backoff_next(&s->backoff, relay_backoff_random());
     char line[512];
@@ -187,15 +271,21 @@ static void went_down(struct relay_sink *s, const char *what, const char *msg)
         s->hooks.on_down(s, s->hooks.arg);
 }
 
+/* One connection failed: all go, and the sink reconnects after a backoff. */
+static void node_failed(struct relay_sink *s, const char *what, const char *msg)
+{
+    char copy[512];
+    snprintf(copy, sizeof(copy), "%s", msg != NULL ? msg : "unknown error");
+    drop_nodes(s);
+    went_down(s, what, copy);
+}
+
 void relay_sink_abort(struct relay_sink *s, const char *why)
 {
-    redisAsyncContext *ac = s->ac;
-    if (ac == NULL)
+    if (s->state != SINK_PROBING && s->state != SINK_CONNECTING && s->state != SINK_READY)
         return;
-    /* Detach first: the callbacks that redisAsyncFree runs see s->ac != ac. */
-    s->ac = NULL;
-    went_down(s, "connection dropped", why);
-    redisAsyncFree(ac);
+    ev_timer_stop(s->loop, &s->timer);
+    node_failed(s, "connection dropped", why);
 }
 
 void relay_sink_reload_function(struct relay_sink *s)
@@ -204,26 +294,88 @@ void relay_sink_reload_function(struct relay_sink *s)
                         "FUNCTION FLUSH); reconnecting loads it again");
 }
 
+/* Which command bytes name a key first: the FCALL's first key (after the
+ * function and the key count), else the first argument. The key's slot picks
+ * the primary; 0 when there is no key. */
+static unsigned command_slot(const char *cmd, size_t len)
+{
+    const char *p = cmd, *end = cmd + len;
+    const char *arg[4] = {NULL};
+    size_t alen[4] = {0};
+    /* "*<n>\r\n" */
+    p = memchr(p, '\n', (size_t)(end - p));
+    if (p == NULL)
+        return 0;
+    p++;
+    for (int i = 0; i < 4 && p < end && *p == '$'; i++) {
+        char *q;
+        unsigned long n = strtoul(p + 1, &q, 10);
+        if (q + 2 > end || q[0] != '\r' || n > (size_t)(end - q - 2))
+            return 0;
+        arg[i] = q + 2;
+        alen[i] = n;
+        p = q + 2 + n + 2;
+    }
+    if (arg[0] == NULL || arg[1] == NULL)
+        return 0;
+    if (alen[0] >= 5 && strncasecmp(arg[0], "FCALL", 5) == 0) {
+        if (arg[3] == NULL || arg[2] == NULL || (alen[2] == 1 && arg[2][0] == '0'))
+            return 0;
+        return relay_key_slot(arg[3], alen[3]);
+    }
+    return relay_key_slot(arg[1], alen[1]);
+}
+
+/* The connection a command with these bytes goes to. */
+static struct sink_node *route(struct relay_sink *s, const char *cmd, size_t len)
+{
+    if (!s->cluster)
+        return &s->nodes[0];
+    return &s->nodes[s->slot_node[command_slot(cmd, len)]];
+}
+
 int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, relay_sink_reply_fn *cb,
                          void *arg)
 {
-    if (s->state != SINK_READY || s->ac == NULL)
+    if (s->state != SINK_READY)
         return -1;
     /* hiredis reads the command's name to spot SUBSCRIBE and MONITOR, with
      * strchr: anything but a protocol array would send it past the buffer. */
     if (len < 4 || cmd[0] != '*')
         return -1;
-    if (redisAsyncFormattedCommand(s->ac, cb, arg, cmd, len) != REDIS_OK)
+    struct sink_node *n = route(s, cmd, len);
+    if (n->ac == NULL || redisAsyncFormattedCommand(n->ac, cb, arg, cmd, len) != REDIS_OK)
         return -1;
+    s->written |= 1u << (n - s->nodes);
     return 0;
 }
 
-int relay_sink_command(struct relay_sink *s, int argc, const char **argv, const size_t *lens,
-                       relay_sink_reply_fn *cb, void *arg)
+int relay_sink_wait(struct relay_sink *s, unsigned replicas, uint32_t timeout_ms,
+                    relay_sink_reply_fn *cb, void *arg)
 {
-    if (s->state != SINK_READY || s->ac == NULL)
+    if (s->state != SINK_READY)
         return -1;
-    return redisAsyncCommandArgv(s->ac, cb, arg, argc, argv, lens) == REDIS_OK ? 0 : -1;
+    char want[16], ms[16];
+    snprintf(want, sizeof(want), "%u", replicas);
+    snprintf(ms, sizeof(ms), "%u", timeout_ms);
+    const char *argv[3] = {"WAIT", want, ms};
+    size_t lens[3] = {4, strlen(want), strlen(ms)};
+    int sent = 0;
+    for (int i = 0; i < s->nnodes; i++) {
+        if (!(s->written & (1u << i)))
+            continue;
+        struct sink_node *n = &s->nodes[i];
+        if (n->ac == NULL || redisAsyncCommandArgv(n->ac, cb, arg, 3, argv, lens) != REDIS_OK)
+            return -1;
+        sent++;
+    }
+    s->written = 0;
+    return sent;
+}
+
+void relay_sink_written_reset(struct relay_sink *s)
+{
+    s->written = 0;
 }
 
 /* Reports what an acknowledged XADD is worth on this server (README, "What Redis keeps is up to
@@ -286,20 +438,153 @@ static void check_durability(struct relay_sink *s, const redisReply *r)
 
 /* Asks for Redis's clock; the reply goes to on_setup_reply (step_time) or
  * on_time_reply (NULL privdata). */
-static void send_time(struct relay_sink *s, void *privdata);
+static void send_time(struct sink_node *n, void *privdata);
+static void queue_setup(struct sink_node *n);
+static void connect_node(struct relay_sink *s, struct sink_node *n, int probe);
+
+/* Every connection is set up: the sink is ready. */
+static void all_ready(struct relay_sink *s)
+{
+    ev_timer_stop(s->loop, &s->timer);
+    s->state = SINK_READY;
+    s->was_ready = 1;
+    s->written = 0;
+    relay_backoff_reset(&s->backoff);
+    relay_info(COMPONENT, "%s %s", s->describe,
+               s->last_logged[0] ? "is back" : "ready (publish function loaded)");
+    s->last_logged[0] = '\0';
+    if (s->hooks.on_ready != NULL)
+        s->hooks.on_ready(s, s->hooks.arg);
+}
+
+/*
+ * The answer to CLUSTER SLOTS on the first connection. A server without
+ * cluster support answers with an error: it is the one connection, set up
+ * now. A cluster's answer becomes the slot map, and the sink connects to each
+ * of its primaries. 0, or -1 when the sink went down.
+ */
+static int take_slots(struct relay_sink *s, struct sink_node *first, const redisReply *r)
+{
+    char msg[400];
+    if (r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "CLUSTERDOWN", 11) != 0) {
+        /* "ERR This instance has cluster support disabled" (or an ACL that
+         * forbids CLUSTER, on a server that then is not used as a cluster). */
+        s->cluster = 0;
+        s->nnodes = 1;
+        describe(s);
+        queue_setup(first);
+        return 0;
+    }
+    if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements == 0) {
+        snprintf(msg, sizeof(msg), "CLUSTER SLOTS failed: %s",
+                 r == NULL                      ? "connection closed"
+                 : r->type == REDIS_REPLY_ERROR ? r->str
+                                                : "the cluster has no slots assigned");
+        node_failed(s, "cannot read the cluster's slot map", msg);
+        return -1;
+    }
+    if (s->cfg->redis_url.db != 0) {
+        node_failed(s, "cannot use the cluster",
+                    "a Redis Cluster has database 0 only: remove the /db from redis");
+        return -1;
+    }
+    struct relay_addr primaries[SINK_NODES_MAX];
+    int count = 0;
+    static uint8_t seen[RELAY_CLUSTER_SLOTS];
+    memset(seen, 0, sizeof(seen));
+    for (size_t i = 0; i < r->elements; i++) {
+        const redisReply *e = r->element[i];
+        if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 ||
+            e->element[0]->type != REDIS_REPLY_INTEGER ||
+            e->element[1]->type != REDIS_REPLY_INTEGER ||
+            e->element[2]->type != REDIS_REPLY_ARRAY || e->element[2]->elements < 2 ||
+            e->element[2]->element[0]->type != REDIS_REPLY_STRING ||
+            e->element[2]->element[1]->type != REDIS_REPLY_INTEGER)
+            continue;
+        long long lo = e->element[0]->integer, hi = e->element[1]->integer;
+        const char *host = e->element[2]->element[0]->str;
+        long long port = e->element[2]->element[1]->integer;
+        if (lo < 0 || hi >= RELAY_CLUSTER_SLOTS || lo > hi || port < 1 || port > 65535)
+            continue;
+        /* An empty or "?" host: the node we asked reaches it at our address. */
+        if (host[0] == '\0' || strcmp(host, "?") == 0)
+            host = first->host;
+        int at = 0;
+        while (at < count && !(primaries[at].port == port && strcmp(primaries[at].host, host) == 0))
+            at++;
+        if (at == count) {
+            if (count == SINK_NODES_MAX) {
+                snprintf(msg, sizeof(msg), "the cluster has more than %d primaries",
+                         SINK_NODES_MAX);
+                node_failed(s, "cannot use the cluster", msg);
+                return -1;
+            }
+            snprintf(primaries[count].host, sizeof(primaries[count].host), "%s", host);
+            primaries[count].port = (int)port;
+            count++;
+        }
+        for (long long slot = lo; slot <= hi; slot++) {
+            s->slot_node[slot] = (uint8_t)at;
+            seen[slot] = 1;
+        }
+    }
+    for (int slot = 0; slot < RELAY_CLUSTER_SLOTS; slot++) {
+        if (!seen[slot]) {
+            snprintf(msg, sizeof(msg),
+                     "slot %d has no primary (the cluster is not fully covered): check CLUSTER "
+                     "SLOTS",
+                     slot);
+            node_failed(s, "cannot use the cluster", msg);
+            return -1;
+        }
+    }
+    /* The probe connection goes; every primary gets one of its own. */
+    redisAsyncContext *ac = first->ac;
+    first->ac = NULL;
+    redisAsyncDisconnect(ac);
+    s->cluster = 1;
+    s->nnodes = count;
+    s->nready = 0;
+    describe(s);
+    relay_debug(COMPONENT, "%s: slot map read, connecting to each primary", s->describe);
+    s->state = SINK_CONNECTING;
+    for (int i = 0; i < count; i++) {
+        struct sink_node *n = &s->nodes[i];
+        memcpy(n->host, primaries[i].host, sizeof(n->host));
+        n->port = primaries[i].port;
+        connect_node(s, n, 0);
+        if (s->state != SINK_CONNECTING)
+            return -1;
+    }
+    timer_start(s, s->cfg->connect_timeout_ms);
+    return 0;
+}
 
 static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
 {
-    struct relay_sink *s = ac->data;
+    struct sink_node *n = ac->data;
     const redisReply *r = reply;
     const char *step = privdata;
 
-    if (s == NULL || ac != s->ac || s->state != SINK_CONNECTING)
+    if (n == NULL || ac != n->ac)
         return;
+    struct relay_sink *s = n->s;
+    if (s->state != SINK_CONNECTING && s->state != SINK_PROBING)
+        return;
+    if (step == step_slots) {
+        if (take_slots(s, n, r) != 0)
+            return;
+        if (s->cluster)
+            return; /* the probe connection is closing */
+        /* The set-up just queued replaces this step. */
+        n->setup_pending--;
+        s->state = SINK_CONNECTING;
+        return;
+    }
     if (step == step_time) {
-        if (take_time_sample(s, r, s->time_tries++ == 0) != 0) {
+        if (take_time_sample(n, r, n->time_tries++ == 0) != 0) {
             char msg[300];
-            snprintf(msg, sizeof(msg), "TIME failed: %s",
+            snprintf(msg, sizeof(msg), "TIME failed on %s:%d: %s", n->host, n->port,
                      r != NULL && r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
             relay_sink_abort(s, msg);
             return;
@@ -307,8 +592,8 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
         /* A first measurement slower than a quarter of the publish window
          * would cost its deadlines too much: measure again, three times at
          * most, keeping the quickest. */
-        if (s->clock_rtt > s->cfg->publish_timeout_ms / 4000.0 && s->time_tries < 3) {
-            send_time(s, step_time);
+        if (n->clock_rtt > s->cfg->publish_timeout_ms / 4000.0 && n->time_tries < 3) {
+            send_time(n, step_time);
             return;
         }
     } else if (step == step_role) {
@@ -319,146 +604,158 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
             snprintf(msg, sizeof(msg),
                      "%s:%d, which the Sentinels name as the primary, is not a primary (a "
                      "failover in progress?); asking them again",
-                     s->primary_host, s->primary_port);
+                     n->host, n->port);
             relay_sink_abort(s, msg);
             return;
         }
-    } else if (strcmp(step, "CONFIG") == 0) {
+    } else if (step == step_config) {
         check_durability(s, r);
     } else if (step == step_consumer_library) {
         /* The consumers' functions, for consumers in any language: the C
          * library loads them itself too, so a refusal stops nothing here. */
         if (r == NULL || r->type == REDIS_REPLY_ERROR)
             relay_warn(COMPONENT,
-                       "%s failed: %s; consumers in other languages that call its functions"
-                       " (docs/CONSUMERS.md) need it loaded",
-                       step, r != NULL ? r->str : "connection closed");
+                       "%s failed on %s:%d: %s; consumers in other languages that call its "
+                       "functions (docs/CONSUMERS.md) need it loaded",
+                       step, n->host, n->port, r != NULL ? r->str : "connection closed");
     } else if (r == NULL || r->type == REDIS_REPLY_ERROR) {
         char msg[400];
         int noperm = r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOPERM", 6) == 0;
-        const char *hint = strcmp(step, "AUTH") == 0
-                               ? ": check the user and password of the redis setting"
+        const char *hint = step == step_auth ? ": check the user and password of the redis setting"
                            : noperm ? ": the relay's Redis user needs FUNCTION LOAD, FCALL, "
                                       "PEXPIRE and CLIENT SETNAME"
                                     : "";
-        snprintf(msg, sizeof(msg), "%s failed: %s%s", step,
+        snprintf(msg, sizeof(msg), "%s failed on %s:%d: %s%s", step, n->host, n->port,
                  r != NULL ? r->str : (ac->errstr[0] ? ac->errstr : "connection closed"), hint);
         relay_sink_abort(s, msg);
         return;
     }
-    if (--s->setup_pending > 0)
+    if (--n->setup_pending > 0)
         return;
     if (step != step_time) {
         /* The clock last, alone on a connection that is up and set up: its
          * round trip then measures the connection, not a slow connect or the
          * steps before it. */
-        send_time(s, step_time);
-        s->setup_pending++;
+        send_time(n, step_time);
+        n->setup_pending++;
         return;
     }
-    ev_timer_stop(s->loop, &s->timer);
-    s->state = SINK_READY;
-    s->was_ready = 1;
-    relay_backoff_reset(&s->backoff);
-    relay_info(COMPONENT, "%s %s", s->describe,
-               s->last_logged[0] ? "is back" : "ready (publish function loaded)");
-    s->last_logged[0] = '\0';
-    if (s->hooks.on_ready != NULL)
-        s->hooks.on_ready(s, s->hooks.arg);
+    n->ready = 1;
+    if (++s->nready == s->nnodes)
+        all_ready(s);
 }
 
 static void on_time_reply(redisAsyncContext *ac, void *reply, void *privdata)
 {
-    struct relay_sink *s = ac->data;
+    struct sink_node *n = ac->data;
     (void)privdata;
-    if (s == NULL || ac != s->ac)
+    if (n == NULL || ac != n->ac)
         return;
-    s->time_in_flight = 0;
-    if (reply != NULL && take_time_sample(s, reply, 0) != 0)
+    n->time_in_flight = 0;
+    if (reply != NULL && take_time_sample(n, reply, 0) != 0)
         relay_warn(COMPONENT, "unexpected reply to TIME; keeping the last clock measurement");
 }
 
-static void send_time(struct relay_sink *s, void *privdata)
+static void send_time(struct sink_node *n, void *privdata)
 {
     const char *argv[1] = {"TIME"};
     size_t lens[1] = {4};
-    s->time_sent = mono_now();
-    redisAsyncCommandArgv(s->ac, privdata != NULL ? on_setup_reply : on_time_reply, privdata, 1,
+    n->time_sent = mono_now();
+    redisAsyncCommandArgv(n->ac, privdata != NULL ? on_setup_reply : on_time_reply, privdata, 1,
                           argv, lens);
 }
 
 void relay_sink_sync_clock(struct relay_sink *s)
 {
-    if (s->state != SINK_READY || s->ac == NULL || s->time_in_flight)
+    if (s->state != SINK_READY)
         return;
-    s->time_in_flight = 1;
-    send_time(s, NULL);
+    for (int i = 0; i < s->nnodes; i++) {
+        struct sink_node *n = &s->nodes[i];
+        if (n->ac == NULL || n->time_in_flight)
+            continue;
+        n->time_in_flight = 1;
+        send_time(n, NULL);
+    }
 }
 
 static void on_connect(const redisAsyncContext *ac, int status)
 {
-    struct relay_sink *s = ac->data;
-    if (s == NULL || ac != s->ac || status == REDIS_OK)
+    struct sink_node *n = ac->data;
+    if (n == NULL || ac != n->ac || status == REDIS_OK)
         return;
     /* hiredis frees the context after this callback. */
-    char msg[256];
-    snprintf(msg, sizeof(msg), "%s", ac->c.errstr[0] ? ac->c.errstr : "connect failed");
-    s->ac = NULL;
+    struct relay_sink *s = n->s;
+    char msg[400];
+    snprintf(msg, sizeof(msg), "%s:%d: %s", n->host, n->port,
+             ac->c.errstr[0] ? ac->c.errstr : "connect failed");
+    n->ac = NULL;
     ev_timer_stop(s->loop, &s->timer);
-    went_down(s, "cannot connect", msg);
+    node_failed(s, "cannot connect", msg);
 }
 
 static void on_disconnect(const redisAsyncContext *ac, int status)
 {
-    struct relay_sink *s = ac->data;
+    struct sink_node *n = ac->data;
     (void)status;
-    if (s == NULL || ac != s->ac)
+    if (n == NULL || ac != n->ac)
         return;
-    char msg[256];
-    snprintf(msg, sizeof(msg), "%s",
+    struct relay_sink *s = n->s;
+    char msg[400];
+    snprintf(msg, sizeof(msg), "%s:%d: %s", n->host, n->port,
              ac->c.errstr[0] ? ac->c.errstr : "server closed the connection");
-    s->ac = NULL;
+    n->ac = NULL;
     ev_timer_stop(s->loop, &s->timer);
-    went_down(s, "connection lost", msg);
+    node_failed(s, "connection lost", msg);
 }
 
-static void queue_setup(struct relay_sink *s)
+/* AUTH, the one step a probe needs before CLUSTER SLOTS. */
+static void queue_auth(struct sink_node *n)
 {
+    const struct relay_redis_url *u = &n->s->cfg->redis_url;
+    const char *argv[3];
+    size_t lens[3];
+    if (u->password[0] == '\0')
+        return;
+    int k = 0;
+    argv[k] = "AUTH";
+    lens[k++] = 4;
+    if (u->user[0] != '\0') {
+        argv[k] = u->user;
+        lens[k++] = strlen(u->user);
+    }
+    argv[k] = u->password;
+    lens[k++] = strlen(u->password);
+    redisAsyncCommandArgv(n->ac, on_setup_reply, step_auth, k, argv, lens);
+    n->setup_pending++;
+}
+
+/* The set-up of a connection that publishes (AUTH first when it was not a
+ * probe): the database, ROLE with Sentinel, the name, both function
+ * libraries, the durability settings; TIME follows once they are in. */
+static void queue_setup(struct sink_node *n)
+{
+    struct relay_sink *s = n->s;
     const struct relay_redis_url *u = &s->cfg->redis_url;
     const char *argv[4];
     size_t lens[4];
     char db[16];
 
-    s->setup_pending = 0;
-    if (u->password[0] != '\0') {
-        int n = 0;
-        argv[n] = "AUTH";
-        lens[n++] = 4;
-        if (u->user[0] != '\0') {
-            argv[n] = u->user;
-            lens[n++] = strlen(u->user);
-        }
-        argv[n] = u->password;
-        lens[n++] = strlen(u->password);
-        redisAsyncCommandArgv(s->ac, on_setup_reply, step_auth, n, argv, lens);
-        s->setup_pending++;
-    }
-    if (u->db != 0) {
+    if (u->db != 0 && !s->cluster) {
         snprintf(db, sizeof(db), "%d", u->db);
         argv[0] = "SELECT";
         lens[0] = 6;
         argv[1] = db;
         lens[1] = strlen(db);
-        redisAsyncCommandArgv(s->ac, on_setup_reply, step_select, 2, argv, lens);
-        s->setup_pending++;
+        redisAsyncCommandArgv(n->ac, on_setup_reply, step_select, 2, argv, lens);
+        n->setup_pending++;
     }
     if (u->sentinels.n > 0) {
         /* Before anything is loaded: the address the Sentinels gave can
          * still be the old primary's, a replica now. */
         argv[0] = "ROLE";
         lens[0] = 4;
-        redisAsyncCommandArgv(s->ac, on_setup_reply, step_role, 1, argv, lens);
-        s->setup_pending++;
+        redisAsyncCommandArgv(n->ac, on_setup_reply, step_role, 1, argv, lens);
+        n->setup_pending++;
     }
     argv[0] = "CLIENT";
     argv[1] = "SETNAME";
@@ -466,11 +763,12 @@ static void queue_setup(struct relay_sink *s)
     lens[0] = 6;
     lens[1] = 7;
     lens[2] = 12;
-    redisAsyncCommandArgv(s->ac, on_setup_reply, step_setname, 3, argv, lens);
-    s->setup_pending++;
+    redisAsyncCommandArgv(n->ac, on_setup_reply, step_setname, 3, argv, lens);
+    n->setup_pending++;
 
     /* FUNCTION LOAD is persisted and replicated, unlike the script cache;
-     * REPLACE makes a reconnect after an upgrade load the new body. */
+     * REPLACE makes a reconnect after an upgrade load the new body. In a
+     * cluster each primary gets it: a function lives on one node. */
     argv[0] = "FUNCTION";
     argv[1] = "LOAD";
     argv[2] = "REPLACE";
@@ -479,47 +777,88 @@ static void queue_setup(struct relay_sink *s)
     lens[1] = 4;
     lens[2] = 7;
     lens[3] = strlen(relay_batch_function_source);
-    redisAsyncCommandArgv(s->ac, on_setup_reply, step_function, 4, argv, lens);
-    s->setup_pending++;
+    redisAsyncCommandArgv(n->ac, on_setup_reply, step_function, 4, argv, lens);
+    n->setup_pending++;
     argv[3] = relay_consumer_function_source;
     lens[3] = strlen(relay_consumer_function_source);
-    redisAsyncCommandArgv(s->ac, on_setup_reply, step_consumer_library, 4, argv, lens);
-    s->setup_pending++;
+    redisAsyncCommandArgv(n->ac, on_setup_reply, step_consumer_library, 4, argv, lens);
+    n->setup_pending++;
 
     /* Redis 7 takes several parameters in one CONFIG GET. An ACL that forbids
      * CONFIG answers with an error, which is reported and not fatal. */
     const char *cargv[5] = {"CONFIG", "GET", "appendonly", "appendfsync", "maxmemory-policy"};
     size_t clens[5] = {6, 3, 10, 11, 16};
-    redisAsyncCommandArgv(s->ac, on_setup_reply, step_config, 5, cargv, clens);
-    s->setup_pending++;
+    redisAsyncCommandArgv(n->ac, on_setup_reply, step_config, 5, cargv, clens);
+    n->setup_pending++;
 }
 
-/* Names the server in log lines: the URL, or the master and its primary. */
-static void describe(struct relay_sink *s)
+/* Connects n to its host and port and queues its set-up: with probe, AUTH
+ * and CLUSTER SLOTS only (the first connection of a connect). */
+static void connect_node(struct relay_sink *s, struct sink_node *n, int probe)
 {
-    const struct relay_redis_url *u = &s->cfg->redis_url;
-    if (u->sentinels.n > 0) {
-        int v6 = strchr(s->primary_host, ':') != NULL;
-        snprintf(s->describe, sizeof(s->describe), "redis master %s (primary %s%s%s:%d, db %d)",
-                 u->sentinels.master, v6 ? "[" : "", s->primary_host[0] ? s->primary_host : "?",
-                 v6 ? "]" : "", s->primary_port, u->db);
+    n->s = s;
+    n->ready = 0;
+    n->setup_pending = 0;
+    n->time_in_flight = 0;
+    n->time_tries = 0;
+    redisAsyncContext *ac = redisAsyncConnect(n->host, n->port);
+    if (ac == NULL) {
+        node_failed(s, "cannot connect", "out of memory");
         return;
     }
-    int v6 = strchr(u->host, ':') != NULL;
-    snprintf(s->describe, sizeof(s->describe), "redis://%s%s%s%s%s%s:%d/%d", u->user,
-             u->password[0] ? ":***" : "", (u->user[0] || u->password[0]) ? "@" : "", v6 ? "[" : "",
-             u->host, v6 ? "]" : "", u->port, u->db);
+    if (ac->err) {
+        char msg[400];
+        snprintf(msg, sizeof(msg), "%s:%d: %s", n->host, n->port, ac->errstr);
+        redisAsyncFree(ac);
+        node_failed(s, "cannot connect", msg);
+        return;
+    }
+    ac->data = n;
+    if (redisLibevAttach(s->loop, ac) != REDIS_OK) {
+        redisAsyncFree(ac);
+        node_failed(s, "cannot connect", "cannot attach to the event loop");
+        return;
+    }
+    /* Attach before setting the connect callback: setting it arms the write
+     * watcher that detects the connection. */
+    redisAsyncSetConnectCallback(ac, on_connect);
+    redisAsyncSetDisconnectCallback(ac, on_disconnect);
+    n->ac = ac;
+    queue_auth(n);
+    if (probe) {
+        const char *argv[2] = {"CLUSTER", "SLOTS"};
+        size_t lens[2] = {7, 5};
+        redisAsyncCommandArgv(ac, on_setup_reply, step_slots, 2, argv, lens);
+        n->setup_pending++;
+    } else {
+        queue_setup(n);
+    }
 }
 
-static void connect_to(struct relay_sink *s, const char *host, int port);
+/* The first connection of a connect: to the primary the Sentinels named (no
+ * probe: Sentinel watches single primaries), or to the next seed node. */
+static void connect_first(struct relay_sink *s, const char *host, int port, int probe)
+{
+    struct sink_node *n = &s->nodes[0];
+    snprintf(n->host, sizeof(n->host), "%s", host);
+    n->port = port;
+    s->cluster = 0;
+    s->nnodes = 1;
+    s->nready = 0;
+    s->state = probe ? SINK_PROBING : SINK_CONNECTING;
+    connect_node(s, n, probe);
+    if (s->state == SINK_PROBING || s->state == SINK_CONNECTING)
+        timer_start(s, s->cfg->connect_timeout_ms);
+}
+
 static void ask_next_sentinel(struct relay_sink *s);
 
 /* Ends the Sentinel question in flight, if any, without its callbacks. */
-static void drop_sentinel(struct relay_sink *s, int free_it)
+static void drop_sentinel(struct relay_sink *s)
 {
     redisAsyncContext *ac = s->sentinel_ac;
     s->sentinel_ac = NULL;
-    if (ac != NULL && free_it)
+    if (ac != NULL)
         redisAsyncFree(ac);
 }
 
@@ -548,7 +887,7 @@ static void on_sentinel_reply(redisAsyncContext *ac, void *reply, void *privdata
             s->sentinel_ac = NULL;
             redisAsyncDisconnect(ac);
             ev_timer_stop(s->loop, &s->timer);
-            connect_to(s, s->primary_host, s->primary_port);
+            connect_first(s, s->primary_host, s->primary_port, 0);
             return;
         }
     }
@@ -637,39 +976,14 @@ static void start_connect(struct relay_sink *s)
         ask_next_sentinel(s);
         return;
     }
-    connect_to(s, u->host, u->port);
-}
-
-static void connect_to(struct relay_sink *s, const char *host, int port)
-{
-    redisAsyncContext *ac = redisAsyncConnect(host, port);
-    if (ac == NULL) {
-        went_down(s, "cannot connect", "out of memory");
-        return;
-    }
-    if (ac->err) {
-        char msg[256];
-        snprintf(msg, sizeof(msg), "%s", ac->errstr);
-        redisAsyncFree(ac);
-        went_down(s, "cannot connect", msg);
-        return;
-    }
-    ac->data = s;
-    if (redisLibevAttach(s->loop, ac) != REDIS_OK) {
-        redisAsyncFree(ac);
-        went_down(s, "cannot connect", "cannot attach to the event loop");
-        return;
-    }
-    /* Attach before setting the connect callback: setting it arms the write
-     * watcher that detects the connection. */
-    redisAsyncSetConnectCallback(ac, on_connect);
-    redisAsyncSetDisconnectCallback(ac, on_disconnect);
-    s->ac = ac;
-    s->state = SINK_CONNECTING;
-    s->time_in_flight = 0;
-    s->time_tries = 0;
-    queue_setup(s);
-    timer_start(s, s->cfg->connect_timeout_ms);
+    /* Each connect starts at the next seed node: one that is down costs
+     * one backoff, not every connect. */
+    int seeds = u->nseeds > 0 ? u->nseeds : 1;
+    const struct relay_addr *seed = &u->seeds[s->seed_next++ % seeds];
+    if (u->nseeds == 0)
+        connect_first(s, u->host, u->port, 1);
+    else
+        connect_first(s, seed->host, seed->port, 1);
 }
 
 static void on_timer(struct ev_loop *loop, ev_timer *w, int revents)
@@ -685,18 +999,13 @@ static void on_timer(struct ev_loop *loop, ev_timer *w, int revents)
         snprintf(s->sentinel_error, sizeof(s->sentinel_error),
                  "Sentinel %.100s:%d: no answer within connect_timeout (%u ms)", st->addr[at].host,
                  st->addr[at].port, s->cfg->connect_timeout_ms);
-        drop_sentinel(s, 1);
+        drop_sentinel(s);
         ask_next_sentinel(s);
-    } else if (s->state == SINK_CONNECTING) {
+    } else if (s->state == SINK_PROBING || s->state == SINK_CONNECTING) {
         char msg[128];
         snprintf(msg, sizeof(msg), "not connected and set up within connect_timeout (%u ms)",
                  s->cfg->connect_timeout_ms);
-        if (s->ac != NULL) {
-            redisAsyncContext *ac = s->ac;
-            s->ac = NULL;
-            went_down(s, "cannot connect", msg);
-            redisAsyncFree(ac);
-        }
+        node_failed(s, "cannot connect", msg);
     }
 }
 
@@ -725,11 +1034,7 @@ void relay_sink_free(struct relay_sink *s)
     ev_timer_stop(s->loop, &s->timer);
     s->hooks.on_down = NULL;
     s->hooks.on_ready = NULL;
-    drop_sentinel(s, 1);
-    if (s->ac != NULL) {
-        redisAsyncContext *ac = s->ac;
-        s->ac = NULL;
-        redisAsyncFree(ac);
-    }
+    drop_sentinel(s);
+    drop_nodes(s);
     free(s);
 }

@@ -198,6 +198,7 @@ struct relay_tally {
     enum relay_fail_kind kind; /* why, when failed (the first reason) */
     int function_missing;      /* the publish function must be loaded again */
     int not_primary;           /* READONLY: the server is a replica now; reconnect */
+    int slots_moved;           /* MOVED: a cluster's slot map changed; read it again */
     size_t held;               /* rows held back behind a failed row of their key */
     char error[512];           /* why the batch failed (first reason), for the log */
 };

@@ -23,6 +23,14 @@ uint32_t relay_partition_hash(const void *data, size_t len);
  * without a key (key NULL), its id mod partitions. 0 when partitions <= 1. */
 uint32_t relay_partition_of(const char *key, size_t key_len, int64_t id, uint32_t partitions);
 
+/* Hash slots of a Redis Cluster. */
+#define RELAY_CLUSTER_SLOTS 16384
+
+/* The Redis Cluster hash slot of a key: CRC16 (XMODEM) of the key, or of
+ * the text between its first "{" and the next "}" when that is not empty,
+ * mod 16384 (the cluster specification's HASH_SLOT). */
+unsigned relay_key_slot(const char *key, size_t len);
+
 /* "<prefix><topic>": a topic's stream. prefix may be NULL. */
 int relay_key_stream(const char *prefix, const char *topic, size_t topic_len, char *out,
                      size_t outlen) __attribute__((warn_unused_result));

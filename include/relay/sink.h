@@ -1,8 +1,10 @@
 /*
- * Redis side of the relay: one hiredis async connection on the libev adapter.
- * It connects with a deadline, authenticates, selects the database, loads the
- * publish function, checks what an acknowledged write is worth on this Redis,
- * and reconnects with jittered backoff when anything breaks. hiredis 0.14 has
+ * Redis side of the relay: hiredis async connections on the libev adapter,
+ * one to a single server or one to each primary of a Redis Cluster (every
+ * command goes to the primary of its key's hash slot). It connects with a
+ * deadline, authenticates, selects the database, loads the publish function,
+ * checks what an acknowledged write is worth on this Redis, and reconnects
+ * with jittered backoff when anything breaks. hiredis 0.14 has
  * no command timeouts, so the relay arms a deadline per batch and the sink
  * drops the whole connection when it expires (all pending replies then
  * arrive as NULL).
@@ -56,9 +58,19 @@ int relay_sink_ready(const struct relay_sink *s);
 int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, relay_sink_reply_fn *cb,
                          void *arg) __attribute__((warn_unused_result));
 
-/* Sends one command given as argv; 0, or -1 when not ready. */
-int relay_sink_command(struct relay_sink *s, int argc, const char **argv, const size_t *lens,
-                       relay_sink_reply_fn *cb, void *arg) __attribute__((warn_unused_result));
+/* Forgets which connections were written to (relay_sink_wait's set). */
+void relay_sink_written_reset(struct relay_sink *s);
+
+/*
+ * Sends WAIT replicas timeout_ms to every connection written to since the
+ * last relay_sink_wait or relay_sink_written_reset, each with cb; returns
+ * how many were sent (each answers once), or -1 when not ready.
+ */
+int relay_sink_wait(struct relay_sink *s, unsigned replicas, uint32_t timeout_ms,
+                    relay_sink_reply_fn *cb, void *arg) __attribute__((warn_unused_result));
+
+/* The number of connections when ready (the cluster's primaries, or 1). */
+int relay_sink_primaries(const struct relay_sink *s);
 
 /* Drops the connection (pending callbacks get NULL) and reconnects after
  * backoff. why is logged. */

@@ -12,17 +12,21 @@
 /* Highest database number a URL may select. */
 #define RELAY_URL_DB_MAX 15
 
-/* Most Sentinels one list may name. */
+/* Most Sentinels, or cluster seed nodes, one list may name. */
 #define RELAY_SENTINELS_MAX 8
+#define RELAY_SEEDS_MAX 8
+
+/* A host and a port. */
+struct relay_addr {
+    char host[256];
+    int port;
+};
 
 /* Redis Sentinels to ask for the primary of the master named `master`. */
 struct relay_sentinels {
     int n; /* 0: no Sentinel, connect to the URL's host and port */
     char master[128];
-    struct {
-        char host[256];
-        int port; /* default 26379 */
-    } addr[RELAY_SENTINELS_MAX];
+    struct relay_addr addr[RELAY_SENTINELS_MAX]; /* port 26379 by default */
 };
 
 /* A parsed redis://[user:password@]host:port[/db] address. */
@@ -35,7 +39,20 @@ struct relay_redis_url {
     /* With n > 0, host and port are the primary the Sentinels name, asked
      * for at every connect (relay_sentinels_parse fills this in). */
     struct relay_sentinels sentinels;
+    /* More addresses after the first, for a Redis Cluster's seed nodes:
+     * "redis://host:port,host:port,..." (relay_url_parse_seeds). */
+    int nseeds;
+    struct relay_addr seeds[RELAY_SEEDS_MAX]; /* seeds[0] is host:port */
 };
+
+/*
+ * Parses "redis://[user:password@]host[:port][/db][,host[:port]...]": a
+ * URL, then more seed nodes of the same cluster (at most RELAY_SEEDS_MAX in
+ * all), each host[:port] or a redis:// URL without a user, password or
+ * database of its own. 0, or -1 with err; out is untouched on failure.
+ */
+int relay_url_parse_seeds(const char *list, struct relay_redis_url *out, char *err, size_t errlen)
+    __attribute__((warn_unused_result));
 
 /*
  * Parses a comma-separated list of Sentinel addresses, "host[:port]" each

@@ -480,6 +480,136 @@ def wait_replica_synced(replica, timeout=30):
     wait_until(up, timeout=timeout, message="the replica's link to its primary")
 
 
+class RedisCluster:
+    """A throwaway Redis Cluster on 127.0.0.1: `primaries` primaries, each with
+    `replicas` replicas, every node append-only, made with redis-cli --cluster
+    create and stopped and removed at the end.
+
+        with RedisCluster(3, 1) as cluster:
+            cluster.url()            # "redis://127.0.0.1:p1,127.0.0.1:p2,..."
+            cluster.reader()         # scan_iter/xrange over every primary (Verifier)
+            cluster.primaries()      # {port: Redis} of the primaries now
+    """
+
+    def __init__(self, primaries=3, replicas=1, node_timeout_ms=2000):
+        self.count = primaries * (1 + replicas)
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.nodes = []
+
+    def __enter__(self):
+        try:
+            args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                    "--cluster-node-timeout", str(self.node_timeout_ms),
+                    "--repl-diskless-sync-delay", "0"]
+            for _ in range(self.count):
+                # The bus port is its own (cluster-port): port + 10000, the
+                # default, may be taken or past 65535.
+                node = Redis(appendonly=True,
+                             extra_args=args + ["--cluster-port", str(free_port())])
+                node.__enter__()
+                self.nodes.append(node)
+            cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+            _run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                  "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                 "redis-cli --cluster create", timeout=120)
+            self.wait_ok()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self):
+        for node in self.nodes:
+            node.close()
+        self.nodes = []
+
+    def node(self, port):
+        return next(n for n in self.nodes if n.port == port)
+
+    def wait_ok(self, timeout=60):
+        """Waits until every running node says cluster_state:ok and agrees on
+        the primaries of all 16384 slots."""
+        def ok():
+            maps = []
+            for n in self.nodes:
+                if n.proc is None or n.proc.poll() is not None:
+                    continue
+                try:
+                    with contextlib.closing(n.client(socket_timeout=2)) as c:
+                        if c.execute_command("CLUSTER", "INFO").decode().find(
+                                "cluster_state:ok") < 0:
+                            return False
+                        maps.append(sorted((s[0], s[1], s[2][1])
+                                           for s in c.execute_command("CLUSTER", "SLOTS")))
+                except redis_py.exceptions.RedisError:
+                    return False
+            return bool(maps) and all(m == maps[0] for m in maps) and \
+                sum(s[1] - s[0] + 1 for s in maps[0]) == 16384
+        wait_until(ok, timeout=timeout, interval=0.2, message="the cluster to be ok")
+
+    def slots(self):
+        """[(first, last, primary port)] as a running node sees them."""
+        for n in self.nodes:
+            if n.proc is not None and n.proc.poll() is None:
+                with contextlib.closing(n.client(socket_timeout=5)) as c:
+                    return sorted((s[0], s[1], s[2][1])
+                                  for s in c.execute_command("CLUSTER", "SLOTS"))
+        raise RuntimeError("no cluster node is running")
+
+    def primaries(self):
+        return {port: self.node(port) for port in sorted({s[2] for s in self.slots()})}
+
+    def primary_of(self, key):
+        slot = self.keyslot(key)
+        return self.node(next(p for lo, hi, p in self.slots() if lo <= slot <= hi))
+
+    def keyslot(self, key):
+        for n in self.nodes:
+            if n.proc is not None and n.proc.poll() is None:
+                with contextlib.closing(n.client(socket_timeout=5)) as c:
+                    return int(c.execute_command("CLUSTER", "KEYSLOT", key))
+        raise RuntimeError("no cluster node is running")
+
+    def node_id(self, node):
+        with contextlib.closing(node.client(socket_timeout=5)) as c:
+            return c.execute_command("CLUSTER", "MYID").decode()
+
+    def url(self):
+        return "redis://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def reader(self):
+        return ClusterReader(self)
+
+
+class ClusterReader:
+    """What Verifier and stream_names need of a client, over every primary of a
+    cluster: scan_iter yields each key once (from the primary that holds it),
+    and xrange reads a stream from that primary."""
+
+    def __init__(self, cluster):
+        self.clients = {port: node.client() for port, node in cluster.primaries().items()}
+        self.owner = {}
+
+    def scan_iter(self, **kwargs):
+        for port, c in self.clients.items():
+            for key in c.scan_iter(**kwargs):
+                self.owner[key] = c
+                yield key
+
+    def xrange(self, stream, **kwargs):
+        key = stream if isinstance(stream, bytes) else stream.encode()
+        return self.owner[key].xrange(stream, **kwargs)
+
+    def close(self):
+        for c in self.clients.values():
+            c.close()
+
+
 class Sentinel(Redis):
     """A throwaway Redis Sentinel on 127.0.0.1 that monitors one primary.
 

@@ -99,6 +99,30 @@ static void test_stream_and_dedup_key_share_hash_tag(void **state)
     assert_int_equal(relay_key_stream("", "orders", 6, stream, 4), -1);
 }
 
+/* CLUSTER KEYSLOT's answers (the Redis Cluster specification's examples and
+ * redis-server 7.0), and the hash tag rules: first "{", next "}", not empty. */
+static void test_cluster_slot(void **state)
+{
+    (void)state;
+    assert_int_equal(relay_key_slot("foo", 3), 12182);
+    assert_int_equal(relay_key_slot("hello", 5), 866);
+    assert_int_equal(relay_key_slot("somekey", 7), 11058);
+    assert_int_equal(relay_key_slot("foo{hash_tag}", 13), 2515);
+    assert_int_equal(relay_key_slot("bar{hash_tag}", 13), 2515);
+    assert_int_equal(relay_key_slot("{}foo", 5), relay_key_slot("{}foo", 5));
+    assert_int_equal(relay_key_slot("{}foo", 5) == relay_key_slot("foo", 3), 0);
+    assert_int_equal(relay_key_slot("{foo", 4) == relay_key_slot("foo", 3), 0);
+    assert_int_equal(relay_key_slot("{foo}{bar}", 10), relay_key_slot("foo", 3));
+    assert_int_equal(relay_key_slot("x{{foo}}", 8), relay_key_slot("{foo", 4));
+    /* A stream and every key derived from it share a slot. */
+    char key[128];
+    unsigned slot = relay_key_slot("app:orders", 10);
+    assert_true(relay_key_dedup("app:orders", MID, strlen(MID), key, sizeof(key)) > 0);
+    assert_int_equal(relay_key_slot(key, strlen(key)), slot);
+    assert_true(relay_key_lease("app:orders", "g", "lease", key, sizeof(key)) > 0);
+    assert_int_equal(relay_key_slot(key, strlen(key)), slot);
+}
+
 /* The vectors of docs/PARTITIONS.md; tests/integration/test_partitions.py
  * checks outbox.fnv1a32 against the same. */
 static void test_partition_hash_vectors(void **state)
@@ -411,6 +435,20 @@ static void test_apply_reply_batch_failures(void **state)
     assert_true(cycle.failed);
     assert_true(cycle.not_primary);
     assert_false(cycle.function_missing);
+
+    /* A cluster's slot moved: the sink reads the slot map again. ASK and
+     * TRYAGAIN (a slot being migrated) fail the batch, which is retried. */
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 2;
+    const char *moved = "MOVED 3999 127.0.0.1:6381";
+    const char *ask = "ASK 3999 127.0.0.1:6381";
+    assert_int_equal(relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_ERROR, ask, strlen(ask)), 0);
+    assert_true(cycle.failed);
+    assert_false(cycle.slots_moved);
+    assert_int_equal(relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_ERROR, moved, strlen(moved)),
+                     1);
+    assert_true(cycle.slots_moved);
+    assert_int_equal(row.state, RELAY_ROW_CLAIMED);
 
     memset(&cycle, 0, sizeof(cycle));
     cycle.pending = 1;
@@ -1146,6 +1184,7 @@ int main(void)
         cmocka_unit_test(test_topic_charset),
         cmocka_unit_test(test_stream_and_dedup_key_share_hash_tag),
         cmocka_unit_test(test_partition_hash_vectors),
+        cmocka_unit_test(test_cluster_slot),
         cmocka_unit_test(test_partition_stream_names),
         cmocka_unit_test(test_build_publish_fields),
         cmocka_unit_test(test_build_publish_no_key_field_when_null),
