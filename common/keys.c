@@ -114,28 +114,46 @@ int relay_key_dedup(const char *stream, const char *message_id, size_t message_i
                 outlen);
 }
 
-/* "<stream>.<group><suffix>", with names of any bytes but NUL. */
-static int join_name(const char *stream, const char *group, const char *suffix, char *out,
-                     size_t outlen)
+/* "{<stream>}.<group><suffix>" (with braces, in the stream's hash slot) or
+ * "<stream>.<group><suffix>" (without: the names before 0.2), with names of
+ * any bytes but NUL. */
+static int join_name(const char *stream, const char *group, const char *suffix, int tagged,
+                     char *out, size_t outlen)
 {
-    size_t a = strlen(stream), b = strlen(group), c = strlen(suffix);
-    if (a + 1 + b + c + 1 > outlen)
+    size_t a = strlen(stream), b = strlen(group), c = strlen(suffix), t = tagged ? 2 : 0;
+    if (a + t + 1 + b + c + 1 > outlen)
         return -1;
-    memcpy(out, stream, a);
-    out[a] = '.';
-    memcpy(out + a + 1, group, b);
-    memcpy(out + a + 1 + b, suffix, c + 1);
-    return (int)(a + 1 + b + c);
+    char *p = out;
+    if (tagged)
+        *p++ = '{';
+    memcpy(p, stream, a);
+    p += a;
+    if (tagged)
+        *p++ = '}';
+    *p++ = '.';
+    memcpy(p, group, b);
+    memcpy(p + b, suffix, c + 1);
+    return (int)(a + t + 1 + b + c);
 }
 
 int relay_key_dlq(const char *stream, const char *group, char *out, size_t outlen)
 {
-    return join_name(stream, group, ".dlq", out, outlen);
+    return join_name(stream, group, ".dlq", 1, out, outlen);
 }
 
 int relay_key_replay(const char *stream, const char *group, char *out, size_t outlen)
 {
-    return join_name(stream, group, ".replay", out, outlen);
+    return join_name(stream, group, ".replay", 1, out, outlen);
+}
+
+int relay_key_dlq_old(const char *stream, const char *group, char *out, size_t outlen)
+{
+    return join_name(stream, group, ".dlq", 0, out, outlen);
+}
+
+int relay_key_replay_old(const char *stream, const char *group, char *out, size_t outlen)
+{
+    return join_name(stream, group, ".replay", 0, out, outlen);
 }
 
 int relay_key_lease(const char *stream, const char *group, const char *what, char *out,

@@ -11,6 +11,7 @@
 #include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -236,6 +237,68 @@ static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeo
              "redis_sentinel and redis_master, and that the Sentinels are up",
              u->sentinels.master, u->sentinels.n, last);
     return -1;
+}
+
+int relay_redis_each_primary(redisContext *c, const struct relay_redis_url *u,
+                             uint32_t connect_timeout_ms, uint32_t command_timeout_ms, int stop_fd,
+                             int (*fn)(redisContext *node, void *arg), void *arg, char *err,
+                             size_t errlen)
+{
+    redisReply *r = relay_redis_call(c, stop_fd, command_timeout_ms, "CLUSTER SLOTS");
+    if (r == NULL) {
+        snprintf(err, errlen, "CLUSTER SLOTS: %s", c->errstr);
+        return -1;
+    }
+    if (r->type != REDIS_REPLY_ARRAY) {
+        freeReplyObject(r);
+        return fn(c, arg); /* not a cluster */
+    }
+    enum { PRIMARIES_MAX = 64 };
+    struct relay_addr *seen = calloc(PRIMARIES_MAX, sizeof(*seen));
+    int count = 0, rc = 0;
+    if (seen == NULL) {
+        freeReplyObject(r);
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    for (size_t i = 0; i < r->elements && count < PRIMARIES_MAX; i++) {
+        const redisReply *e = r->element[i];
+        if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 ||
+            e->element[2]->type != REDIS_REPLY_ARRAY || e->element[2]->elements < 2 ||
+            e->element[2]->element[0]->type != REDIS_REPLY_STRING ||
+            e->element[2]->element[1]->type != REDIS_REPLY_INTEGER)
+            continue;
+        const char *host = e->element[2]->element[0]->str;
+        long long port = e->element[2]->element[1]->integer;
+        if (host[0] == '\0' || strcmp(host, "?") == 0)
+            host = u->host;
+        int at = 0;
+        while (at < count && !(seen[at].port == port && strcmp(seen[at].host, host) == 0))
+            at++;
+        if (at < count || port < 1 || port > 65535)
+            continue;
+        snprintf(seen[count].host, sizeof(seen[count].host), "%s", host);
+        seen[count].port = (int)port;
+        count++;
+    }
+    freeReplyObject(r);
+    for (int i = 0; i < count && rc == 0; i++) {
+        struct relay_redis_url at = *u;
+        memset(&at.sentinels, 0, sizeof(at.sentinels));
+        snprintf(at.host, sizeof(at.host), "%s", seen[i].host);
+        at.port = seen[i].port;
+        enum relay_redis_fault fault;
+        redisContext *node =
+            open_url(&at, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, &fault);
+        if (node == NULL) {
+            rc = -1;
+            break;
+        }
+        rc = fn(node, arg);
+        redisFree(node);
+    }
+    free(seen);
+    return rc;
 }
 
 redisContext *relay_redis_open(const struct relay_redis_url *u, uint32_t connect_timeout_ms,

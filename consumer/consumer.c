@@ -522,7 +522,7 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
     if (c->o.partitions > 1 && opts->dlq != NULL && opts->dlq[0] != '\0') {
         snprintf(err, errlen,
                  "dlq is not set in the ordered mode: each partition has its own dead-letter "
-                 "stream, <partition stream>.<group>.dlq");
+                 "stream, {<partition stream>}.<group>.dlq");
         goto fail;
     }
     if (copy_name(c->stream, opts->stream, "stream", err, errlen) < 0 ||
@@ -722,14 +722,52 @@ static void sleep_ms_interruptible(struct relay_consumer *c, uint32_t ms)
     }
 }
 
+/*
+ * A dead-letter or replay stream under its name before 0.2 ("<stream>.<group>
+ * .dlq" and ".replay", outside the stream's hash slot) is renamed to its name
+ * now when that is free; when both exist, a warning says how to merge them
+ * (outbox-relay dlq migrate). Failures are warnings: consuming goes on.
+ */
+static void migrate_name(struct relay_consumer *c, const char *stream, const char *now, int replay)
+{
+    char old[sizeof(c->dlq)];
+    if ((replay ? relay_key_replay_old(stream, c->group, old, sizeof(old))
+                : relay_key_dlq_old(stream, c->group, old, sizeof(old))) < 0)
+        return;
+    const char *argv[3] = {"RENAMENX", old, now};
+    size_t lens[3] = {8, strlen(old), strlen(now)};
+    redisReply *r = command(c->wr, 3, argv, lens);
+    if (r == NULL)
+        return;
+    if (r->type == REDIS_REPLY_INTEGER && r->integer == 1)
+        emit(c, RELAY_CONSUMER_LOG_INFO, "%s: renamed %s to %s (the name before 0.2)", c->consumer,
+             old, now);
+    else if (r->type == REDIS_REPLY_INTEGER && r->integer == 0)
+        emit(c, RELAY_CONSUMER_LOG_WARNING,
+             "%s: both %s (the name before 0.2) and %s exist: run 'outbox-relay dlq migrate %s "
+             "%s' to move the old entries",
+             c->consumer, old, now, stream, c->group);
+    /* An error: the old key is absent (ERR no such key), or a cluster refused
+     * a rename across slots, where no deployment before 0.2 ran. */
+    freeReplyObject(r);
+}
+
 static int connect_all(struct relay_consumer *c)
 {
     disconnect(c);
     c->wr = open_conn(c, c->o.command_timeout_ms, "ack");
     if (c->wr != NULL)
         c->rd = open_conn(c, c->o.block_ms + c->o.command_timeout_ms, "read");
-    if (c->rd == NULL || load_function(c) < 0 || ensure_group(c, c->stream) < 0 ||
-        ensure_group(c, c->replay) < 0) {
+    if (c->rd == NULL || load_function(c) < 0) {
+        disconnect(c);
+        return -1;
+    }
+    char default_dlq[sizeof(c->dlq)];
+    if (relay_consumer_dlq_name(c->stream, c->group, default_dlq, sizeof(default_dlq)) > 0 &&
+        strcmp(default_dlq, c->dlq) == 0)
+        migrate_name(c, c->stream, c->dlq, 0); /* a dlq of the caller's own keeps its name */
+    migrate_name(c, c->stream, c->replay, 1);
+    if (ensure_group(c, c->stream) < 0 || ensure_group(c, c->replay) < 0) {
         disconnect(c);
         return -1;
     }
@@ -2062,9 +2100,12 @@ static int connect_ordered(struct relay_consumer *c, struct ordered *od)
         c->rd = open_conn(c, c->o.block_ms + c->o.command_timeout_ms, "read");
     if (c->rd == NULL || load_function(c) < 0)
         goto fail;
-    for (uint32_t i = 0; i < od->n; i++)
+    for (uint32_t i = 0; i < od->n; i++) {
+        migrate_name(c, od->parts[i].stream, od->parts[i].dlq, 0);
+        migrate_name(c, od->parts[i].stream, od->parts[i].replay, 1);
         if (ensure_group(c, od->parts[i].stream) < 0 || ensure_group(c, od->parts[i].replay) < 0)
             goto fail;
+    }
     /* What was in hand may have been acknowledged with the reply lost: read
      * it again from the pending list, after taking over again what others
      * left. */

@@ -710,8 +710,9 @@ static void redis_memory(struct rconn *c, struct relay_observation *o)
     redisReply *r = cmd(c, "INFO memory");
     if (r != NULL && r->type == REDIS_REPLY_STRING) {
         const char *p = strstr(r->str, "\nused_memory:"); /* after "# Memory" */
-        if (p != NULL)
-            o->redis_used_memory = strtoll(p + 13, NULL, 10);
+        if (p != NULL)                                    /* summed over a cluster's primaries */
+            o->redis_used_memory =
+                (o->redis_used_memory > 0 ? o->redis_used_memory : 0) + strtoll(p + 13, NULL, 10);
     }
     if (r != NULL)
         freeReplyObject(r);
@@ -753,6 +754,20 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
     return 0;
 }
 
+/* redis_observe on one primary of a cluster, or on the one server. */
+struct observe_each {
+    const struct relay_config *cfg;
+    struct relay_observation *o;
+    int stop_fd;
+};
+
+static int observe_node(redisContext *node, void *arg)
+{
+    struct observe_each *e = arg;
+    struct rconn rc = {node, e->stop_fd, e->cfg->connect_timeout_ms};
+    return redis_observe(e->cfg, &rc, e->o);
+}
+
 static void finish_queue_ages(struct relay_observation *o)
 {
     for (size_t i = 0; i < o->ngroups; i++) {
@@ -788,8 +803,10 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
                                relay_observe_stop_fd(stop), o->redis_error, sizeof(o->redis_error),
                                &fault);
     if (*rd != NULL) {
-        struct rconn rc = {*rd, relay_observe_stop_fd(stop), cfg->connect_timeout_ms};
-        o->redis_ok = redis_observe(cfg, &rc, o) == 0;
+        struct observe_each each = {cfg, o, relay_observe_stop_fd(stop)};
+        o->redis_ok = relay_redis_each_primary(*rd, &cfg->redis_url, cfg->connect_timeout_ms,
+                                               cfg->connect_timeout_ms, each.stop_fd, observe_node,
+                                               &each, o->redis_error, sizeof(o->redis_error)) == 0;
         if (!o->redis_ok && (*rd)->err) {
             redisFree(*rd);
             *rd = NULL;

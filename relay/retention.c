@@ -266,57 +266,100 @@ static int trim_stream(const struct relay_config *cfg, redisContext *c, int stop
  * Every stream of the relay's topics ("<prefix><topic>" and the partitions'
  * "<prefix><topic>:<ppp>", as the observer
  * finds them, but all of them, not only those it lists), with
- * stream_retention; then the replay stream of each group observed, with 0:
- * a replayed entry is gone once its group acknowledged it. Dead-letter
- * streams are never trimmed. Names ending in ".dlq" or ".replay" are not
- * taken for topics, as the observer does not take them.
+ * stream_retention, and every replay stream of theirs
+ * ("{<stream>}.<group>.replay") with 0: a replayed entry is gone once its
+ * group acknowledged it. Dead-letter streams are never trimmed. Names ending
+ * in ".dlq" or ".replay" are not taken for topics, as the observer does not
+ * take them. In a cluster, on each primary in turn.
  */
-static void trim_streams(const struct relay_config *cfg, redisContext **rd, int stop_fd,
-                         struct relay_retention *st, struct relay_observation *o)
+/* "{<prefix><topic>[:<ppp>]}.<group>.replay": a replay stream of one of the
+ * relay's streams. */
+static int our_replay(const char *k, size_t klen, const char *prefix, size_t plen)
 {
+    if (klen < plen + 3 || k[0] != '{' || strncmp(k + 1, prefix, plen) != 0 ||
+        !relay_tools_ends_with(k, ".replay"))
+        return 0;
+    const char *close = memchr(k + 1, '}', klen - 1);
+    if (close == NULL || close[1] != '.')
+        return 0;
+    size_t slen = (size_t)(close - (k + 1 + plen));
+    int partition;
+    return relay_batch_topic_valid(k + 1 + plen,
+                                   relay_key_stream_topic_len(k + 1 + plen, slen, &partition));
+}
+
+struct trim_each {
+    const struct relay_config *cfg;
+    int stop_fd;
+    struct relay_retention *st;
+    struct relay_observation *o;
+    int trimmed;
+};
+
+/* The streams of one server, or of one primary of a cluster (each stream's
+ * replay streams share its slot, so they are found on the same primary). */
+static int trim_node(redisContext *c, void *arg)
+{
+    struct trim_each *e = arg;
+    const struct relay_config *cfg = e->cfg;
+    int stop_fd = e->stop_fd;
+    struct relay_retention *st = e->st;
+    struct relay_observation *o = e->o;
     const char *prefix = cfg->stream_prefix != NULL ? cfg->stream_prefix : "";
     size_t plen = strlen(prefix);
     char cursor[32] = "0";
-    int trimmed = 0, rounds = 0;
-    st->nheld = 0;
+    int rounds = 0;
     do {
-        redisReply *r = relay_redis_call(*rd, stop_fd, cfg->connect_timeout_ms,
+        redisReply *r = relay_redis_call(c, stop_fd, cfg->connect_timeout_ms,
                                          "SCAN %s TYPE stream COUNT 1000", cursor);
         if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2) {
             failed(st, "trimming streams",
-                   r != NULL && r->type == REDIS_REPLY_ERROR ? r->str : (*rd)->errstr);
+                   r != NULL && r->type == REDIS_REPLY_ERROR ? r->str : c->errstr);
             if (r != NULL)
                 freeReplyObject(r);
-            return;
+            return -1;
         }
         snprintf(cursor, sizeof(cursor), "%s", r->element[0]->str);
         const redisReply *keys = r->element[1];
-        for (size_t i = 0; i < keys->elements && trimmed < TRIM_STREAMS_MAX; i++) {
+        for (size_t i = 0; i < keys->elements && e->trimmed < TRIM_STREAMS_MAX; i++) {
             const redisReply *k = keys->element[i];
             int partition;
-            if (k->type != REDIS_REPLY_STRING || k->len < plen ||
-                strncmp(k->str, prefix, plen) != 0 ||
-                !relay_batch_topic_valid(
-                    k->str + plen,
-                    relay_key_stream_topic_len(k->str + plen, k->len - plen, &partition)) ||
-                relay_tools_ends_with(k->str, ".dlq") || relay_tools_ends_with(k->str, ".replay"))
+            if (k->type != REDIS_REPLY_STRING)
                 continue;
-            trimmed++;
-            if (trim_stream(cfg, *rd, stop_fd, k->str, cfg->stream_retention_ms, st, o) < 0) {
+            uint32_t retention;
+            if (our_replay(k->str, k->len, prefix, plen))
+                retention = 0; /* a replayed entry is gone once its group acknowledged it */
+            else if (k->len >= plen && strncmp(k->str, prefix, plen) == 0 &&
+                     relay_batch_topic_valid(
+                         k->str + plen,
+                         relay_key_stream_topic_len(k->str + plen, k->len - plen, &partition)) &&
+                     !relay_tools_ends_with(k->str, ".dlq") &&
+                     !relay_tools_ends_with(k->str, ".replay"))
+                retention = cfg->stream_retention_ms;
+            else
+                continue;
+            e->trimmed++;
+            if (trim_stream(cfg, c, stop_fd, k->str, retention, st, o) < 0) {
                 freeReplyObject(r);
-                return;
+                return -1;
             }
         }
         freeReplyObject(r);
-    } while (strcmp(cursor, "0") != 0 && ++rounds < 10000 && trimmed < TRIM_STREAMS_MAX);
+    } while (strcmp(cursor, "0") != 0 && ++rounds < 10000 && e->trimmed < TRIM_STREAMS_MAX);
+    return 0;
+}
 
-    for (size_t g = 0; g < o->ngroups; g++) {
-        char replay[RELAY_TOPIC_MAX + 300];
-        if (relay_key_replay(o->groups[g].stream, o->groups[g].group, replay, sizeof(replay)) < 0)
-            continue;
-        if (trim_stream(cfg, *rd, stop_fd, replay, 0, st, o) < 0)
-            return;
-    }
+static void trim_streams(const struct relay_config *cfg, redisContext **rd, int stop_fd,
+                         struct relay_retention *st, struct relay_observation *o)
+{
+    struct trim_each each = {cfg, stop_fd, st, o, 0};
+    char err[512] = "";
+    st->nheld = 0;
+    if (relay_redis_each_primary(*rd, &cfg->redis_url, cfg->connect_timeout_ms,
+                                 cfg->connect_timeout_ms, stop_fd, trim_node, &each, err,
+                                 sizeof(err)) < 0 &&
+        err[0] != '\0')
+        failed(st, "trimming streams", err);
 }
 
 void relay_retention_run(const struct relay_config *cfg, PGconn **pg, redisContext **rd,

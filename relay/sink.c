@@ -466,9 +466,11 @@ static void all_ready(struct relay_sink *s)
 static int take_slots(struct relay_sink *s, struct sink_node *first, const redisReply *r)
 {
     char msg[400];
-    if (r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "CLUSTERDOWN", 11) != 0) {
+    if (r != NULL && r->type != REDIS_REPLY_ARRAY &&
+        !(r->type == REDIS_REPLY_ERROR && strncmp(r->str, "CLUSTERDOWN", 11) == 0)) {
         /* "ERR This instance has cluster support disabled" (or an ACL that
-         * forbids CLUSTER, on a server that then is not used as a cluster). */
+         * forbids CLUSTER, or a proxy that answers for one server: none of
+         * them is used as a cluster). */
         s->cluster = 0;
         s->nnodes = 1;
         describe(s);

@@ -11,7 +11,7 @@ loopback, in temporary directories, removed at the end, also on Ctrl-C):
     outbox_consumer.processed row, so a redelivery does nothing. A flaky mail
     provider fails 10% of first deliveries (--fail-rate 0.1): those are retried
     after a backoff of 1 s, 2 s, 4 s. The malformed order fails for good and
-    lands in the dead-letter stream orders.email.dlq.
+    lands in the dead-letter stream {orders}.email.dlq.
   - each order also writes an invoice to the topic "invoices", in the same
     transaction: 4 partitions by customer, with the customer's own running
     number. The consumer group "ledger" is two `outbox-email-consumer --ordered
@@ -197,7 +197,7 @@ def main():
                     print(f"Relay running (pid {relay.pid}); consumer group \"email\": "
                           f"outbox-email-consumer pids {c1.pid} and {c2.pid}\n"
                           f"  (--fail-rate {args.fail_rate:g}: a flaky mail provider;"
-                          f" --backoff 1s,2s,4s; dead letters to orders.email.dlq)\n"
+                          f" --backoff 1s,2s,4s; dead letters to {orders}.email.dlq)\n"
                           f"Consumer group \"ledger\" on invoices ({INVOICE_PARTITIONS}"
                           f" partitions by customer): outbox-email-consumer --ordered pids"
                           f" {l1.pid} and {l2.pid} (leases of 3 s)")
@@ -231,7 +231,7 @@ def run(pg, rd, group, args, errors, live, ledger):
             booked = cur.fetchone()[0]
         written = sum(s.written for s in services)
         retries = sum(len(RETRY_LINE.findall(c.log())) for c in group)
-        dead = r.xlen("orders.email.dlq")
+        dead = r.xlen("{orders}.email.dlq")
         line = (f"  t={time.monotonic() - started:4.1f}s  written {written:5d} | relayed"
                 f" {relayed:5d} | emails sent {emails:5d} | retries {retries:3d}"
                 f" | dead letters {dead} | invoices booked {booked:5d}")

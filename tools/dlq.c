@@ -3,10 +3,10 @@
  *
  * A consumer that gives up on a message (failed for good, out of deliveries,
  * malformed, or lost from the stream while pending) moves it to the group's
- * dead-letter stream "<stream>.<group>.dlq": the original fields plus the
+ * dead-letter stream "{<stream>}.<group>.dlq": the original fields plus the
  * dlq.* fields of consumer.h, which say why. "dlq list" and "dlq show" read
  * them; "dlq replay" puts them back on the group's own replay stream
- * "<stream>.<group>.replay", which only that group reads, so the other groups
+ * "{<stream>}.<group>.replay", which only that group reads, so the other groups
  * of the stream never see a message twice; "dlq purge" deletes them. A
  * replay is one call of the consumer library's replay function per dead
  * letter, which deletes the dead letter only once it is on the replay stream.
@@ -32,6 +32,7 @@
 #include "relay/config.h"
 #include "relay/entry.h"
 #include "relay/redisconn.h"
+#include "relay/keys.h"
 #include "outbox/consumer.h"
 
 /* Longest stream, dead-letter or replay name we handle (the names are ours). */
@@ -325,13 +326,16 @@ static void dlq_usage(FILE *f)
                "       outbox-relay [-c FILE] dlq show STREAM GROUP ID\n"
                "       outbox-relay [-c FILE] dlq replay STREAM GROUP ID... | FROM-TO... | --all\n"
                "       outbox-relay [-c FILE] dlq purge STREAM GROUP ID... | FROM-TO... | --all\n"
+               "       outbox-relay [-c FILE] dlq migrate STREAM GROUP\n"
                "\n"
                "STREAM is the stream's Redis key (with any stream_prefix), GROUP the consumer\n"
-               "group whose dead letters (STREAM.GROUP.dlq) are meant. ID is a dead letter's\n"
+               "group whose dead letters ({STREAM}.GROUP.dlq) are meant. ID is a dead letter's\n"
                "entry id as 'dlq list' shows it (1718000000000-0); FROM-TO is every dead letter\n"
                "between two such ids, both included (1718000000000-0-1718000000500-3).\n"
-               "replay sends the original message, with its id, to STREAM.GROUP.replay, which\n"
-               "only GROUP reads. Only the redis setting is used.\n");
+               "replay sends the original message, with its id, to {STREAM}.GROUP.replay, which\n"
+               "only GROUP reads. migrate moves the group's dead letters and replays from the\n"
+               "names before 0.2 (STREAM.GROUP.dlq, STREAM.GROUP.replay) to these. Only the\n"
+               "redis setting is used.\n");
 }
 
 /* ------------------------------------------------------------------------ */
@@ -757,6 +761,132 @@ static int dlq_purge(struct dlq_ctx *d, int all, const struct dlq_sel *sels, int
 
 /* The stream, the group and the names derived from them, checked and kept
  * with their escaped forms for messages. 0, or -1 after saying why. */
+/*
+ * Moves one stream from its name before 0.2 to its name now: RENAME when the
+ * new name is free (the stream, its groups and their pending entries go as
+ * they are), else entry by entry (XADD to the new name, then XDEL from the
+ * old; the entries get new ids). Returns 0 or an exit code.
+ */
+static int migrate_one(struct dlq_ctx *d, const char *old, const char *now)
+{
+    char shown_old[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)], shown_now[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)];
+    relay_tools_escape(shown_old, sizeof(shown_old), old, strlen(old), 0, 0);
+    relay_tools_escape(shown_now, sizeof(shown_now), now, strlen(now), 0, 0);
+    const char *type_argv[2] = {"TYPE", old};
+    redisReply *r = command(d, 2, type_argv, NULL);
+    if (r == NULL)
+        return io_failed(d);
+    int absent = r->type == REDIS_REPLY_STATUS && strcmp(r->str, "none") == 0;
+    int stream = r->type == REDIS_REPLY_STATUS && strcmp(r->str, "stream") == 0;
+    freeReplyObject(r);
+    if (absent) {
+        fprintf(d->out, "%s: nothing to move\n", shown_old);
+        return 0;
+    }
+    if (!stream) {
+        fprintf(d->errout, "outbox-relay: %s is not a stream: left as it is\n", shown_old);
+        return RELAY_EX_DATAERR;
+    }
+    const char *rn[3] = {"RENAMENX", old, now};
+    r = command(d, 3, rn, NULL);
+    if (r == NULL)
+        return io_failed(d);
+    if (r->type == REDIS_REPLY_INTEGER && r->integer == 1) {
+        freeReplyObject(r);
+        fprintf(d->out, "renamed %s to %s\n", shown_old, shown_now);
+        return 0;
+    }
+    /* The new name is taken (consumers of 0.2 wrote to it already), or a
+     * Redis Cluster refused a rename across slots: move the entries. */
+    if (r->type == REDIS_REPLY_ERROR && strstr(r->str, "CROSSSLOT") == NULL) {
+        int rc = refused(d, "RENAMENX", r);
+        freeReplyObject(r);
+        return rc;
+    }
+    freeReplyObject(r);
+    long long moved = 0;
+    for (;;) {
+        const char *xr[6] = {"XRANGE", old, "-", "+", "COUNT", "100"};
+        redisReply *page = command(d, 6, xr, NULL);
+        if (page == NULL)
+            return io_failed(d);
+        if (page->type != REDIS_REPLY_ARRAY) {
+            int rc = refused(d, "XRANGE", page);
+            freeReplyObject(page);
+            return rc;
+        }
+        if (page->elements == 0) {
+            freeReplyObject(page);
+            break;
+        }
+        for (size_t i = 0; i < page->elements; i++) {
+            const redisReply *e = page->element[i];
+            if (!entry_ok(e))
+                continue;
+            const redisReply *f = e->element[1];
+            size_t argc = 3 + f->elements;
+            const char **argv = calloc(argc, sizeof(*argv));
+            size_t *lens = calloc(argc, sizeof(*lens));
+            if (argv == NULL || lens == NULL) {
+                free(argv);
+                free(lens);
+                freeReplyObject(page);
+                return RELAY_EX_OSERR;
+            }
+            argv[0] = "XADD";
+            lens[0] = 4;
+            argv[1] = now;
+            lens[1] = strlen(now);
+            argv[2] = "*";
+            lens[2] = 1;
+            for (size_t k = 0; k < f->elements; k++) {
+                argv[3 + k] = f->element[k]->str;
+                lens[3 + k] = f->element[k]->len;
+            }
+            redisReply *a = redisCommandArgv(d->c, (int)argc, argv, lens);
+            free(argv);
+            free(lens);
+            if (a == NULL || is_error(a)) {
+                int rc = a == NULL ? io_failed(d) : refused(d, "XADD", a);
+                if (a != NULL)
+                    freeReplyObject(a);
+                freeReplyObject(page);
+                return rc;
+            }
+            freeReplyObject(a);
+            const char *xd[3] = {"XDEL", old, e->element[0]->str};
+            redisReply *x = command(d, 3, xd, NULL);
+            if (x == NULL) {
+                freeReplyObject(page);
+                return io_failed(d);
+            }
+            freeReplyObject(x);
+            moved++;
+        }
+        freeReplyObject(page);
+    }
+    const char *del[2] = {"UNLINK", old};
+    r = command(d, 2, del, NULL);
+    if (r == NULL)
+        return io_failed(d);
+    freeReplyObject(r);
+    fprintf(d->out, "moved %lld entr%s from %s to %s, which was there already\n", moved,
+            moved == 1 ? "y" : "ies", shown_old, shown_now);
+    return 0;
+}
+
+static int dlq_migrate(struct dlq_ctx *d)
+{
+    char old_dlq[DLQ_NAME_MAX], old_replay[DLQ_NAME_MAX];
+    if (relay_key_dlq_old(d->stream, d->group, old_dlq, sizeof(old_dlq)) < 0 ||
+        relay_key_replay_old(d->stream, d->group, old_replay, sizeof(old_replay)) < 0)
+        return RELAY_EX_USAGE;
+    int rc = migrate_one(d, old_dlq, d->dlq);
+    if (rc != 0)
+        return rc;
+    return migrate_one(d, old_replay, d->replay);
+}
+
 static int dlq_names(struct dlq_ctx *d, const char *stream, const char *group)
 {
     d->stream = stream;
@@ -853,7 +983,13 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
 
     int is_list = strcmp(verb, "list") == 0, is_show = strcmp(verb, "show") == 0;
     int is_replay = strcmp(verb, "replay") == 0, is_purge = strcmp(verb, "purge") == 0;
-    if (is_list) {
+    int is_migrate = strcmp(verb, "migrate") == 0;
+    if (is_migrate) {
+        if (argc != 4) {
+            fprintf(errout, "outbox-relay: dlq migrate takes a stream and a group only\n");
+            goto usage;
+        }
+    } else if (is_list) {
         if (parse_list_args(argc, argv, errout, &count) < 0)
             goto usage;
     } else if (is_show || is_replay || is_purge) {
@@ -869,6 +1005,10 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
 
     if ((rc = dlq_connect(&d, cfg)) != 0)
         goto out;
+    if (is_migrate) {
+        rc = dlq_migrate(&d); /* the group may be gone: its dead letters still move */
+        goto out;
+    }
     if ((rc = check_group(&d)) != 0)
         goto out;
     if (is_list)

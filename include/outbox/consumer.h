@@ -20,7 +20,7 @@
  * The processed table keeps the effect single; size the first step above the
  * handler's usual run time.
  *
- * Each group also reads its own replay stream "<stream>.<group>.replay": that
+ * Each group also reads its own replay stream "{<stream>}.<group>.replay": that
  * is where "outbox-relay dlq replay" puts dead letters back, so a replay
  * reaches only the group that failed. The library uses hiredis's blocking API
  * on two connections of its own (one for XREADGROUP BLOCK, one for XACK,
@@ -97,7 +97,7 @@ struct relay_consumer_options {
     const char *stream;
     const char *group;
     const char *consumer;                            /* NULL: "<hostname>-<pid>" */
-    const char *dlq;                                 /* NULL: "<stream>.<group>.dlq" */
+    const char *dlq;                                 /* NULL: "{<stream>}.<group>.dlq" */
     uint32_t max_deliveries;                         /* 0: 5 */
     uint32_t backoff_ms[RELAY_CONSUMER_BACKOFF_MAX]; /* delay before delivery n+1 */
     uint32_t nbackoff; /* steps used in backoff_ms (the last repeats); 0: 1s, 10s, 100s, 1000s */
@@ -198,7 +198,7 @@ uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts, ui
  * interval between deliveries. A processed row must outlive it. */
 uint64_t relay_consumer_redelivery_horizon_ms(const struct relay_consumer_options *opts);
 
-/* Names: "<stream>.<group>.dlq" and "<stream>.<group>.replay" into out. The
+/* Names: "{<stream>}.<group>.dlq" and "{<stream>}.<group>.replay" into out. The
  * length written, or -1 when it does not fit (out is then untouched). */
 int relay_consumer_dlq_name(const char *stream, const char *group, char *out,
                             size_t outlen) RELAY_CONSUMER_MUSTCHECK;

@@ -58,12 +58,23 @@ size_t relay_key_stream_topic_len(const char *name, size_t name_len, int *partit
 int relay_key_dedup(const char *stream, const char *message_id, size_t message_id_len, char *out,
                     size_t outlen) __attribute__((warn_unused_result));
 
-/* "<stream>.<group>.dlq": a consumer group's dead letters. */
+/* "{<stream>}.<group>.dlq": a consumer group's dead letters, in the
+ * stream's hash slot (a Redis Cluster keeps every key of a stream on one
+ * primary). */
 int relay_key_dlq(const char *stream, const char *group, char *out, size_t outlen)
     __attribute__((warn_unused_result));
 
-/* "<stream>.<group>.replay": the dead letters replayed to that group alone. */
+/* "{<stream>}.<group>.replay": the dead letters replayed to that group
+ * alone, in the stream's hash slot. */
 int relay_key_replay(const char *stream, const char *group, char *out, size_t outlen)
+    __attribute__((warn_unused_result));
+
+/* The names before the hash tag, "<stream>.<group>.dlq" and
+ * "<stream>.<group>.replay": what "outbox-relay dlq migrate" and the
+ * consumer library rename (docs/CONSUMERS.md, "Key names before 0.2"). */
+int relay_key_dlq_old(const char *stream, const char *group, char *out, size_t outlen)
+    __attribute__((warn_unused_result));
+int relay_key_replay_old(const char *stream, const char *group, char *out, size_t outlen)
     __attribute__((warn_unused_result));
 
 /* "{<stream>}:<what>:<group>", the keys of an ordered consumer group

@@ -51,4 +51,19 @@ struct redisReply *relay_redis_call(struct redisContext *c, int stop_fd, uint32_
                                     const char *fmt, ...) __attribute__((warn_unused_result))
 __attribute__((format(printf, 4, 5)));
 
+/*
+ * Runs fn on every primary of the Redis Cluster that c is a node of, each on
+ * a connection of its own opened with u's user and password (and freed
+ * after), or on c itself when c's server is not a cluster node (CLUSTER
+ * SLOTS answers with an error). Every key of one stream shares its hash slot
+ * (docs/DESIGN.md, "Redis Cluster"), so what fn does with the streams it
+ * finds on a node (SCAN) stays on that node. Returns the first nonzero value
+ * fn returned, 0, or -1 with err when the slot map or a primary could not be
+ * reached (c->err set when c failed).
+ */
+int relay_redis_each_primary(struct redisContext *c, const struct relay_redis_url *u,
+                             uint32_t connect_timeout_ms, uint32_t command_timeout_ms, int stop_fd,
+                             int (*fn)(struct redisContext *node, void *arg), void *arg, char *err,
+                             size_t errlen) __attribute__((warn_unused_result));
+
 #endif

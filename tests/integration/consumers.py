@@ -132,7 +132,7 @@ class Consumer(harness.Daemon):
 # Redis and PostgreSQL figures.
 
 def dlq_name(stream="orders", group="email"):
-    return f"{stream}.{group}.dlq"
+    return f"{{{stream}}}.{group}.dlq"
 
 
 def dlq_entries(redis_client, stream="orders", group="email"):

@@ -172,7 +172,7 @@ class ConsumerTest(harness.ServerTestCase):
                                   " (SELECT 1 FROM emails e WHERE e.message_id = m.message_id)")
         processed = scalar(self.db, "SELECT count(*) FROM outbox_consumer.processed"
                                     " WHERE consumer = 'email'")
-        dead = self.r.xlen("orders.email.dlq")
+        dead = self.r.xlen("{orders}.email.dlq")
         taken_over = sum((c.stats() or {}).get("reclaimed", 0) for c in live)
         print(f"messages={total} kills={kills} (restarted {same_name} under the same name,"
               f" {kills - same_name} under a new one) effects={rows}"
@@ -207,7 +207,7 @@ class ConsumerTest(harness.ServerTestCase):
                                      headers={"fail": "transient"})
         c.wait_for_log(r"exhausted after 4 deliveries", timeout=15)
         retries = log_events(c.log(), r"will be retried in (\d+) ms \(delivery (\d+) of 4\)")
-        final = log_events(c.log(), r"-> orders\.email\.dlq \(exhausted after (\d+) deliveries\)")
+        final = log_events(c.log(), r"-> \{orders\}\.email\.dlq \(exhausted after (\d+) deliveries\)")
         self.assertEqual([int(m.group(2)) for _, m in retries], [1, 2, 3], c.log_tail())
         self.assertEqual([int(m.group(1)) for _, m in retries], schedule)
         self.assertEqual(len(final), 1)
@@ -241,7 +241,7 @@ class ConsumerTest(harness.ServerTestCase):
         good = insert(self.db, "orders", order_payload(2))
         relay = self.relay(poll_interval=POLL)
         c = self.consumer(consumer="p1", **FAST)
-        wait_until(lambda: self.r.exists("orders.email.dlq") and effect_count(self.db, good),
+        wait_until(lambda: self.r.exists("{orders}.email.dlq") and effect_count(self.db, good),
                    timeout=20, relay=relay, message="a dead letter and the good message's effect")
         [(entry_id, original)] = [(e, f) for e, f in harness.stream_entries(self.r, "orders")
                                   if f.get(b"h.fail") == b"permanent"]
@@ -268,7 +268,7 @@ class ConsumerTest(harness.ServerTestCase):
         good = insert(self.db, "orders", order_payload(4))
         relay = self.relay(poll_interval=POLL)
         c = self.consumer(consumer="j1", **FAST)
-        wait_until(lambda: self.r.exists("orders.email.dlq") and effect_count(self.db, good),
+        wait_until(lambda: self.r.exists("{orders}.email.dlq") and effect_count(self.db, good),
                    timeout=20, relay=relay, message="a dead letter and the good message's effect")
         dead = dlq_entries(self.r)
         self.assertEqual(len(dead), 1)
@@ -313,7 +313,7 @@ class ConsumerTest(harness.ServerTestCase):
         relay = self.relay(poll_interval=POLL)
         email = self.consumer(consumer="e1", **FAST)
         invoice = self.consumer(consumer="i1", group="invoice", **FAST)
-        wait_until(lambda: self.r.exists("orders.email.dlq")
+        wait_until(lambda: self.r.exists("{orders}.email.dlq")
                    and effects(self.db, "invoice") == (2, 2)
                    and effect_count(self.db, other) == 1,
                    timeout=20, relay=relay, message="email's dead letter and invoice's effects")
@@ -342,9 +342,9 @@ class ConsumerTest(harness.ServerTestCase):
         self.assertEqual(effects(self.db, "email"), (2, 2))
         self.assertEqual(effects(self.db, "invoice"), (2, 2), "invoice saw nothing twice")
         self.assertEqual(self.r.xlen("orders"), 2, "the replay did not touch the stream")
-        self.assertEqual(self.r.xlen("orders.email.dlq"), 0, "the replay moved the letter")
-        self.assertEqual(self.r.xlen("orders.invoice.replay"), 0)
-        self.assertEqual(pending_count(self.r, "orders.email.replay", "email"), 0)
+        self.assertEqual(self.r.xlen("{orders}.email.dlq"), 0, "the replay moved the letter")
+        self.assertEqual(self.r.xlen("{orders}.invoice.replay"), 0)
+        self.assertEqual(pending_count(self.r, "{orders}.email.replay", "email"), 0)
         self.assertEqual(pending_count(self.r, "orders", "invoice"), 0)
         self.assertEqual(self.r.xinfo_groups("orders"), groups_before)
         self.assertEqual(email.terminate(), 0)
@@ -383,6 +383,19 @@ class ConsumerTest(harness.ServerTestCase):
         self.assertEqual(st["dead_lettered"], 0)
 
     # ------------------------------------------------------------------
+    def test_names_before_0_2_are_renamed_at_start(self):
+        """A dead-letter and a replay stream under the names before 0.2 become
+        {orders}.email.dlq and {orders}.email.replay when the consumer starts."""
+        self.r.xadd("orders.email.dlq", {"n": "old"})
+        self.r.xadd("orders.email.replay", {"n": "old"})
+        self.r.xgroup_create("orders", "email", id="$", mkstream=True)
+        c = self.consumer(consumer="m1", **FAST)
+        c.wait_for_log(r"renamed orders\.email\.dlq to \{orders\}\.email\.dlq", timeout=10)
+        c.wait_for_log(r"renamed orders\.email\.replay to \{orders\}\.email\.replay", timeout=10)
+        self.assertFalse(self.r.exists("orders.email.dlq", "orders.email.replay"))
+        self.assertEqual(self.r.xrange("{orders}.email.dlq")[0][1], {b"n": b"old"})
+        self.assertEqual(c.terminate(), 0)
+
     def test_pending_entry_deleted_from_the_stream_is_dead_lettered_as_lost(self):
         """XADD (the entry must be deleted by hand anyway): delivered to l1, which fails it
         transiently and is killed; the entry is XDELed; l2 records it as lost."""
@@ -395,7 +408,7 @@ class ConsumerTest(harness.ServerTestCase):
         self.assertEqual((p["message_id"].decode(), p["consumer"]), (entry_id, b"l1"))
         self.assertEqual(self.r.xdel("orders", entry_id), 1)
         l2 = self.consumer(consumer="l2", **FAST)
-        wait_until(lambda: self.r.exists("orders.email.dlq"), timeout=10,
+        wait_until(lambda: self.r.exists("{orders}.email.dlq"), timeout=10,
                    message="the lost entry in the dead-letter stream")
         [(_, fields)] = dlq_entries(self.r)
         self.assert_dlq_fields(fields, "lost", 1, "l2", entry_id)
@@ -446,7 +459,7 @@ class ConsumerTest(harness.ServerTestCase):
         (WRONGTYPE). A fail=permanent message must stay pending, not acknowledged, with the
         failure logged and what to do about it; once the key is deleted, a later pass
         dead-letters and acknowledges it."""
-        self.r.set("orders.email.dlq", "not a stream")
+        self.r.set("{orders}.email.dlq", "not a stream")
         entry_id, mid = xadd_message(self.r, payload=order_payload(13),
                                      headers={"fail": "permanent"})
         c = self.consumer(consumer="w1", max_deliveries=50, **FAST)
@@ -455,21 +468,21 @@ class ConsumerTest(harness.ServerTestCase):
         pending = self.r.xpending_range("orders", "email", "-", "+", 10)
         self.assertEqual([p["message_id"].decode() for p in pending], [entry_id],
                          "the entry is still pending: nothing was acknowledged\n" + c.log_tail())
-        self.assertEqual(self.r.get("orders.email.dlq"), b"not a stream")
+        self.assertEqual(self.r.get("{orders}.email.dlq"), b"not a stream")
         line = log_events(c.log(), failed + r".*")[0][1].group(0)
         print(f"refused dead letter: {line}", file=sys.stderr, flush=True)
         self.assertRegex(line, r"WRONGTYPE")
-        self.assertRegex(line, r"orders\.email\.dlq")
+        self.assertRegex(line, r"\{orders\}\.email\.dlq")
         self.assertRegex(line, r"delete or rename it")
         self.assertRegex(line, r"stays pending")
 
         # Later passes try again and keep it pending while the key is wrong.
         c.wait_for_log(r"(?s)" + failed + r".*" + failed, timeout=10)
         self.assertEqual(pending_count(self.r), 1)
-        self.assertEqual(self.r.type("orders.email.dlq"), b"string")
+        self.assertEqual(self.r.type("{orders}.email.dlq"), b"string")
 
-        self.r.delete("orders.email.dlq")
-        wait_until(lambda: self.r.exists("orders.email.dlq") and pending_count(self.r) == 0,
+        self.r.delete("{orders}.email.dlq")
+        wait_until(lambda: self.r.exists("{orders}.email.dlq") and pending_count(self.r) == 0,
                    timeout=10, message="the dead letter recorded and the entry acknowledged")
         [(_, fields)] = dlq_entries(self.r)
         self.assertGreaterEqual(int(fields[b"dlq.deliveries"]), 2)
@@ -515,7 +528,7 @@ class ConsumerTest(harness.ServerTestCase):
                                    headers={"fail": "permanent"})
         c.wait_for_log(r"dead-lettering orders " + re.escape(entry_id)
                        + r" failed: ERR Function not found.*reconnecting", timeout=10)
-        wait_until(lambda: self.r.exists("orders.email.dlq") and pending_count(self.r) == 0,
+        wait_until(lambda: self.r.exists("{orders}.email.dlq") and pending_count(self.r) == 0,
                    timeout=15, message="the dead letter recorded once the function was back")
         [(_, fields)] = dlq_entries(self.r)
         self.assertEqual(fields[b"dlq.entry_id"], entry_id.encode())
@@ -527,7 +540,7 @@ class ConsumerTest(harness.ServerTestCase):
         bad_id = self.r.xadd("orders", {"foo": "bar"}).decode()
         good_entry, good = xadd_message(self.r, payload=order_payload(8))
         c = self.consumer(consumer="m1", **FAST)
-        wait_until(lambda: effect_count(self.db, good) == 1 and self.r.exists("orders.email.dlq"),
+        wait_until(lambda: effect_count(self.db, good) == 1 and self.r.exists("{orders}.email.dlq"),
                    timeout=10, message="the good message handled and a dead letter")
         [(_, fields)] = dlq_entries(self.r)
         self.assert_dlq_fields(fields, "malformed", 1, "m1", bad_id)
@@ -539,7 +552,7 @@ class ConsumerTest(harness.ServerTestCase):
         st = c.stats()
         self.assertEqual((st["malformed"], st["dead_lettered"], st["done"]), (1, 1, 1))
         self.assertRegex(c.log(), r"WARNING consumer: orders " + re.escape(bad_id)
-                         + r" -> orders\.email\.dlq \(malformed")
+                         + r" -> \{orders\}\.email\.dlq \(malformed")
 
     # ------------------------------------------------------------------
     def test_sigterm_finishes_the_message_in_hand_and_exits_0(self):

@@ -11,7 +11,7 @@ Promises tested:
 - `dlq show STREAM GROUP ID` shows every field, bytes that are not printable as
   \\xNN; an unknown id exits 65;
 - `dlq replay` by one id, by a range FROM-TO and with --all: each replayed dead
-  letter is on `<stream>.<group>.replay` with exactly its original fields
+  letter is on `{<stream>}.<group>.replay` with exactly its original fields
   (binary payload byte for byte, the same `id`, no dlq.* field) in the order of
   the dead letters, and gone from the dead-letter stream; the main stream and
   the other groups see nothing new: only the failed group can read the replay;
@@ -64,8 +64,8 @@ harness.require_relay()
 harness.set_deadline(300)
 
 STREAM, GROUP, OTHER_GROUP = "orders", "email", "invoice"
-DLQ = f"{STREAM}.{GROUP}.dlq"
-REPLAY = f"{STREAM}.{GROUP}.replay"
+DLQ = f"{{{STREAM}}}.{GROUP}.dlq"
+REPLAY = f"{{{STREAM}}}.{GROUP}.replay"
 REPLAY_FUNCTION = "outbox_consumer_replay_v1"
 CONSUMER_MIGRATIONS = sorted(glob.glob(os.path.join(harness.SOURCE_DIR, "migrations",
                                                     "consumer", "*.sql")))
@@ -117,7 +117,7 @@ class DlqToolTest(harness.ServerTestCase):
             b"dlq.error": error.encode() if isinstance(error, str) else error,
             b"dlq.failed_at": now_rfc3339().encode(),
         })
-        entry_id = self.r.xadd(f"{stream}.{group}.dlq", fields).decode()
+        entry_id = self.r.xadd(f"{{{stream}}}.{group}.dlq", fields).decode()
         return entry_id, original
 
     def dlq(self, *args, redis_url=None, extra_env=None):
@@ -156,7 +156,7 @@ class DlqToolTest(harness.ServerTestCase):
     def test_list_shows_oldest_first_with_a_total(self):
         empty = self.dlq("list", STREAM, GROUP)
         self.assertEqual(empty.returncode, 0, empty.output)
-        self.assertIn("no dead letters in orders.email.dlq", empty.stdout)
+        self.assertIn("no dead letters in {orders}.email.dlq", empty.stdout)
 
         e1, o1 = self.dead_letter("permanent", "invalid address", deliveries=1)
         e2, o2 = self.dead_letter("exhausted", LONG_ERROR, deliveries=5,
@@ -182,12 +182,12 @@ class DlqToolTest(harness.ServerTestCase):
         self.assertIn("\\x0a", error_part)
         self.assertTrue(error_part.endswith("..."), error_part)
         self.assertLessEqual(len(error_part), 90)
-        self.assertEqual(lines[-1], "3 dead letter(s) in orders.email.dlq")
+        self.assertEqual(lines[-1], "3 dead letter(s) in {orders}.email.dlq")
 
         two = self.dlq("list", STREAM, GROUP, "--count", "2")
         self.assertEqual(two.returncode, 0, two.output)
         self.assertEqual([line.split()[0] for line in two.stdout.splitlines()[1:-1]], [e1, e2])
-        self.assertIn("3 dead letter(s) in orders.email.dlq (showing the oldest 2; use --count)",
+        self.assertIn("3 dead letter(s) in {orders}.email.dlq (showing the oldest 2; use --count)",
                       two.stdout)
 
     def test_list_pages_past_one_read(self):
@@ -195,7 +195,7 @@ class DlqToolTest(harness.ServerTestCase):
         done = self.dlq("list", STREAM, GROUP, "--count", "1000")
         self.assertEqual(done.returncode, 0, done.output)
         self.assertEqual([line.split()[0] for line in done.stdout.splitlines()[1:-1]], ids)
-        self.assertEqual(done.stdout.splitlines()[-1], "250 dead letter(s) in orders.email.dlq")
+        self.assertEqual(done.stdout.splitlines()[-1], "250 dead letter(s) in {orders}.email.dlq")
         default = self.dlq("list", STREAM, GROUP)
         self.assertEqual(len(default.stdout.splitlines()), 102, "default --count is 100")
 
@@ -205,7 +205,7 @@ class DlqToolTest(harness.ServerTestCase):
                                        original=self.original(payload=BINARY_PAYLOAD))
         done = self.dlq("show", STREAM, GROUP, entry)
         self.assertEqual(done.returncode, 0, done.output)
-        self.assertIn(f"dead letter {entry} in orders.email.dlq", done.stdout)
+        self.assertIn(f"dead letter {entry} in {{orders}}.email.dlq", done.stdout)
         stored = self.r.xrange(DLQ, entry, entry)[0][1]
         for name in stored:
             self.assertRegex(done.stdout, rf"(?m)^  {re.escape(name.decode())}\s+\"",
@@ -218,7 +218,7 @@ class DlqToolTest(harness.ServerTestCase):
 
         missing = self.dlq("show", STREAM, GROUP, "1-0")
         self.assertEqual(missing.returncode, 65, missing.output)
-        self.assertIn("no dead letter 1-0 in orders.email.dlq", missing.stderr)
+        self.assertIn("no dead letter 1-0 in {orders}.email.dlq", missing.stderr)
 
     # ---- replay --------------------------------------------------------
 
@@ -244,7 +244,7 @@ class DlqToolTest(harness.ServerTestCase):
 
         again = self.dlq("replay", STREAM, GROUP, entry)
         self.assertEqual(again.returncode, 65, again.output)
-        self.assertIn(f"no dead letter {entry} in orders.email.dlq", again.stderr)
+        self.assertIn(f"no dead letter {entry} in {{orders}}.email.dlq", again.stderr)
         self.assertEqual(len(self.replayed()), 1)
 
     def test_replay_a_range_then_all(self):
@@ -282,7 +282,7 @@ class DlqToolTest(harness.ServerTestCase):
         (e1, o1), (e2, o2) = self.dead_letter(), self.dead_letter()
         done = self.dlq("replay", STREAM, GROUP, e1, "1-0", e2)
         self.assertEqual(done.returncode, 65, done.output)
-        self.assertIn("no dead letter 1-0 in orders.email.dlq", done.stderr)
+        self.assertIn("no dead letter 1-0 in {orders}.email.dlq", done.stderr)
         self.assertIn("replayed 2 dead letter(s)", done.stdout)
         self.assert_replayed_exactly([o1, o2])
         self.assertEqual(self.dlq_ids(), [])
@@ -405,7 +405,7 @@ class DlqToolTest(harness.ServerTestCase):
         ids = [self.dead_letter(error=f"e{n}")[0] for n in range(8)]
         done = self.dlq("purge", STREAM, GROUP, ids[0], f"{ids[2]}-{ids[4]}")
         self.assertEqual(done.returncode, 0, done.output)
-        self.assertIn("purged 4 dead letter(s) from orders.email.dlq", done.stdout)
+        self.assertIn("purged 4 dead letter(s) from {orders}.email.dlq", done.stdout)
         self.assertEqual(self.dlq_ids(), [ids[1], ids[5], ids[6], ids[7]])
 
         done = self.dlq("purge", STREAM, GROUP, ids[1], "1-0")
@@ -423,6 +423,31 @@ class DlqToolTest(harness.ServerTestCase):
 
     # ---- errors --------------------------------------------------------
 
+    def test_migrate_from_the_names_before_0_2(self):
+        """`dlq migrate` renames orders.email.dlq/.replay to {orders}.email.dlq/.replay,
+        keeping the replay stream's group; when the new name exists already it
+        moves the entries; a second run has nothing to move."""
+        for i in range(3):
+            self.r.xadd("orders.email.dlq", {"n": str(i)})
+            self.r.xadd("orders.email.replay", {"n": str(i)})
+        self.r.xgroup_create("orders.email.replay", GROUP, id="0")
+        self.r.xadd(DLQ, {"n": "new"})  # a consumer of 0.2 dead-lettered already
+        done = self.dlq("migrate", STREAM, GROUP)
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assertIn("moved 3 entries from orders.email.dlq to {orders}.email.dlq", done.stdout)
+        self.assertIn("renamed orders.email.replay to {orders}.email.replay", done.stdout)
+        self.assertFalse(self.r.exists("orders.email.dlq", "orders.email.replay"))
+        self.assertEqual([f[b"n"] for _, f in self.r.xrange(DLQ)], [b"new", b"0", b"1", b"2"])
+        self.assertEqual(self.r.xlen(REPLAY), 3)
+        self.assertEqual(self.r.xinfo_groups(REPLAY)[0]["name"], GROUP.encode())
+        again = self.dlq("migrate", STREAM, GROUP)
+        self.assertEqual(again.returncode, 0, again.output)
+        self.assertIn("orders.email.dlq: nothing to move", again.stdout)
+        self.r.set("orders.email.dlq", "not a stream")
+        refused = self.dlq("migrate", STREAM, GROUP)
+        self.assertEqual(refused.returncode, 65, refused.output)
+        self.assertIn("orders.email.dlq is not a stream: left as it is", refused.stderr)
+
     def test_missing_stream_or_group(self):
         entry, _ = self.dead_letter()
         self.dead_letter(stream="gone", group=GROUP)
@@ -435,8 +460,8 @@ class DlqToolTest(harness.ServerTestCase):
             self.assertEqual(done.returncode, 65, done.output)
             self.assertIn('group "nobody" does not exist on stream "orders"', done.stderr)
         self.assertEqual(self.dlq_ids(), [entry], "nothing changed")
-        self.assertEqual(self.r.xlen("gone.email.dlq"), 1)
-        self.assertFalse(self.r.exists(REPLAY) or self.r.exists("gone.email.replay"))
+        self.assertEqual(self.r.xlen("{gone}.email.dlq"), 1)
+        self.assertFalse(self.r.exists(REPLAY) or self.r.exists("{gone}.email.replay"))
 
         self.r.set("plain", b"x")
         done = self.dlq("list", "plain", GROUP)

@@ -171,7 +171,7 @@ class IoredisContractTest(harness.ServerTestCase):
         self.assertEqual(proc.returncode, 0, f"leases.js failed:\n{output}")
         self.assertRegex(output, r"ioredis 5\.\d+\.\d+: lease contract, \d+ checks, 0 problems")
         self.assertEqual(self.r.xpending(stream, group)["pending"], 0)
-        self.assertEqual(self.r.xlen(f"{stream}.{group}.dlq"), 1)
+        self.assertEqual(self.r.xlen(f"{{{stream}}}.{group}.dlq"), 1)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ STREAM = "orders:003"
 GROUP = "billing"
 LEASE = "{orders:003}:lease:billing"
 TOKENS = "{orders:003}:lease-token:billing"
-DLQ = "orders:003.billing.dlq"
+DLQ = "{orders:003}.billing.dlq"
 
 
 class LeaseTest(harness.ServerTestCase):

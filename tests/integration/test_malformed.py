@@ -2,9 +2,9 @@
 
 No real Redis answers FCALL with an integer, nests arrays nine deep or sends
 bytes that are not RESP, so this file uses a small peer that speaks just
-enough RESP to pass the relay's set-up (AUTH, SELECT, CLIENT SETNAME,
-FUNCTION LOAD, CONFIG GET, TIME) and then answers every FCALL with one chosen bad
-reply. For each kind the relay must stay up, mark nothing sent, say in its
+enough RESP to pass the relay's set-up (AUTH, CLUSTER SLOTS, SELECT, CLIENT
+SETNAME, FUNCTION LOAD, CONFIG GET, TIME) and then answers every FCALL with one
+chosen bad reply. For each kind the relay must stay up, mark nothing sent, say in its
 log that the batch was not published, and exit 0 on SIGTERM. A last test
 points the same relay configuration at a real Redis and shows the rows
 arrive once the peer is gone.
@@ -91,6 +91,8 @@ class BadPeer:
                     secs, usecs = str(int(now)).encode(), str(int(now % 1 * 1e6)).encode()
                     conn.sendall(b"*2\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
                                  % (len(secs), secs, len(usecs), usecs))
+                elif cmd == b"CLUSTER":
+                    conn.sendall(b"-ERR This instance has cluster support disabled\r\n")
                 elif cmd == b"FUNCTION":
                     conn.sendall(b"$12\r\noutbox_relay\r\n")
                 else:

@@ -135,7 +135,7 @@ class OrderedTest(unittest.TestCase):
                 time.sleep(1.0)
                 logs = dead_logs + [c.log() for c in procs]
                 effects = per_key_effects(db)
-                dead = sum(r.xlen(f"orders:{p:03d}.email.dlq") for p in range(PARTITIONS))
+                dead = sum(r.xlen(f"{{orders:{p:03d}}}.email.dlq") for p in range(PARTITIONS))
                 pending = sum(consumers.pending_count(r, f"orders:{p:03d}")
                               for p in range(PARTITIONS))
                 lost_leases = sum(len(consumers.log_events(t, r"lost the lease")) for t in logs)
@@ -211,7 +211,7 @@ class OrderedTest(unittest.TestCase):
                             time.sleep(1.0)
                             self.assertEqual(per_key_effects(db).get(key), [1, 2, 3, 4, 5])
                             self.assertEqual(consumers.pending_count(r, stream), 0)
-                            self.assertEqual(r.xlen(f"{stream}.email.dlq"), 0)
+                            self.assertEqual(r.xlen(f"{{{stream}}}.email.dlq"), 0)
                             print(f"frozen consumer: {stream} taken over {taken_after:.2f} s"
                                   f" after the SIGSTOP (lease 1 s): {line.group(0)}",
                                   file=sys.stderr, flush=True)
@@ -246,7 +246,7 @@ class OrderedTest(unittest.TestCase):
                             wait_until(lambda: per_key_effects(db, name).get(other) == [1, 2, 3],
                                        timeout=20, relay=c, message="the other key's messages")
                             time.sleep(1.0)
-                            dlq = f"{stream}.{name}.dlq"
+                            dlq = f"{{{stream}}}.{name}.dlq"
                             got = per_key_effects(db, name).get(parked)
                             self.assertEqual(r.xlen(dlq), 1)
                             if name == "plain":

@@ -316,20 +316,20 @@ class RetentionTest(harness.ServerTestCase):
         self.r.xgroup_create("orders", "g1", id="$", mkstream=True)
         old = "1000-0"  # entries from long ago
         for i in range(30):
-            self.r.xadd("orders.g1.dlq", {"f": "v"}, id=f"{1000 + i}-0")
-            self.r.xadd("orders.g1.replay", {"f": "v"}, id=f"{1000 + i}-0")
-        self.r.xgroup_create("orders.g1.replay", "g1", id="0")
-        replayed = self.r.xreadgroup("g1", "c1", {"orders.g1.replay": ">"}, count=20)[0][1]
-        self.r.xack("orders.g1.replay", "g1", *[e[0] for e in replayed])
+            self.r.xadd("{orders}.g1.dlq", {"f": "v"}, id=f"{1000 + i}-0")
+            self.r.xadd("{orders}.g1.replay", {"f": "v"}, id=f"{1000 + i}-0")
+        self.r.xgroup_create("{orders}.g1.replay", "g1", id="0")
+        replayed = self.r.xreadgroup("g1", "c1", {"{orders}.g1.replay": ">"}, count=20)[0][1]
+        self.r.xack("{orders}.g1.replay", "g1", *[e[0] for e in replayed])
         relay = self.start_relay(stream_retention="1s", dedup_ttl="1s")
         self.insert_rows("orders", 5)
-        wait_until(lambda: self.r.xlen("orders.g1.replay") <= 10, timeout=30, relay=relay,
+        wait_until(lambda: self.r.xlen("{orders}.g1.replay") <= 10, timeout=30, relay=relay,
                    message="the acknowledged replays to be trimmed")
-        left = [e[0].decode() for e in self.r.xrange("orders.g1.replay")]
+        left = [e[0].decode() for e in self.r.xrange("{orders}.g1.replay")]
         self.assertEqual(left[-10:], [f"{1000 + i}-0" for i in range(20, 30)])
         time.sleep(1.5)
-        self.assertEqual(self.r.xlen("orders.g1.dlq"), 30)
-        self.assertEqual(self.r.xrange("orders.g1.dlq", count=1)[0][0].decode(), old)
+        self.assertEqual(self.r.xlen("{orders}.g1.dlq"), 30)
+        self.assertEqual(self.r.xrange("{orders}.g1.dlq", count=1)[0][0].decode(), old)
 
     def test_short_stream_retention_refused_unless_allowed(self):
         done = subprocess.run([harness.require_relay(), "--stream-retention", "1h",

@@ -144,7 +144,7 @@ class ToolOutputTest(harness.ServerTestCase):
         group = "g" + TITLE
         self.r.xadd("orders", {"id": "1", "payload": "x"})
         self.r.xgroup_create("orders", group, id="0")
-        self.r.xadd(f"orders.{group}.dlq", {
+        self.r.xadd(f"{{orders}}.{group}.dlq", {
             "id": "m1", "payload": CLEAR, "dlq.reason": "exhausted" + CLEAR,
             "dlq.deliveries": "5", "dlq.failed_at": "2026-01-01T00:00:00Z",
             "dlq.error": "line one\nline two" + TITLE, "field" + CLEAR: "v"})
@@ -156,12 +156,12 @@ class ToolOutputTest(harness.ServerTestCase):
         self.assertEqual(len(lines), 3, "a header, the dead letter, a footer")
         self.assertIn("exhausted\\x1b[2J", lines[1])
         self.assertIn("line one\\x0aline two\\x1b]0;pwned\\x07", lines[1])
-        self.assertEqual(lines[2], "1 dead letter(s) in orders.g\\x1b]0;pwned\\x07.dlq")
+        self.assertEqual(lines[2], "1 dead letter(s) in {orders}.g\\x1b]0;pwned\\x07.dlq")
         entry = lines[1].split()[0]
         code, out, err = run_tool(["dlq", "show", "orders", group, entry], env)
         self.assertEqual(code, 0, err)
         self.assert_safe(out)
-        self.assertIn("in orders.g\\x1b]0;pwned\\x07.dlq", out.decode())
+        self.assertIn("in {orders}.g\\x1b]0;pwned\\x07.dlq", out.decode())
         self.assertIn("field\\x1b[2J", out.decode())
         # Errors repeat the names too.
         code, out, err = run_tool(["dlq", "list", "s" + CLEAR, "g" + TITLE], env)

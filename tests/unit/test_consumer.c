@@ -14,6 +14,7 @@
 
 #include "relay/common.h"
 #include "outbox/consumer.h"
+#include "relay/keys.h"
 
 const char *parse_message(const redisReply *fields, struct relay_message *m, const char **names,
                           const char **values, size_t *vlens);
@@ -80,11 +81,19 @@ static void test_stream_names(void **state)
 {
     (void)state;
     char buf[64];
-    assert_int_equal(relay_consumer_dlq_name("orders", "email", buf, sizeof(buf)), 16);
-    assert_string_equal(buf, "orders.email.dlq");
+    assert_int_equal(relay_consumer_dlq_name("orders", "email", buf, sizeof(buf)), 18);
+    assert_string_equal(buf, "{orders}.email.dlq");
     assert_true(relay_consumer_replay_name("orders", "email", buf, sizeof(buf)) > 0);
+    assert_string_equal(buf, "{orders}.email.replay");
+    assert_int_equal(relay_consumer_dlq_name("orders", "email", buf, 18), -1);
+    /* The names before 0.2, which "outbox-relay dlq migrate" renames. */
+    assert_int_equal(relay_key_dlq_old("orders", "email", buf, sizeof(buf)), 16);
+    assert_string_equal(buf, "orders.email.dlq");
+    assert_true(relay_key_replay_old("orders", "email", buf, sizeof(buf)) > 0);
     assert_string_equal(buf, "orders.email.replay");
-    assert_int_equal(relay_consumer_dlq_name("orders", "email", buf, 16), -1);
+    /* In the stream's hash slot. */
+    assert_true(relay_consumer_dlq_name("app:orders:003", "email", buf, sizeof(buf)) > 0);
+    assert_int_equal(relay_key_slot(buf, strlen(buf)), relay_key_slot("app:orders:003", 14));
 }
 
 static void test_new_validates_options(void **state)
@@ -107,7 +116,7 @@ static void test_new_validates_options(void **state)
     struct relay_consumer *c =
         relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err));
     assert_non_null(c);
-    assert_string_equal(relay_consumer_dlq(c), "orders.email.dlq");
+    assert_string_equal(relay_consumer_dlq(c), "{orders}.email.dlq");
     relay_consumer_free(c);
     relay_consumer_free(NULL);
 }

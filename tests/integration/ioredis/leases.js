@@ -24,7 +24,7 @@ async function main() {
   }
   const lease = `{${stream}}:lease:${group}`;
   const tokens = `{${stream}}:lease-token:${group}`;
-  const dlq = `${stream}.${group}.dlq`;
+  const dlq = `{${stream}}.${group}.dlq`;
   const redis = new Redis(url, { maxRetriesPerRequest: 1, connectTimeout: 5000 });
   const problems = [];
   let checks = 0;
