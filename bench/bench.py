@@ -31,6 +31,9 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
   replicas   the same backlog drained with a replica attached, with
              min_replicas 0 and 1 (a WAIT after every batch), in
              BENCH_REPLICA_ROUNDS alternating rounds: what the wait costs
+  cluster    the same backlog drained into the benchmark's single Redis and
+             into a Redis Cluster of 3 primaries (append-only like it), in
+             BENCH_CLUSTER_ROUNDS alternating rounds
   profile    perf record -a during a drain: where the machine's time goes
 
 Sizes come from the environment (BENCH_QUICK=1 for a two-minute smoke run);
@@ -111,7 +114,7 @@ TOPICS = 4
 PAYLOAD = 200
 REDIS_AOF = os.environ.get("BENCH_REDIS_AOF") or "everysec"  # no | everysec | always
 ALL_SECTIONS = ["drain", "naive", "sweep", "latency", "producers", "limits", "storage",
-                "partitions", "replicas", "profile"]
+                "partitions", "replicas", "cluster", "profile"]
 SECTIONS = [s.strip() for s in (os.environ.get("BENCH_SECTIONS") or ",".join(ALL_SECTIONS))
             .split(",") if s.strip()]
 if QUICK and not os.environ.get("BENCH_SECTIONS"):
@@ -905,6 +908,68 @@ def section_replicas():
     log(f"replicas: a WAIT per batch drains at {ratio:.2f}x the rate without")
 
 
+CLUSTER_ROWS = env_int("BENCH_CLUSTER_ROWS", 20000 if QUICK else 200000)
+CLUSTER_ROUNDS = env_int("BENCH_CLUSTER_ROUNDS", 3)
+
+
+def section_cluster():
+    """The same backlog drained by one relay into the single Redis of the
+    other sections and into a Redis Cluster of 3 primaries (no replicas,
+    append-only as bench_redis), rounds alternating on one PostgreSQL. The
+    clock runs from the relay's start until every entry is in Redis and no
+    row is pending; the 4 bench streams fall on 3 primaries."""
+    rates = {"single": [], "cluster": []}
+    with servers() as (pg, rd, conn, rc):
+        with harness.RedisCluster(primaries=3, replicas=0) as cluster:
+            reader = None
+            try:
+                for rnd in range(CLUSTER_ROUNDS):
+                    for kind in ("single", "cluster"):
+                        execute(conn, "TRUNCATE outbox.messages RESTART IDENTITY")
+                        rc.flushall()
+                        for node in cluster.primaries().values():
+                            with contextlib.closing(node.client()) as c:
+                                c.flushall()
+                        insert_backlog(conn, CLUSTER_ROWS)
+                        if kind == "cluster":
+                            reader = cluster.reader()
+                            counts = lambda: sum(  # noqa: E731
+                                reader.owner_xlen(f"bench{i}") for i in range(TOPICS))
+                            target, flags = None, dict(env={"OUTBOX_RELAY_REDIS": cluster.url()})
+                        else:
+                            counts = lambda: stream_total(rc)  # noqa: E731
+                            target, flags = rd, {}
+                        started = time.monotonic()
+                        relay = start_relay(pg, target, batch_size=BATCH, **flags)
+                        try:
+                            deadline = started + max(120.0, CLUSTER_ROWS / 1500.0)
+                            while not (counts() >= CLUSTER_ROWS and pending(conn) == 0):
+                                if not relay.alive() or time.monotonic() > deadline:
+                                    raise RuntimeError(f"{kind} drain did not finish\n"
+                                                       + relay.log_tail())
+                                time.sleep(0.02)
+                            took = time.monotonic() - started
+                        finally:
+                            stop_relay(relay)
+                        if reader is not None:
+                            reader.close()
+                            reader = None
+                        rates[kind].append(CLUSTER_ROWS / took)
+                        R.add("cluster", f"cluster.{kind}.round{rnd}.rate", CLUSTER_ROWS / took,
+                              "msg/s")
+                        log(f"cluster: {kind} round {rnd}: {CLUSTER_ROWS} rows in {took:.2f}s"
+                            f" = {CLUSTER_ROWS / took:,.0f} msg/s")
+            finally:
+                if reader is not None:
+                    reader.close()
+    for kind in rates:
+        R.add("cluster", f"cluster_{kind}.rate", statistics.median(rates[kind]), "msg/s",
+              f"median of {CLUSTER_ROUNDS} rounds, {CLUSTER_ROWS} rows over {TOPICS} topics")
+    ratio = statistics.median(rates["cluster"]) / statistics.median(rates["single"])
+    R.add("cluster", "ratio_cluster_to_single", ratio, "x", "drain rate into 3 primaries / one")
+    log(f"cluster: 3 primaries drain at {ratio:.2f}x one Redis's rate")
+
+
 def section_storage():
     """STORAGE_ROUNDS rounds of every design, the order turned round each
     round (mark, delete, delete, mark, ...) so that a drift of the shared
@@ -1380,6 +1445,8 @@ def build_table():
     R.row(f"drain of {REPLICA_ROWS:,} rows, min_replicas 1 (a WAIT for one replica per batch)",
           g("min_replicas_1.rate"), "msg/s", "min_replicas 0, the same replica attached",
           g("min_replicas_0.rate"))
+    R.row(f"drain of {CLUSTER_ROWS:,} rows into a Redis Cluster of 3 primaries",
+          g("cluster_cluster.rate"), "msg/s", "into one Redis", g("cluster_single.rate"))
     for sync in ("on", "off"):
         c = max(PRODUCER_CLIENTS)
         base = g(f"producers.norelay.sync_{sync}.c{c}.dropped.tps")
@@ -1646,6 +1713,7 @@ def main():
                      latency=section_latency, producers=section_producers,
                      limits=section_limits, storage=section_storage,
                      partitions=section_partitions, replicas=section_replicas,
+                     cluster=section_cluster,
                      profile=section_profile)
     for name in SECTIONS:
         if name not in functions:

@@ -601,6 +601,20 @@ class ClusterReader:
                 self.owner[key] = c
                 yield key
 
+    def owner_xlen(self, stream):
+        """XLEN on the primary of the stream's slot (0 when it does not exist)."""
+        key = stream if isinstance(stream, bytes) else stream.encode()
+        if key not in self.owner:
+            for c in self.clients.values():
+                try:
+                    n = c.xlen(key)
+                except redis_py.exceptions.ResponseError:  # MOVED: another primary's
+                    continue
+                self.owner[key] = c
+                return n
+            return 0
+        return self.owner[key].xlen(key)
+
     def xrange(self, stream, **kwargs):
         key = stream if isinstance(stream, bytes) else stream.encode()
         return self.owner[key].xrange(stream, **kwargs)

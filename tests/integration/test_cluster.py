@@ -8,12 +8,15 @@ cluster of 3 primaries with a replica each, every node on loopback:
 - a primary killed with SIGKILL under load (its replica promoted by the
   cluster, the old primary back as a replica): with min_replicas = 1 nothing
   is lost and nothing doubled;
+- the observer, `status` and stream trimming cover the streams of every
+  primary, dead letters counted on their stream's primary;
 - the slot of a busy stream migrated to another primary under load
   (MIGRATING/IMPORTING, MIGRATE, SETSLOT NODE: the ASK, TRYAGAIN and MOVED
   answers): nothing lost or doubled, and each stream keeps its order.
 """
 
 import contextlib
+import json
 import time
 import unittest
 
@@ -93,6 +96,42 @@ class ClusterTest(harness.PostgresTestCase):
                 self.assertEqual(len(streams), 4, f"primary {port}: {streams}")
                 libs = sorted(lib[1].decode() for lib in c.execute_command("FUNCTION", "LIST"))
                 self.assertEqual(libs, ["outbox_consumer", "outbox_relay"])
+
+    def test_observer_status_and_trimming_on_every_primary(self):
+        """The observer reads, `status` lists, and retention trims the streams
+        of all three primaries; the consumer groups' dead letters are counted
+        on the primary of their stream."""
+        cluster = self.cluster()
+        topics = spread_topics(cluster)
+        relay = self.relay_for(cluster, stream_retention="1s", allow_short_stream_retention="on",
+                               observe_interval="200ms")
+        insert_many(self.db, [(topics[i % len(topics)], b"row %d" % i) for i in range(1200)])
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        # Each stream's group and dead letter, on the stream's own primary.
+        for t in topics:
+            node = cluster.primary_of(t)
+            with contextlib.closing(node.client()) as c:
+                c.xgroup_create(t, "g", id="$")
+                c.xadd(f"{{{t}}}.g.dlq", {"dlq.reason": "permanent"})
+
+        def observed():
+            text = harness.metrics_text(relay)
+            return all(harness.metric(text, "outbox_relay_stream_memory_bytes", stream=t)
+                       for t in topics)
+        wait_until(observed, timeout=30, relay=relay, message="all 12 streams in the metrics")
+
+        def trimmed():
+            return all(cluster.primary_of(t).client().xlen(t) == 0 for t in topics)
+        wait_until(trimmed, timeout=40, relay=relay, message="every stream trimmed")
+        done = harness.run_relay(["status", "--json"], env=harness.relay_env(
+            self.pg, extra={"OUTBOX_RELAY_REDIS": cluster.url()}))
+        self.assertEqual(done.returncode, 0, done.output)
+        status = json.loads(done.stdout)
+        self.assertEqual(sorted(t["stream"] for t in status["topics"]), sorted(topics))
+        self.assertEqual(sorted((g["stream"], g["dead_letters"]) for g in status["groups"]),
+                         sorted((t, 1) for t in topics))
+        self.assertEqual([line for line in harness.problem_lines(relay.log(), "retention")
+                          if "allow_short_stream_retention allows" not in line], [])
 
     def test_primary_killed_under_load(self):
         cluster = self.cluster()
