@@ -197,7 +197,7 @@ def main():
                     print(f"Relay running (pid {relay.pid}); consumer group \"email\": "
                           f"outbox-email-consumer pids {c1.pid} and {c2.pid}\n"
                           f"  (--fail-rate {args.fail_rate:g}: a flaky mail provider;"
-                          f" --backoff 1s,2s,4s; dead letters to {orders}.email.dlq)\n"
+                          f" --backoff 1s,2s,4s; dead letters to {{orders}}.email.dlq)\n"
                           f"Consumer group \"ledger\" on invoices ({INVOICE_PARTITIONS}"
                           f" partitions by customer): outbox-email-consumer --ordered pids"
                           f" {l1.pid} and {l2.pid} (leases of 3 s)")
