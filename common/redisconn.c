@@ -16,6 +16,7 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 
+#include "relay/keys.h"
 #include "relay/url.h"
 #include "relay/wait.h"
 
@@ -237,6 +238,75 @@ static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeo
              "redis_sentinel and redis_master, and that the Sentinels are up",
              u->sentinels.master, u->sentinels.n, last);
     return -1;
+}
+
+/* c, connected to at, or (c freed) a connection to the primary of key's
+ * slot when at is a node of a cluster whose map puts the slot elsewhere. */
+static redisContext *relay_redis_route(redisContext *c, struct relay_redis_url *at, const char *key,
+                                       uint32_t connect_timeout_ms, uint32_t command_timeout_ms,
+                                       int stop_fd, char *err, size_t errlen,
+                                       enum relay_redis_fault *fault)
+{
+    redisReply *r = relay_redis_call(c, stop_fd, connect_timeout_ms, "CLUSTER SLOTS");
+    if (r == NULL || r->type != REDIS_REPLY_ARRAY) {
+        if (r != NULL)
+            freeReplyObject(r);
+        return c; /* not a cluster (or it will say so at the first command) */
+    }
+    long long slot = relay_key_slot(key, strlen(key));
+    const char *host = NULL;
+    long long port = 0;
+    for (size_t i = 0; i < r->elements && host == NULL; i++) {
+        const redisReply *e = r->element[i];
+        if (e->type == REDIS_REPLY_ARRAY && e->elements >= 3 &&
+            e->element[0]->type == REDIS_REPLY_INTEGER &&
+            e->element[1]->type == REDIS_REPLY_INTEGER && e->element[0]->integer <= slot &&
+            slot <= e->element[1]->integer && e->element[2]->type == REDIS_REPLY_ARRAY &&
+            e->element[2]->elements >= 2 && e->element[2]->element[0]->type == REDIS_REPLY_STRING &&
+            e->element[2]->element[1]->type == REDIS_REPLY_INTEGER) {
+            host = e->element[2]->element[0]->str;
+            port = e->element[2]->element[1]->integer;
+        }
+    }
+    if (host == NULL || ((host[0] == '\0' || strcmp(host, at->host) == 0) && port == at->port)) {
+        freeReplyObject(r);
+        return c;
+    }
+    if (host[0] != '\0' && strcmp(host, "?") != 0)
+        snprintf(at->host, sizeof(at->host), "%s", host);
+    at->port = (int)port;
+    freeReplyObject(r);
+    redisFree(c);
+    return open_url(at, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, fault);
+}
+
+redisContext *relay_redis_open_for_key(const struct relay_redis_url *u, const char *key,
+                                       uint32_t connect_timeout_ms, uint32_t command_timeout_ms,
+                                       int stop_fd, char *err, size_t errlen,
+                                       enum relay_redis_fault *fault)
+{
+    if (u->sentinels.n > 0 || u->nseeds <= 1) {
+        redisContext *c = relay_redis_open(u, connect_timeout_ms, command_timeout_ms, stop_fd, err,
+                                           errlen, fault);
+        if (c == NULL || u->sentinels.n > 0)
+            return c;
+        struct relay_redis_url at = *u; /* one address: it may still be a cluster node */
+        return relay_redis_route(c, &at, key, connect_timeout_ms, command_timeout_ms, stop_fd, err,
+                                 errlen, fault);
+    }
+    redisContext *c = NULL;
+    struct relay_redis_url at = *u;
+    for (int i = 0; i < u->nseeds && c == NULL; i++) {
+        snprintf(at.host, sizeof(at.host), "%s", u->seeds[i].host);
+        at.port = u->seeds[i].port;
+        c = open_url(&at, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, fault);
+        if (c == NULL && (*fault == RELAY_REDIS_STOPPED || *fault == RELAY_REDIS_NOMEM))
+            return NULL;
+    }
+    if (c == NULL)
+        return NULL;
+    return relay_redis_route(c, &at, key, connect_timeout_ms, command_timeout_ms, stop_fd, err,
+                             errlen, fault);
 }
 
 int relay_redis_each_primary(redisContext *c, const struct relay_redis_url *u,

@@ -550,7 +550,8 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
         snprintf(err, errlen, "stream and group names are too long together");
         goto fail;
     }
-    if (relay_url_parse(opts->redis_url != NULL ? opts->redis_url : "", &c->url, err, errlen) < 0)
+    if (relay_url_parse_seeds(opts->redis_url != NULL ? opts->redis_url : "", &c->url, err,
+                              errlen) < 0)
         goto fail;
     /* The strings of the copied options point to the caller's memory. */
     c->o.stream = c->stream;
@@ -644,8 +645,11 @@ static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, co
 {
     char err[512];
     enum relay_redis_fault fault;
-    redisContext *ctx = relay_redis_open(&c->url, c->o.command_timeout_ms, timeout_ms, -1, err,
-                                         sizeof(err), &fault);
+    /* In a cluster, the primary of the stream's slot, where its replay and
+     * dead-letter streams are too; found again at every connect, so a
+     * failover or a resharding is followed (with seed nodes in the URL). */
+    redisContext *ctx = relay_redis_open_for_key(&c->url, c->stream, c->o.command_timeout_ms,
+                                                 timeout_ms, -1, err, sizeof(err), &fault);
     if (ctx == NULL) {
         problem(c,
                 fault == RELAY_REDIS_NOMEM     ? RELAY_CONSUMER_ERR_OOM
@@ -1362,11 +1366,13 @@ struct ordered {
 
 /* A refusal that connecting again cures: the library flushed or deleted
  * (connecting loads it), the group or stream deleted (connecting creates
- * them again). */
+ * them again), the stream's slot moved to another primary of a cluster, or
+ * the primary became a replica (connecting finds the primary). */
 static void reconnect_if_needed(struct relay_consumer *c, const redisReply *r)
 {
     if (r != NULL && r->type == REDIS_REPLY_ERROR &&
-        (strstr(r->str, "Function not found") != NULL || strncmp(r->str, "NOGROUP", 7) == 0))
+        (strstr(r->str, "Function not found") != NULL || strncmp(r->str, "NOGROUP", 7) == 0 ||
+         strncmp(r->str, "MOVED ", 6) == 0 || strncmp(r->str, "READONLY", 8) == 0))
         disconnect(c);
 }
 

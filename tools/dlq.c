@@ -114,8 +114,10 @@ static int dlq_connect(struct dlq_ctx *d, const struct relay_config *cfg)
     char err[512];
     enum relay_redis_fault fault;
     describe_url(&cfg->redis_url, d->where, sizeof(d->where));
-    d->c = relay_redis_open(&cfg->redis_url, cfg->connect_timeout_ms, cfg->statement_timeout_ms, -1,
-                            err, sizeof(err), &fault);
+    /* In a cluster, the primary of the stream's slot: its dead-letter and
+     * replay streams are in that slot too. */
+    d->c = relay_redis_open_for_key(&cfg->redis_url, d->stream, cfg->connect_timeout_ms,
+                                    cfg->statement_timeout_ms, -1, err, sizeof(err), &fault);
     if (d->c == NULL) {
         fprintf(d->errout, "outbox-relay: %s (Redis at %s)\n", err, d->where);
         return fault == RELAY_REDIS_NOMEM ? RELAY_EX_OSERR : RELAY_EX_UNAVAILABLE;

@@ -52,6 +52,19 @@ struct redisReply *relay_redis_call(struct redisContext *c, int stop_fd, uint32_
 __attribute__((format(printf, 4, 5)));
 
 /*
+ * relay_redis_open for the commands of one key (a stream and the keys in its
+ * hash slot): with Sentinels as relay_redis_open; else the seed nodes of u in
+ * turn until one connects, and when that node is one of a Redis Cluster, the
+ * primary of the key's slot (CLUSTER SLOTS). A server that is not a cluster
+ * node is used as it is.
+ */
+struct redisContext *relay_redis_open_for_key(const struct relay_redis_url *u, const char *key,
+                                              uint32_t connect_timeout_ms,
+                                              uint32_t command_timeout_ms, int stop_fd, char *err,
+                                              size_t errlen, enum relay_redis_fault *fault)
+    __attribute__((warn_unused_result));
+
+/*
  * Runs fn on every primary of the Redis Cluster that c is a node of, each on
  * a connection of its own opened with u's user and password (and freed
  * after), or on c itself when c's server is not a cluster node (CLUSTER

@@ -10,6 +10,8 @@ cluster of 3 primaries with a replica each, every node on loopback:
   is lost and nothing doubled;
 - the observer, `status` and stream trimming cover the streams of every
   primary, dead letters counted on their stream's primary;
+- the consumer library and `outbox-relay dlq`, given the seed list, work on
+  the primary of their stream's slot;
 - the slot of a busy stream migrated to another primary under load
   (MIGRATING/IMPORTING, MIGRATE, SETSLOT NODE: the ASK, TRYAGAIN and MOVED
   answers): nothing lost or doubled, and each stream keeps its order.
@@ -20,6 +22,7 @@ import json
 import time
 import unittest
 
+import consumers
 import harness
 from harness import insert_many, scalar, wait_until
 
@@ -132,6 +135,43 @@ class ClusterTest(harness.PostgresTestCase):
                          sorted((t, 1) for t in topics))
         self.assertEqual([line for line in harness.problem_lines(relay.log(), "retention")
                           if "allow_short_stream_retention allows" not in line], [])
+
+    def test_consumer_and_dlq_commands_on_the_streams_primary(self):
+        """The consumer library and `outbox-relay dlq` find the primary of their
+        stream's slot from any seed node: every message handled once, the
+        malformed one dead-lettered and replayed to the group on that
+        primary."""
+        cluster = self.cluster()
+        topics = spread_topics(cluster, per_primary=1)
+        stream = next(t for t in topics if cluster.primary_of(t).port != cluster.nodes[0].port)
+        consumers.apply_consumer_schema(self.pg)
+        relay = self.relay_for(cluster)
+        c = self.enterContext(consumers.Consumer(self.pg, None, consumer="k1", stream=stream,
+                                                 redis_url=cluster.url(), block="100ms",
+                                                 backoff="100ms"))
+        c.wait_for_log(r"reading " + stream, timeout=20)
+        rows = [(stream, b'{"order": %d, "customer": "c%d"}' % (i, i % 7)) for i in range(300)]
+        rows.append((stream, b"not json"))
+        insert_many(self.db, rows)
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        wait_until(lambda: consumers.effects(self.db) == (300, 300), timeout=60,
+                   message="300 emails, one per message")
+        primary = cluster.primary_of(stream)
+        with contextlib.closing(primary.client()) as p:
+            wait_until(lambda: p.xlen(f"{{{stream}}}.email.dlq") == 1, timeout=20,
+                       message="the malformed message dead-lettered")
+        env = harness.relay_env(extra={"OUTBOX_RELAY_REDIS": cluster.url()})
+        listed = harness.run_relay(["dlq", "list", stream, "email"], env=env)
+        self.assertEqual(listed.returncode, 0, listed.output)
+        self.assertIn(f"1 dead letter(s) in {{{stream}}}.email.dlq", listed.stdout)
+        replayed = harness.run_relay(["dlq", "replay", stream, "email", "--all"], env=env)
+        self.assertEqual(replayed.returncode, 0, replayed.output)
+        with contextlib.closing(primary.client()) as p:
+            wait_until(lambda: p.xlen(f"{{{stream}}}.email.dlq") == 1
+                       and p.xinfo_groups(f"{{{stream}}}.email.replay")[0]["pending"] == 0,
+                       timeout=20, message="the replayed message handled (and dead again)")
+        self.assertEqual(consumers.effects(self.db), (300, 300))
+        self.assertEqual(c.terminate(), 0)
 
     def test_primary_killed_under_load(self):
         cluster = self.cluster()
