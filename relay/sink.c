@@ -194,11 +194,6 @@ int relay_sink_ready(const struct relay_sink *s)
     return s->state == SINK_READY;
 }
 
-int relay_sink_primaries(const struct relay_sink *s)
-{
-    return s->state == SINK_READY ? s->nnodes : 0;
-}
-
 static void timer_start(struct relay_sink *s, uint32_t ms)
 {
     ev_timer_stop(s->loop, &s->timer);

@@ -69,9 +69,6 @@ void relay_sink_written_reset(struct relay_sink *s);
 int relay_sink_wait(struct relay_sink *s, unsigned replicas, uint32_t timeout_ms,
                     relay_sink_reply_fn *cb, void *arg) __attribute__((warn_unused_result));
 
-/* The number of connections when ready (the cluster's primaries, or 1). */
-int relay_sink_primaries(const struct relay_sink *s);
-
 /* Drops the connection (pending callbacks get NULL) and reconnects after
  * backoff. why is logged. */
 void relay_sink_abort(struct relay_sink *s, const char *why);
