@@ -387,12 +387,13 @@ class SeveralRelaysTest(unittest.TestCase):
         self.assertEqual(len(per_key), len(final))
 
 
-def claims_ready(relay):
-    """Waits until both claiming connections are set up (their claim
-    statement prepared): a test that locks the outbox must not catch the
-    PREPARE instead of a claim."""
-    wait_until(lambda: len(re.findall(r"pg: claim connection .* ready", relay.log())) >= 2,
-               timeout=30, relay=relay, message="the relay's two claim connections")
+def claims_ready(relay, connections=2):
+    """Waits until the claiming connections (two, one with pipeline off) are
+    set up (their claim statement prepared): a test that locks the outbox
+    must not catch the PREPARE instead of a claim."""
+    wait_until(lambda: len(re.findall(r"pg: claim connection .* ready", relay.log()))
+               >= connections, timeout=30, relay=relay,
+               message=f"the relay's {connections} claim connection(s)")
 
 
 def wait_claimed(db, relay):
@@ -423,16 +424,23 @@ class FenceTest(unittest.TestCase):
             db = pg.connect()
             r = redis.client()
             scalar(db, "SELECT outbox.set_partitions('orders', 2)")
-            flags = dict(poll_interval="100ms", publish_timeout="1s", log_level="debug")
+            # One claim at a time (pipeline off): A's one claim holds all five
+            # rows, so all five of its publishes wait in the proxy.
+            flags = dict(poll_interval="100ms", publish_timeout="1s", log_level="debug",
+                         pipeline="off")
             a = harness.Relay(pg, redis, env={"OUTBOX_RELAY_REDIS":
                                               f"redis://127.0.0.1:{proxy.port}/0"}, **flags)
             with a:
                 a.wait_for_log(r"owner: took orders/1: ", timeout=20)
                 a.wait_for_log(r"owner: took orders/0: ", timeout=20)
-                claims_ready(a)
+                claims_ready(a, connections=1)
                 harness.insert(db, "orders", b"0", key="warm-up")
                 wait_until(lambda: r.xlen("orders:%03d" % (fnv1a32(b"warm-up") % 2)) == 1,
                            timeout=20, relay=a, message="the warm-up entry")
+                # The warm-up's record retired before the proxy holds A's
+                # traffic: else the retire waits there, and the record with it.
+                wait_until(lambda: not harness.unretired_dedup_records(r, 1000), timeout=20,
+                           relay=a, message="the warm-up's dedup record retired")
                 proxy.blackhole()
                 harness.insert_many(db, [("orders", str(i).encode(), "k") for i in range(1, 6)])
                 # Claimed (locked) by A, whose publish now waits in the proxy.
