@@ -240,6 +240,50 @@ static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeo
     return -1;
 }
 
+int relay_cluster_slots_parse(const redisReply *r, const char *default_host,
+                              struct relay_addr *primaries, int max, uint8_t *slot_node)
+{
+    if (r == NULL || r->type != REDIS_REPLY_ARRAY)
+        return -2;
+    if (slot_node != NULL)
+        memset(slot_node, RELAY_SLOT_UNCOVERED, RELAY_CLUSTER_SLOTS);
+    int count = 0;
+    for (size_t i = 0; i < r->elements; i++) {
+        const redisReply *e = r->element[i];
+        if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 ||
+            e->element[0]->type != REDIS_REPLY_INTEGER ||
+            e->element[1]->type != REDIS_REPLY_INTEGER ||
+            e->element[2]->type != REDIS_REPLY_ARRAY || e->element[2]->elements < 2 ||
+            e->element[2]->element[0]->type != REDIS_REPLY_STRING ||
+            e->element[2]->element[1]->type != REDIS_REPLY_INTEGER)
+            continue;
+        long long lo = e->element[0]->integer, hi = e->element[1]->integer;
+        const char *host = e->element[2]->element[0]->str;
+        long long port = e->element[2]->element[1]->integer;
+        if (lo < 0 || hi >= RELAY_CLUSTER_SLOTS || lo > hi || port < 1 || port > 65535)
+            continue;
+        /* An empty or "?" host: the node asked reaches it at its own address. */
+        if (host[0] == '\0' || strcmp(host, "?") == 0)
+            host = default_host;
+        int at = 0;
+        while (at < count && !(primaries[at].port == port && strcmp(primaries[at].host, host) == 0))
+            at++;
+        if (at == count) {
+            if (count == max)
+                return -1;
+            snprintf(primaries[count].host, sizeof(primaries[count].host), "%s", host);
+            primaries[count].port = (int)port;
+            count++;
+        }
+        if (slot_node != NULL)
+            memset(slot_node + lo, at, (size_t)(hi - lo + 1));
+    }
+    return count;
+}
+
+/* Most primaries the blocking helpers below take from a slot map. */
+#define PRIMARIES_MAX 64
+
 /* c, connected to at, or (c freed) a connection to the primary of key's
  * slot when at is a node of a cluster whose map puts the slot elsewhere. */
 static redisContext *relay_redis_route(redisContext *c, struct relay_redis_url *at, const char *key,
@@ -248,34 +292,26 @@ static redisContext *relay_redis_route(redisContext *c, struct relay_redis_url *
                                        enum relay_redis_fault *fault)
 {
     redisReply *r = relay_redis_call(c, stop_fd, connect_timeout_ms, "CLUSTER SLOTS");
-    if (r == NULL || r->type != REDIS_REPLY_ARRAY) {
-        if (r != NULL)
-            freeReplyObject(r);
-        return c; /* not a cluster (or it will say so at the first command) */
+    struct relay_addr *primaries = calloc(PRIMARIES_MAX, sizeof(*primaries));
+    uint8_t *slot_node = malloc(RELAY_CLUSTER_SLOTS);
+    int n = primaries != NULL && slot_node != NULL
+                ? relay_cluster_slots_parse(r, at->host, primaries, PRIMARIES_MAX, slot_node)
+                : -2;
+    unsigned node = n > 0 ? slot_node[relay_key_slot(key, strlen(key))] : RELAY_SLOT_UNCOVERED;
+    int elsewhere = node != RELAY_SLOT_UNCOVERED && !(primaries[node].port == at->port &&
+                                                      strcmp(primaries[node].host, at->host) == 0);
+    if (elsewhere) {
+        snprintf(at->host, sizeof(at->host), "%s", primaries[node].host);
+        at->port = primaries[node].port;
     }
-    long long slot = relay_key_slot(key, strlen(key));
-    const char *host = NULL;
-    long long port = 0;
-    for (size_t i = 0; i < r->elements && host == NULL; i++) {
-        const redisReply *e = r->element[i];
-        if (e->type == REDIS_REPLY_ARRAY && e->elements >= 3 &&
-            e->element[0]->type == REDIS_REPLY_INTEGER &&
-            e->element[1]->type == REDIS_REPLY_INTEGER && e->element[0]->integer <= slot &&
-            slot <= e->element[1]->integer && e->element[2]->type == REDIS_REPLY_ARRAY &&
-            e->element[2]->elements >= 2 && e->element[2]->element[0]->type == REDIS_REPLY_STRING &&
-            e->element[2]->element[1]->type == REDIS_REPLY_INTEGER) {
-            host = e->element[2]->element[0]->str;
-            port = e->element[2]->element[1]->integer;
-        }
-    }
-    if (host == NULL || ((host[0] == '\0' || strcmp(host, at->host) == 0) && port == at->port)) {
+    if (r != NULL)
         freeReplyObject(r);
+    free(primaries);
+    free(slot_node);
+    /* Not a cluster, or the slot is here (or uncovered: the first command
+     * will say so). */
+    if (!elsewhere)
         return c;
-    }
-    if (host[0] != '\0' && strcmp(host, "?") != 0)
-        snprintf(at->host, sizeof(at->host), "%s", host);
-    at->port = (int)port;
-    freeReplyObject(r);
     redisFree(c);
     return open_url(at, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, fault);
 }
@@ -285,15 +321,9 @@ redisContext *relay_redis_open_for_key(const struct relay_redis_url *u, const ch
                                        int stop_fd, char *err, size_t errlen,
                                        enum relay_redis_fault *fault)
 {
-    if (u->sentinels.n > 0 || u->nseeds <= 1) {
-        redisContext *c = relay_redis_open(u, connect_timeout_ms, command_timeout_ms, stop_fd, err,
-                                           errlen, fault);
-        if (c == NULL || u->sentinels.n > 0)
-            return c;
-        struct relay_redis_url at = *u; /* one address: it may still be a cluster node */
-        return relay_redis_route(c, &at, key, connect_timeout_ms, command_timeout_ms, stop_fd, err,
-                                 errlen, fault);
-    }
+    if (u->sentinels.n > 0) /* Sentinel watches single primaries */
+        return relay_redis_open(u, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen,
+                                fault);
     redisContext *c = NULL;
     struct relay_redis_url at = *u;
     for (int i = 0; i < u->nseeds && c == NULL; i++) {
@@ -319,44 +349,26 @@ int relay_redis_each_primary(redisContext *c, const struct relay_redis_url *u,
         snprintf(err, errlen, "CLUSTER SLOTS: %s", c->errstr);
         return -1;
     }
-    if (r->type != REDIS_REPLY_ARRAY) {
-        freeReplyObject(r);
-        return fn(c, arg); /* not a cluster */
-    }
-    enum { PRIMARIES_MAX = 64 };
-    struct relay_addr *seen = calloc(PRIMARIES_MAX, sizeof(*seen));
-    int count = 0, rc = 0;
-    if (seen == NULL) {
+    struct relay_addr *primaries = calloc(PRIMARIES_MAX, sizeof(*primaries));
+    if (primaries == NULL) {
         freeReplyObject(r);
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    for (size_t i = 0; i < r->elements && count < PRIMARIES_MAX; i++) {
-        const redisReply *e = r->element[i];
-        if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 ||
-            e->element[2]->type != REDIS_REPLY_ARRAY || e->element[2]->elements < 2 ||
-            e->element[2]->element[0]->type != REDIS_REPLY_STRING ||
-            e->element[2]->element[1]->type != REDIS_REPLY_INTEGER)
-            continue;
-        const char *host = e->element[2]->element[0]->str;
-        long long port = e->element[2]->element[1]->integer;
-        if (host[0] == '\0' || strcmp(host, "?") == 0)
-            host = u->host;
-        int at = 0;
-        while (at < count && !(seen[at].port == port && strcmp(seen[at].host, host) == 0))
-            at++;
-        if (at < count || port < 1 || port > 65535)
-            continue;
-        snprintf(seen[count].host, sizeof(seen[count].host), "%s", host);
-        seen[count].port = (int)port;
-        count++;
-    }
+    int count = relay_cluster_slots_parse(r, u->host, primaries, PRIMARIES_MAX, NULL);
     freeReplyObject(r);
+    int rc = 0;
+    if (count == -2) {
+        rc = fn(c, arg); /* not a cluster */
+    } else if (count < 0) {
+        snprintf(err, errlen, "the cluster has more than %d primaries", PRIMARIES_MAX);
+        rc = -1;
+    }
     for (int i = 0; i < count && rc == 0; i++) {
         struct relay_redis_url at = *u;
         memset(&at.sentinels, 0, sizeof(at.sentinels));
-        snprintf(at.host, sizeof(at.host), "%s", seen[i].host);
-        at.port = seen[i].port;
+        snprintf(at.host, sizeof(at.host), "%s", primaries[i].host);
+        at.port = primaries[i].port;
         enum relay_redis_fault fault;
         redisContext *node =
             open_url(&at, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, &fault);
@@ -367,7 +379,7 @@ int relay_redis_each_primary(redisContext *c, const struct relay_redis_url *u,
         rc = fn(node, arg);
         redisFree(node);
     }
-    free(seen);
+    free(primaries);
     return rc;
 }
 

@@ -453,60 +453,65 @@ static void publish_done(struct relay_lane *l)
     relay_cycle_published(&r->cycle, l->index);
 }
 
-static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg)
+/* The lane publishing now, when the reply of ac still counts for it; NULL
+ * for a reply that arrives after the batch ended (or while stopping). */
+static struct relay_lane *publishing_lane(redisAsyncContext *ac)
 {
     struct relay *r = relay_sink_owner(ac);
-    const redisReply *reply = reply_;
     if (r == NULL || r->stopping || r->cycle.publishing < 0)
-        return;
+        return NULL;
     struct relay_lane *l = &r->lanes[r->cycle.publishing];
-    if (r->cycle.lanes[l->index].state != RELAY_LANE_PUBLISH)
-        return;
-    enum relay_reply_kind kind = RELAY_REPLY_OTHER;
-    const char *str = NULL;
-    size_t len = 0;
+    return r->cycle.lanes[l->index].state == RELAY_LANE_PUBLISH ? l : NULL;
+}
+
+/* What a reply is for relay_batch_apply_*: lost (NULL, with the
+ * connection's error), an error, or `ok` when it has the type expected. */
+static enum relay_reply_kind reply_kind(const redisAsyncContext *ac, const redisReply *reply,
+                                        int ok, enum relay_reply_kind ok_kind, const char **str,
+                                        size_t *len)
+{
+    *str = NULL;
+    *len = 0;
     if (reply == NULL) {
-        kind = RELAY_REPLY_LOST;
-        str = ac->errstr;
-        len = strlen(ac->errstr);
-    } else if (reply->type == REDIS_REPLY_STRING || reply->type == REDIS_REPLY_STATUS) {
-        kind = RELAY_REPLY_ENTRY;
-    } else if (reply->type == REDIS_REPLY_ERROR) {
-        kind = RELAY_REPLY_ERROR;
-        str = reply->str;
-        len = reply->len;
+        *str = ac->errstr;
+        *len = strlen(ac->errstr);
+        return RELAY_REPLY_LOST;
     }
+    if (reply->type == REDIS_REPLY_ERROR) {
+        *str = reply->str;
+        *len = reply->len;
+        return RELAY_REPLY_ERROR;
+    }
+    return ok ? ok_kind : RELAY_REPLY_OTHER;
+}
+
+static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg)
+{
+    const redisReply *reply = reply_;
+    struct relay_lane *l = publishing_lane(ac);
+    if (l == NULL)
+        return;
+    const char *str;
+    size_t len;
+    int entry =
+        reply != NULL && (reply->type == REDIS_REPLY_STRING || reply->type == REDIS_REPLY_STATUS);
+    enum relay_reply_kind kind = reply_kind(ac, reply, entry, RELAY_REPLY_ENTRY, &str, &len);
     if (relay_batch_apply_reply(&l->tally, arg, kind, str, len))
         publish_done(l);
 }
 
 static void on_wait_reply(redisAsyncContext *ac, void *reply_, void *arg)
 {
-    struct relay *r = relay_sink_owner(ac);
     const redisReply *reply = reply_;
-    if (r == NULL || r->stopping || r->cycle.publishing < 0)
+    struct relay_lane *l = publishing_lane(ac);
+    if (l == NULL || l != arg)
         return;
-    struct relay_lane *l = &r->lanes[r->cycle.publishing];
-    if (l != arg || r->cycle.lanes[l->index].state != RELAY_LANE_PUBLISH)
-        return;
-    enum relay_reply_kind kind = RELAY_REPLY_OTHER;
-    const char *str = NULL;
-    size_t len = 0;
-    long long replicas = -1;
-    if (reply == NULL) {
-        kind = RELAY_REPLY_LOST;
-        str = ac->errstr;
-        len = strlen(ac->errstr);
-    } else if (reply->type == REDIS_REPLY_INTEGER) {
-        kind = RELAY_REPLY_COUNT;
-        replicas = reply->integer;
-    } else if (reply->type == REDIS_REPLY_ERROR) {
-        kind = RELAY_REPLY_ERROR;
-        str = reply->str;
-        len = reply->len;
-    }
-    if (relay_batch_apply_wait(&l->tally, kind, replicas, str, len, r->cfg->min_replicas,
-                               r->cfg->replica_timeout_ms))
+    const char *str;
+    size_t len;
+    int count = reply != NULL && reply->type == REDIS_REPLY_INTEGER;
+    enum relay_reply_kind kind = reply_kind(ac, reply, count, RELAY_REPLY_COUNT, &str, &len);
+    if (relay_batch_apply_wait(&l->tally, kind, count ? reply->integer : -1, str, len,
+                               l->r->cfg->min_replicas, l->r->cfg->replica_timeout_ms))
         publish_done(l);
 }
 

@@ -50,6 +50,7 @@
 #include "relay/config.h"
 #include "relay/keys.h"
 #include "relay/log.h"
+#include "relay/redisconn.h"
 
 #define COMPONENT "redis"
 
@@ -486,47 +487,14 @@ static int take_slots(struct relay_sink *s, struct sink_node *first, const redis
         return -1;
     }
     struct relay_addr primaries[SINK_NODES_MAX];
-    int count = 0;
-    static uint8_t seen[RELAY_CLUSTER_SLOTS];
-    memset(seen, 0, sizeof(seen));
-    for (size_t i = 0; i < r->elements; i++) {
-        const redisReply *e = r->element[i];
-        if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 ||
-            e->element[0]->type != REDIS_REPLY_INTEGER ||
-            e->element[1]->type != REDIS_REPLY_INTEGER ||
-            e->element[2]->type != REDIS_REPLY_ARRAY || e->element[2]->elements < 2 ||
-            e->element[2]->element[0]->type != REDIS_REPLY_STRING ||
-            e->element[2]->element[1]->type != REDIS_REPLY_INTEGER)
-            continue;
-        long long lo = e->element[0]->integer, hi = e->element[1]->integer;
-        const char *host = e->element[2]->element[0]->str;
-        long long port = e->element[2]->element[1]->integer;
-        if (lo < 0 || hi >= RELAY_CLUSTER_SLOTS || lo > hi || port < 1 || port > 65535)
-            continue;
-        /* An empty or "?" host: the node we asked reaches it at our address. */
-        if (host[0] == '\0' || strcmp(host, "?") == 0)
-            host = first->host;
-        int at = 0;
-        while (at < count && !(primaries[at].port == port && strcmp(primaries[at].host, host) == 0))
-            at++;
-        if (at == count) {
-            if (count == SINK_NODES_MAX) {
-                snprintf(msg, sizeof(msg), "the cluster has more than %d primaries",
-                         SINK_NODES_MAX);
-                node_failed(s, "cannot use the cluster", msg);
-                return -1;
-            }
-            snprintf(primaries[count].host, sizeof(primaries[count].host), "%s", host);
-            primaries[count].port = (int)port;
-            count++;
-        }
-        for (long long slot = lo; slot <= hi; slot++) {
-            s->slot_node[slot] = (uint8_t)at;
-            seen[slot] = 1;
-        }
+    int count = relay_cluster_slots_parse(r, first->host, primaries, SINK_NODES_MAX, s->slot_node);
+    if (count < 0) {
+        snprintf(msg, sizeof(msg), "the cluster has more than %d primaries", SINK_NODES_MAX);
+        node_failed(s, "cannot use the cluster", msg);
+        return -1;
     }
     for (int slot = 0; slot < RELAY_CLUSTER_SLOTS; slot++) {
-        if (!seen[slot]) {
+        if (s->slot_node[slot] == RELAY_SLOT_UNCOVERED) {
             snprintf(msg, sizeof(msg),
                      "slot %d has no primary (the cluster is not fully covered): check CLUSTER "
                      "SLOTS",

@@ -51,6 +51,22 @@ struct redisReply *relay_redis_call(struct redisContext *c, int stop_fd, uint32_
                                     const char *fmt, ...) __attribute__((warn_unused_result))
 __attribute__((format(printf, 4, 5)));
 
+/* A slot no primary serves, in relay_cluster_slots_parse's map. */
+#define RELAY_SLOT_UNCOVERED 0xff
+
+/*
+ * Reads a CLUSTER SLOTS reply: each distinct primary once into primaries (at
+ * most max; an empty or "?" host is default_host, the node that was asked),
+ * and, when slot_node is not NULL, each of the RELAY_CLUSTER_SLOTS slots'
+ * primary as an index into primaries (RELAY_SLOT_UNCOVERED for none).
+ * Returns the number of primaries, -1 when there are more than max, or -2
+ * when r is not a slot map (a server without cluster support answers with an
+ * error).
+ */
+struct relay_addr;
+int relay_cluster_slots_parse(const struct redisReply *r, const char *default_host,
+                              struct relay_addr *primaries, int max, uint8_t *slot_node);
+
 /*
  * relay_redis_open for the commands of one key (a stream and the keys in its
  * hash slot): with Sentinels as relay_redis_open; else the seed nodes of u in

@@ -402,9 +402,8 @@ class Redis:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
 
-    def start(self):
-        """Starts redis-server and waits until it answers PING."""
-        assert self.proc is None or self.proc.poll() is not None, "redis is already running"
+    def command(self):
+        """The server's command line."""
         argv = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", self.dir, "--save", "", "--daemonize", "no",
                 "--appendonly", "yes" if self.appendonly else "no",
@@ -412,8 +411,12 @@ class Redis:
                 "--logfile", os.path.join(self.dir, "redis.log")]
         if self.password:
             argv += ["--requirepass", self.password, "--masterauth", self.password]
-        argv += self.extra_args
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        return argv + self.extra_args
+
+    def start(self):
+        """Starts the server and waits until it answers PING."""
+        assert self.proc is None or self.proc.poll() is not None, "redis is already running"
+        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, cwd=self.dir)
         self.paused = False
 
@@ -641,10 +644,9 @@ class Sentinel(Redis):
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
 
-    def start(self):
-        assert self.proc is None or self.proc.poll() is not None, "sentinel is already running"
+    def command(self):
         conf = os.path.join(self.dir, "sentinel.conf")
-        if not os.path.exists(conf):
+        if not os.path.exists(conf):  # Sentinel rewrites it: written once
             with open(conf, "w") as f:
                 f.write(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
                         f"logfile {os.path.join(self.dir, 'redis.log')}\n"
@@ -653,21 +655,7 @@ class Sentinel(Redis):
                         f"sentinel down-after-milliseconds {self.master} {self.down_after_ms}\n"
                         f"sentinel failover-timeout {self.master} {self.failover_timeout_ms}\n"
                         f"sentinel parallel-syncs {self.master} 1\n")
-        self.proc = subprocess.Popen([redis_server_binary(), conf, "--sentinel"],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, cwd=self.dir)
-        self.paused = False
-
-        def answers():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sentinel exited with {self.proc.returncode}\n"
-                                   + tail(self.log()))
-            try:
-                with contextlib.closing(self.client(socket_timeout=1)) as c:
-                    return c.ping()
-            except redis_py.exceptions.RedisError:
-                return False
-        wait_until(answers, timeout=20, message="the sentinel to answer PING")
+        return [redis_server_binary(), conf, "--sentinel"]
 
     def primary(self):
         """The primary's port as this Sentinel names it now."""

@@ -73,6 +73,17 @@ class ClusterTest(harness.PostgresTestCase):
             self.pg, None, env={"OUTBOX_RELAY_REDIS": cluster.url()},
             **{**RELAY_FLAGS, **flags}))
 
+    def load(self, relay, topics, before):
+        """Producers committing 1,000 rows a second over topics, once 3,000
+        of their rows are sent."""
+        producer = harness.Producer(self.pg, rows=10**9, tx_rows=(1, 10), rate=1000,
+                                    topics=topics)
+        producer.start()
+        self.addCleanup(producer.stop)
+        wait_until(lambda: sent_count(self.db) >= 3000, timeout=90, relay=relay,
+                   message=f"3,000 rows sent before {before}")
+        return producer
+
     def verify(self, cluster, what):
         reader = cluster.reader()
         self.addCleanup(reader.close)
@@ -177,12 +188,7 @@ class ClusterTest(harness.PostgresTestCase):
         cluster = self.cluster()
         topics = spread_topics(cluster)
         relay = self.relay_for(cluster, min_replicas=1, replica_timeout="500ms")
-        producer = harness.Producer(self.pg, rows=10**9, tx_rows=(1, 10), rate=1000,
-                                    topics=topics)
-        producer.start()
-        self.addCleanup(producer.stop)
-        wait_until(lambda: sent_count(self.db) >= 3000, timeout=90, relay=relay,
-                   message="3,000 rows sent before the failover")
+        producer = self.load(relay, topics, "the failover")
         victim = cluster.primary_of(topics[0])
         started = time.monotonic()
         victim.kill()
@@ -208,12 +214,7 @@ class ClusterTest(harness.PostgresTestCase):
         cluster = self.cluster()
         topics = spread_topics(cluster)
         relay = self.relay_for(cluster)
-        producer = harness.Producer(self.pg, rows=10**9, tx_rows=(1, 10), rate=1000,
-                                    topics=topics)
-        producer.start()
-        self.addCleanup(producer.stop)
-        wait_until(lambda: sent_count(self.db) >= 3000, timeout=90, relay=relay,
-                   message="3,000 rows sent before the migration")
+        producer = self.load(relay, topics, "the migration")
         busy = topics[0]
         slot = cluster.keyslot(busy)
         source = cluster.primary_of(busy)
