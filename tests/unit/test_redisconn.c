@@ -38,10 +38,9 @@ static void test_three_primaries(void **state)
 {
     (void)state;
     /* Two ranges of one primary, and a host left empty ("the node asked"). */
-    redisReply *r = parse("*4\r\n" RANGE(0, 5460, "9\r\n127.0.0.1", 7000)
-                              RANGE(5461, 10922, "9\r\n127.0.0.1", 7001)
-                                  RANGE(10923, 16000, "0\r\n", 7002)
-                                      RANGE(16001, 16383, "9\r\n127.0.0.1", 7000));
+    redisReply *r = parse(
+        "*4\r\n" RANGE(0, 5460, "9\r\n127.0.0.1", 7000) RANGE(5461, 10922, "9\r\n127.0.0.1", 7001)
+            RANGE(10923, 16000, "0\r\n", 7002) RANGE(16001, 16383, "9\r\n127.0.0.1", 7000));
     struct relay_addr primaries[4];
     uint8_t *map = malloc(RELAY_CLUSTER_SLOTS);
     assert_non_null(map);
