@@ -91,6 +91,10 @@ static void render_relay(const struct relay *r, struct relay_buf *t)
     help(t, "outbox_relay_up", "gauge", "Connection state of each server (1 connected).");
     relay_buf_printf(t, "outbox_relay_up{server=\"postgres\"} %d\n", relay_postgres_up(r));
     relay_buf_printf(t, "outbox_relay_up{server=\"redis\"} %d\n", relay_sink_ready(r->sink));
+    help(t, "outbox_relay_redis_ask_redirects_total", "counter",
+         "ASK replies of a Redis Cluster in slot migration, followed with ASKING.");
+    relay_buf_printf(t, "outbox_relay_redis_ask_redirects_total %llu\n",
+                     (unsigned long long)relay_sink_asks_followed(r->sink));
     help(t, "outbox_relay_ready", "gauge", "1 when connected to both servers and not stalled.");
     relay_buf_printf(t, "outbox_relay_ready %d\n", ready(r, why, sizeof(why)));
 

@@ -95,6 +95,7 @@ struct relay_sink {
     int nready;
     uint8_t slot_node[RELAY_CLUSTER_SLOTS]; /* slot -> node index, in a cluster */
     uint32_t written;                       /* nodes written since relay_sink_wait */
+    uint64_t asks_followed;                 /* ASK replies sent on to the importing primary */
     int seed_next;                          /* the seed node the next connect tries */
     /* Sentinel: the context asking one, the next one to ask, why the last
      * one did not answer, and the primary's address they gave. */
@@ -330,6 +331,167 @@ static struct sink_node *route(struct relay_sink *s, const char *cmd, size_t len
     return &s->nodes[s->slot_node[command_slot(cmd, len)]];
 }
 
+/*
+ * In a cluster every command carries a small record of its own, so that an
+ * ASK reply (its slot is being migrated and the key already left) can be
+ * followed: the same bytes go to the importing primary behind an ASKING.
+ * When that primary still misses one of a multi-key command's keys it
+ * answers TRYAGAIN, which fails the batch and is retried with backoff. With
+ * min_replicas the redirected write gets a WAIT of its own on that primary,
+ * and its reply reaches the caller only once the replicas hold it: the
+ * batch's WAIT went out before the redirect and covers the other writes.
+ */
+struct sink_cmd {
+    struct relay_sink *s;
+    relay_sink_reply_fn *cb;
+    void *arg;
+    int redirected;
+    redisReply *held; /* the redirected command's reply, kept until its WAIT answers */
+    size_t len;
+    char cmd[];
+};
+
+static redisReply *reply_copy(const redisReply *r, int depth)
+{
+    redisReply *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return NULL;
+    c->type = r->type;
+    c->integer = r->integer;
+    if (r->str != NULL) {
+        c->str = malloc(r->len + 1);
+        if (c->str == NULL) {
+            free(c);
+            return NULL;
+        }
+        memcpy(c->str, r->str, r->len);
+        c->str[r->len] = '\0';
+        c->len = r->len;
+    }
+    if (r->type == REDIS_REPLY_ARRAY && r->elements > 0) {
+        c->element = calloc(r->elements, sizeof(*c->element));
+        if (c->element == NULL || depth > 8) {
+            freeReplyObject(c);
+            return NULL;
+        }
+        c->elements = r->elements;
+        for (size_t i = 0; i < r->elements; i++) {
+            c->element[i] = reply_copy(r->element[i], depth + 1);
+            if (c->element[i] == NULL) {
+                freeReplyObject(c);
+                return NULL;
+            }
+        }
+    }
+    return c;
+}
+
+/* The primary an "ASK <slot> <host>:<port>" names, if the sink has it. */
+static struct sink_node *ask_target(struct relay_sink *s, const char *str, size_t len)
+{
+    const char *sp = memchr(str + 4, ' ', len - 4);
+    if (sp == NULL)
+        return NULL;
+    const char *addr = sp + 1, *end = str + len;
+    const char *colon = NULL;
+    for (const char *p = addr; p < end; p++)
+        if (*p == ':')
+            colon = p;
+    if (colon == NULL)
+        return NULL;
+    size_t hlen = (size_t)(colon - addr);
+    char *pe;
+    long port = strtol(colon + 1, &pe, 10);
+    if (pe != end || port <= 0 || port > 65535)
+        return NULL;
+    for (int i = 0; i < s->nnodes; i++) {
+        struct sink_node *n = &s->nodes[i];
+        if (n->ac != NULL && n->port == port && strlen(n->host) == hlen &&
+            memcmp(n->host, addr, hlen) == 0)
+            return n;
+    }
+    return NULL;
+}
+
+static void on_cmd_reply(redisAsyncContext *ac, void *reply, void *privdata);
+static void on_cmd_wait(redisAsyncContext *ac, void *reply, void *privdata);
+
+static int follow_ask(struct sink_cmd *c, struct sink_node *t)
+{
+    static const char *asking[1] = {"ASKING"};
+    static const size_t asking_len[1] = {6};
+    struct relay_sink *s = c->s;
+    if (redisAsyncCommandArgv(t->ac, NULL, NULL, 1, asking, asking_len) != REDIS_OK ||
+        redisAsyncFormattedCommand(t->ac, on_cmd_reply, c, c->cmd, c->len) != REDIS_OK)
+        return -1;
+    c->redirected = 1;
+    s->asks_followed++;
+    if (s->cfg->min_replicas > 0) {
+        char want[16], ms[16];
+        snprintf(want, sizeof(want), "%u", s->cfg->min_replicas);
+        snprintf(ms, sizeof(ms), "%u", s->cfg->replica_timeout_ms);
+        const char *argv[3] = {"WAIT", want, ms};
+        size_t lens[3] = {4, strlen(want), strlen(ms)};
+        /* If this cannot be queued the connection is gone, and the command's
+         * own callback runs with NULL. */
+        if (redisAsyncCommandArgv(t->ac, on_cmd_wait, c, 3, argv, lens) == REDIS_OK)
+            c->redirected = 2;
+    }
+    return 0;
+}
+
+static void on_cmd_reply(redisAsyncContext *ac, void *reply, void *privdata)
+{
+    struct sink_cmd *c = privdata;
+    const redisReply *r = reply;
+    if (r != NULL && !c->redirected && r->type == REDIS_REPLY_ERROR && r->len > 4 &&
+        memcmp(r->str, "ASK ", 4) == 0 && c->s->state == SINK_READY) {
+        struct sink_node *t = ask_target(c->s, r->str, r->len);
+        if (t != NULL && follow_ask(c, t) == 0)
+            return;
+    }
+    if (c->redirected == 2 && r != NULL && r->type != REDIS_REPLY_ERROR) {
+        /* Its WAIT decides; a reply that cannot be kept fails the batch. */
+        c->held = reply_copy(r, 0);
+        if (c->held != NULL)
+            return;
+        c->redirected = 3;
+        c->cb(ac, NULL, c->arg);
+        return;
+    }
+    if (c->redirected == 2)
+        c->redirected = 3; /* answered: the WAIT's callback only frees */
+    c->cb(ac, reply, c->arg);
+    if (c->redirected != 3)
+        free(c);
+}
+
+static void on_cmd_wait(redisAsyncContext *ac, void *reply, void *privdata)
+{
+    struct sink_cmd *c = privdata;
+    const redisReply *r = reply;
+    if (c->held != NULL) {
+        if (r != NULL && r->type == REDIS_REPLY_INTEGER &&
+            r->integer >= (long long)c->s->cfg->min_replicas) {
+            c->cb(ac, c->held, c->arg);
+        } else {
+            char msg[200];
+            snprintf(msg, sizeof(msg),
+                     "NOREPLICAS %lld of min_replicas = %u replicas acknowledged a write "
+                     "redirected by ASK within replica_timeout",
+                     r != NULL && r->type == REDIS_REPLY_INTEGER ? r->integer : 0LL,
+                     c->s->cfg->min_replicas);
+            redisReply e = {.type = REDIS_REPLY_ERROR, .str = msg, .len = strlen(msg)};
+            c->cb(ac, r != NULL ? &e : NULL, c->arg);
+        }
+        freeReplyObject(c->held);
+    } else if (c->redirected == 2) {
+        /* The command's reply never came (its context went first). */
+        c->cb(ac, NULL, c->arg);
+    }
+    free(c);
+}
+
 int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, relay_sink_reply_fn *cb,
                          void *arg)
 {
@@ -340,10 +502,29 @@ int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, rela
     if (len < 4 || cmd[0] != '*')
         return -1;
     struct sink_node *n = route(s, cmd, len);
-    if (n->ac == NULL || redisAsyncFormattedCommand(n->ac, cb, arg, cmd, len) != REDIS_OK)
+    if (n->ac == NULL)
         return -1;
+    if (!s->cluster) {
+        if (redisAsyncFormattedCommand(n->ac, cb, arg, cmd, len) != REDIS_OK)
+            return -1;
+    } else {
+        struct sink_cmd *c = malloc(sizeof(*c) + len);
+        if (c == NULL)
+            return -1;
+        *c = (struct sink_cmd){.s = s, .cb = cb, .arg = arg, .len = len};
+        memcpy(c->cmd, cmd, len);
+        if (redisAsyncFormattedCommand(n->ac, on_cmd_reply, c, cmd, len) != REDIS_OK) {
+            free(c);
+            return -1;
+        }
+    }
     s->written |= 1u << (n - s->nodes);
     return 0;
+}
+
+uint64_t relay_sink_asks_followed(const struct relay_sink *s)
+{
+    return s->asks_followed;
 }
 
 int relay_sink_wait(struct relay_sink *s, unsigned replicas, uint32_t timeout_ms,

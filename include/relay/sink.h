@@ -20,8 +20,9 @@ struct redisAsyncContext;
 struct relay_config;
 struct relay_sink;
 
-/* Called once per command with hiredis's own callback signature, so no
- * wrapper is allocated per command: reply is a redisReply *, NULL when the
+/* Called once per command with hiredis's own callback signature (a single
+ * server needs no wrapper per command; a cluster's commands carry one to
+ * follow ASK): reply is a redisReply *, NULL when the
  * connection failed or was dropped, and freed by hiredis after the callback
  * returns. relay_sink_owner(ac) gives back the hooks' arg. */
 typedef void relay_sink_reply_fn(struct redisAsyncContext *ac, void *reply, void *arg);
@@ -57,6 +58,9 @@ int relay_sink_ready(const struct relay_sink *s);
  */
 int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, relay_sink_reply_fn *cb,
                          void *arg) __attribute__((warn_unused_result));
+
+/* How many ASK replies (a slot in migration) the sink followed with ASKING. */
+uint64_t relay_sink_asks_followed(const struct relay_sink *s);
 
 /* Forgets which connections were written to (relay_sink_wait's set). */
 void relay_sink_written_reset(struct relay_sink *s);
