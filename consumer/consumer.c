@@ -305,6 +305,9 @@ const char relay_consumer_function_source[] =
     "redis.register_function('" RELAY_CONSUMER_FUNCTION_DEAD_LETTER_LEASED
     "', leased_dead_letter)\n";
 
+/* Most primaries of a cluster the ordered mode holds connections to. */
+#define CONSUMER_NODES_MAX 32
+
 struct relay_consumer {
     struct relay_consumer_options o;
     char stream[NAME_MAX_LEN];
@@ -317,7 +320,11 @@ struct relay_consumer {
     void *arg;
 
     redisContext *rd; /* XREADGROUP BLOCK */
-    redisContext *wr; /* everything else */
+    redisContext *wr; /* everything else; in the ordered mode, one of node[] */
+    /* The ordered mode's connections, one per primary its partitions are on
+     * (node[0]: the primary of the topic's stream, for the members key). */
+    redisContext *node[CONSUMER_NODES_MAX];
+    int nnodes;
     volatile sig_atomic_t stop;
     struct relay_backoff reconnect;
     struct relay_consumer_stats stats;
@@ -600,8 +607,11 @@ static void disconnect(struct relay_consumer *c)
 {
     if (c->rd != NULL)
         redisFree(c->rd);
-    if (c->wr != NULL)
+    if (c->nnodes == 0 && c->wr != NULL)
         redisFree(c->wr);
+    for (int i = 0; i < c->nnodes; i++)
+        redisFree(c->node[i]);
+    c->nnodes = 0;
     c->rd = c->wr = NULL;
 }
 
@@ -641,14 +651,16 @@ RELAY_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind
     emit(c, RELAY_CONSUMER_LOG_ERROR, "%s; retrying with backoff", text);
 }
 
-static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, const char *role)
+/* A connection for the commands of one stream (and the keys in its slot). */
+static redisContext *open_conn_for(struct relay_consumer *c, const char *stream,
+                                   uint32_t timeout_ms, const char *role)
 {
     char err[512];
     enum relay_redis_fault fault;
     /* In a cluster, the primary of the stream's slot, where its replay and
      * dead-letter streams are too; found again at every connect, so a
      * failover or a resharding is followed (with seed nodes in the URL). */
-    redisContext *ctx = relay_redis_open_for_key(&c->url, c->stream, c->o.command_timeout_ms,
+    redisContext *ctx = relay_redis_open_for_key(&c->url, stream, c->o.command_timeout_ms,
                                                  timeout_ms, -1, err, sizeof(err), &fault);
     if (ctx == NULL) {
         problem(c,
@@ -670,6 +682,11 @@ static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, co
     if (r != NULL)
         freeReplyObject(r);
     return ctx;
+}
+
+static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, const char *role)
+{
+    return open_conn_for(c, c->stream, timeout_ms, role);
 }
 
 /* XGROUP CREATE at 0 with MKSTREAM: nothing published before the group existed is missed. */
@@ -1336,6 +1353,7 @@ static void held_free(struct held *h)
 
 struct part {
     uint32_t p;
+    int node; /* its primary's connection: c->node[node] */
     char stream[NAME_MAX_LEN];
     char replay[2 * NAME_MAX_LEN + 16];
     char dlq[2 * NAME_MAX_LEN + 16];
@@ -1362,7 +1380,28 @@ struct ordered {
     uint32_t rank, members;
     long long next_upkeep;
     uint32_t rr; /* where the next handling round starts */
+    int poll;    /* the partitions span hash slots of a cluster: no single XREAD
+                    can wait on them, so the loop reads again every
+                    ORDER_POLL_MS */
 };
+
+/* How often an ordered consumer in a Redis Cluster reads its partitions
+ * again when nothing is in hand (docs/CONSUMERS.md, "Limits"). */
+#define ORDER_POLL_MS 50
+
+/* Commands of this partition go to its primary from here on. */
+static void use_part(struct relay_consumer *c, const struct part *pt)
+{
+    if (pt->node < c->nnodes)
+        c->wr = c->node[pt->node];
+}
+
+/* Commands of the topic's own keys (the members key) go to its primary. */
+static void use_base(struct relay_consumer *c)
+{
+    if (c->nnodes > 0)
+        c->wr = c->node[0];
+}
 
 /* A refusal that connecting again cures: the library flushed or deleted
  * (connecting loads it), the group or stream deleted (connecting creates
@@ -1660,10 +1699,12 @@ static void release_part(struct relay_consumer *c, struct part *pt, const char *
  * is. */
 static void upkeep(struct relay_consumer *c, struct ordered *od)
 {
+    use_base(c);
     if (beat(c, od) < 0)
         return;
     for (uint32_t i = 0; i < od->n && c->wr != NULL && !c->stop; i++) {
         struct part *pt = &od->parts[i];
+        use_part(c, pt);
         long long now = now_ms();
         int mine = relay_order_mine(pt->p, od->rank, od->members);
         if (pt->token != 0 && !mine) {
@@ -1757,6 +1798,7 @@ static size_t fill(struct relay_consumer *c, struct ordered *od)
     size_t got = 0;
     for (uint32_t i = 0; i < od->n && c->wr != NULL && !c->stop; i++) {
         struct part *pt = &od->parts[i];
+        use_part(c, pt);
         /* count entries in hand; more, up to ORDER_QUEUE_MAX, while all of
          * them wait behind retries, so that the other keys go on. */
         size_t limit = any_ready(pt, now_ms()) ? c->o.count : ORDER_QUEUE_MAX;
@@ -2023,6 +2065,7 @@ static int handle_next(struct relay_consumer *c, struct ordered *od, long long *
             continue;
         }
         od->rr = (od->rr + k + 1) % od->n;
+        use_part(c, pt);
         handle_held(c, pt, &pt->q[next]);
         compact(pt);
         return 1;
@@ -2060,6 +2103,10 @@ static void wait_for_entries(struct relay_consumer *c, struct ordered *od, long 
         sleep_ms_interruptible(c, (uint32_t)ms);
         return;
     }
+    if (od->poll) {
+        sleep_ms_interruptible(c, ms > ORDER_POLL_MS ? ORDER_POLL_MS : (uint32_t)ms);
+        return;
+    }
     const char **argv = calloc(2 * n + 6, sizeof(*argv));
     size_t *lens = calloc(2 * n + 6, sizeof(*lens));
     if (argv == NULL || lens == NULL) {
@@ -2092,26 +2139,84 @@ static void wait_for_entries(struct relay_consumer *c, struct ordered *od, long 
         problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while waiting: %s", c->rd->errstr);
         disconnect(c);
     } else {
+        if (r->type == REDIS_REPLY_ERROR &&
+            (strncmp(r->str, "CROSSSLOT", 9) == 0 || strncmp(r->str, "MOVED ", 6) == 0)) {
+            /* A cluster, even with a single primary: its partitions are in
+             * different slots. */
+            od->poll = 1;
+            emit(c, RELAY_CONSUMER_LOG_INFO,
+                 "%s: the partitions of %s are in different hash slots of a Redis Cluster: "
+                 "reading them every %d ms",
+                 c->consumer, c->stream, ORDER_POLL_MS);
+        }
         freeReplyObject(r);
     }
     free(argv);
     free(lens);
 }
 
+static int same_server(const redisContext *a, const redisContext *b)
+{
+    return a->tcp.host != NULL && b->tcp.host != NULL && a->tcp.port == b->tcp.port &&
+           strcmp(a->tcp.host, b->tcp.host) == 0;
+}
+
+/* Finds a partition's connection: the primary of its stream's slot, shared
+ * by every partition there. A primary met for the first time gets the
+ * functions loaded. */
+static int attach_part(struct relay_consumer *c, struct part *pt)
+{
+    redisContext *ctx = open_conn_for(c, pt->stream, c->o.command_timeout_ms, "ack");
+    if (ctx == NULL)
+        return -1;
+    for (int i = 0; i < c->nnodes; i++) {
+        if (same_server(c->node[i], ctx)) {
+            redisFree(ctx);
+            pt->node = i;
+            return 0;
+        }
+    }
+    if (c->nnodes == CONSUMER_NODES_MAX) {
+        redisFree(ctx);
+        problem(c, RELAY_CONSUMER_ERR_REDIS,
+                "the partitions of %s are on more than %d primaries: use fewer partitions",
+                c->stream, CONSUMER_NODES_MAX);
+        return -1;
+    }
+    pt->node = c->nnodes;
+    c->node[c->nnodes++] = ctx;
+    c->wr = ctx;
+    return load_function(c);
+}
+
 static int connect_ordered(struct relay_consumer *c, struct ordered *od)
 {
     disconnect(c);
     c->wr = open_conn(c, c->o.command_timeout_ms, "ack");
-    if (c->wr != NULL)
-        c->rd = open_conn(c, c->o.block_ms + c->o.command_timeout_ms, "read");
-    if (c->rd == NULL || load_function(c) < 0)
+    if (c->wr == NULL)
+        goto fail;
+    c->node[0] = c->wr;
+    c->nnodes = 1;
+    if (load_function(c) < 0)
+        goto fail;
+    /* In a Redis Cluster the partition streams hash to different slots:
+     * each partition's commands go to its own primary. */
+    for (uint32_t i = 0; i < od->n; i++)
+        if (attach_part(c, &od->parts[i]) < 0)
+            goto fail;
+    od->poll = c->nnodes > 1;
+    use_base(c);
+    c->rd = open_conn(c, c->o.block_ms + c->o.command_timeout_ms, "read");
+    if (c->rd == NULL)
         goto fail;
     for (uint32_t i = 0; i < od->n; i++) {
+        use_part(c, &od->parts[i]);
         migrate_name(c, od->parts[i].stream, od->parts[i].dlq, 0);
         migrate_name(c, od->parts[i].stream, od->parts[i].replay, 1);
         if (ensure_group(c, od->parts[i].stream) < 0 || ensure_group(c, od->parts[i].replay) < 0)
             goto fail;
     }
+    use_base(c);
     /* What was in hand may have been acknowledged with the reply lost: read
      * it again from the pending list, after taking over again what others
      * left. */
@@ -2195,10 +2300,12 @@ static int run_ordered(struct relay_consumer *c)
      * leases run out, and leaves the members, so that the others count it
      * out at their next beat. */
     for (uint32_t i = 0; i < od.n; i++) {
+        use_part(c, &od.parts[i]);
         if (c->wr != NULL)
             release_part(c, &od.parts[i], "stopping");
         part_drop(&od.parts[i]);
     }
+    use_base(c);
     redisReply *r = fcall(c, (const char *[]){"ZREM", od.members_key, c->consumer, NULL});
     freeReplyObject(r);
     free(od.parts);
