@@ -582,6 +582,57 @@ class RedisCluster:
         with contextlib.closing(node.client(socket_timeout=5)) as c:
             return c.execute_command("CLUSTER", "MYID").decode()
 
+    def add_primary(self):
+        """A new empty primary joined to the cluster (redis-cli --cluster
+        add-node), holding no slot until one is migrated to it."""
+        node = Redis(appendonly=True,
+                     extra_args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                 "--cluster-node-timeout", str(self.node_timeout_ms),
+                                 "--repl-diskless-sync-delay", "0",
+                                 "--cluster-port", str(free_port())])
+        node.__enter__()
+        self.nodes.append(node)
+        cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+        _run([cli, "--cluster", "add-node", f"127.0.0.1:{node.port}",
+              f"127.0.0.1:{self.nodes[0].port}"], "redis-cli --cluster add-node", timeout=60)
+        new_id = self.node_id(node)
+
+        def known():
+            for n in self.nodes:
+                if n.proc is None or n.proc.poll() is not None:
+                    continue
+                with contextlib.closing(n.client(socket_timeout=2)) as c:
+                    if new_id not in c.execute_command("CLUSTER", "NODES").decode():
+                        return False
+            return True
+        wait_until(known, timeout=30, interval=0.2, message="every node to know the new one")
+        self.wait_ok()
+        return node
+
+    def migrate_slot(self, slot, source, target, pause=0.1):
+        """Moves a slot's keys from source to target, 10 at a time with a
+        pause between (the MIGRATING/IMPORTING states, then SETSLOT NODE on
+        every primary): (keys moved, seconds it took)."""
+        started = time.monotonic()
+        src_id, dst_id = self.node_id(source), self.node_id(target)
+        moved = 0
+        with contextlib.closing(source.client()) as src, contextlib.closing(target.client()) as dst:
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+            while True:
+                keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 10)
+                if not keys:
+                    break
+                src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000,
+                                    "KEYS", *keys)
+                moved += len(keys)
+                time.sleep(pause)  # the migration lasts, and publishes meet it
+        owners = {source.port, target.port, *self.primaries()}
+        for port in owners:
+            with contextlib.closing(self.node(port).client()) as c:
+                c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        return moved, time.monotonic() - started
+
     def url(self):
         return "redis://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 

@@ -17,6 +17,9 @@ cluster of 3 primaries with a replica each, every node on loopback:
   (MIGRATING/IMPORTING, MIGRATE, SETSLOT NODE: the ASK, TRYAGAIN and MOVED
   answers; ASK followed with ASKING, under min_replicas = 1): nothing lost
   or doubled, and each stream keeps its order.
+- a fourth primary joins under load (without the functions) and a busy
+  stream's slot is migrated to it: the relay loads its functions there and
+  publishes go on, nothing lost or doubled.
 """
 
 import contextlib
@@ -267,25 +270,8 @@ class ClusterTest(harness.PostgresTestCase):
         slot = cluster.keyslot(busy)
         source = cluster.primary_of(busy)
         target = next(n for p, n in cluster.primaries().items() if p != source.port)
-        src_id, dst_id = cluster.node_id(source), cluster.node_id(target)
         mark = relay.mark()
-        started = time.monotonic()
-        with contextlib.closing(source.client()) as src, contextlib.closing(target.client()) as dst:
-            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
-            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
-            moved = 0
-            while True:
-                keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 10)
-                if not keys:
-                    break
-                src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000,
-                                    "KEYS", *keys)
-                moved += len(keys)
-                time.sleep(0.1)  # the migration lasts, and publishes meet it
-            for node in cluster.primaries().values():
-                with contextlib.closing(node.client()) as c:
-                    c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
-        took = time.monotonic() - started
+        moved, took = cluster.migrate_slot(slot, source, target)
         cluster.wait_ok()
         before = sent_count(self.db)
         wait_until(lambda: sent_count(self.db) >= before + 2000, timeout=90, relay=relay,
@@ -308,6 +294,39 @@ class ClusterTest(harness.PostgresTestCase):
         fig, _ = self.verify(cluster, f"slot {slot} migrated")
         self.assertGreater(fig.committed, 5000)
         self.assertEqual(cluster.primary_of(busy).port, target.port)
+
+    def test_a_primary_that_joins_gets_the_functions(self):
+        """A fourth primary joins the cluster under load and a busy stream's
+        slot is migrated to it: the relay's MOVED reconnect reads the new map,
+        loads its functions on the new primary, and publishes go on there."""
+        cluster = self.cluster()
+        topics = spread_topics(cluster, per_primary=1)
+        relay = self.relay_for(cluster)
+        producer = self.load(relay, topics, "the new primary")
+        newcomer = cluster.add_primary()
+        with contextlib.closing(newcomer.client()) as c:
+            # redis-cli --cluster add-node copies the functions over; a node
+            # joined otherwise (CLUSTER MEET) has none.
+            c.execute_command("FUNCTION", "FLUSH")
+            self.assertEqual(c.execute_command("FUNCTION", "LIST"), [])
+        busy = topics[0]
+        moved, took = cluster.migrate_slot(cluster.keyslot(busy), cluster.primary_of(busy),
+                                           newcomer)
+        cluster.wait_ok()
+        self.assertEqual(cluster.primary_of(busy).port, newcomer.port)
+        with contextlib.closing(newcomer.client()) as c:
+            before = c.xlen(busy)
+            wait_until(lambda: c.xlen(busy) >= before + 300, timeout=60, relay=relay,
+                       message="300 more entries published to the new primary")
+            libraries = {lib[1].decode() for lib in c.execute_command("FUNCTION", "LIST")}
+        producer.stop()
+        producer.check()
+        harness.wait_all_sent(self.db, timeout=120, relay=relay)
+        print(f"new primary: slot of {busy} ({moved} keys) moved to it in {took:.1f} s; "
+              f"functions there: {sorted(libraries)}", flush=True)
+        self.assertIn("outbox_relay", libraries)
+        fig, _ = self.verify(cluster, "a primary joined")
+        self.assertGreater(fig.committed, 3000)
 
 
 if __name__ == "__main__":
