@@ -54,12 +54,17 @@ UNIT_DIR = os.path.join(harness.SOURCE_DIR, "systemd")
 
 
 def local_units(tmp):
-    """Copies of the units whose ExecStart names the binary under test (verify
-    checks that it exists and is executable)."""
+    """Copies of the units, configured from their templates as the build does,
+    whose ExecStart names the binary under test (verify checks that it exists
+    and is executable)."""
     paths = []
     for unit in UNITS:
-        with open(os.path.join(UNIT_DIR, unit)) as f:
-            text = f.read().replace("/usr/local/bin/outbox-relay", harness.relay_binary())
+        with open(os.path.join(UNIT_DIR, unit + ".in")) as f:
+            text = f.read().replace("@CMAKE_INSTALL_FULL_BINDIR@/outbox-relay",
+                                    harness.relay_binary())
+        text = text.replace("@CMAKE_INSTALL_FULL_DOCDIR@", "/usr/local/share/doc/outbox-relay")
+        text = text.replace("@RELAY_DOC_EXAMPLES_DIR@",
+                            "/usr/local/share/doc/outbox-relay/examples")
         name = unit.replace("@.", "@orders.")
         path = os.path.join(tmp, name)
         with open(path, "w") as f:
