@@ -43,7 +43,6 @@ set(CPACK_GENERATOR DEB)
 set(CPACK_PACKAGE_NAME outbox-relay)
 set(CPACK_PACKAGE_VERSION ${PROJECT_VERSION})
 set(CPACK_PACKAGE_CONTACT "${RELAY_DEB_MAINTAINER}")
-set(CPACK_PACKAGE_DESCRIPTION_SUMMARY "transactional outbox relay from PostgreSQL to Redis Streams")
 set(CPACK_PACKAGE_INSTALL_DIRECTORY outbox-relay)
 set(CPACK_STRIP_FILES ON)
 set(CPACK_COMPONENTS_ALL ${RELAY_DEB_COMPONENTS})
@@ -56,7 +55,7 @@ set(CPACK_DEBIAN_COMPRESSION_TYPE xz)
 
 set(CPACK_DEBIAN_RELAY_PACKAGE_NAME outbox-relay)
 set(CPACK_DEBIAN_RELAY_PACKAGE_SECTION database)
-set(CPACK_COMPONENT_RELAY_DESCRIPTION
+set(CPACK_DEBIAN_RELAY_DESCRIPTION
   "transactional outbox relay from PostgreSQL to Redis Streams
 outbox-relay publishes the rows a service commits to an outbox table in
 PostgreSQL to Redis Streams, at least once: it claims committed rows, publishes
@@ -73,10 +72,10 @@ set(CPACK_DEBIAN_RELAY_PACKAGE_SUGGESTS "postgresql, redis-server")
 
 set(CPACK_DEBIAN_LIBRARY_PACKAGE_NAME liboutbox-consumer0)
 set(CPACK_DEBIAN_LIBRARY_PACKAGE_SECTION libs)
-set(CPACK_DEBIAN_LIBRARY_PACKAGE_GENERATE_SHLIBS ON)
+set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS ON)
 set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS_POLICY ">=")
 set(CPACK_DEBIAN_LIBRARY_PACKAGE_CONTROL_EXTRA ${CMAKE_SOURCE_DIR}/packaging/triggers)
-set(CPACK_COMPONENT_LIBRARY_DESCRIPTION
+set(CPACK_DEBIAN_LIBRARY_DESCRIPTION
   "consumer library for the Redis Streams of outbox-relay
 A C library for services that consume the streams outbox-relay publishes:
 consumer groups with retries after backoff, dead letters, replay, reclaiming
@@ -87,7 +86,7 @@ set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_NAME liboutbox-consumer-dev)
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_SECTION libdevel)
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_DEPENDS
   "liboutbox-consumer0 (= ${PROJECT_VERSION}), libhiredis-dev")
-set(CPACK_COMPONENT_DEVELOPMENT_DESCRIPTION
+set(CPACK_DEBIAN_DEVELOPMENT_DESCRIPTION
   "consumer library for the Redis Streams of outbox-relay (development files)
 A C library for services that consume the streams outbox-relay publishes.
 .
