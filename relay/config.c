@@ -1335,6 +1335,123 @@ void relay_config_help(char *out, size_t outlen)
     }
 }
 
+/* Appends s as roff text: backslashes and hyphens escaped, and a line never
+ * starts with a control character. */
+static void out_roff(struct cfg_out *o, const char *s)
+{
+    if (*s == '.' || *s == '\'')
+        out_puts(o, "\\&");
+    for (; *s; s++) {
+        if (*s == '\\')
+            out_puts(o, "\\e");
+        else if (*s == '-')
+            out_puts(o, "\\-");
+        else
+            out_putn(o, s, 1);
+    }
+}
+
+/* Appends text as "# " comment lines of at most 78 columns, broken at spaces. */
+static void out_comment(struct cfg_out *o, const char *text)
+{
+    size_t col = 0;
+
+    while (*text) {
+        size_t n = strcspn(text, " ");
+        if (col > 0 && col + 1 + n > 78) {
+            out_puts(o, "\n");
+            col = 0;
+        }
+        out_puts(o, col == 0 ? "# " : " ");
+        out_putn(o, text, n);
+        col += (col == 0 ? 2 : 1) + n;
+        text += n;
+        text += strspn(text, " ");
+    }
+    out_puts(o, "\n");
+}
+
+/* The values k accepts, as a phrase: "1 to 10000", "on or off". */
+static void config_range_text(const struct cfg_key *k, char *out, size_t outlen)
+{
+    char lo[32], hi[32];
+
+    switch (k->type) {
+    case CFG_STRING:
+    case CFG_SECRET_STRING:
+        snprintf(out, outlen, "text");
+        return;
+    case CFG_UINT:
+        snprintf(out, outlen, "%lu to %lu", (unsigned long)k->min, (unsigned long)k->max);
+        return;
+    case CFG_DURATION:
+        config_format_duration((uint32_t)k->min, lo, sizeof(lo));
+        config_format_duration((uint32_t)k->max, hi, sizeof(hi));
+        snprintf(out, outlen, "a duration from %s to %s", lo, hi);
+        return;
+    case CFG_BOOL:
+        snprintf(out, outlen, "on or off");
+        return;
+    case CFG_LOGLEVEL:
+        snprintf(out, outlen, "debug, info, warning or error");
+        return;
+    }
+    snprintf(out, outlen, "?");
+}
+
+void relay_config_reference(enum relay_config_format format, char *out, size_t outlen)
+{
+    struct cfg_out o;
+    size_t i;
+
+    out_init(&o, out, outlen);
+    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+        const struct cfg_key *k = &cfg_keys[i];
+        int text = k->type == CFG_STRING || k->type == CFG_SECRET_STRING;
+        int required = (k->flags & CFG_REQUIRED) != 0;
+        int reload = (k->flags & CFG_RELOADABLE) != 0;
+        char env[CFG_NAME_MAX + 32], flag[CFG_NAME_MAX + 32], range[96];
+
+        config_env_name(k->name, env, sizeof(env));
+        config_flag_name(k->name, flag, sizeof(flag));
+        config_range_text(k, range, sizeof(range));
+        if (format == RELAY_CONFIG_FORMAT_ROFF) {
+            out_puts(&o, ".TP\n.B ");
+            out_roff(&o, k->name);
+            out_puts(&o, "\n");
+            out_roff(&o, k->help);
+            out_puts(&o, ".\n.br\n");
+            if (required)
+                out_puts(&o, "Required");
+            else if (text && k->defval[0] == '\0')
+                out_puts(&o, "Default: empty");
+            else {
+                out_puts(&o, "Default: ");
+                out_roff(&o, k->defval);
+            }
+            out_puts(&o, "; ");
+            out_roff(&o, range);
+            out_puts(&o, ".\n.br\nEnvironment: ");
+            out_roff(&o, env);
+            out_puts(&o, "; command line: ");
+            out_roff(&o, flag);
+            out_puts(&o, reload ? "; reloaded on SIGHUP.\n" : ".\n");
+        } else {
+            char line[1024];
+            snprintf(line, sizeof(line), "%s: %s.", k->name, k->help);
+            out_puts(&o, "\n");
+            out_comment(&o, line);
+            snprintf(line, sizeof(line), "%s%s; %s, %s%s.", required ? "Required; " : "", range,
+                     env, flag, reload ? "; reloaded on SIGHUP" : "");
+            out_comment(&o, line);
+            if (text)
+                out_printf(&o, "#%s = \"%s\"\n", k->name, k->defval);
+            else
+                out_printf(&o, "#%s = %s\n", k->name, k->defval);
+        }
+    }
+}
+
 static int config_key_differs(const struct relay_config *a, const struct relay_config *b,
                               const struct cfg_key *k)
 {

@@ -11,6 +11,10 @@
 # clang-format checks that the C sources keep the project's .clang-format
 # (scripts/format.sh, run by CI).
 #
+# dpkg-dev, file and lintian build and check the Debian packages
+# (scripts/package.sh); man-db lets tests/integration/test_package.py find
+# the installed manual pages.
+#
 # valkey-server (Valkey 8) is the second server the Redis-facing tests run
 # against. Debian 12 has it in bookworm-backports only: the script adds that
 # suite to apt's sources (/etc/apt/sources.list.d/outbox-relay-backports.sources)
@@ -26,6 +30,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake pkg-config clang-format
+  dpkg-dev file lintian man-db
   libpq-dev libhiredis-dev libev-dev libcmocka-dev
   postgresql-15 postgresql-client-15 redis-server
   python3 python3-psycopg2 python3-redis python3-yaml

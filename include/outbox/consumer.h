@@ -31,6 +31,12 @@
  * the options (NULL: silent), and keeps the most recent failure in the object
  * (relay_consumer_err and relay_consumer_errstr, like hiredis's c->err and
  * c->errstr) for a health check to read.
+ *
+ * Building against the installed library: cc app.c $(pkg-config --cflags
+ * --libs outbox-consumer) links liboutbox_consumer.so.0 (add --static, and
+ * -static, for the static library); CMake: find_package(OutboxConsumer) and
+ * the target OutboxConsumer::outbox_consumer. The shared library exports the
+ * functions of this header and of outbox/order.h, nothing else.
  */
 #ifndef OUTBOX_CONSUMER_H
 #define OUTBOX_CONSUMER_H

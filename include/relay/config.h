@@ -120,6 +120,19 @@ void relay_config_dump(const struct relay_config *cfg, char *out, size_t outlen)
 /* Prints the key table (key, default, env variable, flag, meaning) for --help. */
 void relay_config_help(char *out, size_t outlen);
 
+/* The formats of relay_config_reference. */
+enum relay_config_format {
+    RELAY_CONFIG_FORMAT_ROFF, /* ".TP" entries for outbox-relay.conf(5) */
+    RELAY_CONFIG_FORMAT_FILE, /* a configuration file with every key commented out */
+};
+
+/*
+ * Writes the key table (meaning, default, values, environment variable, flag)
+ * in the given format; the manual page and the example configuration are
+ * generated from it at build time, so they list exactly the keys there are.
+ */
+void relay_config_reference(enum relay_config_format format, char *out, size_t outlen);
+
 /*
  * For a reload (added with config.c): compares the running configuration cur
  * with a freshly loaded and validated next. Writes the names of the keys that
