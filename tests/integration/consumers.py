@@ -105,7 +105,7 @@ class Consumer(harness.Daemon):
         self.name = consumer
         self.group = group or "email"
         self.stream = stream or "orders"
-        flags = {"redis": redis_url or redis.url(), "postgres": pg.dsn(), "stream": stream,
+        flags = {"redis": redis_url or redis.url("outbox-consumer"), "postgres": pg.dsn(), "stream": stream,
                  "group": group, "consumer": consumer, "backoff": backoff,
                  "max_deliveries": max_deliveries, "block": block, "fail_rate": fail_rate,
                  "log_level": log_level}

@@ -359,16 +359,50 @@ def redis_server_binary():
                            "valkey-server)")
     return found
 
+def _acl_rules():
+    """{user: [rules]} of the Redis users docs/OPERATIONS.md ("Redis users")
+    documents, read from its ACL SETUSER block, the password placeholder
+    left in."""
+    with open(os.path.join(SOURCE_DIR, "docs", "OPERATIONS.md"), encoding="utf-8") as f:
+        text = f.read()
+    users = {}
+    for line in text.splitlines():
+        if line.startswith("ACL SETUSER outbox-"):
+            words = line.split()
+            users[words[2]] = words[3:]
+    if set(users) != {"outbox-relay", "outbox-consumer", "outbox-tools"}:
+        raise RuntimeError(f"docs/OPERATIONS.md should give three ACL users, not {sorted(users)}")
+    return users
+
+
+ACL_USERS = _acl_rules()
+_REDIS_BY_PORT = {}  # port -> Redis, for run_relay to give a tool its own user
+
+
 class Redis:
-    """A throwaway redis-server on 127.0.0.1; restartable on the same port and dir."""
+    """A throwaway redis-server on 127.0.0.1; restartable on the same port and dir.
+
+    Besides the default user (the tests' own client), it has the three users
+    of docs/OPERATIONS.md ("Redis users"), with exactly their rules: url()
+    names the relay's by default, url("outbox-consumer") a consumer's and
+    url("outbox-tools") the operator commands'. At close, a command Redis
+    refused one of them (ACL LOG) fails the test.
+    """
+
+    acl_users = True  # the documented users (a Sentinel has none)
 
     def __init__(self, port=None, appendonly=False, appendfsync="everysec", password=None,
                  extra_args=()):
         self.port = port or free_port()
+        _REDIS_BY_PORT[self.port] = self
         self.extra_args = list(extra_args)  # more options, e.g. ["--replicaof", host, port]
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.password = password
+        # A test that sets a password checks that it never reaches a log:
+        # every user then has it.
+        self.passwords = {user: password or f"{user}-{random.getrandbits(48):012x}"
+                          for user in ACL_USERS}
         self.dir = None
         self.proc = None
         self.paused = False
@@ -387,11 +421,32 @@ class Redis:
         self.close()
         return False
 
+    def refusals(self):
+        """What Redis refused the documented users (ACL LOG), as text lines."""
+        with contextlib.closing(self.client(socket_timeout=5)) as c:
+            entries = c.execute_command("ACL", "LOG", "128")
+        out = []
+        for entry in entries:
+            e = dict(zip(entry[::2], entry[1::2]))
+            user = e.get(b"username", b"").decode()
+            # CLIENT SETINFO (Redis 7.2, Valkey): client libraries such as
+            # ioredis send it at connect and go on when it is refused.
+            if user in ACL_USERS and e.get(b"object") != b"client|setinfo":
+                out.append(f"{user}: {e.get(b'reason', b'').decode()} "
+                           f"{e.get(b'object', b'').decode()} (context {e.get(b'context', b'').decode()})")
+        return out
+
     def close(self):
         _unregister(self)
         if self.dir is None:
             return
+        refused = []
         try:
+            if self.acl_users and self.proc and self.proc.poll() is None and not self.paused:
+                try:
+                    refused = self.refusals()
+                except redis_py.exceptions.RedisError:
+                    pass
             if self.proc and self.proc.poll() is None:
                 self.resume()
                 self.stop()
@@ -401,6 +456,9 @@ class Redis:
                 self.proc.wait()
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
+        if refused:
+            raise AssertionError("Redis refused commands of the users docs/OPERATIONS.md "
+                                 "documents (fix the rules there):\n" + "\n".join(refused))
 
     def command(self):
         """The server's command line."""
@@ -430,6 +488,13 @@ class Redis:
             except redis_py.exceptions.RedisError:
                 return False
         wait_until(answers, timeout=20, message=f"{REDIS_SERVER} to answer PING")
+        if not self.acl_users:
+            return
+        with contextlib.closing(self.client(socket_timeout=5)) as c:
+            for user, rules in ACL_USERS.items():
+                c.execute_command("ACL", "SETUSER", user,
+                                  *[">" + self.passwords[user] if r == ">CHANGE-ME" else r
+                                    for r in rules])
 
     def stop(self):
         """A clean shutdown (SIGTERM: no RDB is written, the AOF is flushed)."""
@@ -458,8 +523,12 @@ class Redis:
             self.proc.send_signal(signal.SIGCONT)
         self.paused = False
 
-    def url(self):
-        auth = f":{self.password}@" if self.password else ""
+    def url(self, user="outbox-relay"):
+        """The URL for one of the documented users; user=None: the default user."""
+        if user is None:
+            auth = f":{self.password}@" if self.password else ""
+        else:
+            auth = f"{user}:{self.passwords[user]}@"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def client(self, socket_timeout=30):
@@ -686,6 +755,8 @@ class Sentinel(Redis):
     It writes its own config file (Sentinel rewrites it) in its directory.
     """
 
+    acl_users = False
+
     def __init__(self, primary, master="mymaster", quorum=2, down_after_ms=1000,
                  failover_timeout_ms=10000):
         super().__init__()
@@ -784,16 +855,28 @@ class Completed:
         return self.stdout + self.stderr
 
 
+def _tools_url(url):
+    """The operator commands run as the tools' user of docs/OPERATIONS.md:
+    a URL of a harness Redis for the relay's user becomes one for theirs."""
+    m = re.match(r"redis://outbox-relay:[^@]*@127\.0\.0\.1:(\d+)(/.*)?$", url or "")
+    server = _REDIS_BY_PORT.get(int(m.group(1))) if m else None
+    if server is None:
+        return url
+    return server.url("outbox-tools")[:-2] + (m.group(2) or "")
+
+
 def run_relay(args=(), env=None, timeout=20):
     """Runs the daemon to completion (--help, --check-config, bad config...).
 
     Fails on a timeout or a sanitizer report; returns the code and the output.
     """
     argv = [require_relay(), *args]
+    env = dict(env) if env is not None else relay_env()
+    if args and args[0] in ("dlq", "status", "failed") and env.get("OUTBOX_RELAY_REDIS"):
+        env["OUTBOX_RELAY_REDIS"] = _tools_url(env.get("OUTBOX_RELAY_REDIS"))
     try:
         proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=env if env is not None else relay_env(),
-                              timeout=timeout)
+                              stderr=subprocess.PIPE, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"{' '.join(argv)} did not exit within {timeout}s\n"
                              + (e.stderr or b"").decode(errors="replace")) from None

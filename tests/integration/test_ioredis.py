@@ -142,7 +142,7 @@ class IoredisContractTest(harness.ServerTestCase):
         expected_path = os.path.join(self.check_dir, "expected.json")
         with open(expected_path, "w") as f:
             json.dump({"stream": "orders", "group": "ioredis-check", "entries": entries}, f)
-        proc = subprocess.run(["node", "check.js", self.redis.url(), expected_path],
+        proc = subprocess.run(["node", "check.js", self.redis.url("outbox-consumer"), expected_path],
                               cwd=self.check_dir, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
         output = proc.stdout.decode(errors="replace").strip()
@@ -163,7 +163,7 @@ class IoredisContractTest(harness.ServerTestCase):
         self.r.xgroup_create(stream, group, id="0", mkstream=True)
         for i in range(5):
             self.r.xadd(stream, {"id": f"m{i}", "key": "k", "payload": str(i)})
-        proc = subprocess.run(["node", "leases.js", self.redis.url(), stream, group],
+        proc = subprocess.run(["node", "leases.js", self.redis.url("outbox-consumer"), stream, group],
                               cwd=self.check_dir, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
         output = proc.stdout.decode(errors="replace").strip()

@@ -85,7 +85,9 @@ class HarnessServersTest(harness.TestCase):
     def test_redis_lifecycle(self):
         with harness.Redis(appendonly=True, appendfsync="always") as r:
             directory, port = r.dir, r.port
-            self.assertEqual(r.url(), f"redis://127.0.0.1:{port}/0")
+            self.assertEqual(r.url(None), f"redis://127.0.0.1:{port}/0")
+            self.assertEqual(r.url(), f"redis://outbox-relay:{r.passwords['outbox-relay']}"
+                             f"@127.0.0.1:{port}/0")
             c = r.client()
             c.xadd("s", {"a": "1"})
             r.kill()
@@ -108,7 +110,9 @@ class HarnessServersTest(harness.TestCase):
 
     def test_redis_without_aof_and_with_password(self):
         with harness.Redis(password="pw-123") as r:
-            self.assertEqual(r.url(), f"redis://:pw-123@127.0.0.1:{r.port}/0")
+            self.assertEqual(r.url(None), f"redis://:pw-123@127.0.0.1:{r.port}/0")
+            self.assertEqual(r.url("outbox-consumer"),
+                             f"redis://outbox-consumer:pw-123@127.0.0.1:{r.port}/0")
             c = r.client()
             self.assertEqual(c.config_get("appendonly")["appendonly"], "no")
             c.close()
