@@ -49,6 +49,45 @@ SKIP = 77  # CTest SKIP_RETURN_CODE
 
 SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "LeakSanitizer", "runtime error:")
 
+# Where the suite keeps every log it produced (the daemons', the tools', the
+# servers'), and the passwords it handed out, for tests/integration/
+# test_secrets.py to check that no password reached a log. Unset: nothing kept.
+LOG_DIR = os.environ.get("OUTBOX_TEST_LOG_DIR")
+_kept = 0
+
+
+def keep_log(path, kind):
+    """Copies a log into LOG_DIR (if set) before its directory goes."""
+    global _kept
+    if not LOG_DIR or not path or not os.path.exists(path):
+        return
+    os.makedirs(LOG_DIR, exist_ok=True)
+    _kept += 1
+    name = f"{kind}-{os.getpid()}-{_kept}-{os.path.basename(path)}"
+    with contextlib.suppress(OSError):
+        shutil.copyfile(path, os.path.join(LOG_DIR, name))
+
+
+def keep_text(text, kind):
+    """Writes output that never was a file (a tool's) into LOG_DIR."""
+    global _kept
+    if not LOG_DIR or not text:
+        return
+    os.makedirs(LOG_DIR, exist_ok=True)
+    _kept += 1
+    with open(os.path.join(LOG_DIR, f"{kind}-{os.getpid()}-{_kept}.log"), "w",
+              encoding="utf-8", errors="replace") as f:
+        f.write(text)
+
+
+def keep_secret(secret):
+    """Records a password the suite uses, for the final check of its logs."""
+    if not LOG_DIR or not secret:
+        return
+    os.makedirs(LOG_DIR, exist_ok=True)
+    with open(os.path.join(LOG_DIR, "secrets.txt"), "a", encoding="utf-8") as f:
+        f.write(secret + "\n")
+
 
 # --------------------------------------------------------------------------
 # Process-wide cleanup: signals, deadline, atexit.
@@ -271,6 +310,7 @@ class Postgres:
             if pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            keep_log(self.logfile, "postgres")
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
 
@@ -403,6 +443,8 @@ class Redis:
         # every user then has it.
         self.passwords = {user: password or f"{user}-{random.getrandbits(48):012x}"
                           for user in ACL_USERS}
+        for secret in {password, *self.passwords.values()}:
+            keep_secret(secret)
         self.dir = None
         self.proc = None
         self.paused = False
@@ -454,6 +496,7 @@ class Redis:
             if self.proc and self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
+            keep_log(os.path.join(self.dir, "redis.log"), "redis")
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
         if refused:
@@ -882,6 +925,7 @@ def run_relay(args=(), env=None, timeout=20):
                              + (e.stderr or b"").decode(errors="replace")) from None
     done = Completed(proc.returncode, proc.stdout.decode(errors="replace"),
                      proc.stderr.decode(errors="replace"))
+    keep_text(done.stdout + done.stderr, "tool")
     report = sanitizer_report(done.stderr)
     if report:
         raise AssertionError(f"sanitizer report from {' '.join(argv)}:\n{report}")
@@ -961,6 +1005,7 @@ class Daemon:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        keep_log(self.log_path, "daemon")
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- control
