@@ -200,6 +200,8 @@ PGconn *relay_observe_pg_open(const struct relay_config *cfg, const char *applic
     }
     if (PQstatus(c) != CONNECTION_OK || PQsetnonblocking(c, 1) != 0) {
         one_line(err, errlen, PQerrorMessage(c));
+        size_t len = strlen(err);
+        snprintf(err + len, errlen - len, "%s", relay_pg_connect_hint(err));
         PQfinish(c);
         return NULL;
     }

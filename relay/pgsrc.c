@@ -327,10 +327,27 @@ static void log_failure(struct relay_pgsrc *pg, const char *what, const char *ms
 }
 
 /* Closes the connection, schedules a reconnect and tells the owner. */
+const char *relay_pg_connect_hint(const char *msg)
+{
+    if (strstr(msg, "certificate verify failed") != NULL)
+        return "; the server's certificate is not signed by a CA that sslrootcert names: point "
+               "sslrootcert in postgres at the CA that signed it";
+    if (strstr(msg, "does not match host name") != NULL)
+        return "; with sslmode=verify-full, host in postgres must be a name (or address) the "
+               "server's certificate lists";
+    if (strstr(msg, "password authentication failed") != NULL)
+        return "; check the user and password in postgres (or PGPASSWORD, ~/.pgpass)";
+    return "";
+}
+
 static void fail(struct relay_pgsrc *pg, const char *what, const char *msg)
 {
     char text[800];
     one_line(text, sizeof(text), msg);
+    if (strcmp(what, "cannot connect") == 0) {
+        size_t len = strlen(text);
+        snprintf(text + len, sizeof(text) - len, "%s", relay_pg_connect_hint(text));
+    }
 
     ev_io_stop(pg->loop, &pg->io);
     ev_timer_stop(pg->loop, &pg->timer);

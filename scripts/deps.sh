@@ -21,6 +21,9 @@
 # and takes only valkey-server and valkey-tools from it; backports are never
 # installed unless asked for by name, so nothing else on the machine changes.
 #
+# openssl makes the test CA and certificates, and stunnel4 carries Redis over
+# TLS (tests/integration/test_tls.py); installing stunnel4 starts nothing.
+#
 # prometheus is here for its promtool, which checks and unit-tests
 # monitoring/alerts.yml (tests/integration/test_monitoring.py). Under systemd,
 # installing it also enables and starts Debian's Prometheus server on port
@@ -34,7 +37,7 @@ packages=(
   libpq-dev libhiredis-dev libev-dev libcmocka-dev
   postgresql-15 postgresql-client-15 redis-server
   python3 python3-psycopg2 python3-redis python3-yaml
-  prometheus
+  prometheus openssl stunnel4
 )
 # From bookworm-backports (see above).
 backports=(valkey-server valkey-tools)

@@ -129,4 +129,9 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
 int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, size_t outlen)
     __attribute__((warn_unused_result));
 
+/* What to do about a connection libpq refused for TLS or a password (it says
+ * what failed, not where to look): text to append to its message, "" when
+ * there is nothing to add. */
+const char *relay_pg_connect_hint(const char *libpq_message);
+
 #endif

@@ -254,8 +254,9 @@ def _temp_dir(prefix, for_postgres=False):
 class Postgres:
     """A throwaway PostgreSQL cluster with database `app` and the migrations applied."""
 
-    def __init__(self, port=None, migrations=True, database="app"):
+    def __init__(self, port=None, migrations=True, database="app", tls=None):
         self.port = port or free_port()
+        self.tls = tls  # (certificate, key) files: TCP connections must use TLS
         self.database = database
         self.migrations = migrations
         self.bindir = _pg_bindir()
@@ -283,6 +284,8 @@ class Postgres:
                     "full_page_writes = off\n"
                     "max_connections = 100\n"
                     "timezone = 'UTC'\n")
+            if self.tls:
+                self._setup_tls()
             self.start()
             with contextlib.closing(self.connect(dbname="postgres")) as conn:
                 conn.cursor().execute(f'CREATE DATABASE "{self.database}"')
@@ -313,6 +316,25 @@ class Postgres:
             keep_log(self.logfile, "postgres")
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
+
+    def _setup_tls(self):
+        """TLS with the given certificate; TCP without TLS is refused, and a
+        role with a password logs in with SCRAM (the others: trust)."""
+        cert, key = self.tls
+        for src, name in ((cert, "server.crt"), (key, "server.key")):
+            dst = os.path.join(self.datadir, name)
+            shutil.copyfile(src, dst)
+            os.chmod(dst, 0o600)
+            if os.geteuid() == 0:
+                shutil.chown(dst, "postgres", "postgres")
+        with open(os.path.join(self.datadir, "postgresql.conf"), "a") as conf:
+            conf.write("ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n"
+                       "password_encryption = 'scram-sha-256'\n")
+        with open(os.path.join(self.datadir, "pg_hba.conf"), "w") as hba:
+            hba.write("local all all trust\n"
+                      "hostssl all postgres 127.0.0.1/32 trust\n"
+                      "hostssl all all 127.0.0.1/32 scram-sha-256\n"
+                      "hostnossl all all 0.0.0.0/0 reject\n")
 
     def _pg(self, argv, what, timeout=120):
         argv = self._as_postgres + [os.path.join(self.bindir, argv[0])] + argv[1:]
@@ -788,6 +810,106 @@ class ClusterReader:
     def close(self):
         for c in self.clients.values():
             c.close()
+
+
+def make_ca(directory, name):
+    """A throwaway certificate authority (openssl): (certificate, key) paths."""
+    crt, key = os.path.join(directory, f"{name}.crt"), os.path.join(directory, f"{name}.key")
+    _run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+          "-nodes", "-days", "2", "-subj", f"/CN={name}", "-keyout", key, "-out", crt],
+         "openssl req (CA)", timeout=30)
+    return crt, key
+
+
+def make_cert(directory, ca, name, hosts=("localhost", "127.0.0.1")):
+    """A server certificate signed by ca for hosts (names and IP addresses in
+    subjectAltName): (certificate, key) paths."""
+    crt, key = os.path.join(directory, f"{name}.crt"), os.path.join(directory, f"{name}.key")
+    csr, ext = os.path.join(directory, f"{name}.csr"), os.path.join(directory, f"{name}.ext")
+    sans = ",".join(("IP:" if re.fullmatch(r"[0-9.]+", h) else "DNS:") + h for h in hosts)
+    with open(ext, "w") as f:
+        f.write(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\n")
+    _run(["openssl", "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+          "-nodes", "-subj", f"/CN={hosts[0]}", "-keyout", key, "-out", csr],
+         "openssl req (server)", timeout=30)
+    _run(["openssl", "x509", "-req", "-in", csr, "-CA", ca[0], "-CAkey", ca[1],
+          "-CAcreateserial", "-days", "2", "-extfile", ext, "-out", crt],
+         "openssl x509 (sign)", timeout=30)
+    return crt, key
+
+
+class Stunnel:
+    """stunnel (Debian's stunnel4) on 127.0.0.1, one service, in the foreground.
+
+        Stunnel(server=(crt, key), connect=redis.port)       TLS in, plain out
+        Stunnel(client_ca=ca_crt, connect=port, host="localhost")
+                                                             plain in, TLS out,
+                                                             the peer verified
+    .port is where it accepts; its log is kept with the suite's.
+    """
+
+    def __init__(self, connect, server=None, client_ca=None, host="localhost"):
+        assert (server is None) != (client_ca is None)
+        self.connect_port = connect
+        self.server = server
+        self.client_ca = client_ca
+        self.host = host
+        self.port = free_port()
+        self.dir = None
+        self.proc = None
+
+    def __enter__(self):
+        _register(self)
+        try:
+            self.dir = _temp_dir("outbox-stunnel-")
+            conf = os.path.join(self.dir, "stunnel.conf")
+            lines = ["foreground = yes", "pid =", f"output = {self.dir}/stunnel.log",
+                     "debug = info", "[redis]", f"accept = 127.0.0.1:{self.port}",
+                     f"connect = 127.0.0.1:{self.connect_port}"]
+            if self.server:
+                lines += [f"cert = {self.server[0]}", f"key = {self.server[1]}"]
+            else:
+                lines += ["client = yes", f"CAfile = {self.client_ca}", "verifyChain = yes",
+                          f"checkHost = {self.host}"]
+            with open(conf, "w") as f:
+                f.write("\n".join(lines) + "\n")
+            self.proc = subprocess.Popen([shutil.which("stunnel4") or "stunnel", conf],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, cwd=self.dir)
+            wait_until(lambda: port_open(self.port) or self.proc.poll() is not None,
+                       timeout=20, message="stunnel to listen")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"stunnel exited with {self.proc.returncode}\n"
+                                   + tail(self.log()))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def log(self):
+        try:
+            with open(os.path.join(self.dir, "stunnel.log"), errors="replace") as f:
+                return f.read()
+        except (OSError, TypeError):
+            return ""
+
+    def close(self):
+        _unregister(self)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.dir is not None:
+            keep_log(os.path.join(self.dir, "stunnel.log"), "stunnel")
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
 
 
 class Sentinel(Redis):
