@@ -126,12 +126,12 @@ static int join_name(const char *stream, const char *group, const char *suffix, 
     char *p = out;
     if (tagged)
         *p++ = '{';
-    memcpy(p, stream, a);
+    memcpy(p, stream, a); // NOLINT(bugprone-not-null-terminated-result): the suffix's NUL ends it
     p += a;
     if (tagged)
         *p++ = '}';
     *p++ = '.';
-    memcpy(p, group, b);
+    memcpy(p, group, b); // NOLINT(bugprone-not-null-terminated-result): the suffix's NUL ends it
     memcpy(p + b, suffix, c + 1);
     return (int)(a + t + 1 + b + c);
 }

@@ -1447,7 +1447,7 @@ static redisReply *fcall(struct relay_consumer *c, const char **argv)
         return NULL; /* lost earlier in this step: the loop reconnects */
     size_t lens[16];
     int argc = 0;
-    while (argv[argc] != NULL && argc < 15) {
+    while (argc < 15 && argv[argc] != NULL) {
         lens[argc] = strlen(argv[argc]);
         argc++;
     }

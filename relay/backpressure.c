@@ -103,6 +103,7 @@ size_t relay_backpressure_apply(struct relay_paused *p, const struct relay_confi
     if (p->n > nnext)
         *resumed = 1; /* also when Redis went away or pausing was switched off */
     p->n = nnext;
+    // cppcheck-suppress legacyUninitvar ; next[0 .. nnext) were written above
     memcpy(p->topics, next, nnext * sizeof(next[0]));
     if (relay_pg_text_array(p->param, sizeof(p->param), (const char(*)[RELAY_TOPIC_MAX + 1]) next,
                             nnext) < 0) {

@@ -508,7 +508,7 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
                                size_t errlen, enum relay_row_fault *fault)
 {
     struct row_headers h;
-    size_t stream_len, dedup_len;
+    size_t stream_len = 0, dedup_len = 0;
     enum relay_row_fault found;
     if (stream_prefix == NULL)
         stream_prefix = "";

@@ -63,7 +63,7 @@ enum cfg_type {
  */
 typedef int (*cfg_check_fn)(const char *value, char *rule, size_t rulelen);
 
-struct cfg_key {
+struct cfg_key { // NOLINT(clang-analyzer-optin.performance.Padding): in reading order
     const char *name;
     enum cfg_type type;
     size_t off; /* offset of the field in struct relay_config */

@@ -775,7 +775,8 @@ static void run_setup(struct relay_pgsrc *pg)
             snprintf(sql, sizeof(sql),
                      SERVER_KEEPALIVES "SET statement_timeout = %u; SET idle_session_timeout = %u;"
                                        " SET idle_in_transaction_session_timeout = %u",
-                     cfg->statement_timeout_ms, RELAY_OWNER_IDLE_MS, RELAY_OWNER_IDLE_MS);
+                     cfg->statement_timeout_ms, (unsigned)RELAY_OWNER_IDLE_MS,
+                     (unsigned)RELAY_OWNER_IDLE_MS);
         else
             snprintf(sql, sizeof(sql),
                      SERVER_KEEPALIVES

@@ -369,7 +369,9 @@ static redisReply *reply_copy(const redisReply *r, int depth)
         c->len = r->len;
     }
     if (r->type == REDIS_REPLY_ARRAY && r->elements > 0) {
-        c->element = calloc(r->elements, sizeof(*c->element));
+        /* An array of reply pointers. */
+        c->element =
+            calloc(r->elements, sizeof(redisReply *)); // NOLINT(bugprone-sizeof-expression)
         if (c->element == NULL || depth > 8) {
             freeReplyObject(c);
             return NULL;
