@@ -17,6 +17,10 @@
 # and takes only valkey-server and valkey-tools from it; backports are never
 # installed unless asked for by name, so nothing else on the machine changes.
 #
+# pgbouncer is the connection pooler tests/integration/test_pgbouncer.py puts
+# between the relay and PostgreSQL. Debian enables its service on port 6432;
+# that is left alone too: the test starts its own pooler on a free port.
+#
 # prometheus is here for its promtool, which checks and unit-tests
 # monitoring/alerts.yml (tests/integration/test_monitoring.py). Under systemd,
 # installing it also enables and starts Debian's Prometheus server on port
@@ -27,7 +31,7 @@ set -euo pipefail
 packages=(
   build-essential cmake pkg-config clang-format
   libpq-dev libhiredis-dev libev-dev libcmocka-dev
-  postgresql-15 postgresql-client-15 redis-server
+  postgresql-15 postgresql-client-15 redis-server pgbouncer
   python3 python3-psycopg2 python3-redis python3-yaml
   prometheus
 )
