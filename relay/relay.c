@@ -222,7 +222,7 @@ static void on_hup(struct ev_loop *loop, ev_signal *w, int revents)
 
 /* A PostgreSQL connection does not keep its server session (a pooler in
  * transaction mode): nothing the relay does would be safe, so it stops with
- * the exit code of a bad configuration, which systemd does not restart. */
+ * the exit code of a bad configuration. */
 static void on_no_session(void *arg, const char *why)
 {
     struct relay *r = arg;

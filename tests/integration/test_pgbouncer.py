@@ -5,7 +5,7 @@ Promises tested (docs/DESIGN.md, "Behind a connection pooler"):
   and after the start arrive exactly once, and an idle relay is woken by
   NOTIFY (LISTEN through the pooler) long before its 30 s poll;
 - with PgBouncer in transaction mode, the relay exits at start with code 78
-  (a configuration error; systemd does not restart it) and an ERROR line that
+  (a configuration error, like a bad value) and an ERROR line that
   names transaction pooling and says what to do, and publishes nothing;
 - the same refusal with the pool down to one server, where every statement of
   every connection shares one session;
