@@ -107,6 +107,17 @@ static int cfg_check_listen(const char *value, char *rule, size_t rulelen)
     return 0;
 }
 
+/* "text" or "json" (relay/log.c). */
+static int cfg_check_log_format(const char *value, char *rule, size_t rulelen)
+{
+    if (relay_log_parse_format(value) >= 0)
+        return 0;
+    snprintf(rule, rulelen,
+             "must be text (one line of text per event) or json (one JSON object "
+             "per line)");
+    return -1;
+}
+
 static const struct cfg_key cfg_keys[] = {
     {"postgres", CFG_SECRET_STRING, CFG_OFF(postgres), 0, CFG_VALUE_MAX, "", CFG_REQUIRED, NULL,
      "PostgreSQL connection: a libpq conninfo string or a postgresql:// URI"},
@@ -155,6 +166,8 @@ static const struct cfg_key cfg_keys[] = {
      "how long to wait for min_replicas replicas before the batch is retried"},
     {"log_level", CFG_LOGLEVEL, CFG_OFF(log_level), RELAY_LOG_DEBUG, RELAY_LOG_ERROR, "info",
      CFG_RELOADABLE, NULL, "least severe level logged: debug, info, warning or error"},
+    {"log_format", CFG_STRING, CFG_OFF(log_format), 0, 16, "text", 0, cfg_check_log_format,
+     "log lines as text, or json: one JSON object per line for log pipelines"},
     {"metrics_listen", CFG_STRING, CFG_OFF(metrics_listen), 0, 300, "127.0.0.1:9479", 0,
      cfg_check_listen, "address of /metrics, /healthz and /readyz (host:port); empty: off"},
     {"observe_interval", CFG_DURATION, CFG_OFF(observe_interval_ms), 100, 10 * CFG_MIN, "5s", 0,

@@ -216,6 +216,8 @@ int main(int argc, char **argv)
             printf("configuration OK\n");
             rc = RELAY_EX_OK;
         } else {
+            /* Only the daemon's log: the commands' output stays as it is. */
+            relay_log_set_json(relay_log_parse_format(cfg.log_format) == 1);
             rc = run_daemon(&cl, &cfg);
         }
     }

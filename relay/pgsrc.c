@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "relay/config.h"
 #include "relay/log.h"
@@ -178,6 +179,7 @@ enum setup_step {
     SETUP_SESSION = 0,    /* SETs, plus the schema check on claim connections */
     SETUP_PREPARE,        /* claim connections: prepare "claim" */
     SETUP_PREPARE_PAUSED, /* claim connections: prepare "claim_paused" */
+    SETUP_RECHECK,        /* the session check's second look (see SESSION_PROBE) */
     SETUP_DONE,
 };
 
@@ -203,6 +205,13 @@ struct relay_pgsrc {
     char err[512];
     char sqlstate[6];
 
+    /* The session check: the token this connection set on its server
+     * session, the backend that answered its set-up (0: not set up), and the
+     * next connection of this process. */
+    char token[48];
+    long backend_pid;
+    struct relay_pgsrc *next_conn;
+
     /* Logging once per state change, not once per try. */
     int was_ready;
     char last_logged[1024];
@@ -219,6 +228,144 @@ static const char *role_name(const struct relay_pgsrc *pg)
     return pg->role == RELAY_PGSRC_LISTEN  ? "listen"
            : pg->role == RELAY_PGSRC_OWNER ? "owner"
                                            : "claim";
+}
+
+/*
+ * The session check (docs/DESIGN.md, "Behind a connection pooler"). The relay
+ * needs each connection to be one server session for as long as it lasts:
+ * LISTEN, the session advisory locks, the prepared claims and the session
+ * settings all live there. A pooler in transaction (or statement) mode hands
+ * each transaction whichever server session is free, and says so nowhere in
+ * the protocol. So each connection's set-up reads a custom setting and the
+ * backend pid, then sets the setting to a token of its own; in the same
+ * round trip, so the check costs no extra one. A session belongs to one
+ * connection, so:
+ *   - the set-up must not find the token of another connection of this
+ *     process that is still open (its server session was handed on);
+ *   - two open connections must not share a backend pid;
+ *   - one more look after the set-up must find the same pid and its own
+ *     token.
+ * A breach ends the relay with RELAY_EX_CONFIG through the handler that
+ * relay_pgsrc_on_no_session installed. Tokens of closed connections do not
+ * count: a session-mode pool without a reset query may hand their sessions
+ * on, which is harmless.
+ */
+#define SESSION_PROBE "outbox_relay.session_probe"
+#define SESSION_PROBE_READ "pg_backend_pid(), current_setting('" SESSION_PROBE "', true)"
+
+static struct relay_pgsrc *session_conns; /* every connection of this process */
+static relay_pgsrc_no_session_fn *session_refuse;
+static void *session_refuse_arg;
+
+void relay_pgsrc_on_no_session(relay_pgsrc_no_session_fn *fn, void *arg)
+{
+    session_refuse = fn;
+    session_refuse_arg = arg;
+}
+
+static void session_new_token(struct relay_pgsrc *pg)
+{
+    static unsigned long seq;
+    snprintf(pg->token, sizeof(pg->token), "%08lx%08lx-%ld-%lu", (unsigned long)random(),
+             (unsigned long)random(), (long)getpid(), ++seq);
+    pg->backend_pid = 0;
+}
+
+/* Another open connection of this process whose token is value, or NULL. */
+static struct relay_pgsrc *session_owner_of(const struct relay_pgsrc *pg, const char *value)
+{
+    for (struct relay_pgsrc *o = session_conns; o != NULL; o = o->next_conn)
+        if (o != pg && o->conn != NULL && o->token[0] != '\0' && strcmp(o->token, value) == 0)
+            return o;
+    return NULL;
+}
+
+static struct relay_pgsrc *session_pid_sharer(const struct relay_pgsrc *pg, long pid)
+{
+    for (struct relay_pgsrc *o = session_conns; o != NULL; o = o->next_conn)
+        if (o != pg && o->conn != NULL && o->backend_pid != 0 && o->backend_pid == pid)
+            return o;
+    return NULL;
+}
+
+static void fail(struct relay_pgsrc *pg, const char *what, const char *msg);
+
+/* Reports a breach: the relay stops (exit code 78); without a handler the
+ * connection fails like any set-up error. */
+static void session_refused(struct relay_pgsrc *pg, const char *evidence)
+{
+    char msg[900];
+    snprintf(msg, sizeof(msg),
+             "PostgreSQL is reached through a connection pooler in transaction pooling mode (or "
+             "statement pooling): %s. The relay needs each of its connections to keep one server "
+             "session (LISTEN, session advisory locks, prepared statements and session settings "
+             "live there): point the postgres setting at PostgreSQL directly, or at a pool in "
+             "session mode (PgBouncer: pool_mode = session)",
+             evidence);
+    if (session_refuse == NULL) {
+        fail(pg, "session set-up failed", msg);
+        return;
+    }
+    ev_io_stop(pg->loop, &pg->io);
+    ev_timer_stop(pg->loop, &pg->timer);
+    session_refuse(session_refuse_arg, msg);
+}
+
+/* The set-up's look at the session: pid in column col, the setting found
+ * before this connection set its own in col + 1. 0, or -1 after a breach. */
+static int session_first_look(struct relay_pgsrc *pg, const PGresult *res, int col)
+{
+    char evidence[400];
+    if (res == NULL || PQntuples(res) != 1 || PQnfields(res) < col + 2 ||
+        PQgetisnull(res, 0, col)) {
+        fail(pg, "session set-up failed", "the session check got no backend pid");
+        return -1;
+    }
+    long pid = strtol(PQgetvalue(res, 0, col), NULL, 10);
+    const char *found = PQgetisnull(res, 0, col + 1) ? "" : PQgetvalue(res, 0, col + 1);
+    const struct relay_pgsrc *other = found[0] != '\0' ? session_owner_of(pg, found) : NULL;
+    if (other != NULL) {
+        snprintf(evidence, sizeof(evidence),
+                 "the %s connection was handed the server session (backend pid %ld) that the "
+                 "%s connection, still open, had set up",
+                 role_name(pg), pid, role_name(other));
+        session_refused(pg, evidence);
+        return -1;
+    }
+    other = session_pid_sharer(pg, pid);
+    if (other != NULL) {
+        snprintf(evidence, sizeof(evidence),
+                 "the %s and %s connections, both open, were served by the same backend "
+                 "(pid %ld)",
+                 role_name(pg), role_name(other), pid);
+        session_refused(pg, evidence);
+        return -1;
+    }
+    pg->backend_pid = pid;
+    return 0;
+}
+
+/* The second look, one statement after the set-up: the same backend, and the
+ * token this connection set. 0, or -1 after a breach. */
+static int session_second_look(struct relay_pgsrc *pg, const PGresult *res)
+{
+    char evidence[400];
+    if (res == NULL || PQntuples(res) != 1 || PQnfields(res) != 2 || PQgetisnull(res, 0, 0)) {
+        fail(pg, "session set-up failed", "the session check got no backend pid");
+        return -1;
+    }
+    long pid = strtol(PQgetvalue(res, 0, 0), NULL, 10);
+    const char *found = PQgetisnull(res, 0, 1) ? "" : PQgetvalue(res, 0, 1);
+    if (pid != pg->backend_pid || strcmp(found, pg->token) != 0) {
+        snprintf(evidence, sizeof(evidence),
+                 "the %s connection's next statement ran in another server session (backend "
+                 "pid %ld, then %ld%s)",
+                 role_name(pg), pg->backend_pid, pid,
+                 pid == pg->backend_pid ? ", its own setting gone" : "");
+        session_refused(pg, evidence);
+        return -1;
+    }
+    return 0;
 }
 
 /* Describes the target from the conninfo, never including the password. */
@@ -362,6 +509,7 @@ static void fail(struct relay_pgsrc *pg, const char *what, const char *msg)
     int was_ready = pg->was_ready;
     pg->was_ready = 0;
     pg->state = RELAY_PG_DOWN;
+    pg->backend_pid = 0;
 
     uint32_t delay = relay_backoff_next(&pg->backoff, relay_backoff_random());
     if (was_ready)
@@ -402,6 +550,7 @@ static void start_connect(struct relay_pgsrc *pg)
     const char *const vals[] = {app, "1", "10", "5", "3", "30000", pg->cfg->postgres, NULL};
 
     describe_target(pg);
+    session_new_token(pg);
     pg->conn = PQconnectStartParams(keys, vals, 1);
     if (pg->conn == NULL) {
         fail(pg, "cannot connect", "out of memory");
@@ -650,7 +799,7 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
 
     if (pg->setup == SETUP_SESSION && pg->role == RELAY_PGSRC_CLAIM) {
         int version = -1, missing = 0;
-        if (err == NULL && res != NULL && PQntuples(res) == 1 && PQnfields(res) == 2 &&
+        if (err == NULL && res != NULL && PQntuples(res) == 1 && PQnfields(res) == 4 &&
             !PQgetisnull(res, 0, 0)) {
             version = (int)strtol(PQgetvalue(res, 0, 0), NULL, 10); /* server-formatted */
             if (!PQgetisnull(res, 0, 1))
@@ -689,6 +838,8 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
             setup_failed(pg, msg);
             return;
         }
+        if (session_first_look(pg, res, 2) < 0)
+            return;
         pg->setup = SETUP_PREPARE;
         run_setup(pg);
         return;
@@ -706,8 +857,10 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
         return;
     }
     if (pg->setup == SETUP_SESSION && pg->role != RELAY_PGSRC_CLAIM) {
-        pg->setup = SETUP_DONE;
-        become_ready(pg);
+        if (session_first_look(pg, res, 0) < 0)
+            return;
+        pg->setup = SETUP_RECHECK;
+        run_setup(pg);
         return;
     }
     if (pg->setup == SETUP_PREPARE) {
@@ -715,6 +868,13 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
         run_setup(pg);
         return;
     }
+    if (pg->setup == SETUP_PREPARE_PAUSED) {
+        pg->setup = SETUP_RECHECK;
+        run_setup(pg);
+        return;
+    }
+    if (session_second_look(pg, res) < 0)
+        return;
     pg->setup = SETUP_DONE;
     become_ready(pg);
 }
@@ -730,9 +890,13 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
     "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5;"                               \
     " SET tcp_keepalives_count = 3; SET tcp_user_timeout = 30000; "
 
+/* Ends each connection's session set-up: the session check's first look,
+ * then its token (see SESSION_PROBE). */
+#define SESSION_PROBE_SET "; SET " SESSION_PROBE " = '%s'"
+
 static void run_setup(struct relay_pgsrc *pg)
 {
-    char sql[1024];
+    char sql[1536];
     const struct relay_config *cfg = pg->cfg;
 
     if (pg->setup == SETUP_SESSION) {
@@ -762,10 +926,11 @@ static void run_setup(struct relay_pgsrc *pg)
                                        " SET idle_session_timeout = 0;"
                                        " SELECT coalesce(max(version), 0), (SELECT min(v)"
                                        "  FROM generate_series(4, %d) AS v WHERE v NOT IN"
-                                       "  (SELECT version FROM outbox.schema_version))"
-                                       " FROM outbox.schema_version",
+                                       "  (SELECT version FROM outbox.schema_version)),"
+                                       " " SESSION_PROBE_READ
+                                       " FROM outbox.schema_version" SESSION_PROBE_SET,
                      cfg->statement_timeout_ms, cfg->statement_timeout_ms, idle_tx_ms,
-                     RELAY_SCHEMA_VERSION);
+                     RELAY_SCHEMA_VERSION, pg->token);
         else if (pg->role == RELAY_PGSRC_OWNER)
             /* The owner connection holds the relay's partitions. It speaks
              * once a second (relay/owner.c): a session silent for longer
@@ -774,15 +939,22 @@ static void run_setup(struct relay_pgsrc *pg)
              * ended by the server, and its partitions pass to the others. */
             snprintf(sql, sizeof(sql),
                      SERVER_KEEPALIVES "SET statement_timeout = %u; SET idle_session_timeout = %u;"
-                                       " SET idle_in_transaction_session_timeout = %u",
+                                       " SET idle_in_transaction_session_timeout = %u;"
+                                       " SELECT " SESSION_PROBE_READ SESSION_PROBE_SET,
                      cfg->statement_timeout_ms, (unsigned)RELAY_OWNER_IDLE_MS,
-                     (unsigned)RELAY_OWNER_IDLE_MS);
+                     (unsigned)RELAY_OWNER_IDLE_MS, pg->token);
         else
             snprintf(sql, sizeof(sql),
                      SERVER_KEEPALIVES
-                     "SET statement_timeout = %u; SET idle_session_timeout = 0; LISTEN %s",
-                     cfg->statement_timeout_ms, NOTIFY_CHANNEL);
+                     "SET statement_timeout = %u; SET idle_session_timeout = 0; LISTEN %s;"
+                     " SELECT " SESSION_PROBE_READ SESSION_PROBE_SET,
+                     cfg->statement_timeout_ms, NOTIFY_CHANNEL, pg->token);
         if (relay_pgsrc_send(pg, sql, 0, NULL, 0, on_setup_done, NULL) < 0)
+            return;
+        return;
+    }
+    if (pg->setup == SETUP_RECHECK) {
+        if (relay_pgsrc_send(pg, "SELECT " SESSION_PROBE_READ, 0, NULL, 0, on_setup_done, NULL) < 0)
             return;
         return;
     }
@@ -820,6 +992,8 @@ struct relay_pgsrc *relay_pgsrc_new(struct ev_loop *loop, const struct relay_con
     pg->io.data = pg;
     ev_init(&pg->timer, on_timer);
     pg->timer.data = pg;
+    pg->next_conn = session_conns;
+    session_conns = pg;
     start_connect(pg);
     return pg;
 }
@@ -834,6 +1008,11 @@ void relay_pgsrc_free(struct relay_pgsrc *pg)
 {
     if (pg == NULL)
         return;
+    for (struct relay_pgsrc **link = &session_conns; *link != NULL; link = &(*link)->next_conn)
+        if (*link == pg) {
+            *link = pg->next_conn;
+            break;
+        }
     ev_io_stop(pg->loop, &pg->io);
     ev_timer_stop(pg->loop, &pg->timer);
     if (pg->keep != NULL)

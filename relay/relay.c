@@ -20,12 +20,14 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "relay/common.h"
 #include "relay/config.h"
 #include "relay/daemon.h"
 #include "relay/log.h"
 #include "relay/metrics.h"
 #include "relay/observer.h"
 #include "relay/owner.h"
+#include "relay/pgsrc.h"
 #include "relay/sdnotify.h"
 #include "relay/sink.h"
 
@@ -218,6 +220,20 @@ static void on_hup(struct ev_loop *loop, ev_signal *w, int revents)
 
 /* ---- life cycle -------------------------------------------------------- */
 
+/* A PostgreSQL connection does not keep its server session (a pooler in
+ * transaction mode): nothing the relay does would be safe, so it stops with
+ * the exit code of a bad configuration. */
+static void on_no_session(void *arg, const char *why)
+{
+    struct relay *r = arg;
+    if (r->exit_code != 0)
+        return;
+    relay_error(COMPONENT, "%s", why);
+    r->exit_code = RELAY_EX_CONFIG;
+    r->stopping = 1;
+    ev_break(r->loop, EVBREAK_ALL);
+}
+
 static void start_signals(struct relay *r)
 {
     ev_signal_init(&r->sigterm, on_term, SIGTERM);
@@ -250,6 +266,7 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
     r->poll_timer.data = r;
     ev_timer_start(loop, &r->poll_timer);
     start_signals(r);
+    relay_pgsrc_on_no_session(on_no_session, r);
     /* The wake-up machine first: the lanes ask it whether they claim alone. */
     if (r->obs == NULL || relay_wakeup_start(r) < 0 || relay_lanes_start(r) < 0) {
         relay_free(r);
@@ -313,6 +330,11 @@ int relay_run(struct relay *r)
     relay_sd_notify("READY=1");
     ev_run(r->loop, 0);
     r->stopping = 1;
+    if (r->exit_code != 0) {
+        relay_error(COMPONENT, "exiting with code %d: the configuration must change first",
+                    r->exit_code);
+        return r->exit_code;
+    }
     relay_info(COMPONENT, "stopped: %llu messages published, %llu rows quarantined",
                r->fig.published_total, r->fig.quarantined_total);
     return 0;
@@ -335,6 +357,7 @@ void relay_free(struct relay *r)
     relay_lanes_stop(r);
     relay_owner_stop(r->owner);
     relay_wakeup_stop(r);
+    relay_pgsrc_on_no_session(NULL, NULL);
     free(r->obs);
     free(r);
 }

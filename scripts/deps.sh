@@ -24,6 +24,10 @@
 # openssl makes the test CA and certificates, and stunnel4 carries Redis over
 # TLS (tests/integration/test_tls.py); installing stunnel4 starts nothing.
 #
+# pgbouncer is the connection pooler tests/integration/test_pgbouncer.py puts
+# between the relay and PostgreSQL. Debian enables its service on port 6432;
+# that is left alone too: the test starts its own pooler on a free port.
+#
 # prometheus is here for its promtool, which checks and unit-tests
 # monitoring/alerts.yml (tests/integration/test_monitoring.py). Under systemd,
 # installing it also enables and starts Debian's Prometheus server on port
@@ -35,7 +39,7 @@ packages=(
   build-essential cmake pkg-config clang-format
   dpkg-dev file lintian man-db
   libpq-dev libhiredis-dev libev-dev libcmocka-dev
-  postgresql-15 postgresql-client-15 redis-server
+  postgresql-15 postgresql-client-15 redis-server pgbouncer
   python3 python3-psycopg2 python3-redis python3-yaml
   prometheus openssl stunnel4
 )

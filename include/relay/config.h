@@ -50,7 +50,8 @@ struct relay_config {
     uint32_t min_replicas;       /* replicas that must hold a batch before its mark; 0 = off */
     uint32_t replica_timeout_ms; /* how long WAIT waits for them */
 
-    int log_level; /* enum relay_log_level */
+    int log_level;    /* enum relay_log_level */
+    char *log_format; /* "text" or "json": the daemon's log lines (relay/log.c) */
 
     /* Operations. */
     char *metrics_listen;         /* "host:port" of /metrics, /healthz, /readyz; "" = off */

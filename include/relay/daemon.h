@@ -72,7 +72,8 @@ struct relay {
     struct ev_loop *loop;
     struct relay_config *cfg;
     struct relay_reload_source reload;
-    int stopping; /* the loop is being left: callbacks do nothing */
+    int stopping;  /* the loop is being left: callbacks do nothing */
+    int exit_code; /* what relay_run returns: 0, or why the relay refused to go on */
 
     struct relay_cycle cycle;
     struct relay_lane lanes[RELAY_CYCLE_LANES_MAX];

@@ -1,5 +1,6 @@
 /*
- * Logging: one line per event on stderr, "<time> <LEVEL> <component>: <text>".
+ * Logging: one line per event on stderr, "<time> <LEVEL> <component>: <text>",
+ * or with log_format = json one JSON object per line (relay/log.c).
  * journald keeps stderr, so the daemon never opens a log file of its own.
  */
 #ifndef RELAY_LOG_H
@@ -19,6 +20,12 @@ enum relay_log_level relay_log_get_level(void);
 /* 1: "<N>" priority prefixes for journald instead of timestamps; 0: timestamps.
  * By default the journal is detected from $JOURNAL_STREAM. */
 void relay_log_set_journal(int on);
+
+/* 1: each event as one JSON object per line (log_format = json); 0: text. */
+void relay_log_set_json(int on);
+
+/* Parses a log_format: "text" 0, "json" 1, anything else -1. */
+int relay_log_parse_format(const char *name) __attribute__((warn_unused_result));
 
 /* Parses "debug", "info", "warning" or "error"; returns -1 on anything else. */
 int relay_log_parse_level(const char *name) __attribute__((warn_unused_result));

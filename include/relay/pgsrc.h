@@ -85,6 +85,16 @@ int relay_pgsrc_send_prepared(struct relay_pgsrc *pg, const char *name, int npar
                               const char *const *params, int binary, relay_pgsrc_done_fn *done,
                               void *arg) __attribute__((warn_unused_result));
 
+/*
+ * Called when a connection finds that it does not keep one server session,
+ * as behind a pooler in transaction mode (relay/pgsrc.c, SESSION_PROBE); why
+ * is the whole message, which says what to do. The connection stops where it
+ * is; the handler is expected to end the process. Without a handler such a
+ * connection fails and reconnects like after any set-up error.
+ */
+typedef void relay_pgsrc_no_session_fn(void *arg, const char *why);
+void relay_pgsrc_on_no_session(relay_pgsrc_no_session_fn *fn, void *arg);
+
 /* Drops the connection now and reconnects after backoff (a stuck server). */
 void relay_pgsrc_reset(struct relay_pgsrc *pg, const char *why);
 

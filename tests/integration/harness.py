@@ -6,6 +6,7 @@ stopped and removed at the end: on success, on failure, on an exception, on
 SIGTERM or SIGINT of the test, and on the per-file deadline.
 
     Postgres()  initdb + pg_ctl, database "app" with migrations/*.sql applied
+    PgBouncer() pgbouncer in front of a Postgres(), session or transaction mode
     Redis()     redis-server on 127.0.0.1, no RDB, AOF configurable; with
                 OUTBOX_REDIS_SERVER=valkey-server, Valkey instead
     Daemon()    one of our daemons as a process: command line, environment, log
@@ -401,6 +402,99 @@ class Postgres:
     def log(self):
         with open(self.logfile, errors="replace") as f:
             return f.read()
+
+
+# --------------------------------------------------------------------------
+# PgBouncer.
+
+class PgBouncer:
+    """PgBouncer on a free loopback port in front of a Postgres(), in pool_mode
+    (session or transaction), trusting the clients (auth_type = trust). It runs
+    as the postgres user when we are root (it refuses to run as root) and is
+    always stopped. dsn() is the Postgres dsn() through the pooler."""
+
+    def __init__(self, pg, pool_mode="session", port=None, pool_size=20):
+        self.pg = pg
+        self.pool_mode = pool_mode
+        self.port = port or free_port()
+        self.pool_size = pool_size
+        self.dir = None
+        self.proc = None
+        self._as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+    def __enter__(self):
+        _register(self)
+        try:
+            binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+            if not os.access(binary, os.X_OK):
+                raise RuntimeError("pgbouncer not found: run scripts/deps.sh")
+            self.dir = _temp_dir("outbox-pgbouncer-", for_postgres=True)
+            self.logfile = os.path.join(self.dir, "pgbouncer.log")
+            userlist = os.path.join(self.dir, "userlist.txt")
+            ini = os.path.join(self.dir, "pgbouncer.ini")
+            with open(userlist, "w") as f:
+                f.write('"postgres" ""\n')
+            with open(ini, "w") as f:
+                f.write(
+                    "[databases]\n"
+                    f"* = host=127.0.0.1 port={self.pg.port}\n"
+                    "[pgbouncer]\n"
+                    "listen_addr = 127.0.0.1\n"
+                    f"listen_port = {self.port}\n"
+                    "unix_socket_dir =\n"
+                    "auth_type = trust\n"
+                    f"auth_file = {userlist}\n"
+                    f"pool_mode = {self.pool_mode}\n"
+                    f"default_pool_size = {self.pool_size}\n"
+                    f"logfile = {self.logfile}\n"
+                    "admin_users = postgres\n")
+            if os.geteuid() == 0:
+                import pwd
+                pw = pwd.getpwnam("postgres")
+                for path in (userlist, ini):
+                    os.chown(path, pw.pw_uid, pw.pw_gid)
+            self.proc = subprocess.Popen(self._as_postgres + [binary, ini],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, cwd=self.dir)
+            wait_until(lambda: port_open(self.port) or self.proc.poll() is not None,
+                       timeout=30, message="pgbouncer listening")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pgbouncer exited with code {self.proc.returncode}\n"
+                                   + tail(self.log()))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self):
+        """Stops the pooler (SIGINT, then SIGKILL) and removes its directory."""
+        _unregister(self)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def dsn(self, dbname=None, user="postgres"):
+        return (f"host=127.0.0.1 port={self.port} dbname={dbname or self.pg.database}"
+                f" user={user}")
+
+    def log(self):
+        try:
+            with open(self.logfile, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
 
 
 # --------------------------------------------------------------------------

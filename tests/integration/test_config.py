@@ -35,7 +35,7 @@ harness.set_deadline(300)
 KEYS = ("postgres", "redis", "redis_password_file", "stream_prefix", "batch_size",
         "max_attempts", "max_payload_bytes", "listen", "poll_interval", "connect_timeout",
         "publish_timeout", "statement_timeout", "reconnect_min", "reconnect_max",
-        "drain_timeout", "dedup_ttl", "log_level")
+        "drain_timeout", "dedup_ttl", "log_level", "log_format")
 EX_USAGE = 64
 EX_CONFIG = 78
 PG_SECRET = "s3cr3t-pg"
@@ -141,6 +141,8 @@ class ConfigFileTest(harness.TestCase):
         good = self.write(self.good_config(), name="good.conf")
         for args, env in ((["--poll-interval", "soon"], {}),
                           (["--log-level=loud"], {}),
+                          (["--log-format=xml"], {}),
+                          ([], {"OUTBOX_RELAY_LOG_FORMAT": "JSON"}),
                           ([], {"OUTBOX_RELAY_BATCH_SIZE": "0"}),
                           ([], {"OUTBOX_RELAY_LISTEN": "maybe"})):
             with self.subTest(args=args, env=env):
