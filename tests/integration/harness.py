@@ -628,6 +628,10 @@ class Redis:
                 "--logfile", os.path.join(self.dir, "redis.log")]
         if self.password:
             argv += ["--requirepass", self.password, "--masterauth", self.password]
+        # The users exist from the first connection on, also after a restart.
+        for user, rules in ACL_USERS.items():
+            argv += ["--user", user, *[">" + self.passwords[user] if r == ">CHANGE-ME" else r
+                                       for r in rules]]
         return argv + self.extra_args
 
     def start(self):
@@ -647,13 +651,6 @@ class Redis:
             except redis_py.exceptions.RedisError:
                 return False
         wait_until(answers, timeout=20, message=f"{REDIS_SERVER} to answer PING")
-        if not self.acl_users:
-            return
-        with contextlib.closing(self.client(socket_timeout=5)) as c:
-            for user, rules in ACL_USERS.items():
-                c.execute_command("ACL", "SETUSER", user,
-                                  *[">" + self.passwords[user] if r == ">CHANGE-ME" else r
-                                    for r in rules])
 
     def stop(self):
         """A clean shutdown (SIGTERM: no RDB is written, the AOF is flushed)."""
