@@ -21,6 +21,8 @@
 # and takes only valkey-server and valkey-tools from it; backports are never
 # installed unless asked for by name, so nothing else on the machine changes.
 #
+# cppcheck, clang-tidy and valgrind are scripts/analyze.sh's.
+#
 # openssl makes the test CA and certificates, and stunnel4 carries Redis over
 # TLS (tests/integration/test_tls.py); installing stunnel4 starts nothing.
 #
@@ -42,6 +44,7 @@ packages=(
   postgresql-15 postgresql-client-15 redis-server pgbouncer
   python3 python3-psycopg2 python3-redis python3-yaml
   prometheus openssl stunnel4
+  cppcheck clang-tidy valgrind
 )
 # From bookworm-backports (see above).
 backports=(valkey-server valkey-tools)

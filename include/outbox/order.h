@@ -17,9 +17,9 @@
 struct relay_order_item {
     const char *key;
     size_t key_len;
-    int has_key;
     long long retry_at; /* may be handled from this time on (ms) */
-    int done;           /* acknowledged or dead-lettered: holds back nothing */
+    int has_key;
+    int done; /* acknowledged or dead-lettered: holds back nothing */
 };
 
 /*

@@ -48,7 +48,17 @@ SOURCE_DIR = os.environ.get("OUTBOX_RELAY_SOURCE_DIR") or os.path.dirname(
 MIGRATIONS_DIR = os.path.join(SOURCE_DIR, "migrations")
 SKIP = 77  # CTest SKIP_RETURN_CODE
 
-SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "LeakSanitizer", "runtime error:")
+SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "LeakSanitizer", "runtime error:",
+                     # valgrind memcheck (scripts/analyze.sh runs the relay under it)
+                     "Invalid read of size", "Invalid write of size", "Invalid free()",
+                     "Conditional jump or move depends on uninitialised",
+                     "Use of uninitialised value", "Syscall param", "are definitely lost in")
+
+# OUTBOX_RELAY_VALGRIND=1: the relay runs under valgrind memcheck, whose
+# reports fail the test like a sanitizer's (scripts/analyze.sh).
+VALGRIND = ["valgrind", "--tool=memcheck", "--leak-check=full", "--show-leak-kinds=definite",
+            "--errors-for-leak-kinds=definite", "--track-origins=yes", "--num-callers=30",
+            "-q"] if os.environ.get("OUTBOX_RELAY_VALGRIND") == "1" else []
 
 # Where the suite keeps every log it produced (the daemons', the tools', the
 # servers'), and the passwords it handed out, for tests/integration/
@@ -1126,7 +1136,7 @@ def run_relay(args=(), env=None, timeout=20):
 
     Fails on a timeout or a sanitizer report; returns the code and the output.
     """
-    argv = [require_relay(), *args]
+    argv = [*VALGRIND, require_relay(), *args]
     env = dict(env) if env is not None else relay_env()
     if args and args[0] in ("dlq", "status", "failed") and env.get("OUTBOX_RELAY_REDIS"):
         env["OUTBOX_RELAY_REDIS"] = _tools_url(env.get("OUTBOX_RELAY_REDIS"))
@@ -1304,8 +1314,8 @@ class Relay(Daemon):
     def __init__(self, pg=None, redis=None, args=(), env=None, stop_timeout=30, **flags):
         self.binary = require_relay()
         flags = {**self.test_defaults, **flags}
-        super().__init__([self.binary, *args, *flag_args(flags)], relay_env(pg, redis, env),
-                         "relay", stop_timeout=stop_timeout)
+        super().__init__([*VALGRIND, self.binary, *args, *flag_args(flags)],
+                         relay_env(pg, redis, env), "relay", stop_timeout=stop_timeout)
 
 
 # Log lines: "2026-11-30T11:35:14.123Z WARNING redis: text". A problem is a
