@@ -93,10 +93,10 @@ for t in "${names[@]}"; do
   log="$logs/$t.log"
   done_line="$(grep -aE "^#[0-9]+[[:space:]]+DONE" "$log" | tail -n 1 || true)"
   runs_line="$(grep -aE "^Done [0-9]+ runs in" "$log" | tail -n 1 || true)"
-  if grep -aqE '^==[0-9]+==ERROR|^SUMMARY: |runtime error:|^fuzz: |deadly signal|-timeout|out-of-memory' "$log" ||
+  if grep -aqE '^==[0-9]+== ?ERROR|^SUMMARY: |runtime error:|^fuzz: |deadly signal' "$log" ||
     [[ -z "$runs_line" ]]; then
     echo "fuzz.sh: $t: FAILED (log $log; inputs in $artifacts/$t/)" >&2
-    grep -aE "^==[0-9]+==ERROR|runtime error:|^fuzz: |^SUMMARY: |Test unit written" "$log" | head -n 10 >&2 || true
+    grep -aE "^==[0-9]+== ?ERROR|runtime error:|^fuzz: |^SUMMARY: |Test unit written" "$log" | head -n 10 >&2 || true
     status=1
   else
     echo "fuzz.sh: $t: ${done_line:-?} | $runs_line"
