@@ -99,7 +99,9 @@ static const char *url_userinfo(const char *p, struct relay_redis_url *u, char *
     const char *colon = memchr(p, ':', (size_t)(at - p));
     const char *uend = colon != NULL ? colon : at;
     for (const char *q = p; q < at; q++) {
-        if (strchr("/?#[]@", *q) != NULL || (unsigned char)*q <= ' ') {
+        /* Control characters (DEL too) and spaces: the URL would not read
+         * back the same once shown, where they become '?'. */
+        if (strchr("/?#[]@", *q) != NULL || (unsigned char)*q <= ' ' || *q == 0x7f) {
             url_err(err, errlen,
                     "the user name or password has a character that must be "
                     "percent-encoded (e.g. %%40 for @, %%2F for /)");

@@ -1762,7 +1762,11 @@ static size_t keep_entries(struct part *pt, redisReply *r, int replay, const red
         uint32_t deliveries = 1;
         for (size_t k = 0; counts != NULL && k < counts->elements; k++) {
             const redisReply *pe = counts->element[k];
+            /* [id, consumer, idle ms, deliveries]: skip an entry of any
+             * other shape, as reclaim_stream does. */
             if (pe->type == REDIS_REPLY_ARRAY && pe->elements == 4 &&
+                pe->element[0]->type == REDIS_REPLY_STRING &&
+                pe->element[3]->type == REDIS_REPLY_INTEGER &&
                 strcmp(pe->element[0]->str, e->element[0]->str) == 0)
                 deliveries = (uint32_t)pe->element[3]->integer;
         }

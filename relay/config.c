@@ -867,9 +867,14 @@ RELAY_STATIC int config_parse_line(char *line, char **key, char **value, char *r
     return 1;
 }
 
-static int config_load_file(struct relay_config *cfg, const char *path, char *err,
-                            size_t errlen) CFG_MUSTCHECK;
-static int config_load_file(struct relay_config *cfg, const char *path, char *err, size_t errlen)
+/*
+ * Reads the configuration text of f, named path in messages, line by line
+ * into cfg: 0, or -1 with err. The file loader below opens the file for it.
+ */
+RELAY_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const char *path, char *err,
+                                    size_t errlen) CFG_MUSTCHECK;
+RELAY_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const char *path, char *err,
+                                    size_t errlen)
 {
     char line[CFG_LINE_MAX + 2]; /* the line, its newline and the NUL */
     char rule[RELAY_CONFIG_ERR_MAX];
@@ -878,14 +883,7 @@ static int config_load_file(struct relay_config *cfg, const char *path, char *er
     char shown[CFG_SHOW_MAX + 8];
     unsigned seen[RELAY_ARRAY_LEN(cfg_keys)] = {0}; /* line of each key's first setting */
     unsigned lineno = 0;
-    FILE *f;
-    int rc = -1;
 
-    f = fopen(path, "r");
-    if (f == NULL) {
-        cfg_err(err, errlen, "%s: cannot open the config file: %s", path, strerror(errno));
-        return -1;
-    }
     for (;;) {
         const struct cfg_key *k;
         char *key, *value;
@@ -902,39 +900,50 @@ static int config_load_file(struct relay_config *cfg, const char *path, char *er
         if (len > CFG_LINE_MAX) {
             cfg_err(err, errlen, "%s:%u: line is longer than %d bytes: shorten it", path, lineno,
                     CFG_LINE_MAX);
-            goto out;
+            return -1;
         }
         snprintf(where, sizeof(where), "%s:%u", path, lineno);
         r = config_parse_line(line, &key, &value, rule, sizeof(rule));
         if (r < 0) {
             cfg_err(err, errlen, "%s: %s", where, rule);
-            goto out;
+            return -1;
         }
         if (r == 0)
             continue;
         k = config_find(key);
         if (k == NULL) {
             config_unknown(where, key, SRC_FILE, err, errlen);
-            goto out;
+            return -1;
         }
         snprintf(label, sizeof(label), "%s: %.64s", where, k->name);
         if (seen[k - cfg_keys]) {
             config_show(value, k->type == CFG_SECRET_STRING, shown, sizeof(shown));
             cfg_err(err, errlen, "%s = \"%s\": already set on line %u: set each key only once",
                     label, shown, seen[k - cfg_keys]);
-            goto out;
+            return -1;
         }
         seen[k - cfg_keys] = lineno;
         if (config_apply(cfg, k, label, value, err, errlen) != 0)
-            goto out;
+            return -1;
     }
     if (ferror(f)) {
         cfg_err(err, errlen, "%s: cannot read the config file: %s", path,
                 strerror(errno ? errno : EIO));
-        goto out;
+        return -1;
     }
-    rc = 0;
-out:
+    return 0;
+}
+
+static int config_load_file(struct relay_config *cfg, const char *path, char *err,
+                            size_t errlen) CFG_MUSTCHECK;
+static int config_load_file(struct relay_config *cfg, const char *path, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "r");
+    if (f == NULL) {
+        cfg_err(err, errlen, "%s: cannot open the config file: %s", path, strerror(errno));
+        return -1;
+    }
+    int rc = config_load_stream(cfg, f, path, err, errlen);
     fclose(f);
     return rc;
 }

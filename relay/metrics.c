@@ -33,6 +33,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "relay/common.h"
 #include "relay/log.h"
 #include "relay/tools.h"
 
@@ -174,22 +175,54 @@ static void respond_text(struct client *c, int status, const char *reason, const
     respond(c, status, reason, "text/plain; charset=utf-8", extra, body, strlen(body), head);
 }
 
+/*
+ * Reads a complete request's line: the status to answer with (400 when the
+ * line is not "METHOD PATH ...", 404 for an unknown path, 405 for a method
+ * other than GET and HEAD, else 200 with *path the endpoint, one of
+ * "/metrics", "/healthz" and "/readyz"), and in *head whether it is a HEAD.
+ */
+RELAY_STATIC int metrics_parse_request(const char *req, int *head, const char **path);
+RELAY_STATIC int metrics_parse_request(const char *req, int *head, const char **path)
+{
+    static const char *const known[] = {"/metrics", "/healthz", "/readyz"};
+    char method[16], target[256];
+    *head = 0;
+    *path = NULL;
+    if (sscanf(req, "%15s %255s", method, target) != 2)
+        return 400;
+    *head = strcmp(method, "HEAD") == 0;
+    for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); i++)
+        if (strcmp(target, known[i]) == 0)
+            *path = known[i];
+    if (*path == NULL)
+        return 404;
+    if (strcmp(method, "GET") != 0 && !*head)
+        return 405;
+    return 200;
+}
+
+/* Whether the bytes read so far (NUL-terminated) end the request's head. */
+RELAY_STATIC int metrics_request_complete(const char *req);
+RELAY_STATIC int metrics_request_complete(const char *req)
+{
+    return strstr(req, "\r\n\r\n") != NULL || strstr(req, "\n\n") != NULL;
+}
+
 static void handle_request(struct client *c)
 {
-    char method[16], path[256];
-    if (sscanf(c->req, "%15s %255s", method, path) != 2) {
+    int head;
+    const char *path;
+    int status = metrics_parse_request(c->req, &head, &path);
+    if (status == 400) {
         respond_text(c, 400, "Bad Request", "bad request\n", NULL, 0);
         return;
     }
-    int head = strcmp(method, "HEAD") == 0;
-    int known = strcmp(path, "/metrics") == 0 || strcmp(path, "/healthz") == 0 ||
-                strcmp(path, "/readyz") == 0;
-    if (!known) {
+    if (status == 404) {
         respond_text(c, 404, "Not Found", "not found: try /metrics, /healthz or /readyz\n", NULL,
                      head);
         return;
     }
-    if (strcmp(method, "GET") != 0 && !head) {
+    if (status == 405) {
         respond_text(c, 405, "Method Not Allowed", "method not allowed\n", "Allow: GET, HEAD\r\n",
                      0);
         return;
@@ -250,7 +283,7 @@ static void on_client_read(struct ev_loop *loop, ev_io *w, int revents)
     }
     c->reqlen += (size_t)n;
     c->req[c->reqlen] = '\0';
-    if (strstr(c->req, "\r\n\r\n") != NULL || strstr(c->req, "\n\n") != NULL) {
+    if (metrics_request_complete(c->req)) {
         handle_request(c);
         return;
     }

@@ -11,6 +11,9 @@
 # clang-format checks that the C sources keep the project's .clang-format
 # (scripts/format.sh, run by CI).
 #
+# clang and libclang-rt-14-dev (libFuzzer and the sanitizer runtimes of
+# bookworm's clang 14) build and run the fuzz targets (scripts/fuzz.sh).
+#
 # dpkg-dev, file and lintian build and check the Debian packages
 # (scripts/package.sh); man-db lets tests/integration/test_package.py find
 # the installed manual pages.
@@ -38,7 +41,7 @@
 set -euo pipefail
 
 packages=(
-  build-essential cmake pkg-config clang-format
+  build-essential cmake pkg-config clang-format clang libclang-rt-14-dev
   dpkg-dev file lintian man-db
   libpq-dev libhiredis-dev libev-dev libcmocka-dev
   postgresql-15 postgresql-client-15 redis-server pgbouncer

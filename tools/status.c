@@ -16,21 +16,30 @@
 #include "relay/observe.h"
 #include "relay/tools.h"
 
-int relay_tool_status(const struct relay_config *cfg, int argc, char **argv, FILE *out,
-                      FILE *errout)
+/* "status [--json]": 0 with *json set, or -1 after saying why. */
+static int parse_status_args(int argc, char **argv, FILE *errout, int *json)
 {
-    int json = 0;
+    *json = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0) {
-            json = 1;
+            *json = 1;
         } else {
             fprintf(errout,
                     "outbox-relay: status: unexpected \"%s\"\n"
                     "Usage: outbox-relay [-c FILE] status [--json]\n",
                     argv[i]);
-            return RELAY_EX_USAGE;
+            return -1;
         }
     }
+    return 0;
+}
+
+int relay_tool_status(const struct relay_config *cfg, int argc, char **argv, FILE *out,
+                      FILE *errout)
+{
+    int json;
+    if (parse_status_args(argc, argv, errout, &json) < 0)
+        return RELAY_EX_USAGE;
     struct relay_observation *o = malloc(sizeof(*o));
     char *text = malloc(256 * 1024);
     if (o == NULL || text == NULL) {

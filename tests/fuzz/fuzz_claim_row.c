@@ -1,0 +1,172 @@
+/*
+ * A claimed row, from its columns to the publish command (relay/lanes.c
+ * parse_row, relay/batch.c): the bytes are the claim's rows, each as its 12
+ * columns in the claim query's order, every column a 2-byte big-endian
+ * length (0xffff for SQL NULL) and that many bytes, as libpq hands them
+ * over (binary id, attempts, payload size and partitions; binary text[] of
+ * header names and values). Before the rows, one byte picks the stream
+ * prefix and one the max_payload_bytes.
+ *
+ * Each row that decodes is built into its publish command both ways: as an
+ * argv (relay_batch_build_publish) and straight into the Redis protocol
+ * (relay_batch_append_publish). They must agree on whether the row can be
+ * published and, when it can, on every byte: the protocol must be what
+ * hiredis makes of the argv. Then the published rows' retire commands must
+ * read back as well-formed commands.
+ */
+#include "../../relay/lanes.c"
+
+#include "fuzz.h"
+
+#define ROWS_MAX 8
+#define COLUMNS 12
+
+static const char *const prefixes[] = {"", "outbox:", "a.b_c-d:", "p"};
+static const uint32_t payload_limits[] = {1048576, 16, 0, 536870912};
+
+/* Reads one row's columns into res's row i: 0, or -1 when the bytes end. */
+static int read_row(PGresult *res, int i, const uint8_t *data, size_t size, size_t *off)
+{
+    for (int col = 0; col < COLUMNS; col++) {
+        if (size - *off < 2)
+            return -1;
+        unsigned len = (unsigned)data[*off] << 8 | data[*off + 1];
+        *off += 2;
+        if (len == 0xffff) {
+            if (!PQsetvalue(res, i, col, NULL, -1))
+                abort();
+            continue;
+        }
+        if (len > size - *off)
+            return -1;
+        /* PostgreSQL text has no NUL byte: message_id, topic, partition_key,
+         * created_at and jsonb_typeof come as text. */
+        char value[0xffff];
+        memcpy(value, data + *off, len);
+        if (col == 1 || col == 2 || col == 3 || col == 5 || col == 6)
+            for (unsigned k = 0; k < len; k++)
+                if (value[k] == '\0')
+                    value[k] = '\1';
+        /* PQsetvalue copies and NUL-terminates, as libpq does for a value it read. */
+        if (!PQsetvalue(res, i, col, value, (int)len))
+            abort();
+        *off += len;
+    }
+    return 0;
+}
+
+/* The reply the protocol in buf reads back as: one array of strings. */
+static redisReply *read_command(const char *buf, size_t len)
+{
+    redisReply *r = NULL;
+    if (fuzz_replies((const uint8_t *)buf, len, &r, 1) != 1 || r->type != REDIS_REPLY_ARRAY)
+        fuzz_fail("a command that does not read back as an array", buf);
+    for (size_t k = 0; k < r->elements; k++)
+        if (r->element[k]->type != REDIS_REPLY_STRING)
+            fuzz_fail("a command argument that is not a string", buf);
+    return r;
+}
+
+/* Whether the header names and values have no NUL byte, as the elements of
+ * a text[] from PostgreSQL never do. */
+static int headers_are_text(const struct relay_row *row)
+{
+    const char *items[RELAY_HEADERS_MAX];
+    size_t lens[RELAY_HEADERS_MAX];
+    const char *arrays[2] = {row->header_names, row->header_values};
+    size_t array_lens[2] = {row->header_names_len, row->header_values_len};
+    for (int a = 0; a < 2; a++) {
+        int n =
+            relay_batch_decode_text_array(arrays[a], array_lens[a], items, lens, RELAY_HEADERS_MAX);
+        for (int i = 0; i < n; i++)
+            if (memchr(items[i], '\0', lens[i]) != NULL)
+                return 0;
+    }
+    return 1;
+}
+
+static void publish(struct relay_row *row, const char *prefix, uint32_t max_payload)
+{
+    static struct relay_publish_cmd cmd;
+    char err1[RELAY_ERROR_MAX], err2[RELAY_ERROR_MAX];
+    enum relay_row_fault fault = RELAY_FAULT_NONE;
+    struct relay_buf out;
+    memset(&out, 0, sizeof(out));
+
+    int built = relay_batch_build_publish(row, prefix, max_payload, 86400000, 1718000000000ULL,
+                                          &cmd, err1, sizeof(err1));
+    int appended = relay_batch_append_publish(row, prefix, max_payload, 86400000, 1718000000000ULL,
+                                              &out, err2, sizeof(err2), &fault);
+    if ((built == 0) != (appended == 0))
+        fuzz_fail("argv and protocol disagree on whether the row can be published",
+                  built != 0 ? err1 : err2);
+    if (built != 0) {
+        if (strcmp(err1, err2) != 0)
+            fuzz_fail("argv and protocol give different reasons", err2);
+        if (fault == RELAY_FAULT_NONE)
+            fuzz_fail("a row that cannot be published without a kind of failure", err2);
+        relay_buf_free(&out);
+        return;
+    }
+    char *want = NULL;
+    int wantlen = redisFormatCommandArgv(&want, cmd.argc, cmd.argv, cmd.argvlen);
+    if (wantlen < 0)
+        abort();
+    if (headers_are_text(row) &&
+        ((size_t)wantlen != out.len || memcmp(want, out.data, out.len) != 0 ||
+         out.data[out.len] != '\0'))
+        fuzz_fail("the protocol is not what hiredis makes of the argv", out.data);
+    freeReplyObject(read_command(out.data, out.len));
+    redisFreeCommand(want);
+    relay_buf_free(&out);
+    row->state = RELAY_ROW_PUBLISHED;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    static struct relay_row rows[ROWS_MAX];
+    if (size < 2)
+        return 0;
+    const char *prefix = prefixes[data[0] % RELAY_ARRAY_LEN(prefixes)];
+    uint32_t max_payload = payload_limits[data[1] % RELAY_ARRAY_LEN(payload_limits)];
+    size_t off = 2;
+
+    PGresult *res = PQmakeEmptyPGresult(NULL, PGRES_TUPLES_OK);
+    PGresAttDesc attrs[COLUMNS];
+    static char names[COLUMNS][4];
+    memset(attrs, 0, sizeof(attrs));
+    for (int col = 0; col < COLUMNS; col++) {
+        snprintf(names[col], sizeof(names[col]), "c%d", col);
+        attrs[col].name = names[col];
+        attrs[col].format = 1;
+    }
+    if (res == NULL || !PQsetResultAttrs(res, COLUMNS, attrs))
+        abort();
+    int n = 0;
+    while (n < ROWS_MAX && read_row(res, n, data, size, &off) == 0)
+        n++;
+
+    size_t nrows = 0;
+    for (int i = 0; i < n; i++) {
+        if (parse_row(res, i, &rows[nrows]) != 0)
+            continue;
+        if (rows[nrows].partitions > 1 && rows[nrows].partition >= rows[nrows].partitions)
+            fuzz_fail("a partition out of range", NULL);
+        publish(&rows[nrows], prefix, max_payload);
+        nrows++;
+    }
+
+    struct relay_buf out;
+    memset(&out, 0, sizeof(out));
+    size_t pos = 0;
+    int rc;
+    while ((rc = relay_batch_append_retire(rows, nrows, prefix, 86400000, &pos, &out)) == 1) {
+        freeReplyObject(read_command(out.data, out.len));
+        relay_buf_reset(&out);
+    }
+    if (rc != 0)
+        fuzz_fail("retire did not fit an empty buffer", NULL);
+    relay_buf_free(&out);
+    PQclear(res);
+    return 0;
+}

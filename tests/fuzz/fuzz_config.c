@@ -1,0 +1,71 @@
+/*
+ * The configuration file (relay/config.c): the bytes are a relay.conf, read
+ * line by line the way the daemon reads its -c FILE, then checked as a whole
+ * (relay_config_validate) and shown again (relay_config_dump), as
+ * "outbox-relay --check-config" does. A file that loads must also load again
+ * from its own dump, and show the same dump (secrets stay redacted; see
+ * skip_postgres).
+ */
+#include "../../relay/config.c"
+
+#include "fuzz.h"
+
+/*
+ * The dump after its first line, postgres: a conninfo string is libpq's to
+ * read, and its redaction hides the text after "password=" up to the end of
+ * the value as libpq would read it, so redacting a malformed one
+ * ("password=''x") again can hide more: only ever more, never less.
+ */
+static const char *skip_postgres(const char *dump)
+{
+    const char *nl = strchr(dump, '\n');
+    if (strncmp(dump, "postgres = ", 11) != 0 || nl == NULL)
+        fuzz_fail("the dump does not start with postgres", dump);
+    return nl + 1;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    static char dump[64 * 1024], again_dump[64 * 1024];
+    char err[RELAY_CONFIG_ERR_MAX];
+    struct relay_config cfg;
+    FILE *f;
+
+    if (size == 0)
+        return 0;
+    f = fmemopen((void *)(uintptr_t)data, size, "r");
+    if (f == NULL)
+        return 0;
+    relay_config_init(&cfg);
+    int rc = config_load_stream(&cfg, f, "fuzz.conf", err, sizeof(err));
+    fclose(f);
+    if (rc == 0) {
+        /* The password file is a path on this machine: not the input's. */
+        free(cfg.redis_password_file);
+        cfg.redis_password_file = NULL;
+        if (relay_config_validate(&cfg, err, sizeof(err)) == 0) {
+            char diff[512];
+            struct relay_config again;
+
+            relay_config_dump(&cfg, dump, sizeof(dump));
+            /* The dump is a configuration file of the same values. */
+            relay_config_init(&again);
+            f = fmemopen(dump, strlen(dump), "r");
+            if (f == NULL)
+                abort();
+            if (config_load_stream(&again, f, "dump.conf", err, sizeof(err)) != 0 ||
+                relay_config_validate(&again, err, sizeof(err)) != 0) {
+                fprintf(stderr, "%s\n", dump);
+                fuzz_fail("the dump does not load again", err);
+            }
+            fclose(f);
+            relay_config_dump(&again, again_dump, sizeof(again_dump));
+            if (strcmp(skip_postgres(dump), skip_postgres(again_dump)) != 0)
+                fuzz_fail("the dump of the dump differs", again_dump);
+            (void)relay_config_diff_restart(&cfg, &again, diff, sizeof(diff));
+            relay_config_free(&again);
+        }
+    }
+    relay_config_free(&cfg);
+    return 0;
+}
