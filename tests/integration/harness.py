@@ -463,14 +463,8 @@ class PgBouncer:
                 pw = pwd.getpwnam("postgres")
                 for path in (userlist, ini):
                     os.chown(path, pw.pw_uid, pw.pw_gid)
-            self.proc = subprocess.Popen(self._as_postgres + [binary, ini],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, cwd=self.dir)
-            wait_until(lambda: port_open(self.port) or self.proc.poll() is not None,
-                       timeout=30, message="pgbouncer listening")
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pgbouncer exited with code {self.proc.returncode}\n"
-                                   + tail(self.log()))
+            self.proc = spawn_listening(self._as_postgres + [binary, ini], self.port,
+                                        "pgbouncer", self.log, cwd=self.dir, timeout=30)
         except BaseException:
             self.close()
             raise
@@ -913,6 +907,18 @@ class ClusterReader:
             c.close()
 
 
+def spawn_listening(argv, port, what, log, cwd, timeout=20):
+    """Starts a server process (its output in its own log) and waits until it
+    listens on port; raises with the end of log() when it exits first."""
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=cwd)
+    wait_until(lambda: port_open(port) or proc.poll() is not None, timeout=timeout,
+               message=f"{what} to listen")
+    if proc.poll() is not None:
+        raise RuntimeError(f"{what} exited with code {proc.returncode}\n" + tail(log()))
+    return proc
+
+
 def make_ca(directory, name):
     """A throwaway certificate authority (openssl): (certificate, key) paths."""
     crt, key = os.path.join(directory, f"{name}.crt"), os.path.join(directory, f"{name}.key")
@@ -974,14 +980,8 @@ class Stunnel:
                           f"checkHost = {self.host}"]
             with open(conf, "w") as f:
                 f.write("\n".join(lines) + "\n")
-            self.proc = subprocess.Popen([shutil.which("stunnel4") or "stunnel", conf],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, cwd=self.dir)
-            wait_until(lambda: port_open(self.port) or self.proc.poll() is not None,
-                       timeout=20, message="stunnel to listen")
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"stunnel exited with {self.proc.returncode}\n"
-                                   + tail(self.log()))
+            self.proc = spawn_listening([shutil.which("stunnel4") or "stunnel", conf],
+                                        self.port, "stunnel", self.log, cwd=self.dir)
         except BaseException:
             self.close()
             raise
