@@ -425,6 +425,7 @@ void relay_config_redact(const char *s, char *out, size_t outlen)
         if (p == pw_from) {
             out_puts(&o, "***");
             p = pw_to;
+            pw_from = NULL; /* hidden once: an empty password ends where it starts */
             continue;
         }
         /* password=value, in a conninfo string or a URI query; also 'quoted'. */
