@@ -28,7 +28,9 @@ static const char *skip_postgres(const char *dump)
  * Whether the redis URL is still one once redacted. Redaction may hide more
  * than the password on purpose (relay_config_redact: a user name that reads
  * "password=..." is hidden up to the next blank, host included); such a
- * dump cannot load again, and is not checked.
+ * dump cannot load again, and is not checked; nor is the dump of a dump
+ * whose URL the second redaction hides more of ("password=***x" reads as
+ * a password of its own).
  */
 static int redacts_to_url(const char *redis)
 {
@@ -74,7 +76,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             }
             fclose(f);
             relay_config_dump(&again, again_dump, sizeof(again_dump));
-            if (strcmp(skip_postgres(dump), skip_postgres(again_dump)) != 0)
+            if (redacts_to_url(again.redis) &&
+                strcmp(skip_postgres(dump), skip_postgres(again_dump)) != 0)
                 fuzz_fail("the dump of the dump differs", again_dump);
             (void)relay_config_diff_restart(&cfg, &again, diff, sizeof(diff));
             relay_config_free(&again);
