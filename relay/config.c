@@ -89,8 +89,8 @@ static int cfg_check_stream_prefix(const char *value, char *rule, size_t rulelen
 static int cfg_check_listen(const char *value, char *rule, size_t rulelen)
 {
     const char *colon = strrchr(value, ':');
-    char *end;
-    unsigned long port;
+    const char *end;
+    uint64_t port;
     if (value[0] == '\0')
         return 0;
     if (colon == NULL || colon == value) {
@@ -99,8 +99,9 @@ static int cfg_check_listen(const char *value, char *rule, size_t rulelen)
                  "the endpoint off");
         return -1;
     }
-    port = strtoul(colon + 1, &end, 10);
-    if (*end != '\0' || port == 0 || port > 65535 || colon[1] == '\0') {
+    /* Digits only: strtoul would also take a sign and leading white space. */
+    if (relay_parse_digits(colon + 1, &port, &end) != 0 || *end != '\0' || port == 0 ||
+        port > 65535) {
         snprintf(rule, rulelen, "port must be a number between 1 and 65535");
         return -1;
     }
@@ -438,6 +439,7 @@ void relay_config_redact(const char *s, char *out, size_t outlen)
         if (p == pw_from) {
             out_puts(&o, "***");
             p = pw_to;
+            pw_from = NULL; /* hidden once: an empty password ends where it starts */
             continue;
         }
         /* password=value, in a conninfo string or a URI query; also 'quoted'. */

@@ -59,7 +59,7 @@ status=0
 for t in "${targets[@]}"; do
   reg="tests/fuzz/regressions/$t"
   if [[ -d "$reg" ]] && compgen -G "$reg/*" >/dev/null; then
-    if ! "$bin/fuzz_$t" -runs=0 "$reg"/* >"$logs/$t.regressions.log" 2>&1; then
+    if ! "$bin/fuzz_$t" -runs=0 -timeout=10 "$reg"/* >"$logs/$t.regressions.log" 2>&1; then
       echo "fuzz.sh: $t: a regression input fails again: see $logs/$t.regressions.log" >&2
       tail -n 30 "$logs/$t.regressions.log" >&2
       status=1

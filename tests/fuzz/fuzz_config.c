@@ -24,6 +24,22 @@ static const char *skip_postgres(const char *dump)
     return nl + 1;
 }
 
+/*
+ * Whether the redis URL is still one once redacted. Redaction may hide more
+ * than the password on purpose (relay_config_redact: a user name that reads
+ * "password=..." is hidden up to the next blank, host included); such a
+ * dump cannot load again, and is not checked; nor is the dump of a dump
+ * whose URL the second redaction hides more of ("password=***x" reads as
+ * a password of its own).
+ */
+static int redacts_to_url(const char *redis)
+{
+    char shown[CFG_VALUE_MAX + 1], err[256];
+    struct relay_redis_url u;
+    relay_config_redact(redis, shown, sizeof(shown));
+    return relay_url_parse_seeds(shown, &u, err, sizeof(err)) == 0;
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     static char dump[64 * 1024], again_dump[64 * 1024];
@@ -43,7 +59,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         /* The password file is a path on this machine: not the input's. */
         free(cfg.redis_password_file);
         cfg.redis_password_file = NULL;
-        if (relay_config_validate(&cfg, err, sizeof(err)) == 0) {
+        if (relay_config_validate(&cfg, err, sizeof(err)) == 0 && redacts_to_url(cfg.redis)) {
             char diff[512];
             struct relay_config again;
 
@@ -60,7 +76,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             }
             fclose(f);
             relay_config_dump(&again, again_dump, sizeof(again_dump));
-            if (strcmp(skip_postgres(dump), skip_postgres(again_dump)) != 0)
+            if (redacts_to_url(again.redis) &&
+                strcmp(skip_postgres(dump), skip_postgres(again_dump)) != 0)
                 fuzz_fail("the dump of the dump differs", again_dump);
             (void)relay_config_diff_restart(&cfg, &again, diff, sizeof(diff));
             relay_config_free(&again);

@@ -564,6 +564,10 @@ static void test_redact(void **state)
         {"redis://user@h", "redis://user@h"},
         {"redis://u:se@cr/et@h:1", "redis://u:***@h:1"},
         {"redis://u:secret@[::1]:6380/2", "redis://u:***@[::1]:6380/2"},
+        /* An empty password is hidden too, and the text after it shown once. */
+        {"redis://u:@h:1/0", "redis://u:***@h:1/0"},
+        {"redis://:@h", "redis://:***@h"},
+        {"redic://s:@ca", "redic://s:***@ca"},
         {"", ""},
     };
     char out[128];
