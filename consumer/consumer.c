@@ -2204,10 +2204,18 @@ static int connect_ordered(struct relay_consumer *c, struct ordered *od)
     if (load_function(c) < 0)
         goto fail;
     /* In a Redis Cluster the partition streams hash to different slots:
-     * each partition's commands go to its own primary. */
-    for (uint32_t i = 0; i < od->n; i++)
-        if (attach_part(c, &od->parts[i]) < 0)
+     * each partition's commands go to its own primary. A single server (its
+     * CLUSTER SLOTS is an error) serves them all on this connection. */
+    redisReply *slots = fcall(c, (const char *[]){"CLUSTER", "SLOTS", NULL});
+    if (slots == NULL)
+        goto fail;
+    int cluster = slots->type == REDIS_REPLY_ARRAY;
+    freeReplyObject(slots);
+    for (uint32_t i = 0; i < od->n; i++) {
+        od->parts[i].node = 0;
+        if (cluster && attach_part(c, &od->parts[i]) < 0)
             goto fail;
+    }
     od->poll = c->nnodes > 1;
     use_base(c);
     c->rd = open_conn(c, c->o.block_ms + c->o.command_timeout_ms, "read");

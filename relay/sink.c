@@ -418,6 +418,18 @@ static struct sink_node *ask_target(struct relay_sink *s, const char *str, size_
 static void on_cmd_reply(redisAsyncContext *ac, void *reply, void *privdata);
 static void on_cmd_wait(redisAsyncContext *ac, void *reply, void *privdata);
 
+/* Queues WAIT replicas timeout_ms on ac: REDIS_OK or REDIS_ERR. */
+static int queue_wait(redisAsyncContext *ac, unsigned replicas, uint32_t timeout_ms,
+                      redisCallbackFn *cb, void *arg)
+{
+    char want[16], ms[16];
+    snprintf(want, sizeof(want), "%u", replicas);
+    snprintf(ms, sizeof(ms), "%u", timeout_ms);
+    const char *argv[3] = {"WAIT", want, ms};
+    size_t lens[3] = {4, strlen(want), strlen(ms)};
+    return redisAsyncCommandArgv(ac, cb, arg, 3, argv, lens);
+}
+
 static int follow_ask(struct sink_cmd *c, struct sink_node *t)
 {
     static const char *asking[1] = {"ASKING"};
@@ -428,17 +440,12 @@ static int follow_ask(struct sink_cmd *c, struct sink_node *t)
         return -1;
     c->redirected = 1;
     s->asks_followed++;
-    if (s->cfg->min_replicas > 0) {
-        char want[16], ms[16];
-        snprintf(want, sizeof(want), "%u", s->cfg->min_replicas);
-        snprintf(ms, sizeof(ms), "%u", s->cfg->replica_timeout_ms);
-        const char *argv[3] = {"WAIT", want, ms};
-        size_t lens[3] = {4, strlen(want), strlen(ms)};
-        /* If this cannot be queued the connection is gone, and the command's
-         * own callback runs with NULL. */
-        if (redisAsyncCommandArgv(t->ac, on_cmd_wait, c, 3, argv, lens) == REDIS_OK)
-            c->redirected = 2;
-    }
+    /* If the WAIT cannot be queued the connection is gone, and the
+     * command's own callback runs with NULL. */
+    if (s->cfg->min_replicas > 0 &&
+        queue_wait(t->ac, s->cfg->min_replicas, s->cfg->replica_timeout_ms, on_cmd_wait, c) ==
+            REDIS_OK)
+        c->redirected = 2;
     return 0;
 }
 
@@ -534,17 +541,12 @@ int relay_sink_wait(struct relay_sink *s, unsigned replicas, uint32_t timeout_ms
 {
     if (s->state != SINK_READY)
         return -1;
-    char want[16], ms[16];
-    snprintf(want, sizeof(want), "%u", replicas);
-    snprintf(ms, sizeof(ms), "%u", timeout_ms);
-    const char *argv[3] = {"WAIT", want, ms};
-    size_t lens[3] = {4, strlen(want), strlen(ms)};
     int sent = 0;
     for (int i = 0; i < s->nnodes; i++) {
         if (!(s->written & (1u << i)))
             continue;
         struct sink_node *n = &s->nodes[i];
-        if (n->ac == NULL || redisAsyncCommandArgv(n->ac, cb, arg, 3, argv, lens) != REDIS_OK)
+        if (n->ac == NULL || queue_wait(n->ac, replicas, timeout_ms, cb, arg) != REDIS_OK)
             return -1;
         sent++;
     }
