@@ -34,6 +34,13 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
   cluster    the same backlog drained into the benchmark's single Redis and
              into a Redis Cluster of 3 primaries (append-only like it), in
              BENCH_CLUSTER_ROUNDS alternating rounds
+  alternatives
+             side by side with what a user would pick instead: PgQ (Debian's
+             postgresql-15-pgq3) with bench-pgq, a consumer that XADDs each
+             event, on the same servers and workload: a drain of
+             BENCH_ALT_ROWS, then commit -> stream latency at BENCH_ALT_RATES,
+             relay and PgQ in BENCH_ALT_ROUNDS alternating rounds; every
+             message lost or published twice is counted
   profile    perf record -a during a drain: where the machine's time goes
 
 Sizes come from the environment (BENCH_QUICK=1 for a two-minute smoke run);
@@ -88,6 +95,7 @@ RESULTS = os.path.abspath(os.environ.get("BENCH_RESULTS") or os.path.join(HERE, 
 RELAY_BIN = os.path.join(BUILD, "outbox-relay")
 NAIVE_BIN = os.path.join(BUILD, "bench-naive")
 LOADGEN_BIN = os.path.join(BUILD, "bench-loadgen")
+PGQ_BIN = os.path.join(BUILD, "bench-pgq")
 
 ROWS = env_int("BENCH_ROWS", 50000 if QUICK else 1000000)          # the drain backlog
 BATCH = env_int("BENCH_BATCH", 500)                                # the relay's default
@@ -113,8 +121,12 @@ PROFILE_ROWS = env_int("BENCH_PROFILE_ROWS", 20000 if QUICK else 100000)
 TOPICS = 4
 PAYLOAD = 200
 REDIS_AOF = os.environ.get("BENCH_REDIS_AOF") or "everysec"  # no | everysec | always
+ALT_ROWS = env_int("BENCH_ALT_ROWS", 20000 if QUICK else 200000)
+ALT_RATES = env_list("BENCH_ALT_RATES", [200, 2000])
+ALT_SECONDS = env_float("BENCH_ALT_SECONDS", 3 if QUICK else 15)
+ALT_ROUNDS = env_int("BENCH_ALT_ROUNDS", 1 if QUICK else 2)
 ALL_SECTIONS = ["drain", "naive", "sweep", "latency", "producers", "limits", "storage",
-                "partitions", "replicas", "cluster", "profile"]
+                "partitions", "replicas", "cluster", "alternatives", "profile"]
 SECTIONS = [s.strip() for s in (os.environ.get("BENCH_SECTIONS") or ",".join(ALL_SECTIONS))
             .split(",") if s.strip()]
 if QUICK and not os.environ.get("BENCH_SECTIONS"):
@@ -1049,15 +1061,25 @@ def section_sweep():
 # Latency.
 
 def loadgen(pg, rd, rate, seconds=None, count=None, producers=LOAD_PRODUCERS, wait=10,
-            group="bench"):
+            group="bench", pgq=None, async_commit=False):
     argv = [LOADGEN_BIN, "--postgres", pg.dsn(), "--redis-port", str(rd.port),
             "--rate", str(rate), "--producers", str(producers), "--topics", str(TOPICS),
             "--payload", str(PAYLOAD), "--group", group, "--wait", str(wait)]
+    argv += ["--pgq", pgq] if pgq else []
+    argv += ["--async-commit", "1"] if async_commit else []
     argv += ["--count", str(count)] if count else ["--seconds", str(seconds)]
     return run_json(argv, timeout=(seconds or 0) + (count or 0) / max(rate, 1) + wait + 120)
 
 
 SUSTAINED_P99_MS = 200
+
+# The figures the performance targets are measured against: relay, PostgreSQL
+# and Redis CPU per 100k messages in the full run of 2026-11-30 15:49 UTC
+# (docs/PERFORMANCE.md, "Results of the latest full run" at relay code
+# ff4c421), and the latency and rate targets themselves.
+BASELINE_SYSTEM_CPU_PER_100K = 7.94
+TARGET_P99_2000_MS = 20.0
+TARGET_MAX_RATE = 6000
 
 
 def sustained(res, rate):
@@ -1065,6 +1087,40 @@ def sustained(res, rate):
     v = res["visible_ms"]
     return (res["achieved_rate"] >= 0.95 * rate and res["missing_visible"] == 0
             and v.get("p99", 1e9) < SUSTAINED_P99_MS)
+
+
+def ramp(pg, rd, conn, relay, tag, name, async_commit):
+    """Producers flat out, then fixed rates below that until one holds: the
+    highest rate that holds, or None."""
+    wait_drained(conn, 60, relay)
+    flat = loadgen(pg, rd, rate=0, seconds=RAMP_SECONDS, wait=10, group="ramp",
+                   async_commit=async_commit)
+    R.add_dict("latency", f"{tag}.unthrottled", flat, dict(_ms="ms", rate="rows/s", seconds="s"))
+    capacity = flat["achieved_rate"]
+    sc = "off" if async_commit else "on"
+    log(f"{tag}: producers (synchronous_commit {sc}) flat out commit {capacity:,.0f} rows/s,"
+        f" p99 to the stream {flat['visible_ms'].get('p99')} ms")
+    max_rate = None
+    for factor in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2):
+        rate = int(capacity * factor / 100) * 100
+        if rate <= 0:
+            break
+        wait_drained(conn, 60, relay)
+        res = loadgen(pg, rd, rate=rate, seconds=RAMP_SECONDS, wait=10, group="ramp",
+                      async_commit=async_commit)
+        ok = sustained(res, rate)
+        R.add("latency", f"{tag}.{rate}.achieved_rate", res["achieved_rate"], "rows/s")
+        R.add("latency", f"{tag}.{rate}.visible_p99", res["visible_ms"].get("p99"), "ms")
+        R.add("latency", f"{tag}.{rate}.sustained", int(ok))
+        log(f"{tag}: {rate}/s -> {res['achieved_rate']:,.0f}/s,"
+            f" p99 {res['visible_ms'].get('p99')} ms: {'holds' if ok else 'does not hold'}")
+        if ok:
+            max_rate = rate
+            break
+    R.add("latency", name, max_rate or 0, "rows/s",
+          f"highest fixed rate that held in the ramp (achieved >= 95%,"
+          f" p99 < {SUSTAINED_P99_MS} ms), producers with synchronous_commit {sc}")
+    return max_rate
 
 
 def section_latency():
@@ -1082,33 +1138,11 @@ def section_latency():
             log(f"idle relay: commit -> stream p50 {res['visible_ms'].get('p50')} ms,"
                 f" p99 {res['visible_ms'].get('p99')} ms")
 
-            # The ramp: producers flat out, then fixed rates below that until one holds.
-            wait_drained(conn, 60, relay)
-            flat = loadgen(pg, rd, rate=0, seconds=RAMP_SECONDS, wait=10, group="ramp")
-            R.add_dict("latency", "ramp.unthrottled", flat,
-                       dict(_ms="ms", rate="rows/s", seconds="s"))
-            capacity = flat["achieved_rate"]
-            log(f"ramp: producers flat out commit {capacity:,.0f} rows/s,"
-                f" p99 to the stream {flat['visible_ms'].get('p99')} ms")
-            max_rate = None
-            for factor in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2):
-                rate = int(capacity * factor / 100) * 100
-                if rate <= 0:
-                    break
-                wait_drained(conn, 60, relay)
-                res = loadgen(pg, rd, rate=rate, seconds=RAMP_SECONDS, wait=10, group="ramp")
-                ok = sustained(res, rate)
-                R.add("latency", f"ramp.{rate}.achieved_rate", res["achieved_rate"], "rows/s")
-                R.add("latency", f"ramp.{rate}.visible_p99", res["visible_ms"].get("p99"), "ms")
-                R.add("latency", f"ramp.{rate}.sustained", int(ok))
-                log(f"ramp: {rate}/s -> {res['achieved_rate']:,.0f}/s,"
-                    f" p99 {res['visible_ms'].get('p99')} ms: {'holds' if ok else 'does not hold'}")
-                if ok:
-                    max_rate = rate
-                    break
-            R.add("latency", "max_rate", max_rate or 0, "rows/s",
-                  f"highest fixed rate that held in the ramp (achieved >= 95%,"
-                  f" p99 < {SUSTAINED_P99_MS} ms)")
+            max_rate = ramp(pg, rd, conn, relay, "ramp", "max_rate", False)
+            # The same with the producers committing asynchronously: their
+            # WAL flushes no longer cap the rate they offer, so the ramp finds
+            # the relay's ceiling rather than theirs.
+            ramp(pg, rd, conn, relay, "ramp_async", "max_rate_async", True)
             rates = sorted(set(RATES + ([max_rate] if max_rate else [])))
             for rate in rates:
                 wait_drained(conn, 120, relay)
@@ -1285,8 +1319,9 @@ def section_limits():
                       str(BATCH), "--count", str(count)])
         d = {k: v for k, v in d.items() if k not in ("publish_ms", "unlink_ms", "drop_dedup")}
         R.add_dict("limits", "limit.claim_mark", d, dict(rate="rows/s", seconds="s", _ms="ms"),
-                   "BEGIN; claim; mark sent; COMMIT without Redis, prepared, binary")
-        log(f"claim-and-mark alone: {d['rate']:,.0f} rows/s")
+                   "BEGIN; claim; delete (the relay's default finish); COMMIT without Redis,"
+                   " prepared, binary")
+        log(f"claim-and-finish alone: {d['rate']:,.0f} rows/s")
         source = subprocess.run([NAIVE_BIN, "--print-function"], stdout=subprocess.PIPE,
                                 text=True, check=True).stdout
         rc.execute_command("FUNCTION", "LOAD", "REPLACE", source)
@@ -1294,6 +1329,158 @@ def section_limits():
         R.add_dict("limits", "limit.publish", p, dict(rps="calls/s"),
                    f"redis-benchmark -c 1 -P {BATCH}: FCALL with the relay's argv, dedup on")
         log(f"publish function alone: {p.get('rps', 0):,.0f} calls/s")
+
+
+# --------------------------------------------------------------------------
+# Side by side: PgQ, what a user would pick instead.
+
+PGQ_QUEUE = "bench"
+
+
+def pgq_setup(conn):
+    """PgQ in the benchmark's database: one queue whose ticker ticks as soon as
+    one event is new (ticker_max_count 1), and one consumer."""
+    execute(conn, "CREATE EXTENSION IF NOT EXISTS pgq")
+    execute(conn, "SELECT pgq.create_queue(%s)", (PGQ_QUEUE,))
+    execute(conn, "SELECT pgq.set_queue_config(%s, 'ticker_max_count', '1')", (PGQ_QUEUE,))
+    execute(conn, "SELECT pgq.register_consumer(%s, 'bench')", (PGQ_QUEUE,))
+
+
+def pgq_backlog(conn, n):
+    """n events of the drain's shape: 200 characters over 4 topics."""
+    execute(conn, "SELECT count(pgq.insert_event(%s, 'bench' || (g %% %s),"
+                  " substring(repeat(md5(g::text), 7) FROM 1 FOR %s)))"
+                  " FROM generate_series(1, %s) AS g", (PGQ_QUEUE, TOPICS, PAYLOAD, n))
+    execute(conn, "CHECKPOINT")
+
+
+def start_pgq(pg, rd):
+    proc = subprocess.Popen([PGQ_BIN, "--postgres", pg.dsn(), "--redis-port", str(rd.port),
+                             "--queue", PGQ_QUEUE, "--fetch", str(BATCH)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # connected, and polling
+    if proc.poll() is not None:
+        raise RuntimeError(f"bench-pgq exited: {proc.stderr.read()[-2000:]}")
+    return proc
+
+
+def stop_pgq(proc):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench-pgq failed ({proc.returncode}): {err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def stream_ids(rc):
+    """(entries, distinct outbox_id values) over the benchmark's streams."""
+    total, ids = 0, set()
+    for i in range(TOPICS):
+        last = "-"
+        while True:
+            chunk = rc.xrange(f"bench{i}", min=last, max="+", count=10000)
+            if last != "-":
+                chunk = chunk[1:]
+            if not chunk:
+                break
+            for entry_id, fields in chunk:
+                total += 1
+                ids.add(fields.get(b"outbox_id") or fields.get("outbox_id"))
+            last = chunk[-1][0]
+    return total, len(ids)
+
+
+def alt_drain(kind):
+    """A drain of ALT_ROWS by the relay (its defaults) or by PgQ and bench-pgq."""
+    with servers() as (pg, rd, conn, rc):
+        if kind == "pgq":
+            pgq_setup(conn)
+            pgq_backlog(conn, ALT_ROWS)
+            meter = CpuMeter(pg, rd)
+            started = time.monotonic()
+            proc = start_pgq(pg, rd)
+            try:
+                deadline = started + max(120.0, ALT_ROWS / 1000.0)
+                while stream_total(rc) < ALT_ROWS:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"bench-pgq exited: {proc.stderr.read()[-2000:]}")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the PgQ drain did not finish")
+                    time.sleep(0.02)
+                took = time.monotonic() - started
+                cpu = proc_cpu(proc.pid)
+                pg_cpu, rd_cpu = meter.read()
+            finally:
+                out = stop_pgq(proc)
+            d = dict(rows=ALT_ROWS, seconds=took, rate=ALT_ROWS / took, cpu=cpu, pg_cpu=pg_cpu,
+                     redis_cpu=rd_cpu, total_cpu_per_100k=(cpu + pg_cpu + rd_cpu) / ALT_ROWS * 1e5,
+                     batches=out["batches"])
+        else:
+            insert_backlog(conn, ALT_ROWS)
+            d = drain(pg, rd, conn, rc, "relay", ALT_ROWS, BATCH)
+            d = {k: d[k] for k in ("rows", "seconds", "rate", "cpu", "pg_cpu", "redis_cpu",
+                                   "total_cpu_per_100k")}
+        time.sleep(0.5)  # a copy still on its way would land now
+        total, distinct = stream_ids(rc)
+        d["entries"] = total
+        d["lost"] = ALT_ROWS - distinct
+        d["doubled"] = total - distinct
+        return d
+
+
+def alt_latency(kind, rate):
+    """Commit -> stream entry at a fixed rate, through the relay or through PgQ."""
+    with servers() as (pg, rd, conn, rc):
+        if kind == "pgq":
+            pgq_setup(conn)
+            proc = start_pgq(pg, rd)
+            try:
+                res = loadgen(pg, rd, rate=rate, seconds=ALT_SECONDS, wait=10, group="alt",
+                              pgq=PGQ_QUEUE)
+            finally:
+                stop_pgq(proc)
+        else:
+            relay = start_relay(pg, rd, batch_size=BATCH)
+            try:
+                harness.insert(conn, "bench0", b"warm-up")
+                harness.wait_until(lambda: stream_total(rc) >= 1, timeout=30, relay=relay,
+                                   message="the first row to be published")
+                res = loadgen(pg, rd, rate=rate, seconds=ALT_SECONDS, wait=10, group="alt")
+            finally:
+                stop_relay(relay)
+        return res
+
+
+def section_alternatives():
+    drains = {"relay": [], "pgq": []}
+    for i in range(ALT_ROUNDS):
+        for kind in (("relay", "pgq") if i % 2 == 0 else ("pgq", "relay")):
+            d = alt_drain(kind)
+            drains[kind].append(d)
+            log(f"alternatives: drain of {ALT_ROWS:,} by {kind}: {d['rate']:,.0f} msg/s,"
+                f" CPU (client+PostgreSQL+Redis) {d['total_cpu_per_100k']:.2f} s per 100k,"
+                f" lost {d['lost']}, doubled {d['doubled']}")
+    for kind, runs in drains.items():
+        for key in ("rate", "total_cpu_per_100k", "seconds", "cpu", "pg_cpu", "redis_cpu"):
+            R.add("alternatives", f"alt.{kind}.drain.{key}",
+                  statistics.median(r[key] for r in runs),
+                  dict(rate="msg/s").get(key, "s"), f"median of {len(runs)} drains")
+        for key in ("lost", "doubled"):
+            R.add("alternatives", f"alt.{kind}.drain.{key}", sum(r[key] for r in runs), "msgs",
+                  f"over {len(runs)} drains of {ALT_ROWS:,}")
+    for rate in ALT_RATES:
+        for kind in ("relay", "pgq"):
+            res = alt_latency(kind, rate)
+            name = f"alt.{kind}.load.{rate}"
+            R.add_dict("alternatives", name, res, dict(_ms="ms", rate="rows/s", seconds="s"))
+            v = res["visible_ms"]
+            log(f"alternatives: {rate}/s through {kind}: achieved {res['achieved_rate']:,.0f}/s,"
+                f" commit -> stream p50 {v.get('p50')} p99 {v.get('p99')} ms,"
+                f" missing {res['missing_visible']}, doubled {res['duplicate_visible']}")
 
 
 # --------------------------------------------------------------------------
@@ -1360,11 +1547,11 @@ def build_table():
               "1/(1/claim_mark + 1/publish): both sides at their limit, one after the other")
         R.add("limits", "limit.overlap_bound", min(cm, pub), "msg/s",
               "min(claim_mark, publish): both sides at their limit, overlapped")
-        R.row("drain, relay", relay_rate, "msg/s", "min(claim+mark, publish) alone",
-              min(cm, pub))
-        R.row("drain, naive loop", naive_rate, "msg/s", "serial bound 1/(1/claim+mark + 1/publish)",
-              serial)
-    R.row("claim-and-mark alone (no Redis)", cm, "rows/s")
+        R.row("drain, relay", relay_rate, "msg/s", "min(claim+finish, publish) alone",
+              min(cm, pub), "≥ 0.8")
+        R.row("drain, naive loop", naive_rate, "msg/s",
+              "serial bound 1/(1/claim+finish + 1/publish)", serial)
+    R.row("claim-and-finish alone (rows deleted, the relay's default; no Redis)", cm, "rows/s")
     R.row(f"publish function alone (redis-benchmark -P {BATCH})", pub, "calls/s")
     R.row("relay CPU per 100k messages", g("drain.relay.cpu_per_100k"), "s",
           "naive loop CPU per 100k", g("drain.naive.cpu_per_100k"), "≤ 1.0")
@@ -1377,6 +1564,9 @@ def build_table():
               g("drain.relay.batch_total_ms"))
     R.row("relay+PostgreSQL+Redis CPU per 100k", g("drain.relay.total_cpu_per_100k"), "s",
           "the same for the naive loop", g("drain.naive.total_cpu_per_100k"))
+    R.row("relay+PostgreSQL+Redis CPU per 100k, 1M drain with dedup",
+          g("drain.relay.total_cpu_per_100k"), "s", "the full run of 2026-11-30 (ff4c421)",
+          BASELINE_SYSTEM_CPU_PER_100K, "≤ 0.70")
     for kind in ("relay", "naive"):
         if g(f"drain.{kind}.rate"):
             parts = [g(f"drain.{kind}.{k}_busy") for k in ("relay", "pg", "redis", "other")]
@@ -1447,6 +1637,39 @@ def build_table():
           g("min_replicas_0.rate"))
     R.row(f"drain of {CLUSTER_ROWS:,} rows into a Redis Cluster of 3 primaries",
           g("cluster_cluster.rate"), "msg/s", "into one Redis", g("cluster_single.rate"))
+    p99 = g("load.2000.visible_ms.p99")
+    R.row("load 2000/s: commit → stream p99", p99, "ms", "the target", TARGET_P99_2000_MS,
+          "≤ 1.0")
+    R.row("highest rate that holds (achieved ≥ 95 %, p99 < 200 ms), producers with"
+          " synchronous_commit on", g("max_rate"), "rows/s", "the target", TARGET_MAX_RATE,
+          "≥ 1.0")
+    R.row("producers with synchronous_commit on, flat out (the most they can offer)",
+          g("ramp.unthrottled.achieved_rate"), "rows/s")
+    R.row("highest rate that holds, producers with synchronous_commit off",
+          g("max_rate_async"), "rows/s", "the target", TARGET_MAX_RATE, "≥ 1.0")
+    R.row("producers with synchronous_commit off, flat out",
+          g("ramp_async.unthrottled.achieved_rate"), "rows/s")
+    R.row(f"drain of {ALT_ROWS:,}, relay (dedup, rows deleted)", g("alt.relay.drain.rate"),
+          "msg/s", "PgQ and bench-pgq (no dedup), same backlog", g("alt.pgq.drain.rate"))
+    R.row("the same drains: client+PostgreSQL+Redis CPU per 100k, relay",
+          g("alt.relay.drain.total_cpu_per_100k"), "s", "PgQ and bench-pgq",
+          g("alt.pgq.drain.total_cpu_per_100k"))
+    for kind, label in (("relay", "relay"), ("pgq", "PgQ")):
+        lost, doubled = g(f"alt.{kind}.drain.lost"), g(f"alt.{kind}.drain.doubled")
+        if lost is not None:
+            R.row(f"the same drains, {label}: messages lost / published twice",
+                  f"{lost} / {doubled}", "msgs")
+    for rate in ALT_RATES:
+        for p in ("p50", "p99"):
+            R.row(f"load {rate}/s, commit → stream {p}, relay",
+                  g(f"alt.relay.load.{rate}.visible_ms.{p}"), "ms", "PgQ, ticker every poll",
+                  g(f"alt.pgq.load.{rate}.visible_ms.{p}"))
+        for kind, label in (("relay", "relay"), ("pgq", "PgQ")):
+            miss = g(f"alt.{kind}.load.{rate}.missing_visible")
+            if miss is not None:
+                R.row(f"load {rate}/s, {label}: achieved rate; messages lost / published twice",
+                      f"{fmt(g(f'alt.{kind}.load.{rate}.achieved_rate'))};"
+                      f" {miss} / {g(f'alt.{kind}.load.{rate}.duplicate_visible')}", "")
     for sync in ("on", "off"):
         c = max(PRODUCER_CLIENTS)
         base = g(f"producers.norelay.sync_{sync}.c{c}.dropped.tps")
@@ -1554,7 +1777,7 @@ unset multiplot
                         f" {g(f'sweep.naive.b{b}.rate') or 'NaN'}\n")
         limits = ""
         if g("limit.claim_mark.rate"):
-            limits += f", {g('limit.claim_mark.rate')} w l dt 2 t 'claim+mark alone (batch {BATCH})'"
+            limits += f", {g('limit.claim_mark.rate')} w l dt 2 t 'claim+finish alone (batch {BATCH})'"
         if g("limit.publish.rps"):
             limits += f", {g('limit.publish.rps')} w l dt 3 t 'publish alone (-P {BATCH})'"
         gp = f"""
@@ -1679,7 +1902,7 @@ def main():
         replot()
         return
     os.makedirs(RESULTS, exist_ok=True)
-    for path in (RELAY_BIN, NAIVE_BIN, LOADGEN_BIN):
+    for path in (RELAY_BIN, NAIVE_BIN, LOADGEN_BIN, PGQ_BIN):
         if not os.access(path, os.X_OK):
             sys.exit(f"bench.py: {path} not found: run bench/run.sh, which builds it")
     os.environ["OUTBOX_RELAY_BIN"] = RELAY_BIN
@@ -1713,7 +1936,7 @@ def main():
                      latency=section_latency, producers=section_producers,
                      limits=section_limits, storage=section_storage,
                      partitions=section_partitions, replicas=section_replicas,
-                     cluster=section_cluster,
+                     cluster=section_cluster, alternatives=section_alternatives,
                      profile=section_profile)
     for name in SECTIONS:
         if name not in functions:

@@ -25,7 +25,15 @@
  *   bench-loadgen --postgres CONNINFO --redis-port PORT [--redis-host HOST]
  *                 --rate R (--seconds S | --count N) [--producers P]
  *                 [--topics T] [--payload BYTES] [--group NAME] [--wait S]
- *                 [--windows W]
+ *                 [--windows W] [--pgq QUEUE] [--async-commit 1]
+ *
+ * --pgq QUEUE produces PgQ events instead of outbox rows, for the benchmark's
+ * side-by-side section: pgq.insert_event(QUEUE, topic, payload) with a text
+ * payload of the same size, matched to stream entries by the event id (which
+ * bench-pgq writes as the outbox_id field). "duplicate_visible" counts entries
+ * whose id was already seen: a message published twice. --async-commit 1 makes
+ * the producers commit with synchronous_commit off, so that the WAL flush does
+ * not cap the rate they can offer.
  *
  * --windows W adds "windows": the latency of the rows committed in each W
  * seconds of the run (its start "t" in seconds from the first commit, "n",
@@ -63,6 +71,8 @@ static int payload_bytes = 200;
 static const char *group = "bench";
 static double wait_s = 10;
 static double windows_s = 0;
+static const char *pgq_queue; /* --pgq: PgQ events instead of outbox rows */
+static int async_commit;      /* --async-commit: producers with synchronous_commit off */
 
 static long long base_id; /* ids above it are ours */
 static long cap;          /* slots in the arrays below */
@@ -73,7 +83,7 @@ static double t0;
 
 static atomic_long slot_next; /* next schedule slot */
 static atomic_long committed; /* rows committed by the producers */
-static atomic_long n_visible, n_acked, out_of_range;
+static atomic_long n_visible, n_acked, out_of_range, dup_visible;
 static atomic_int producers_done;
 static atomic_int consumers_stop;
 static double last_commit_at; /* under last_lock */
@@ -118,10 +128,21 @@ static void *producer_main(void *arg)
         PQfinish(pg);
         return NULL;
     }
+    if (async_commit) {
+        PGresult *set = PQexec(pg, "SET synchronous_commit = off");
+        int ok = PQresultStatus(set) == PGRES_COMMAND_OK;
+        PQclear(set);
+        if (!ok) {
+            snprintf(p->error, sizeof(p->error), "SET: %s", PQerrorMessage(pg));
+            PQfinish(pg);
+            return NULL;
+        }
+    }
     PGresult *res = PQprepare(pg, "ins",
-                              "INSERT INTO outbox.messages (topic, payload) VALUES ($1, $2)"
-                              " RETURNING id",
-                              2, NULL);
+                              pgq_queue ? "SELECT pgq.insert_event($3, $1, $2)"
+                                        : "INSERT INTO outbox.messages (topic, payload)"
+                                          " VALUES ($1, $2) RETURNING id",
+                              pgq_queue ? 3 : 2, NULL);
     if (PQresultStatus(res) != PGRES_COMMAND_OK) {
         snprintf(p->error, sizeof(p->error), "prepare: %s", PQerrorMessage(pg));
         PQclear(res);
@@ -132,11 +153,12 @@ static void *producer_main(void *arg)
     char *payload = malloc((size_t)payload_bytes + 1);
     unsigned seed = 12345u + (unsigned)p->index;
     for (int i = 0; i < payload_bytes; i++)
-        payload[i] = (char)(rand_r(&seed) & 0xff);
+        payload[i] = pgq_queue ? (char)('a' + rand_r(&seed) % 26) : (char)(rand_r(&seed) & 0xff);
+    payload[payload_bytes] = '\0'; /* PgQ's ev_data is text */
     char topics[MAX_TOPICS][16];
     for (int i = 0; i < ntopics; i++)
         snprintf(topics[i], sizeof(topics[i]), "bench%d", i);
-    int lens[2] = {0, payload_bytes}, formats[2] = {0, 1};
+    int lens[3] = {0, payload_bytes, 0}, formats[3] = {0, pgq_queue ? 0 : 1, 0};
     double end = t0 + seconds;
 
     for (;;) {
@@ -152,9 +174,9 @@ static void *producer_main(void *arg)
         } else if (seconds > 0 && now_s() >= end) {
             break;
         }
-        const char *params[2] = {topics[slot % ntopics], payload};
+        const char *params[3] = {topics[slot % ntopics], payload, pgq_queue};
         double started = now_s();
-        res = PQexecPrepared(pg, "ins", 2, params, lens, formats, 0);
+        res = PQexecPrepared(pg, "ins", pgq_queue ? 3 : 2, params, lens, formats, 0);
         double done = now_s();
         if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
             snprintf(p->error, sizeof(p->error), "insert: %s", PQerrorMessage(pg));
@@ -263,6 +285,8 @@ static void *visible_main(void *arg)
                             t_stream[idx] =
                                 (double)strtoll(eid->str, NULL, 10) / 1e3 - real_minus_mono - t0;
                         atomic_fetch_add(&n_visible, 1);
+                    } else if (id > 0 && idx >= 0 && idx < cap) {
+                        atomic_fetch_add(&dup_visible, 1);
                     }
                 }
                 if (ti >= 0 && entries->elements > 0)
@@ -485,6 +509,10 @@ int main(int argc, char **argv)
             windows_s = atof(v);
         else if (strcmp(a, "--max-rows") == 0)
             max_rows = atol(v);
+        else if (strcmp(a, "--pgq") == 0)
+            pgq_queue = v;
+        else if (strcmp(a, "--async-commit") == 0)
+            async_commit = atoi(v);
         else
             die("unknown option", a);
     }
@@ -508,8 +536,14 @@ int main(int argc, char **argv)
     PGconn *pg = PQconnectdb(conninfo);
     if (PQstatus(pg) != CONNECTION_OK)
         die("cannot connect to PostgreSQL", PQerrorMessage(pg));
-    PGresult *res = PQexec(pg, "SELECT nextval(pg_get_serial_sequence('outbox.messages', 'id'))");
-    if (PQresultStatus(res) != PGRES_TUPLES_OK)
+    const char *seq_params[1] = {pgq_queue};
+    PGresult *res =
+        pgq_queue ? PQexecParams(pg,
+                                 "SELECT nextval(queue_event_seq::regclass) FROM pgq.queue"
+                                 " WHERE queue_name = $1",
+                                 1, NULL, seq_params, NULL, NULL, 0)
+                  : PQexec(pg, "SELECT nextval(pg_get_serial_sequence('outbox.messages', 'id'))");
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1)
         die("reading the id sequence", PQerrorMessage(pg));
     base_id = strtoll(PQgetvalue(res, 0, 0), NULL, 10) + 1;
     PQclear(res);
@@ -589,9 +623,10 @@ int main(int argc, char **argv)
 
     printf("{\n  \"target_rate\": %.1f, \"producers\": %d, \"committed\": %ld,"
            " \"seconds\": %.3f, \"achieved_rate\": %.1f,\n"
-           "  \"missing_visible\": %ld, \"missing_acked\": %ld, \"out_of_range\": %ld,\n",
+           "  \"missing_visible\": %ld, \"missing_acked\": %ld, \"out_of_range\": %ld,"
+           " \"duplicate_visible\": %ld,\n",
            rate, producers, n_committed, span, span > 0 ? n_committed / span : 0.0, miss_v, miss_a,
-           atomic_load(&out_of_range));
+           atomic_load(&out_of_range), atomic_load(&dup_visible));
     if (windows_s > 0)
         print_windows();
     print_stats("commit_ms", commit_lat, ncl, 0);

@@ -8,7 +8,8 @@
  *     FCALL the relay's publish function once per row, pipelined (the argv is
  *     built by relay_batch_build_publish, so it is the relay's own, dedup on)
  *     wait for every reply
- *     UPDATE outbox.messages SET sent_at = ... WHERE id = ANY(ids)
+ *     finish the rows as the relay does by default: outbox.delete_published(ids),
+ *     or with --mark, UPDATE outbox.messages SET sent_at = ... WHERE id = ANY(ids)
  *     COMMIT
  *   }
  *
@@ -21,10 +22,10 @@
  *
  *   bench-naive --postgres CONNINFO --redis-port PORT [--redis-host HOST]
  *               [--batch-size N] [--dedup-ttl MS] [--publish-timeout MS]
- *               [--drop-dedup] [--hold]
+ *               [--drop-dedup] [--hold] [--mark]
  *   bench-naive --claim-only --postgres CONNINFO [--batch-size N] [--seconds S]
  *               [--paused TOPICS]
- *   bench-naive --claim-mark --postgres CONNINFO [--batch-size N] [--count N]
+ *   bench-naive --claim-mark --postgres CONNINFO [--batch-size N] [--count N] [--mark]
  *   bench-naive --print-argv [--publish-timeout MS]
  *   bench-naive --print-claim-sql [--paused TOPICS] | --print-function
  *
@@ -36,8 +37,10 @@
  * claim's $2, the paused topics as a text[] literal ('{orders}'), and makes
  * --claim-only and --print-claim-sql use the statement the relay prepares for
  * when topics are paused.
- * --claim-mark runs the loop without Redis (BEGIN; claim; mark; COMMIT), N
- * times: the rate PostgreSQL alone allows.
+ * --claim-mark runs the loop without Redis (BEGIN; claim; finish; COMMIT), N
+ * times: the rate PostgreSQL alone allows. --mark finishes rows by marking
+ * them sent (the relay with sent_retention above 0) instead of deleting them
+ * (the relay's default, sent_retention = 0).
  * --print-argv prints the argv of one sample publish, one argument a line
  * (the benchmark feeds it to redis-benchmark); --print-claim-sql the claim;
  * --print-function the publish function's source.
@@ -236,7 +239,7 @@ static int claim_only(PGconn *pg, int batch, double seconds, const char *paused)
 int main(int argc, char **argv)
 {
     const char *conninfo = NULL, *rhost = "127.0.0.1";
-    int rport = 6379, batch = 500, drop_dedup = 0, hold = 0;
+    int rport = 6379, batch = 500, drop_dedup = 0, hold = 0, mark_sent = 0;
     enum { DRAIN, CLAIM_ONLY, CLAIM_MARK, PRINT_ARGV, PRINT_SQL, PRINT_FUNCTION } mode = DRAIN;
     uint32_t ttl_ms = 86400000u, publish_timeout_ms = 5000u;
     double seconds = 5;
@@ -272,6 +275,10 @@ int main(int argc, char **argv)
         }
         if (strcmp(a, "--claim-mark") == 0) {
             mode = CLAIM_MARK;
+            continue;
+        }
+        if (strcmp(a, "--mark") == 0) {
+            mark_sent = 1;
             continue;
         }
         if (v == NULL)
@@ -335,8 +342,9 @@ int main(int argc, char **argv)
         freeReplyObject(rep);
     }
     res = PQprepare(pg, "mark",
-                    "UPDATE outbox.messages SET sent_at = statement_timestamp()"
-                    " WHERE id = ANY($1::bigint[])",
+                    mark_sent ? "UPDATE outbox.messages SET sent_at = statement_timestamp()"
+                                " WHERE id = ANY($1::bigint[])"
+                              : "SELECT outbox.delete_published($1::bigint[])",
                     1, NULL);
     pg_ok(pg, res, "prepare mark");
     PQclear(res);

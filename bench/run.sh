@@ -6,9 +6,10 @@
 #   bench/run.sh --soak           the soak run instead (bench/soak.py): 30 minutes
 #                                 of steady load, storage and latency against time
 #
-# Installs what is missing (scripts/deps.sh, plus gnuplot-nox for the plots),
-# builds the relay optimised (CMake Release) into build-bench with the two
-# benchmark tools (bench/naive.c, bench/loadgen.c) beside it, then runs
+# Installs what is missing (scripts/deps.sh, plus gnuplot-nox for the plots and
+# PgQ for the side-by-side section),
+# builds the relay optimised (CMake Release) into build-bench with the three
+# benchmark tools (bench/naive.c, bench/loadgen.c, bench/pgq.c) beside it, then runs
 # bench/bench.py: it starts its own PostgreSQL and Redis on loopback, prints
 # the table, and writes bench/results/latest.csv, latest-table.md and PNG
 # plots. Sizes and sections come from BENCH_* variables: see bench/bench.py
@@ -22,7 +23,7 @@ started=$(date +%s)
 
 # --- dependencies -----------------------------------------------------------
 scripts/deps.sh
-extra=(gnuplot-nox)
+extra=(gnuplot-nox postgresql-15-pgq3)
 missing=()
 for p in "${extra[@]}"; do
   [[ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" == "install ok installed" ]] || missing+=("$p")
@@ -49,7 +50,7 @@ cmake --build "$build" -j2 --target outbox-relay relay_core outbox_consumer
 cflags=(-std=c11 -O3 -DNDEBUG -Wall -Wextra -I"$root/include")
 read -r -a pkgcflags <<<"$(pkg-config --cflags libpq hiredis)"
 read -r -a pkglibs <<<"$(pkg-config --libs libpq hiredis)"
-for tool in naive loadgen; do
+for tool in naive loadgen pgq; do
   cc "${cflags[@]}" "${pkgcflags[@]}" "$root/bench/$tool.c" "$build/librelay_core.a" \
     "$build/liboutbox_consumer.a" "${pkglibs[@]}" -lev -lpthread -lm -o "$build/bench-$tool"
 done
