@@ -86,6 +86,10 @@ static atomic_long committed; /* rows committed by the producers */
 static atomic_long n_visible, n_acked, out_of_range, dup_visible;
 static atomic_int producers_done;
 static atomic_int consumers_stop;
+/* Producers connect and prepare before the clock starts (producers_go), and
+ * stay connected until the consumers have stopped: the start and the exit of
+ * their server sessions are not part of the load being measured. */
+static atomic_int producers_ready, producers_finished, producers_go, producers_failed;
 static double last_commit_at; /* under last_lock */
 static pthread_mutex_t last_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -126,6 +130,7 @@ static void *producer_main(void *arg)
     if (PQstatus(pg) != CONNECTION_OK) {
         snprintf(p->error, sizeof(p->error), "connect: %s", PQerrorMessage(pg));
         PQfinish(pg);
+        atomic_fetch_add(&producers_failed, 1);
         return NULL;
     }
     if (async_commit) {
@@ -135,6 +140,7 @@ static void *producer_main(void *arg)
         if (!ok) {
             snprintf(p->error, sizeof(p->error), "SET: %s", PQerrorMessage(pg));
             PQfinish(pg);
+            atomic_fetch_add(&producers_failed, 1);
             return NULL;
         }
     }
@@ -147,9 +153,13 @@ static void *producer_main(void *arg)
         snprintf(p->error, sizeof(p->error), "prepare: %s", PQerrorMessage(pg));
         PQclear(res);
         PQfinish(pg);
+        atomic_fetch_add(&producers_failed, 1);
         return NULL;
     }
     PQclear(res);
+    atomic_fetch_add(&producers_ready, 1);
+    while (!atomic_load(&producers_go))
+        sleep_until(now_s() + 0.001);
     char *payload = malloc((size_t)payload_bytes + 1);
     unsigned seed = 12345u + (unsigned)p->index;
     for (int i = 0; i < payload_bytes; i++)
@@ -202,6 +212,9 @@ static void *producer_main(void *arg)
         pthread_mutex_unlock(&last_lock);
     }
     free(payload);
+    atomic_fetch_add(&producers_finished, 1);
+    while (!atomic_load(&consumers_stop))
+        sleep_until(now_s() + 0.005);
     PQfinish(pg);
     return NULL;
 }
@@ -569,14 +582,17 @@ int main(int argc, char **argv)
     pthread_create(&vis, NULL, visible_main, NULL);
     pthread_create(&ack, NULL, acked_main, NULL);
     struct producer *ps = calloc((size_t)producers, sizeof(*ps));
-    sleep_until(t0 + 0.2); /* consumers blocking before the first commit */
-    t0 = now_s();
     for (int i = 0; i < producers; i++) {
         ps[i].index = i;
         pthread_create(&ps[i].thread, NULL, producer_main, &ps[i]);
     }
-    for (int i = 0; i < producers; i++)
-        pthread_join(ps[i].thread, NULL);
+    while (atomic_load(&producers_ready) + atomic_load(&producers_failed) < producers)
+        sleep_until(now_s() + 0.005);
+    sleep_until(now_s() + 0.2); /* consumers blocking before the first commit */
+    t0 = now_s();
+    atomic_store(&producers_go, 1);
+    while (atomic_load(&producers_finished) + atomic_load(&producers_failed) < producers)
+        sleep_until(now_s() + 0.001);
     double produced_at = now_s();
     atomic_store(&producers_done, 1);
     while (now_s() < produced_at + wait_s && (!all_seen(&n_visible) || !all_seen(&n_acked)))
@@ -584,6 +600,8 @@ int main(int argc, char **argv)
     atomic_store(&consumers_stop, 1);
     pthread_join(vis, NULL);
     pthread_join(ack, NULL);
+    for (int i = 0; i < producers; i++)
+        pthread_join(ps[i].thread, NULL);
 
     long n_committed = atomic_load(&committed);
     double span = last_commit_at - t0;
