@@ -39,8 +39,10 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
              postgresql-15-pgq3) with bench-pgq, a consumer that XADDs each
              event, on the same servers and workload: a drain of
              BENCH_ALT_ROWS, then commit -> stream latency at BENCH_ALT_RATES,
-             relay and PgQ in BENCH_ALT_ROUNDS alternating rounds; every
-             message lost or published twice is counted
+             relay and PgQ in BENCH_ALT_ROUNDS alternating rounds; then a
+             drain of BENCH_ALT_CRASH_ROWS by each, killed (SIGKILL) halfway
+             and started again; every message lost or published twice is
+             counted
   profile    perf record -a during a drain: where the machine's time goes
 
 Sizes come from the environment (BENCH_QUICK=1 for a two-minute smoke run);
@@ -125,6 +127,7 @@ ALT_ROWS = env_int("BENCH_ALT_ROWS", 20000 if QUICK else 200000)
 ALT_RATES = env_list("BENCH_ALT_RATES", [200, 2000])
 ALT_SECONDS = env_float("BENCH_ALT_SECONDS", 3 if QUICK else 15)
 ALT_ROUNDS = env_int("BENCH_ALT_ROUNDS", 1 if QUICK else 2)
+ALT_CRASH_ROWS = env_int("BENCH_ALT_CRASH_ROWS", 20000 if QUICK else 100000)
 ALL_SECTIONS = ["drain", "naive", "sweep", "latency", "producers", "limits", "storage",
                 "partitions", "replicas", "cluster", "alternatives", "profile"]
 SECTIONS = [s.strip() for s in (os.environ.get("BENCH_SECTIONS") or ",".join(ALL_SECTIONS))
@@ -1139,10 +1142,6 @@ def section_latency():
                 f" p99 {res['visible_ms'].get('p99')} ms")
 
             max_rate = ramp(pg, rd, conn, relay, "ramp", "max_rate", False)
-            # The same with the producers committing asynchronously: their
-            # WAL flushes no longer cap the rate they offer, so the ramp finds
-            # the relay's ceiling rather than theirs.
-            ramp(pg, rd, conn, relay, "ramp_async", "max_rate_async", True)
             rates = sorted(set(RATES + ([max_rate] if max_rate else [])))
             for rate in rates:
                 wait_drained(conn, 120, relay)
@@ -1166,6 +1165,10 @@ def section_latency():
                     f" {v.get('max')} ms; -> ack p50 {a.get('p50')} p99 {a.get('p99')} ms;"
                     f" missing {res['missing_visible']}/{res['missing_acked']}")
             R.add("latency", "latency.rates", ",".join(str(r) for r in rates))
+            # The ramp again with the producers committing asynchronously:
+            # their WAL flushes no longer cap the rate they offer. Last, as it
+            # leaves the most dead rows behind.
+            ramp(pg, rd, conn, relay, "ramp_async", "max_rate_async", True)
         finally:
             stop_relay(relay)
 
@@ -1455,6 +1458,53 @@ def alt_latency(kind, rate):
         return res
 
 
+def alt_crash(kind):
+    """A drain of ALT_CRASH_ROWS killed (SIGKILL) once half of it is in Redis,
+    then started again: what each tool loses or publishes twice."""
+    n = ALT_CRASH_ROWS
+    with servers() as (pg, rd, conn, rc):
+        if kind == "pgq":
+            pgq_setup(conn)
+            pgq_backlog(conn, n)
+            start = lambda: start_pgq(pg, rd)  # noqa: E731
+        else:
+            insert_backlog(conn, n)
+            start = lambda: start_relay(pg, rd, batch_size=BATCH)  # noqa: E731
+        proc = start()
+        harness.wait_until(lambda: stream_total(rc) >= n // 2, timeout=120, interval=0.002,
+                           message=f"half of the backlog to reach Redis through {kind}")
+        if kind == "pgq":
+            proc.kill()
+            proc.wait()
+        else:
+            proc.kill()
+            proc.close()
+        killed_at = stream_total(rc)
+        proc = start()
+        try:
+            # Done when every message is in and nothing has come for 2 s.
+            last, quiet = -1, time.monotonic()
+            deadline = time.monotonic() + 300
+            while True:
+                now_total = stream_total(rc)
+                if now_total != last:
+                    last, quiet = now_total, time.monotonic()
+                if now_total >= n and time.monotonic() - quiet > 2.0 and (
+                        kind == "pgq" or pending(conn) == 0):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the {kind} drain after the kill did not finish")
+                time.sleep(0.1)
+        finally:
+            if kind == "pgq":
+                stop_pgq(proc)
+            else:
+                stop_relay(proc)
+        total, distinct = stream_ids(rc)
+        return dict(rows=n, killed_at=killed_at, entries=total, lost=n - distinct,
+                    doubled=total - distinct)
+
+
 def section_alternatives():
     drains = {"relay": [], "pgq": []}
     for i in range(ALT_ROUNDS):
@@ -1472,6 +1522,14 @@ def section_alternatives():
         for key in ("lost", "doubled"):
             R.add("alternatives", f"alt.{kind}.drain.{key}", sum(r[key] for r in runs), "msgs",
                   f"over {len(runs)} drains of {ALT_ROWS:,}")
+    for kind in ("relay", "pgq"):
+        d = alt_crash(kind)
+        R.add_dict("alternatives", f"alt.{kind}.crash", d, dict(rows="msgs", killed_at="msgs",
+                                                                 entries="msgs", lost="msgs",
+                                                                 doubled="msgs"),
+                   f"a drain of {ALT_CRASH_ROWS:,} killed halfway and started again")
+        log(f"alternatives: {kind} killed with {d['killed_at']:,} of {d['rows']:,} in Redis:"
+            f" lost {d['lost']}, published twice {d['doubled']}")
     for rate in ALT_RATES:
         for kind in ("relay", "pgq"):
             res = alt_latency(kind, rate)
@@ -1659,6 +1717,11 @@ def build_table():
         if lost is not None:
             R.row(f"the same drains, {label}: messages lost / published twice",
                   f"{lost} / {doubled}", "msgs")
+    for kind, label in (("relay", "relay"), ("pgq", "PgQ")):
+        lost, doubled = g(f"alt.{kind}.crash.lost"), g(f"alt.{kind}.crash.doubled")
+        if lost is not None:
+            R.row(f"a drain of {ALT_CRASH_ROWS:,} killed halfway and restarted, {label}:"
+                  " messages lost / published twice", f"{lost} / {doubled}", "msgs")
     for rate in ALT_RATES:
         for p in ("p50", "p99"):
             R.row(f"load {rate}/s, commit → stream {p}, relay",
