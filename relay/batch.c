@@ -595,6 +595,9 @@ static int same_stream(const struct relay_row *a, const struct relay_row *b)
 
 /* retire_dedup_records formats each key into this much room, NUL included. */
 #define UNLINK_KEY_SIZE (320 + RELAY_TOPIC_MAX)
+/* The command names of a retire, as protocol bulk strings. */
+#define UNLINK_HEAD "$6\r\nUNLINK\r\n"
+#define FCALL_HEAD "$5\r\nFCALL\r\n"
 
 int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char *stream_prefix,
                               uint32_t ttl_ms, size_t *pos, struct relay_buf *out)
@@ -632,23 +635,31 @@ int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char
         }
         if (argc == 1)
             continue;
-        /* FCALL <function> <numkeys> <keys...> <ttl> */
+        /* UNLINK <keys...>, or FCALL <function> <numkeys> <keys...> <ttl> */
         size_t nkeys = argc - 1;
-        argc += 3;
-        need += 1 + count_digits(argc) + 2 + sizeof("$5\r\nFCALL\r\n") - 1 +
-                bulk_size(sizeof(RELAY_FUNCTION_RETIRE) - 1) + bulk_size(count_digits(nkeys)) +
-                bulk_size(count_digits(ttl_ms));
+        if (ttl_ms == 0) {
+            need += 1 + count_digits(argc) + 2 + sizeof(UNLINK_HEAD) - 1;
+        } else {
+            argc += 3;
+            need += 1 + count_digits(argc) + 2 + sizeof(FCALL_HEAD) - 1 +
+                    bulk_size(sizeof(RELAY_FUNCTION_RETIRE) - 1) + bulk_size(count_digits(nkeys)) +
+                    bulk_size(count_digits(ttl_ms));
+        }
         if (respbuf_reserve(out, need) != 0) {
             *pos = i;
             return RELAY_BUF_FULL;
         }
 
         char *p = put_array(out->data + out->len, argc);
-        p = PUT_LIT(p, "$5\r\nFCALL\r\n");
-        p = put_bulk_head(p, sizeof(RELAY_FUNCTION_RETIRE) - 1);
-        p = put_crlf(PUT_LIT(p, RELAY_FUNCTION_RETIRE));
-        p = put_bulk_head(p, count_digits(nkeys));
-        p = put_crlf(put_uint(p, nkeys));
+        if (ttl_ms == 0) {
+            p = PUT_LIT(p, UNLINK_HEAD);
+        } else {
+            p = PUT_LIT(p, FCALL_HEAD);
+            p = put_bulk_head(p, sizeof(RELAY_FUNCTION_RETIRE) - 1);
+            p = put_crlf(PUT_LIT(p, RELAY_FUNCTION_RETIRE));
+            p = put_bulk_head(p, count_digits(nkeys));
+            p = put_crlf(put_uint(p, nkeys));
+        }
         for (j = i; j < n; j++) {
             const struct relay_row *row = &rows[j];
             if (row->state != RELAY_ROW_PUBLISHED || !same_stream(row, lead) ||
@@ -662,14 +673,54 @@ int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char
             p = PUT_LIT(p, "}:dedup:");
             p = put_crlf(put_mem(p, row->message_id, row->message_id_len));
         }
-        p = put_bulk_head(p, count_digits(ttl_ms));
-        p = put_crlf(put_uint(p, ttl_ms));
+        if (ttl_ms != 0) {
+            p = put_bulk_head(p, count_digits(ttl_ms));
+            p = put_crlf(put_uint(p, ttl_ms));
+        }
         *p = '\0'; /* relay_buf keeps data NUL-terminated */
         out->len = (size_t)(p - out->data);
         *pos = i + 1;
         return 1;
     }
     *pos = n;
+    return 0;
+}
+
+int relay_batch_unlink_as_retire(const char *cmd, size_t len, uint32_t ttl_ms,
+                                 struct relay_buf *out)
+{
+    /* "*<nkeys + 1>\r\n$6\r\nUNLINK\r\n" and the keys */
+    const char *end = cmd + len;
+    if (ttl_ms == 0 || len < 4 || cmd[0] != '*')
+        return -1;
+    size_t argc = 0;
+    const char *p = cmd + 1;
+    while (p < end && *p >= '0' && *p <= '9' && argc < 1000000)
+        argc = argc * 10 + (size_t)(*p++ - '0');
+    if (argc < 2 || end - p < 2 || p[0] != '\r' || p[1] != '\n')
+        return -1;
+    p += 2;
+    if ((size_t)(end - p) < sizeof(UNLINK_HEAD) - 1 ||
+        memcmp(p, UNLINK_HEAD, sizeof(UNLINK_HEAD) - 1) != 0)
+        return -1;
+    p += sizeof(UNLINK_HEAD) - 1;
+    size_t nkeys = argc - 1, keys_len = (size_t)(end - p);
+    size_t need = 1 + count_digits(nkeys + 4) + 2 + sizeof(FCALL_HEAD) - 1 +
+                  bulk_size(sizeof(RELAY_FUNCTION_RETIRE) - 1) + bulk_size(count_digits(nkeys)) +
+                  keys_len + bulk_size(count_digits(ttl_ms));
+    if (respbuf_reserve(out, need) != 0)
+        return -1;
+    char *w = put_array(out->data + out->len, nkeys + 4);
+    w = PUT_LIT(w, FCALL_HEAD);
+    w = put_bulk_head(w, sizeof(RELAY_FUNCTION_RETIRE) - 1);
+    w = put_crlf(PUT_LIT(w, RELAY_FUNCTION_RETIRE));
+    w = put_bulk_head(w, count_digits(nkeys));
+    w = put_crlf(put_uint(w, nkeys));
+    w = put_mem(w, p, keys_len);
+    w = put_bulk_head(w, count_digits(ttl_ms));
+    w = put_crlf(put_uint(w, ttl_ms));
+    *w = '\0';
+    out->len = (size_t)(w - out->data);
     return 0;
 }
 

@@ -31,6 +31,7 @@
 #include "relay/log.h"
 #include "relay/owner.h"
 #include "relay/pgsrc.h"
+#include "relay/retire.h"
 #include "relay/sink.h"
 
 #define COMPONENT "relay"
@@ -611,25 +612,91 @@ static void on_retired(redisAsyncContext *ac, void *reply, void *arg)
         relay_drain_step(r);
 }
 
+/* Hands the records of the waiting removals, from the oldest, to Redis as
+ * expiries at their due time, until at most keep bytes of them wait: at
+ * shutdown (keep 0), or when more wait than the relay holds. A record whose
+ * removal is already due goes at once. */
+static void retire_waiting(struct relay *r, size_t keep)
+{
+    const struct relay_retire_item *it;
+    double now = relay_now();
+    while ((it = relay_retire_head(&r->retiring)) != NULL && r->retiring.bytes > keep) {
+        int ready;
+        if (it->due <= now) {
+            ready = relay_sink_formatted(r->sink, it->cmd, it->len, on_retired, r) == 0;
+        } else {
+            relay_buf_reset(&r->out);
+            ready = relay_batch_unlink_as_retire(
+                        it->cmd, it->len, relay_retire_ms_left(it->due, now), &r->out) == 0 &&
+                    relay_sink_formatted(r->sink, r->out.data, r->out.len, on_retired, r) == 0;
+        }
+        /* Not sent (Redis is away): the records live out their dedup_ttl. */
+        if (ready)
+            r->retires_pending++;
+        relay_retire_pop(&r->retiring);
+    }
+}
+
+/* Sends the removals that are due, and sets the timer for the next one. */
+static void retire_due(struct relay *r)
+{
+    const struct relay_retire_item *it;
+    double now = relay_now();
+    while ((it = relay_retire_head(&r->retiring)) != NULL && it->due <= now) {
+        if (relay_sink_formatted(r->sink, it->cmd, it->len, on_retired, r) != 0)
+            break; /* Redis is away: try again shortly */
+        r->retires_pending++;
+        relay_retire_pop(&r->retiring);
+    }
+    ev_timer_stop(r->loop, &r->retire_timer);
+    if (it == NULL)
+        return;
+    double after = it->due > now ? it->due - now : 1.0;
+    ev_timer_set(&r->retire_timer, after, 0.0);
+    ev_timer_start(r->loop, &r->retire_timer);
+}
+
+static void on_retire_timer(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    struct relay *r = w->data;
+    (void)loop;
+    (void)revents;
+    if (!r->stopping)
+        retire_due(r);
+}
+
+void relay_lanes_retire_all(struct relay *r)
+{
+    ev_timer_stop(r->loop, &r->retire_timer);
+    retire_waiting(r, 0);
+}
+
 /* Retires the dedup records of a committed batch: its rows are marked sent and
  * will not be claimed again, so the records are needed only until a copy
  * another relay may have sent before its claim of these rows ended has
  * passed its deadline, publish_timeout at most after that claim (docs/
- * DESIGN.md, "The publish deadline"). This keeps dedup memory bounded by
- * batches whose outcome is unknown and the last publish_timeout's worth.
- * One call per stream keeps each command inside one hash slot. */
+ * DESIGN.md, "The publish deadline"). They are removed publish_timeout after
+ * the commit, by one UNLINK per stream (each inside one hash slot), which
+ * waits in r->retiring until then. This keeps dedup memory bounded by batches
+ * whose outcome is unknown and the last publish_timeout's worth. */
 static void retire_dedup_records(struct relay_lane *l)
 {
     struct relay *r = l->r;
+    double due = relay_now() + r->cfg->publish_timeout_ms / 1000.0;
     size_t pos = 0;
     for (;;) {
         relay_buf_reset(&r->out);
-        if (relay_batch_append_retire(l->rows, l->nrows, r->cfg->stream_prefix,
-                                      r->cfg->publish_timeout_ms, &pos, &r->out) != 1)
+        if (relay_batch_append_retire(l->rows, l->nrows, r->cfg->stream_prefix, 0, &pos, &r->out) !=
+            1)
             break;
-        if (relay_sink_formatted(r->sink, r->out.data, r->out.len, on_retired, r) == 0)
-            r->retires_pending++;
+        /* Out of memory: the records live out their dedup_ttl. */
+        if (relay_retire_push(&r->retiring, due, r->out.data, r->out.len) != 0)
+            break;
     }
+    if (r->retiring.bytes > RELAY_RETIRE_QUEUE_MAX)
+        retire_waiting(r, RELAY_RETIRE_QUEUE_MAX / 2);
+    if (!ev_is_active(&r->retire_timer))
+        retire_due(r);
 }
 
 /* The batch committed: count it, log its rows' failures, drop its records. */
@@ -772,6 +839,8 @@ int relay_lanes_start(struct relay *r)
     relay_cycle_init(&r->cycle, &ops, r->nlanes, cfg->reconnect_min_ms, cfg->reconnect_max_ms);
     ev_init(&r->kick, on_kick);
     r->kick.data = r;
+    ev_init(&r->retire_timer, on_retire_timer);
+    r->retire_timer.data = r;
     ev_init(&r->retry_timer, on_retry);
     r->retry_timer.data = r;
     ev_init(&r->deadline, on_deadline);
@@ -801,7 +870,10 @@ void relay_lanes_stop(struct relay *r)
         ev_timer_stop(r->loop, &r->kick);
         ev_timer_stop(r->loop, &r->retry_timer);
         ev_timer_stop(r->loop, &r->deadline);
+        ev_timer_stop(r->loop, &r->retire_timer);
     }
+    /* Removals still waiting: the records live out their dedup_ttl. */
+    relay_retire_clear(&r->retiring);
     /* Redis first: its pending callbacks run now and see r->stopping. */
     relay_sink_free(r->sink);
     r->sink = NULL;

@@ -144,12 +144,17 @@ static void start_watchdog(struct relay *r)
 /* ---- drain and signals ------------------------------------------------- */
 
 /* Draining is over once no batch is in flight and Redis has answered the
- * retires of the last committed batches' dedup records: leaving earlier would
- * drop them with the client's output buffer, and every record would live out
- * its dedup_ttl. */
+ * retires of the last committed batches' dedup records: the removals still
+ * waiting for their time go to Redis as expiries, and leaving before Redis
+ * answered would drop them with the client's output buffer, and every record
+ * would live out its dedup_ttl. */
 void relay_drain_step(struct relay *r)
 {
-    if (!r->cycle.draining || !relay_cycle_all_idle(&r->cycle) || r->retires_pending > 0)
+    if (!r->cycle.draining || !relay_cycle_all_idle(&r->cycle))
+        return;
+    if (relay_retire_head(&r->retiring) != NULL)
+        relay_lanes_retire_all(r);
+    if (r->retires_pending > 0)
         return;
     relay_info(COMPONENT, "nothing left in flight; shutting down");
     ev_break(r->loop, EVBREAK_ALL);

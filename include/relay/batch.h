@@ -148,7 +148,8 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
 /*
  * Appends to out the next "FCALL retire <n> <dedup key>... <ttl_ms>" that
  * leaves the dedup records of the published rows of a committed batch to
- * expire within ttl_ms (docs/DESIGN.md, "The publish deadline"): one command
+ * expire within ttl_ms (docs/DESIGN.md, "The publish deadline"), or with
+ * ttl_ms 0 the next "UNLINK <dedup key>..." that removes them: one command
  * per stream (so each stays inside one hash slot), its keys in row order, as
  * relay_key_dedup (common/keys.c) names them; lanes.c sends them. Rows are
  * not modified. *pos is the iteration state: start it at 0 and call again
@@ -166,6 +167,16 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
 int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char *stream_prefix,
                               uint32_t ttl_ms, size_t *pos, struct relay_buf *out)
     __attribute__((warn_unused_result));
+
+/*
+ * Appends to out the retire ("FCALL retire <n> <keys>... <ttl_ms>") of the
+ * keys of an UNLINK that relay_batch_append_retire formatted: for records
+ * whose removal is due later than the relay can wait for (at shutdown, or
+ * when too many removals are waiting), so that Redis expires them then.
+ * 0, or -1 when cmd is not such an UNLINK or ttl_ms is 0.
+ */
+int relay_batch_unlink_as_retire(const char *cmd, size_t len, uint32_t ttl_ms,
+                                 struct relay_buf *out) __attribute__((warn_unused_result));
 
 /*
  * Decodes a one-dimensional binary text[] (PostgreSQL array wire format).

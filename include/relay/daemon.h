@@ -9,7 +9,7 @@
  *   relay/render.c    /metrics text, /readyz and the stuck-cycle check
  *
  * The decisions live in pure modules with unit tests: relay/cycle.c,
- * relay/wake.c, relay/backpressure.c and relay/batch.c.
+ * relay/wake.c, relay/backpressure.c, relay/batch.c and relay/retire.c.
  */
 #ifndef RELAY_DAEMON_H
 #define RELAY_DAEMON_H
@@ -25,6 +25,7 @@
 #include "relay/cycle.h"
 #include "relay/observe.h"
 #include "relay/relay.h"
+#include "relay/retire.h"
 #include "relay/wake.h"
 
 struct pg_result;
@@ -79,11 +80,13 @@ struct relay {
     struct relay_lane lanes[RELAY_CYCLE_LANES_MAX];
     size_t nlanes;
     struct relay_sink *sink;
-    struct relay_buf out;     /* one Redis command, formatted; reused, grows only */
-    unsigned retires_pending; /* retires of dedup records not yet answered */
-    ev_timer kick;            /* runs a wanted claim from the loop, not from a callback */
-    ev_timer retry_timer;     /* backoff after a failed batch */
-    ev_timer deadline;        /* publish deadline of the batch publishing */
+    struct relay_buf out;               /* one Redis command, formatted; reused, grows only */
+    unsigned retires_pending;           /* retires of dedup records not yet answered */
+    struct relay_retire_queue retiring; /* removals of dedup records, until due */
+    ev_timer retire_timer;              /* the next removal that falls due */
+    ev_timer kick;                      /* runs a wanted claim from the loop, not from a callback */
+    ev_timer retry_timer;               /* backoff after a failed batch */
+    ev_timer deadline;                  /* publish deadline of the batch publishing */
     ev_timer poll_timer;
 
     struct relay_wake wake;
@@ -123,6 +126,9 @@ static inline double relay_now(void)
  * cycle on them. 0, or -1 when out of memory. */
 int relay_lanes_start(struct relay *r) __attribute__((warn_unused_result));
 void relay_lanes_stop(struct relay *r);
+/* Hands every waiting removal of dedup records to Redis now, as an expiry at
+ * its due time: the relay is about to leave. */
+void relay_lanes_retire_all(struct relay *r);
 /* Upper bounds of the batch duration histogram, in seconds (lanes.c fills
  * it, render.c shows it). */
 extern const double relay_batch_buckets[RELAY_BATCH_BUCKETS];

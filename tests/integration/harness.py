@@ -1413,10 +1413,12 @@ def dedup_records(redis_client, match="*:dedup:*"):
 
 
 def unretired_dedup_records(redis_client, publish_timeout_ms, match="*:dedup:*"):
-    """The dedup records a committed batch would have retired and has not: a
-    committed batch leaves its records to expire within publish_timeout
-    (docs/DESIGN.md, "The publish deadline"); a longer life means a batch
-    whose outcome the relay does not know, or a record it forgot."""
+    """The dedup records that outlive a committed batch's retirement: the
+    relay removes a committed batch's records publish_timeout after the
+    commit, or at shutdown leaves them to expire by then (docs/DESIGN.md,
+    "The publish deadline"). Read publish_timeout after the last commit; a
+    longer life means a batch whose outcome the relay does not know, or a
+    record it forgot."""
     return sorted(k for k, t in dedup_records(redis_client, match).items()
                   if t < 0 or t > publish_timeout_ms)
 

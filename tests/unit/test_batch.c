@@ -928,8 +928,8 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
  * command concatenated, and the rows' states restored afterwards. */
 #define RETIRE_TTL "5000"
 
-static size_t hiredis_retires(struct relay_row *rows, size_t n, const char *prefix, char *out,
-                              size_t outlen, int *commands)
+static size_t hiredis_retires(struct relay_row *rows, size_t n, const char *prefix, int unlink,
+                              char *out, size_t outlen, int *commands)
 {
     const size_t keymax = 320 + RELAY_TOPIC_MAX;
     char stream[256 + RELAY_TOPIC_MAX];
@@ -950,14 +950,20 @@ static size_t hiredis_retires(struct relay_row *rows, size_t n, const char *pref
         if (relay_key_partition_stream(prefix, lead->topic, lead->topic_len, lead->partition,
                                        lead->partitions, stream, sizeof(stream)) < 0)
             continue;
-        int argc = 0;
-        argv[argc] = "FCALL";
-        lens[argc++] = 5;
-        argv[argc] = RELAY_FUNCTION_RETIRE;
-        lens[argc++] = strlen(RELAY_FUNCTION_RETIRE);
+        int argc = 0, first;
         char nkeys[16];
-        argv[argc] = nkeys;
-        lens[argc++] = 0; /* set below */
+        if (unlink) {
+            argv[argc] = "UNLINK";
+            lens[argc++] = 6;
+        } else {
+            argv[argc] = "FCALL";
+            lens[argc++] = 5;
+            argv[argc] = RELAY_FUNCTION_RETIRE;
+            lens[argc++] = strlen(RELAY_FUNCTION_RETIRE);
+            argv[argc] = nkeys;
+            lens[argc++] = 0; /* set below */
+        }
+        first = argc;
         for (size_t j = i; j < n; j++) {
             struct relay_row *row = &rows[j];
             if (row->state != RELAY_ROW_PUBLISHED || row->topic_len != lead->topic_len ||
@@ -965,7 +971,7 @@ static size_t hiredis_retires(struct relay_row *rows, size_t n, const char *pref
                 (row->partitions > 1) != (lead->partitions > 1) ||
                 (row->partitions > 1 && row->partition != lead->partition))
                 continue;
-            char *key = keys[argc - 3];
+            char *key = keys[argc - first];
             int k = relay_key_dedup(stream, row->message_id, row->message_id_len, key, keymax);
             row->state = RELAY_ROW_CLAIMED;
             if (k < 0)
@@ -973,10 +979,12 @@ static size_t hiredis_retires(struct relay_row *rows, size_t n, const char *pref
             argv[argc] = key;
             lens[argc++] = (size_t)k;
         }
-        if (argc > 3) {
-            lens[2] = (size_t)snprintf(nkeys, sizeof(nkeys), "%d", argc - 3);
-            argv[argc] = RETIRE_TTL;
-            lens[argc++] = strlen(RETIRE_TTL);
+        if (argc > first) {
+            if (!unlink) {
+                lens[2] = (size_t)snprintf(nkeys, sizeof(nkeys), "%d", argc - first);
+                argv[argc] = RETIRE_TTL;
+                lens[argc++] = strlen(RETIRE_TTL);
+            }
             char *cmd;
             int k = redisFormatCommandArgv(&cmd, argc, argv, lens);
             assert_true(k > 0 && len + (size_t)k <= outlen);
@@ -993,20 +1001,39 @@ static size_t hiredis_retires(struct relay_row *rows, size_t n, const char *pref
 
 /* The retires of rows, one per call, each checked to be one whole command. */
 static size_t append_retires(const struct relay_row *rows, size_t n, const char *prefix,
-                             struct relay_buf *buf, int *commands)
+                             uint32_t ttl_ms, struct relay_buf *buf, int *commands)
 {
     size_t pos = 0;
     int rc;
     *commands = 0;
     relay_buf_reset(buf);
-    while ((rc = relay_batch_append_retire(rows, n, prefix, 5000, &pos, buf)) == 1) {
+    while ((rc = relay_batch_append_retire(rows, n, prefix, ttl_ms, &pos, buf)) == 1) {
         (*commands)++;
         assert_true(pos <= n);
     }
     assert_int_equal(rc, 0);
     assert_int_equal(pos, n);
     /* Done stays done. */
-    assert_int_equal(relay_batch_append_retire(rows, n, prefix, 5000, &pos, buf), 0);
+    assert_int_equal(relay_batch_append_retire(rows, n, prefix, ttl_ms, &pos, buf), 0);
+    return buf->len;
+}
+
+/* The UNLINKs of rows, one call each, each turned into its retire: together
+ * they must be the retires relay_batch_append_retire formats. */
+static size_t unlinks_as_retires(const struct relay_row *rows, size_t n, const char *prefix,
+                                 struct relay_buf *buf)
+{
+    struct relay_buf one;
+    memset(&one, 0, sizeof(one));
+    size_t pos = 0;
+    relay_buf_reset(buf);
+    for (;;) {
+        relay_buf_reset(&one);
+        if (relay_batch_append_retire(rows, n, prefix, 0, &pos, &one) != 1)
+            break;
+        assert_int_equal(relay_batch_unlink_as_retire(one.data, one.len, 5000, buf), 0);
+    }
+    relay_buf_free(&one);
     return buf->len;
 }
 
@@ -1019,12 +1046,21 @@ static void check_retires_same(struct relay_row *rows, size_t n, const char *pre
     memcpy(copy, rows, n * sizeof(*rows));
 
     int want_cmds, got_cmds;
-    size_t want_len = hiredis_retires(rows, n, prefix, want, sizeof(want), &want_cmds);
-    size_t got_len = append_retires(rows, n, prefix, &buf, &got_cmds);
-    assert_int_equal(got_cmds, want_cmds);
-    assert_int_equal(got_len, want_len);
-    if (want_len > 0)
-        assert_memory_equal(buf.data, want, want_len);
+    for (int unlink = 0; unlink < 2; unlink++) {
+        size_t want_len = hiredis_retires(rows, n, prefix, unlink, want, sizeof(want), &want_cmds);
+        size_t got_len = append_retires(rows, n, prefix, unlink ? 0 : 5000, &buf, &got_cmds);
+        assert_int_equal(got_cmds, want_cmds);
+        assert_int_equal(got_len, want_len);
+        if (want_len > 0)
+            assert_memory_equal(buf.data, want, want_len);
+        if (!unlink) {
+            /* The same retires, made from the UNLINKs. */
+            got_len = unlinks_as_retires(rows, n, prefix, &buf);
+            assert_int_equal(got_len, want_len);
+            if (want_len > 0)
+                assert_memory_equal(buf.data, want, want_len);
+        }
+    }
     /* The rows are read, not changed. */
     assert_memory_equal(copy, rows, n * sizeof(*rows));
     relay_buf_free(&buf);
@@ -1079,11 +1115,36 @@ static void test_append_retire_matches_hiredis(void **state)
     struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
     int commands;
-    append_retires(many, 64, "", &buf, &commands);
+    append_retires(many, 64, "", 5000, &buf, &commands);
     assert_int_equal(commands, 1);
     static const char head[] = "*68\r\n$5\r\nFCALL\r\n$22\r\n" RELAY_FUNCTION_RETIRE
                                "\r\n$2\r\n64\r\n$19\r\n{bench1}:dedup:id-0\r\n";
     assert_memory_equal(buf.data, head, sizeof(head) - 1);
+    append_retires(many, 64, "", 0, &buf, &commands);
+    assert_int_equal(commands, 1);
+    static const char uhead[] = "*65\r\n$6\r\nUNLINK\r\n$19\r\n{bench1}:dedup:id-0\r\n";
+    assert_memory_equal(buf.data, uhead, sizeof(uhead) - 1);
+
+    /* Only an UNLINK of keys becomes a retire, and only with a time to live. */
+    struct relay_buf conv;
+    memset(&conv, 0, sizeof(conv));
+    assert_int_equal(relay_batch_unlink_as_retire(buf.data, buf.len, 0, &conv), -1);
+    static const char *bad[] = {"",
+                                "*1\r\n$6\r\nUNLINK\r\n",
+                                "*2\r\n$3\r\nDEL\r\n$1\r\nk\r\n",
+                                "*2\r\n$6\r\nUNLIN",
+                                "2\r\n$6\r\nUNLINK\r\n$1\r\nk\r\n",
+                                "*x\r\n$6\r\nUNLINK\r\n$1\r\nk\r\n"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        assert_int_equal(relay_batch_unlink_as_retire(bad[i], strlen(bad[i]), 5000, &conv), -1);
+    assert_int_equal(conv.len, 0);
+    static const char one[] = "*2\r\n$6\r\nUNLINK\r\n$1\r\nk\r\n";
+    assert_int_equal(relay_batch_unlink_as_retire(one, sizeof(one) - 1, 42, &conv), 0);
+    static const char one_retire[] = "*5\r\n$5\r\nFCALL\r\n$22\r\n" RELAY_FUNCTION_RETIRE
+                                     "\r\n$1\r\n1\r\n$1\r\nk\r\n$2\r\n42\r\n";
+    assert_int_equal(conv.len, sizeof(one_retire) - 1);
+    assert_memory_equal(conv.data, one_retire, sizeof(one_retire) - 1);
+    relay_buf_free(&conv);
 
     /* Partitions of one topic are streams of their own: one command each. */
     for (size_t i = 0; i < 64; i++) {
@@ -1091,14 +1152,14 @@ static void test_append_retire_matches_hiredis(void **state)
         many[i].partition = (uint32_t)(i % 3);
     }
     check_retires_same(many, 64, "app:");
-    append_retires(many, 64, "", &buf, &commands);
+    append_retires(many, 64, "", 5000, &buf, &commands);
     assert_int_equal(commands, 3);
     static const char phead[] = "*26\r\n$5\r\nFCALL\r\n$22\r\n" RELAY_FUNCTION_RETIRE
                                 "\r\n$2\r\n22\r\n$23\r\n{bench1:000}:dedup:id-0\r\n";
     assert_memory_equal(buf.data, phead, sizeof(phead) - 1);
     many[5].partitions = 1; /* the topic's unpartitioned stream, beside them */
     check_retires_same(many, 64, "");
-    append_retires(many, 64, "", &buf, &commands);
+    append_retires(many, 64, "", 5000, &buf, &commands);
     assert_int_equal(commands, 4);
     relay_buf_free(&buf);
 
