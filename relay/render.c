@@ -110,6 +110,10 @@ static void render_relay(const struct relay *r, struct relay_buf *t)
                          f->other_published);
     help(t, "outbox_relay_batches_total", "counter", "Claim cycles committed.");
     relay_buf_printf(t, "outbox_relay_batches_total %llu\n", f->batches_total);
+    help(t, "outbox_relay_dedup_removals_waiting_bytes", "gauge",
+         "Bytes of the UNLINKs of committed batches' dedup records that wait for "
+         "publish_timeout, held by the relay.");
+    relay_buf_printf(t, "outbox_relay_dedup_removals_waiting_bytes %zu\n", r->retiring.bytes);
     help(t, "outbox_relay_batch_duration_seconds", "histogram",
          "Time from claim to commit of a batch.");
     unsigned long long cum = 0;

@@ -8,7 +8,9 @@ Promises tested:
 - dedup memory stays bounded: while the relay sends 20,000 rows there are never
   more records than two batches (sampled with DBSIZE) beside those a committed
   batch retired within the last publish_timeout, every record is removed
-  publish_timeout after its batch's commit, and then none is left;
+  publish_timeout after its batch's commit, and then none is left; the gauge
+  of the removals waiting in the relay is above 0 right after the last commit
+  and 0 once they are done;
   the memory of one
   record is measured (INFO used_memory: FCALL with the record minus a plain
   XADD of the same entry) and printed next to the README's figure; it must stay
@@ -153,6 +155,9 @@ class DedupTest(harness.ServerTestCase):
                             " FROM generate_series(%s, %s) AS i", (lo, lo + 4999))
         harness.wait_all_sent(self.db, timeout=120, relay=relay)
         took = time.monotonic() - started
+        # The last batches' removals wait in the relay, and the gauge shows them.
+        waiting = harness.metric(harness.metrics_text(relay),
+                                 "outbox_relay_dedup_removals_waiting_bytes")
         try:  # the relay removes the records publish_timeout (5 s) after their COMMIT
             wait_until(lambda: harness.unretired_dedup_records(self.r, 5000) == [], timeout=10,
                        interval=0.2)
@@ -172,6 +177,10 @@ class DedupTest(harness.ServerTestCase):
               f" {took:.1f}s",
               file=sys.stderr, flush=True)
         self.assertEqual(unretired, 0, "dedup records of committed batches were not retired")
+        self.assertGreater(waiting, 0, "no removal waited after the last commit")
+        self.assertEqual(harness.metric(harness.metrics_text(relay),
+                                        "outbox_relay_dedup_removals_waiting_bytes"), 0,
+                         "removals still waiting after publish_timeout")
         # pipeline (on by default): a batch publishes while the one before it
         # commits, so the records of two batches can exist at once, beside
         # those retired within the last publish_timeout.
