@@ -1479,6 +1479,32 @@ static int is_parked(const struct part *pt, const char *key, size_t len)
     return 0;
 }
 
+/* The first key of the parked set read before that is not in the one read
+ * now (SMEMBERS replies; NULL when none left or there was none before). Only
+ * string members count: a reply of any other shape parks nothing. */
+RELAY_STATIC const redisReply *parked_key_left(const redisReply *before, const redisReply *now);
+
+RELAY_STATIC const redisReply *parked_key_left(const redisReply *before, const redisReply *now)
+{
+    if (before == NULL || before->type != REDIS_REPLY_ARRAY)
+        return NULL;
+    for (size_t i = 0; i < before->elements; i++) {
+        const redisReply *k = before->element[i];
+        if (k->type != REDIS_REPLY_STRING)
+            continue;
+        int still = 0;
+        for (size_t j = 0;
+             now != NULL && now->type == REDIS_REPLY_ARRAY && j < now->elements && !still; j++) {
+            const redisReply *m = now->element[j];
+            still = m->type == REDIS_REPLY_STRING && m->len == k->len &&
+                    memcmp(m->str, k->str, k->len) == 0;
+        }
+        if (!still)
+            return k;
+    }
+    return NULL;
+}
+
 /* Reads a partition's parked keys (park_keys). A key that has left the set
  * since the last read was unparked by an operator: its messages, still
  * pending, are read again from the start of this consumer's pending list. */
@@ -1495,18 +1521,11 @@ static int load_parked(struct relay_consumer *c, struct part *pt)
         freeReplyObject(r);
         return -1;
     }
-    int unparked = 0;
-    for (size_t i = 0; pt->parked != NULL && i < pt->parked->elements && !unparked; i++) {
-        const redisReply *k = pt->parked->element[i];
-        int still = 0;
-        for (size_t j = 0; j < r->elements && !still; j++)
-            still = r->element[j]->len == k->len && memcmp(r->element[j]->str, k->str, k->len) == 0;
-        if (!still) {
-            unparked = 1;
-            emit(c, RELAY_CONSUMER_LOG_INFO, "%s: key %.*s unparked on %s; its messages go on",
-                 c->consumer, (int)k->len, k->str, pt->stream);
-        }
-    }
+    const redisReply *k = parked_key_left(pt->parked, r);
+    int unparked = k != NULL;
+    if (unparked)
+        emit(c, RELAY_CONSUMER_LOG_INFO, "%s: key %.*s unparked on %s; its messages go on",
+             c->consumer, (int)k->len, k->str, pt->stream);
     freeReplyObject(pt->parked);
     pt->parked = r;
     if (unparked)
@@ -1517,6 +1536,27 @@ static int load_parked(struct relay_consumer *c, struct part *pt)
     return 0;
 }
 
+/* Redis's clock in ms from a TIME reply; -1 when the reply is not one. */
+RELAY_STATIC long long redis_time_ms(const redisReply *t);
+
+RELAY_STATIC long long redis_time_ms(const redisReply *t)
+{
+    if (t->type != REDIS_REPLY_ARRAY || t->elements != 2)
+        return -1;
+    long long part[2];
+    for (int i = 0; i < 2; i++) {
+        const redisReply *e = t->element[i];
+        char *end = NULL;
+        if (e->type != REDIS_REPLY_STRING || e->len == 0 || e->len > 18 || e->str[0] < '0' ||
+            e->str[0] > '9')
+            return -1;
+        part[i] = strtoll(e->str, &end, 10);
+        if (end != e->str + e->len)
+            return -1;
+    }
+    return part[0] * 1000 + part[1] / 1000;
+}
+
 /* The group's members, by the beat of each: rank and count. -1 when the
  * connection failed. */
 static int beat(struct relay_consumer *c, struct ordered *od)
@@ -1524,10 +1564,15 @@ static int beat(struct relay_consumer *c, struct ordered *od)
     redisReply *t = fcall(c, (const char *[]){"TIME", NULL});
     if (t == NULL)
         return -1;
-    long long ms = 0;
-    if (t->type == REDIS_REPLY_ARRAY && t->elements == 2)
-        ms = atoll(t->element[0]->str) * 1000 + atoll(t->element[1]->str) / 1000;
+    long long ms = redis_time_ms(t);
     freeReplyObject(t);
+    if (ms < 0) {
+        problem(c, RELAY_CONSUMER_ERR_REDIS,
+                "%s: unexpected reply to TIME; is this a Redis server? The group's members are "
+                "counted again at the next upkeep",
+                c->consumer);
+        return -1;
+    }
     char now[32], cutoff[32];
     snprintf(now, sizeof(now), "%lld", ms);
     snprintf(cutoff, sizeof(cutoff), "(%lld", ms - (long long)c->o.lease_ms);

@@ -19,6 +19,8 @@
 const char *parse_message(const redisReply *fields, struct relay_message *m, const char **names,
                           const char **values, size_t *vlens);
 void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt, ...);
+const redisReply *parked_key_left(const redisReply *before, const redisReply *now);
+long long redis_time_ms(const redisReply *t);
 
 /* Parses one RESP reply; the caller frees it with freeReplyObject. */
 static redisReply *resp(const char *buf, size_t len)
@@ -392,6 +394,55 @@ static void test_replay_function_deletes_after_xadd(void **state)
     assert_non_null(strstr(body, "'dlq.'"));
 }
 
+#define RESP(lit) resp(lit, sizeof(lit) - 1)
+
+/* An operator unparks a key by removing it from the set: the key that left
+ * is found; members that are not strings (no Redis sends them, a proxy
+ * might) are never compared, and park nothing. */
+static void test_parked_key_left(void **state)
+{
+    (void)state;
+    redisReply *ab = RESP("*2\r\n$1\r\na\r\n$2\r\nbb\r\n");
+    redisReply *b = RESP("*1\r\n$2\r\nbb\r\n");
+    redisReply *none = RESP("*0\r\n");
+    redisReply *odd = RESP("*3\r\n:5\r\n$-1\r\n$2\r\nbb\r\n");
+    redisReply *err = RESP("-ERR no\r\n");
+
+    assert_null(parked_key_left(NULL, ab));
+    assert_null(parked_key_left(ab, ab));
+    assert_null(parked_key_left(b, ab));
+    const redisReply *left = parked_key_left(ab, b);
+    assert_non_null(left);
+    assert_string_equal(left->str, "a");
+    assert_string_equal(parked_key_left(b, none)->str, "bb");
+    assert_string_equal(parked_key_left(ab, err)->str, "a");
+    /* Odd members before: skipped; odd members now: never match. */
+    assert_null(parked_key_left(odd, b));
+    assert_string_equal(parked_key_left(ab, odd)->str, "a");
+    assert_null(parked_key_left(err, none));
+
+    freeReplyObject(ab);
+    freeReplyObject(b);
+    freeReplyObject(none);
+    freeReplyObject(odd);
+    freeReplyObject(err);
+}
+
+static void test_redis_time_ms(void **state)
+{
+    (void)state;
+    redisReply *t = RESP("*2\r\n$10\r\n1764720000\r\n$6\r\n123456\r\n");
+    assert_int_equal(redis_time_ms(t), 1764720000123LL);
+    freeReplyObject(t);
+    const char *odd[] = {"*1\r\n$1\r\n1\r\n", "*2\r\n:1\r\n:2\r\n", "*2\r\n$-1\r\n$1\r\n0\r\n",
+                         "$4\r\nTIME\r\n", "*2\r\n$2\r\nxy\r\n$1\r\n0\r\n"};
+    for (size_t i = 0; i < sizeof(odd) / sizeof(odd[0]); i++) {
+        t = resp(odd[i], strlen(odd[i]));
+        assert_int_equal(redis_time_ms(t), -1);
+        freeReplyObject(t);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -407,6 +458,8 @@ int main(void)
         cmocka_unit_test(test_dead_letter_function_acknowledges_after_xadd),
         cmocka_unit_test(test_replay_function_deletes_after_xadd),
         cmocka_unit_test(test_lease_functions_check_the_token_first),
+        cmocka_unit_test(test_parked_key_left),
+        cmocka_unit_test(test_redis_time_ms),
     };
     return cmocka_run_group_tests_name("consumer", tests, NULL, NULL);
 }
