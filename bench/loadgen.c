@@ -123,6 +123,14 @@ static void die(const char *what, const char *detail)
     exit(1);
 }
 
+/* An allocation that cannot fail: the tool stops, saying so. */
+static void *need(void *p)
+{
+    if (p == NULL)
+        die("out of memory", "run with a smaller --rate, --seconds or --count");
+    return p;
+}
+
 static void *producer_main(void *arg)
 {
     struct producer *p = arg;
@@ -160,7 +168,7 @@ static void *producer_main(void *arg)
     atomic_fetch_add(&producers_ready, 1);
     while (!atomic_load(&producers_go))
         sleep_until(now_s() + 0.001);
-    char *payload = malloc((size_t)payload_bytes + 1);
+    char *payload = need(malloc((size_t)payload_bytes + 1));
     unsigned seed = 12345u + (unsigned)p->index;
     for (int i = 0; i < payload_bytes; i++)
         payload[i] = pgq_queue ? (char)('a' + rand_r(&seed) % 26) : (char)(rand_r(&seed) & 0xff);
@@ -202,7 +210,7 @@ static void *producer_main(void *arg)
             atomic_fetch_add(&out_of_range, 1);
         if (p->ncommit == p->capcommit) {
             p->capcommit = p->capcommit ? p->capcommit * 2 : 4096;
-            p->commit_lat = realloc(p->commit_lat, (size_t)p->capcommit * sizeof(double));
+            p->commit_lat = need(realloc(p->commit_lat, (size_t)p->capcommit * sizeof(double)));
         }
         p->commit_lat[p->ncommit++] = done - started;
         atomic_fetch_add(&committed, 1);
@@ -321,8 +329,8 @@ static void *acked_main(void *arg)
     redisContext *rd = redis_connect();
     char names[MAX_TOPICS][16];
     const char *argv[8 + 2 * MAX_TOPICS];
-    const char **ack = malloc((10000 + 3) * sizeof(*ack));
-    long *pending_idx = malloc(10000 * MAX_TOPICS * sizeof(*pending_idx));
+    const char **ack = need(malloc((10000 + 3) * sizeof(*ack)));
+    long *pending_idx = need(malloc(10000 * MAX_TOPICS * sizeof(*pending_idx)));
     for (int i = 0; i < ntopics; i++)
         snprintf(names[i], sizeof(names[i]), "bench%d", i);
     while (!atomic_load(&consumers_stop) && !all_seen(&n_acked)) {
@@ -442,11 +450,9 @@ static int cmp_windowed(const void *a, const void *b)
 /* "windows": one object per windows_s seconds of commits, in order. */
 static void print_windows(void)
 {
-    struct windowed *w = malloc((size_t)cap * sizeof(*w));
-    double *lat = malloc((size_t)cap * sizeof(double));
-    double *slat = malloc((size_t)cap * sizeof(double));
-    if (w == NULL || lat == NULL || slat == NULL)
-        die("out of memory", NULL);
+    struct windowed *w = need(malloc((size_t)cap * sizeof(*w)));
+    double *lat = need(malloc((size_t)cap * sizeof(double)));
+    double *slat = need(malloc((size_t)cap * sizeof(double)));
     long n = 0;
     for (long i = 0; i < cap; i++)
         if (t_commit[i] > -1e8) {
@@ -536,12 +542,10 @@ int main(int argc, char **argv)
     if (max_rows <= 0)
         max_rows = count > 0 ? count : (long)((rate > 0 ? rate : 50000.0) * seconds * 1.5);
     cap = max_rows + 10000;
-    t_commit = malloc((size_t)cap * sizeof(double));
-    t_visible = malloc((size_t)cap * sizeof(double));
-    t_acked = malloc((size_t)cap * sizeof(double));
-    t_stream = malloc((size_t)cap * sizeof(double));
-    if (t_commit == NULL || t_visible == NULL || t_acked == NULL || t_stream == NULL)
-        die("out of memory", NULL);
+    t_commit = need(malloc((size_t)cap * sizeof(double)));
+    t_visible = need(malloc((size_t)cap * sizeof(double)));
+    t_acked = need(malloc((size_t)cap * sizeof(double)));
+    t_stream = need(malloc((size_t)cap * sizeof(double)));
     for (long i = 0; i < cap; i++)
         t_commit[i] = t_visible[i] = t_acked[i] = t_stream[i] = -1e9;
 
@@ -581,7 +585,7 @@ int main(int argc, char **argv)
     pthread_t vis, ack;
     pthread_create(&vis, NULL, visible_main, NULL);
     pthread_create(&ack, NULL, acked_main, NULL);
-    struct producer *ps = calloc((size_t)producers, sizeof(*ps));
+    struct producer *ps = need(calloc((size_t)producers, sizeof(*ps)));
     for (int i = 0; i < producers; i++) {
         ps[i].index = i;
         pthread_create(&ps[i].thread, NULL, producer_main, &ps[i]);
@@ -605,9 +609,9 @@ int main(int argc, char **argv)
 
     long n_committed = atomic_load(&committed);
     double span = last_commit_at - t0;
-    double *vis_lat = malloc((size_t)cap * sizeof(double));
-    double *ack_lat = malloc((size_t)cap * sizeof(double));
-    double *stream_lat = malloc((size_t)cap * sizeof(double));
+    double *vis_lat = need(malloc((size_t)cap * sizeof(double)));
+    double *ack_lat = need(malloc((size_t)cap * sizeof(double)));
+    double *stream_lat = need(malloc((size_t)cap * sizeof(double)));
     long nv = 0, na = 0, miss_v = 0, miss_a = 0;
     for (long i = 0; i < cap; i++) {
         if (t_commit[i] < -1e8)
@@ -626,7 +630,7 @@ int main(int argc, char **argv)
     long ncl = 0;
     for (int i = 0; i < producers; i++)
         ncl += ps[i].ncommit;
-    double *commit_lat = malloc(((size_t)ncl + 1) * sizeof(double));
+    double *commit_lat = need(malloc(((size_t)ncl + 1) * sizeof(double)));
     ncl = 0;
     for (int i = 0; i < producers; i++) {
         memcpy(commit_lat + ncl, ps[i].commit_lat, (size_t)ps[i].ncommit * sizeof(double));

@@ -82,6 +82,14 @@ static void die(const char *what, const char *detail)
     exit(1);
 }
 
+/* An allocation that cannot fail: the tool stops, saying so. */
+static void *need(void *p)
+{
+    if (p == NULL)
+        die("out of memory", "run with a smaller --count or --batch-size");
+    return p;
+}
+
 static void pg_ok(PGconn *pg, PGresult *res, const char *what)
 {
     ExecStatusType st = PQresultStatus(res);
@@ -203,7 +211,7 @@ static int claim_only(PGconn *pg, int batch, double seconds, const char *paused)
     /* No partition owned: the rows of partitioned topics are not claimed. */
     const char *params[5] = {limit, paused ? paused : "{}", "{}", "{}", "0"};
     size_t cap = 1024, n = 0;
-    double *t = malloc(cap * sizeof(double));
+    double *t = need(malloc(cap * sizeof(double)));
     long long rows = 0;
     double cpu_before = proc_cpu_s(PQbackendPID(pg));
     double started = now_s();
@@ -217,7 +225,7 @@ static int claim_only(PGconn *pg, int batch, double seconds, const char *paused)
         PQclear(res);
         pg_exec(pg, "ROLLBACK");
         if (n == cap)
-            t = realloc(t, (cap *= 2) * sizeof(double));
+            t = need(realloc(t, (cap *= 2) * sizeof(double)));
         t[n++] = b - a;
     }
     double took = now_s() - started, sum = 0, first = t[0];
@@ -349,15 +357,12 @@ int main(int argc, char **argv)
     pg_ok(pg, res, "prepare mark");
     PQclear(res);
 
-    struct relay_row *rows = calloc((size_t)batch, sizeof(*rows));
-    struct relay_publish_cmd *cmd = malloc(sizeof(*cmd));
-    char *keys = malloc((size_t)batch * 512);
-    char *ids = malloc((size_t)batch * 24 + 8);
-    const char **del_argv = calloc((size_t)batch + 1, sizeof(*del_argv));
-    size_t *del_lens = calloc((size_t)batch + 1, sizeof(*del_lens));
-    if (rows == NULL || cmd == NULL || keys == NULL || ids == NULL || del_argv == NULL ||
-        del_lens == NULL)
-        die("out of memory", NULL);
+    struct relay_row *rows = need(calloc((size_t)batch, sizeof(*rows)));
+    struct relay_publish_cmd *cmd = need(malloc(sizeof(*cmd)));
+    char *keys = need(malloc((size_t)batch * 512));
+    char *ids = need(malloc((size_t)batch * 24 + 8));
+    const char **del_argv = need(calloc((size_t)batch + 1, sizeof(*del_argv)));
+    size_t *del_lens = need(calloc((size_t)batch + 1, sizeof(*del_lens)));
 
     char limit[16];
     snprintf(limit, sizeof(limit), "%d", batch);
@@ -427,7 +432,7 @@ int main(int argc, char **argv)
             /* One UNLINK per topic, as the relay does: a batch's keys of one
              * stream share its hash slot. The topic is in the claimed row. */
             int pending = 0;
-            unsigned char *done = calloc((size_t)n, 1);
+            unsigned char *done = need(calloc((size_t)n, 1));
             for (int i = 0; i < n; i++) {
                 if (done[i])
                     continue;
