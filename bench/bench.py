@@ -125,6 +125,9 @@ PROFILE_ROWS = env_int("BENCH_PROFILE_ROWS", 20000 if QUICK else 100000)
 TOPICS = 4
 PAYLOAD = 200
 REDIS_AOF = os.environ.get("BENCH_REDIS_AOF") or "everysec"  # no | everysec | always
+# More redis-server options, e.g. "--auto-aof-rewrite-percentage 400": to
+# measure what a setting of Redis changes, with everything else the same.
+REDIS_ARGS = (os.environ.get("BENCH_REDIS_ARGS") or "").split()
 ALT_ROWS = env_int("BENCH_ALT_ROWS", 20000 if QUICK else 200000)
 ALT_RATES = env_list("BENCH_ALT_RATES", [200, 2000])
 ALT_SECONDS = env_float("BENCH_ALT_SECONDS", 3 if QUICK else 15)
@@ -333,8 +336,8 @@ class BenchPostgres(harness.Postgres):
 
 def bench_redis():
     if REDIS_AOF == "no":
-        return harness.Redis(appendonly=False)
-    return harness.Redis(appendonly=True, appendfsync=REDIS_AOF)
+        return harness.Redis(appendonly=False, extra_args=REDIS_ARGS)
+    return harness.Redis(appendonly=True, appendfsync=REDIS_AOF, extra_args=REDIS_ARGS)
 
 
 @contextlib.contextmanager
@@ -2009,6 +2012,7 @@ def main():
         R.add("settings", f"postgres.{key}", value)
     R.add("settings", "redis.appendonly", "no" if REDIS_AOF == "no" else "yes")
     R.add("settings", "redis.appendfsync", REDIS_AOF if REDIS_AOF != "no" else "-")
+    R.add("settings", "redis.args", " ".join(REDIS_ARGS) or "-")
     R.add("settings", "relay.batch_size", BATCH)
     R.add("settings", "relay.other", "defaults: listen on, poll_interval 1s, dedup_ttl 24h")
     for key in ("ROWS", "SWEEP_ROWS", "RATE_SECONDS", "PGBENCH_SECONDS", "LOAD_PRODUCERS",
@@ -2024,8 +2028,8 @@ def main():
         log("warning: the machine is busy with other work (load average above 0.7):"
             " the numbers will be noisy")
     log(f"settings: PostgreSQL {', '.join(f'{k}={v}' for k, v in PG_SETTINGS.items())};"
-        f" Redis appendonly={'no' if REDIS_AOF == 'no' else 'yes'} appendfsync={REDIS_AOF};"
-        f" relay batch_size={BATCH}")
+        f" Redis appendonly={'no' if REDIS_AOF == 'no' else 'yes'} appendfsync={REDIS_AOF}"
+        f"{' ' + ' '.join(REDIS_ARGS) if REDIS_ARGS else ''}; relay batch_size={BATCH}")
 
     functions = dict(drain=section_drain, naive=section_naive, sweep=section_sweep,
                      latency=section_latency, producers=section_producers,
