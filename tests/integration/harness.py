@@ -110,7 +110,8 @@ _handlers_installed = False
 
 def _register(obj):
     _install_signal_handlers()
-    _live.append(obj)
+    if not any(o is obj for o in _live):
+        _live.append(obj)
 
 
 def _unregister(obj):
@@ -1179,6 +1180,9 @@ class Daemon:
         self.dir = tempfile.mkdtemp(prefix=f"outbox-{kind}-log-")
         self.log_path = os.path.join(self.dir,
                                      f"{'-'.join(label.split())}-{Daemon._count}.log")
+        # Closed at exit even if never entered: a test may start() it by
+        # hand, and fail before it closes it.
+        _register(self)
 
     # -- lifecycle
     def __enter__(self):

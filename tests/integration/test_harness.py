@@ -1,0 +1,62 @@
+"""The harness stops what it starts, also when a test does not.
+
+Promise tested (tests/integration/harness.py, "Process-wide cleanup"): a
+harness.Daemon that a test starts by hand rather than in a `with` block
+(test_ordered starts and restarts its consumers so) is stopped, and its
+temporary directory removed, when the test process exits, even if the test
+failed before it could close it; a Daemon made and never started leaves no
+directory behind either.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# A test process that starts one daemon by hand, makes another it never
+# starts, prints their pid and directories, and fails.
+SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {here!r})
+    import harness
+    env = {{"PATH": "/usr/bin:/bin"}}
+    started = harness.Daemon(["sleep", "300"], env, "probe started")
+    started.start()
+    unstarted = harness.Daemon(["sleep", "300"], env, "probe unstarted")
+    print(started.pid, started.dir, unstarted.dir, flush=True)
+    raise SystemExit(1)
+""")
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class HarnessTest(unittest.TestCase):
+
+    def test_daemons_not_closed_by_the_test_are_closed_at_exit(self):
+        proc = subprocess.run([sys.executable, "-c", SCRIPT.format(here=HERE)],
+                              capture_output=True, text=True, timeout=60)
+        self.assertEqual(proc.returncode, 1, proc.stderr)
+        pid, started_dir, unstarted_dir = proc.stdout.split()
+        pid = int(pid)
+        self.addCleanup(lambda: alive(pid) and os.kill(pid, 9))
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.assertFalse(alive(pid), "the daemon started by hand outlived the test process")
+        self.assertFalse(os.path.exists(started_dir), "its directory is left behind")
+        self.assertFalse(os.path.exists(unstarted_dir),
+                         "the directory of a daemon never started is left behind")
+
+
+if __name__ == "__main__":
+    unittest.main()
