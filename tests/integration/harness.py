@@ -458,6 +458,7 @@ class PgBouncer:
                     f"pool_mode = {self.pool_mode}\n"
                     f"default_pool_size = {self.pool_size}\n"
                     f"logfile = {self.logfile}\n"
+                    f"pidfile = {os.path.join(self.dir, 'pgbouncer.pid')}\n"
                     "admin_users = postgres\n")
             if os.geteuid() == 0:
                 import pwd
@@ -478,6 +479,19 @@ class PgBouncer:
     def close(self):
         """Stops the pooler (SIGINT, then SIGKILL) and removes its directory."""
         _unregister(self)
+        # As root, self.proc is runuser, which does not pass SIGINT on and
+        # leaves the pooler running: signal the pooler itself, by its pidfile.
+        pid = None
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            with open(os.path.join(self.dir, "pgbouncer.pid")) as f:
+                pid = int(f.read().split()[0])
+        if pid is not None and self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.kill(pid, signal.SIGKILL)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:

@@ -5,7 +5,8 @@ harness.Daemon that a test starts by hand rather than in a `with` block
 (test_ordered starts and restarts its consumers so) is stopped, and its
 temporary directory removed, when the test process exits, even if the test
 failed before it could close it; a Daemon made and never started leaves no
-directory behind either.
+directory behind either. A harness.PgBouncer, which runs under runuser when
+the tests run as root, is gone once closed: the pooler, not only runuser.
 """
 
 import os
@@ -13,7 +14,10 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 import unittest
+
+import harness
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -56,6 +60,29 @@ class HarnessTest(unittest.TestCase):
         self.assertFalse(os.path.exists(started_dir), "its directory is left behind")
         self.assertFalse(os.path.exists(unstarted_dir),
                          "the directory of a daemon never started is left behind")
+
+    def test_a_closed_pgbouncer_is_gone(self):
+        # It does not connect to PostgreSQL before a client does: a port is enough.
+        pg = types.SimpleNamespace(port=harness.free_port(), database="app")
+        with harness.PgBouncer(pg) as bouncer:
+            ini = os.path.join(bouncer.dir, "pgbouncer.ini")
+            pids = [p for p in os.listdir("/proc") if p.isdigit() and pooler(p, ini)]
+            self.assertEqual(len(pids), 1, "one pgbouncer for the ini")
+        pid = int(pids[0])
+        self.addCleanup(lambda: alive(pid) and os.kill(pid, 9))
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.assertFalse(alive(pid), "pgbouncer outlived its close()")
+
+
+def pooler(pid, ini):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return os.path.basename(argv[0]) == b"pgbouncer" and ini.encode() in argv
 
 
 if __name__ == "__main__":
