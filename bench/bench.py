@@ -579,9 +579,10 @@ def claim_cost(pg, conn, label, explain_file):
     with conn.cursor() as cur:
         cur.execute("BEGIN")
         cur.execute(f"PREPARE bench_claim AS {sql}")
-        # No partition owned ($3-$5): the benchmark's claims are of unpartitioned topics.
+        # No partition owned ($3-$5): the benchmark's claims are of unpartitioned topics;
+        # the walk of the whole pending index ($6 = 0), as the relay's first claim does.
         cur.execute(f"EXPLAIN (ANALYZE, BUFFERS) EXECUTE bench_claim({BATCH}, '{{}}', '{{}}',"
-                    f" '{{}}', 0)")
+                    f" '{{}}', 0, 0)")
         plan = "\n".join(r[0] for r in cur.fetchall())
         cur.execute("ROLLBACK")
         cur.execute("DEALLOCATE ALL")

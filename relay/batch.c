@@ -915,3 +915,23 @@ int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_
     relay_buf_puts(out, "COMMIT");
     return out->failed ? -1 : quarantined;
 }
+
+int64_t relay_batch_claim_floor(const struct relay_claim_lane *others, size_t n,
+                                uint32_t batch_size, int ordered, unsigned *bounded_in_row)
+{
+    int64_t floor = 0;
+    for (size_t i = 0; i < n && !ordered; i++) {
+        if (!others[i].in_flight || others[i].nrows < batch_size || others[i].last_id <= 0) {
+            floor = 0;
+            break;
+        }
+        if (others[i].last_id > floor)
+            floor = others[i].last_id;
+    }
+    if (floor > 0 && *bounded_in_row + 1 < RELAY_CLAIM_FULL_WALK_EVERY) {
+        (*bounded_in_row)++;
+        return floor;
+    }
+    *bounded_in_row = 0;
+    return 0;
+}

@@ -82,13 +82,32 @@ static int op_claim(void *arg, size_t lane, char *why, size_t whylen)
     char limit[16];
     (void)why;
     (void)whylen;
+    char after[24];
     snprintf(limit, sizeof(limit), "%u", r->cfg->batch_size);
-    const char *params[5] = {limit, r->paused.param, NULL, NULL, NULL};
+    const char *params[6] = {limit, r->paused.param, NULL, NULL, NULL, after};
     relay_owner_claim_params(r->owner, &params[2], &params[3], &params[4]);
     /* With a topic paused, the claim that walks the pending topics' index
      * instead of the paused backlog (relay/pgsrc.c). */
-    const char *claim = r->paused.n > 0 ? "claim_paused" : "claim";
-    return relay_pgsrc_send_prepared(l->pg, claim, 5, params, 1, on_claimed, l);
+    if (r->paused.n > 0)
+        return relay_pgsrc_send_prepared(l->pg, "claim_paused", 5, params, 1, on_claimed, l);
+    struct relay_claim_lane others[RELAY_CYCLE_LANES_MAX];
+    size_t n = 0;
+    for (size_t i = 0; i < r->nlanes; i++) {
+        if (i == lane)
+            continue;
+        enum relay_lane_state st = r->cycle.lanes[i].state;
+        const struct relay_lane *o = &r->lanes[i];
+        others[n].in_flight =
+            st == RELAY_LANE_CLAIMED || st == RELAY_LANE_PUBLISH || st == RELAY_LANE_FINISH;
+        others[n].nrows = o->nrows;
+        others[n].last_id = o->nrows > 0 ? o->rows[o->nrows - 1].id : 0;
+        n++;
+    }
+    int64_t floor =
+        relay_batch_claim_floor(others, n, r->cfg->batch_size, relay_owner_claimable(r->owner) > 0,
+                                &r->claims_bounded_in_row);
+    snprintf(after, sizeof(after), "%lld", (long long)floor);
+    return relay_pgsrc_send_prepared(l->pg, "claim", 6, params, 1, on_claimed, l);
 }
 
 static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg);

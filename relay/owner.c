@@ -513,6 +513,11 @@ void relay_owner_claim_params(const struct relay_owner *o, const char **units, c
     *pid = none ? "0" : o->param_pid;
 }
 
+size_t relay_owner_claimable(const struct relay_owner *o)
+{
+    return o != NULL ? o->nready : 0;
+}
+
 void relay_owner_figures(const struct relay_owner *o, struct relay_owner_figures *f)
 {
     memset(f, 0, sizeof(*f));

@@ -86,11 +86,13 @@
     ".partition_no) = ANY(" OWNED_UNITS "))"
 
 /* The claim: pending rows in id order, skipping rows another relay holds.
- * One walk of messages_pending_idx from its lowest id: the hot path. */
+ * One walk of messages_pending_idx from the id after $6, the hot path: from
+ * its lowest id, or while the other lane drains a backlog from after the
+ * rows it holds (relay_batch_claim_floor). */
 #define CLAIM_FROM                                                                                 \
     " FROM outbox.messages AS c"                                                                   \
     " WHERE sent_at IS NULL AND failed_at IS NULL AND (retry_at IS NULL OR retry_at <= now())"     \
-    "  AND topic <> ALL ($2::text[])" OWNED("c")                                                   \
+    "  AND id > $6::bigint AND topic <> ALL ($2::text[])" OWNED("c")                               \
         NOT_HELD("c") " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
 
 /* A row the claim may take, m being outbox.messages. */
@@ -967,7 +969,8 @@ static void run_setup(struct relay_pgsrc *pg)
             setup_failed(pg, "the claim statement does not fit its buffer");
             return;
         }
-        if (!PQsendPrepare(pg->conn, paused ? "claim_paused" : "claim", claim, 5, NULL)) {
+        if (!PQsendPrepare(pg->conn, paused ? "claim_paused" : "claim", claim, paused ? 5 : 6,
+                           NULL)) {
             setup_failed(pg, PQerrorMessage(pg->conn));
             return;
         }

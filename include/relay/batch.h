@@ -190,6 +190,32 @@ int relay_batch_decode_text_array(const char *buf, size_t len, const char **item
 int64_t relay_batch_decode_int8(const char *buf);
 int32_t relay_batch_decode_int4(const char *buf);
 
+/*
+ * Where a claim starts its walk of the pending index (docs/DESIGN.md, "The
+ * claim cycle"). While every other lane holds a full batch in flight, a
+ * backlog is being drained and the rows up to the highest id those batches
+ * hold are locked by them or already deleted by the batches before: the claim
+ * starts after it instead of stepping over them. A row below it that was not
+ * claimed (committed after the claim that passed its id, released by a
+ * rollback, due for retry) waits for the next full walk: the first claim that
+ * finds a lane idle or holding a short batch, or every
+ * RELAY_CLAIM_FULL_WALK_EVERY-th claim in a row. A relay that may claim rows
+ * of partitioned topics (`ordered`) always walks the whole index, since a
+ * key's later row must never pass an earlier one (P8).
+ */
+#define RELAY_CLAIM_FULL_WALK_EVERY 8
+
+struct relay_claim_lane {
+    int in_flight;   /* holds a claimed batch: waiting to publish, publishing or finishing */
+    size_t nrows;    /* rows of that batch */
+    int64_t last_id; /* its highest id (the claim returns rows in id order) */
+};
+
+/* Returns the id the claim starts after (0: the whole index) and counts the
+ * claims in a row that did not walk the whole index in *bounded_in_row. */
+int64_t relay_batch_claim_floor(const struct relay_claim_lane *others, size_t n,
+                                uint32_t batch_size, int ordered, unsigned *bounded_in_row);
+
 /* Classifies an error reply of the publish function. */
 enum relay_error_scope relay_batch_classify_error(const char *msg, size_t len);
 

@@ -98,7 +98,9 @@ struct relay {
     char foreign_app[64];
     char foreign_addr[64];
 
-    struct relay_owner *owner; /* the partitions this relay claims from */
+    struct relay_owner *owner;      /* the partitions this relay claims from */
+    unsigned claims_bounded_in_row; /* claims since the last one that walked the whole
+                                       pending index (relay_batch_claim_floor) */
 
     struct relay_observer *observer;
     struct relay_observation *obs; /* the loop's copy of the latest observation */

@@ -26,6 +26,8 @@ const char *relay_owner_begin_sql(const struct relay_owner *o);
 /* The claim's parameters $3, $4 and $5 (relay/pgsrc.c, OWNED). */
 void relay_owner_claim_params(const struct relay_owner *o, const char **units, const char **keys,
                               const char **pid);
+/* How many partitions the claims take rows of now (0 without an owner). */
+size_t relay_owner_claimable(const struct relay_owner *o);
 void relay_owner_figures(const struct relay_owner *o, struct relay_owner_figures *f);
 
 #endif

@@ -9,7 +9,8 @@ Promises tested (docs/DESIGN.md P1, P3, P4, and the README's stream contract):
 - payloads written through outbox.enqueue as text, jsonb and bytea arrive as
   the bytes the table holds;
 - rows of rolled-back transactions (and rolled-back savepoints) never arrive;
-  a row that commits after rows with higher ids is not skipped;
+  a row that commits after rows with higher ids is not skipped, nor, while a
+  backlog drains, left until the backlog is gone;
 - batches reach each stream in claim order, also with pipeline on while
   batches fail (Redis frozen past publish_timeout); pipeline off claims on one
   connection;
@@ -301,6 +302,33 @@ class DeliveryTest(harness.ServerTestCase):
         harness.wait_all_sent(self.db, timeout=30, relay=relay)
         self.assertIn(late, harness.entries_by_message_id(self.r))
         self.assert_all_delivered_once()
+
+    def test_row_committed_late_during_a_backlog_is_not_left_behind_it(self):
+        # While the other lane holds a full batch, a claim starts after that
+        # batch's rows (relay_batch_claim_floor); a row below it that commits
+        # late is taken by the next walk of the whole index, which comes at
+        # least every 8 claims: long before the backlog ends.
+        slow = self.pg.connect(autocommit=False)
+        self.addCleanup(slow.close)
+        late = insert(slow, "orders", b"lowest id, commits during the drain", commit=False)
+        conn = self.pg.connect(autocommit=False)
+        self.addCleanup(conn.close)
+        total = 30000
+        for start in range(0, total, 10000):
+            harness.insert_many(conn, [("backlog", b"%d" % i) for i in range(start, start + 10000)])
+        relay = self.relay(poll_interval=POLL, batch_size=10)
+        wait_until(lambda: self.r.xlen("backlog") >= total // 10, timeout=60, relay=relay,
+                   message="a tenth of the backlog")
+        slow.commit()
+        harness.wait_all_sent(self.db, timeout=120, relay=relay)
+        self.assert_all_delivered_once()
+        at = harness.entries_by_message_id(self.r)[late][0][1]
+        after = self.r.xrange("backlog", min="(" + (at.decode() if isinstance(at, bytes) else at))
+        self.assertGreater(len(after), total // 10,
+                           f"the late row was published with {len(after)} of {total} backlog"
+                           f" rows after it: left until the backlog was nearly drained")
+        ids = [int(f[b"outbox_id"]) for _, f in self.r.xrange("backlog")]
+        self.assertEqual(ids, sorted(ids), "the backlog's stream is in claim (id) order")
 
     BAD_TOPICS = ["bad topic!", "{x}", "", "t" * 201, "ünïcode"]
 

@@ -1239,6 +1239,49 @@ static void test_respbuf_caps_and_reuse(void **state)
     relay_buf_free(&buf);
 }
 
+/* The claim starts after the batches in flight only while each other lane
+ * holds a full one, never for a relay that claims partitioned rows, and
+ * walks the whole index again at least every RELAY_CLAIM_FULL_WALK_EVERY
+ * claims, so a row left below the floor is not left for long. */
+static void test_claim_floor(void **state)
+{
+    (void)state;
+    unsigned run = 0;
+    struct relay_claim_lane full = {1, 500, 1500};
+    struct relay_claim_lane shorter = {1, 499, 1500};
+    struct relay_claim_lane idle = {0, 500, 1500};
+
+    assert_int_equal(relay_batch_claim_floor(&full, 1, 500, 0, &run), 1500);
+    assert_int_equal(run, 1);
+    run = 0;
+    assert_int_equal(relay_batch_claim_floor(&shorter, 1, 500, 0, &run), 0);
+    assert_int_equal(relay_batch_claim_floor(&idle, 1, 500, 0, &run), 0);
+    assert_int_equal(relay_batch_claim_floor(&full, 1, 500, 1, &run), 0);
+    assert_int_equal(relay_batch_claim_floor(NULL, 0, 500, 0, &run), 0); /* one lane */
+    assert_int_equal(run, 0);
+
+    /* Several lanes: after the highest, and only if every one is full. */
+    struct relay_claim_lane two[2] = {{1, 500, 900}, {1, 500, 2100}};
+    assert_int_equal(relay_batch_claim_floor(two, 2, 500, 0, &run), 2100);
+    two[0].nrows = 12;
+    run = 0;
+    assert_int_equal(relay_batch_claim_floor(two, 2, 500, 0, &run), 0);
+
+    /* A full walk breaks every run of bounded claims, and starts the next. */
+    run = 0;
+    for (int round = 0; round < 3; round++) {
+        for (unsigned i = 1; i < RELAY_CLAIM_FULL_WALK_EVERY; i++)
+            assert_int_equal(relay_batch_claim_floor(&full, 1, 500, 0, &run), 1500);
+        assert_int_equal(relay_batch_claim_floor(&full, 1, 500, 0, &run), 0);
+        assert_int_equal(run, 0);
+    }
+    /* A full walk for another reason starts the count again. */
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(relay_batch_claim_floor(&full, 1, 500, 0, &run), 1500);
+    assert_int_equal(relay_batch_claim_floor(&idle, 1, 500, 0, &run), 0);
+    assert_int_equal(run, 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1267,6 +1310,7 @@ int main(void)
         cmocka_unit_test(test_append_publish_refuses_what_build_refuses),
         cmocka_unit_test(test_append_retire_matches_hiredis),
         cmocka_unit_test(test_respbuf_caps_and_reuse),
+        cmocka_unit_test(test_claim_floor),
     };
     return cmocka_run_group_tests_name("batch", tests, NULL, NULL);
 }
