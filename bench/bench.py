@@ -15,8 +15,11 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
              relay's peak RSS with a backlog of RSS_SMALL_ROWS (long enough
              to reach the steady state of the dedup-record removals that wait
              publish_timeout after each commit)
-  latency    an idle relay's single-row latency, then producers at fixed rates:
-             commit -> stream entry and commit -> group acknowledgement
+  latency    first the producers alone at the ramp's target rate (no relay, the
+             wake-up lock held as a busy relay holds it): whether they can offer
+             it at all; then an idle relay's single-row latency, then producers
+             at fixed rates: commit -> stream entry and commit -> group
+             acknowledgement, and the ramps to the highest rate that holds
   producers  pgbench producers at 1/4/16 clients, wake-up trigger present or
              dropped, synchronous_commit on and off, with a relay running
   limits     claim-and-mark alone, the publish function alone, the claim's cost
@@ -1116,12 +1119,42 @@ BASELINE_SYSTEM_CPU_PER_100K = 7.94
 TARGET_P99_2000_MS = 20.0
 TARGET_MAX_RATE = 6000
 
+# The wake-up lock a busy relay holds (migrations/007): a session holding it
+# spares producers their NOTIFY, as a busy relay does.
+WAKEUP_LOCK = 122550254464888
+
 
 def sustained(res, rate):
     """The producers keep the rate and the relay keeps up with them: p99 stays low."""
     v = res["visible_ms"]
     return (res["achieved_rate"] >= 0.95 * rate and res["missing_visible"] == 0
             and v.get("p99", 1e9) < SUSTAINED_P99_MS)
+
+
+def producers_alone(pg, rd, conn, tag, async_commit):
+    """The producers at the target rate with no relay running and the wake-up
+    lock held, as a busy relay holds it: whether the load generator alone can
+    offer the rate the ramp's target asks the relay to hold, and what it costs
+    the machine. Its rows are removed before the relay starts."""
+    busy = pg.connect()
+    try:
+        execute(busy, f"SELECT pg_advisory_lock({WAKEUP_LOCK})")
+        cpu0, t0 = machine_busy(), time.monotonic()
+        res = loadgen(pg, rd, rate=TARGET_MAX_RATE, seconds=RAMP_SECONDS, wait=0,
+                      group="alone", async_commit=async_commit)
+        cores = (machine_busy() - cpu0) / (time.monotonic() - t0)
+    finally:
+        busy.close()
+    execute(conn, "TRUNCATE outbox.messages")
+    sc = "off" if async_commit else "on"
+    R.add("latency", f"{tag}.alone.achieved_rate", res["achieved_rate"], "rows/s",
+          f"producers alone at {TARGET_MAX_RATE}/s, no relay, wake-up lock held,"
+          f" synchronous_commit {sc}")
+    R.add("latency", f"{tag}.alone.cores", cores, "cores",
+          "the machine's busy CPU over the load generator's run, start and connections"
+          " included")
+    log(f"{tag}: producers alone (synchronous_commit {sc}, no relay) at {TARGET_MAX_RATE}/s"
+        f" achieve {res['achieved_rate']:,.0f}/s")
 
 
 def ramp(pg, rd, conn, relay, tag, name, async_commit):
@@ -1160,6 +1193,8 @@ def ramp(pg, rd, conn, relay, tag, name, async_commit):
 
 def section_latency():
     with servers() as (pg, rd, conn, rc):
+        for tag, async_commit in (("ramp", False), ("ramp_async", True)):
+            producers_alone(pg, rd, conn, tag, async_commit)
         relay = start_relay(pg, rd, batch_size=BATCH)
         try:
             # Warm up: one row through, then let the relay settle into idle.
@@ -1311,7 +1346,7 @@ def section_producers():
                 time.sleep(0.2)
                 for case, drop, held in (("notify", False, False), ("busy", False, True),
                                          ("dropped", True, False)):
-                    execute(busy, "SELECT pg_advisory_lock(122550254464888)" if held
+                    execute(busy, f"SELECT pg_advisory_lock({WAKEUP_LOCK})" if held
                             else "SELECT pg_advisory_unlock_all()")
                     run(f"producers.norelay.sync_{sync}.c{clients}.{case}", clients, drop=drop,
                         seconds=NORELAY_SECONDS)
@@ -1739,10 +1774,16 @@ def build_table():
           "≥ 1.0")
     R.row("producers with synchronous_commit on, flat out (the most they can offer)",
           g("ramp.unthrottled.achieved_rate"), "rows/s")
+    R.row(f"producers alone (no relay, wake-up lock held) at a fixed {TARGET_MAX_RATE:,}/s,"
+          " synchronous_commit on: achieved", g("ramp.alone.achieved_rate"), "rows/s",
+          "the target rate", TARGET_MAX_RATE)
     R.row("highest rate that holds, producers with synchronous_commit off",
           g("max_rate_async"), "rows/s", "the target", TARGET_MAX_RATE, "≥ 1.0")
     R.row("producers with synchronous_commit off, flat out",
           g("ramp_async.unthrottled.achieved_rate"), "rows/s")
+    R.row(f"producers alone (no relay, wake-up lock held) at a fixed {TARGET_MAX_RATE:,}/s,"
+          " synchronous_commit off: achieved", g("ramp_async.alone.achieved_rate"), "rows/s",
+          "the target rate", TARGET_MAX_RATE)
     R.row(f"drain of {ALT_ROWS:,}, relay (dedup, rows deleted)", g("alt.relay.drain.rate"),
           "msg/s", "PgQ and bench-pgq (no dedup), same backlog", g("alt.pgq.drain.rate"))
     R.row("the same drains: client+PostgreSQL+Redis CPU per 100k, relay",
