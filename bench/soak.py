@@ -176,6 +176,12 @@ def sampler(pg, rd, relay, claim_sql, t0, samples, stop):
                 f" streams {s['stream_entries']} entries")
         except Exception as e:
             log(f"sample failed: {e!r}")
+            # A statement that failed leaves its transaction aborted: end it, or
+            # every later sample fails with it.
+            try:
+                conn.rollback()
+            except Exception as again:
+                log(f"sample: rollback failed: {again!r}")
     conn.close()
     auto.close()
     rc.close()
@@ -324,9 +330,11 @@ def relay_claim_sql():
                          stderr=subprocess.PIPE, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"bench-naive --print-claim-sql: {out.stderr}")
-    # No partition owned ($3-$5): the soak's topics are unpartitioned.
+    # No partition owned ($3-$5): the soak's topics are unpartitioned. $6 = 0: a walk of
+    # the whole pending index, as a claim takes when no full batch is in flight.
     return (out.stdout.strip().replace("$1", "500").replace("$2", "'{}'")
-            .replace("$3", "'{}'").replace("$4", "'{}'").replace("$5", "0"))
+            .replace("$3", "'{}'").replace("$4", "'{}'").replace("$5", "0")
+            .replace("$6", "0"))
 
 
 def report(res, samples, lagger, relay_log, forks=()):
