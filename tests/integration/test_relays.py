@@ -400,10 +400,19 @@ def claims_ready(relay, connections=2):
 
 
 def wait_claimed(db, relay):
-    """Waits until the relay has claimed (locked) every unsent row."""
-    wait_until(lambda: scalar(db, "SELECT count(*) FROM (SELECT 1 FROM outbox.messages"
-                                  " WHERE sent_at IS NULL FOR UPDATE SKIP LOCKED) AS free") == 0,
-               timeout=20, relay=relay, message="relay A to claim the rows")
+    """Waits until the relay has claimed (locked) every unsent row. The probe
+    that counts the free rows locks them for an instant, and a claim running
+    at that instant skips them: it runs only once a claim of the relay has
+    returned and its transaction stays open (the publish waits)."""
+    def claimed():
+        if not scalar(db, "SELECT count(*) FROM pg_stat_activity"
+                          " WHERE application_name = 'outbox-relay'"
+                          " AND state = 'idle in transaction'"
+                          " AND query LIKE 'SELECT id, message_id::text, %%'"):
+            return False
+        return scalar(db, "SELECT count(*) FROM (SELECT 1 FROM outbox.messages"
+                          " WHERE sent_at IS NULL FOR UPDATE SKIP LOCKED) AS free") == 0
+    wait_until(claimed, timeout=20, relay=relay, message="relay A to claim the rows")
 
 
 def expired_replies(r):
