@@ -175,6 +175,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "011_partitions.sql",
     "012_partition_owners.sql",
     "013_pinned_plans.sql",
+    "014_cached_finish.sql",
 };
 
 enum setup_step {
