@@ -269,6 +269,20 @@ def machine_busy():
     return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / CLK_TCK
 
 
+def cpu_ticks():
+    """The machine's CPU time so far, by kind (/proc/stat, every core, in ticks)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return dict(zip(("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"), v))
+
+
+def cpu_shares(before, after):
+    """The share of each kind of CPU time between two cpu_ticks() readings."""
+    delta = {k: after[k] - before[k] for k in before}
+    total = sum(delta.values()) or 1
+    return {k: v / total for k, v in delta.items()}
+
+
 def self_cpu():
     t = os.times()
     return t.user + t.system
@@ -1214,8 +1228,10 @@ def section_latency():
                 wait_drained(conn, 120, relay)
                 relay_cpu0 = proc_cpu(relay.pid)
                 meter = CpuMeter(pg, rd)
+                ticks = cpu_ticks()
                 res = loadgen(pg, rd, rate=rate, seconds=RATE_SECONDS, wait=10,
                               group=f"g{rate}")
+                shares = cpu_shares(ticks, cpu_ticks())
                 relay_cpu = proc_cpu(relay.pid) - relay_cpu0
                 pg_cpu, rd_cpu = meter.read()
                 name = f"load.{rate}"
@@ -1226,11 +1242,17 @@ def section_latency():
                       relay_cpu / max(res["committed"], 1) * 1e5, "s")
                 R.add("latency", f"{name}.pg_cpu", pg_cpu, "s")
                 R.add("latency", f"{name}.redis_cpu", rd_cpu, "s")
+                # A virtual machine's host may run other guests on its cores: the
+                # time it takes ("steal") is time this run's processes waited.
+                R.add("latency", f"{name}.steal", shares["steal"] * 100, "%",
+                      "CPU time the host took from this machine during the run")
+                R.add("latency", f"{name}.idle", (shares["idle"] + shares["iowait"]) * 100, "%")
                 v, a = res["visible_ms"], res["acked_ms"]
                 log(f"{rate}/s: achieved {res['achieved_rate']:,.0f}/s; commit -> stream"
                     f" p50 {v.get('p50')} p99 {v.get('p99')} p99.9 {v.get('p999')} max"
                     f" {v.get('max')} ms; -> ack p50 {a.get('p50')} p99 {a.get('p99')} ms;"
-                    f" missing {res['missing_visible']}/{res['missing_acked']}")
+                    f" missing {res['missing_visible']}/{res['missing_acked']};"
+                    f" stolen by the host {shares['steal'] * 100:.0f} %")
             R.add("latency", "latency.rates", ",".join(str(r) for r in rates))
             # The ramp again with the producers committing asynchronously:
             # their WAL flushes no longer cap the rate they offer. Last, as it
@@ -1769,6 +1791,8 @@ def build_table():
     p99 = g("load.2000.visible_ms.p99")
     R.row("load 2000/s: commit → stream p99", p99, "ms", "the target", TARGET_P99_2000_MS,
           "≤ 1.0")
+    R.row("load 2000/s: CPU time the host took from this machine (steal), idle",
+          f"{fmt(g('load.2000.steal'))} / {fmt(g('load.2000.idle'))}", "%")
     R.row("highest rate that holds (achieved ≥ 95 %, p99 < 200 ms), producers with"
           " synchronous_commit on", g("max_rate"), "rows/s", "the target", TARGET_MAX_RATE,
           "≥ 1.0")
