@@ -25,7 +25,10 @@ BATCH, ROUNDS, BATCHES = 500, 3, 40
 def main():
     sql = subprocess.run([bench.NAIVE_BIN, "--print-claim-sql"], stdout=subprocess.PIPE,
                          text=True, check=True).stdout.strip()
-    sql = sql.replace("$1", str(BATCH)).replace("$2", "'{}'")
+    # No topic paused ($2), no partition owned ($3-$5), the whole pending index ($6).
+    for param, value in (("$6", "0"), ("$5", "0"), ("$4", "'{}'"), ("$3", "'{}'"),
+                         ("$2", "'{}'"), ("$1", str(BATCH))):
+        sql = sql.replace(param, value)
     with bench.BenchPostgres() as pg:
         conn = pg.connect()
         bench.insert_backlog(conn, 200000)

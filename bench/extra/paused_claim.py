@@ -34,6 +34,12 @@ HEALTHY_ROWS = 1000
 BATCH, ROUNDS = 500, 15
 
 
+def other_params(sql):
+    """The claim's parameters after $2: no partition owned ($3-$5) and the walk of the
+    whole index ($6), as a relay's first claim; a bench-naive older than them has none."""
+    return ", '{}', '{}', 0, 0" if "$6" in sql else ", '{}', '{}', 0" if "$5" in sql else ""
+
+
 def claim_sql(naive, paused):
     """The claim statement of this bench-naive, for paused topics or for none."""
     if paused:
@@ -55,12 +61,14 @@ def measure(conn, sql, paused):
     """Medians over ROUNDS of (execution ms, buffers, rows read, client ms, rows returned)."""
     cur = conn.cursor()
     cur.execute("DEALLOCATE ALL")
+    rest = other_params(sql)
     cur.execute(f"PREPARE claim(int, text[]) AS {sql}")
     conn.commit()
     param = "{orders}" if paused else "{}"
     explained, client = [], []
     for _ in range(ROUNDS):
-        cur.execute("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON) EXECUTE claim(%s, %s)",
+        cur.execute("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON) EXECUTE claim(%s, %s"
+                    + rest + ")",
                     (BATCH, param))
         doc = cur.fetchone()[0][0]
         conn.rollback()
@@ -71,7 +79,7 @@ def measure(conn, sql, paused):
                           plan.get("Shared Hit Blocks", 0) + plan.get("Shared Read Blocks", 0),
                           int(read), plan.get("Actual Rows", 0)))
         t0 = time.perf_counter()
-        cur.execute("EXECUTE claim(%s, %s)", (BATCH, param))
+        cur.execute("EXECUTE claim(%s, %s" + rest + ")", (BATCH, param))
         got = len(cur.fetchall())
         client.append(time.perf_counter() - t0)
         conn.rollback()
