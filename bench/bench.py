@@ -261,19 +261,18 @@ def tree_cpus(root):
     return found
 
 
-def machine_busy():
-    """CPU seconds the whole machine has been busy (every core; idle and iowait excluded)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    # user nice system idle iowait irq softirq steal guest guest_nice
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / CLK_TCK
-
-
 def cpu_ticks():
-    """The machine's CPU time so far, by kind (/proc/stat, every core, in ticks)."""
+    """The machine's CPU time so far, by kind (/proc/stat, every core, in ticks; guest
+    time is counted in user and nice already)."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:9]]
     return dict(zip(("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"), v))
+
+
+def machine_busy():
+    """CPU seconds the whole machine has been busy (every core; idle and iowait excluded)."""
+    t = cpu_ticks()
+    return (sum(t.values()) - t["idle"] - t["iowait"]) / CLK_TCK
 
 
 def cpu_shares(before, after):
@@ -584,6 +583,21 @@ def record_drain(section, name, d, detail=""):
         f" CPU {d['cpu']:.2f}s ({d['cpu_per_100k']:.3f}s/100k), peak RSS {d['hwm_kb']} kB,"
         f" PostgreSQL CPU {d['pg_cpu']:.1f}s, Redis CPU {d['redis_cpu']:.1f}s;"
         f" other work on the machine {d['other_busy']:.2f} cores")
+
+
+def claim_sql_filled(batch):
+    """The relay's claim statement with its parameters written in: `batch` rows, no topic
+    paused ($2), no partition owned ($3-$5), a walk of the whole pending index ($6), as a
+    claim takes when no full batch is in flight."""
+    sql = subprocess.run([NAIVE_BIN, "--print-claim-sql"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    if sql.returncode != 0:
+        raise RuntimeError(f"bench-naive --print-claim-sql: {sql.stderr}")
+    filled = sql.stdout.strip()
+    for param, value in (("$6", "0"), ("$5", "0"), ("$4", "'{}'"), ("$3", "'{}'"),
+                         ("$2", "'{}'"), ("$1", str(batch))):
+        filled = filled.replace(param, value)
+    return filled
 
 
 def claim_cost(pg, conn, label, explain_file):

@@ -292,7 +292,7 @@ def main():
                                   stream_retention=f"{STREAM_RETENTION_S}s",
                                   dedup_ttl=f"{STREAM_RETENTION_S}s", observe_interval="1s",
                                   vacuum_dead_rows=str(VACUUM_DEAD_ROWS))
-        claim_sql = relay_claim_sql()
+        claim_sql = bench.claim_sql_filled(500)
         samples, stop = [], threading.Event()
         t0 = time.monotonic()
         lagger = Lagger(rd, t0)
@@ -322,19 +322,6 @@ def main():
             relay_log = relay.log()
             bench.stop_relay(relay)
     return report(res, samples, lagger, relay_log, forks)
-
-
-def relay_claim_sql():
-    """The relay's claim statement with its parameters filled in: 500 rows, nothing paused."""
-    out = subprocess.run([bench.NAIVE_BIN, "--print-claim-sql"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"bench-naive --print-claim-sql: {out.stderr}")
-    # No partition owned ($3-$5): the soak's topics are unpartitioned. $6 = 0: a walk of
-    # the whole pending index, as a claim takes when no full batch is in flight.
-    return (out.stdout.strip().replace("$1", "500").replace("$2", "'{}'")
-            .replace("$3", "'{}'").replace("$4", "'{}'").replace("$5", "0")
-            .replace("$6", "0"))
 
 
 def report(res, samples, lagger, relay_log, forks=()):

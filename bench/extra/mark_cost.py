@@ -12,7 +12,6 @@ bench/run.sh once first).
 """
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -23,12 +22,7 @@ BATCH, ROUNDS, BATCHES = 500, 3, 40
 
 
 def main():
-    sql = subprocess.run([bench.NAIVE_BIN, "--print-claim-sql"], stdout=subprocess.PIPE,
-                         text=True, check=True).stdout.strip()
-    # No topic paused ($2), no partition owned ($3-$5), the whole pending index ($6).
-    for param, value in (("$6", "0"), ("$5", "0"), ("$4", "'{}'"), ("$3", "'{}'"),
-                         ("$2", "'{}'"), ("$1", str(BATCH))):
-        sql = sql.replace(param, value)
+    sql = bench.claim_sql_filled(BATCH)
     with bench.BenchPostgres() as pg:
         conn = pg.connect()
         bench.insert_backlog(conn, 200000)
