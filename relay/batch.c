@@ -24,11 +24,19 @@
 
 /*
  * The publish function. KEYS[1] is the stream, KEYS[2] the message's dedup
- * record; both share the stream's hash tag so the layout is Cluster-safe.
- * ARGV[1] is the record's time to live in ms, ARGV[2] the validity deadline
- * (Unix ms on the server's clock), ARGV[3..] the entry's fields.
+ * record, and KEYS[3], when given, the dedup record of the message the relay
+ * sent to the same stream just before this one in the same batch; all share
+ * the stream's hash tag so the layout is Cluster-safe. ARGV[1] is the
+ * record's time to live in ms, ARGV[2] the validity deadline (Unix ms on the
+ * server's clock), ARGV[3..] the entry's fields.
  *
  * A message id already recorded returns the entry id of the first copy. A
+ * message whose predecessor (KEYS[3]) is not recorded publishes nothing: the
+ * batch's commands are pipelined, and when an earlier one failed (its slot
+ * being migrated, memory full for a moment) a later one that ran must not
+ * put its entry first, since the retry would then append the earlier row
+ * behind it. EXISTS, not GET: a record that holds another type still means
+ * the message before was handled. A
  * call that runs after its deadline publishes nothing: the relay gave up on
  * it and will publish the row again, and by then it may have committed that
  * second publish and removed the record, so a late first copy would be a
@@ -41,6 +49,10 @@ const char relay_batch_function_source[] =
     "local function publish(keys, args)\n"
     "  local seen = redis.call('GET', keys[2])\n"
     "  if seen then return seen end\n"
+    "  if keys[3] and redis.call('EXISTS', keys[3]) == 0 then\n"
+    "    return redis.error_reply('ORDER the message before this one in its stream was not "
+    "published; the relay retries both in order')\n"
+    "  end\n"
     "  local t = redis.call('TIME')\n"
     "  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
     "  if now > tonumber(args[2]) then\n"
@@ -346,11 +358,15 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
                                           row->partitions, cmd->stream, sizeof(cmd->stream));
     int dlen = relay_key_dedup(cmd->stream, row->message_id, row->message_id_len, cmd->dedup_key,
                                sizeof(cmd->dedup_key));
+    int alen = row->after == NULL ? 0
+                                  : relay_key_dedup(cmd->stream, row->after->message_id,
+                                                    row->after->message_id_len, cmd->after_key,
+                                                    sizeof(cmd->after_key));
     int tlen = snprintf(cmd->ttl, sizeof(cmd->ttl), "%u", dedup_ttl_ms);
     int olen = snprintf(cmd->outbox_id, sizeof(cmd->outbox_id), "%lld", (long long)row->id);
     int nlen =
         snprintf(cmd->not_after, sizeof(cmd->not_after), "%llu", (unsigned long long)not_after_ms);
-    if (slen < 0 || dlen < 0 || tlen < 0 || olen < 0 || nlen < 0) {
+    if (slen < 0 || dlen < 0 || alen < 0 || tlen < 0 || olen < 0 || nlen < 0) {
         snprintf(err, errlen,
                  "stream name too long for topic; shorten stream_prefix or topic, then re-queue "
                  "the row");
@@ -359,9 +375,11 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
 
     add_arg(cmd, "FCALL", 5);
     add_arg(cmd, RELAY_FUNCTION_PUBLISH, sizeof(RELAY_FUNCTION_PUBLISH) - 1);
-    add_arg(cmd, "2", 1);
+    add_arg(cmd, row->after != NULL ? "3" : "2", 1);
     add_arg(cmd, cmd->stream, (size_t)slen);
     add_arg(cmd, cmd->dedup_key, (size_t)dlen);
+    if (row->after != NULL)
+        add_arg(cmd, cmd->after_key, (size_t)alen);
     add_arg(cmd, cmd->ttl, (size_t)tlen);
     add_arg(cmd, cmd->not_after, (size_t)nlen);
     add_arg(cmd, "id", 2);
@@ -495,12 +513,26 @@ static size_t partition_suffix(const struct relay_row *row, char out[RELAY_PARTI
     return relay_key_partition_suffix(row->partition, row->partitions, out);
 }
 
-/* The fixed head of every publish: FCALL <function> 2 (numkeys). */
+/* The fixed head of every publish, without its numkeys: FCALL <function>. */
 static const char publish_head[] = "$5\r\nFCALL\r\n"
-                                   "$23\r\n" RELAY_FUNCTION_PUBLISH "\r\n"
-                                   "$1\r\n2\r\n";
+                                   "$23\r\n" RELAY_FUNCTION_PUBLISH "\r\n";
 _Static_assert(sizeof(RELAY_FUNCTION_PUBLISH) - 1 == 23,
                "publish_head spells out the length of RELAY_FUNCTION_PUBLISH");
+
+/* "{<stream>}:dedup:<message id>" of a message in row's stream, as a bulk
+ * string of len bytes. */
+static char *put_dedup_key(char *p, const char *stream_prefix, size_t prefix_len,
+                           const struct relay_row *row, const char *suffix, size_t suffix_len,
+                           const char *message_id, size_t message_id_len, size_t len)
+{
+    p = put_bulk_head(p, len);
+    *p++ = '{';
+    p = put_mem(p, stream_prefix, prefix_len);
+    p = put_mem(p, row->topic, row->topic_len);
+    p = put_mem(p, suffix, suffix_len);
+    p = PUT_LIT(p, "}:dedup:");
+    return put_crlf(put_mem(p, message_id, message_id_len));
+}
 
 int relay_batch_append_publish(const struct relay_row *row, const char *stream_prefix,
                                uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
@@ -526,15 +558,19 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
     size_t not_after_len = (size_t)(put_uint(not_after, not_after_ms) - not_after);
     size_t outbox_id_len = format_int64(outbox_id, row->id);
 
-    /* FCALL fn numkeys stream dedup ttl not_after, five fields, the key and
-     * the headers. */
-    size_t argc = 7 + 10 + (row->key != NULL ? 2 : 0) + 2 * (size_t)h.n;
-    size_t need = 1 + count_digits(argc) + 2 + sizeof(publish_head) - 1 + bulk_size(stream_len) +
-                  bulk_size(dedup_len) + bulk_size(ttl_len) + bulk_size(not_after_len) +
-                  bulk_size(2) + bulk_size(row->message_id_len) + bulk_size(5) +
-                  bulk_size(row->topic_len) + bulk_size(7) + bulk_size(row->payload_len) +
-                  bulk_size(10) + bulk_size(row->created_at_len) + bulk_size(9) +
-                  bulk_size(outbox_id_len);
+    /* FCALL fn numkeys stream dedup [the row before's dedup] ttl not_after,
+     * five fields, the key and the headers. The row before is of the same
+     * stream: only its message id differs from this row's record. */
+    const struct relay_row *after = row->after;
+    size_t after_len = after != NULL ? dedup_len - row->message_id_len + after->message_id_len : 0;
+    size_t argc = 7 + (after != NULL) + 10 + (row->key != NULL ? 2 : 0) + 2 * (size_t)h.n;
+    size_t need = 1 + count_digits(argc) + 2 + sizeof(publish_head) - 1 + bulk_size(1) +
+                  bulk_size(stream_len) + bulk_size(dedup_len) +
+                  (after != NULL ? bulk_size(after_len) : 0) + bulk_size(ttl_len) +
+                  bulk_size(not_after_len) + bulk_size(2) + bulk_size(row->message_id_len) +
+                  bulk_size(5) + bulk_size(row->topic_len) + bulk_size(7) +
+                  bulk_size(row->payload_len) + bulk_size(10) + bulk_size(row->created_at_len) +
+                  bulk_size(9) + bulk_size(outbox_id_len);
     if (row->key != NULL)
         need += bulk_size(3) + bulk_size(row->key_len);
     for (int i = 0; i < h.n; i++)
@@ -546,19 +582,18 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
 
     char *p = put_array(out->data + out->len, argc);
     p = PUT_LIT(p, publish_head);
+    p = after != NULL ? PUT_LIT(p, "$1\r\n3\r\n") : PUT_LIT(p, "$1\r\n2\r\n");
     char suffix[RELAY_PARTITION_SUFFIX_LEN];
     size_t suffix_len = partition_suffix(row, suffix);
     p = put_bulk_head(p, stream_len);
     p = put_mem(p, stream_prefix, prefix_len);
     p = put_mem(p, row->topic, row->topic_len);
     p = put_crlf(put_mem(p, suffix, suffix_len));
-    p = put_bulk_head(p, dedup_len);
-    *p++ = '{';
-    p = put_mem(p, stream_prefix, prefix_len);
-    p = put_mem(p, row->topic, row->topic_len);
-    p = put_mem(p, suffix, suffix_len);
-    p = PUT_LIT(p, "}:dedup:");
-    p = put_crlf(put_mem(p, row->message_id, row->message_id_len));
+    p = put_dedup_key(p, stream_prefix, prefix_len, row, suffix, suffix_len, row->message_id,
+                      row->message_id_len, dedup_len);
+    if (after != NULL)
+        p = put_dedup_key(p, stream_prefix, prefix_len, row, suffix, suffix_len, after->message_id,
+                          after->message_id_len, after_len);
     p = put_bulk(p, ttl, ttl_len);
     p = put_bulk(p, not_after, not_after_len);
     p = PUT_LIT(p, "$2\r\nid\r\n");
@@ -767,6 +802,25 @@ int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
         row->state = RELAY_ROW_PUBLISHED;
         break;
     case RELAY_REPLY_ERROR:
+        if (len >= 6 && memcmp(str, "ORDER ", 6) == 0 && row->after != NULL &&
+            row->after->state == RELAY_ROW_FAILED) {
+            /* Held back behind the row before it in its stream, which failed
+             * for a reason of its own (replies come in the order sent): it
+             * waits with that row, and for the same reason, naming the first
+             * row of the stream that failed. */
+            row->state = RELAY_ROW_FAILED;
+            row->fault = RELAY_FAULT_TRANSIENT;
+            const struct relay_row *first = row->after;
+            while (first->after != NULL && first->after->state == RELAY_ROW_FAILED)
+                first = first->after;
+            snprintf(row->error, sizeof(row->error),
+                     "held back behind row %lld of its stream, which failed: %.*s",
+                     (long long)first->id,
+                     (int)relay_batch_utf8_prefix(first->error, strlen(first->error),
+                                                  sizeof(row->error) - 80),
+                     first->error);
+            break;
+        }
         if (relay_batch_classify_error(str, len) == RELAY_ERROR_ROW) {
             /* WRONGTYPE: the stream key holds another type. An operator can
              * rename or delete it while the row waits for its next attempt. */
@@ -914,6 +968,47 @@ int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_
     }
     relay_buf_puts(out, "COMMIT");
     return out->failed ? -1 : quarantined;
+}
+
+int relay_batch_streams_init(struct relay_batch_streams *x, size_t max_rows)
+{
+    size_t size = 16;
+    while (size < 2 * max_rows)
+        size *= 2;
+    x->slots = malloc(size * sizeof(*x->slots));
+    if (x->slots == NULL)
+        return -1;
+    x->mask = size - 1;
+    relay_batch_streams_clear(x);
+    return 0;
+}
+
+void relay_batch_streams_clear(struct relay_batch_streams *x)
+{
+    memset(x->slots, 0xff, (x->mask + 1) * sizeof(*x->slots)); /* every slot -1 */
+}
+
+int32_t *relay_batch_streams_slot(struct relay_batch_streams *x, const struct relay_row *rows,
+                                  size_t i)
+{
+    const struct relay_row *row = &rows[i];
+    /* FNV-1a over the topic, then the partition of a partitioned topic. */
+    uint32_t h = 2166136261u;
+    for (size_t k = 0; k < row->topic_len; k++)
+        h = (h ^ (unsigned char)row->topic[k]) * 16777619u;
+    if (row->partitions > 1)
+        h = (h ^ (row->partition + 1)) * 16777619u;
+    for (size_t at = h & x->mask;; at = (at + 1) & x->mask) {
+        int32_t j = x->slots[at];
+        if (j < 0 || same_stream(&rows[j], row))
+            return &x->slots[at];
+    }
+}
+
+void relay_batch_streams_free(struct relay_batch_streams *x)
+{
+    free(x->slots);
+    x->slots = NULL;
 }
 
 int64_t relay_batch_claim_floor(const struct relay_claim_lane *others, size_t n,

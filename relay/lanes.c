@@ -188,13 +188,18 @@ static void op_publish(void *arg, size_t lane)
      * batch (docs/DESIGN.md, "The publish deadline"). */
     relay_sink_sync_clock(r->sink);
     relay_sink_written_reset(r->sink);
+    relay_batch_streams_clear(&r->streams);
     int failed_in_order = 0;
     for (size_t i = 0; i < l->nrows; i++) {
         struct relay_row *row = &l->rows[i];
+        row->after = NULL;
         if (failed_in_order && keeps_key_order(row) && held_back(l->rows, i)) {
             l->tally.held++;
             continue;
         }
+        /* Chained to the row sent before it to its stream (relay_row.after). */
+        int32_t *last = relay_batch_streams_slot(&r->streams, l->rows, i);
+        row->after = *last >= 0 ? &l->rows[*last] : NULL;
         relay_buf_reset(&r->out);
         int rc = relay_batch_append_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
                                             r->cfg->dedup_ttl_ms, not_after, &r->out, row->error,
@@ -213,6 +218,7 @@ static void op_publish(void *arg, size_t lane)
         }
         row->state = RELAY_ROW_PUBLISHING;
         l->tally.pending++;
+        *last = (int32_t)i;
     }
     if (l->tally.pending == 0) {
         publish_done(l);
@@ -865,6 +871,8 @@ int relay_lanes_start(struct relay *r)
     ev_init(&r->deadline, on_deadline);
     r->deadline.data = r;
 
+    if (relay_batch_streams_init(&r->streams, cfg->batch_size) != 0)
+        return -1;
     struct relay_pgsrc_hooks hooks = {.arg = r, .on_ready = lane_ready, .on_down = lane_down};
     for (size_t i = 0; i < r->nlanes; i++) {
         struct relay_lane *l = &r->lanes[i];
@@ -908,4 +916,5 @@ void relay_lanes_stop(struct relay *r)
         relay_buf_free(&l->sql);
     }
     relay_buf_free(&r->out);
+    relay_batch_streams_free(&r->streams);
 }

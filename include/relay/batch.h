@@ -61,6 +61,12 @@ struct relay_row {
     uint32_t partitions; /* of its topic: 1 publishes to "<prefix><topic>" */
     uint32_t partition;  /* relay_partition_of, when partitions > 1 */
 
+    /* The row sent before it to the same stream in this batch, or NULL: its
+     * publish names that row's dedup record and is refused while the record
+     * is missing (relay_batch_function_source), so that a command which
+     * failed in the pipeline is never overtaken by a later one that did not. */
+    const struct relay_row *after;
+
     /* Outcome of this cycle. */
     int state;                  /* enum relay_row_state */
     enum relay_row_fault fault; /* when state is RELAY_ROW_FAILED */
@@ -81,7 +87,7 @@ enum relay_error_scope {
 };
 
 /* Maximum arguments of one FCALL: fixed part plus two per header. */
-#define RELAY_PUBLISH_ARGV_MAX (19 + 2 * RELAY_HEADERS_MAX)
+#define RELAY_PUBLISH_ARGV_MAX (20 + 2 * RELAY_HEADERS_MAX)
 
 /* The argv of one publish command, with scratch space for the parts that are
  * built rather than pointed to. */
@@ -91,6 +97,7 @@ struct relay_publish_cmd {
     size_t argvlen[RELAY_PUBLISH_ARGV_MAX];
     char stream[256 + RELAY_TOPIC_MAX];
     char dedup_key[300 + RELAY_TOPIC_MAX];
+    char after_key[300 + RELAY_TOPIC_MAX]; /* the dedup record of row->after */
     char ttl[16];
     char not_after[24];
     char outbox_id[24];
@@ -205,6 +212,27 @@ int32_t relay_batch_decode_int4(const char *buf);
  */
 #define RELAY_CLAIM_FULL_WALK_EVERY 8
 
+/*
+ * The last row of a batch each stream was sent, for relay_row.after: an open
+ * addressing table of row indexes, twice as large as a batch, so that a batch
+ * of as many streams as rows costs one probe or a few per row.
+ */
+struct relay_batch_streams {
+    int32_t *slots; /* a row index, or -1 */
+    size_t mask;    /* the table's size less one; the size is a power of two */
+};
+
+/* Sizes x for batches of up to max_rows rows: 0, or -1 out of memory. */
+int relay_batch_streams_init(struct relay_batch_streams *x, size_t max_rows)
+    __attribute__((warn_unused_result));
+/* Forgets every stream: call before each batch. */
+void relay_batch_streams_clear(struct relay_batch_streams *x);
+/* The slot of rows[i]'s stream: the index of the last row of that stream the
+ * caller stored there since the clear, or -1. Store i in it once the row is sent. */
+int32_t *relay_batch_streams_slot(struct relay_batch_streams *x, const struct relay_row *rows,
+                                  size_t i);
+void relay_batch_streams_free(struct relay_batch_streams *x);
+
 struct relay_claim_lane {
     int in_flight;   /* holds a claimed batch: waiting to publish, publishing or finishing */
     size_t nrows;    /* rows of that batch */
@@ -244,7 +272,8 @@ struct relay_tally {
  * Applies one reply to its row and to the tally: an entry id publishes the
  * row; an error of the row's own fails only the row (with a message that says
  * what to do, as a transient fault: WRONGTYPE can be fixed while the row
- * waits); anything else fails the whole batch. Returns 1 when this was the
+ * waits), and so does ORDER when the row sent before it in its stream failed
+ * that way; anything else fails the whole batch. Returns 1 when this was the
  * last reply the tally waited for.
  */
 int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,

@@ -77,6 +77,7 @@ struct relay {
     int exit_code; /* what relay_run returns: 0, or why the relay refused to go on */
 
     struct relay_cycle cycle;
+    struct relay_batch_streams streams; /* the last row sent to each stream, while publishing */
     struct relay_lane lanes[RELAY_CYCLE_LANES_MAX];
     size_t nlanes;
     struct relay_sink *sink;

@@ -5,6 +5,9 @@ Promises tested:
   returns the first entry's id the second time; its record expires (PTTL);
 - a failed XADD (WRONGTYPE on the stream key) leaves no dedup record, so the
   retry after the key is fixed is published, not swallowed;
+- a publish that names the record of the message sent before it to its stream
+  (a third key) adds nothing while that record is missing, and is published
+  once it is there; a message already recorded still answers its entry id;
 - dedup memory stays bounded: while the relay sends 20,000 rows there are never
   more records than two batches (sampled with DBSIZE) beside those a committed
   batch retired within the last publish_timeout, every record is removed
@@ -128,6 +131,35 @@ class DedupTest(harness.ServerTestCase):
         entry = self.fcall("dedup-b", mid, "id", mid, "payload", "x")
         self.assertEqual([e[0] for e in harness.stream_entries(self.r, "dedup-b")], [entry])
         self.assertEqual(self.r.get(dedup_key("dedup-b", mid)), entry.encode())
+
+    def test_a_publish_waits_for_the_message_before_it(self):
+        """Within a pipelined batch, a command that failed (a slot being
+        migrated, memory full for a moment) must not be overtaken by a later
+        one to the same stream that succeeded: the retry would put the earlier
+        row behind it. Each publish names the record of the one before it."""
+        self.start_relay()
+        first, second = str(uuid.uuid4()), str(uuid.uuid4())
+        stream = "dedup-order"
+
+        def chained(mid, before):
+            return self.r.fcall(FUNCTION, 3, stream, dedup_key(stream, mid),
+                                dedup_key(stream, before), 60000, FAR_FUTURE_MS,
+                                "id", mid, "payload", mid).decode()
+
+        with self.assertRaises(redis_py.exceptions.ResponseError) as refused:
+            chained(second, first)
+        self.assertIn("ORDER", str(refused.exception))
+        self.assertEqual(self.r.exists(stream), 0, "the later message was published first")
+        self.assertEqual(self.r.exists(dedup_key(stream, second)), 0)
+        # The retry, in claim order: the first, then the second after it.
+        one = self.fcall(stream, first, "id", first, "payload", first)
+        two = chained(second, first)
+        self.assertEqual([e[0] for e in harness.stream_entries(self.r, stream)], [one, two])
+        # A message already recorded answers its entry whatever came before
+        # it: a retry of a batch whose first record was retired meanwhile.
+        self.r.delete(dedup_key(stream, first))
+        self.assertEqual(chained(second, first), two)
+        self.assertEqual(self.r.xlen(stream), 2)
 
     # (c)
     def test_committed_batches_retire_their_records(self):

@@ -301,6 +301,39 @@ class PoisonTest(harness.ServerTestCase):
         self.assertEqual(sorted(harness.stream_names(self.r)),
                          sorted([b"billing", b"orders", b"warmup"]))
 
+    def test_rows_behind_a_failed_row_of_their_stream_wait_with_it(self):
+        """Rows of one stream in one batch are chained (docs/DESIGN.md, "The
+        claim cycle"): when the first fails for a reason of its own, the ones
+        behind it are refused by the publish function and wait with it, with
+        its reason; once the key is fixed all are published in claim order."""
+        self.r.set("ledger", "a string where a stream should be")
+        with self.db.cursor() as cur:
+            ids = []
+            for i in range(3):
+                cur.execute("INSERT INTO outbox.messages (topic, payload) VALUES"
+                            " ('ledger', %s) RETURNING id", (b"ledger %d" % i,))
+                ids.append(cur.fetchone()[0])
+        self.db.commit()
+        relay = self.relay(**{**RELAY_FLAGS, "max_attempts": 100})
+        wait_until(lambda: all(r["attempts"] >= 1 for r in rows(self.db, ids).values()),
+                   timeout=30, relay=relay, message="a first attempt of the three rows")
+        got = rows(self.db, ids)
+        first, second, third = (got[i]["last_error"] for i in ids)
+        print(f"the rows behind: {second!r}", flush=True)
+        self.assertIn("WRONGTYPE", first)
+        self.assertNotIn("the row before it", first)
+        for error in (second, third):
+            self.assertIn(f"held back behind row {ids[0]} of its stream, which failed: Redis "
+                          f"refused the entry: WRONGTYPE", error)
+            self.assertIn("rename or delete that key", error)
+        self.assertTrue(all(r["failed_at"] is None for r in got.values()))
+        self.assertEqual(self.r.type("ledger"), b"string")
+        self.r.delete("ledger")
+        wait_until(lambda: all(r["sent_at"] for r in rows(self.db, ids).values()),
+                   timeout=30, relay=relay, message="the three rows once the key is fixed")
+        published = [int(f[b"outbox_id"]) for _, f in harness.stream_entries(self.r, "ledger")]
+        self.assertEqual(published, ids)
+
     def test_error_text_cut_inside_a_utf8_character(self):
         """Errors quote at most 64 bytes of a topic or header name: the cut must not
         leave a partial UTF-8 character that PostgreSQL refuses in last_error."""

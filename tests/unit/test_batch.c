@@ -373,6 +373,151 @@ static void test_function_source_records_after_xadd(void **state)
     assert_non_null(strstr(relay_batch_function_source, "#!lua name=" RELAY_FUNCTION_LIBRARY));
 }
 
+static const char MID_BEFORE[] = "7d0f7a52-3c1e-4b8e-8d6a-2f5e4c3b2a19";
+
+/* A row sent after another to the same stream names that row's dedup record
+ * as a third key: the function refuses it while the record is missing. */
+static void test_build_publish_names_the_row_before(void **state)
+{
+    (void)state;
+    struct relay_row before = make_row("orders", "a", 1);
+    before.message_id = MID_BEFORE;
+    before.message_id_len = strlen(MID_BEFORE);
+    struct relay_row row = make_row("orders", "b", 1);
+    row.after = &before;
+    struct relay_publish_cmd cmd;
+    char err[256];
+    assert_int_equal(relay_batch_build_publish(&row, "app:", 1024, 60000, 1796040000000ull, &cmd,
+                                               err, sizeof(err)),
+                     0);
+    assert_string_equal(cmd.argv[2], "3");
+    assert_string_equal(cmd.argv[3], "app:orders");
+    assert_string_equal(cmd.argv[4], "{app:orders}:dedup:0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b");
+    assert_string_equal(cmd.argv[5], "{app:orders}:dedup:7d0f7a52-3c1e-4b8e-8d6a-2f5e4c3b2a19");
+    assert_string_equal(cmd.argv[6], "60000");
+    assert_string_equal(cmd.argv[7], "1796040000000");
+    assert_int_equal(cmd.argc, 8 + 10);
+
+    /* A partition's stream: the record is in that partition's slot. */
+    before.partitions = row.partitions = 8;
+    before.partition = row.partition = 5;
+    assert_int_equal(
+        relay_batch_build_publish(&row, "", 1024, 60000, 1796040000000ull, &cmd, err, sizeof(err)),
+        0);
+    assert_string_equal(cmd.argv[3], "orders:005");
+    assert_string_equal(cmd.argv[5], "{orders:005}:dedup:7d0f7a52-3c1e-4b8e-8d6a-2f5e4c3b2a19");
+}
+
+/* The predecessor of each row by brute force: the last earlier row of its
+ * stream that was sent. */
+static int32_t last_sent_before(const struct relay_row *rows, const int *sent, size_t i)
+{
+    for (size_t j = i; j-- > 0;)
+        if (sent[j] && rows[j].topic_len == rows[i].topic_len &&
+            memcmp(rows[j].topic, rows[i].topic, rows[i].topic_len) == 0 &&
+            rows[j].partitions == rows[i].partitions && rows[j].partition == rows[i].partition)
+            return (int32_t)j;
+    return -1;
+}
+
+static void test_stream_index_finds_the_row_before(void **state)
+{
+    (void)state;
+    enum { N = 600 };
+    static struct relay_row rows[N];
+    static char topics[N][16];
+    static int sent[N];
+    struct relay_batch_streams x;
+    assert_int_equal(relay_batch_streams_init(&x, N), 0);
+
+    for (int round = 0; round < 3; round++) {
+        /* Round 0: a few streams, partitions among them; round 1: as many
+         * streams as rows (every slot probed past collisions); round 2: the
+         * table cleared between batches, with some rows not sent. */
+        for (size_t i = 0; i < N; i++) {
+            unsigned t = round == 0 ? (unsigned)(i % 3) : (unsigned)((i * 7919u) % (N / 2 + 1));
+            snprintf(topics[i], sizeof(topics[i]), "t%u", t);
+            rows[i] = make_row(topics[i], "x", 1);
+            if (round == 0 && t == 2) {
+                rows[i].partitions = 4;
+                rows[i].partition = (uint32_t)(i % 4);
+            }
+            sent[i] = round < 2 || i % 5 != 0;
+        }
+        relay_batch_streams_clear(&x);
+        for (size_t i = 0; i < N; i++) {
+            int32_t *slot = relay_batch_streams_slot(&x, rows, i);
+            assert_non_null(slot);
+            assert_int_equal(*slot, last_sent_before(rows, sent, i));
+            if (sent[i])
+                *slot = (int32_t)i;
+        }
+    }
+    relay_batch_streams_free(&x);
+    assert_null(x.slots);
+}
+
+static void test_apply_reply_order(void **state)
+{
+    (void)state;
+    struct relay_row rows[3];
+    rows[0] = make_row("orders", "a", 1);
+    rows[1] = make_row("orders", "b", 1);
+    rows[2] = make_row("orders", "c", 1);
+    rows[1].id = 43;
+    rows[2].id = 44;
+    rows[1].after = &rows[0];
+    rows[2].after = &rows[1];
+    const char *wt = "WRONGTYPE Operation against a key holding the wrong kind of value";
+    const char *order = "ORDER the message before this one in its stream was not published";
+    struct relay_tally cycle;
+
+    /* The row before failed for a reason of its own (the stream key holds
+     * another type): this one waits with it, for the same reason. */
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 3;
+    assert_int_equal(relay_batch_apply_reply(&cycle, &rows[0], RELAY_REPLY_ERROR, wt, strlen(wt)),
+                     0);
+    assert_int_equal(
+        relay_batch_apply_reply(&cycle, &rows[1], RELAY_REPLY_ERROR, order, strlen(order)), 0);
+    assert_int_equal(
+        relay_batch_apply_reply(&cycle, &rows[2], RELAY_REPLY_ERROR, order, strlen(order)), 1);
+    assert_false(cycle.failed);
+    for (int i = 1; i < 3; i++) {
+        assert_int_equal(rows[i].state, RELAY_ROW_FAILED);
+        assert_int_equal(rows[i].fault, RELAY_FAULT_TRANSIENT);
+        /* The first row that failed is named, not the chain up to it. */
+        assert_non_null(strstr(rows[i].error, "held back behind row 42 of its stream, which "
+                                              "failed: Redis refused the entry: WRONGTYPE"));
+        assert_non_null(strstr(rows[i].error, "rename or delete that key"));
+    }
+
+    /* The row before failed with the batch (a slot being migrated): the
+     * batch is retried, both rows in claim order. */
+    rows[0].state = rows[1].state = RELAY_ROW_PUBLISHING;
+    rows[2].after = NULL;
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 2;
+    const char *tryagain = "TRYAGAIN Multiple keys request during rehashing of slot";
+    assert_int_equal(
+        relay_batch_apply_reply(&cycle, &rows[0], RELAY_REPLY_ERROR, tryagain, strlen(tryagain)),
+        0);
+    assert_int_equal(
+        relay_batch_apply_reply(&cycle, &rows[1], RELAY_REPLY_ERROR, order, strlen(order)), 1);
+    assert_true(cycle.failed);
+    assert_non_null(strstr(cycle.error, "TRYAGAIN"));
+    assert_int_equal(rows[1].state, RELAY_ROW_PUBLISHING);
+
+    /* Refused while the row before has no answer yet: the batch fails. */
+    rows[0].state = rows[1].state = RELAY_ROW_PUBLISHING;
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 1;
+    assert_int_equal(
+        relay_batch_apply_reply(&cycle, &rows[1], RELAY_REPLY_ERROR, order, strlen(order)), 1);
+    assert_true(cycle.failed);
+    assert_non_null(strstr(cycle.error, "ORDER"));
+}
+
 static void test_apply_reply_cycle(void **state)
 {
     (void)state;
@@ -749,6 +894,18 @@ static void test_append_publish_matches_hiredis(void **state)
     check_publish_same(&row, "", 1024, 60000, 1796040000000ull, &buf);
     row.partition = 999;
     check_publish_same(&row, NULL, 1024, 60000, 1796040000000ull, &buf);
+    row.partitions = 1;
+    row.partition = 0;
+
+    /* Sent after another row of its stream: a third key. */
+    struct relay_row before = row;
+    before.message_id = MID_BEFORE;
+    row.after = &before;
+    check_publish_same(&row, "app:", 1024, 60000, 1796040000000ull, &buf);
+    before.partitions = row.partitions = 16;
+    before.partition = row.partition = 15;
+    check_publish_same(&row, NULL, 1024, 60000, 1796040000000ull, &buf);
+    row.after = NULL;
     row.partitions = 1;
     row.partition = 0;
 
@@ -1299,6 +1456,9 @@ int main(void)
         cmocka_unit_test(test_classify_errors),
         cmocka_unit_test(test_row_retry_delay_grows_and_caps),
         cmocka_unit_test(test_function_source_records_after_xadd),
+        cmocka_unit_test(test_build_publish_names_the_row_before),
+        cmocka_unit_test(test_stream_index_finds_the_row_before),
+        cmocka_unit_test(test_apply_reply_order),
         cmocka_unit_test(test_apply_reply_cycle),
         cmocka_unit_test(test_apply_reply_batch_failures),
         cmocka_unit_test(test_apply_wait),
