@@ -282,7 +282,7 @@ class ClusterTest(harness.PostgresTestCase):
         print(f"migration: slot {slot} ({moved} keys) moved in {took:.1f} s", flush=True)
         relay.wait_for_log(r"MOVED", since=mark, timeout=10)
         log = relay.log()[mark:]
-        met = {what: log.count(what) for what in ("ASK ", "TRYAGAIN", "MOVED")}
+        met = {what: log.count(what) for what in ("ASK ", "TRYAGAIN", "MOVED", "ORDER")}
         asks = harness.metric(harness.metrics_text(relay), "outbox_relay_redis_ask_redirects_total")
         print(f"migration: the relay's log names {met}; {asks:.0f} ASK replies followed",
               flush=True)
