@@ -1397,18 +1397,32 @@ def section_producers():
 # Limits.
 
 def publish_alone(rd):
-    """redis-benchmark, one connection, BATCH calls pipelined: the relay's argv, new ids."""
+    """redis-benchmark, one connection, BATCH calls pipelined: the relay's argv, new ids.
+
+    The argv is that of a row sent after another of its stream (most rows of a
+    batch): it names that row's record, created here, which the function checks."""
     argv_lines = subprocess.run([NAIVE_BIN, "--print-argv", "--publish-timeout", "86400000"],
                                 stdout=subprocess.PIPE, text=True, check=True).stdout.splitlines()
     uuid0 = "00000000-0000-0000-0000-000000000000"
     args = [a.replace(uuid0, "00000000-0000-0000-0000-__rand_int__") for a in argv_lines]
-    cmd = ["redis-benchmark", "-h", "127.0.0.1", "-p", str(rd.port), "-c", "1",
-           "-P", str(BATCH), "-n", str(PUBLISH_CALLS), "-r", "2000000000", "--csv"] + args
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600)
-    rows = list(csv.reader(proc.stdout.strip().splitlines()))
-    if proc.returncode != 0 or len(rows) < 2:
-        raise RuntimeError(f"redis-benchmark failed:\n{proc.stdout[-2000:]}")
+    stream, before = argv_lines[3], argv_lines[5]
+    if not before.endswith(":dedup:ffffffff-ffff-ffff-ffff-ffffffffffff"):
+        raise RuntimeError(f"bench-naive --print-argv names no record before: {argv_lines[:6]}")
+    with contextlib.closing(rd.client()) as c:
+        c.delete(stream)
+        c.set(before, "0-1")
+        cmd = ["redis-benchmark", "-h", "127.0.0.1", "-p", str(rd.port), "-c", "1",
+               "-P", str(BATCH), "-n", str(PUBLISH_CALLS), "-r", "2000000000", "--csv"] + args
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=600)
+        rows = list(csv.reader(proc.stdout.strip().splitlines()))
+        if proc.returncode != 0 or len(rows) < 2:
+            raise RuntimeError(f"redis-benchmark failed:\n{proc.stdout[-2000:]}")
+        # redis-benchmark counts a refused call as done: every call must have
+        # added its entry (random ids may meet once in a while).
+        added = c.xlen(stream)
+        if added < PUBLISH_CALLS * 0.99:
+            raise RuntimeError(f"only {added} of {PUBLISH_CALLS} publish calls added an entry")
     header, values = rows[0], rows[-1]
     return {h: (float(v) if re.fullmatch(r"[\d.]+", v) else v) for h, v in zip(header, values)
             if h != "test"}

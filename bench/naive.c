@@ -42,7 +42,9 @@
  * them sent (the relay with sent_retention above 0) instead of deleting them
  * (the relay's default, sent_retention = 0).
  * --print-argv prints the argv of one sample publish, one argument a line
- * (the benchmark feeds it to redis-benchmark); --print-claim-sql the claim;
+ * (the benchmark feeds it to redis-benchmark): a row sent after another of
+ * its stream, so it names the record {bench0}:dedup:ffffffff-ffff-ffff-ffff-
+ * ffffffffffff, which must exist for the call to publish; --print-claim-sql the claim;
  * --print-function the publish function's source.
  * pgbench cannot run the claim as a prepared statement: it takes the ":MI" of
  * the to_char format inside a string literal for a variable.
@@ -154,8 +156,16 @@ static int print_argv(uint32_t publish_timeout_ms)
     static const char created[] = "2026-01-01T00:00:00.000000Z";
     char payload[200];
     memset(payload, 'x', sizeof(payload));
+    /* Sent after another row of its stream, as most rows of a batch are: the
+     * argv names that row's record, which the caller creates. */
+    static const char before_mid[] = "ffffffff-ffff-ffff-ffff-ffffffffffff";
+    struct relay_row before;
+    memset(&before, 0, sizeof(before));
+    before.message_id = before_mid;
+    before.message_id_len = sizeof(before_mid) - 1;
     struct relay_row row;
     memset(&row, 0, sizeof(row));
+    row.after = &before;
     row.id = 1;
     row.message_id = mid;
     row.message_id_len = sizeof(mid) - 1;
@@ -361,6 +371,9 @@ int main(int argc, char **argv)
     PQclear(res);
 
     struct relay_row *rows = need(calloc((size_t)batch, sizeof(*rows)));
+    struct relay_batch_streams streams;
+    if (relay_batch_streams_init(&streams, (size_t)batch) != 0)
+        die("cannot allocate", "out of memory");
     struct relay_publish_cmd *cmd = need(malloc(sizeof(*cmd)));
     char *keys = need(malloc((size_t)batch * 512));
     char *ids = need(malloc((size_t)batch * 24 + 8));
@@ -391,11 +404,16 @@ int main(int argc, char **argv)
         double t1 = now_s();
         t_claim += t1 - t;
         uint64_t not_after = wall_ms() + publish_timeout_ms;
+        relay_batch_streams_clear(&streams);
         for (int i = 0; i < n; i++) {
             if (parse_row(claimed, i, &rows[i]) < 0)
                 die("claim", "malformed row");
             if (rd == NULL)
                 continue;
+            /* Chained to the row before it in its stream, as the relay does. */
+            int32_t *last = relay_batch_streams_slot(&streams, rows, (size_t)i);
+            rows[i].after = *last >= 0 ? &rows[*last] : NULL;
+            *last = i;
             if (relay_batch_build_publish(&rows[i], "", MAX_PAYLOAD_BYTES, ttl_ms, not_after, cmd,
                                           err, sizeof(err)) < 0)
                 die("cannot build a publish", err);
@@ -483,6 +501,7 @@ int main(int argc, char **argv)
             ;
     }
     free(rows);
+    relay_batch_streams_free(&streams);
     free(cmd);
     free(keys);
     free(ids);
