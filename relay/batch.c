@@ -975,17 +975,22 @@ int relay_batch_streams_init(struct relay_batch_streams *x, size_t max_rows)
     size_t size = 16;
     while (size < 2 * max_rows)
         size *= 2;
-    x->slots = malloc(size * sizeof(*x->slots));
+    x->slots = calloc(size, sizeof(*x->slots));
     if (x->slots == NULL)
         return -1;
     x->mask = size - 1;
+    x->batch = 0;
     relay_batch_streams_clear(x);
     return 0;
 }
 
 void relay_batch_streams_clear(struct relay_batch_streams *x)
 {
-    memset(x->slots, 0xff, (x->mask + 1) * sizeof(*x->slots)); /* every slot -1 */
+    if (++x->batch == 0) {
+        /* Once in 2^32 batches: no slot may look taken in this one. */
+        memset(x->slots, 0, (x->mask + 1) * sizeof(*x->slots));
+        x->batch = 1;
+    }
 }
 
 int32_t *relay_batch_streams_slot(struct relay_batch_streams *x, const struct relay_row *rows,
@@ -999,9 +1004,14 @@ int32_t *relay_batch_streams_slot(struct relay_batch_streams *x, const struct re
     if (row->partitions > 1)
         h = (h ^ (row->partition + 1)) * 16777619u;
     for (size_t at = h & x->mask;; at = (at + 1) & x->mask) {
-        int32_t j = x->slots[at];
-        if (j < 0 || same_stream(&rows[j], row))
-            return &x->slots[at];
+        struct relay_stream_slot *e = &x->slots[at];
+        if (e->batch != x->batch) {
+            /* Empty in this batch: taken now, for the caller to store in. */
+            e->batch = x->batch;
+            e->row = -1;
+        }
+        if (e->row < 0 || same_stream(&rows[e->row], row))
+            return &e->row;
     }
 }
 

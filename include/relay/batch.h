@@ -218,14 +218,19 @@ int32_t relay_batch_decode_int4(const char *buf);
  * of as many streams as rows costs one probe or a few per row.
  */
 struct relay_batch_streams {
-    int32_t *slots; /* a row index, or -1 */
+    struct relay_stream_slot {
+        uint32_t batch; /* the batch the slot was taken in: older ones are empty */
+        int32_t row;    /* a row index, or -1 */
+    } * slots;
     size_t mask;    /* the table's size less one; the size is a power of two */
+    uint32_t batch; /* counts the clears */
 };
 
 /* Sizes x for batches of up to max_rows rows: 0, or -1 out of memory. */
 int relay_batch_streams_init(struct relay_batch_streams *x, size_t max_rows)
     __attribute__((warn_unused_result));
-/* Forgets every stream: call before each batch. */
+/* Forgets every stream: call before each batch. It counts a batch, so a
+ * batch of 5 rows does not pay for the table of a batch_size of 10,000. */
 void relay_batch_streams_clear(struct relay_batch_streams *x);
 /* The slot of rows[i]'s stream: the index of the last row of that stream the
  * caller stored there since the clear, or -1. Store i in it once the row is sent. */

@@ -430,10 +430,11 @@ static void test_stream_index_finds_the_row_before(void **state)
     struct relay_batch_streams x;
     assert_int_equal(relay_batch_streams_init(&x, N), 0);
 
-    for (int round = 0; round < 3; round++) {
+    for (int round = 0; round < 4; round++) {
         /* Round 0: a few streams, partitions among them; round 1: as many
          * streams as rows (every slot probed past collisions); round 2: the
-         * table cleared between batches, with some rows not sent. */
+         * table cleared between batches, with some rows not sent; round 3:
+         * the same across the wrap of the batch count. */
         for (size_t i = 0; i < N; i++) {
             unsigned t = round == 0 ? (unsigned)(i % 3) : (unsigned)((i * 7919u) % (N / 2 + 1));
             snprintf(topics[i], sizeof(topics[i]), "t%u", t);
@@ -444,6 +445,8 @@ static void test_stream_index_finds_the_row_before(void **state)
             }
             sent[i] = round < 2 || i % 5 != 0;
         }
+        if (round == 3)
+            x.batch = UINT32_MAX;
         relay_batch_streams_clear(&x);
         for (size_t i = 0; i < N; i++) {
             int32_t *slot = relay_batch_streams_slot(&x, rows, i);
