@@ -189,6 +189,23 @@ static int take_address(const redisReply *r, struct relay_redis_url *primary)
     return 0;
 }
 
+/* What a Sentinel's refusal of AUTH, or its NOAUTH, should make the operator check. */
+static const char sentinel_auth_hint[] = " (check redis_sentinel_user and redis_sentinel_password)";
+
+/* AUTH on a Sentinel, when they have a password: 0, or -1 with err and fault. */
+static int sentinel_auth(redisContext *c, const struct relay_sentinels *st, int stop_fd,
+                         uint32_t timeout_ms, char *err, size_t errlen,
+                         enum relay_redis_fault *fault)
+{
+    if (st->password[0] == '\0')
+        return 0;
+    if (st->user[0] != '\0')
+        return setup(c, stop_fd, timeout_ms, "AUTH", sentinel_auth_hint, err, errlen, fault,
+                     "AUTH %s %s", st->user, st->password);
+    return setup(c, stop_fd, timeout_ms, "AUTH", sentinel_auth_hint, err, errlen, fault, "AUTH %s",
+                 st->password);
+}
+
 /*
  * Asks each Sentinel in turn for the primary of u's master: primary becomes u
  * with that host and port and no Sentinel. 0, or -1 with err and fault.
@@ -214,18 +231,39 @@ static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeo
             snprintf(last, sizeof(last), "%s", why);
             continue;
         }
+        /* A refused AUTH is reported if the question fails too (NOAUTH); a
+         * Sentinel without a password refuses it and answers all the same. */
+        int refused = 0;
+        if (sentinel_auth(c, &u->sentinels, stop_fd, connect_timeout_ms, why, sizeof(why), fault) !=
+            0) {
+            if (*fault != RELAY_REDIS_REFUSED) {
+                redisFree(c);
+                if (*fault == RELAY_REDIS_STOPPED || *fault == RELAY_REDIS_NOMEM) {
+                    snprintf(err, errlen, "%s", why);
+                    return -1;
+                }
+                snprintf(last, sizeof(last), "Sentinel %.100s:%d: %.180s", at.host, at.port, why);
+                continue;
+            }
+            refused = 1;
+        }
         redisReply *r =
             relay_redis_call(c, stop_fd, connect_timeout_ms, "SENTINEL get-master-addr-by-name %s",
                              u->sentinels.master);
         *primary = *u;
         primary->sentinels.n = 0;
         int ok = take_address(r, primary) == 0;
-        if (!ok)
-            snprintf(last, sizeof(last), "Sentinel %.100s:%d %s", at.host, at.port,
+        if (!ok && refused)
+            snprintf(last, sizeof(last), "Sentinel %.100s:%d: %.180s", at.host, at.port, why);
+        else if (!ok)
+            snprintf(last, sizeof(last), "Sentinel %.100s:%d %.110s%s", at.host, at.port,
                      r == NULL                      ? c->errstr
                      : r->type == REDIS_REPLY_ERROR ? r->str
                      : r->type == REDIS_REPLY_NIL   ? "knows no master of that name"
-                                                    : "gave an unexpected reply");
+                                                    : "gave an unexpected reply",
+                     r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOAUTH", 6) == 0
+                         ? sentinel_auth_hint
+                         : "");
         if (r != NULL)
             freeReplyObject(r);
         redisFree(c);

@@ -133,6 +133,12 @@ static const struct cfg_key cfg_keys[] = {
      "password and database"},
     {"redis_master", CFG_STRING, CFG_OFF(redis_master), 0, CFG_VALUE_MAX, "", 0, NULL,
      "the name of the master the Sentinels monitor"},
+    {"redis_sentinel_user", CFG_STRING, CFG_OFF(redis_sentinel_user), 0, CFG_VALUE_MAX, "", 0, NULL,
+     "the user the Sentinels know the relay as (their ACL); empty: their default user"},
+    {"redis_sentinel_password", CFG_SECRET_STRING, CFG_OFF(redis_sentinel_password), 0,
+     CFG_VALUE_MAX, "", 0, NULL,
+     "the Sentinels' own password (their requirepass, or the user's), sent with AUTH before "
+     "asking them for the primary; empty: none"},
     {"stream_prefix", CFG_STRING, CFG_OFF(stream_prefix), 0, CFG_VALUE_MAX, "", 0,
      cfg_check_stream_prefix, "text put in front of the topic to name the stream"},
     {"batch_size", CFG_UINT, CFG_OFF(batch_size), 1, 10000, "500", 0, NULL,
@@ -1137,6 +1143,40 @@ static int validate_retention(const struct relay_config *cfg, char *err, size_t 
     return 0;
 }
 
+/* redis_sentinel_user and redis_sentinel_password, into the Sentinels' list. */
+static int validate_sentinel_auth(struct relay_config *cfg, int sentinel, char *err, size_t errlen)
+{
+    struct relay_sentinels *st = &cfg->redis_url.sentinels;
+    const char *user = cfg->redis_sentinel_user != NULL ? cfg->redis_sentinel_user : "";
+    const char *password = cfg->redis_sentinel_password != NULL ? cfg->redis_sentinel_password : "";
+    if ((user[0] != '\0' || password[0] != '\0') && !sentinel) {
+        cfg_err(err, errlen,
+                "%s is set but redis_sentinel is not: it is sent to the Sentinels only; set "
+                "redis_sentinel and redis_master, or leave it out",
+                password[0] != '\0' ? "redis_sentinel_password" : "redis_sentinel_user");
+        return -1;
+    }
+    if (user[0] != '\0' && password[0] == '\0') {
+        cfg_err(err, errlen,
+                "redis_sentinel_user is set but redis_sentinel_password is not: AUTH needs the "
+                "user's password");
+        return -1;
+    }
+    if (strlen(user) >= sizeof(st->user)) {
+        cfg_err(err, errlen, "redis_sentinel_user: must be at most %zu bytes",
+                sizeof(st->user) - 1);
+        return -1;
+    }
+    if (strlen(password) >= sizeof(st->password)) {
+        cfg_err(err, errlen, "redis_sentinel_password: must be at most %zu bytes",
+                sizeof(st->password) - 1);
+        return -1;
+    }
+    memcpy(st->user, user, strlen(user) + 1);
+    memcpy(st->password, password, strlen(password) + 1);
+    return 0;
+}
+
 int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
 {
     char rule[RELAY_CONFIG_ERR_MAX];
@@ -1192,6 +1232,8 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
                 cfg->redis_master, rule);
         return -1;
     }
+    if (validate_sentinel_auth(cfg, sentinel, err, errlen) != 0)
+        return -1;
 
     if (cfg->reconnect_min_ms > cfg->reconnect_max_ms) {
         config_format_duration(cfg->reconnect_min_ms, a, sizeof(a));

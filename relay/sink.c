@@ -101,6 +101,7 @@ struct relay_sink {
      * one did not answer, and the primary's address they gave. */
     redisAsyncContext *sentinel_ac;
     int sentinel_next;
+    int sentinel_refused_auth; /* the Sentinel asked refused AUTH: sentinel_error says so */
     char sentinel_error[300];
     char primary_host[256];
     int primary_port;
@@ -1012,6 +1013,26 @@ static void drop_sentinel(struct relay_sink *s)
         redisAsyncFree(ac);
 }
 
+/* What a Sentinel's refusal of AUTH, or its NOAUTH, should make the operator check. */
+static const char sentinel_auth_hint[] = " (check redis_sentinel_user and redis_sentinel_password)";
+
+/* The answer to AUTH, sent to the Sentinel ahead of the question. A refusal
+ * is what the question's own error (NOAUTH) reports. */
+static void on_sentinel_auth(redisAsyncContext *ac, void *reply, void *privdata)
+{
+    struct relay_sink *s = ac->data;
+    const redisReply *r = reply;
+    if (s == NULL || ac != s->sentinel_ac || r == NULL || r->type != REDIS_REPLY_ERROR)
+        return;
+    const struct relay_sentinels *st = &s->cfg->redis_url.sentinels;
+    int at = (int)(intptr_t)privdata;
+    /* The server's text never contains the password. */
+    snprintf(s->sentinel_error, sizeof(s->sentinel_error),
+             "Sentinel %.100s:%d: Redis refused AUTH: %.100s%s", st->addr[at].host,
+             st->addr[at].port, r->str, sentinel_auth_hint);
+    s->sentinel_refused_auth = 1;
+}
+
 static void on_sentinel_reply(redisAsyncContext *ac, void *reply, void *privdata)
 {
     struct relay_sink *s = ac->data;
@@ -1041,12 +1062,16 @@ static void on_sentinel_reply(redisAsyncContext *ac, void *reply, void *privdata
             return;
         }
     }
-    snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d %s",
-             st->addr[at].host, st->addr[at].port,
-             r == NULL                      ? (ac->errstr[0] ? ac->errstr : "closed the connection")
-             : r->type == REDIS_REPLY_ERROR ? r->str
-             : r->type == REDIS_REPLY_NIL   ? "knows no master of that name"
-                                            : "gave an unexpected reply");
+    if (!s->sentinel_refused_auth)
+        snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d %.110s%s",
+                 st->addr[at].host, st->addr[at].port,
+                 r == NULL ? (ac->errstr[0] ? ac->errstr : "closed the connection")
+                 : r->type == REDIS_REPLY_ERROR ? r->str
+                 : r->type == REDIS_REPLY_NIL   ? "knows no master of that name"
+                                                : "gave an unexpected reply",
+                 r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOAUTH", 6) == 0
+                     ? sentinel_auth_hint
+                     : "");
     s->sentinel_ac = NULL;
     if (r != NULL)
         redisAsyncDisconnect(ac);
@@ -1103,6 +1128,19 @@ static void ask_next_sentinel(struct relay_sink *s)
         redisAsyncSetDisconnectCallback(ac, on_sentinel_disconnect);
         s->sentinel_ac = ac;
         s->state = SINK_RESOLVING;
+        s->sentinel_refused_auth = 0;
+        if (st->password[0] != '\0') {
+            /* AUTH [user] password, pipelined ahead of the question. */
+            const char *auth[3] = {"AUTH", st->user, st->password};
+            size_t auth_lens[3] = {4, strlen(st->user), strlen(st->password)};
+            int no_user = st->user[0] == '\0';
+            if (no_user) {
+                auth[1] = auth[2];
+                auth_lens[1] = auth_lens[2];
+            }
+            redisAsyncCommandArgv(ac, on_sentinel_auth, (void *)(intptr_t)at, 3 - no_user, auth,
+                                  auth_lens);
+        }
         const char *argv[3] = {"SENTINEL", "get-master-addr-by-name", st->master};
         size_t lens[3] = {8, 23, strlen(st->master)};
         redisAsyncCommandArgv(ac, on_sentinel_reply, (void *)(intptr_t)at, 3, argv, lens);

@@ -24,6 +24,8 @@ struct relay_config {
     char *redis_password_file;        /* optional; its first line overrides the URL's password */
     char *redis_sentinel;             /* optional: Sentinels "host:port,..." to find the primary */
     char *redis_master;               /* the master's name at those Sentinels */
+    char *redis_sentinel_user;        /* optional: the user the Sentinels know (ACL) */
+    char *redis_sentinel_password;    /* optional: the Sentinels' own password */
     struct relay_redis_url redis_url; /* derived from redis (+ password file) */
 
     /* Streams. */

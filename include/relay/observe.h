@@ -66,7 +66,7 @@ struct relay_observation {
     int pg_ok;
     char pg_error[256];
     int redis_ok;
-    char redis_error[256];
+    char redis_error[512];
     long long outbox_pending;    /* estimate: the span of pending ids */
     double outbox_oldest_age;    /* seconds; -1 when none */
     long long quarantined;       /* rows with failed_at set */

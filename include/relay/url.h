@@ -27,6 +27,9 @@ struct relay_sentinels {
     int n; /* 0: no Sentinel, connect to the URL's host and port */
     char master[128];
     struct relay_addr addr[RELAY_SENTINELS_MAX]; /* port 26379 by default */
+    /* Sent with AUTH to each Sentinel before the question; empty: none. */
+    char user[128];
+    char password[256];
 };
 
 /* A parsed redis://[user:password@]host:port[/db] address. */

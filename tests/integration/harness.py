@@ -1034,13 +1034,15 @@ class Sentinel(Redis):
         Sentinel(primary, master="mymaster", quorum=2, down_after_ms=1000)
 
     It writes its own config file (Sentinel rewrites it) in its directory.
+    With password, the Sentinel asks its clients and the other Sentinels for it
+    (requirepass, sentinel sentinel-pass).
     """
 
     acl_users = False
 
     def __init__(self, primary, master="mymaster", quorum=2, down_after_ms=1000,
-                 failover_timeout_ms=10000):
-        super().__init__()
+                 failover_timeout_ms=10000, password=None):
+        super().__init__(password=password)
         self.primary_port = primary.port
         self.master = master
         self.quorum = quorum
@@ -1058,6 +1060,9 @@ class Sentinel(Redis):
                         f"sentinel down-after-milliseconds {self.master} {self.down_after_ms}\n"
                         f"sentinel failover-timeout {self.master} {self.failover_timeout_ms}\n"
                         f"sentinel parallel-syncs {self.master} 1\n")
+                if self.password:
+                    f.write(f"requirepass {self.password}\n"
+                            f"sentinel sentinel-pass {self.password}\n")
         return [redis_server_binary(), conf, "--sentinel"]
 
     def primary(self):

@@ -11,7 +11,12 @@ Promises tested (README, "Redis replicas and Sentinel"):
   and becomes a replica): the relay moves to the new primary, nothing lost or
   doubled;
 - Sentinels that cannot be reached, or that know no master of that name: the
-  relay says so, naming the last answer and what to check, and keeps asking.
+  relay says so, naming the last answer and what to check, and keeps asking;
+- Sentinels with a password of their own (requirepass): without
+  redis_sentinel_password, or with a wrong one, the relay and `outbox-relay
+  status` say which Sentinel refused and what to check, and publish nothing;
+  with it they find the primary and the relay publishes; the password never
+  reaches a log (test_secrets).
 """
 
 import contextlib
@@ -144,6 +149,42 @@ class SentinelTest(harness.PostgresTestCase):
         self.assertTrue(relay.alive(), relay.log_tail())
         self.assertEqual(sent_count(self.db), 0)
 
+    def test_sentinels_with_a_password_of_their_own(self):
+        primary = self.enterContext(harness.Redis())
+        password = f"sentinel-{harness.random.getrandbits(48):012x}"
+        sentinel = self.enterContext(harness.Sentinel(primary, master=MASTER, quorum=1,
+                                                      password=password))
+        hint = r"\(check redis_sentinel_user and redis_sentinel_password\)"
+
+        def env(given):
+            # The password in the environment, never on a command line.
+            return {"OUTBOX_RELAY_REDIS": None,
+                    "OUTBOX_RELAY_REDIS_SENTINEL": sentinel.address(),
+                    "OUTBOX_RELAY_REDIS_MASTER": MASTER,
+                    "OUTBOX_RELAY_REDIS_SENTINEL_PASSWORD": given,
+                    "OUTBOX_RELAY_CONNECT_TIMEOUT": "1s"}
+
+        for given, said in ((None, rf"Sentinel 127\.0\.0\.1:{sentinel.port} NOAUTH [^;]*{hint}"),
+                            ("wrong-password", rf"Sentinel 127\.0\.0\.1:{sentinel.port}: Redis "
+                                               rf"refused AUTH: WRONGPASS [^;]*{hint}")):
+            with self.subTest(password=given):
+                status = harness.run_relay(["status"], env=harness.relay_env(self.pg, None,
+                                                                             env(given)))
+                print(f"status, Sentinel password {given}:\n{status.stdout}{status.stderr}",
+                      flush=True)
+                self.assertRegex(status.stdout + status.stderr, said)
+                with harness.Relay(self.pg, None, env=env(given), **RELAY_FLAGS) as relay:
+                    relay.wait_for_log(rf"no Sentinel named the primary of master \"{MASTER}\" "
+                                       rf"\(1 asked; last: {said}", timeout=15)
+        insert(self.db, "orders", b"found through a Sentinel with a password")
+        relay = self.enterContext(harness.Relay(self.pg, None, env=env(password),
+                                                **{**RELAY_FLAGS, "min_replicas": 0}))
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        with contextlib.closing(primary.client()) as c:
+            self.assertEqual(c.xlen("orders"), 1)
+        status = harness.run_relay(["status"], env=harness.relay_env(self.pg, None,
+                                                                     env(password)))
+        self.assertNotRegex(status.stdout + status.stderr, "Sentinel|NOAUTH|AUTH", status.stdout)
 
 if __name__ == "__main__":
     unittest.main()

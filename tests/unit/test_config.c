@@ -652,8 +652,37 @@ static void test_sentinel_keys(void **state)
     assert_string_equal(cfg.redis_url.sentinels.master, "orders");
     assert_string_equal(cfg.redis_url.password, "pw");
     assert_int_equal(cfg.redis_url.db, 2);
+    /* No password of the Sentinels' own unless given. */
+    assert_string_equal(cfg.redis_url.sentinels.user, "");
+    assert_string_equal(cfg.redis_url.sentinels.password, "");
     relay_config_free(&cfg);
     strv_free(env);
+
+    /* The Sentinels' own user and password, apart from the primary's. */
+    env = strv("OUTBOX_RELAY_POSTGRES=dbname=app", "OUTBOX_RELAY_REDIS=redis://:pw@h/2",
+               "OUTBOX_RELAY_REDIS_SENTINEL=s1", "OUTBOX_RELAY_REDIS_MASTER=orders",
+               "OUTBOX_RELAY_REDIS_SENTINEL_USER=watcher",
+               "OUTBOX_RELAY_REDIS_SENTINEL_PASSWORD=s3cret-sentinel", NULL);
+    assert_int_equal(load(&cfg, NULL, env, 0, NULL, err), 0);
+    assert_string_equal(cfg.redis_url.sentinels.user, "watcher");
+    assert_string_equal(cfg.redis_url.sentinels.password, "s3cret-sentinel");
+    assert_string_equal(cfg.redis_url.password, "pw");
+    relay_config_free(&cfg);
+    strv_free(env);
+
+    expect_load_error(NULL,
+                      strv("OUTBOX_RELAY_POSTGRES=dbname=app", "OUTBOX_RELAY_REDIS=redis://h:1/0",
+                           "OUTBOX_RELAY_REDIS_SENTINEL_PASSWORD=s3cret-sentinel", NULL),
+                      NULL,
+                      "redis_sentinel_password is set but redis_sentinel is not: it is sent to "
+                      "the Sentinels only; set redis_sentinel and redis_master, or leave it out");
+    expect_load_error(NULL,
+                      strv("OUTBOX_RELAY_POSTGRES=dbname=app", "OUTBOX_RELAY_REDIS_SENTINEL=s1",
+                           "OUTBOX_RELAY_REDIS_MASTER=orders",
+                           "OUTBOX_RELAY_REDIS_SENTINEL_USER=watcher", NULL),
+                      NULL,
+                      "redis_sentinel_user is set but redis_sentinel_password is not: AUTH needs "
+                      "the user's password");
 }
 
 static void test_url_parse_valid(void **state)
