@@ -189,8 +189,17 @@ static int take_address(const redisReply *r, struct relay_redis_url *primary)
     return 0;
 }
 
-/* What a Sentinel's refusal of AUTH, or its NOAUTH, should make the operator check. */
-static const char sentinel_auth_hint[] = " (check redis_sentinel_user and redis_sentinel_password)";
+void relay_sentinel_describe(char *out, size_t outlen, const char *host, int port,
+                             const redisReply *r, const char *lost)
+{
+    int error = r != NULL && r->type == REDIS_REPLY_ERROR;
+    snprintf(out, outlen, "Sentinel %.100s:%d %.110s%s", host, port,
+             r == NULL                    ? lost
+             : error                      ? r->str
+             : r->type == REDIS_REPLY_NIL ? "knows no master of that name"
+                                          : "gave an unexpected reply",
+             error && strncmp(r->str, "NOAUTH", 6) == 0 ? RELAY_SENTINEL_AUTH_HINT : "");
+}
 
 /* AUTH on a Sentinel, when they have a password: 0, or -1 with err and fault. */
 static int sentinel_auth(redisContext *c, const struct relay_sentinels *st, int stop_fd,
@@ -200,10 +209,10 @@ static int sentinel_auth(redisContext *c, const struct relay_sentinels *st, int 
     if (st->password[0] == '\0')
         return 0;
     if (st->user[0] != '\0')
-        return setup(c, stop_fd, timeout_ms, "AUTH", sentinel_auth_hint, err, errlen, fault,
+        return setup(c, stop_fd, timeout_ms, "AUTH", RELAY_SENTINEL_AUTH_HINT, err, errlen, fault,
                      "AUTH %s %s", st->user, st->password);
-    return setup(c, stop_fd, timeout_ms, "AUTH", sentinel_auth_hint, err, errlen, fault, "AUTH %s",
-                 st->password);
+    return setup(c, stop_fd, timeout_ms, "AUTH", RELAY_SENTINEL_AUTH_HINT, err, errlen, fault,
+                 "AUTH %s", st->password);
 }
 
 /*
@@ -256,14 +265,7 @@ static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeo
         if (!ok && refused)
             snprintf(last, sizeof(last), "Sentinel %.100s:%d: %.180s", at.host, at.port, why);
         else if (!ok)
-            snprintf(last, sizeof(last), "Sentinel %.100s:%d %.110s%s", at.host, at.port,
-                     r == NULL                      ? c->errstr
-                     : r->type == REDIS_REPLY_ERROR ? r->str
-                     : r->type == REDIS_REPLY_NIL   ? "knows no master of that name"
-                                                    : "gave an unexpected reply",
-                     r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOAUTH", 6) == 0
-                         ? sentinel_auth_hint
-                         : "");
+            relay_sentinel_describe(last, sizeof(last), at.host, at.port, r, c->errstr);
         if (r != NULL)
             freeReplyObject(r);
         redisFree(c);

@@ -1013,9 +1013,6 @@ static void drop_sentinel(struct relay_sink *s)
         redisAsyncFree(ac);
 }
 
-/* What a Sentinel's refusal of AUTH, or its NOAUTH, should make the operator check. */
-static const char sentinel_auth_hint[] = " (check redis_sentinel_user and redis_sentinel_password)";
-
 /* The answer to AUTH, sent to the Sentinel ahead of the question. A refusal
  * is what the question's own error (NOAUTH) reports. */
 static void on_sentinel_auth(redisAsyncContext *ac, void *reply, void *privdata)
@@ -1029,7 +1026,7 @@ static void on_sentinel_auth(redisAsyncContext *ac, void *reply, void *privdata)
     /* The server's text never contains the password. */
     snprintf(s->sentinel_error, sizeof(s->sentinel_error),
              "Sentinel %.100s:%d: Redis refused AUTH: %.100s%s", st->addr[at].host,
-             st->addr[at].port, r->str, sentinel_auth_hint);
+             st->addr[at].port, r->str, RELAY_SENTINEL_AUTH_HINT);
     s->sentinel_refused_auth = 1;
 }
 
@@ -1063,15 +1060,9 @@ static void on_sentinel_reply(redisAsyncContext *ac, void *reply, void *privdata
         }
     }
     if (!s->sentinel_refused_auth)
-        snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d %.110s%s",
-                 st->addr[at].host, st->addr[at].port,
-                 r == NULL ? (ac->errstr[0] ? ac->errstr : "closed the connection")
-                 : r->type == REDIS_REPLY_ERROR ? r->str
-                 : r->type == REDIS_REPLY_NIL   ? "knows no master of that name"
-                                                : "gave an unexpected reply",
-                 r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOAUTH", 6) == 0
-                     ? sentinel_auth_hint
-                     : "");
+        relay_sentinel_describe(s->sentinel_error, sizeof(s->sentinel_error), st->addr[at].host,
+                                st->addr[at].port, r,
+                                ac->errstr[0] ? ac->errstr : "closed the connection");
     s->sentinel_ac = NULL;
     if (r != NULL)
         redisAsyncDisconnect(ac);

@@ -51,6 +51,17 @@ struct redisReply *relay_redis_call(struct redisContext *c, int stop_fd, uint32_
                                     const char *fmt, ...) __attribute__((warn_unused_result))
 __attribute__((format(printf, 4, 5)));
 
+/* What a Sentinel's refusal of AUTH, or its NOAUTH, should make the operator check. */
+#define RELAY_SENTINEL_AUTH_HINT " (check redis_sentinel_user and redis_sentinel_password)"
+
+/*
+ * Writes into out why a Sentinel at host:port named no primary, from its
+ * answer r to SENTINEL get-master-addr-by-name ("Sentinel host:port knows no
+ * master of that name"); lost is the text when no answer came (r NULL).
+ */
+void relay_sentinel_describe(char *out, size_t outlen, const char *host, int port,
+                             const struct redisReply *r, const char *lost);
+
 /* A slot no primary serves, in relay_cluster_slots_parse's map. */
 #define RELAY_SLOT_UNCOVERED 0xff
 
