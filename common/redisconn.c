@@ -240,7 +240,7 @@ static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeo
             snprintf(last, sizeof(last), "%s", why);
             continue;
         }
-        /* A refused AUTH is reported if the question fails too (NOAUTH); a
+        /* A refused AUTH is reported if the question fails with NOAUTH; a
          * Sentinel without a password refuses it and answers all the same. */
         int refused = 0;
         if (sentinel_auth(c, &u->sentinels, stop_fd, connect_timeout_ms, why, sizeof(why), fault) !=
@@ -262,7 +262,8 @@ static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeo
         *primary = *u;
         primary->sentinels.n = 0;
         int ok = take_address(r, primary) == 0;
-        if (!ok && refused)
+        int noauth = r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOAUTH", 6) == 0;
+        if (!ok && refused && noauth)
             snprintf(last, sizeof(last), "Sentinel %.100s:%d: %.180s", at.host, at.port, why);
         else if (!ok)
             relay_sentinel_describe(last, sizeof(last), at.host, at.port, r, c->errstr);

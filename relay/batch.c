@@ -35,8 +35,9 @@
  * batch's commands are pipelined, and when an earlier one failed (its slot
  * being migrated, memory full for a moment) a later one that ran must not
  * put its entry first, since the retry would then append the earlier row
- * behind it. EXISTS, not GET: a record that holds another type still means
- * the message before was handled. A
+ * behind it. The record must be a string (TYPE, which the relay's Redis user
+ * may run, docs/OPERATIONS.md): one of another type failed the message before
+ * (its GET answered WRONGTYPE), so it holds this one back too. A
  * call that runs after its deadline publishes nothing: the relay gave up on
  * it and will publish the row again, and by then it may have committed that
  * second publish and removed the record, so a late first copy would be a
@@ -49,7 +50,7 @@ const char relay_batch_function_source[] =
     "local function publish(keys, args)\n"
     "  local seen = redis.call('GET', keys[2])\n"
     "  if seen then return seen end\n"
-    "  if keys[3] and redis.call('EXISTS', keys[3]) == 0 then\n"
+    "  if keys[3] and redis.call('TYPE', keys[3])['ok'] ~= 'string' then\n"
     "    return redis.error_reply('ORDER the message before this one in its stream was not "
     "published; the relay retries both in order')\n"
     "  end\n"

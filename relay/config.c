@@ -56,6 +56,7 @@ enum cfg_type {
 
 #define CFG_REQUIRED 0x1u   /* validation fails while the value is empty */
 #define CFG_RELOADABLE 0x2u /* a SIGHUP reload applies it; others need a restart */
+#define CFG_OPAQUE 0x4u     /* a secret string that is a password as a whole: shown as *** */
 
 /*
  * Extra check for a string key, run after the length cap. Returns 0, or -1 with
@@ -136,7 +137,7 @@ static const struct cfg_key cfg_keys[] = {
     {"redis_sentinel_user", CFG_STRING, CFG_OFF(redis_sentinel_user), 0, CFG_VALUE_MAX, "", 0, NULL,
      "the user the Sentinels know the relay as (their ACL); empty: their default user"},
     {"redis_sentinel_password", CFG_SECRET_STRING, CFG_OFF(redis_sentinel_password), 0,
-     CFG_VALUE_MAX, "", 0, NULL,
+     CFG_VALUE_MAX, "", CFG_OPAQUE, NULL,
      "the Sentinels' own password (their requirepass, or the user's), sent with AUTH before "
      "asking them for the primary; empty: none"},
     {"stream_prefix", CFG_STRING, CFG_OFF(stream_prefix), 0, CFG_VALUE_MAX, "", 0,
@@ -482,10 +483,12 @@ void relay_config_redact(const char *s, char *out, size_t outlen)
 }
 
 /*
- * The value as a message shows it: redacted for secret keys, cut to
+ * The value as a message shows it: redacted for secret keys (secret 1: the
+ * passwords in a URI or conninfo; CFG_SHOW_OPAQUE: the whole value), cut to
  * CFG_SHOW_MAX bytes with "..." so the rule after it is not lost, and with
  * control characters replaced so the message stays one line.
  */
+#define CFG_SHOW_OPAQUE 2
 static void config_show(const char *value, int secret, char *out, size_t outlen)
 {
     char red[CFG_SHOW_MAX * 4];
@@ -493,6 +496,10 @@ static void config_show(const char *value, int secret, char *out, size_t outlen)
     size_t n, i;
     struct cfg_out o;
 
+    if (secret == CFG_SHOW_OPAQUE) {
+        snprintf(out, outlen, "%s", value[0] != '\0' ? "***" : "");
+        return;
+    }
     if (secret) {
         relay_config_redact(value, red, sizeof(red));
         v = red;
@@ -697,6 +704,14 @@ static int config_convert(struct relay_config *cfg, const struct cfg_key *k, con
     return -1;
 }
 
+/* How config_show shows a value of k. */
+static int key_secrecy(const struct cfg_key *k)
+{
+    if (k->flags & CFG_OPAQUE)
+        return CFG_SHOW_OPAQUE;
+    return k->type == CFG_SECRET_STRING;
+}
+
 /* Sets k from value; a failure reads `<label> = "<value>": <rule>`. */
 static int config_apply(struct relay_config *cfg, const struct cfg_key *k, const char *label,
                         const char *value, char *err, size_t errlen)
@@ -706,7 +721,7 @@ static int config_apply(struct relay_config *cfg, const struct cfg_key *k, const
 
     if (config_convert(cfg, k, value, rule, sizeof(rule)) == 0)
         return 0;
-    config_show(value, k->type == CFG_SECRET_STRING, shown, sizeof(shown));
+    config_show(value, key_secrecy(k), shown, sizeof(shown));
     cfg_err(err, errlen, "%s = \"%s\": %s", label, shown, rule);
     return -1;
 }
@@ -925,7 +940,7 @@ RELAY_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const cha
         }
         snprintf(label, sizeof(label), "%s: %.64s", where, k->name);
         if (seen[k - cfg_keys]) {
-            config_show(value, k->type == CFG_SECRET_STRING, shown, sizeof(shown));
+            config_show(value, key_secrecy(k), shown, sizeof(shown));
             cfg_err(err, errlen, "%s = \"%s\": already set on line %u: set each key only once",
                     label, shown, seen[k - cfg_keys]);
             return -1;
@@ -1320,7 +1335,9 @@ static void config_value_text(const struct relay_config *cfg, const struct cfg_k
         const char *s = *cfg_cstr_field(cfg, k);
         if (s == NULL)
             s = "";
-        if (k->type == CFG_SECRET_STRING) {
+        if (k->flags & CFG_OPAQUE)
+            s = s[0] != '\0' ? "***" : "";
+        else if (k->type == CFG_SECRET_STRING) {
             relay_config_redact(s, buf, sizeof(buf));
             s = buf;
         }

@@ -1059,7 +1059,10 @@ static void on_sentinel_reply(redisAsyncContext *ac, void *reply, void *privdata
             return;
         }
     }
-    if (!s->sentinel_refused_auth)
+    /* The refused AUTH explains a NOAUTH; any other answer speaks for itself
+     * (a Sentinel without a password refuses AUTH and answers all the same). */
+    int noauth = r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOAUTH", 6) == 0;
+    if (!(s->sentinel_refused_auth && noauth))
         relay_sentinel_describe(s->sentinel_error, sizeof(s->sentinel_error), st->addr[at].host,
                                 st->addr[at].port, r,
                                 ac->errstr[0] ? ac->errstr : "closed the connection");

@@ -155,6 +155,16 @@ class DedupTest(harness.ServerTestCase):
         one = self.fcall(stream, first, "id", first, "payload", first)
         two = chained(second, first)
         self.assertEqual([e[0] for e in harness.stream_entries(self.r, stream)], [one, two])
+        # A record of another type failed the message before (its GET
+        # answered WRONGTYPE): it holds this one back too.
+        third = str(uuid.uuid4())
+        self.r.hset(dedup_key(stream, first + "-other"), "f", "v")
+        with self.assertRaises(redis_py.exceptions.ResponseError) as refused:
+            self.r.fcall(FUNCTION, 3, stream, dedup_key(stream, third),
+                         dedup_key(stream, first + "-other"), 60000, FAR_FUTURE_MS,
+                         "id", third, "payload", third)
+        self.assertIn("ORDER", str(refused.exception))
+        self.assertEqual(self.r.xlen(stream), 2)
         # A message already recorded answers its entry whatever came before
         # it: a retry of a batch whose first record was retired meanwhile.
         self.r.delete(dedup_key(stream, first))

@@ -16,7 +16,8 @@ Promises tested (README, "Redis replicas and Sentinel"):
   redis_sentinel_password, or with a wrong one, the relay and `outbox-relay
   status` say which Sentinel refused and what to check, and publish nothing;
   with it they find the primary and the relay publishes; the password never
-  reaches a log (test_secrets).
+  reaches a log (test_secrets); a Sentinel without a password refuses AUTH and
+  answers all the same, and its answer is what is reported.
 """
 
 import contextlib
@@ -185,6 +186,21 @@ class SentinelTest(harness.PostgresTestCase):
         status = harness.run_relay(["status"], env=harness.relay_env(self.pg, None,
                                                                      env(password)))
         self.assertNotRegex(status.stdout + status.stderr, "Sentinel|NOAUTH|AUTH", status.stdout)
+    def test_a_password_for_sentinels_that_have_none(self):
+        """A Sentinel without a password refuses AUTH and answers all the same:
+        its answer, not the refusal, is what the relay and status report."""
+        primary = self.enterContext(harness.Redis())
+        sentinel = self.enterContext(harness.Sentinel(primary, master="another-name", quorum=1))
+        env = {"OUTBOX_RELAY_REDIS": None, "OUTBOX_RELAY_REDIS_SENTINEL": sentinel.address(),
+               "OUTBOX_RELAY_REDIS_MASTER": MASTER,
+               "OUTBOX_RELAY_REDIS_SENTINEL_PASSWORD": "not-needed-here",
+               "OUTBOX_RELAY_CONNECT_TIMEOUT": "1s"}
+        said = rf"last: Sentinel 127\.0\.0\.1:{sentinel.port} knows no master of that name\)"
+        status = harness.run_relay(["status"], env=harness.relay_env(self.pg, None, env))
+        self.assertRegex(status.stdout + status.stderr, said)
+        with harness.Relay(self.pg, None, env=env, **RELAY_FLAGS) as relay:
+            relay.wait_for_log(said, timeout=15)
+
 
 if __name__ == "__main__":
     unittest.main()

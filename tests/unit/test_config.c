@@ -796,10 +796,33 @@ static void test_password_file(void **state)
     relay_config_free(&cfg);
 }
 
+/* A message about the Sentinels' password never shows it. */
+static void test_opaque_secret_never_shown(void **state)
+{
+    (void)state;
+    /* Set twice in a file: tests/data/config/sentinel-password-twice.conf. Too long: */
+    char long_password[300];
+    memset(long_password, 'p', sizeof(long_password) - 1);
+    long_password[sizeof(long_password) - 1] = '\0';
+    char setting[400];
+    snprintf(setting, sizeof(setting), "OUTBOX_RELAY_REDIS_SENTINEL_PASSWORD=%s", long_password);
+    struct relay_config cfg;
+    char err[ERRLEN];
+    char **env = strv("OUTBOX_RELAY_POSTGRES=dbname=app", "OUTBOX_RELAY_REDIS_SENTINEL=s1",
+                      "OUTBOX_RELAY_REDIS_MASTER=m", setting, NULL);
+    assert_int_equal(load(&cfg, NULL, env, 0, NULL, err), -1);
+    assert_null(strstr(err, "ppp"));
+    assert_non_null(strstr(err, "redis_sentinel_password"));
+    relay_config_free(&cfg);
+    strv_free(env);
+}
+
 static void test_dump_redacts(void **state)
 {
     char **envp = strv("OUTBOX_RELAY_POSTGRES=host=db password=secret",
-                       "OUTBOX_RELAY_REDIS=redis://u:secret@cache:6380/1", NULL);
+                       "OUTBOX_RELAY_REDIS=redis://u:secret@cache:6380/1",
+                       "OUTBOX_RELAY_REDIS_SENTINEL=s1", "OUTBOX_RELAY_REDIS_MASTER=m",
+                       "OUTBOX_RELAY_REDIS_SENTINEL_PASSWORD=secret-of-the-sentinels", NULL);
     struct relay_config cfg;
     char err[ERRLEN], out[4096];
 
@@ -809,6 +832,8 @@ static void test_dump_redacts(void **state)
     assert_null(strstr(out, "secret"));
     assert_non_null(strstr(out, "postgres = \"host=db password=***\"\n"));
     assert_non_null(strstr(out, "redis = \"redis://u:***@cache:6380/1\"\n"));
+    /* A password as a whole is hidden as a whole. */
+    assert_non_null(strstr(out, "redis_sentinel_password = \"***\"\n"));
     assert_non_null(strstr(out, "batch_size = 500\n"));
     assert_non_null(strstr(out, "listen = on\n"));
     assert_non_null(strstr(out, "dedup_ttl = 1d\n"));
@@ -918,6 +943,7 @@ int main(void)
         cmocka_unit_test(test_url_parse_valid),
         cmocka_unit_test(test_sentinels_parse),
         cmocka_unit_test(test_sentinel_keys),
+        cmocka_unit_test(test_opaque_secret_never_shown),
         cmocka_unit_test(test_url_parse_invalid),
         cmocka_unit_test(test_url_size_caps),
         cmocka_unit_test(test_password_file),
