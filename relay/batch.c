@@ -30,9 +30,10 @@
  * record's time to live in ms, ARGV[2] the validity deadline (Unix ms on the
  * server's clock), ARGV[3..] the entry's fields.
  *
- * A message id already recorded returns the entry id of the first copy. A
- * message whose predecessor (KEYS[3]) is not recorded publishes nothing: the
- * batch's commands are pipelined, and when an earlier one failed (its slot
+ * A message id already recorded returns the entry id of the first copy.
+ * Then a message past its deadline is refused (below), before any other
+ * check. A message whose predecessor (KEYS[3]) is not recorded publishes
+ * nothing: the batch's commands are pipelined, and when an earlier one failed (its slot
  * being migrated, memory full for a moment) a later one that ran must not
  * put its entry first, since the retry would then append the earlier row
  * behind it. The record must be a string (TYPE, which the relay's Redis user
@@ -50,14 +51,14 @@ const char relay_batch_function_source[] =
     "local function publish(keys, args)\n"
     "  local seen = redis.call('GET', keys[2])\n"
     "  if seen then return seen end\n"
-    "  if keys[3] and redis.call('TYPE', keys[3])['ok'] ~= 'string' then\n"
-    "    return redis.error_reply('ORDER the message before this one in its stream was not "
-    "published; the relay retries both in order')\n"
-    "  end\n"
     "  local t = redis.call('TIME')\n"
     "  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
     "  if now > tonumber(args[2]) then\n"
     "    return redis.error_reply('EXPIRED publish deadline passed; the relay retries it')\n"
+    "  end\n"
+    "  if keys[3] and redis.call('TYPE', keys[3])['ok'] ~= 'string' then\n"
+    "    return redis.error_reply('ORDER the message before this one in its stream was not "
+    "published; the relay retries both in order')\n"
     "  end\n"
     "  local id = redis.call('XADD', keys[1], '*', unpack(args, 3))\n"
     "  redis.call('SET', keys[2], id, 'PX', args[1])\n"
