@@ -9,6 +9,9 @@
 # Environment:
 #   PACKAGE_BUILD_DIR  build directory (default build-package, relative to
 #                      the repository root)
+#   RELAY_WERROR       ON: warnings are errors, as in CI; the packages are the
+#                      one optimised (Release) build the suite compiles, where
+#                      GCC sees further (format truncation, for one)
 # Prints the paths of the packages, one a line, on stdout.
 set -euo pipefail
 
@@ -19,7 +22,7 @@ bash scripts/deps.sh >&2
 
 build_dir="${PACKAGE_BUILD_DIR:-build-package}"
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=/usr \
-  -DRELAY_TESTS=OFF -DRELAY_DEB_PACKAGE=ON >&2
+  -DRELAY_TESTS=OFF -DRELAY_DEB_PACKAGE=ON -DRELAY_WERROR="${RELAY_WERROR:-OFF}" >&2
 cmake --build "$build_dir" -j2 >&2
 rm -f "$build_dir"/*.deb
 (cd "$build_dir" && cpack -G DEB) >&2

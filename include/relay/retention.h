@@ -42,7 +42,7 @@ struct relay_retention {
     unsigned long long sent_deleted_total;
     unsigned long long stream_trimmed_total;
     unsigned long long errors_total;
-    char last_error[256]; /* the last failure logged, so each is logged once */
+    char last_error[512]; /* the last failure logged, so each is logged once */
     /* The VACUUM in flight, on a connection of its own. */
     struct pg_conn *vacuum_conn;
     double vacuum_started; /* monotonic seconds; 0 when none runs */
