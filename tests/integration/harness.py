@@ -1035,14 +1035,19 @@ class Sentinel(Redis):
 
     It writes its own config file (Sentinel rewrites it) in its directory.
     With password, the Sentinel asks its clients and the other Sentinels for it
-    (requirepass, sentinel sentinel-pass).
+    (requirepass, sentinel sentinel-pass). With user, it also has an ACL user
+    of that name whose password is user_password.
     """
 
     acl_users = False
 
     def __init__(self, primary, master="mymaster", quorum=2, down_after_ms=1000,
-                 failover_timeout_ms=10000, password=None):
+                 failover_timeout_ms=10000, password=None, user=None, user_password=None):
         super().__init__(password=password)
+        self.user = user
+        self.user_password = user_password
+        if user_password:
+            keep_secret(user_password)
         self.primary_port = primary.port
         self.master = master
         self.quorum = quorum
@@ -1063,6 +1068,8 @@ class Sentinel(Redis):
                 if self.password:
                     f.write(f"requirepass {self.password}\n"
                             f"sentinel sentinel-pass {self.password}\n")
+                if self.user:
+                    f.write(f"user {self.user} on >{self.user_password} ~* &* +@all\n")
         return [redis_server_binary(), conf, "--sentinel"]
 
     def primary(self):

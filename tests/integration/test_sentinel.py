@@ -17,7 +17,10 @@ Promises tested (README, "Redis replicas and Sentinel"):
   status` say which Sentinel refused and what to check, and publish nothing;
   with it they find the primary and the relay publishes; the password never
   reaches a log (test_secrets); a Sentinel without a password refuses AUTH and
-  answers all the same, and its answer is what is reported.
+  answers all the same, and its answer is what is reported;
+- an ACL user of the Sentinels' own (redis_sentinel_user): its password alone,
+  sent for the default user, is refused and reported; with the user the relay
+  and status find the primary.
 """
 
 import contextlib
@@ -186,6 +189,39 @@ class SentinelTest(harness.PostgresTestCase):
         status = harness.run_relay(["status"], env=harness.relay_env(self.pg, None,
                                                                      env(password)))
         self.assertNotRegex(status.stdout + status.stderr, "Sentinel|NOAUTH|AUTH", status.stdout)
+    def test_an_acl_user_of_the_sentinels_own(self):
+        primary = self.enterContext(harness.Redis())
+        user = "relay-watch"
+        user_password = f"watch-{harness.random.getrandbits(48):012x}"
+        sentinel = self.enterContext(harness.Sentinel(
+            primary, master=MASTER, quorum=1,
+            password=f"default-{harness.random.getrandbits(48):012x}",
+            user=user, user_password=user_password))
+
+        def env(given_user):
+            return {"OUTBOX_RELAY_REDIS": None,
+                    "OUTBOX_RELAY_REDIS_SENTINEL": sentinel.address(),
+                    "OUTBOX_RELAY_REDIS_MASTER": MASTER,
+                    "OUTBOX_RELAY_REDIS_SENTINEL_USER": given_user,
+                    "OUTBOX_RELAY_REDIS_SENTINEL_PASSWORD": user_password,
+                    "OUTBOX_RELAY_CONNECT_TIMEOUT": "1s"}
+
+        said = (rf"Sentinel 127\.0\.0\.1:{sentinel.port}: Redis refused AUTH: WRONGPASS [^;]*"
+                r"\(check redis_sentinel_user and redis_sentinel_password\)")
+        status = harness.run_relay(["status"], env=harness.relay_env(self.pg, None, env(None)))
+        self.assertRegex(status.stdout + status.stderr, said)
+        with harness.Relay(self.pg, None, env=env(None), **RELAY_FLAGS) as relay:
+            relay.wait_for_log(rf"no Sentinel named the primary of master \"{MASTER}\" "
+                               rf"\(1 asked; last: {said}", timeout=15)
+        insert(self.db, "orders", b"found through a Sentinel's ACL user")
+        relay = self.enterContext(harness.Relay(self.pg, None, env=env(user),
+                                                **{**RELAY_FLAGS, "min_replicas": 0}))
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        with contextlib.closing(primary.client()) as c:
+            self.assertEqual(c.xlen("orders"), 1)
+        status = harness.run_relay(["status"], env=harness.relay_env(self.pg, None, env(user)))
+        self.assertNotRegex(status.stdout + status.stderr, "Sentinel|NOAUTH|AUTH", status.stdout)
+
     def test_a_password_for_sentinels_that_have_none(self):
         """A Sentinel without a password refuses AUTH and answers all the same:
         its answer, not the refusal, is what the relay and status report."""
