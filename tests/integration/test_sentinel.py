@@ -172,23 +172,30 @@ class SentinelTest(harness.PostgresTestCase):
                             ("wrong-password", rf"Sentinel 127\.0\.0\.1:{sentinel.port}: Redis "
                                                rf"refused AUTH: WRONGPASS [^;]*{hint}")):
             with self.subTest(password=given):
-                status = harness.run_relay(["status"], env=harness.relay_env(self.pg, None,
-                                                                             env(given)))
-                print(f"status, Sentinel password {given}:\n{status.stdout}{status.stderr}",
-                      flush=True)
-                self.assertRegex(status.stdout + status.stderr, said)
-                with harness.Relay(self.pg, None, env=env(given), **RELAY_FLAGS) as relay:
-                    relay.wait_for_log(rf"no Sentinel named the primary of master \"{MASTER}\" "
-                                       rf"\(1 asked; last: {said}", timeout=15)
-        insert(self.db, "orders", b"found through a Sentinel with a password")
-        relay = self.enterContext(harness.Relay(self.pg, None, env=env(password),
+                self.refused(env(given), said)
+        self.publishes_through(primary, env(password), b"found through a Sentinel with a password")
+
+    def refused(self, env, said):
+        """Status and the relay both report the Sentinel's refusal, `said`."""
+        status = harness.run_relay(["status"], env=harness.relay_env(self.pg, None, env))
+        print(f"status:\n{status.stdout}{status.stderr}", flush=True)
+        self.assertRegex(status.stdout + status.stderr, said)
+        with harness.Relay(self.pg, None, env=env, **RELAY_FLAGS) as relay:
+            relay.wait_for_log(rf"no Sentinel named the primary of master \"{MASTER}\" "
+                               rf"\(1 asked; last: {said}", timeout=15)
+
+    def publishes_through(self, primary, env, payload):
+        """With env the relay publishes a row to `primary`, and status has no
+        complaint about a Sentinel."""
+        insert(self.db, "orders", payload)
+        relay = self.enterContext(harness.Relay(self.pg, None, env=env,
                                                 **{**RELAY_FLAGS, "min_replicas": 0}))
         harness.wait_all_sent(self.db, timeout=30, relay=relay)
         with contextlib.closing(primary.client()) as c:
             self.assertEqual(c.xlen("orders"), 1)
-        status = harness.run_relay(["status"], env=harness.relay_env(self.pg, None,
-                                                                     env(password)))
+        status = harness.run_relay(["status"], env=harness.relay_env(self.pg, None, env))
         self.assertNotRegex(status.stdout + status.stderr, "Sentinel|NOAUTH|AUTH", status.stdout)
+
     def test_an_acl_user_of_the_sentinels_own(self):
         primary = self.enterContext(harness.Redis())
         user = "relay-watch"
@@ -208,19 +215,8 @@ class SentinelTest(harness.PostgresTestCase):
 
         said = (rf"Sentinel 127\.0\.0\.1:{sentinel.port}: Redis refused AUTH: WRONGPASS [^;]*"
                 r"\(check redis_sentinel_user and redis_sentinel_password\)")
-        status = harness.run_relay(["status"], env=harness.relay_env(self.pg, None, env(None)))
-        self.assertRegex(status.stdout + status.stderr, said)
-        with harness.Relay(self.pg, None, env=env(None), **RELAY_FLAGS) as relay:
-            relay.wait_for_log(rf"no Sentinel named the primary of master \"{MASTER}\" "
-                               rf"\(1 asked; last: {said}", timeout=15)
-        insert(self.db, "orders", b"found through a Sentinel's ACL user")
-        relay = self.enterContext(harness.Relay(self.pg, None, env=env(user),
-                                                **{**RELAY_FLAGS, "min_replicas": 0}))
-        harness.wait_all_sent(self.db, timeout=30, relay=relay)
-        with contextlib.closing(primary.client()) as c:
-            self.assertEqual(c.xlen("orders"), 1)
-        status = harness.run_relay(["status"], env=harness.relay_env(self.pg, None, env(user)))
-        self.assertNotRegex(status.stdout + status.stderr, "Sentinel|NOAUTH|AUTH", status.stdout)
+        self.refused(env(None), said)
+        self.publishes_through(primary, env(user), b"found through a Sentinel's ACL user")
 
     def test_a_password_for_sentinels_that_have_none(self):
         """A Sentinel without a password refuses AUTH and answers all the same:
