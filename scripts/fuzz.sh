@@ -14,8 +14,9 @@
 #   FUZZ_JOBS       how many targets run at once (default 1)
 #
 # New inputs that reach new code are kept in build-fuzz/corpus/<target>/,
-# not in the seed corpus: copy the ones worth keeping into
-# tests/fuzz/corpus/<target>/ by hand (libFuzzer's -merge=1 picks them).
+# not in the seed corpus. To keep those that add coverage after a longer run:
+#   build-fuzz/tests/fuzz/fuzz_<target> -merge=1 tests/fuzz/corpus/<target> \
+#     build-fuzz/corpus/<target>
 set -euo pipefail
 
 seconds="${1:-20}"
