@@ -91,8 +91,10 @@ CLAIM_CANDIDATES = (os.environ.get("STORAGE_CLAIM_CANDIDATES") or "U,D,DV,A,P,PV
 CLAIM_MODES = (os.environ.get("STORAGE_CLAIM_MODES") or "off,on").split(",")
 RAW = os.environ.get("STORAGE_RAW") or "/tmp/storage-candidates-raw.jsonl"
 
-# The relay's claim, as bench-naive prints it: the select list is kept, the rest must be this.
-RELAY_FROM = (" FROM outbox.messages"
+# The relay's claim, as bench-naive prints it: the select list is kept; the rest is the
+# relay's walk of the pending index without its floor ($6) and its clauses for partitioned
+# topics, which pass every row of an outbox whose topics have one partition, as here.
+RELAY_FROM = (" FROM outbox.messages AS c"
               " WHERE sent_at IS NULL AND failed_at IS NULL AND (retry_at IS NULL OR retry_at <= now())"
               "  AND topic <> ALL ($2::text[])"
               " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED")
@@ -102,9 +104,9 @@ H_FROM = RELAY_FROM.replace(" ORDER BY", " AND id > $3::bigint ORDER BY")
 P_FROM = (" FROM outbox.pending AS p CROSS JOIN LATERAL ("
           "SELECT m.message_id, m.topic, m.partition_key, m.payload, m.headers, m.created_at,"
           " m.attempts, m.retry_at, m.failed_at FROM outbox.messages AS m WHERE m.id = p.id"
-          " OFFSET 0) AS m"
-          " WHERE m.failed_at IS NULL AND (m.retry_at IS NULL OR m.retry_at <= now())"
-          "  AND m.topic <> ALL ($2::text[])"
+          " OFFSET 0) AS c"
+          " WHERE c.failed_at IS NULL AND (c.retry_at IS NULL OR c.retry_at <= now())"
+          "  AND c.topic <> ALL ($2::text[])"
           " ORDER BY id LIMIT $1 FOR UPDATE OF p SKIP LOCKED")
 
 QUEUE_VACUUM = "autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 10000," \
@@ -186,8 +188,10 @@ def record(rec):
 def claim_select():
     sql = subprocess.run([bench.NAIVE_BIN, "--print-claim-sql"], stdout=subprocess.PIPE,
                          text=True, check=True).stdout.strip()
-    head, sep, tail = sql.partition(" FROM outbox.messages")
-    if sep + tail != RELAY_FROM:
+    head, sep, tail = sql.partition(" FROM outbox.messages AS c")
+    where, order = RELAY_FROM.split("  AND topic <> ALL ($2::text[])")
+    if not (sep + tail).startswith(where) or not tail.endswith(order) \
+            or " AND topic <> ALL ($2::text[])" not in tail:
         sys.exit(f"storage.py: the relay's claim changed, update RELAY_FROM:\n{sql}")
     return head
 
