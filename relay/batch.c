@@ -804,6 +804,17 @@ int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
         row->state = RELAY_ROW_PUBLISHED;
         break;
     case RELAY_REPLY_ERROR:
+        if (len >= 6 && memcmp(str, "ORDER ", 6) == 0 &&
+            (row->after_ahead || (row->after != NULL && row->after->state == RELAY_ROW_CLAIMED))) {
+            /* Behind a row of the batch ahead that is not in its stream (that
+             * batch failed, or the row failed on its own), or behind a row
+             * of this batch refused that way: left as claimed, neither sent
+             * nor failed, for the next claim to take again behind it. It
+             * costs no attempt. */
+            row->state = RELAY_ROW_CLAIMED;
+            tally->left++;
+            break;
+        }
         if (len >= 6 && memcmp(str, "ORDER ", 6) == 0 && row->after != NULL &&
             row->after->state == RELAY_ROW_FAILED) {
             /* Held back behind the row before it in its stream, which failed
@@ -995,17 +1006,36 @@ void relay_batch_streams_clear(struct relay_batch_streams *x)
     }
 }
 
-int32_t *relay_batch_streams_slot(struct relay_batch_streams *x, const struct relay_row *rows,
-                                  size_t i)
+/* FNV-1a over the topic, then the partition of a partitioned topic. */
+static uint32_t stream_hash(const struct relay_row *row)
 {
-    const struct relay_row *row = &rows[i];
-    /* FNV-1a over the topic, then the partition of a partitioned topic. */
     uint32_t h = 2166136261u;
     for (size_t k = 0; k < row->topic_len; k++)
         h = (h ^ (unsigned char)row->topic[k]) * 16777619u;
     if (row->partitions > 1)
         h = (h ^ (row->partition + 1)) * 16777619u;
-    for (size_t at = h & x->mask;; at = (at + 1) & x->mask) {
+    return h;
+}
+
+int32_t relay_batch_streams_find(const struct relay_batch_streams *x, const struct relay_row *rows,
+                                 const struct relay_row *row)
+{
+    /* The table is twice as large as a batch: an empty slot ends every probe.
+     * A slot taken for a row that was not sent (-1) may sit on the way. */
+    for (size_t at = stream_hash(row) & x->mask;; at = (at + 1) & x->mask) {
+        const struct relay_stream_slot *e = &x->slots[at];
+        if (e->batch != x->batch)
+            return -1;
+        if (e->row >= 0 && same_stream(&rows[e->row], row))
+            return e->row;
+    }
+}
+
+int32_t *relay_batch_streams_slot(struct relay_batch_streams *x, const struct relay_row *rows,
+                                  size_t i)
+{
+    const struct relay_row *row = &rows[i];
+    for (size_t at = stream_hash(row) & x->mask;; at = (at + 1) & x->mask) {
         struct relay_stream_slot *e = &x->slots[at];
         if (e->batch != x->batch) {
             /* Empty in this batch: taken now, for the caller to store in. */

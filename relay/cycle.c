@@ -84,6 +84,31 @@ static void set_stage(struct relay_cycle *c, size_t lane, enum relay_lane_state 
     c->lanes[lane].stage_at = c->ops.now(c->ops.arg);
 }
 
+/* The lane's publishes are over: the oldest batch still publishing, if any,
+ * is the one whose replies come in first. */
+static void publish_ended(struct relay_cycle *c, size_t lane)
+{
+    if (c->publishing != (int)lane)
+        return;
+    c->publishing = -1;
+    for (size_t i = 0; i < c->nlanes; i++)
+        if (i != lane && c->lanes[i].state == RELAY_LANE_PUBLISH &&
+            (c->publishing < 0 || c->lanes[i].seq < c->lanes[c->publishing].seq))
+            c->publishing = (int)i;
+}
+
+/* A claimed batch may publish now: none is publishing, or the one that is
+ * (the only one: at most two batches exist) lets it follow at once. */
+static int may_publish(const struct relay_cycle *c, size_t lane)
+{
+    if (c->publishing < 0)
+        return 1;
+    const struct relay_cycle_lane *ahead = &c->lanes[c->publishing];
+    return c->ops.overlap != NULL && ahead->state == RELAY_LANE_PUBLISH && !ahead->doomed &&
+           ahead->seq < c->lanes[lane].seq &&
+           c->ops.overlap(c->ops.arg, (size_t)c->publishing, lane);
+}
+
 void relay_cycle_want(struct relay_cycle *c)
 {
     if (c->stopping)
@@ -148,8 +173,7 @@ void relay_cycle_failed(struct relay_cycle *c, size_t lane, enum relay_fail_kind
         return;
     c->failures_in_row++;
     c->ops.failed(c->ops.arg, lane, kind, why);
-    if (c->publishing == (int)lane)
-        c->publishing = -1;
+    publish_ended(c, lane);
     c->in_backoff = 1;
     c->want_claim = 1;
     c->ops.arm_retry(c->ops.arg, relay_backoff_next(&c->backoff, relay_backoff_random()));
@@ -161,7 +185,8 @@ void relay_cycle_failed(struct relay_cycle *c, size_t lane, enum relay_fail_kind
 
 static void start_publish(struct relay_cycle *c, size_t lane)
 {
-    c->publishing = (int)lane;
+    if (c->publishing < 0)
+        c->publishing = (int)lane;
     set_stage(c, lane, RELAY_LANE_PUBLISH);
     c->ops.publish(c->ops.arg, lane); /* may end the batch before it returns */
 }
@@ -227,7 +252,7 @@ void relay_cycle_claimed(struct relay_cycle *c, size_t lane, size_t nrows, int f
      * while this one publishes. */
     if (full && c->nlanes > 1)
         c->want_claim = 1;
-    if (c->publishing < 0)
+    if (may_publish(c, lane))
         start_publish(c, lane);
     else
         set_stage(c, lane, RELAY_LANE_CLAIMED);
@@ -254,8 +279,7 @@ void relay_cycle_published(struct relay_cycle *c, size_t lane)
                            "PostgreSQL connection lost while the batch was published");
         return;
     }
-    if (c->publishing == (int)lane)
-        c->publishing = -1;
+    publish_ended(c, lane);
     char why[256] = "PostgreSQL connection lost before the batch was marked sent";
     if (c->ops.finish(c->ops.arg, lane, why, sizeof(why)) < 0) {
         relay_cycle_failed(c, lane, RELAY_FAIL_POSTGRES, why);
@@ -273,7 +297,7 @@ void relay_cycle_published(struct relay_cycle *c, size_t lane)
     }
     /* Every reply of this batch is in: the next batch may publish now. */
     int next = next_claimed(c);
-    if (next >= 0)
+    if (next >= 0 && may_publish(c, (size_t)next))
         start_publish(c, (size_t)next);
 }
 

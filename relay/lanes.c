@@ -21,6 +21,7 @@
 #include <hiredis/async.h>
 #include <hiredis/hiredis.h>
 #include <libpq-fe.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -113,6 +114,27 @@ static int op_claim(void *arg, size_t lane, char *why, size_t whylen)
 static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg);
 static void publish_done(struct relay_lane *l);
 
+static int has_partitioned_rows(const struct relay_lane *l)
+{
+    for (size_t i = 0; i < l->nrows; i++)
+        if (l->rows[i].partitions > 1)
+            return 1;
+    return 0;
+}
+
+/* A claimed batch publishes behind the one still publishing, without waiting
+ * for its replies, when neither holds a row of a partitioned topic: a row of
+ * a key that failed there must hold back every later row of its key, also
+ * those a batch behind chains to an earlier row of the stream (relay/cycle.c,
+ * docs/DESIGN.md, "The claim cycle"). */
+static int op_overlap(void *arg, size_t ahead, size_t lane)
+{
+    const struct relay *r = arg;
+    const struct relay_lane *a = &r->lanes[ahead];
+    return !a->tally.failed && relay_owner_claimable(r->owner) == 0 && !has_partitioned_rows(a) &&
+           !has_partitioned_rows(&r->lanes[lane]);
+}
+
 /* A row of a partitioned topic with a key: one whose failure holds back the
  * later rows of its key (docs/PARTITIONS.md). */
 static int keeps_key_order(const struct relay_row *row)
@@ -170,6 +192,19 @@ static void send_wait(struct relay *r, struct relay_lane *l)
     l->tally.pending += (size_t)sent;
 }
 
+/* The publish deadline of the oldest batch publishing: a batch that follows
+ * it was claimed later, so its own deadline is armed once that one ends. */
+static void arm_deadline(struct relay *r)
+{
+    ev_timer_stop(r->loop, &r->deadline);
+    if (r->stopping || r->cycle.publishing < 0)
+        return;
+    double since = r->cycle.lanes[r->cycle.publishing].claimed_at;
+    double left = since + r->cfg->publish_timeout_ms / 1000.0 - relay_now();
+    ev_timer_set(&r->deadline, left > 0.001 ? left : 0.001, 0.0);
+    ev_timer_start(r->loop, &r->deadline);
+}
+
 /* Sends every row of the lane's batch to Redis under one deadline. */
 static void op_publish(void *arg, size_t lane)
 {
@@ -188,22 +223,37 @@ static void op_publish(void *arg, size_t lane)
      * batch (docs/DESIGN.md, "The publish deadline"). */
     relay_sink_sync_clock(r->sink);
     relay_sink_written_reset(r->sink);
-    relay_batch_streams_clear(&r->streams);
+    relay_batch_streams_clear(&l->streams);
+    /* A batch that follows the one still publishing (relay_cycle_ops.overlap)
+     * chains each stream's first row to that batch's last row of the stream. */
+    int ahead = r->cycle.publishing != (int)lane ? r->cycle.publishing : -1;
+    const struct relay_lane *a = ahead >= 0 ? &r->lanes[ahead] : NULL;
     int failed_in_order = 0;
     for (size_t i = 0; i < l->nrows; i++) {
         struct relay_row *row = &l->rows[i];
         row->after = NULL;
+        row->after_ahead = 0;
         if (failed_in_order && keeps_key_order(row) && held_back(l->rows, i)) {
             l->tally.held++;
             continue;
         }
         /* Chained to the row sent before it to its stream (relay_row.after). */
-        int32_t *last = relay_batch_streams_slot(&r->streams, l->rows, i);
-        row->after = *last >= 0 ? &l->rows[*last] : NULL;
+        int32_t *last = relay_batch_streams_slot(&l->streams, l->rows, i);
+        int32_t before = -1;
+        if (*last >= 0)
+            row->after = &l->rows[*last];
+        else if (a != NULL && (before = relay_batch_streams_find(&a->streams, a->rows, row)) >= 0)
+            row->after = &a->rows[before];
         relay_buf_reset(&r->out);
         int rc = relay_batch_append_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
                                             r->cfg->dedup_ttl_ms, not_after, &r->out, row->error,
                                             sizeof(row->error), &row->fault);
+        /* The batch ahead may end before this row's reply comes in: the
+         * reply is read without it (relay_batch_apply_reply). */
+        if (before >= 0) {
+            row->after = NULL;
+            row->after_ahead = 1;
+        }
         if (rc == -1) {
             row->state = RELAY_ROW_FAILED;
             failed_in_order |= keeps_key_order(row);
@@ -226,9 +276,7 @@ static void op_publish(void *arg, size_t lane)
     }
     if (!l->tally.failed && r->cfg->min_replicas > 0)
         send_wait(r, l);
-    double left = since + r->cfg->publish_timeout_ms / 1000.0 - relay_now();
-    ev_timer_set(&r->deadline, left > 0.001 ? left : 0.001, 0.0);
-    ev_timer_start(r->loop, &r->deadline);
+    arm_deadline(r);
 }
 
 static char *quote_literal(void *ctx, const char *s, size_t len)
@@ -464,30 +512,36 @@ static void log_partitions_published(const struct relay_lane *l)
 static void publish_done(struct relay_lane *l)
 {
     struct relay *r = l->r;
-    ev_timer_stop(r->loop, &r->deadline);
     if (r->stopping)
         return;
     if (l->tally.failed) {
         relay_cycle_failed(&r->cycle, l->index, l->tally.kind, l->tally.error);
-        return;
+    } else {
+        /* From here on the relay claims on its own until a claim comes back
+         * empty, so producers may stop notifying. */
+        relay_wake_busy(&r->wake);
+        if (relay_log_get_level() == RELAY_LOG_DEBUG)
+            log_partitions_published(l);
+        relay_cycle_published(&r->cycle, l->index);
     }
-    /* From here on the relay claims on its own until a claim comes back
-     * empty, so producers may stop notifying. */
-    relay_wake_busy(&r->wake);
-    if (relay_log_get_level() == RELAY_LOG_DEBUG)
-        log_partitions_published(l);
-    relay_cycle_published(&r->cycle, l->index);
+    arm_deadline(r);
 }
 
-/* The lane publishing now, when the reply of ac still counts for it; NULL
- * for a reply that arrives after the batch ended (or while stopping). */
-static struct relay_lane *publishing_lane(redisAsyncContext *ac)
+/* The lane publishing the batch that holds row (a reply's argument), when
+ * the reply of ac still counts for it; NULL for a reply that arrives after
+ * the batch ended (or while stopping). */
+static struct relay_lane *publishing_lane(redisAsyncContext *ac, const struct relay_row *row)
 {
     struct relay *r = relay_sink_owner(ac);
-    if (r == NULL || r->stopping || r->cycle.publishing < 0)
+    if (r == NULL || r->stopping)
         return NULL;
-    struct relay_lane *l = &r->lanes[r->cycle.publishing];
-    return r->cycle.lanes[l->index].state == RELAY_LANE_PUBLISH ? l : NULL;
+    uintptr_t at = (uintptr_t)row;
+    for (size_t i = 0; i < r->nlanes; i++) {
+        struct relay_lane *l = &r->lanes[i];
+        if (at >= (uintptr_t)l->rows && at < (uintptr_t)(l->rows + l->nrows))
+            return r->cycle.lanes[i].state == RELAY_LANE_PUBLISH ? l : NULL;
+    }
+    return NULL;
 }
 
 /* What a reply is for relay_batch_apply_*: lost (NULL, with the
@@ -514,7 +568,7 @@ static enum relay_reply_kind reply_kind(const redisAsyncContext *ac, const redis
 static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg)
 {
     const redisReply *reply = reply_;
-    struct relay_lane *l = publishing_lane(ac);
+    struct relay_lane *l = publishing_lane(ac, arg);
     if (l == NULL)
         return;
     const char *str;
@@ -529,8 +583,9 @@ static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg)
 static void on_wait_reply(redisAsyncContext *ac, void *reply_, void *arg)
 {
     const redisReply *reply = reply_;
-    struct relay_lane *l = publishing_lane(ac);
-    if (l == NULL || l != arg)
+    struct relay_lane *l = arg;
+    struct relay *r = relay_sink_owner(ac);
+    if (r == NULL || r->stopping || r->cycle.lanes[l->index].state != RELAY_LANE_PUBLISH)
         return;
     const char *str;
     size_t len;
@@ -752,8 +807,14 @@ static void batch_committed(struct relay_lane *l)
         relay_info(COMPONENT, "publishing again after: %s", f->last_batch_error);
         f->last_batch_error[0] = '\0';
     }
-    relay_debug(COMPONENT, "batch committed: %zu published, %zu failed, %.1f ms", published, failed,
-                took * 1000.0);
+    if (l->tally.left > 0)
+        relay_debug(COMPONENT,
+                    "batch committed: %zu published, %zu failed, %zu left behind the batch ahead "
+                    "for the next claim, %.1f ms",
+                    published, failed, l->tally.left, took * 1000.0);
+    else
+        relay_debug(COMPONENT, "batch committed: %zu published, %zu failed, %.1f ms", published,
+                    failed, took * 1000.0);
     retire_dedup_records(l);
 }
 
@@ -778,7 +839,8 @@ static void on_finished(struct relay_pgsrc *pg, PGresult *res, const char *err,
     }
     batch_committed(l);
     relay_wake_busy(&r->wake); /* takes the lock again if an earlier try timed out */
-    relay_cycle_committed(&r->cycle, l->index, l->nrows == r->cfg->batch_size);
+    /* Rows left behind the batch ahead wait, as after a full batch. */
+    relay_cycle_committed(&r->cycle, l->index, l->nrows == r->cfg->batch_size || l->tally.left > 0);
 }
 
 static void on_rolled_back(struct relay_pgsrc *pg, PGresult *res, const char *err,
@@ -858,6 +920,7 @@ int relay_lanes_start(struct relay *r)
         .went_empty = op_went_empty,
         .drained = op_drained,
         .holds_keys = op_holds_keys,
+        .overlap = op_overlap,
     };
     const struct relay_config *cfg = r->cfg;
     r->nlanes = cfg->pipeline ? 2 : 1;
@@ -871,15 +934,13 @@ int relay_lanes_start(struct relay *r)
     ev_init(&r->deadline, on_deadline);
     r->deadline.data = r;
 
-    if (relay_batch_streams_init(&r->streams, cfg->batch_size) != 0)
-        return -1;
     struct relay_pgsrc_hooks hooks = {.arg = r, .on_ready = lane_ready, .on_down = lane_down};
     for (size_t i = 0; i < r->nlanes; i++) {
         struct relay_lane *l = &r->lanes[i];
         l->r = r;
         l->index = i;
         l->rows = calloc(cfg->batch_size, sizeof(*l->rows));
-        if (l->rows == NULL)
+        if (l->rows == NULL || relay_batch_streams_init(&l->streams, cfg->batch_size) != 0)
             return -1;
         l->pg = relay_pgsrc_new(r->loop, cfg, RELAY_PGSRC_CLAIM, &hooks);
         if (l->pg == NULL)
@@ -914,7 +975,7 @@ void relay_lanes_stop(struct relay *r)
         free(l->rows);
         l->rows = NULL;
         relay_buf_free(&l->sql);
+        relay_batch_streams_free(&l->streams);
     }
     relay_buf_free(&r->out);
-    relay_batch_streams_free(&r->streams);
 }

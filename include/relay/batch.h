@@ -66,6 +66,10 @@ struct relay_row {
      * is missing (relay_batch_function_source), so that a command which
      * failed in the pipeline is never overtaken by a later one that did not. */
     const struct relay_row *after;
+    /* Instead, the row before it in its stream was sent by the batch ahead,
+     * still publishing (relay_cycle_ops.overlap): its publish names that row,
+     * but the reply is read without it (that batch may have ended). */
+    int after_ahead;
 
     /* Outcome of this cycle. */
     int state;                  /* enum relay_row_state */
@@ -236,6 +240,10 @@ void relay_batch_streams_clear(struct relay_batch_streams *x);
  * caller stored there since the clear, or -1. Store i in it once the row is sent. */
 int32_t *relay_batch_streams_slot(struct relay_batch_streams *x, const struct relay_row *rows,
                                   size_t i);
+/* The index of the last row of row's stream stored in x since its clear, x
+ * being filled from rows (another batch's table and rows), or -1. */
+int32_t relay_batch_streams_find(const struct relay_batch_streams *x, const struct relay_row *rows,
+                                 const struct relay_row *row);
 void relay_batch_streams_free(struct relay_batch_streams *x);
 
 struct relay_claim_lane {
@@ -270,6 +278,7 @@ struct relay_tally {
     int not_primary;           /* READONLY: the server is a replica now; reconnect */
     int slots_moved;           /* MOVED: a cluster's slot map changed; read it again */
     size_t held;               /* rows held back behind a failed row of their key */
+    size_t left;               /* rows refused behind the batch ahead: claimed again */
     char error[512];           /* why the batch failed (first reason), for the log */
 };
 
@@ -278,8 +287,10 @@ struct relay_tally {
  * row; an error of the row's own fails only the row (with a message that says
  * what to do, as a transient fault: WRONGTYPE can be fixed while the row
  * waits), and so does ORDER when the row sent before it in its stream failed
- * that way; anything else fails the whole batch. Returns 1 when this was the
- * last reply the tally waited for.
+ * that way; ORDER behind the batch ahead (relay_row.after_ahead), or behind a
+ * row refused that way, leaves the row claimed for the next claim (counted in
+ * tally.left); anything else fails the whole batch. Returns 1 when this was
+ * the last reply the tally waited for.
  */
 int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
                             enum relay_reply_kind kind, const char *str, size_t len)

@@ -12,8 +12,13 @@
  * one batch at a time:
  *   - claims run one at a time, and a lane claims ahead only while no claimed
  *     batch waits to publish, so at most two batches exist;
- *   - batches publish one at a time, in claim order, each only after every
- *     reply of the one before it came back;
+ *   - batches start publishing in claim order, each only after every reply
+ *     of the one before it came back, unless ops.overlap allows it to follow
+ *     the one before while that one's replies come in: then each of its
+ *     streams' first rows names the last row the batch before sent to that
+ *     stream, and Redis publishes it only behind that row (the order check of
+ *     docs/DESIGN.md, "The claim cycle"), so it needs no undoing when the
+ *     batch before fails;
  *   - when a batch fails, every batch claimed after it that has not started
  *     publishing is rolled back, so its rows cannot overtake the failed ones.
  */
@@ -81,6 +86,9 @@ struct relay_cycle_ops {
     /* The published batch has rows that failed on their own in a partitioned
      * topic: they hold back the later rows of their keys. May be NULL. */
     int (*holds_keys)(void *arg, size_t lane);
+    /* The lane's claimed batch may start publishing while the batch of
+     * `ahead` waits for its replies. May be NULL: never. */
+    int (*overlap)(void *arg, size_t ahead, size_t lane);
 };
 
 struct relay_cycle_lane {
@@ -97,7 +105,7 @@ struct relay_cycle {
     size_t nlanes;
     struct relay_cycle_lane lanes[RELAY_CYCLE_LANES_MAX];
     unsigned long long next_seq;
-    int publishing; /* the lane whose publishes are in flight, or -1 */
+    int publishing; /* the oldest lane whose publishes are in flight, or -1 */
     int want_claim;
     int in_backoff;
     int draining;

@@ -45,6 +45,7 @@ struct relay_lane {
     size_t nrows;
     struct relay_tally tally;
     struct relay_buf sql;
+    struct relay_batch_streams streams; /* the last row of the batch sent to each stream */
 };
 
 /* Buckets of the batch duration histogram, +Inf not counted. */
@@ -77,7 +78,6 @@ struct relay {
     int exit_code; /* what relay_run returns: 0, or why the relay refused to go on */
 
     struct relay_cycle cycle;
-    struct relay_batch_streams streams; /* the last row sent to each stream, while publishing */
     struct relay_lane lanes[RELAY_CYCLE_LANES_MAX];
     size_t nlanes;
     struct relay_sink *sink;
@@ -87,7 +87,7 @@ struct relay {
     ev_timer retire_timer;              /* the next removal that falls due */
     ev_timer kick;                      /* runs a wanted claim from the loop, not from a callback */
     ev_timer retry_timer;               /* backoff after a failed batch */
-    ev_timer deadline;                  /* publish deadline of the batch publishing */
+    ev_timer deadline;                  /* publish deadline of the oldest batch publishing */
     ev_timer poll_timer;
 
     struct relay_wake wake;

@@ -449,6 +449,9 @@ static void test_stream_index_finds_the_row_before(void **state)
             x.batch = UINT32_MAX;
         relay_batch_streams_clear(&x);
         for (size_t i = 0; i < N; i++) {
+            /* The batch behind reads the same answer without taking a slot. */
+            assert_int_equal(relay_batch_streams_find(&x, rows, &rows[i]),
+                             last_sent_before(rows, sent, i));
             int32_t *slot = relay_batch_streams_slot(&x, rows, i);
             assert_non_null(slot);
             assert_int_equal(*slot, last_sent_before(rows, sent, i));
@@ -519,6 +522,35 @@ static void test_apply_reply_order(void **state)
         relay_batch_apply_reply(&cycle, &rows[1], RELAY_REPLY_ERROR, order, strlen(order)), 1);
     assert_true(cycle.failed);
     assert_non_null(strstr(cycle.error, "ORDER"));
+
+    /* The row before was sent by the batch ahead and is not in the stream:
+     * the row and the one chained to it are left for the next claim, with
+     * no attempt counted and the batch not failed. */
+    rows[1].after = NULL;
+    rows[1].after_ahead = 1;
+    rows[2].after = &rows[1];
+    rows[1].state = rows[2].state = RELAY_ROW_PUBLISHING;
+    rows[1].fault = rows[2].fault = RELAY_FAULT_NONE;
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 2;
+    assert_int_equal(
+        relay_batch_apply_reply(&cycle, &rows[1], RELAY_REPLY_ERROR, order, strlen(order)), 0);
+    assert_int_equal(
+        relay_batch_apply_reply(&cycle, &rows[2], RELAY_REPLY_ERROR, order, strlen(order)), 1);
+    assert_false(cycle.failed);
+    assert_int_equal(cycle.left, 2);
+    assert_int_equal(rows[1].state, RELAY_ROW_CLAIMED);
+    assert_int_equal(rows[2].state, RELAY_ROW_CLAIMED);
+    assert_int_equal(rows[1].fault, RELAY_FAULT_NONE);
+
+    /* Any other error of such a row fails the batch as before. */
+    rows[1].state = RELAY_ROW_PUBLISHING;
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 1;
+    assert_int_equal(
+        relay_batch_apply_reply(&cycle, &rows[1], RELAY_REPLY_ERROR, tryagain, strlen(tryagain)),
+        1);
+    assert_true(cycle.failed);
 }
 
 static void test_apply_reply_cycle(void **state)

@@ -23,6 +23,7 @@ struct fake {
     int self_driven;
     int publish_ends; /* 0: replies come later; 1: published at once; 2: failed at once */
     int holds[2];     /* what holds_keys answers for each lane */
+    int overlap;      /* what overlap answers */
     uint32_t last_retry_ms;
     struct relay_cycle *c;
 };
@@ -129,13 +130,20 @@ static int op_holds_keys(void *arg, size_t lane)
     return ((struct fake *)arg)->holds[lane];
 }
 
+static int op_overlap(void *arg, size_t ahead, size_t lane)
+{
+    struct fake *f = arg;
+    say(f, "overlap%zu>%zu?", ahead, lane);
+    return f->overlap;
+}
+
 static struct fake F;
 static struct relay_cycle C;
 
 static const struct relay_cycle_ops fake_ops = {
-    &F,           op_now,         op_lane_ready, op_sink_ready, op_begin,     op_claim,
-    op_publish,   op_finish,      op_rollback,   op_release,    op_failed,    op_kick,
-    op_arm_retry, op_self_driven, op_went_empty, op_drained,    op_holds_keys};
+    &F,           op_now,         op_lane_ready, op_sink_ready, op_begin,      op_claim,
+    op_publish,   op_finish,      op_rollback,   op_release,    op_failed,     op_kick,
+    op_arm_retry, op_self_driven, op_went_empty, op_drained,    op_holds_keys, op_overlap};
 
 static int setup(size_t nlanes)
 {
@@ -248,10 +256,95 @@ static void test_second_batch_waits_for_every_reply_of_the_first(void **state)
     claim_batch(0, 500, 1);
     relay_cycle_begun(&C, 1);
     relay_cycle_claimed(&C, 1, 500, 1);
-    expect_log("claim1 ");
+    expect_log("claim1 overlap0>1? ");
     assert_int_equal(C.lanes[1].state, RELAY_LANE_CLAIMED);
     relay_cycle_published(&C, 0);
     expect_log("finish0 publish1 ");
+}
+
+/* Allowed to, the second batch publishes behind the first at once; the
+ * first's replies still end first, and the second is then the one whose
+ * deadline runs. */
+static void test_second_batch_follows_the_first_when_overlap_allows(void **state)
+{
+    (void)state;
+    F.overlap = 1;
+    claim_batch(0, 500, 1);
+    relay_cycle_begun(&C, 1);
+    relay_cycle_claimed(&C, 1, 500, 1);
+    expect_log("claim1 overlap0>1? publish1 ");
+    assert_int_equal(C.lanes[1].state, RELAY_LANE_PUBLISH);
+    assert_int_equal(C.publishing, 0);
+    /* Both lanes are busy: nothing more is claimed. */
+    relay_cycle_run(&C);
+    expect_log("");
+    relay_cycle_published(&C, 0);
+    expect_log("finish0 ");
+    assert_int_equal(C.publishing, 1);
+    relay_cycle_committed(&C, 0, 1);
+    relay_cycle_run(&C);
+    expect_log("release0 kick begin0 ");
+    relay_cycle_begun(&C, 0);
+    relay_cycle_claimed(&C, 0, 500, 1);
+    expect_log("claim0 overlap1>0? publish0 ");
+    relay_cycle_published(&C, 1);
+    expect_log("finish1 ");
+    assert_int_equal(C.publishing, 0);
+}
+
+/* The batch behind a failed one that already publishes keeps going: its
+ * rows reach a stream only behind the failed batch's rows there (the order
+ * check), so it is marked sent on its own replies. */
+static void test_failure_ahead_leaves_the_batch_publishing_behind_it(void **state)
+{
+    (void)state;
+    F.overlap = 1;
+    claim_batch(0, 500, 1);
+    relay_cycle_begun(&C, 1);
+    relay_cycle_claimed(&C, 1, 500, 1);
+    F.log[0] = '\0';
+    relay_cycle_failed(&C, 0, RELAY_FAIL_REDIS_ERROR, "OOM");
+    expect_log("failed0:redis_error retry rollback0 ");
+    assert_int_equal(C.lanes[1].state, RELAY_LANE_PUBLISH);
+    assert_int_equal(C.publishing, 1);
+    relay_cycle_published(&C, 1);
+    expect_log("finish1 ");
+    relay_cycle_rolled_back(&C, 0);
+    relay_cycle_committed(&C, 1, 1);
+    expect_log("release0 release1 ");
+    assert_int_equal(C.publishing, -1);
+}
+
+/* A batch may not follow one whose claiming connection broke while it
+ * published: that batch will fail, and the one behind waits as before. */
+static void test_no_overlap_behind_a_doomed_batch(void **state)
+{
+    (void)state;
+    F.overlap = 1;
+    claim_batch(0, 500, 1);
+    relay_cycle_lane_down(&C, 0);
+    relay_cycle_begun(&C, 1);
+    relay_cycle_claimed(&C, 1, 500, 1);
+    expect_log("claim1 ");
+    assert_int_equal(C.lanes[1].state, RELAY_LANE_CLAIMED);
+}
+
+/* With the second batch's replies in first (it went to other cluster
+ * nodes), it finishes first; the first is still the one publishing. */
+static void test_batch_behind_may_finish_first(void **state)
+{
+    (void)state;
+    F.overlap = 1;
+    claim_batch(0, 500, 1);
+    relay_cycle_begun(&C, 1);
+    relay_cycle_claimed(&C, 1, 500, 1);
+    F.log[0] = '\0';
+    relay_cycle_published(&C, 1);
+    expect_log("finish1 ");
+    assert_int_equal(C.publishing, 0);
+    relay_cycle_published(&C, 0);
+    expect_log("finish0 ");
+    assert_int_equal(C.publishing, -1);
 }
 
 /* A batch whose failed rows hold back their keys: the batch claimed behind
@@ -263,7 +356,7 @@ static void test_failed_rows_that_hold_keys_send_the_next_batch_back(void **stat
     claim_batch(0, 500, 1);
     relay_cycle_begun(&C, 1);
     relay_cycle_claimed(&C, 1, 500, 1);
-    expect_log("claim1 ");
+    expect_log("claim1 overlap0>1? ");
     F.holds[0] = 1;
     relay_cycle_published(&C, 0);
     expect_log("finish0 rollback1 ");
@@ -667,6 +760,10 @@ int main(void)
         cmocka_unit_test_setup(test_self_driven_relay_claims_until_empty, one_lane),
         cmocka_unit_test_setup(test_full_batch_claims_ahead_on_the_other_lane, two_lanes),
         cmocka_unit_test_setup(test_second_batch_waits_for_every_reply_of_the_first, two_lanes),
+        cmocka_unit_test_setup(test_second_batch_follows_the_first_when_overlap_allows, two_lanes),
+        cmocka_unit_test_setup(test_failure_ahead_leaves_the_batch_publishing_behind_it, two_lanes),
+        cmocka_unit_test_setup(test_no_overlap_behind_a_doomed_batch, two_lanes),
+        cmocka_unit_test_setup(test_batch_behind_may_finish_first, two_lanes),
         cmocka_unit_test_setup(test_failed_rows_that_hold_keys_send_the_next_batch_back, two_lanes),
         cmocka_unit_test_setup(test_hold_abandons_a_claim_in_flight_and_ends_with_a_failed_commit,
                                two_lanes),
