@@ -262,6 +262,18 @@ static void test_second_batch_waits_for_every_reply_of_the_first(void **state)
     expect_log("finish0 publish1 ");
 }
 
+/* Lane 0 publishes a full batch; lane 1 claims one and, allowed to, publishes
+ * it behind at once. Leaves the log empty. */
+static void publish_two_overlapping(void)
+{
+    F.overlap = 1;
+    claim_batch(0, 500, 1);
+    relay_cycle_begun(&C, 1);
+    relay_cycle_claimed(&C, 1, 500, 1);
+    assert_int_equal(C.lanes[1].state, RELAY_LANE_PUBLISH);
+    F.log[0] = '\0';
+}
+
 /* Allowed to, the second batch publishes behind the first at once; the
  * first's replies still end first, and the second is then the one whose
  * deadline runs. */
@@ -298,11 +310,7 @@ static void test_second_batch_follows_the_first_when_overlap_allows(void **state
 static void test_failure_ahead_leaves_the_batch_publishing_behind_it(void **state)
 {
     (void)state;
-    F.overlap = 1;
-    claim_batch(0, 500, 1);
-    relay_cycle_begun(&C, 1);
-    relay_cycle_claimed(&C, 1, 500, 1);
-    F.log[0] = '\0';
+    publish_two_overlapping();
     relay_cycle_failed(&C, 0, RELAY_FAIL_REDIS_ERROR, "OOM");
     expect_log("failed0:redis_error retry rollback0 ");
     assert_int_equal(C.lanes[1].state, RELAY_LANE_PUBLISH);
@@ -334,11 +342,7 @@ static void test_no_overlap_behind_a_doomed_batch(void **state)
 static void test_batch_behind_may_finish_first(void **state)
 {
     (void)state;
-    F.overlap = 1;
-    claim_batch(0, 500, 1);
-    relay_cycle_begun(&C, 1);
-    relay_cycle_claimed(&C, 1, 500, 1);
-    F.log[0] = '\0';
+    publish_two_overlapping();
     relay_cycle_published(&C, 1);
     expect_log("finish1 ");
     assert_int_equal(C.publishing, 0);
