@@ -59,7 +59,7 @@ static int others_idle(const struct relay_cycle *c, size_t lane)
 static int free_lane(const struct relay_cycle *c)
 {
     int found = -1;
-    if (c->hold_seq != 0)
+    if (c->hold_seq != 0 || c->hold_all)
         return -1; /* the batch ending it calls relay_cycle_want */
     for (size_t i = 0; i < c->nlanes; i++) {
         switch (c->lanes[i].state) {
@@ -129,6 +129,8 @@ static void lane_ended(struct relay_cycle *c, size_t lane)
     l->state = RELAY_LANE_IDLE;
     l->abandon = 0;
     l->doomed = 0;
+    if (c->hold_all && relay_cycle_all_idle(c))
+        c->hold_all = 0;
     if (c->draining) {
         if (relay_cycle_all_idle(c))
             c->ops.drained(c->ops.arg);
@@ -172,8 +174,17 @@ void relay_cycle_failed(struct relay_cycle *c, size_t lane, enum relay_fail_kind
         c->lanes[lane].state == RELAY_LANE_ROLLBACK)
         return;
     c->failures_in_row++;
+    c->failed_at_seq = c->next_seq;
     c->ops.failed(c->ops.arg, lane, kind, why);
     publish_ended(c, lane);
+    /* A batch claimed after this one has published already, or is
+     * publishing: its claim passed over this batch's rows, and the next
+     * claim must not start above them, nor publish with nothing to chain to,
+     * while it is in flight. */
+    for (size_t i = 0; i < c->nlanes; i++)
+        if (i != lane && c->lanes[i].seq > c->lanes[lane].seq &&
+            (c->lanes[i].state == RELAY_LANE_PUBLISH || c->lanes[i].state == RELAY_LANE_FINISH))
+            c->hold_all = 1;
     c->in_backoff = 1;
     c->want_claim = 1;
     c->ops.arm_retry(c->ops.arg, relay_backoff_next(&c->backoff, relay_backoff_random()));
@@ -295,6 +306,16 @@ void relay_cycle_published(struct relay_cycle *c, size_t lane)
         roll_back_later(c, lane);
         return;
     }
+    if (c->ops.left_rows != NULL && c->ops.left_rows(c->ops.arg, lane)) {
+        /* Its rows left behind the batch ahead lie below the batches
+         * claimed after it: those that have not published go back, and the
+         * next claim waits until nothing is in flight, so that it takes the
+         * left rows first, with no batch ahead to chain them to. */
+        c->hold_all = 1;
+        c->want_claim = 1;
+        roll_back_later(c, lane);
+        return;
+    }
     /* Every reply of this batch is in: the next batch may publish now. */
     int next = next_claimed(c);
     if (next >= 0 && may_publish(c, (size_t)next))
@@ -305,8 +326,10 @@ void relay_cycle_committed(struct relay_cycle *c, size_t lane, int full)
 {
     if (c->stopping || c->lanes[lane].state != RELAY_LANE_FINISH)
         return;
-    c->failures_in_row = 0;
-    relay_backoff_reset(&c->backoff);
+    if (c->lanes[lane].seq > c->failed_at_seq) {
+        c->failures_in_row = 0;
+        relay_backoff_reset(&c->backoff);
+    }
     /* A full batch means more may be waiting; a self-driven relay gets no
      * notifications, so it claims again until a claim comes back empty. */
     if (full || c->ops.self_driven(c->ops.arg))

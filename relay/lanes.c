@@ -127,6 +127,12 @@ static int has_partitioned_rows(const struct relay_lane *l)
  * a key that failed there must hold back every later row of its key, also
  * those a batch behind chains to an earlier row of the stream (relay/cycle.c,
  * docs/DESIGN.md, "The claim cycle"). */
+static int op_left_rows(void *arg, size_t lane)
+{
+    const struct relay *r = arg;
+    return r->lanes[lane].tally.left > 0;
+}
+
 static int op_overlap(void *arg, size_t ahead, size_t lane)
 {
     const struct relay *r = arg;
@@ -921,6 +927,7 @@ int relay_lanes_start(struct relay *r)
         .drained = op_drained,
         .holds_keys = op_holds_keys,
         .overlap = op_overlap,
+        .left_rows = op_left_rows,
     };
     const struct relay_config *cfg = r->cfg;
     r->nlanes = cfg->pipeline ? 2 : 1;

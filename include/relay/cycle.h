@@ -20,7 +20,10 @@
  *     docs/DESIGN.md, "The claim cycle"), so it needs no undoing when the
  *     batch before fails;
  *   - when a batch fails, every batch claimed after it that has not started
- *     publishing is rolled back, so its rows cannot overtake the failed ones.
+ *     publishing is rolled back, so its rows cannot overtake the failed ones;
+ *     when one claimed after it already publishes, or a batch left rows
+ *     behind the batch ahead, nothing is claimed until every batch in flight
+ *     has ended (hold_all).
  */
 #ifndef RELAY_CYCLE_H
 #define RELAY_CYCLE_H
@@ -89,6 +92,9 @@ struct relay_cycle_ops {
     /* The lane's claimed batch may start publishing while the batch of
      * `ahead` waits for its replies. May be NULL: never. */
     int (*overlap)(void *arg, size_t ahead, size_t lane);
+    /* The published batch left rows behind the batch ahead of it, for the
+     * next claim (relay_batch_apply_reply). May be NULL: never. */
+    int (*left_rows)(void *arg, size_t lane);
 };
 
 struct relay_cycle_lane {
@@ -115,6 +121,15 @@ struct relay_cycle {
      * until its commit has ended, so that the next claim sees them. 0 when
      * none. */
     unsigned long long hold_seq;
+    /* Rows went back below batches still in flight (a batch failed while the
+     * one behind it published, or a batch left rows behind the one ahead):
+     * nothing is claimed until every batch in flight has ended, so that the
+     * next claim starts from the lowest pending id with no batch ahead. */
+    int hold_all;
+    /* The claim order of the newest batch when the last failure happened: a
+     * batch claimed before it that commits does not end the failures in a
+     * row. */
+    unsigned long long failed_at_seq;
     struct relay_backoff backoff;
 };
 

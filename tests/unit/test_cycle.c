@@ -24,6 +24,7 @@ struct fake {
     int publish_ends; /* 0: replies come later; 1: published at once; 2: failed at once */
     int holds[2];     /* what holds_keys answers for each lane */
     int overlap;      /* what overlap answers */
+    int left[2];      /* what left_rows answers for each lane */
     uint32_t last_retry_ms;
     struct relay_cycle *c;
 };
@@ -137,13 +138,19 @@ static int op_overlap(void *arg, size_t ahead, size_t lane)
     return f->overlap;
 }
 
+static int op_left_rows(void *arg, size_t lane)
+{
+    return ((struct fake *)arg)->left[lane];
+}
+
 static struct fake F;
 static struct relay_cycle C;
 
 static const struct relay_cycle_ops fake_ops = {
-    &F,           op_now,         op_lane_ready, op_sink_ready, op_begin,      op_claim,
-    op_publish,   op_finish,      op_rollback,   op_release,    op_failed,     op_kick,
-    op_arm_retry, op_self_driven, op_went_empty, op_drained,    op_holds_keys, op_overlap};
+    &F,         op_now,        op_lane_ready, op_sink_ready,  op_begin,
+    op_claim,   op_publish,    op_finish,     op_rollback,    op_release,
+    op_failed,  op_kick,       op_arm_retry,  op_self_driven, op_went_empty,
+    op_drained, op_holds_keys, op_overlap,    op_left_rows};
 
 static int setup(size_t nlanes)
 {
@@ -306,7 +313,9 @@ static void test_second_batch_follows_the_first_when_overlap_allows(void **state
 
 /* The batch behind a failed one that already publishes keeps going: its
  * rows reach a stream only behind the failed batch's rows there (the order
- * check), so it is marked sent on its own replies. */
+ * check), so it is marked sent on its own replies. Its claim passed over the
+ * failed batch's rows, so nothing is claimed until it has ended too, and its
+ * commit does not end the failures in a row. */
 static void test_failure_ahead_leaves_the_batch_publishing_behind_it(void **state)
 {
     (void)state;
@@ -318,9 +327,58 @@ static void test_failure_ahead_leaves_the_batch_publishing_behind_it(void **stat
     relay_cycle_published(&C, 1);
     expect_log("finish1 ");
     relay_cycle_rolled_back(&C, 0);
+    relay_cycle_retry_due(&C);
+    relay_cycle_run(&C);
+    expect_log("release0 ");
     relay_cycle_committed(&C, 1, 1);
-    expect_log("release0 release1 ");
+    assert_int_equal(C.failures_in_row, 1);
+    relay_cycle_run(&C);
+    expect_log("release1 kick begin0 ");
     assert_int_equal(C.publishing, -1);
+}
+
+/* The same when the batch behind has all its replies already (another
+ * cluster node answered first) and is being marked sent. */
+static void test_failure_ahead_of_a_finishing_batch_holds_the_next_claim(void **state)
+{
+    (void)state;
+    publish_two_overlapping();
+    relay_cycle_published(&C, 1);
+    relay_cycle_failed(&C, 0, RELAY_FAIL_REDIS_TIMEOUT, "no reply");
+    relay_cycle_rolled_back(&C, 0);
+    relay_cycle_retry_due(&C);
+    relay_cycle_run(&C);
+    expect_log("finish1 failed0:redis_timeout retry rollback0 release0 ");
+    relay_cycle_committed(&C, 1, 0);
+    relay_cycle_run(&C);
+    expect_log("release1 kick begin0 ");
+}
+
+/* A batch that left rows behind the batch ahead: the batch claimed after it
+ * goes back unpublished, and the next claim waits until nothing is in
+ * flight, so that it starts from the left rows. */
+static void test_rows_left_behind_hold_the_next_claim_until_all_end(void **state)
+{
+    (void)state;
+    publish_two_overlapping();
+    relay_cycle_published(&C, 0);
+    relay_cycle_committed(&C, 0, 1);
+    relay_cycle_run(&C);
+    relay_cycle_begun(&C, 0);
+    F.overlap = 0;
+    relay_cycle_claimed(&C, 0, 500, 1);
+    expect_log("finish0 release0 kick begin0 claim0 overlap1>0? ");
+    assert_int_equal(C.lanes[0].state, RELAY_LANE_CLAIMED);
+    F.left[1] = 1;
+    relay_cycle_published(&C, 1);
+    expect_log("finish1 rollback0 ");
+    relay_cycle_rolled_back(&C, 0);
+    relay_cycle_want(&C);
+    relay_cycle_run(&C);
+    expect_log("release0 ");
+    relay_cycle_committed(&C, 1, 1);
+    relay_cycle_run(&C);
+    expect_log("release1 kick begin0 ");
 }
 
 /* A batch may not follow one whose claiming connection broke while it
@@ -766,6 +824,9 @@ int main(void)
         cmocka_unit_test_setup(test_second_batch_waits_for_every_reply_of_the_first, two_lanes),
         cmocka_unit_test_setup(test_second_batch_follows_the_first_when_overlap_allows, two_lanes),
         cmocka_unit_test_setup(test_failure_ahead_leaves_the_batch_publishing_behind_it, two_lanes),
+        cmocka_unit_test_setup(test_failure_ahead_of_a_finishing_batch_holds_the_next_claim,
+                               two_lanes),
+        cmocka_unit_test_setup(test_rows_left_behind_hold_the_next_claim_until_all_end, two_lanes),
         cmocka_unit_test_setup(test_no_overlap_behind_a_doomed_batch, two_lanes),
         cmocka_unit_test_setup(test_batch_behind_may_finish_first, two_lanes),
         cmocka_unit_test_setup(test_failed_rows_that_hold_keys_send_the_next_batch_back, two_lanes),
