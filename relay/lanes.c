@@ -122,23 +122,27 @@ static int has_partitioned_rows(const struct relay_lane *l)
     return 0;
 }
 
-/* A claimed batch publishes behind the one still publishing, without waiting
- * for its replies, when neither holds a row of a partitioned topic: a row of
- * a key that failed there must hold back every later row of its key, also
- * those a batch behind chains to an earlier row of the stream (relay/cycle.c,
- * docs/DESIGN.md, "The claim cycle"). */
+/* The published batch left rows behind the batch ahead (relay_cycle_ops). */
 static int op_left_rows(void *arg, size_t lane)
 {
     const struct relay *r = arg;
     return r->lanes[lane].tally.left > 0;
 }
 
+/* A claimed batch publishes behind the one still publishing, without waiting
+ * for its replies, when neither holds a row of a partitioned topic: a row of
+ * a key that failed there must hold back every later row of its key, also
+ * those a batch behind chains to an earlier row of the stream (relay/cycle.c,
+ * docs/DESIGN.md, "The claim cycle"). Not with min_replicas: the WAIT behind
+ * each batch holds the connection until replicas acknowledge it, so a batch
+ * sent behind it would only wait there; each batch is acknowledged by
+ * replicas on its own before the next one's publishes reach Redis. */
 static int op_overlap(void *arg, size_t ahead, size_t lane)
 {
     const struct relay *r = arg;
     const struct relay_lane *a = &r->lanes[ahead];
-    return !a->tally.failed && relay_owner_claimable(r->owner) == 0 && !has_partitioned_rows(a) &&
-           !has_partitioned_rows(&r->lanes[lane]);
+    return r->cfg->min_replicas == 0 && !a->tally.failed && relay_owner_claimable(r->owner) == 0 &&
+           !has_partitioned_rows(a) && !has_partitioned_rows(&r->lanes[lane]);
 }
 
 /* A row of a partitioned topic with a key: one whose failure holds back the
