@@ -68,7 +68,13 @@ def logged_plans(log):
         while i < len(lines) and lines[i].startswith("\t"):
             body.append(lines[i][1:])
             i += 1
-        plans.append((float(m.group(1)), json.loads("\n".join(body))))
+        try:
+            plans.append((float(m.group(1)), json.loads("\n".join(body))))
+        except json.JSONDecodeError:
+            # The server may still be writing the last plan: callers poll, and
+            # the next read has it whole. Anywhere else it is a broken plan.
+            if i < len(lines):
+                raise
     return plans
 
 
