@@ -803,8 +803,9 @@ int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
     case RELAY_REPLY_ENTRY:
         row->state = RELAY_ROW_PUBLISHED;
         break;
-    case RELAY_REPLY_ERROR:
-        if (len >= 6 && memcmp(str, "ORDER ", 6) == 0 &&
+    case RELAY_REPLY_ERROR: {
+        int order = len >= 6 && memcmp(str, "ORDER ", 6) == 0;
+        if (order &&
             (row->after_ahead || (row->after != NULL && row->after->state == RELAY_ROW_CLAIMED))) {
             /* Behind a row of the batch ahead that is not in its stream (that
              * batch failed, or the row failed on its own), or behind a row
@@ -815,8 +816,7 @@ int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
             tally->left++;
             break;
         }
-        if (len >= 6 && memcmp(str, "ORDER ", 6) == 0 && row->after != NULL &&
-            row->after->state == RELAY_ROW_FAILED) {
+        if (order && row->after != NULL && row->after->state == RELAY_ROW_FAILED) {
             /* Held back behind the row before it in its stream, which failed
              * for a reason of its own (replies come in the order sent): it
              * waits with that row, and for the same reason, naming the first
@@ -859,6 +859,7 @@ int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
         if (len >= 6 && memcmp(str, "MOVED ", 6) == 0)
             tally->slots_moved = 1;
         break;
+    }
     case RELAY_REPLY_OTHER:
         if (!tally->failed) {
             tally->failed = 1;
