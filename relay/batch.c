@@ -623,7 +623,7 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
 }
 
 /* Rows of one stream: one topic, one partition. */
-static int same_stream(const struct relay_row *a, const struct relay_row *b)
+int relay_batch_same_stream(const struct relay_row *a, const struct relay_row *b)
 {
     return a->topic_len == b->topic_len && memcmp(a->topic, b->topic, a->topic_len) == 0 &&
            (a->partitions > 1) == (b->partitions > 1) &&
@@ -649,7 +649,8 @@ int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char
             continue;
         /* A stream's command is sent at its first published row. */
         size_t j = 0;
-        while (j < i && !(rows[j].state == RELAY_ROW_PUBLISHED && same_stream(&rows[j], lead)))
+        while (j < i &&
+               !(rows[j].state == RELAY_ROW_PUBLISHED && relay_batch_same_stream(&rows[j], lead)))
             j++;
         if (j < i)
             continue;
@@ -664,7 +665,7 @@ int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char
         size_t argc = 1, need = 0;
         for (j = i; j < n; j++) {
             const struct relay_row *row = &rows[j];
-            if (row->state != RELAY_ROW_PUBLISHED || !same_stream(row, lead) ||
+            if (row->state != RELAY_ROW_PUBLISHED || !relay_batch_same_stream(row, lead) ||
                 key_base + row->message_id_len >= UNLINK_KEY_SIZE)
                 continue;
             argc++;
@@ -699,7 +700,7 @@ int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char
         }
         for (j = i; j < n; j++) {
             const struct relay_row *row = &rows[j];
-            if (row->state != RELAY_ROW_PUBLISHED || !same_stream(row, lead) ||
+            if (row->state != RELAY_ROW_PUBLISHED || !relay_batch_same_stream(row, lead) ||
                 key_base + row->message_id_len >= UNLINK_KEY_SIZE)
                 continue;
             p = put_bulk_head(p, key_base + row->message_id_len);
@@ -1027,7 +1028,7 @@ int32_t relay_batch_streams_find(const struct relay_batch_streams *x, const stru
         const struct relay_stream_slot *e = &x->slots[at];
         if (e->batch != x->batch)
             return -1;
-        if (e->row >= 0 && same_stream(&rows[e->row], row))
+        if (e->row >= 0 && relay_batch_same_stream(&rows[e->row], row))
             return e->row;
     }
 }
@@ -1043,7 +1044,7 @@ int32_t *relay_batch_streams_slot(struct relay_batch_streams *x, const struct re
             e->batch = x->batch;
             e->row = -1;
         }
-        if (e->row < 0 || same_stream(&rows[e->row], row))
+        if (e->row < 0 || relay_batch_same_stream(&rows[e->row], row))
             return &e->row;
     }
 }

@@ -627,15 +627,21 @@ static void on_deadline(struct ev_loop *loop, ev_timer *w, int revents)
     relay_sink_abort(r->sink, why);
 }
 
-/* Published messages per topic, for outbox_relay_messages_published_total. */
+/* Published messages per topic, for outbox_relay_messages_published_total,
+ * and the streams published to, for the observer's list of streams (each
+ * stream exists once a row of it is published). */
 static void count_topics(struct relay_lane *l)
 {
     struct relay_figures *f = &l->r->fig;
     size_t hint = 0;
+    const struct relay_row *prev = NULL;
     for (size_t i = 0; i < l->nrows; i++) {
         const struct relay_row *row = &l->rows[i];
         if (row->state != RELAY_ROW_PUBLISHED)
             continue;
+        if (prev == NULL || !relay_batch_same_stream(prev, row))
+            relay_stream_seen_note(&l->r->streams_seen, row);
+        prev = row;
         size_t j = hint;
         int found = 0;
         for (size_t n = 0; n < f->ntopics; n++, j = (j + 1) % f->ntopics) {

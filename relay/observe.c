@@ -40,6 +40,7 @@
 #include "relay/backpressure.h"
 #include "relay/keys.h"
 #include "relay/redisconn.h"
+#include "relay/streamlist.h"
 #include "relay/tools.h"
 #include "relay/wait.h"
 
@@ -617,50 +618,34 @@ static int redis_durability(struct rconn *c, struct relay_observation *o)
     return rc;
 }
 
-/* Streams: every stream key the relay could publish to, "<prefix><topic>"
- * or "<prefix><topic>:<ppp>" with a valid topic, that is not a dead-letter or
- * replay stream. Other keys
- * are someone else's, and their names may be any bytes: a name that is not
- * UTF-8 would make the topics query fail as a whole. 0, or -1 with
- * o->redis_error set. */
+/* Streams: the topic streams of the list on this node (dead-letter and
+ * replay streams are not topics), scanning the node first when the list
+ * says so. Other keys are someone else's, and their names may be any bytes:
+ * a name that is not UTF-8 would make the topics query fail as a whole, so
+ * only valid topics are listed. 0, or -1 with o->redis_error set. */
 static int redis_streams(const struct relay_config *cfg, struct rconn *c,
-                         struct relay_observation *o)
+                         struct relay_stream_list *list, struct relay_observation *o)
 {
     const char *prefix = cfg->stream_prefix != NULL ? cfg->stream_prefix : "";
     size_t plen = strlen(prefix);
-    char cursor[32] = "0";
-    int rounds = 0;
-    do {
-        redisReply *r = cmd(c, "SCAN %s TYPE stream COUNT 1000", cursor);
-        if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2) {
-            snprintf(o->redis_error, sizeof(o->redis_error), "SCAN failed: %s",
-                     r != NULL && r->type == REDIS_REPLY_ERROR ? r->str : c->c->errstr);
-            if (r != NULL)
-                freeReplyObject(r);
-            return -1;
-        }
-        snprintf(cursor, sizeof(cursor), "%s", r->element[0]->str);
-        const redisReply *keys = r->element[1];
-        for (size_t i = 0; i < keys->elements && o->ntopics < RELAY_OBS_TOPICS_MAX; i++) {
-            const char *k = keys->element[i]->str;
-            size_t klen = keys->element[i]->len;
-            int partition = -1;
-            size_t tlen =
-                klen < plen ? 0 : relay_key_stream_topic_len(k + plen, klen - plen, &partition);
-            if (klen < plen || strncmp(k, prefix, plen) != 0 ||
-                !relay_batch_topic_valid(k + plen, tlen) || relay_tools_ends_with(k, ".dlq") ||
-                relay_tools_ends_with(k, ".replay"))
-                continue;
-            struct relay_topic_obs *t = &o->topics[o->ntopics++];
-            snprintf(t->stream, sizeof(t->stream), "%s", k);
-            snprintf(t->topic, sizeof(t->topic), "%.*s", (int)tlen, k + plen);
-            t->partition = partition;
-            t->oldest_pending_age = -1;
-            t->admitting = -1;
-            t->memory_bytes = -1;
-        }
-        freeReplyObject(r);
-    } while (strcmp(cursor, "0") != 0 && ++rounds < 10000);
+    uint32_t node;
+    if (relay_stream_list_node(list, c->c, prefix, c->stop_fd, c->timeout_ms, &node, o->redis_error,
+                               sizeof(o->redis_error)) < 0)
+        return -1;
+    for (size_t i = 0; i < list->n && o->ntopics < RELAY_OBS_TOPICS_MAX; i++) {
+        const struct relay_listed_stream *s = &list->streams[i];
+        if (s->node != node || s->kind != RELAY_STREAM_TOPIC)
+            continue;
+        int partition = -1;
+        size_t tlen = relay_key_stream_topic_len(s->key + plen, s->len - plen, &partition);
+        struct relay_topic_obs *t = &o->topics[o->ntopics++];
+        snprintf(t->stream, sizeof(t->stream), "%s", s->key);
+        snprintf(t->topic, sizeof(t->topic), "%.*s", (int)tlen, s->key + plen);
+        t->partition = partition;
+        t->oldest_pending_age = -1;
+        t->admitting = -1;
+        t->memory_bytes = -1;
+    }
     return 0;
 }
 
@@ -721,12 +706,13 @@ static void redis_memory(struct rconn *c, struct relay_observation *o)
 }
 
 static int redis_observe(const struct relay_config *cfg, struct rconn *c,
-                         struct relay_observation *o)
+                         struct relay_stream_list *list, struct relay_observation *o)
 {
-    if (redis_durability(c, o) < 0 || redis_streams(cfg, c, o) < 0)
+    size_t first = o->ntopics;
+    if (redis_durability(c, o) < 0 || redis_streams(cfg, c, list, o) < 0)
         return -1;
     redis_memory(c, o);
-    for (size_t ti = 0; ti < o->ntopics; ti++) {
+    for (size_t ti = first; ti < o->ntopics; ti++) {
         const char *stream = o->topics[ti].stream;
         redisReply *m = cmd(c, "MEMORY USAGE %s", stream);
         if (m != NULL && m->type == REDIS_REPLY_INTEGER)
@@ -738,6 +724,8 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
             snprintf(o->redis_error, sizeof(o->redis_error), "%s", c->c->errstr);
             return -1;
         }
+        if (r->type == REDIS_REPLY_ERROR)
+            relay_stream_list_forget(list); /* deleted since the list was made */
         for (size_t g = 0;
              r->type == REDIS_REPLY_ARRAY && g < r->elements && o->ngroups < RELAY_OBS_GROUPS_MAX;
              g++) {
@@ -759,6 +747,7 @@ static int redis_observe(const struct relay_config *cfg, struct rconn *c,
 /* redis_observe on one primary of a cluster, or on the one server. */
 struct observe_each {
     const struct relay_config *cfg;
+    struct relay_stream_list *list;
     struct relay_observation *o;
     int stop_fd;
 };
@@ -767,7 +756,7 @@ static int observe_node(redisContext *node, void *arg)
 {
     struct observe_each *e = arg;
     struct rconn rc = {node, e->stop_fd, e->cfg->connect_timeout_ms};
-    return redis_observe(e->cfg, &rc, e->o);
+    return redis_observe(e->cfg, &rc, e->list, e->o);
 }
 
 static void finish_queue_ages(struct relay_observation *o)
@@ -787,8 +776,13 @@ static void finish_queue_ages(struct relay_observation *o)
 
 int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd,
                   int update_admission, const struct relay_observe_stop *stop,
-                  struct relay_observation *o)
+                  struct relay_stream_list *streams, struct relay_observation *o)
 {
+    struct relay_stream_list once;
+    memset(&once, 0, sizeof(once));
+    struct relay_stream_list *list = streams != NULL ? streams : &once;
+    if (streams == NULL)
+        relay_stream_list_round(&once, 0);
     memset(o, 0, sizeof(*o));
     o->taken_at = now_unix();
     o->outbox_oldest_age = -1;
@@ -805,7 +799,7 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
                                relay_observe_stop_fd(stop), o->redis_error, sizeof(o->redis_error),
                                &fault);
     if (*rd != NULL) {
-        struct observe_each each = {cfg, o, relay_observe_stop_fd(stop)};
+        struct observe_each each = {cfg, list, o, relay_observe_stop_fd(stop)};
         o->redis_ok = relay_redis_each_primary(*rd, &cfg->redis_url, cfg->connect_timeout_ms,
                                                cfg->connect_timeout_ms, each.stop_fd, observe_node,
                                                &each, o->redis_error, sizeof(o->redis_error)) == 0;
@@ -825,6 +819,7 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
     if (*pg != NULL)
         o->pg_ok = pg_observe(cfg, pg, stop, update_admission, o) == 0;
     finish_queue_ages(o);
+    relay_stream_list_free(&once);
     return o->pg_ok && o->redis_ok ? 0 : -1;
 }
 

@@ -20,10 +20,12 @@
 #include "relay/config.h"
 #include "relay/observe.h"
 #include "relay/retention.h"
+#include "relay/streamlist.h"
 
 struct relay_observer {
     struct ev_loop *loop;
     const struct relay_config *cfg;
+    const struct relay_stream_seen *seen;
     relay_observer_fn *fresh_fn;
     void *arg;
     pthread_t thread;
@@ -44,14 +46,17 @@ static void *observe_main(void *arg)
     PGconn *pg = NULL;
     redisContext *rd = NULL;
     struct relay_retention retention;
+    struct relay_stream_list streams;
     memset(&retention, 0, sizeof(retention));
+    memset(&streams, 0, sizeof(streams));
     if (o == NULL)
         return NULL;
     pthread_mutex_lock(&ob->lock);
     while (!ob->stop) {
         pthread_mutex_unlock(&ob->lock);
-        relay_observe(ob->cfg, &pg, &rd, 1, ob->interrupt, o);
-        relay_retention_run(ob->cfg, &pg, &rd, ob->interrupt, &retention, o);
+        relay_stream_list_round(&streams, relay_stream_seen_generation(ob->seen));
+        relay_observe(ob->cfg, &pg, &rd, 1, ob->interrupt, &streams, o);
+        relay_retention_run(ob->cfg, &pg, &rd, ob->interrupt, &streams, &retention, o);
         pthread_mutex_lock(&ob->lock);
         memcpy(ob->next, o, sizeof(*o));
         ob->fresh = 1;
@@ -66,6 +71,7 @@ static void *observe_main(void *arg)
     }
     pthread_mutex_unlock(&ob->lock);
     relay_retention_end(&retention);
+    relay_stream_list_free(&streams);
     PQfinish(pg);
     if (rd != NULL)
         redisFree(rd);
@@ -89,6 +95,7 @@ static void on_async(struct ev_loop *loop, ev_async *w, int revents)
 }
 
 struct relay_observer *relay_observer_start(struct ev_loop *loop, const struct relay_config *cfg,
+                                            const struct relay_stream_seen *seen,
                                             relay_observer_fn *fresh, void *arg)
 {
     struct relay_observer *ob = calloc(1, sizeof(*ob));
@@ -96,6 +103,7 @@ struct relay_observer *relay_observer_start(struct ev_loop *loop, const struct r
         return NULL;
     ob->loop = loop;
     ob->cfg = cfg;
+    ob->seen = seen;
     ob->fresh_fn = fresh;
     ob->arg = arg;
     ob->next = calloc(1, sizeof(*ob->next));

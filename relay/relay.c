@@ -282,7 +282,7 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
         relay_free(r);
         return NULL;
     }
-    r->observer = relay_observer_start(loop, cfg, on_observation, r);
+    r->observer = relay_observer_start(loop, cfg, &r->streams_seen, on_observation, r);
     if (r->observer == NULL)
         relay_warn(COMPONENT, "cannot start the observation thread: no queue age, lag or "
                               "backpressure");
@@ -363,6 +363,7 @@ void relay_free(struct relay *r)
     relay_owner_stop(r->owner);
     relay_wakeup_stop(r);
     relay_pgsrc_on_no_session(NULL, NULL);
+    relay_stream_seen_free(&r->streams_seen);
     free(r->obs);
     free(r);
 }

@@ -17,6 +17,7 @@
 #include "relay/log.h"
 #include "relay/observe.h"
 #include "relay/redisconn.h"
+#include "relay/streamlist.h"
 #include "relay/tools.h"
 #include "relay/wait.h"
 
@@ -36,8 +37,6 @@
 #define PURGE_ZERO_EVERY 600.0
 /* Streams are trimmed at most this often. */
 #define TRIM_EVERY 10.0
-/* The most streams one run trims, so that a run stays short. */
-#define TRIM_STREAMS_MAX 10000
 
 static void failed(struct relay_retention *st, const char *what, const char *why)
 {
@@ -264,95 +263,50 @@ static int trim_stream(const struct relay_config *cfg, redisContext *c, int stop
 
 /*
  * Every stream of the relay's topics ("<prefix><topic>" and the partitions'
- * "<prefix><topic>:<ppp>", as the observer
- * finds them, but all of them, not only those it lists), with
- * stream_retention, and every replay stream of theirs
- * ("{<stream>}.<group>.replay") with 0: a replayed entry is gone once its
- * group acknowledged it. Dead-letter streams are never trimmed. Names ending
- * in ".dlq" or ".replay" are not taken for topics, as the observer does not
- * take them. In a cluster, on each primary in turn.
+ * "<prefix><topic>:<ppp>", as the observer finds them, but all of them, not
+ * only those it lists), with stream_retention, and every replay stream of
+ * theirs ("{<stream>}.<group>.replay") with 0: a replayed entry is gone once
+ * its group acknowledged it. Dead-letter streams are never trimmed. The
+ * streams are those of the observer's list (include/relay/streamlist.h). In
+ * a cluster, on each primary in turn: each stream's replay streams share its
+ * slot, so they are listed under the same primary.
  */
-/* "{<prefix><topic>[:<ppp>]}.<group>.replay": a replay stream of one of the
- * relay's streams. */
-static int our_replay(const char *k, size_t klen, const char *prefix, size_t plen)
-{
-    if (klen < plen + 3 || k[0] != '{' || strncmp(k + 1, prefix, plen) != 0 ||
-        !relay_tools_ends_with(k, ".replay"))
-        return 0;
-    const char *close = memchr(k + 1, '}', klen - 1);
-    if (close == NULL || close[1] != '.')
-        return 0;
-    size_t slen = (size_t)(close - (k + 1 + plen));
-    int partition;
-    return relay_batch_topic_valid(k + 1 + plen,
-                                   relay_key_stream_topic_len(k + 1 + plen, slen, &partition));
-}
-
 struct trim_each {
     const struct relay_config *cfg;
     int stop_fd;
+    struct relay_stream_list *list;
     struct relay_retention *st;
     struct relay_observation *o;
-    int trimmed;
 };
 
-/* The streams of one server, or of one primary of a cluster (each stream's
- * replay streams share its slot, so they are found on the same primary). */
 static int trim_node(redisContext *c, void *arg)
 {
     struct trim_each *e = arg;
     const struct relay_config *cfg = e->cfg;
-    int stop_fd = e->stop_fd;
-    struct relay_retention *st = e->st;
-    struct relay_observation *o = e->o;
-    const char *prefix = cfg->stream_prefix != NULL ? cfg->stream_prefix : "";
-    size_t plen = strlen(prefix);
-    char cursor[32] = "0";
-    int rounds = 0;
-    do {
-        redisReply *r = relay_redis_call(c, stop_fd, cfg->connect_timeout_ms,
-                                         "SCAN %s TYPE stream COUNT 1000", cursor);
-        if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2) {
-            failed(st, "trimming streams",
-                   r != NULL && r->type == REDIS_REPLY_ERROR ? r->str : c->errstr);
-            if (r != NULL)
-                freeReplyObject(r);
+    char err[512];
+    uint32_t node;
+    if (relay_stream_list_node(e->list, c, cfg->stream_prefix, e->stop_fd, cfg->connect_timeout_ms,
+                               &node, err, sizeof(err)) < 0) {
+        failed(e->st, "trimming streams", err);
+        return -1;
+    }
+    for (size_t i = 0; i < e->list->n; i++) {
+        const struct relay_listed_stream *s = &e->list->streams[i];
+        if (s->node != node)
+            continue;
+        /* A replayed entry is gone once its group acknowledged it. */
+        uint32_t retention = s->kind == RELAY_STREAM_REPLAY ? 0 : cfg->stream_retention_ms;
+        if (trim_stream(cfg, c, e->stop_fd, s->key, retention, e->st, e->o) < 0)
             return -1;
-        }
-        snprintf(cursor, sizeof(cursor), "%s", r->element[0]->str);
-        const redisReply *keys = r->element[1];
-        for (size_t i = 0; i < keys->elements && e->trimmed < TRIM_STREAMS_MAX; i++) {
-            const redisReply *k = keys->element[i];
-            int partition;
-            if (k->type != REDIS_REPLY_STRING)
-                continue;
-            uint32_t retention;
-            if (our_replay(k->str, k->len, prefix, plen))
-                retention = 0; /* a replayed entry is gone once its group acknowledged it */
-            else if (k->len >= plen && strncmp(k->str, prefix, plen) == 0 &&
-                     relay_batch_topic_valid(
-                         k->str + plen,
-                         relay_key_stream_topic_len(k->str + plen, k->len - plen, &partition)) &&
-                     !relay_tools_ends_with(k->str, ".dlq") &&
-                     !relay_tools_ends_with(k->str, ".replay"))
-                retention = cfg->stream_retention_ms;
-            else
-                continue;
-            e->trimmed++;
-            if (trim_stream(cfg, c, stop_fd, k->str, retention, st, o) < 0) {
-                freeReplyObject(r);
-                return -1;
-            }
-        }
-        freeReplyObject(r);
-    } while (strcmp(cursor, "0") != 0 && ++rounds < 10000 && e->trimmed < TRIM_STREAMS_MAX);
+    }
     return 0;
 }
 
 static void trim_streams(const struct relay_config *cfg, redisContext **rd, int stop_fd,
-                         struct relay_retention *st, struct relay_observation *o)
+                         struct relay_stream_list *list, struct relay_retention *st,
+                         struct relay_observation *o)
 {
-    struct trim_each each = {cfg, stop_fd, st, o, 0};
+    struct trim_each each = {cfg, stop_fd, list, st, o};
     char err[512] = "";
     st->nheld = 0;
     if (relay_redis_each_primary(*rd, &cfg->redis_url, cfg->connect_timeout_ms,
@@ -363,8 +317,8 @@ static void trim_streams(const struct relay_config *cfg, redisContext **rd, int 
 }
 
 void relay_retention_run(const struct relay_config *cfg, PGconn **pg, redisContext **rd,
-                         const struct relay_observe_stop *stop, struct relay_retention *st,
-                         struct relay_observation *o)
+                         const struct relay_observe_stop *stop, struct relay_stream_list *streams,
+                         struct relay_retention *st, struct relay_observation *o)
 {
     if (st->purge_restart_at == 0)
         st->oldest_sent_age = -1;
@@ -374,7 +328,7 @@ void relay_retention_run(const struct relay_config *cfg, PGconn **pg, redisConte
     double now = relay_mono_now();
     if (cfg->stream_retention_ms > 0 && *rd != NULL && (*rd)->err == 0 && now >= st->next_trim_at) {
         st->next_trim_at = now + TRIM_EVERY;
-        trim_streams(cfg, rd, relay_observe_stop_fd(stop), st, o);
+        trim_streams(cfg, rd, relay_observe_stop_fd(stop), streams, st, o);
     }
     for (size_t i = 0; i < st->nheld; i++)
         for (size_t t = 0; t < o->ntopics; t++)

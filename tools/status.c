@@ -49,7 +49,7 @@ int relay_tool_status(const struct relay_config *cfg, int argc, char **argv, FIL
     }
     PGconn *pg = NULL;
     redisContext *rd = NULL;
-    int rc = relay_observe(cfg, &pg, &rd, 0, NULL, o);
+    int rc = relay_observe(cfg, &pg, &rd, 0, NULL, NULL, o);
     if (json)
         relay_observe_json(o, text, 256 * 1024);
     else

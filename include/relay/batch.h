@@ -245,6 +245,9 @@ int32_t *relay_batch_streams_slot(struct relay_batch_streams *x, const struct re
 int32_t relay_batch_streams_find(const struct relay_batch_streams *x, const struct relay_row *rows,
                                  const struct relay_row *row);
 void relay_batch_streams_free(struct relay_batch_streams *x);
+/* Whether two rows go to the same stream: same topic and, for a partitioned
+ * topic, same partition. */
+int relay_batch_same_stream(const struct relay_row *a, const struct relay_row *b);
 
 struct relay_claim_lane {
     int in_flight;   /* holds a claimed batch: waiting to publish, publishing or finishing */

@@ -26,6 +26,7 @@
 #include "relay/observe.h"
 #include "relay/relay.h"
 #include "relay/retire.h"
+#include "relay/streamlist.h"
 #include "relay/wake.h"
 
 struct pg_result;
@@ -109,6 +110,7 @@ struct relay {
     char obs_problem[2][512];      /* the last observation error logged, per server */
 
     struct relay_figures fig;
+    struct relay_stream_seen streams_seen; /* for the observer's list of streams */
     struct relay_metrics *metrics;
     ev_timer drain_timer;
     ev_timer watchdog; /* WATCHDOG=1 at half of WatchdogSec, while healthy */

@@ -23,6 +23,7 @@
 
 struct pg_conn;
 struct redisContext;
+struct relay_stream_list;
 struct relay_config;
 struct relay_observe_stop;
 
@@ -123,12 +124,14 @@ int relay_observe_stop_fd(const struct relay_observe_stop *s);
  * With update_admission set (the daemon), the producer admission of every
  * topic in outbox.topic_limits or outbox.topic_state is recomputed through
  * outbox.observe_topic, in one statement; without, the last decisions are
- * read. Neither depends on Redis. Returns 0 when both servers answered, -1
- * otherwise (o says which and why).
+ * read. Neither depends on Redis. The streams are those of the list, which
+ * scans the nodes when its round says so (include/relay/streamlist.h);
+ * with streams NULL, every node is scanned. Returns 0 when both servers
+ * answered, -1 otherwise (o says which and why).
  */
 int relay_observe(const struct relay_config *cfg, struct pg_conn **pg, struct redisContext **rd,
                   int update_admission, const struct relay_observe_stop *stop,
-                  struct relay_observation *o);
+                  struct relay_stream_list *streams, struct relay_observation *o);
 
 /*
  * One statement on the observer's connection (from relay_observe_pg_open),

@@ -30,6 +30,7 @@
 
 struct pg_conn;
 struct redisContext;
+struct relay_stream_list;
 struct relay_config;
 
 /* What the thread keeps between runs. Zero-initialise it. */
@@ -59,12 +60,14 @@ struct relay_retention {
 
 /*
  * One run, after relay_observe filled o on the same connections (NULL or
- * broken ones are skipped: the next run tries again). Copies the totals and,
- * per topic, the group that holds trimming back into o.
+ * broken ones are skipped: the next run tries again), and listed the streams
+ * the trim pass visits in streams. Copies the totals and, per topic, the
+ * group that holds trimming back into o.
  */
 void relay_retention_run(const struct relay_config *cfg, struct pg_conn **pg,
                          struct redisContext **rd, const struct relay_observe_stop *stop,
-                         struct relay_retention *st, struct relay_observation *o);
+                         struct relay_stream_list *streams, struct relay_retention *st,
+                         struct relay_observation *o);
 
 /* Cancels a VACUUM in flight and closes its connection. */
 void relay_retention_end(struct relay_retention *st);

@@ -16,7 +16,11 @@ Promises tested:
     limit, admitted once drained;
   - a refused topic whose limits are deleted is admitted again;
   - more limited topics than the observation lists (64) are all decided;
-- status run as a role that may not read the limits still shows the rest.
+- status run as a role that may not read the limits still shows the rest;
+- the streams are found without a SCAN of the whole keyspace at every
+  observation and every trim: at the first observation, when the relay first
+  publishes to a stream, when a listed stream is gone, and every 12
+  observations, which also find the streams other processes create.
 """
 
 import json
@@ -182,6 +186,49 @@ class ObserverTest(harness.ServerTestCase):
         self.assertIsNotNone(code, "the relay did not exit within 60 s\n" + relay.log_tail())
         self.assertLess(took, drain + 15, relay.log_tail())
         self.assertEqual(code, 0, relay.log_tail())
+
+    # -- finding the streams
+    def scans(self):
+        return self.r.info("commandstats").get("cmdstat_scan", {}).get("calls", 0)
+
+    def listed(self, stream):
+        return metric(self.scrape(), "outbox_relay_stream_memory_bytes", stream=stream) is not None
+
+    def test_streams_are_found_without_scanning_the_keyspace_each_time(self):
+        """SCAN visits every key, the dedup records too: the observer lists the streams
+        at its first observation, after the relay first publishes to a stream, after a
+        listed stream is gone and every 12 observations, not at every observation and
+        every trim."""
+        self.r.xadd("existing", {"seed": "1"})
+        relay = self.start_relay(observe_interval="100ms", stream_retention="1h", dedup_ttl="1h")
+        wait_until(lambda: self.listed("existing"), timeout=15, relay=relay,
+                   message="the stream there before the relay in the scrape")
+        harness.insert(self.db, "orders", b"first")
+        wait_until(lambda: self.listed("orders"), timeout=15, relay=relay,
+                   message="the stream the relay created in the scrape")
+        self.r.config_resetstat()
+        started = time.monotonic()
+        observed_before = metric(self.scrape(), "outbox_relay_observation_age_seconds")
+        self.assertIsNotNone(observed_before)
+        for i in range(30):  # the relay keeps publishing to a stream it knows
+            harness.insert(self.db, "orders", b"more %d" % i)
+            time.sleep(0.1)
+        scans = self.scans()
+        took = time.monotonic() - started
+        self.assertGreater(self.r.xlen("orders"), 20)
+        # About 30 observations of 100 ms or more: a scan at most every 12 of them,
+        # and never one per trim (stream_retention is on).
+        print(f"SCAN calls over {took:.1f} s of observations every 100 ms: {scans}")
+        self.assertLessEqual(scans, took / 1.2 + 2, "the keyspace was scanned more often than every 12 observations")
+        # A stream another process created is found by the periodic scan.
+        self.r.xadd("created.elsewhere", {"seed": "1"})
+        wait_until(lambda: self.listed("created.elsewhere"), timeout=15, relay=relay,
+                   message="a stream another process created in the scrape")
+        # A listed stream that is gone leaves the list.
+        self.r.delete("existing")
+        wait_until(lambda: not self.listed("existing"), timeout=15, relay=relay,
+                   message="the deleted stream to leave the scrape")
+        self.assertEqual(harness.problem_lines(relay.log(), "relay"), [])
 
     # -- admission from PostgreSQL alone
     def test_limited_topic_without_a_stream(self):

@@ -1,0 +1,257 @@
+/*
+ * The relay's streams in Redis, and when to scan for them again
+ * (include/relay/streamlist.h).
+ */
+#include "relay/compat.h"
+
+#include "relay/streamlist.h"
+
+#include <hiredis/hiredis.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "relay/batch.h"
+#include "relay/keys.h"
+#include "relay/redisconn.h"
+#include "relay/tools.h"
+
+/* The most SCAN calls one node's scan makes (COUNT 1000 each). */
+#define SCAN_ROUNDS_MAX 10000
+
+static int topic_stream(const char *name, size_t len)
+{
+    int partition;
+    return relay_batch_topic_valid(name, relay_key_stream_topic_len(name, len, &partition));
+}
+
+enum relay_stream_kind relay_stream_kind(const char *key, size_t len, const char *prefix)
+{
+    if (prefix == NULL)
+        prefix = "";
+    size_t plen = strlen(prefix);
+    if (len < 8 || memcmp(key + len - 7, ".replay", 7) != 0) {
+        if (len < plen || memcmp(key, prefix, plen) != 0 ||
+            (len >= 4 && memcmp(key + len - 4, ".dlq", 4) == 0))
+            return RELAY_STREAM_OTHER;
+        return topic_stream(key + plen, len - plen) ? RELAY_STREAM_TOPIC : RELAY_STREAM_OTHER;
+    }
+    /* "{<prefix><topic>[:<ppp>]}.<group>.replay" */
+    if (len < plen + 3 || key[0] != '{' || memcmp(key + 1, prefix, plen) != 0)
+        return RELAY_STREAM_OTHER;
+    const char *close = memchr(key + 1, '}', len - 1);
+    if (close == NULL || close + 1 >= key + len || close[1] != '.')
+        return RELAY_STREAM_OTHER;
+    const char *topic = key + 1 + plen;
+    if (close < topic)
+        return RELAY_STREAM_OTHER;
+    return topic_stream(topic, (size_t)(close - topic)) ? RELAY_STREAM_REPLAY : RELAY_STREAM_OTHER;
+}
+
+static void forget_all(struct relay_stream_list *l)
+{
+    for (size_t i = 0; i < l->n; i++)
+        free(l->streams[i].key);
+    l->n = 0;
+    l->nnodes = 0;
+}
+
+void relay_stream_list_round(struct relay_stream_list *l, unsigned generation)
+{
+    l->since_scan++;
+    if (l->scanned && !l->stale && generation == l->generation &&
+        l->since_scan < RELAY_STREAM_RESCAN_EVERY)
+        return;
+    forget_all(l);
+    l->scanned = 1;
+    l->stale = 0;
+    l->since_scan = 0;
+    l->generation = generation;
+}
+
+void relay_stream_list_forget(struct relay_stream_list *l)
+{
+    l->stale = 1;
+}
+
+static void node_name(const redisContext *c, char out[RELAY_STREAM_NODE_MAX])
+{
+    if (c->connection_type == REDIS_CONN_UNIX && c->unix_sock.path != NULL)
+        snprintf(out, RELAY_STREAM_NODE_MAX, "%s", c->unix_sock.path);
+    else
+        snprintf(out, RELAY_STREAM_NODE_MAX, "%s:%d", c->tcp.host != NULL ? c->tcp.host : "",
+                 c->tcp.port);
+}
+
+static int add_stream(struct relay_stream_list *l, const char *key, size_t len, uint32_t node,
+                      enum relay_stream_kind kind)
+{
+    if (l->n == l->cap) {
+        size_t cap = l->cap != 0 ? 2 * l->cap : 64;
+        struct relay_listed_stream *grown = realloc(l->streams, cap * sizeof(*grown));
+        if (grown == NULL)
+            return -1;
+        l->streams = grown;
+        l->cap = cap;
+    }
+    char *copy = malloc(len + 1);
+    if (copy == NULL)
+        return -1;
+    memcpy(copy, key, len);
+    copy[len] = '\0';
+    struct relay_listed_stream *s = &l->streams[l->n++];
+    s->key = copy;
+    s->len = len;
+    s->node = node;
+    s->kind = kind;
+    return 0;
+}
+
+/* Every stream of the relay's on the node, into l under index node. */
+static int scan_node(struct relay_stream_list *l, redisContext *c, const char *prefix, int stop_fd,
+                     uint32_t timeout_ms, uint32_t node, char *err, size_t errlen)
+{
+    char cursor[32] = "0";
+    int rounds = 0;
+    l->scans++;
+    do {
+        redisReply *r = relay_redis_call(c, stop_fd, timeout_ms, "SCAN %s TYPE stream COUNT 1000",
+                                         cursor);
+        if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
+            r->element[0]->type != REDIS_REPLY_STRING || r->element[1]->type != REDIS_REPLY_ARRAY) {
+            snprintf(err, errlen, "SCAN failed: %s",
+                     r != NULL && r->type == REDIS_REPLY_ERROR ? r->str
+                     : r != NULL                               ? "an unexpected reply"
+                                                               : c->errstr);
+            if (r != NULL)
+                freeReplyObject(r);
+            return -1;
+        }
+        snprintf(cursor, sizeof(cursor), "%s", r->element[0]->str);
+        const redisReply *keys = r->element[1];
+        for (size_t i = 0; i < keys->elements && l->n < RELAY_STREAM_LIST_MAX; i++) {
+            const redisReply *k = keys->element[i];
+            if (k->type != REDIS_REPLY_STRING)
+                continue;
+            enum relay_stream_kind kind = relay_stream_kind(k->str, k->len, prefix);
+            if (kind != RELAY_STREAM_OTHER && add_stream(l, k->str, k->len, node, kind) < 0) {
+                freeReplyObject(r);
+                snprintf(err, errlen, "out of memory listing the streams");
+                return -1;
+            }
+        }
+        freeReplyObject(r);
+    } while (strcmp(cursor, "0") != 0 && ++rounds < SCAN_ROUNDS_MAX && l->n < RELAY_STREAM_LIST_MAX);
+    return 0;
+}
+
+int relay_stream_list_node(struct relay_stream_list *l, redisContext *c, const char *prefix,
+                           int stop_fd, uint32_t timeout_ms, uint32_t *node, char *err,
+                           size_t errlen)
+{
+    char name[RELAY_STREAM_NODE_MAX];
+    node_name(c, name);
+    for (size_t i = 0; i < l->nnodes; i++)
+        if (strcmp(l->nodes[i], name) == 0) {
+            *node = (uint32_t)i;
+            return 0;
+        }
+    if (l->nnodes == l->nodes_cap) {
+        size_t cap = l->nodes_cap != 0 ? 2 * l->nodes_cap : 4;
+        char(*nodes)[RELAY_STREAM_NODE_MAX] = realloc(l->nodes, cap * sizeof(*nodes));
+        if (nodes == NULL) {
+            snprintf(err, errlen, "out of memory listing the streams");
+            l->stale = 1;
+            return -1;
+        }
+        l->nodes = nodes;
+        l->nodes_cap = cap;
+    }
+    /* A node not scanned since the last full scan began: a cluster's new
+     * primary, whose slots came from nodes listed before. Their streams are
+     * listed twice until the next round, which scans them all again. */
+    if (l->since_scan > 0)
+        l->stale = 1;
+    *node = (uint32_t)l->nnodes;
+    if (scan_node(l, c, prefix, stop_fd, timeout_ms, *node, err, errlen) < 0) {
+        /* What was found stays listed; the node is scanned again at its
+         * next visit, and all of them at the next round. */
+        l->stale = 1;
+        return -1;
+    }
+    memcpy(l->nodes[l->nnodes++], name, RELAY_STREAM_NODE_MAX);
+    return 0;
+}
+
+void relay_stream_list_free(struct relay_stream_list *l)
+{
+    forget_all(l);
+    free(l->streams);
+    free(l->nodes);
+    memset(l, 0, sizeof(*l));
+}
+
+/* ---- the streams the claim cycle published to ------------------------- */
+
+/* FNV-1a 64 over the topic, then the partition of a partitioned topic; never 0. */
+static uint64_t seen_hash(const struct relay_row *row)
+{
+    uint64_t h = 14695981039346656037ull;
+    for (size_t k = 0; k < row->topic_len; k++)
+        h = (h ^ (unsigned char)row->topic[k]) * 1099511628211ull;
+    if (row->partitions > 1)
+        h = (h ^ (uint64_t)(row->partition + 1)) * 1099511628211ull;
+    return h != 0 ? h : 1;
+}
+
+static int seen_grow(struct relay_stream_seen *s)
+{
+    size_t size = s->hashes != NULL ? 2 * (s->mask + 1) : 64;
+    uint64_t *h = calloc(size, sizeof(*h));
+    if (h == NULL)
+        return -1;
+    for (size_t i = 0; s->hashes != NULL && i <= s->mask; i++) {
+        if (s->hashes[i] == 0)
+            continue;
+        size_t at = s->hashes[i] & (size - 1);
+        while (h[at] != 0)
+            at = (at + 1) & (size - 1);
+        h[at] = s->hashes[i];
+    }
+    free(s->hashes);
+    s->hashes = h;
+    s->mask = size - 1;
+    return 0;
+}
+
+void relay_stream_seen_note(struct relay_stream_seen *s, const struct relay_row *row)
+{
+    uint64_t hash = seen_hash(row);
+    if (s->hashes != NULL) {
+        for (size_t at = hash & s->mask; s->hashes[at] != 0; at = (at + 1) & s->mask)
+            if (s->hashes[at] == hash)
+                return;
+    }
+    if (s->n >= RELAY_STREAM_LIST_MAX)
+        return;
+    /* At most half full, so that every probe ends soon at an empty slot. */
+    if ((s->hashes == NULL || 2 * (s->n + 1) > s->mask + 1) && seen_grow(s) < 0)
+        return;
+    size_t at = hash & s->mask;
+    while (s->hashes[at] != 0)
+        at = (at + 1) & s->mask;
+    s->hashes[at] = hash;
+    s->n++;
+    __atomic_add_fetch(&s->generation, 1, __ATOMIC_RELAXED);
+}
+
+unsigned relay_stream_seen_generation(const struct relay_stream_seen *s)
+{
+    return s != NULL ? __atomic_load_n(&s->generation, __ATOMIC_RELAXED) : 0;
+}
+
+void relay_stream_seen_free(struct relay_stream_seen *s)
+{
+    free(s->hashes);
+    memset(s, 0, sizeof(*s));
+}
