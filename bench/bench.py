@@ -495,6 +495,7 @@ def drain(pg, rd, conn, rc, kind, rows, batch, extra=None, relay_flags=None, set
     redis_base = proc_cpu(rd.proc.pid)
     settled = None
     timeout = max(120.0, rows / 1500.0)
+    rc.config_resetstat()  # INFO commandstats from here: Redis's work by command
     if kind == "relay":
         started = time.monotonic()
         relay = start_relay(pg, rd, batch_size=batch, **(relay_flags or {}))
@@ -545,6 +546,7 @@ def drain(pg, rd, conn, rc, kind, rows, batch, extra=None, relay_flags=None, set
             proc.stdin.close()
             proc.wait(timeout=30)
         steps = json.loads(line)
+    commands = rc.info("commandstats")
     in_redis = stream_total(rc)
     left = pending(conn)
     if in_redis != rows or left != 0:
@@ -555,6 +557,13 @@ def drain(pg, rd, conn, rc, kind, rows, batch, extra=None, relay_flags=None, set
                 total_cpu_per_100k=(cpu + pg_cpu + rd_cpu) / rows * 1e5,
                 relay_busy=cpu / took, pg_busy=pg_cpu / took, redis_busy=rd_cpu / took,
                 other_busy=other / took)
+    # Redis's time by command over the drain, in microseconds a message: where
+    # its core goes besides the publishes (the scans of the observer and the
+    # trim pass, the removal of the dedup records, the bench's own polling).
+    for name in ("fcall", "unlink", "scan", "xinfo", "xlen"):
+        stat = commands.get(f"cmdstat_{name}", {})
+        result[f"redis_{name}_calls"] = stat.get("calls", 0)
+        result[f"redis_{name}_us_per_msg"] = stat.get("usec", 0) / rows
     if settled is not None:
         # Redis's CPU until the last dedup record was retired (removed, or
         # expired and reclaimed), some seconds after the last commit: the
