@@ -640,7 +640,7 @@ static void count_topics(struct relay_lane *l)
         if (row->state != RELAY_ROW_PUBLISHED)
             continue;
         if (prev == NULL || !relay_batch_same_stream(prev, row))
-            relay_stream_seen_note(&l->r->streams_seen, row);
+            relay_stream_seen_note(&l->r->streams_seen, l->r->cfg->stream_prefix, row);
         prev = row;
         size_t j = hint;
         int found = 0;

@@ -25,7 +25,7 @@
 struct relay_observer {
     struct ev_loop *loop;
     const struct relay_config *cfg;
-    const struct relay_stream_seen *seen;
+    struct relay_stream_seen *seen;
     relay_observer_fn *fresh_fn;
     void *arg;
     pthread_t thread;
@@ -54,7 +54,7 @@ static void *observe_main(void *arg)
     pthread_mutex_lock(&ob->lock);
     while (!ob->stop) {
         pthread_mutex_unlock(&ob->lock);
-        relay_stream_list_round(&streams, relay_stream_seen_generation(ob->seen));
+        relay_stream_list_round(&streams, ob->seen);
         relay_observe(ob->cfg, &pg, &rd, 1, ob->interrupt, &streams, o);
         relay_retention_run(ob->cfg, &pg, &rd, ob->interrupt, &streams, &retention, o);
         pthread_mutex_lock(&ob->lock);
@@ -95,7 +95,7 @@ static void on_async(struct ev_loop *loop, ev_async *w, int revents)
 }
 
 struct relay_observer *relay_observer_start(struct ev_loop *loop, const struct relay_config *cfg,
-                                            const struct relay_stream_seen *seen,
+                                            struct relay_stream_seen *seen,
                                             relay_observer_fn *fresh, void *arg)
 {
     struct relay_observer *ob = calloc(1, sizeof(*ob));

@@ -263,6 +263,7 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
     if (reload != NULL)
         r->reload = *reload;
     relay_paused_init(&r->paused);
+    relay_stream_seen_init(&r->streams_seen);
     r->obs = calloc(1, sizeof(*r->obs));
     ev_init(&r->drain_timer, on_drain_deadline);
     r->drain_timer.data = r;

@@ -56,17 +56,44 @@ static void forget_all(struct relay_stream_list *l)
     l->nnodes = 0;
 }
 
-void relay_stream_list_round(struct relay_stream_list *l, unsigned generation)
+static void drop_fresh(struct relay_stream_list *l)
 {
+    for (size_t i = 0; i < l->nfresh; i++)
+        free(l->fresh[i]);
+    free(l->fresh);
+    l->fresh = NULL;
+    l->nfresh = 0;
+}
+
+static int listed(const struct relay_stream_list *l, const char *key)
+{
+    for (size_t i = 0; i < l->n; i++)
+        if (strcmp(l->streams[i].key, key) == 0)
+            return 1;
+    return 0;
+}
+
+void relay_stream_list_round(struct relay_stream_list *l, struct relay_stream_seen *seen)
+{
+    /* A name no node had in the last round: the stream is gone again. */
+    drop_fresh(l);
+    int overflow = 0;
+    if (seen != NULL)
+        l->nfresh = relay_stream_seen_take(seen, &l->fresh, &overflow);
     l->since_scan++;
-    if (l->scanned && !l->stale && generation == l->generation &&
-        l->since_scan < RELAY_STREAM_RESCAN_EVERY)
+    if (l->scanned && !l->stale && !overflow && l->since_scan < RELAY_STREAM_RESCAN_EVERY) {
+        for (size_t i = 0; i < l->nfresh; i++)
+            if (l->fresh[i] != NULL && listed(l, l->fresh[i])) {
+                free(l->fresh[i]);
+                l->fresh[i] = NULL;
+            }
         return;
+    }
+    drop_fresh(l); /* the scan finds them */
     forget_all(l);
     l->scanned = 1;
     l->stale = 0;
     l->since_scan = 0;
-    l->generation = generation;
 }
 
 void relay_stream_list_forget(struct relay_stream_list *l)
@@ -115,8 +142,8 @@ static int scan_node(struct relay_stream_list *l, redisContext *c, const char *p
     int rounds = 0;
     l->scans++;
     do {
-        redisReply *r = relay_redis_call(c, stop_fd, timeout_ms, "SCAN %s TYPE stream COUNT 1000",
-                                         cursor);
+        redisReply *r =
+            relay_redis_call(c, stop_fd, timeout_ms, "SCAN %s TYPE stream COUNT 1000", cursor);
         if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
             r->element[0]->type != REDIS_REPLY_STRING || r->element[1]->type != REDIS_REPLY_ARRAY) {
             snprintf(err, errlen, "SCAN failed: %s",
@@ -141,7 +168,40 @@ static int scan_node(struct relay_stream_list *l, redisContext *c, const char *p
             }
         }
         freeReplyObject(r);
-    } while (strcmp(cursor, "0") != 0 && ++rounds < SCAN_ROUNDS_MAX && l->n < RELAY_STREAM_LIST_MAX);
+    } while (strcmp(cursor, "0") != 0 && ++rounds < SCAN_ROUNDS_MAX &&
+             l->n < RELAY_STREAM_LIST_MAX);
+    return 0;
+}
+
+/* The handed-over names the node has, into the list under node. */
+static int place_fresh(struct relay_stream_list *l, redisContext *c, const char *prefix,
+                       int stop_fd, uint32_t timeout_ms, uint32_t node, char *err, size_t errlen)
+{
+    for (size_t i = 0; i < l->nfresh; i++) {
+        if (l->fresh[i] == NULL)
+            continue;
+        redisReply *r = relay_redis_call(c, stop_fd, timeout_ms, "EXISTS %s", l->fresh[i]);
+        if (r == NULL) {
+            snprintf(err, errlen, "EXISTS failed: %s", c->errstr);
+            l->stale = 1;
+            return -1;
+        }
+        /* 0: not on this node, or gone; an error: another primary's slot. */
+        int here = r->type == REDIS_REPLY_INTEGER && r->integer == 1;
+        freeReplyObject(r);
+        if (!here)
+            continue;
+        size_t len = strlen(l->fresh[i]);
+        enum relay_stream_kind kind = relay_stream_kind(l->fresh[i], len, prefix);
+        if (kind != RELAY_STREAM_OTHER && l->n < RELAY_STREAM_LIST_MAX &&
+            add_stream(l, l->fresh[i], len, node, kind) < 0) {
+            snprintf(err, errlen, "out of memory listing the streams");
+            l->stale = 1;
+            return -1;
+        }
+        free(l->fresh[i]);
+        l->fresh[i] = NULL;
+    }
     return 0;
 }
 
@@ -154,7 +214,7 @@ int relay_stream_list_node(struct relay_stream_list *l, redisContext *c, const c
     for (size_t i = 0; i < l->nnodes; i++)
         if (strcmp(l->nodes[i], name) == 0) {
             *node = (uint32_t)i;
-            return 0;
+            return place_fresh(l, c, prefix, stop_fd, timeout_ms, *node, err, errlen);
         }
     if (l->nnodes == l->nodes_cap) {
         size_t cap = l->nodes_cap != 0 ? 2 * l->nodes_cap : 4;
@@ -180,18 +240,25 @@ int relay_stream_list_node(struct relay_stream_list *l, redisContext *c, const c
         return -1;
     }
     memcpy(l->nodes[l->nnodes++], name, RELAY_STREAM_NODE_MAX);
-    return 0;
+    return place_fresh(l, c, prefix, stop_fd, timeout_ms, *node, err, errlen);
 }
 
 void relay_stream_list_free(struct relay_stream_list *l)
 {
     forget_all(l);
+    drop_fresh(l);
     free(l->streams);
     free(l->nodes);
     memset(l, 0, sizeof(*l));
 }
 
 /* ---- the streams the claim cycle published to ------------------------- */
+
+void relay_stream_seen_init(struct relay_stream_seen *s)
+{
+    memset(s, 0, sizeof(*s));
+    pthread_mutex_init(&s->lock, NULL);
+}
 
 /* FNV-1a 64 over the topic, then the partition of a partitioned topic; never 0. */
 static uint64_t seen_hash(const struct relay_row *row)
@@ -224,7 +291,28 @@ static int seen_grow(struct relay_stream_seen *s)
     return 0;
 }
 
-void relay_stream_seen_note(struct relay_stream_seen *s, const struct relay_row *row)
+/* Hands name over (NULL: it could not be made), under the lock. */
+static void hand_over(struct relay_stream_seen *s, char *name)
+{
+    pthread_mutex_lock(&s->lock);
+    if (name == NULL || s->nfresh >= RELAY_STREAM_FRESH_MAX) {
+        s->overflow = 1;
+        free(name);
+    } else {
+        if (s->fresh == NULL)
+            s->fresh = calloc(RELAY_STREAM_FRESH_MAX, sizeof(*s->fresh));
+        if (s->fresh == NULL) {
+            s->overflow = 1;
+            free(name);
+        } else {
+            s->fresh[s->nfresh++] = name;
+        }
+    }
+    pthread_mutex_unlock(&s->lock);
+}
+
+void relay_stream_seen_note(struct relay_stream_seen *s, const char *prefix,
+                            const struct relay_row *row)
 {
     uint64_t hash = seen_hash(row);
     if (s->hashes != NULL) {
@@ -232,26 +320,52 @@ void relay_stream_seen_note(struct relay_stream_seen *s, const struct relay_row 
             if (s->hashes[at] == hash)
                 return;
     }
-    if (s->n >= RELAY_STREAM_LIST_MAX)
-        return;
     /* At most half full, so that every probe ends soon at an empty slot. */
-    if ((s->hashes == NULL || 2 * (s->n + 1) > s->mask + 1) && seen_grow(s) < 0)
+    if (s->n >= RELAY_STREAM_LIST_MAX ||
+        ((s->hashes == NULL || 2 * (s->n + 1) > s->mask + 1) && seen_grow(s) < 0)) {
+        hand_over(s, NULL);
         return;
+    }
     size_t at = hash & s->mask;
     while (s->hashes[at] != 0)
         at = (at + 1) & s->mask;
     s->hashes[at] = hash;
     s->n++;
-    __atomic_add_fetch(&s->generation, 1, __ATOMIC_RELAXED);
+    size_t size =
+        (prefix != NULL ? strlen(prefix) : 0) + row->topic_len + RELAY_PARTITION_SUFFIX_LEN + 1;
+    char *name = malloc(size);
+    if (name != NULL &&
+        relay_key_partition_stream(prefix, row->topic, row->topic_len, row->partition,
+                                   row->partitions, name, size) < 0) {
+        free(name); /* cannot happen: sized for the longest */
+        name = NULL;
+    }
+    hand_over(s, name);
 }
 
-unsigned relay_stream_seen_generation(const struct relay_stream_seen *s)
+size_t relay_stream_seen_take(struct relay_stream_seen *s, char ***names, int *overflow)
 {
-    return s != NULL ? __atomic_load_n(&s->generation, __ATOMIC_RELAXED) : 0;
+    pthread_mutex_lock(&s->lock);
+    size_t n = s->nfresh;
+    *names = s->fresh;
+    *overflow = s->overflow;
+    s->fresh = NULL;
+    s->nfresh = 0;
+    s->overflow = 0;
+    pthread_mutex_unlock(&s->lock);
+    return n;
 }
 
 void relay_stream_seen_free(struct relay_stream_seen *s)
 {
+    char **names;
+    int overflow;
+    size_t n = relay_stream_seen_take(s, &names, &overflow);
+    for (size_t i = 0; i < n; i++)
+        free(names[i]);
+    free(names);
     free(s->hashes);
-    memset(s, 0, sizeof(*s));
+    s->hashes = NULL;
+    s->n = 0;
+    pthread_mutex_destroy(&s->lock);
 }

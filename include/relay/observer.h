@@ -16,12 +16,11 @@ struct relay_stream_seen;
 /* Runs on the loop with each fresh observation. */
 typedef void relay_observer_fn(void *arg, const struct relay_observation *o);
 
-/* Starts the thread. seen, the streams the loop publishes to, tells it when
- * to look for streams again (include/relay/streamlist.h); it must outlive the
- * thread. NULL when it cannot (out of memory, or no thread): the
- * relay then runs without queue age, lag or backpressure, and says so. */
+/* Starts the thread. seen hands it the streams the loop publishes to first
+ * (include/relay/streamlist.h); it must outlive the thread. NULL when it cannot (out of memory, or
+ * no thread): the relay then runs without queue age, lag or backpressure, and says so. */
 struct relay_observer *relay_observer_start(struct ev_loop *loop, const struct relay_config *cfg,
-                                            const struct relay_stream_seen *seen,
+                                            struct relay_stream_seen *seen,
                                             relay_observer_fn *fresh, void *arg)
     __attribute__((warn_unused_result));
 

@@ -9,18 +9,19 @@
  * observations, and a node is scanned again only when the list may have
  * missed a stream:
  *   - at the first observation;
- *   - after the relay published to a stream it had not published to before
- *     (relay_stream_seen, on the claim cycle's side: a new topic, or a new
- *     partition of one);
  *   - after a listed stream was found gone, or a scan failed part way, or a
  *     node turned up that was not scanned (a cluster's new primary);
  *   - every RELAY_STREAM_RESCAN_EVERY observations, for the streams other
  *     processes created (other relays, the replay tool, an operator).
+ * A stream the claim cycle publishes to for the first time (a new topic, or
+ * a new partition of one) needs no scan: the cycle hands its name over
+ * (relay_stream_seen), and the observer lists it on the node that has it.
  * docs/DESIGN.md, "Finding the streams".
  */
 #ifndef RELAY_STREAMLIST_H
 #define RELAY_STREAMLIST_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -32,6 +33,9 @@ struct relay_row;
 #define RELAY_STREAM_RESCAN_EVERY 12
 /* The most streams listed over all nodes; the trim pass visits no more. */
 #define RELAY_STREAM_LIST_MAX 10000
+/* The most names the claim cycle hands over between two observations; past
+ * it, the observer scans instead. */
+#define RELAY_STREAM_FRESH_MAX 1024
 /* A node's name: "host:port", or a Unix socket's path. */
 #define RELAY_STREAM_NODE_MAX 300
 
@@ -52,28 +56,33 @@ struct relay_listed_stream {
     enum relay_stream_kind kind;
 };
 
+struct relay_stream_seen;
+
 struct relay_stream_list {
     struct relay_listed_stream *streams;
     size_t n, cap;
     char (*nodes)[RELAY_STREAM_NODE_MAX]; /* scanned since the last full scan began */
     size_t nnodes, nodes_cap;
-    unsigned since_scan;    /* observations since the last full scan */
-    unsigned generation;    /* relay_stream_seen's generation at that scan */
-    int scanned;            /* a full scan began once */
-    int stale;              /* the list may miss a stream: scan at the next round */
+    char **fresh; /* names handed over by the claim cycle, not listed yet; NULL once placed */
+    size_t nfresh;
+    unsigned since_scan;      /* observations since the last full scan */
+    int scanned;              /* a full scan began once */
+    int stale;                /* the list may miss a stream: scan at the next round */
     unsigned long long scans; /* nodes scanned, since the start */
 };
 
-/* Starts an observation: when the list may miss a stream (see above), it
- * forgets every stream, and each node is scanned at its first visit.
- * generation is relay_stream_seen_generation's, or 0 without a relay. */
-void relay_stream_list_round(struct relay_stream_list *l, unsigned generation);
+/* Starts an observation: takes the names seen handed over (seen may be
+ * NULL), and when the list may miss a stream (see above), forgets every
+ * stream, so that each node is scanned at its first visit. */
+void relay_stream_list_round(struct relay_stream_list *l, struct relay_stream_seen *seen);
 
 /* The node c is connected to, as an index into l->nodes, scanning it first
- * when it is not listed: 0, or -1 with err set (the list is then stale). */
-int relay_stream_list_node(struct relay_stream_list *l, struct redisContext *c,
-                           const char *prefix, int stop_fd, uint32_t timeout_ms, uint32_t *node,
-                           char *err, size_t errlen) __attribute__((warn_unused_result));
+ * when it is not listed, then listing the handed-over names it has (an
+ * EXISTS each, for a name no node has listed yet): 0, or -1 with err set
+ * (the list is then stale). */
+int relay_stream_list_node(struct relay_stream_list *l, struct redisContext *c, const char *prefix,
+                           int stop_fd, uint32_t timeout_ms, uint32_t *node, char *err,
+                           size_t errlen) __attribute__((warn_unused_result));
 
 /* A listed stream was not found: scan at the next round. */
 void relay_stream_list_forget(struct relay_stream_list *l);
@@ -82,21 +91,27 @@ void relay_stream_list_free(struct relay_stream_list *l);
 
 /*
  * The streams the claim cycle has published to, as 64-bit hashes of topic
- * and partition, and a generation counted up at each new one, which the
- * observation thread reads. Owned by the loop; only the generation is read
- * from the other thread.
+ * and partition (the loop's alone), and the names of the new ones, which the
+ * observation thread takes under the lock.
  */
 struct relay_stream_seen {
     uint64_t *hashes; /* open addressing; 0 is an empty slot */
     size_t mask, n;
-    unsigned generation; /* atomic: read by the observation thread */
+    pthread_mutex_t lock; /* guards what follows */
+    char **fresh;
+    size_t nfresh;
+    int overflow; /* names were dropped: the observer scans */
 };
 
-/* Notes row's stream; the generation counts up when it is new. Past
- * RELAY_STREAM_LIST_MAX streams, or out of memory, nothing more is noted:
- * the periodic scan finds them. */
-void relay_stream_seen_note(struct relay_stream_seen *s, const struct relay_row *row);
-unsigned relay_stream_seen_generation(const struct relay_stream_seen *s);
+void relay_stream_seen_init(struct relay_stream_seen *s);
+/* Notes row's stream, "<prefix><topic>[:<ppp>]"; hands its name over when
+ * it is new. Past RELAY_STREAM_LIST_MAX streams, or out of memory, nothing
+ * more is noted, and the observer is told to scan. */
+void relay_stream_seen_note(struct relay_stream_seen *s, const char *prefix,
+                            const struct relay_row *row);
+/* The names handed over since the last call, for the caller to free with
+ * the array, and their count; *overflow set when some were dropped. */
+size_t relay_stream_seen_take(struct relay_stream_seen *s, char ***names, int *overflow);
 void relay_stream_seen_free(struct relay_stream_seen *s);
 
 #endif

@@ -73,7 +73,7 @@ static void test_first_round_scans(void **state)
     (void)state;
     struct relay_stream_list l;
     memset(&l, 0, sizeof(l));
-    relay_stream_list_round(&l, 0);
+    relay_stream_list_round(&l, NULL);
     assert_int_equal(l.scanned, 1);
     assert_int_equal(l.since_scan, 0);
     assert_int_equal(l.nnodes, 0); /* every node scanned at its first visit */
@@ -85,32 +85,17 @@ static void test_rounds_keep_the_list_until_the_rescan(void **state)
     (void)state;
     struct relay_stream_list l;
     memset(&l, 0, sizeof(l));
-    relay_stream_list_round(&l, 5);
+    relay_stream_list_round(&l, NULL);
     listed(&l);
     for (int i = 1; i < RELAY_STREAM_RESCAN_EVERY; i++) {
-        relay_stream_list_round(&l, 5);
+        relay_stream_list_round(&l, NULL);
         assert_int_equal(l.n, 1);
         assert_int_equal(l.nnodes, 1);
     }
-    relay_stream_list_round(&l, 5);
+    relay_stream_list_round(&l, NULL);
     assert_int_equal(l.n, 0);
     assert_int_equal(l.nnodes, 0);
     assert_int_equal(l.since_scan, 0);
-    relay_stream_list_free(&l);
-}
-
-static void test_a_new_stream_of_the_relay_rescans(void **state)
-{
-    (void)state;
-    struct relay_stream_list l;
-    memset(&l, 0, sizeof(l));
-    relay_stream_list_round(&l, 5);
-    listed(&l);
-    relay_stream_list_round(&l, 5);
-    assert_int_equal(l.n, 1);
-    relay_stream_list_round(&l, 6);
-    assert_int_equal(l.n, 0);
-    assert_int_equal(l.generation, 6);
     relay_stream_list_free(&l);
 }
 
@@ -119,36 +104,11 @@ static void test_a_stream_gone_rescans(void **state)
     (void)state;
     struct relay_stream_list l;
     memset(&l, 0, sizeof(l));
-    relay_stream_list_round(&l, 0);
+    relay_stream_list_round(&l, NULL);
     listed(&l);
     relay_stream_list_forget(&l);
-    relay_stream_list_round(&l, 0);
+    relay_stream_list_round(&l, NULL);
     assert_int_equal(l.n, 0);
-    assert_int_equal(l.stale, 0);
-    relay_stream_list_free(&l);
-}
-
-/* A node listed since the last scan is not scanned again: no Redis call is
- * made, so none is needed here. */
-static void test_a_listed_node_is_not_scanned(void **state)
-{
-    (void)state;
-    struct relay_stream_list l;
-    memset(&l, 0, sizeof(l));
-    relay_stream_list_round(&l, 0);
-    listed(&l);
-    relay_stream_list_round(&l, 0);
-    char host[] = "127.0.0.1";
-    redisContext c;
-    memset(&c, 0, sizeof(c));
-    c.connection_type = REDIS_CONN_TCP;
-    c.tcp.host = host;
-    c.tcp.port = 6379;
-    uint32_t node = 99;
-    char err[64] = "";
-    assert_int_equal(relay_stream_list_node(&l, &c, NULL, -1, 1000, &node, err, sizeof(err)), 0);
-    assert_int_equal(node, 0);
-    assert_int_equal(l.scans, 0);
     assert_int_equal(l.stale, 0);
     relay_stream_list_free(&l);
 }
@@ -164,58 +124,141 @@ static struct relay_row row_of(const char *topic, uint32_t partition, uint32_t p
     return row;
 }
 
-static void test_seen_counts_each_stream_once(void **state)
+static void connected(redisContext *c, char *host)
+{
+    memset(c, 0, sizeof(*c));
+    c->connection_type = REDIS_CONN_TCP;
+    c->tcp.host = host;
+    c->tcp.port = 6379;
+}
+
+/* A node listed since the last scan is not scanned again, and a name the
+ * claim cycle hands over that is listed already costs no call: no Redis is
+ * needed here, since none is called. */
+static void test_a_listed_node_and_stream_cost_no_call(void **state)
+{
+    (void)state;
+    struct relay_stream_seen seen;
+    relay_stream_seen_init(&seen);
+    struct relay_stream_list l;
+    memset(&l, 0, sizeof(l));
+    relay_stream_list_round(&l, &seen);
+    listed(&l);
+    struct relay_row row = row_of("orders", 0, 1);
+    relay_stream_seen_note(&seen, NULL, &row);
+    relay_stream_list_round(&l, &seen);
+    assert_int_equal(l.nfresh, 1);
+    assert_null(l.fresh[0]); /* listed: nothing to look for */
+    char host[] = "127.0.0.1";
+    redisContext c;
+    connected(&c, host);
+    uint32_t node = 99;
+    char err[64] = "";
+    assert_int_equal(relay_stream_list_node(&l, &c, NULL, -1, 1000, &node, err, sizeof(err)), 0);
+    assert_int_equal(node, 0);
+    assert_int_equal(l.scans, 0);
+    assert_int_equal(l.stale, 0);
+    assert_int_equal(l.n, 1);
+    relay_stream_list_free(&l);
+    relay_stream_seen_free(&seen);
+}
+
+/* More names than the hand-over holds: the observer scans instead. */
+static void test_too_many_new_streams_rescan(void **state)
+{
+    (void)state;
+    struct relay_stream_seen seen;
+    relay_stream_seen_init(&seen);
+    struct relay_stream_list l;
+    memset(&l, 0, sizeof(l));
+    relay_stream_list_round(&l, &seen);
+    listed(&l);
+    struct relay_row row = row_of("orders", 0, RELAY_PARTITIONS_MAX);
+    for (uint32_t p = 0; p <= RELAY_STREAM_FRESH_MAX; p++) {
+        row.partition = p;
+        relay_stream_seen_note(&seen, NULL, &row);
+    }
+    relay_stream_list_round(&l, &seen);
+    assert_int_equal(l.n, 0); /* forgotten: each node is scanned again */
+    assert_int_equal(l.nfresh, 0);
+    relay_stream_list_free(&l);
+    relay_stream_seen_free(&seen);
+}
+
+static void test_seen_hands_each_stream_over_once(void **state)
 {
     (void)state;
     struct relay_stream_seen s;
-    memset(&s, 0, sizeof(s));
-    assert_int_equal(relay_stream_seen_generation(&s), 0);
+    relay_stream_seen_init(&s);
     struct relay_row a = row_of("orders", 0, 1);
     struct relay_row b = row_of("payments", 0, 1);
     struct relay_row p1 = row_of("orders", 1, 8);
     struct relay_row p2 = row_of("orders", 2, 8);
-    relay_stream_seen_note(&s, &a);
-    assert_int_equal(relay_stream_seen_generation(&s), 1);
-    relay_stream_seen_note(&s, &a);
-    assert_int_equal(relay_stream_seen_generation(&s), 1);
-    relay_stream_seen_note(&s, &b);
-    relay_stream_seen_note(&s, &p1);
-    relay_stream_seen_note(&s, &p2);
-    relay_stream_seen_note(&s, &p1);
-    assert_int_equal(relay_stream_seen_generation(&s), 4);
+    relay_stream_seen_note(&s, "app.", &a);
+    relay_stream_seen_note(&s, "app.", &a);
+    relay_stream_seen_note(&s, "app.", &b);
+    relay_stream_seen_note(&s, "app.", &p1);
+    relay_stream_seen_note(&s, "app.", &p2);
+    relay_stream_seen_note(&s, "app.", &p1);
+    char **names;
+    int overflow = 1;
+    size_t n = relay_stream_seen_take(&s, &names, &overflow);
+    assert_int_equal(n, 4);
+    assert_int_equal(overflow, 0);
+    assert_string_equal(names[0], "app.orders");
+    assert_string_equal(names[1], "app.payments");
+    assert_string_equal(names[2], "app.orders:001");
+    assert_string_equal(names[3], "app.orders:002");
+    for (size_t i = 0; i < n; i++)
+        free(names[i]);
+    free(names);
+    relay_stream_seen_note(&s, "app.", &b); /* known: not handed over again */
+    assert_int_equal(relay_stream_seen_take(&s, &names, &overflow), 0);
+    assert_null(names);
     relay_stream_seen_free(&s);
-    assert_int_equal(relay_stream_seen_generation(NULL), 0);
 }
 
-/* Past RELAY_STREAM_LIST_MAX streams nothing more is noted; the table grows
- * to hold them all and still knows each of them. */
+/* Past RELAY_STREAM_LIST_MAX streams nothing more is noted and the observer
+ * is told to scan; the table grows to hold them all and still knows each. */
 static void test_seen_grows_and_stops_at_the_cap(void **state)
 {
     (void)state;
     struct relay_stream_seen s;
-    memset(&s, 0, sizeof(s));
+    relay_stream_seen_init(&s);
     struct relay_row row = row_of("t", 0, RELAY_PARTITIONS_MAX);
-    unsigned noted = 0;
+    char name[2] = "a";
+    size_t handed = 0;
+    int overflowed = 0;
     for (uint32_t topic = 0; topic < 12; topic++) {
-        char name[8];
         name[0] = (char)('a' + topic);
-        name[1] = '\0';
         row.topic = name;
         row.topic_len = 1;
         for (uint32_t p = 0; p < RELAY_PARTITIONS_MAX; p++) {
             row.partition = p;
-            relay_stream_seen_note(&s, &row);
-            noted++;
+            relay_stream_seen_note(&s, NULL, &row);
+            if (s.nfresh == RELAY_STREAM_FRESH_MAX || p + 1 == RELAY_PARTITIONS_MAX) {
+                char **names;
+                int overflow;
+                size_t n = relay_stream_seen_take(&s, &names, &overflow);
+                handed += n;
+                overflowed |= overflow;
+                for (size_t i = 0; i < n; i++)
+                    free(names[i]);
+                free(names);
+            }
         }
     }
-    assert_true(noted > RELAY_STREAM_LIST_MAX);
-    assert_int_equal(relay_stream_seen_generation(&s), RELAY_STREAM_LIST_MAX);
+    assert_int_equal(handed, RELAY_STREAM_LIST_MAX);
+    assert_int_equal(overflowed, 1);
+    assert_int_equal(s.n, RELAY_STREAM_LIST_MAX);
     assert_true(s.mask + 1 >= 2 * (size_t)RELAY_STREAM_LIST_MAX);
-    char name[2] = "a";
-    row.topic = name;
+    name[0] = 'a';
     row.partition = 7;
-    relay_stream_seen_note(&s, &row); /* known */
-    assert_int_equal(relay_stream_seen_generation(&s), RELAY_STREAM_LIST_MAX);
+    relay_stream_seen_note(&s, NULL, &row); /* known: nothing handed over, no scan asked */
+    char **names;
+    int overflow;
+    assert_int_equal(relay_stream_seen_take(&s, &names, &overflow), 0);
+    assert_int_equal(overflow, 0);
     relay_stream_seen_free(&s);
 }
 
@@ -225,10 +268,10 @@ int main(void)
         cmocka_unit_test(test_kinds),
         cmocka_unit_test(test_first_round_scans),
         cmocka_unit_test(test_rounds_keep_the_list_until_the_rescan),
-        cmocka_unit_test(test_a_new_stream_of_the_relay_rescans),
         cmocka_unit_test(test_a_stream_gone_rescans),
-        cmocka_unit_test(test_a_listed_node_is_not_scanned),
-        cmocka_unit_test(test_seen_counts_each_stream_once),
+        cmocka_unit_test(test_a_listed_node_and_stream_cost_no_call),
+        cmocka_unit_test(test_too_many_new_streams_rescan),
+        cmocka_unit_test(test_seen_hands_each_stream_over_once),
         cmocka_unit_test(test_seen_grows_and_stops_at_the_cap),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
