@@ -517,6 +517,7 @@ def drain(pg, rd, conn, rc, kind, rows, batch, extra=None, relay_flags=None, set
             hwm = proc_status(relay.pid, "VmHWM")
             pg_cpu, rd_cpu = meter.read()
             other = meter.other(cpu)
+            commands = rc.info("commandstats")
             batches = relay_batches(relay)
             batch_sum = relay_metric(relay, "outbox_relay_batch_duration_seconds_sum")
             if settle:
@@ -542,11 +543,11 @@ def drain(pg, rd, conn, rc, kind, rows, batch, extra=None, relay_flags=None, set
             hwm = proc_status(proc.pid, "VmHWM")
             pg_cpu, rd_cpu = meter.read()
             other = meter.other(cpu)
+            commands = rc.info("commandstats")
         finally:
             proc.stdin.close()
             proc.wait(timeout=30)
         steps = json.loads(line)
-    commands = rc.info("commandstats")
     in_redis = stream_total(rc)
     left = pending(conn)
     if in_redis != rows or left != 0:
@@ -557,9 +558,10 @@ def drain(pg, rd, conn, rc, kind, rows, batch, extra=None, relay_flags=None, set
                 total_cpu_per_100k=(cpu + pg_cpu + rd_cpu) / rows * 1e5,
                 relay_busy=cpu / took, pg_busy=pg_cpu / took, redis_busy=rd_cpu / took,
                 other_busy=other / took)
-    # Redis's time by command over the drain, in microseconds a message: where
-    # its core goes besides the publishes (the scans of the observer and the
-    # trim pass, the removal of the dedup records, the bench's own polling).
+    # Redis's time by command until the last row was in, in microseconds a
+    # message: where its core goes besides the publishes (the scans of the
+    # observer and the trim pass, the removal of the dedup records, the
+    # benchmark's own polling).
     for name in ("fcall", "unlink", "scan", "xinfo", "xlen"):
         stat = commands.get(f"cmdstat_{name}", {})
         result[f"redis_{name}_calls"] = stat.get("calls", 0)
