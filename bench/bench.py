@@ -446,6 +446,27 @@ def relay_metric(relay, name):
     return float(m.group(1)) if m else None
 
 
+PHASES = ("claim", "wait", "publish", "finish")
+
+
+def relay_phase_sums(relay):
+    """Seconds the relay's committed batches spent in each phase
+    (outbox_relay_batch_phase_seconds_sum), or None."""
+    try:
+        with urllib.request.urlopen(f"http://{relay.metrics}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    sums = {}
+    for phase in PHASES:
+        m = re.search(rf'^outbox_relay_batch_phase_seconds_sum{{phase="{phase}"}} ([0-9.e+-]+)$',
+                      text, re.MULTILINE)
+        if not m:
+            return None
+        sums[phase] = float(m.group(1))
+    return sums
+
+
 def relay_batches(relay):
     return relay_metric(relay, "outbox_relay_batches_total")
 
@@ -520,6 +541,7 @@ def drain(pg, rd, conn, rc, kind, rows, batch, extra=None, relay_flags=None, set
             commands = rc.info("commandstats")
             batches = relay_batches(relay)
             batch_sum = relay_metric(relay, "outbox_relay_batch_duration_seconds_sum")
+            phase_sums = relay_phase_sums(relay)
             if settle:
                 settled = settle_dedup_records(rc, rd, redis_base)
         finally:
@@ -576,6 +598,9 @@ def drain(pg, rd, conn, rc, kind, rows, batch, extra=None, relay_flags=None, set
         # The relay's own histogram: time from claim to commit of a batch.
         result["batches"] = batches
         result["batch_total_ms"] = batch_sum / batches * 1e3 if batch_sum is not None else None
+        # Where that time went (outbox_relay_batch_phase_seconds), mean ms a batch.
+        for phase, seconds in (phase_sums or {}).items():
+            result[f"phase_{phase}_ms"] = seconds / batches * 1e3
     if kind != "relay":
         # The naive loop's own clock: where each batch's time went, in ms.
         for key in ("claim_ms", "publish_ms", "mark_ms", "commit_ms", "unlink_ms"):
@@ -1750,6 +1775,11 @@ def build_table():
     if all(v is not None for v in steps):
         R.row(f"naive loop, one batch of {BATCH}: claim / publish / mark / commit",
               " / ".join(fmt(v) for v in steps), "ms", "the relay's mean batch (claim to commit)",
+              g("drain.relay.batch_total_ms"))
+    phases = [g(f"drain.relay.phase_{p}_ms") for p in PHASES]
+    if all(v is not None for v in phases):
+        R.row(f"relay, mean batch of {BATCH}: {' / '.join(PHASES)}",
+              " / ".join(fmt(v) for v in phases), "ms", "the relay's mean batch (claim to commit)",
               g("drain.relay.batch_total_ms"))
     R.row("relay+PostgreSQL+Redis CPU per 100k", g("drain.relay.total_cpu_per_100k"), "s",
           "the same for the naive loop", g("drain.naive.total_cpu_per_100k"))

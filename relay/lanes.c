@@ -73,6 +73,8 @@ static int op_begin(void *arg, size_t lane)
 {
     struct relay *r = arg;
     struct relay_lane *l = &r->lanes[lane];
+    memset(l->phase_at, 0, sizeof(l->phase_at));
+    l->phase_at[RELAY_PHASE_CLAIM] = relay_now();
     return relay_pgsrc_send(l->pg, relay_owner_begin_sql(r->owner), 0, NULL, 0, on_begun, l);
 }
 
@@ -221,6 +223,7 @@ static void op_publish(void *arg, size_t lane)
     struct relay *r = arg;
     struct relay_lane *l = &r->lanes[lane];
     memset(&l->tally, 0, sizeof(l->tally));
+    l->phase_at[RELAY_PHASE_PUBLISH] = relay_now();
     /* The deadline counts from the claim's BEGIN, not from now: the claim
      * transaction may have ended meanwhile (its connection cut, or the
      * server's idle limit while this process was frozen) and another relay
@@ -486,6 +489,7 @@ static void on_claimed(struct relay_pgsrc *pg, PGresult *res, const char *err, c
         }
         l->nrows++;
     }
+    l->phase_at[RELAY_PHASE_WAIT] = relay_now();
     relay_cycle_claimed(&r->cycle, l->index, l->nrows, l->nrows == r->cfg->batch_size);
 }
 
@@ -532,6 +536,7 @@ static void publish_done(struct relay_lane *l)
         relay_wake_busy(&r->wake);
         if (relay_log_get_level() == RELAY_LOG_DEBUG)
             log_partitions_published(l);
+        l->phase_at[RELAY_PHASE_FINISH] = relay_now();
         relay_cycle_published(&r->cycle, l->index);
     }
     arm_deadline(r);
@@ -796,6 +801,28 @@ static void retire_dedup_records(struct relay_lane *l)
 }
 
 /* The batch committed: count it, log its rows' failures, drop its records. */
+static void count_seconds(unsigned long long *hist, double *sum, double took)
+{
+    size_t b = 0;
+    while (b < RELAY_ARRAY_LEN(relay_batch_buckets) && took > relay_batch_buckets[b])
+        b++;
+    hist[b]++;
+    *sum += took;
+}
+
+/* The phases of the committed batch, each from its start to the next one's
+ * (the last to now); a batch that skipped one (nothing to publish) counts
+ * only those whose ends it has. */
+static void count_phases(struct relay_lane *l, double now)
+{
+    struct relay_figures *f = &l->r->fig;
+    for (int p = 0; p < RELAY_PHASES; p++) {
+        double end = p + 1 < RELAY_PHASES ? l->phase_at[p + 1] : now;
+        if (l->phase_at[p] > 0 && end >= l->phase_at[p])
+            count_seconds(f->phase_hist[p], &f->phase_sum[p], end - l->phase_at[p]);
+    }
+}
+
 static void batch_committed(struct relay_lane *l)
 {
     struct relay *r = l->r;
@@ -811,12 +838,10 @@ static void batch_committed(struct relay_lane *l)
     f->published_total += published;
     f->row_errors += failed;
     f->batches_total++;
-    double took = relay_now() - r->cycle.lanes[l->index].claimed_at;
-    f->batch_sum += took;
-    size_t b = 0;
-    while (b < RELAY_ARRAY_LEN(relay_batch_buckets) && took > relay_batch_buckets[b])
-        b++;
-    f->batch_hist[b]++;
+    double now = relay_now();
+    double took = now - r->cycle.lanes[l->index].claimed_at;
+    count_seconds(f->batch_hist, &f->batch_sum, took);
+    count_phases(l, now);
     count_topics(l);
     log_row_failures(l);
     if (f->last_batch_error[0] != '\0') {

@@ -126,6 +126,28 @@ static void render_relay(const struct relay *r, struct relay_buf *t)
     relay_buf_printf(t, "outbox_relay_batch_duration_seconds_bucket{le=\"+Inf\"} %llu\n", cum);
     relay_buf_printf(t, "outbox_relay_batch_duration_seconds_sum %.6f\n", f->batch_sum);
     relay_buf_printf(t, "outbox_relay_batch_duration_seconds_count %llu\n", cum);
+    help(t, "outbox_relay_batch_phase_seconds", "histogram",
+         "Time committed batches spent in each phase: claim (BEGIN and the claim), wait "
+         "(claimed, behind the batch ahead), publish (until the last reply), finish (until "
+         "the commit).");
+    static const char *const phases[RELAY_PHASES] = {"claim", "wait", "publish", "finish"};
+    for (int p = 0; p < RELAY_PHASES; p++) {
+        cum = 0;
+        for (size_t b = 0; b < RELAY_ARRAY_LEN(relay_batch_buckets); b++) {
+            cum += f->phase_hist[p][b];
+            relay_buf_printf(
+                t, "outbox_relay_batch_phase_seconds_bucket{phase=\"%s\",le=\"%g\"} %llu\n",
+                phases[p], relay_batch_buckets[b], cum);
+        }
+        cum += f->phase_hist[p][RELAY_ARRAY_LEN(relay_batch_buckets)];
+        relay_buf_printf(t,
+                         "outbox_relay_batch_phase_seconds_bucket{phase=\"%s\",le=\"+Inf\"} %llu\n",
+                         phases[p], cum);
+        relay_buf_printf(t, "outbox_relay_batch_phase_seconds_sum{phase=\"%s\"} %.6f\n", phases[p],
+                         f->phase_sum[p]);
+        relay_buf_printf(t, "outbox_relay_batch_phase_seconds_count{phase=\"%s\"} %llu\n",
+                         phases[p], cum);
+    }
     help(t, "outbox_relay_publish_errors_total", "counter",
          "Failed batches by kind, and rows that failed for reasons of their own (row).");
     for (int k = 0; k < RELAY_FAIL_KINDS; k++)

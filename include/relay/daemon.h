@@ -36,6 +36,17 @@ struct relay_owner;
 struct relay_pgsrc;
 struct relay_sink;
 
+/* The phases of a committed batch, for outbox_relay_batch_phase_seconds:
+ * its BEGIN and claim; claimed, before its first publish (behind the batch
+ * ahead); its publishes, until the last reply; its finish, until the commit. */
+enum relay_batch_phase {
+    RELAY_PHASE_CLAIM,
+    RELAY_PHASE_WAIT,
+    RELAY_PHASE_PUBLISH,
+    RELAY_PHASE_FINISH,
+    RELAY_PHASES
+};
+
 /* One claiming connection and the batch it holds. Rows point into claim_res. */
 struct relay_lane {
     struct relay *r;
@@ -47,6 +58,7 @@ struct relay_lane {
     struct relay_tally tally;
     struct relay_buf sql;
     struct relay_batch_streams streams; /* the last row of the batch sent to each stream */
+    double phase_at[RELAY_PHASES];      /* when each phase of the batch began; 0: not yet */
 };
 
 /* Buckets of the batch duration histogram, +Inf not counted. */
@@ -60,6 +72,8 @@ struct relay_figures {
     unsigned long long batch_hist[RELAY_BATCH_BUCKETS + 1]; /* the last is +Inf; cumulated
                                                                when rendered */
     double batch_sum;
+    unsigned long long phase_hist[RELAY_PHASES][RELAY_BATCH_BUCKETS + 1];
+    double phase_sum[RELAY_PHASES];
     unsigned long long errors[RELAY_FAIL_KINDS];
     unsigned long long row_errors; /* rows that failed for reasons of their own */
     struct {

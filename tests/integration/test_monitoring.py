@@ -40,6 +40,7 @@ METRICS = {
     "outbox_relay_messages_published_total",
     "outbox_relay_batches_total",
     "outbox_relay_batch_duration_seconds",
+    "outbox_relay_batch_phase_seconds",
     "outbox_relay_publish_errors_total",
     "outbox_relay_rows_quarantined_total",
     "outbox_relay_outbox_pending_rows",
@@ -71,7 +72,7 @@ METRICS = {
     "outbox_relay_partitions_owned",
     "outbox_relay_partition_takeovers_total",
 }
-HISTOGRAMS = {"outbox_relay_batch_duration_seconds"}
+HISTOGRAMS = {"outbox_relay_batch_duration_seconds", "outbox_relay_batch_phase_seconds"}
 # Series names a query may use: histograms only through their _bucket, _sum
 # and _count series.
 SERIES = (METRICS - HISTOGRAMS) | {h + s for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}

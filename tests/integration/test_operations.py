@@ -3,6 +3,9 @@ and `outbox-relay status` (issue: Operate it).
 
 - A real scrape passes `promtool check metrics` (skipped when promtool is
   missing) and carries the documented names.
+- outbox_relay_batch_phase_seconds counts each committed batch once per
+  phase, the phases add up to the batch's duration, and a batch that waited
+  for a stopped Redis shows it in its publish phase.
 - A bad path gets 404, a bad method 405, and a client that connects and
   sends nothing does not stall the relay: rows keep flowing and /healthz
   answers while it hangs.
@@ -89,6 +92,34 @@ class OperationsTest(harness.ServerTestCase):
         proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
                               text=True, timeout=30)
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+
+    def test_batch_phases_show_where_a_batch_waited(self):
+        relay = self.start_relay()
+        insert(self.db, "orders", b"first")
+        harness.wait_all_sent(self.db, relay=relay)
+        self.redis.pause()  # SIGSTOP: the batch publishes into a Redis that does not answer
+        try:
+            insert(self.db, "orders", b"published while Redis is stopped")
+            time.sleep(0.5)
+        finally:
+            self.redis.resume()
+        harness.wait_all_sent(self.db, relay=relay)
+        _, text = scrape(self.port)
+        phases = ("claim", "wait", "publish", "finish")
+        batches = metric(text, "outbox_relay_batches_total")
+        counts = {p: metric(text, "outbox_relay_batch_phase_seconds_count", phase=p)
+                  for p in phases}
+        sums = {p: metric(text, "outbox_relay_batch_phase_seconds_sum", phase=p) for p in phases}
+        self.assertGreaterEqual(batches, 2)
+        self.assertEqual(counts, {p: batches for p in phases}, text)
+        print(f"batch phases over {batches:.0f} batches, seconds: {sums}")
+        self.assertGreaterEqual(sums["publish"], 0.4, "the wait for Redis is in the publish phase")
+        self.assertLess(sums["claim"] + sums["wait"] + sums["finish"], 0.3,
+                        "the wait for Redis counted in another phase")
+        # From the claim's BEGIN to the commit, as the batch's own duration.
+        self.assertAlmostEqual(sum(sums.values()),
+                               metric(text, "outbox_relay_batch_duration_seconds_sum"),
+                               delta=0.002 * batches)
 
     def test_bad_requests_and_a_silent_client(self):
         relay = self.start_relay()
