@@ -214,7 +214,9 @@ static void vacuum(const struct relay_config *cfg, const struct relay_observe_st
 
 /* ---- streams --------------------------------------------------------- */
 
-/* The trim function on one stream: 0, or -1 when the connection failed. */
+/* The trim function on one stream: 0, 1 when the stream's slot is another
+ * primary's now (the list of streams is out of date), or -1 when the
+ * connection failed. */
 static int trim_stream(const struct relay_config *cfg, redisContext *c, int stop_fd,
                        const char *stream, uint32_t retention_ms, struct relay_retention *st,
                        struct relay_observation *o)
@@ -225,6 +227,11 @@ static int trim_stream(const struct relay_config *cfg, redisContext *c, int stop
     if (r == NULL) {
         failed(st, "trimming streams", c->errstr);
         return -1;
+    }
+    if (r->type == REDIS_REPLY_ERROR &&
+        (strncmp(r->str, "MOVED ", 6) == 0 || strncmp(r->str, "ASK ", 4) == 0)) {
+        freeReplyObject(r); /* trimmed where it is, once it is listed there */
+        return 1;
     }
     if (r->type == REDIS_REPLY_ERROR && strstr(r->str, "Function not found") != NULL) {
         /* Until the relay's Redis connection has loaded the library (it
@@ -283,7 +290,7 @@ static int trim_node(redisContext *c, void *arg)
 {
     struct trim_each *e = arg;
     const struct relay_config *cfg = e->cfg;
-    char err[512];
+    char err[256]; /* fits failed()'s message with its prefix */
     uint32_t node;
     if (relay_stream_list_node(e->list, c, cfg->stream_prefix, e->stop_fd, cfg->connect_timeout_ms,
                                &node, err, sizeof(err)) < 0) {
@@ -296,8 +303,11 @@ static int trim_node(redisContext *c, void *arg)
             continue;
         /* A replayed entry is gone once its group acknowledged it. */
         uint32_t retention = s->kind == RELAY_STREAM_REPLAY ? 0 : cfg->stream_retention_ms;
-        if (trim_stream(cfg, c, e->stop_fd, s->key, retention, e->st, e->o) < 0)
+        int rc = trim_stream(cfg, c, e->stop_fd, s->key, retention, e->st, e->o);
+        if (rc < 0)
             return -1;
+        if (rc > 0)
+            relay_stream_list_forget(e->list);
     }
     return 0;
 }
