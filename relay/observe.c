@@ -803,6 +803,18 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
         o->redis_ok = relay_redis_each_primary(*rd, &cfg->redis_url, cfg->connect_timeout_ms,
                                                cfg->connect_timeout_ms, each.stop_fd, observe_node,
                                                &each, o->redis_error, sizeof(o->redis_error)) == 0;
+        /* A listed stream was gone, or in another primary's slot: observe
+         * again from a fresh scan, so that no topic is shown without its
+         * groups (backpressure would release a paused one). */
+        if (o->redis_ok && relay_stream_list_rescan(list)) {
+            o->ntopics = 0;
+            o->ngroups = 0;
+            o->redis_used_memory = -1;
+            o->redis_ok =
+                relay_redis_each_primary(*rd, &cfg->redis_url, cfg->connect_timeout_ms,
+                                         cfg->connect_timeout_ms, each.stop_fd, observe_node, &each,
+                                         o->redis_error, sizeof(o->redis_error)) == 0;
+        }
         if (!o->redis_ok && (*rd)->err) {
             redisFree(*rd);
             *rd = NULL;

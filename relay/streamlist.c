@@ -30,7 +30,7 @@ enum relay_stream_kind relay_stream_kind(const char *key, size_t len, const char
     if (prefix == NULL)
         prefix = "";
     size_t plen = strlen(prefix);
-    if (len < 8 || memcmp(key + len - 7, ".replay", 7) != 0) {
+    if (len < 7 || memcmp(key + len - 7, ".replay", 7) != 0) {
         if (len < plen || memcmp(key, prefix, plen) != 0 ||
             (len >= 4 && memcmp(key + len - 4, ".dlq", 4) == 0))
             return RELAY_STREAM_OTHER;
@@ -48,11 +48,17 @@ enum relay_stream_kind relay_stream_kind(const char *key, size_t len, const char
     return topic_stream(topic, (size_t)(close - topic)) ? RELAY_STREAM_REPLAY : RELAY_STREAM_OTHER;
 }
 
+/* Forgets the streams listed from index first on. */
+static void drop_from(struct relay_stream_list *l, size_t first)
+{
+    for (size_t i = first; i < l->n; i++)
+        free(l->streams[i].key);
+    l->n = first;
+}
+
 static void forget_all(struct relay_stream_list *l)
 {
-    for (size_t i = 0; i < l->n; i++)
-        free(l->streams[i].key);
-    l->n = 0;
+    drop_from(l, 0);
     l->nnodes = 0;
 }
 
@@ -75,7 +81,11 @@ static int listed(const struct relay_stream_list *l, const char *key)
 
 void relay_stream_list_round(struct relay_stream_list *l, struct relay_stream_seen *seen)
 {
-    /* A name no node had in the last round: the stream is gone again. */
+    /* A name no node listed in the last round: a node was not reached, or
+     * the stream is gone again. The scan finds it, if it is there. */
+    for (size_t i = 0; i < l->nfresh; i++)
+        if (l->fresh[i] != NULL)
+            l->stale = 1;
     drop_fresh(l);
     int overflow = 0;
     if (seen != NULL)
@@ -99,6 +109,16 @@ void relay_stream_list_round(struct relay_stream_list *l, struct relay_stream_se
 void relay_stream_list_forget(struct relay_stream_list *l)
 {
     l->stale = 1;
+}
+
+int relay_stream_list_rescan(struct relay_stream_list *l)
+{
+    if (!l->stale)
+        return 0;
+    forget_all(l);
+    l->stale = 0;
+    l->since_scan = 0;
+    return 1;
 }
 
 static void node_name(const redisContext *c, char out[RELAY_STREAM_NODE_MAX])
@@ -134,12 +154,20 @@ static int add_stream(struct relay_stream_list *l, const char *key, size_t len, 
     return 0;
 }
 
-/* Every stream of the relay's on the node, into l under index node. */
+static int by_key(const void *a, const void *b)
+{
+    const struct relay_listed_stream *x = a, *y = b;
+    return strcmp(x->key, y->key);
+}
+
+/* Every stream of the relay's on the node, into l under index node, each
+ * once (SCAN may return a key twice), in name order. */
 static int scan_node(struct relay_stream_list *l, redisContext *c, const char *prefix, int stop_fd,
                      uint32_t timeout_ms, uint32_t node, char *err, size_t errlen)
 {
     char cursor[32] = "0";
     int rounds = 0;
+    size_t first = l->n;
     l->scans++;
     do {
         redisReply *r =
@@ -152,6 +180,7 @@ static int scan_node(struct relay_stream_list *l, redisContext *c, const char *p
                                                                : c->errstr);
             if (r != NULL)
                 freeReplyObject(r);
+            drop_from(l, first);
             return -1;
         }
         snprintf(cursor, sizeof(cursor), "%s", r->element[0]->str);
@@ -164,12 +193,23 @@ static int scan_node(struct relay_stream_list *l, redisContext *c, const char *p
             if (kind != RELAY_STREAM_OTHER && add_stream(l, k->str, k->len, node, kind) < 0) {
                 freeReplyObject(r);
                 snprintf(err, errlen, "out of memory listing the streams");
+                drop_from(l, first);
                 return -1;
             }
         }
         freeReplyObject(r);
     } while (strcmp(cursor, "0") != 0 && ++rounds < SCAN_ROUNDS_MAX &&
              l->n < RELAY_STREAM_LIST_MAX);
+    if (l->n - first > 1)
+        qsort(&l->streams[first], l->n - first, sizeof(l->streams[0]), by_key);
+    size_t kept = first;
+    for (size_t i = first; i < l->n; i++) {
+        if (kept > first && strcmp(l->streams[kept - 1].key, l->streams[i].key) == 0)
+            free(l->streams[i].key);
+        else
+            l->streams[kept++] = l->streams[i];
+    }
+    l->n = kept;
     return 0;
 }
 
@@ -180,6 +220,11 @@ static int place_fresh(struct relay_stream_list *l, redisContext *c, const char 
     for (size_t i = 0; i < l->nfresh; i++) {
         if (l->fresh[i] == NULL)
             continue;
+        if (listed(l, l->fresh[i])) { /* found by this round's scan of a node */
+            free(l->fresh[i]);
+            l->fresh[i] = NULL;
+            continue;
+        }
         redisReply *r = relay_redis_call(c, stop_fd, timeout_ms, "EXISTS %s", l->fresh[i]);
         if (r == NULL) {
             snprintf(err, errlen, "EXISTS failed: %s", c->errstr);
@@ -234,8 +279,8 @@ int relay_stream_list_node(struct relay_stream_list *l, redisContext *c, const c
         l->stale = 1;
     *node = (uint32_t)l->nnodes;
     if (scan_node(l, c, prefix, stop_fd, timeout_ms, *node, err, errlen) < 0) {
-        /* What was found stays listed; the node is scanned again at its
-         * next visit, and all of them at the next round. */
+        /* The node is scanned again at its next visit, and all of them at
+         * the next round. */
         l->stale = 1;
         return -1;
     }
@@ -320,9 +365,15 @@ void relay_stream_seen_note(struct relay_stream_seen *s, const char *prefix,
             if (s->hashes[at] == hash)
                 return;
     }
+    if (s->n >= RELAY_STREAM_LIST_MAX) {
+        /* Streams come and go (short-lived topics): start again, and have
+         * the observer scan once for the names not handed over. */
+        memset(s->hashes, 0, (s->mask + 1) * sizeof(*s->hashes));
+        s->n = 0;
+        hand_over(s, NULL);
+    }
     /* At most half full, so that every probe ends soon at an empty slot. */
-    if (s->n >= RELAY_STREAM_LIST_MAX ||
-        ((s->hashes == NULL || 2 * (s->n + 1) > s->mask + 1) && seen_grow(s) < 0)) {
+    if ((s->hashes == NULL || 2 * (s->n + 1) > s->mask + 1) && seen_grow(s) < 0) {
         hand_over(s, NULL);
         return;
     }

@@ -9,8 +9,10 @@
  * observations, and a node is scanned again only when the list may have
  * missed a stream:
  *   - at the first observation;
- *   - after a listed stream was found gone, or a scan failed part way, or a
- *     node turned up that was not scanned (a cluster's new primary);
+ *   - after a listed stream was found gone or in another primary's slot (the
+ *     observation then starts again at once), a scan failed part way, a
+ *     node turned up that was not scanned (a cluster's new primary), or a
+ *     name handed over (below) was on no node visited;
  *   - every RELAY_STREAM_RESCAN_EVERY observations, for the streams other
  *     processes created (other relays, the replay tool, an operator).
  * A stream the claim cycle publishes to for the first time (a new topic, or
@@ -84,8 +86,13 @@ int relay_stream_list_node(struct relay_stream_list *l, struct redisContext *c, 
                            int stop_fd, uint32_t timeout_ms, uint32_t *node, char *err,
                            size_t errlen) __attribute__((warn_unused_result));
 
-/* A listed stream was not found: scan at the next round. */
+/* A listed stream was not found, or is in another primary's slot: scan at
+ * the next round. */
 void relay_stream_list_forget(struct relay_stream_list *l);
+/* When the list may miss a stream, forgets every stream, so that each node
+ * is scanned at its next visit: 1, else 0. For an observation to start
+ * again at once. */
+int relay_stream_list_rescan(struct relay_stream_list *l);
 
 void relay_stream_list_free(struct relay_stream_list *l);
 
@@ -105,8 +112,9 @@ struct relay_stream_seen {
 
 void relay_stream_seen_init(struct relay_stream_seen *s);
 /* Notes row's stream, "<prefix><topic>[:<ppp>]"; hands its name over when
- * it is new. Past RELAY_STREAM_LIST_MAX streams, or out of memory, nothing
- * more is noted, and the observer is told to scan. */
+ * it is new. Past RELAY_STREAM_LIST_MAX streams it forgets them all (topics
+ * come and go) and tells the observer to scan once; out of memory, it tells
+ * the observer to scan. */
 void relay_stream_seen_note(struct relay_stream_seen *s, const char *prefix,
                             const struct relay_row *row);
 /* The names handed over since the last call, for the caller to free with

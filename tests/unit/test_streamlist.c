@@ -34,6 +34,8 @@ static void test_kinds(void **state)
     assert_int_equal(kind("{orders}.billing.dlq", NULL), RELAY_STREAM_OTHER);
     assert_int_equal(kind("orders.dlq", NULL), RELAY_STREAM_OTHER);
     assert_int_equal(kind("orders.replay", NULL), RELAY_STREAM_OTHER);
+    assert_int_equal(kind(".replay", NULL), RELAY_STREAM_OTHER);
+    assert_int_equal(kind(".dlq", NULL), RELAY_STREAM_OTHER);
     /* Someone else's: not a topic the relay could publish. */
     assert_int_equal(kind("{orders}:dedup:m-1", NULL), RELAY_STREAM_OTHER);
     assert_int_equal(kind("with space", NULL), RELAY_STREAM_OTHER);
@@ -68,6 +70,14 @@ static void listed(struct relay_stream_list *l)
     l->nnodes = 1;
 }
 
+/* A list after its first round, as that round's scan would leave it. */
+static void first_round(struct relay_stream_list *l, struct relay_stream_seen *seen)
+{
+    memset(l, 0, sizeof(*l));
+    relay_stream_list_round(l, seen);
+    listed(l);
+}
+
 static void test_first_round_scans(void **state)
 {
     (void)state;
@@ -84,9 +94,7 @@ static void test_rounds_keep_the_list_until_the_rescan(void **state)
 {
     (void)state;
     struct relay_stream_list l;
-    memset(&l, 0, sizeof(l));
-    relay_stream_list_round(&l, NULL);
-    listed(&l);
+    first_round(&l, NULL);
     for (int i = 1; i < RELAY_STREAM_RESCAN_EVERY; i++) {
         relay_stream_list_round(&l, NULL);
         assert_int_equal(l.n, 1);
@@ -103,9 +111,7 @@ static void test_a_stream_gone_rescans(void **state)
 {
     (void)state;
     struct relay_stream_list l;
-    memset(&l, 0, sizeof(l));
-    relay_stream_list_round(&l, NULL);
-    listed(&l);
+    first_round(&l, NULL);
     relay_stream_list_forget(&l);
     relay_stream_list_round(&l, NULL);
     assert_int_equal(l.n, 0);
@@ -141,9 +147,7 @@ static void test_a_listed_node_and_stream_cost_no_call(void **state)
     struct relay_stream_seen seen;
     relay_stream_seen_init(&seen);
     struct relay_stream_list l;
-    memset(&l, 0, sizeof(l));
-    relay_stream_list_round(&l, &seen);
-    listed(&l);
+    first_round(&l, &seen);
     struct relay_row row = row_of("orders", 0, 1);
     relay_stream_seen_note(&seen, NULL, &row);
     relay_stream_list_round(&l, &seen);
@@ -170,9 +174,7 @@ static void test_too_many_new_streams_rescan(void **state)
     struct relay_stream_seen seen;
     relay_stream_seen_init(&seen);
     struct relay_stream_list l;
-    memset(&l, 0, sizeof(l));
-    relay_stream_list_round(&l, &seen);
-    listed(&l);
+    first_round(&l, &seen);
     struct relay_row row = row_of("orders", 0, RELAY_PARTITIONS_MAX);
     for (uint32_t p = 0; p <= RELAY_STREAM_FRESH_MAX; p++) {
         row.partition = p;
@@ -218,9 +220,9 @@ static void test_seen_hands_each_stream_over_once(void **state)
     relay_stream_seen_free(&s);
 }
 
-/* Past RELAY_STREAM_LIST_MAX streams nothing more is noted and the observer
- * is told to scan; the table grows to hold them all and still knows each. */
-static void test_seen_grows_and_stops_at_the_cap(void **state)
+/* Past RELAY_STREAM_LIST_MAX streams the table starts again and the observer
+ * is told to scan once; every new stream is still handed over. */
+static void test_seen_starts_again_past_the_cap(void **state)
 {
     (void)state;
     struct relay_stream_seen s;
@@ -228,7 +230,7 @@ static void test_seen_grows_and_stops_at_the_cap(void **state)
     struct relay_row row = row_of("t", 0, RELAY_PARTITIONS_MAX);
     char name[2] = "a";
     size_t handed = 0;
-    int overflowed = 0;
+    int overflows = 0;
     for (uint32_t topic = 0; topic < 12; topic++) {
         name[0] = (char)('a' + topic);
         row.topic = name;
@@ -241,25 +243,59 @@ static void test_seen_grows_and_stops_at_the_cap(void **state)
                 int overflow;
                 size_t n = relay_stream_seen_take(&s, &names, &overflow);
                 handed += n;
-                overflowed |= overflow;
+                overflows += overflow;
                 for (size_t i = 0; i < n; i++)
                     free(names[i]);
                 free(names);
             }
         }
     }
-    assert_int_equal(handed, RELAY_STREAM_LIST_MAX);
-    assert_int_equal(overflowed, 1);
-    assert_int_equal(s.n, RELAY_STREAM_LIST_MAX);
-    assert_true(s.mask + 1 >= 2 * (size_t)RELAY_STREAM_LIST_MAX);
-    name[0] = 'a';
-    row.partition = 7;
-    relay_stream_seen_note(&s, NULL, &row); /* known: nothing handed over, no scan asked */
+    assert_int_equal(handed, 12 * RELAY_PARTITIONS_MAX);
+    assert_int_equal(overflows, 1);
+    assert_int_equal(s.n, 12 * RELAY_PARTITIONS_MAX - RELAY_STREAM_LIST_MAX);
+    /* Known since the new start: not handed over again, no scan asked. */
+    relay_stream_seen_note(&s, NULL, &row);
     char **names;
     int overflow;
     assert_int_equal(relay_stream_seen_take(&s, &names, &overflow), 0);
     assert_int_equal(overflow, 0);
     relay_stream_seen_free(&s);
+}
+
+/* A name handed over that no node listed in its round: the next round
+ * scans. */
+static void test_a_name_no_node_listed_rescans(void **state)
+{
+    (void)state;
+    struct relay_stream_seen seen;
+    relay_stream_seen_init(&seen);
+    struct relay_stream_list l;
+    first_round(&l, &seen);
+    struct relay_row row = row_of("payments", 0, 1);
+    relay_stream_seen_note(&seen, NULL, &row);
+    relay_stream_list_round(&l, &seen);
+    assert_int_equal(l.n, 1);
+    assert_non_null(l.fresh[0]);        /* not listed: looked for with EXISTS on each node */
+    relay_stream_list_round(&l, &seen); /* no node was visited */
+    assert_int_equal(l.n, 0);
+    assert_int_equal(l.nfresh, 0);
+    relay_stream_list_free(&l);
+    relay_stream_seen_free(&seen);
+}
+
+static void test_rescan_at_once_only_when_stale(void **state)
+{
+    (void)state;
+    struct relay_stream_list l;
+    first_round(&l, NULL);
+    assert_int_equal(relay_stream_list_rescan(&l), 0);
+    assert_int_equal(l.n, 1);
+    relay_stream_list_forget(&l);
+    assert_int_equal(relay_stream_list_rescan(&l), 1);
+    assert_int_equal(l.n, 0);
+    assert_int_equal(l.nnodes, 0);
+    assert_int_equal(relay_stream_list_rescan(&l), 0);
+    relay_stream_list_free(&l);
 }
 
 int main(void)
@@ -272,7 +308,9 @@ int main(void)
         cmocka_unit_test(test_a_listed_node_and_stream_cost_no_call),
         cmocka_unit_test(test_too_many_new_streams_rescan),
         cmocka_unit_test(test_seen_hands_each_stream_over_once),
-        cmocka_unit_test(test_seen_grows_and_stops_at_the_cap),
+        cmocka_unit_test(test_seen_starts_again_past_the_cap),
+        cmocka_unit_test(test_a_name_no_node_listed_rescans),
+        cmocka_unit_test(test_rescan_at_once_only_when_stale),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
