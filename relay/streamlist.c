@@ -365,7 +365,7 @@ void relay_stream_seen_note(struct relay_stream_seen *s, const char *prefix,
             if (s->hashes[at] == hash)
                 return;
     }
-    if (s->n >= RELAY_STREAM_LIST_MAX) {
+    if (s->n >= RELAY_STREAM_LIST_MAX && s->hashes != NULL) {
         /* Streams come and go (short-lived topics): start again, and have
          * the observer scan once for the names not handed over. */
         memset(s->hashes, 0, (s->mask + 1) * sizeof(*s->hashes));
