@@ -800,7 +800,7 @@ static void retire_dedup_records(struct relay_lane *l)
         retire_due(r);
 }
 
-/* The batch committed: count it, log its rows' failures, drop its records. */
+/* One duration into a histogram of relay_batch_buckets and its sum. */
 static void count_seconds(unsigned long long *hist, double *sum, double took)
 {
     size_t b = 0;
@@ -823,6 +823,7 @@ static void count_phases(struct relay_lane *l, double now)
     }
 }
 
+/* The batch committed: count it, log its rows' failures, drop its records. */
 static void batch_committed(struct relay_lane *l)
 {
     struct relay *r = l->r;

@@ -13,7 +13,6 @@
 
 #include "relay/batch.h"
 #include "relay/config.h"
-#include "relay/keys.h"
 #include "relay/log.h"
 #include "relay/observe.h"
 #include "relay/redisconn.h"
