@@ -13,9 +13,13 @@
  * open, a new connection closes the oldest client that has not sent a
  * complete request yet; clients are kept in two lists, oldest first, for
  * that. Only when every client is being answered is a new one turned away.
- * Running out of file descriptors is handled the same way (an idle client is
- * closed, or accepting pauses for ACCEPT_PAUSE), so the loop never spins on
- * a listening socket that stays readable.
+ * Clients never take the relay's last SPARE_FDS file descriptors, which its
+ * own reconnects to PostgreSQL and Redis need: a connection accepted onto one
+ * of them closes the oldest idle client and moves to the descriptor that
+ * frees (descriptors are handed out lowest first, so one that high means few
+ * are left). Should accept still run out (an idle client is closed, or
+ * accepting pauses for ACCEPT_PAUSE), the loop never spins on a listening
+ * socket that stays readable.
  */
 #include "relay/compat.h"
 
@@ -23,6 +27,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <limits.h>
 #include <ev.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -30,6 +35,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -40,6 +46,7 @@
 #define COMPONENT "metrics"
 #define REQUEST_MAX 8192
 #define CLIENTS_MAX 256
+#define SPARE_FDS 16          /* descriptors below the open-files limit left to the relay */
 #define REQUEST_DEADLINE 2.0  /* seconds from accept to a complete request */
 #define RESPONSE_DEADLINE 5.0 /* seconds to send the response */
 #define ACCEPT_PAUSE 0.1      /* out of descriptors with nobody to close */
@@ -69,6 +76,7 @@ struct relay_metrics {
     struct ev_loop *loop;
     struct relay_metrics_hooks hooks;
     int fd;
+    int spare_from; /* an accepted descriptor this high is among the last SPARE_FDS */
     ev_io accept_io;
     ev_timer accept_pause;
     struct client_list reading;   /* no complete request yet: the first to go when full */
@@ -127,8 +135,9 @@ static int evict_idle(struct relay_metrics *m)
     if (m->evict_logged_at == 0 || now - m->evict_logged_at >= EVICT_LOG_EVERY) {
         relay_warn(COMPONENT,
                    "closed %lu client(s) that sent no complete request, to admit new ones (at "
-                   "most %d connections at once): something connects and sends nothing",
-                   m->evicted, CLIENTS_MAX);
+                   "most %d connections at once, and the last %d of the open-files limit kept "
+                   "for the relay): something connects and sends nothing",
+                   m->evicted, CLIENTS_MAX, SPARE_FDS);
         m->evicted = 0;
         m->evict_logged_at = now;
     }
@@ -305,6 +314,25 @@ static void on_accept_pause(struct ev_loop *loop, ev_timer *w, int revents)
     ev_io_start(loop, &m->accept_io);
 }
 
+/* Moves a client's descriptor fd off the last SPARE_FDS, closing idle clients
+ * to free a lower one; returns the descriptor to use. With nobody idle to
+ * close it stays where it is, for as long as its answer takes. */
+static int below_spare(struct relay_metrics *m, int fd)
+{
+    while (fd >= m->spare_from && evict_idle(m) == 0) {
+        int low = fcntl(fd, F_DUPFD_CLOEXEC, 0); /* the lowest free descriptor */
+        if (low < 0)
+            break;
+        if (low < fd) {
+            close(fd);
+            fd = low;
+        } else {
+            close(low);
+        }
+    }
+    return fd;
+}
+
 static void on_accept(struct ev_loop *loop, ev_io *w, int revents)
 {
     struct relay_metrics *m = w->data;
@@ -331,6 +359,7 @@ static void on_accept(struct ev_loop *loop, ev_io *w, int revents)
             close(fd); /* every client is being answered: this one must retry */
             continue;
         }
+        fd = below_spare(m, fd);
         struct client *c = calloc(1, sizeof(*c));
         if (c == NULL) {
             close(fd);
@@ -347,6 +376,16 @@ static void on_accept(struct ev_loop *loop, ev_io *w, int revents)
         c->deadline.data = c;
         ev_timer_start(loop, &c->deadline);
     }
+}
+
+/* The lowest descriptor among the last SPARE_FDS of the open-files limit. */
+static int spare_from(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == RLIM_INFINITY ||
+        rl.rlim_cur > (rlim_t)INT_MAX)
+        return INT_MAX;
+    return (int)rl.rlim_cur - SPARE_FDS;
 }
 
 struct relay_metrics *relay_metrics_new(struct ev_loop *loop, const char *listen_addr,
@@ -392,6 +431,7 @@ struct relay_metrics *relay_metrics_new(struct ev_loop *loop, const char *listen
     m->loop = loop;
     m->hooks = *hooks;
     m->fd = fd;
+    m->spare_from = spare_from();
     ev_io_init(&m->accept_io, on_accept, fd, EV_READ);
     m->accept_io.data = m;
     ev_io_start(loop, &m->accept_io);
