@@ -17,6 +17,10 @@ cluster of 3 primaries with a replica each, every node on loopback:
   (MIGRATING/IMPORTING, MIGRATE, SETSLOT NODE: the ASK, TRYAGAIN and MOVED
   answers; ASK followed with ASKING, under min_replicas = 1): nothing lost
   or doubled, and each stream keeps its order.
+- the observer and stream trimming follow a stream whose slot is migrated
+  to another primary: once the move is done every observation shows the
+  stream with its group (read on the new primary), and retention trims it
+  there;
 - a fourth primary joins under load (without the functions) and a busy
   stream's slot is migrated to it: the relay loads its functions there and
   publishes go on, nothing lost or doubled.
@@ -294,6 +298,56 @@ class ClusterTest(harness.PostgresTestCase):
         fig, _ = self.verify(cluster, f"slot {slot} migrated")
         self.assertGreater(fig.committed, 5000)
         self.assertEqual(cluster.primary_of(busy).port, target.port)
+
+    def test_observer_and_trimming_follow_a_migrated_stream(self):
+        cluster = self.cluster()
+        busy = spread_topics(cluster, per_primary=1)[0]
+        relay = self.relay_for(cluster, stream_retention="1s", allow_short_stream_retention="on",
+                               observe_interval="200ms")
+        insert_many(self.db, [(busy, b"before %d" % i) for i in range(100)])
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        source = cluster.primary_of(busy)
+        with contextlib.closing(source.client()) as c:
+            c.xgroup_create(busy, "g", id="0")  # nothing delivered: nothing can be trimmed
+
+        def lag():
+            return harness.metric(harness.metrics_text(relay), "outbox_relay_group_lag_entries",
+                                  stream=busy, group="g")
+        wait_until(lambda: lag() == 100, timeout=30, relay=relay,
+                   message="the group's lag of 100 observed on the first primary")
+        target = next(n for p, n in cluster.primaries().items() if p != source.port)
+        moved, _ = cluster.migrate_slot(cluster.keyslot(busy), source, target, pause=0)
+        cluster.wait_ok()
+        self.assertEqual(cluster.primary_of(busy).port, target.port)
+        # Every observation taken after the move must show the group: one
+        # that meets the stream missing on the first primary starts again
+        # from a fresh scan (docs/DESIGN.md, "Finding the streams").
+        moved_at = time.monotonic()
+        samples = []
+        while time.monotonic() < moved_at + 3.0:
+            samples.append((time.monotonic() - moved_at, lag()))
+            time.sleep(0.02)
+        missing = [f"{t:.2f} s" for t, v in samples if v is None]
+        print(f"migrated stream: {moved} keys moved; the group missing in {len(missing)} of"
+              f" {len(samples)} samples over 3 s", flush=True)
+        self.assertEqual(missing, [], "observations after the move showed the stream without"
+                                      " its group")
+        self.assertEqual({v for _, v in samples}, {100.0})
+        insert_many(self.db, [(busy, b"after %d" % i) for i in range(50)])
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        wait_until(lambda: lag() == 150, timeout=30, relay=relay,
+                   message="the group's lag of 150 observed on the new primary")
+        # Retention trims the stream on its new primary once the group has
+        # read and acknowledged everything.
+        with contextlib.closing(target.client()) as c:
+            read = c.xreadgroup("g", "c1", {busy: ">"}, count=1000)
+            ids = [eid for _, entries in read for eid, _ in entries]
+            self.assertEqual(len(ids), 150)
+            c.xack(busy, "g", *ids)
+            wait_until(lambda: c.xlen(busy) == 0, timeout=30, relay=relay,
+                       message="the moved stream trimmed on its new primary")
+        self.assertEqual([line for line in harness.problem_lines(relay.log(), "retention")
+                          if "allow_short_stream_retention allows" not in line], [])
 
     def test_a_primary_that_joins_gets_the_functions(self):
         """A fourth primary joins the cluster under load and a busy stream's
