@@ -875,9 +875,12 @@ int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
         if (!tally->failed) {
             tally->failed = 1;
             tally->kind = RELAY_FAIL_REDIS_CONNECTION;
+            if (str == NULL || len == 0) {
+                str = "dropped";
+                len = strlen(str);
+            }
             snprintf(tally->error, sizeof(tally->error), "Redis connection lost: %.*s",
-                     (int)relay_batch_utf8_prefix(str, len, 200),
-                     str != NULL && len ? str : "dropped");
+                     (int)relay_batch_utf8_prefix(str, len, 200), str);
         }
         break;
     }

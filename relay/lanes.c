@@ -619,13 +619,21 @@ static void on_deadline(struct ev_loop *loop, ev_timer *w, int revents)
     char why[128];
     snprintf(why, sizeof(why), "no reply to the batch within publish_timeout (%u ms) of its claim",
              r->cfg->publish_timeout_ms);
-    if (r->cycle.publishing >= 0) {
-        struct relay_tally *t = &r->lanes[r->cycle.publishing].tally;
-        if (!t->failed) {
-            t->failed = 1;
-            t->kind = RELAY_FAIL_REDIS_TIMEOUT;
+    /* The batch ahead timed out; one publishing behind it (relay_cycle_ops.
+     * overlap) loses its replies with the connection, for the same reason. */
+    for (size_t i = 0; i < r->nlanes; i++) {
+        struct relay_tally *t = &r->lanes[i].tally;
+        if (r->cycle.lanes[i].state != RELAY_LANE_PUBLISH || t->failed)
+            continue;
+        t->failed = 1;
+        t->kind = RELAY_FAIL_REDIS_TIMEOUT;
+        if ((int)i == r->cycle.publishing)
             snprintf(t->error, sizeof(t->error), "%s", why);
-        }
+        else
+            snprintf(t->error, sizeof(t->error),
+                     "no reply to the batch ahead of it within publish_timeout (%u ms) of that "
+                     "batch's claim",
+                     r->cfg->publish_timeout_ms);
     }
     /* hiredis 0.14 cannot cancel a command: drop the connection, which runs
      * every pending callback with a NULL reply and ends the batch. */

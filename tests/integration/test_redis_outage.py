@@ -9,14 +9,17 @@ Promises tested (docs/DESIGN.md P1, P2, "The claim cycle"):
   whose outcome the relay never learnt);
 - Redis hung (SIGSTOP) for ~3 s: the relay's own publish timeout fires, no row
   is marked sent while it hangs, and after SIGCONT every row arrives exactly
-  once although Redis then runs the commands of the abandoned batch.
+  once although Redis then runs the commands of the abandoned batch;
+- Redis hung while a backlog drains, so that a batch publishes behind the
+  one that times out: both count as timeouts, never as a lost connection,
+  and every row arrives exactly once.
 """
 
 import time
 import unittest
 
 import harness
-from harness import insert, scalar, wait_until
+from harness import insert, insert_many, scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(240)
@@ -109,6 +112,32 @@ class RedisOutageTest(harness.PostgresTestCase):
         fig = harness.Verifier(self.db, self.r).report("outage=sigstop")
         fig.assert_exactly_once(self)
         self.assertEqual(fig.committed, 10 + len(during))
+
+
+    def test_redis_hung_while_batches_overlap(self):
+        relay = self.start(publish_timeout="500ms")
+        insert_many(self.db, [("orders", b"backlog %d" % i) for i in range(20000)])
+        wait_until(lambda: self.sent_count() >= 1000, timeout=30, relay=relay,
+                   message="the backlog draining")
+        mark = relay.mark()
+        self.redis.pause()
+        time.sleep(1.5)
+        self.redis.resume()
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        text = harness.metrics_text(relay)
+        errors = {kind: harness.metric(text, "outbox_relay_publish_errors_total", kind=kind)
+                  for kind in ("redis_timeout", "redis_connection")}
+        failed = [line for line in relay.log()[mark:].splitlines() if "not published" in line]
+        print(f"hung while batches overlap: {errors}; " + " | ".join(failed), flush=True)
+        self.assertGreaterEqual(errors["redis_timeout"], 1)
+        self.assertEqual(errors["redis_connection"], 0,
+                         "a batch cut off by the timeout of the batch ahead counted as a lost"
+                         " connection")
+        self.assertTrue(any("the batch ahead of it" in line for line in failed),
+                        "no batch published behind the one that timed out")
+        fig = harness.Verifier(self.db, self.r).report("hung, overlapping")
+        fig.assert_exactly_once(self)
+        self.assertEqual(fig.committed, 20010)
 
 
 if __name__ == "__main__":

@@ -640,7 +640,14 @@ static void test_apply_reply_batch_failures(void **state)
     cycle.pending = 1;
     assert_int_equal(relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_LOST, NULL, 0), 1);
     assert_true(cycle.failed);
-    assert_non_null(strstr(cycle.error, "connection lost"));
+    assert_string_equal(cycle.error, "Redis connection lost: dropped");
+
+    /* A connection dropped on purpose leaves hiredis's error empty: the
+     * message still says what happened. */
+    memset(&cycle, 0, sizeof(cycle));
+    cycle.pending = 1;
+    assert_int_equal(relay_batch_apply_reply(&cycle, &row, RELAY_REPLY_LOST, "", 0), 1);
+    assert_string_equal(cycle.error, "Redis connection lost: dropped");
 }
 
 /* The WAIT after a batch's publishes (min_replicas): enough replicas let the
