@@ -76,6 +76,26 @@ static void help(struct relay_buf *t, const char *name, const char *type, const 
     relay_buf_printf(t, "# HELP %s %s\n# TYPE %s %s\n", name, text, name, type);
 }
 
+/* A histogram over relay_batch_buckets (hist has one more count, for
+ * +Inf): its cumulated buckets, sum and count, with labels ("" or
+ * name="value") on each sample. */
+static void render_seconds(struct relay_buf *t, const char *name, const char *labels,
+                           const unsigned long long *hist, double sum)
+{
+    const char *sep = labels[0] != '\0' ? "," : "";
+    unsigned long long cum = 0;
+    for (size_t b = 0; b < RELAY_ARRAY_LEN(relay_batch_buckets); b++) {
+        cum += hist[b];
+        relay_buf_printf(t, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, labels, sep,
+                         relay_batch_buckets[b], cum);
+    }
+    cum += hist[RELAY_ARRAY_LEN(relay_batch_buckets)];
+    relay_buf_printf(t, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep, cum);
+    const char *lb = labels[0] != '\0' ? "{" : "", *rb = labels[0] != '\0' ? "}" : "";
+    relay_buf_printf(t, "%s_sum%s%s%s %.6f\n", name, lb, labels, rb, sum);
+    relay_buf_printf(t, "%s_count%s%s%s %llu\n", name, lb, labels, rb, cum);
+}
+
 /* The relay's own state and counters. */
 static void render_relay(const struct relay *r, struct relay_buf *t)
 {
@@ -116,38 +136,16 @@ static void render_relay(const struct relay *r, struct relay_buf *t)
     relay_buf_printf(t, "outbox_relay_dedup_removals_waiting_bytes %zu\n", r->retiring.bytes);
     help(t, "outbox_relay_batch_duration_seconds", "histogram",
          "Time from claim to commit of a batch.");
-    unsigned long long cum = 0;
-    for (size_t b = 0; b < RELAY_ARRAY_LEN(relay_batch_buckets); b++) {
-        cum += f->batch_hist[b];
-        relay_buf_printf(t, "outbox_relay_batch_duration_seconds_bucket{le=\"%g\"} %llu\n",
-                         relay_batch_buckets[b], cum);
-    }
-    cum += f->batch_hist[RELAY_ARRAY_LEN(relay_batch_buckets)];
-    relay_buf_printf(t, "outbox_relay_batch_duration_seconds_bucket{le=\"+Inf\"} %llu\n", cum);
-    relay_buf_printf(t, "outbox_relay_batch_duration_seconds_sum %.6f\n", f->batch_sum);
-    relay_buf_printf(t, "outbox_relay_batch_duration_seconds_count %llu\n", cum);
+    render_seconds(t, "outbox_relay_batch_duration_seconds", "", f->batch_hist, f->batch_sum);
     help(t, "outbox_relay_batch_phase_seconds", "histogram",
          "Time committed batches spent in each phase: claim (BEGIN and the claim), wait "
          "(claimed, behind the batch ahead), publish (until the last reply), finish (until "
          "the commit).");
-    static const char *const phases[RELAY_PHASES] = {"claim", "wait", "publish", "finish"};
-    for (int p = 0; p < RELAY_PHASES; p++) {
-        cum = 0;
-        for (size_t b = 0; b < RELAY_ARRAY_LEN(relay_batch_buckets); b++) {
-            cum += f->phase_hist[p][b];
-            relay_buf_printf(
-                t, "outbox_relay_batch_phase_seconds_bucket{phase=\"%s\",le=\"%g\"} %llu\n",
-                phases[p], relay_batch_buckets[b], cum);
-        }
-        cum += f->phase_hist[p][RELAY_ARRAY_LEN(relay_batch_buckets)];
-        relay_buf_printf(t,
-                         "outbox_relay_batch_phase_seconds_bucket{phase=\"%s\",le=\"+Inf\"} %llu\n",
-                         phases[p], cum);
-        relay_buf_printf(t, "outbox_relay_batch_phase_seconds_sum{phase=\"%s\"} %.6f\n", phases[p],
-                         f->phase_sum[p]);
-        relay_buf_printf(t, "outbox_relay_batch_phase_seconds_count{phase=\"%s\"} %llu\n",
-                         phases[p], cum);
-    }
+    static const char *const phases[RELAY_PHASES] = {"phase=\"claim\"", "phase=\"wait\"",
+                                                     "phase=\"publish\"", "phase=\"finish\""};
+    for (int p = 0; p < RELAY_PHASES; p++)
+        render_seconds(t, "outbox_relay_batch_phase_seconds", phases[p], f->phase_hist[p],
+                       f->phase_sum[p]);
     help(t, "outbox_relay_publish_errors_total", "counter",
          "Failed batches by kind, and rows that failed for reasons of their own (row).");
     for (int k = 0; k < RELAY_FAIL_KINDS; k++)
