@@ -65,6 +65,49 @@ const char relay_batch_function_source[] =
     "  return id\n"
     "end\n"
     "redis.register_function('" RELAY_FUNCTION_PUBLISH "', publish)\n"
+    /* The publish of several rows of one stream in one call, as the relay
+     * sends them: the rules above, row by row, in one pass over the rows.
+     * KEYS[1] is the stream, then, when given, the dedup record of the row
+     * sent to the stream just before the first of these, then the rows'
+     * records in order. ARGV[1] is the records' time to live, ARGV[2] the
+     * deadline, ARGV[3] the number of rows, then for each row the number of
+     * its fields' arguments and the fields. Answers one reply per row: its
+     * entry id, or an error of the row's own. Once a row fails, every later
+     * one not already recorded is refused with ORDER, as a call of its own
+     * would be behind it. Read TIME once: the call runs as one command. */
+    "local function publish_many(keys, args)\n"
+    "  local n = tonumber(args[3])\n"
+    "  local first = #keys - n + 1\n"
+    "  local t = redis.call('TIME')\n"
+    "  local late = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(args[2])\n"
+    "  local held = first == 3 and redis.call('TYPE', keys[2])['ok'] ~= 'string'\n"
+    "  local out, at = {}, 4\n"
+    "  for i = 1, n do\n"
+    "    local nf, key = tonumber(args[at]), keys[first + i - 1]\n"
+    "    local seen = redis.pcall('GET', key)\n"
+    "    if type(seen) == 'table' then\n"
+    "      out[i], held = seen, true\n"
+    "    elseif seen then\n"
+    "      out[i] = seen\n"
+    "    elseif late then\n"
+    "      out[i] = redis.error_reply('EXPIRED publish deadline passed; the relay retries it')\n"
+    "    elseif held then\n"
+    "      out[i] = redis.error_reply('ORDER the message before this one in its stream was not "
+    "published; the relay retries both in order')\n"
+    "    else\n"
+    "      local id = redis.pcall('XADD', keys[1], '*', unpack(args, at + 1, at + nf))\n"
+    "      if type(id) == 'table' then\n"
+    "        out[i], held = id, true\n"
+    "      else\n"
+    "        redis.call('SET', key, id, 'PX', args[1])\n"
+    "        out[i] = id\n"
+    "      end\n"
+    "    end\n"
+    "    at = at + 1 + nf\n"
+    "  end\n"
+    "  return out\n"
+    "end\n"
+    "redis.register_function('" RELAY_FUNCTION_PUBLISH_MANY "', publish_many)\n"
     /* The trim function (docs/DESIGN.md, "Stream retention"). KEYS[1] is a
      * stream, ARGV[1] the retention and ARGV[2] the longest a group may hold
      * trimming back (0: for ever), both in ms. It removes entries older than
@@ -233,7 +276,7 @@ static void add_arg(struct relay_publish_cmd *cmd, const char *s, size_t len)
 }
 
 /* Buffers relay_batch_build_publish formats the keys into: the limits on the
- * stream name and the dedup key, shared with relay_batch_append_publish. */
+ * stream name and the dedup key, shared with relay_batch_append_publish_call. */
 #define STREAM_NAME_SIZE sizeof(((struct relay_publish_cmd *)0)->stream)
 #define DEDUP_KEY_SIZE sizeof(((struct relay_publish_cmd *)0)->dedup_key)
 
@@ -515,12 +558,6 @@ static size_t partition_suffix(const struct relay_row *row, char out[RELAY_PARTI
     return relay_key_partition_suffix(row->partition, row->partitions, out);
 }
 
-/* The fixed head of every publish, without its numkeys: FCALL <function>. */
-static const char publish_head[] = "$5\r\nFCALL\r\n"
-                                   "$23\r\n" RELAY_FUNCTION_PUBLISH "\r\n";
-_Static_assert(sizeof(RELAY_FUNCTION_PUBLISH) - 1 == 23,
-               "publish_head spells out the length of RELAY_FUNCTION_PUBLISH");
-
 /* "{<stream>}:dedup:<message id>" of a message in row's stream, as a bulk
  * string of len bytes. */
 static char *put_dedup_key(char *p, const char *stream_prefix, size_t prefix_len,
@@ -536,68 +573,27 @@ static char *put_dedup_key(char *p, const char *stream_prefix, size_t prefix_len
     return put_crlf(put_mem(p, message_id, message_id_len));
 }
 
-int relay_batch_append_publish(const struct relay_row *row, const char *stream_prefix,
-                               uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
-                               uint64_t not_after_ms, struct relay_buf *out, char *err,
-                               size_t errlen, enum relay_row_fault *fault)
+/* The entry's fields of row: their bytes as bulk strings, and their number
+ * in *argc. */
+static size_t fields_size(const struct relay_row *row, const struct row_headers *h,
+                          size_t outbox_id_len, size_t *argc)
 {
-    struct row_headers h;
-    size_t stream_len = 0, dedup_len = 0;
-    enum relay_row_fault found;
-    if (stream_prefix == NULL)
-        stream_prefix = "";
-    size_t prefix_len = strlen(stream_prefix);
-
-    if (check_row(row, prefix_len, max_payload_bytes, &h, &stream_len, &dedup_len, err, errlen,
-                  &found) != 0) {
-        if (fault != NULL)
-            *fault = found;
-        return -1;
-    }
-
-    char ttl[24], not_after[24], outbox_id[24];
-    size_t ttl_len = (size_t)(put_uint(ttl, dedup_ttl_ms) - ttl);
-    size_t not_after_len = (size_t)(put_uint(not_after, not_after_ms) - not_after);
-    size_t outbox_id_len = format_int64(outbox_id, row->id);
-
-    /* FCALL fn numkeys stream dedup [the row before's dedup] ttl not_after,
-     * five fields, the key and the headers. The row before is of the same
-     * stream: only its message id differs from this row's record. */
-    const struct relay_row *after = row->after;
-    size_t after_len = after != NULL ? dedup_len - row->message_id_len + after->message_id_len : 0;
-    size_t argc = 7 + (after != NULL) + 10 + (row->key != NULL ? 2 : 0) + 2 * (size_t)h.n;
-    size_t need = 1 + count_digits(argc) + 2 + sizeof(publish_head) - 1 + bulk_size(1) +
-                  bulk_size(stream_len) + bulk_size(dedup_len) +
-                  (after != NULL ? bulk_size(after_len) : 0) + bulk_size(ttl_len) +
-                  bulk_size(not_after_len) + bulk_size(2) + bulk_size(row->message_id_len) +
-                  bulk_size(5) + bulk_size(row->topic_len) + bulk_size(7) +
-                  bulk_size(row->payload_len) + bulk_size(10) + bulk_size(row->created_at_len) +
-                  bulk_size(9) + bulk_size(outbox_id_len);
+    size_t need = bulk_size(2) + bulk_size(row->message_id_len) + bulk_size(5) +
+                  bulk_size(row->topic_len) + bulk_size(7) + bulk_size(row->payload_len) +
+                  bulk_size(10) + bulk_size(row->created_at_len) + bulk_size(9) +
+                  bulk_size(outbox_id_len);
+    *argc = 10 + (row->key != NULL ? 2 : 0) + 2 * (size_t)h->n;
     if (row->key != NULL)
         need += bulk_size(3) + bulk_size(row->key_len);
-    for (int i = 0; i < h.n; i++)
-        need += bulk_size(2 + h.name_lens[i]) + bulk_size(h.value_lens[i]);
-    if (respbuf_reserve(out, need) != 0) {
-        snprintf(err, errlen, "the command of %zu bytes does not fit the output buffer", need);
-        return RELAY_BUF_FULL;
-    }
+    for (int i = 0; i < h->n; i++)
+        need += bulk_size(2 + h->name_lens[i]) + bulk_size(h->value_lens[i]);
+    return need;
+}
 
-    char *p = put_array(out->data + out->len, argc);
-    p = PUT_LIT(p, publish_head);
-    p = after != NULL ? PUT_LIT(p, "$1\r\n3\r\n") : PUT_LIT(p, "$1\r\n2\r\n");
-    char suffix[RELAY_PARTITION_SUFFIX_LEN];
-    size_t suffix_len = partition_suffix(row, suffix);
-    p = put_bulk_head(p, stream_len);
-    p = put_mem(p, stream_prefix, prefix_len);
-    p = put_mem(p, row->topic, row->topic_len);
-    p = put_crlf(put_mem(p, suffix, suffix_len));
-    p = put_dedup_key(p, stream_prefix, prefix_len, row, suffix, suffix_len, row->message_id,
-                      row->message_id_len, dedup_len);
-    if (after != NULL)
-        p = put_dedup_key(p, stream_prefix, prefix_len, row, suffix, suffix_len, after->message_id,
-                          after->message_id_len, after_len);
-    p = put_bulk(p, ttl, ttl_len);
-    p = put_bulk(p, not_after, not_after_len);
+/* Writes the fields fields_size counted. */
+static char *put_fields(char *p, const struct relay_row *row, const struct row_headers *h,
+                        const char *outbox_id, size_t outbox_id_len)
+{
     p = PUT_LIT(p, "$2\r\nid\r\n");
     p = put_bulk(p, row->message_id, row->message_id_len);
     p = PUT_LIT(p, "$5\r\ntopic\r\n");
@@ -612,10 +608,119 @@ int relay_batch_append_publish(const struct relay_row *row, const char *stream_p
     p = put_bulk(p, row->created_at, row->created_at_len);
     p = PUT_LIT(p, "$9\r\noutbox_id\r\n");
     p = put_bulk(p, outbox_id, outbox_id_len);
-    for (int i = 0; i < h.n; i++) {
-        p = PUT_LIT(put_bulk_head(p, 2 + h.name_lens[i]), "h.");
-        p = put_crlf(put_mem(p, h.names[i], h.name_lens[i]));
-        p = put_bulk(p, h.values[i], h.value_lens[i]);
+    for (int i = 0; i < h->n; i++) {
+        p = PUT_LIT(put_bulk_head(p, 2 + h->name_lens[i]), "h.");
+        p = put_crlf(put_mem(p, h->names[i], h->name_lens[i]));
+        p = put_bulk(p, h->values[i], h->value_lens[i]);
+    }
+    return p;
+}
+
+/* "<prefix><topic><partition suffix>", row's stream, as a bulk string. */
+static char *put_stream(char *p, const char *stream_prefix, size_t prefix_len,
+                        const struct relay_row *row, const char *suffix, size_t suffix_len,
+                        size_t stream_len)
+{
+    p = put_bulk_head(p, stream_len);
+    p = put_mem(p, stream_prefix, prefix_len);
+    p = put_mem(p, row->topic, row->topic_len);
+    return put_crlf(put_mem(p, suffix, suffix_len));
+}
+
+int relay_batch_check_publish(struct relay_row *row, const char *stream_prefix,
+                              uint32_t max_payload_bytes, char *err, size_t errlen,
+                              enum relay_row_fault *fault)
+{
+    struct row_headers h;
+    size_t stream_len = 0, dedup_len = 0, nfields;
+    if (check_row(row, stream_prefix != NULL ? strlen(stream_prefix) : 0, max_payload_bytes, &h,
+                  &stream_len, &dedup_len, err, errlen, fault) != 0)
+        return -1;
+    char outbox_id[24];
+    size_t outbox_id_len = format_int64(outbox_id, row->id);
+    size_t need = fields_size(row, &h, outbox_id_len, &nfields);
+    /* Its record, the count of its fields, the fields. */
+    row->call_bytes = bulk_size(dedup_len) + bulk_size(count_digits(nfields)) + need;
+    return 0;
+}
+
+/* The fixed head of a publish of several rows, without its numkeys. */
+static const char publish_many_head[] = "$5\r\nFCALL\r\n"
+                                        "$28\r\n" RELAY_FUNCTION_PUBLISH_MANY "\r\n";
+_Static_assert(sizeof(RELAY_FUNCTION_PUBLISH_MANY) - 1 == 28,
+               "publish_many_head spells out the length of RELAY_FUNCTION_PUBLISH_MANY");
+
+int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t n,
+                                    const struct relay_row *after, const char *stream_prefix,
+                                    uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
+                                    uint64_t not_after_ms, struct relay_buf *out)
+{
+    if (n == 0)
+        return -1;
+    if (stream_prefix == NULL)
+        stream_prefix = "";
+    size_t prefix_len = strlen(stream_prefix);
+    const struct relay_row *lead = rows[0];
+    char suffix[RELAY_PARTITION_SUFFIX_LEN];
+    size_t suffix_len = partition_suffix(lead, suffix);
+    size_t stream_len = prefix_len + lead->topic_len + suffix_len;
+    /* "{<stream>}:dedup:" and the message id. */
+    size_t key_base = stream_len + sizeof("{}:dedup:") - 1;
+
+    char ttl[24], not_after[24], count[24];
+    size_t ttl_len = (size_t)(put_uint(ttl, dedup_ttl_ms) - ttl);
+    size_t not_after_len = (size_t)(put_uint(not_after, not_after_ms) - not_after);
+    size_t count_len = (size_t)(put_uint(count, n) - count);
+    size_t nkeys = 1 + (after != NULL) + n;
+    size_t argc = 3 + nkeys + 3, need = 0;
+    for (size_t i = 0; i < n; i++) {
+        struct row_headers h;
+        size_t slen = 0, dlen = 0, nfields = 0;
+        char err[8];
+        enum relay_row_fault fault;
+        if (check_row(rows[i], prefix_len, max_payload_bytes, &h, &slen, &dlen, err, sizeof(err),
+                      &fault) != 0 ||
+            !relay_batch_same_stream(rows[i], lead))
+            return -1;
+        char outbox_id[24];
+        need += bulk_size(dlen) +
+                fields_size(rows[i], &h, (size_t)format_int64(outbox_id, rows[i]->id), &nfields);
+        need += bulk_size(count_digits(nfields));
+        argc += 1 + nfields;
+    }
+    need += 1 + count_digits(argc) + 2 + sizeof(publish_many_head) - 1 +
+            bulk_size(count_digits(nkeys)) + bulk_size(stream_len) +
+            (after != NULL ? bulk_size(key_base + after->message_id_len) : 0) + bulk_size(ttl_len) +
+            bulk_size(not_after_len) + bulk_size(count_len);
+    if (respbuf_reserve(out, need) != 0)
+        return RELAY_BUF_FULL;
+
+    char *p = put_array(out->data + out->len, argc);
+    p = PUT_LIT(p, publish_many_head);
+    p = put_crlf(put_uint(put_bulk_head(p, count_digits(nkeys)), nkeys));
+    p = put_stream(p, stream_prefix, prefix_len, lead, suffix, suffix_len, stream_len);
+    if (after != NULL)
+        p = put_dedup_key(p, stream_prefix, prefix_len, lead, suffix, suffix_len, after->message_id,
+                          after->message_id_len, key_base + after->message_id_len);
+    for (size_t i = 0; i < n; i++)
+        p = put_dedup_key(p, stream_prefix, prefix_len, lead, suffix, suffix_len,
+                          rows[i]->message_id, rows[i]->message_id_len,
+                          key_base + rows[i]->message_id_len);
+    p = put_bulk(p, ttl, ttl_len);
+    p = put_bulk(p, not_after, not_after_len);
+    p = put_bulk(p, count, count_len);
+    for (size_t i = 0; i < n; i++) {
+        struct row_headers h;
+        size_t slen = 0, dlen = 0, nfields = 0;
+        char err[8];
+        enum relay_row_fault fault;
+        (void)check_row(rows[i], prefix_len, max_payload_bytes, &h, &slen, &dlen, err, sizeof(err),
+                        &fault);
+        char outbox_id[24];
+        size_t outbox_id_len = format_int64(outbox_id, rows[i]->id);
+        (void)fields_size(rows[i], &h, outbox_id_len, &nfields);
+        p = put_crlf(put_uint(put_bulk_head(p, count_digits(nfields)), nfields));
+        p = put_fields(p, rows[i], &h, outbox_id, outbox_id_len);
     }
     *p = '\0'; /* relay_buf keeps data NUL-terminated */
     out->len = (size_t)(p - out->data);

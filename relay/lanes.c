@@ -242,46 +242,89 @@ static void op_publish(void *arg, size_t lane)
     int ahead = r->cycle.publishing != (int)lane ? r->cycle.publishing : -1;
     const struct relay_lane *a = ahead >= 0 ? &r->lanes[ahead] : NULL;
     int failed_in_order = 0;
+    /* First each row is checked and chained to the row before it in its
+     * stream; then each stream's rows go out in calls of several rows. */
     for (size_t i = 0; i < l->nrows; i++) {
         struct relay_row *row = &l->rows[i];
         row->after = NULL;
         row->after_ahead = 0;
+        row->next = -1;
+        row->call_rows = 0;
+        row->call_bytes = 0;
         if (failed_in_order && keeps_key_order(row) && held_back(l->rows, i)) {
             l->tally.held++;
             continue;
         }
-        /* Chained to the row sent before it to its stream (relay_row.after). */
-        int32_t *last = relay_batch_streams_slot(&l->streams, l->rows, i);
-        int32_t before = -1;
-        if (*last >= 0)
-            row->after = &l->rows[*last];
-        else if (a != NULL && (before = relay_batch_streams_find(&a->streams, a->rows, row)) >= 0)
-            row->after = &a->rows[before];
-        relay_buf_reset(&r->out);
-        int rc = relay_batch_append_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
-                                            r->cfg->dedup_ttl_ms, not_after, &r->out, row->error,
-                                            sizeof(row->error), &row->fault);
-        /* The batch ahead may end before this row's reply comes in: the
-         * reply is read without it (relay_batch_apply_reply). */
-        if (before >= 0) {
-            row->after = NULL;
-            row->after_ahead = 1;
-        }
-        if (rc == -1) {
+        if (relay_batch_check_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
+                                      row->error, sizeof(row->error), &row->fault) != 0) {
             row->state = RELAY_ROW_FAILED;
             failed_in_order |= keeps_key_order(row);
             continue;
         }
-        if (rc != 0 ||
-            relay_sink_formatted(r->sink, r->out.data, r->out.len, on_publish_reply, row) < 0) {
-            l->tally.failed = 1;
-            l->tally.kind = RELAY_FAIL_REDIS_CONNECTION;
-            snprintf(l->tally.error, sizeof(l->tally.error), "Redis connection not ready");
-            break;
+        /* Chained to the row sent before it to its stream (relay_row.after). */
+        int32_t *last = relay_batch_streams_slot(&l->streams, l->rows, i);
+        int32_t before;
+        if (*last >= 0) {
+            row->after = &l->rows[*last];
+            l->rows[*last].next = (int32_t)i;
+        } else if (a != NULL &&
+                   (before = relay_batch_streams_find(&a->streams, a->rows, row)) >= 0) {
+            /* The batch ahead may end before this row's reply comes in: the
+             * reply is read without it (relay_batch_apply_reply), once the
+             * call has named it. */
+            row->after = &a->rows[before];
+            row->after_ahead = 1;
         }
         row->state = RELAY_ROW_PUBLISHING;
-        l->tally.pending++;
         *last = (int32_t)i;
+    }
+    for (size_t i = 0; i < l->nrows && !l->tally.failed; i++) {
+        struct relay_row *head = &l->rows[i];
+        if (head->state != RELAY_ROW_PUBLISHING || (head->after != NULL && !head->after_ahead))
+            continue;
+        /* The first row of its stream in the batch: its stream's calls. */
+        const struct relay_row *after = head->after;
+        if (head->after_ahead)
+            head->after = NULL;
+        for (struct relay_row *row = head; row != NULL && !l->tally.failed;) {
+            struct relay_row *call[RELAY_CALL_ROWS];
+            size_t n = 0, bytes = 0;
+            while (row != NULL && n < RELAY_CALL_ROWS &&
+                   (n == 0 || bytes + row->call_bytes <= RELAY_CALL_BYTES)) {
+                call[n++] = row;
+                bytes += row->call_bytes;
+                row = row->next >= 0 ? &l->rows[row->next] : NULL;
+            }
+            relay_buf_reset(&r->out);
+            if (relay_batch_append_publish_call((const struct relay_row *const *)call, n, after,
+                                                r->cfg->stream_prefix, r->cfg->max_payload_bytes,
+                                                r->cfg->dedup_ttl_ms, not_after, &r->out) != 0) {
+                /* Rows checked above always fit a call: nothing was sent. */
+                l->tally.failed = 1;
+                l->tally.kind = RELAY_FAIL_REDIS_REPLY;
+                snprintf(l->tally.error, sizeof(l->tally.error),
+                         "cannot build the publish call of %zu rows", n);
+                break;
+            }
+            if (relay_sink_formatted(r->sink, r->out.data, r->out.len, on_publish_reply, call[0]) <
+                0) {
+                l->tally.failed = 1;
+                l->tally.kind = RELAY_FAIL_REDIS_CONNECTION;
+                snprintf(l->tally.error, sizeof(l->tally.error), "Redis connection not ready");
+                break;
+            }
+            call[0]->call_rows = (uint32_t)n;
+            for (size_t k = 0; k < n; k++)
+                call[k]->call_bytes = 0; /* sent */
+            l->tally.pending += n;
+            after = call[n - 1];
+        }
+    }
+    if (l->tally.failed) {
+        /* Rows not sent stay claimed, as the batch rolls back. */
+        for (size_t i = 0; i < l->nrows; i++)
+            if (l->rows[i].state == RELAY_ROW_PUBLISHING && l->rows[i].call_bytes > 0)
+                l->rows[i].state = RELAY_ROW_CLAIMED;
     }
     if (l->tally.pending == 0) {
         publish_done(l);
@@ -580,19 +623,32 @@ static enum relay_reply_kind reply_kind(const redisAsyncContext *ac, const redis
     return ok ? ok_kind : RELAY_REPLY_OTHER;
 }
 
+/* The reply to one publish call (relay_batch_append_publish_call): one
+ * reply per row, in the order of the rows, or one for them all. */
 static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg)
 {
     const redisReply *reply = reply_;
     struct relay_lane *l = publishing_lane(ac, arg);
     if (l == NULL)
         return;
-    const char *str;
-    size_t len;
-    int entry =
-        reply != NULL && (reply->type == REDIS_REPLY_STRING || reply->type == REDIS_REPLY_STATUS);
-    enum relay_reply_kind kind = reply_kind(ac, reply, entry, RELAY_REPLY_ENTRY, &str, &len);
-    if (relay_batch_apply_reply(&l->tally, arg, kind, str, len))
-        publish_done(l);
+    struct relay_row *row = arg;
+    size_t n = row->call_rows;
+    int each = reply != NULL && reply->type == REDIS_REPLY_ARRAY && reply->elements == n;
+    for (size_t k = 0; k < n && row != NULL; k++) {
+        const redisReply *one = each ? reply->element[k] : reply;
+        const char *str;
+        size_t len;
+        int entry =
+            one != NULL && (one->type == REDIS_REPLY_STRING || one->type == REDIS_REPLY_STATUS);
+        /* An array of another length answers none of the rows. */
+        enum relay_reply_kind kind = reply_kind(ac, one, entry, RELAY_REPLY_ENTRY, &str, &len);
+        struct relay_row *next = row->next >= 0 ? &l->rows[row->next] : NULL;
+        if (relay_batch_apply_reply(&l->tally, row, kind, str, len)) {
+            publish_done(l);
+            return;
+        }
+        row = next;
+    }
 }
 
 static void on_wait_reply(redisAsyncContext *ac, void *reply_, void *arg)

@@ -17,6 +17,7 @@
 /* Name of the Redis function library and of the functions in it. */
 #define RELAY_FUNCTION_LIBRARY "outbox_relay"
 #define RELAY_FUNCTION_PUBLISH "outbox_relay_publish_v2"
+#define RELAY_FUNCTION_PUBLISH_MANY "outbox_relay_publish_many_v1"
 #define RELAY_FUNCTION_TRIM "outbox_relay_trim_v1"
 #define RELAY_FUNCTION_RETIRE "outbox_relay_retire_v1"
 
@@ -71,6 +72,15 @@ struct relay_row {
      * but the reply is read without it (that batch may have ended). */
     int after_ahead;
 
+    /* Rows of one stream go to Redis together, up to RELAY_CALL_ROWS in a
+     * call (relay_batch_append_publish_call): the next row of its stream in
+     * the batch (an index into it, -1 for none); in a call's first row, how
+     * many rows the call holds; and the bytes of the row's part of a call,
+     * once checked (relay_batch_check_publish), 0 again once it is sent. */
+    int32_t next;
+    uint32_t call_rows;
+    size_t call_bytes;
+
     /* Outcome of this cycle. */
     int state;                  /* enum relay_row_state */
     enum relay_row_fault fault; /* when state is RELAY_ROW_FAILED */
@@ -120,7 +130,7 @@ int relay_batch_topic_valid(const char *topic, size_t len);
  * server's clock (relay_sink_deadline_ms). On a failure of the row's own (bad topic, payload
  * too large, headers that cannot be encoded) returns -1 and writes a message
  * that says what is wrong and what to do into err. Every such failure is
- * permanent (relay_batch_append_publish reports the kind).
+ * permanent (relay_batch_check_publish reports the kind).
  */
 int relay_batch_build_publish(const struct relay_row *row, const char *stream_prefix,
                               uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
@@ -136,24 +146,46 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
  * again. */
 
 /*
- * Appends to out the RESP encoding of the command relay_batch_build_publish
- * builds for the same arguments, byte for byte what redisFormatCommandArgv
- * makes of that argv, without the argv and without printf or malloc (once out
- * has grown). The rules and the messages are those of
- * relay_batch_build_publish.
- *
- * Returns 0 when the command was appended: it is out->data[old len .. out->len),
- * exactly one command, so with a buffer reset before each row it can go
- * straight to relay_sink_formatted. Returns -1 on a failure of the row's own
- * (err says what is wrong and what to do, and *fault, unless fault is NULL,
- * whether it is permanent or transient), or RELAY_BUF_FULL (err says so);
- * in both cases out is unchanged. A row whose payload the claim left in the
+ * The publish call of several rows (RELAY_FUNCTION_PUBLISH_MANY): at most
+ * RELAY_CALL_ROWS rows, and no more than RELAY_CALL_BYTES of their parts
+ * unless the call holds one row. Redis parses, dispatches and answers one
+ * command for them all and starts the function once, which costs it less
+ * per message than a call each (docs/PERFORMANCE.md, "One publish call for
+ * a stream's rows").
+ */
+#define RELAY_CALL_ROWS 64
+#define RELAY_CALL_BYTES ((size_t)256 * 1024)
+
+/*
+ * Checks row against the rules of relay_batch_build_publish and sets
+ * row->call_bytes, the size of its part of a publish call. 0, or -1 on a
+ * failure of the row's own: err says what is wrong and what to do (the
+ * messages of relay_batch_build_publish), and *fault whether it is
+ * permanent or transient. A row whose payload the claim left in the
  * database (payload NULL) fails as too large, a permanent failure.
  */
-int relay_batch_append_publish(const struct relay_row *row, const char *stream_prefix,
-                               uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
-                               uint64_t not_after_ms, struct relay_buf *out, char *err,
-                               size_t errlen, enum relay_row_fault *fault)
+int relay_batch_check_publish(struct relay_row *row, const char *stream_prefix,
+                              uint32_t max_payload_bytes, char *err, size_t errlen,
+                              enum relay_row_fault *fault) __attribute__((warn_unused_result));
+
+/*
+ * Appends to out one call of RELAY_FUNCTION_PUBLISH_MANY for rows[0..n), n
+ * >= 1 rows of one stream in the order they are to be appended, each checked
+ * by relay_batch_check_publish. after is the row sent to the stream just
+ * before rows[0], or NULL: the call names its dedup record, and publishes
+ * nothing while that record is missing. The reply is an array of n replies,
+ * one per row, each the entry id or the error a call of its own
+ * (RELAY_FUNCTION_PUBLISH, relay_batch_build_publish) would have answered;
+ * or one error for the whole call. The bytes are what redisFormatCommandArgv
+ * makes of the argv, written without printf or malloc (once out has grown).
+ * Returns 0 when the call was appended (out->data[old len .. out->len), one
+ * command for relay_sink_formatted), RELAY_BUF_FULL, or -1 when a row fails
+ * its check or is of another stream; in both cases out is unchanged.
+ */
+int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t n,
+                                    const struct relay_row *after, const char *stream_prefix,
+                                    uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
+                                    uint64_t not_after_ms, struct relay_buf *out)
     __attribute__((warn_unused_result));
 
 /*

@@ -44,7 +44,7 @@ void relay_sink_free(struct relay_sink *s);
 int relay_sink_ready(const struct relay_sink *s);
 
 /*
- * Queues one command already in the Redis protocol (relay_batch_append_publish,
+ * Queues one command already in the Redis protocol (relay_batch_append_publish_call,
  * relay_batch_append_retire) with its callback; nothing is formatted here:
  * hiredis copies the bytes into its output buffer, so cmd may be reused as
  * soon as this returns.

@@ -7,12 +7,15 @@
  * header names and values). Before the rows, one byte picks the stream
  * prefix and one the max_payload_bytes.
  *
- * Each row that decodes is built into its publish command both ways: as an
- * argv (relay_batch_build_publish) and straight into the Redis protocol
- * (relay_batch_append_publish). They must agree on whether the row can be
- * published and, when it can, on every byte: the protocol must be what
- * hiredis makes of the argv. Then the published rows' retire commands must
- * read back as well-formed commands.
+ * Each row that decodes is checked and built both ways: as the argv of a
+ * call of its own (relay_batch_build_publish), and as the relay sends it,
+ * checked (relay_batch_check_publish) and straight into the Redis protocol
+ * in a call of several rows (relay_batch_append_publish_call). They must
+ * agree on whether the row can be published and why not, and when it can,
+ * the call of the row alone must read back as that argv's stream, record,
+ * deadline and fields. Then the published rows of one stream must go in one
+ * call that reads back whole, and their retire commands must read back as
+ * well-formed commands.
  */
 #include "../../relay/lanes.c"
 
@@ -85,41 +88,100 @@ static int headers_are_text(const struct relay_row *row)
     return 1;
 }
 
+/* Whether argument k of the command r read back is the n bytes at s. */
+static int same_arg(const redisReply *r, size_t k, const char *s, size_t n)
+{
+    return k < r->elements && r->element[k]->len == n && memcmp(r->element[k]->str, s, n) == 0;
+}
+
 static void publish(struct relay_row *row, const char *prefix, uint32_t max_payload)
 {
     static struct relay_publish_cmd cmd;
     char err1[RELAY_ERROR_MAX], err2[RELAY_ERROR_MAX];
     enum relay_row_fault fault = RELAY_FAULT_NONE;
-    struct relay_buf out;
-    memset(&out, 0, sizeof(out));
 
     int built = relay_batch_build_publish(row, prefix, max_payload, 86400000, 1718000000000ULL,
                                           &cmd, err1, sizeof(err1));
-    int appended = relay_batch_append_publish(row, prefix, max_payload, 86400000, 1718000000000ULL,
-                                              &out, err2, sizeof(err2), &fault);
-    if ((built == 0) != (appended == 0))
-        fuzz_fail("argv and protocol disagree on whether the row can be published",
+    int checked = relay_batch_check_publish(row, prefix, max_payload, err2, sizeof(err2), &fault);
+    if ((built == 0) != (checked == 0))
+        fuzz_fail("argv and check disagree on whether the row can be published",
                   built != 0 ? err1 : err2);
     if (built != 0) {
         if (strcmp(err1, err2) != 0)
-            fuzz_fail("argv and protocol give different reasons", err2);
+            fuzz_fail("argv and check give different reasons", err2);
         if (fault == RELAY_FAULT_NONE)
             fuzz_fail("a row that cannot be published without a kind of failure", err2);
-        relay_buf_free(&out);
         return;
     }
-    char *want = NULL;
-    int wantlen = redisFormatCommandArgv(&want, cmd.argc, cmd.argv, cmd.argvlen);
-    if (wantlen < 0)
-        abort();
-    if (headers_are_text(row) &&
-        ((size_t)wantlen != out.len || memcmp(want, out.data, out.len) != 0 ||
-         out.data[out.len] != '\0'))
-        fuzz_fail("the protocol is not what hiredis makes of the argv", out.data);
-    freeReplyObject(read_command(out.data, out.len));
-    redisFreeCommand(want);
+    /* The row alone in a call: its stream, its record, then its fields as
+     * the argv of its own call has them, after their count. */
+    const struct relay_row *one = row;
+    struct relay_buf out;
+    memset(&out, 0, sizeof(out));
+    if (relay_batch_append_publish_call(&one, 1, NULL, prefix, max_payload, 86400000,
+                                        1718000000000ULL, &out) != 0)
+        fuzz_fail("a row that can be published cannot go in a call", "");
+    if (out.data[out.len] != '\0')
+        fuzz_fail("the call is not NUL-terminated", out.data);
+    redisReply *got = read_command(out.data, out.len);
+    int keyed = row->after != NULL;
+    size_t nfields = (size_t)cmd.argc - 7 - (size_t)keyed;
+    char count[24];
+    int clen = snprintf(count, sizeof(count), "%zu", nfields);
+    int ok = got->elements == 9 + nfields && same_arg(got, 0, "FCALL", 5) &&
+             same_arg(got, 1, RELAY_FUNCTION_PUBLISH_MANY, strlen(RELAY_FUNCTION_PUBLISH_MANY)) &&
+             same_arg(got, 2, "2", 1) && same_arg(got, 3, cmd.argv[3], cmd.argvlen[3]) &&
+             same_arg(got, 4, cmd.argv[4], cmd.argvlen[4]) &&
+             same_arg(got, 5, cmd.argv[5 + keyed], cmd.argvlen[5 + keyed]) &&
+             same_arg(got, 6, cmd.argv[6 + keyed], cmd.argvlen[6 + keyed]) &&
+             same_arg(got, 7, "1", 1) && same_arg(got, 8, count, (size_t)clen);
+    for (size_t k = 0; ok && k < nfields; k++)
+        ok = same_arg(got, 9 + k, cmd.argv[7 + keyed + k], cmd.argvlen[7 + keyed + k]);
+    if (headers_are_text(row) && !ok)
+        fuzz_fail("the call is not the argv of the row's own call", out.data);
+    freeReplyObject(got);
     relay_buf_free(&out);
     row->state = RELAY_ROW_PUBLISHED;
+}
+
+/* The published rows of the first published row's stream, in one call
+ * behind the first row: it reads back as one command of the right length. */
+static void publish_together(struct relay_row *rows, size_t n, const char *prefix,
+                             uint32_t max_payload)
+{
+    const struct relay_row *call[ROWS_MAX];
+    const struct relay_row *after = NULL;
+    size_t m = 0, fields = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (rows[i].state != RELAY_ROW_PUBLISHED)
+            continue;
+        if (after == NULL) {
+            after = &rows[i];
+            continue;
+        }
+        if (!relay_batch_same_stream(&rows[i], after))
+            continue;
+        static struct relay_publish_cmd cmd;
+        char err[RELAY_ERROR_MAX];
+        struct relay_row alone = rows[i];
+        alone.after = NULL;
+        if (relay_batch_build_publish(&alone, prefix, max_payload, 1, 2, &cmd, err, sizeof(err)) !=
+            0)
+            fuzz_fail("a published row that cannot be built again", err);
+        fields += (size_t)cmd.argc - 7;
+        call[m++] = &rows[i];
+    }
+    if (m == 0)
+        return;
+    struct relay_buf out;
+    memset(&out, 0, sizeof(out));
+    if (relay_batch_append_publish_call(call, m, after, prefix, max_payload, 1, 2, &out) != 0)
+        fuzz_fail("rows of one stream that can be published cannot go in one call", "");
+    redisReply *got = read_command(out.data, out.len);
+    if (got->elements != 3 + 2 + m + 3 + m + fields)
+        fuzz_fail("a call of several rows with the wrong number of arguments", out.data);
+    freeReplyObject(got);
+    relay_buf_free(&out);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -155,6 +217,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         publish(&rows[nrows], prefix, max_payload);
         nrows++;
     }
+    publish_together(rows, nrows, prefix, max_payload);
 
     struct relay_buf out;
     memset(&out, 0, sizeof(out));

@@ -1427,9 +1427,10 @@ def reset(pg_conn, redis_client=None):
 
 
 def publish_calls(redis_client):
-    """Calls of the relay's publish function since the last CONFIG RESETSTAT:
-    each makes exactly one GET (its dedup check), the relay's other functions
-    (retire, trim) none, and commands a function runs count in commandstats."""
+    """Rows the relay's publish functions took since the last CONFIG RESETSTAT:
+    each row makes exactly one GET (its dedup check), in a call of its own or
+    in a call of several rows, the relay's other functions (retire, trim)
+    none, and commands a function runs count in commandstats."""
     return redis_client.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
 
 

@@ -8,6 +8,12 @@ Promises tested:
 - a publish that names the record of the message sent before it to its stream
   (a third key) adds nothing while that record is missing, and is published
   once it is there; a message already recorded still answers its entry id;
+- the call of several rows of one stream, as the relay sends them, answers
+  each row as a call of its own would: the rows in order, a row already
+  recorded with its first entry, a failed row with its error, and every row
+  behind it not recorded with ORDER, adding nothing for them; the record of
+  the row before the first (when named) holds back the whole call; past the
+  deadline only the recorded rows answer;
 - dedup memory stays bounded: while the relay sends 20,000 rows there are never
   more records than two batches (sampled with DBSIZE) beside those a committed
   batch retired within the last publish_timeout, every record is removed
@@ -45,6 +51,7 @@ harness.require_relay()
 harness.set_deadline(240)
 
 FUNCTION = "outbox_relay_publish_v2"
+MANY = "outbox_relay_publish_many_v1"
 FAR_FUTURE_MS = 9999999999999  # the validity deadline argument: never expired
 # stream_retention = 0: the trim function's FCALLs would count among the
 # publishes these tests count.
@@ -67,7 +74,7 @@ def used_memory(r):
 
 
 def fcall_calls(r):
-    """Calls of the publish function (harness.publish_calls)."""
+    """Rows the publish functions took (harness.publish_calls)."""
     return harness.publish_calls(r)
 
 
@@ -170,6 +177,69 @@ class DedupTest(harness.ServerTestCase):
         self.r.delete(dedup_key(stream, first))
         self.assertEqual(chained(second, first), two)
         self.assertEqual(self.r.xlen(stream), 2)
+
+    def test_a_call_of_several_rows(self):
+        """The relay sends each stream's rows of a batch in calls of several
+        rows (docs/DESIGN.md, "The claim cycle"); each row is answered as a
+        call of its own would be."""
+        self.start_relay()
+        stream = "dedup-many"
+        mids = [str(uuid.uuid4()) for _ in range(6)]
+
+        def call(rows, before=None, deadline=FAR_FUTURE_MS):
+            keys = [stream] + ([dedup_key(stream, before)] if before else [])
+            keys += [dedup_key(stream, m) for m in rows]
+            args = [60000, deadline, len(rows)]
+            for m in rows:
+                args += [4, "id", m, "payload", m]
+            return self.r.execute_command("FCALL", MANY, len(keys), *keys, *args)
+
+        def ids():
+            return [f[b"id"].decode() for _, f in harness.stream_entries(self.r, stream)]
+
+        # mids[1] was published before; mids[3]'s record is of another type.
+        recorded = self.fcall(stream, mids[1], "id", mids[1], "payload", mids[1])
+        self.r.hset(dedup_key(stream, mids[3]), "f", "v")
+        got = call(mids)
+        self.assertEqual(len(got), 6, got)
+        self.assertEqual(got[1].decode(), recorded)
+        self.assertIn("WRONGTYPE", str(got[3]))
+        for refused in got[4:]:
+            self.assertIsInstance(refused, redis_py.exceptions.ResponseError)
+            self.assertIn("ORDER", str(refused))
+        self.assertEqual(ids(), [mids[1], mids[0], mids[2]])
+        self.assertEqual([e[0] for e in harness.stream_entries(self.r, stream)],
+                         [recorded, got[0].decode(), got[2].decode()])
+        for m in mids[4:]:
+            self.assertEqual(self.r.exists(dedup_key(stream, m)), 0)
+        self.assertEqual(self.r.get(dedup_key(stream, mids[0])), got[0])
+        ttl = self.r.pttl(dedup_key(stream, mids[2]))
+        self.assertTrue(0 < ttl <= 60000, f"the record expires: PTTL {ttl}")
+
+        # A row behind the failed one that was recorded still answers its entry.
+        self.r.delete(dedup_key(stream, mids[3]))
+        late = [str(uuid.uuid4()) for _ in range(2)]
+        self.r.hset(dedup_key(stream, late[0]), "f", "v")
+        got = call([late[0], mids[2], late[1]])
+        self.assertIn("WRONGTYPE", str(got[0]))
+        self.assertEqual(got[1], self.r.get(dedup_key(stream, mids[2])))
+        self.assertIn("ORDER", str(got[2]))
+        self.r.delete(dedup_key(stream, late[0]))
+
+        # Named after a row that is not recorded: nothing is added.
+        got = call(mids[3:], before=str(uuid.uuid4()))
+        self.assertTrue(all("ORDER" in str(g) for g in got), got)
+        self.assertEqual(len(ids()), 3)
+        # Past its deadline: only the recorded rows answer.
+        now_s, now_us = self.r.time()
+        got = call([mids[0], mids[3]], deadline=now_s * 1000 + now_us // 1000 - 1)
+        self.assertEqual(got[0], self.r.get(dedup_key(stream, mids[0])))
+        self.assertIn("EXPIRED", str(got[1]))
+        self.assertEqual(len(ids()), 3)
+        # The retry, in order, after the last row sent: every row once.
+        got = call(mids[3:], before=mids[2])
+        self.assertTrue(all(isinstance(g, bytes) for g in got), got)
+        self.assertEqual(ids(), [mids[1], mids[0], mids[2]] + mids[3:])
 
     # (c)
     def test_committed_batches_retire_their_records(self):

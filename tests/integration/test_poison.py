@@ -22,6 +22,11 @@ Every test runs the relay with --poll-interval 500ms --max-attempts 3
   its neighbours (attempts = 1, failed_at = their sent_at), never retried; a
   transient one (WRONGTYPE, which an operator can fix while the row waits) is
   retried with backoff and quarantined after max_attempts (attempts = 3);
+- a row that fails in the middle of its stream's rows (its dedup record is a
+  hash, in the second of three calls of 150 rows of one stream) fails alone:
+  the rows before it are published, every row behind it, in its call and the
+  next, waits with it, and once the record is removed all 150 are in the
+  stream in claim order;
 - `outbox-relay failed list` shows the quarantined rows with their errors;
   after the cause is fixed `failed retry <id>` re-queues one row (exit 0) and
   the running relay publishes it; `failed retry --all` re-queues every
@@ -332,6 +337,39 @@ class PoisonTest(harness.ServerTestCase):
         wait_until(lambda: all(r["sent_at"] for r in rows(self.db, ids).values()),
                    timeout=30, relay=relay, message="the three rows once the key is fixed")
         published = [int(f[b"outbox_id"]) for _, f in harness.stream_entries(self.r, "ledger")]
+        self.assertEqual(published, ids)
+
+    def test_a_row_that_fails_within_its_stream_s_calls_holds_back_the_rest(self):
+        """A batch sends each stream's rows in calls of up to 64 rows, each
+        call after the first naming the last row of the call before
+        (docs/DESIGN.md, "The claim cycle"). A row in the middle of the
+        second call that fails (its dedup record is of another type) fails
+        alone; the rows behind it, in its call and in the next, wait with it;
+        those before it are published; once fixed, all are in claim order."""
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                        " SELECT 'journal', convert_to('journal ' || g, 'UTF8')"
+                        " FROM generate_series(1, 150) AS g RETURNING id, message_id::text")
+            got = sorted(cur.fetchall())
+        self.db.commit()
+        ids = [i for i, _ in got]
+        bad = 99  # the 36th row of the second call
+        record = f"{{journal}}:dedup:{got[bad][1]}"
+        self.r.hset(record, "f", "a hash where a dedup record should be")
+        relay = self.relay(**{**RELAY_FLAGS, "max_attempts": 100})
+        wait_until(lambda: rows(self.db, [ids[bad]])[ids[bad]]["attempts"] >= 1, timeout=30,
+                   relay=relay, message="a first attempt of the row whose record is a hash")
+        now = rows(self.db, ids)
+        self.assertTrue(all(now[i]["sent_at"] for i in ids[:bad]), "the rows before it")
+        self.assertIn("WRONGTYPE", now[ids[bad]]["last_error"])
+        for i in ids[bad + 1:]:
+            self.assertIsNone(now[i]["sent_at"], f"row {i} was published ahead of row {ids[bad]}")
+            self.assertIn(f"held back behind row {ids[bad]} of its stream", now[i]["last_error"])
+        self.assertEqual(self.r.xlen("journal"), bad)
+        self.r.delete(record)
+        wait_until(lambda: all(r["sent_at"] for r in rows(self.db, ids).values()), timeout=30,
+                   relay=relay, message="every row once the record is fixed")
+        published = [int(f[b"outbox_id"]) for _, f in harness.stream_entries(self.r, "journal")]
         self.assertEqual(published, ids)
 
     def test_rows_behind_a_failed_row_of_the_batch_ahead_are_claimed_again(self):

@@ -157,7 +157,7 @@ class ResourcesTest(harness.ServerTestCase):
               file=sys.stderr, flush=True)
         self.assertEqual(problems, [], "the relay warned while draining")
         self.assertEqual(published, rows, "entries in the streams")
-        self.assertEqual(fcalls, rows, "FCALL calls: every row published once")
+        self.assertEqual(fcalls, rows, "rows the publish function took: every row once")
         self.assertEqual(harness.count_unsent(self.db), 0)
         self.assertLessEqual(per_tx, BATCH_SIZE, "more rows in flight than batch_size")
         self.assertEqual(per_tx, min(rows, BATCH_SIZE), "a backlog is claimed in full batches")

@@ -875,39 +875,203 @@ static void test_finish_sql_survives_unquotable_error(void **state)
 
 /* ---- commands in the Redis protocol ------------------------------------ */
 
-/* What the relay sends today: relay_batch_build_publish's argv, formatted by
- * hiredis. Returns the bytes (free with redisFreeCommand) or NULL with -1 in
- * *len when the row is refused (message in err). */
-static char *hiredis_publish(const struct relay_row *row, const char *prefix, uint32_t max_payload,
-                             uint32_t ttl, uint64_t not_after, int *len, char *err, size_t errlen)
+/*
+ * What one call of several rows must be: the argv of each row's call of its
+ * own (relay_batch_build_publish) taken apart and put together as
+ * RELAY_FUNCTION_PUBLISH_MANY takes it, formatted by hiredis.
+ */
+static char *hiredis_publish_call(const struct relay_row *const *rows, size_t n,
+                                  const struct relay_row *after, const char *prefix,
+                                  uint32_t max_payload, uint32_t ttl, uint64_t not_after, int *len)
 {
-    struct relay_publish_cmd cmd;
+    enum { MAX_ARGS = 4096 };
+    static const char *argv[MAX_ARGS];
+    static size_t argvlen[MAX_ARGS];
+    static struct relay_publish_cmd cmds[RELAY_CALL_ROWS + 1];
+    static char nums[RELAY_CALL_ROWS + 2][24];
+    char err[512];
+    int argc = 0;
+    assert_true(n <= RELAY_CALL_ROWS);
+    for (size_t i = 0; i < n; i++) {
+        struct relay_row one = *rows[i];
+        one.after = NULL;
+        assert_int_equal(relay_batch_build_publish(&one, prefix, max_payload, ttl, not_after,
+                                                   &cmds[i], err, sizeof(err)),
+                         0);
+    }
+    if (after != NULL) {
+        struct relay_row one = *after;
+        one.after = NULL;
+        assert_int_equal(relay_batch_build_publish(&one, prefix, max_payload, ttl, not_after,
+                                                   &cmds[n], err, sizeof(err)),
+                         0);
+    }
+    /* A call of its own: FCALL fn 2 stream record ttl not_after fields... */
+    argv[argc] = "FCALL";
+    argvlen[argc++] = 5;
+    argv[argc] = RELAY_FUNCTION_PUBLISH_MANY;
+    argvlen[argc++] = strlen(RELAY_FUNCTION_PUBLISH_MANY);
+    argvlen[argc] = (size_t)snprintf(nums[0], sizeof(nums[0]), "%zu", 1 + (after != NULL) + n);
+    argv[argc++] = nums[0];
+    argv[argc] = cmds[0].argv[3];
+    argvlen[argc++] = cmds[0].argvlen[3];
+    if (after != NULL) {
+        argv[argc] = cmds[n].argv[4];
+        argvlen[argc++] = cmds[n].argvlen[4];
+    }
+    for (size_t i = 0; i < n; i++) {
+        argv[argc] = cmds[i].argv[4];
+        argvlen[argc++] = cmds[i].argvlen[4];
+    }
+    argv[argc] = cmds[0].argv[5];
+    argvlen[argc++] = cmds[0].argvlen[5];
+    argv[argc] = cmds[0].argv[6];
+    argvlen[argc++] = cmds[0].argvlen[6];
+    argvlen[argc] = (size_t)snprintf(nums[1], sizeof(nums[1]), "%zu", n);
+    argv[argc] = nums[1];
+    argc++;
+    for (size_t i = 0; i < n; i++) {
+        argvlen[argc] = (size_t)snprintf(nums[2 + i], sizeof(nums[2 + i]), "%d", cmds[i].argc - 7);
+        argv[argc] = nums[2 + i];
+        argc++;
+        for (int k = 7; k < cmds[i].argc; k++) {
+            assert_true(argc < MAX_ARGS);
+            argv[argc] = cmds[i].argv[k];
+            argvlen[argc++] = cmds[i].argvlen[k];
+        }
+    }
     char *out = NULL;
-    *len = -1;
-    if (relay_batch_build_publish(row, prefix, max_payload, ttl, not_after, &cmd, err, errlen) != 0)
-        return NULL;
-    *len = redisFormatCommandArgv(&out, cmd.argc, cmd.argv, cmd.argvlen);
+    *len = redisFormatCommandArgv(&out, argc, argv, argvlen);
     assert_true(*len > 0);
     return out;
 }
 
-/* Appends row both ways and checks the bytes are the same. */
-static void check_publish_same(const struct relay_row *row, const char *prefix,
-                               uint32_t max_payload, uint32_t ttl, uint64_t not_after,
-                               struct relay_buf *buf)
+static void check_publish_call_same(const struct relay_row *const *rows, size_t n,
+                                    const struct relay_row *after, const char *prefix,
+                                    struct relay_buf *buf)
 {
-    char err1[512], err2[512];
     int len;
     char *want =
-        hiredis_publish(row, prefix, max_payload, ttl, not_after, &len, err1, sizeof(err1));
-    assert_non_null(want);
+        hiredis_publish_call(rows, n, after, prefix, 1 << 16, 60000, 1796040000000ull, &len);
     size_t before = buf->len;
-    assert_int_equal(relay_batch_append_publish(row, prefix, max_payload, ttl, not_after, buf, err2,
-                                                sizeof(err2), NULL),
+    assert_int_equal(relay_batch_append_publish_call(rows, n, after, prefix, 1 << 16, 60000,
+                                                     1796040000000ull, buf),
                      0);
     assert_int_equal(buf->len - before, (size_t)len);
     assert_memory_equal(buf->data + before, want, (size_t)len);
     redisFreeCommand(want);
+}
+
+/* row alone in a call, as the relay sends it (row->after names the row
+ * before): the bytes hiredis makes of its argv. */
+static void check_publish_same(const struct relay_row *row, const char *prefix,
+                               uint32_t max_payload, uint32_t ttl, uint64_t not_after,
+                               struct relay_buf *buf)
+{
+    int len;
+    const struct relay_row *one = row;
+    char *want =
+        hiredis_publish_call(&one, 1, row->after, prefix, max_payload, ttl, not_after, &len);
+    size_t before = buf->len;
+    assert_int_equal(relay_batch_append_publish_call(&one, 1, row->after, prefix, max_payload, ttl,
+                                                     not_after, buf),
+                     0);
+    assert_int_equal(buf->len - before, (size_t)len);
+    assert_memory_equal(buf->data + before, want, (size_t)len);
+    assert_int_equal(buf->data[buf->len], '\0');
+    redisFreeCommand(want);
+}
+
+static void test_append_publish_call_matches_hiredis(void **state)
+{
+    (void)state;
+    struct relay_buf buf;
+    memset(&buf, 0, sizeof(buf));
+    static struct relay_row rows[RELAY_CALL_ROWS];
+    static char mids[RELAY_CALL_ROWS][40];
+    static char payload[4096];
+    memset(payload, 'p', sizeof(payload));
+    const struct relay_row *call[RELAY_CALL_ROWS];
+    char nbuf[256], vbuf[256];
+    const char *names[] = {"content-type", "trace"};
+    const char *values[] = {"application/json", ""};
+    for (size_t i = 0; i < RELAY_CALL_ROWS; i++) {
+        /* Payloads, keys and headers that differ from row to row. */
+        rows[i] = make_row("orders", payload, (i * 97) % sizeof(payload));
+        snprintf(mids[i], sizeof(mids[i]), "00000000-0000-0000-0000-%012zu", i);
+        rows[i].message_id = mids[i];
+        rows[i].message_id_len = strlen(mids[i]);
+        rows[i].id = (int64_t)(1000 * i + 9);
+        if (i % 3 == 1) {
+            rows[i].key = "customer-7";
+            rows[i].key_len = 10;
+        }
+        if (i % 4 == 2) {
+            rows[i].headers_type = "object";
+            rows[i].header_names = nbuf;
+            rows[i].header_names_len = encode_array(nbuf, names, 2);
+            rows[i].header_values = vbuf;
+            rows[i].header_values_len = encode_array(vbuf, values, 2);
+        }
+        call[i] = &rows[i];
+    }
+    struct relay_row before = make_row("orders", "x", 1);
+    before.message_id = MID_BEFORE;
+    before.message_id_len = strlen(MID_BEFORE);
+
+    /* One row, a few, nine and ten (argument counts change digits), all. */
+    static const size_t counts[] = {1, 2, 3, 9, 10, RELAY_CALL_ROWS};
+    for (size_t c = 0; c < RELAY_ARRAY_LEN(counts); c++) {
+        check_publish_call_same(call, counts[c], NULL, "", &buf);
+        check_publish_call_same(call, counts[c], &before, "app:", &buf);
+        check_publish_call_same(call, counts[c], NULL, NULL, &buf);
+    }
+    /* A partition's stream. */
+    for (size_t i = 0; i < RELAY_CALL_ROWS; i++) {
+        rows[i].partitions = 16;
+        rows[i].partition = 15;
+    }
+    before.partitions = 16;
+    before.partition = 15;
+    check_publish_call_same(call, 5, &before, "p.", &buf);
+
+    /* A row that fails its check, or one of another stream: nothing is
+     * appended. */
+    size_t len = buf.len;
+    struct relay_row other = rows[3];
+    other.partition = 14;
+    call[3] = &other;
+    assert_int_equal(relay_batch_append_publish_call(call, 5, NULL, "", 1 << 16, 1, 2, &buf), -1);
+    other = rows[3];
+    other.topic = "bad topic";
+    other.topic_len = strlen(other.topic);
+    assert_int_equal(relay_batch_append_publish_call(call, 5, NULL, "", 1 << 16, 1, 2, &buf), -1);
+    assert_int_equal(relay_batch_append_publish_call(call, 0, NULL, "", 1 << 16, 1, 2, &buf), -1);
+    assert_int_equal(buf.len, len);
+
+    /* The check: a row's part of a call, and its refusals. */
+    char err[512];
+    enum relay_row_fault fault = RELAY_FAULT_NONE;
+    assert_int_equal(relay_batch_check_publish(&rows[4], "", 1 << 16, err, sizeof(err), &fault), 0);
+    /* What a row adds to a call is its part (no count changes its digits
+     * from one row to two). */
+    assert_int_equal(relay_batch_check_publish(&rows[1], "", 1 << 16, err, sizeof(err), &fault), 0);
+    struct relay_buf one, two;
+    memset(&one, 0, sizeof(one));
+    memset(&two, 0, sizeof(two));
+    const struct relay_row *pair[] = {&rows[0], &rows[1]};
+    assert_int_equal(relay_batch_append_publish_call(pair, 1, NULL, "", 1 << 16, 1, 2, &one), 0);
+    assert_int_equal(relay_batch_append_publish_call(pair, 2, NULL, "", 1 << 16, 1, 2, &two), 0);
+    assert_int_equal(two.len - one.len, rows[1].call_bytes);
+    relay_buf_free(&one);
+    relay_buf_free(&two);
+    assert_int_equal(relay_batch_check_publish(&other, "", 1 << 16, err, sizeof(err), &fault), -1);
+    assert_int_equal(fault, RELAY_FAULT_PERMANENT);
+    assert_non_null(strstr(err, "is not allowed"));
+    rows[4].payload_len = 100;
+    assert_int_equal(relay_batch_check_publish(&rows[4], "", 99, err, sizeof(err), &fault), -1);
+    assert_non_null(strstr(err, "max_payload_bytes"));
+    relay_buf_free(&buf);
 }
 
 static void test_append_publish_matches_hiredis(void **state)
@@ -1004,32 +1168,37 @@ static void test_append_publish_matches_hiredis(void **state)
     relay_buf_free(NULL);
 }
 
-/* A refused row: the same return, the same message, and nothing appended. */
+/* A refused row: the same message from the argv and the check, permanent,
+ * and nothing appended for a call that holds it. */
 static void check_publish_refused_same(const struct relay_row *row, const char *prefix,
                                        uint32_t max_payload, const char *expect)
 {
     char err1[512], err2[512];
-    int len;
+    static struct relay_publish_cmd cmd;
     struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
     struct relay_row ok = make_row("orders", "x", 1);
-    assert_int_equal(
-        relay_batch_append_publish(&ok, "", 1024, 1, 2, &buf, err2, sizeof(err2), NULL), 0);
+    const struct relay_row *call[] = {&ok, row};
+    assert_int_equal(relay_batch_append_publish_call(call, 1, NULL, "", 1024, 1, 2, &buf), 0);
     size_t before = buf.len;
 
-    assert_null(hiredis_publish(row, prefix, max_payload, 1000, 1796040000000ull, &len, err1,
-                                sizeof(err1)));
+    assert_int_equal(relay_batch_build_publish(row, prefix, max_payload, 1000, 1796040000000ull,
+                                               &cmd, err1, sizeof(err1)),
+                     -1);
     memset(err2, 0, sizeof(err2));
     enum relay_row_fault fault = RELAY_FAULT_NONE;
-    assert_int_equal(relay_batch_append_publish(row, prefix, max_payload, 1000, 1796040000000ull,
-                                                &buf, err2, sizeof(err2), &fault),
-                     -1);
+    struct relay_row copy = *row;
+    assert_int_equal(
+        relay_batch_check_publish(&copy, prefix, max_payload, err2, sizeof(err2), &fault), -1);
     /* What the producer wrote fails the same way on every attempt: the row is
      * quarantined at once rather than retried. */
     assert_int_equal(fault, RELAY_FAULT_PERMANENT);
     assert_non_null(strstr(err2, "re-queue"));
     assert_string_equal(err2, err1);
     assert_non_null(strstr(err2, expect));
+    assert_int_equal(relay_batch_append_publish_call(&call[1], 1, NULL, prefix, max_payload, 1000,
+                                                     1796040000000ull, &buf),
+                     -1);
     assert_int_equal(buf.len, before);
     relay_buf_free(&buf);
 }
@@ -1106,7 +1275,6 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     struct relay_row longest = make_row(topic, "x", 1);
     struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
-    char err[512];
     /* stream: < 256 + 200 bytes; dedup key "{stream}:dedup:<36>": < 500. */
     size_t fits = 500 - 1 - 9 - 36 - RELAY_TOPIC_MAX;
     memset(prefix, 'p', fits);
@@ -1118,8 +1286,8 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     memset(prefix, 'p', 256);
     prefix[256] = '\0';
     check_publish_refused_same(&longest, prefix, 1024, "stream name too long");
-    assert_int_equal(
-        relay_batch_append_publish(&longest, prefix, 1024, 1, 2, &buf, err, sizeof(err), NULL), -1);
+    const struct relay_row *call[] = {&longest};
+    assert_int_equal(relay_batch_append_publish_call(call, 1, NULL, prefix, 1024, 1, 2, &buf), -1);
     relay_buf_free(&buf);
 }
 
@@ -1382,21 +1550,20 @@ static void test_respbuf_caps_and_reuse(void **state)
     memset(payload, 'x', sizeof(payload));
     struct relay_row row = make_row("bench1", payload, sizeof(payload));
     row.state = RELAY_ROW_PUBLISHED;
-    char err[256];
     struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
 
-    /* Reset between rows: the memory is reused, never reallocated. */
-    assert_int_equal(
-        relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err), NULL), 0);
+    /* Reset between calls: the memory is reused, never reallocated. */
+    const struct relay_row *call[] = {&row};
+    assert_int_equal(relay_batch_append_publish_call(call, 1, NULL, "", 1024, 1000, 2, &buf), 0);
     const char *data = buf.data;
     size_t cap = buf.cap, one = buf.len;
     for (int i = 0; i < 1000; i++) {
         relay_buf_reset(&buf);
         assert_int_equal(buf.len, 0);
         row.id = i;
-        assert_int_equal(
-            relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err), NULL), 0);
+        assert_int_equal(relay_batch_append_publish_call(call, 1, NULL, "", 1024, 1000, 2, &buf),
+                         0);
         assert_true(buf.len <= one + 3);
     }
     assert_ptr_equal(buf.data, data);
@@ -1406,13 +1573,10 @@ static void test_respbuf_caps_and_reuse(void **state)
     /* A cap: what does not fit is refused whole, and the buffer is intact. */
     memset(&buf, 0, sizeof(buf));
     buf.max = one + one / 2;
-    assert_int_equal(
-        relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err), NULL), 0);
+    assert_int_equal(relay_batch_append_publish_call(call, 1, NULL, "", 1024, 1000, 2, &buf), 0);
     size_t len = buf.len;
-    assert_int_equal(
-        relay_batch_append_publish(&row, "", 1024, 1000, 2, &buf, err, sizeof(err), NULL),
-        RELAY_BUF_FULL);
-    assert_non_null(strstr(err, "does not fit the output buffer"));
+    assert_int_equal(relay_batch_append_publish_call(call, 1, NULL, "", 1024, 1000, 2, &buf),
+                     RELAY_BUF_FULL);
     assert_int_equal(buf.len, len);
     assert_true(buf.cap <= buf.max);
 
@@ -1509,6 +1673,7 @@ int main(void)
         cmocka_unit_test(test_utf8_prefix_never_cuts_a_character),
         cmocka_unit_test(test_finish_sql_survives_unquotable_error),
         cmocka_unit_test(test_append_publish_matches_hiredis),
+        cmocka_unit_test(test_append_publish_call_matches_hiredis),
         cmocka_unit_test(test_append_publish_refuses_what_build_refuses),
         cmocka_unit_test(test_append_retire_matches_hiredis),
         cmocka_unit_test(test_respbuf_caps_and_reuse),
