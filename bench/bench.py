@@ -124,6 +124,7 @@ CLAIM_SECONDS = env_float("BENCH_CLAIM_SECONDS", 1 if QUICK else 4)
 AUTOVACUUM_WAIT = env_float("BENCH_AUTOVACUUM_WAIT", 5 if QUICK else 90)
 LIMIT_ROWS = env_int("BENCH_LIMIT_ROWS", 30000 if QUICK else 300000)
 PUBLISH_CALLS = env_int("BENCH_PUBLISH_CALLS", 30000 if QUICK else 300000)
+CALL_ROWS = 64  # RELAY_CALL_ROWS: the most rows of one stream the relay sends in a call
 PROFILE_ROWS = env_int("BENCH_PROFILE_ROWS", 20000 if QUICK else 100000)
 TOPICS = 4
 PAYLOAD = 200
@@ -1239,8 +1240,9 @@ def producers_alone(pg, rd, conn, tag, async_commit):
 
 
 def ramp(pg, rd, conn, relay, tag, name, async_commit):
-    """Producers flat out, then fixed rates below that until one holds: the
-    highest rate that holds, or None."""
+    """Producers flat out, then fixed rates below that (0.9, 0.8, ... 0.2 of it,
+    and the target rate when it is below it) until one holds: the highest rate
+    that holds, or None."""
     wait_drained(conn, 60, relay)
     flat = loadgen(pg, rd, rate=0, seconds=RAMP_SECONDS, wait=10, group="ramp",
                    async_commit=async_commit)
@@ -1250,8 +1252,13 @@ def ramp(pg, rd, conn, relay, tag, name, async_commit):
     log(f"{tag}: producers (synchronous_commit {sc}) flat out commit {capacity:,.0f} rows/s,"
         f" p99 to the stream {flat['visible_ms'].get('p99')} ms")
     max_rate = None
-    for factor in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2):
-        rate = int(capacity * factor / 100) * 100
+    # Steps below the producers' flat-out rate, and the target's own rate
+    # whenever they can offer it: on a host where they offer little more than
+    # the target, the steps alone would pass it by.
+    rates = {int(capacity * f / 100) * 100 for f in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)}
+    if TARGET_MAX_RATE <= capacity:
+        rates.add(TARGET_MAX_RATE)
+    for rate in sorted(rates, reverse=True):
         if rate <= 0:
             break
         wait_drained(conn, 60, relay)
@@ -1449,36 +1456,51 @@ def section_producers():
 # --------------------------------------------------------------------------
 # Limits.
 
-def publish_alone(rd):
-    """redis-benchmark, one connection, BATCH calls pipelined: the relay's argv, new ids.
+def publish_alone(rd, call_rows=0):
+    """redis-benchmark, one connection, BATCH messages' calls pipelined: the relay's argv,
+    new ids.
 
-    The argv is that of a row sent after another of its stream (most rows of a
-    batch): it names that row's record, created here, which the function checks."""
-    argv_lines = subprocess.run([NAIVE_BIN, "--print-argv", "--publish-timeout", "86400000"],
-                                stdout=subprocess.PIPE, text=True, check=True).stdout.splitlines()
+    call_rows 0: one message a call, the argv of a row sent after another of
+    its stream (most rows of a batch): it names that row's record, created
+    here, which the function checks. call_rows N: the relay's call of N rows
+    of one stream (relay_batch_append_publish_call), which names that record
+    before its first row; BATCH / N calls in flight, as a batch of BATCH rows
+    of one stream sends them. rps counts calls, msgs messages a second."""
+    extra = ["--call-rows", str(call_rows)] if call_rows else []
+    argv_lines = subprocess.run([NAIVE_BIN, "--print-argv", "--publish-timeout", "86400000"]
+                                + extra, stdout=subprocess.PIPE, text=True,
+                                check=True).stdout.splitlines()
     uuid0 = "00000000-0000-0000-0000-000000000000"
+    # redis-benchmark draws each __rand_int__ of a command on its own.
     args = [a.replace(uuid0, "00000000-0000-0000-0000-__rand_int__") for a in argv_lines]
-    stream, before = argv_lines[3], argv_lines[5]
+    stream, before = argv_lines[3], argv_lines[4 if call_rows else 5]
     if not before.endswith(":dedup:ffffffff-ffff-ffff-ffff-ffffffffffff"):
         raise RuntimeError(f"bench-naive --print-argv names no record before: {argv_lines[:6]}")
+    per_call = max(1, call_rows)
+    calls = PUBLISH_CALLS // per_call
     with contextlib.closing(rd.client()) as c:
         c.delete(stream)
         c.set(before, "0-1")
         cmd = ["redis-benchmark", "-h", "127.0.0.1", "-p", str(rd.port), "-c", "1",
-               "-P", str(BATCH), "-n", str(PUBLISH_CALLS), "-r", "2000000000", "--csv"] + args
+               "-P", str(max(1, -(-BATCH // per_call))), "-n", str(calls), "-r", "2000000000",
+               "--csv"] + args
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=600)
         rows = list(csv.reader(proc.stdout.strip().splitlines()))
         if proc.returncode != 0 or len(rows) < 2:
             raise RuntimeError(f"redis-benchmark failed:\n{proc.stdout[-2000:]}")
         # redis-benchmark counts a refused call as done: every call must have
-        # added its entry (random ids may meet once in a while).
+        # added its entries (random ids may meet once in a while).
         added = c.xlen(stream)
-        if added < PUBLISH_CALLS * 0.99:
-            raise RuntimeError(f"only {added} of {PUBLISH_CALLS} publish calls added an entry")
+        if added < calls * per_call * 0.99:
+            raise RuntimeError(f"only {added} of {calls * per_call} messages of {calls} publish"
+                               " calls were added")
     header, values = rows[0], rows[-1]
-    return {h: (float(v) if re.fullmatch(r"[\d.]+", v) else v) for h, v in zip(header, values)
-            if h != "test"}
+    res = {h: (float(v) if re.fullmatch(r"[\d.]+", v) else v) for h, v in zip(header, values)
+           if h != "test"}
+    if "rps" in res:
+        res["msgs"] = res["rps"] * per_call
+    return res
 
 
 def section_limits():
@@ -1499,9 +1521,14 @@ def section_limits():
                                 text=True, check=True).stdout
         rc.execute_command("FUNCTION", "LOAD", "REPLACE", source)
         p = publish_alone(rd)
-        R.add_dict("limits", "limit.publish", p, dict(rps="calls/s"),
-                   f"redis-benchmark -c 1 -P {BATCH}: FCALL with the relay's argv, dedup on")
-        log(f"publish function alone: {p.get('rps', 0):,.0f} calls/s")
+        R.add_dict("limits", "limit.publish", p, dict(rps="calls/s", msgs="msg/s"),
+                   f"redis-benchmark -c 1 -P {BATCH}: FCALL of one message, dedup on")
+        log(f"publish function alone, one message a call: {p.get('rps', 0):,.0f} calls/s")
+        p = publish_alone(rd, CALL_ROWS)
+        R.add_dict("limits", "limit.publish_calls", p, dict(rps="calls/s", msgs="msg/s"),
+                   f"redis-benchmark -c 1 -P {-(-BATCH // CALL_ROWS)}: the relay's FCALL of"
+                   f" {CALL_ROWS} messages of one stream, dedup on")
+        log(f"publish alone, the relay's calls of {CALL_ROWS}: {p.get('msgs', 0):,.0f} msg/s")
 
 
 # --------------------------------------------------------------------------
@@ -1767,15 +1794,19 @@ def build_table():
     relay_rate = g("drain.relay.rate")
     naive_rate = g("drain.naive.rate")
     cm = g("limit.claim_mark.rate")
-    pub = g("limit.publish.rps")
+    # The bound takes the relay's own calls; runs before them had one message a call.
+    pub = g("limit.publish_calls.msgs") or g("limit.publish.rps")
     R.row(f"drain {ROWS:,} rows, relay (batch {BATCH}, dedup)", relay_rate, "msg/s",
           "naive loop, same backlog", naive_rate, "≥ 1.2")
     R.row(f"drain {SWEEP_ROWS:,} rows, relay/naive, median of {PAIRS} interleaved pairs",
           g("pairs.median_ratio"), "ratio", target="≥ 1.2", ratio=g("pairs.median_ratio"))
+    single = g("limit.publish.rps") or pub
     if cm and pub:
-        serial = 1 / (1 / cm + 1 / pub)
+        # The naive loop publishes one message a call.
+        serial = 1 / (1 / cm + 1 / single)
         R.add("limits", "limit.serial_bound", serial, "msg/s",
-              "1/(1/claim_mark + 1/publish): both sides at their limit, one after the other")
+              "1/(1/claim_mark + 1/publish of one message a call): both sides at their limit,"
+              " one after the other")
         R.add("limits", "limit.overlap_bound", min(cm, pub), "msg/s",
               "min(claim_mark, publish): both sides at their limit, overlapped")
         R.row("drain, relay", relay_rate, "msg/s", "min(claim+finish, publish) alone",
@@ -1783,7 +1814,9 @@ def build_table():
         R.row("drain, naive loop", naive_rate, "msg/s",
               "serial bound 1/(1/claim+finish + 1/publish)", serial)
     R.row("claim-and-finish alone (rows deleted, the relay's default; no Redis)", cm, "rows/s")
-    R.row(f"publish function alone (redis-benchmark -P {BATCH})", pub, "calls/s")
+    R.row(f"publish alone, the relay's calls of {CALL_ROWS} messages of one stream"
+          f" (redis-benchmark -P {-(-BATCH // CALL_ROWS)})", g("limit.publish_calls.msgs"),
+          "msg/s", f"one message a call (-P {BATCH})", g("limit.publish.rps"))
     R.row("relay CPU per 100k messages", g("drain.relay.cpu_per_100k"), "s",
           "naive loop CPU per 100k", g("drain.naive.cpu_per_100k"), "≤ 1.0")
     R.row(f"relay/naive CPU per message, median of {PAIRS} pairs", g("pairs.median_cpu_ratio"),
@@ -2028,8 +2061,9 @@ unset multiplot
         limits = ""
         if g("limit.claim_mark.rate"):
             limits += f", {g('limit.claim_mark.rate')} w l dt 2 t 'claim+finish alone (batch {BATCH})'"
-        if g("limit.publish.rps"):
-            limits += f", {g('limit.publish.rps')} w l dt 3 t 'publish alone (-P {BATCH})'"
+        if g("limit.publish_calls.msgs"):
+            limits += (f", {g('limit.publish_calls.msgs')} w l dt 3 t 'publish alone"
+                       f" (calls of {CALL_ROWS})'")
         gp = f"""
 set terminal pngcairo size 800,480 font ",10"
 set output '{RESULTS}/drain-batch.png'
@@ -2168,7 +2202,8 @@ def main():
     R.add("settings", "relay.batch_size", BATCH)
     R.add("settings", "relay.other", "defaults: listen on, poll_interval 1s, dedup_ttl 24h")
     for key in ("ROWS", "SWEEP_ROWS", "RATE_SECONDS", "PGBENCH_SECONDS", "LOAD_PRODUCERS",
-                "CLAIM_PENDING", "LIMIT_ROWS", "PUBLISH_CALLS", "PROFILE_ROWS", "QUICK"):
+                "CLAIM_PENDING", "LIMIT_ROWS", "PUBLISH_CALLS", "CALL_ROWS", "PROFILE_ROWS",
+                "QUICK"):
         R.add("settings", f"bench.{key.lower()}", globals()[key])
     R.add("settings", "bench.sections", ",".join(SECTIONS))
     R.add("settings", "bench.batches", ",".join(str(b) for b in BATCHES))

@@ -26,7 +26,7 @@
  *   bench-naive --claim-only --postgres CONNINFO [--batch-size N] [--seconds S]
  *               [--paused TOPICS]
  *   bench-naive --claim-mark --postgres CONNINFO [--batch-size N] [--count N] [--mark]
- *   bench-naive --print-argv [--publish-timeout MS]
+ *   bench-naive --print-argv [--publish-timeout MS] [--call-rows N]
  *   bench-naive --print-claim-sql [--paused TOPICS] | --print-function
  *
  * --drop-dedup also removes the dedup records after each commit (UNLINK), as
@@ -44,7 +44,10 @@
  * --print-argv prints the argv of one sample publish, one argument a line
  * (the benchmark feeds it to redis-benchmark): a row sent after another of
  * its stream, so it names the record {bench0}:dedup:ffffffff-ffff-ffff-ffff-
- * ffffffffffff, which must exist for the call to publish; --print-claim-sql the claim;
+ * ffffffffffff, which must exist for the call to publish; with --call-rows N
+ * (1 to RELAY_CALL_ROWS) the relay's call of N such rows of one stream
+ * (relay_batch_append_publish_call), which names that record before its
+ * first row; --print-claim-sql the claim;
  * --print-function the publish function's source.
  * pgbench cannot run the claim as a prepared statement: it takes the ":MI" of
  * the to_char format inside a string literal for a variable.
@@ -150,7 +153,7 @@ static int parse_row(PGresult *res, int i, struct relay_row *row)
     return 0;
 }
 
-static int print_argv(uint32_t publish_timeout_ms)
+static int print_argv(uint32_t publish_timeout_ms, int call_rows)
 {
     static const char mid[] = "00000000-0000-0000-0000-000000000000";
     static const char created[] = "2026-01-01T00:00:00.000000Z";
@@ -175,6 +178,30 @@ static int print_argv(uint32_t publish_timeout_ms)
     row.payload_len = sizeof(payload);
     row.created_at = created;
     row.created_at_len = sizeof(created) - 1;
+    if (call_rows > 0) {
+        /* The relay's call of call_rows rows, read back from the protocol. */
+        static struct relay_row rows[RELAY_CALL_ROWS];
+        const struct relay_row *call[RELAY_CALL_ROWS];
+        for (int i = 0; i < call_rows; i++) {
+            rows[i] = row;
+            rows[i].after = NULL;
+            call[i] = &rows[i];
+        }
+        struct relay_buf out;
+        memset(&out, 0, sizeof(out));
+        if (relay_batch_append_publish_call(call, (size_t)call_rows, &before, "", MAX_PAYLOAD_BYTES,
+                                            86400000u, wall_ms() + publish_timeout_ms, &out) != 0)
+            die("cannot build a publish call", "");
+        const char *p = strchr(out.data, '\n') + 1;
+        while (*p == '$') {
+            char *end;
+            size_t n = strtoul(p + 1, &end, 10);
+            printf("%.*s\n", (int)n, end + 2);
+            p = end + 2 + n + 2;
+        }
+        relay_buf_free(&out);
+        return 0;
+    }
     struct relay_publish_cmd cmd;
     char err[RELAY_ERROR_MAX];
     if (relay_batch_build_publish(&row, "", MAX_PAYLOAD_BYTES, 86400000u,
@@ -266,6 +293,7 @@ int main(int argc, char **argv)
     double seconds = 5;
     long max_batches = -1;
     const char *paused = NULL;
+    int call_rows = 0;
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -323,11 +351,15 @@ int main(int argc, char **argv)
             max_batches = atol(v);
         else if (strcmp(a, "--paused") == 0)
             paused = v;
+        else if (strcmp(a, "--call-rows") == 0)
+            call_rows = atoi(v);
         else
             die("unknown option", a);
     }
+    if (call_rows < 0 || call_rows > RELAY_CALL_ROWS)
+        die("--call-rows takes 1 to 64", "");
     if (mode == PRINT_ARGV)
-        return print_argv(publish_timeout_ms);
+        return print_argv(publish_timeout_ms, call_rows);
     if (mode == PRINT_FUNCTION) {
         fputs(relay_batch_function_source, stdout);
         return 0;
