@@ -72,9 +72,11 @@ const char relay_batch_function_source[] =
      * records in order. ARGV[1] is the records' time to live, ARGV[2] the
      * deadline, ARGV[3] the number of rows, then for each row the number of
      * its fields' arguments and the fields. Answers one reply per row: its
-     * entry id, or an error of the row's own. Once a row fails, every later
-     * one not already recorded is refused with ORDER, as a call of its own
-     * would be behind it. Read TIME once: the call runs as one command. */
+     * entry id, or an error of the row's own. Each row is held back by the
+     * row before it, as a call of its own would be: once a row fails, the
+     * rows after it are refused with ORDER up to one already recorded (its
+     * entry is in the stream), after which rows are published again. Read
+     * TIME once: the call runs as one command. */
     "local function publish_many(keys, args)\n"
     "  local n = tonumber(args[3])\n"
     "  local first = #keys - n + 1\n"
@@ -88,7 +90,7 @@ const char relay_batch_function_source[] =
     "    if type(seen) == 'table' then\n"
     "      out[i], held = seen, true\n"
     "    elseif seen then\n"
-    "      out[i] = seen\n"
+    "      out[i], held = seen, false\n"
     "    elseif late then\n"
     "      out[i] = redis.error_reply('EXPIRED publish deadline passed; the relay retries it')\n"
     "    elseif held then\n"

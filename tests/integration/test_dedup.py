@@ -11,7 +11,8 @@ Promises tested:
 - the call of several rows of one stream, as the relay sends them, answers
   each row as a call of its own would: the rows in order, a row already
   recorded with its first entry, a failed row with its error, and every row
-  behind it not recorded with ORDER, adding nothing for them; the record of
+  behind it not recorded with ORDER, adding nothing for them, up to a row
+  recorded before, after which rows are published again; the record of
   the row before the first (when named) holds back the whole call; past the
   deadline only the recorded rows answer;
 - dedup memory stays bounded: while the relay sends 20,000 rows there are never
@@ -186,7 +187,7 @@ class DedupTest(harness.ServerTestCase):
         stream = "dedup-many"
         mids = [str(uuid.uuid4()) for _ in range(6)]
 
-        def call(rows, before=None, deadline=FAR_FUTURE_MS):
+        def call(rows, before=None, deadline=FAR_FUTURE_MS, stream=stream):
             keys = [stream] + ([dedup_key(stream, before)] if before else [])
             keys += [dedup_key(stream, m) for m in rows]
             args = [60000, deadline, len(rows)]
@@ -216,15 +217,20 @@ class DedupTest(harness.ServerTestCase):
         ttl = self.r.pttl(dedup_key(stream, mids[2]))
         self.assertTrue(0 < ttl <= 60000, f"the record expires: PTTL {ttl}")
 
-        # A row behind the failed one that was recorded still answers its entry.
+        # Behind a failed row, a recorded row answers its entry, and the row
+        # after it is published: a call of its own would find the record of
+        # the row before it.
         self.r.delete(dedup_key(stream, mids[3]))
-        late = [str(uuid.uuid4()) for _ in range(2)]
-        self.r.hset(dedup_key(stream, late[0]), "f", "v")
-        got = call([late[0], mids[2], late[1]])
+        other = "dedup-many-after-recorded"
+        late = [str(uuid.uuid4()) for _ in range(3)]
+        recorded = self.fcall(other, late[1], "id", late[1], "payload", late[1])
+        self.r.hset(dedup_key(other, late[0]), "f", "v")
+        got = call(late, stream=other)
         self.assertIn("WRONGTYPE", str(got[0]))
-        self.assertEqual(got[1], self.r.get(dedup_key(stream, mids[2])))
-        self.assertIn("ORDER", str(got[2]))
-        self.r.delete(dedup_key(stream, late[0]))
+        self.assertEqual(got[1].decode(), recorded)
+        self.assertIsInstance(got[2], bytes, got)
+        self.assertEqual([f[b"id"].decode() for _, f in harness.stream_entries(self.r, other)],
+                         late[1:])
 
         # Named after a row that is not recorded: nothing is added.
         got = call(mids[3:], before=str(uuid.uuid4()))

@@ -27,6 +27,9 @@ Every test runs the relay with --poll-interval 500ms --max-attempts 3
   the rows before it are published, every row behind it, in its call and the
   next, waits with it, and once the record is removed all 150 are in the
   stream in claim order;
+- a row published before (its dedup record is there) behind a row that fails
+  in its stream ends the wait: the rows after it are published, no batch
+  fails, and the other topic's rows of the batch are committed;
 - `outbox-relay failed list` shows the quarantined rows with their errors;
   after the cause is fixed `failed retry <id>` re-queues one row (exit 0) and
   the running relay publishes it; `failed retry --all` re-queues every
@@ -42,6 +45,7 @@ Every test runs the relay with --poll-interval 500ms --max-attempts 3
 import re
 import time
 import unittest
+import uuid
 
 import psycopg2
 import psycopg2.extras
@@ -371,6 +375,44 @@ class PoisonTest(harness.ServerTestCase):
                    relay=relay, message="every row once the record is fixed")
         published = [int(f[b"outbox_id"]) for _, f in harness.stream_entries(self.r, "journal")]
         self.assertEqual(published, ids)
+
+    def test_a_row_recorded_before_ends_the_wait_behind_a_failed_row(self):
+        """A row whose message was published before (its dedup record is
+        there: a repeated message id, or an attempt rolled back after Redis
+        took it) sits behind a row that fails for a reason of its own. As with
+        a call for each row, the rows after the recorded one are published:
+        the batch is not failed for them, the other topic's rows of the same
+        batch are committed with it, and only the failed row waits."""
+        relay = self.relay(**{**RELAY_FLAGS, "max_attempts": 100})
+        relay.wait_for_log(r"^\S+ INFO redis: .*ready", timeout=30)
+        mids = [str(uuid.uuid4()) for _ in range(20)]
+        failed_mid, recorded_mid = mids[5], mids[7]  # the 3rd and 4th journal rows
+        self.r.hset(f"{{journal}}:dedup:{failed_mid}", "f", "a hash where a record should be")
+        entry = self.r.fcall("outbox_relay_publish_v2", 2, "journal",
+                             f"{{journal}}:dedup:{recorded_mid}", 600000, 9999999999999,
+                             "id", recorded_mid, "payload", b"published before")
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (message_id, topic, payload)"
+                        " SELECT (%s::text[])[g]::uuid,"
+                        "  CASE WHEN g %% 2 = 0 THEN 'journal' ELSE 'orders' END,"
+                        "  convert_to('row ' || g, 'UTF8') FROM generate_series(1, 20) AS g"
+                        " RETURNING id, topic, message_id::text", (mids,))
+            got = sorted(cur.fetchall())
+        self.db.commit()
+        journal = [(i, m) for i, t, m in got if t == "journal"]
+        failed, recorded = journal[2], journal[3]
+        self.assertEqual((failed[1], recorded[1]), (failed_mid, recorded_mid))
+        others = [i for i, _, _ in got if i != failed[0]]
+        wait_until(lambda: all(r["sent_at"] for r in rows(self.db, others).values()),
+                   timeout=30, relay=relay, message="every row but the failed one")
+        now = rows(self.db, [failed[0]])[failed[0]]
+        self.assertIsNone(now["sent_at"])
+        self.assertIn("WRONGTYPE", now["last_error"])
+        batch = re.search(r"^.* batch of \d+ rows not published: .*$", relay.log(), re.MULTILINE)
+        self.assertIsNone(batch, f"a batch failed as a whole: {batch and batch.group(0)}")
+        published = {f[b"id"].decode(): e for e, f in harness.stream_entries(self.r, "journal")}
+        self.assertEqual(published[recorded[1]], entry.decode(), "the recorded row's first entry")
+        self.assertEqual(len(published), len(journal) - 1)
 
     def test_rows_behind_a_failed_row_of_the_batch_ahead_are_claimed_again(self):
         """A batch that publishes behind the one before it while that one's
