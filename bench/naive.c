@@ -182,9 +182,14 @@ static int print_argv(uint32_t publish_timeout_ms, int call_rows)
         /* The relay's call of call_rows rows, read back from the protocol. */
         static struct relay_row rows[RELAY_CALL_ROWS];
         const struct relay_row *call[RELAY_CALL_ROWS];
+        char err[RELAY_ERROR_MAX];
+        enum relay_row_fault fault;
         for (int i = 0; i < call_rows; i++) {
             rows[i] = row;
             rows[i].after = NULL;
+            if (relay_batch_check_publish(&rows[i], "", MAX_PAYLOAD_BYTES, err, sizeof(err),
+                                          &fault) != 0)
+                die("cannot check a row", err);
             call[i] = &rows[i];
         }
         struct relay_buf out;

@@ -629,21 +629,36 @@ static char *put_stream(char *p, const char *stream_prefix, size_t prefix_len,
     return put_crlf(put_mem(p, suffix, suffix_len));
 }
 
+/* Checks row and sizes its entry in a publish call (the count of its fields,
+ * then the fields): the entry's bytes, with h, *nfields and outbox_id
+ * filled in for put_fields; 0 with err and *fault set when the row breaks
+ * a rule. */
+static size_t row_entry(const struct relay_row *row, size_t prefix_len, uint32_t max_payload_bytes,
+                        struct row_headers *h, size_t *nfields, char outbox_id[24],
+                        size_t *outbox_id_len, char *err, size_t errlen,
+                        enum relay_row_fault *fault)
+{
+    size_t stream_len = 0, dedup_len = 0;
+    if (check_row(row, prefix_len, max_payload_bytes, h, &stream_len, &dedup_len, err, errlen,
+                  fault) != 0)
+        return 0;
+    *outbox_id_len = format_int64(outbox_id, row->id);
+    size_t fields = fields_size(row, h, *outbox_id_len, nfields);
+    return bulk_size(count_digits(*nfields)) + fields;
+}
+
 int relay_batch_check_publish(struct relay_row *row, const char *stream_prefix,
                               uint32_t max_payload_bytes, char *err, size_t errlen,
                               enum relay_row_fault *fault)
 {
     struct row_headers h;
-    size_t stream_len = 0, dedup_len = 0, nfields;
-    if (check_row(row, stream_prefix != NULL ? strlen(stream_prefix) : 0, max_payload_bytes, &h,
-                  &stream_len, &dedup_len, err, errlen, fault) != 0)
-        return -1;
+    size_t nfields = 0, outbox_id_len;
     char outbox_id[24];
-    size_t outbox_id_len = format_int64(outbox_id, row->id);
-    size_t need = fields_size(row, &h, outbox_id_len, &nfields);
-    /* Its record, the count of its fields, the fields. */
-    row->call_bytes = bulk_size(dedup_len) + bulk_size(count_digits(nfields)) + need;
-    return 0;
+    row->call_bytes =
+        row_entry(row, stream_prefix != NULL ? strlen(stream_prefix) : 0, max_payload_bytes, &h,
+                  &nfields, outbox_id, &outbox_id_len, err, errlen, fault);
+    row->call_fields = (uint32_t)nfields;
+    return row->call_bytes > 0 ? 0 : -1;
 }
 
 /* The fixed head of a publish of several rows, without its numkeys. */
@@ -669,6 +684,8 @@ int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t 
     /* "{<stream>}:dedup:" and the message id. */
     size_t key_base = stream_len + sizeof("{}:dedup:") - 1;
 
+    /* Sized from each row's check (relay_batch_check_publish); each entry is
+     * checked again, and its size compared, before it is written. */
     char ttl[24], not_after[24], count[24];
     size_t ttl_len = (size_t)(put_uint(ttl, dedup_ttl_ms) - ttl);
     size_t not_after_len = (size_t)(put_uint(not_after, not_after_ms) - not_after);
@@ -676,19 +693,10 @@ int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t 
     size_t nkeys = 1 + (after != NULL) + n;
     size_t argc = 3 + nkeys + 3, need = 0;
     for (size_t i = 0; i < n; i++) {
-        struct row_headers h;
-        size_t slen = 0, dlen = 0, nfields = 0;
-        char err[8];
-        enum relay_row_fault fault;
-        if (check_row(rows[i], prefix_len, max_payload_bytes, &h, &slen, &dlen, err, sizeof(err),
-                      &fault) != 0 ||
-            !relay_batch_same_stream(rows[i], lead))
+        if (rows[i]->call_bytes == 0 || !relay_batch_same_stream(rows[i], lead))
             return -1;
-        char outbox_id[24];
-        need += bulk_size(dlen) +
-                fields_size(rows[i], &h, (size_t)format_int64(outbox_id, rows[i]->id), &nfields);
-        need += bulk_size(count_digits(nfields));
-        argc += 1 + nfields;
+        need += bulk_size(key_base + rows[i]->message_id_len) + rows[i]->call_bytes;
+        argc += 1 + rows[i]->call_fields;
     }
     need += 1 + count_digits(argc) + 2 + sizeof(publish_many_head) - 1 +
             bulk_size(count_digits(nkeys)) + bulk_size(stream_len) +
@@ -697,6 +705,7 @@ int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t 
     if (respbuf_reserve(out, need) != 0)
         return RELAY_BUF_FULL;
 
+    /* out->len moves only at the end: a refusal below appends nothing. */
     char *p = put_array(out->data + out->len, argc);
     p = PUT_LIT(p, publish_many_head);
     p = put_crlf(put_uint(put_bulk_head(p, count_digits(nkeys)), nkeys));
@@ -713,14 +722,13 @@ int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t 
     p = put_bulk(p, count, count_len);
     for (size_t i = 0; i < n; i++) {
         struct row_headers h;
-        size_t slen = 0, dlen = 0, nfields = 0;
-        char err[8];
+        size_t nfields = 0, outbox_id_len;
+        char outbox_id[24], err[8];
         enum relay_row_fault fault;
-        (void)check_row(rows[i], prefix_len, max_payload_bytes, &h, &slen, &dlen, err, sizeof(err),
-                        &fault);
-        char outbox_id[24];
-        size_t outbox_id_len = format_int64(outbox_id, rows[i]->id);
-        (void)fields_size(rows[i], &h, outbox_id_len, &nfields);
+        if (row_entry(rows[i], prefix_len, max_payload_bytes, &h, &nfields, outbox_id,
+                      &outbox_id_len, err, sizeof(err), &fault) != rows[i]->call_bytes ||
+            nfields != rows[i]->call_fields)
+            return -1;
         p = put_crlf(put_uint(put_bulk_head(p, count_digits(nfields)), nfields));
         p = put_fields(p, rows[i], &h, outbox_id, outbox_id_len);
     }

@@ -217,6 +217,61 @@ static void arm_deadline(struct relay *r)
     ev_timer_start(r->loop, &r->deadline);
 }
 
+/* Sends one call of rows of a stream, after the row sent before call[0]:
+ * 0, or -1 with the batch failed. */
+static int send_call(struct relay *r, struct relay_lane *l, struct relay_row **call, size_t n,
+                     const struct relay_row *after, uint64_t not_after)
+{
+    relay_buf_reset(&r->out);
+    if (relay_batch_append_publish_call((const struct relay_row *const *)call, n, after,
+                                        r->cfg->stream_prefix, r->cfg->max_payload_bytes,
+                                        r->cfg->dedup_ttl_ms, not_after, &r->out) != 0) {
+        /* Rows checked by op_publish always fit a call. */
+        l->tally.failed = 1;
+        l->tally.kind = RELAY_FAIL_REDIS_REPLY;
+        snprintf(l->tally.error, sizeof(l->tally.error),
+                 "cannot build the publish call of %zu rows", n);
+        return -1;
+    }
+    if (relay_sink_formatted(r->sink, r->out.data, r->out.len, on_publish_reply, call[0]) < 0) {
+        l->tally.failed = 1;
+        l->tally.kind = RELAY_FAIL_REDIS_CONNECTION;
+        snprintf(l->tally.error, sizeof(l->tally.error), "Redis connection not ready");
+        return -1;
+    }
+    call[0]->call_rows = (uint32_t)n;
+    l->tally.pending += n;
+    return 0;
+}
+
+/* Sends the rows of head's stream in the batch, head first, in calls of up
+ * to RELAY_CALL_ROWS rows and RELAY_CALL_BYTES. Once the batch has failed,
+ * the rows left stay claimed, as it rolls back. */
+static void send_stream(struct relay *r, struct relay_lane *l, struct relay_row *head,
+                        uint64_t not_after)
+{
+    /* The batch ahead's row is named by the call, and read no more. */
+    const struct relay_row *after = head->after;
+    if (head->after_ahead)
+        head->after = NULL;
+    for (struct relay_row *row = head; row != NULL;) {
+        struct relay_row *call[RELAY_CALL_ROWS];
+        size_t n = 0, bytes = 0;
+        while (row != NULL && n < RELAY_CALL_ROWS &&
+               (n == 0 || bytes + row->call_bytes <= RELAY_CALL_BYTES)) {
+            call[n++] = row;
+            bytes += row->call_bytes;
+            row = row->next >= 0 ? &l->rows[row->next] : NULL;
+        }
+        if (l->tally.failed || send_call(r, l, call, n, after, not_after) != 0) {
+            for (size_t k = 0; k < n; k++)
+                call[k]->state = RELAY_ROW_CLAIMED;
+            continue;
+        }
+        after = call[n - 1];
+    }
+}
+
 /* Sends every row of the lane's batch to Redis under one deadline. */
 static void op_publish(void *arg, size_t lane)
 {
@@ -250,7 +305,6 @@ static void op_publish(void *arg, size_t lane)
         row->after_ahead = 0;
         row->next = -1;
         row->call_rows = 0;
-        row->call_bytes = 0;
         if (failed_in_order && keeps_key_order(row) && held_back(l->rows, i)) {
             l->tally.held++;
             continue;
@@ -278,53 +332,10 @@ static void op_publish(void *arg, size_t lane)
         row->state = RELAY_ROW_PUBLISHING;
         *last = (int32_t)i;
     }
-    for (size_t i = 0; i < l->nrows && !l->tally.failed; i++) {
+    for (size_t i = 0; i < l->nrows; i++) {
         struct relay_row *head = &l->rows[i];
-        if (head->state != RELAY_ROW_PUBLISHING || (head->after != NULL && !head->after_ahead))
-            continue;
-        /* The first row of its stream in the batch: its stream's calls. */
-        const struct relay_row *after = head->after;
-        if (head->after_ahead)
-            head->after = NULL;
-        for (struct relay_row *row = head; row != NULL && !l->tally.failed;) {
-            struct relay_row *call[RELAY_CALL_ROWS];
-            size_t n = 0, bytes = 0;
-            while (row != NULL && n < RELAY_CALL_ROWS &&
-                   (n == 0 || bytes + row->call_bytes <= RELAY_CALL_BYTES)) {
-                call[n++] = row;
-                bytes += row->call_bytes;
-                row = row->next >= 0 ? &l->rows[row->next] : NULL;
-            }
-            relay_buf_reset(&r->out);
-            if (relay_batch_append_publish_call((const struct relay_row *const *)call, n, after,
-                                                r->cfg->stream_prefix, r->cfg->max_payload_bytes,
-                                                r->cfg->dedup_ttl_ms, not_after, &r->out) != 0) {
-                /* Rows checked above always fit a call: nothing was sent. */
-                l->tally.failed = 1;
-                l->tally.kind = RELAY_FAIL_REDIS_REPLY;
-                snprintf(l->tally.error, sizeof(l->tally.error),
-                         "cannot build the publish call of %zu rows", n);
-                break;
-            }
-            if (relay_sink_formatted(r->sink, r->out.data, r->out.len, on_publish_reply, call[0]) <
-                0) {
-                l->tally.failed = 1;
-                l->tally.kind = RELAY_FAIL_REDIS_CONNECTION;
-                snprintf(l->tally.error, sizeof(l->tally.error), "Redis connection not ready");
-                break;
-            }
-            call[0]->call_rows = (uint32_t)n;
-            for (size_t k = 0; k < n; k++)
-                call[k]->call_bytes = 0; /* sent */
-            l->tally.pending += n;
-            after = call[n - 1];
-        }
-    }
-    if (l->tally.failed) {
-        /* Rows not sent stay claimed, as the batch rolls back. */
-        for (size_t i = 0; i < l->nrows; i++)
-            if (l->rows[i].state == RELAY_ROW_PUBLISHING && l->rows[i].call_bytes > 0)
-                l->rows[i].state = RELAY_ROW_CLAIMED;
+        if (head->state == RELAY_ROW_PUBLISHING && (head->after == NULL || head->after_ahead))
+            send_stream(r, l, head, not_after);
     }
     if (l->tally.pending == 0) {
         publish_done(l);
@@ -638,8 +649,9 @@ static void on_publish_reply(redisAsyncContext *ac, void *reply_, void *arg)
         const redisReply *one = each ? reply->element[k] : reply;
         const char *str;
         size_t len;
-        int entry =
-            one != NULL && (one->type == REDIS_REPLY_STRING || one->type == REDIS_REPLY_STATUS);
+        /* A call of several rows is answered with an array. */
+        int entry = one != NULL && (each || n == 1) &&
+                    (one->type == REDIS_REPLY_STRING || one->type == REDIS_REPLY_STATUS);
         /* An array of another length answers none of the rows. */
         enum relay_reply_kind kind = reply_kind(ac, one, entry, RELAY_REPLY_ENTRY, &str, &len);
         struct relay_row *next = row->next >= 0 ? &l->rows[row->next] : NULL;

@@ -75,11 +75,12 @@ struct relay_row {
     /* Rows of one stream go to Redis together, up to RELAY_CALL_ROWS in a
      * call (relay_batch_append_publish_call): the next row of its stream in
      * the batch (an index into it, -1 for none); in a call's first row, how
-     * many rows the call holds; and the bytes of the row's part of a call,
-     * once checked (relay_batch_check_publish), 0 again once it is sent. */
+     * many rows the call holds; and, once checked (relay_batch_check_publish;
+     * 0 before), the bytes and the number of fields of its entry in a call. */
     int32_t next;
     uint32_t call_rows;
     size_t call_bytes;
+    uint32_t call_fields;
 
     /* Outcome of this cycle. */
     int state;                  /* enum relay_row_state */
@@ -147,7 +148,7 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
 
 /*
  * The publish call of several rows (RELAY_FUNCTION_PUBLISH_MANY): at most
- * RELAY_CALL_ROWS rows, and no more than RELAY_CALL_BYTES of their parts
+ * RELAY_CALL_ROWS rows, and no more than RELAY_CALL_BYTES of their entries
  * unless the call holds one row. Redis parses, dispatches and answers one
  * command for them all and starts the function once, which costs it less
  * per message than a call each (docs/PERFORMANCE.md, "One publish call for
@@ -158,7 +159,8 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
 
 /*
  * Checks row against the rules of relay_batch_build_publish and sets
- * row->call_bytes, the size of its part of a publish call. 0, or -1 on a
+ * row->call_bytes and row->call_fields, the size of its entry in a publish
+ * call (0 when it fails). 0, or -1 on a
  * failure of the row's own: err says what is wrong and what to do (the
  * messages of relay_batch_build_publish), and *fault whether it is
  * permanent or transient. A row whose payload the claim left in the
@@ -171,7 +173,9 @@ int relay_batch_check_publish(struct relay_row *row, const char *stream_prefix,
 /*
  * Appends to out one call of RELAY_FUNCTION_PUBLISH_MANY for rows[0..n), n
  * >= 1 rows of one stream in the order they are to be appended, each checked
- * by relay_batch_check_publish. after is the row sent to the stream just
+ * by relay_batch_check_publish since it last changed (the call is sized from
+ * that check, and each entry checked again as it is written). after is the
+ * row sent to the stream just
  * before rows[0], or NULL: the call names its dedup record, and publishes
  * nothing while that record is missing. The reply is an array of n replies,
  * one per row, each the entry id or the error a call of its own

@@ -946,6 +946,25 @@ static char *hiredis_publish_call(const struct relay_row *const *rows, size_t n,
     return out;
 }
 
+/* Copies of rows, each checked as the relay checks a row before its call. */
+static const struct relay_row *const *checked_copies(const struct relay_row *const *rows, size_t n,
+                                                     const char *prefix, uint32_t max_payload)
+{
+    static struct relay_row copies[RELAY_CALL_ROWS];
+    static const struct relay_row *out[RELAY_CALL_ROWS];
+    char err[512];
+    enum relay_row_fault fault;
+    assert_true(n <= RELAY_CALL_ROWS);
+    for (size_t i = 0; i < n; i++) {
+        copies[i] = *rows[i];
+        assert_int_equal(
+            relay_batch_check_publish(&copies[i], prefix, max_payload, err, sizeof(err), &fault),
+            0);
+        out[i] = &copies[i];
+    }
+    return out;
+}
+
 static void check_publish_call_same(const struct relay_row *const *rows, size_t n,
                                     const struct relay_row *after, const char *prefix,
                                     struct relay_buf *buf)
@@ -954,7 +973,8 @@ static void check_publish_call_same(const struct relay_row *const *rows, size_t 
     char *want =
         hiredis_publish_call(rows, n, after, prefix, 1 << 16, 60000, 1796040000000ull, &len);
     size_t before = buf->len;
-    assert_int_equal(relay_batch_append_publish_call(rows, n, after, prefix, 1 << 16, 60000,
+    assert_int_equal(relay_batch_append_publish_call(checked_copies(rows, n, prefix, 1 << 16), n,
+                                                     after, prefix, 1 << 16, 60000,
                                                      1796040000000ull, buf),
                      0);
     assert_int_equal(buf->len - before, (size_t)len);
@@ -973,7 +993,8 @@ static void check_publish_same(const struct relay_row *row, const char *prefix,
     char *want =
         hiredis_publish_call(&one, 1, row->after, prefix, max_payload, ttl, not_after, &len);
     size_t before = buf->len;
-    assert_int_equal(relay_batch_append_publish_call(&one, 1, row->after, prefix, max_payload, ttl,
+    assert_int_equal(relay_batch_append_publish_call(checked_copies(&one, 1, prefix, max_payload),
+                                                     1, row->after, prefix, max_payload, ttl,
                                                      not_after, buf),
                      0);
     assert_int_equal(buf->len - before, (size_t)len);
@@ -1035,8 +1056,13 @@ static void test_append_publish_call_matches_hiredis(void **state)
     before.partition = 15;
     check_publish_call_same(call, 5, &before, "p.", &buf);
 
-    /* A row that fails its check, or one of another stream: nothing is
-     * appended. */
+    /* A row that fails its check, one of another stream, or one not
+     * checked: nothing is appended. */
+    char err[512];
+    enum relay_row_fault fault = RELAY_FAULT_NONE;
+    for (size_t i = 0; i < 7; i++)
+        assert_int_equal(relay_batch_check_publish(&rows[i], "", 1 << 16, err, sizeof(err), &fault),
+                         0);
     size_t len = buf.len;
     struct relay_row other = rows[3];
     other.partition = 14;
@@ -1047,11 +1073,12 @@ static void test_append_publish_call_matches_hiredis(void **state)
     other.topic_len = strlen(other.topic);
     assert_int_equal(relay_batch_append_publish_call(call, 5, NULL, "", 1 << 16, 1, 2, &buf), -1);
     assert_int_equal(relay_batch_append_publish_call(call, 0, NULL, "", 1 << 16, 1, 2, &buf), -1);
+    call[3] = &rows[3];
+    rows[6].call_bytes = 0;
+    assert_int_equal(relay_batch_append_publish_call(call, 7, NULL, "", 1 << 16, 1, 2, &buf), -1);
     assert_int_equal(buf.len, len);
 
     /* The check: a row's part of a call, and its refusals. */
-    char err[512];
-    enum relay_row_fault fault = RELAY_FAULT_NONE;
     assert_int_equal(relay_batch_check_publish(&rows[4], "", 1 << 16, err, sizeof(err), &fault), 0);
     /* What a row adds to a call is its part (no count changes its digits
      * from one row to two). */
@@ -1062,7 +1089,15 @@ static void test_append_publish_call_matches_hiredis(void **state)
     const struct relay_row *pair[] = {&rows[0], &rows[1]};
     assert_int_equal(relay_batch_append_publish_call(pair, 1, NULL, "", 1 << 16, 1, 2, &one), 0);
     assert_int_equal(relay_batch_append_publish_call(pair, 2, NULL, "", 1 << 16, 1, 2, &two), 0);
-    assert_int_equal(two.len - one.len, rows[1].call_bytes);
+    char stream[256];
+    int slen = relay_key_partition_stream("", "orders", 6, rows[1].partition, rows[1].partitions,
+                                          stream, sizeof(stream));
+    assert_true(slen > 0);
+    /* and its record, "{<stream>}:dedup:<message id>", as a bulk string */
+    size_t key = (size_t)slen + 9 + rows[1].message_id_len;
+    char head[32];
+    size_t key_bulk = (size_t)snprintf(head, sizeof(head), "$%zu\r\n", key) + key + 2;
+    assert_int_equal(two.len - one.len, rows[1].call_bytes + key_bulk);
     relay_buf_free(&one);
     relay_buf_free(&two);
     assert_int_equal(relay_batch_check_publish(&other, "", 1 << 16, err, sizeof(err), &fault), -1);
@@ -1178,6 +1213,8 @@ static void check_publish_refused_same(const struct relay_row *row, const char *
     struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
     struct relay_row ok = make_row("orders", "x", 1);
+    enum relay_row_fault ok_fault;
+    assert_int_equal(relay_batch_check_publish(&ok, "", 1024, err2, sizeof(err2), &ok_fault), 0);
     const struct relay_row *call[] = {&ok, row};
     assert_int_equal(relay_batch_append_publish_call(call, 1, NULL, "", 1024, 1, 2, &buf), 0);
     size_t before = buf.len;
@@ -1552,6 +1589,9 @@ static void test_respbuf_caps_and_reuse(void **state)
     row.state = RELAY_ROW_PUBLISHED;
     struct relay_buf buf;
     memset(&buf, 0, sizeof(buf));
+    char err[256];
+    enum relay_row_fault fault;
+    assert_int_equal(relay_batch_check_publish(&row, "", 1024, err, sizeof(err), &fault), 0);
 
     /* Reset between calls: the memory is reused, never reallocated. */
     const struct relay_row *call[] = {&row};
@@ -1562,6 +1602,7 @@ static void test_respbuf_caps_and_reuse(void **state)
         relay_buf_reset(&buf);
         assert_int_equal(buf.len, 0);
         row.id = i;
+        assert_int_equal(relay_batch_check_publish(&row, "", 1024, err, sizeof(err), &fault), 0);
         assert_int_equal(relay_batch_append_publish_call(call, 1, NULL, "", 1024, 1000, 2, &buf),
                          0);
         assert_true(buf.len <= one + 3);
