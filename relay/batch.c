@@ -632,13 +632,15 @@ static char *put_stream(char *p, const char *stream_prefix, size_t prefix_len,
 /* Checks row and sizes its entry in a publish call (the count of its fields,
  * then the fields): the entry's bytes, with h, *nfields and outbox_id
  * filled in for put_fields; 0 with err and *fault set when the row breaks
- * a rule. */
+ * a rule (then *nfields and *outbox_id_len are 0). */
 static size_t row_entry(const struct relay_row *row, size_t prefix_len, uint32_t max_payload_bytes,
                         struct row_headers *h, size_t *nfields, char outbox_id[24],
                         size_t *outbox_id_len, char *err, size_t errlen,
                         enum relay_row_fault *fault)
 {
     size_t stream_len = 0, dedup_len = 0;
+    *nfields = 0;
+    *outbox_id_len = 0;
     if (check_row(row, prefix_len, max_payload_bytes, h, &stream_len, &dedup_len, err, errlen,
                   fault) != 0)
         return 0;
