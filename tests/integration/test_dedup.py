@@ -15,6 +15,8 @@ Promises tested:
   recorded before, after which rows are published again; the record of
   the row before the first (when named) holds back the whole call; past the
   deadline only the recorded rows answer;
+- the relay cuts a stream's rows into calls of at most 64 rows and 256 KiB,
+  a row bigger than that alone (FCALLs counted in commandstats);
 - dedup memory stays bounded: while the relay sends 20,000 rows there are never
   more records than two batches (sampled with DBSIZE) beside those a committed
   batch retired within the last publish_timeout, every record is removed
@@ -248,6 +250,32 @@ class DedupTest(harness.ServerTestCase):
         self.assertEqual(ids(), [mids[1], mids[0], mids[2]] + mids[3:])
 
     # (c)
+    def test_a_stream_s_calls_hold_64_rows_and_256_kib(self):
+        """A batch cuts each stream's rows into calls of at most 64 rows and
+        256 KiB of entries, a bigger row going alone (docs/DESIGN.md, "The
+        claim cycle"): Redis holds its one thread for one call, and a call
+        stays far below its 512 MB limit on a command."""
+        kib = 1024
+        sizes = [100 * kib] * 3 + [300 * kib] + [10] * 72
+        # In claim order: {100, 100} KiB (a third would pass 256 KiB),
+        # {100} (the 300 KiB row does not fit beside it), {300} (nor does a
+        # small row), then 64 small rows and the last 8.
+        expected_calls = 5
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                        " SELECT 'cut', convert_to(repeat('x', n), 'UTF8')"
+                        " FROM unnest(%s::int[]) WITH ORDINALITY AS s(n, i) ORDER BY i",
+                        (sizes,))
+        self.r.config_resetstat()
+        relay = self.start_relay()
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        calls = self.r.info("commandstats").get("cmdstat_fcall", {}).get("calls", 0)
+        self.assertEqual(fcall_calls(self.r), len(sizes), "each row taken once")
+        self.assertEqual(calls, expected_calls,
+                         f"{len(sizes)} rows in calls of at most 64 rows and 256 KiB")
+        self.assertEqual([len(f[b"payload"]) for _, f in harness.stream_entries(self.r, "cut")],
+                         sizes, "the rows in claim order")
+
     def test_committed_batches_retire_their_records(self):
         relay = self.start_relay()
         rows = 20_000
