@@ -1,0 +1,134 @@
+#!/usr/bin/python3
+"""What the dedup records would cost Redis as fields of a hash: a key each against a hash per stream.
+
+An experiment behind docs/PERFORMANCE.md ("What to change next", item 2), not part
+of the run: one Redis as the benchmark runs it (append-only file on, everysec),
+the relay's function (bench-naive --print-function) and a prototype with the same
+rules that keeps each record as the field of one hash per stream (HGET/HSET, the
+hash's life set once a call). Each round sends BENCH_PUBLISH_CALLS messages in the
+relay's calls of 64 rows with redis-benchmark, eight calls in flight (as
+bench.py's publish alone), then removes every record, 500 a command, with UNLINK
+or HDEL. Rounds alternate the two layouts. Prints the rate, Redis's main-thread
+CPU a message (INFO cpu), its time in the calls (commandstats), the removal's
+CPU a record and used_memory. Needs build-bench (run bench/run.sh once first).
+
+    /usr/bin/python3 bench/extra/record_layouts.py
+"""
+import csv
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench  # noqa: E402
+
+PROTO = r"""#!lua name=proto
+local function many_hash(keys, args)
+  local n = tonumber(args[3])
+  local first = #keys - n + 1
+  local h = keys[1] .. ':dedup'
+  local t = redis.call('TIME')
+  local late = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(args[2])
+  local held = first == 3 and redis.call('HEXISTS', h, keys[2]) == 0
+  local out, at, wrote = {}, 4, false
+  for i = 1, n do
+    local nf, key = tonumber(args[at]), keys[first + i - 1]
+    local seen = redis.pcall('HGET', h, key)
+    if type(seen) == 'table' then
+      out[i], held = seen, true
+    elseif seen then
+      out[i], held = seen, false
+    elseif late then
+      out[i] = redis.error_reply('EXPIRED')
+    elseif held then
+      out[i] = redis.error_reply('ORDER')
+    else
+      local id = redis.pcall('XADD', keys[1], '*', unpack(args, at + 1, at + nf))
+      if type(id) == 'table' then
+        out[i], held = id, true
+      else
+        redis.call('HSET', h, key, id)
+        out[i], wrote = id, true
+      end
+    end
+    at = at + 1 + nf
+  end
+  if wrote then redis.call('PEXPIRE', h, args[1]) end
+  return out
+end
+redis.register_function('proto_many_hash', many_hash)
+"""
+
+
+def cpu(c):
+    """Redis's main-thread CPU seconds."""
+    i = c.info("cpu")
+    return i["used_cpu_user_main_thread"] + i["used_cpu_sys_main_thread"]
+
+def bench_calls(rd, c, fn):
+    """One round of fn's calls, then the removal of their records."""
+    argv = subprocess.run([bench.NAIVE_BIN, "--print-argv", "--publish-timeout", "86400000",
+                           "--call-rows", "64"], stdout=subprocess.PIPE, text=True,
+                          check=True).stdout.splitlines()
+    uuid0 = "00000000-0000-0000-0000-000000000000"
+    args = [a.replace(uuid0, "00000000-0000-0000-0000-__rand_int__") for a in argv]
+    args[1] = fn
+    stream, before = argv[3], argv[4]
+    c.delete(stream, stream + ":dedup")
+    for k in c.scan_iter(match="*:dedup:*", count=10000):
+        c.delete(k)
+    c.set(before, "0-1")
+    c.hset(stream + ":dedup", before, "0-1")
+    calls = bench.PUBLISH_CALLS // 64
+    c.config_resetstat()
+    c0 = cpu(c)
+    proc = subprocess.run(["redis-benchmark", "-h", "127.0.0.1", "-p", str(rd.port), "-c", "1",
+                           "-P", "8", "-n", str(calls), "-r", "2000000000", "--csv"] + args,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    c1 = cpu(c)
+    rows = list(csv.reader(proc.stdout.strip().splitlines()))
+    rps = float(rows[-1][1])
+    n = calls * 64
+    added = c.xlen(stream)
+    assert added >= n * 0.99, (added, n, proc.stdout[-500:])
+    fc = c.info("commandstats").get("cmdstat_fcall", {})
+    mem = c.info("memory")["used_memory"]
+    # The removal after the commits, 500 records a command.
+    if fn == "proto_many_hash":
+        fields = [f for f in c.hkeys(stream + ":dedup")]
+        r0 = cpu(c)
+        p = c.pipeline(transaction=False)
+        for i in range(0, len(fields), 500):
+            p.hdel(stream + ":dedup", *fields[i:i + 500])
+        p.execute()
+        rem = (cpu(c) - r0) / max(1, len(fields))
+        nrec = len(fields)
+    else:
+        keys = list(c.scan_iter(match="*:dedup:*", count=10000))
+        r0 = cpu(c)
+        p = c.pipeline(transaction=False)
+        for i in range(0, len(keys), 500):
+            p.unlink(*keys[i:i + 500])
+        p.execute()
+        rem = (cpu(c) - r0) / max(1, len(keys))
+        nrec = len(keys)
+    return dict(msgs=rps * 64, main_us=(c1 - c0) / n * 1e6, fcall_us=fc.get("usec", 0) / n,
+                remove_us=rem * 1e6, records=nrec, mem=mem)
+
+
+def main():
+    with bench.servers() as (pg, rd, conn, rc):
+        src = subprocess.run([bench.NAIVE_BIN, "--print-function"], stdout=subprocess.PIPE,
+                             text=True, check=True).stdout
+        rc.execute_command("FUNCTION", "LOAD", "REPLACE", src)
+        rc.execute_command("FUNCTION", "LOAD", "REPLACE", PROTO)
+        for rnd in range(3):
+            for fn in ("outbox_relay_publish_many_v1", "proto_many_hash"):
+                r = bench_calls(rd, rc, fn)
+                print(f"{rnd} {fn}: {r['msgs']:,.0f} msg/s, main {r['main_us']:.2f} us/msg,"
+                      f" fcall {r['fcall_us']:.2f} us/msg, removal {r['remove_us']:.2f} us/record"
+                      f" ({r['records']}), used_memory {r['mem']/1e6:.0f} MB", flush=True)
+
+
+if __name__ == "__main__":
+    main()
