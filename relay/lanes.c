@@ -870,8 +870,12 @@ static void retire_dedup_records(struct relay_lane *l)
         if (relay_retire_push(&r->retiring, due, r->out.data, r->out.len) != 0)
             break;
     }
+    /* Past the cap, the oldest removals go to Redis a slice at a time: a
+     * hand-off is written to the Redis client's output buffer at once, and
+     * half the queue (8 MiB) grew that buffer by realloc until glibc kept as
+     * much again in its heap after it was freed. */
     if (r->retiring.bytes > RELAY_RETIRE_QUEUE_MAX)
-        retire_waiting(r, RELAY_RETIRE_QUEUE_MAX / 2);
+        retire_waiting(r, RELAY_RETIRE_QUEUE_MAX - RELAY_RETIRE_HANDOFF);
     if (!ev_is_active(&r->retire_timer))
         retire_due(r);
 }

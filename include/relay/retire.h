@@ -22,10 +22,14 @@
 
 /* The most bytes of commands the queue holds. A key takes about 60 bytes (a
  * 36-character message id, a short topic): 5 s of 40,000 messages a second
- * is about 12 MiB. Past it the oldest half of the removals is handed to Redis
- * as expiries instead (relay_batch_unlink_as_retire), as every removal was
- * before: the relay's memory stays bounded, at the price of Redis's work. */
+ * is about 12 MiB. Past it the oldest removals, RELAY_RETIRE_HANDOFF bytes of
+ * them, are handed to Redis as expiries instead (relay_batch_unlink_as_retire),
+ * as every removal was before: the relay's memory stays bounded, at the price
+ * of Redis's work. */
 #define RELAY_RETIRE_QUEUE_MAX ((size_t)16 << 20)
+/* The most bytes of removals handed to Redis at once: they pass through the
+ * Redis client's output buffer together. */
+#define RELAY_RETIRE_HANDOFF ((size_t)1 << 20)
 
 /* One waiting removal, inside a chunk. */
 struct relay_retire_item {

@@ -67,6 +67,11 @@ def dedup_key(stream, message_id):
     return f"{{{stream}}}:dedup:{message_id}"
 
 
+def stream_key(topic, prefix="p" * 64):
+    """The stream of topic under test_removals_past_the_cap's stream_prefix."""
+    return prefix + topic
+
+
 def count_dedup_records(r):
     return sum(1 for _ in r.scan_iter(match="*:dedup:*", count=1000))
 
@@ -333,6 +338,64 @@ class DedupTest(harness.ServerTestCase):
         self.assertLessEqual(peak[0], 2 * 500 + retired_bound,
                              "more dedup records than two batches in flight and those retired")
         fig = self.verifier().report("dedup-bounded")
+        fig.assert_exactly_once(self)
+        self.assertEqual(fig.committed, rows)
+
+    def test_removals_past_the_cap_go_to_redis_a_slice_at_a_time(self):
+        """Past RELAY_RETIRE_QUEUE_MAX (16 MiB) of waiting removals the relay
+        hands the oldest to Redis as expiries at their due time
+        (include/relay/retire.h). It hands over 1 MiB at a time: a hand-off
+        is written to the Redis client's output buffer at once, and 8 MiB of
+        it (half the queue) raised the relay's peak resident memory by 8-14
+        MiB (docs/PERFORMANCE.md, "The peak RSS of long drains"). The records
+        handed over still go by their due time, and nothing is lost."""
+        cap = 16 << 20
+        # The longest keys make few rows fill the queue: about 320 bytes a
+        # removal, 16 MiB in some 53,000 rows; publish_timeout keeps them
+        # all waiting while the backlog drains.
+        relay = self.start_relay(publish_timeout="60s", stream_prefix="p" * 64)
+        rows, topic = 70_000, "t" * 200
+        samples, stop = [], threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                try:
+                    samples.append(harness.metric(harness.metrics_text(relay),
+                                                  "outbox_relay_dedup_removals_waiting_bytes"))
+                except OSError:
+                    pass
+                time.sleep(0.01)
+        sampler = threading.Thread(target=sample, daemon=True)
+        self.addCleanup(stop.set)
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                        " SELECT %s, convert_to('row ' || i, 'UTF8')"
+                        " FROM generate_series(1, %s) AS i", (topic, rows))
+        started = time.monotonic()
+        sampler.start()
+        harness.wait_all_sent(self.db, timeout=50, relay=relay)
+        took = time.monotonic() - started
+        time.sleep(0.2)
+        stop.set()
+        sampler.join(5)
+        self.assertLess(took, 50, "the drain outlasted publish_timeout: removals fell due")
+        seen = [v for v in samples if v is not None]
+        full = next((i for i, v in enumerate(seen) if v > cap - (2 << 20)), None)
+        print(f"{rows} rows with {len(stream_key(topic))}-byte stream names in {took:.1f}s:"
+              f" waiting removals peaked at {max(seen) / 2**20:.2f} MiB, after the cap"
+              f" {min(seen[full:]) / 2**20 if full is not None else 0:.2f} MiB at the least"
+              f" ({len(seen)} samples)", file=sys.stderr, flush=True)
+        self.assertIsNotNone(full, "the waiting removals never came near the cap")
+        self.assertLessEqual(max(seen), cap, "more removals waiting than the cap")
+        self.assertGreaterEqual(min(seen[full:]), cap - (2 << 20),
+                                "more than 1 MiB of removals handed to Redis at once")
+        # Handed over: the oldest records expire by their due time (within
+        # publish_timeout); the rest still wait in the relay.
+        ttls = harness.dedup_records(self.r, match=f"{{{stream_key(topic)}}}:dedup:*")
+        handed = [t for t in ttls.values() if 0 < t <= 60_000]
+        self.assertGreater(len(handed), 0, "no record was handed to Redis to expire")
+        self.assertEqual(len(ttls), rows, "a record went missing")
+        fig = self.verifier(stream_prefix="p" * 64).report("removals past the cap")
         fig.assert_exactly_once(self)
         self.assertEqual(fig.committed, rows)
 
