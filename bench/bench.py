@@ -1456,7 +1456,7 @@ def section_producers():
 # --------------------------------------------------------------------------
 # Limits.
 
-def publish_alone(rd, call_rows=0):
+def publish_alone(rd, call_rows=0, function=None):
     """redis-benchmark, one connection, BATCH messages' calls pipelined: the relay's argv,
     new ids.
 
@@ -1465,7 +1465,9 @@ def publish_alone(rd, call_rows=0):
     here, which the function checks. call_rows N: the relay's call of N rows
     of one stream (relay_batch_append_publish_call), which names that record
     before its first row; BATCH / N calls in flight, as a batch of BATCH rows
-    of one stream sends them. rps counts calls, msgs messages a second."""
+    of one stream sends them. rps counts calls, msgs messages a second.
+    function: another function called with the same keys and arguments
+    (bench/extra/record_layouts.py)."""
     extra = ["--call-rows", str(call_rows)] if call_rows else []
     argv_lines = subprocess.run([NAIVE_BIN, "--print-argv", "--publish-timeout", "86400000"]
                                 + extra, stdout=subprocess.PIPE, text=True,
@@ -1473,6 +1475,8 @@ def publish_alone(rd, call_rows=0):
     uuid0 = "00000000-0000-0000-0000-000000000000"
     # redis-benchmark draws each __rand_int__ of a command on its own.
     args = [a.replace(uuid0, "00000000-0000-0000-0000-__rand_int__") for a in argv_lines]
+    if function is not None:
+        args[1] = function
     stream, before = argv_lines[3], argv_lines[4 if call_rows else 5]
     if not before.endswith(":dedup:ffffffff-ffff-ffff-ffff-ffffffffffff"):
         raise RuntimeError(f"bench-naive --print-argv names no record before: {argv_lines[:6]}")

@@ -14,7 +14,6 @@ CPU a record and used_memory. Needs build-bench (run bench/run.sh once first).
 
     /usr/bin/python3 bench/extra/record_layouts.py
 """
-import csv
 import os
 import subprocess
 import sys
@@ -65,55 +64,38 @@ def cpu(c):
     i = c.info("cpu")
     return i["used_cpu_user_main_thread"] + i["used_cpu_sys_main_thread"]
 
+
 def bench_calls(rd, c, fn):
-    """One round of fn's calls, then the removal of their records."""
-    argv = subprocess.run([bench.NAIVE_BIN, "--print-argv", "--publish-timeout", "86400000",
-                           "--call-rows", "64"], stdout=subprocess.PIPE, text=True,
-                          check=True).stdout.splitlines()
-    uuid0 = "00000000-0000-0000-0000-000000000000"
-    args = [a.replace(uuid0, "00000000-0000-0000-0000-__rand_int__") for a in argv]
-    args[1] = fn
+    """One round of fn's calls (bench.publish_alone), then the removal of their records."""
+    argv = subprocess.run([bench.NAIVE_BIN, "--print-argv", "--call-rows", "64"],
+                          stdout=subprocess.PIPE, text=True, check=True).stdout.splitlines()
     stream, before = argv[3], argv[4]
-    c.delete(stream, stream + ":dedup")
+    hashed = fn == "proto_many_hash"
+    c.delete(stream + ":dedup")
     for k in c.scan_iter(match="*:dedup:*", count=10000):
         c.delete(k)
-    c.set(before, "0-1")
-    c.hset(stream + ":dedup", before, "0-1")
-    calls = bench.PUBLISH_CALLS // 64
+    c.hset(stream + ":dedup", before, "0-1")  # publish_alone records it as a key
     c.config_resetstat()
     c0 = cpu(c)
-    proc = subprocess.run(["redis-benchmark", "-h", "127.0.0.1", "-p", str(rd.port), "-c", "1",
-                           "-P", "8", "-n", str(calls), "-r", "2000000000", "--csv"] + args,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    res = bench.publish_alone(rd, 64, function=fn)
     c1 = cpu(c)
-    rows = list(csv.reader(proc.stdout.strip().splitlines()))
-    rps = float(rows[-1][1])
-    n = calls * 64
-    added = c.xlen(stream)
-    assert added >= n * 0.99, (added, n, proc.stdout[-500:])
+    n = bench.PUBLISH_CALLS // 64 * 64
     fc = c.info("commandstats").get("cmdstat_fcall", {})
     mem = c.info("memory")["used_memory"]
     # The removal after the commits, 500 records a command.
-    if fn == "proto_many_hash":
-        fields = [f for f in c.hkeys(stream + ":dedup")]
-        r0 = cpu(c)
-        p = c.pipeline(transaction=False)
-        for i in range(0, len(fields), 500):
-            p.hdel(stream + ":dedup", *fields[i:i + 500])
-        p.execute()
-        rem = (cpu(c) - r0) / max(1, len(fields))
-        nrec = len(fields)
-    else:
-        keys = list(c.scan_iter(match="*:dedup:*", count=10000))
-        r0 = cpu(c)
-        p = c.pipeline(transaction=False)
-        for i in range(0, len(keys), 500):
-            p.unlink(*keys[i:i + 500])
-        p.execute()
-        rem = (cpu(c) - r0) / max(1, len(keys))
-        nrec = len(keys)
-    return dict(msgs=rps * 64, main_us=(c1 - c0) / n * 1e6, fcall_us=fc.get("usec", 0) / n,
-                remove_us=rem * 1e6, records=nrec, mem=mem)
+    records = (c.hkeys(stream + ":dedup") if hashed
+               else list(c.scan_iter(match="*:dedup:*", count=10000)))
+    r0 = cpu(c)
+    p = c.pipeline(transaction=False)
+    for i in range(0, len(records), 500):
+        if hashed:
+            p.hdel(stream + ":dedup", *records[i:i + 500])
+        else:
+            p.unlink(*records[i:i + 500])
+    p.execute()
+    rem = (cpu(c) - r0) / max(1, len(records))
+    return dict(msgs=res["msgs"], main_us=(c1 - c0) / n * 1e6, fcall_us=fc.get("usec", 0) / n,
+                remove_us=rem * 1e6, records=len(records), mem=mem)
 
 
 def main():
