@@ -213,6 +213,7 @@ struct relay_pgsrc {
      * next connection of this process. */
     char token[48];
     long backend_pid;
+    int first_check_over; /* passed the check once, or failed before it */
     struct relay_pgsrc *next_conn;
 
     /* Logging once per state change, not once per try. */
@@ -252,6 +253,14 @@ static const char *role_name(const struct relay_pgsrc *pg)
  * relay_pgsrc_on_no_session installed. Tokens of closed connections do not
  * count: a session-mode pool without a reset query may hand their sessions
  * on, which is harmless.
+ *
+ * A connection that passes alone proves little while the others are still
+ * setting up: in transaction mode it may have had a server session to itself
+ * so far, and the next connection's set-up is handed that very session. So
+ * no connection is ready for work (become_ready) until every connection of
+ * the process is past its first check: passed it, or failed before it (a
+ * connection with no session shares none). Reconnects later are checked
+ * each on its own and hold no one back.
  */
 #define SESSION_PROBE "outbox_relay.session_probe"
 #define SESSION_PROBE_READ "pg_backend_pid(), current_setting('" SESSION_PROBE "', true)"
@@ -292,6 +301,30 @@ static struct relay_pgsrc *session_pid_sharer(const struct relay_pgsrc *pg, long
 }
 
 static void fail(struct relay_pgsrc *pg, const char *what, const char *msg);
+static void become_ready(struct relay_pgsrc *pg);
+
+/* Whether a connection of this process is still on its first check. */
+static int session_first_checks_pending(void)
+{
+    for (const struct relay_pgsrc *o = session_conns; o != NULL; o = o->next_conn)
+        if (!o->first_check_over)
+            return 1;
+    return 0;
+}
+
+/* Once no first check is pending, makes ready the connections that passed
+ * theirs and waited for the others. */
+static void session_release_waiting(void)
+{
+    if (session_first_checks_pending())
+        return;
+    struct relay_pgsrc *next;
+    for (struct relay_pgsrc *o = session_conns; o != NULL; o = next) {
+        next = o->next_conn;
+        if (o->state == RELAY_PG_SETUP && o->setup == SETUP_DONE)
+            become_ready(o);
+    }
+}
 
 /* Reports a breach: the relay stops (exit code 78); without a handler the
  * connection fails like any set-up error. */
@@ -509,6 +542,8 @@ static void fail(struct relay_pgsrc *pg, const char *what, const char *msg)
         PQclear(pg->keep);
         pg->keep = NULL;
     }
+    int first_check_ends = !pg->first_check_over;
+    pg->first_check_over = 1;
     int was_ready = pg->was_ready;
     pg->was_ready = 0;
     pg->state = RELAY_PG_DOWN;
@@ -530,6 +565,8 @@ static void fail(struct relay_pgsrc *pg, const char *what, const char *msg)
         pg->hooks.on_down(pg, pg->hooks.arg);
     if (had_cmd && done != NULL)
         done(pg, NULL, text, "08006", done_arg);
+    if (first_check_ends)
+        session_release_waiting();
 }
 
 static void notice_receiver(void *arg, const PGresult *res)
@@ -879,7 +916,18 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
     if (session_second_look(pg, res) < 0)
         return;
     pg->setup = SETUP_DONE;
+    if (!pg->first_check_over) {
+        pg->first_check_over = 1;
+        if (session_first_checks_pending()) {
+            relay_debug(COMPONENT,
+                        "%s connection: session checked; waiting for the other connections' "
+                        "checks",
+                        role_name(pg));
+            return;
+        }
+    }
     become_ready(pg);
+    session_release_waiting();
 }
 
 /*

@@ -9,10 +9,19 @@ Promises tested (docs/DESIGN.md, "Behind a connection pooler"):
   names transaction pooling and says what to do, and publishes nothing;
 - the same refusal with the pool down to one server, where every statement of
   every connection shares one session;
+- nothing is claimed before every connection has passed its check: with all
+  connections but one claim connection held back at connect, that one passes
+  both of its looks alone, and still claims nothing before the refusal;
+- a connection that cannot connect holds no one back: with the others held
+  past connect_timeout, the one claim connection delivers on its own;
 - PostgreSQL itself, without a pooler, passes the check (every other file).
 """
 
+import contextlib
 import re
+import socket
+import struct
+import threading
 import time
 import unittest
 
@@ -24,12 +33,106 @@ harness.set_deadline(240)
 
 EX_CONFIG = 78
 
+SSL_REQUEST, GSSENC_REQUEST = 80877103, 80877104
+
+
+def recv_exactly(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("client closed during its startup")
+        data += chunk
+    return data
+
+
+class StartupHoldingProxy:
+    """Forwards PostgreSQL connections to a port. The first connection whose
+    startup message names application_name `first` goes through at once; every
+    other one is held back `delay` seconds. It turns down TLS and GSS
+    encryption itself, so it reads the startup in clear."""
+
+    def __init__(self, target_port, first, delay):
+        self.target = ("127.0.0.1", target_port)
+        self.first = first
+        self.let_through = False
+        self.lock = threading.Lock()
+        self.delay = delay
+        self.held = []
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        self.socks = []
+        self.closing = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def dsn(self, dbname):
+        return f"host=127.0.0.1 port={self.port} dbname={dbname} user=postgres"
+
+    def _accept(self):
+        while not self.closing.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.socks.append(client)
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _startup(self, client):
+        while True:
+            head = recv_exactly(client, 8)
+            length, code = struct.unpack("!ii", head)
+            if code in (SSL_REQUEST, GSSENC_REQUEST):
+                client.sendall(b"N")
+                continue
+            body = recv_exactly(client, length - 8)
+            fields = body.split(b"\0")
+            params = dict(zip(fields[0::2], fields[1::2]))
+            return head + body, params.get(b"application_name", b"").decode()
+
+    def _serve(self, client):
+        try:
+            startup, app = self._startup(client)
+            with self.lock:
+                hold = app != self.first or self.let_through
+                self.let_through = self.let_through or not hold
+                if hold:
+                    self.held.append(app)
+            if hold and self.closing.wait(self.delay):
+                raise OSError("closing")
+            upstream = socket.create_connection(self.target)
+        except OSError:
+            client.close()
+            return
+        self.socks.append(upstream)
+        upstream.sendall(startup)
+
+        def pipe(a, b):
+            with contextlib.suppress(OSError):
+                while True:
+                    data = a.recv(65536)
+                    if not data:
+                        break
+                    b.sendall(data)
+            with contextlib.suppress(OSError):
+                b.shutdown(socket.SHUT_WR)
+        threading.Thread(target=pipe, args=(client, upstream), daemon=True).start()
+        threading.Thread(target=pipe, args=(upstream, client), daemon=True).start()
+
+    def close(self):
+        self.closing.set()
+        for s in [self.listener, *self.socks]:
+            with contextlib.suppress(OSError):
+                s.close()
+
 
 class PgBouncerTest(harness.ServerTestCase):
 
-    def relay_through(self, bouncer, **flags):
+    def relay_through(self, bouncer, dsn=None, **flags):
         return self.enterContext(harness.Relay(
-            None, self.redis, env={"OUTBOX_RELAY_POSTGRES": bouncer.dsn()}, **flags))
+            None, self.redis, env={"OUTBOX_RELAY_POSTGRES": dsn or bouncer.dsn()}, **flags))
 
     def test_session_mode_delivers_and_wakes_on_notify(self):
         bouncer = self.enterContext(harness.PgBouncer(self.pg, pool_mode="session"))
@@ -59,9 +162,9 @@ class PgBouncerTest(harness.ServerTestCase):
         self.assertTrue(relay.alive(), relay.log_tail())
         self.assertNotIn("transaction pooling", relay.log())
 
-    def assert_refused(self, bouncer):
+    def assert_refused(self, bouncer, dsn=None):
         insert(self.db, "refused", b"must stay in the outbox")
-        relay = self.relay_through(bouncer, poll_interval="200ms")
+        relay = self.relay_through(bouncer, dsn, poll_interval="200ms")
         code = relay.wait(timeout=30)
         log = relay.log()
         self.assertEqual(code, EX_CONFIG, f"exit code through a transaction pool\n{log}")
@@ -82,6 +185,38 @@ class PgBouncerTest(harness.ServerTestCase):
         bouncer = self.enterContext(harness.PgBouncer(self.pg, pool_mode="transaction",
                                                       pool_size=1))
         self.assert_refused(bouncer)
+
+    def test_nothing_is_claimed_before_every_connection_is_checked(self):
+        # One claim connection connects alone and passes both of its looks in
+        # a session no one else uses yet; the other connections arrive 2 s
+        # later and are handed that same session. A claim in those 2 s would
+        # publish and delete the row before the refusal.
+        bouncer = self.enterContext(harness.PgBouncer(self.pg, pool_mode="transaction"))
+        proxy = StartupHoldingProxy(bouncer.port, first="outbox-relay", delay=2.0)
+        self.addCleanup(proxy.close)
+        self.assert_refused(bouncer, proxy.dsn(self.pg.database))
+        self.assertLessEqual({"outbox-relay", "outbox-relay listen", "outbox-relay owner"},
+                             set(proxy.held),
+                             "the second claim, listen and owner connections were held back")
+
+    def test_a_connection_that_cannot_connect_holds_no_one_back(self):
+        # The wait for the other connections' checks ends when they fail:
+        # a connection with no session shares none.
+        bouncer = self.enterContext(harness.PgBouncer(self.pg, pool_mode="session"))
+        proxy = StartupHoldingProxy(bouncer.port, first="outbox-relay", delay=120.0)
+        self.addCleanup(proxy.close)
+        rows = [insert(self.db, "alone", b"row %d" % i) for i in range(20)]
+        relay = self.relay_through(bouncer, proxy.dsn(self.pg.database), connect_timeout="1s",
+                                   poll_interval="200ms")
+        wait_until(lambda: set(rows) <= set(harness.entries_by_message_id(self.r)),
+                   timeout=30, relay=relay,
+                   message="the rows, through the one claim connection that connected")
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.assertTrue(relay.alive(), relay.log_tail())
+        self.assertLessEqual({"outbox-relay listen", "outbox-relay owner"}, set(proxy.held))
+        self.assertRegex(relay.log(), r"listen connection .*no connection within connect_timeout")
+        figures = self.verifier().report(" (the others cannot connect)")
+        figures.assert_exactly_once(self)
 
     def test_refusal_is_repeatable(self):
         # The check must not depend on luck: five starts, five refusals.
