@@ -26,6 +26,25 @@ import harness
 # --------------------------------------------------------------------------
 # TCP proxy.
 
+
+def forward_both_ways(client, upstream):
+    """Copies bytes each way between two connected sockets, a thread per
+    direction, passing each end's FIN on to the other; for the small proxies
+    of single tests that only delay or inspect a connection's start."""
+
+    def pipe(a, b):
+        with contextlib.suppress(OSError):
+            while True:
+                data = a.recv(65536)
+                if not data:
+                    break
+                b.sendall(data)
+        with contextlib.suppress(OSError):
+            b.shutdown(socket.SHUT_WR)
+    threading.Thread(target=pipe, args=(client, upstream), daemon=True).start()
+    threading.Thread(target=pipe, args=(upstream, client), daemon=True).start()
+
+
 OPEN, CUT, BLACKHOLE = "open", "cut", "blackhole"
 _BUF_CAP = 4 << 20      # bytes held per direction before we stop reading that side
 _CHUNK = 256 << 10

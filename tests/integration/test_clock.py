@@ -32,6 +32,7 @@ import unittest
 import urllib.error
 import urllib.request
 
+import faults
 import harness
 from harness import insert
 
@@ -136,18 +137,7 @@ class SlowAcceptProxy:
             client.close()
             return
         self.socks += [client, upstream]
-
-        def pipe(a, b):
-            with contextlib.suppress(OSError):
-                while True:
-                    data = a.recv(65536)
-                    if not data:
-                        break
-                    b.sendall(data)
-            with contextlib.suppress(OSError):
-                b.shutdown(socket.SHUT_WR)
-        threading.Thread(target=pipe, args=(client, upstream), daemon=True).start()
-        threading.Thread(target=pipe, args=(upstream, client), daemon=True).start()
+        faults.forward_both_ways(client, upstream)
 
     def close(self):
         self.closing = True

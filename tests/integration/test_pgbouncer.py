@@ -25,6 +25,7 @@ import threading
 import time
 import unittest
 
+import faults
 import harness
 from harness import insert, wait_until
 
@@ -108,18 +109,7 @@ class StartupHoldingProxy:
             return
         self.socks.append(upstream)
         upstream.sendall(startup)
-
-        def pipe(a, b):
-            with contextlib.suppress(OSError):
-                while True:
-                    data = a.recv(65536)
-                    if not data:
-                        break
-                    b.sendall(data)
-            with contextlib.suppress(OSError):
-                b.shutdown(socket.SHUT_WR)
-        threading.Thread(target=pipe, args=(client, upstream), daemon=True).start()
-        threading.Thread(target=pipe, args=(upstream, client), daemon=True).start()
+        faults.forward_both_ways(client, upstream)
 
     def close(self):
         self.closing.set()
