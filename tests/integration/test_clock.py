@@ -63,10 +63,12 @@ def scrape(port, path):
 
 
 class Monitor(threading.Thread):
-    """Records (server time, deadline) of every publish Redis receives, via MONITOR."""
+    """Records (server time, deadline) of every publish Redis receives, via
+    MONITOR: a call of one row or of several, FCALL <function> <numkeys>
+    <keys...> <ttl> <deadline> ..."""
 
-    LINE = re.compile(rb'^\+(\d+\.\d+) \[\d+ [^\]]*\] "FCALL" "[^"]*" "2" '
-                      rb'"(?:[^"\\]|\\.)*" "(?:[^"\\]|\\.)*" "\d+" "(\d+)"')
+    LINE = re.compile(rb'^\+(\d+\.\d+) \[\d+ [^\]]*\] "FCALL" (.*)$')
+    ARG = re.compile(rb'"((?:[^"\\]|\\.)*)"')
 
     def __init__(self, port):
         super().__init__(daemon=True)
@@ -87,9 +89,17 @@ class Monitor(threading.Thread):
                 *lines, buf = buf.split(b"\r\n")
                 for line in lines:
                     m = self.LINE.match(line)
-                    if m:
-                        with self.lock:
-                            self.samples.append((float(m.group(1)), int(m.group(2))))
+                    if not m:
+                        continue
+                    args = self.ARG.findall(m.group(2))
+                    if len(args) < 2 or not args[1].isdigit():
+                        continue
+                    nkeys = int(args[1])
+                    if not args[0].startswith(b"outbox_relay_publish") or \
+                            len(args) < nkeys + 4 or not args[nkeys + 3].isdigit():
+                        continue
+                    with self.lock:
+                        self.samples.append((float(m.group(1)), int(args[nkeys + 3])))
 
     def take(self):
         with self.lock:
