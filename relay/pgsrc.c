@@ -916,17 +916,15 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
     if (session_second_look(pg, res) < 0)
         return;
     pg->setup = SETUP_DONE;
-    if (!pg->first_check_over) {
-        pg->first_check_over = 1;
-        if (session_first_checks_pending()) {
-            relay_debug(COMPONENT,
-                        "%s connection: session checked; waiting for the other connections' "
-                        "checks",
-                        role_name(pg));
-            return;
-        }
+    if (pg->first_check_over) { /* a reconnect: checked on its own */
+        become_ready(pg);
+        return;
     }
-    become_ready(pg);
+    pg->first_check_over = 1;
+    if (session_first_checks_pending())
+        relay_debug(COMPONENT,
+                    "%s connection: session checked; waiting for the other connections' checks",
+                    role_name(pg));
     session_release_waiting();
 }
 

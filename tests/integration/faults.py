@@ -1,6 +1,7 @@
 """Fault injection for the integration tests: a controllable loopback TCP proxy.
 
-    TcpProxy   a TCP proxy in front of a server: cut(), blackhole(), restore()
+    TcpProxy      a TCP proxy in front of a server: cut(), blackhole(), restore()
+    HoldingProxy  holds each new connection back before connecting it upstream
 
 The load and the checks under faults are the harness's: harness.Producers
 (threads that survive restarts and keep a steady rate) and harness.Verifier
@@ -29,8 +30,7 @@ import harness
 
 def forward_both_ways(client, upstream):
     """Copies bytes each way between two connected sockets, a thread per
-    direction, passing each end's FIN on to the other; for the small proxies
-    of single tests that only delay or inspect a connection's start."""
+    direction, passing each end's FIN on to the other."""
 
     def pipe(a, b):
         with contextlib.suppress(OSError):
@@ -43,6 +43,56 @@ def forward_both_ways(client, upstream):
             b.shutdown(socket.SHUT_WR)
     threading.Thread(target=pipe, args=(client, upstream), daemon=True).start()
     threading.Thread(target=pipe, args=(upstream, client), daemon=True).start()
+
+
+class HoldingProxy:
+    """A small TCP proxy on 127.0.0.1 that holds each new connection back
+    before it connects it to target_port. hold(client) answers how many
+    seconds, and the bytes to send upstream first: it may read the start of
+    the client's stream (and answer it) to decide. close() ends every hold at
+    once. Counter: connections (accepted)."""
+
+    def __init__(self, target_port, hold):
+        self.target = ("127.0.0.1", target_port)
+        self.hold = hold
+        self.connections = 0
+        self.socks = []
+        self.closing = threading.Event()
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closing.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            self.socks.append(client)
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client):
+        try:
+            delay, first = self.hold(client)
+            if self.closing.wait(delay):
+                raise OSError("the proxy is closing")
+            upstream = socket.create_connection(self.target)
+            self.socks.append(upstream)
+            upstream.sendall(first)
+        except OSError:
+            client.close()
+            return
+        forward_both_ways(client, upstream)
+
+    def close(self):
+        self.closing.set()
+        for s in [self.listener, *self.socks]:
+            with contextlib.suppress(OSError):
+                s.close()
 
 
 OPEN, CUT, BLACKHOLE = "open", "cut", "blackhole"

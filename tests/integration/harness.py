@@ -504,8 +504,9 @@ class PgBouncer:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
 
-    def dsn(self, dbname=None, user="postgres"):
-        return (f"host=127.0.0.1 port={self.port} dbname={dbname or self.pg.database}"
+    def dsn(self, dbname=None, user="postgres", port=None):
+        """The dsn through the pooler, or through a proxy at port in front of it."""
+        return (f"host=127.0.0.1 port={port or self.port} dbname={dbname or self.pg.database}"
                 f" user={user}")
 
     def log(self):

@@ -114,48 +114,6 @@ class Monitor(threading.Thread):
         self.join(5)
 
 
-class SlowAcceptProxy:
-    """Forwards to a port, but holds every new connection `delay` seconds first."""
-
-    def __init__(self, target_port, delay):
-        self.target = ("127.0.0.1", target_port)
-        self.delay = delay
-        self.listener = socket.socket()
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(16)
-        self.port = self.listener.getsockname()[1]
-        self.connections = 0
-        self.socks = []
-        self.closing = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while not self.closing:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _serve(self, client):
-        time.sleep(self.delay)
-        try:
-            upstream = socket.create_connection(self.target)
-        except OSError:
-            client.close()
-            return
-        self.socks += [client, upstream]
-        faults.forward_both_ways(client, upstream)
-
-    def close(self):
-        self.closing = True
-        for s in [self.listener, *self.socks]:
-            with contextlib.suppress(OSError):
-                s.close()
-
-
 class ClockTest(harness.ServerTestCase):
 
     def write_step(self, ms):
@@ -215,7 +173,7 @@ class ClockTest(harness.ServerTestCase):
         self.verifier().report().assert_exactly_once(self)
 
     def test_slow_connect(self):
-        proxy = SlowAcceptProxy(self.redis.port, 2.5)
+        proxy = faults.HoldingProxy(self.redis.port, lambda client: (2.5, b""))
         self.addCleanup(proxy.close)
         relay = self.enterContext(harness.Relay(
             self.pg, None, env={"OUTBOX_RELAY_REDIS": f"redis://127.0.0.1:{proxy.port}/0"},

@@ -17,9 +17,7 @@ Promises tested (docs/DESIGN.md, "Behind a connection pooler"):
 - PostgreSQL itself, without a pooler, passes the check (every other file).
 """
 
-import contextlib
 import re
-import socket
 import struct
 import threading
 import time
@@ -47,75 +45,41 @@ def recv_exactly(sock, n):
     return data
 
 
-class StartupHoldingProxy:
-    """Forwards PostgreSQL connections to a port. The first connection whose
-    startup message names application_name `first` goes through at once; every
-    other one is held back `delay` seconds. It turns down TLS and GSS
-    encryption itself, so it reads the startup in clear."""
+def read_startup(client):
+    """A PostgreSQL client's startup message and its application_name. TLS
+    and GSS encryption are turned down, so the startup comes in clear."""
+    while True:
+        head = recv_exactly(client, 8)
+        length, code = struct.unpack("!ii", head)
+        if code in (SSL_REQUEST, GSSENC_REQUEST):
+            client.sendall(b"N")
+            continue
+        body = recv_exactly(client, length - 8)
+        fields = body.split(b"\0")
+        params = dict(zip(fields[0::2], fields[1::2]))
+        return head + body, params.get(b"application_name", b"").decode()
 
-    def __init__(self, target_port, first, delay):
-        self.target = ("127.0.0.1", target_port)
+
+class HoldAllButFirst:
+    """A faults.HoldingProxy hold: the first connection whose application_name
+    is `first` goes through at once, every other one waits `delay` seconds.
+    held lists the application_names held back."""
+
+    def __init__(self, first, delay):
         self.first = first
-        self.let_through = False
-        self.lock = threading.Lock()
         self.delay = delay
+        self.let_through = False
         self.held = []
-        self.listener = socket.socket()
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(16)
-        self.port = self.listener.getsockname()[1]
-        self.socks = []
-        self.closing = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.lock = threading.Lock()
 
-    def dsn(self, dbname):
-        return f"host=127.0.0.1 port={self.port} dbname={dbname} user=postgres"
-
-    def _accept(self):
-        while not self.closing.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            self.socks.append(client)
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _startup(self, client):
-        while True:
-            head = recv_exactly(client, 8)
-            length, code = struct.unpack("!ii", head)
-            if code in (SSL_REQUEST, GSSENC_REQUEST):
-                client.sendall(b"N")
-                continue
-            body = recv_exactly(client, length - 8)
-            fields = body.split(b"\0")
-            params = dict(zip(fields[0::2], fields[1::2]))
-            return head + body, params.get(b"application_name", b"").decode()
-
-    def _serve(self, client):
-        try:
-            startup, app = self._startup(client)
-            with self.lock:
-                hold = app != self.first or self.let_through
-                self.let_through = self.let_through or not hold
-                if hold:
-                    self.held.append(app)
-            if hold and self.closing.wait(self.delay):
-                raise OSError("closing")
-            upstream = socket.create_connection(self.target)
-        except OSError:
-            client.close()
-            return
-        self.socks.append(upstream)
-        upstream.sendall(startup)
-        faults.forward_both_ways(client, upstream)
-
-    def close(self):
-        self.closing.set()
-        for s in [self.listener, *self.socks]:
-            with contextlib.suppress(OSError):
-                s.close()
+    def __call__(self, client):
+        startup, app = read_startup(client)
+        with self.lock:
+            if app == self.first and not self.let_through:
+                self.let_through = True
+                return 0, startup
+            self.held.append(app)
+        return self.delay, startup
 
 
 class PgBouncerTest(harness.ServerTestCase):
@@ -182,28 +146,30 @@ class PgBouncerTest(harness.ServerTestCase):
         # later and are handed that same session. A claim in those 2 s would
         # publish and delete the row before the refusal.
         bouncer = self.enterContext(harness.PgBouncer(self.pg, pool_mode="transaction"))
-        proxy = StartupHoldingProxy(bouncer.port, first="outbox-relay", delay=2.0)
+        hold = HoldAllButFirst("outbox-relay", delay=2.0)
+        proxy = faults.HoldingProxy(bouncer.port, hold)
         self.addCleanup(proxy.close)
-        self.assert_refused(bouncer, proxy.dsn(self.pg.database))
+        self.assert_refused(bouncer, bouncer.dsn(port=proxy.port))
         self.assertLessEqual({"outbox-relay", "outbox-relay listen", "outbox-relay owner"},
-                             set(proxy.held),
+                             set(hold.held),
                              "the second claim, listen and owner connections were held back")
 
     def test_a_connection_that_cannot_connect_holds_no_one_back(self):
         # The wait for the other connections' checks ends when they fail:
         # a connection with no session shares none.
         bouncer = self.enterContext(harness.PgBouncer(self.pg, pool_mode="session"))
-        proxy = StartupHoldingProxy(bouncer.port, first="outbox-relay", delay=120.0)
+        hold = HoldAllButFirst("outbox-relay", delay=120.0)
+        proxy = faults.HoldingProxy(bouncer.port, hold)
         self.addCleanup(proxy.close)
         rows = [insert(self.db, "alone", b"row %d" % i) for i in range(20)]
-        relay = self.relay_through(bouncer, proxy.dsn(self.pg.database), connect_timeout="1s",
+        relay = self.relay_through(bouncer, bouncer.dsn(port=proxy.port), connect_timeout="1s",
                                    poll_interval="200ms")
         wait_until(lambda: set(rows) <= set(harness.entries_by_message_id(self.r)),
                    timeout=30, relay=relay,
                    message="the rows, through the one claim connection that connected")
         harness.wait_all_sent(self.db, timeout=30, relay=relay)
         self.assertTrue(relay.alive(), relay.log_tail())
-        self.assertLessEqual({"outbox-relay listen", "outbox-relay owner"}, set(proxy.held))
+        self.assertLessEqual({"outbox-relay listen", "outbox-relay owner"}, set(hold.held))
         self.assertRegex(relay.log(), r"listen connection .*no connection within connect_timeout")
         figures = self.verifier().report(" (the others cannot connect)")
         figures.assert_exactly_once(self)
