@@ -67,6 +67,12 @@ int relay_retire_push(struct relay_retire_queue *q, double due, const char *cmd,
         struct relay_retire_chunk *fresh = chunk_new(q, need);
         if (fresh == NULL)
             return -1;
+        if (c != NULL && c->read == c->write) {
+            /* The queue is empty and its one chunk too small: it is replaced,
+             * never left before the new one, where the head would stop. */
+            chunk_free(q, c);
+            c = NULL;
+        }
         if (c != NULL)
             c->next = fresh;
         else

@@ -399,6 +399,49 @@ class DedupTest(harness.ServerTestCase):
         fig.assert_exactly_once(self)
         self.assertEqual(fig.committed, rows)
 
+    def test_a_removal_larger_than_a_chunk_after_the_queue_emptied(self):
+        """The waiting removals are kept in 1 MiB chunks, and an emptied queue
+        keeps its chunk for the next. One batch's UNLINK can be larger than a
+        chunk: 10,000 rows of one stream with a long name. Pushed into the
+        emptied queue, it must still be sent at its due time, and every
+        removal after it too: a queue that stopped there would keep every
+        later record for its whole dedup_ttl and grow the relay's memory."""
+        relay = self.start_relay(publish_timeout="1s", batch_size=10_000)
+        topic = "t" * 120
+
+        def waiting():
+            return harness.metric(harness.metrics_text(relay),
+                                  "outbox_relay_dedup_removals_waiting_bytes")
+
+        def put(n):
+            with self.db.cursor() as cur:
+                cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                            " SELECT %s, convert_to('row ' || i, 'UTF8')"
+                            " FROM generate_series(1, %s) AS i", (topic, n))
+        put(10)
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        wait_until(lambda: waiting() == 0, timeout=10, interval=0.1, relay=relay,
+                   message="the first batch's removal to be sent")
+        put(10_000)
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        put(50)
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        # Every removal is due 1 s after its commit.
+        try:
+            wait_until(lambda: waiting() == 0 and count_dedup_records(self.r) == 0,
+                       timeout=10, interval=0.2)
+        except AssertionError:
+            pass
+        left, records = waiting(), count_dedup_records(self.r)
+        print(f"a {len(topic)}-byte stream name, batches of 10, 10,000 and 50 rows:"
+              f" {left} bytes of removals waiting and {records} records left after"
+              f" publish_timeout", file=sys.stderr, flush=True)
+        self.assertEqual(left, 0, "removals still waiting after publish_timeout")
+        self.assertEqual(records, 0, "dedup records outlived publish_timeout")
+        fig = self.verifier().report("a large removal")
+        fig.assert_exactly_once(self)
+        self.assertEqual(fig.committed, 10_060)
+
     def test_memory_per_record(self):
         self.start_relay()
         n = 10_000

@@ -114,6 +114,39 @@ static void test_many_commands_across_chunks(void **state)
     assert_null(relay_retire_head(&q));
 }
 
+/* A queue that emptied keeps its last chunk for the next push. A command too
+ * large for that chunk, pushed next, must still be the head: the queue is
+ * read where it was written, and an emptied chunk never blocks what follows. */
+static void test_large_command_into_an_emptied_queue(void **state)
+{
+    (void)state;
+    struct relay_retire_queue q;
+    memset(&q, 0, sizeof(q));
+    static char big[(1 << 20) - 8];
+    memset(big, 'u', sizeof(big));
+    for (int round = 0; round < 3; round++) {
+        assert_int_equal(relay_retire_push(&q, 1.0, "small", 5), 0);
+        relay_retire_pop(&q);
+        assert_null(relay_retire_head(&q));
+        assert_int_equal(relay_retire_push(&q, 2.0, big, sizeof(big)), 0);
+        assert_int_equal(relay_retire_push(&q, 3.0, "after", 5), 0);
+        assert_int_equal(q.items, 2);
+        const struct relay_retire_item *it = relay_retire_head(&q);
+        assert_non_null(it);
+        assert_int_equal(it->len, sizeof(big));
+        assert_memory_equal(it->cmd, big, sizeof(big));
+        relay_retire_pop(&q);
+        it = relay_retire_head(&q);
+        assert_non_null(it);
+        assert_memory_equal(it->cmd, "after", 5);
+        relay_retire_pop(&q);
+        assert_null(relay_retire_head(&q));
+        assert_int_equal(q.items, 0);
+        assert_int_equal(q.bytes, 0);
+    }
+    relay_retire_clear(&q);
+}
+
 static void test_ms_left_rounds_up(void **state)
 {
     (void)state;
@@ -134,6 +167,7 @@ int main(void)
         cmocka_unit_test(test_first_in_first_out),
         cmocka_unit_test(test_due_never_goes_back),
         cmocka_unit_test(test_many_commands_across_chunks),
+        cmocka_unit_test(test_large_command_into_an_emptied_queue),
         cmocka_unit_test(test_ms_left_rounds_up),
     };
     return cmocka_run_group_tests_name("retire", tests, NULL, NULL);
