@@ -167,7 +167,7 @@ static const struct cfg_key cfg_keys[] = {
     {"drain_timeout", CFG_DURATION, CFG_OFF(drain_timeout_ms), 100, 10 * CFG_MIN, "10s", 0, NULL,
      "on SIGTERM, how long to wait for the batch in flight"},
     {"dedup_ttl", CFG_DURATION, CFG_OFF(dedup_ttl_ms), CFG_SEC, 30 * CFG_DAY, "24h", 0, NULL,
-     "how long a dedup record lives in Redis"},
+     "how long a dedup record lives in Redis; not below publish_timeout"},
     {"min_replicas", CFG_UINT, CFG_OFF(min_replicas), 0, 16, "0", 0, NULL,
      "replicas that must hold a batch's writes (WAIT) before it is marked sent; 0 = off"},
     {"replica_timeout", CFG_DURATION, CFG_OFF(replica_timeout_ms), 10, 10 * CFG_MIN, "1s", 0, NULL,
@@ -1272,6 +1272,20 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
         cfg_err(err, errlen,
                 "resume_queue_age = \"%s\": must be below pause_queue_age (%s), the mark that "
                 "pauses a stream",
+                a, b);
+        return -1;
+    }
+    /* A copy of another relay's claim can land until publish_timeout after
+     * that claim's BEGIN; a record published after that BEGIN must outlive it
+     * (docs/DESIGN.md, "The publish deadline"). */
+    if (cfg->dedup_ttl_ms < cfg->publish_timeout_ms) {
+        config_format_duration(cfg->dedup_ttl_ms, a, sizeof(a));
+        config_format_duration(cfg->publish_timeout_ms, b, sizeof(b));
+        cfg_err(err, errlen,
+                "dedup_ttl = \"%s\": must not be shorter than publish_timeout (%s): a copy of a "
+                "batch that another relay gave up on can reach Redis until publish_timeout "
+                "after that claim began, and must still find the dedup record; raise dedup_ttl "
+                "or lower publish_timeout (give every relay of one database the same values)",
                 a, b);
         return -1;
     }

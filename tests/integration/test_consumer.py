@@ -432,7 +432,8 @@ class ConsumerTest(harness.ServerTestCase):
         self.r.config_set("stream-node-max-entries", 1)
         self.addCleanup(self.r.config_set, "stream-node-max-entries", 100)
         relay = self.relay(poll_interval=POLL, observe_interval="200ms", stream_retention="1s",
-                           dedup_ttl="1s", stream_trim_max_hold="2s")
+                           dedup_ttl="1s", publish_timeout="1s",
+                           stream_trim_max_hold="2s")
         t1 = self.consumer(consumer="t1", backoff="30s", block="100ms")
         bad = [insert(self.db, "orders", order_payload(n), headers={"fail": "transient"})
                for n in range(3)]

@@ -263,7 +263,8 @@ class PartitionRelayTest(harness.ServerTestCase):
     def test_retention_trims_partition_streams(self):
         scalar(self.db, "SELECT outbox.set_partitions('orders', 4)")
         self.r.xgroup_create("app:orders:001", "g1", id="0", mkstream=True)
-        relay = self.relay(stream_prefix="app:", stream_retention="1s", dedup_ttl="1s")
+        relay = self.relay(stream_prefix="app:", stream_retention="1s", dedup_ttl="1s",
+                           publish_timeout="1s")
         keys = [f"key-{i}" for i in range(200)]
         insert_many(self.db, [("orders", b"x", k) for k in keys])
         harness.wait_all_sent(self.db, timeout=30, relay=relay)

@@ -258,7 +258,8 @@ class RetentionTest(harness.ServerTestCase):
         self.r.config_set("stream-node-max-entries", 10)
         self.addCleanup(self.r.config_set, "stream-node-max-entries", 100)
         self.r.xgroup_create("orders", "g1", id="$", mkstream=True)
-        relay = self.start_relay(stream_retention="1s", dedup_ttl="1s")
+        relay = self.start_relay(stream_retention="1s", dedup_ttl="1s",
+                                 publish_timeout="1s")
         self.insert_rows("orders", 200)
         wait_until(lambda: self.r.xlen("orders") >= 200, timeout=30, relay=relay)
         all_ids = [e[0] for e in self.r.xrange("orders")]
@@ -290,7 +291,8 @@ class RetentionTest(harness.ServerTestCase):
         self.r.config_set("stream-node-max-entries", 10)
         self.addCleanup(self.r.config_set, "stream-node-max-entries", 100)
         self.r.xgroup_create("orders", "stuck", id="$", mkstream=True)
-        relay = self.start_relay(stream_retention="1s", dedup_ttl="1s", stream_trim_max_hold="2s")
+        relay = self.start_relay(stream_retention="1s", dedup_ttl="1s", publish_timeout="1s",
+                                 stream_trim_max_hold="2s")
         self.insert_rows("orders", 100)
         wait_until(lambda: self.r.xlen("orders") >= 100, timeout=30, relay=relay)
         all_ids = [e[0] for e in self.r.xrange("orders")]
@@ -321,7 +323,8 @@ class RetentionTest(harness.ServerTestCase):
         self.r.xgroup_create("{orders}.g1.replay", "g1", id="0")
         replayed = self.r.xreadgroup("g1", "c1", {"{orders}.g1.replay": ">"}, count=20)[0][1]
         self.r.xack("{orders}.g1.replay", "g1", *[e[0] for e in replayed])
-        relay = self.start_relay(stream_retention="1s", dedup_ttl="1s")
+        relay = self.start_relay(stream_retention="1s", dedup_ttl="1s",
+                                 publish_timeout="1s")
         self.insert_rows("orders", 5)
         wait_until(lambda: self.r.xlen("{orders}.g1.replay") <= 10, timeout=30, relay=relay,
                    message="the acknowledged replays to be trimmed")
