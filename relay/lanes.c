@@ -778,6 +778,8 @@ static void log_row_failures(const struct relay_lane *l)
     }
 }
 
+static void retire_due(struct relay *r);
+
 static void on_retired(redisAsyncContext *ac, void *reply, void *arg)
 {
     struct relay *r = arg;
@@ -787,6 +789,8 @@ static void on_retired(redisAsyncContext *ac, void *reply, void *arg)
         r->retires_pending--;
     if (!r->stopping && r->cycle.draining && relay_cycle_all_idle(&r->cycle))
         relay_drain_step(r);
+    else if (!r->stopping && r->retires_pending == 0 && r->retire_paced)
+        retire_due(r); /* the slice before is answered: the next */
 }
 
 /* Hands the records of the waiting removals, from the oldest, to Redis as
@@ -814,20 +818,34 @@ static void retire_waiting(struct relay *r, size_t keep)
     }
 }
 
-/* Sends the removals that are due, and sets the timer for the next one. */
+/* Sends the removals that are due, RELAY_RETIRE_HANDOFF bytes of them at
+ * most, and sets the timer for the next one. More than that falls due at once
+ * only after Redis was away (up to the whole queue, 16 MiB): the rest follows
+ * a slice at a time, each once every removal sent before it is answered, so
+ * the Redis client's output buffer never holds more than a slice of them. */
 static void retire_due(struct relay *r)
 {
     const struct relay_retire_item *it;
     double now = relay_now();
+    size_t sent = 0;
+    r->retire_paced = 0;
     while ((it = relay_retire_head(&r->retiring)) != NULL && it->due <= now) {
+        if (sent > 0 && sent + it->len > RELAY_RETIRE_HANDOFF) {
+            r->retire_paced = 1;
+            break;
+        }
         if (relay_sink_formatted(r->sink, it->cmd, it->len, on_retired, r) != 0)
             break; /* Redis is away: try again shortly */
+        sent += it->len;
         r->retires_pending++;
         relay_retire_pop(&r->retiring);
     }
     ev_timer_stop(r->loop, &r->retire_timer);
-    if (it == NULL)
+    /* The next slice waits for the replies, which always come: hiredis
+     * answers each callback, with no reply when the connection is lost. */
+    if (it == NULL || r->retire_paced)
         return;
+    /* Due already: Redis is away. */
     double after = it->due > now ? it->due - now : 1.0;
     ev_timer_set(&r->retire_timer, after, 0.0);
     ev_timer_start(r->loop, &r->retire_timer);
@@ -876,7 +894,7 @@ static void retire_dedup_records(struct relay_lane *l)
      * much again in its heap after it was freed. */
     if (r->retiring.bytes > RELAY_RETIRE_QUEUE_MAX)
         retire_waiting(r, RELAY_RETIRE_QUEUE_MAX - RELAY_RETIRE_HANDOFF);
-    if (!ev_is_active(&r->retire_timer))
+    if (!ev_is_active(&r->retire_timer) && !r->retire_paced)
         retire_due(r);
 }
 

@@ -98,6 +98,7 @@ struct relay {
     struct relay_sink *sink;
     struct relay_buf out;               /* one Redis command, formatted; reused, grows only */
     unsigned retires_pending;           /* retires of dedup records not yet answered */
+    int retire_paced;                   /* more removals are due: sent once those are answered */
     struct relay_retire_queue retiring; /* removals of dedup records, until due */
     ev_timer retire_timer;              /* the next removal that falls due */
     ev_timer kick;                      /* runs a wanted claim from the loop, not from a callback */

@@ -39,6 +39,7 @@ Promises tested:
 """
 
 import contextlib
+import signal
 import sys
 import threading
 import time
@@ -441,6 +442,48 @@ class DedupTest(harness.ServerTestCase):
         fig = self.verifier().report("a large removal")
         fig.assert_exactly_once(self)
         self.assertEqual(fig.committed, 10_060)
+
+    def test_removals_due_together_go_a_slice_at_a_time(self):
+        """Removals fall due together when the relay could not send them as
+        each fell due: Redis was away, or the relay was frozen. Up to the
+        whole queue (16 MiB) can then be due. They go out RELAY_RETIRE_HANDOFF
+        (1 MiB) at a time, each slice once the one before is answered, never
+        all at once through the Redis client's output buffer (docs/DESIGN.md,
+        "The publish deadline"). Here the relay is frozen past
+        publish_timeout, and Redis holds write commands unanswered while its
+        clients are paused for writes: only the first slice may leave."""
+        relay = self.start_relay(publish_timeout="3s", stream_prefix=LONG_PREFIX)
+        rows, topic = 12_000, "t" * 200  # about 315 bytes a removal: 3.6 MiB
+
+        def waiting():
+            return harness.metric(harness.metrics_text(relay),
+                                  "outbox_relay_dedup_removals_waiting_bytes")
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                        " SELECT %s, convert_to('row ' || i, 'UTF8')"
+                        " FROM generate_series(1, %s) AS i", (topic, rows))
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        held = waiting()
+        relay.kill(signal.SIGSTOP)
+        self.addCleanup(relay.kill, signal.SIGCONT)
+        self.r.execute_command("CLIENT", "PAUSE", 10000, "WRITE")
+        self.addCleanup(self.r.execute_command, "CLIENT", "UNPAUSE")
+        time.sleep(3.5)  # every removal is due 3 s after its commit
+        relay.kill(signal.SIGCONT)
+        time.sleep(1.5)
+        paused = waiting()
+        self.r.execute_command("CLIENT", "UNPAUSE")
+        wait_until(lambda: waiting() == 0 and count_dedup_records(self.r) == 0, timeout=20,
+                   interval=0.2, relay=relay, message="every removal to be sent and answered")
+        print(f"{held / 2**20:.2f} MiB of removals waiting when the relay froze,"
+              f" {paused / 2**20:.2f} MiB still waiting once all were due and the relay ran"
+              f" again with Redis's writes paused", file=sys.stderr, flush=True)
+        self.assertGreater(held, 3 << 20, "fewer removals waited than the test needs")
+        self.assertGreaterEqual(paused, held - (1 << 20),
+                                "more than a slice of removals sent before any was answered")
+        fig = self.verifier(stream_prefix=LONG_PREFIX).report("removals a slice at a time")
+        fig.assert_exactly_once(self)
+        self.assertEqual(fig.committed, rows)
 
     def test_memory_per_record(self):
         self.start_relay()
