@@ -21,7 +21,8 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
              at fixed rates: commit -> stream entry and commit -> group
              acknowledgement, and the ramps to the highest rate that holds
   producers  pgbench producers at 1/4/16 clients, wake-up trigger present or
-             dropped, synchronous_commit on and off, with a relay running
+             dropped, synchronous_commit on and off, with a relay running; the
+             16 clients in BENCH_PRODUCER_ROUNDS alternating rounds (medians)
   limits     claim-and-mark alone, the publish function alone, the claim's cost
              with no sent rows
   storage    the same backlog drained with rows marked sent and kept
@@ -116,6 +117,8 @@ LOAD_PRODUCERS = env_int("BENCH_LOAD_PRODUCERS", 16)
 IDLE_ROWS = env_int("BENCH_IDLE_ROWS", 30 if QUICK else 100)
 PGBENCH_SECONDS = env_int("BENCH_PGBENCH_SECONDS", 2 if QUICK else 15)
 NORELAY_SECONDS = env_int("BENCH_NORELAY_SECONDS", 2 if QUICK else 6)
+# Rounds in turns of the most producers with and without the wake-up.
+PRODUCER_ROUNDS = env_int("BENCH_PRODUCER_ROUNDS", 1 if QUICK else 3)
 PAIRS = env_int("BENCH_PAIRS", 2 if QUICK else 3)   # interleaved relay/naive pairs at BATCH
 PRODUCER_CLIENTS = env_list("BENCH_PRODUCER_CLIENTS", [1, 4, 16])
 CLAIM_PENDING = env_int("BENCH_CLAIM_PENDING", 10000)
@@ -1422,10 +1425,30 @@ def section_producers():
                 execute(conn, "SELECT pg_reload_conf()")
                 time.sleep(0.2)
                 for i, clients in enumerate(PRODUCER_CLIENTS):
-                    order = ("with", "without") if i % 2 == 0 else ("without", "with")
-                    for wake in order:
-                        run(f"producers.sync_{sync}.c{clients}.{wake}", clients, relay,
-                            drop=wake == "without")
+                    if clients != max(PRODUCER_CLIENTS) or PRODUCER_ROUNDS < 2:
+                        order = ("with", "without") if i % 2 == 0 else ("without", "with")
+                        for wake in order:
+                            run(f"producers.sync_{sync}.c{clients}.{wake}", clients, relay,
+                                drop=wake == "without")
+                        continue
+                    # The target's case: rounds in turns, the figures their
+                    # medians; one round each varied 0.86-1.09 between runs.
+                    name = f"producers.sync_{sync}.c{clients}"
+                    tps = {"with": [], "without": []}
+                    for rnd in range(PRODUCER_ROUNDS):
+                        order = ("with", "without") if (i + rnd) % 2 == 0 else ("without", "with")
+                        for wake in order:
+                            res = run(f"{name}.{wake}.r{rnd + 1}", clients, relay,
+                                      drop=wake == "without")
+                            tps[wake].append(res["tps"])
+                    for wake, values in tps.items():
+                        R.add("producers", f"{name}.{wake}.tps", statistics.median(values),
+                              "tx/s", f"median of {len(values)} rounds in turns")
+                    ratios = [w / wo for w, wo in zip(tps["with"], tps["without"]) if wo]
+                    R.add("producers", f"{name}.ratio_by_round",
+                          " / ".join(f"{x:.2f}" for x in ratios))
+                    log(f"{name}: with / without wake-up by round"
+                        f" {', '.join(f'{x:.2f}' for x in ratios)}")
         finally:
             stop_relay(relay)
         # Without a relay: what the trigger alone costs the producers, when every
