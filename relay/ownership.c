@@ -5,6 +5,7 @@
 
 #include "relay/ownership.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "relay/keys.h"
@@ -31,6 +32,40 @@ static const struct relay_unit *find(const struct relay_unit *units, size_t n, c
     return NULL;
 }
 
+struct keyed {
+    int32_t key;
+    uint32_t at; /* the unit's place in the plan */
+};
+
+static int by_key(const void *a, const void *b)
+{
+    const struct keyed *x = a, *y = b;
+    if (x->key != y->key)
+        return x->key < y->key ? -1 : 1;
+    return x->at < y->at ? -1 : x->at > y->at; /* plan order within a key */
+}
+
+/* Units whose keys collide take the want of the first of them in plan order:
+ * one lock is one owner, and a relay told to take a key another relay holds
+ * for a different partition would wait for it for ever. 0, or -1 when out of
+ * memory. */
+static int share_colliding_keys(struct relay_unit *units, size_t n)
+{
+    if (n < 2)
+        return 0;
+    struct keyed *order = malloc(n * sizeof(*order));
+    if (order == NULL)
+        return -1;
+    for (size_t i = 0; i < n; i++)
+        order[i] = (struct keyed){units[i].key, (uint32_t)i};
+    qsort(order, n, sizeof(*order), by_key);
+    for (size_t i = 1; i < n; i++)
+        if (order[i].key == order[i - 1].key)
+            units[order[i].at].want = units[order[i - 1].at].want;
+    free(order);
+    return 0;
+}
+
 long relay_units_plan(const struct relay_unit *old, size_t nold,
                       const struct relay_topic_parts *topics, size_t ntopics, size_t nmembers,
                       long me, struct relay_unit *out, size_t cap)
@@ -53,6 +88,8 @@ long relay_units_plan(const struct relay_unit *old, size_t nold,
             u->want = me >= 0 && nmembers > 0 && flat % nmembers == (size_t)me;
         }
     }
+    if (share_colliding_keys(out, n) != 0)
+        return -1;
     /* Held partitions that no longer exist (the topic went back to one
      * partition): kept, unwanted, so that they are released. */
     for (size_t i = 0; i < nold; i++) {

@@ -33,7 +33,8 @@ struct relay_topic_parts {
 };
 
 /* The lock key of a partition: fnv1a32 of the topic's name plus the
- * partition, in [0, 2^31). Two partitions that share a key share an owner. */
+ * partition, in [0, 2^31). Two partitions that share a key share an owner:
+ * relay_units_plan gives both to the owner of the first in plan order. */
 int32_t relay_unit_key(const char *topic, size_t topic_len, uint32_t partition);
 
 /* The position of slot in members (sorted, ascending), or -1. */
@@ -44,7 +45,7 @@ long relay_member_position(const int32_t *members, size_t nmembers, int32_t slot
  * exists now (topics sorted by name) or that the relay still holds, with
  * want set for its share (position me of nmembers; me < 0 wants none). The
  * held, ready and since of a unit carry over from old. Returns the number of
- * units written to out, or -1 if cap is too small.
+ * units written to out, or -1 if cap is too small or memory ran out.
  */
 long relay_units_plan(const struct relay_unit *old, size_t nold,
                       const struct relay_topic_parts *topics, size_t ntopics, size_t nmembers,

@@ -260,6 +260,46 @@ class PartitionRelayTest(harness.ServerTestCase):
         wait_until(lambda: harness.unretired_dedup_records(self.r, 5000) == [], timeout=10,
                    interval=0.2, message="the dedup records to be removed")
 
+    def test_partitions_whose_keys_collide_share_an_owner(self):
+        """A partition's lock key is a 31-bit hash: fnv1a32("t37922") is
+        fnv1a32("t268696") + 2, so t268696/0 and t37922/2 are one lock. In
+        plan order they fall to different relays; given apart, the second
+        relay waits for ever for the lock the first holds, and the rows of
+        that partition stay unsent (docs/DESIGN.md, "Several relays")."""
+        t1, t2 = "t268696", "t37922"
+        self.assertEqual((fnv1a32(t1.encode()) + 0) & 0x7fffffff,
+                         (fnv1a32(t2.encode()) + 2) & 0x7fffffff)
+        scalar(self.db, f"SELECT outbox.set_partitions('{t1}', 3),"
+                        f" outbox.set_partitions('{t2}', 3)")
+        flags = dict(poll_interval="100ms", batch_size=50, log_level="debug")
+        a = self.relay(**flags)
+        a.wait_for_log(r"its share is 6 of 6 partitions", timeout=20)
+        b = self.relay(**flags)
+        for relay in (a, b):
+            # 4 and 2: the colliding pair counts once, for the first relay.
+            relay.wait_for_log(r"relay \d of 2 .*its share is \d of 6", timeout=20)
+        rows = [(t, str(seq).encode(), f"key{i}") for t in (t1, t2) for i in range(30)
+                for seq in range(3)]
+        insert_many(self.db, rows)
+        try:
+            harness.wait_all_sent(self.db, timeout=30)
+        except AssertionError:
+            pass
+        with self.db.cursor() as cur:
+            cur.execute("SELECT topic || '/' || partition_no, count(*) FROM outbox.messages"
+                        " WHERE sent_at IS NULL GROUP BY 1 ORDER BY 1")
+            unsent = dict(cur.fetchall())
+        self.assertEqual(unsent, {}, "rows of a partition no relay could take")
+        # Each row once, in its partition's stream.
+        found = harness.entries_by_message_id(self.r)
+        with self.db.cursor() as cur:
+            cur.execute("SELECT message_id::text, topic, partition_no FROM outbox.messages")
+            placed = [(len(found.get(m, [])), [e[0] for e in found.get(m, [])],
+                       f"{t}:{p:03d}".encode()) for m, t, p in cur.fetchall()]
+        self.assertEqual(len(placed), len(rows))
+        wrong = [x for x in placed if x[0] != 1 or x[1] != [x[2]]]
+        self.assertEqual(wrong, [], "rows not in their partition's stream exactly once")
+
     def test_retention_trims_partition_streams(self):
         scalar(self.db, "SELECT outbox.set_partitions('orders', 4)")
         self.r.xgroup_create("app:orders:001", "g1", id="0", mkstream=True)

@@ -90,6 +90,34 @@ static void test_share_is_even_over_topics(void **state)
     assert_int_equal(wanted(out, 6), 3);
 }
 
+/* Partitions whose lock keys collide share one owner: a relay that holds the
+ * key holds both, and no other relay is told to take a lock it cannot get.
+ * fnv1a32("t37922") = fnv1a32("t268696") + 2, so t268696/0 and t37922/2 share
+ * a key; by plan order they would go to different relays. */
+static void test_colliding_keys_share_an_owner(void **state)
+{
+    (void)state;
+    struct relay_topic_parts t[2] = {topic("t268696", 3), topic("t37922", 3)};
+    assert_int_equal(relay_unit_key("t268696", 7, 0), relay_unit_key("t37922", 6, 2));
+    struct relay_unit out[2][CAP];
+    int owners[6] = {0};
+    for (long me = 0; me < 2; me++) {
+        assert_int_equal(relay_units_plan(NULL, 0, t, 2, 2, me, out[me], CAP), 6);
+        for (size_t i = 0; i < 6; i++)
+            for (size_t j = 0; j < 6; j++)
+                if (out[me][i].key == out[me][j].key)
+                    assert_int_equal(out[me][i].want, out[me][j].want);
+        for (size_t i = 0; i < 6; i++)
+            owners[i] += out[me][i].want != 0;
+    }
+    for (size_t i = 0; i < 6; i++)
+        assert_int_equal(owners[i], 1);
+    /* Nothing else moves: the other partitions keep their round-robin owner. */
+    for (size_t i = 0; i < 5; i++)
+        assert_int_equal(out[0][i].want, i % 2 == 0);
+    assert_int_equal(out[0][5].want, 1); /* t37922/2 follows t268696/0 */
+}
+
 /* A relay that is alone wants everything; one not yet listed wants nothing. */
 static void test_alone_and_unlisted(void **state)
 {
@@ -158,6 +186,7 @@ int main(void)
         cmocka_unit_test(test_member_position),
         cmocka_unit_test(test_three_relays_share_eight_partitions),
         cmocka_unit_test(test_share_is_even_over_topics),
+        cmocka_unit_test(test_colliding_keys_share_an_owner),
         cmocka_unit_test(test_alone_and_unlisted),
         cmocka_unit_test(test_state_carries_over_and_share_moves),
         cmocka_unit_test(test_vanished_partitions_are_released),
