@@ -51,7 +51,8 @@
 
 /* More relays than this against one database are refused a slot. */
 #define MEMBER_SLOTS 1024
-/* More partitions than this, over all topics, are not divided. */
+/* The most partitions the relays divide; outbox.set_partitions refuses more
+ * (migrations/015_partition_total.sql). */
 #define UNITS_MAX 4096
 /* How long the fence waits for a previous owner's claims per tick. */
 #define FENCE_WAIT_MS 500
@@ -239,9 +240,11 @@ static int read_look(struct relay_owner *o, PGresult *res)
             nt++;
         } else if (total + (size_t)v > UNITS_MAX) {
             relay_warn(COMPONENT,
-                       "topic %s and those after it are not divided among relays: more than "
-                       "%d partitions in all; lower their counts with outbox.set_partitions",
-                       PQgetvalue(res, i, 2), UNITS_MAX);
+                       "topic %s (%ld partitions) is not divided among relays and its rows stay "
+                       "unsent: with it the partitions of all topics would pass %d; lower the "
+                       "counts with outbox.set_partitions (which refuses such a count since "
+                       "migrations/015_partition_total.sql)",
+                       PQgetvalue(res, i, 2), v, UNITS_MAX);
         }
     }
     o->nmembers = nm;

@@ -164,6 +164,26 @@ class PartitionSchemaTest(harness.PostgresTestCase):
             self.assertIn("1 to 1000", e.diag.message_hint)
         self.assertEqual(self.sql("SELECT count(*) FROM outbox.topics"), 0)
 
+    def test_set_partitions_refuses_more_than_the_relays_divide(self):
+        """The relays divide at most 4096 partitions in all (relay/owner.c);
+        the rows of a partition past it would never be claimed, so the count
+        that would pass it is refused where it is set."""
+        self.addCleanup(self.sql, "SELECT outbox.sync_partition_trigger()")
+        self.addCleanup(self.sql, "DELETE FROM outbox.topics RETURNING 1")
+        for i in range(4):
+            self.sql(f"SELECT outbox.set_partitions('t{i}', 1000)")
+        e = self.assert_sqlstate("54000", "SELECT outbox.set_partitions('t4', 97)")
+        self.assertIn("4097", e.diag.message_primary)
+        self.assertIn("4096", e.diag.message_hint)
+        self.assertEqual(self.sql("SELECT outbox.set_partitions('t4', 96)"), 1)
+        # Lowering one topic makes room; setting a topic to 1 always succeeds.
+        e = self.assert_sqlstate("54000", "SELECT outbox.set_partitions('t5', 2)")
+        self.assertEqual(self.sql("SELECT outbox.set_partitions('t0', 998)"), 1000)
+        self.assertEqual(self.sql("SELECT outbox.set_partitions('t5', 2)"), 1)
+        self.assertEqual(self.sql("SELECT outbox.set_partitions('t5', 1)"), 2)
+        self.assertEqual(self.sql("SELECT sum(partitions) FROM outbox.topics"
+                                  " WHERE partitions > 1"), 4094)
+
     def test_set_partitions_refused_while_rows_are_unsent(self):
         insert(self.db, "orders", b"x", key="k1")
         insert(self.db, "other", b"x", key="k1")

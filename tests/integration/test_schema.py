@@ -195,7 +195,7 @@ class SchemaTest(harness.PostgresTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 14)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 15)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 7"), "007_wakeup_lock.sql")
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
@@ -208,6 +208,8 @@ class SchemaTest(harness.PostgresTestCase):
                                          " WHERE version = 13"), "013_pinned_plans.sql")
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 14"), "014_cached_finish.sql")
+        self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
+                                         " WHERE version = 15"), "015_partition_total.sql")
         # The finish of every batch keeps its plan for the session: a SQL
         # function that cannot be inlined is parsed and planned on every call.
         self.assertEqual(scalar(self.db, "SELECT l.lanname FROM pg_proc AS p JOIN pg_language"
@@ -383,7 +385,7 @@ class SchemaTest(harness.PostgresTestCase):
                                          " WHERE sent_at IS NOT NULL"), 2)
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
                                          " WHERE failed_at IS NOT NULL"), 2)
-        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 14)
+        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 15)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")
