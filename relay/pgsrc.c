@@ -176,6 +176,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "012_partition_owners.sql",
     "013_pinned_plans.sql",
     "014_cached_finish.sql",
+    "015_partition_total.sql",
 };
 
 enum setup_step {

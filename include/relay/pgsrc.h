@@ -108,7 +108,7 @@ void relay_pgsrc_freemem(void *p);
 const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
 
 /* The schema version this relay needs and the migration that brings it. */
-#define RELAY_SCHEMA_VERSION 14
+#define RELAY_SCHEMA_VERSION 15
 
 /* The first keys of the relays' two-key advisory locks
  * (migrations/012_partition_owners.sql, docs/DESIGN.md "Several relays"). */
