@@ -126,8 +126,24 @@ class VanishedHostTest(harness.TestCase):
         def relay_log():
             with open(log_path, errors="replace") as f:
                 return f.read()
-        harness.wait_until(lambda: scalar(self.db, RELAY_SESSIONS, (self.ns_ip,)) >= 3,
-                           timeout=30, message="the relay's three sessions\n" + relay_log())
+
+        def sessions():
+            if relay.poll() is not None:
+                raise AssertionError(f"the relay exited with code {relay.returncode} before"
+                                     f" opening its sessions\n{relay_log()}")
+            return scalar(self.db, RELAY_SESSIONS, (self.ns_ip,)) >= 3
+        try:
+            harness.wait_until(sessions, timeout=60, message="the relay's three sessions")
+        except AssertionError as e:
+            # Said when it fails, not when the wait began: the log, and whether
+            # the namespace reaches PostgreSQL at all.
+            reach = ip("netns", "exec", self.ns, "python3", "-c",
+                       "import socket; socket.create_connection("
+                       f"('{self.host_ip}', {self.pg.port}), 5).close(); print('reachable')",
+                       check=False)
+            raise AssertionError(f"{e}\nPostgreSQL from the namespace: "
+                                 f"{(reach.stdout + reach.stderr).strip()}\n"
+                                 f"relay log:\n{relay_log()}") from None
         # Keep it busy: it claims on its own and holds the wake-up lock.
         stop = threading.Event()
 
