@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The outbox-relay benchmark, one command:
 #
-#   bench/run.sh                  the full run (about 12 minutes on 2 cores)
+#   bench/run.sh                  the full run (about 25 minutes on 2 cores)
 #   BENCH_QUICK=1 bench/run.sh    a smoke run of about 2 minutes, small sizes
 #   bench/run.sh --soak           the soak run instead (bench/soak.py): 30 minutes
 #                                 of steady load, storage and latency against time
