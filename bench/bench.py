@@ -67,8 +67,8 @@ import os
 import platform
 import re
 import resource
-import shutil
 import select
+import shutil
 import signal
 import statistics
 import subprocess
@@ -1417,12 +1417,12 @@ def section_producers():
             cpu0 = proc_cpu(relay.pid) if relay else 0
             batches0 = relay_batches(relay) if relay else None
             meter = CpuMeter(pg, rd)
-            notified = NotifyCounter(pg)
+            counter = NotifyCounter(pg)
             children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             try:
                 res = pgbench(pg, script, clients, seconds)
             finally:
-                res_notified = notified.close()
+                notifications = counter.close()
                 if drop:
                     execute(conn, tdef)
             children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -1433,7 +1433,7 @@ def section_producers():
             res["pg_cpu"] = pg_cpu
             res["pgbench_cpu"] = pgbench_cpu
             res["other_cores"] = meter.other(pgbench_cpu + relay_cpu) / seconds
-            res["notifications"] = res_notified
+            res["notifications"] = notifications
             if relay is not None:
                 res["relay_cpu"] = relay_cpu
                 batches1 = relay_batches(relay)
@@ -1442,7 +1442,7 @@ def section_producers():
                     if res.get("transactions"):
                         res["rows_per_batch"] = res["transactions"] / max(1, batches1 - batches0)
             R.add_dict("producers", name, res, dict(tps="tx/s", _ms="ms", _cpu="s", _cores="cores"))
-            log(f"{name}: {res['tps']:,.0f} tx/s, {res_notified} notifications"
+            log(f"{name}: {res['tps']:,.0f} tx/s, {notifications} notifications"
                 + (f", relay CPU {res['relay_cpu']:.1f}s in {res.get('relay_batches')} batches"
                    if relay is not None else ""))
             return res

@@ -127,23 +127,29 @@ class VanishedHostTest(harness.TestCase):
             with open(log_path, errors="replace") as f:
                 return f.read()
 
-        def sessions():
-            if relay.poll() is not None:
-                raise AssertionError(f"the relay exited with code {relay.returncode} before"
-                                     f" opening its sessions\n{relay_log()}")
-            return scalar(self.db, RELAY_SESSIONS, (self.ns_ip,)) >= 3
-        try:
-            harness.wait_until(sessions, timeout=60, message="the relay's three sessions")
-        except AssertionError as e:
-            # Said when it fails, not when the wait began: the log, and whether
-            # the namespace reaches PostgreSQL at all.
-            reach = ip("netns", "exec", self.ns, "python3", "-c",
+        def wait_for(pred, message, timeout, interval=0.05, detail=lambda: ""):
+            """wait_until, with what a failure needs read when it fails, not
+            when the wait began: whether the relay runs, anything detail adds,
+            and the relay's log."""
+            try:
+                harness.wait_until(pred, timeout=timeout, interval=interval, message=message)
+            except AssertionError as e:
+                state = ("running" if relay.poll() is None
+                         else f"exited with code {relay.returncode}")
+                raise AssertionError(f"{e}\nthe relay: {state}{detail()}\n"
+                                     f"relay log:\n{relay_log()}") from None
+
+        def reachable():
+            reach = ip("netns", "exec", self.ns, sys.executable, "-c",
                        "import socket; socket.create_connection("
                        f"('{self.host_ip}', {self.pg.port}), 5).close(); print('reachable')",
                        check=False)
-            raise AssertionError(f"{e}\nPostgreSQL from the namespace: "
-                                 f"{(reach.stdout + reach.stderr).strip()}\n"
-                                 f"relay log:\n{relay_log()}") from None
+            return f"\nPostgreSQL from the namespace: {(reach.stdout + reach.stderr).strip()}"
+
+        wait_for(lambda: relay.poll() is not None
+                 or scalar(self.db, RELAY_SESSIONS, (self.ns_ip,)) >= 3,
+                 "the relay's three sessions", timeout=60, detail=reachable)
+        self.assertIsNone(relay.poll(), "the relay exited before the test began\n" + relay_log())
         # Keep it busy: it claims on its own and holds the wake-up lock.
         stop = threading.Event()
 
@@ -160,9 +166,8 @@ class VanishedHostTest(harness.TestCase):
         # Freeze it while it holds the lock: a busy relay may release it for a
         # moment between two claims, so check after the freeze and try again.
         for _ in range(50):
-            harness.wait_until(lambda: scalar(self.db, LOCK_HELD) == 1, timeout=30,
-                               interval=0.01,
-                               message="the busy relay to hold the wake-up lock\n" + relay_log())
+            wait_for(lambda: scalar(self.db, LOCK_HELD) == 1,
+                     "the busy relay to hold the wake-up lock", timeout=30, interval=0.01)
             relay.send_signal(signal.SIGSTOP)
             time.sleep(0.05)  # anything it had sent is answered by now
             if scalar(self.db, LOCK_HELD) == 1:
