@@ -440,6 +440,31 @@ def wait_drained(conn, timeout, relay=None):
     return True
 
 
+def fresh_round(conn, rc, stream, timeout=60):
+    """The state a producers' round starts from, the same for every round: no
+    rows in the outbox (the relay has published them all and holds none), no
+    stream, and Redis's append-only file just rewritten. Otherwise each round
+    inherits the dead rows and the growing stream of the rounds before it, and
+    a rewrite of a file grown by them can take a core in any one round."""
+    def rewriting():
+        p = rc.info("persistence")
+        return p.get("aof_rewrite_in_progress") or p.get("aof_rewrite_scheduled")
+
+    def settle(what):
+        deadline = time.monotonic() + timeout
+        while rewriting():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Redis still rewrites its append-only file {what}"
+                                   f" after {timeout} s")
+            time.sleep(0.05)
+
+    execute(conn, "TRUNCATE outbox.messages")
+    rc.delete(stream)
+    settle("from before the round")
+    rc.bgrewriteaof()
+    settle("for the round")
+
+
 def start_relay(pg, rd, **flags):
     # The relay's own defaults, not the test suite's (harness.Relay.test_defaults).
     harness.Relay.test_defaults = {}
@@ -1413,6 +1438,7 @@ def section_producers():
                 execute(conn, "DROP TRIGGER messages_notify ON outbox.messages")
             if relay is not None:
                 wait_drained(conn, 120, relay)
+            fresh_round(conn, rc, "bench")
             execute(conn, "CHECKPOINT")
             cpu0 = proc_cpu(relay.pid) if relay else 0
             batches0 = relay_batches(relay) if relay else None
