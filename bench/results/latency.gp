@@ -4,7 +4,7 @@ set output '/work/main/bench/results/latency.png'
 set multiplot layout 1,2 title "outbox-relay: latency against producer rate (single-row commits, 16 producers, batch 500)"
 set logscale y
 set logscale x
-set xlabel "producer rate achieved (rows/s; targets 500, 2000, 5000, 13900)"
+set xlabel "producer rate achieved (rows/s; targets 500, 2000, 5000, 12400)"
 set ylabel "milliseconds"
 set grid
 set key top left
