@@ -446,25 +446,18 @@ def fresh_round(conn, rc, stream, timeout=60):
     stream, and Redis's append-only file just rewritten. Otherwise each round
     inherits the dead rows and the growing stream of the rounds before it, and
     a rewrite of a file grown by them can take a core in any one round."""
-    def rewriting():
+    def not_rewriting():
         p = rc.info("persistence")
-        return p.get("aof_rewrite_in_progress") or p.get("aof_rewrite_scheduled")
-
-    def settle(what):
-        deadline = time.monotonic() + timeout
-        while rewriting():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Redis still rewrites its append-only file {what}"
-                                   f" after {timeout} s")
-            time.sleep(0.05)
+        return not (p.get("aof_rewrite_in_progress") or p.get("aof_rewrite_scheduled"))
 
     execute(conn, "TRUNCATE outbox.messages")
     rc.delete(stream)
     if not rc.info("persistence").get("aof_enabled"):
         return  # BENCH_REDIS_AOF=no: no file to rewrite
-    settle("from before the round")
+    message = "Redis to end its append-only file's rewrite"
+    harness.wait_until(not_rewriting, timeout, message=message)
     rc.bgrewriteaof()
-    settle("for the round")
+    harness.wait_until(not_rewriting, timeout, message=message)
 
 
 def start_relay(pg, rd, **flags):
@@ -1438,9 +1431,9 @@ def section_producers():
         def run(name, clients, relay=None, drop=False, seconds=PGBENCH_SECONDS):
             if drop:
                 execute(conn, "DROP TRIGGER messages_notify ON outbox.messages")
-            if relay is not None and not wait_drained(conn, 120, relay):
-                raise RuntimeError("rows still pending 120 s after the round before;"
-                                   " the relay's log:\n" + relay.log_tail())
+            if relay is not None:
+                harness.wait_until(lambda: pending(conn) == 0, timeout=120, relay=relay,
+                                   message="the rows of the round before to be published")
             fresh_round(conn, rc, "bench")
             execute(conn, "CHECKPOINT")
             cpu0 = proc_cpu(relay.pid) if relay else 0
