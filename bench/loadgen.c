@@ -43,7 +43,7 @@
  * enough to show how it changes.
  * Topics are bench0..bench<T-1>, round-robin. Prints one JSON object.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include <hiredis/hiredis.h>
 #include <libpq-fe.h>

@@ -53,7 +53,7 @@
  * the to_char format inside a string literal for a variable.
  * Prints one JSON line at exit.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include <hiredis/hiredis.h>
 #include <libpq-fe.h>
@@ -182,7 +182,7 @@ static int print_argv(uint32_t publish_timeout_ms, int call_rows)
         /* The relay's call of call_rows rows, read back from the protocol. */
         static struct relay_row rows[RELAY_CALL_ROWS];
         const struct relay_row *call[RELAY_CALL_ROWS];
-        char err[RELAY_ERROR_MAX];
+        char err[OUTBOX_ERROR_MAX];
         enum relay_row_fault fault;
         for (int i = 0; i < call_rows; i++) {
             rows[i] = row;
@@ -192,7 +192,7 @@ static int print_argv(uint32_t publish_timeout_ms, int call_rows)
                 die("cannot check a row", err);
             call[i] = &rows[i];
         }
-        struct relay_buf out;
+        struct outbox_buf out;
         memset(&out, 0, sizeof(out));
         if (relay_batch_append_publish_call(call, (size_t)call_rows, &before, "", MAX_PAYLOAD_BYTES,
                                             86400000u, wall_ms() + publish_timeout_ms, &out) != 0)
@@ -204,11 +204,11 @@ static int print_argv(uint32_t publish_timeout_ms, int call_rows)
             printf("%.*s\n", (int)n, end + 2);
             p = end + 2 + n + 2;
         }
-        relay_buf_free(&out);
+        outbox_buf_free(&out);
         return 0;
     }
     struct relay_publish_cmd cmd;
-    char err[RELAY_ERROR_MAX];
+    char err[OUTBOX_ERROR_MAX];
     if (relay_batch_build_publish(&row, "", MAX_PAYLOAD_BYTES, 86400000u,
                                   wall_ms() + publish_timeout_ms, &cmd, err, sizeof(err)) < 0)
         die("cannot build a publish", err);
@@ -420,7 +420,7 @@ int main(int argc, char **argv)
     char limit[16];
     snprintf(limit, sizeof(limit), "%d", batch);
     const char *claim_params[6] = {limit, "{}", "{}", "{}", "0", "0"};
-    char err[RELAY_ERROR_MAX];
+    char err[OUTBOX_ERROR_MAX];
     unsigned long long total = 0, batches = 0;
     /* Where each batch's time goes, summed over the batches. */
     double t_claim = 0, t_publish = 0, t_mark = 0, t_commit = 0, t_unlink = 0;

@@ -29,7 +29,7 @@
  * then prints one JSON line. The benchmark reads its CPU time from /proc while
  * it runs.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include <hiredis/hiredis.h>
 #include <libpq-fe.h>

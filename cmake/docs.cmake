@@ -1,7 +1,7 @@
 # The manual pages outbox-relay(8) and outbox-relay.conf(5), and the example
 # configuration with every key commented out at its default. The key table of
 # the page and of the example is written at build time by relay-docgen from
-# relay/config.c's own table, so neither can drift from the code.
+# core/config.c's own table, so neither can drift from the code.
 
 set(RELAY_SYSTEMD_UNIT_DIR "lib/systemd/system" CACHE STRING
   "Where the systemd units are installed, relative to CMAKE_INSTALL_PREFIX")

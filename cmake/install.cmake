@@ -13,7 +13,7 @@ install(TARGETS outbox_consumer_shared EXPORT OutboxConsumerTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT development NAMELINK_ONLY)
 install(TARGETS outbox_consumer EXPORT OutboxConsumerTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT development)
-install(FILES include/outbox/consumer.h include/outbox/order.h
+install(FILES include/outbox/consumer.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/outbox COMPONENT development)
 
 # pkg-config: hiredis is private, since no public header includes it.

@@ -3,20 +3,20 @@
  * failure and the delay is drawn from its upper half, so retries spread out
  * without ever collapsing to zero.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
-#include "relay/backoff.h"
+#include "common/backoff.h"
 
 #include <stdlib.h>
 
-void relay_backoff_init(struct relay_backoff *b, uint32_t min_ms, uint32_t max_ms)
+void outbox_backoff_init(struct outbox_backoff *b, uint32_t min_ms, uint32_t max_ms)
 {
     b->min_ms = min_ms ? min_ms : 1;
     b->max_ms = max_ms < b->min_ms ? b->min_ms : max_ms;
     b->attempt = 0;
 }
 
-uint32_t relay_backoff_next(struct relay_backoff *b, uint32_t rnd)
+uint32_t outbox_backoff_next(struct outbox_backoff *b, uint32_t rnd)
 {
     uint64_t ceiling = b->min_ms;
     for (uint32_t i = 0; i < b->attempt && ceiling < b->max_ms; i++)
@@ -30,12 +30,12 @@ uint32_t relay_backoff_next(struct relay_backoff *b, uint32_t rnd)
     return (uint32_t)(half + rnd % span);
 }
 
-void relay_backoff_reset(struct relay_backoff *b)
+void outbox_backoff_reset(struct outbox_backoff *b)
 {
     b->attempt = 0;
 }
 
-uint32_t relay_backoff_random(void)
+uint32_t outbox_backoff_random(void)
 {
     return (uint32_t)random();
 }

@@ -1,18 +1,18 @@
-/* The growable buffer (include/relay/buf.h). */
-#include "relay/compat.h"
+/* The growable buffer (relay/buf.h). */
+#include "common/compat.h"
 
-#include "relay/buf.h"
+#include "common/buf.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-int relay_buf_reserve(struct relay_buf *b, size_t need)
+int outbox_buf_reserve(struct outbox_buf *b, size_t need)
 {
-    size_t max = b->max ? b->max : RELAY_BUF_MAX_DEFAULT;
+    size_t max = b->max ? b->max : OUTBOX_BUF_MAX_DEFAULT;
     /* len + need + 1 <= max, written so that nothing overflows */
     if (need >= max || b->len > max - need - 1)
-        return RELAY_BUF_FULL;
+        return OUTBOX_BUF_FULL;
     size_t want = b->len + need + 1;
     if (want <= b->cap)
         return 0;
@@ -23,7 +23,7 @@ int relay_buf_reserve(struct relay_buf *b, size_t need)
         cap = cap > max / 2 ? max : cap * 2;
     char *p = realloc(b->data, cap);
     if (p == NULL)
-        return RELAY_BUF_NOMEM;
+        return OUTBOX_BUF_NOMEM;
     if (b->data == NULL)
         p[0] = '\0';
     b->data = p;
@@ -31,11 +31,11 @@ int relay_buf_reserve(struct relay_buf *b, size_t need)
     return 0;
 }
 
-void relay_buf_append(struct relay_buf *b, const void *p, size_t n)
+void outbox_buf_append(struct outbox_buf *b, const void *p, size_t n)
 {
     if (b->failed)
         return;
-    if (relay_buf_reserve(b, n) != 0) {
+    if (outbox_buf_reserve(b, n) != 0) {
         b->failed = 1;
         return;
     }
@@ -45,12 +45,12 @@ void relay_buf_append(struct relay_buf *b, const void *p, size_t n)
     b->data[b->len] = '\0';
 }
 
-void relay_buf_puts(struct relay_buf *b, const char *s)
+void outbox_buf_puts(struct outbox_buf *b, const char *s)
 {
-    relay_buf_append(b, s, strlen(s));
+    outbox_buf_append(b, s, strlen(s));
 }
 
-void relay_buf_printf(struct relay_buf *b, const char *fmt, ...)
+void outbox_buf_printf(struct outbox_buf *b, const char *fmt, ...)
 {
     if (b->failed)
         return;
@@ -66,7 +66,7 @@ void relay_buf_printf(struct relay_buf *b, const char *fmt, ...)
             b->len += (size_t)n;
             return;
         }
-        if (relay_buf_reserve(b, (size_t)n) != 0)
+        if (outbox_buf_reserve(b, (size_t)n) != 0)
             break;
     }
     /* A failed vsnprintf may have written into the spare room: keep the
@@ -76,7 +76,7 @@ void relay_buf_printf(struct relay_buf *b, const char *fmt, ...)
     b->failed = 1;
 }
 
-void relay_buf_reset(struct relay_buf *b)
+void outbox_buf_reset(struct outbox_buf *b)
 {
     b->len = 0;
     b->failed = 0;
@@ -84,7 +84,7 @@ void relay_buf_reset(struct relay_buf *b)
         b->data[0] = '\0';
 }
 
-void relay_buf_free(struct relay_buf *b)
+void outbox_buf_free(struct outbox_buf *b)
 {
     if (b == NULL)
         return;

@@ -1,12 +1,12 @@
-/* A stream entry's fields (include/relay/entry.h). */
-#include "relay/compat.h"
+/* A stream entry's fields (relay/entry.h). */
+#include "common/compat.h"
 
-#include "relay/entry.h"
+#include "common/entry.h"
 
 #include <hiredis/hiredis.h>
 #include <string.h>
 
-const redisReply *relay_entry_field(const redisReply *fields, const char *name)
+const redisReply *outbox_entry_field(const redisReply *fields, const char *name)
 {
     if (fields == NULL || fields->type != REDIS_REPLY_ARRAY)
         return NULL;

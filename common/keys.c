@@ -1,9 +1,10 @@
 /*
- * Redis key names (include/relay/keys.h): the one place that builds them.
+ * Redis key names (relay/keys.h): the one place that builds them.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
-#include "relay/keys.h"
+#include "common/keys.h"
+#include "common/common.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -24,7 +25,7 @@ static uint16_t crc16_xmodem(const char *data, size_t len)
     return crc;
 }
 
-unsigned relay_key_slot(const char *key, size_t len)
+unsigned outbox_key_slot(const char *key, size_t len)
 {
     const char *open = memchr(key, '{', len);
     if (open != NULL) {
@@ -35,18 +36,18 @@ unsigned relay_key_slot(const char *key, size_t len)
             len = (size_t)(close - key);
         }
     }
-    return crc16_xmodem(key, len) & (RELAY_CLUSTER_SLOTS - 1);
+    return crc16_xmodem(key, len) & (OUTBOX_CLUSTER_SLOTS - 1);
 }
 
-int relay_key_stream(const char *prefix, const char *topic, size_t topic_len, char *out,
-                     size_t outlen)
+int outbox_key_stream(const char *prefix, const char *topic, size_t topic_len, char *out,
+                      size_t outlen)
 {
     return fits(
         snprintf(out, outlen, "%s%.*s", prefix != NULL ? prefix : "", (int)topic_len, topic),
         outlen);
 }
 
-uint32_t relay_partition_hash(const void *data, size_t len)
+uint32_t outbox_partition_hash(const void *data, size_t len)
 {
     const unsigned char *p = data;
     uint32_t h = 2166136261u;
@@ -57,58 +58,58 @@ uint32_t relay_partition_hash(const void *data, size_t len)
     return h;
 }
 
-uint32_t relay_partition_of(const char *key, size_t key_len, int64_t id, uint32_t partitions)
+uint32_t outbox_partition_of(const char *key, size_t key_len, int64_t id, uint32_t partitions)
 {
     if (partitions <= 1)
         return 0;
     if (key == NULL)
         return (uint32_t)((uint64_t)id % partitions);
-    return relay_partition_hash(key, key_len) % partitions;
+    return outbox_partition_hash(key, key_len) % partitions;
 }
 
-size_t relay_key_partition_suffix(uint32_t partition, uint32_t partitions,
-                                  char out[RELAY_PARTITION_SUFFIX_LEN])
+size_t outbox_key_partition_suffix(uint32_t partition, uint32_t partitions,
+                                   char out[OUTBOX_PARTITION_SUFFIX_LEN])
 {
     if (partitions <= 1)
         return 0;
-    unsigned v = partition % RELAY_PARTITIONS_MAX;
+    unsigned v = partition % OUTBOX_PARTITIONS_MAX;
     out[0] = ':';
     out[1] = (char)('0' + v / 100);
     out[2] = (char)('0' + v / 10 % 10);
     out[3] = (char)('0' + v % 10);
-    return RELAY_PARTITION_SUFFIX_LEN;
+    return OUTBOX_PARTITION_SUFFIX_LEN;
 }
 
-int relay_key_partition_stream(const char *prefix, const char *topic, size_t topic_len,
-                               uint32_t partition, uint32_t partitions, char *out, size_t outlen)
+int outbox_key_partition_stream(const char *prefix, const char *topic, size_t topic_len,
+                                uint32_t partition, uint32_t partitions, char *out, size_t outlen)
 {
-    char suffix[RELAY_PARTITION_SUFFIX_LEN];
-    size_t slen = relay_key_partition_suffix(partition, partitions, suffix);
+    char suffix[OUTBOX_PARTITION_SUFFIX_LEN];
+    size_t slen = outbox_key_partition_suffix(partition, partitions, suffix);
     return fits(snprintf(out, outlen, "%s%.*s%.*s", prefix != NULL ? prefix : "", (int)topic_len,
                          topic, (int)slen, suffix),
                 outlen);
 }
 
-size_t relay_key_stream_topic_len(const char *name, size_t name_len, int *partition)
+size_t outbox_key_stream_topic_len(const char *name, size_t name_len, int *partition)
 {
     *partition = -1;
-    if (name_len < RELAY_PARTITION_SUFFIX_LEN + 1)
+    if (name_len < OUTBOX_PARTITION_SUFFIX_LEN + 1)
         return name_len;
-    const char *s = name + name_len - RELAY_PARTITION_SUFFIX_LEN;
+    const char *s = name + name_len - OUTBOX_PARTITION_SUFFIX_LEN;
     if (s[0] != ':')
         return name_len;
     int v = 0;
-    for (int i = 1; i < RELAY_PARTITION_SUFFIX_LEN; i++) {
+    for (int i = 1; i < OUTBOX_PARTITION_SUFFIX_LEN; i++) {
         if (s[i] < '0' || s[i] > '9')
             return name_len;
         v = v * 10 + (s[i] - '0');
     }
     *partition = v;
-    return name_len - RELAY_PARTITION_SUFFIX_LEN;
+    return name_len - OUTBOX_PARTITION_SUFFIX_LEN;
 }
 
-int relay_key_dedup(const char *stream, const char *message_id, size_t message_id_len, char *out,
-                    size_t outlen)
+int outbox_key_dedup(const char *stream, const char *message_id, size_t message_id_len, char *out,
+                     size_t outlen)
 {
     return fits(snprintf(out, outlen, "{%s}:dedup:%.*s", stream, (int)message_id_len, message_id),
                 outlen);
@@ -136,28 +137,42 @@ static int join_name(const char *stream, const char *group, const char *suffix, 
     return (int)(a + t + 1 + b + c);
 }
 
-int relay_key_dlq(const char *stream, const char *group, char *out, size_t outlen)
+int outbox_key_dlq(const char *stream, const char *group, char *out, size_t outlen)
 {
     return join_name(stream, group, ".dlq", 1, out, outlen);
 }
 
-int relay_key_replay(const char *stream, const char *group, char *out, size_t outlen)
+int outbox_key_replay(const char *stream, const char *group, char *out, size_t outlen)
 {
     return join_name(stream, group, ".replay", 1, out, outlen);
 }
 
-int relay_key_dlq_old(const char *stream, const char *group, char *out, size_t outlen)
+int outbox_key_dlq_old(const char *stream, const char *group, char *out, size_t outlen)
 {
     return join_name(stream, group, ".dlq", 0, out, outlen);
 }
 
-int relay_key_replay_old(const char *stream, const char *group, char *out, size_t outlen)
+int outbox_key_replay_old(const char *stream, const char *group, char *out, size_t outlen)
 {
     return join_name(stream, group, ".replay", 0, out, outlen);
 }
 
-int relay_key_lease(const char *stream, const char *group, const char *what, char *out,
-                    size_t outlen)
+int outbox_key_lease(const char *stream, const char *group, const char *what, char *out,
+                     size_t outlen)
 {
     return fits(snprintf(out, outlen, "{%s}:%s:%s", stream, what, group), outlen);
+}
+
+int outbox_topic_valid(const char *topic, size_t len)
+{
+    if (topic == NULL || len == 0 || len > OUTBOX_TOPIC_MAX)
+        return 0;
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)topic[i];
+        int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                 c == '.' || c == '_' || c == '-';
+        if (!ok)
+            return 0;
+    }
+    return 1;
 }

@@ -1,9 +1,9 @@
 /*
- * The one Redis connect (include/relay/redisconn.h).
+ * The one Redis connect (relay/redisconn.h).
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
-#include "relay/redisconn.h"
+#include "common/redisconn.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -16,15 +16,15 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 
-#include "relay/keys.h"
-#include "relay/url.h"
-#include "relay/wait.h"
+#include "common/keys.h"
+#include "common/url.h"
+#include "common/wait.h"
 
 /* Marks the context failed, as hiredis does, so the caller drops it. */
-static void call_failed(redisContext *c, enum relay_wait w, uint32_t timeout_ms)
+static void call_failed(redisContext *c, enum outbox_wait w, uint32_t timeout_ms)
 {
     c->err = REDIS_ERR_IO;
-    if (w == RELAY_WAIT_DEADLINE)
+    if (w == OUTBOX_WAIT_DEADLINE)
         snprintf(c->errstr, sizeof(c->errstr), "no answer within %u ms", timeout_ms);
     else
         snprintf(c->errstr, sizeof(c->errstr), "stopped");
@@ -37,15 +37,15 @@ static redisReply *vcall(redisContext *c, int stop_fd, uint32_t timeout_ms, cons
         return NULL;
     if (redisvAppendCommand(c, fmt, ap) != REDIS_OK)
         return NULL;
-    double deadline = relay_mono_now() + timeout_ms / 1000.0;
-    enum relay_wait w;
+    double deadline = outbox_mono_now() + timeout_ms / 1000.0;
+    enum outbox_wait w;
     int done = 0;
     for (;;) {
         if (redisBufferWrite(c, &done) != REDIS_OK)
             return NULL;
         if (done)
             break;
-        if ((w = relay_wait_fd(c->fd, POLLOUT, stop_fd, deadline)) != RELAY_WAIT_READY) {
+        if ((w = outbox_wait_fd(c->fd, POLLOUT, stop_fd, deadline)) != OUTBOX_WAIT_READY) {
             call_failed(c, w, timeout_ms);
             return NULL;
         }
@@ -56,7 +56,7 @@ static redisReply *vcall(redisContext *c, int stop_fd, uint32_t timeout_ms, cons
             return NULL;
         if (reply != NULL)
             return reply;
-        if ((w = relay_wait_fd(c->fd, POLLIN, stop_fd, deadline)) != RELAY_WAIT_READY) {
+        if ((w = outbox_wait_fd(c->fd, POLLIN, stop_fd, deadline)) != OUTBOX_WAIT_READY) {
             call_failed(c, w, timeout_ms);
             return NULL;
         }
@@ -65,8 +65,8 @@ static redisReply *vcall(redisContext *c, int stop_fd, uint32_t timeout_ms, cons
     }
 }
 
-redisReply *relay_redis_call(redisContext *c, int stop_fd, uint32_t timeout_ms, const char *fmt,
-                             ...)
+redisReply *outbox_redis_call(redisContext *c, int stop_fd, uint32_t timeout_ms, const char *fmt,
+                              ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -75,14 +75,14 @@ redisReply *relay_redis_call(redisContext *c, int stop_fd, uint32_t timeout_ms, 
     return r;
 }
 
-static enum relay_redis_fault io_fault(const redisContext *c)
+static enum outbox_redis_fault io_fault(const redisContext *c)
 {
-    return strcmp(c->errstr, "stopped") == 0 ? RELAY_REDIS_STOPPED : RELAY_REDIS_IO;
+    return strcmp(c->errstr, "stopped") == 0 ? OUTBOX_REDIS_STOPPED : OUTBOX_REDIS_IO;
 }
 
 /* Runs one set-up command; 0, or -1 with err and fault set. */
 static int setup(redisContext *c, int stop_fd, uint32_t timeout_ms, const char *what,
-                 const char *hint, char *err, size_t errlen, enum relay_redis_fault *fault,
+                 const char *hint, char *err, size_t errlen, enum outbox_redis_fault *fault,
                  const char *fmt, ...)
 {
     va_list ap;
@@ -97,7 +97,7 @@ static int setup(redisContext *c, int stop_fd, uint32_t timeout_ms, const char *
     int rc = 0;
     if (r->type == REDIS_REPLY_ERROR) {
         /* The server's text never contains the password. */
-        *fault = RELAY_REDIS_REFUSED;
+        *fault = OUTBOX_REDIS_REFUSED;
         snprintf(err, errlen, "Redis refused %s: %.200s%s", what, r->str, hint);
         rc = -1;
     }
@@ -106,21 +106,21 @@ static int setup(redisContext *c, int stop_fd, uint32_t timeout_ms, const char *
 }
 
 /* Waits for the non-blocking connect: 0, or -1 with err and fault set. */
-static int connected(redisContext *c, const struct relay_redis_url *u, uint32_t timeout_ms,
-                     int stop_fd, char *err, size_t errlen, enum relay_redis_fault *fault)
+static int connected(redisContext *c, const struct outbox_redis_url *u, uint32_t timeout_ms,
+                     int stop_fd, char *err, size_t errlen, enum outbox_redis_fault *fault)
 {
-    enum relay_wait w =
-        relay_wait_fd(c->fd, POLLOUT, stop_fd, relay_mono_now() + timeout_ms / 1000.0);
+    enum outbox_wait w =
+        outbox_wait_fd(c->fd, POLLOUT, stop_fd, outbox_mono_now() + timeout_ms / 1000.0);
     int soerr = 0;
     socklen_t len = sizeof(soerr);
-    if (w == RELAY_WAIT_READY && getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &soerr, &len) == 0 &&
+    if (w == OUTBOX_WAIT_READY && getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &soerr, &len) == 0 &&
         soerr == 0)
         return 0;
-    *fault = w == RELAY_WAIT_STOPPED ? RELAY_REDIS_STOPPED : RELAY_REDIS_IO;
-    if (w == RELAY_WAIT_DEADLINE)
+    *fault = w == OUTBOX_WAIT_STOPPED ? OUTBOX_REDIS_STOPPED : OUTBOX_REDIS_IO;
+    if (w == OUTBOX_WAIT_DEADLINE)
         snprintf(err, errlen, "cannot connect to Redis at %.100s:%d: no connection within %u ms",
                  u->host, u->port, timeout_ms);
-    else if (w == RELAY_WAIT_STOPPED)
+    else if (w == OUTBOX_WAIT_STOPPED)
         snprintf(err, errlen, "stopped");
     else
         snprintf(err, errlen, "cannot connect to Redis at %.100s:%d: %.100s", u->host, u->port,
@@ -141,9 +141,9 @@ static int make_blocking(redisContext *c, uint32_t timeout_ms)
     return redisSetTimeout(c, tv) == REDIS_OK ? 0 : -1;
 }
 
-static int open_steps(redisContext *c, const struct relay_redis_url *u, uint32_t connect_timeout_ms,
-                      uint32_t command_timeout_ms, int stop_fd, char *err, size_t errlen,
-                      enum relay_redis_fault *fault)
+static int open_steps(redisContext *c, const struct outbox_redis_url *u,
+                      uint32_t connect_timeout_ms, uint32_t command_timeout_ms, int stop_fd,
+                      char *err, size_t errlen, enum outbox_redis_fault *fault)
 {
     if (connected(c, u, connect_timeout_ms, stop_fd, err, errlen, fault) < 0)
         return -1;
@@ -161,19 +161,19 @@ static int open_steps(redisContext *c, const struct relay_redis_url *u, uint32_t
                             "SELECT %d", u->db) < 0)
         return -1;
     if (stop_fd < 0 && make_blocking(c, command_timeout_ms) < 0) {
-        *fault = RELAY_REDIS_IO;
+        *fault = OUTBOX_REDIS_IO;
         snprintf(err, errlen, "cannot set the command deadline: %s", strerror(errno));
         return -1;
     }
     return 0;
 }
 
-static redisContext *open_url(const struct relay_redis_url *u, uint32_t connect_timeout_ms,
+static redisContext *open_url(const struct outbox_redis_url *u, uint32_t connect_timeout_ms,
                               uint32_t command_timeout_ms, int stop_fd, char *err, size_t errlen,
-                              enum relay_redis_fault *fault);
+                              enum outbox_redis_fault *fault);
 
 /* Reads a "host, port" pair of strings into primary's host and port: 0, or -1. */
-static int take_address(const redisReply *r, struct relay_redis_url *primary)
+static int take_address(const redisReply *r, struct outbox_redis_url *primary)
 {
     if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
         r->element[0]->type != REDIS_REPLY_STRING || r->element[1]->type != REDIS_REPLY_STRING ||
@@ -181,7 +181,7 @@ static int take_address(const redisReply *r, struct relay_redis_url *primary)
         return -1;
     uint64_t port;
     const char *end;
-    if (relay_parse_digits(r->element[1]->str, &port, &end) != 0 || *end != '\0' || port < 1 ||
+    if (outbox_parse_digits(r->element[1]->str, &port, &end) != 0 || *end != '\0' || port < 1 ||
         port > 65535)
         return -1;
     memcpy(primary->host, r->element[0]->str, r->element[0]->len + 1);
@@ -189,8 +189,8 @@ static int take_address(const redisReply *r, struct relay_redis_url *primary)
     return 0;
 }
 
-void relay_sentinel_describe(char *out, size_t outlen, const char *host, int port,
-                             const redisReply *r, const char *lost)
+void outbox_sentinel_describe(char *out, size_t outlen, const char *host, int port,
+                              const redisReply *r, const char *lost)
 {
     int error = r != NULL && r->type == REDIS_REPLY_ERROR;
     snprintf(out, outlen, "Sentinel %.100s:%d %.110s%s", host, port,
@@ -198,20 +198,20 @@ void relay_sentinel_describe(char *out, size_t outlen, const char *host, int por
              : error                      ? r->str
              : r->type == REDIS_REPLY_NIL ? "knows no master of that name"
                                           : "gave an unexpected reply",
-             error && strncmp(r->str, "NOAUTH", 6) == 0 ? RELAY_SENTINEL_AUTH_HINT : "");
+             error && strncmp(r->str, "NOAUTH", 6) == 0 ? OUTBOX_SENTINEL_AUTH_HINT : "");
 }
 
 /* AUTH on a Sentinel, when they have a password: 0, or -1 with err and fault. */
-static int sentinel_auth(redisContext *c, const struct relay_sentinels *st, int stop_fd,
+static int sentinel_auth(redisContext *c, const struct outbox_sentinels *st, int stop_fd,
                          uint32_t timeout_ms, char *err, size_t errlen,
-                         enum relay_redis_fault *fault)
+                         enum outbox_redis_fault *fault)
 {
     if (st->password[0] == '\0')
         return 0;
     if (st->user[0] != '\0')
-        return setup(c, stop_fd, timeout_ms, "AUTH", RELAY_SENTINEL_AUTH_HINT, err, errlen, fault,
+        return setup(c, stop_fd, timeout_ms, "AUTH", OUTBOX_SENTINEL_AUTH_HINT, err, errlen, fault,
                      "AUTH %s %s", st->user, st->password);
-    return setup(c, stop_fd, timeout_ms, "AUTH", RELAY_SENTINEL_AUTH_HINT, err, errlen, fault,
+    return setup(c, stop_fd, timeout_ms, "AUTH", OUTBOX_SENTINEL_AUTH_HINT, err, errlen, fault,
                  "AUTH %s", st->password);
 }
 
@@ -219,13 +219,13 @@ static int sentinel_auth(redisContext *c, const struct relay_sentinels *st, int 
  * Asks each Sentinel in turn for the primary of u's master: primary becomes u
  * with that host and port and no Sentinel. 0, or -1 with err and fault.
  */
-static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeout_ms, int stop_fd,
-                         struct relay_redis_url *primary, char *err, size_t errlen,
-                         enum relay_redis_fault *fault)
+static int ask_sentinels(const struct outbox_redis_url *u, uint32_t connect_timeout_ms, int stop_fd,
+                         struct outbox_redis_url *primary, char *err, size_t errlen,
+                         enum outbox_redis_fault *fault)
 {
     char last[300] = "";
     for (int i = 0; i < u->sentinels.n; i++) {
-        struct relay_redis_url at;
+        struct outbox_redis_url at;
         memset(&at, 0, sizeof(at));
         snprintf(at.host, sizeof(at.host), "%s", u->sentinels.addr[i].host);
         at.port = u->sentinels.addr[i].port;
@@ -233,7 +233,7 @@ static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeo
         redisContext *c =
             open_url(&at, connect_timeout_ms, connect_timeout_ms, stop_fd, why, sizeof(why), fault);
         if (c == NULL) {
-            if (*fault == RELAY_REDIS_STOPPED || *fault == RELAY_REDIS_NOMEM) {
+            if (*fault == OUTBOX_REDIS_STOPPED || *fault == OUTBOX_REDIS_NOMEM) {
                 snprintf(err, errlen, "%s", why);
                 return -1;
             }
@@ -245,9 +245,9 @@ static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeo
         int refused = 0;
         if (sentinel_auth(c, &u->sentinels, stop_fd, connect_timeout_ms, why, sizeof(why), fault) !=
             0) {
-            if (*fault != RELAY_REDIS_REFUSED) {
+            if (*fault != OUTBOX_REDIS_REFUSED) {
                 redisFree(c);
-                if (*fault == RELAY_REDIS_STOPPED || *fault == RELAY_REDIS_NOMEM) {
+                if (*fault == OUTBOX_REDIS_STOPPED || *fault == OUTBOX_REDIS_NOMEM) {
                     snprintf(err, errlen, "%s", why);
                     return -1;
                 }
@@ -257,8 +257,8 @@ static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeo
             refused = 1;
         }
         redisReply *r =
-            relay_redis_call(c, stop_fd, connect_timeout_ms, "SENTINEL get-master-addr-by-name %s",
-                             u->sentinels.master);
+            outbox_redis_call(c, stop_fd, connect_timeout_ms, "SENTINEL get-master-addr-by-name %s",
+                              u->sentinels.master);
         *primary = *u;
         primary->sentinels.n = 0;
         int ok = take_address(r, primary) == 0;
@@ -266,14 +266,14 @@ static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeo
         if (!ok && refused && noauth)
             snprintf(last, sizeof(last), "Sentinel %.100s:%d: %.180s", at.host, at.port, why);
         else if (!ok)
-            relay_sentinel_describe(last, sizeof(last), at.host, at.port, r, c->errstr);
+            outbox_sentinel_describe(last, sizeof(last), at.host, at.port, r, c->errstr);
         if (r != NULL)
             freeReplyObject(r);
         redisFree(c);
         if (ok)
             return 0;
     }
-    *fault = RELAY_REDIS_IO;
+    *fault = OUTBOX_REDIS_IO;
     snprintf(err, errlen,
              "no Sentinel named the primary of master \"%.128s\" (%d asked; last: %.300s): check "
              "redis_sentinel and redis_master, and that the Sentinels are up",
@@ -281,13 +281,13 @@ static int ask_sentinels(const struct relay_redis_url *u, uint32_t connect_timeo
     return -1;
 }
 
-int relay_cluster_slots_parse(const redisReply *r, const char *default_host,
-                              struct relay_addr *primaries, int max, uint8_t *slot_node)
+int outbox_cluster_slots_parse(const redisReply *r, const char *default_host,
+                               struct outbox_addr *primaries, int max, uint8_t *slot_node)
 {
     if (r == NULL || r->type != REDIS_REPLY_ARRAY)
         return -2;
     if (slot_node != NULL)
-        memset(slot_node, RELAY_SLOT_UNCOVERED, RELAY_CLUSTER_SLOTS);
+        memset(slot_node, OUTBOX_SLOT_UNCOVERED, OUTBOX_CLUSTER_SLOTS);
     int count = 0;
     for (size_t i = 0; i < r->elements; i++) {
         const redisReply *e = r->element[i];
@@ -301,7 +301,7 @@ int relay_cluster_slots_parse(const redisReply *r, const char *default_host,
         long long lo = e->element[0]->integer, hi = e->element[1]->integer;
         const char *host = e->element[2]->element[0]->str;
         long long port = e->element[2]->element[1]->integer;
-        if (lo < 0 || hi >= RELAY_CLUSTER_SLOTS || lo > hi || port < 1 || port > 65535)
+        if (lo < 0 || hi >= OUTBOX_CLUSTER_SLOTS || lo > hi || port < 1 || port > 65535)
             continue;
         /* An empty or "?" host: the node asked reaches it at its own address. */
         if (host[0] == '\0' || strcmp(host, "?") == 0)
@@ -327,20 +327,20 @@ int relay_cluster_slots_parse(const redisReply *r, const char *default_host,
 
 /* c, connected to at, or (c freed) a connection to the primary of key's
  * slot when at is a node of a cluster whose map puts the slot elsewhere. */
-static redisContext *relay_redis_route(redisContext *c, struct relay_redis_url *at, const char *key,
-                                       uint32_t connect_timeout_ms, uint32_t command_timeout_ms,
-                                       int stop_fd, char *err, size_t errlen,
-                                       enum relay_redis_fault *fault)
+static redisContext *relay_redis_route(redisContext *c, struct outbox_redis_url *at,
+                                       const char *key, uint32_t connect_timeout_ms,
+                                       uint32_t command_timeout_ms, int stop_fd, char *err,
+                                       size_t errlen, enum outbox_redis_fault *fault)
 {
-    redisReply *r = relay_redis_call(c, stop_fd, connect_timeout_ms, "CLUSTER SLOTS");
-    struct relay_addr *primaries = calloc(PRIMARIES_MAX, sizeof(*primaries));
-    uint8_t *slot_node = malloc(RELAY_CLUSTER_SLOTS);
+    redisReply *r = outbox_redis_call(c, stop_fd, connect_timeout_ms, "CLUSTER SLOTS");
+    struct outbox_addr *primaries = calloc(PRIMARIES_MAX, sizeof(*primaries));
+    uint8_t *slot_node = malloc(OUTBOX_CLUSTER_SLOTS);
     int n = primaries != NULL && slot_node != NULL
-                ? relay_cluster_slots_parse(r, at->host, primaries, PRIMARIES_MAX, slot_node)
+                ? outbox_cluster_slots_parse(r, at->host, primaries, PRIMARIES_MAX, slot_node)
                 : -2;
-    unsigned node = n > 0 ? slot_node[relay_key_slot(key, strlen(key))] : RELAY_SLOT_UNCOVERED;
-    int elsewhere = node != RELAY_SLOT_UNCOVERED && !(primaries[node].port == at->port &&
-                                                      strcmp(primaries[node].host, at->host) == 0);
+    unsigned node = n > 0 ? slot_node[outbox_key_slot(key, strlen(key))] : OUTBOX_SLOT_UNCOVERED;
+    int elsewhere = node != OUTBOX_SLOT_UNCOVERED && !(primaries[node].port == at->port &&
+                                                       strcmp(primaries[node].host, at->host) == 0);
     if (elsewhere) {
         snprintf(at->host, sizeof(at->host), "%s", primaries[node].host);
         at->port = primaries[node].port;
@@ -357,21 +357,21 @@ static redisContext *relay_redis_route(redisContext *c, struct relay_redis_url *
     return open_url(at, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, fault);
 }
 
-redisContext *relay_redis_open_for_key(const struct relay_redis_url *u, const char *key,
-                                       uint32_t connect_timeout_ms, uint32_t command_timeout_ms,
-                                       int stop_fd, char *err, size_t errlen,
-                                       enum relay_redis_fault *fault)
+redisContext *outbox_redis_open_for_key(const struct outbox_redis_url *u, const char *key,
+                                        uint32_t connect_timeout_ms, uint32_t command_timeout_ms,
+                                        int stop_fd, char *err, size_t errlen,
+                                        enum outbox_redis_fault *fault)
 {
     if (u->sentinels.n > 0) /* Sentinel watches single primaries */
-        return relay_redis_open(u, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen,
-                                fault);
+        return outbox_redis_open(u, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen,
+                                 fault);
     redisContext *c = NULL;
-    struct relay_redis_url at = *u;
+    struct outbox_redis_url at = *u;
     for (int i = 0; i < u->nseeds && c == NULL; i++) {
         snprintf(at.host, sizeof(at.host), "%s", u->seeds[i].host);
         at.port = u->seeds[i].port;
         c = open_url(&at, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, fault);
-        if (c == NULL && (*fault == RELAY_REDIS_STOPPED || *fault == RELAY_REDIS_NOMEM))
+        if (c == NULL && (*fault == OUTBOX_REDIS_STOPPED || *fault == OUTBOX_REDIS_NOMEM))
             return NULL;
     }
     if (c == NULL)
@@ -380,23 +380,23 @@ redisContext *relay_redis_open_for_key(const struct relay_redis_url *u, const ch
                              errlen, fault);
 }
 
-int relay_redis_each_primary(redisContext *c, const struct relay_redis_url *u,
-                             uint32_t connect_timeout_ms, uint32_t command_timeout_ms, int stop_fd,
-                             int (*fn)(redisContext *node, void *arg), void *arg, char *err,
-                             size_t errlen)
+int outbox_redis_each_primary(redisContext *c, const struct outbox_redis_url *u,
+                              uint32_t connect_timeout_ms, uint32_t command_timeout_ms, int stop_fd,
+                              int (*fn)(redisContext *node, void *arg), void *arg, char *err,
+                              size_t errlen)
 {
-    redisReply *r = relay_redis_call(c, stop_fd, command_timeout_ms, "CLUSTER SLOTS");
+    redisReply *r = outbox_redis_call(c, stop_fd, command_timeout_ms, "CLUSTER SLOTS");
     if (r == NULL) {
         snprintf(err, errlen, "CLUSTER SLOTS: %s", c->errstr);
         return -1;
     }
-    struct relay_addr *primaries = calloc(PRIMARIES_MAX, sizeof(*primaries));
+    struct outbox_addr *primaries = calloc(PRIMARIES_MAX, sizeof(*primaries));
     if (primaries == NULL) {
         freeReplyObject(r);
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    int count = relay_cluster_slots_parse(r, u->host, primaries, PRIMARIES_MAX, NULL);
+    int count = outbox_cluster_slots_parse(r, u->host, primaries, PRIMARIES_MAX, NULL);
     freeReplyObject(r);
     int rc = 0;
     if (count == -2) {
@@ -406,11 +406,11 @@ int relay_redis_each_primary(redisContext *c, const struct relay_redis_url *u,
         rc = -1;
     }
     for (int i = 0; i < count && rc == 0; i++) {
-        struct relay_redis_url at = *u;
+        struct outbox_redis_url at = *u;
         memset(&at.sentinels, 0, sizeof(at.sentinels));
         snprintf(at.host, sizeof(at.host), "%s", primaries[i].host);
         at.port = primaries[i].port;
-        enum relay_redis_fault fault;
+        enum outbox_redis_fault fault;
         redisContext *node =
             open_url(&at, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, &fault);
         if (node == NULL) {
@@ -424,14 +424,14 @@ int relay_redis_each_primary(redisContext *c, const struct relay_redis_url *u,
     return rc;
 }
 
-redisContext *relay_redis_open(const struct relay_redis_url *u, uint32_t connect_timeout_ms,
-                               uint32_t command_timeout_ms, int stop_fd, char *err, size_t errlen,
-                               enum relay_redis_fault *fault)
+redisContext *outbox_redis_open(const struct outbox_redis_url *u, uint32_t connect_timeout_ms,
+                                uint32_t command_timeout_ms, int stop_fd, char *err, size_t errlen,
+                                enum outbox_redis_fault *fault)
 {
-    *fault = RELAY_REDIS_OK;
+    *fault = OUTBOX_REDIS_OK;
     if (u->sentinels.n == 0)
         return open_url(u, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, fault);
-    struct relay_redis_url primary;
+    struct outbox_redis_url primary;
     if (ask_sentinels(u, connect_timeout_ms, stop_fd, &primary, err, errlen, fault) != 0)
         return NULL;
     redisContext *c =
@@ -440,14 +440,14 @@ redisContext *relay_redis_open(const struct relay_redis_url *u, uint32_t connect
         return NULL;
     /* Between a failover and the Sentinels' next answer, the address can
      * still be the old primary's, now a replica. */
-    redisReply *r = relay_redis_call(c, stop_fd, connect_timeout_ms, "ROLE");
+    redisReply *r = outbox_redis_call(c, stop_fd, connect_timeout_ms, "ROLE");
     int primary_role = r != NULL && r->type == REDIS_REPLY_ARRAY && r->elements > 0 &&
                        r->element[0]->type == REDIS_REPLY_STRING &&
                        strcmp(r->element[0]->str, "master") == 0;
     if (r != NULL)
         freeReplyObject(r);
     if (!primary_role) {
-        *fault = RELAY_REDIS_IO;
+        *fault = OUTBOX_REDIS_IO;
         snprintf(err, errlen,
                  "%.100s:%d, which the Sentinels name as the primary of \"%.128s\", is not a "
                  "primary (yet): try again in a moment",
@@ -458,21 +458,21 @@ redisContext *relay_redis_open(const struct relay_redis_url *u, uint32_t connect
     return c;
 }
 
-static redisContext *open_url(const struct relay_redis_url *u, uint32_t connect_timeout_ms,
+static redisContext *open_url(const struct outbox_redis_url *u, uint32_t connect_timeout_ms,
                               uint32_t command_timeout_ms, int stop_fd, char *err, size_t errlen,
-                              enum relay_redis_fault *fault)
+                              enum outbox_redis_fault *fault)
 {
-    *fault = RELAY_REDIS_OK;
+    *fault = OUTBOX_REDIS_OK;
     redisContext *c = redisConnectNonBlock(u->host, u->port);
     if (c == NULL) {
-        *fault = RELAY_REDIS_NOMEM;
+        *fault = OUTBOX_REDIS_NOMEM;
         snprintf(err, errlen, "cannot connect to Redis: out of memory");
         return NULL;
     }
     if (c->err ||
         open_steps(c, u, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, fault) < 0) {
-        if (c->err && *fault == RELAY_REDIS_OK) {
-            *fault = RELAY_REDIS_IO;
+        if (c->err && *fault == OUTBOX_REDIS_OK) {
+            *fault = OUTBOX_REDIS_IO;
             snprintf(err, errlen, "cannot connect to Redis at %.100s:%d: %s", u->host, u->port,
                      c->errstr);
         }

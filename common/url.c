@@ -1,13 +1,13 @@
 /*
  * The redis:// URL parser, one for the whole tree: the daemon's configuration
- * (relay/config.c) and the consumer library both parse their Redis address
+ * (core/config.c) and the consumer library both parse their Redis address
  * here. Pure: no I/O, no logging; every problem comes back as a message in err
  * that says which part of the URL is wrong and never echoes the user name or
  * password.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
-#include "relay/url.h"
+#include "common/url.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -32,7 +32,7 @@ static void url_err(char *err, size_t errlen, const char *fmt, ...)
     va_end(ap);
 }
 
-int relay_parse_digits(const char *s, uint64_t *out, const char **end)
+int outbox_parse_digits(const char *s, uint64_t *out, const char **end)
 {
     char *e;
     unsigned long long v;
@@ -91,7 +91,7 @@ static const char url_shape[] = "use redis://[user:password@]host[:port][/db]";
  * percent-encoding instead. No message here ever echoes the userinfo.
  * Returns where the host starts, or NULL with err set.
  */
-static const char *url_userinfo(const char *p, struct relay_redis_url *u, char *err, size_t errlen)
+static const char *url_userinfo(const char *p, struct outbox_redis_url *u, char *err, size_t errlen)
 {
     const char *at = strrchr(p, '@');
     if (at == NULL)
@@ -131,7 +131,7 @@ static const char *url_userinfo(const char *p, struct relay_redis_url *u, char *
 
 /* The host at p: a name or IPv4 address, or an IPv6 address in brackets.
  * Returns what follows it, or NULL with err set. */
-static const char *url_host(const char *p, struct relay_redis_url *u, char *err, size_t errlen)
+static const char *url_host(const char *p, struct outbox_redis_url *u, char *err, size_t errlen)
 {
     const char *host, *hend;
     if (*p == '[') {
@@ -184,14 +184,14 @@ static const char *url_host(const char *p, struct relay_redis_url *u, char *err,
 
 /* ":port" and "/db" at p, each optional, and nothing after them.
  * 0, or -1 with err set. */
-static int url_port_db(const char *p, struct relay_redis_url *u, char *err, size_t errlen)
+static int url_port_db(const char *p, struct outbox_redis_url *u, char *err, size_t errlen)
 {
     uint64_t v;
     const char *q;
     if (*p == ':') {
         const char *pend = p + 1 + strcspn(p + 1, "/?#");
         int plen = (int)((size_t)(pend - p - 1) > 16 ? 16 : (size_t)(pend - p - 1));
-        if (relay_parse_digits(p + 1, &v, &q) != 0 || q != pend || v < 1 || v > 65535) {
+        if (outbox_parse_digits(p + 1, &v, &q) != 0 || q != pend || v < 1 || v > 65535) {
             url_err(err, errlen, "port \"%.*s\" must be a number between 1 and 65535", plen, p + 1);
             return -1;
         }
@@ -202,9 +202,9 @@ static int url_port_db(const char *p, struct relay_redis_url *u, char *err, size
         const char *dend = p + 1 + strcspn(p + 1, "?#");
         int dlen = (int)((size_t)(dend - p - 1) > 16 ? 16 : (size_t)(dend - p - 1));
         if (dend != p + 1) { /* "redis://host/" means database 0 */
-            if (relay_parse_digits(p + 1, &v, &q) != 0 || q != dend || v > RELAY_URL_DB_MAX) {
+            if (outbox_parse_digits(p + 1, &v, &q) != 0 || q != dend || v > OUTBOX_URL_DB_MAX) {
                 url_err(err, errlen, "database \"%.*s\" must be a number between 0 and %d", dlen,
-                        p + 1, RELAY_URL_DB_MAX);
+                        p + 1, OUTBOX_URL_DB_MAX);
                 return -1;
             }
             u->db = (int)v;
@@ -227,7 +227,7 @@ static int url_port_db(const char *p, struct relay_redis_url *u, char *err, size
  * when a port is left out); items may start with "redis://" when
  * allow_scheme. 0, or -1 with err. */
 static int parse_addrs(const char *list, int default_port, int allow_scheme, const char *what,
-                       const char *rule, struct relay_addr *out, int max, int *n, char *err,
+                       const char *rule, struct outbox_addr *out, int max, int *n, char *err,
                        size_t errlen)
 {
     const char *p = list != NULL ? list : "";
@@ -261,7 +261,7 @@ static int parse_addrs(const char *list, int default_port, int allow_scheme, con
             url_err(err, errlen, "\"%.64s\" is not host[:port]: %s", item, rule);
             return -1;
         }
-        struct relay_redis_url u;
+        struct outbox_redis_url u;
         memset(&u, 0, sizeof(u));
         u.port = default_port;
         const char *q = url_host(at, &u, err, errlen);
@@ -276,10 +276,10 @@ static int parse_addrs(const char *list, int default_port, int allow_scheme, con
     }
 }
 
-int relay_sentinels_parse(const char *list, const char *master, struct relay_sentinels *out,
-                          char *err, size_t errlen)
+int outbox_sentinels_parse(const char *list, const char *master, struct outbox_sentinels *out,
+                           char *err, size_t errlen)
 {
-    struct relay_sentinels s;
+    struct outbox_sentinels s;
     memset(&s, 0, sizeof(s));
     size_t mlen = master != NULL ? strlen(master) : 0;
     if (mlen == 0 || mlen >= sizeof(s.master)) {
@@ -297,26 +297,26 @@ int relay_sentinels_parse(const char *list, const char *master, struct relay_sen
     memcpy(s.master, master, mlen + 1);
     if (parse_addrs(list, 26379, 0, "Sentinels",
                     "a Sentinel address has no user, password or database", s.addr,
-                    RELAY_SENTINELS_MAX, &s.n, err, errlen) != 0)
+                    OUTBOX_SENTINELS_MAX, &s.n, err, errlen) != 0)
         return -1;
     *out = s;
     return 0;
 }
 
-int relay_url_parse_seeds(const char *list, struct relay_redis_url *out, char *err, size_t errlen)
+int outbox_url_parse_seeds(const char *list, struct outbox_redis_url *out, char *err, size_t errlen)
 {
     const char *comma = list != NULL ? strchr(list, ',') : NULL;
     char first[1024];
     if (comma == NULL)
-        return relay_url_parse(list, out, err, errlen);
+        return outbox_url_parse(list, out, err, errlen);
     if ((size_t)(comma - list) >= sizeof(first)) {
         url_err(err, errlen, "the first address is longer than %zu bytes", sizeof(first) - 1);
         return -1;
     }
     memcpy(first, list, (size_t)(comma - list));
     first[comma - list] = '\0';
-    struct relay_redis_url u;
-    int rc = relay_url_parse(first, &u, err, errlen);
+    struct outbox_redis_url u;
+    int rc = outbox_url_parse(first, &u, err, errlen);
     memset(first, 0, sizeof(first)); /* it holds the password */
     if (rc != 0)
         return -1;
@@ -324,7 +324,7 @@ int relay_url_parse_seeds(const char *list, struct relay_redis_url *out, char *e
     if (parse_addrs(comma + 1, 6379, 1, "seed nodes",
                     "the seed nodes after the first take the first one's user, password and "
                     "database",
-                    u.seeds + 1, RELAY_SEEDS_MAX - 1, &n, err, errlen) != 0)
+                    u.seeds + 1, OUTBOX_SEEDS_MAX - 1, &n, err, errlen) != 0)
         return -1;
     u.nseeds = n + 1;
     snprintf(u.seeds[0].host, sizeof(u.seeds[0].host), "%s", u.host);
@@ -333,9 +333,9 @@ int relay_url_parse_seeds(const char *list, struct relay_redis_url *out, char *e
     return 0;
 }
 
-int relay_url_parse(const char *url, struct relay_redis_url *out, char *err, size_t errlen)
+int outbox_url_parse(const char *url, struct outbox_redis_url *out, char *err, size_t errlen)
 {
-    struct relay_redis_url u;
+    struct outbox_redis_url u;
     memset(&u, 0, sizeof(u));
     u.port = 6379;
     if (url == NULL || url[0] == '\0') {

@@ -1,32 +1,32 @@
-/* Waiting on one descriptor (include/relay/wait.h). */
-#include "relay/compat.h"
+/* Waiting on one descriptor (relay/wait.h). */
+#include "common/compat.h"
 
-#include "relay/wait.h"
+#include "common/wait.h"
 
 #include <errno.h>
 #include <poll.h>
 #include <time.h>
 
-double relay_mono_now(void)
+double outbox_mono_now(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-enum relay_wait relay_wait_fd(int fd, short events, int stop_fd, double deadline)
+enum outbox_wait outbox_wait_fd(int fd, short events, int stop_fd, double deadline)
 {
     for (;;) {
         struct pollfd p[2] = {{.fd = fd, .events = events}, {.fd = stop_fd, .events = POLLIN}};
-        double left = deadline - relay_mono_now();
+        double left = deadline - outbox_mono_now();
         if (left <= 0)
-            return RELAY_WAIT_DEADLINE;
+            return OUTBOX_WAIT_DEADLINE;
         int n = poll(p, 2, left > 3600.0 ? 3600 * 1000 : (int)(left * 1000.0) + 1);
         if (n < 0 && errno != EINTR)
-            return RELAY_WAIT_STOPPED;
+            return OUTBOX_WAIT_STOPPED;
         if (n > 0 && p[1].revents != 0)
-            return RELAY_WAIT_STOPPED;
+            return OUTBOX_WAIT_STOPPED;
         if (n > 0 && p[0].revents != 0)
-            return RELAY_WAIT_READY;
+            return OUTBOX_WAIT_READY;
     }
 }

@@ -32,10 +32,10 @@
  * the most recent failure stays in the object, in err and errstr, with its
  * kind decided where it happens.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "outbox/consumer.h"
-#include "outbox/order.h"
+#include "consumer/order.h"
 
 #include <errno.h>
 #include <hiredis/hiredis.h>
@@ -48,12 +48,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "relay/backoff.h"
-#include "relay/entry.h"
-#include "relay/keys.h"
-#include "relay/redisconn.h"
-#include "relay/common.h"
-#include "relay/url.h"
+#include "common/backoff.h"
+#include "common/entry.h"
+#include "common/keys.h"
+#include "common/redisconn.h"
+#include "common/common.h"
+#include "common/url.h"
 
 #define RECLAIM_BATCH 64
 /* The entries an ordered consumer holds in hand per partition, at most. */
@@ -126,7 +126,7 @@ const char relay_consumer_function_source[] =
      * whose last id is the largest possible one) leaves the dead letter where
      * it was. MULTI/EXEC could not promise that: the XDEL queued after a
      * failed XADD still ran. A dead letter the consumer wrote has at most
-     * 2 * (6 + RELAY_HEADERS_MAX) fields for unpack, far below Lua's limit.
+     * 2 * (6 + OUTBOX_HEADERS_MAX) fields for unpack, far below Lua's limit.
      */
     "local function replay(keys, args)\n"
     "  if #keys ~= 2 or #args ~= 1 then\n"
@@ -315,7 +315,7 @@ struct relay_consumer {
     char consumer[NAME_MAX_LEN];
     char dlq[2 * NAME_MAX_LEN + 16];
     char replay[2 * NAME_MAX_LEN + 16];
-    struct relay_redis_url url;
+    struct outbox_redis_url url;
     relay_consumer_handler_fn *handler;
     void *arg;
 
@@ -326,7 +326,7 @@ struct relay_consumer {
     redisContext *node[CONSUMER_NODES_MAX];
     int nnodes;
     volatile sig_atomic_t stop;
-    struct relay_backoff reconnect;
+    struct outbox_backoff reconnect;
     struct relay_consumer_stats stats;
     long long last_reclaim_ms;
     char lease_ms_s[16];  /* the ordered mode's lease, as an argument */
@@ -383,12 +383,12 @@ static long long now_ms(void)
 
 int relay_consumer_dlq_name(const char *stream, const char *group, char *out, size_t outlen)
 {
-    return relay_key_dlq(stream, group, out, outlen);
+    return outbox_key_dlq(stream, group, out, outlen);
 }
 
 int relay_consumer_replay_name(const char *stream, const char *group, char *out, size_t outlen)
 {
-    return relay_key_replay(stream, group, out, outlen);
+    return outbox_key_replay(stream, group, out, outlen);
 }
 
 int relay_consumer_lease_names(const char *stream, const char *group, char *lease, char *token,
@@ -397,15 +397,15 @@ int relay_consumer_lease_names(const char *stream, const char *group, char *leas
     /* The counter's name is the longer: when it fits, both do. */
     if (strlen(stream) + strlen(group) + sizeof("{}:lease-token:") > outlen)
         return -1;
-    if (relay_key_lease(stream, group, "lease-token", token, outlen) < 0)
+    if (outbox_key_lease(stream, group, "lease-token", token, outlen) < 0)
         return -1;
-    return relay_key_lease(stream, group, "lease", lease, outlen);
+    return outbox_key_lease(stream, group, "lease", lease, outlen);
 }
 
 uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts, uint32_t deliveries)
 {
     const uint32_t *b = opts->nbackoff ? opts->backoff_ms : default_backoff;
-    uint32_t n = opts->nbackoff ? opts->nbackoff : RELAY_ARRAY_LEN(default_backoff);
+    uint32_t n = opts->nbackoff ? opts->nbackoff : OUTBOX_ARRAY_LEN(default_backoff);
     uint32_t i = deliveries == 0 ? 0 : deliveries - 1;
     return b[i < n ? i : n - 1];
 }
@@ -422,7 +422,7 @@ uint64_t relay_consumer_redelivery_horizon_ms(const struct relay_consumer_option
 
 static uint32_t min_backoff(const struct relay_consumer_options *o)
 {
-    uint32_t n = o->nbackoff ? o->nbackoff : RELAY_ARRAY_LEN(default_backoff);
+    uint32_t n = o->nbackoff ? o->nbackoff : OUTBOX_ARRAY_LEN(default_backoff);
     uint32_t m = UINT32_MAX;
     for (uint32_t d = 1; d <= n; d++) {
         uint32_t b = relay_consumer_backoff_ms(o, d);
@@ -504,11 +504,11 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
         c->o.reconnect_min_ms = 100;
     if (c->o.reconnect_max_ms == 0)
         c->o.reconnect_max_ms = 10000;
-    if (c->o.partitions == 1 || c->o.partitions > RELAY_PARTITIONS_MAX) {
+    if (c->o.partitions == 1 || c->o.partitions > OUTBOX_PARTITIONS_MAX) {
         snprintf(err, errlen,
                  "partitions is the number of partitions of a partitioned topic, 2 to %d (0: the "
                  "unordered mode)",
-                 RELAY_PARTITIONS_MAX);
+                 OUTBOX_PARTITIONS_MAX);
         goto fail;
     }
     if (c->o.lease_ms == 0)
@@ -557,8 +557,8 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
         snprintf(err, errlen, "stream and group names are too long together");
         goto fail;
     }
-    if (relay_url_parse_seeds(opts->redis_url != NULL ? opts->redis_url : "", &c->url, err,
-                              errlen) < 0)
+    if (outbox_url_parse_seeds(opts->redis_url != NULL ? opts->redis_url : "", &c->url, err,
+                               errlen) < 0)
         goto fail;
     /* The strings of the copied options point to the caller's memory. */
     c->o.stream = c->stream;
@@ -566,7 +566,7 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
     c->o.consumer = c->consumer;
     c->o.dlq = c->dlq;
     c->o.redis_url = NULL; /* parsed into c->url */
-    relay_backoff_init(&c->reconnect, c->o.reconnect_min_ms, c->o.reconnect_max_ms);
+    outbox_backoff_init(&c->reconnect, c->o.reconnect_min_ms, c->o.reconnect_max_ms);
     return c;
 fail:
     free(c);
@@ -631,11 +631,11 @@ static redisReply *command(redisContext *ctx, int argc, const char **argv, const
 
 /* Records a problem that run retries, and logs it as an error once per
  * change of its text (a repeat is a debug line). */
-RELAY_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt,
-                          ...) __attribute__((format(printf, 3, 4)));
+OUTBOX_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt,
+                           ...) __attribute__((format(printf, 3, 4)));
 
-RELAY_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt,
-                          ...)
+OUTBOX_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt,
+                           ...)
 {
     char text[512];
     va_list ap;
@@ -656,17 +656,17 @@ static redisContext *open_conn_for(struct relay_consumer *c, const char *stream,
                                    uint32_t timeout_ms, const char *role)
 {
     char err[512];
-    enum relay_redis_fault fault;
+    enum outbox_redis_fault fault;
     /* In a cluster, the primary of the stream's slot, where its replay and
      * dead-letter streams are too; found again at every connect, so a
      * failover or a resharding is followed (with seed nodes in the URL). */
-    redisContext *ctx = relay_redis_open_for_key(&c->url, stream, c->o.command_timeout_ms,
-                                                 timeout_ms, -1, err, sizeof(err), &fault);
+    redisContext *ctx = outbox_redis_open_for_key(&c->url, stream, c->o.command_timeout_ms,
+                                                  timeout_ms, -1, err, sizeof(err), &fault);
     if (ctx == NULL) {
         problem(c,
-                fault == RELAY_REDIS_NOMEM     ? RELAY_CONSUMER_ERR_OOM
-                : fault == RELAY_REDIS_REFUSED ? RELAY_CONSUMER_ERR_REDIS
-                                               : RELAY_CONSUMER_ERR_IO,
+                fault == OUTBOX_REDIS_NOMEM     ? RELAY_CONSUMER_ERR_OOM
+                : fault == OUTBOX_REDIS_REFUSED ? RELAY_CONSUMER_ERR_REDIS
+                                                : RELAY_CONSUMER_ERR_IO,
                 "%s", err);
         return NULL;
     }
@@ -752,8 +752,8 @@ static void sleep_ms_interruptible(struct relay_consumer *c, uint32_t ms)
 static void migrate_name(struct relay_consumer *c, const char *stream, const char *now, int replay)
 {
     char old[sizeof(c->dlq)];
-    if ((replay ? relay_key_replay_old(stream, c->group, old, sizeof(old))
-                : relay_key_dlq_old(stream, c->group, old, sizeof(old))) < 0)
+    if ((replay ? outbox_key_replay_old(stream, c->group, old, sizeof(old))
+                : outbox_key_dlq_old(stream, c->group, old, sizeof(old))) < 0)
         return;
     const char *argv[3] = {"RENAMENX", old, now};
     size_t lens[3] = {8, strlen(old), strlen(now)};
@@ -800,14 +800,14 @@ static int connect_all(struct relay_consumer *c)
              c->consumer, c->stream, c->replay, c->group, c->dlq);
     c->last_error[0] = '\0';
     clear_error(c);
-    relay_backoff_reset(&c->reconnect);
+    outbox_backoff_reset(&c->reconnect);
     return 0;
 }
 
 /* A field's value, and its length when len is not NULL. */
 static const redisReply *field(const redisReply *fields, const char *name, size_t *len)
 {
-    const redisReply *v = relay_entry_field(fields, name);
+    const redisReply *v = outbox_entry_field(fields, name);
     if (v != NULL && len != NULL)
         *len = v->len;
     return v;
@@ -1003,11 +1003,11 @@ static int ack(struct relay_consumer *c, const char *stream, const char *entry_i
 }
 
 /* Checks the contract's fields; NULL when fine, else what is missing. */
-RELAY_STATIC const char *parse_message(const redisReply *fields, struct relay_message *m,
-                                       const char **names, const char **values, size_t *vlens);
+OUTBOX_STATIC const char *parse_message(const redisReply *fields, struct relay_message *m,
+                                        const char **names, const char **values, size_t *vlens);
 
-RELAY_STATIC const char *parse_message(const redisReply *fields, struct relay_message *m,
-                                       const char **names, const char **values, size_t *vlens)
+OUTBOX_STATIC const char *parse_message(const redisReply *fields, struct relay_message *m,
+                                        const char **names, const char **values, size_t *vlens)
 {
     size_t len;
     const redisReply *v;
@@ -1043,7 +1043,7 @@ RELAY_STATIC const char *parse_message(const redisReply *fields, struct relay_me
         if (k->type != REDIS_REPLY_STRING || val->type != REDIS_REPLY_STRING ||
             strncmp(k->str, "h.", 2) != 0)
             continue;
-        if (nh == RELAY_HEADERS_MAX)
+        if (nh == OUTBOX_HEADERS_MAX)
             return "the entry has more headers than the contract allows";
         names[nh] = k->str + 2;
         values[nh] = val->str;
@@ -1075,8 +1075,8 @@ static void handle(struct relay_consumer *c, const char *stream, const redisRepl
         return;
     }
     struct relay_message m;
-    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
-    size_t vlens[RELAY_HEADERS_MAX];
+    const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
+    size_t vlens[OUTBOX_HEADERS_MAX];
     memset(&m, 0, sizeof(m));
     const char *bad = parse_message(fields, &m, names, values, vlens);
     if (bad != NULL) {
@@ -1482,9 +1482,9 @@ static int is_parked(const struct part *pt, const char *key, size_t len)
 /* The first key of the parked set read before that is not in the one read
  * now (SMEMBERS replies; NULL when none left or there was none before). Only
  * string members count: a reply of any other shape parks nothing. */
-RELAY_STATIC const redisReply *parked_key_left(const redisReply *before, const redisReply *now);
+OUTBOX_STATIC const redisReply *parked_key_left(const redisReply *before, const redisReply *now);
 
-RELAY_STATIC const redisReply *parked_key_left(const redisReply *before, const redisReply *now)
+OUTBOX_STATIC const redisReply *parked_key_left(const redisReply *before, const redisReply *now)
 {
     if (before == NULL || before->type != REDIS_REPLY_ARRAY)
         return NULL;
@@ -1537,9 +1537,9 @@ static int load_parked(struct relay_consumer *c, struct part *pt)
 }
 
 /* Redis's clock in ms from a TIME reply; -1 when the reply is not one. */
-RELAY_STATIC long long redis_time_ms(const redisReply *t);
+OUTBOX_STATIC long long redis_time_ms(const redisReply *t);
 
-RELAY_STATIC long long redis_time_ms(const redisReply *t)
+OUTBOX_STATIC long long redis_time_ms(const redisReply *t)
 {
     if (t->type != REDIS_REPLY_ARRAY || t->elements != 2)
         return -1;
@@ -1934,8 +1934,8 @@ static void handle_held(struct relay_consumer *c, struct part *pt, struct held *
     char why[512] = "";
 
     struct relay_message m;
-    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
-    size_t vlens[RELAY_HEADERS_MAX];
+    const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
+    size_t vlens[OUTBOX_HEADERS_MAX];
     memset(&m, 0, sizeof(m));
     const char *bad =
         fields->type == REDIS_REPLY_NIL ? NULL : parse_message(fields, &m, names, values, vlens);
@@ -2295,7 +2295,7 @@ static int connect_ordered(struct relay_consumer *c, struct ordered *od)
          c->stream, c->group, c->o.lease_ms);
     c->last_error[0] = '\0';
     clear_error(c);
-    relay_backoff_reset(&c->reconnect);
+    outbox_backoff_reset(&c->reconnect);
     od->next_upkeep = 0;
     return 0;
 fail:
@@ -2309,8 +2309,8 @@ static int run_ordered(struct relay_consumer *c)
     memset(&od, 0, sizeof(od));
     od.n = c->o.partitions;
     od.parts = calloc(od.n, sizeof(*od.parts));
-    if (od.parts == NULL || relay_key_lease(c->stream, c->group, "lease-members", od.members_key,
-                                            sizeof(od.members_key)) < 0) {
+    if (od.parts == NULL || outbox_key_lease(c->stream, c->group, "lease-members", od.members_key,
+                                             sizeof(od.members_key)) < 0) {
         free(od.parts);
         set_error(c, RELAY_CONSUMER_ERR_OOM, "out of memory for the partitions");
         return -1;
@@ -2319,14 +2319,14 @@ static int run_ordered(struct relay_consumer *c)
         struct part *pt = &od.parts[i];
         pt->p = i;
         /* relay_consumer_new checked that every name fits. */
-        if (relay_key_partition_stream(NULL, c->stream, strlen(c->stream), i, od.n, pt->stream,
-                                       sizeof(pt->stream)) < 0 ||
+        if (outbox_key_partition_stream(NULL, c->stream, strlen(c->stream), i, od.n, pt->stream,
+                                        sizeof(pt->stream)) < 0 ||
             relay_consumer_replay_name(pt->stream, c->group, pt->replay, sizeof(pt->replay)) < 0 ||
             relay_consumer_dlq_name(pt->stream, c->group, pt->dlq, sizeof(pt->dlq)) < 0 ||
             relay_consumer_lease_names(pt->stream, c->group, pt->lease, pt->tokens,
                                        sizeof(pt->lease)) < 0 ||
-            relay_key_lease(pt->stream, c->group, "parked", pt->parked_key,
-                            sizeof(pt->parked_key)) < 0) {
+            outbox_key_lease(pt->stream, c->group, "parked", pt->parked_key,
+                             sizeof(pt->parked_key)) < 0) {
             free(od.parts);
             set_error(c, RELAY_CONSUMER_ERR_OOM, "a partition's key names do not fit");
             return -1;
@@ -2336,7 +2336,7 @@ static int run_ordered(struct relay_consumer *c)
         if (c->wr == NULL || c->rd == NULL) {
             if (connect_ordered(c, &od) < 0) {
                 sleep_ms_interruptible(c,
-                                       relay_backoff_next(&c->reconnect, relay_backoff_random()));
+                                       outbox_backoff_next(&c->reconnect, outbox_backoff_random()));
                 continue;
             }
         }
@@ -2393,7 +2393,7 @@ int relay_consumer_run(struct relay_consumer *c)
         if (c->wr == NULL || c->rd == NULL) {
             if (connect_all(c) < 0) {
                 sleep_ms_interruptible(c,
-                                       relay_backoff_next(&c->reconnect, relay_backoff_random()));
+                                       outbox_backoff_next(&c->reconnect, outbox_backoff_random()));
                 continue;
             }
         }

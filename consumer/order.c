@@ -1,5 +1,5 @@
 /*
- * The pure decisions of an ordered consumer (include/outbox/order.h).
+ * The pure decisions of an ordered consumer (consumer/order.h).
  *
  * A key's entries are handled one at a time, in id order: an entry that
  * failed for a reason that may pass holds back the later entries of its key
@@ -8,9 +8,9 @@
  * a partition `count` entries at a time), so a scan from the front is as
  * good as an index.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
-#include "outbox/order.h"
+#include "consumer/order.h"
 
 #include <string.h>
 

@@ -1,6 +1,6 @@
 /*
  * relay-docgen: writes the generated documents of the configuration, so they
- * list exactly the keys of relay/config.c's table. Run at build time:
+ * list exactly the keys of core/config.c's table. Run at build time:
  *
  *   relay-docgen roff|file TEMPLATE OUT
  *
@@ -8,13 +8,13 @@
  * key table, as manual page entries (roff) or as a configuration file with
  * every key commented out at its default (file).
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "relay/config.h"
+#include "core/config.h"
 
 #define DOCGEN_PLACEHOLDER "@RELAY_CONFIG_KEYS@"
 #define DOCGEN_TABLE_MAX (256 * 1024)

@@ -1,14 +1,15 @@
 /*
- * Stream backpressure decisions (include/relay/backpressure.h).
+ * Stream backpressure decisions (relay/backpressure.h).
  */
-#include "relay/compat.h"
+#include "common/compat.h"
+#include "core/pg.h"
 
 #include "relay/backpressure.h"
 
 #include <stdio.h>
 #include <string.h>
 
-#include "relay/config.h"
+#include "core/config.h"
 
 void relay_paused_init(struct relay_paused *p)
 {
@@ -24,36 +25,6 @@ int relay_paused_has(const struct relay_paused *p, const char *topic)
     return 0;
 }
 
-int relay_pg_text_array(char *out, size_t outlen, const char (*items)[RELAY_TOPIC_MAX + 1],
-                        size_t n)
-{
-    size_t len = 0;
-    if (outlen < 3)
-        return -1;
-    out[len++] = '{';
-    for (size_t i = 0; i < n; i++) {
-        /* Room for a separator, the quotes and the closing brace is checked
-         * as we go; an element never writes past outlen - 2. */
-        if (i && len < outlen)
-            out[len++] = ',';
-        if (len < outlen)
-            out[len++] = '"';
-        for (const char *c = items[i]; *c != '\0' && len < outlen; c++) {
-            if ((*c == '"' || *c == '\\') && len + 1 < outlen)
-                out[len++] = '\\';
-            if (len < outlen)
-                out[len++] = *c;
-        }
-        if (len < outlen)
-            out[len++] = '"';
-    }
-    if (len + 2 > outlen)
-        return -1;
-    out[len++] = '}';
-    out[len] = '\0';
-    return 0;
-}
-
 /* Stream-side age of a group: what waits in Redis, not in the outbox (a paused
  * stream's outbox wait must not keep it paused). */
 static double stream_age(const struct relay_group_obs *g)
@@ -66,7 +37,7 @@ size_t relay_backpressure_apply(struct relay_paused *p, const struct relay_confi
                                 const struct relay_observation *o, struct relay_bp_change *changes,
                                 int *resumed)
 {
-    char next[RELAY_OBS_TOPICS_MAX][RELAY_TOPIC_MAX + 1];
+    char next[RELAY_OBS_TOPICS_MAX][OUTBOX_TOPIC_MAX + 1];
     size_t nnext = 0, nchanges = 0;
     *resumed = 0;
     if (o->redis_ok && (cfg->pause_lag_entries != 0 || cfg->pause_queue_age_ms != 0)) {
@@ -105,7 +76,7 @@ size_t relay_backpressure_apply(struct relay_paused *p, const struct relay_confi
     p->n = nnext;
     // cppcheck-suppress legacyUninitvar ; next[0 .. nnext) were written above
     memcpy(p->topics, next, nnext * sizeof(next[0]));
-    if (relay_pg_text_array(p->param, sizeof(p->param), (const char(*)[RELAY_TOPIC_MAX + 1]) next,
+    if (relay_pg_text_array(p->param, sizeof(p->param), (const char(*)[OUTBOX_TOPIC_MAX + 1]) next,
                             nnext) < 0) {
         /* Cannot happen with the sizes above; claim everything rather than
          * send a value that would fail every claim. */

@@ -10,7 +10,7 @@
  * max_attempts); the kind is set where the failure is found, never read back
  * from the message.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "relay/batch.h"
 
@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "relay/keys.h"
+#include "common/keys.h"
 
 /*
  * The publish function. KEYS[1] is the stream, KEYS[2] the message's dedup
@@ -196,20 +196,6 @@ size_t relay_batch_utf8_prefix(const char *s, size_t len, size_t max)
     return n;
 }
 
-int relay_batch_topic_valid(const char *topic, size_t len)
-{
-    if (topic == NULL || len == 0 || len > RELAY_TOPIC_MAX)
-        return 0;
-    for (size_t i = 0; i < len; i++) {
-        unsigned char c = (unsigned char)topic[i];
-        int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                 c == '.' || c == '_' || c == '-';
-        if (!ok)
-            return 0;
-    }
-    return 1;
-}
-
 int64_t relay_batch_decode_int8(const char *buf)
 {
     uint64_t v = 0;
@@ -285,8 +271,8 @@ static void add_arg(struct relay_publish_cmd *cmd, const char *s, size_t len)
 /* A row's headers, decoded from its two binary text[] columns. */
 struct row_headers {
     int n;
-    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
-    size_t name_lens[RELAY_HEADERS_MAX], value_lens[RELAY_HEADERS_MAX];
+    const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
+    size_t name_lens[OUTBOX_HEADERS_MAX], value_lens[OUTBOX_HEADERS_MAX];
 };
 
 /* The row's headers, decoded into h: 0, or -1 with err set. */
@@ -299,25 +285,25 @@ static int check_headers(const struct relay_row *row, struct row_headers *h, cha
                          "fix the producer, then re-queue the row",
                          (int)strlen(row->headers_type), row->headers_type);
     h->n = relay_batch_decode_text_array(row->header_names, row->header_names_len, h->names,
-                                         h->name_lens, RELAY_HEADERS_MAX);
+                                         h->name_lens, OUTBOX_HEADERS_MAX);
     int nvalues = relay_batch_decode_text_array(row->header_values, row->header_values_len,
-                                                h->values, h->value_lens, RELAY_HEADERS_MAX);
+                                                h->values, h->value_lens, OUTBOX_HEADERS_MAX);
     if (h->n < 0 || nvalues != h->n) {
         h->n = 0;
         snprintf(err, errlen,
                  "headers cannot be encoded: at most %d headers are allowed; reduce them in "
                  "the producer, then re-queue the row",
-                 RELAY_HEADERS_MAX);
+                 OUTBOX_HEADERS_MAX);
         return -1;
     }
     for (int i = 0; i < h->n; i++) {
-        if (h->name_lens[i] == 0 || h->name_lens[i] > RELAY_HEADER_NAME_MAX)
+        if (h->name_lens[i] == 0 || h->name_lens[i] > OUTBOX_HEADER_NAME_MAX)
             return set_error(err, errlen,
                              "header name \"%.*s\" cannot be encoded: names are 1 to 128 "
                              "bytes; fix the producer, then re-queue the row",
                              (int)relay_batch_utf8_prefix(h->names[i], h->name_lens[i], 64),
                              h->names[i]);
-        if (h->value_lens[i] > RELAY_HEADER_VALUE_MAX)
+        if (h->value_lens[i] > OUTBOX_HEADER_VALUE_MAX)
             return set_error(err, errlen,
                              "value of header \"%.*s\" exceeds 8192 bytes; shorten it in "
                              "the producer, then re-queue the row",
@@ -343,7 +329,7 @@ static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t ma
      * fails the same way on every attempt until someone changes one of them,
      * so a retry cannot help. */
     *fault = RELAY_FAULT_PERMANENT;
-    if (!relay_batch_topic_valid(row->topic, row->topic_len)) {
+    if (!outbox_topic_valid(row->topic, row->topic_len)) {
         size_t shown = relay_batch_utf8_prefix(row->topic, row->topic_len, 64);
         return set_error(err, errlen,
                          "topic \"%.*s\" is not allowed: a topic is 1 to 200 characters of "
@@ -360,11 +346,11 @@ static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t ma
                  row->payload_len, max_payload_bytes);
         return -1;
     }
-    if (row->key != NULL && row->key_len > RELAY_KEY_MAX) {
+    if (row->key != NULL && row->key_len > OUTBOX_KEY_MAX) {
         snprintf(err, errlen,
                  "partition key of %zu bytes exceeds the limit of %d bytes; shorten it in the "
                  "producer, then re-queue the row",
-                 row->key_len, RELAY_KEY_MAX);
+                 row->key_len, OUTBOX_KEY_MAX);
         return -1;
     }
 
@@ -374,7 +360,7 @@ static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t ma
     /* "<prefix><topic>" and "{<stream>}:dedup:<message id>" must fit the
      * buffers relay_batch_build_publish formats them into (with their NUL). */
     *stream_len =
-        prefix_len + row->topic_len + (row->partitions > 1 ? RELAY_PARTITION_SUFFIX_LEN : 0);
+        prefix_len + row->topic_len + (row->partitions > 1 ? OUTBOX_PARTITION_SUFFIX_LEN : 0);
     *dedup_len = *stream_len + row->message_id_len + sizeof("{}:dedup:") - 1;
     if (*stream_len >= STREAM_NAME_SIZE || row->message_id_len >= DEDUP_KEY_SIZE ||
         *dedup_len >= DEDUP_KEY_SIZE) {
@@ -401,14 +387,15 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
                   &stream_len, &dedup_len, err, errlen, &fault) != 0)
         return -1;
 
-    int slen = relay_key_partition_stream(stream_prefix, row->topic, row->topic_len, row->partition,
-                                          row->partitions, cmd->stream, sizeof(cmd->stream));
-    int dlen = relay_key_dedup(cmd->stream, row->message_id, row->message_id_len, cmd->dedup_key,
-                               sizeof(cmd->dedup_key));
+    int slen =
+        outbox_key_partition_stream(stream_prefix, row->topic, row->topic_len, row->partition,
+                                    row->partitions, cmd->stream, sizeof(cmd->stream));
+    int dlen = outbox_key_dedup(cmd->stream, row->message_id, row->message_id_len, cmd->dedup_key,
+                                sizeof(cmd->dedup_key));
     int alen = row->after == NULL ? 0
-                                  : relay_key_dedup(cmd->stream, row->after->message_id,
-                                                    row->after->message_id_len, cmd->after_key,
-                                                    sizeof(cmd->after_key));
+                                  : outbox_key_dedup(cmd->stream, row->after->message_id,
+                                                     row->after->message_id_len, cmd->after_key,
+                                                     sizeof(cmd->after_key));
     int tlen = snprintf(cmd->ttl, sizeof(cmd->ttl), "%u", dedup_ttl_ms);
     int olen = snprintf(cmd->outbox_id, sizeof(cmd->outbox_id), "%lld", (long long)row->id);
     int nlen =
@@ -461,11 +448,11 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
  * command is computed first, the buffer grows once if at all, and the bytes
  * are copied in with memcpy. */
 
-/* Makes room for need more bytes: 0, or RELAY_BUF_FULL past out->max. */
-static int respbuf_reserve(struct relay_buf *out, size_t need)
+/* Makes room for need more bytes: 0, or OUTBOX_BUF_FULL past out->max. */
+static int respbuf_reserve(struct outbox_buf *out, size_t need)
 {
-    int rc = relay_buf_reserve(out, need);
-    if (rc == RELAY_BUF_NOMEM) {
+    int rc = outbox_buf_reserve(out, need);
+    if (rc == OUTBOX_BUF_NOMEM) {
         /* The relay's policy for memory: no recovery. */
         fputs("outbox-relay: out of memory\n", stderr);
         abort();
@@ -555,9 +542,9 @@ static size_t format_int64(char *buf, int64_t v)
     return (size_t)(put_uint(p, u) - buf);
 }
 
-static size_t partition_suffix(const struct relay_row *row, char out[RELAY_PARTITION_SUFFIX_LEN])
+static size_t partition_suffix(const struct relay_row *row, char out[OUTBOX_PARTITION_SUFFIX_LEN])
 {
-    return relay_key_partition_suffix(row->partition, row->partitions, out);
+    return outbox_key_partition_suffix(row->partition, row->partitions, out);
 }
 
 /* "{<stream>}:dedup:<message id>" of a message in row's stream, as a bulk
@@ -672,7 +659,7 @@ _Static_assert(sizeof(RELAY_FUNCTION_PUBLISH_MANY) - 1 == 28,
 int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t n,
                                     const struct relay_row *after, const char *stream_prefix,
                                     uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
-                                    uint64_t not_after_ms, struct relay_buf *out)
+                                    uint64_t not_after_ms, struct outbox_buf *out)
 {
     if (n == 0)
         return -1;
@@ -680,7 +667,7 @@ int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t 
         stream_prefix = "";
     size_t prefix_len = strlen(stream_prefix);
     const struct relay_row *lead = rows[0];
-    char suffix[RELAY_PARTITION_SUFFIX_LEN];
+    char suffix[OUTBOX_PARTITION_SUFFIX_LEN];
     size_t suffix_len = partition_suffix(lead, suffix);
     size_t stream_len = prefix_len + lead->topic_len + suffix_len;
     /* "{<stream>}:dedup:" and the message id. */
@@ -705,7 +692,7 @@ int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t 
             (after != NULL ? bulk_size(key_base + after->message_id_len) : 0) + bulk_size(ttl_len) +
             bulk_size(not_after_len) + bulk_size(count_len);
     if (respbuf_reserve(out, need) != 0)
-        return RELAY_BUF_FULL;
+        return OUTBOX_BUF_FULL;
 
     /* out->len moves only at the end: a refusal below appends nothing. */
     char *p = put_array(out->data + out->len, argc);
@@ -734,7 +721,7 @@ int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t 
         p = put_crlf(put_uint(put_bulk_head(p, count_digits(nfields)), nfields));
         p = put_fields(p, rows[i], &h, outbox_id, outbox_id_len);
     }
-    *p = '\0'; /* relay_buf keeps data NUL-terminated */
+    *p = '\0'; /* outbox_buf keeps data NUL-terminated */
     out->len = (size_t)(p - out->data);
     return 0;
 }
@@ -748,13 +735,13 @@ int relay_batch_same_stream(const struct relay_row *a, const struct relay_row *b
 }
 
 /* retire_dedup_records formats each key into this much room, NUL included. */
-#define UNLINK_KEY_SIZE (320 + RELAY_TOPIC_MAX)
+#define UNLINK_KEY_SIZE (320 + OUTBOX_TOPIC_MAX)
 /* The command names of a retire, as protocol bulk strings. */
 #define UNLINK_HEAD "$6\r\nUNLINK\r\n"
 #define FCALL_HEAD "$5\r\nFCALL\r\n"
 
 int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char *stream_prefix,
-                              uint32_t ttl_ms, size_t *pos, struct relay_buf *out)
+                              uint32_t ttl_ms, size_t *pos, struct outbox_buf *out)
 {
     if (stream_prefix == NULL)
         stream_prefix = "";
@@ -771,7 +758,7 @@ int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char
             j++;
         if (j < i)
             continue;
-        char suffix[RELAY_PARTITION_SUFFIX_LEN];
+        char suffix[OUTBOX_PARTITION_SUFFIX_LEN];
         size_t suffix_len = partition_suffix(lead, suffix);
         size_t stream_len = prefix_len + lead->topic_len + suffix_len;
         if (stream_len >= STREAM_NAME_SIZE)
@@ -802,7 +789,7 @@ int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char
         }
         if (respbuf_reserve(out, need) != 0) {
             *pos = i;
-            return RELAY_BUF_FULL;
+            return OUTBOX_BUF_FULL;
         }
 
         char *p = put_array(out->data + out->len, argc);
@@ -832,7 +819,7 @@ int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char
             p = put_bulk_head(p, count_digits(ttl_ms));
             p = put_crlf(put_uint(p, ttl_ms));
         }
-        *p = '\0'; /* relay_buf keeps data NUL-terminated */
+        *p = '\0'; /* outbox_buf keeps data NUL-terminated */
         out->len = (size_t)(p - out->data);
         *pos = i + 1;
         return 1;
@@ -842,7 +829,7 @@ int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char
 }
 
 int relay_batch_unlink_as_retire(const char *cmd, size_t len, uint32_t ttl_ms,
-                                 struct relay_buf *out)
+                                 struct outbox_buf *out)
 {
     /* "*<nkeys + 1>\r\n$6\r\nUNLINK\r\n" and the keys */
     const char *end = cmd + len;
@@ -1054,25 +1041,26 @@ int relay_batch_row_quarantined(const struct relay_row *row, uint32_t max_attemp
 }
 
 int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
-                           int delete_sent, const struct relay_sql_quoter *q, struct relay_buf *out)
+                           int delete_sent, const struct relay_sql_quoter *q,
+                           struct outbox_buf *out)
 {
     char buf[160];
     int any = 0, quarantined = 0;
 
-    relay_buf_reset(out);
+    outbox_buf_reset(out);
     for (size_t i = 0; i < n; i++) {
         if (rows[i].state != RELAY_ROW_PUBLISHED)
             continue;
-        relay_buf_puts(out, any           ? ","
-                            : delete_sent ? "SELECT outbox.delete_published('{"
-                                          : "UPDATE outbox.messages SET sent_at = "
-                                            "statement_timestamp() WHERE id = ANY('{");
+        outbox_buf_puts(out, any           ? ","
+                             : delete_sent ? "SELECT outbox.delete_published('{"
+                                           : "UPDATE outbox.messages SET sent_at = "
+                                             "statement_timestamp() WHERE id = ANY('{");
         snprintf(buf, sizeof(buf), "%lld", (long long)rows[i].id);
-        relay_buf_puts(out, buf);
+        outbox_buf_puts(out, buf);
         any = 1;
     }
     if (any)
-        relay_buf_puts(out, "}'::bigint[]);");
+        outbox_buf_puts(out, "}'::bigint[]);");
     for (size_t i = 0; i < n; i++) {
         const struct relay_row *row = &rows[i];
         if (row->state != RELAY_ROW_FAILED)
@@ -1089,19 +1077,19 @@ int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_
             if (lit == NULL)
                 return -1;
         }
-        relay_buf_puts(out, "UPDATE outbox.messages SET attempts = attempts + 1, "
-                            "last_error = ");
-        relay_buf_puts(out, lit);
+        outbox_buf_puts(out, "UPDATE outbox.messages SET attempts = attempts + 1, "
+                             "last_error = ");
+        outbox_buf_puts(out, lit);
         q->freefn(lit);
         snprintf(buf, sizeof(buf),
                  ", retry_at = statement_timestamp() + interval '%u milliseconds', failed_at = %s "
                  "WHERE id = %lld;",
                  relay_batch_row_retry_ms(attempts, ROW_RETRY_BASE_MS, ROW_RETRY_MAX_MS),
                  quarantine ? "statement_timestamp()" : "NULL", (long long)row->id);
-        relay_buf_puts(out, buf);
+        outbox_buf_puts(out, buf);
         quarantined += quarantine;
     }
-    relay_buf_puts(out, "COMMIT");
+    outbox_buf_puts(out, "COMMIT");
     return out->failed ? -1 : quarantined;
 }
 

@@ -1,9 +1,9 @@
 /*
- * The claim cycle's state machine (include/relay/cycle.h): which lane claims,
+ * The claim cycle's state machine (relay/cycle.h): which lane claims,
  * which batch publishes, what a failure rolls back, when to claim again. It
  * holds no rows and sends nothing itself: every effect goes through the ops.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "relay/cycle.h"
 
@@ -26,7 +26,7 @@ void relay_cycle_init(struct relay_cycle *c, const struct relay_cycle_ops *ops, 
     c->nlanes = nlanes < 1 ? 1 : nlanes > RELAY_CYCLE_LANES_MAX ? RELAY_CYCLE_LANES_MAX : nlanes;
     c->publishing = -1;
     c->want_claim = 1;
-    relay_backoff_init(&c->backoff, retry_min_ms, retry_max_ms);
+    outbox_backoff_init(&c->backoff, retry_min_ms, retry_max_ms);
 }
 
 int relay_cycle_all_idle(const struct relay_cycle *c)
@@ -187,7 +187,7 @@ void relay_cycle_failed(struct relay_cycle *c, size_t lane, enum relay_fail_kind
             c->hold_all = 1;
     c->in_backoff = 1;
     c->want_claim = 1;
-    c->ops.arm_retry(c->ops.arg, relay_backoff_next(&c->backoff, relay_backoff_random()));
+    c->ops.arm_retry(c->ops.arg, outbox_backoff_next(&c->backoff, outbox_backoff_random()));
     /* Batches claimed after this one that have not published yet go too, so
      * their rows cannot reach the streams ahead of this batch's. */
     roll_back_later(c, lane);
@@ -328,7 +328,7 @@ void relay_cycle_committed(struct relay_cycle *c, size_t lane, int full)
         return;
     if (c->lanes[lane].seq > c->failed_at_seq) {
         c->failures_in_row = 0;
-        relay_backoff_reset(&c->backoff);
+        outbox_backoff_reset(&c->backoff);
     }
     /* A full batch means more may be waiting; a self-driven relay gets no
      * notifications, so it claims again until a claim comes back empty. */

@@ -15,7 +15,7 @@
  * A republish after an unknown commit outcome is absorbed by the function's
  * dedup record (P2). docs/DESIGN.md, "The claim cycle", has the states.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include <ev.h>
 #include <hiredis/async.h>
@@ -26,9 +26,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "relay/config.h"
+#include "core/config.h"
 #include "relay/daemon.h"
-#include "relay/keys.h"
+#include "common/keys.h"
 #include "relay/log.h"
 #include "relay/owner.h"
 #include "relay/pgsrc.h"
@@ -222,7 +222,7 @@ static void arm_deadline(struct relay *r)
 static int send_call(struct relay *r, struct relay_lane *l, struct relay_row **call, size_t n,
                      const struct relay_row *after, uint64_t not_after)
 {
-    relay_buf_reset(&r->out);
+    outbox_buf_reset(&r->out);
     if (relay_batch_append_publish_call((const struct relay_row *const *)call, n, after,
                                         r->cfg->stream_prefix, r->cfg->max_payload_bytes,
                                         r->cfg->dedup_ttl_ms, not_after, &r->out) != 0) {
@@ -507,7 +507,7 @@ static int parse_row(PGresult *res, int i, struct relay_row *row)
         return -1;
     int32_t partitions = relay_batch_decode_int4(PQgetvalue(res, i, 11));
     row->partitions = partitions < 1 ? 1 : (uint32_t)partitions;
-    row->partition = relay_partition_of(row->key, row->key_len, row->id, row->partitions);
+    row->partition = outbox_partition_of(row->key, row->key_len, row->id, row->partitions);
     row->state = RELAY_ROW_CLAIMED;
     return 0;
 }
@@ -736,7 +736,7 @@ static void count_topics(struct relay_lane *l)
         }
         if (found)
             continue;
-        if (f->ntopics < RELAY_OBS_TOPICS_MAX && row->topic_len <= RELAY_TOPIC_MAX) {
+        if (f->ntopics < RELAY_OBS_TOPICS_MAX && row->topic_len <= OUTBOX_TOPIC_MAX) {
             memcpy(f->topics[f->ntopics].topic, row->topic, row->topic_len);
             f->topics[f->ntopics].topic[row->topic_len] = '\0';
             f->topics[f->ntopics++].published = 1;
@@ -806,7 +806,7 @@ static void retire_waiting(struct relay *r, size_t keep)
         if (it->due <= now) {
             ready = relay_sink_formatted(r->sink, it->cmd, it->len, on_retired, r) == 0;
         } else {
-            relay_buf_reset(&r->out);
+            outbox_buf_reset(&r->out);
             ready = relay_batch_unlink_as_retire(
                         it->cmd, it->len, relay_retire_ms_left(it->due, now), &r->out) == 0 &&
                     relay_sink_formatted(r->sink, r->out.data, r->out.len, on_retired, r) == 0;
@@ -880,7 +880,7 @@ static void retire_dedup_records(struct relay_lane *l)
     double due = relay_now() + r->cfg->publish_timeout_ms / 1000.0;
     size_t pos = 0;
     for (;;) {
-        relay_buf_reset(&r->out);
+        outbox_buf_reset(&r->out);
         if (relay_batch_append_retire(l->rows, l->nrows, r->cfg->stream_prefix, 0, &pos, &r->out) !=
             1)
             break;
@@ -902,7 +902,7 @@ static void retire_dedup_records(struct relay_lane *l)
 static void count_seconds(unsigned long long *hist, double *sum, double took)
 {
     size_t b = 0;
-    while (b < RELAY_ARRAY_LEN(relay_batch_buckets) && took > relay_batch_buckets[b])
+    while (b < OUTBOX_ARRAY_LEN(relay_batch_buckets) && took > relay_batch_buckets[b])
         b++;
     hist[b]++;
     *sum += took;
@@ -1115,8 +1115,8 @@ void relay_lanes_stop(struct relay *r)
         l->claim_res = NULL;
         free(l->rows);
         l->rows = NULL;
-        relay_buf_free(&l->sql);
+        outbox_buf_free(&l->sql);
         relay_batch_streams_free(&l->streams);
     }
-    relay_buf_free(&r->out);
+    outbox_buf_free(&r->out);
 }

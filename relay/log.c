@@ -26,11 +26,11 @@
  * line) and bytes that are not UTF-8 as U+FFFD; the message, each key and each
  * value have caps, so a line has a bounded size whatever the text.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "relay/log.h"
 
-#include "relay/common.h"
+#include "common/common.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -66,17 +66,6 @@ void relay_log_set_json(int on)
     log_json = on != 0;
 }
 
-int relay_log_parse_format(const char *name)
-{
-    if (name == NULL)
-        return -1;
-    if (strcmp(name, "text") == 0)
-        return 0;
-    if (strcmp(name, "json") == 0)
-        return 1;
-    return -1;
-}
-
 /* ---- JSON lines -------------------------------------------------------- */
 
 /* Caps on the escaped text of the message, a key and a value, and on the
@@ -95,11 +84,11 @@ struct log_pair {
     size_t keylen, valuelen;
 };
 
-/* File-local, reachable from tests/unit/test_log.c (RELAY_STATIC is empty there). */
-RELAY_STATIC size_t log_utf8_len(const unsigned char *s, size_t n);
-RELAY_STATIC size_t log_find_pairs(const char *text, struct log_pair *pairs, size_t max);
-RELAY_STATIC size_t log_format_json(char *out, size_t outlen, const char *stamp, const char *level,
-                                    const char *component, const char *text);
+/* File-local, reachable from tests/unit/test_log.c (OUTBOX_STATIC is empty there). */
+OUTBOX_STATIC size_t log_utf8_len(const unsigned char *s, size_t n);
+OUTBOX_STATIC size_t log_find_pairs(const char *text, struct log_pair *pairs, size_t max);
+OUTBOX_STATIC size_t log_format_json(char *out, size_t outlen, const char *stamp, const char *level,
+                                     const char *component, const char *text);
 
 struct json_out {
     char *p;
@@ -125,7 +114,7 @@ static void json_puts(struct json_out *o, const char *s)
 
 /* The length of the well-formed UTF-8 sequence at s (at most n bytes), or 0:
  * no overlong forms, no surrogates, nothing above U+10FFFF. */
-RELAY_STATIC size_t log_utf8_len(const unsigned char *s, size_t n)
+OUTBOX_STATIC size_t log_utf8_len(const unsigned char *s, size_t n)
 {
     unsigned char c = s[0];
     size_t len;
@@ -219,7 +208,7 @@ static int log_space(unsigned char c)
  * character in). Empty values, values that start with '=' and repeated keys
  * are skipped.
  */
-RELAY_STATIC size_t log_find_pairs(const char *text, struct log_pair *pairs, size_t max)
+OUTBOX_STATIC size_t log_find_pairs(const char *text, struct log_pair *pairs, size_t max)
 {
     size_t np = 0;
     const char *p = text;
@@ -282,8 +271,8 @@ RELAY_STATIC size_t log_find_pairs(const char *text, struct log_pair *pairs, siz
  * length. stamp is the RFC 3339 time, level one of "debug" ... "error",
  * component may be NULL; text is the formatted message, as it is.
  */
-RELAY_STATIC size_t log_format_json(char *out, size_t outlen, const char *stamp, const char *level,
-                                    const char *component, const char *text)
+OUTBOX_STATIC size_t log_format_json(char *out, size_t outlen, const char *stamp, const char *level,
+                                     const char *component, const char *text)
 {
     static const char *const fixed[] = {"time", "level", "component", "message"};
     struct json_out o = {out, outlen, 0};
@@ -329,19 +318,6 @@ void relay_log_set_level(enum relay_log_level level)
 enum relay_log_level relay_log_get_level(void)
 {
     return log_min_level;
-}
-
-int relay_log_parse_level(const char *name)
-{
-    static const char *const names[] = {"debug", "info", "warning", "error"};
-    size_t i;
-
-    if (name == NULL)
-        return -1;
-    for (i = 0; i < sizeof(names) / sizeof(names[0]); i++)
-        if (strcasecmp(name, names[i]) == 0)
-            return (int)i;
-    return -1;
 }
 
 /* The time as RFC 3339 UTC with milliseconds. */

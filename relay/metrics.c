@@ -1,5 +1,5 @@
 /*
- * The HTTP endpoint of include/relay/metrics.h.
+ * The HTTP endpoint of relay/metrics.h.
  *
  * Deliberately small: HTTP/1.0-style, one request per connection, the
  * response written in full and the socket closed. A request is at most
@@ -21,7 +21,7 @@
  * accepting pauses for ACCEPT_PAUSE), the loop never spins on a listening
  * socket that stays readable.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "relay/metrics.h"
 
@@ -39,9 +39,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "relay/common.h"
+#include "common/common.h"
 #include "relay/log.h"
-#include "relay/tools.h"
+#include "core/text.h"
 
 #define COMPONENT "metrics"
 #define REQUEST_MAX 8192
@@ -190,8 +190,8 @@ static void respond_text(struct client *c, int status, const char *reason, const
  * other than GET and HEAD, else 200 with *path the endpoint, one of
  * "/metrics", "/healthz" and "/readyz"), and in *head whether it is a HEAD.
  */
-RELAY_STATIC int metrics_parse_request(const char *req, int *head, const char **path);
-RELAY_STATIC int metrics_parse_request(const char *req, int *head, const char **path)
+OUTBOX_STATIC int metrics_parse_request(const char *req, int *head, const char **path);
+OUTBOX_STATIC int metrics_parse_request(const char *req, int *head, const char **path)
 {
     static const char *const known[] = {"/metrics", "/healthz", "/readyz"};
     char method[16], target[256];
@@ -211,8 +211,8 @@ RELAY_STATIC int metrics_parse_request(const char *req, int *head, const char **
 }
 
 /* Whether the bytes read so far (NUL-terminated) end the request's head. */
-RELAY_STATIC int metrics_request_complete(const char *req);
-RELAY_STATIC int metrics_request_complete(const char *req)
+OUTBOX_STATIC int metrics_request_complete(const char *req);
+OUTBOX_STATIC int metrics_request_complete(const char *req)
 {
     return strstr(req, "\r\n\r\n") != NULL || strstr(req, "\n\n") != NULL;
 }
@@ -456,24 +456,24 @@ void relay_metrics_free(struct relay_metrics *m)
     free(m);
 }
 
-void relay_text_label(struct relay_buf *t, const char *s)
+void relay_text_label(struct outbox_buf *t, const char *s)
 {
     size_t len = strlen(s);
     for (size_t i = 0; i < len && !t->failed;) {
-        size_t n = relay_tools_utf8_char(s + i, len - i, NULL);
+        size_t n = relay_text_utf8_char(s + i, len - i, NULL);
         if (n == 0) {
-            relay_buf_printf(t, "\xef\xbf\xbd"); /* U+FFFD for a byte that is not UTF-8 */
+            outbox_buf_printf(t, "\xef\xbf\xbd"); /* U+FFFD for a byte that is not UTF-8 */
             i++;
             continue;
         }
         if (s[i] == '\\')
-            relay_buf_printf(t, "\\\\");
+            outbox_buf_printf(t, "\\\\");
         else if (s[i] == '"')
-            relay_buf_printf(t, "\\\"");
+            outbox_buf_printf(t, "\\\"");
         else if (s[i] == '\n')
-            relay_buf_printf(t, "\\n");
+            outbox_buf_printf(t, "\\n");
         else
-            relay_buf_printf(t, "%.*s", (int)n, s + i);
+            outbox_buf_printf(t, "%.*s", (int)n, s + i);
         i += n;
     }
 }

@@ -1,10 +1,10 @@
 /*
- * The daemon's observation thread and its hand-off (include/relay/observer.h).
+ * The daemon's observation thread and its hand-off (relay/observer.h).
  * After each observation the thread also runs retention (relay/retention.c).
  * The thread writes into a buffer under a mutex and wakes the loop with an
  * ev_async; the loop copies it out under the same mutex and calls back.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "relay/observer.h"
 
@@ -17,10 +17,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "relay/config.h"
-#include "relay/observe.h"
+#include "core/config.h"
+#include "core/observe.h"
 #include "relay/retention.h"
-#include "relay/streamlist.h"
+#include "core/streamlist.h"
 
 struct relay_observer {
     struct ev_loop *loop;

@@ -30,7 +30,7 @@
  * deadline, Redis refuses the batch (relay/batch.c), so it can never append
  * behind the new owner's entries.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include <errno.h>
 #include <ev.h>
@@ -39,8 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "relay/buf.h"
-#include "relay/config.h"
+#include "common/buf.h"
+#include "core/config.h"
 #include "relay/daemon.h"
 #include "relay/log.h"
 #include "relay/owner.h"
@@ -80,9 +80,9 @@ struct relay_owner {
     size_t nmembers;
     long me;
     double fence_started;
-    struct relay_buf sql;
+    struct outbox_buf sql;
     /* What claims use: "BEGIN; take the fences" and the OWNED parameters. */
-    struct relay_buf begin, param_units, param_keys;
+    struct outbox_buf begin, param_units, param_keys;
     char param_pid[24];
     size_t nready;
     unsigned long long takeovers;
@@ -99,27 +99,27 @@ static void schedule(struct relay_owner *o, double ms)
 /* The claim parameters for the ready partitions. */
 static void publish_claim_params(struct relay_owner *o)
 {
-    relay_buf_reset(&o->param_units);
-    relay_buf_reset(&o->param_keys);
-    relay_buf_reset(&o->begin);
-    relay_buf_puts(&o->param_units, "{");
-    relay_buf_puts(&o->param_keys, "{");
+    outbox_buf_reset(&o->param_units);
+    outbox_buf_reset(&o->param_keys);
+    outbox_buf_reset(&o->begin);
+    outbox_buf_puts(&o->param_units, "{");
+    outbox_buf_puts(&o->param_keys, "{");
     size_t n = 0;
     for (size_t i = 0; i < o->nunits; i++) {
         const struct relay_unit *u = &o->units[i];
         if (!u->ready)
             continue;
         /* Topic names are [A-Za-z0-9._-]: nothing to escape in quotes. */
-        relay_buf_printf(&o->param_units, "%s\"%s/%u\"", n ? "," : "", u->topic, u->partition);
-        relay_buf_printf(&o->param_keys, "%s%d", n ? "," : "", (int)u->key);
+        outbox_buf_printf(&o->param_units, "%s\"%s/%u\"", n ? "," : "", u->topic, u->partition);
+        outbox_buf_printf(&o->param_keys, "%s%d", n ? "," : "", (int)u->key);
         n++;
     }
-    relay_buf_puts(&o->param_units, "}");
-    relay_buf_puts(&o->param_keys, "}");
+    outbox_buf_puts(&o->param_units, "}");
+    outbox_buf_puts(&o->param_keys, "}");
     if (n == 0)
-        relay_buf_puts(&o->begin, "BEGIN");
+        outbox_buf_puts(&o->begin, "BEGIN");
     else
-        relay_buf_printf(
+        outbox_buf_printf(
             &o->begin,
             "BEGIN; SELECT count(pg_try_advisory_xact_lock_shared(" RELAY_OWNER_FENCE_NS
             ", k)) FROM unnest('%s'::int[]) AS k",
@@ -164,11 +164,11 @@ static void send_step(struct relay_owner *o, enum owner_step step, const char *s
 static void look(struct relay_owner *o)
 {
     if (o->slot < 0) {
-        relay_buf_reset(&o->sql);
-        relay_buf_printf(&o->sql,
-                         "SELECT pg_backend_pid(), (SELECT k FROM generate_series(0, %d) AS k"
-                         " WHERE pg_try_advisory_lock(" RELAY_OWNER_MEMBER_NS ", k) LIMIT 1)",
-                         MEMBER_SLOTS - 1);
+        outbox_buf_reset(&o->sql);
+        outbox_buf_printf(&o->sql,
+                          "SELECT pg_backend_pid(), (SELECT k FROM generate_series(0, %d) AS k"
+                          " WHERE pg_try_advisory_lock(" RELAY_OWNER_MEMBER_NS ", k) LIMIT 1)",
+                          MEMBER_SLOTS - 1);
         send_step(o, STEP_MEMBER, o->sql.data);
         return;
     }
@@ -232,7 +232,7 @@ static int read_look(struct relay_owner *o, PGresult *res)
         long v = strtol(PQgetvalue(res, i, 1), NULL, 10);
         if (kind == 0) {
             members[nm++] = (int32_t)v;
-        } else if (v > 1 && v <= 1000 && PQgetlength(res, i, 2) <= RELAY_TOPIC_MAX &&
+        } else if (v > 1 && v <= 1000 && PQgetlength(res, i, 2) <= OUTBOX_TOPIC_MAX &&
                    total + (size_t)v <= UNITS_MAX) {
             memcpy(topics[nt].topic, PQgetvalue(res, i, 2), (size_t)PQgetlength(res, i, 2));
             topics[nt].partitions = (uint32_t)v;
@@ -269,8 +269,8 @@ out:
 static int send_locks(struct relay_owner *o)
 {
     size_t n = 0;
-    relay_buf_reset(&o->sql);
-    relay_buf_puts(
+    outbox_buf_reset(&o->sql);
+    outbox_buf_puts(
         &o->sql, "SELECT v.k, CASE WHEN v.w THEN pg_try_advisory_lock(" RELAY_OWNER_UNIT_NS
                  ", v.k) ELSE pg_advisory_unlock(" RELAY_OWNER_UNIT_NS ", v.k) END FROM (VALUES ");
     int dropped = 0;
@@ -282,15 +282,15 @@ static int send_locks(struct relay_owner *o)
             u->ready = 0;
             dropped = 1;
         }
-        relay_buf_printf(&o->sql, "%s(%d, %s)", n ? ", " : "", (int)u->key,
-                         u->want ? "true" : "false");
+        outbox_buf_printf(&o->sql, "%s(%d, %s)", n ? ", " : "", (int)u->key,
+                          u->want ? "true" : "false");
         n++;
     }
     if (dropped)
         publish_claim_params(o);
     if (n == 0)
         return 0;
-    relay_buf_puts(&o->sql, ") AS v(k, w) ORDER BY v.w, v.k");
+    outbox_buf_puts(&o->sql, ") AS v(k, w) ORDER BY v.w, v.k");
     send_step(o, STEP_LOCKS, o->sql.data);
     return 1;
 }
@@ -331,10 +331,10 @@ static void read_locks(struct relay_owner *o, PGresult *res)
 static int send_fence(struct relay_owner *o)
 {
     size_t n = 0;
-    relay_buf_reset(&o->sql);
+    outbox_buf_reset(&o->sql);
     /* One implicit transaction: its locks go with it, also when the wait
      * times out half-way. */
-    relay_buf_printf(
+    outbox_buf_printf(
         &o->sql,
         "SET LOCAL lock_timeout = %d; SELECT count(pg_advisory_xact_lock(" RELAY_OWNER_FENCE_NS
         ", k)::text) FROM unnest('{",
@@ -342,13 +342,13 @@ static int send_fence(struct relay_owner *o)
     for (size_t i = 0; i < o->nunits; i++) {
         const struct relay_unit *u = &o->units[i];
         if (u->held && u->want && !u->ready && unit_by_key(o, u->key, 1) == u) {
-            relay_buf_printf(&o->sql, "%s%d", n ? "," : "", (int)u->key);
+            outbox_buf_printf(&o->sql, "%s%d", n ? "," : "", (int)u->key);
             n++;
         }
     }
     if (n == 0)
         return 0;
-    relay_buf_puts(&o->sql, "}'::int[]) AS k");
+    outbox_buf_puts(&o->sql, "}'::int[]) AS k");
     o->fence_started = relay_now();
     send_step(o, STEP_FENCE, o->sql.data);
     return 1;
@@ -495,10 +495,10 @@ void relay_owner_stop(struct relay_owner *o)
     relay_pgsrc_free(o->pg);
     free(o->units);
     free(o->plan);
-    relay_buf_free(&o->sql);
-    relay_buf_free(&o->begin);
-    relay_buf_free(&o->param_units);
-    relay_buf_free(&o->param_keys);
+    outbox_buf_free(&o->sql);
+    outbox_buf_free(&o->begin);
+    outbox_buf_free(&o->param_units);
+    outbox_buf_free(&o->param_keys);
     free(o);
 }
 

@@ -1,18 +1,18 @@
 /*
- * The assignment of partitions to relays (include/relay/ownership.h).
+ * The assignment of partitions to relays (relay/ownership.h).
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "relay/ownership.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-#include "relay/keys.h"
+#include "common/keys.h"
 
 int32_t relay_unit_key(const char *topic, size_t topic_len, uint32_t partition)
 {
-    return (int32_t)((relay_partition_hash(topic, topic_len) + partition) & 0x7fffffffu);
+    return (int32_t)((outbox_partition_hash(topic, topic_len) + partition) & 0x7fffffffu);
 }
 
 long relay_member_position(const int32_t *members, size_t nmembers, int32_t slot)

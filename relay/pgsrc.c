@@ -12,9 +12,10 @@
  * reading a result. Any failure closes the connection and schedules a
  * reconnect with jittered backoff; the caller hears of it through its hooks.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "relay/pgsrc.h"
+#include "core/pg.h"
 
 #include <ev.h>
 #include <libpq-fe.h>
@@ -23,7 +24,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "relay/config.h"
+#include "core/config.h"
 #include "relay/log.h"
 
 #define COMPONENT "pg"
@@ -197,7 +198,7 @@ struct relay_pgsrc {
     enum relay_pgsrc_state state;
     ev_io io;
     ev_timer timer; /* connect deadline, command deadline, or reconnect wait */
-    struct relay_backoff backoff;
+    struct outbox_backoff backoff;
     enum setup_step setup;
 
     /* The command in flight. */
@@ -250,7 +251,7 @@ static const char *role_name(const struct relay_pgsrc *pg)
  *   - two open connections must not share a backend pid;
  *   - one more look after the set-up must find the same pid and its own
  *     token.
- * A breach ends the relay with RELAY_EX_CONFIG through the handler that
+ * A breach ends the relay with OUTBOX_EX_CONFIG through the handler that
  * relay_pgsrc_on_no_session installed. Tokens of closed connections do not
  * count: a session-mode pool without a reset query may hand their sessions
  * on, which is harmless.
@@ -511,19 +512,6 @@ static void log_failure(struct relay_pgsrc *pg, const char *what, const char *ms
 }
 
 /* Closes the connection, schedules a reconnect and tells the owner. */
-const char *relay_pg_connect_hint(const char *msg)
-{
-    if (strstr(msg, "certificate verify failed") != NULL)
-        return "; the server's certificate is not signed by a CA that sslrootcert names: point "
-               "sslrootcert in postgres at the CA that signed it";
-    if (strstr(msg, "does not match host name") != NULL)
-        return "; with sslmode=verify-full, host in postgres must be a name (or address) the "
-               "server's certificate lists";
-    if (strstr(msg, "password authentication failed") != NULL)
-        return "; check the user and password in postgres (or PGPASSWORD, ~/.pgpass)";
-    return "";
-}
-
 static void fail(struct relay_pgsrc *pg, const char *what, const char *msg)
 {
     char text[800];
@@ -550,7 +538,7 @@ static void fail(struct relay_pgsrc *pg, const char *what, const char *msg)
     pg->state = RELAY_PG_DOWN;
     pg->backend_pid = 0;
 
-    uint32_t delay = relay_backoff_next(&pg->backoff, relay_backoff_random());
+    uint32_t delay = outbox_backoff_next(&pg->backoff, outbox_backoff_random());
     if (was_ready)
         pg->last_logged[0] = '\0';
     log_failure(pg, what, text, delay);
@@ -822,7 +810,7 @@ static void become_ready(struct relay_pgsrc *pg)
 {
     pg->state = RELAY_PG_READY;
     pg->was_ready = 1;
-    relay_backoff_reset(&pg->backoff);
+    outbox_backoff_reset(&pg->backoff);
     if (pg->last_logged[0] != '\0')
         relay_info(COMPONENT, "%s connection to %s is back", role_name(pg), pg->describe);
     else
@@ -1038,7 +1026,7 @@ struct relay_pgsrc *relay_pgsrc_new(struct ev_loop *loop, const struct relay_con
     pg->role = role;
     if (hooks != NULL)
         pg->hooks = *hooks;
-    relay_backoff_init(&pg->backoff, cfg->reconnect_min_ms, cfg->reconnect_max_ms);
+    outbox_backoff_init(&pg->backoff, cfg->reconnect_min_ms, cfg->reconnect_max_ms);
     ev_init(&pg->io, on_io);
     pg->io.data = pg;
     ev_init(&pg->timer, on_timer);

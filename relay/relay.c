@@ -6,7 +6,7 @@
  * relay/render.c; the decisions they act on are the pure machines of
  * relay/cycle.c and relay/wake.c (docs/DESIGN.md, "Modules").
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "relay/relay.h"
 
@@ -20,8 +20,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "relay/common.h"
-#include "relay/config.h"
+#include "common/common.h"
+#include "core/config.h"
 #include "relay/daemon.h"
 #include "relay/log.h"
 #include "relay/metrics.h"
@@ -234,7 +234,7 @@ static void on_no_session(void *arg, const char *why)
     if (r->exit_code != 0)
         return;
     relay_error(COMPONENT, "%s", why);
-    r->exit_code = RELAY_EX_CONFIG;
+    r->exit_code = OUTBOX_EX_CONFIG;
     r->stopping = 1;
     ev_break(r->loop, EVBREAK_ALL);
 }

@@ -4,7 +4,7 @@
  * /readyz verdict, and the stuck-cycle check that the watchdog shares with
  * it. docs/OPERATIONS.md documents every metric.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include <hiredis/hiredis.h>
 #include <libpq-fe.h>
@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "relay/config.h"
+#include "core/config.h"
 #include "relay/daemon.h"
 #include "relay/metrics.h"
 #include "relay/owner.h"
@@ -71,69 +71,69 @@ int relay_is_ready(void *arg, char *why, size_t whylen)
     return ready(arg, why, whylen);
 }
 
-static void help(struct relay_buf *t, const char *name, const char *type, const char *text)
+static void help(struct outbox_buf *t, const char *name, const char *type, const char *text)
 {
-    relay_buf_printf(t, "# HELP %s %s\n# TYPE %s %s\n", name, text, name, type);
+    outbox_buf_printf(t, "# HELP %s %s\n# TYPE %s %s\n", name, text, name, type);
 }
 
 /* A histogram over relay_batch_buckets (hist has one more count, for
  * +Inf): its cumulated buckets, sum and count, with labels ("" or
  * name="value") on each sample. */
-static void render_seconds(struct relay_buf *t, const char *name, const char *labels,
+static void render_seconds(struct outbox_buf *t, const char *name, const char *labels,
                            const unsigned long long *hist, double sum)
 {
     const char *sep = labels[0] != '\0' ? "," : "";
     unsigned long long cum = 0;
-    for (size_t b = 0; b < RELAY_ARRAY_LEN(relay_batch_buckets); b++) {
+    for (size_t b = 0; b < OUTBOX_ARRAY_LEN(relay_batch_buckets); b++) {
         cum += hist[b];
-        relay_buf_printf(t, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, labels, sep,
-                         relay_batch_buckets[b], cum);
+        outbox_buf_printf(t, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, labels, sep,
+                          relay_batch_buckets[b], cum);
     }
-    cum += hist[RELAY_ARRAY_LEN(relay_batch_buckets)];
-    relay_buf_printf(t, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep, cum);
+    cum += hist[OUTBOX_ARRAY_LEN(relay_batch_buckets)];
+    outbox_buf_printf(t, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep, cum);
     const char *lb = labels[0] != '\0' ? "{" : "", *rb = labels[0] != '\0' ? "}" : "";
-    relay_buf_printf(t, "%s_sum%s%s%s %.6f\n", name, lb, labels, rb, sum);
-    relay_buf_printf(t, "%s_count%s%s%s %llu\n", name, lb, labels, rb, cum);
+    outbox_buf_printf(t, "%s_sum%s%s%s %.6f\n", name, lb, labels, rb, sum);
+    outbox_buf_printf(t, "%s_count%s%s%s %llu\n", name, lb, labels, rb, cum);
 }
 
 /* The relay's own state and counters. */
-static void render_relay(const struct relay *r, struct relay_buf *t)
+static void render_relay(const struct relay *r, struct outbox_buf *t)
 {
     const struct relay_figures *f = &r->fig;
     char why[128];
     int pqv = PQlibVersion();
     help(t, "outbox_relay_build_info", "gauge", "Version of the relay and its libraries.");
-    relay_buf_printf(t,
-                     "outbox_relay_build_info{version=\"%s\",libpq=\"%d.%d\","
-                     "hiredis=\"%d.%d.%d\"} 1\n",
-                     RELAY_VERSION, pqv / 10000, pqv % 10000, HIREDIS_MAJOR, HIREDIS_MINOR,
-                     HIREDIS_PATCH);
+    outbox_buf_printf(t,
+                      "outbox_relay_build_info{version=\"%s\",libpq=\"%d.%d\","
+                      "hiredis=\"%d.%d.%d\"} 1\n",
+                      RELAY_VERSION, pqv / 10000, pqv % 10000, HIREDIS_MAJOR, HIREDIS_MINOR,
+                      HIREDIS_PATCH);
     help(t, "outbox_relay_up", "gauge", "Connection state of each server (1 connected).");
-    relay_buf_printf(t, "outbox_relay_up{server=\"postgres\"} %d\n", relay_postgres_up(r));
-    relay_buf_printf(t, "outbox_relay_up{server=\"redis\"} %d\n", relay_sink_ready(r->sink));
+    outbox_buf_printf(t, "outbox_relay_up{server=\"postgres\"} %d\n", relay_postgres_up(r));
+    outbox_buf_printf(t, "outbox_relay_up{server=\"redis\"} %d\n", relay_sink_ready(r->sink));
     help(t, "outbox_relay_redis_ask_redirects_total", "counter",
          "ASK replies of a Redis Cluster in slot migration, followed with ASKING.");
-    relay_buf_printf(t, "outbox_relay_redis_ask_redirects_total %llu\n",
-                     (unsigned long long)relay_sink_asks_followed(r->sink));
+    outbox_buf_printf(t, "outbox_relay_redis_ask_redirects_total %llu\n",
+                      (unsigned long long)relay_sink_asks_followed(r->sink));
     help(t, "outbox_relay_ready", "gauge", "1 when connected to both servers and not stalled.");
-    relay_buf_printf(t, "outbox_relay_ready %d\n", ready(r, why, sizeof(why)));
+    outbox_buf_printf(t, "outbox_relay_ready %d\n", ready(r, why, sizeof(why)));
 
     help(t, "outbox_relay_messages_published_total", "counter",
          "Messages published to their stream, per topic.");
     for (size_t i = 0; i < f->ntopics; i++) {
-        relay_buf_printf(t, "outbox_relay_messages_published_total{topic=\"");
+        outbox_buf_printf(t, "outbox_relay_messages_published_total{topic=\"");
         relay_text_label(t, f->topics[i].topic);
-        relay_buf_printf(t, "\"} %llu\n", f->topics[i].published);
+        outbox_buf_printf(t, "\"} %llu\n", f->topics[i].published);
     }
     if (f->other_published)
-        relay_buf_printf(t, "outbox_relay_messages_published_total{topic=\"_other\"} %llu\n",
-                         f->other_published);
+        outbox_buf_printf(t, "outbox_relay_messages_published_total{topic=\"_other\"} %llu\n",
+                          f->other_published);
     help(t, "outbox_relay_batches_total", "counter", "Claim cycles committed.");
-    relay_buf_printf(t, "outbox_relay_batches_total %llu\n", f->batches_total);
+    outbox_buf_printf(t, "outbox_relay_batches_total %llu\n", f->batches_total);
     help(t, "outbox_relay_dedup_removals_waiting_bytes", "gauge",
          "Bytes of the UNLINKs of committed batches' dedup records that wait for "
          "publish_timeout, held by the relay.");
-    relay_buf_printf(t, "outbox_relay_dedup_removals_waiting_bytes %zu\n", r->retiring.bytes);
+    outbox_buf_printf(t, "outbox_relay_dedup_removals_waiting_bytes %zu\n", r->retiring.bytes);
     help(t, "outbox_relay_batch_duration_seconds", "histogram",
          "Time from claim to commit of a batch.");
     render_seconds(t, "outbox_relay_batch_duration_seconds", "", f->batch_hist, f->batch_sum);
@@ -149,109 +149,109 @@ static void render_relay(const struct relay *r, struct relay_buf *t)
     help(t, "outbox_relay_publish_errors_total", "counter",
          "Failed batches by kind, and rows that failed for reasons of their own (row).");
     for (int k = 0; k < RELAY_FAIL_KINDS; k++)
-        relay_buf_printf(t, "outbox_relay_publish_errors_total{kind=\"%s\"} %llu\n",
-                         relay_fail_kind_name((enum relay_fail_kind)k), f->errors[k]);
-    relay_buf_printf(t, "outbox_relay_publish_errors_total{kind=\"row\"} %llu\n", f->row_errors);
+        outbox_buf_printf(t, "outbox_relay_publish_errors_total{kind=\"%s\"} %llu\n",
+                          relay_fail_kind_name((enum relay_fail_kind)k), f->errors[k]);
+    outbox_buf_printf(t, "outbox_relay_publish_errors_total{kind=\"row\"} %llu\n", f->row_errors);
     help(t, "outbox_relay_batch_failures_in_row", "gauge",
          "Whole-batch failures since the last committed batch (3 or more: not ready).");
-    relay_buf_printf(t, "outbox_relay_batch_failures_in_row %u\n", r->cycle.failures_in_row);
+    outbox_buf_printf(t, "outbox_relay_batch_failures_in_row %u\n", r->cycle.failures_in_row);
     help(t, "outbox_relay_rows_quarantined_total", "counter",
          "Rows this relay quarantined: at once for a permanent failure, after max_attempts for "
          "a transient one.");
-    relay_buf_printf(t, "outbox_relay_rows_quarantined_total %llu\n", f->quarantined_total);
+    outbox_buf_printf(t, "outbox_relay_rows_quarantined_total %llu\n", f->quarantined_total);
     struct relay_owner_figures own;
     relay_owner_figures(r->owner, &own);
     help(t, "outbox_relay_relays", "gauge",
          "Relays running against this database (member slots held), as this relay last saw; 0 "
          "while its owner connection is down.");
-    relay_buf_printf(t, "outbox_relay_relays %zu\n", own.members);
+    outbox_buf_printf(t, "outbox_relay_relays %zu\n", own.members);
     help(t, "outbox_relay_partitions", "gauge",
          "Partitions of partitioned topics in this database, divided among the relays.");
-    relay_buf_printf(t, "outbox_relay_partitions %zu\n", own.partitions);
+    outbox_buf_printf(t, "outbox_relay_partitions %zu\n", own.partitions);
     help(t, "outbox_relay_partitions_owned", "gauge",
          "Partitions this relay owns and claims from.");
-    relay_buf_printf(t, "outbox_relay_partitions_owned %zu\n", own.owned);
+    outbox_buf_printf(t, "outbox_relay_partitions_owned %zu\n", own.owned);
     help(t, "outbox_relay_partition_takeovers_total", "counter",
          "Partitions this relay has taken: at start, from a relay that stopped or was cut off, "
          "and when the relays rebalance.");
-    relay_buf_printf(t, "outbox_relay_partition_takeovers_total %llu\n", own.takeovers);
+    outbox_buf_printf(t, "outbox_relay_partition_takeovers_total %llu\n", own.takeovers);
     help(t, "outbox_relay_wakeup_lock_foreign_holder", "gauge",
          "1 for the session other than this relay that holds the wake-up lock while this relay "
          "is idle: producers skip their notifications meanwhile.");
     if (r->foreign_pid != 0) {
-        relay_buf_printf(t,
-                         "outbox_relay_wakeup_lock_foreign_holder{pid=\"%ld\","
-                         "application_name=\"",
-                         r->foreign_pid);
+        outbox_buf_printf(t,
+                          "outbox_relay_wakeup_lock_foreign_holder{pid=\"%ld\","
+                          "application_name=\"",
+                          r->foreign_pid);
         relay_text_label(t, r->foreign_app);
-        relay_buf_printf(t, "\",client_addr=\"");
+        outbox_buf_printf(t, "\",client_addr=\"");
         relay_text_label(t, r->foreign_addr);
-        relay_buf_printf(t, "\"} 1\n");
+        outbox_buf_printf(t, "\"} 1\n");
     }
 }
 
 /* The outbox and its topics, as last observed. */
-static void render_streams(const struct relay_observation *o, struct relay_buf *t);
+static void render_streams(const struct relay_observation *o, struct outbox_buf *t);
 
 /* Storage on both sides and retention (docs/OPERATIONS.md, "Retention"). */
 static void render_retention(const struct relay_config *cfg, const struct relay_observation *o,
-                             struct relay_buf *t)
+                             struct outbox_buf *t)
 {
     if (o->outbox_bytes >= 0) {
         help(t, "outbox_relay_outbox_bytes", "gauge",
              "Size of outbox.messages with its indexes and TOAST.");
-        relay_buf_printf(t, "outbox_relay_outbox_bytes %lld\n", o->outbox_bytes);
+        outbox_buf_printf(t, "outbox_relay_outbox_bytes %lld\n", o->outbox_bytes);
     }
     if (o->outbox_dead_rows >= 0) {
         help(t, "outbox_relay_outbox_dead_rows", "gauge",
              "Dead row versions in outbox.messages that vacuum has not removed yet.");
-        relay_buf_printf(t, "outbox_relay_outbox_dead_rows %lld\n", o->outbox_dead_rows);
+        outbox_buf_printf(t, "outbox_relay_outbox_dead_rows %lld\n", o->outbox_dead_rows);
     }
     help(t, "outbox_relay_outbox_oldest_sent_age_seconds", "gauge",
          "Time since the oldest sent row still kept was sent (0 when none is kept).");
-    relay_buf_printf(t, "outbox_relay_outbox_oldest_sent_age_seconds %.3f\n",
-                     o->oldest_sent_age < 0 ? 0 : o->oldest_sent_age);
+    outbox_buf_printf(t, "outbox_relay_outbox_oldest_sent_age_seconds %.3f\n",
+                      o->oldest_sent_age < 0 ? 0 : o->oldest_sent_age);
     help(t, "outbox_relay_sent_retention_seconds", "gauge",
          "The sent_retention setting: sent rows are deleted this long after they were sent.");
-    relay_buf_printf(t, "outbox_relay_sent_retention_seconds %.3f\n",
-                     cfg->sent_retention_ms / 1000.0);
+    outbox_buf_printf(t, "outbox_relay_sent_retention_seconds %.3f\n",
+                      cfg->sent_retention_ms / 1000.0);
     help(t, "outbox_relay_stream_retention_seconds", "gauge",
          "The stream_retention setting: acknowledged entries older than this are trimmed "
          "(0: never).");
-    relay_buf_printf(t, "outbox_relay_stream_retention_seconds %.3f\n",
-                     cfg->stream_retention_ms / 1000.0);
+    outbox_buf_printf(t, "outbox_relay_stream_retention_seconds %.3f\n",
+                      cfg->stream_retention_ms / 1000.0);
     help(t, "outbox_relay_sent_rows_deleted_total", "counter",
          "Sent rows deleted by retention (sent_retention > 0).");
-    relay_buf_printf(t, "outbox_relay_sent_rows_deleted_total %llu\n", o->sent_deleted_total);
+    outbox_buf_printf(t, "outbox_relay_sent_rows_deleted_total %llu\n", o->sent_deleted_total);
     help(t, "outbox_relay_stream_entries_trimmed_total", "counter",
          "Stream entries removed by trimming (stream_retention).");
-    relay_buf_printf(t, "outbox_relay_stream_entries_trimmed_total %llu\n",
-                     o->stream_trimmed_total);
+    outbox_buf_printf(t, "outbox_relay_stream_entries_trimmed_total %llu\n",
+                      o->stream_trimmed_total);
     help(t, "outbox_relay_vacuums_total", "counter",
          "VACUUMs of outbox.messages the relay ran (vacuum_dead_rows) that finished.");
-    relay_buf_printf(t, "outbox_relay_vacuums_total %llu\n", o->vacuums_total);
+    outbox_buf_printf(t, "outbox_relay_vacuums_total %llu\n", o->vacuums_total);
     help(t, "outbox_relay_retention_errors_total", "counter",
          "Retention runs that failed (deleting sent rows or trimming); each is logged.");
-    relay_buf_printf(t, "outbox_relay_retention_errors_total %llu\n", o->retention_errors_total);
+    outbox_buf_printf(t, "outbox_relay_retention_errors_total %llu\n", o->retention_errors_total);
     render_streams(o, t);
 }
 
 /* Redis's memory and the trimming of each stream. */
-static void render_streams(const struct relay_observation *o, struct relay_buf *t)
+static void render_streams(const struct relay_observation *o, struct outbox_buf *t)
 {
     if (o->redis_used_memory >= 0) {
         help(t, "outbox_relay_redis_used_memory_bytes", "gauge",
              "Memory Redis uses in all (INFO memory used_memory).");
-        relay_buf_printf(t, "outbox_relay_redis_used_memory_bytes %lld\n", o->redis_used_memory);
+        outbox_buf_printf(t, "outbox_relay_redis_used_memory_bytes %lld\n", o->redis_used_memory);
     }
     help(t, "outbox_relay_stream_memory_bytes", "gauge",
          "Memory of each of the relay's streams in Redis (MEMORY USAGE, sampled).");
     for (size_t i = 0; i < o->ntopics; i++) {
         if (o->topics[i].memory_bytes < 0)
             continue;
-        relay_buf_printf(t, "outbox_relay_stream_memory_bytes{stream=\"");
+        outbox_buf_printf(t, "outbox_relay_stream_memory_bytes{stream=\"");
         relay_text_label(t, o->topics[i].stream);
-        relay_buf_printf(t, "\"} %lld\n", o->topics[i].memory_bytes);
+        outbox_buf_printf(t, "\"} %lld\n", o->topics[i].memory_bytes);
     }
     help(t, "outbox_relay_stream_trim_held_back_seconds", "gauge",
          "How far past stream_retention a consumer group keeps a stream's oldest entry, by "
@@ -259,15 +259,15 @@ static void render_streams(const struct relay_observation *o, struct relay_buf *
     for (size_t i = 0; i < o->ntopics; i++) {
         if (o->topics[i].trim_holder[0] == '\0')
             continue;
-        relay_buf_printf(t, "outbox_relay_stream_trim_held_back_seconds{stream=\"");
+        outbox_buf_printf(t, "outbox_relay_stream_trim_held_back_seconds{stream=\"");
         relay_text_label(t, o->topics[i].stream);
-        relay_buf_printf(t, "\",group=\"");
+        outbox_buf_printf(t, "\",group=\"");
         relay_text_label(t, o->topics[i].trim_holder);
-        relay_buf_printf(t, "\"} %.3f\n", o->topics[i].trim_held_back);
+        outbox_buf_printf(t, "\"} %.3f\n", o->topics[i].trim_held_back);
     }
 }
 
-static void render_outbox(const struct relay *r, struct relay_buf *t)
+static void render_outbox(const struct relay *r, struct outbox_buf *t)
 {
     const struct relay_observation *o = r->obs;
     if (o->taken_at > 0) {
@@ -275,46 +275,46 @@ static void render_outbox(const struct relay *r, struct relay_buf *t)
              "Age of the observation behind the gauges below.");
         struct timespec now;
         clock_gettime(CLOCK_REALTIME, &now);
-        relay_buf_printf(t, "outbox_relay_observation_age_seconds %.3f\n",
-                         (double)now.tv_sec + now.tv_nsec / 1e9 - o->taken_at);
+        outbox_buf_printf(t, "outbox_relay_observation_age_seconds %.3f\n",
+                          (double)now.tv_sec + now.tv_nsec / 1e9 - o->taken_at);
     }
     if (o->pg_ok) {
         help(t, "outbox_relay_outbox_pending_rows", "gauge",
              "Rows waiting in the outbox (an estimate from the span of pending ids).");
-        relay_buf_printf(t, "outbox_relay_outbox_pending_rows %lld\n", o->outbox_pending);
+        outbox_buf_printf(t, "outbox_relay_outbox_pending_rows %lld\n", o->outbox_pending);
         help(t, "outbox_relay_outbox_oldest_pending_age_seconds", "gauge",
              "Age of the oldest row waiting in the outbox (0 when none).");
-        relay_buf_printf(t, "outbox_relay_outbox_oldest_pending_age_seconds %.3f\n",
-                         o->outbox_oldest_age < 0 ? 0 : o->outbox_oldest_age);
+        outbox_buf_printf(t, "outbox_relay_outbox_oldest_pending_age_seconds %.3f\n",
+                          o->outbox_oldest_age < 0 ? 0 : o->outbox_oldest_age);
         help(t, "outbox_relay_outbox_quarantined_rows", "gauge",
              "Quarantined rows waiting for an operator.");
-        relay_buf_printf(t, "outbox_relay_outbox_quarantined_rows %lld\n", o->quarantined);
+        outbox_buf_printf(t, "outbox_relay_outbox_quarantined_rows %lld\n", o->quarantined);
         help(t, "outbox_relay_outbox_blocked_keys", "gauge",
              "Keys of partitioned topics whose later rows wait behind a quarantined or retrying "
              "row of theirs.");
-        relay_buf_printf(t, "outbox_relay_outbox_blocked_keys %lld\n", o->blocked_keys);
+        outbox_buf_printf(t, "outbox_relay_outbox_blocked_keys %lld\n", o->blocked_keys);
         help(t, "outbox_relay_topic_admitting", "gauge",
              "1 when producers of the topic are admitted, 0 when refused (backpressure).");
         for (size_t i = 0; i < o->ntopics; i++) {
             if (o->topics[i].admitting < 0 || !relay_observe_first_of_topic(o, i))
                 continue;
-            relay_buf_printf(t, "outbox_relay_topic_admitting{topic=\"");
+            outbox_buf_printf(t, "outbox_relay_topic_admitting{topic=\"");
             relay_text_label(t, o->topics[i].topic);
-            relay_buf_printf(t, "\"} %d\n", o->topics[i].admitting);
+            outbox_buf_printf(t, "\"} %d\n", o->topics[i].admitting);
         }
     }
     render_retention(r->cfg, o, t);
     help(t, "outbox_relay_stream_paused", "gauge",
          "1 while the relay holds a stream back for its lagging consumer groups.");
     for (size_t i = 0; i < o->ntopics; i++) {
-        relay_buf_printf(t, "outbox_relay_stream_paused{stream=\"");
+        outbox_buf_printf(t, "outbox_relay_stream_paused{stream=\"");
         relay_text_label(t, o->topics[i].stream);
-        relay_buf_printf(t, "\"} %d\n", relay_paused_has(&r->paused, o->topics[i].topic));
+        outbox_buf_printf(t, "\"} %d\n", relay_paused_has(&r->paused, o->topics[i].topic));
     }
 }
 
 /* Every consumer group of the relay's streams, as last observed. */
-static void render_groups(const struct relay *r, struct relay_buf *t)
+static void render_groups(const struct relay *r, struct outbox_buf *t)
 {
     static const char *const names[6][2] = {
         {"outbox_relay_group_lag_entries", "Entries not yet delivered to the group."},
@@ -342,11 +342,11 @@ static void render_groups(const struct relay *r, struct relay_buf *t)
                                 : (double)g->dead_letters;
             if (m == 0 && g->lag < 0)
                 continue; /* Redis cannot tell: no sample rather than a wrong one */
-            relay_buf_printf(t, "%s{stream=\"", names[m][0]);
+            outbox_buf_printf(t, "%s{stream=\"", names[m][0]);
             relay_text_label(t, g->stream);
-            relay_buf_printf(t, "\",group=\"");
+            outbox_buf_printf(t, "\",group=\"");
             relay_text_label(t, g->group);
-            relay_buf_printf(t, "\"} %.3f\n", v < 0 ? 0 : v);
+            outbox_buf_printf(t, "\"} %.3f\n", v < 0 ? 0 : v);
         }
     }
 }
@@ -354,7 +354,7 @@ static void render_groups(const struct relay *r, struct relay_buf *t)
 long relay_render_metrics(void *arg, char **out)
 {
     const struct relay *r = arg;
-    struct relay_buf t = {.max = RELAY_METRICS_TEXT_MAX};
+    struct outbox_buf t = {.max = RELAY_METRICS_TEXT_MAX};
     render_relay(r, &t);
     render_outbox(r, &t);
     render_groups(r, &t);

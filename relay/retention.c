@@ -1,7 +1,7 @@
 /*
- * Retention: deleting sent rows and trimming streams (include/relay/retention.h).
+ * Retention: deleting sent rows and trimming streams (relay/retention.h).
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "relay/retention.h"
 
@@ -12,13 +12,13 @@
 #include <string.h>
 
 #include "relay/batch.h"
-#include "relay/config.h"
+#include "core/config.h"
 #include "relay/log.h"
-#include "relay/observe.h"
-#include "relay/redisconn.h"
-#include "relay/streamlist.h"
-#include "relay/tools.h"
-#include "relay/wait.h"
+#include "core/observe.h"
+#include "common/redisconn.h"
+#include "core/streamlist.h"
+#include "core/text.h"
+#include "common/wait.h"
 
 /* A purge call deletes at most this many rows; a run makes calls for at most
  * PURGE_BUDGET seconds, so that the next observation is not held up. */
@@ -57,7 +57,7 @@ static const char purge_sql[] = "SELECT deleted, next_after_id, caught_up,"
 static void purge_sent(const struct relay_config *cfg, PGconn **pg,
                        const struct relay_observe_stop *stop, struct relay_retention *st)
 {
-    double started = relay_mono_now();
+    double started = outbox_mono_now();
     if (cfg->sent_retention_ms == 0 && st->purge_caught_up && started < st->purge_restart_at)
         return;
     if (st->purge_caught_up && started >= st->purge_restart_at) {
@@ -91,7 +91,7 @@ static void purge_sent(const struct relay_config *cfg, PGconn **pg,
         st->oldest_sent_age = PQgetisnull(r, 0, 3) ? -1 : strtod(PQgetvalue(r, 0, 3), NULL);
         PQclear(r);
         st->last_error[0] = '\0';
-        if (caught_up || relay_mono_now() - started >= PURGE_BUDGET)
+        if (caught_up || outbox_mono_now() - started >= PURGE_BUDGET)
             return;
     }
 }
@@ -145,7 +145,7 @@ static void vacuum_start(const struct relay_config *cfg, const struct relay_obse
         PQsendQuery(c, "VACUUM (INDEX_CLEANUP ON) outbox.messages") == 1) {
         PQclear(r);
         st->vacuum_conn = c;
-        st->vacuum_started = relay_mono_now();
+        st->vacuum_started = outbox_mono_now();
         relay_info("retention", "VACUUM of outbox.messages started (%lld dead rows)", dead_rows);
         return;
     }
@@ -175,7 +175,7 @@ static void vacuum_poll(struct relay_retention *st)
     if (ok) {
         st->vacuums_total++;
         relay_info("retention", "VACUUM of outbox.messages done in %.1f s",
-                   relay_mono_now() - st->vacuum_started);
+                   outbox_mono_now() - st->vacuum_started);
     } else {
         failed(st, "vacuuming the outbox", why);
     }
@@ -221,8 +221,8 @@ static int trim_stream(const struct relay_config *cfg, redisContext *c, int stop
                        struct relay_observation *o)
 {
     redisReply *r =
-        relay_redis_call(c, stop_fd, cfg->connect_timeout_ms, "FCALL %s 1 %s %u %u",
-                         RELAY_FUNCTION_TRIM, stream, retention_ms, cfg->stream_trim_max_hold_ms);
+        outbox_redis_call(c, stop_fd, cfg->connect_timeout_ms, "FCALL %s 1 %s %u %u",
+                          RELAY_FUNCTION_TRIM, stream, retention_ms, cfg->stream_trim_max_hold_ms);
     if (r == NULL) {
         failed(st, "trimming streams", c->errstr);
         return -1;
@@ -255,8 +255,8 @@ static int trim_stream(const struct relay_config *cfg, redisContext *c, int stop
         }
         if (passed->type == REDIS_REPLY_STRING && passed->len > 0) {
             char shown_stream[200], shown_group[200];
-            relay_tools_escape(shown_stream, sizeof(shown_stream), stream, strlen(stream), 0, 0);
-            relay_tools_escape(shown_group, sizeof(shown_group), passed->str, passed->len, 0, 0);
+            relay_text_escape(shown_stream, sizeof(shown_stream), stream, strlen(stream), 0, 0);
+            relay_text_escape(shown_group, sizeof(shown_group), passed->str, passed->len, 0, 0);
             relay_warn("retention",
                        "trimmed %s past the pending entries of group %s, whose oldest is "
                        "older than stream_trim_max_hold: its consumers record them as lost",
@@ -273,7 +273,7 @@ static int trim_stream(const struct relay_config *cfg, redisContext *c, int stop
  * only those it lists), with stream_retention, and every replay stream of
  * theirs ("{<stream>}.<group>.replay") with 0: a replayed entry is gone once
  * its group acknowledged it. Dead-letter streams are never trimmed. The
- * streams are those of the observer's list (include/relay/streamlist.h). In
+ * streams are those of the observer's list (relay/streamlist.h). In
  * a cluster, on each primary in turn: each stream's replay streams share its
  * slot, so they are listed under the same primary.
  */
@@ -318,9 +318,9 @@ static void trim_streams(const struct relay_config *cfg, redisContext **rd, int 
     struct trim_each each = {cfg, stop_fd, list, st, o};
     char err[512] = "";
     st->nheld = 0;
-    if (relay_redis_each_primary(*rd, &cfg->redis_url, cfg->connect_timeout_ms,
-                                 cfg->connect_timeout_ms, stop_fd, trim_node, &each, err,
-                                 sizeof(err)) < 0 &&
+    if (outbox_redis_each_primary(*rd, &cfg->redis_url, cfg->connect_timeout_ms,
+                                  cfg->connect_timeout_ms, stop_fd, trim_node, &each, err,
+                                  sizeof(err)) < 0 &&
         err[0] != '\0')
         failed(st, "trimming streams", err);
 }
@@ -334,7 +334,7 @@ void relay_retention_run(const struct relay_config *cfg, PGconn **pg, redisConte
     if (*pg != NULL && PQstatus(*pg) == CONNECTION_OK)
         purge_sent(cfg, pg, stop, st);
     vacuum(cfg, stop, st, o);
-    double now = relay_mono_now();
+    double now = outbox_mono_now();
     if (cfg->stream_retention_ms > 0 && *rd != NULL && (*rd)->err == 0 && now >= st->next_trim_at) {
         st->next_trim_at = now + TRIM_EVERY;
         trim_streams(cfg, rd, relay_observe_stop_fd(stop), streams, st, o);

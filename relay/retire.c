@@ -1,7 +1,7 @@
 /*
- * The removals of dedup records that wait for their time (include/relay/retire.h).
+ * The removals of dedup records that wait for their time (relay/retire.h).
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "relay/retire.h"
 

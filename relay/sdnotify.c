@@ -3,7 +3,7 @@
  * datagram to the AF_UNIX socket named by $NOTIFY_SOCKET ("@" for the
  * abstract namespace). Small enough that libsystemd is not worth a dependency.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "relay/sdnotify.h"
 

@@ -30,7 +30,7 @@
  * there and never touched again; callbacks of an old context compare their ac
  * with their node's ac and ignore themselves when they differ.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "relay/sink.h"
 
@@ -45,12 +45,12 @@
 #include <time.h>
 
 #include "outbox/consumer.h"
-#include "relay/backoff.h"
+#include "common/backoff.h"
 #include "relay/batch.h"
-#include "relay/config.h"
-#include "relay/keys.h"
+#include "core/config.h"
+#include "common/keys.h"
 #include "relay/log.h"
-#include "relay/redisconn.h"
+#include "common/redisconn.h"
 
 #define COMPONENT "redis"
 
@@ -93,10 +93,10 @@ struct relay_sink {
     struct sink_node nodes[SINK_NODES_MAX];
     int nnodes;
     int nready;
-    uint8_t slot_node[RELAY_CLUSTER_SLOTS]; /* slot -> node index, in a cluster */
-    uint32_t written;                       /* nodes written since relay_sink_wait */
-    uint64_t asks_followed;                 /* ASK replies sent on to the importing primary */
-    int seed_next;                          /* the seed node the next connect tries */
+    uint8_t slot_node[OUTBOX_CLUSTER_SLOTS]; /* slot -> node index, in a cluster */
+    uint32_t written;                        /* nodes written since relay_sink_wait */
+    uint64_t asks_followed;                  /* ASK replies sent on to the importing primary */
+    int seed_next;                           /* the seed node the next connect tries */
     /* Sentinel: the context asking one, the next one to ask, why the last
      * one did not answer, and the primary's address they gave. */
     redisAsyncContext *sentinel_ac;
@@ -106,7 +106,7 @@ struct relay_sink {
     char primary_host[256];
     int primary_port;
     ev_timer timer; /* connect + set-up deadline, or reconnect wait */
-    struct relay_backoff backoff;
+    struct outbox_backoff backoff;
     int was_ready;
     char last_logged[512];
     char durability[512];
@@ -208,7 +208,7 @@ static void timer_start(struct relay_sink *s, uint32_t ms)
  * the cluster. */
 static void describe(struct relay_sink *s)
 {
-    const struct relay_redis_url *u = &s->cfg->redis_url;
+    const struct outbox_redis_url *u = &s->cfg->redis_url;
     if (u->sentinels.n > 0) {
         int v6 = strchr(s->primary_host, ':') != NULL;
         snprintf(s->describe, sizeof(s->describe), "redis master %s (primary %s%s%s:%d, db %d)",
@@ -252,7 +252,7 @@ static void went_down(struct relay_sink *s, const char *what, const char *msg)
     s->state = SINK_DOWN;
     s->nready = 0;
 
-    uint32_t delay = relay_backoff_next(&s->backoff, relay_backoff_random());
+    uint32_t delay = outbox_backoff_next(&s->backoff, outbox_backoff_random());
     char line[512];
     snprintf(line, sizeof(line), "%s: %s", what, msg != NULL ? msg : "unknown error");
     if (was_ready)
@@ -319,9 +319,9 @@ static unsigned command_slot(const char *cmd, size_t len)
     if (alen[0] >= 5 && strncasecmp(arg[0], "FCALL", 5) == 0) {
         if (arg[3] == NULL || arg[2] == NULL || (alen[2] == 1 && arg[2][0] == '0'))
             return 0;
-        return relay_key_slot(arg[3], alen[3]);
+        return outbox_key_slot(arg[3], alen[3]);
     }
-    return relay_key_slot(arg[1], alen[1]);
+    return outbox_key_slot(arg[1], alen[1]);
 }
 
 /* The connection a command with these bytes goes to. */
@@ -631,7 +631,7 @@ static void all_ready(struct relay_sink *s)
     s->state = SINK_READY;
     s->was_ready = 1;
     s->written = 0;
-    relay_backoff_reset(&s->backoff);
+    outbox_backoff_reset(&s->backoff);
     relay_info(COMPONENT, "%s %s", s->describe,
                s->last_logged[0] ? "is back" : "ready (publish function loaded)");
     s->last_logged[0] = '\0';
@@ -672,15 +672,15 @@ static int take_slots(struct relay_sink *s, struct sink_node *first, const redis
                     "a Redis Cluster has database 0 only: remove the /db from redis");
         return -1;
     }
-    struct relay_addr primaries[SINK_NODES_MAX];
-    int count = relay_cluster_slots_parse(r, first->host, primaries, SINK_NODES_MAX, s->slot_node);
+    struct outbox_addr primaries[SINK_NODES_MAX];
+    int count = outbox_cluster_slots_parse(r, first->host, primaries, SINK_NODES_MAX, s->slot_node);
     if (count < 0) {
         snprintf(msg, sizeof(msg), "the cluster has more than %d primaries", SINK_NODES_MAX);
         node_failed(s, "cannot use the cluster", msg);
         return -1;
     }
-    for (int slot = 0; slot < RELAY_CLUSTER_SLOTS; slot++) {
-        if (s->slot_node[slot] == RELAY_SLOT_UNCOVERED) {
+    for (int slot = 0; slot < OUTBOX_CLUSTER_SLOTS; slot++) {
+        if (s->slot_node[slot] == OUTBOX_SLOT_UNCOVERED) {
             snprintf(msg, sizeof(msg),
                      "slot %d has no primary (the cluster is not fully covered): check CLUSTER "
                      "SLOTS",
@@ -862,7 +862,7 @@ static void on_disconnect(const redisAsyncContext *ac, int status)
 /* AUTH, the one step a probe needs before CLUSTER SLOTS. */
 static void queue_auth(struct sink_node *n)
 {
-    const struct relay_redis_url *u = &n->s->cfg->redis_url;
+    const struct outbox_redis_url *u = &n->s->cfg->redis_url;
     const char *argv[3];
     size_t lens[3];
     if (u->password[0] == '\0')
@@ -886,7 +886,7 @@ static void queue_auth(struct sink_node *n)
 static void queue_setup(struct sink_node *n)
 {
     struct relay_sink *s = n->s;
-    const struct relay_redis_url *u = &s->cfg->redis_url;
+    const struct outbox_redis_url *u = &s->cfg->redis_url;
     const char *argv[4];
     size_t lens[4];
     char db[16];
@@ -1021,12 +1021,12 @@ static void on_sentinel_auth(redisAsyncContext *ac, void *reply, void *privdata)
     const redisReply *r = reply;
     if (s == NULL || ac != s->sentinel_ac || r == NULL || r->type != REDIS_REPLY_ERROR)
         return;
-    const struct relay_sentinels *st = &s->cfg->redis_url.sentinels;
+    const struct outbox_sentinels *st = &s->cfg->redis_url.sentinels;
     int at = (int)(intptr_t)privdata;
     /* The server's text never contains the password. */
     snprintf(s->sentinel_error, sizeof(s->sentinel_error),
              "Sentinel %.100s:%d: Redis refused AUTH: %.100s%s", st->addr[at].host,
-             st->addr[at].port, r->str, RELAY_SENTINEL_AUTH_HINT);
+             st->addr[at].port, r->str, OUTBOX_SENTINEL_AUTH_HINT);
     s->sentinel_refused_auth = 1;
 }
 
@@ -1036,7 +1036,7 @@ static void on_sentinel_reply(redisAsyncContext *ac, void *reply, void *privdata
     const redisReply *r = reply;
     if (s == NULL || ac != s->sentinel_ac || s->state != SINK_RESOLVING)
         return;
-    const struct relay_sentinels *st = &s->cfg->redis_url.sentinels;
+    const struct outbox_sentinels *st = &s->cfg->redis_url.sentinels;
     int at = (int)(intptr_t)privdata;
     if (r != NULL && r->type == REDIS_REPLY_ARRAY && r->elements == 2 &&
         r->element[0]->type == REDIS_REPLY_STRING && r->element[1]->type == REDIS_REPLY_STRING &&
@@ -1063,9 +1063,9 @@ static void on_sentinel_reply(redisAsyncContext *ac, void *reply, void *privdata
      * (a Sentinel without a password refuses AUTH and answers all the same). */
     int noauth = r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOAUTH", 6) == 0;
     if (!(s->sentinel_refused_auth && noauth))
-        relay_sentinel_describe(s->sentinel_error, sizeof(s->sentinel_error), st->addr[at].host,
-                                st->addr[at].port, r,
-                                ac->errstr[0] ? ac->errstr : "closed the connection");
+        outbox_sentinel_describe(s->sentinel_error, sizeof(s->sentinel_error), st->addr[at].host,
+                                 st->addr[at].port, r,
+                                 ac->errstr[0] ? ac->errstr : "closed the connection");
     s->sentinel_ac = NULL;
     if (r != NULL)
         redisAsyncDisconnect(ac);
@@ -1079,7 +1079,7 @@ static void on_sentinel_connect(const redisAsyncContext *ac, int status)
     if (s == NULL || ac != s->sentinel_ac || status == REDIS_OK)
         return;
     /* hiredis frees the context after this callback. */
-    const struct relay_sentinels *st = &s->cfg->redis_url.sentinels;
+    const struct outbox_sentinels *st = &s->cfg->redis_url.sentinels;
     int at = s->sentinel_next - 1;
     snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d: %s",
              st->addr[at].host, st->addr[at].port,
@@ -1104,7 +1104,7 @@ static void on_sentinel_disconnect(const redisAsyncContext *ac, int status)
  * the sink goes down and the whole list is asked again after a backoff. */
 static void ask_next_sentinel(struct relay_sink *s)
 {
-    const struct relay_sentinels *st = &s->cfg->redis_url.sentinels;
+    const struct outbox_sentinels *st = &s->cfg->redis_url.sentinels;
     while (s->sentinel_next < st->n) {
         int at = s->sentinel_next++;
         redisAsyncContext *ac = redisAsyncConnect(st->addr[at].host, st->addr[at].port);
@@ -1151,7 +1151,7 @@ static void ask_next_sentinel(struct relay_sink *s)
 
 static void start_connect(struct relay_sink *s)
 {
-    const struct relay_redis_url *u = &s->cfg->redis_url;
+    const struct outbox_redis_url *u = &s->cfg->redis_url;
     if (u->sentinels.n > 0) {
         s->sentinel_next = 0;
         s->sentinel_error[0] = '\0';
@@ -1161,7 +1161,7 @@ static void start_connect(struct relay_sink *s)
     /* Each connect starts at the next seed node: one that is down costs
      * one backoff, not every connect. */
     int seeds = u->nseeds > 0 ? u->nseeds : 1;
-    const struct relay_addr *seed = &u->seeds[s->seed_next++ % seeds];
+    const struct outbox_addr *seed = &u->seeds[s->seed_next++ % seeds];
     if (u->nseeds == 0)
         connect_first(s, u->host, u->port, 1);
     else
@@ -1176,7 +1176,7 @@ static void on_timer(struct ev_loop *loop, ev_timer *w, int revents)
     if (s->state == SINK_DOWN) {
         start_connect(s);
     } else if (s->state == SINK_RESOLVING) {
-        const struct relay_sentinels *st = &s->cfg->redis_url.sentinels;
+        const struct outbox_sentinels *st = &s->cfg->redis_url.sentinels;
         int at = s->sentinel_next - 1;
         snprintf(s->sentinel_error, sizeof(s->sentinel_error),
                  "Sentinel %.100s:%d: no answer within connect_timeout (%u ms)", st->addr[at].host,
@@ -1201,7 +1201,7 @@ struct relay_sink *relay_sink_new(struct ev_loop *loop, const struct relay_confi
     s->cfg = cfg;
     if (hooks != NULL)
         s->hooks = *hooks;
-    relay_backoff_init(&s->backoff, cfg->reconnect_min_ms, cfg->reconnect_max_ms);
+    outbox_backoff_init(&s->backoff, cfg->reconnect_min_ms, cfg->reconnect_max_ms);
     ev_init(&s->timer, on_timer);
     s->timer.data = s;
     describe(s);

@@ -1,7 +1,7 @@
 /*
- * The wake-up protocol's state machine (include/relay/wake.h).
+ * The wake-up protocol's state machine (relay/wake.h).
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include "relay/wake.h"
 

@@ -11,7 +11,7 @@
  * lock, and keeps it until it ends). It waits for them alone, claiming
  * meanwhile, then claims once more.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include <ev.h>
 #include <libpq-fe.h>
@@ -19,12 +19,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "relay/config.h"
+#include "core/config.h"
 #include "relay/daemon.h"
 #include "relay/log.h"
 #include "relay/owner.h"
 #include "relay/pgsrc.h"
-#include "relay/tools.h"
+#include "core/text.h"
 
 #define COMPONENT "relay"
 
@@ -227,7 +227,7 @@ static void on_lock_holder(struct relay_pgsrc *pg, PGresult *res, const char *er
         snprintf(r->foreign_app, sizeof(r->foreign_app), "%s", PQgetvalue(res, 0, 1));
         snprintf(r->foreign_addr, sizeof(r->foreign_addr), "%s", PQgetvalue(res, 0, 2));
         char app[RELAY_ESCAPED_SIZE(sizeof(r->foreign_app))];
-        relay_tools_escape(app, sizeof(app), r->foreign_app, strlen(r->foreign_app), 0, 0);
+        relay_text_escape(app, sizeof(app), r->foreign_app, strlen(r->foreign_app), 0, 0);
         relay_warn(COMPONENT,
                    "producers skip their notifications: the wake-up lock " WAKEUP_LOCK
                    " is held by pid %ld (application_name \"%s\", client %s); if that is "

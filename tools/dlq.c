@@ -16,9 +16,10 @@
  * the deadline of every command. Every field is handled with explicit
  * lengths, so payloads with NUL bytes go through unchanged.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
-#include "relay/tools.h"
+#include "core/text.h"
+#include "tools/tools.h"
 
 #include <errno.h>
 #include <hiredis/hiredis.h>
@@ -28,11 +29,11 @@
 #include <string.h>
 #include <sys/time.h>
 
-#include "relay/common.h"
-#include "relay/config.h"
-#include "relay/entry.h"
-#include "relay/redisconn.h"
-#include "relay/keys.h"
+#include "common/common.h"
+#include "core/config.h"
+#include "common/entry.h"
+#include "common/redisconn.h"
+#include "common/keys.h"
 #include "outbox/consumer.h"
 
 /* Longest stream, dead-letter or replay name we handle (the names are ours). */
@@ -52,7 +53,7 @@ struct dlq_ctx {
     char dlq[DLQ_NAME_MAX];
     char replay[DLQ_NAME_MAX];
     struct {
-        /* The names as messages show them (relay_tools_escape): a name may be
+        /* The names as messages show them (relay_text_escape): a name may be
          * any bytes, and the operator may have typed them as $'\x1b...'. */
         char stream[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)];
         char group[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)];
@@ -72,7 +73,7 @@ struct dlq_sel {
 /* ------------------------------------------------------------------------ */
 /* Talking to Redis.                                                          */
 
-static void describe_url(const struct relay_redis_url *u, char *out, size_t outlen)
+static void describe_url(const struct outbox_redis_url *u, char *out, size_t outlen)
 {
     int v6 = strchr(u->host, ':') != NULL;
     snprintf(out, outlen, "redis://%s%s%s%s%s%s:%d/%d", u->user, u->password[0] ? ":***" : "",
@@ -85,7 +86,7 @@ static int io_failed(struct dlq_ctx *d)
 {
     fprintf(d->errout, "outbox-relay: Redis at %s: %s\n", d->where,
             d->c->errstr[0] ? d->c->errstr : "no reply");
-    return RELAY_EX_UNAVAILABLE;
+    return OUTBOX_EX_UNAVAILABLE;
 }
 
 /* Says what Redis refused. */
@@ -93,7 +94,7 @@ static int refused(struct dlq_ctx *d, const char *what, const redisReply *r)
 {
     fprintf(d->errout, "outbox-relay: %s: %s (Redis at %s)\n", what,
             r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply", d->where);
-    return RELAY_EX_UNAVAILABLE;
+    return OUTBOX_EX_UNAVAILABLE;
 }
 
 /* One command; NULL after an I/O error or timeout (io_failed says which). The
@@ -112,15 +113,15 @@ static int is_error(const redisReply *r)
 static int dlq_connect(struct dlq_ctx *d, const struct relay_config *cfg)
 {
     char err[512];
-    enum relay_redis_fault fault;
+    enum outbox_redis_fault fault;
     describe_url(&cfg->redis_url, d->where, sizeof(d->where));
     /* In a cluster, the primary of the stream's slot: its dead-letter and
      * replay streams are in that slot too. */
-    d->c = relay_redis_open_for_key(&cfg->redis_url, d->stream, cfg->connect_timeout_ms,
-                                    cfg->statement_timeout_ms, -1, err, sizeof(err), &fault);
+    d->c = outbox_redis_open_for_key(&cfg->redis_url, d->stream, cfg->connect_timeout_ms,
+                                     cfg->statement_timeout_ms, -1, err, sizeof(err), &fault);
     if (d->c == NULL) {
         fprintf(d->errout, "outbox-relay: %s (Redis at %s)\n", err, d->where);
-        return fault == RELAY_REDIS_NOMEM ? RELAY_EX_OSERR : RELAY_EX_UNAVAILABLE;
+        return fault == OUTBOX_REDIS_NOMEM ? OUTBOX_EX_OSERR : OUTBOX_EX_UNAVAILABLE;
     }
     return 0;
 }
@@ -130,7 +131,7 @@ static int check_group(struct dlq_ctx *d)
 {
     const char *argv[3] = {"XINFO", "GROUPS", d->stream};
     redisReply *r = command(d, 3, argv, NULL);
-    int rc = RELAY_EX_DATAERR;
+    int rc = OUTBOX_EX_DATAERR;
 
     if (r == NULL)
         return io_failed(d);
@@ -179,7 +180,7 @@ static int check_stream_key(struct dlq_ctx *d, const char *key, const char *show
         rc = refused(d, "TYPE", r);
     } else if (strcmp(r->str, "none") != 0 && strcmp(r->str, "stream") != 0) {
         fprintf(d->errout, "outbox-relay: \"%s\" holds a %s, not a stream\n", shown, r->str);
-        rc = RELAY_EX_DATAERR;
+        rc = OUTBOX_EX_DATAERR;
     }
     freeReplyObject(r);
     return rc;
@@ -223,7 +224,7 @@ static redisReply *xrange(struct dlq_ctx *d, const char *from, const char *to, l
             fprintf(d->errout, "outbox-relay: XRANGE %s: malformed reply from Redis at %s\n",
                     d->shown.dlq, d->where);
             freeReplyObject(r);
-            *rc = RELAY_EX_UNAVAILABLE;
+            *rc = OUTBOX_EX_UNAVAILABLE;
             return NULL;
         }
     }
@@ -354,15 +355,15 @@ static void list_entry(struct dlq_ctx *d, const redisReply *e)
         {RELAY_DLQ_FIELD_DELIVERIES, 10, 12},
         {RELAY_DLQ_FIELD_TIME, 27, 32},
     };
-    relay_tools_put_column(d->out, e->element[0]->str, e->element[0]->len, 20, 0);
-    for (size_t k = 0; k < RELAY_ARRAY_LEN(cols); k++) {
-        const redisReply *v = relay_entry_field(e->element[1], cols[k].field);
-        relay_tools_put_column(d->out, v != NULL ? v->str : "-", v != NULL ? v->len : 1,
-                               cols[k].width, cols[k].max);
+    relay_text_put_column(d->out, e->element[0]->str, e->element[0]->len, 20, 0);
+    for (size_t k = 0; k < OUTBOX_ARRAY_LEN(cols); k++) {
+        const redisReply *v = outbox_entry_field(e->element[1], cols[k].field);
+        relay_text_put_column(d->out, v != NULL ? v->str : "-", v != NULL ? v->len : 1,
+                              cols[k].width, cols[k].max);
     }
-    const redisReply *err = relay_entry_field(e->element[1], RELAY_DLQ_FIELD_ERROR);
-    relay_tools_put_escaped(d->out, err != NULL ? err->str : "-", err != NULL ? err->len : 1,
-                            DLQ_ERROR_COLS, 0);
+    const redisReply *err = outbox_entry_field(e->element[1], RELAY_DLQ_FIELD_ERROR);
+    relay_text_put_escaped(d->out, err != NULL ? err->str : "-", err != NULL ? err->len : 1,
+                           DLQ_ERROR_COLS, 0);
     fputc('\n', d->out);
 }
 
@@ -395,16 +396,16 @@ static int dlq_list(struct dlq_ctx *d, long long count)
     }
     long long total = dlq_length(d);
     if (total < 0)
-        return RELAY_EX_UNAVAILABLE;
+        return OUTBOX_EX_UNAVAILABLE;
     if (shown == 0 && total == 0) {
         fprintf(d->out, "no dead letters in %s\n", d->shown.dlq);
-        return RELAY_EX_OK;
+        return OUTBOX_EX_OK;
     }
     fprintf(d->out, "%lld dead letter(s) in %s", total, d->shown.dlq);
     if (shown < total)
         fprintf(d->out, " (showing the oldest %lld; use --count)", shown);
     fputc('\n', d->out);
-    return RELAY_EX_OK;
+    return OUTBOX_EX_OK;
 }
 
 static int dlq_show(struct dlq_ctx *d, const struct dlq_sel *sel)
@@ -418,7 +419,7 @@ static int dlq_show(struct dlq_ctx *d, const struct dlq_sel *sel)
     if (r->elements == 0) {
         fprintf(d->errout, "outbox-relay: no dead letter %s in %s\n", sel->from, d->shown.dlq);
         freeReplyObject(r);
-        return RELAY_EX_DATAERR;
+        return OUTBOX_EX_DATAERR;
     }
     const redisReply *e = r->element[0], *f = e->element[1];
     fprintf(d->out, "dead letter %s in %s (%zu fields)\n", e->element[0]->str, d->shown.dlq,
@@ -426,9 +427,9 @@ static int dlq_show(struct dlq_ctx *d, const struct dlq_sel *sel)
     for (size_t i = 0; i + 1 < f->elements; i += 2) {
         const redisReply *name = f->element[i], *value = f->element[i + 1];
         fputs("  ", d->out);
-        relay_tools_put_column(d->out, name->str, name->len, 16, 0);
+        relay_text_put_column(d->out, name->str, name->len, 16, 0);
         fputc('"', d->out);
-        relay_tools_put_escaped(d->out, value->str, value->len, 0, RELAY_ESCAPE_QUOTE);
+        relay_text_put_escaped(d->out, value->str, value->len, 0, RELAY_ESCAPE_QUOTE);
         fputc('"', d->out);
         /* Say the length where the text shown is not the bytes stored. */
         for (size_t k = 0; k < value->len; k++) {
@@ -441,7 +442,7 @@ static int dlq_show(struct dlq_ctx *d, const struct dlq_sel *sel)
         fputc('\n', d->out);
     }
     freeReplyObject(r);
-    return RELAY_EX_OK;
+    return OUTBOX_EX_OK;
 }
 
 /* Reads n pipelined replies into rs; 0, or an exit code after freeing them. */
@@ -492,7 +493,7 @@ static int load_library(struct dlq_ctx *d)
                     ? "; to replay, the Redis user needs the ACL permissions +function|load "
                       "and +fcall"
                     : "");
-        rc = RELAY_EX_UNAVAILABLE;
+        rc = OUTBOX_EX_UNAVAILABLE;
     }
     freeReplyObject(r);
     return rc;
@@ -523,9 +524,9 @@ static int replay_one(struct dlq_ctx *d, const char *id, enum replay_result *res
     } else if (is_error(r) && strncmp(r->str, "WRONGTYPE ", 10) == 0) {
         /* A key took another type since check_stream_key; nothing was written. */
         fprintf(d->errout, "outbox-relay: replay of %s: ", id);
-        relay_tools_put_escaped(d->errout, r->str, r->len, 0, 0);
+        relay_text_put_escaped(d->errout, r->str, r->len, 0, 0);
         fputc('\n', d->errout);
-        rc = RELAY_EX_DATAERR;
+        rc = OUTBOX_EX_DATAERR;
     } else {
         char what[64];
         snprintf(what, sizeof(what), "replay of %s", id);
@@ -676,7 +677,7 @@ static int dlq_replay(struct dlq_ctx *d, int all, const struct dlq_sel *sels, in
             d->shown.replay);
     if (rc != 0)
         return rc;
-    return missing || t.unreplayable ? RELAY_EX_DATAERR : RELAY_EX_OK;
+    return missing || t.unreplayable ? OUTBOX_EX_DATAERR : OUTBOX_EX_OK;
 }
 
 static int purge_page(struct dlq_ctx *d, const redisReply *page, void *arg)
@@ -684,7 +685,7 @@ static int purge_page(struct dlq_ctx *d, const redisReply *page, void *arg)
     long long *purged = arg;
     const char **argv = calloc(page->elements + 2, sizeof(*argv));
     if (argv == NULL)
-        return RELAY_EX_OSERR;
+        return OUTBOX_EX_OSERR;
     argv[0] = "XDEL";
     argv[1] = d->dlq;
     for (size_t i = 0; i < page->elements; i++)
@@ -758,7 +759,7 @@ static int dlq_purge(struct dlq_ctx *d, int all, const struct dlq_sel *sels, int
     fprintf(d->out, "purged %lld dead letter(s) from %s\n", purged, d->shown.dlq);
     if (rc != 0)
         return rc;
-    return missing ? RELAY_EX_DATAERR : RELAY_EX_OK;
+    return missing ? OUTBOX_EX_DATAERR : OUTBOX_EX_OK;
 }
 
 /* The stream, the group and the names derived from them, checked and kept
@@ -772,8 +773,8 @@ static int dlq_purge(struct dlq_ctx *d, int all, const struct dlq_sel *sels, int
 static int migrate_one(struct dlq_ctx *d, const char *old, const char *now)
 {
     char shown_old[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)], shown_now[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)];
-    relay_tools_escape(shown_old, sizeof(shown_old), old, strlen(old), 0, 0);
-    relay_tools_escape(shown_now, sizeof(shown_now), now, strlen(now), 0, 0);
+    relay_text_escape(shown_old, sizeof(shown_old), old, strlen(old), 0, 0);
+    relay_text_escape(shown_now, sizeof(shown_now), now, strlen(now), 0, 0);
     const char *type_argv[2] = {"TYPE", old};
     redisReply *r = command(d, 2, type_argv, NULL);
     if (r == NULL)
@@ -787,7 +788,7 @@ static int migrate_one(struct dlq_ctx *d, const char *old, const char *now)
     }
     if (!stream) {
         fprintf(d->errout, "outbox-relay: %s is not a stream: left as it is\n", shown_old);
-        return RELAY_EX_DATAERR;
+        return OUTBOX_EX_DATAERR;
     }
     const char *rn[3] = {"RENAMENX", old, now};
     r = command(d, 3, rn, NULL);
@@ -833,7 +834,7 @@ static int migrate_one(struct dlq_ctx *d, const char *old, const char *now)
                 free(argv);
                 free(lens);
                 freeReplyObject(page);
-                return RELAY_EX_OSERR;
+                return OUTBOX_EX_OSERR;
             }
             argv[0] = "XADD";
             lens[0] = 4;
@@ -880,9 +881,9 @@ static int migrate_one(struct dlq_ctx *d, const char *old, const char *now)
 static int dlq_migrate(struct dlq_ctx *d)
 {
     char old_dlq[DLQ_NAME_MAX], old_replay[DLQ_NAME_MAX];
-    if (relay_key_dlq_old(d->stream, d->group, old_dlq, sizeof(old_dlq)) < 0 ||
-        relay_key_replay_old(d->stream, d->group, old_replay, sizeof(old_replay)) < 0)
-        return RELAY_EX_USAGE;
+    if (outbox_key_dlq_old(d->stream, d->group, old_dlq, sizeof(old_dlq)) < 0 ||
+        outbox_key_replay_old(d->stream, d->group, old_replay, sizeof(old_replay)) < 0)
+        return OUTBOX_EX_USAGE;
     int rc = migrate_one(d, old_dlq, d->dlq);
     if (rc != 0)
         return rc;
@@ -900,11 +901,10 @@ static int dlq_names(struct dlq_ctx *d, const char *stream, const char *group)
                 DLQ_NAME_MAX - 16);
         return -1;
     }
-    relay_tools_escape(d->shown.stream, sizeof(d->shown.stream), stream, strlen(stream), 0, 0);
-    relay_tools_escape(d->shown.group, sizeof(d->shown.group), group, strlen(group), 0, 0);
-    relay_tools_escape(d->shown.dlq, sizeof(d->shown.dlq), d->dlq, strlen(d->dlq), 0, 0);
-    relay_tools_escape(d->shown.replay, sizeof(d->shown.replay), d->replay, strlen(d->replay), 0,
-                       0);
+    relay_text_escape(d->shown.stream, sizeof(d->shown.stream), stream, strlen(stream), 0, 0);
+    relay_text_escape(d->shown.group, sizeof(d->shown.group), group, strlen(group), 0, 0);
+    relay_text_escape(d->shown.dlq, sizeof(d->shown.dlq), d->dlq, strlen(d->dlq), 0, 0);
+    relay_text_escape(d->shown.replay, sizeof(d->shown.replay), d->replay, strlen(d->replay), 0, 0);
     return 0;
 }
 
@@ -964,7 +964,7 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
 {
     struct dlq_ctx d;
     struct dlq_sel *sels = NULL;
-    int nsel = 0, all = 0, rc = RELAY_EX_USAGE;
+    int nsel = 0, all = 0, rc = OUTBOX_EX_USAGE;
     long long count = 100;
 
     memset(&d, 0, sizeof(d));
@@ -972,16 +972,16 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
     d.errout = errout;
     if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
         dlq_usage(out);
-        return RELAY_EX_OK;
+        return OUTBOX_EX_OK;
     }
     if (argc < 4) {
         fprintf(errout, "outbox-relay: dlq needs a command, a stream and a group\n");
         dlq_usage(errout);
-        return RELAY_EX_USAGE;
+        return OUTBOX_EX_USAGE;
     }
     const char *verb = argv[1];
     if (dlq_names(&d, argv[2], argv[3]) < 0)
-        return RELAY_EX_USAGE;
+        return OUTBOX_EX_USAGE;
 
     int is_list = strcmp(verb, "list") == 0, is_show = strcmp(verb, "show") == 0;
     int is_replay = strcmp(verb, "replay") == 0, is_purge = strcmp(verb, "purge") == 0;
@@ -997,7 +997,7 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
     } else if (is_show || is_replay || is_purge) {
         sels = calloc((size_t)argc, sizeof(*sels));
         if (sels == NULL)
-            return RELAY_EX_OSERR;
+            return OUTBOX_EX_OSERR;
         if (parse_selections(verb, argc, argv, errout, sels, &nsel, &all) < 0)
             goto usage;
     } else {
@@ -1025,7 +1025,7 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
 
 usage:
     dlq_usage(errout);
-    rc = RELAY_EX_USAGE;
+    rc = OUTBOX_EX_USAGE;
 out:
     if (d.c != NULL)
         redisFree(d.c);

@@ -12,9 +12,10 @@
  * says what happened until retention deletes it), and in a partitioned topic
  * the later rows of their keys go on.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
-#include "relay/tools.h"
+#include "core/text.h"
+#include "tools/tools.h"
 
 #include <errno.h>
 #include <libpq-fe.h>
@@ -22,9 +23,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "relay/common.h"
-#include "relay/config.h"
-#include "relay/observe.h"
+#include "common/common.h"
+#include "core/config.h"
+#include "core/observe.h"
 
 /* Columns of a topic in "failed list", at most. */
 #define FAILED_TOPIC_COLS 40
@@ -65,7 +66,7 @@ static int failed_list(PGconn *conn, long long limit, FILE *out, FILE *errout)
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
         fprintf(errout, "outbox-relay: cannot list failed rows: %s", PQresultErrorMessage(res));
         PQclear(res);
-        return RELAY_EX_UNAVAILABLE;
+        return OUTBOX_EX_UNAVAILABLE;
     }
     int n = PQntuples(res);
     if (n == 0) {
@@ -76,11 +77,11 @@ static int failed_list(PGconn *conn, long long limit, FILE *out, FILE *errout)
         /* The topic and the error come from producers: escaped, one row a line. */
         for (int i = 0; i < n; i++) {
             fprintf(out, "%-10s %-36s ", PQgetvalue(res, i, 0), PQgetvalue(res, i, 1));
-            relay_tools_put_column(out, PQgetvalue(res, i, 2), (size_t)PQgetlength(res, i, 2), 20,
-                                   FAILED_TOPIC_COLS);
+            relay_text_put_column(out, PQgetvalue(res, i, 2), (size_t)PQgetlength(res, i, 2), 20,
+                                  FAILED_TOPIC_COLS);
             fprintf(out, "%-8s %-20s ", PQgetvalue(res, i, 3), PQgetvalue(res, i, 4));
-            relay_tools_put_escaped(out, PQgetvalue(res, i, 5), (size_t)PQgetlength(res, i, 5), 0,
-                                    0);
+            relay_text_put_escaped(out, PQgetvalue(res, i, 5), (size_t)PQgetlength(res, i, 5), 0,
+                                   0);
             fputc('\n', out);
         }
     }
@@ -97,7 +98,7 @@ static int failed_list(PGconn *conn, long long limit, FILE *out, FILE *errout)
         fprintf(out, ", %s still being retried by the relay\n", PQgetvalue(res, 0, 1));
     }
     PQclear(res);
-    return RELAY_EX_OK;
+    return OUTBOX_EX_OK;
 }
 
 /* '{1,2,3}' from the ids, each checked to be one (the caller frees), or NULL
@@ -107,7 +108,7 @@ static char *id_array(int nids, char **ids, FILE *errout, int *rc)
     size_t cap = (size_t)nids * 24 + 3;
     char *arr = malloc(cap);
     if (arr == NULL) {
-        *rc = RELAY_EX_OSERR;
+        *rc = OUTBOX_EX_OSERR;
         return NULL;
     }
     size_t len = 0;
@@ -120,7 +121,7 @@ static char *id_array(int nids, char **ids, FILE *errout, int *rc)
                     "'outbox-relay failed list')\n",
                     ids[i]);
             free(arr);
-            *rc = RELAY_EX_USAGE;
+            *rc = OUTBOX_EX_USAGE;
             return NULL;
         }
         len += (size_t)snprintf(arr + len, cap - len, "%s%lld", i ? "," : "", id);
@@ -140,7 +141,7 @@ static int change_quarantined(PGconn *conn, const char *set, int all, int nids, 
                               const char *what, const char *done, const char *tail, FILE *out,
                               FILE *errout)
 {
-    int rc = RELAY_EX_OK;
+    int rc = OUTBOX_EX_OK;
     char *arr = id_array(nids, ids, errout, &rc);
     if (arr == NULL)
         return rc;
@@ -163,14 +164,14 @@ static int change_quarantined(PGconn *conn, const char *set, int all, int nids, 
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
         fprintf(errout, "outbox-relay: cannot %s rows: %s", what, PQresultErrorMessage(res));
         PQclear(res);
-        return RELAY_EX_UNAVAILABLE;
+        return OUTBOX_EX_UNAVAILABLE;
     }
     fprintf(out, "%s %s row(s)%s\n", done, PQgetvalue(res, 0, 0), tail);
     if (!all && strcmp(PQgetvalue(res, 0, 1), "{}") != 0) {
         fprintf(errout,
                 "outbox-relay: not quarantined (unknown, already sent or still retrying): %s\n",
                 PQgetvalue(res, 0, 1));
-        rc = RELAY_EX_DATAERR;
+        rc = OUTBOX_EX_DATAERR;
     }
     PQclear(res);
     return rc;
@@ -208,7 +209,7 @@ int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FIL
 {
     if (argc < 2) {
         failed_usage(errout);
-        return RELAY_EX_USAGE;
+        return OUTBOX_EX_USAGE;
     }
     const char *verb = argv[1];
     long long limit = 100;
@@ -222,7 +223,7 @@ int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FIL
             }
             fprintf(errout, "outbox-relay: failed list: unexpected \"%s\"\n", argv[i]);
             failed_usage(errout);
-            return RELAY_EX_USAGE;
+            return OUTBOX_EX_USAGE;
         }
     } else if (strcmp(verb, "retry") == 0) {
         if (argc == 3 && strcmp(argv[2], "--all") == 0) {
@@ -230,22 +231,22 @@ int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FIL
         } else if (argc < 3) {
             fprintf(errout, "outbox-relay: failed retry needs row ids or --all\n");
             failed_usage(errout);
-            return RELAY_EX_USAGE;
+            return OUTBOX_EX_USAGE;
         }
     } else if (strcmp(verb, "drop") == 0) {
         if (argc < 3) {
             fprintf(errout, "outbox-relay: failed drop needs row ids\n");
             failed_usage(errout);
-            return RELAY_EX_USAGE;
+            return OUTBOX_EX_USAGE;
         }
     } else {
         failed_usage(errout);
-        return RELAY_EX_USAGE;
+        return OUTBOX_EX_USAGE;
     }
 
     PGconn *conn = connect_db(cfg, errout);
     if (conn == NULL)
-        return RELAY_EX_UNAVAILABLE;
+        return OUTBOX_EX_UNAVAILABLE;
     int rc = strcmp(verb, "list") == 0 ? failed_list(conn, limit, out, errout)
              : strcmp(verb, "drop") == 0
                  ? failed_drop(conn, argc - 2, argv + 2, out, errout)

@@ -4,7 +4,7 @@
  * relay is running, and exits 69 (EX_UNAVAILABLE) naming the server it could
  * not reach.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include <hiredis/hiredis.h>
 #include <libpq-fe.h>
@@ -12,9 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "relay/common.h"
-#include "relay/observe.h"
-#include "relay/tools.h"
+#include "common/common.h"
+#include "core/observe.h"
+#include "tools/tools.h"
 
 /* "status [--json]": 0 with *json set, or -1 after saying why. */
 static int parse_status_args(int argc, char **argv, FILE *errout, int *json)
@@ -39,13 +39,13 @@ int relay_tool_status(const struct relay_config *cfg, int argc, char **argv, FIL
 {
     int json;
     if (parse_status_args(argc, argv, errout, &json) < 0)
-        return RELAY_EX_USAGE;
+        return OUTBOX_EX_USAGE;
     struct relay_observation *o = malloc(sizeof(*o));
     char *text = malloc(256 * 1024);
     if (o == NULL || text == NULL) {
         free(o);
         free(text);
-        return RELAY_EX_OSERR;
+        return OUTBOX_EX_OSERR;
     }
     PGconn *pg = NULL;
     redisContext *rd = NULL;
@@ -66,5 +66,5 @@ int relay_tool_status(const struct relay_config *cfg, int argc, char **argv, FIL
         redisFree(rd);
     free(o);
     free(text);
-    return rc < 0 ? RELAY_EX_UNAVAILABLE : RELAY_EX_OK;
+    return rc < 0 ? OUTBOX_EX_UNAVAILABLE : OUTBOX_EX_OK;
 }

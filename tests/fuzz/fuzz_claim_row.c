@@ -74,13 +74,13 @@ static redisReply *read_command(const char *buf, size_t len)
  * a text[] from PostgreSQL never do. */
 static int headers_are_text(const struct relay_row *row)
 {
-    const char *items[RELAY_HEADERS_MAX];
-    size_t lens[RELAY_HEADERS_MAX];
+    const char *items[OUTBOX_HEADERS_MAX];
+    size_t lens[OUTBOX_HEADERS_MAX];
     const char *arrays[2] = {row->header_names, row->header_values};
     size_t array_lens[2] = {row->header_names_len, row->header_values_len};
     for (int a = 0; a < 2; a++) {
-        int n =
-            relay_batch_decode_text_array(arrays[a], array_lens[a], items, lens, RELAY_HEADERS_MAX);
+        int n = relay_batch_decode_text_array(arrays[a], array_lens[a], items, lens,
+                                              OUTBOX_HEADERS_MAX);
         for (int i = 0; i < n; i++)
             if (memchr(items[i], '\0', lens[i]) != NULL)
                 return 0;
@@ -97,7 +97,7 @@ static int same_arg(const redisReply *r, size_t k, const char *s, size_t n)
 static void publish(struct relay_row *row, const char *prefix, uint32_t max_payload)
 {
     static struct relay_publish_cmd cmd;
-    char err1[RELAY_ERROR_MAX], err2[RELAY_ERROR_MAX];
+    char err1[OUTBOX_ERROR_MAX], err2[OUTBOX_ERROR_MAX];
     enum relay_row_fault fault = RELAY_FAULT_NONE;
 
     int built = relay_batch_build_publish(row, prefix, max_payload, 86400000, 1718000000000ULL,
@@ -116,7 +116,7 @@ static void publish(struct relay_row *row, const char *prefix, uint32_t max_payl
     /* The row alone in a call: its stream, its record, then its fields as
      * the argv of its own call has them, after their count. */
     const struct relay_row *one = row;
-    struct relay_buf out;
+    struct outbox_buf out;
     memset(&out, 0, sizeof(out));
     if (relay_batch_append_publish_call(&one, 1, NULL, prefix, max_payload, 86400000,
                                         1718000000000ULL, &out) != 0)
@@ -140,7 +140,7 @@ static void publish(struct relay_row *row, const char *prefix, uint32_t max_payl
     if (headers_are_text(row) && !ok)
         fuzz_fail("the call is not the argv of the row's own call", out.data);
     freeReplyObject(got);
-    relay_buf_free(&out);
+    outbox_buf_free(&out);
     row->state = RELAY_ROW_PUBLISHED;
 }
 
@@ -162,7 +162,7 @@ static void publish_together(struct relay_row *rows, size_t n, const char *prefi
         if (!relay_batch_same_stream(&rows[i], after))
             continue;
         static struct relay_publish_cmd cmd;
-        char err[RELAY_ERROR_MAX];
+        char err[OUTBOX_ERROR_MAX];
         struct relay_row alone = rows[i];
         alone.after = NULL;
         if (relay_batch_build_publish(&alone, prefix, max_payload, 1, 2, &cmd, err, sizeof(err)) !=
@@ -173,7 +173,7 @@ static void publish_together(struct relay_row *rows, size_t n, const char *prefi
     }
     if (m == 0)
         return;
-    struct relay_buf out;
+    struct outbox_buf out;
     memset(&out, 0, sizeof(out));
     if (relay_batch_append_publish_call(call, m, after, prefix, max_payload, 1, 2, &out) != 0)
         fuzz_fail("rows of one stream that can be published cannot go in one call", "");
@@ -181,7 +181,7 @@ static void publish_together(struct relay_row *rows, size_t n, const char *prefi
     if (got->elements != 3 + 2 + m + 3 + m + fields)
         fuzz_fail("a call of several rows with the wrong number of arguments", out.data);
     freeReplyObject(got);
-    relay_buf_free(&out);
+    outbox_buf_free(&out);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -189,8 +189,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     static struct relay_row rows[ROWS_MAX];
     if (size < 2)
         return 0;
-    const char *prefix = prefixes[data[0] % RELAY_ARRAY_LEN(prefixes)];
-    uint32_t max_payload = payload_limits[data[1] % RELAY_ARRAY_LEN(payload_limits)];
+    const char *prefix = prefixes[data[0] % OUTBOX_ARRAY_LEN(prefixes)];
+    uint32_t max_payload = payload_limits[data[1] % OUTBOX_ARRAY_LEN(payload_limits)];
     size_t off = 2;
 
     PGresult *res = PQmakeEmptyPGresult(NULL, PGRES_TUPLES_OK);
@@ -219,17 +219,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     publish_together(rows, nrows, prefix, max_payload);
 
-    struct relay_buf out;
+    struct outbox_buf out;
     memset(&out, 0, sizeof(out));
     size_t pos = 0;
     int rc;
     while ((rc = relay_batch_append_retire(rows, nrows, prefix, 86400000, &pos, &out)) == 1) {
         freeReplyObject(read_command(out.data, out.len));
-        relay_buf_reset(&out);
+        outbox_buf_reset(&out);
     }
     if (rc != 0)
         fuzz_fail("retire did not fit an empty buffer", NULL);
-    relay_buf_free(&out);
+    outbox_buf_free(&out);
     PQclear(res);
     return 0;
 }

@@ -1,12 +1,12 @@
 /*
- * The configuration file (relay/config.c): the bytes are a relay.conf, read
+ * The configuration file (core/config.c): the bytes are a relay.conf, read
  * line by line the way the daemon reads its -c FILE, then checked as a whole
  * (relay_config_validate) and shown again (relay_config_dump), as
  * "outbox-relay --check-config" does. A file that loads must also load again
  * from its own dump, and show the same dump (secrets stay redacted; see
  * skip_secrets).
  */
-#include "../../relay/config.c"
+#include "../../core/config.c"
 
 #include "fuzz.h"
 
@@ -35,9 +35,9 @@ static const char *skip_secrets(const char *dump)
 static int redacts_to_url(const char *redis)
 {
     char shown[CFG_VALUE_MAX + 1], err[256];
-    struct relay_redis_url u;
+    struct outbox_redis_url u;
     relay_config_redact(redis, shown, sizeof(shown));
-    return relay_url_parse_seeds(shown, &u, err, sizeof(err)) == 0;
+    return outbox_url_parse_seeds(shown, &u, err, sizeof(err)) == 0;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)

@@ -49,8 +49,8 @@ static void read_entries(const redisReply *r)
             if (fields->type == REDIS_REPLY_NIL)
                 continue;
             struct relay_message m;
-            const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
-            size_t vlens[RELAY_HEADERS_MAX];
+            const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
+            size_t vlens[OUTBOX_HEADERS_MAX];
             memset(&m, 0, sizeof(m));
             if (parse_message(fields, &m, names, values, vlens) == NULL) {
                 volatile size_t sum = touch(&m);

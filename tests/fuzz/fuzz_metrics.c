@@ -58,7 +58,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     /* The whole input as one label value. */
     char *s = fuzz_string(data, size);
-    struct relay_buf t;
+    struct outbox_buf t;
     memset(&t, 0, sizeof(t));
     relay_text_label(&t, s);
     /* Inside the label's quotes: no raw newline or quote, and a backslash
@@ -72,7 +72,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             k++;
         }
     }
-    relay_buf_free(&t);
+    outbox_buf_free(&t);
     free(s);
     return 0;
 }

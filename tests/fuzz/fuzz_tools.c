@@ -121,7 +121,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         return 0;
     }
     char *buf, **argv;
-    /* argv[0] is the command's name, as relay/main.c passes it on. */
+    /* argv[0] is the command's name, as cli/main.c passes it on. */
     static const char *const names[] = {"dlq", "failed", "status"};
     int argc = fuzz_args(data + 1, size - 1, names[data[0] % 4], &buf, &argv, ARGS_MAX);
     switch (data[0] % 4) {

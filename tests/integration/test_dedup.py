@@ -345,7 +345,7 @@ class DedupTest(harness.ServerTestCase):
     def test_removals_past_the_cap_go_to_redis_a_slice_at_a_time(self):
         """Past RELAY_RETIRE_QUEUE_MAX (16 MiB) of waiting removals the relay
         hands the oldest to Redis as expiries at their due time
-        (include/relay/retire.h). It hands over 1 MiB at a time: a hand-off
+        (relay/retire.h). It hands over 1 MiB at a time: a hand-off
         is written to the Redis client's output buffer at once, and 8 MiB of
         it (half the queue) raised the relay's peak resident memory by 8-14
         MiB (docs/PERFORMANCE.md, "The peak RSS of long drains"). The records

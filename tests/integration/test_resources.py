@@ -3,7 +3,7 @@
 Promise tested: the relay's peak resident memory (VmHWM in /proc/<pid>/status)
 while draining a backlog of BIG_ROWS pending rows stays within 10 % of its peak
 while draining 100,000 rows, beside the removals of dedup records that wait
-publish_timeout after their commit (include/relay/retire.h). Those depend on
+publish_timeout after their commit (relay/retire.h). Those depend on
 the rate, not on the backlog: the big drain is allowed 64 bytes for each row
 it committed within its busiest publish_timeout, plus 3 MiB of chunks. Both
 drains run with publish_timeout 2 s, so that the small one lasts longer than
@@ -180,7 +180,7 @@ class ResourcesTest(harness.ServerTestCase):
         # What the removals waiting in the big drain may add beyond those of the
         # small one: 64 bytes a record (a 58-byte key in the protocol, and the
         # command's share of its header), in chunks of 1 MiB, two of them kept
-        # spare (include/relay/retire.h). It depends on the rate, not on the
+        # spare (relay/retire.h). It depends on the rate, not on the
         # backlog; the rest of the relay's memory must not grow at all.
         allowance = (waiting * 64 + 3 * 1024 * 1024) // 1024
         ratio = big / small

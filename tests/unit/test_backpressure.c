@@ -12,7 +12,8 @@
 #include <cmocka.h>
 
 #include "relay/backpressure.h"
-#include "relay/config.h"
+#include "core/pg.h"
+#include "core/config.h"
 
 static struct relay_config cfg;
 static struct relay_observation obs;
@@ -180,37 +181,37 @@ static void test_pausing_switched_off(void **state)
 static void test_array_value_escapes_every_name(void **state)
 {
     (void)state;
-    char items[3][RELAY_TOPIC_MAX + 1] = {"plain", "quo\"te", "back\\slash"};
+    char items[3][OUTBOX_TOPIC_MAX + 1] = {"plain", "quo\"te", "back\\slash"};
     char out[128];
     assert_int_equal(
-        relay_pg_text_array(out, sizeof(out), (const char(*)[RELAY_TOPIC_MAX + 1]) items, 3), 0);
+        relay_pg_text_array(out, sizeof(out), (const char(*)[OUTBOX_TOPIC_MAX + 1]) items, 3), 0);
     assert_string_equal(out, "{\"plain\",\"quo\\\"te\",\"back\\\\slash\"}");
     assert_int_equal(
-        relay_pg_text_array(out, sizeof(out), (const char(*)[RELAY_TOPIC_MAX + 1]) items, 0), 0);
+        relay_pg_text_array(out, sizeof(out), (const char(*)[OUTBOX_TOPIC_MAX + 1]) items, 0), 0);
     assert_string_equal(out, "{}");
 }
 
 static void test_array_value_too_small(void **state)
 {
     (void)state;
-    char items[1][RELAY_TOPIC_MAX + 1] = {"orders"};
+    char items[1][OUTBOX_TOPIC_MAX + 1] = {"orders"};
     char out[8];
     assert_int_equal(
-        relay_pg_text_array(out, sizeof(out), (const char(*)[RELAY_TOPIC_MAX + 1]) items, 1), -1);
-    assert_int_equal(relay_pg_text_array(out, 2, (const char(*)[RELAY_TOPIC_MAX + 1]) items, 0),
+        relay_pg_text_array(out, sizeof(out), (const char(*)[OUTBOX_TOPIC_MAX + 1]) items, 1), -1);
+    assert_int_equal(relay_pg_text_array(out, 2, (const char(*)[OUTBOX_TOPIC_MAX + 1]) items, 0),
                      -1);
 }
 
 static void test_worst_case_names_fit(void **state)
 {
     (void)state;
-    static char items[RELAY_OBS_TOPICS_MAX][RELAY_TOPIC_MAX + 1];
+    static char items[RELAY_OBS_TOPICS_MAX][OUTBOX_TOPIC_MAX + 1];
     for (size_t i = 0; i < RELAY_OBS_TOPICS_MAX; i++) {
-        memset(items[i], '"', RELAY_TOPIC_MAX);
-        items[i][RELAY_TOPIC_MAX] = '\0';
+        memset(items[i], '"', OUTBOX_TOPIC_MAX);
+        items[i][OUTBOX_TOPIC_MAX] = '\0';
     }
     assert_int_equal(relay_pg_text_array(paused.param, sizeof(paused.param),
-                                         (const char(*)[RELAY_TOPIC_MAX + 1]) items,
+                                         (const char(*)[OUTBOX_TOPIC_MAX + 1]) items,
                                          RELAY_OBS_TOPICS_MAX),
                      0);
 }

@@ -13,7 +13,7 @@
 #include <hiredis/hiredis.h>
 
 #include "relay/batch.h"
-#include "relay/keys.h"
+#include "common/keys.h"
 
 static const char MID[] = "0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b";
 
@@ -75,28 +75,28 @@ static int find_field(const struct relay_publish_cmd *cmd, const char *name)
 static void test_topic_charset(void **state)
 {
     (void)state;
-    assert_true(relay_batch_topic_valid("orders", 6));
-    assert_true(relay_batch_topic_valid("Orders.v2_eu-west", 17));
-    assert_false(relay_batch_topic_valid("", 0));
-    assert_false(relay_batch_topic_valid("bad topic", 9));
-    assert_false(relay_batch_topic_valid("{x}", 3));
-    assert_false(relay_batch_topic_valid("a:b", 3));
-    assert_false(relay_batch_topic_valid("caf\xc3\xa9", 5));
-    char longt[RELAY_TOPIC_MAX + 2];
+    assert_true(outbox_topic_valid("orders", 6));
+    assert_true(outbox_topic_valid("Orders.v2_eu-west", 17));
+    assert_false(outbox_topic_valid("", 0));
+    assert_false(outbox_topic_valid("bad topic", 9));
+    assert_false(outbox_topic_valid("{x}", 3));
+    assert_false(outbox_topic_valid("a:b", 3));
+    assert_false(outbox_topic_valid("caf\xc3\xa9", 5));
+    char longt[OUTBOX_TOPIC_MAX + 2];
     memset(longt, 'a', sizeof(longt));
-    assert_true(relay_batch_topic_valid(longt, RELAY_TOPIC_MAX));
-    assert_false(relay_batch_topic_valid(longt, RELAY_TOPIC_MAX + 1));
+    assert_true(outbox_topic_valid(longt, OUTBOX_TOPIC_MAX));
+    assert_false(outbox_topic_valid(longt, OUTBOX_TOPIC_MAX + 1));
 }
 
 static void test_stream_and_dedup_key_share_hash_tag(void **state)
 {
     (void)state;
     char stream[64], key[128];
-    assert_int_equal(relay_key_stream("app:", "orders", 6, stream, sizeof(stream)), 10);
+    assert_int_equal(outbox_key_stream("app:", "orders", 6, stream, sizeof(stream)), 10);
     assert_string_equal(stream, "app:orders");
-    assert_true(relay_key_dedup(stream, MID, strlen(MID), key, sizeof(key)) > 0);
+    assert_true(outbox_key_dedup(stream, MID, strlen(MID), key, sizeof(key)) > 0);
     assert_string_equal(key, "{app:orders}:dedup:0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b");
-    assert_int_equal(relay_key_stream("", "orders", 6, stream, 4), -1);
+    assert_int_equal(outbox_key_stream("", "orders", 6, stream, 4), -1);
 }
 
 /* CLUSTER KEYSLOT's answers (the Redis Cluster specification's examples and
@@ -104,23 +104,23 @@ static void test_stream_and_dedup_key_share_hash_tag(void **state)
 static void test_cluster_slot(void **state)
 {
     (void)state;
-    assert_int_equal(relay_key_slot("foo", 3), 12182);
-    assert_int_equal(relay_key_slot("hello", 5), 866);
-    assert_int_equal(relay_key_slot("somekey", 7), 11058);
-    assert_int_equal(relay_key_slot("foo{hash_tag}", 13), 2515);
-    assert_int_equal(relay_key_slot("bar{hash_tag}", 13), 2515);
-    assert_int_equal(relay_key_slot("{}foo", 5), relay_key_slot("{}foo", 5));
-    assert_int_equal(relay_key_slot("{}foo", 5) == relay_key_slot("foo", 3), 0);
-    assert_int_equal(relay_key_slot("{foo", 4) == relay_key_slot("foo", 3), 0);
-    assert_int_equal(relay_key_slot("{foo}{bar}", 10), relay_key_slot("foo", 3));
-    assert_int_equal(relay_key_slot("x{{foo}}", 8), relay_key_slot("{foo", 4));
+    assert_int_equal(outbox_key_slot("foo", 3), 12182);
+    assert_int_equal(outbox_key_slot("hello", 5), 866);
+    assert_int_equal(outbox_key_slot("somekey", 7), 11058);
+    assert_int_equal(outbox_key_slot("foo{hash_tag}", 13), 2515);
+    assert_int_equal(outbox_key_slot("bar{hash_tag}", 13), 2515);
+    assert_int_equal(outbox_key_slot("{}foo", 5), outbox_key_slot("{}foo", 5));
+    assert_int_equal(outbox_key_slot("{}foo", 5) == outbox_key_slot("foo", 3), 0);
+    assert_int_equal(outbox_key_slot("{foo", 4) == outbox_key_slot("foo", 3), 0);
+    assert_int_equal(outbox_key_slot("{foo}{bar}", 10), outbox_key_slot("foo", 3));
+    assert_int_equal(outbox_key_slot("x{{foo}}", 8), outbox_key_slot("{foo", 4));
     /* A stream and every key derived from it share a slot. */
     char key[128];
-    unsigned slot = relay_key_slot("app:orders", 10);
-    assert_true(relay_key_dedup("app:orders", MID, strlen(MID), key, sizeof(key)) > 0);
-    assert_int_equal(relay_key_slot(key, strlen(key)), slot);
-    assert_true(relay_key_lease("app:orders", "g", "lease", key, sizeof(key)) > 0);
-    assert_int_equal(relay_key_slot(key, strlen(key)), slot);
+    unsigned slot = outbox_key_slot("app:orders", 10);
+    assert_true(outbox_key_dedup("app:orders", MID, strlen(MID), key, sizeof(key)) > 0);
+    assert_int_equal(outbox_key_slot(key, strlen(key)), slot);
+    assert_true(outbox_key_lease("app:orders", "g", "lease", key, sizeof(key)) > 0);
+    assert_int_equal(outbox_key_slot(key, strlen(key)), slot);
 }
 
 /* The vectors of docs/PARTITIONS.md; tests/integration/test_partitions.py
@@ -137,15 +137,15 @@ static void test_partition_hash_vectors(void **state)
         {"\xc3\xa9", 0x1e9de8c1u}, {"\xe6\x97\xa5\xe6\x9c\xac", 0x9f26ee51u},
         {"order-42", 0x572446f4u},
     };
-    for (size_t i = 0; i < RELAY_ARRAY_LEN(v); i++)
-        assert_int_equal(relay_partition_hash(v[i].key, strlen(v[i].key)), v[i].hash);
-    assert_int_equal(relay_partition_of("order-42", 8, 7, 8), 0x572446f4u % 8);
-    assert_int_equal(relay_partition_of("order-42", 8, 7, 1000), 0x572446f4u % 1000);
-    assert_int_equal(relay_partition_of("order-42", 8, 7, 1), 0);
-    assert_int_equal(relay_partition_of("order-42", 8, 7, 0), 0);
+    for (size_t i = 0; i < OUTBOX_ARRAY_LEN(v); i++)
+        assert_int_equal(outbox_partition_hash(v[i].key, strlen(v[i].key)), v[i].hash);
+    assert_int_equal(outbox_partition_of("order-42", 8, 7, 8), 0x572446f4u % 8);
+    assert_int_equal(outbox_partition_of("order-42", 8, 7, 1000), 0x572446f4u % 1000);
+    assert_int_equal(outbox_partition_of("order-42", 8, 7, 1), 0);
+    assert_int_equal(outbox_partition_of("order-42", 8, 7, 0), 0);
     /* No key: spread by id. */
-    assert_int_equal(relay_partition_of(NULL, 0, 13, 8), 5);
-    assert_int_equal(relay_partition_of(NULL, 0, 13, 1), 0);
+    assert_int_equal(outbox_partition_of(NULL, 0, 13, 8), 5);
+    assert_int_equal(outbox_partition_of(NULL, 0, 13, 1), 0);
 }
 
 static void test_partition_stream_names(void **state)
@@ -153,30 +153,30 @@ static void test_partition_stream_names(void **state)
     (void)state;
     char stream[64];
     int partition;
-    assert_int_equal(relay_key_partition_stream("app:", "orders", 6, 3, 8, stream, sizeof(stream)),
+    assert_int_equal(outbox_key_partition_stream("app:", "orders", 6, 3, 8, stream, sizeof(stream)),
                      14);
     assert_string_equal(stream, "app:orders:003");
-    assert_int_equal(relay_key_partition_stream("", "orders", 6, 999, 1000, stream, sizeof(stream)),
-                     10);
+    assert_int_equal(
+        outbox_key_partition_stream("", "orders", 6, 999, 1000, stream, sizeof(stream)), 10);
     assert_string_equal(stream, "orders:999");
-    assert_int_equal(relay_key_partition_stream("app:", "orders", 6, 0, 1, stream, sizeof(stream)),
+    assert_int_equal(outbox_key_partition_stream("app:", "orders", 6, 0, 1, stream, sizeof(stream)),
                      10);
     assert_string_equal(stream, "app:orders");
-    assert_int_equal(relay_key_partition_stream("", "orders", 6, 1, 2, stream, 10), -1);
+    assert_int_equal(outbox_key_partition_stream("", "orders", 6, 1, 2, stream, 10), -1);
 
-    assert_int_equal(relay_key_stream_topic_len("orders:003", 10, &partition), 6);
+    assert_int_equal(outbox_key_stream_topic_len("orders:003", 10, &partition), 6);
     assert_int_equal(partition, 3);
-    assert_int_equal(relay_key_stream_topic_len("a.b:120", 7, &partition), 3);
+    assert_int_equal(outbox_key_stream_topic_len("a.b:120", 7, &partition), 3);
     assert_int_equal(partition, 120);
-    assert_int_equal(relay_key_stream_topic_len("orders", 6, &partition), 6);
+    assert_int_equal(outbox_key_stream_topic_len("orders", 6, &partition), 6);
     assert_int_equal(partition, -1);
-    assert_int_equal(relay_key_stream_topic_len("orders:12", 9, &partition), 9);
+    assert_int_equal(outbox_key_stream_topic_len("orders:12", 9, &partition), 9);
     assert_int_equal(partition, -1);
-    assert_int_equal(relay_key_stream_topic_len("x:1234", 6, &partition), 6);
+    assert_int_equal(outbox_key_stream_topic_len("x:1234", 6, &partition), 6);
     assert_int_equal(partition, -1);
-    assert_int_equal(relay_key_stream_topic_len(":003", 4, &partition), 4);
+    assert_int_equal(outbox_key_stream_topic_len(":003", 4, &partition), 4);
     assert_int_equal(partition, -1);
-    assert_int_equal(relay_key_stream_topic_len("o:0a3", 5, &partition), 5);
+    assert_int_equal(outbox_key_stream_topic_len("o:0a3", 5, &partition), 5);
     assert_int_equal(partition, -1);
 }
 
@@ -277,7 +277,7 @@ static void test_row_errors_say_what_to_do(void **state)
         -1);
     assert_non_null(strstr(err, "headers must be a JSON object"));
 
-    char toolong[RELAY_HEADER_NAME_MAX + 2];
+    char toolong[OUTBOX_HEADER_NAME_MAX + 2];
     memset(toolong, 'n', sizeof(toolong) - 1);
     toolong[sizeof(toolong) - 1] = '\0';
     const char *names[] = {toolong};
@@ -745,7 +745,7 @@ static void test_finish_sql(void **state)
     rows[4].attempts = 1;
     snprintf(rows[4].error, sizeof(rows[4].error), "WRONGTYPE again");
     struct relay_sql_quoter q = {fake_quote, free, NULL};
-    struct relay_buf buf;
+    struct outbox_buf buf;
     memset(&buf, 0, sizeof(buf));
 
     assert_int_equal(relay_batch_finish_sql(rows, 5, 3, 0, &q, &buf), 2);
@@ -779,12 +779,12 @@ static void test_finish_sql(void **state)
     assert_null(strstr(buf.data, "sent_at"));
 
     /* A cap that is too small is an error, never a truncated statement. */
-    struct relay_buf small;
+    struct outbox_buf small;
     memset(&small, 0, sizeof(small));
     small.max = 16;
     assert_int_equal(relay_batch_finish_sql(rows, 4, 3, 0, &q, &small), -1);
-    relay_buf_free(&small);
-    relay_buf_free(&buf);
+    outbox_buf_free(&small);
+    outbox_buf_free(&buf);
 }
 
 static void test_row_quarantined_by_kind(void **state)
@@ -865,12 +865,12 @@ static void test_finish_sql_survives_unquotable_error(void **state)
     row.state = RELAY_ROW_FAILED;
     snprintf(row.error, sizeof(row.error), "bad \xc3");
     struct relay_sql_quoter q = {refusing_quote, free, NULL};
-    struct relay_buf buf;
+    struct outbox_buf buf;
     memset(&buf, 0, sizeof(buf));
     assert_int_equal(relay_batch_finish_sql(&row, 1, 3, 0, &q, &buf), 0);
     assert_non_null(strstr(buf.data, "could not be stored"));
     assert_non_null(strstr(buf.data, "COMMIT"));
-    relay_buf_free(&buf);
+    outbox_buf_free(&buf);
 }
 
 /* ---- commands in the Redis protocol ------------------------------------ */
@@ -967,7 +967,7 @@ static const struct relay_row *const *checked_copies(const struct relay_row *con
 
 static void check_publish_call_same(const struct relay_row *const *rows, size_t n,
                                     const struct relay_row *after, const char *prefix,
-                                    struct relay_buf *buf)
+                                    struct outbox_buf *buf)
 {
     int len;
     char *want =
@@ -986,7 +986,7 @@ static void check_publish_call_same(const struct relay_row *const *rows, size_t 
  * before): the bytes hiredis makes of its argv. */
 static void check_publish_same(const struct relay_row *row, const char *prefix,
                                uint32_t max_payload, uint32_t ttl, uint64_t not_after,
-                               struct relay_buf *buf)
+                               struct outbox_buf *buf)
 {
     int len;
     const struct relay_row *one = row;
@@ -1006,7 +1006,7 @@ static void check_publish_same(const struct relay_row *row, const char *prefix,
 static void test_append_publish_call_matches_hiredis(void **state)
 {
     (void)state;
-    struct relay_buf buf;
+    struct outbox_buf buf;
     memset(&buf, 0, sizeof(buf));
     static struct relay_row rows[RELAY_CALL_ROWS];
     static char mids[RELAY_CALL_ROWS][40];
@@ -1042,7 +1042,7 @@ static void test_append_publish_call_matches_hiredis(void **state)
 
     /* One row, a few, nine and ten (argument counts change digits), all. */
     static const size_t counts[] = {1, 2, 3, 9, 10, RELAY_CALL_ROWS};
-    for (size_t c = 0; c < RELAY_ARRAY_LEN(counts); c++) {
+    for (size_t c = 0; c < OUTBOX_ARRAY_LEN(counts); c++) {
         check_publish_call_same(call, counts[c], NULL, "", &buf);
         check_publish_call_same(call, counts[c], &before, "app:", &buf);
         check_publish_call_same(call, counts[c], NULL, NULL, &buf);
@@ -1083,36 +1083,36 @@ static void test_append_publish_call_matches_hiredis(void **state)
     /* What a row adds to a call is its part (no count changes its digits
      * from one row to two). */
     assert_int_equal(relay_batch_check_publish(&rows[1], "", 1 << 16, err, sizeof(err), &fault), 0);
-    struct relay_buf one, two;
+    struct outbox_buf one, two;
     memset(&one, 0, sizeof(one));
     memset(&two, 0, sizeof(two));
     const struct relay_row *pair[] = {&rows[0], &rows[1]};
     assert_int_equal(relay_batch_append_publish_call(pair, 1, NULL, "", 1 << 16, 1, 2, &one), 0);
     assert_int_equal(relay_batch_append_publish_call(pair, 2, NULL, "", 1 << 16, 1, 2, &two), 0);
     char stream[256];
-    int slen = relay_key_partition_stream("", "orders", 6, rows[1].partition, rows[1].partitions,
-                                          stream, sizeof(stream));
+    int slen = outbox_key_partition_stream("", "orders", 6, rows[1].partition, rows[1].partitions,
+                                           stream, sizeof(stream));
     assert_true(slen > 0);
     /* and its record, "{<stream>}:dedup:<message id>", as a bulk string */
     size_t key = (size_t)slen + 9 + rows[1].message_id_len;
     char head[32];
     size_t key_bulk = (size_t)snprintf(head, sizeof(head), "$%zu\r\n", key) + key + 2;
     assert_int_equal(two.len - one.len, rows[1].call_bytes + key_bulk);
-    relay_buf_free(&one);
-    relay_buf_free(&two);
+    outbox_buf_free(&one);
+    outbox_buf_free(&two);
     assert_int_equal(relay_batch_check_publish(&other, "", 1 << 16, err, sizeof(err), &fault), -1);
     assert_int_equal(fault, RELAY_FAULT_PERMANENT);
     assert_non_null(strstr(err, "is not allowed"));
     rows[4].payload_len = 100;
     assert_int_equal(relay_batch_check_publish(&rows[4], "", 99, err, sizeof(err), &fault), -1);
     assert_non_null(strstr(err, "max_payload_bytes"));
-    relay_buf_free(&buf);
+    outbox_buf_free(&buf);
 }
 
 static void test_append_publish_matches_hiredis(void **state)
 {
     (void)state;
-    struct relay_buf buf;
+    struct outbox_buf buf;
     memset(&buf, 0, sizeof(buf));
 
     /* Binary payload, a key, every prefix form. */
@@ -1154,9 +1154,9 @@ static void test_append_publish_matches_hiredis(void **state)
     static const int64_t ids[] = {0, 1, 9, 10, 42, 99999, INT64_MAX, -1, INT64_MIN};
     static const uint32_t ttls[] = {0, 9, 10, 86400000u, UINT32_MAX};
     static const uint64_t deadlines[] = {0, 1796040000000ull, UINT64_MAX};
-    for (size_t i = 0; i < RELAY_ARRAY_LEN(ids); i++)
-        for (size_t t = 0; t < RELAY_ARRAY_LEN(ttls); t++)
-            for (size_t d = 0; d < RELAY_ARRAY_LEN(deadlines); d++) {
+    for (size_t i = 0; i < OUTBOX_ARRAY_LEN(ids); i++)
+        for (size_t t = 0; t < OUTBOX_ARRAY_LEN(ttls); t++)
+            for (size_t d = 0; d < OUTBOX_ARRAY_LEN(deadlines); d++) {
                 row.id = ids[i];
                 check_publish_same(&row, "p.", 1024, ttls[t], deadlines[d], &buf);
             }
@@ -1167,21 +1167,21 @@ static void test_append_publish_matches_hiredis(void **state)
     memset(big, 'x', sizeof(big));
     static const size_t lens[] = {0,   1,    9,    10,   99,   100,   199,  200,
                                   999, 1000, 4095, 4096, 9999, 10000, 19999};
-    for (size_t i = 0; i < RELAY_ARRAY_LEN(lens); i++) {
+    for (size_t i = 0; i < OUTBOX_ARRAY_LEN(lens); i++) {
         struct relay_row r = make_row("bench1", big, lens[i]);
         check_publish_same(&r, "", sizeof(big), 1000, 1796040000000ull, &buf);
     }
 
     /* Headers, one empty value among them; the longest topic and name. */
-    char name128[RELAY_HEADER_NAME_MAX + 1];
-    memset(name128, 'n', RELAY_HEADER_NAME_MAX);
-    name128[RELAY_HEADER_NAME_MAX] = '\0';
+    char name128[OUTBOX_HEADER_NAME_MAX + 1];
+    memset(name128, 'n', OUTBOX_HEADER_NAME_MAX);
+    name128[OUTBOX_HEADER_NAME_MAX] = '\0';
     const char *names[] = {"content-type", "trace", name128};
     const char *values[] = {"application/json", "", "v"};
     char nbuf[512], vbuf[256];
-    char topic[RELAY_TOPIC_MAX + 1];
-    memset(topic, 'T', RELAY_TOPIC_MAX);
-    topic[RELAY_TOPIC_MAX] = '\0';
+    char topic[OUTBOX_TOPIC_MAX + 1];
+    memset(topic, 'T', OUTBOX_TOPIC_MAX);
+    topic[OUTBOX_TOPIC_MAX] = '\0';
     struct relay_row hdr = make_row(topic, "{\"a\":1}", 7);
     hdr.headers_type = "object";
     hdr.header_names = nbuf;
@@ -1198,9 +1198,9 @@ static void test_append_publish_matches_hiredis(void **state)
     hdr.header_values_len = encode_array(vbuf, values, 0);
     check_publish_same(&hdr, "", 1024, 1000, 1796040000000ull, &buf);
 
-    relay_buf_free(&buf);
+    outbox_buf_free(&buf);
     assert_null(buf.data);
-    relay_buf_free(NULL);
+    outbox_buf_free(NULL);
 }
 
 /* A refused row: the same message from the argv and the check, permanent,
@@ -1210,7 +1210,7 @@ static void check_publish_refused_same(const struct relay_row *row, const char *
 {
     char err1[512], err2[512];
     static struct relay_publish_cmd cmd;
-    struct relay_buf buf;
+    struct outbox_buf buf;
     memset(&buf, 0, sizeof(buf));
     struct relay_row ok = make_row("orders", "x", 1);
     enum relay_row_fault ok_fault;
@@ -1237,7 +1237,7 @@ static void check_publish_refused_same(const struct relay_row *row, const char *
                                                      1796040000000ull, &buf),
                      -1);
     assert_int_equal(buf.len, before);
-    relay_buf_free(&buf);
+    outbox_buf_free(&buf);
 }
 
 static void test_append_publish_refuses_what_build_refuses(void **state)
@@ -1259,7 +1259,7 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     unfetched.payload_len = 10;
     check_publish_refused_same(&unfetched, "", 1048576, "payload of 10 bytes");
 
-    static char longkey[RELAY_KEY_MAX + 1];
+    static char longkey[OUTBOX_KEY_MAX + 1];
     memset(longkey, 'k', sizeof(longkey));
     struct relay_row key = make_row("orders", "x", 1);
     key.key = longkey;
@@ -1281,7 +1281,7 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     count.header_values_len = encode_array(vbuf, two, 2);
     check_publish_refused_same(&count, "", 1024, "headers cannot be encoded");
 
-    char toolong[RELAY_HEADER_NAME_MAX + 2];
+    char toolong[OUTBOX_HEADER_NAME_MAX + 2];
     memset(toolong, 'n', sizeof(toolong) - 1);
     toolong[sizeof(toolong) - 1] = '\0';
     const char *names[] = {toolong};
@@ -1297,7 +1297,7 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     hdr.header_names_len = encode_array(nbuf, empty, 1);
     check_publish_refused_same(&hdr, "", 1024, "names are 1 to 128 bytes");
 
-    static char bigvalue[RELAY_HEADER_VALUE_MAX + 2];
+    static char bigvalue[OUTBOX_HEADER_VALUE_MAX + 2];
     memset(bigvalue, 'v', sizeof(bigvalue) - 1);
     const char *bigvalues[] = {bigvalue};
     hdr.header_names_len = encode_array(nbuf, one, 1);
@@ -1306,14 +1306,14 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
 
     /* Stream name and dedup key: the longest that fit, then one byte more. */
     char prefix[512];
-    char topic[RELAY_TOPIC_MAX + 1];
-    memset(topic, 't', RELAY_TOPIC_MAX);
-    topic[RELAY_TOPIC_MAX] = '\0';
+    char topic[OUTBOX_TOPIC_MAX + 1];
+    memset(topic, 't', OUTBOX_TOPIC_MAX);
+    topic[OUTBOX_TOPIC_MAX] = '\0';
     struct relay_row longest = make_row(topic, "x", 1);
-    struct relay_buf buf;
+    struct outbox_buf buf;
     memset(&buf, 0, sizeof(buf));
     /* stream: < 256 + 200 bytes; dedup key "{stream}:dedup:<36>": < 500. */
-    size_t fits = 500 - 1 - 9 - 36 - RELAY_TOPIC_MAX;
+    size_t fits = 500 - 1 - 9 - 36 - OUTBOX_TOPIC_MAX;
     memset(prefix, 'p', fits);
     prefix[fits] = '\0';
     check_publish_same(&longest, prefix, 1024, 1000, 1796040000000ull, &buf);
@@ -1325,7 +1325,7 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     check_publish_refused_same(&longest, prefix, 1024, "stream name too long");
     const struct relay_row *call[] = {&longest};
     assert_int_equal(relay_batch_append_publish_call(call, 1, NULL, prefix, 1024, 1, 2, &buf), -1);
-    relay_buf_free(&buf);
+    outbox_buf_free(&buf);
 }
 
 /* lanes.c's retire_dedup_records as it stands, formatted by hiredis: every
@@ -1335,11 +1335,11 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
 static size_t hiredis_retires(struct relay_row *rows, size_t n, const char *prefix, int unlink,
                               char *out, size_t outlen, int *commands)
 {
-    const size_t keymax = 320 + RELAY_TOPIC_MAX;
-    char stream[256 + RELAY_TOPIC_MAX];
+    const size_t keymax = 320 + OUTBOX_TOPIC_MAX;
+    char stream[256 + OUTBOX_TOPIC_MAX];
     static const char *argv[4 + 64];
     static size_t lens[4 + 64];
-    static char keys[64][320 + RELAY_TOPIC_MAX];
+    static char keys[64][320 + OUTBOX_TOPIC_MAX];
     int saved[64];
     size_t len = 0;
 
@@ -1351,8 +1351,8 @@ static size_t hiredis_retires(struct relay_row *rows, size_t n, const char *pref
         struct relay_row *lead = &rows[i];
         if (lead->state != RELAY_ROW_PUBLISHED)
             continue;
-        if (relay_key_partition_stream(prefix, lead->topic, lead->topic_len, lead->partition,
-                                       lead->partitions, stream, sizeof(stream)) < 0)
+        if (outbox_key_partition_stream(prefix, lead->topic, lead->topic_len, lead->partition,
+                                        lead->partitions, stream, sizeof(stream)) < 0)
             continue;
         int argc = 0, first;
         char nkeys[16];
@@ -1376,7 +1376,7 @@ static size_t hiredis_retires(struct relay_row *rows, size_t n, const char *pref
                 (row->partitions > 1 && row->partition != lead->partition))
                 continue;
             char *key = keys[argc - first];
-            int k = relay_key_dedup(stream, row->message_id, row->message_id_len, key, keymax);
+            int k = outbox_key_dedup(stream, row->message_id, row->message_id_len, key, keymax);
             row->state = RELAY_ROW_CLAIMED;
             if (k < 0)
                 continue;
@@ -1405,12 +1405,12 @@ static size_t hiredis_retires(struct relay_row *rows, size_t n, const char *pref
 
 /* The retires of rows, one per call, each checked to be one whole command. */
 static size_t append_retires(const struct relay_row *rows, size_t n, const char *prefix,
-                             uint32_t ttl_ms, struct relay_buf *buf, int *commands)
+                             uint32_t ttl_ms, struct outbox_buf *buf, int *commands)
 {
     size_t pos = 0;
     int rc;
     *commands = 0;
-    relay_buf_reset(buf);
+    outbox_buf_reset(buf);
     while ((rc = relay_batch_append_retire(rows, n, prefix, ttl_ms, &pos, buf)) == 1) {
         (*commands)++;
         assert_true(pos <= n);
@@ -1425,26 +1425,26 @@ static size_t append_retires(const struct relay_row *rows, size_t n, const char 
 /* The UNLINKs of rows, one call each, each turned into its retire: together
  * they must be the retires relay_batch_append_retire formats. */
 static size_t unlinks_as_retires(const struct relay_row *rows, size_t n, const char *prefix,
-                                 struct relay_buf *buf)
+                                 struct outbox_buf *buf)
 {
-    struct relay_buf one;
+    struct outbox_buf one;
     memset(&one, 0, sizeof(one));
     size_t pos = 0;
-    relay_buf_reset(buf);
+    outbox_buf_reset(buf);
     for (;;) {
-        relay_buf_reset(&one);
+        outbox_buf_reset(&one);
         if (relay_batch_append_retire(rows, n, prefix, 0, &pos, &one) != 1)
             break;
         assert_int_equal(relay_batch_unlink_as_retire(one.data, one.len, 5000, buf), 0);
     }
-    relay_buf_free(&one);
+    outbox_buf_free(&one);
     return buf->len;
 }
 
 static void check_retires_same(struct relay_row *rows, size_t n, const char *prefix)
 {
     static char want[1 << 16];
-    struct relay_buf buf;
+    struct outbox_buf buf;
     memset(&buf, 0, sizeof(buf));
     struct relay_row copy[64];
     memcpy(copy, rows, n * sizeof(*rows));
@@ -1467,7 +1467,7 @@ static void check_retires_same(struct relay_row *rows, size_t n, const char *pre
     }
     /* The rows are read, not changed. */
     assert_memory_equal(copy, rows, n * sizeof(*rows));
-    relay_buf_free(&buf);
+    outbox_buf_free(&buf);
 }
 
 static void test_append_retire_matches_hiredis(void **state)
@@ -1516,7 +1516,7 @@ static void test_append_retire_matches_hiredis(void **state)
         many[i].state = RELAY_ROW_PUBLISHED;
     }
     check_retires_same(many, 64, "");
-    struct relay_buf buf;
+    struct outbox_buf buf;
     memset(&buf, 0, sizeof(buf));
     int commands;
     append_retires(many, 64, "", 5000, &buf, &commands);
@@ -1530,7 +1530,7 @@ static void test_append_retire_matches_hiredis(void **state)
     assert_memory_equal(buf.data, uhead, sizeof(uhead) - 1);
 
     /* Only an UNLINK of keys becomes a retire, and only with a time to live. */
-    struct relay_buf conv;
+    struct outbox_buf conv;
     memset(&conv, 0, sizeof(conv));
     assert_int_equal(relay_batch_unlink_as_retire(buf.data, buf.len, 0, &conv), -1);
     static const char *bad[] = {"",
@@ -1548,7 +1548,7 @@ static void test_append_retire_matches_hiredis(void **state)
                                      "\r\n$1\r\n1\r\n$1\r\nk\r\n$2\r\n42\r\n";
     assert_int_equal(conv.len, sizeof(one_retire) - 1);
     assert_memory_equal(conv.data, one_retire, sizeof(one_retire) - 1);
-    relay_buf_free(&conv);
+    outbox_buf_free(&conv);
 
     /* Partitions of one topic are streams of their own: one command each. */
     for (size_t i = 0; i < 64; i++) {
@@ -1565,18 +1565,18 @@ static void test_append_retire_matches_hiredis(void **state)
     check_retires_same(many, 64, "");
     append_retires(many, 64, "", 5000, &buf, &commands);
     assert_int_equal(commands, 4);
-    relay_buf_free(&buf);
+    outbox_buf_free(&buf);
 
-    /* A stream name that does not fit is skipped, as relay_key_stream
+    /* A stream name that does not fit is skipped, as outbox_key_stream
      * refuses it. */
     char prefix[300];
     memset(prefix, 'p', sizeof(prefix) - 1);
     prefix[sizeof(prefix) - 1] = '\0';
-    char topic[RELAY_TOPIC_MAX + 1];
-    memset(topic, 't', RELAY_TOPIC_MAX);
-    topic[RELAY_TOPIC_MAX] = '\0';
+    char topic[OUTBOX_TOPIC_MAX + 1];
+    memset(topic, 't', OUTBOX_TOPIC_MAX);
+    topic[OUTBOX_TOPIC_MAX] = '\0';
     many[3].topic = topic;
-    many[3].topic_len = RELAY_TOPIC_MAX;
+    many[3].topic_len = OUTBOX_TOPIC_MAX;
     check_retires_same(many, 64, prefix);
 }
 
@@ -1587,7 +1587,7 @@ static void test_respbuf_caps_and_reuse(void **state)
     memset(payload, 'x', sizeof(payload));
     struct relay_row row = make_row("bench1", payload, sizeof(payload));
     row.state = RELAY_ROW_PUBLISHED;
-    struct relay_buf buf;
+    struct outbox_buf buf;
     memset(&buf, 0, sizeof(buf));
     char err[256];
     enum relay_row_fault fault;
@@ -1599,7 +1599,7 @@ static void test_respbuf_caps_and_reuse(void **state)
     const char *data = buf.data;
     size_t cap = buf.cap, one = buf.len;
     for (int i = 0; i < 1000; i++) {
-        relay_buf_reset(&buf);
+        outbox_buf_reset(&buf);
         assert_int_equal(buf.len, 0);
         row.id = i;
         assert_int_equal(relay_batch_check_publish(&row, "", 1024, err, sizeof(err), &fault), 0);
@@ -1609,7 +1609,7 @@ static void test_respbuf_caps_and_reuse(void **state)
     }
     assert_ptr_equal(buf.data, data);
     assert_int_equal(buf.cap, cap);
-    relay_buf_free(&buf);
+    outbox_buf_free(&buf);
 
     /* A cap: what does not fit is refused whole, and the buffer is intact. */
     memset(&buf, 0, sizeof(buf));
@@ -1617,7 +1617,7 @@ static void test_respbuf_caps_and_reuse(void **state)
     assert_int_equal(relay_batch_append_publish_call(call, 1, NULL, "", 1024, 1000, 2, &buf), 0);
     size_t len = buf.len;
     assert_int_equal(relay_batch_append_publish_call(call, 1, NULL, "", 1024, 1000, 2, &buf),
-                     RELAY_BUF_FULL);
+                     OUTBOX_BUF_FULL);
     assert_int_equal(buf.len, len);
     assert_true(buf.cap <= buf.max);
 
@@ -1625,22 +1625,22 @@ static void test_respbuf_caps_and_reuse(void **state)
     struct relay_row rows[2] = {row, row};
     rows[1].topic = "other";
     rows[1].topic_len = 5;
-    relay_buf_reset(&buf);
+    outbox_buf_reset(&buf);
     buf.max = 125; /* room for the first command (119 bytes), not the second (118) */
     size_t pos = 0;
     assert_int_equal(relay_batch_append_retire(rows, 2, "", 5000, &pos, &buf), 1);
-    assert_int_equal(relay_batch_append_retire(rows, 2, "", 5000, &pos, &buf), RELAY_BUF_FULL);
+    assert_int_equal(relay_batch_append_retire(rows, 2, "", 5000, &pos, &buf), OUTBOX_BUF_FULL);
     assert_int_equal(pos, 1);
     assert_int_equal(buf.len, 119);
     assert_memory_equal(buf.data, "*5\r\n$5\r\nFCALL\r\n", 15);
     assert_memory_equal(buf.data + 51, "$51\r\n{bench1}:dedup:", 20);
     assert_memory_equal(buf.data + 109, "$4\r\n5000\r\n", 10);
-    relay_buf_reset(&buf);
+    outbox_buf_reset(&buf);
     assert_int_equal(relay_batch_append_retire(rows, 2, "", 5000, &pos, &buf), 1);
     assert_int_equal(buf.len, 118);
     assert_memory_equal(buf.data + 51, "$50\r\n{other}:dedup:", 19);
     assert_int_equal(relay_batch_append_retire(rows, 2, "", 5000, &pos, &buf), 0);
-    relay_buf_free(&buf);
+    outbox_buf_free(&buf);
 }
 
 /* The claim starts after the batches in flight only while each other lane

@@ -1,11 +1,11 @@
 /*
- * Unit tests for relay/config.c, with no server anywhere. The bad-config
+ * Unit tests for core/config.c, with no server anywhere. The bad-config
  * table lives in tests/data/config: each NAME.conf comes with NAME.err, the one
  * line relay_config_load must write for it (pgbouncer's hba_test.rules/.eval
  * idea). The group setup chdir()s into that folder and loads "NAME.conf", so
  * the messages read "NAME.conf:3: ...". Files under good/ must load.
  *
- * This file is compiled together with relay/config.c built with RELAY_STATIC
+ * This file is compiled together with core/config.c built with OUTBOX_STATIC
  * empty, which is how it reaches the file-local helpers declared below.
  */
 #include <setjmp.h>
@@ -21,15 +21,15 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "relay/common.h"
-#include "relay/config.h"
+#include "common/common.h"
+#include "core/config.h"
 #include "relay/log.h"
 
 #ifndef RELAY_TEST_DATA
 #error "RELAY_TEST_DATA must name tests/data"
 #endif
 
-/* File-local in relay/config.c (RELAY_STATIC). */
+/* File-local in core/config.c (OUTBOX_STATIC). */
 int config_parse_line(char *line, char **key, char **value, char *rule, size_t rulelen);
 unsigned config_edit_distance(const char *a, const char *b);
 void config_format_duration(uint32_t ms, char *out, size_t outlen);
@@ -189,7 +189,7 @@ static void test_bad_config_table(void **state)
     while ((de = readdir(d)) != NULL) {
         size_t len = strlen(de->d_name);
         if (len > 5 && strcmp(de->d_name + len - 5, ".conf") == 0) {
-            assert_true(count < RELAY_ARRAY_LEN(names));
+            assert_true(count < OUTBOX_ARRAY_LEN(names));
             names[count++] = strdup(de->d_name);
         }
     }
@@ -458,12 +458,12 @@ static void test_durations(void **state)
     size_t i;
 
     (void)state;
-    for (i = 0; i < RELAY_ARRAY_LEN(good); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(good); i++) {
         ms = 12345;
         assert_int_equal(relay_config_parse_duration(good[i].text, &ms), 0);
         assert_int_equal(ms, good[i].ms);
     }
-    for (i = 0; i < RELAY_ARRAY_LEN(bad); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(bad); i++) {
         ms = 12345;
         if (relay_config_parse_duration(bad[i], &ms) != -1)
             fail_msg("duration \"%s\" was accepted", bad[i]);
@@ -527,7 +527,7 @@ static void test_parse_line(void **state)
     size_t i;
 
     (void)state;
-    for (i = 0; i < RELAY_ARRAY_LEN(cases); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(cases); i++) {
         char line[256], rule[ERRLEN];
         char *key = NULL, *value = NULL;
         int rc;
@@ -574,7 +574,7 @@ static void test_redact(void **state)
     size_t i;
 
     (void)state;
-    for (i = 0; i < RELAY_ARRAY_LEN(cases); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(cases); i++) {
         relay_config_redact(cases[i].in, out, sizeof(out));
         assert_string_equal(out, cases[i].out);
     }
@@ -589,12 +589,12 @@ static void test_redact(void **state)
 
 static void test_sentinels_parse(void **state)
 {
-    struct relay_sentinels s;
+    struct outbox_sentinels s;
     char err[256];
     (void)state;
 
-    assert_int_equal(relay_sentinels_parse("10.0.0.1:26379, sentinel-b ,[::1]:5000", "mymaster", &s,
-                                           err, sizeof(err)),
+    assert_int_equal(outbox_sentinels_parse("10.0.0.1:26379, sentinel-b ,[::1]:5000", "mymaster",
+                                            &s, err, sizeof(err)),
                      0);
     assert_int_equal(s.n, 3);
     assert_string_equal(s.master, "mymaster");
@@ -620,9 +620,9 @@ static void test_sentinels_parse(void **state)
          "0-9 . _ -"},
         {"a,b,c,d,e,f,g,h,i", "m", "more than 8 Sentinels: list at most 8"},
     };
-    for (size_t i = 0; i < RELAY_ARRAY_LEN(bad); i++) {
+    for (size_t i = 0; i < OUTBOX_ARRAY_LEN(bad); i++) {
         memset(&s, 0x5a, sizeof(s));
-        assert_int_equal(relay_sentinels_parse(bad[i].list, bad[i].master, &s, err, sizeof(err)),
+        assert_int_equal(outbox_sentinels_parse(bad[i].list, bad[i].master, &s, err, sizeof(err)),
                          -1);
         assert_string_equal(err, bad[i].err);
         assert_int_equal(s.n, 0x5a5a5a5a); /* untouched */
@@ -702,14 +702,14 @@ static void test_url_parse_valid(void **state)
         {"redis://u:pa:ss@[fe80::1]", "fe80::1", "u", "pa:ss", 6379, 0},
         {"redis://@host", "host", "", "", 6379, 0},
     };
-    struct relay_redis_url u;
+    struct outbox_redis_url u;
     char err[ERRLEN];
     size_t i;
 
     (void)state;
-    for (i = 0; i < RELAY_ARRAY_LEN(cases); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(cases); i++) {
         err[0] = '\0';
-        if (relay_url_parse(cases[i].url, &u, err, sizeof(err)) != 0)
+        if (outbox_url_parse(cases[i].url, &u, err, sizeof(err)) != 0)
             fail_msg("%s: %s", cases[i].url, err);
         assert_string_equal(u.host, cases[i].host);
         assert_string_equal(u.user, cases[i].user);
@@ -748,13 +748,13 @@ static void test_url_parse_invalid(void **state)
         {"unix:///run/redis.sock", "must start with redis://: use "
                                    "redis://[user:password@]host[:port][/db]"},
     };
-    struct relay_redis_url u;
+    struct outbox_redis_url u;
     char err[ERRLEN];
     size_t i;
 
     (void)state;
-    for (i = 0; i < RELAY_ARRAY_LEN(cases); i++) {
-        assert_int_equal(relay_url_parse(cases[i].url, &u, err, sizeof(err)), -1);
+    for (i = 0; i < OUTBOX_ARRAY_LEN(cases); i++) {
+        assert_int_equal(outbox_url_parse(cases[i].url, &u, err, sizeof(err)), -1);
         assert_string_equal(err, cases[i].err);
         assert_null(strstr(err, "hunter2"));
     }
@@ -763,21 +763,21 @@ static void test_url_parse_invalid(void **state)
 static void test_url_size_caps(void **state)
 {
     char url[1024], err[ERRLEN];
-    struct relay_redis_url u;
+    struct outbox_redis_url u;
 
     (void)state;
     snprintf(url, sizeof(url), "redis://%0256d", 0);
-    assert_int_equal(relay_url_parse(url, &u, err, sizeof(err)), -1);
+    assert_int_equal(outbox_url_parse(url, &u, err, sizeof(err)), -1);
     assert_string_equal(err, "host is longer than 255 bytes");
     snprintf(url, sizeof(url), "redis://%0255d", 0);
-    assert_int_equal(relay_url_parse(url, &u, err, sizeof(err)), 0);
+    assert_int_equal(outbox_url_parse(url, &u, err, sizeof(err)), 0);
     assert_int_equal(strlen(u.host), 255);
 
     snprintf(url, sizeof(url), "redis://:%0256d@h", 0);
-    assert_int_equal(relay_url_parse(url, &u, err, sizeof(err)), -1);
+    assert_int_equal(outbox_url_parse(url, &u, err, sizeof(err)), -1);
     assert_string_equal(err, "the password is longer than 255 bytes");
     snprintf(url, sizeof(url), "redis://%0128d@h", 0);
-    assert_int_equal(relay_url_parse(url, &u, err, sizeof(err)), -1);
+    assert_int_equal(outbox_url_parse(url, &u, err, sizeof(err)), -1);
     assert_string_equal(err, "the user name is longer than 127 bytes");
 }
 
@@ -867,7 +867,7 @@ static void test_help_lists_every_key(void **state)
 
     (void)state;
     relay_config_help(out, sizeof(out));
-    for (i = 0; i < RELAY_ARRAY_LEN(want); i++)
+    for (i = 0; i < OUTBOX_ARRAY_LEN(want); i++)
         if (strstr(out, want[i]) == NULL)
             fail_msg("help lacks \"%s\":\n%s", want[i], out);
     assert_true(strlen(out) < sizeof(out) - 1); /* nothing was cut */
@@ -913,13 +913,13 @@ static void test_diff_restart(void **state)
 static void test_log_level_names(void **state)
 {
     (void)state;
-    assert_int_equal(relay_log_parse_level("debug"), RELAY_LOG_DEBUG);
-    assert_int_equal(relay_log_parse_level("info"), RELAY_LOG_INFO);
-    assert_int_equal(relay_log_parse_level("WARNING"), RELAY_LOG_WARNING);
-    assert_int_equal(relay_log_parse_level("error"), RELAY_LOG_ERROR);
-    assert_int_equal(relay_log_parse_level("warn"), -1);
-    assert_int_equal(relay_log_parse_level(""), -1);
-    assert_int_equal(relay_log_parse_level(NULL), -1);
+    assert_int_equal(relay_config_parse_log_level("debug"), RELAY_LOG_DEBUG);
+    assert_int_equal(relay_config_parse_log_level("info"), RELAY_LOG_INFO);
+    assert_int_equal(relay_config_parse_log_level("WARNING"), RELAY_LOG_WARNING);
+    assert_int_equal(relay_config_parse_log_level("error"), RELAY_LOG_ERROR);
+    assert_int_equal(relay_config_parse_log_level("warn"), -1);
+    assert_int_equal(relay_config_parse_log_level(""), -1);
+    assert_int_equal(relay_config_parse_log_level(NULL), -1);
 }
 
 int main(void)

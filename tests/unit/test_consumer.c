@@ -12,9 +12,9 @@
 #include <cmocka.h>
 #include <hiredis/hiredis.h>
 
-#include "relay/common.h"
+#include "common/common.h"
 #include "outbox/consumer.h"
-#include "relay/keys.h"
+#include "common/keys.h"
 
 const char *parse_message(const redisReply *fields, struct relay_message *m, const char **names,
                           const char **values, size_t *vlens);
@@ -89,13 +89,13 @@ static void test_stream_names(void **state)
     assert_string_equal(buf, "{orders}.email.replay");
     assert_int_equal(relay_consumer_dlq_name("orders", "email", buf, 18), -1);
     /* The names before 0.2, which "outbox-relay dlq migrate" renames. */
-    assert_int_equal(relay_key_dlq_old("orders", "email", buf, sizeof(buf)), 16);
+    assert_int_equal(outbox_key_dlq_old("orders", "email", buf, sizeof(buf)), 16);
     assert_string_equal(buf, "orders.email.dlq");
-    assert_true(relay_key_replay_old("orders", "email", buf, sizeof(buf)) > 0);
+    assert_true(outbox_key_replay_old("orders", "email", buf, sizeof(buf)) > 0);
     assert_string_equal(buf, "orders.email.replay");
     /* In the stream's hash slot. */
     assert_true(relay_consumer_dlq_name("app:orders:003", "email", buf, sizeof(buf)) > 0);
-    assert_int_equal(relay_key_slot(buf, strlen(buf)), relay_key_slot("app:orders:003", 14));
+    assert_int_equal(outbox_key_slot(buf, strlen(buf)), outbox_key_slot("app:orders:003", 14));
 }
 
 static void test_new_validates_options(void **state)
@@ -234,8 +234,8 @@ static void test_parse_good_entry(void **state)
     char buf[1024];
     redisReply *r = resp(buf, build(buf, sizeof(buf), items));
     struct relay_message m;
-    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
-    size_t vlens[RELAY_HEADERS_MAX];
+    const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
+    size_t vlens[OUTBOX_HEADERS_MAX];
     memset(&m, 0, sizeof(m));
     assert_null(parse_message(r, &m, names, values, vlens));
     assert_string_equal(m.id, "0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b");
@@ -260,8 +260,8 @@ static void test_parse_rejects_foreign_entries(void **state)
         "id", "x", "topic", "t", "payload", "p", "created_at", "c", "outbox_id", "1x", NULL};
     char buf[512];
     struct relay_message m;
-    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
-    size_t vlens[RELAY_HEADERS_MAX];
+    const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
+    size_t vlens[OUTBOX_HEADERS_MAX];
 
     redisReply *r = resp(buf, build(buf, sizeof(buf), foreign));
     const char *why = parse_message(r, &m, names, values, vlens);
@@ -285,14 +285,14 @@ static void test_parse_rejects_foreign_entries(void **state)
 static void test_parse_caps_headers(void **state)
 {
     (void)state;
-    const char *items[2 * (RELAY_HEADERS_MAX + 1) + 11];
-    char names_buf[RELAY_HEADERS_MAX + 1][16];
+    const char *items[2 * (OUTBOX_HEADERS_MAX + 1) + 11];
+    char names_buf[OUTBOX_HEADERS_MAX + 1][16];
     size_t n = 0;
     static const char *const base[] = {"id", "x",          "topic", "t",         "payload",
                                        "p",  "created_at", "c",     "outbox_id", "1"};
     for (size_t i = 0; i < 10; i++)
         items[n++] = base[i];
-    for (int i = 0; i <= RELAY_HEADERS_MAX; i++) {
+    for (int i = 0; i <= OUTBOX_HEADERS_MAX; i++) {
         snprintf(names_buf[i], sizeof(names_buf[i]), "h.n%d", i);
         items[n++] = names_buf[i];
         items[n++] = "v";
@@ -301,8 +301,8 @@ static void test_parse_caps_headers(void **state)
     static char buf[8192];
     redisReply *r = resp(buf, build(buf, sizeof(buf), items));
     struct relay_message m;
-    const char *names[RELAY_HEADERS_MAX], *values[RELAY_HEADERS_MAX];
-    size_t vlens[RELAY_HEADERS_MAX];
+    const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
+    size_t vlens[OUTBOX_HEADERS_MAX];
     assert_non_null(strstr(parse_message(r, &m, names, values, vlens), "more headers"));
     freeReplyObject(r);
 }

@@ -394,11 +394,11 @@ static void test_find_pairs_limits(void **state)
 static void test_parse_format(void **state)
 {
     (void)state;
-    assert_int_equal(relay_log_parse_format("text"), 0);
-    assert_int_equal(relay_log_parse_format("json"), 1);
-    assert_int_equal(relay_log_parse_format("JSON "), -1);
-    assert_int_equal(relay_log_parse_format(""), -1);
-    assert_int_equal(relay_log_parse_format(NULL), -1);
+    assert_int_equal(relay_config_parse_log_format("text"), 0);
+    assert_int_equal(relay_config_parse_log_format("json"), 1);
+    assert_int_equal(relay_config_parse_log_format("JSON "), -1);
+    assert_int_equal(relay_config_parse_log_format(""), -1);
+    assert_int_equal(relay_config_parse_log_format(NULL), -1);
 }
 
 int main(void)

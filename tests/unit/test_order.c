@@ -1,5 +1,5 @@
 /* consumer/order.c: which entry in hand an ordered consumer handles next. */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include <setjmp.h>
 #include <stdarg.h>
@@ -8,7 +8,7 @@
 
 #include <cmocka.h>
 
-#include "outbox/order.h"
+#include "consumer/order.h"
 
 static struct relay_order_item item(const char *key, long long retry_at, int done)
 {

@@ -14,9 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "relay/keys.h"
-#include "relay/redisconn.h"
-#include "relay/url.h"
+#include "common/keys.h"
+#include "common/redisconn.h"
+#include "common/url.h"
 
 static redisReply *parse(const char *resp)
 {
@@ -41,10 +41,10 @@ static void test_three_primaries(void **state)
     redisReply *r = parse(
         "*4\r\n" RANGE(0, 5460, "9\r\n127.0.0.1", 7000) RANGE(5461, 10922, "9\r\n127.0.0.1", 7001)
             RANGE(10923, 16000, "0\r\n", 7002) RANGE(16001, 16383, "9\r\n127.0.0.1", 7000));
-    struct relay_addr primaries[4];
-    uint8_t *map = malloc(RELAY_CLUSTER_SLOTS);
+    struct outbox_addr primaries[4];
+    uint8_t *map = malloc(OUTBOX_CLUSTER_SLOTS);
     assert_non_null(map);
-    assert_int_equal(relay_cluster_slots_parse(r, "10.0.0.9", primaries, 4, map), 3);
+    assert_int_equal(outbox_cluster_slots_parse(r, "10.0.0.9", primaries, 4, map), 3);
     assert_string_equal(primaries[0].host, "127.0.0.1");
     assert_int_equal(primaries[0].port, 7000);
     assert_int_equal(primaries[1].port, 7001);
@@ -54,16 +54,16 @@ static void test_three_primaries(void **state)
     assert_int_equal(map[5461], 1);
     assert_int_equal(map[16000], 2);
     assert_int_equal(map[16383], 0);
-    assert_int_equal(map[relay_key_slot("foo", 3)], 2); /* 12182 */
+    assert_int_equal(map[outbox_key_slot("foo", 3)], 2); /* 12182 */
     /* Too many primaries for the caller's array. */
-    assert_int_equal(relay_cluster_slots_parse(r, "h", primaries, 2, NULL), -1);
+    assert_int_equal(outbox_cluster_slots_parse(r, "h", primaries, 2, NULL), -1);
     freeReplyObject(r);
 
     /* A gap: the slots no range covers are marked. */
     r = parse("*1\r\n" RANGE(0, 100, "1\r\na", 1));
-    assert_int_equal(relay_cluster_slots_parse(r, "h", primaries, 4, map), 1);
+    assert_int_equal(outbox_cluster_slots_parse(r, "h", primaries, 4, map), 1);
     assert_int_equal(map[100], 0);
-    assert_int_equal(map[101], RELAY_SLOT_UNCOVERED);
+    assert_int_equal(map[101], OUTBOX_SLOT_UNCOVERED);
     freeReplyObject(r);
     free(map);
 }
@@ -72,14 +72,14 @@ static void test_three_primaries(void **state)
 static void test_not_a_cluster(void **state)
 {
     (void)state;
-    struct relay_addr primaries[1];
+    struct outbox_addr primaries[1];
     redisReply *r = parse("-ERR This instance has cluster support disabled\r\n");
-    assert_int_equal(relay_cluster_slots_parse(r, "h", primaries, 1, NULL), -2);
+    assert_int_equal(outbox_cluster_slots_parse(r, "h", primaries, 1, NULL), -2);
     freeReplyObject(r);
-    assert_int_equal(relay_cluster_slots_parse(NULL, "h", primaries, 1, NULL), -2);
+    assert_int_equal(outbox_cluster_slots_parse(NULL, "h", primaries, 1, NULL), -2);
     /* Malformed ranges are skipped. */
     r = parse("*2\r\n*1\r\n:5\r\n" RANGE(0, 16383, "1\r\nb", 2));
-    assert_int_equal(relay_cluster_slots_parse(r, "h", primaries, 1, NULL), 1);
+    assert_int_equal(outbox_cluster_slots_parse(r, "h", primaries, 1, NULL), 1);
     assert_int_equal(primaries[0].port, 2);
     freeReplyObject(r);
 }

@@ -1,4 +1,4 @@
-/* Unit tests of relay/streamlist.c: which keys are the relay's streams, when
+/* Unit tests of core/streamlist.c: which keys are the relay's streams, when
  * the list of streams is scanned again, and the streams the claim cycle
  * published to. The scan itself runs against real servers
  * (tests/integration/test_observer.py). */
@@ -13,8 +13,8 @@
 #include <hiredis/hiredis.h>
 
 #include "relay/batch.h"
-#include "relay/keys.h"
-#include "relay/streamlist.h"
+#include "common/keys.h"
+#include "core/streamlist.h"
 
 static enum relay_stream_kind kind(const char *key, const char *prefix)
 {
@@ -175,7 +175,7 @@ static void test_too_many_new_streams_rescan(void **state)
     relay_stream_seen_init(&seen);
     struct relay_stream_list l;
     first_round(&l, &seen);
-    struct relay_row row = row_of("orders", 0, RELAY_PARTITIONS_MAX);
+    struct relay_row row = row_of("orders", 0, OUTBOX_PARTITIONS_MAX);
     for (uint32_t p = 0; p <= RELAY_STREAM_FRESH_MAX; p++) {
         row.partition = p;
         relay_stream_seen_note(&seen, NULL, &row);
@@ -227,7 +227,7 @@ static void test_seen_starts_again_past_the_cap(void **state)
     (void)state;
     struct relay_stream_seen s;
     relay_stream_seen_init(&s);
-    struct relay_row row = row_of("t", 0, RELAY_PARTITIONS_MAX);
+    struct relay_row row = row_of("t", 0, OUTBOX_PARTITIONS_MAX);
     char name[2] = "a";
     size_t handed = 0;
     int overflows = 0;
@@ -235,10 +235,10 @@ static void test_seen_starts_again_past_the_cap(void **state)
         name[0] = (char)('a' + topic);
         row.topic = name;
         row.topic_len = 1;
-        for (uint32_t p = 0; p < RELAY_PARTITIONS_MAX; p++) {
+        for (uint32_t p = 0; p < OUTBOX_PARTITIONS_MAX; p++) {
             row.partition = p;
             relay_stream_seen_note(&s, NULL, &row);
-            if (s.nfresh == RELAY_STREAM_FRESH_MAX || p + 1 == RELAY_PARTITIONS_MAX) {
+            if (s.nfresh == RELAY_STREAM_FRESH_MAX || p + 1 == OUTBOX_PARTITIONS_MAX) {
                 char **names;
                 int overflow;
                 size_t n = relay_stream_seen_take(&s, &names, &overflow);
@@ -250,9 +250,9 @@ static void test_seen_starts_again_past_the_cap(void **state)
             }
         }
     }
-    assert_int_equal(handed, 12 * RELAY_PARTITIONS_MAX);
+    assert_int_equal(handed, 12 * OUTBOX_PARTITIONS_MAX);
     assert_int_equal(overflows, 1);
-    assert_int_equal(s.n, 12 * RELAY_PARTITIONS_MAX - RELAY_STREAM_LIST_MAX);
+    assert_int_equal(s.n, 12 * OUTBOX_PARTITIONS_MAX - RELAY_STREAM_LIST_MAX);
     /* Known since the new start: not handed over again, no scan asked. */
     relay_stream_seen_note(&s, NULL, &row);
     char **names;

@@ -7,22 +7,22 @@
  * too. The daemon's event loop uses hiredis's async API instead
  * (relay/sink.c).
  */
-#ifndef RELAY_REDISCONN_H
-#define RELAY_REDISCONN_H
+#ifndef OUTBOX_REDISCONN_H
+#define OUTBOX_REDISCONN_H
 
 #include <stddef.h>
 #include <stdint.h>
 
 struct redisContext;
 struct redisReply;
-struct relay_redis_url;
+struct outbox_redis_url;
 
-enum relay_redis_fault {
-    RELAY_REDIS_OK = 0,
-    RELAY_REDIS_NOMEM,   /* out of memory */
-    RELAY_REDIS_IO,      /* cannot connect, or no answer within the deadline */
-    RELAY_REDIS_REFUSED, /* Redis answered with an error (AUTH, SELECT) */
-    RELAY_REDIS_STOPPED, /* stop_fd became readable */
+enum outbox_redis_fault {
+    OUTBOX_REDIS_OK = 0,
+    OUTBOX_REDIS_NOMEM,   /* out of memory */
+    OUTBOX_REDIS_IO,      /* cannot connect, or no answer within the deadline */
+    OUTBOX_REDIS_REFUSED, /* Redis answered with an error (AUTH, SELECT) */
+    OUTBOX_REDIS_STOPPED, /* stop_fd became readable */
 };
 
 /*
@@ -34,61 +34,62 @@ enum relay_redis_fault {
  * bounds every command's reply from then on (hiredis's redisSetTimeout).
  * stop_fd >= 0: every wait also ends at once when stop_fd becomes readable,
  * and the context comes back non-blocking: send its commands with
- * relay_redis_call (command_timeout_ms is then the caller's to pass).
+ * outbox_redis_call (command_timeout_ms is then the caller's to pass).
  */
-struct redisContext *relay_redis_open(const struct relay_redis_url *u, uint32_t connect_timeout_ms,
-                                      uint32_t command_timeout_ms, int stop_fd, char *err,
-                                      size_t errlen, enum relay_redis_fault *fault)
+struct redisContext *outbox_redis_open(const struct outbox_redis_url *u,
+                                       uint32_t connect_timeout_ms, uint32_t command_timeout_ms,
+                                       int stop_fd, char *err, size_t errlen,
+                                       enum outbox_redis_fault *fault)
     __attribute__((warn_unused_result));
 
 /*
- * One command on a context from relay_redis_open, of either kind: the reply (the caller frees it),
+ * One command on a context from outbox_redis_open, of either kind: the reply (the caller frees it),
  * or NULL with c->err and c->errstr set, as hiredis does; then the context is done for and the
  * caller frees it. timeout_ms bounds sending the command and reading its reply; stop_fd (-1: none)
  * ends the wait at once.
  */
-struct redisReply *relay_redis_call(struct redisContext *c, int stop_fd, uint32_t timeout_ms,
-                                    const char *fmt, ...) __attribute__((warn_unused_result))
+struct redisReply *outbox_redis_call(struct redisContext *c, int stop_fd, uint32_t timeout_ms,
+                                     const char *fmt, ...) __attribute__((warn_unused_result))
 __attribute__((format(printf, 4, 5)));
 
 /* What a Sentinel's refusal of AUTH, or its NOAUTH, should make the operator check. */
-#define RELAY_SENTINEL_AUTH_HINT " (check redis_sentinel_user and redis_sentinel_password)"
+#define OUTBOX_SENTINEL_AUTH_HINT " (check redis_sentinel_user and redis_sentinel_password)"
 
 /*
  * Writes into out why a Sentinel at host:port named no primary, from its
  * answer r to SENTINEL get-master-addr-by-name ("Sentinel host:port knows no
  * master of that name"); lost is the text when no answer came (r NULL).
  */
-void relay_sentinel_describe(char *out, size_t outlen, const char *host, int port,
-                             const struct redisReply *r, const char *lost);
+void outbox_sentinel_describe(char *out, size_t outlen, const char *host, int port,
+                              const struct redisReply *r, const char *lost);
 
-/* A slot no primary serves, in relay_cluster_slots_parse's map. */
-#define RELAY_SLOT_UNCOVERED 0xff
+/* A slot no primary serves, in outbox_cluster_slots_parse's map. */
+#define OUTBOX_SLOT_UNCOVERED 0xff
 
 /*
  * Reads a CLUSTER SLOTS reply: each distinct primary once into primaries (at
  * most max; an empty or "?" host is default_host, the node that was asked),
- * and, when slot_node is not NULL, each of the RELAY_CLUSTER_SLOTS slots'
- * primary as an index into primaries (RELAY_SLOT_UNCOVERED for none).
+ * and, when slot_node is not NULL, each of the OUTBOX_CLUSTER_SLOTS slots'
+ * primary as an index into primaries (OUTBOX_SLOT_UNCOVERED for none).
  * Returns the number of primaries, -1 when there are more than max, or -2
  * when r is not a slot map (a server without cluster support answers with an
  * error).
  */
-struct relay_addr;
-int relay_cluster_slots_parse(const struct redisReply *r, const char *default_host,
-                              struct relay_addr *primaries, int max, uint8_t *slot_node);
+struct outbox_addr;
+int outbox_cluster_slots_parse(const struct redisReply *r, const char *default_host,
+                               struct outbox_addr *primaries, int max, uint8_t *slot_node);
 
 /*
- * relay_redis_open for the commands of one key (a stream and the keys in its
- * hash slot): with Sentinels as relay_redis_open; else the seed nodes of u in
+ * outbox_redis_open for the commands of one key (a stream and the keys in its
+ * hash slot): with Sentinels as outbox_redis_open; else the seed nodes of u in
  * turn until one connects, and when that node is one of a Redis Cluster, the
  * primary of the key's slot (CLUSTER SLOTS). A server that is not a cluster
  * node is used as it is.
  */
-struct redisContext *relay_redis_open_for_key(const struct relay_redis_url *u, const char *key,
-                                              uint32_t connect_timeout_ms,
-                                              uint32_t command_timeout_ms, int stop_fd, char *err,
-                                              size_t errlen, enum relay_redis_fault *fault)
+struct redisContext *outbox_redis_open_for_key(const struct outbox_redis_url *u, const char *key,
+                                               uint32_t connect_timeout_ms,
+                                               uint32_t command_timeout_ms, int stop_fd, char *err,
+                                               size_t errlen, enum outbox_redis_fault *fault)
     __attribute__((warn_unused_result));
 
 /*
@@ -101,9 +102,9 @@ struct redisContext *relay_redis_open_for_key(const struct relay_redis_url *u, c
  * fn returned, 0, or -1 with err when the slot map or a primary could not be
  * reached (c->err set when c failed).
  */
-int relay_redis_each_primary(struct redisContext *c, const struct relay_redis_url *u,
-                             uint32_t connect_timeout_ms, uint32_t command_timeout_ms, int stop_fd,
-                             int (*fn)(struct redisContext *node, void *arg), void *arg, char *err,
-                             size_t errlen) __attribute__((warn_unused_result));
+int outbox_redis_each_primary(struct redisContext *c, const struct outbox_redis_url *u,
+                              uint32_t connect_timeout_ms, uint32_t command_timeout_ms, int stop_fd,
+                              int (*fn)(struct redisContext *node, void *arg), void *arg, char *err,
+                              size_t errlen) __attribute__((warn_unused_result));
 
 #endif

@@ -1,6 +1,6 @@
-/* Unit tests of relay/tools.c: the form in which the tools show bytes that
+/* Unit tests of core/text.c: the form in which the tools show bytes that
  * may be anything. */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include <setjmp.h>
 #include <stdarg.h>
@@ -12,13 +12,13 @@
 
 #include <cmocka.h>
 
-#include "relay/tools.h"
+#include "core/text.h"
 
 /* The form of s (len bytes) with no limit. */
 static const char *shown(const char *s, size_t len, unsigned flags)
 {
     static char buf[1024];
-    size_t cols = relay_tools_escape(buf, sizeof(buf), s, len, 0, flags);
+    size_t cols = relay_text_escape(buf, sizeof(buf), s, len, 0, flags);
     (void)cols;
     return buf;
 }
@@ -102,34 +102,34 @@ static void test_utf8_char(void **state)
 {
     (void)state;
     unsigned long cp = 0;
-    assert_int_equal(relay_tools_utf8_char("A", 1, &cp), 1);
+    assert_int_equal(relay_text_utf8_char("A", 1, &cp), 1);
     assert_int_equal(cp, 0x41);
-    assert_int_equal(relay_tools_utf8_char("\xc3\xa9", 2, &cp), 2);
+    assert_int_equal(relay_text_utf8_char("\xc3\xa9", 2, &cp), 2);
     assert_int_equal(cp, 0xe9);
-    assert_int_equal(relay_tools_utf8_char("\xe2\x82\xac", 3, &cp), 3);
+    assert_int_equal(relay_text_utf8_char("\xe2\x82\xac", 3, &cp), 3);
     assert_int_equal(cp, 0x20ac);
-    assert_int_equal(relay_tools_utf8_char("\xf4\x8f\xbf\xbf", 4, &cp), 4);
+    assert_int_equal(relay_text_utf8_char("\xf4\x8f\xbf\xbf", 4, &cp), 4);
     assert_int_equal(cp, 0x10ffff);
-    assert_int_equal(relay_tools_utf8_char("\xe2\x82\xac", 2, &cp), 0); /* cut short */
-    assert_int_equal(relay_tools_utf8_char("\x80", 1, &cp), 0);
-    assert_int_equal(relay_tools_utf8_char("", 0, NULL), 0);
-    assert_true(relay_tools_control_char(0x1b));
-    assert_true(relay_tools_control_char(0x7f));
-    assert_true(relay_tools_control_char(0x9b));
-    assert_true(relay_tools_control_char(0x202e));
-    assert_false(relay_tools_control_char(' '));
-    assert_false(relay_tools_control_char(0xa0));
-    assert_false(relay_tools_control_char(0x20ac));
+    assert_int_equal(relay_text_utf8_char("\xe2\x82\xac", 2, &cp), 0); /* cut short */
+    assert_int_equal(relay_text_utf8_char("\x80", 1, &cp), 0);
+    assert_int_equal(relay_text_utf8_char("", 0, NULL), 0);
+    assert_true(relay_text_control_char(0x1b));
+    assert_true(relay_text_control_char(0x7f));
+    assert_true(relay_text_control_char(0x9b));
+    assert_true(relay_text_control_char(0x202e));
+    assert_false(relay_text_control_char(' '));
+    assert_false(relay_text_control_char(0xa0));
+    assert_false(relay_text_control_char(0x20ac));
 }
 
 static void test_columns(void **state)
 {
     (void)state;
     char buf[64];
-    assert_int_equal(relay_tools_escape(buf, sizeof(buf), "ab", 2, 0, 0), 2);
-    assert_int_equal(relay_tools_escape(buf, sizeof(buf), "\xc3\xa9", 2, 0, 0), 1);
-    assert_int_equal(relay_tools_escape(buf, sizeof(buf), "\\", 1, 0, 0), 2);
-    assert_int_equal(relay_tools_escape(buf, sizeof(buf), "\x1b", 1, 0, 0), 4);
+    assert_int_equal(relay_text_escape(buf, sizeof(buf), "ab", 2, 0, 0), 2);
+    assert_int_equal(relay_text_escape(buf, sizeof(buf), "\xc3\xa9", 2, 0, 0), 1);
+    assert_int_equal(relay_text_escape(buf, sizeof(buf), "\\", 1, 0, 0), 2);
+    assert_int_equal(relay_text_escape(buf, sizeof(buf), "\x1b", 1, 0, 0), 4);
 }
 
 static void test_maxcols_cuts_between_characters(void **state)
@@ -137,17 +137,17 @@ static void test_maxcols_cuts_between_characters(void **state)
     (void)state;
     char buf[64];
     /* Fits exactly: no cut. */
-    assert_int_equal(relay_tools_escape(buf, sizeof(buf), "abcdef", 6, 6, 0), 6);
+    assert_int_equal(relay_text_escape(buf, sizeof(buf), "abcdef", 6, 6, 0), 6);
     assert_string_equal(buf, "abcdef");
     /* One more: cut to 3 and "...", within 6. */
-    assert_int_equal(relay_tools_escape(buf, sizeof(buf), "abcdefg", 7, 6, 0), 6);
+    assert_int_equal(relay_text_escape(buf, sizeof(buf), "abcdefg", 7, 6, 0), 6);
     assert_string_equal(buf, "abc...");
     /* An escape that would cross the limit is left out whole. */
-    assert_int_equal(relay_tools_escape(buf, sizeof(buf), "ab\x1bzzzzzz", 9, 8, 0), 5);
+    assert_int_equal(relay_text_escape(buf, sizeof(buf), "ab\x1bzzzzzz", 9, 8, 0), 5);
     assert_string_equal(buf, "ab...");
     /* So is a UTF-8 character: never half of one. */
     assert_int_equal(
-        relay_tools_escape(buf, sizeof(buf), "\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9z", 9, 4, 0), 4);
+        relay_text_escape(buf, sizeof(buf), "\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9z", 9, 4, 0), 4);
     assert_string_equal(buf, "\xc3\xa9...");
 }
 
@@ -156,19 +156,19 @@ static void test_small_buffer_cuts_and_terminates(void **state)
     (void)state;
     char buf[8];
     /* Shown, "\x1b\x1b" is 8 bytes and 7 fit: one escape and "..." do. */
-    relay_tools_escape(buf, sizeof(buf), "\x1b\x1b", 2, 0, 0);
+    relay_text_escape(buf, sizeof(buf), "\x1b\x1b", 2, 0, 0);
     assert_string_equal(buf, "\\x1b...");
-    relay_tools_escape(buf, sizeof(buf), "abcdefgh", 8, 0, 0);
+    relay_text_escape(buf, sizeof(buf), "abcdefgh", 8, 0, 0);
     assert_string_equal(buf, "abcd...");
-    relay_tools_escape(buf, sizeof(buf), "abcdefg", 7, 0, 0);
+    relay_text_escape(buf, sizeof(buf), "abcdefg", 7, 0, 0);
     assert_string_equal(buf, "abcdefg");
     char tiny[3] = "zz";
-    relay_tools_escape(tiny, sizeof(tiny), "abcdef", 6, 0, 0);
+    relay_text_escape(tiny, sizeof(tiny), "abcdef", 6, 0, 0);
     assert_string_equal(tiny, "");
     char one[1] = "z";
-    relay_tools_escape(one, sizeof(one), "abc", 3, 0, 0);
+    relay_text_escape(one, sizeof(one), "abc", 3, 0, 0);
     assert_string_equal(one, "");
-    assert_int_equal(relay_tools_escape(NULL, 0, "abc", 3, 0, 0), 0);
+    assert_int_equal(relay_text_escape(NULL, 0, "abc", 3, 0, 0), 0);
 }
 
 static void test_worst_case_size_holds_everything(void **state)
@@ -177,7 +177,7 @@ static void test_worst_case_size_holds_everything(void **state)
     char in[256], out[RELAY_ESCAPED_SIZE(256)];
     for (int i = 0; i < 256; i++)
         in[i] = (char)i;
-    size_t cols = relay_tools_escape(out, sizeof(out), in, sizeof(in), 0, 0);
+    size_t cols = relay_text_escape(out, sizeof(out), in, sizeof(in), 0, 0);
     assert_int_equal(strlen(out), cols); /* one byte per column: all ASCII */
     assert_null(strstr(out, "..."));
     for (const char *p = out; *p; p++)
@@ -198,13 +198,13 @@ static void test_no_control_ever_survives(void **state)
             /* Favour the interesting bytes. */
             in[i] = (char)(b % 3 == 0 ? 0x80 + b % 0x40 : b % 3 == 1 ? 0xc0 + b % 0x38 : b);
         }
-        relay_tools_escape(out, sizeof(out), in, len, round % 7 == 0 ? 10 : 0, 0);
+        relay_text_escape(out, sizeof(out), in, len, round % 7 == 0 ? 10 : 0, 0);
         size_t n = strlen(out);
         for (size_t i = 0; i < n;) {
             unsigned long cp;
-            size_t k = relay_tools_utf8_char(out + i, n - i, &cp);
+            size_t k = relay_text_utf8_char(out + i, n - i, &cp);
             assert_true(k > 0);
-            assert_false(relay_tools_control_char(cp));
+            assert_false(relay_text_control_char(cp));
             i += k;
         }
     }
@@ -218,10 +218,10 @@ static void test_put_escaped_matches_escape(void **state)
     memset(got, 0, sizeof(got));
     for (size_t maxcols = 0; maxcols < 40; maxcols += maxcols == 0 ? 3 : 1) {
         size_t c1 =
-            relay_tools_escape(want, sizeof(want), in, sizeof(in) - 1, maxcols, RELAY_ESCAPE_QUOTE);
+            relay_text_escape(want, sizeof(want), in, sizeof(in) - 1, maxcols, RELAY_ESCAPE_QUOTE);
         FILE *f = fmemopen(got, sizeof(got), "w");
         assert_non_null(f);
-        size_t c2 = relay_tools_put_escaped(f, in, sizeof(in) - 1, maxcols, RELAY_ESCAPE_QUOTE);
+        size_t c2 = relay_text_put_escaped(f, in, sizeof(in) - 1, maxcols, RELAY_ESCAPE_QUOTE);
         fclose(f);
         assert_string_equal(got, want);
         assert_int_equal(c1, c2);
@@ -235,9 +235,9 @@ static void test_put_column_pads(void **state)
     memset(got, 0, sizeof(got));
     FILE *f = fmemopen(got, sizeof(got), "w");
     assert_non_null(f);
-    relay_tools_put_column(f, "\xc3\xa9\x07", 3, 8, 0);
-    relay_tools_put_column(f, "toolongforit", 12, 4, 8);
-    relay_tools_put_column(f, "x", 1, 0, 0);
+    relay_text_put_column(f, "\xc3\xa9\x07", 3, 8, 0);
+    relay_text_put_column(f, "toolongforit", 12, 4, 8);
+    relay_text_put_column(f, "x", 1, 0, 0);
     fclose(f);
     assert_string_equal(got, "\xc3\xa9\\x07    toolo... x ");
 }

@@ -12,15 +12,15 @@
  * as \xNN, so nothing shown can act and the text still says which bytes are
  * stored. Scripts get JSON instead, which needs no such form.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
-#include "relay/tools.h"
+#include "core/text.h"
 
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
-size_t relay_tools_utf8_char(const char *s, size_t len, unsigned long *cp)
+size_t relay_text_utf8_char(const char *s, size_t len, unsigned long *cp)
 {
     const unsigned char *p = (const unsigned char *)s;
     unsigned char lo = 0x80, hi = 0xbf; /* the range of the second byte */
@@ -64,7 +64,7 @@ size_t relay_tools_utf8_char(const char *s, size_t len, unsigned long *cp)
     return need + 1;
 }
 
-int relay_tools_control_char(unsigned long cp)
+int relay_text_control_char(unsigned long cp)
 {
     return cp < 0x20 || cp == 0x7f || (cp >= 0x80 && cp <= 0x9f) ||
            (cp >= 0x202a && cp <= 0x202e) || (cp >= 0x2066 && cp <= 0x2069);
@@ -88,7 +88,7 @@ static void show_next(const char *s, size_t len, unsigned flags, struct shown *s
         sh->buf[1] = (char)c;
         sh->blen = sh->cols = 2;
         sh->used = 1;
-    } else if ((n = relay_tools_utf8_char(s, len, &cp)) > 0 && !relay_tools_control_char(cp)) {
+    } else if ((n = relay_text_utf8_char(s, len, &cp)) > 0 && !relay_text_control_char(cp)) {
         memcpy(sh->buf, s, n);
         sh->blen = sh->used = n;
         sh->cols = 1;
@@ -154,8 +154,8 @@ static size_t escape(struct sink *o, const char *s, size_t len, size_t maxcols, 
     return cols;
 }
 
-size_t relay_tools_escape(char *dst, size_t dstlen, const char *s, size_t len, size_t maxcols,
-                          unsigned flags)
+size_t relay_text_escape(char *dst, size_t dstlen, const char *s, size_t len, size_t maxcols,
+                         unsigned flags)
 {
     if (dstlen == 0)
         return 0;
@@ -165,21 +165,21 @@ size_t relay_tools_escape(char *dst, size_t dstlen, const char *s, size_t len, s
     return cols;
 }
 
-size_t relay_tools_put_escaped(FILE *f, const char *s, size_t len, size_t maxcols, unsigned flags)
+size_t relay_text_put_escaped(FILE *f, const char *s, size_t len, size_t maxcols, unsigned flags)
 {
     struct sink o = {f, NULL, 0, 0};
     return escape(&o, s, len, maxcols, flags);
 }
 
-void relay_tools_put_column(FILE *f, const char *s, size_t len, size_t width, size_t maxcols)
+void relay_text_put_column(FILE *f, const char *s, size_t len, size_t width, size_t maxcols)
 {
-    size_t cols = relay_tools_put_escaped(f, s, len, maxcols, 0);
+    size_t cols = relay_text_put_escaped(f, s, len, maxcols, 0);
     do
         fputc(' ', f);
     while (++cols < width + 1);
 }
 
-int relay_tools_ends_with(const char *s, const char *suffix)
+int relay_text_ends_with(const char *s, const char *suffix)
 {
     size_t a = strlen(s), b = strlen(suffix);
     return a >= b && strcmp(s + a - b, suffix) == 0;

@@ -31,7 +31,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "relay/backoff.h"
+#include "common/backoff.h"
 
 #define RELAY_CYCLE_LANES_MAX 2
 
@@ -130,7 +130,7 @@ struct relay_cycle {
      * batch claimed before it that commits does not end the failures in a
      * row. */
     unsigned long long failed_at_seq;
-    struct relay_backoff backoff;
+    struct outbox_backoff backoff;
 };
 
 /* nlanes is 1 (pipeline off) or 2. Starts wanting a claim (the catch-up). */

@@ -1,5 +1,5 @@
 /*
- * Observation of the outbox and the streams (include/relay/observe.h).
+ * Observation of the outbox and the streams (core/observe.h).
  *
  * Every read is bounded: the outbox figures come from the two ends of the
  * pending indexes (never a count of pending rows), the per-topic figures from
@@ -17,10 +17,10 @@
  * for this thread. Only name resolution is left to its own timeouts
  * (getaddrinfo blocks).
  */
-#include "relay/compat.h"
+#include "common/compat.h"
+#include "core/pg.h"
 
-#include "relay/observe.h"
-#include "relay/pgsrc.h"
+#include "core/observe.h"
 
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
@@ -35,14 +35,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "relay/batch.h"
-#include "relay/config.h"
-#include "relay/backpressure.h"
-#include "relay/keys.h"
-#include "relay/redisconn.h"
-#include "relay/streamlist.h"
-#include "relay/tools.h"
-#include "relay/wait.h"
+#include "core/config.h"
+#include "common/keys.h"
+#include "common/redisconn.h"
+#include "core/streamlist.h"
+#include "core/text.h"
+#include "common/wait.h"
 
 double relay_observe_parse_time(const char *s)
 {
@@ -182,14 +180,14 @@ PGconn *relay_observe_pg_open(const struct relay_config *cfg, const char *applic
         snprintf(err, errlen, "out of memory");
         return NULL;
     }
-    double deadline = relay_mono_now() + cfg->connect_timeout_ms / 1000.0;
+    double deadline = outbox_mono_now() + cfg->connect_timeout_ms / 1000.0;
     PostgresPollingStatusType st = PGRES_POLLING_WRITING;
     while (PQstatus(c) != CONNECTION_BAD && st != PGRES_POLLING_OK && st != PGRES_POLLING_FAILED) {
-        enum relay_wait w =
-            relay_wait_fd(PQsocket(c), st == PGRES_POLLING_READING ? POLLIN : POLLOUT,
-                          relay_observe_stop_fd(stop), deadline);
-        if (w != RELAY_WAIT_READY) {
-            if (w == RELAY_WAIT_DEADLINE)
+        enum outbox_wait w =
+            outbox_wait_fd(PQsocket(c), st == PGRES_POLLING_READING ? POLLIN : POLLOUT,
+                           relay_observe_stop_fd(stop), deadline);
+        if (w != OUTBOX_WAIT_READY) {
+            if (w == OUTBOX_WAIT_DEADLINE)
                 snprintf(err, errlen, "no connection within connect_timeout (%u ms)",
                          cfg->connect_timeout_ms);
             else
@@ -221,8 +219,8 @@ PGresult *relay_observe_pg_exec(PGconn **pg, const struct relay_config *cfg,
 {
     PGconn *c = *pg;
     uint32_t limit_ms = cfg->statement_timeout_ms + cfg->connect_timeout_ms;
-    double deadline = relay_mono_now() + limit_ms / 1000.0;
-    enum relay_wait w = RELAY_WAIT_READY;
+    double deadline = outbox_mono_now() + limit_ms / 1000.0;
+    enum outbox_wait w = OUTBOX_WAIT_READY;
     PGresult *res = NULL;
     int flushed;
 
@@ -230,8 +228,8 @@ PGresult *relay_observe_pg_exec(PGconn **pg, const struct relay_config *cfg,
         goto lost;
     /* A server that sends while we write must be read, or both wait. */
     while ((flushed = PQflush(c)) == 1) {
-        if ((w = relay_wait_fd(PQsocket(c), POLLOUT | POLLIN, relay_observe_stop_fd(stop),
-                               deadline)) != RELAY_WAIT_READY)
+        if ((w = outbox_wait_fd(PQsocket(c), POLLOUT | POLLIN, relay_observe_stop_fd(stop),
+                                deadline)) != OUTBOX_WAIT_READY)
             goto waited;
         if (!PQconsumeInput(c))
             goto lost;
@@ -240,8 +238,8 @@ PGresult *relay_observe_pg_exec(PGconn **pg, const struct relay_config *cfg,
         goto lost;
     for (;;) {
         while (PQisBusy(c)) {
-            if ((w = relay_wait_fd(PQsocket(c), POLLIN, relay_observe_stop_fd(stop), deadline)) !=
-                RELAY_WAIT_READY)
+            if ((w = outbox_wait_fd(PQsocket(c), POLLIN, relay_observe_stop_fd(stop), deadline)) !=
+                OUTBOX_WAIT_READY)
                 goto waited;
             if (!PQconsumeInput(c))
                 goto lost;
@@ -260,7 +258,7 @@ lost:
     one_line(err, errlen, PQerrorMessage(c));
     goto drop;
 waited:
-    if (w == RELAY_WAIT_DEADLINE)
+    if (w == OUTBOX_WAIT_DEADLINE)
         snprintf(err, errlen, "no answer within %u ms (statement_timeout + connect_timeout)",
                  limit_ms);
     else
@@ -445,7 +443,7 @@ static void merge_admission(const char *prefix, struct relay_observation *o, PGr
             if (!admitting)
                 o->admission_refused++;
             const char *topic = PQgetvalue(r, i, 0);
-            if (!relay_batch_topic_valid(topic, (size_t)PQgetlength(r, i, 0)))
+            if (!outbox_topic_valid(topic, (size_t)PQgetlength(r, i, 0)))
                 continue;
             struct relay_topic_obs *t = find_topic(o->topics, n, topic);
             if (t == NULL) {
@@ -519,8 +517,8 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
      * queue age. They admit (observe_topic admits a topic without limits). */
     /* A text[] value with every element quoted and escaped, as the claim's:
      * the names come from Redis, so none is trusted to need no escaping. */
-    char rest[RELAY_OBS_TOPICS_MAX][RELAY_TOPIC_MAX + 1];
-    char arr[RELAY_OBS_TOPICS_MAX * (2 * RELAY_TOPIC_MAX + 3) + 3];
+    char rest[RELAY_OBS_TOPICS_MAX][OUTBOX_TOPIC_MAX + 1];
+    char arr[RELAY_OBS_TOPICS_MAX * (2 * OUTBOX_TOPIC_MAX + 3) + 3];
     size_t nrest = 0;
     for (size_t i = 0; i < o->ntopics; i++) {
         if (covered[i])
@@ -531,7 +529,8 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
     }
     if (nrest == 0)
         return 0;
-    if (relay_pg_text_array(arr, sizeof(arr), (const char(*)[RELAY_TOPIC_MAX + 1]) rest, nrest) < 0)
+    if (relay_pg_text_array(arr, sizeof(arr), (const char(*)[OUTBOX_TOPIC_MAX + 1]) rest, nrest) <
+        0)
         return 0; /* cannot happen: the value is sized for the most names */
     const char *params[1] = {arr};
     r = relay_observe_pg_exec(pg, cfg, stop, topics_sql, 1, params, o->pg_error,
@@ -552,7 +551,7 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
 
 /* ---- Redis ----------------------------------------------------------- */
 
-/* A non-blocking context from relay_redis_open with the observer's stop and
+/* A non-blocking context from outbox_redis_open with the observer's stop and
  * each command's deadline, connect_timeout. */
 struct rconn {
     redisContext *c;
@@ -561,7 +560,7 @@ struct rconn {
 };
 
 /* The reply (caller frees), or NULL with rc->c->err set. */
-#define cmd(rc, ...) relay_redis_call((rc)->c, (rc)->stop_fd, (rc)->timeout_ms, __VA_ARGS__)
+#define cmd(rc, ...) outbox_redis_call((rc)->c, (rc)->stop_fd, (rc)->timeout_ms, __VA_ARGS__)
 
 static const redisReply *map_get(const redisReply *m, const char *key)
 {
@@ -637,7 +636,7 @@ static int redis_streams(const struct relay_config *cfg, struct rconn *c,
         if (s->node != node || s->kind != RELAY_STREAM_TOPIC)
             continue;
         int partition = -1;
-        size_t tlen = relay_key_stream_topic_len(s->key + plen, s->len - plen, &partition);
+        size_t tlen = outbox_key_stream_topic_len(s->key + plen, s->len - plen, &partition);
         struct relay_topic_obs *t = &o->topics[o->ntopics++];
         snprintf(t->stream, sizeof(t->stream), "%s", s->key);
         snprintf(t->topic, sizeof(t->topic), "%.*s", (int)tlen, s->key + plen);
@@ -682,8 +681,8 @@ static void redis_group(struct rconn *c, const char *stream, const redisReply *i
         if (t > 0)
             go->oldest_undelivered_age = now - t;
     }
-    char dlq[RELAY_TOPIC_MAX + 300];
-    if (relay_key_dlq(stream, go->group, dlq, sizeof(dlq)) < 0)
+    char dlq[OUTBOX_TOPIC_MAX + 300];
+    if (outbox_key_dlq(stream, go->group, dlq, sizeof(dlq)) < 0)
         dlq[0] = '\0'; /* cannot happen: both names are bounded above */
     redisReply *d = cmd(c, "XLEN %s", dlq);
     go->dead_letters = d != NULL && d->type == REDIS_REPLY_INTEGER ? d->integer : 0;
@@ -793,16 +792,16 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
         redisFree(*rd);
         *rd = NULL;
     }
-    enum relay_redis_fault fault;
+    enum outbox_redis_fault fault;
     if (*rd == NULL)
-        *rd = relay_redis_open(&cfg->redis_url, cfg->connect_timeout_ms, cfg->connect_timeout_ms,
-                               relay_observe_stop_fd(stop), o->redis_error, sizeof(o->redis_error),
-                               &fault);
+        *rd = outbox_redis_open(&cfg->redis_url, cfg->connect_timeout_ms, cfg->connect_timeout_ms,
+                                relay_observe_stop_fd(stop), o->redis_error, sizeof(o->redis_error),
+                                &fault);
     if (*rd != NULL) {
         struct observe_each each = {cfg, list, o, relay_observe_stop_fd(stop)};
-        o->redis_ok = relay_redis_each_primary(*rd, &cfg->redis_url, cfg->connect_timeout_ms,
-                                               cfg->connect_timeout_ms, each.stop_fd, observe_node,
-                                               &each, o->redis_error, sizeof(o->redis_error)) == 0;
+        o->redis_ok = outbox_redis_each_primary(*rd, &cfg->redis_url, cfg->connect_timeout_ms,
+                                                cfg->connect_timeout_ms, each.stop_fd, observe_node,
+                                                &each, o->redis_error, sizeof(o->redis_error)) == 0;
         /* A listed stream was gone, or in another primary's slot: observe
          * again from a fresh scan, so that no topic is shown without its
          * groups (backpressure would release a paused one). */
@@ -811,9 +810,9 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
             o->ngroups = 0;
             o->redis_used_memory = -1;
             o->redis_ok =
-                relay_redis_each_primary(*rd, &cfg->redis_url, cfg->connect_timeout_ms,
-                                         cfg->connect_timeout_ms, each.stop_fd, observe_node, &each,
-                                         o->redis_error, sizeof(o->redis_error)) == 0;
+                outbox_redis_each_primary(*rd, &cfg->redis_url, cfg->connect_timeout_ms,
+                                          cfg->connect_timeout_ms, each.stop_fd, observe_node,
+                                          &each, o->redis_error, sizeof(o->redis_error)) == 0;
         }
         if (!o->redis_ok && (*rd)->err) {
             redisFree(*rd);
@@ -868,12 +867,12 @@ static void age_text(char *out, size_t outlen, double s)
         snprintf(out, outlen, "%dh%02dm", (int)s / 3600, ((int)s % 3600) / 60);
 }
 
-/* Text from the servers or from Redis keys, for a terminal (relay/tools.c):
+/* Text from the servers or from Redis keys, for a terminal (core/text.c):
  * escaped, cut to maxcols columns (0: not cut) and padded to width. */
 static void put_shown(struct out *b, const char *s, size_t width, size_t maxcols)
 {
     char shown[RELAY_ESCAPED_SIZE(512)];
-    size_t cols = relay_tools_escape(shown, sizeof(shown), s, strlen(s), maxcols, 0);
+    size_t cols = relay_text_escape(shown, sizeof(shown), s, strlen(s), maxcols, 0);
     put(b, "%s%*s", shown, cols < width ? (int)(width - cols) : 0, "");
 }
 
@@ -947,7 +946,7 @@ void relay_observe_text(const struct relay_observation *o, char *outbuf, size_t 
 }
 
 /*
- * A JSON string with s exactly: the controls of relay_tools_control_char as
+ * A JSON string with s exactly: the controls of relay_text_control_char as
  * \u escapes (so the output cannot act on a terminal either), other UTF-8 as
  * it is. JSON text is UTF-8 (RFC 8259), so a byte that is not part of valid
  * UTF-8, which no JSON string can carry, is U+FFFD.
@@ -958,13 +957,13 @@ static void json_string(struct out *b, const char *s)
     put(b, "\"");
     for (size_t i = 0; i < len;) {
         unsigned long cp;
-        size_t n = relay_tools_utf8_char(s + i, len - i, &cp);
+        size_t n = relay_text_utf8_char(s + i, len - i, &cp);
         if (n == 0) {
             put(b, "\\ufffd");
             n = 1;
         } else if (cp == '"' || cp == '\\') {
             put(b, "\\%c", (char)cp);
-        } else if (relay_tools_control_char(cp)) {
+        } else if (relay_text_control_char(cp)) {
             put(b, "\\u%04lx", cp);
         } else {
             put(b, "%.*s", (int)n, s + i);

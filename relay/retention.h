@@ -26,7 +26,7 @@
 #ifndef RELAY_RETENTION_H
 #define RELAY_RETENTION_H
 
-#include "relay/observe.h"
+#include "core/observe.h"
 
 struct pg_conn;
 struct redisContext;
@@ -52,7 +52,7 @@ struct relay_retention {
     /* From the last trim: the streams a group holds back, and by whom. */
     size_t nheld;
     struct {
-        char stream[RELAY_TOPIC_MAX + 80];
+        char stream[OUTBOX_TOPIC_MAX + 80];
         char group[128];
         double held_back; /* seconds past stream_retention */
     } held[RELAY_OBS_TOPICS_MAX];

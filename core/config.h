@@ -11,7 +11,21 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "relay/url.h" /* struct relay_redis_url, relay_url_parse */
+#include "common/url.h" /* struct outbox_redis_url, outbox_url_parse */
+
+/* The log levels that log_level names; the daemon logs at them (relay/log.h). */
+enum relay_log_level {
+    RELAY_LOG_DEBUG = 0,
+    RELAY_LOG_INFO = 1,
+    RELAY_LOG_WARNING = 2,
+    RELAY_LOG_ERROR = 3,
+};
+
+/* Parses a log_format: "text" 0, "json" 1, anything else -1. */
+int relay_config_parse_log_format(const char *name) __attribute__((warn_unused_result));
+
+/* Parses "debug", "info", "warning" or "error"; returns -1 on anything else. */
+int relay_config_parse_log_level(const char *name) __attribute__((warn_unused_result));
 
 #define RELAY_CONFIG_ERR_MAX 512
 
@@ -21,12 +35,12 @@ struct relay_config {
      * secrets and are never printed as they are (see relay_config_redact). */
     char *postgres;
     char *redis;
-    char *redis_password_file;        /* optional; its first line overrides the URL's password */
-    char *redis_sentinel;             /* optional: Sentinels "host:port,..." to find the primary */
-    char *redis_master;               /* the master's name at those Sentinels */
-    char *redis_sentinel_user;        /* optional: the user the Sentinels know (ACL) */
-    char *redis_sentinel_password;    /* optional: the Sentinels' own password */
-    struct relay_redis_url redis_url; /* derived from redis (+ password file) */
+    char *redis_password_file;         /* optional; its first line overrides the URL's password */
+    char *redis_sentinel;              /* optional: Sentinels "host:port,..." to find the primary */
+    char *redis_master;                /* the master's name at those Sentinels */
+    char *redis_sentinel_user;         /* optional: the user the Sentinels know (ACL) */
+    char *redis_sentinel_password;     /* optional: the Sentinels' own password */
+    struct outbox_redis_url redis_url; /* derived from redis (+ password file) */
 
     /* Streams. */
     char *stream_prefix; /* put in front of the topic to name the stream; may be "" */

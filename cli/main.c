@@ -2,7 +2,7 @@
  * outbox-relay: start-up and shutdown order only. Everything else lives in
  * the relay_core library so the tools and the tests share it.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
 #include <ev.h>
 #include <signal.h>
@@ -12,11 +12,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "relay/common.h"
-#include "relay/config.h"
+#include "common/common.h"
+#include "core/config.h"
 #include "relay/log.h"
 #include "relay/relay.h"
-#include "relay/tools.h"
+#include "tools/tools.h"
 
 extern char **environ;
 
@@ -96,16 +96,16 @@ static int parse_args(int argc, char **argv, struct cmdline *cl)
         const char *a = argv[i];
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
             usage(stdout);
-            return RELAY_EX_OK;
+            return OUTBOX_EX_OK;
         } else if (strcmp(a, "-V") == 0 || strcmp(a, "--version") == 0) {
             printf("outbox-relay %s\n", RELAY_VERSION);
-            return RELAY_EX_OK;
+            return OUTBOX_EX_OK;
         } else if (strcmp(a, "--check-config") == 0) {
             cl->check_only = 1;
         } else if (strcmp(a, "-c") == 0 || strcmp(a, "--config") == 0) {
             if (i + 1 >= argc) {
                 fprintf(stderr, "outbox-relay: %s needs a file name; see --help\n", a);
-                return RELAY_EX_USAGE;
+                return OUTBOX_EX_USAGE;
             }
             cl->config_path = argv[++i];
         } else if (strncmp(a, "--config=", 9) == 0) {
@@ -121,7 +121,7 @@ static int parse_args(int argc, char **argv, struct cmdline *cl)
             return -1;
         } else {
             fprintf(stderr, "outbox-relay: unexpected argument \"%s\"; see --help\n", a);
-            return RELAY_EX_USAGE;
+            return OUTBOX_EX_USAGE;
         }
     }
     return -1;
@@ -140,12 +140,12 @@ static int load_config(const struct cmdline *cl, struct relay_config *cfg)
         if (relay_config_set(cfg, "default", is_dlq ? "postgres" : "redis",
                              is_dlq ? "dbname=unused-by-dlq" : "redis://127.0.0.1:6379", err,
                              sizeof(err)) < 0)
-            return RELAY_EX_SOFTWARE;
+            return OUTBOX_EX_SOFTWARE;
     }
     if (relay_config_load(cfg, cl->config_path, environ, cl->noverrides, cl->overrides, err,
                           sizeof(err)) < 0) {
         fprintf(stderr, "outbox-relay: %s\n", err);
-        return RELAY_EX_CONFIG;
+        return OUTBOX_EX_CONFIG;
     }
     return 0;
 }
@@ -171,14 +171,14 @@ static int run_daemon(const struct cmdline *cl, struct relay_config *cfg)
     struct ev_loop *loop = ev_default_loop(EVFLAG_AUTO);
     if (loop == NULL) {
         fprintf(stderr, "outbox-relay: cannot start the event loop (libev)\n");
-        return RELAY_EX_OSERR;
+        return OUTBOX_EX_OSERR;
     }
     struct relay_reload_source reload = {cl->config_path, cl->noverrides, cl->overrides};
     struct relay *r = relay_new(loop, cfg, &reload);
     if (r == NULL) {
         fprintf(stderr, "outbox-relay: out of memory at start-up\n");
         ev_loop_destroy(loop);
-        return RELAY_EX_OSERR;
+        return OUTBOX_EX_OSERR;
     }
     /* The loop's watchers are installed (as sigaction handlers: the loop is
      * not created with EVFLAG_SIGNALFD); what arrived while the signals were
@@ -196,7 +196,7 @@ int main(int argc, char **argv)
     struct cmdline cl = {0};
     cl.overrides = calloc((size_t)argc + 1, sizeof(*cl.overrides));
     if (cl.overrides == NULL)
-        return RELAY_EX_OSERR;
+        return OUTBOX_EX_OSERR;
     int rc = parse_args(argc, argv, &cl);
     if (rc >= 0) {
         free(cl.overrides);
@@ -214,10 +214,10 @@ int main(int argc, char **argv)
             rc = run_tool(&cl, &cfg);
         } else if (cl.check_only) {
             printf("configuration OK\n");
-            rc = RELAY_EX_OK;
+            rc = OUTBOX_EX_OK;
         } else {
             /* Only the daemon's log: the commands' output stays as it is. */
-            relay_log_set_json(relay_log_parse_format(cfg.log_format) == 1);
+            relay_log_set_json(relay_config_parse_log_format(cfg.log_format) == 1);
             rc = run_daemon(&cl, &cfg);
         }
     }

@@ -10,7 +10,7 @@
 
 #include <stddef.h>
 
-#include "relay/buf.h"
+#include "common/buf.h"
 
 struct ev_loop;
 struct relay_metrics;
@@ -32,7 +32,7 @@ struct relay_metrics *relay_metrics_new(struct ev_loop *loop, const char *listen
 /* Closes the listener and every client. NULL-safe. */
 void relay_metrics_free(struct relay_metrics *m);
 
-/* The largest page a render hook builds (struct relay_buf's max). */
+/* The largest page a render hook builds (struct outbox_buf's max). */
 #define RELAY_METRICS_TEXT_MAX ((size_t)16 << 20)
 
 /* Appends s as a label value of the Prometheus text format, without the
@@ -40,6 +40,6 @@ void relay_metrics_free(struct relay_metrics *m);
  * that is not part of valid UTF-8 replaced by U+FFFD. Names read from Redis
  * or PostgreSQL may hold any bytes; one unescaped quote would make the whole
  * scrape invalid. */
-void relay_text_label(struct relay_buf *t, const char *s);
+void relay_text_label(struct outbox_buf *t, const char *s);
 
 #endif

@@ -3,8 +3,8 @@
  * POSIX 2008 and BSD interfaces the relay uses (clock_gettime, strdup,
  * random, sendto flags) without relying on the compiler's defaults.
  */
-#ifndef RELAY_COMPAT_H
-#define RELAY_COMPAT_H
+#ifndef OUTBOX_COMPAT_H
+#define OUTBOX_COMPAT_H
 
 #ifndef _POSIX_C_SOURCE
 #define _POSIX_C_SOURCE 200809L

@@ -1,20 +1,19 @@
 /*
  * The relay's streams in Redis, and when to scan for them again
- * (include/relay/streamlist.h).
+ * (relay/streamlist.h).
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
-#include "relay/streamlist.h"
+#include "core/streamlist.h"
+#include "relay/batch.h" /* struct relay_row: moves with the daemon's hand-off */
 
 #include <hiredis/hiredis.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "relay/batch.h"
-#include "relay/keys.h"
-#include "relay/redisconn.h"
-#include "relay/tools.h"
+#include "common/keys.h"
+#include "common/redisconn.h"
 
 /* The most SCAN calls one node's scan makes (COUNT 1000 each). */
 #define SCAN_ROUNDS_MAX 10000
@@ -22,7 +21,7 @@
 static int topic_stream(const char *name, size_t len)
 {
     int partition;
-    return relay_batch_topic_valid(name, relay_key_stream_topic_len(name, len, &partition));
+    return outbox_topic_valid(name, outbox_key_stream_topic_len(name, len, &partition));
 }
 
 enum relay_stream_kind relay_stream_kind(const char *key, size_t len, const char *prefix)
@@ -171,7 +170,7 @@ static int scan_node(struct relay_stream_list *l, redisContext *c, const char *p
     l->scans++;
     do {
         redisReply *r =
-            relay_redis_call(c, stop_fd, timeout_ms, "SCAN %s TYPE stream COUNT 1000", cursor);
+            outbox_redis_call(c, stop_fd, timeout_ms, "SCAN %s TYPE stream COUNT 1000", cursor);
         if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
             r->element[0]->type != REDIS_REPLY_STRING || r->element[1]->type != REDIS_REPLY_ARRAY) {
             snprintf(err, errlen, "SCAN failed: %s",
@@ -225,7 +224,7 @@ static int place_fresh(struct relay_stream_list *l, redisContext *c, const char 
             l->fresh[i] = NULL;
             continue;
         }
-        redisReply *r = relay_redis_call(c, stop_fd, timeout_ms, "EXISTS %s", l->fresh[i]);
+        redisReply *r = outbox_redis_call(c, stop_fd, timeout_ms, "EXISTS %s", l->fresh[i]);
         if (r == NULL) {
             snprintf(err, errlen, "EXISTS failed: %s", c->errstr);
             l->stale = 1;
@@ -383,11 +382,11 @@ void relay_stream_seen_note(struct relay_stream_seen *s, const char *prefix,
     s->hashes[at] = hash;
     s->n++;
     size_t size =
-        (prefix != NULL ? strlen(prefix) : 0) + row->topic_len + RELAY_PARTITION_SUFFIX_LEN + 1;
+        (prefix != NULL ? strlen(prefix) : 0) + row->topic_len + OUTBOX_PARTITION_SUFFIX_LEN + 1;
     char *name = malloc(size);
     if (name != NULL &&
-        relay_key_partition_stream(prefix, row->topic, row->topic_len, row->partition,
-                                   row->partitions, name, size) < 0) {
+        outbox_key_partition_stream(prefix, row->topic, row->topic_len, row->partition,
+                                    row->partitions, name, size) < 0) {
         free(name); /* cannot happen: sized for the longest */
         name = NULL;
     }

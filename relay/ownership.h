@@ -13,11 +13,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "relay/common.h"
+#include "common/common.h"
 
 /* One partition of a partitioned topic, as one relay sees it. */
 struct relay_unit {
-    char topic[RELAY_TOPIC_MAX + 1];
+    char topic[OUTBOX_TOPIC_MAX + 1];
     uint32_t partition;
     int32_t key;  /* its advisory lock's second key (relay_unit_key) */
     int want;     /* the assignment gives it to this relay */
@@ -28,7 +28,7 @@ struct relay_unit {
 
 /* A partitioned topic and its count, from outbox.topics. */
 struct relay_topic_parts {
-    char topic[RELAY_TOPIC_MAX + 1];
+    char topic[OUTBOX_TOPIC_MAX + 1];
     uint32_t partitions;
 };
 

@@ -10,17 +10,17 @@
 
 #include <stddef.h>
 
-#include "relay/common.h"
-#include "relay/observe.h"
+#include "common/common.h"
+#include "core/observe.h"
 
 struct relay_config;
 
 struct relay_paused {
     size_t n;
-    char topics[RELAY_OBS_TOPICS_MAX][RELAY_TOPIC_MAX + 1];
+    char topics[RELAY_OBS_TOPICS_MAX][OUTBOX_TOPIC_MAX + 1];
     /* The claim's $2: every element quoted, a quote or backslash doubled at
      * most, so twice the topic's bytes and its quotes and comma. */
-    char param[RELAY_OBS_TOPICS_MAX * (2 * RELAY_TOPIC_MAX + 3) + 3];
+    char param[RELAY_OBS_TOPICS_MAX * (2 * OUTBOX_TOPIC_MAX + 3) + 3];
 };
 
 /* One stream that changed: the index of its topic in the observation. */
@@ -47,13 +47,5 @@ int relay_paused_has(const struct relay_paused *p, const char *topic);
 size_t relay_backpressure_apply(struct relay_paused *p, const struct relay_config *cfg,
                                 const struct relay_observation *o, struct relay_bp_change *changes,
                                 int *resumed);
-
-/*
- * Writes the text[] literal of items, each element double-quoted with its
- * backslashes and quotes escaped, so that no name can break out of its
- * element. 0, or -1 when out is too small.
- */
-int relay_pg_text_array(char *out, size_t outlen, const char (*items)[RELAY_TOPIC_MAX + 1],
-                        size_t n) __attribute__((warn_unused_result));
 
 #endif

@@ -19,7 +19,7 @@
 
 #include <stddef.h>
 
-#include "relay/common.h"
+#include "common/common.h"
 
 struct pg_conn;
 struct redisContext;
@@ -36,8 +36,8 @@ struct relay_observe_stop;
 /* One stream of a topic: a partitioned topic has one entry per partition
  * stream, each with the topic's outbox figures. */
 struct relay_topic_obs {
-    char topic[RELAY_TOPIC_MAX + 1];
-    char stream[RELAY_TOPIC_MAX + 80];
+    char topic[OUTBOX_TOPIC_MAX + 1];
+    char stream[OUTBOX_TOPIC_MAX + 80];
     int partition;             /* of a partition stream "<topic>:<ppp>"; -1 for "<topic>" */
     long long pending;         /* rows waiting in the outbox (estimate) */
     double oldest_pending_age; /* seconds; -1 when none wait */
@@ -50,7 +50,7 @@ struct relay_topic_obs {
 };
 
 struct relay_group_obs {
-    char stream[RELAY_TOPIC_MAX + 80];
+    char stream[OUTBOX_TOPIC_MAX + 80];
     char group[128];
     int topic; /* index into topics, -1 when the stream is not a relay topic */
     long long consumers;
@@ -125,7 +125,7 @@ int relay_observe_stop_fd(const struct relay_observe_stop *s);
  * topic in outbox.topic_limits or outbox.topic_state is recomputed through
  * outbox.observe_topic, in one statement; without, the last decisions are
  * read. Neither depends on Redis. The streams are those of the list, which
- * scans the nodes when its round says so (include/relay/streamlist.h);
+ * scans the nodes when its round says so (relay/streamlist.h);
  * with streams NULL, every node is scanned. Returns 0 when both servers
  * answered, -1 otherwise (o says which and why).
  */
@@ -160,7 +160,7 @@ struct pg_conn *relay_observe_pg_open(const struct relay_config *cfg, const char
 double relay_observe_parse_time(const char *s);
 
 /* Renders for humans (status), with names and errors in the escaped form of
- * relay/tools.c, or for scripts (status --json), with every name exact as
+ * core/text.c, or for scripts (status --json), with every name exact as
  * JSON escapes but bytes that are not UTF-8, which come out as U+FFFD. */
 void relay_observe_text(const struct relay_observation *o, char *out, size_t outlen);
 void relay_observe_json(const struct relay_observation *o, char *out, size_t outlen);

@@ -23,10 +23,10 @@
 #include "relay/backpressure.h"
 #include "relay/batch.h"
 #include "relay/cycle.h"
-#include "relay/observe.h"
+#include "core/observe.h"
 #include "relay/relay.h"
 #include "relay/retire.h"
-#include "relay/streamlist.h"
+#include "core/streamlist.h"
 #include "relay/wake.h"
 
 struct pg_result;
@@ -56,7 +56,7 @@ struct relay_lane {
     struct relay_row *rows;
     size_t nrows;
     struct relay_tally tally;
-    struct relay_buf sql;
+    struct outbox_buf sql;
     struct relay_batch_streams streams; /* the last row of the batch sent to each stream */
     double phase_at[RELAY_PHASES];      /* when each phase of the batch began; 0: not yet */
 };
@@ -77,7 +77,7 @@ struct relay_figures {
     unsigned long long errors[RELAY_FAIL_KINDS];
     unsigned long long row_errors; /* rows that failed for reasons of their own */
     struct {
-        char topic[RELAY_TOPIC_MAX + 1];
+        char topic[OUTBOX_TOPIC_MAX + 1];
         unsigned long long published;
     } topics[RELAY_OBS_TOPICS_MAX];
     size_t ntopics;
@@ -96,7 +96,7 @@ struct relay {
     struct relay_lane lanes[RELAY_CYCLE_LANES_MAX];
     size_t nlanes;
     struct relay_sink *sink;
-    struct relay_buf out;               /* one Redis command, formatted; reused, grows only */
+    struct outbox_buf out;              /* one Redis command, formatted; reused, grows only */
     unsigned retires_pending;           /* retires of dedup records not yet answered */
     int retire_paced;                   /* more removals are due: sent once those are answered */
     struct relay_retire_queue retiring; /* removals of dedup records, until due */

@@ -16,12 +16,11 @@
  * connects anywhere, which is what --check-config relies on. Values of secret
  * keys only ever reach a message or a dump through relay_config_redact.
  */
-#include "relay/compat.h"
+#include "common/compat.h"
 
-#include "relay/config.h"
+#include "core/config.h"
 
-#include "relay/common.h"
-#include "relay/log.h"
+#include "common/common.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -101,7 +100,7 @@ static int cfg_check_listen(const char *value, char *rule, size_t rulelen)
         return -1;
     }
     /* Digits only: strtoul would also take a sign and leading white space. */
-    if (relay_parse_digits(colon + 1, &port, &end) != 0 || *end != '\0' || port == 0 ||
+    if (outbox_parse_digits(colon + 1, &port, &end) != 0 || *end != '\0' || port == 0 ||
         port > 65535) {
         snprintf(rule, rulelen, "port must be a number between 1 and 65535");
         return -1;
@@ -112,7 +111,7 @@ static int cfg_check_listen(const char *value, char *rule, size_t rulelen)
 /* "text" or "json" (relay/log.c). */
 static int cfg_check_log_format(const char *value, char *rule, size_t rulelen)
 {
-    if (relay_log_parse_format(value) >= 0)
+    if (relay_config_parse_log_format(value) >= 0)
         return 0;
     snprintf(rule, rulelen,
              "must be text (one line of text per event) or json (one JSON object "
@@ -203,11 +202,11 @@ static const struct cfg_key cfg_keys[] = {
 
 static const char *const cfg_level_names[] = {"debug", "info", "warning", "error"};
 
-/* File-local, reachable from tests/unit/test_config.c (RELAY_STATIC is empty there). */
-RELAY_STATIC int config_parse_line(char *line, char **key, char **value, char *rule,
-                                   size_t rulelen) CFG_MUSTCHECK;
-RELAY_STATIC unsigned config_edit_distance(const char *a, const char *b);
-RELAY_STATIC void config_format_duration(uint32_t ms, char *out, size_t outlen);
+/* File-local, reachable from tests/unit/test_config.c (OUTBOX_STATIC is empty there). */
+OUTBOX_STATIC int config_parse_line(char *line, char **key, char **value, char *rule,
+                                    size_t rulelen) CFG_MUSTCHECK;
+OUTBOX_STATIC unsigned config_edit_distance(const char *a, const char *b);
+OUTBOX_STATIC void config_format_duration(uint32_t ms, char *out, size_t outlen);
 
 /* ------------------------------------------------------------------------ */
 /* Bounded output: every text this module writes goes through this.          */
@@ -304,7 +303,7 @@ static const struct cfg_key *config_find(const char *name)
 {
     size_t i;
 
-    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++)
+    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++)
         if (strcmp(cfg_keys[i].name, name) == 0)
             return &cfg_keys[i];
     return NULL;
@@ -337,7 +336,7 @@ static void config_flag_name(const char *key, char *out, size_t outlen)
 }
 
 /* Levenshtein distance, for "did you mean"; names are short, so O(n*m) is fine. */
-RELAY_STATIC unsigned config_edit_distance(const char *a, const char *b)
+OUTBOX_STATIC unsigned config_edit_distance(const char *a, const char *b)
 {
     unsigned row[CFG_NAME_MAX + 1];
     size_t la = strlen(a), lb = strlen(b), i, j;
@@ -370,7 +369,7 @@ static const struct cfg_key *config_suggest(const char *name)
     unsigned best_d = 3;
     size_t i;
 
-    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
         unsigned d = config_edit_distance(name, cfg_keys[i].name);
         if (d < best_d && d < strlen(name)) {
             best = &cfg_keys[i];
@@ -529,9 +528,9 @@ int relay_config_parse_duration(const char *s, uint32_t *ms)
     const char *end;
     size_t i;
 
-    if (s == NULL || relay_parse_digits(s, &v, &end) != 0)
+    if (s == NULL || outbox_parse_digits(s, &v, &end) != 0)
         return -1;
-    for (i = 0; i < RELAY_ARRAY_LEN(units); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(units); i++) {
         if (strcmp(end, units[i].unit) != 0)
             continue;
         if (v > UINT32_MAX / units[i].mult)
@@ -543,7 +542,7 @@ int relay_config_parse_duration(const char *s, uint32_t *ms)
 }
 
 /* The shortest exact spelling: 86400000 -> "1d", 1500 -> "1500ms". */
-RELAY_STATIC void config_format_duration(uint32_t ms, char *out, size_t outlen)
+OUTBOX_STATIC void config_format_duration(uint32_t ms, char *out, size_t outlen)
 {
     if (ms != 0 && ms % CFG_DAY == 0)
         snprintf(out, outlen, "%lud", (unsigned long)(ms / CFG_DAY));
@@ -563,7 +562,7 @@ static int cfg_parse_bool(const char *s, int *out)
     static const char *const no[] = {"off", "false", "no", "0"};
     size_t i;
 
-    for (i = 0; i < RELAY_ARRAY_LEN(yes); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(yes); i++) {
         if (strcasecmp(s, yes[i]) == 0) {
             *out = 1;
             return 0;
@@ -578,11 +577,11 @@ static int cfg_parse_bool(const char *s, int *out)
 
 static int cfg_check_redis(const char *value, char *rule, size_t rulelen)
 {
-    struct relay_redis_url u;
+    struct outbox_redis_url u;
 
     if (value[0] == '\0')
         return 0; /* unset; validation reports it if it is still unset */
-    return relay_url_parse_seeds(value, &u, rule, rulelen);
+    return outbox_url_parse_seeds(value, &u, rule, rulelen);
 }
 
 static int cfg_check_stream_prefix(const char *value, char *rule, size_t rulelen)
@@ -655,7 +654,7 @@ static int config_convert(struct relay_config *cfg, const struct cfg_key *k, con
         return 0;
     }
     case CFG_UINT:
-        r = relay_parse_digits(value, &v, &end);
+        r = outbox_parse_digits(value, &v, &end);
         if (r == -1 || (r == 0 && *end != '\0')) {
             snprintf(rule, rulelen, "must be a whole number between %lu and %lu",
                      (unsigned long)k->min, (unsigned long)k->max);
@@ -692,7 +691,7 @@ static int config_convert(struct relay_config *cfg, const struct cfg_key *k, con
         *cfg_int_field(cfg, k) = b;
         return 0;
     case CFG_LOGLEVEL:
-        b = relay_log_parse_level(value);
+        b = relay_config_parse_log_level(value);
         if (b < 0) {
             snprintf(rule, rulelen, "must be one of debug, info, warning, error");
             return -1;
@@ -770,7 +769,7 @@ void relay_config_init(struct relay_config *cfg)
     size_t i;
 
     memset(cfg, 0, sizeof(*cfg));
-    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
         const struct cfg_key *k = &cfg_keys[i];
         if (config_apply(cfg, k, k->name, k->defval, err, sizeof(err)) != 0) {
             /* A default that fails its own rule is a bug in the table above. */
@@ -786,7 +785,7 @@ void relay_config_free(struct relay_config *cfg)
 
     if (cfg == NULL)
         return;
-    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
         const struct cfg_key *k = &cfg_keys[i];
         if (k->type == CFG_STRING || k->type == CFG_SECRET_STRING) {
             char **field = cfg_str_field(cfg, k);
@@ -806,7 +805,8 @@ void relay_config_free(struct relay_config *cfg)
  * line, 0 for a blank or comment line, -1 with a message (without the
  * "file:line: " origin) in rule.
  */
-RELAY_STATIC int config_parse_line(char *line, char **key, char **value, char *rule, size_t rulelen)
+OUTBOX_STATIC int config_parse_line(char *line, char **key, char **value, char *rule,
+                                    size_t rulelen)
 {
     char *p = line, *eq, *kend, *v, *w;
 
@@ -894,17 +894,17 @@ RELAY_STATIC int config_parse_line(char *line, char **key, char **value, char *r
  * Reads the configuration text of f, named path in messages, line by line
  * into cfg: 0, or -1 with err. The file loader below opens the file for it.
  */
-RELAY_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const char *path, char *err,
-                                    size_t errlen) CFG_MUSTCHECK;
-RELAY_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const char *path, char *err,
-                                    size_t errlen)
+OUTBOX_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const char *path, char *err,
+                                     size_t errlen) CFG_MUSTCHECK;
+OUTBOX_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const char *path, char *err,
+                                     size_t errlen)
 {
     char line[CFG_LINE_MAX + 2]; /* the line, its newline and the NUL */
     char rule[RELAY_CONFIG_ERR_MAX];
     char where[RELAY_CONFIG_ERR_MAX];
     char label[RELAY_CONFIG_ERR_MAX + CFG_NAME_MAX + 8];
     char shown[CFG_SHOW_MAX + 8];
-    unsigned seen[RELAY_ARRAY_LEN(cfg_keys)] = {0}; /* line of each key's first setting */
+    unsigned seen[OUTBOX_ARRAY_LEN(cfg_keys)] = {0}; /* line of each key's first setting */
     unsigned lineno = 0;
 
     for (;;) {
@@ -1066,9 +1066,9 @@ static int config_load_argv(struct relay_config *cfg, int argc, char *const *arg
 /* Validation.                                                               */
 
 /* Reads the first line of the password file into url->password. */
-static int config_read_password(const char *path, struct relay_redis_url *url, char *err,
+static int config_read_password(const char *path, struct outbox_redis_url *url, char *err,
                                 size_t errlen) CFG_MUSTCHECK;
-static int config_read_password(const char *path, struct relay_redis_url *url, char *err,
+static int config_read_password(const char *path, struct outbox_redis_url *url, char *err,
                                 size_t errlen)
 {
     char line[sizeof(url->password) + 2];
@@ -1161,7 +1161,7 @@ static int validate_retention(const struct relay_config *cfg, char *err, size_t 
 /* redis_sentinel_user and redis_sentinel_password, into the Sentinels' list. */
 static int validate_sentinel_auth(struct relay_config *cfg, int sentinel, char *err, size_t errlen)
 {
-    struct relay_sentinels *st = &cfg->redis_url.sentinels;
+    struct outbox_sentinels *st = &cfg->redis_url.sentinels;
     const char *user = cfg->redis_sentinel_user != NULL ? cfg->redis_sentinel_user : "";
     const char *password = cfg->redis_sentinel_password != NULL ? cfg->redis_sentinel_password : "";
     if ((user[0] != '\0' || password[0] != '\0') && !sentinel) {
@@ -1199,7 +1199,7 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
     char a[32], b[32];
     size_t i;
 
-    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
         const struct cfg_key *k = &cfg_keys[i];
         char env[CFG_NAME_MAX + 32], flag[CFG_NAME_MAX + 32];
         char *const *field;
@@ -1222,7 +1222,7 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
 
     memset(&cfg->redis_url, 0, sizeof(cfg->redis_url));
     if ((cfg->redis != NULL && cfg->redis[0] != '\0') &&
-        relay_url_parse_seeds(cfg->redis, &cfg->redis_url, rule, sizeof(rule)) != 0) {
+        outbox_url_parse_seeds(cfg->redis, &cfg->redis_url, rule, sizeof(rule)) != 0) {
         config_show(cfg->redis, 1, shown, sizeof(shown));
         cfg_err(err, errlen, "redis = \"%s\": %s", shown, rule);
         return -1;
@@ -1240,8 +1240,8 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
                 sentinel ? "redis_master" : "redis_sentinel");
         return -1;
     }
-    if (sentinel && relay_sentinels_parse(cfg->redis_sentinel, cfg->redis_master,
-                                          &cfg->redis_url.sentinels, rule, sizeof(rule)) != 0) {
+    if (sentinel && outbox_sentinels_parse(cfg->redis_sentinel, cfg->redis_master,
+                                           &cfg->redis_url.sentinels, rule, sizeof(rule)) != 0) {
         config_show(cfg->redis_sentinel, 0, shown, sizeof(shown));
         cfg_err(err, errlen, "redis_sentinel = \"%s\", redis_master = \"%.128s\": %s", shown,
                 cfg->redis_master, rule);
@@ -1370,7 +1370,7 @@ static void config_value_text(const struct relay_config *cfg, const struct cfg_k
         return;
     case CFG_LOGLEVEL:
         lvl = *cfg_cint_field(cfg, k);
-        out_puts(o, lvl >= 0 && (size_t)lvl < RELAY_ARRAY_LEN(cfg_level_names)
+        out_puts(o, lvl >= 0 && (size_t)lvl < OUTBOX_ARRAY_LEN(cfg_level_names)
                         ? cfg_level_names[lvl]
                         : "?");
         return;
@@ -1383,7 +1383,7 @@ void relay_config_dump(const struct relay_config *cfg, char *out, size_t outlen)
     size_t i;
 
     out_init(&o, out, outlen);
-    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
         out_printf(&o, "%s = ", cfg_keys[i].name);
         config_value_text(cfg, &cfg_keys[i], &o);
         out_puts(&o, "\n");
@@ -1396,7 +1396,7 @@ void relay_config_help(char *out, size_t outlen)
     size_t i;
 
     out_init(&o, out, outlen);
-    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
         const struct cfg_key *k = &cfg_keys[i];
         char env[CFG_NAME_MAX + 32], flag[CFG_NAME_MAX + 32], lo[32], hi[32];
 
@@ -1502,7 +1502,7 @@ void relay_config_reference(enum relay_config_format format, char *out, size_t o
     size_t i;
 
     out_init(&o, out, outlen);
-    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
         const struct cfg_key *k = &cfg_keys[i];
         int text = k->type == CFG_STRING || k->type == CFG_SECRET_STRING;
         int required = (k->flags & CFG_REQUIRED) != 0;
@@ -1576,7 +1576,7 @@ int relay_config_diff_restart(const struct relay_config *cur, const struct relay
     size_t i;
 
     out_init(&o, out, outlen);
-    for (i = 0; i < RELAY_ARRAY_LEN(cfg_keys); i++) {
+    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
         const struct cfg_key *k = &cfg_keys[i];
         int differs = config_key_differs(cur, next, k);
 
@@ -1589,4 +1589,28 @@ int relay_config_diff_restart(const struct relay_config *cur, const struct relay
         n++;
     }
     return n;
+}
+
+int relay_config_parse_log_format(const char *name)
+{
+    if (name == NULL)
+        return -1;
+    if (strcmp(name, "text") == 0)
+        return 0;
+    if (strcmp(name, "json") == 0)
+        return 1;
+    return -1;
+}
+
+int relay_config_parse_log_level(const char *name)
+{
+    static const char *const names[] = {"debug", "info", "warning", "error"};
+    size_t i;
+
+    if (name == NULL)
+        return -1;
+    for (i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if (strcasecmp(name, names[i]) == 0)
+            return (int)i;
+    return -1;
 }

@@ -3,13 +3,13 @@
  * (common/wait.c): what every blocking call of the observer, the tools and
  * the consumer library is built on.
  */
-#ifndef RELAY_WAIT_H
-#define RELAY_WAIT_H
+#ifndef OUTBOX_WAIT_H
+#define OUTBOX_WAIT_H
 
-enum relay_wait { RELAY_WAIT_READY, RELAY_WAIT_DEADLINE, RELAY_WAIT_STOPPED };
+enum outbox_wait { OUTBOX_WAIT_READY, OUTBOX_WAIT_DEADLINE, OUTBOX_WAIT_STOPPED };
 
 /* Seconds on the monotonic clock. */
-double relay_mono_now(void);
+double outbox_mono_now(void);
 
 /*
  * Waits until fd is ready for events (POLLIN, POLLOUT; or in error: the
@@ -17,7 +17,7 @@ double relay_mono_now(void);
  * stop_fd (-1: none) becomes readable. A poll that fails for any reason but
  * EINTR counts as stopped: the caller gives up rather than spin.
  */
-enum relay_wait relay_wait_fd(int fd, short events, int stop_fd, double deadline)
+enum outbox_wait outbox_wait_fd(int fd, short events, int stop_fd, double deadline)
     __attribute__((warn_unused_result));
 
 #endif

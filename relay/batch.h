@@ -10,8 +10,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "relay/buf.h"
-#include "relay/common.h"
+#include "common/buf.h"
+#include "common/common.h"
 #include "relay/cycle.h"
 
 /* Name of the Redis function library and of the functions in it. */
@@ -60,7 +60,7 @@ struct relay_row {
     size_t header_values_len;
     int32_t attempts;
     uint32_t partitions; /* of its topic: 1 publishes to "<prefix><topic>" */
-    uint32_t partition;  /* relay_partition_of, when partitions > 1 */
+    uint32_t partition;  /* outbox_partition_of, when partitions > 1 */
 
     /* The row sent before it to the same stream in this batch, or NULL: its
      * publish names that row's dedup record and is refused while the record
@@ -85,7 +85,7 @@ struct relay_row {
     /* Outcome of this cycle. */
     int state;                  /* enum relay_row_state */
     enum relay_row_fault fault; /* when state is RELAY_ROW_FAILED */
-    char error[RELAY_ERROR_MAX];
+    char error[OUTBOX_ERROR_MAX];
 };
 
 enum relay_row_state {
@@ -102,7 +102,7 @@ enum relay_error_scope {
 };
 
 /* Maximum arguments of one FCALL: fixed part plus two per header. */
-#define RELAY_PUBLISH_ARGV_MAX (20 + 2 * RELAY_HEADERS_MAX)
+#define RELAY_PUBLISH_ARGV_MAX (20 + 2 * OUTBOX_HEADERS_MAX)
 
 /* The argv of one publish command, with scratch space for the parts that are
  * built rather than pointed to. */
@@ -110,21 +110,18 @@ struct relay_publish_cmd {
     int argc;
     const char *argv[RELAY_PUBLISH_ARGV_MAX];
     size_t argvlen[RELAY_PUBLISH_ARGV_MAX];
-    char stream[256 + RELAY_TOPIC_MAX];
-    char dedup_key[300 + RELAY_TOPIC_MAX];
-    char after_key[300 + RELAY_TOPIC_MAX]; /* the dedup record of row->after */
+    char stream[256 + OUTBOX_TOPIC_MAX];
+    char dedup_key[300 + OUTBOX_TOPIC_MAX];
+    char after_key[300 + OUTBOX_TOPIC_MAX]; /* the dedup record of row->after */
     char ttl[16];
     char not_after[24];
     char outbox_id[24];
-    char header_fields[RELAY_HEADERS_MAX][RELAY_HEADER_NAME_MAX + 3];
+    char header_fields[OUTBOX_HEADERS_MAX][OUTBOX_HEADER_NAME_MAX + 3];
 };
 
 /* The longest prefix of s, at most max bytes, that does not cut a UTF-8
  * character in two (messages quote data, and PostgreSQL rejects half a character). */
 size_t relay_batch_utf8_prefix(const char *s, size_t len, size_t max);
-
-/* 1 when topic is 1..RELAY_TOPIC_MAX bytes of [A-Za-z0-9._-]. */
-int relay_batch_topic_valid(const char *topic, size_t len);
 
 /*
  * Builds the FCALL for row; not_after_ms is the validity deadline on the
@@ -139,11 +136,11 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
                               size_t errlen) __attribute__((warn_unused_result));
 
 /* The two functions below write the Redis protocol (RESP) into a
- * struct relay_buf (include/relay/buf.h) meant to live as long as the relay
+ * struct outbox_buf (relay/buf.h) meant to live as long as the relay
  * and be reset, not freed, between commands and batches: its memory only
  * grows to the largest thing ever put in it, and the hot path does not
  * allocate. When a command would take the buffer past its max they return
- * RELAY_BUF_FULL and append nothing: send or reset the buffer and try
+ * OUTBOX_BUF_FULL and append nothing: send or reset the buffer and try
  * again. */
 
 /*
@@ -183,13 +180,13 @@ int relay_batch_check_publish(struct relay_row *row, const char *stream_prefix,
  * or one error for the whole call. The bytes are what redisFormatCommandArgv
  * makes of the argv, written without printf or malloc (once out has grown).
  * Returns 0 when the call was appended (out->data[old len .. out->len), one
- * command for relay_sink_formatted), RELAY_BUF_FULL, or -1 when a row fails
+ * command for relay_sink_formatted), OUTBOX_BUF_FULL, or -1 when a row fails
  * its check or is of another stream; in both cases out is unchanged.
  */
 int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t n,
                                     const struct relay_row *after, const char *stream_prefix,
                                     uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
-                                    uint64_t not_after_ms, struct relay_buf *out)
+                                    uint64_t not_after_ms, struct outbox_buf *out)
     __attribute__((warn_unused_result));
 
 /*
@@ -198,21 +195,21 @@ int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t 
  * expire within ttl_ms (docs/DESIGN.md, "The publish deadline"), or with
  * ttl_ms 0 the next "UNLINK <dedup key>..." that removes them: one command
  * per stream (so each stays inside one hash slot), its keys in row order, as
- * relay_key_dedup (common/keys.c) names them; lanes.c sends them. Rows are
+ * outbox_key_dedup (common/keys.c) names them; lanes.c sends them. Rows are
  * not modified. *pos is the iteration state: start it at 0 and call again
  * until it returns 0.
  *
  * Returns 1 when one command was appended (out->data[old len .. out->len),
  * for one relay_sink_formatted call), 0 when no stream is left, or
- * RELAY_BUF_FULL (nothing appended, *pos unchanged: send what out holds,
+ * OUTBOX_BUF_FULL (nothing appended, *pos unchanged: send what out holds,
  * reset it and call again).
  *
- * RELAY_BUF_FULL on an empty out means one command alone is over max: it
+ * OUTBOX_BUF_FULL on an empty out means one command alone is over max: it
  * cannot happen with the default max and the limits the rows are checked
  * against, but a caller must not retry it forever.
  */
 int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char *stream_prefix,
-                              uint32_t ttl_ms, size_t *pos, struct relay_buf *out)
+                              uint32_t ttl_ms, size_t *pos, struct outbox_buf *out)
     __attribute__((warn_unused_result));
 
 /*
@@ -223,7 +220,7 @@ int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char
  * 0, or -1 when cmd is not such an UNLINK or ttl_ms is 0.
  */
 int relay_batch_unlink_as_retire(const char *cmd, size_t len, uint32_t ttl_ms,
-                                 struct relay_buf *out) __attribute__((warn_unused_result));
+                                 struct outbox_buf *out) __attribute__((warn_unused_result));
 
 /*
  * Decodes a one-dimensional binary text[] (PostgreSQL array wire format).
@@ -372,8 +369,8 @@ int relay_batch_row_quarantined(const struct relay_row *row, uint32_t max_attemp
  * or quoting failed.
  */
 int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
-                           int delete_sent, const struct relay_sql_quoter *q, struct relay_buf *out)
-    __attribute__((warn_unused_result));
+                           int delete_sent, const struct relay_sql_quoter *q,
+                           struct outbox_buf *out) __attribute__((warn_unused_result));
 
 /*
  * Delay before a failed row is claimed again: grows with its attempts,

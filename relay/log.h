@@ -6,12 +6,7 @@
 #ifndef RELAY_LOG_H
 #define RELAY_LOG_H
 
-enum relay_log_level {
-    RELAY_LOG_DEBUG = 0,
-    RELAY_LOG_INFO = 1,
-    RELAY_LOG_WARNING = 2,
-    RELAY_LOG_ERROR = 3,
-};
+#include "core/config.h" /* enum relay_log_level */
 
 /* Lines below this level are dropped. Default RELAY_LOG_INFO. */
 void relay_log_set_level(enum relay_log_level level);
@@ -23,12 +18,6 @@ void relay_log_set_journal(int on);
 
 /* 1: each event as one JSON object per line (log_format = json); 0: text. */
 void relay_log_set_json(int on);
-
-/* Parses a log_format: "text" 0, "json" 1, anything else -1. */
-int relay_log_parse_format(const char *name) __attribute__((warn_unused_result));
-
-/* Parses "debug", "info", "warning" or "error"; returns -1 on anything else. */
-int relay_log_parse_level(const char *name) __attribute__((warn_unused_result));
 
 /* Writes one line. The text must not contain secrets: callers redact first. */
 void relay_log(enum relay_log_level level, const char *component, const char *fmt, ...)

@@ -2,18 +2,18 @@
  * Jittered exponential backoff, pure: the caller supplies the random source so
  * unit tests are deterministic. Used for every reconnect and every retried batch.
  */
-#ifndef RELAY_BACKOFF_H
-#define RELAY_BACKOFF_H
+#ifndef OUTBOX_BACKOFF_H
+#define OUTBOX_BACKOFF_H
 
 #include <stdint.h>
 
-struct relay_backoff {
+struct outbox_backoff {
     uint32_t min_ms;  /* first delay's ceiling */
     uint32_t max_ms;  /* no delay exceeds this */
     uint32_t attempt; /* failures since the last success */
 };
 
-void relay_backoff_init(struct relay_backoff *b, uint32_t min_ms, uint32_t max_ms);
+void outbox_backoff_init(struct outbox_backoff *b, uint32_t min_ms, uint32_t max_ms);
 
 /*
  * Returns the next delay in milliseconds and counts one more failure. The ceiling
@@ -21,12 +21,12 @@ void relay_backoff_init(struct relay_backoff *b, uint32_t min_ms, uint32_t max_m
  * [ceiling/2, ceiling] using rnd (any 32-bit random value), so a fleet of relays
  * does not reconnect in lockstep.
  */
-uint32_t relay_backoff_next(struct relay_backoff *b, uint32_t rnd);
+uint32_t outbox_backoff_next(struct outbox_backoff *b, uint32_t rnd);
 
 /* Forgets past failures after a success. */
-void relay_backoff_reset(struct relay_backoff *b);
+void outbox_backoff_reset(struct outbox_backoff *b);
 
 /* A random 32-bit value from the process's generator (seeded at start-up). */
-uint32_t relay_backoff_random(void);
+uint32_t outbox_backoff_random(void);
 
 #endif

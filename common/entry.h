@@ -2,8 +2,8 @@
  * A stream entry's fields (common/entry.c): the one lookup the consumer
  * library and the dlq commands share.
  */
-#ifndef RELAY_ENTRY_H
-#define RELAY_ENTRY_H
+#ifndef OUTBOX_ENTRY_H
+#define OUTBOX_ENTRY_H
 
 struct redisReply;
 
@@ -13,6 +13,6 @@ struct redisReply;
  * when fields is not an array. Names compare as bytes; a name or value that
  * is not a string does not count.
  */
-const struct redisReply *relay_entry_field(const struct redisReply *fields, const char *name);
+const struct redisReply *outbox_entry_field(const struct redisReply *fields, const char *name);
 
 #endif

@@ -9,10 +9,12 @@
 #ifndef RELAY_PGSRC_H
 #define RELAY_PGSRC_H
 
+#include "core/pg.h" /* RELAY_OWNER_*_NS */
+
 #include <stddef.h>
 #include <stdint.h>
 
-#include "relay/backoff.h"
+#include "common/backoff.h"
 
 struct ev_loop;
 struct pg_conn;
@@ -110,11 +112,6 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
 /* The schema version this relay needs and the migration that brings it. */
 #define RELAY_SCHEMA_VERSION 15
 
-/* The first keys of the relays' two-key advisory locks
- * (migrations/012_partition_owners.sql, docs/DESIGN.md "Several relays"). */
-#define RELAY_OWNER_MEMBER_NS "1869770093" /* a member slot, one per relay */
-#define RELAY_OWNER_UNIT_NS "1869770100"   /* a partition, held by its owner */
-#define RELAY_OWNER_FENCE_NS "1869770086"  /* shared by claims, alone at takeover */
 /* The owner connection speaks every RELAY_OWNER_TICK_MS; the server ends it
  * after RELAY_OWNER_IDLE_MS of silence. */
 #define RELAY_OWNER_TICK_MS 1000
@@ -138,10 +135,5 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
 #define RELAY_PGSRC_CLAIM_SQL_MAX 8192
 int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, size_t outlen)
     __attribute__((warn_unused_result));
-
-/* What to do about a connection libpq refused for TLS or a password (it says
- * what failed, not where to look): text to append to its message, "" when
- * there is nothing to add. */
-const char *relay_pg_connect_hint(const char *libpq_message);
 
 #endif
