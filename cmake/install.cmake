@@ -16,10 +16,25 @@ install(TARGETS outbox_consumer EXPORT OutboxConsumerTargets
 install(FILES include/outbox/consumer.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/outbox COMPONENT development)
 
-# pkg-config: hiredis is private, since no public header includes it.
+# pkg-config: hiredis is private, since no public header includes it. The
+# prefix is found from where the file lies (${pcfiledir}), so a tree installed
+# with --prefix DIR, or moved after, still points at itself.
+set(OUTBOX_PC_DIR ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+if(IS_ABSOLUTE "${CMAKE_INSTALL_LIBDIR}" OR IS_ABSOLUTE "${CMAKE_INSTALL_INCLUDEDIR}")
+  # Directories given as absolute paths stay as given.
+  set(OUTBOX_PC_PREFIX "${CMAKE_INSTALL_PREFIX}")
+  set(OUTBOX_PC_LIBDIR "${CMAKE_INSTALL_FULL_LIBDIR}")
+  set(OUTBOX_PC_INCLUDEDIR "${CMAKE_INSTALL_FULL_INCLUDEDIR}")
+else()
+  file(RELATIVE_PATH OUTBOX_PC_TO_PREFIX /prefix/${OUTBOX_PC_DIR} /prefix)
+  string(REGEX REPLACE "/$" "" OUTBOX_PC_TO_PREFIX "${OUTBOX_PC_TO_PREFIX}")
+  set(OUTBOX_PC_PREFIX "\${pcfiledir}/${OUTBOX_PC_TO_PREFIX}")
+  set(OUTBOX_PC_LIBDIR "\${prefix}/${CMAKE_INSTALL_LIBDIR}")
+  set(OUTBOX_PC_INCLUDEDIR "\${prefix}/${CMAKE_INSTALL_INCLUDEDIR}")
+endif()
 configure_file(cmake/outbox-consumer.pc.in ${CMAKE_BINARY_DIR}/outbox-consumer.pc @ONLY)
 install(FILES ${CMAKE_BINARY_DIR}/outbox-consumer.pc
-  DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig COMPONENT development)
+  DESTINATION ${OUTBOX_PC_DIR} COMPONENT development)
 
 # find_package(OutboxConsumer): OutboxConsumer::outbox_consumer (shared) and
 # OutboxConsumer::outbox_consumer_static.
