@@ -43,17 +43,11 @@ if ! command -v perf >/dev/null 2>&1; then
 fi
 
 # --- build --------------------------------------------------------------------
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DRELAY_TESTS=OFF >/dev/null
-cmake --build "$build" -j2 --target outbox-relay relay_core outbox_consumer
-# The tools link relay_core for the relay's own claim SQL, publish function and
-# argv builder, so the yardstick does exactly the relay's work.
-cflags=(-std=c11 -O3 -DNDEBUG -Wall -Wextra -I"$root/include")
-read -r -a pkgcflags <<<"$(pkg-config --cflags libpq hiredis)"
-read -r -a pkglibs <<<"$(pkg-config --libs libpq hiredis)"
-for tool in naive loadgen pgq; do
-  cc "${cflags[@]}" "${pkgcflags[@]}" "$root/bench/$tool.c" "$build/librelay_core.a" \
-    "$build/liboutbox_consumer.a" "${pkglibs[@]}" -lev -lpthread -lm -o "$build/bench-$tool"
-done
+# The tools link the daemon's library for the relay's own claim SQL, publish
+# function and argv builder, so the yardstick does exactly the relay's work;
+# CMake builds them (RELAY_BENCH) with the Release flags, -O3 -DNDEBUG.
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DRELAY_TESTS=OFF -DRELAY_BENCH=ON >/dev/null
+cmake --build "$build" -j2 --target outbox-relay outbox_consumer bench-naive bench-loadgen bench-pgq
 
 # --- run ----------------------------------------------------------------------
 status=0
