@@ -29,18 +29,18 @@ cmake -S . -B "$build_dir" -DRELAY_WERROR="${RELAY_WERROR:-OFF}" -DRELAY_SANITIZ
   -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-RelWithDebInfo}" >/dev/null
 cmake --build "$build_dir" -j2
 
-sources=(relay common consumer tools examples)
+sources=(common consumer core relay tools cli examples)
 status=0
 
 if [[ "$what" != valgrind ]]; then
   echo "== cppcheck"
   cppcheck --enable=warning,performance,portability --std=c11 --inline-suppr --quiet \
-    --error-exitcode=1 -I include -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE \
+    --error-exitcode=1 -I . -I include -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE \
     -DRELAY_VERSION='"analysis"' "${sources[@]}" || status=1
 
   echo "== clang-tidy (.clang-tidy)"
   # Only the product's sources: the tests' compile commands are left out.
-  run-clang-tidy -p "$build_dir" -j 2 -quiet "$root/(relay|common|consumer|tools|examples)/" \
+  run-clang-tidy -p "$build_dir" -j 2 -quiet "$root/(common|consumer|core|relay|tools|cli|examples)/" \
     >"$build_dir/clang-tidy.log" 2>&1 || status=1
   if grep -E "(warning|error):" "$build_dir/clang-tidy.log"; then
     status=1
