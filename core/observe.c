@@ -781,7 +781,7 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
     memset(&once, 0, sizeof(once));
     struct relay_stream_list *list = streams != NULL ? streams : &once;
     if (streams == NULL)
-        relay_stream_list_round(&once, NULL);
+        relay_stream_list_round(&once, NULL, 0, 0);
     memset(o, 0, sizeof(*o));
     o->taken_at = now_unix();
     o->outbox_oldest_age = -1;

@@ -27,6 +27,7 @@
 #include "relay/relay.h"
 #include "relay/retire.h"
 #include "core/streamlist.h"
+#include "relay/streamseen.h"
 #include "relay/wake.h"
 
 struct pg_result;

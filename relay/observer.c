@@ -21,6 +21,7 @@
 #include "core/observe.h"
 #include "relay/retention.h"
 #include "core/streamlist.h"
+#include "relay/streamseen.h"
 
 struct relay_observer {
     struct ev_loop *loop;
@@ -54,7 +55,10 @@ static void *observe_main(void *arg)
     pthread_mutex_lock(&ob->lock);
     while (!ob->stop) {
         pthread_mutex_unlock(&ob->lock);
-        relay_stream_list_round(&streams, ob->seen);
+        char **fresh = NULL;
+        int overflow = 0;
+        size_t nfresh = ob->seen != NULL ? relay_stream_seen_take(ob->seen, &fresh, &overflow) : 0;
+        relay_stream_list_round(&streams, fresh, nfresh, overflow);
         relay_observe(ob->cfg, &pg, &rd, 1, ob->interrupt, &streams, o);
         relay_retention_run(ob->cfg, &pg, &rd, ob->interrupt, &streams, &retention, o);
         pthread_mutex_lock(&ob->lock);

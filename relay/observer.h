@@ -17,7 +17,7 @@ struct relay_stream_seen;
 typedef void relay_observer_fn(void *arg, const struct relay_observation *o);
 
 /* Starts the thread. seen hands it the streams the loop publishes to first
- * (relay/streamlist.h); it must outlive the thread. NULL when it cannot (out of memory, or
+ * (relay/streamseen.h); it must outlive the thread. NULL when it cannot (out of memory, or
  * no thread): the relay then runs without queue age, lag or backpressure, and says so. */
 struct relay_observer *relay_observer_start(struct ev_loop *loop, const struct relay_config *cfg,
                                             struct relay_stream_seen *seen,
