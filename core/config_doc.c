@@ -66,8 +66,8 @@ static void config_value_text(const struct relay_config *cfg, const struct cfg_k
     case CFG_LOGLEVEL:
         lvl = *cfg_cint_field(cfg, k);
         relay_text_out_puts(o, lvl >= 0 && (size_t)lvl < OUTBOX_ARRAY_LEN(cfg_level_names)
-                        ? cfg_level_names[lvl]
-                        : "?");
+                                   ? cfg_level_names[lvl]
+                                   : "?");
         return;
     }
 }
@@ -108,7 +108,7 @@ void relay_config_help(char *out, size_t outlen)
             break;
         case CFG_UINT:
             relay_text_out_printf(&o, " (default %s, %lu..%lu)", k->defval, (unsigned long)k->min,
-                       (unsigned long)k->max);
+                                  (unsigned long)k->max);
             break;
         case CFG_DURATION:
             relay_config_format_duration((uint32_t)k->min, lo, sizeof(lo));
@@ -123,7 +123,7 @@ void relay_config_help(char *out, size_t outlen)
             break;
         }
         relay_text_out_printf(&o, "\n      %s\n      %s, %s%s\n", k->help, env, flag,
-                   (k->flags & CFG_RELOADABLE) ? "; reloaded on SIGHUP" : "");
+                              (k->flags & CFG_RELOADABLE) ? "; reloaded on SIGHUP" : "");
     }
 }
 

@@ -33,19 +33,20 @@ static int config_read_password(const char *path, struct outbox_redis_url *url, 
     f = fopen(path, "r");
     if (f == NULL) {
         relay_config_err(err, errlen, "redis_password_file = \"%s\": cannot open: %s", shown,
-                strerror(errno));
+                         strerror(errno));
         return -1;
     }
     errno = 0;
     if (fgets(line, sizeof(line), f) == NULL) {
         if (ferror(f))
             relay_config_err(err, errlen, "redis_password_file = \"%s\": cannot read: %s", shown,
-                    strerror(errno ? errno : EIO));
+                             strerror(errno ? errno : EIO));
         else
-            relay_config_err(err, errlen,
-                    "redis_password_file = \"%s\": file is empty: put the Redis password on its "
-                    "first line",
-                    shown);
+            relay_config_err(
+                err, errlen,
+                "redis_password_file = \"%s\": file is empty: put the Redis password on its "
+                "first line",
+                shown);
         goto out;
     }
     len = strlen(line);
@@ -54,17 +55,19 @@ static int config_read_password(const char *path, struct outbox_redis_url *url, 
     if (len > 0 && line[len - 1] == '\r')
         line[--len] = '\0';
     if (len >= sizeof(url->password)) {
-        relay_config_err(err, errlen,
-                "redis_password_file = \"%s\": first line is longer than %zu bytes: the Redis "
-                "password must fit in %zu bytes",
-                shown, sizeof(url->password) - 1, sizeof(url->password) - 1);
+        relay_config_err(
+            err, errlen,
+            "redis_password_file = \"%s\": first line is longer than %zu bytes: the Redis "
+            "password must fit in %zu bytes",
+            shown, sizeof(url->password) - 1, sizeof(url->password) - 1);
         goto out;
     }
     if (len == 0) {
-        relay_config_err(err, errlen,
-                "redis_password_file = \"%s\": first line is empty: put the Redis password on "
-                "its first line",
-                shown);
+        relay_config_err(
+            err, errlen,
+            "redis_password_file = \"%s\": first line is empty: put the Redis password on "
+            "its first line",
+            shown);
         goto out;
     }
     snprintf(url->password, sizeof(url->password), "%.*s", (int)len, line);
@@ -82,29 +85,30 @@ static int validate_retention(const struct relay_config *cfg, char *err, size_t 
     if (relay_config_short_stream_retention(cfg) && !cfg->allow_short_stream_retention) {
         relay_config_format_duration(cfg->stream_retention_ms, a, sizeof(a));
         relay_config_format_duration(cfg->dedup_ttl_ms, b, sizeof(b));
-        relay_config_err(err, errlen,
-                "stream_retention = \"%s\": must not be shorter than dedup_ttl (%s): a message "
-                "published again within dedup_ttl is answered with its first entry's id, which "
-                "must still be in the stream; raise stream_retention, lower dedup_ttl, or set "
-                "allow_short_stream_retention = on to accept it",
-                a, b);
+        relay_config_err(
+            err, errlen,
+            "stream_retention = \"%s\": must not be shorter than dedup_ttl (%s): a message "
+            "published again within dedup_ttl is answered with its first entry's id, which "
+            "must still be in the stream; raise stream_retention, lower dedup_ttl, or set "
+            "allow_short_stream_retention = on to accept it",
+            a, b);
         return -1;
     }
     if (cfg->stream_trim_max_hold_ms > 0 && cfg->stream_retention_ms == 0) {
         relay_config_format_duration(cfg->stream_trim_max_hold_ms, a, sizeof(a));
         relay_config_err(err, errlen,
-                "stream_trim_max_hold = \"%s\": has no effect while stream_retention = 0 "
-                "(streams are never trimmed); set stream_retention or remove it",
-                a);
+                         "stream_trim_max_hold = \"%s\": has no effect while stream_retention = 0 "
+                         "(streams are never trimmed); set stream_retention or remove it",
+                         a);
         return -1;
     }
     if (cfg->stream_trim_max_hold_ms > 0 &&
         cfg->stream_trim_max_hold_ms < cfg->stream_retention_ms) {
         relay_config_format_duration(cfg->stream_trim_max_hold_ms, a, sizeof(a));
         relay_config_format_duration(cfg->stream_retention_ms, b, sizeof(b));
-        relay_config_err(err, errlen,
-                "stream_trim_max_hold = \"%s\": must not be shorter than stream_retention (%s)", a,
-                b);
+        relay_config_err(
+            err, errlen,
+            "stream_trim_max_hold = \"%s\": must not be shorter than stream_retention (%s)", a, b);
         return -1;
     }
     return 0;
@@ -117,26 +121,28 @@ static int validate_sentinel_auth(struct relay_config *cfg, int sentinel, char *
     const char *user = cfg->redis_sentinel_user != NULL ? cfg->redis_sentinel_user : "";
     const char *password = cfg->redis_sentinel_password != NULL ? cfg->redis_sentinel_password : "";
     if ((user[0] != '\0' || password[0] != '\0') && !sentinel) {
-        relay_config_err(err, errlen,
-                "%s is set but redis_sentinel is not: it is sent to the Sentinels only; set "
-                "redis_sentinel and redis_master, or leave it out",
-                password[0] != '\0' ? "redis_sentinel_password" : "redis_sentinel_user");
+        relay_config_err(
+            err, errlen,
+            "%s is set but redis_sentinel is not: it is sent to the Sentinels only; set "
+            "redis_sentinel and redis_master, or leave it out",
+            password[0] != '\0' ? "redis_sentinel_password" : "redis_sentinel_user");
         return -1;
     }
     if (user[0] != '\0' && password[0] == '\0') {
-        relay_config_err(err, errlen,
-                "redis_sentinel_user is set but redis_sentinel_password is not: AUTH needs the "
-                "user's password");
+        relay_config_err(
+            err, errlen,
+            "redis_sentinel_user is set but redis_sentinel_password is not: AUTH needs the "
+            "user's password");
         return -1;
     }
     if (strlen(user) >= sizeof(st->user)) {
         relay_config_err(err, errlen, "redis_sentinel_user: must be at most %zu bytes",
-                sizeof(st->user) - 1);
+                         sizeof(st->user) - 1);
         return -1;
     }
     if (strlen(password) >= sizeof(st->password)) {
         relay_config_err(err, errlen, "redis_sentinel_password: must be at most %zu bytes",
-                sizeof(st->password) - 1);
+                         sizeof(st->password) - 1);
         return -1;
     }
     memcpy(st->user, user, strlen(user) + 1);
@@ -165,8 +171,8 @@ static int validate_required(const struct relay_config *cfg, char *err, size_t e
             continue;
         relay_config_env_name(k->name, env, sizeof(env));
         relay_config_flag_name(k->name, flag, sizeof(flag));
-        relay_config_err(err, errlen, "%s is not set: set it in the config file, %s or %s",
-                         k->name, env, flag);
+        relay_config_err(err, errlen, "%s is not set: set it in the config file, %s or %s", k->name,
+                         env, flag);
         return -1;
     }
     return 0;

@@ -12,7 +12,6 @@
 
 #include <hiredis/hiredis.h>
 #include <libpq-fe.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,25 +20,6 @@
 #include "core/observe.h"
 #include "core/text.h"
 #include "tools/tools.h"
-
-struct out {
-    char *buf;
-    size_t len, cap;
-};
-
-static void put(struct out *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void put(struct out *b, const char *fmt, ...)
-{
-    if (b->len + 1 >= b->cap)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(b->buf + b->len, b->cap - b->len, fmt, ap);
-    va_end(ap);
-    if (n > 0)
-        b->len = b->len + (size_t)n >= b->cap ? b->cap - 1 : b->len + (size_t)n;
-}
 
 static void age_text(char *out, size_t outlen, double s)
 {
@@ -55,58 +35,58 @@ static void age_text(char *out, size_t outlen, double s)
 
 /* Text from the servers or from Redis keys, for a terminal (core/text.c):
  * escaped, cut to maxcols columns (0: not cut) and padded to width. */
-static void put_shown(struct out *b, const char *s, size_t width, size_t maxcols)
+static void put_shown(struct relay_text_out *b, const char *s, size_t width, size_t maxcols)
 {
     char shown[RELAY_ESCAPED_SIZE(512)];
     size_t cols = relay_text_escape(shown, sizeof(shown), s, strlen(s), maxcols, 0);
-    put(b, "%s%*s", shown, cols < width ? (int)(width - cols) : 0, "");
+    relay_text_out_printf(b, "%s%*s", shown, cols < width ? (int)(width - cols) : 0, "");
 }
 
 static void status_text(const struct relay_observation *o, char *outbuf, size_t outlen)
 {
-    struct out b = {outbuf, 0, outlen};
+    struct relay_text_out b;
     char a1[32], a2[32];
-    outbuf[0] = '\0';
-    put(&b, "PostgreSQL  %s\n", o->pg_ok ? "up" : "DOWN");
+    relay_text_out_init(&b, outbuf, outlen);
+    relay_text_out_printf(&b, "PostgreSQL  %s\n", o->pg_ok ? "up" : "DOWN");
     if (!o->pg_ok) {
-        put(&b, "            ");
+        relay_text_out_printf(&b, "            ");
         put_shown(&b, o->pg_error, 0, 0);
-        put(&b, "\n");
+        relay_text_out_printf(&b, "\n");
     }
-    put(&b, "Redis       %s", o->redis_ok ? "up" : "DOWN");
+    relay_text_out_printf(&b, "Redis       %s", o->redis_ok ? "up" : "DOWN");
     if (o->redis_ok) {
-        put(&b, " (");
+        relay_text_out_printf(&b, " (");
         put_shown(&b, o->durability, 0, 0);
-        put(&b, ")");
+        relay_text_out_printf(&b, ")");
     }
-    put(&b, "\n");
+    relay_text_out_printf(&b, "\n");
     if (!o->redis_ok) {
-        put(&b, "            ");
+        relay_text_out_printf(&b, "            ");
         put_shown(&b, o->redis_error, 0, 0);
-        put(&b, "\n");
+        relay_text_out_printf(&b, "\n");
     }
     if (o->pg_ok) {
         age_text(a1, sizeof(a1), o->outbox_oldest_age);
-        put(&b, "Outbox      ~%lld pending, oldest %s, %lld quarantined\n", o->outbox_pending, a1,
-            o->quarantined);
+        relay_text_out_printf(&b, "Outbox      ~%lld pending, oldest %s, %lld quarantined\n",
+                              o->outbox_pending, a1, o->quarantined);
         if (o->partitions > 0 || o->relays > 1)
-            put(&b, "Relays      %lld running; %lld of %lld partitions owned\n", o->relays,
-                o->partitions_owned, o->partitions);
+            relay_text_out_printf(&b, "Relays      %lld running; %lld of %lld partitions owned\n",
+                                  o->relays, o->partitions_owned, o->partitions);
         if (o->blocked_keys > 0)
-            put(&b,
-                "Keys        %lld held back behind a quarantined or retrying row"
-                " (outbox-relay failed list)\n",
-                o->blocked_keys);
+            relay_text_out_printf(&b,
+                                  "Keys        %lld held back behind a quarantined or retrying row"
+                                  " (outbox-relay failed list)\n",
+                                  o->blocked_keys);
         if (o->admission_topics > 0)
-            put(&b, "Admission   %lld topics with limits, %lld refused\n", o->admission_topics,
-                o->admission_refused);
+            relay_text_out_printf(&b, "Admission   %lld topics with limits, %lld refused\n",
+                                  o->admission_topics, o->admission_refused);
     }
     if (o->ngroups == 0) {
-        put(&b, "\nNo consumer groups yet.\n");
+        relay_text_out_printf(&b, "\nNo consumer groups yet.\n");
         return;
     }
-    put(&b, "\n%-24s %-16s %10s %8s %8s %10s %12s %6s\n", "STREAM", "GROUP", "QUEUE AGE", "LAG",
-        "PENDING", "DEAD", "OUTBOX WAIT", "ADMIT");
+    relay_text_out_printf(&b, "\n%-24s %-16s %10s %8s %8s %10s %12s %6s\n", "STREAM", "GROUP",
+                          "QUEUE AGE", "LAG", "PENDING", "DEAD", "OUTBOX WAIT", "ADMIT");
     for (size_t i = 0; i < o->ngroups; i++) {
         const struct relay_group_obs *g = &o->groups[i];
         const struct relay_topic_obs *t = g->topic >= 0 ? &o->topics[g->topic] : NULL;
@@ -122,12 +102,13 @@ static void status_text(const struct relay_observation *o, char *outbuf, size_t 
             snprintf(a2, sizeof(a2), "-");
         /* Stream and group names may be any bytes (XGROUP CREATE takes any). */
         put_shown(&b, g->stream, 24, 24);
-        put(&b, " ");
+        relay_text_out_printf(&b, " ");
         put_shown(&b, g->group, 16, 16);
-        put(&b, " %10s %8s %8lld %10lld %12s %6s\n", a1, lag, g->pending, g->dead_letters, a2,
-            t == NULL || t->admitting < 0 ? "-"
-            : t->admitting                ? "yes"
-                                          : "NO");
+        relay_text_out_printf(&b, " %10s %8s %8lld %10lld %12s %6s\n", a1, lag, g->pending,
+                              g->dead_letters, a2,
+                              t == NULL || t->admitting < 0 ? "-"
+                              : t->admitting                ? "yes"
+                                                            : "NO");
     }
 }
 
@@ -137,40 +118,42 @@ static void status_text(const struct relay_observation *o, char *outbuf, size_t 
  * it is. JSON text is UTF-8 (RFC 8259), so a byte that is not part of valid
  * UTF-8, which no JSON string can carry, is U+FFFD.
  */
-static void json_string(struct out *b, const char *s)
+static void json_string(struct relay_text_out *b, const char *s)
 {
     size_t len = strlen(s);
-    put(b, "\"");
+    relay_text_out_printf(b, "\"");
     for (size_t i = 0; i < len;) {
         unsigned long cp;
         size_t n = relay_text_utf8_char(s + i, len - i, &cp);
         if (n == 0) {
-            put(b, "\\ufffd");
+            relay_text_out_printf(b, "\\ufffd");
             n = 1;
         } else if (cp == '"' || cp == '\\') {
-            put(b, "\\%c", (char)cp);
+            relay_text_out_printf(b, "\\%c", (char)cp);
         } else if (relay_text_control_char(cp)) {
-            put(b, "\\u%04lx", cp);
+            relay_text_out_printf(b, "\\u%04lx", cp);
         } else {
-            put(b, "%.*s", (int)n, s + i);
+            relay_text_out_printf(b, "%.*s", (int)n, s + i);
         }
         i += n;
     }
-    put(b, "\"");
+    relay_text_out_printf(b, "\"");
 }
 
 static void status_json(const struct relay_observation *o, char *outbuf, size_t outlen)
 {
-    struct out b = {outbuf, 0, outlen};
-    outbuf[0] = '\0';
-    put(&b, "{\"taken_at\":%.3f,\"postgres\":{\"up\":%s,\"error\":", o->taken_at,
-        o->pg_ok ? "true" : "false");
+    struct relay_text_out b;
+    relay_text_out_init(&b, outbuf, outlen);
+    relay_text_out_printf(&b, "{\"taken_at\":%.3f,\"postgres\":{\"up\":%s,\"error\":", o->taken_at,
+                          o->pg_ok ? "true" : "false");
     json_string(&b, o->pg_ok ? "" : o->pg_error);
-    put(&b, "},\"redis\":{\"up\":%s,\"durability\":", o->redis_ok ? "true" : "false");
+    relay_text_out_printf(&b,
+                          "},\"redis\":{\"up\":%s,\"durability\":", o->redis_ok ? "true" : "false");
     json_string(&b, o->durability);
-    put(&b, ",\"error\":");
+    relay_text_out_printf(&b, ",\"error\":");
     json_string(&b, o->redis_ok ? "" : o->redis_error);
-    put(&b,
+    relay_text_out_printf(
+        &b,
         "},\"outbox\":{\"pending_estimate\":%lld,\"oldest_pending_age_seconds\":%.3f,"
         "\"quarantined\":%lld,\"blocked_keys\":%lld},"
         "\"relays\":{\"running\":%lld,\"partitions\":%lld,\"partitions_owned\":%lld},"
@@ -180,39 +163,41 @@ static void status_json(const struct relay_observation *o, char *outbuf, size_t 
         o->partitions, o->partitions_owned, o->admission_topics, o->admission_refused);
     for (size_t i = 0; i < o->ntopics; i++) {
         const struct relay_topic_obs *t = &o->topics[i];
-        put(&b, "%s{\"topic\":", i ? "," : "");
+        relay_text_out_printf(&b, "%s{\"topic\":", i ? "," : "");
         json_string(&b, t->topic);
-        put(&b, ",\"stream\":");
+        relay_text_out_printf(&b, ",\"stream\":");
         json_string(&b, t->stream);
         if (t->partition >= 0)
-            put(&b, ",\"partition\":%d", t->partition);
+            relay_text_out_printf(&b, ",\"partition\":%d", t->partition);
         else
-            put(&b, ",\"partition\":null");
-        put(&b, ",\"outbox_pending\":%lld,\"outbox_oldest_age_seconds\":%.3f,\"admitting\":%s}",
+            relay_text_out_printf(&b, ",\"partition\":null");
+        relay_text_out_printf(
+            &b, ",\"outbox_pending\":%lld,\"outbox_oldest_age_seconds\":%.3f,\"admitting\":%s}",
             t->pending, t->oldest_pending_age,
             t->admitting < 0 ? "null"
             : t->admitting   ? "true"
                              : "false");
     }
-    put(&b, "],\"groups\":[");
+    relay_text_out_printf(&b, "],\"groups\":[");
     for (size_t i = 0; i < o->ngroups; i++) {
         const struct relay_group_obs *g = &o->groups[i];
-        put(&b, "%s{\"stream\":", i ? "," : "");
+        relay_text_out_printf(&b, "%s{\"stream\":", i ? "," : "");
         json_string(&b, g->stream);
-        put(&b, ",\"group\":");
+        relay_text_out_printf(&b, ",\"group\":");
         json_string(&b, g->group);
-        put(&b, ",\"consumers\":%lld,\"lag\":", g->consumers);
+        relay_text_out_printf(&b, ",\"consumers\":%lld,\"lag\":", g->consumers);
         if (g->lag < 0)
-            put(&b, "null");
+            relay_text_out_printf(&b, "null");
         else
-            put(&b, "%lld", g->lag);
-        put(&b,
+            relay_text_out_printf(&b, "%lld", g->lag);
+        relay_text_out_printf(
+            &b,
             ",\"pending\":%lld,\"dead_letters\":%lld,\"oldest_pending_age_seconds\":%.3f,"
             "\"oldest_undelivered_age_seconds\":%.3f,\"queue_age_seconds\":%.3f}",
             g->pending, g->dead_letters, g->oldest_pending_age, g->oldest_undelivered_age,
             g->queue_age);
     }
-    put(&b, "]}\n");
+    relay_text_out_printf(&b, "]}\n");
 }
 
 /* "status [--json]": 0 with *json set, or -1 after saying why. */
