@@ -1,5 +1,6 @@
 /*
- * The configuration's key table and the helpers its three files share:
+ * The configuration's key table and how keys and values are spelled
+ * (core/config_table.c), which the other files of the configuration share:
  * core/config.c reads values through the table into a struct relay_config,
  * core/config_validate.c checks the keys against each other, and
  * core/config_doc.c shows them (the dump, --help, the manual page and the
@@ -20,6 +21,14 @@
 #define CFG_SHOW_MAX 64
 /* Longest key name we look up; longer names are unknown by definition. */
 #define CFG_NAME_MAX 64
+/* OUTBOX_RELAY_<KEY> in the environment. */
+#define CFG_ENV_PREFIX "OUTBOX_RELAY_"
+
+/* Milliseconds in the units of a duration. */
+#define CFG_SEC 1000ull
+#define CFG_MIN (60 * CFG_SEC)
+#define CFG_HOUR (60 * CFG_MIN)
+#define CFG_DAY (24 * CFG_HOUR)
 
 enum cfg_type {
     CFG_STRING,
@@ -53,8 +62,9 @@ struct cfg_key { // NOLINT(clang-analyzer-optin.performance.Padding): in reading
 
 #define CFG_OFF(field) offsetof(struct relay_config, field)
 
-/* The one place a key is defined (core/config.c), in the order the documents
- * list the keys. */
+/* The one place a key is defined, in the order the documents list the keys:
+ * relay_config_nkeys rows, at most CFG_KEYS_MAX. */
+#define CFG_KEYS_MAX 64
 extern const struct cfg_key relay_config_keys[];
 extern const size_t relay_config_nkeys;
 
