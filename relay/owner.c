@@ -70,6 +70,7 @@ enum owner_step {
 
 struct relay_owner {
     struct relay *r;
+    struct relay_owner_hooks hooks;
     struct relay_pgsrc *pg;
     ev_timer tick;
     enum owner_step step;
@@ -436,8 +437,8 @@ static void on_step(struct relay_pgsrc *pg, PGresult *res, const char *err, cons
             return;
         }
         log_layout(o);
-        if (o->nmembers > 1)
-            relay_wakeup_share(o->r);
+        if (o->nmembers > 1 && o->hooks.shared != NULL)
+            o->hooks.shared(o->hooks.arg);
     } else if (step == STEP_LOCKS && res != NULL) {
         read_locks(o, res);
     } else if (step == STEP_FENCE) {
@@ -461,12 +462,14 @@ static void owner_down(struct relay_pgsrc *pg, void *arg)
     forget_all(o, "the owner connection to PostgreSQL was lost; another relay may take them");
 }
 
-struct relay_owner *relay_owner_start(struct relay *r)
+struct relay_owner *relay_owner_start(struct relay *r, const struct relay_owner_hooks *hooks)
 {
     struct relay_owner *o = calloc(1, sizeof(*o));
     if (o == NULL)
         return NULL;
     o->r = r;
+    if (hooks != NULL)
+        o->hooks = *hooks;
     o->slot = -1;
     o->me = -1;
     o->units = calloc(UNITS_MAX, sizeof(*o->units));
@@ -478,8 +481,8 @@ struct relay_owner *relay_owner_start(struct relay *r)
     ev_init(&o->tick, on_tick);
     o->tick.data = o;
     publish_claim_params(o);
-    struct relay_pgsrc_hooks hooks = {.arg = o, .on_ready = owner_ready, .on_down = owner_down};
-    o->pg = relay_pgsrc_new(r->loop, r->cfg, RELAY_PGSRC_OWNER, &hooks);
+    struct relay_pgsrc_hooks pg_hooks = {.arg = o, .on_ready = owner_ready, .on_down = owner_down};
+    o->pg = relay_pgsrc_new(r->loop, r->cfg, RELAY_PGSRC_OWNER, &pg_hooks);
     if (o->pg == NULL) {
         relay_owner_stop(o);
         return NULL;

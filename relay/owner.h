@@ -17,7 +17,16 @@ struct relay_owner_figures {
     unsigned long long takeovers; /* partitions taken since start */
 };
 
-struct relay_owner *relay_owner_start(struct relay *r) __attribute__((warn_unused_result));
+/* What the owner connection tells the rest of the relay. */
+struct relay_owner_hooks {
+    void *arg;
+    /* Another relay runs against the database: the members read were more
+     * than one. Called at every such reading. */
+    void (*shared)(void *arg);
+};
+
+struct relay_owner *relay_owner_start(struct relay *r, const struct relay_owner_hooks *hooks)
+    __attribute__((warn_unused_result));
 void relay_owner_stop(struct relay_owner *o);
 
 /* The statement that opens a claim transaction: BEGIN and the shared fences

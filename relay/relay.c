@@ -252,6 +252,11 @@ static void start_signals(struct relay *r)
     ev_signal_start(r->loop, &r->sighup);
 }
 
+static void on_shared(void *arg)
+{
+    relay_wakeup_share(arg);
+}
+
 struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
                         const struct relay_reload_source *reload)
 {
@@ -278,7 +283,9 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
         relay_free(r);
         return NULL;
     }
-    r->owner = relay_owner_start(r);
+    /* Another relay joined: producers must notify again. */
+    struct relay_owner_hooks owner_hooks = {.arg = r, .shared = on_shared};
+    r->owner = relay_owner_start(r, &owner_hooks);
     if (r->owner == NULL) {
         relay_free(r);
         return NULL;
