@@ -126,7 +126,7 @@ static int pg_rows(PGresult *r, struct relay_observation *o)
 {
     return relay_pg_rows(r, o->pg_error, sizeof(o->pg_error));
 }
-/* The relays' advisory locks in this database (relay/owner.c). */
+/* The relays' advisory locks in this database (relay/ownership_io.c). */
 #define OWNER_LOCKS                                                                                \
     " FROM pg_locks l WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted"              \
     " AND l.mode = 'ExclusiveLock' AND l.database ="                                               \
@@ -150,7 +150,7 @@ static const char outbox_sql[] =
     "   AND b.topic = ANY(ARRAY(SELECT t.topic FROM outbox.topics t WHERE t.partitions > 1))"
     "   LIMIT 1000000) k),"
     /* The relays running against this database, the partitions they own
-     * and the partitions there are (relay/owner.c). */
+     * and the partitions there are (relay/ownership_io.c). */
     " (SELECT count(*)" OWNER_LOCKS " AND l.classid = " RELAY_OWNER_MEMBER_NS "),"
     " (SELECT count(DISTINCT l.objid)" OWNER_LOCKS " AND l.classid = " RELAY_OWNER_UNIT_NS "),"
     " (SELECT coalesce(sum(t.partitions), 0) FROM outbox.topics t WHERE t.partitions > 1)";

@@ -195,7 +195,7 @@ int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t 
  * expire within ttl_ms (docs/DESIGN.md, "The publish deadline"), or with
  * ttl_ms 0 the next "UNLINK <dedup key>..." that removes them: one command
  * per stream (so each stays inside one hash slot), its keys in row order, as
- * outbox_key_dedup (common/keys.c) names them; lanes.c sends them. Rows are
+ * outbox_key_dedup (common/keys.c) names them; cycle_io.c sends them. Rows are
  * not modified. *pos is the iteration state: start it at 0 and call again
  * until it returns 0.
  *

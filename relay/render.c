@@ -15,7 +15,7 @@
 #include "core/config.h"
 #include "relay/daemon.h"
 #include "relay/metrics.h"
-#include "relay/owner.h"
+#include "relay/ownership_io.h"
 #include "relay/pgsrc.h"
 #include "relay/sink.h"
 
@@ -160,7 +160,7 @@ static void render_relay(const struct relay *r, struct outbox_buf *t)
          "a transient one.");
     outbox_buf_printf(t, "outbox_relay_rows_quarantined_total %llu\n", f->quarantined_total);
     struct relay_owner_figures own;
-    relay_owner_figures(r->owner, &own);
+    relay_ownership_io_figures(r->owner, &own);
     help(t, "outbox_relay_relays", "gauge",
          "Relays running against this database (member slots held), as this relay last saw; 0 "
          "while its owner connection is down.");

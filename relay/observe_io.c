@@ -1,12 +1,12 @@
 /*
- * The daemon's observation thread and its hand-off (relay/observer.h).
+ * The daemon's observation thread and its hand-off (relay/observe_io.h).
  * After each observation the thread also runs retention (relay/retention.c).
  * The thread writes into a buffer under a mutex and wakes the loop with an
  * ev_async; the loop copies it out under the same mutex and calls back.
  */
 #include "common/compat.h"
 
-#include "relay/observer.h"
+#include "relay/observe_io.h"
 
 #include <ev.h>
 #include <hiredis/hiredis.h>
@@ -98,9 +98,9 @@ static void on_async(struct ev_loop *loop, ev_async *w, int revents)
         ob->fresh_fn(ob->arg, ob->taken);
 }
 
-struct relay_observer *relay_observer_start(struct ev_loop *loop, const struct relay_config *cfg,
-                                            struct relay_stream_seen *seen,
-                                            relay_observer_fn *fresh, void *arg)
+struct relay_observer *relay_observe_io_start(struct ev_loop *loop, const struct relay_config *cfg,
+                                              struct relay_stream_seen *seen,
+                                              relay_observer_fn *fresh, void *arg)
 {
     struct relay_observer *ob = calloc(1, sizeof(*ob));
     if (ob == NULL)
@@ -138,7 +138,7 @@ struct relay_observer *relay_observer_start(struct ev_loop *loop, const struct r
     return ob;
 }
 
-void relay_observer_stop(struct relay_observer *ob)
+void relay_observe_io_stop(struct relay_observer *ob)
 {
     if (ob == NULL)
         return;

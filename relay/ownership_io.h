@@ -1,9 +1,9 @@
 /*
- * The owner connection (relay/owner.c): the partitions of partitioned topics
+ * The owner connection (relay/ownership_io.c): the partitions of partitioned topics
  * that this relay may claim, shared with the other relays of the database.
  */
-#ifndef RELAY_OWNER_H
-#define RELAY_OWNER_H
+#ifndef RELAY_OWNERSHIP_IO_H
+#define RELAY_OWNERSHIP_IO_H
 
 #include <stddef.h>
 
@@ -25,18 +25,18 @@ struct relay_owner_hooks {
     void (*shared)(void *arg);
 };
 
-struct relay_owner *relay_owner_start(struct relay *r, const struct relay_owner_hooks *hooks)
+struct relay_owner *relay_ownership_io_start(struct relay *r, const struct relay_owner_hooks *hooks)
     __attribute__((warn_unused_result));
-void relay_owner_stop(struct relay_owner *o);
+void relay_ownership_io_stop(struct relay_owner *o);
 
 /* The statement that opens a claim transaction: BEGIN and the shared fences
  * of the partitions owned. */
-const char *relay_owner_begin_sql(const struct relay_owner *o);
+const char *relay_ownership_io_begin_sql(const struct relay_owner *o);
 /* The claim's parameters $3, $4 and $5 (relay/pgsrc.c, OWNED). */
-void relay_owner_claim_params(const struct relay_owner *o, const char **units, const char **keys,
-                              const char **pid);
+void relay_ownership_io_claim_params(const struct relay_owner *o, const char **units,
+                                     const char **keys, const char **pid);
 /* How many partitions the claims take rows of now (0 without an owner). */
-size_t relay_owner_claimable(const struct relay_owner *o);
-void relay_owner_figures(const struct relay_owner *o, struct relay_owner_figures *f);
+size_t relay_ownership_io_claimable(const struct relay_owner *o);
+void relay_ownership_io_figures(const struct relay_owner *o, struct relay_owner_figures *f);
 
 #endif
