@@ -8,7 +8,13 @@
  * process never interleave mid-line and nothing sits in a buffer when the
  * process dies. Control characters in the text (a server's multi-line error,
  * say) become spaces, so one event is always one line for journald and grep.
- * The daemon is single-threaded; this file keeps no lock.
+ *
+ * Two threads log: the event loop and the observation thread (retention,
+ * relay/retention.c). A line is built on the caller's stack and written by one
+ * fprintf, which holds stderr's lock for the call, so lines of the two never
+ * mix. The settings are written by the loop: all of them at start, before the
+ * thread runs, and the level again at a reload, which is why it is atomic;
+ * this file keeps no lock of its own.
  *
  * With log_format = json each event is instead one JSON object per line, for
  * log pipelines (relay_log_set_json):
@@ -34,6 +40,7 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,7 +50,8 @@
 /* Longest text of one event; longer text is cut and ends in "...". */
 #define LOG_TEXT_MAX 4096
 
-static enum relay_log_level log_min_level = RELAY_LOG_INFO;
+/* An enum relay_log_level; the observation thread reads it too. */
+static atomic_int log_min_level = RELAY_LOG_INFO;
 
 /* Under systemd, stderr goes to the journal, which stamps each line itself:
  * there we write sd-daemon(3) "<N>" priority prefixes instead of a time, so
@@ -312,12 +320,12 @@ void relay_log_set_level(enum relay_log_level level)
     int l = (int)level;
 
     if (l >= (int)RELAY_LOG_DEBUG && l <= (int)RELAY_LOG_ERROR)
-        log_min_level = level;
+        atomic_store_explicit(&log_min_level, l, memory_order_relaxed);
 }
 
 enum relay_log_level relay_log_get_level(void)
 {
-    return log_min_level;
+    return (enum relay_log_level)atomic_load_explicit(&log_min_level, memory_order_relaxed);
 }
 
 /* The time as RFC 3339 UTC with milliseconds. */
@@ -374,7 +382,7 @@ void relay_log(enum relay_log_level level, const char *component, const char *fm
     int saved_errno = errno; /* callers log and then look at errno */
     int n;
 
-    if ((int)level < (int)log_min_level)
+    if ((int)level < atomic_load_explicit(&log_min_level, memory_order_relaxed))
         return;
     name = ((int)level >= 0 && (int)level <= (int)RELAY_LOG_ERROR) ? log_level_names[level] : "LOG";
 
