@@ -47,7 +47,9 @@ OUTBOX_STATIC unsigned config_edit_distance(const char *a, const char *b);
 
 static void *cfg_oom(void)
 {
-    /* Same policy as relay_xmalloc as everywhere in the relay: no recovery from OOM. */
+    /* Out of memory while a string value is stored: the process stops here,
+     * with a message. This is the one place that does; everywhere else a
+     * failed allocation is an error the caller handles. */
     fputs("outbox-relay: out of memory\n", stderr);
     abort();
 }

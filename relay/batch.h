@@ -136,7 +136,7 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
                               size_t errlen) __attribute__((warn_unused_result));
 
 /* The two functions below write the Redis protocol (RESP) into a
- * struct outbox_buf (relay/buf.h) meant to live as long as the relay
+ * struct outbox_buf (common/buf.h) meant to live as long as the relay
  * and be reset, not freed, between commands and batches: its memory only
  * grows to the largest thing ever put in it, and the hot path does not
  * allocate. When a command would take the buffer past its max they return

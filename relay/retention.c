@@ -274,7 +274,7 @@ static int trim_stream(const struct relay_config *cfg, redisContext *c, int stop
  * only those it lists), with stream_retention, and every replay stream of
  * theirs ("{<stream>}.<group>.replay") with 0: a replayed entry is gone once
  * its group acknowledged it. Dead-letter streams are never trimmed. The
- * streams are those of the observer's list (relay/streamlist.h). In
+ * streams are those of the observer's list (core/streamlist.h). In
  * a cluster, on each primary in turn: each stream's replay streams share its
  * slot, so they are listed under the same primary.
  */
