@@ -37,6 +37,7 @@
 #include "relay/log.h"
 
 #include "common/common.h"
+#include "core/text.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -98,28 +99,6 @@ OUTBOX_STATIC size_t log_find_pairs(const char *text, struct log_pair *pairs, si
 OUTBOX_STATIC size_t log_format_json(char *out, size_t outlen, const char *stamp, const char *level,
                                      const char *component, const char *text);
 
-struct json_out {
-    char *p;
-    size_t cap; /* bytes at p, NUL included */
-    size_t len;
-};
-
-static void json_putn(struct json_out *o, const char *s, size_t n)
-{
-    if (o->cap == 0)
-        return;
-    if (n > o->cap - 1 - o->len)
-        n = o->cap - 1 - o->len;
-    memcpy(o->p + o->len, s, n);
-    o->len += n;
-    o->p[o->len] = '\0';
-}
-
-static void json_puts(struct json_out *o, const char *s)
-{
-    json_putn(o, s, strlen(s));
-}
-
 /* The length of the well-formed UTF-8 sequence at s (at most n bytes), or 0:
  * no overlong forms, no surrogates, nothing above U+10FFFF. */
 OUTBOX_STATIC size_t log_utf8_len(const unsigned char *s, size_t n)
@@ -156,13 +135,13 @@ OUTBOX_STATIC size_t log_utf8_len(const unsigned char *s, size_t n)
 
 /* Writes s[0..n) as a JSON string, its escaped content at most max bytes:
  * longer text is cut at a character boundary and ends in "...". */
-static void json_string(struct json_out *o, const char *s, size_t n, size_t max)
+static void json_string(struct relay_text_out *o, const char *s, size_t n, size_t max)
 {
     const unsigned char *u = (const unsigned char *)s;
     size_t used = 0, i = 0;
     char esc[8];
 
-    json_putn(o, "\"", 1);
+    relay_text_out_putn(o, "\"", 1);
     while (i < n) {
         const char *piece = esc;
         size_t plen, step = 1;
@@ -187,14 +166,14 @@ static void json_string(struct json_out *o, const char *s, size_t n, size_t max)
             plen = step;
         }
         if (used + plen > max - 3) {
-            json_putn(o, "...", 3);
+            relay_text_out_putn(o, "...", 3);
             break;
         }
-        json_putn(o, piece, plen);
+        relay_text_out_putn(o, piece, plen);
         used += plen;
         i += step;
     }
-    json_putn(o, "\"", 1);
+    relay_text_out_putn(o, "\"", 1);
 }
 
 static int log_key_char(unsigned char c)
@@ -283,21 +262,23 @@ OUTBOX_STATIC size_t log_format_json(char *out, size_t outlen, const char *stamp
                                      const char *component, const char *text)
 {
     static const char *const fixed[] = {"time", "level", "component", "message"};
-    struct json_out o = {out, outlen, 0};
+    struct relay_text_out o;
+
+    relay_text_out_init(&o, out, outlen);
     struct log_pair pairs[LOG_JSON_FIELDS_MAX];
     size_t np = log_find_pairs(text, pairs, LOG_JSON_FIELDS_MAX);
 
     if (outlen > 0)
         out[0] = '\0';
-    json_puts(&o, "{\"time\":");
+    relay_text_out_puts(&o, "{\"time\":");
     json_string(&o, stamp, strlen(stamp), 64);
-    json_puts(&o, ",\"level\":");
+    relay_text_out_puts(&o, ",\"level\":");
     json_string(&o, level, strlen(level), 16);
     if (component != NULL) {
-        json_puts(&o, ",\"component\":");
+        relay_text_out_puts(&o, ",\"component\":");
         json_string(&o, component, strlen(component), LOG_JSON_KEY_MAX);
     }
-    json_puts(&o, ",\"message\":");
+    relay_text_out_puts(&o, ",\"message\":");
     json_string(&o, text, strlen(text), LOG_JSON_MESSAGE_MAX);
     for (size_t i = 0; i < np; i++) {
         int reserved = 0;
@@ -306,12 +287,12 @@ OUTBOX_STATIC size_t log_format_json(char *out, size_t outlen, const char *stamp
                        memcmp(fixed[f], pairs[i].key, pairs[i].keylen) == 0;
         if (reserved)
             continue;
-        json_putn(&o, ",", 1);
+        relay_text_out_putn(&o, ",", 1);
         json_string(&o, pairs[i].key, pairs[i].keylen, LOG_JSON_KEY_MAX + 8);
-        json_putn(&o, ":", 1);
+        relay_text_out_putn(&o, ":", 1);
         json_string(&o, pairs[i].value, pairs[i].valuelen, LOG_JSON_VALUE_MAX);
     }
-    json_putn(&o, "}", 1);
+    relay_text_out_putn(&o, "}", 1);
     return o.len;
 }
 
