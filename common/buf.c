@@ -1,4 +1,4 @@
-/* The growable buffer (relay/buf.h). */
+/* The growable buffer (common/buf.h). */
 #include "common/compat.h"
 
 #include "common/buf.h"

@@ -1,4 +1,4 @@
-/* A stream entry's fields (relay/entry.h). */
+/* A stream entry's fields (common/entry.h). */
 #include "common/compat.h"
 
 #include "common/entry.h"

@@ -1,5 +1,5 @@
 /*
- * Redis key names (relay/keys.h): the one place that builds them.
+ * Redis key names (common/keys.h): the one place that builds them.
  */
 #include "common/compat.h"
 

@@ -1,5 +1,5 @@
 /*
- * The one Redis connect (relay/redisconn.h).
+ * The one Redis connect (common/redisconn.h).
  */
 #include "common/compat.h"
 
@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 
@@ -480,4 +481,77 @@ static redisContext *open_url(const struct outbox_redis_url *u, uint32_t connect
         return NULL;
     }
     return c;
+}
+
+/* ---- commands and replies --------------------------------------------- */
+
+unsigned outbox_redis_command_slot(const char *cmd, size_t len)
+{
+    const char *p = cmd, *end = cmd + len;
+    const char *arg[4] = {NULL};
+    size_t alen[4] = {0};
+    /* "*<n>\r\n" */
+    p = memchr(p, '\n', (size_t)(end - p));
+    if (p == NULL)
+        return 0;
+    p++;
+    for (int i = 0; i < 4 && p < end && *p == '$'; i++) {
+        char *q;
+        unsigned long n = strtoul(p + 1, &q, 10);
+        if (q + 2 > end || q[0] != '\r' || n > (size_t)(end - q - 2))
+            return 0;
+        arg[i] = q + 2;
+        alen[i] = n;
+        p = q + 2 + n + 2;
+    }
+    if (arg[0] == NULL || arg[1] == NULL)
+        return 0;
+    if (alen[0] >= 5 && strncasecmp(arg[0], "FCALL", 5) == 0) {
+        if (arg[3] == NULL || arg[2] == NULL || (alen[2] == 1 && arg[2][0] == '0'))
+            return 0;
+        return outbox_key_slot(arg[3], alen[3]);
+    }
+    return outbox_key_slot(arg[1], alen[1]);
+}
+
+static redisReply *reply_copy(const redisReply *r, int depth)
+{
+    redisReply *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return NULL;
+    c->type = r->type;
+    c->integer = r->integer;
+    if (r->str != NULL) {
+        c->str = malloc(r->len + 1);
+        if (c->str == NULL) {
+            free(c);
+            return NULL;
+        }
+        memcpy(c->str, r->str, r->len);
+        c->str[r->len] = '\0';
+        c->len = r->len;
+    }
+    if (r->type == REDIS_REPLY_ARRAY && r->elements > 0) {
+        /* An array of reply pointers. */
+        c->element =
+            calloc(r->elements, sizeof(redisReply *)); // NOLINT(bugprone-sizeof-expression)
+        if (c->element == NULL || depth > 8) {
+            freeReplyObject(c);
+            return NULL;
+        }
+        c->elements = r->elements;
+        for (size_t i = 0; i < r->elements; i++) {
+            c->element[i] = reply_copy(r->element[i], depth + 1);
+            if (c->element[i] == NULL) {
+                freeReplyObject(c);
+                return NULL;
+            }
+        }
+    }
+    return c;
+}
+
+redisReply *outbox_redis_reply_copy(const redisReply *r)
+{
+    return reply_copy(r, 0);
 }

@@ -5,7 +5,8 @@
  * keepalive on, authenticates (the ACL form AUTH user password when the URL
  * names a user) and selects the database, each step within the deadline
  * too. The daemon's event loop uses hiredis's async API instead
- * (relay/sink.c).
+ * (relay/sink.c), and shares the few helpers at the end that need no
+ * connection.
  */
 #ifndef OUTBOX_REDISCONN_H
 #define OUTBOX_REDISCONN_H
@@ -106,5 +107,19 @@ int outbox_redis_each_primary(struct redisContext *c, const struct outbox_redis_
                               uint32_t connect_timeout_ms, uint32_t command_timeout_ms, int stop_fd,
                               int (*fn)(struct redisContext *node, void *arg), void *arg, char *err,
                               size_t errlen) __attribute__((warn_unused_result));
+
+/*
+ * The hash slot of a command formatted in the Redis protocol, by the key it
+ * names first: an FCALL's first key (after the function and the key count),
+ * else the first argument; 0 when it names no key. In a cluster the slot
+ * picks the primary the command goes to.
+ */
+unsigned outbox_redis_command_slot(const char *cmd, size_t len);
+
+/* A deep copy of r, for a reply kept after its callback returns (hiredis
+ * frees the reply then); the caller frees it with freeReplyObject. NULL when
+ * out of memory, or nested deeper than any reply the relay reads. */
+struct redisReply *outbox_redis_reply_copy(const struct redisReply *r)
+    __attribute__((warn_unused_result));
 
 #endif

@@ -1,4 +1,4 @@
-/* Waiting on one descriptor (relay/wait.h). */
+/* Waiting on one descriptor (common/wait.h). */
 #include "common/compat.h"
 
 #include "common/wait.h"

@@ -1,8 +1,9 @@
 /*
  * Configuration: one typed table with a row per key (pgbouncer's
- * bouncer_params[], redis's createIntConfig with bounds), and small loaders
- * that feed it from a "key = value" file, then the environment
- * (OUTBOX_RELAY_<KEY>), then the command line (--key-name VALUE). Every value
+ * bouncer_params[], redis's createIntConfig with bounds; core/config_table.c),
+ * and small loaders here that feed it from a "key = value" file, then the
+ * environment (OUTBOX_RELAY_<KEY>), then the command line (--key-name VALUE).
+ * Every value
  * goes through the same conversion and bound checks whatever its source, so a
  * bad value gets the same rule text everywhere; only the origin in front of the
  * message changes:
@@ -12,15 +13,19 @@
  *   command line: --batch-size = "0": must be between 1 and 10000
  *
  * Cross-key checks and derived fields (the parsed Redis URL, the password file)
- * are a separate pass, relay_config_validate, as in pgagroal. Nothing here
- * connects anywhere, which is what --check-config relies on. Values of secret
- * keys only ever reach a message or a dump through relay_config_redact.
+ * are a separate pass, relay_config_validate, as in pgagroal
+ * (core/config_validate.c); the dump and the documents of the table are
+ * core/config_doc.c's. Nothing here connects anywhere, which is what
+ * --check-config relies on. Values of secret keys only ever reach a message or
+ * a dump through relay_config_redact.
  */
 #include "common/compat.h"
 
 #include "core/config.h"
 
 #include "common/common.h"
+#include "core/config_table.h"
+#include "core/text.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -31,258 +36,20 @@
 #include <strings.h>
 
 #define CFG_MUSTCHECK __attribute__((warn_unused_result))
-#define CFG_PRINTF(f, a) __attribute__((format(printf, f, a)))
 
 /* A file line, after its newline is removed, may hold at most this many bytes. */
 #define CFG_LINE_MAX 4096
-/* No string value, from any source, may be longer than this. */
-#define CFG_VALUE_MAX 4096
-/* Messages show at most this many bytes of a value, so the rule still fits. */
-#define CFG_SHOW_MAX 64
-/* Longest key name we look up; longer names are unknown by definition. */
-#define CFG_NAME_MAX 64
-#define CFG_ENV_PREFIX "OUTBOX_RELAY_"
-#define CFG_STREAM_PREFIX_MAX 64
-
-enum cfg_type {
-    CFG_STRING,
-    CFG_SECRET_STRING, /* a string that may hold a password: always redacted */
-    CFG_UINT,          /* uint32_t within [min, max] */
-    CFG_DURATION,      /* uint32_t milliseconds within [min, max] */
-    CFG_BOOL,          /* int 0 or 1 */
-    CFG_LOGLEVEL,      /* int, enum relay_log_level */
-};
-
-#define CFG_REQUIRED 0x1u   /* validation fails while the value is empty */
-#define CFG_RELOADABLE 0x2u /* a SIGHUP reload applies it; others need a restart */
-#define CFG_OPAQUE 0x4u     /* a secret string that is a password as a whole: shown as *** */
-
-/*
- * Extra check for a string key, run after the length cap. Returns 0, or -1 with
- * the rule that was broken in rule (what is allowed, not just what is wrong).
- */
-typedef int (*cfg_check_fn)(const char *value, char *rule, size_t rulelen);
-
-struct cfg_key { // NOLINT(clang-analyzer-optin.performance.Padding): in reading order
-    const char *name;
-    enum cfg_type type;
-    size_t off; /* offset of the field in struct relay_config */
-    uint64_t min, max;
-    const char *defval; /* parsed by the same code as any other value */
-    unsigned flags;
-    cfg_check_fn check;
-    const char *help;
-};
-
-#define CFG_OFF(field) offsetof(struct relay_config, field)
-
-#define CFG_SEC 1000ull
-#define CFG_MIN (60 * CFG_SEC)
-#define CFG_HOUR (60 * CFG_MIN)
-#define CFG_DAY (24 * CFG_HOUR)
-
-static int cfg_check_redis(const char *value, char *rule, size_t rulelen);
-static int cfg_check_stream_prefix(const char *value, char *rule, size_t rulelen);
-
-/* The one place a key is defined. docs/CONFIGURATION.md documents this table. */
-/* "host:port" with a numeric port, or empty. */
-static int cfg_check_listen(const char *value, char *rule, size_t rulelen)
-{
-    const char *colon = strrchr(value, ':');
-    const char *end;
-    uint64_t port;
-    if (value[0] == '\0')
-        return 0;
-    if (colon == NULL || colon == value) {
-        snprintf(rule, rulelen,
-                 "must be host:port, e.g. 127.0.0.1:9479, or empty to switch "
-                 "the endpoint off");
-        return -1;
-    }
-    /* Digits only: strtoul would also take a sign and leading white space. */
-    if (outbox_parse_digits(colon + 1, &port, &end) != 0 || *end != '\0' || port == 0 ||
-        port > 65535) {
-        snprintf(rule, rulelen, "port must be a number between 1 and 65535");
-        return -1;
-    }
-    return 0;
-}
-
-/* "text" or "json" (relay/log.c). */
-static int cfg_check_log_format(const char *value, char *rule, size_t rulelen)
-{
-    if (relay_config_parse_log_format(value) >= 0)
-        return 0;
-    snprintf(rule, rulelen,
-             "must be text (one line of text per event) or json (one JSON object "
-             "per line)");
-    return -1;
-}
-
-static const struct cfg_key cfg_keys[] = {
-    {"postgres", CFG_SECRET_STRING, CFG_OFF(postgres), 0, CFG_VALUE_MAX, "", CFG_REQUIRED, NULL,
-     "PostgreSQL connection: a libpq conninfo string or a postgresql:// URI"},
-    {"redis", CFG_SECRET_STRING, CFG_OFF(redis), 0, CFG_VALUE_MAX, "", CFG_REQUIRED,
-     cfg_check_redis,
-     "Redis address: redis://[user:password@]host[:port][/db][,host:port...] "
-     "(more seed nodes of a Redis Cluster after the first)"},
-    {"redis_password_file", CFG_STRING, CFG_OFF(redis_password_file), 0, CFG_VALUE_MAX, "", 0, NULL,
-     "file whose first line is the Redis password; overrides the password in redis"},
-    {"redis_sentinel", CFG_STRING, CFG_OFF(redis_sentinel), 0, CFG_VALUE_MAX, "", 0, NULL,
-     "Redis Sentinels (host:port,...) that name the primary; redis then gives only the user, "
-     "password and database"},
-    {"redis_master", CFG_STRING, CFG_OFF(redis_master), 0, CFG_VALUE_MAX, "", 0, NULL,
-     "the name of the master the Sentinels monitor"},
-    {"redis_sentinel_user", CFG_STRING, CFG_OFF(redis_sentinel_user), 0, CFG_VALUE_MAX, "", 0, NULL,
-     "the user the Sentinels know the relay as (their ACL); empty: their default user"},
-    {"redis_sentinel_password", CFG_SECRET_STRING, CFG_OFF(redis_sentinel_password), 0,
-     CFG_VALUE_MAX, "", CFG_OPAQUE, NULL,
-     "the Sentinels' own password (their requirepass, or the user's), sent with AUTH before "
-     "asking them for the primary; empty: none"},
-    {"stream_prefix", CFG_STRING, CFG_OFF(stream_prefix), 0, CFG_VALUE_MAX, "", 0,
-     cfg_check_stream_prefix, "text put in front of the topic to name the stream"},
-    {"batch_size", CFG_UINT, CFG_OFF(batch_size), 1, 10000, "500", 0, NULL,
-     "rows claimed per transaction; also the bound on publishes in flight"},
-    {"max_attempts", CFG_UINT, CFG_OFF(max_attempts), 1, 1000, "10", 0, NULL,
-     "transient failures of one row before it is quarantined (permanent ones: at once)"},
-    {"max_payload_bytes", CFG_UINT, CFG_OFF(max_payload_bytes), 1, 536870912, "1048576", 0, NULL,
-     "larger payloads fail their row, which is quarantined at once"},
-    {"listen", CFG_BOOL, CFG_OFF(listen), 0, 1, "on", 0, NULL,
-     "wake up on NOTIFY outbox_relay; off relies on polling alone"},
-    {"pipeline", CFG_BOOL, CFG_OFF(pipeline), 0, 1, "on", 0, NULL,
-     "claim the next batch on a second connection while the current one is published"},
-    {"poll_interval", CFG_DURATION, CFG_OFF(poll_interval_ms), 10, CFG_HOUR, "1s", 0, NULL,
-     "fallback poll: a lost notification costs at most this much latency"},
-    {"connect_timeout", CFG_DURATION, CFG_OFF(connect_timeout_ms), 100, 10 * CFG_MIN, "5s", 0, NULL,
-     "deadline for connecting to either server"},
-    {"publish_timeout", CFG_DURATION, CFG_OFF(publish_timeout_ms), 100, 10 * CFG_MIN, "5s", 0, NULL,
-     "deadline for Redis to acknowledge a whole batch"},
-    {"statement_timeout", CFG_DURATION, CFG_OFF(statement_timeout_ms), 100, CFG_HOUR, "30s", 0,
-     NULL, "server-side deadline of each SQL statement"},
-    {"reconnect_min", CFG_DURATION, CFG_OFF(reconnect_min_ms), 10, CFG_MIN, "100ms", 0, NULL,
-     "first delay before reconnecting or retrying; doubles up to reconnect_max"},
-    {"reconnect_max", CFG_DURATION, CFG_OFF(reconnect_max_ms), 100, CFG_HOUR, "30s", 0, NULL,
-     "longest delay between reconnects or retries"},
-    {"drain_timeout", CFG_DURATION, CFG_OFF(drain_timeout_ms), 100, 10 * CFG_MIN, "10s", 0, NULL,
-     "on SIGTERM, how long to wait for the batch in flight"},
-    {"dedup_ttl", CFG_DURATION, CFG_OFF(dedup_ttl_ms), CFG_SEC, 30 * CFG_DAY, "24h", 0, NULL,
-     "how long a dedup record lives in Redis; not below publish_timeout"},
-    {"min_replicas", CFG_UINT, CFG_OFF(min_replicas), 0, 16, "0", 0, NULL,
-     "replicas that must hold a batch's writes (WAIT) before it is marked sent; 0 = off"},
-    {"replica_timeout", CFG_DURATION, CFG_OFF(replica_timeout_ms), 10, 10 * CFG_MIN, "1s", 0, NULL,
-     "how long to wait for min_replicas replicas before the batch is retried"},
-    {"log_level", CFG_LOGLEVEL, CFG_OFF(log_level), RELAY_LOG_DEBUG, RELAY_LOG_ERROR, "info",
-     CFG_RELOADABLE, NULL, "least severe level logged: debug, info, warning or error"},
-    {"log_format", CFG_STRING, CFG_OFF(log_format), 0, 16, "text", 0, cfg_check_log_format,
-     "log lines as text, or json: one JSON object per line for log pipelines"},
-    {"metrics_listen", CFG_STRING, CFG_OFF(metrics_listen), 0, 300, "127.0.0.1:9479", 0,
-     cfg_check_listen, "address of /metrics, /healthz and /readyz (host:port); empty: off"},
-    {"observe_interval", CFG_DURATION, CFG_OFF(observe_interval_ms), 100, 10 * CFG_MIN, "5s", 0,
-     NULL, "how often queue age, lag and producer admission are read"},
-    {"pause_lag_entries", CFG_UINT, CFG_OFF(pause_lag_entries), 0, 2000000000, "0", 0, NULL,
-     "stop publishing to a stream when one of its groups lags this many entries; 0: never"},
-    {"resume_lag_entries", CFG_UINT, CFG_OFF(resume_lag_entries), 0, 2000000000, "0", 0, NULL,
-     "publish to a paused stream again when every group lags less than this"},
-    {"pause_queue_age", CFG_DURATION, CFG_OFF(pause_queue_age_ms), 0, 30 * CFG_DAY, "0", 0, NULL,
-     "stop publishing to a stream when a group's queue age reaches this; 0: never"},
-    {"resume_queue_age", CFG_DURATION, CFG_OFF(resume_queue_age_ms), 0, 30 * CFG_DAY, "0", 0, NULL,
-     "publish to a paused stream again when every group's queue age is below this"},
-    {"sent_retention", CFG_DURATION, CFG_OFF(sent_retention_ms), 0, 30 * CFG_DAY, "0", 0, NULL,
-     "delete sent rows this long after they were sent; 0: delete each row as it is published"},
-    {"stream_retention", CFG_DURATION, CFG_OFF(stream_retention_ms), 0, 30 * CFG_DAY, "24h", 0,
-     NULL, "trim stream entries older than this that every group has acknowledged; 0: never"},
-    {"stream_trim_max_hold", CFG_DURATION, CFG_OFF(stream_trim_max_hold_ms), 0, 30 * CFG_DAY, "0",
-     0, NULL,
-     "trim past a group's pending entries once older than this (never undelivered ones); 0: never"},
-    {"allow_short_stream_retention", CFG_BOOL, CFG_OFF(allow_short_stream_retention), 0, 1, "off",
-     0, NULL, "accept a stream_retention shorter than dedup_ttl, with a warning"},
-    {"vacuum_dead_rows", CFG_UINT, CFG_OFF(vacuum_dead_rows), 0, 2000000000, "100000", 0, NULL,
-     "VACUUM outbox.messages when it holds this many dead rows (needs its owner); 0: never"},
-};
-
-static const char *const cfg_level_names[] = {"debug", "info", "warning", "error"};
 
 /* File-local, reachable from tests/unit/test_config.c (OUTBOX_STATIC is empty there). */
 OUTBOX_STATIC int config_parse_line(char *line, char **key, char **value, char *rule,
                                     size_t rulelen) CFG_MUSTCHECK;
 OUTBOX_STATIC unsigned config_edit_distance(const char *a, const char *b);
-OUTBOX_STATIC void config_format_duration(uint32_t ms, char *out, size_t outlen);
-
-/* ------------------------------------------------------------------------ */
-/* Bounded output: every text this module writes goes through this.          */
-
-struct cfg_out {
-    char *p;
-    size_t cap; /* bytes at p, NUL included */
-    size_t len;
-};
-
-static void out_init(struct cfg_out *o, char *p, size_t cap)
-{
-    o->p = p;
-    o->cap = cap;
-    o->len = 0;
-    if (cap > 0)
-        p[0] = '\0';
-}
-
-/* Appends what fits and drops the rest; the text stays NUL-terminated. */
-static void out_putn(struct cfg_out *o, const char *s, size_t n)
-{
-    size_t room;
-
-    if (o->cap == 0)
-        return;
-    room = o->cap - 1 - o->len;
-    if (n > room)
-        n = room;
-    memcpy(o->p + o->len, s, n);
-    o->len += n;
-    o->p[o->len] = '\0';
-}
-
-static void out_puts(struct cfg_out *o, const char *s)
-{
-    out_putn(o, s, strlen(s));
-}
-
-static void out_printf(struct cfg_out *o, const char *fmt, ...) CFG_PRINTF(2, 3);
-static void out_printf(struct cfg_out *o, const char *fmt, ...)
-{
-    va_list ap;
-    size_t room;
-    int n;
-
-    if (o->cap == 0)
-        return;
-    room = o->cap - o->len;
-    va_start(ap, fmt);
-    n = vsnprintf(o->p + o->len, room, fmt, ap);
-    va_end(ap);
-    if (n < 0)
-        o->p[o->len] = '\0';
-    else if ((size_t)n >= room)
-        o->len = o->cap - 1; /* truncated: vsnprintf filled what fits */
-    else
-        o->len += (size_t)n;
-}
-
-static void cfg_err(char *err, size_t errlen, const char *fmt, ...) CFG_PRINTF(3, 4);
-static void cfg_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    va_list ap;
-
-    if (err == NULL || errlen == 0)
-        return;
-    va_start(ap, fmt);
-    if (vsnprintf(err, errlen, fmt, ap) < 0)
-        err[0] = '\0';
-    va_end(ap);
-}
 
 static void *cfg_oom(void)
 {
-    /* Same policy as relay_xmalloc as everywhere in the relay: no recovery from OOM. */
+    /* Out of memory while a string value is stored: the process stops here,
+     * with a message. This is the one place that does; everywhere else a
+     * failed allocation is an error the caller handles. */
     fputs("outbox-relay: out of memory\n", stderr);
     abort();
 }
@@ -303,36 +70,10 @@ static const struct cfg_key *config_find(const char *name)
 {
     size_t i;
 
-    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++)
-        if (strcmp(cfg_keys[i].name, name) == 0)
-            return &cfg_keys[i];
+    for (i = 0; i < relay_config_nkeys; i++)
+        if (strcmp(relay_config_keys[i].name, name) == 0)
+            return &relay_config_keys[i];
     return NULL;
-}
-
-/* OUTBOX_RELAY_BATCH_SIZE for batch_size. */
-static void config_env_name(const char *key, char *out, size_t outlen)
-{
-    struct cfg_out o;
-    const char *p;
-
-    out_init(&o, out, outlen);
-    out_puts(&o, CFG_ENV_PREFIX);
-    for (p = key; *p; p++) {
-        char c = (char)toupper((unsigned char)*p);
-        out_putn(&o, &c, 1);
-    }
-}
-
-/* --batch-size for batch_size. */
-static void config_flag_name(const char *key, char *out, size_t outlen)
-{
-    struct cfg_out o;
-    const char *p;
-
-    out_init(&o, out, outlen);
-    out_puts(&o, "--");
-    for (p = key; *p; p++)
-        out_putn(&o, *p == '_' ? "-" : p, 1);
 }
 
 /* Levenshtein distance, for "did you mean"; names are short, so O(n*m) is fine. */
@@ -369,10 +110,10 @@ static const struct cfg_key *config_suggest(const char *name)
     unsigned best_d = 3;
     size_t i;
 
-    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
-        unsigned d = config_edit_distance(name, cfg_keys[i].name);
+    for (i = 0; i < relay_config_nkeys; i++) {
+        unsigned d = config_edit_distance(name, relay_config_keys[i].name);
         if (d < best_d && d < strlen(name)) {
-            best = &cfg_keys[i];
+            best = &relay_config_keys[i];
             best_d = d;
         }
     }
@@ -389,172 +130,21 @@ static void config_unknown(const char *where, const char *name, enum cfg_source 
     char spelled[CFG_NAME_MAX + 32];
 
     if (k == NULL) {
-        cfg_err(err, errlen, "%s: unknown key \"%.*s\"", where, CFG_NAME_MAX, name);
+        relay_config_err(err, errlen, "%s: unknown key \"%.*s\"", where, CFG_NAME_MAX, name);
         return;
     }
     if (src == SRC_ENV)
-        config_env_name(k->name, spelled, sizeof(spelled));
+        relay_config_env_name(k->name, spelled, sizeof(spelled));
     else if (src == SRC_CLI)
-        config_flag_name(k->name, spelled, sizeof(spelled));
+        relay_config_flag_name(k->name, spelled, sizeof(spelled));
     else
         snprintf(spelled, sizeof(spelled), "\"%s\"", k->name);
-    cfg_err(err, errlen, "%s: unknown key \"%.*s\" (did you mean %s?)", where, CFG_NAME_MAX, name,
-            spelled);
-}
-
-/* ------------------------------------------------------------------------ */
-/* Redaction and showing values in messages.                                 */
-
-static int cfg_is_password_word(const char *p)
-{
-    return strncasecmp(p, "password", 8) == 0;
-}
-
-void relay_config_redact(const char *s, char *out, size_t outlen)
-{
-    struct cfg_out o;
-    const char *uri, *pw_from = NULL, *pw_to = NULL, *p;
-
-    out_init(&o, out, outlen);
-    if (s == NULL)
-        return;
-
-    /*
-     * In a URI, the password is between the first ':' of the userinfo and the
-     * last '@' before any whitespace. Taking the last '@' over-redacts when an
-     * '@' appears later (in a query), which is the safe way to be wrong: a
-     * password with a raw '@' or '/' in it is still hidden.
-     */
-    uri = strstr(s, "://");
-    if (uri != NULL) {
-        const char *a = uri + 3, *end = a + strcspn(a, " \t\r\n"), *at = NULL, *q;
-
-        for (q = a; q < end; q++)
-            if (*q == '@')
-                at = q;
-        if (at != NULL) {
-            const char *colon = memchr(a, ':', (size_t)(at - a));
-            if (colon != NULL) {
-                pw_from = colon + 1;
-                pw_to = at;
-            }
-        }
-    }
-
-    for (p = s; *p;) {
-        if (p == pw_from) {
-            out_puts(&o, "***");
-            p = pw_to;
-            pw_from = NULL; /* hidden once: an empty password ends where it starts */
-            continue;
-        }
-        /* password=value, in a conninfo string or a URI query; also 'quoted'. */
-        if (cfg_is_password_word(p)) {
-            const char *q = p + 8;
-            while (*q == ' ' || *q == '\t')
-                q++;
-            if (*q == '=') {
-                q++;
-                while (*q == ' ' || *q == '\t')
-                    q++;
-                out_putn(&o, p, (size_t)(q - p));
-                out_puts(&o, "***");
-                if (*q == '\'') {
-                    for (q++; *q && *q != '\''; q++)
-                        if (*q == '\\' && q[1])
-                            q++;
-                    if (*q)
-                        q++;
-                } else {
-                    while (*q && !isspace((unsigned char)*q) &&
-                           !(uri != NULL && (*q == '&' || *q == '#')))
-                        q++;
-                }
-                if (pw_from != NULL && pw_from >= p && pw_from < q)
-                    pw_from = NULL; /* already hidden inside this value */
-                p = q;
-                continue;
-            }
-        }
-        out_putn(&o, p, 1);
-        p++;
-    }
-}
-
-/*
- * The value as a message shows it: redacted for secret keys (secret 1: the
- * passwords in a URI or conninfo; CFG_SHOW_OPAQUE: the whole value), cut to
- * CFG_SHOW_MAX bytes with "..." so the rule after it is not lost, and with
- * control characters replaced so the message stays one line.
- */
-#define CFG_SHOW_OPAQUE 2
-static void config_show(const char *value, int secret, char *out, size_t outlen)
-{
-    char red[CFG_SHOW_MAX * 4];
-    const char *v = value;
-    size_t n, i;
-    struct cfg_out o;
-
-    if (secret == CFG_SHOW_OPAQUE) {
-        snprintf(out, outlen, "%s", value[0] != '\0' ? "***" : "");
-        return;
-    }
-    if (secret) {
-        relay_config_redact(value, red, sizeof(red));
-        v = red;
-    }
-    out_init(&o, out, outlen);
-    n = strlen(v);
-    for (i = 0; i < n && i < CFG_SHOW_MAX; i++) {
-        unsigned char c = (unsigned char)v[i];
-        char ch = (c < 0x20 || c == 0x7f) ? '?' : (char)c;
-        out_putn(&o, &ch, 1);
-    }
-    if (n > CFG_SHOW_MAX)
-        out_puts(&o, "...");
+    relay_config_err(err, errlen, "%s: unknown key \"%.*s\" (did you mean %s?)", where,
+                     CFG_NAME_MAX, name, spelled);
 }
 
 /* ------------------------------------------------------------------------ */
 /* Values.                                                                   */
-
-int relay_config_parse_duration(const char *s, uint32_t *ms)
-{
-    static const struct {
-        const char *unit;
-        uint64_t mult;
-    } units[] = {{"", 1},        {"ms", 1},       {"s", CFG_SEC},
-                 {"m", CFG_MIN}, {"h", CFG_HOUR}, {"d", CFG_DAY}};
-    uint64_t v;
-    const char *end;
-    size_t i;
-
-    if (s == NULL || outbox_parse_digits(s, &v, &end) != 0)
-        return -1;
-    for (i = 0; i < OUTBOX_ARRAY_LEN(units); i++) {
-        if (strcmp(end, units[i].unit) != 0)
-            continue;
-        if (v > UINT32_MAX / units[i].mult)
-            return -1;
-        *ms = (uint32_t)(v * units[i].mult);
-        return 0;
-    }
-    return -1;
-}
-
-/* The shortest exact spelling: 86400000 -> "1d", 1500 -> "1500ms". */
-OUTBOX_STATIC void config_format_duration(uint32_t ms, char *out, size_t outlen)
-{
-    if (ms != 0 && ms % CFG_DAY == 0)
-        snprintf(out, outlen, "%lud", (unsigned long)(ms / CFG_DAY));
-    else if (ms != 0 && ms % CFG_HOUR == 0)
-        snprintf(out, outlen, "%luh", (unsigned long)(ms / CFG_HOUR));
-    else if (ms != 0 && ms % CFG_MIN == 0)
-        snprintf(out, outlen, "%lum", (unsigned long)(ms / CFG_MIN));
-    else if (ms != 0 && ms % CFG_SEC == 0)
-        snprintf(out, outlen, "%lus", (unsigned long)(ms / CFG_SEC));
-    else
-        snprintf(out, outlen, "%lums", (unsigned long)ms);
-}
 
 static int cfg_parse_bool(const char *s, int *out)
 {
@@ -575,38 +165,9 @@ static int cfg_parse_bool(const char *s, int *out)
     return -1;
 }
 
-static int cfg_check_redis(const char *value, char *rule, size_t rulelen)
-{
-    struct outbox_redis_url u;
-
-    if (value[0] == '\0')
-        return 0; /* unset; validation reports it if it is still unset */
-    return outbox_url_parse_seeds(value, &u, rule, rulelen);
-}
-
-static int cfg_check_stream_prefix(const char *value, char *rule, size_t rulelen)
-{
-    const char *p;
-
-    for (p = value; *p; p++)
-        if (!isalnum((unsigned char)*p) && strchr("._:-", *p) == NULL)
-            break;
-    if (*p != '\0' || p - value > CFG_STREAM_PREFIX_MAX) {
-        snprintf(rule, rulelen, "must be at most %d characters from A-Z a-z 0-9 . _ : -",
-                 CFG_STREAM_PREFIX_MAX);
-        return -1;
-    }
-    return 0;
-}
-
 static char **cfg_str_field(struct relay_config *cfg, const struct cfg_key *k)
 {
     return (char **)(void *)((char *)cfg + k->off);
-}
-
-static char *const *cfg_cstr_field(const struct relay_config *cfg, const struct cfg_key *k)
-{
-    return (char *const *)(const void *)((const char *)cfg + k->off);
 }
 
 static uint32_t *cfg_u32_field(struct relay_config *cfg, const struct cfg_key *k)
@@ -614,19 +175,9 @@ static uint32_t *cfg_u32_field(struct relay_config *cfg, const struct cfg_key *k
     return (uint32_t *)(void *)((char *)cfg + k->off);
 }
 
-static const uint32_t *cfg_cu32_field(const struct relay_config *cfg, const struct cfg_key *k)
-{
-    return (const uint32_t *)(const void *)((const char *)cfg + k->off);
-}
-
 static int *cfg_int_field(struct relay_config *cfg, const struct cfg_key *k)
 {
     return (int *)(void *)((char *)cfg + k->off);
-}
-
-static const int *cfg_cint_field(const struct relay_config *cfg, const struct cfg_key *k)
-{
-    return (const int *)(const void *)((const char *)cfg + k->off);
 }
 
 /* Converts value for key k and stores it; -1 with the broken rule in rule. */
@@ -668,8 +219,8 @@ static int config_convert(struct relay_config *cfg, const struct cfg_key *k, con
         *cfg_u32_field(cfg, k) = (uint32_t)v;
         return 0;
     case CFG_DURATION:
-        config_format_duration((uint32_t)k->min, lo, sizeof(lo));
-        config_format_duration((uint32_t)k->max, hi, sizeof(hi));
+        relay_config_format_duration((uint32_t)k->min, lo, sizeof(lo));
+        relay_config_format_duration((uint32_t)k->max, hi, sizeof(hi));
         if (relay_config_parse_duration(value, &ms) != 0) {
             snprintf(rule, rulelen,
                      "must be a duration between %s and %s: a whole number with a unit ms, s, m, "
@@ -703,7 +254,7 @@ static int config_convert(struct relay_config *cfg, const struct cfg_key *k, con
     return -1;
 }
 
-/* How config_show shows a value of k. */
+/* How relay_config_show shows a value of k. */
 static int key_secrecy(const struct cfg_key *k)
 {
     if (k->flags & CFG_OPAQUE)
@@ -720,8 +271,8 @@ static int config_apply(struct relay_config *cfg, const struct cfg_key *k, const
 
     if (config_convert(cfg, k, value, rule, sizeof(rule)) == 0)
         return 0;
-    config_show(value, key_secrecy(k), shown, sizeof(shown));
-    cfg_err(err, errlen, "%s = \"%s\": %s", label, shown, rule);
+    relay_config_show(value, key_secrecy(k), shown, sizeof(shown));
+    relay_config_err(err, errlen, "%s = \"%s\": %s", label, shown, rule);
     return -1;
 }
 
@@ -732,8 +283,8 @@ static int config_origin_names(const char *origin, const struct cfg_key *k)
     size_t lo = strlen(origin), i;
 
     snprintf(names[0], sizeof(names[0]), "%s", k->name);
-    config_env_name(k->name, names[1], sizeof(names[1]));
-    config_flag_name(k->name, names[2], sizeof(names[2]));
+    relay_config_env_name(k->name, names[1], sizeof(names[1]));
+    relay_config_flag_name(k->name, names[2], sizeof(names[2]));
     for (i = 0; i < 3; i++) {
         size_t ln = strlen(names[i]);
         if (ln <= lo && strcmp(origin + lo - ln, names[i]) == 0 &&
@@ -769,8 +320,8 @@ void relay_config_init(struct relay_config *cfg)
     size_t i;
 
     memset(cfg, 0, sizeof(*cfg));
-    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
-        const struct cfg_key *k = &cfg_keys[i];
+    for (i = 0; i < relay_config_nkeys; i++) {
+        const struct cfg_key *k = &relay_config_keys[i];
         if (config_apply(cfg, k, k->name, k->defval, err, sizeof(err)) != 0) {
             /* A default that fails its own rule is a bug in the table above. */
             fprintf(stderr, "outbox-relay: bad built-in default: %s\n", err);
@@ -785,8 +336,8 @@ void relay_config_free(struct relay_config *cfg)
 
     if (cfg == NULL)
         return;
-    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
-        const struct cfg_key *k = &cfg_keys[i];
+    for (i = 0; i < relay_config_nkeys; i++) {
+        const struct cfg_key *k = &relay_config_keys[i];
         if (k->type == CFG_STRING || k->type == CFG_SECRET_STRING) {
             char **field = cfg_str_field(cfg, k);
             free(*field);
@@ -821,7 +372,7 @@ OUTBOX_STATIC int config_parse_line(char *line, char **key, char **value, char *
         char *e = p + strlen(p);
         while (e > p && isspace((unsigned char)e[-1]))
             *--e = '\0';
-        config_show(p, 1, shown, sizeof(shown));
+        relay_config_show(p, 1, shown, sizeof(shown));
         snprintf(rule, rulelen, "missing \"=\" in \"%s\": write key = value", shown);
         return -1;
     }
@@ -904,7 +455,7 @@ OUTBOX_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const ch
     char where[RELAY_CONFIG_ERR_MAX];
     char label[RELAY_CONFIG_ERR_MAX + CFG_NAME_MAX + 8];
     char shown[CFG_SHOW_MAX + 8];
-    unsigned seen[OUTBOX_ARRAY_LEN(cfg_keys)] = {0}; /* line of each key's first setting */
+    unsigned seen[CFG_KEYS_MAX] = {0}; /* line of each key's first setting */
     unsigned lineno = 0;
 
     for (;;) {
@@ -921,14 +472,14 @@ OUTBOX_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const ch
         if (len > 0 && line[len - 1] == '\n')
             line[--len] = '\0';
         if (len > CFG_LINE_MAX) {
-            cfg_err(err, errlen, "%s:%u: line is longer than %d bytes: shorten it", path, lineno,
-                    CFG_LINE_MAX);
+            relay_config_err(err, errlen, "%s:%u: line is longer than %d bytes: shorten it", path,
+                             lineno, CFG_LINE_MAX);
             return -1;
         }
         snprintf(where, sizeof(where), "%s:%u", path, lineno);
         r = config_parse_line(line, &key, &value, rule, sizeof(rule));
         if (r < 0) {
-            cfg_err(err, errlen, "%s: %s", where, rule);
+            relay_config_err(err, errlen, "%s: %s", where, rule);
             return -1;
         }
         if (r == 0)
@@ -939,19 +490,20 @@ OUTBOX_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const ch
             return -1;
         }
         snprintf(label, sizeof(label), "%s: %.64s", where, k->name);
-        if (seen[k - cfg_keys]) {
-            config_show(value, key_secrecy(k), shown, sizeof(shown));
-            cfg_err(err, errlen, "%s = \"%s\": already set on line %u: set each key only once",
-                    label, shown, seen[k - cfg_keys]);
+        if (seen[k - relay_config_keys]) {
+            relay_config_show(value, key_secrecy(k), shown, sizeof(shown));
+            relay_config_err(err, errlen,
+                             "%s = \"%s\": already set on line %u: set each key only once", label,
+                             shown, seen[k - relay_config_keys]);
             return -1;
         }
-        seen[k - cfg_keys] = lineno;
+        seen[k - relay_config_keys] = lineno;
         if (config_apply(cfg, k, label, value, err, errlen) != 0)
             return -1;
     }
     if (ferror(f)) {
-        cfg_err(err, errlen, "%s: cannot read the config file: %s", path,
-                strerror(errno ? errno : EIO));
+        relay_config_err(err, errlen, "%s: cannot read the config file: %s", path,
+                         strerror(errno ? errno : EIO));
         return -1;
     }
     return 0;
@@ -963,7 +515,7 @@ static int config_load_file(struct relay_config *cfg, const char *path, char *er
 {
     FILE *f = fopen(path, "r");
     if (f == NULL) {
-        cfg_err(err, errlen, "%s: cannot open the config file: %s", path, strerror(errno));
+        relay_config_err(err, errlen, "%s: cannot open the config file: %s", path, strerror(errno));
         return -1;
     }
     int rc = config_load_stream(cfg, f, path, err, errlen);
@@ -1024,10 +576,11 @@ static int config_load_argv(struct relay_config *cfg, int argc, char *const *arg
         size_t nlen, j;
 
         if (strncmp(a, "--", 2) != 0 || a[2] == '\0') {
-            config_show(a, 1, shown, sizeof(shown));
-            cfg_err(err, errlen,
-                    "command line: \"%s\": unexpected argument: write --key=value or --key value",
-                    shown);
+            relay_config_show(a, 1, shown, sizeof(shown));
+            relay_config_err(
+                err, errlen,
+                "command line: \"%s\": unexpected argument: write --key=value or --key value",
+                shown);
             return -1;
         }
         name = a + 2;
@@ -1052,260 +605,14 @@ static int config_load_argv(struct relay_config *cfg, int argc, char *const *arg
         } else if (i + 1 < argc) {
             value = argv[++i];
         } else {
-            cfg_err(err, errlen, "%s: missing value: write --%.*s=VALUE or --%.*s VALUE", where,
-                    (int)nlen, name, (int)nlen, name);
+            relay_config_err(err, errlen, "%s: missing value: write --%.*s=VALUE or --%.*s VALUE",
+                             where, (int)nlen, name, (int)nlen, name);
             return -1;
         }
         if (config_apply(cfg, k, where, value, err, errlen) != 0)
             return -1;
     }
     return 0;
-}
-
-/* ------------------------------------------------------------------------ */
-/* Validation.                                                               */
-
-/* Reads the first line of the password file into url->password. */
-static int config_read_password(const char *path, struct outbox_redis_url *url, char *err,
-                                size_t errlen) CFG_MUSTCHECK;
-static int config_read_password(const char *path, struct outbox_redis_url *url, char *err,
-                                size_t errlen)
-{
-    char line[sizeof(url->password) + 2];
-    char shown[CFG_SHOW_MAX + 8];
-    size_t len;
-    FILE *f;
-    int rc = -1;
-
-    config_show(path, 0, shown, sizeof(shown));
-    f = fopen(path, "r");
-    if (f == NULL) {
-        cfg_err(err, errlen, "redis_password_file = \"%s\": cannot open: %s", shown,
-                strerror(errno));
-        return -1;
-    }
-    errno = 0;
-    if (fgets(line, sizeof(line), f) == NULL) {
-        if (ferror(f))
-            cfg_err(err, errlen, "redis_password_file = \"%s\": cannot read: %s", shown,
-                    strerror(errno ? errno : EIO));
-        else
-            cfg_err(err, errlen,
-                    "redis_password_file = \"%s\": file is empty: put the Redis password on its "
-                    "first line",
-                    shown);
-        goto out;
-    }
-    len = strlen(line);
-    if (len > 0 && line[len - 1] == '\n')
-        line[--len] = '\0';
-    if (len > 0 && line[len - 1] == '\r')
-        line[--len] = '\0';
-    if (len >= sizeof(url->password)) {
-        cfg_err(err, errlen,
-                "redis_password_file = \"%s\": first line is longer than %zu bytes: the Redis "
-                "password must fit in %zu bytes",
-                shown, sizeof(url->password) - 1, sizeof(url->password) - 1);
-        goto out;
-    }
-    if (len == 0) {
-        cfg_err(err, errlen,
-                "redis_password_file = \"%s\": first line is empty: put the Redis password on "
-                "its first line",
-                shown);
-        goto out;
-    }
-    snprintf(url->password, sizeof(url->password), "%.*s", (int)len, line);
-    rc = 0;
-out:
-    memset(line, 0, sizeof(line));
-    fclose(f);
-    return rc;
-}
-
-/* The retention keys against each other and dedup_ttl: 0, or -1 with err. */
-static int validate_retention(const struct relay_config *cfg, char *err, size_t errlen)
-{
-    char a[32], b[32];
-    if (relay_config_short_stream_retention(cfg) && !cfg->allow_short_stream_retention) {
-        config_format_duration(cfg->stream_retention_ms, a, sizeof(a));
-        config_format_duration(cfg->dedup_ttl_ms, b, sizeof(b));
-        cfg_err(err, errlen,
-                "stream_retention = \"%s\": must not be shorter than dedup_ttl (%s): a message "
-                "published again within dedup_ttl is answered with its first entry's id, which "
-                "must still be in the stream; raise stream_retention, lower dedup_ttl, or set "
-                "allow_short_stream_retention = on to accept it",
-                a, b);
-        return -1;
-    }
-    if (cfg->stream_trim_max_hold_ms > 0 && cfg->stream_retention_ms == 0) {
-        config_format_duration(cfg->stream_trim_max_hold_ms, a, sizeof(a));
-        cfg_err(err, errlen,
-                "stream_trim_max_hold = \"%s\": has no effect while stream_retention = 0 "
-                "(streams are never trimmed); set stream_retention or remove it",
-                a);
-        return -1;
-    }
-    if (cfg->stream_trim_max_hold_ms > 0 &&
-        cfg->stream_trim_max_hold_ms < cfg->stream_retention_ms) {
-        config_format_duration(cfg->stream_trim_max_hold_ms, a, sizeof(a));
-        config_format_duration(cfg->stream_retention_ms, b, sizeof(b));
-        cfg_err(err, errlen,
-                "stream_trim_max_hold = \"%s\": must not be shorter than stream_retention (%s)", a,
-                b);
-        return -1;
-    }
-    return 0;
-}
-
-/* redis_sentinel_user and redis_sentinel_password, into the Sentinels' list. */
-static int validate_sentinel_auth(struct relay_config *cfg, int sentinel, char *err, size_t errlen)
-{
-    struct outbox_sentinels *st = &cfg->redis_url.sentinels;
-    const char *user = cfg->redis_sentinel_user != NULL ? cfg->redis_sentinel_user : "";
-    const char *password = cfg->redis_sentinel_password != NULL ? cfg->redis_sentinel_password : "";
-    if ((user[0] != '\0' || password[0] != '\0') && !sentinel) {
-        cfg_err(err, errlen,
-                "%s is set but redis_sentinel is not: it is sent to the Sentinels only; set "
-                "redis_sentinel and redis_master, or leave it out",
-                password[0] != '\0' ? "redis_sentinel_password" : "redis_sentinel_user");
-        return -1;
-    }
-    if (user[0] != '\0' && password[0] == '\0') {
-        cfg_err(err, errlen,
-                "redis_sentinel_user is set but redis_sentinel_password is not: AUTH needs the "
-                "user's password");
-        return -1;
-    }
-    if (strlen(user) >= sizeof(st->user)) {
-        cfg_err(err, errlen, "redis_sentinel_user: must be at most %zu bytes",
-                sizeof(st->user) - 1);
-        return -1;
-    }
-    if (strlen(password) >= sizeof(st->password)) {
-        cfg_err(err, errlen, "redis_sentinel_password: must be at most %zu bytes",
-                sizeof(st->password) - 1);
-        return -1;
-    }
-    memcpy(st->user, user, strlen(user) + 1);
-    memcpy(st->password, password, strlen(password) + 1);
-    return 0;
-}
-
-int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
-{
-    char rule[RELAY_CONFIG_ERR_MAX];
-    char shown[CFG_SHOW_MAX + 8];
-    char a[32], b[32];
-    size_t i;
-
-    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
-        const struct cfg_key *k = &cfg_keys[i];
-        char env[CFG_NAME_MAX + 32], flag[CFG_NAME_MAX + 32];
-        char *const *field;
-
-        if (!(k->flags & CFG_REQUIRED))
-            continue;
-        /* With Sentinels, redis only adds the user, password and database. */
-        if (k->off == CFG_OFF(redis) && cfg->redis_sentinel != NULL &&
-            cfg->redis_sentinel[0] != '\0')
-            continue;
-        field = cfg_cstr_field(cfg, k);
-        if (*field != NULL && (*field)[0] != '\0')
-            continue;
-        config_env_name(k->name, env, sizeof(env));
-        config_flag_name(k->name, flag, sizeof(flag));
-        cfg_err(err, errlen, "%s is not set: set it in the config file, %s or %s", k->name, env,
-                flag);
-        return -1;
-    }
-
-    memset(&cfg->redis_url, 0, sizeof(cfg->redis_url));
-    if ((cfg->redis != NULL && cfg->redis[0] != '\0') &&
-        outbox_url_parse_seeds(cfg->redis, &cfg->redis_url, rule, sizeof(rule)) != 0) {
-        config_show(cfg->redis, 1, shown, sizeof(shown));
-        cfg_err(err, errlen, "redis = \"%s\": %s", shown, rule);
-        return -1;
-    }
-    if (cfg->redis_password_file != NULL && cfg->redis_password_file[0] != '\0' &&
-        config_read_password(cfg->redis_password_file, &cfg->redis_url, err, errlen) != 0)
-        return -1;
-    int sentinel = cfg->redis_sentinel != NULL && cfg->redis_sentinel[0] != '\0';
-    int master = cfg->redis_master != NULL && cfg->redis_master[0] != '\0';
-    if (sentinel != master) {
-        cfg_err(err, errlen,
-                "%s is set but %s is not: set both to find the primary through Sentinel, or "
-                "neither to connect to the address in redis",
-                sentinel ? "redis_sentinel" : "redis_master",
-                sentinel ? "redis_master" : "redis_sentinel");
-        return -1;
-    }
-    if (sentinel && outbox_sentinels_parse(cfg->redis_sentinel, cfg->redis_master,
-                                           &cfg->redis_url.sentinels, rule, sizeof(rule)) != 0) {
-        config_show(cfg->redis_sentinel, 0, shown, sizeof(shown));
-        cfg_err(err, errlen, "redis_sentinel = \"%s\", redis_master = \"%.128s\": %s", shown,
-                cfg->redis_master, rule);
-        return -1;
-    }
-    if (validate_sentinel_auth(cfg, sentinel, err, errlen) != 0)
-        return -1;
-
-    if (cfg->reconnect_min_ms > cfg->reconnect_max_ms) {
-        config_format_duration(cfg->reconnect_min_ms, a, sizeof(a));
-        config_format_duration(cfg->reconnect_max_ms, b, sizeof(b));
-        cfg_err(err, errlen, "reconnect_min = \"%s\": must not be greater than reconnect_max (%s)",
-                a, b);
-        return -1;
-    }
-    /* Hysteresis: a low-water mark at or above its high-water mark would pause
-     * and resume on every observation. */
-    if (cfg->pause_lag_entries > 0 && cfg->resume_lag_entries >= cfg->pause_lag_entries) {
-        cfg_err(err, errlen,
-                "resume_lag_entries = \"%u\": must be below pause_lag_entries (%u), the mark "
-                "that pauses a stream",
-                cfg->resume_lag_entries, cfg->pause_lag_entries);
-        return -1;
-    }
-    if (cfg->pause_queue_age_ms > 0 && cfg->resume_queue_age_ms >= cfg->pause_queue_age_ms) {
-        config_format_duration(cfg->resume_queue_age_ms, a, sizeof(a));
-        config_format_duration(cfg->pause_queue_age_ms, b, sizeof(b));
-        cfg_err(err, errlen,
-                "resume_queue_age = \"%s\": must be below pause_queue_age (%s), the mark that "
-                "pauses a stream",
-                a, b);
-        return -1;
-    }
-    /* A copy of another relay's claim can land until publish_timeout after
-     * that claim's BEGIN; a record published after that BEGIN must outlive it
-     * (docs/DESIGN.md, "The publish deadline"). */
-    if (cfg->dedup_ttl_ms < cfg->publish_timeout_ms) {
-        config_format_duration(cfg->dedup_ttl_ms, a, sizeof(a));
-        config_format_duration(cfg->publish_timeout_ms, b, sizeof(b));
-        cfg_err(err, errlen,
-                "dedup_ttl = \"%s\": must not be shorter than publish_timeout (%s): a copy of a "
-                "batch that another relay gave up on can reach Redis until publish_timeout "
-                "after that claim began, and must still find the dedup record; raise dedup_ttl "
-                "or lower publish_timeout (give every relay of one database the same values)",
-                a, b);
-        return -1;
-    }
-    /* WAIT runs inside the batch's publish_timeout, after its publishes. */
-    if (cfg->min_replicas > 0 && cfg->replica_timeout_ms > cfg->publish_timeout_ms / 2) {
-        config_format_duration(cfg->replica_timeout_ms, a, sizeof(a));
-        config_format_duration(cfg->publish_timeout_ms, b, sizeof(b));
-        cfg_err(err, errlen,
-                "replica_timeout = \"%s\": must be at most half of publish_timeout (%s): the "
-                "wait for replicas runs inside the batch's publish deadline; lower "
-                "replica_timeout or raise publish_timeout",
-                a, b);
-        return -1;
-    }
-    return validate_retention(cfg, err, errlen);
-}
-
-int relay_config_short_stream_retention(const struct relay_config *cfg)
-{
-    return cfg->stream_retention_ms > 0 && cfg->stream_retention_ms < cfg->dedup_ttl_ms;
 }
 
 int relay_config_load(struct relay_config *cfg, const char *path, char *const *envp, int argc,
@@ -1321,233 +628,7 @@ int relay_config_load(struct relay_config *cfg, const char *path, char *const *e
 }
 
 /* ------------------------------------------------------------------------ */
-/* Showing the configuration.                                                */
-
-/* Appends s double-quoted, in the file syntax (\" and \\ escaped). */
-static void out_quoted(struct cfg_out *o, const char *s)
-{
-    out_putn(o, "\"", 1);
-    for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\')
-            out_putn(o, "\\", 1);
-        out_putn(o, (c < 0x20 || c == 0x7f) ? "?" : s, 1);
-    }
-    out_putn(o, "\"", 1);
-}
-
-/* The effective value of k as the file syntax would spell it. */
-static void config_value_text(const struct relay_config *cfg, const struct cfg_key *k,
-                              struct cfg_out *o)
-{
-    char buf[CFG_VALUE_MAX + 1];
-    int lvl;
-
-    switch (k->type) {
-    case CFG_STRING:
-    case CFG_SECRET_STRING: {
-        const char *s = *cfg_cstr_field(cfg, k);
-        if (s == NULL)
-            s = "";
-        if (k->flags & CFG_OPAQUE)
-            s = s[0] != '\0' ? "***" : "";
-        else if (k->type == CFG_SECRET_STRING) {
-            relay_config_redact(s, buf, sizeof(buf));
-            s = buf;
-        }
-        out_quoted(o, s);
-        return;
-    }
-    case CFG_UINT:
-        out_printf(o, "%lu", (unsigned long)*cfg_cu32_field(cfg, k));
-        return;
-    case CFG_DURATION:
-        config_format_duration(*cfg_cu32_field(cfg, k), buf, sizeof(buf));
-        out_puts(o, buf);
-        return;
-    case CFG_BOOL:
-        out_puts(o, *cfg_cint_field(cfg, k) ? "on" : "off");
-        return;
-    case CFG_LOGLEVEL:
-        lvl = *cfg_cint_field(cfg, k);
-        out_puts(o, lvl >= 0 && (size_t)lvl < OUTBOX_ARRAY_LEN(cfg_level_names)
-                        ? cfg_level_names[lvl]
-                        : "?");
-        return;
-    }
-}
-
-void relay_config_dump(const struct relay_config *cfg, char *out, size_t outlen)
-{
-    struct cfg_out o;
-    size_t i;
-
-    out_init(&o, out, outlen);
-    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
-        out_printf(&o, "%s = ", cfg_keys[i].name);
-        config_value_text(cfg, &cfg_keys[i], &o);
-        out_puts(&o, "\n");
-    }
-}
-
-void relay_config_help(char *out, size_t outlen)
-{
-    struct cfg_out o;
-    size_t i;
-
-    out_init(&o, out, outlen);
-    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
-        const struct cfg_key *k = &cfg_keys[i];
-        char env[CFG_NAME_MAX + 32], flag[CFG_NAME_MAX + 32], lo[32], hi[32];
-
-        config_env_name(k->name, env, sizeof(env));
-        config_flag_name(k->name, flag, sizeof(flag));
-        out_printf(&o, "  %s", k->name);
-        switch (k->type) {
-        case CFG_STRING:
-        case CFG_SECRET_STRING:
-            if (k->flags & CFG_REQUIRED)
-                out_puts(&o, " (required)");
-            else
-                out_printf(&o, " (default \"%s\")", k->defval);
-            break;
-        case CFG_UINT:
-            out_printf(&o, " (default %s, %lu..%lu)", k->defval, (unsigned long)k->min,
-                       (unsigned long)k->max);
-            break;
-        case CFG_DURATION:
-            config_format_duration((uint32_t)k->min, lo, sizeof(lo));
-            config_format_duration((uint32_t)k->max, hi, sizeof(hi));
-            out_printf(&o, " (default %s, %s..%s)", k->defval, lo, hi);
-            break;
-        case CFG_BOOL:
-            out_printf(&o, " (default %s, on|off)", k->defval);
-            break;
-        case CFG_LOGLEVEL:
-            out_printf(&o, " (default %s, debug|info|warning|error)", k->defval);
-            break;
-        }
-        out_printf(&o, "\n      %s\n      %s, %s%s\n", k->help, env, flag,
-                   (k->flags & CFG_RELOADABLE) ? "; reloaded on SIGHUP" : "");
-    }
-}
-
-/* Appends s as roff text: backslashes and hyphens escaped, and a line never
- * starts with a control character. */
-static void out_roff(struct cfg_out *o, const char *s)
-{
-    if (*s == '.' || *s == '\'')
-        out_puts(o, "\\&");
-    for (; *s; s++) {
-        if (*s == '\\')
-            out_puts(o, "\\e");
-        else if (*s == '-')
-            out_puts(o, "\\-");
-        else
-            out_putn(o, s, 1);
-    }
-}
-
-/* Appends text as "# " comment lines of at most 78 columns, broken at spaces. */
-static void out_comment(struct cfg_out *o, const char *text)
-{
-    size_t col = 0;
-
-    while (*text) {
-        size_t n = strcspn(text, " ");
-        if (col > 0 && col + 1 + n > 78) {
-            out_puts(o, "\n");
-            col = 0;
-        }
-        out_puts(o, col == 0 ? "# " : " ");
-        out_putn(o, text, n);
-        col += (col == 0 ? 2 : 1) + n;
-        text += n;
-        text += strspn(text, " ");
-    }
-    out_puts(o, "\n");
-}
-
-/* The values k accepts, as a phrase: "1 to 10000", "on or off". */
-static void config_range_text(const struct cfg_key *k, char *out, size_t outlen)
-{
-    char lo[32], hi[32];
-
-    switch (k->type) {
-    case CFG_STRING:
-    case CFG_SECRET_STRING:
-        snprintf(out, outlen, "text");
-        return;
-    case CFG_UINT:
-        snprintf(out, outlen, "%lu to %lu", (unsigned long)k->min, (unsigned long)k->max);
-        return;
-    case CFG_DURATION:
-        config_format_duration((uint32_t)k->min, lo, sizeof(lo));
-        config_format_duration((uint32_t)k->max, hi, sizeof(hi));
-        snprintf(out, outlen, "a duration from %s to %s", lo, hi);
-        return;
-    case CFG_BOOL:
-        snprintf(out, outlen, "on or off");
-        return;
-    case CFG_LOGLEVEL:
-        snprintf(out, outlen, "debug, info, warning or error");
-        return;
-    }
-    snprintf(out, outlen, "?");
-}
-
-void relay_config_reference(enum relay_config_format format, char *out, size_t outlen)
-{
-    struct cfg_out o;
-    size_t i;
-
-    out_init(&o, out, outlen);
-    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
-        const struct cfg_key *k = &cfg_keys[i];
-        int text = k->type == CFG_STRING || k->type == CFG_SECRET_STRING;
-        int required = (k->flags & CFG_REQUIRED) != 0;
-        int reload = (k->flags & CFG_RELOADABLE) != 0;
-        char env[CFG_NAME_MAX + 32], flag[CFG_NAME_MAX + 32], range[96];
-
-        config_env_name(k->name, env, sizeof(env));
-        config_flag_name(k->name, flag, sizeof(flag));
-        config_range_text(k, range, sizeof(range));
-        if (format == RELAY_CONFIG_FORMAT_ROFF) {
-            out_puts(&o, ".TP\n.B ");
-            out_roff(&o, k->name);
-            out_puts(&o, "\n");
-            out_roff(&o, k->help);
-            out_puts(&o, ".\n.br\n");
-            if (required)
-                out_puts(&o, "Required");
-            else if (text && k->defval[0] == '\0')
-                out_puts(&o, "Default: empty");
-            else {
-                out_puts(&o, "Default: ");
-                out_roff(&o, k->defval);
-            }
-            out_puts(&o, "; ");
-            out_roff(&o, range);
-            out_puts(&o, ".\n.br\nEnvironment: ");
-            out_roff(&o, env);
-            out_puts(&o, "; command line: ");
-            out_roff(&o, flag);
-            out_puts(&o, reload ? "; reloaded on SIGHUP.\n" : ".\n");
-        } else {
-            char line[1024];
-            snprintf(line, sizeof(line), "%s: %s.", k->name, k->help);
-            out_puts(&o, "\n");
-            out_comment(&o, line);
-            snprintf(line, sizeof(line), "%s%s; %s, %s%s.", required ? "Required; " : "", range,
-                     env, flag, reload ? "; reloaded on SIGHUP" : "");
-            out_comment(&o, line);
-            if (text)
-                out_printf(&o, "#%s = \"%s\"\n", k->name, k->defval);
-            else
-                out_printf(&o, "#%s = %s\n", k->name, k->defval);
-        }
-    }
-}
+/* Reload.                                                                   */
 
 static int config_key_differs(const struct relay_config *a, const struct relay_config *b,
                               const struct cfg_key *k)
@@ -1571,13 +652,13 @@ static int config_key_differs(const struct relay_config *a, const struct relay_c
 int relay_config_diff_restart(const struct relay_config *cur, const struct relay_config *next,
                               char *out, size_t outlen)
 {
-    struct cfg_out o;
+    struct relay_text_out o;
     int n = 0;
     size_t i;
 
-    out_init(&o, out, outlen);
-    for (i = 0; i < OUTBOX_ARRAY_LEN(cfg_keys); i++) {
-        const struct cfg_key *k = &cfg_keys[i];
+    relay_text_out_init(&o, out, outlen);
+    for (i = 0; i < relay_config_nkeys; i++) {
+        const struct cfg_key *k = &relay_config_keys[i];
         int differs = config_key_differs(cur, next, k);
 
         /* Same path, new contents: the password changed all the same. */
@@ -1585,32 +666,8 @@ int relay_config_diff_restart(const struct relay_config *cur, const struct relay
             differs = strcmp(cur->redis_url.password, next->redis_url.password) != 0;
         if (!differs || (k->flags & CFG_RELOADABLE))
             continue;
-        out_printf(&o, "%s%s", n ? ", " : "", k->name);
+        relay_text_out_printf(&o, "%s%s", n ? ", " : "", k->name);
         n++;
     }
     return n;
-}
-
-int relay_config_parse_log_format(const char *name)
-{
-    if (name == NULL)
-        return -1;
-    if (strcmp(name, "text") == 0)
-        return 0;
-    if (strcmp(name, "json") == 0)
-        return 1;
-    return -1;
-}
-
-int relay_config_parse_log_level(const char *name)
-{
-    static const char *const names[] = {"debug", "info", "warning", "error"};
-    size_t i;
-
-    if (name == NULL)
-        return -1;
-    for (i = 0; i < sizeof(names) / sizeof(names[0]); i++)
-        if (strcasecmp(name, names[i]) == 0)
-            return (int)i;
-    return -1;
 }

@@ -130,6 +130,9 @@ void relay_config_redact(const char *s, char *out, size_t outlen);
 
 /* Parses a duration: "250ms", "5s", "2m", "1h" or a bare number of ms. */
 int relay_config_parse_duration(const char *s, uint32_t *ms) __attribute__((warn_unused_result));
+/* The shortest exact spelling of a duration, which parses back:
+ * 86400000 -> "1d", 1500 -> "1500ms". */
+void relay_config_format_duration(uint32_t ms, char *out, size_t outlen);
 
 /* Writes every key with its effective value (secrets redacted), one per line. */
 void relay_config_dump(const struct relay_config *cfg, char *out, size_t outlen);

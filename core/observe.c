@@ -9,7 +9,8 @@
  *
  * Every wait has a deadline of our own and ends early when the caller's stop
  * is triggered: each wait is a poll() on the server's socket and the stop's
- * pipe (common/wait.c; the Redis connection and its commands come from
+ * pipe (common/wait.c; the PostgreSQL connection and its statements come
+ * from core/pg.c, the Redis connection and its commands from
  * common/redisconn.c, the one Redis connect). Blocking libpq or hiredis calls
  * would wait as long as the kernel keeps a silent connection open: in a
  * network partition, a quarter of an hour with a request unacknowledged,
@@ -18,15 +19,12 @@
  * (getaddrinfo blocks).
  */
 #include "common/compat.h"
-#include "core/pg.h"
 
 #include "core/observe.h"
 
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
 #include <libpq-fe.h>
-#include <poll.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,10 +35,9 @@
 
 #include "core/config.h"
 #include "common/keys.h"
+#include "core/pg.h"
 #include "common/redisconn.h"
 #include "core/streamlist.h"
-#include "core/text.h"
-#include "common/wait.h"
 
 double relay_observe_parse_time(const char *s)
 {
@@ -72,14 +69,6 @@ static double now_unix(void)
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (double)ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
-static void one_line(char *dst, size_t dstlen, const char *src)
-{
-    snprintf(dst, dstlen, "%s", src != NULL ? src : "unknown error");
-    for (char *p = dst; *p; p++)
-        if (*p == '\n' || *p == '\r')
-            *p = ' ';
 }
 
 /* ---- waiting --------------------------------------------------------- */
@@ -132,156 +121,12 @@ int relay_observe_stop_fd(const struct relay_observe_stop *stop)
 
 /* ---- PostgreSQL ------------------------------------------------------ */
 
-/* A dead peer is noticed within about 25 s whether the connection is idle
- * (keepalives: 10 s idle, then 3 probes 5 s apart) or has data in flight
- * (tcp_user_timeout), the same keepalives as the claiming connections. */
-#define OBS_PG_KEEPALIVES_IDLE "10"
-#define OBS_PG_KEEPALIVES_INTERVAL "5"
-#define OBS_PG_KEEPALIVES_COUNT "3"
-#define OBS_PG_TCP_USER_TIMEOUT "25000"
-
-PGconn *relay_observe_pg_open(const struct relay_config *cfg, const char *application_name,
-                              const struct relay_observe_stop *stop, char *err, size_t errlen)
-{
-    char timeout[16], options[256];
-    /* connect_timeout is libpq's record of the setting: PQconnectPoll does not
-     * enforce it, the deadline below does. */
-    snprintf(timeout, sizeof(timeout), "%u", (cfg->connect_timeout_ms + 999) / 1000);
-    /* The server's side of the keepalives too, as the relay's own sessions
-     * set them: a vanished host's session then ends within about 30 s. */
-    snprintf(options, sizeof(options),
-             "-c statement_timeout=%u -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5"
-             " -c tcp_keepalives_count=3 -c tcp_user_timeout=30000",
-             cfg->statement_timeout_ms);
-    /* Our defaults come first so the user's conninfo (expanded in place of
-     * dbname) overrides them. */
-    const char *const keys[] = {"application_name",
-                                "connect_timeout",
-                                "keepalives",
-                                "keepalives_idle",
-                                "keepalives_interval",
-                                "keepalives_count",
-                                "tcp_user_timeout",
-                                "options",
-                                "dbname",
-                                NULL};
-    const char *const vals[] = {application_name,
-                                timeout,
-                                "1",
-                                OBS_PG_KEEPALIVES_IDLE,
-                                OBS_PG_KEEPALIVES_INTERVAL,
-                                OBS_PG_KEEPALIVES_COUNT,
-                                OBS_PG_TCP_USER_TIMEOUT,
-                                options,
-                                cfg->postgres,
-                                NULL};
-    PGconn *c = PQconnectStartParams(keys, vals, 1);
-    if (c == NULL) {
-        snprintf(err, errlen, "out of memory");
-        return NULL;
-    }
-    double deadline = outbox_mono_now() + cfg->connect_timeout_ms / 1000.0;
-    PostgresPollingStatusType st = PGRES_POLLING_WRITING;
-    while (PQstatus(c) != CONNECTION_BAD && st != PGRES_POLLING_OK && st != PGRES_POLLING_FAILED) {
-        enum outbox_wait w =
-            outbox_wait_fd(PQsocket(c), st == PGRES_POLLING_READING ? POLLIN : POLLOUT,
-                           relay_observe_stop_fd(stop), deadline);
-        if (w != OUTBOX_WAIT_READY) {
-            if (w == OUTBOX_WAIT_DEADLINE)
-                snprintf(err, errlen, "no connection within connect_timeout (%u ms)",
-                         cfg->connect_timeout_ms);
-            else
-                snprintf(err, errlen, "stopped");
-            PQfinish(c);
-            return NULL;
-        }
-        st = PQconnectPoll(c);
-    }
-    if (PQstatus(c) != CONNECTION_OK || PQsetnonblocking(c, 1) != 0) {
-        one_line(err, errlen, PQerrorMessage(c));
-        size_t len = strlen(err);
-        snprintf(err + len, errlen - len, "%s", relay_pg_connect_hint(err));
-        PQfinish(c);
-        return NULL;
-    }
-    return c;
-}
-
-/*
- * Runs one statement on *pg: its result (the caller clears it; it may be an
- * error result), or NULL with err set when the connection failed, gave no
- * answer within statement_timeout + connect_timeout, or stop was triggered.
- * The connection is then closed and *pg set to NULL.
- */
-PGresult *relay_observe_pg_exec(PGconn **pg, const struct relay_config *cfg,
-                                const struct relay_observe_stop *stop, const char *sql, int nparams,
-                                const char *const *params, char *err, size_t errlen)
-{
-    PGconn *c = *pg;
-    uint32_t limit_ms = cfg->statement_timeout_ms + cfg->connect_timeout_ms;
-    double deadline = outbox_mono_now() + limit_ms / 1000.0;
-    enum outbox_wait w = OUTBOX_WAIT_READY;
-    PGresult *res = NULL;
-    int flushed;
-
-    if (!PQsendQueryParams(c, sql, nparams, NULL, params, NULL, NULL, 0))
-        goto lost;
-    /* A server that sends while we write must be read, or both wait. */
-    while ((flushed = PQflush(c)) == 1) {
-        if ((w = outbox_wait_fd(PQsocket(c), POLLOUT | POLLIN, relay_observe_stop_fd(stop),
-                                deadline)) != OUTBOX_WAIT_READY)
-            goto waited;
-        if (!PQconsumeInput(c))
-            goto lost;
-    }
-    if (flushed < 0)
-        goto lost;
-    for (;;) {
-        while (PQisBusy(c)) {
-            if ((w = outbox_wait_fd(PQsocket(c), POLLIN, relay_observe_stop_fd(stop), deadline)) !=
-                OUTBOX_WAIT_READY)
-                goto waited;
-            if (!PQconsumeInput(c))
-                goto lost;
-        }
-        PGresult *r = PQgetResult(c);
-        if (r == NULL)
-            break;
-        if (res == NULL)
-            res = r;
-        else
-            PQclear(r);
-    }
-    if (res != NULL)
-        return res;
-lost:
-    one_line(err, errlen, PQerrorMessage(c));
-    goto drop;
-waited:
-    if (w == OUTBOX_WAIT_DEADLINE)
-        snprintf(err, errlen, "no answer within %u ms (statement_timeout + connect_timeout)",
-                 limit_ms);
-    else
-        snprintf(err, errlen, "stopped");
-drop:
-    PQclear(res);
-    PQfinish(c);
-    *pg = NULL;
-    return NULL;
-}
-
 /* 1 when r holds rows; else 0 with the error in o (r is cleared). */
 static int pg_rows(PGresult *r, struct relay_observation *o)
 {
-    if (r == NULL)
-        return 0; /* pg_exec said why */
-    if (PQresultStatus(r) == PGRES_TUPLES_OK)
-        return 1;
-    one_line(o->pg_error, sizeof(o->pg_error), PQresultErrorMessage(r));
-    PQclear(r);
-    return 0;
+    return relay_pg_rows(r, o->pg_error, sizeof(o->pg_error));
 }
-/* The relays' advisory locks in this database (relay/owner.c). */
+/* The relays' advisory locks in this database (relay/ownership_io.c). */
 #define OWNER_LOCKS                                                                                \
     " FROM pg_locks l WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted"              \
     " AND l.mode = 'ExclusiveLock' AND l.database ="                                               \
@@ -305,7 +150,7 @@ static const char outbox_sql[] =
     "   AND b.topic = ANY(ARRAY(SELECT t.topic FROM outbox.topics t WHERE t.partitions > 1))"
     "   LIMIT 1000000) k),"
     /* The relays running against this database, the partitions they own
-     * and the partitions there are (relay/owner.c). */
+     * and the partitions there are (relay/ownership_io.c). */
     " (SELECT count(*)" OWNER_LOCKS " AND l.classid = " RELAY_OWNER_MEMBER_NS "),"
     " (SELECT count(DISTINCT l.objid)" OWNER_LOCKS " AND l.classid = " RELAY_OWNER_UNIT_NS "),"
     " (SELECT coalesce(sum(t.partitions), 0) FROM outbox.topics t WHERE t.partitions > 1)";
@@ -475,12 +320,11 @@ static void merge_admission(const char *prefix, struct relay_observation *o, PGr
     o->ntopics = n;
 }
 
-static int pg_observe(const struct relay_config *cfg, PGconn **pg,
-                      const struct relay_observe_stop *stop, int update_admission,
-                      struct relay_observation *o)
+static int pg_observe(const struct relay_config *cfg, PGconn **pg, int stop_fd,
+                      int update_admission, struct relay_observation *o)
 {
     PGresult *r =
-        relay_observe_pg_exec(pg, cfg, stop, outbox_sql, 0, NULL, o->pg_error, sizeof(o->pg_error));
+        relay_pg_exec(pg, cfg, stop_fd, outbox_sql, 0, NULL, o->pg_error, sizeof(o->pg_error));
     if (!pg_rows(r, o))
         return -1;
     o->outbox_pending = PQgetisnull(r, 0, 0) ? 0 : strtoll(PQgetvalue(r, 0, 0), NULL, 10);
@@ -494,9 +338,9 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
     o->partitions = strtoll(PQgetvalue(r, 0, 8), NULL, 10);
     PQclear(r);
 
-    r = relay_observe_pg_exec(pg, cfg, stop,
-                              update_admission ? admission_decide_sql : admission_read_sql, 0, NULL,
-                              o->pg_error, sizeof(o->pg_error));
+    r = relay_pg_exec(pg, cfg, stop_fd,
+                      update_admission ? admission_decide_sql : admission_read_sql, 0, NULL,
+                      o->pg_error, sizeof(o->pg_error));
     unsigned char covered[RELAY_OBS_TOPICS_MAX] = {0};
     const char *state = r != NULL ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
     int admission_known = 1;
@@ -533,8 +377,7 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg,
         0)
         return 0; /* cannot happen: the value is sized for the most names */
     const char *params[1] = {arr};
-    r = relay_observe_pg_exec(pg, cfg, stop, topics_sql, 1, params, o->pg_error,
-                              sizeof(o->pg_error));
+    r = relay_pg_exec(pg, cfg, stop_fd, topics_sql, 1, params, o->pg_error, sizeof(o->pg_error));
     if (!pg_rows(r, o))
         return -1;
     for (int i = 0; i < PQntuples(r); i++) {
@@ -781,7 +624,7 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
     memset(&once, 0, sizeof(once));
     struct relay_stream_list *list = streams != NULL ? streams : &once;
     if (streams == NULL)
-        relay_stream_list_round(&once, NULL);
+        relay_stream_list_round(&once, NULL, 0, 0);
     memset(o, 0, sizeof(*o));
     o->taken_at = now_unix();
     o->outbox_oldest_age = -1;
@@ -825,206 +668,11 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
         *pg = NULL;
     }
     if (*pg == NULL)
-        *pg = relay_observe_pg_open(cfg, "outbox-relay observe", stop, o->pg_error,
-                                    sizeof(o->pg_error));
+        *pg = relay_pg_open(cfg, "outbox-relay observe", relay_observe_stop_fd(stop), o->pg_error,
+                            sizeof(o->pg_error));
     if (*pg != NULL)
-        o->pg_ok = pg_observe(cfg, pg, stop, update_admission, o) == 0;
+        o->pg_ok = pg_observe(cfg, pg, relay_observe_stop_fd(stop), update_admission, o) == 0;
     finish_queue_ages(o);
     relay_stream_list_free(&once);
     return o->pg_ok && o->redis_ok ? 0 : -1;
-}
-
-/* ---- rendering ------------------------------------------------------- */
-
-struct out {
-    char *buf;
-    size_t len, cap;
-};
-
-static void put(struct out *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void put(struct out *b, const char *fmt, ...)
-{
-    if (b->len + 1 >= b->cap)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(b->buf + b->len, b->cap - b->len, fmt, ap);
-    va_end(ap);
-    if (n > 0)
-        b->len = b->len + (size_t)n >= b->cap ? b->cap - 1 : b->len + (size_t)n;
-}
-
-static void age_text(char *out, size_t outlen, double s)
-{
-    if (s < 0)
-        snprintf(out, outlen, "-");
-    else if (s < 60)
-        snprintf(out, outlen, "%.1fs", s);
-    else if (s < 3600)
-        snprintf(out, outlen, "%dm%02ds", (int)s / 60, (int)s % 60);
-    else
-        snprintf(out, outlen, "%dh%02dm", (int)s / 3600, ((int)s % 3600) / 60);
-}
-
-/* Text from the servers or from Redis keys, for a terminal (core/text.c):
- * escaped, cut to maxcols columns (0: not cut) and padded to width. */
-static void put_shown(struct out *b, const char *s, size_t width, size_t maxcols)
-{
-    char shown[RELAY_ESCAPED_SIZE(512)];
-    size_t cols = relay_text_escape(shown, sizeof(shown), s, strlen(s), maxcols, 0);
-    put(b, "%s%*s", shown, cols < width ? (int)(width - cols) : 0, "");
-}
-
-void relay_observe_text(const struct relay_observation *o, char *outbuf, size_t outlen)
-{
-    struct out b = {outbuf, 0, outlen};
-    char a1[32], a2[32];
-    outbuf[0] = '\0';
-    put(&b, "PostgreSQL  %s\n", o->pg_ok ? "up" : "DOWN");
-    if (!o->pg_ok) {
-        put(&b, "            ");
-        put_shown(&b, o->pg_error, 0, 0);
-        put(&b, "\n");
-    }
-    put(&b, "Redis       %s", o->redis_ok ? "up" : "DOWN");
-    if (o->redis_ok) {
-        put(&b, " (");
-        put_shown(&b, o->durability, 0, 0);
-        put(&b, ")");
-    }
-    put(&b, "\n");
-    if (!o->redis_ok) {
-        put(&b, "            ");
-        put_shown(&b, o->redis_error, 0, 0);
-        put(&b, "\n");
-    }
-    if (o->pg_ok) {
-        age_text(a1, sizeof(a1), o->outbox_oldest_age);
-        put(&b, "Outbox      ~%lld pending, oldest %s, %lld quarantined\n", o->outbox_pending, a1,
-            o->quarantined);
-        if (o->partitions > 0 || o->relays > 1)
-            put(&b, "Relays      %lld running; %lld of %lld partitions owned\n", o->relays,
-                o->partitions_owned, o->partitions);
-        if (o->blocked_keys > 0)
-            put(&b,
-                "Keys        %lld held back behind a quarantined or retrying row"
-                " (outbox-relay failed list)\n",
-                o->blocked_keys);
-        if (o->admission_topics > 0)
-            put(&b, "Admission   %lld topics with limits, %lld refused\n", o->admission_topics,
-                o->admission_refused);
-    }
-    if (o->ngroups == 0) {
-        put(&b, "\nNo consumer groups yet.\n");
-        return;
-    }
-    put(&b, "\n%-24s %-16s %10s %8s %8s %10s %12s %6s\n", "STREAM", "GROUP", "QUEUE AGE", "LAG",
-        "PENDING", "DEAD", "OUTBOX WAIT", "ADMIT");
-    for (size_t i = 0; i < o->ngroups; i++) {
-        const struct relay_group_obs *g = &o->groups[i];
-        const struct relay_topic_obs *t = g->topic >= 0 ? &o->topics[g->topic] : NULL;
-        age_text(a1, sizeof(a1), g->queue_age);
-        char lag[24];
-        if (g->lag < 0)
-            snprintf(lag, sizeof(lag), "?");
-        else
-            snprintf(lag, sizeof(lag), "%lld", g->lag);
-        if (t != NULL)
-            snprintf(a2, sizeof(a2), "%lld", t->pending);
-        else
-            snprintf(a2, sizeof(a2), "-");
-        /* Stream and group names may be any bytes (XGROUP CREATE takes any). */
-        put_shown(&b, g->stream, 24, 24);
-        put(&b, " ");
-        put_shown(&b, g->group, 16, 16);
-        put(&b, " %10s %8s %8lld %10lld %12s %6s\n", a1, lag, g->pending, g->dead_letters, a2,
-            t == NULL || t->admitting < 0 ? "-"
-            : t->admitting                ? "yes"
-                                          : "NO");
-    }
-}
-
-/*
- * A JSON string with s exactly: the controls of relay_text_control_char as
- * \u escapes (so the output cannot act on a terminal either), other UTF-8 as
- * it is. JSON text is UTF-8 (RFC 8259), so a byte that is not part of valid
- * UTF-8, which no JSON string can carry, is U+FFFD.
- */
-static void json_string(struct out *b, const char *s)
-{
-    size_t len = strlen(s);
-    put(b, "\"");
-    for (size_t i = 0; i < len;) {
-        unsigned long cp;
-        size_t n = relay_text_utf8_char(s + i, len - i, &cp);
-        if (n == 0) {
-            put(b, "\\ufffd");
-            n = 1;
-        } else if (cp == '"' || cp == '\\') {
-            put(b, "\\%c", (char)cp);
-        } else if (relay_text_control_char(cp)) {
-            put(b, "\\u%04lx", cp);
-        } else {
-            put(b, "%.*s", (int)n, s + i);
-        }
-        i += n;
-    }
-    put(b, "\"");
-}
-
-void relay_observe_json(const struct relay_observation *o, char *outbuf, size_t outlen)
-{
-    struct out b = {outbuf, 0, outlen};
-    outbuf[0] = '\0';
-    put(&b, "{\"taken_at\":%.3f,\"postgres\":{\"up\":%s,\"error\":", o->taken_at,
-        o->pg_ok ? "true" : "false");
-    json_string(&b, o->pg_ok ? "" : o->pg_error);
-    put(&b, "},\"redis\":{\"up\":%s,\"durability\":", o->redis_ok ? "true" : "false");
-    json_string(&b, o->durability);
-    put(&b, ",\"error\":");
-    json_string(&b, o->redis_ok ? "" : o->redis_error);
-    put(&b,
-        "},\"outbox\":{\"pending_estimate\":%lld,\"oldest_pending_age_seconds\":%.3f,"
-        "\"quarantined\":%lld,\"blocked_keys\":%lld},"
-        "\"relays\":{\"running\":%lld,\"partitions\":%lld,\"partitions_owned\":%lld},"
-        "\"admission\":{\"topics\":%lld,\"refused\":%lld},"
-        "\"topics\":[",
-        o->outbox_pending, o->outbox_oldest_age, o->quarantined, o->blocked_keys, o->relays,
-        o->partitions, o->partitions_owned, o->admission_topics, o->admission_refused);
-    for (size_t i = 0; i < o->ntopics; i++) {
-        const struct relay_topic_obs *t = &o->topics[i];
-        put(&b, "%s{\"topic\":", i ? "," : "");
-        json_string(&b, t->topic);
-        put(&b, ",\"stream\":");
-        json_string(&b, t->stream);
-        if (t->partition >= 0)
-            put(&b, ",\"partition\":%d", t->partition);
-        else
-            put(&b, ",\"partition\":null");
-        put(&b, ",\"outbox_pending\":%lld,\"outbox_oldest_age_seconds\":%.3f,\"admitting\":%s}",
-            t->pending, t->oldest_pending_age,
-            t->admitting < 0 ? "null"
-            : t->admitting   ? "true"
-                             : "false");
-    }
-    put(&b, "],\"groups\":[");
-    for (size_t i = 0; i < o->ngroups; i++) {
-        const struct relay_group_obs *g = &o->groups[i];
-        put(&b, "%s{\"stream\":", i ? "," : "");
-        json_string(&b, g->stream);
-        put(&b, ",\"group\":");
-        json_string(&b, g->group);
-        put(&b, ",\"consumers\":%lld,\"lag\":", g->consumers);
-        if (g->lag < 0)
-            put(&b, "null");
-        else
-            put(&b, "%lld", g->lag);
-        put(&b,
-            ",\"pending\":%lld,\"dead_letters\":%lld,\"oldest_pending_age_seconds\":%.3f,"
-            "\"oldest_undelivered_age_seconds\":%.3f,\"queue_age_seconds\":%.3f}",
-            g->pending, g->dead_letters, g->oldest_pending_age, g->oldest_undelivered_age,
-            g->queue_age);
-    }
-    put(&b, "]}\n");
 }

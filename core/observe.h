@@ -94,6 +94,10 @@ struct relay_observation {
     struct relay_group_obs groups[RELAY_OBS_GROUPS_MAX];
 };
 
+/* Whether topics[i] is the first entry of its topic: a partitioned topic has
+ * one entry per partition stream, and what is per topic is done once. */
+int relay_observe_first_of_topic(const struct relay_observation *o, size_t i);
+
 /*
  * Lets another thread end relay_observe at once: a call that waits for a
  * server returns as soon as the stop is triggered, and a triggered stop
@@ -101,14 +105,11 @@ struct relay_observation {
  * out of memory or descriptors; trigger is safe from any thread and
  * NULL-safe; free is NULL-safe and must not race with a relay_observe using it.
  */
-/* Whether topics[i] is the first entry of its topic: a partitioned topic has
- * one entry per partition stream, and what is per topic is done once. */
-int relay_observe_first_of_topic(const struct relay_observation *o, size_t i);
-
 struct relay_observe_stop *relay_observe_stop_new(void) __attribute__((warn_unused_result));
 void relay_observe_stop_trigger(struct relay_observe_stop *s);
 void relay_observe_stop_free(struct relay_observe_stop *s);
-/* The descriptor that becomes readable once s is triggered; -1 for NULL. */
+/* The descriptor that becomes readable once s is triggered, for the waits
+ * of core/pg.h and common/redisconn.h; -1 for NULL. */
 int relay_observe_stop_fd(const struct relay_observe_stop *s);
 
 /*
@@ -125,7 +126,7 @@ int relay_observe_stop_fd(const struct relay_observe_stop *s);
  * topic in outbox.topic_limits or outbox.topic_state is recomputed through
  * outbox.observe_topic, in one statement; without, the last decisions are
  * read. Neither depends on Redis. The streams are those of the list, which
- * scans the nodes when its round says so (relay/streamlist.h);
+ * scans the nodes when its round says so (core/streamlist.h);
  * with streams NULL, every node is scanned. Returns 0 when both servers
  * answered, -1 otherwise (o says which and why).
  */
@@ -133,36 +134,7 @@ int relay_observe(const struct relay_config *cfg, struct pg_conn **pg, struct re
                   int update_admission, const struct relay_observe_stop *stop,
                   struct relay_stream_list *streams, struct relay_observation *o);
 
-/*
- * One statement on the observer's connection (from relay_observe_pg_open),
- * within statement_timeout + connect_timeout, ended at once by stop. The
- * result (the caller clears it, and checks its status), or NULL with err set;
- * then the connection was closed and *pg is NULL.
- */
-struct pg_result *relay_observe_pg_exec(struct pg_conn **pg, const struct relay_config *cfg,
-                                        const struct relay_observe_stop *stop, const char *sql,
-                                        int nparams, const char *const *params, char *err,
-                                        size_t errlen) __attribute__((warn_unused_result));
-
-/*
- * The one blocking PostgreSQL connect: within connect_timeout (stop, which
- * may be NULL, ends the wait at once), with TCP keepalives and
- * tcp_user_timeout on both ends, the server's statement_timeout set, and
- * application_name as given. The connection comes back in nonblocking mode
- * (PQexec still blocks; the observation's own reads add a client-side
- * deadline). NULL with a message in err.
- */
-struct pg_conn *relay_observe_pg_open(const struct relay_config *cfg, const char *application_name,
-                                      const struct relay_observe_stop *stop, char *err,
-                                      size_t errlen) __attribute__((warn_unused_result));
-
 /* "2026-11-30T11:35:14.123456Z" -> Unix time; -1 if not that form. */
 double relay_observe_parse_time(const char *s);
-
-/* Renders for humans (status), with names and errors in the escaped form of
- * core/text.c, or for scripts (status --json), with every name exact as
- * JSON escapes but bytes that are not UTF-8, which come out as U+FFFD. */
-void relay_observe_text(const struct relay_observation *o, char *out, size_t outlen);
-void relay_observe_json(const struct relay_observation *o, char *out, size_t outlen);
 
 #endif

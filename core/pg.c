@@ -1,14 +1,31 @@
 /*
- * PostgreSQL pieces that the daemon and the operator commands share: the hint
- * added to a failed connection's message, and topics as a text[] literal for
- * a query parameter.
+ * PostgreSQL for the observation, retention and the operator commands
+ * (core/pg.h): one connection at a time, blocking, with a deadline of our
+ * own on every wait. libpq's blocking calls would wait as long as the kernel
+ * keeps a silent connection open; each wait here is a poll() on the
+ * connection's socket and the caller's stop descriptor (common/wait.c), so
+ * a network partition costs a deadline, and a stop ends the wait at once.
  */
 #include "common/compat.h"
 
 #include "core/pg.h"
 
+#include <libpq-fe.h>
+#include <poll.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+
+#include "common/wait.h"
+#include "core/config.h"
+
+static void one_line(char *dst, size_t dstlen, const char *src)
+{
+    snprintf(dst, dstlen, "%s", src != NULL ? src : "unknown error");
+    for (char *p = dst; *p; p++)
+        if (*p == '\n' || *p == '\r')
+            *p = ' ';
+}
 
 const char *relay_pg_connect_hint(const char *msg)
 {
@@ -50,5 +67,151 @@ int relay_pg_text_array(char *out, size_t outlen, const char (*items)[OUTBOX_TOP
         return -1;
     out[len++] = '}';
     out[len] = '\0';
+    return 0;
+}
+
+/* A dead peer is noticed within about 25 s whether the connection is idle
+ * (keepalives: 10 s idle, then 3 probes 5 s apart) or has data in flight
+ * (tcp_user_timeout), the same keepalives as the claiming connections. */
+#define PG_KEEPALIVES_IDLE "10"
+#define PG_KEEPALIVES_INTERVAL "5"
+#define PG_KEEPALIVES_COUNT "3"
+#define PG_TCP_USER_TIMEOUT "25000"
+
+PGconn *relay_pg_open(const struct relay_config *cfg, const char *application_name, int stop_fd,
+                      char *err, size_t errlen)
+{
+    char timeout[16], options[256];
+    /* connect_timeout is libpq's record of the setting: PQconnectPoll does not
+     * enforce it, the deadline below does. */
+    snprintf(timeout, sizeof(timeout), "%u", (cfg->connect_timeout_ms + 999) / 1000);
+    /* The server's side of the keepalives too, as the relay's own sessions
+     * set them: a vanished host's session then ends within about 30 s. */
+    snprintf(options, sizeof(options),
+             "-c statement_timeout=%u -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5"
+             " -c tcp_keepalives_count=3 -c tcp_user_timeout=30000",
+             cfg->statement_timeout_ms);
+    /* Our defaults come first so the user's conninfo (expanded in place of
+     * dbname) overrides them. */
+    const char *const keys[] = {"application_name",
+                                "connect_timeout",
+                                "keepalives",
+                                "keepalives_idle",
+                                "keepalives_interval",
+                                "keepalives_count",
+                                "tcp_user_timeout",
+                                "options",
+                                "dbname",
+                                NULL};
+    const char *const vals[] = {application_name,
+                                timeout,
+                                "1",
+                                PG_KEEPALIVES_IDLE,
+                                PG_KEEPALIVES_INTERVAL,
+                                PG_KEEPALIVES_COUNT,
+                                PG_TCP_USER_TIMEOUT,
+                                options,
+                                cfg->postgres,
+                                NULL};
+    PGconn *c = PQconnectStartParams(keys, vals, 1);
+    if (c == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    double deadline = outbox_mono_now() + cfg->connect_timeout_ms / 1000.0;
+    PostgresPollingStatusType st = PGRES_POLLING_WRITING;
+    while (PQstatus(c) != CONNECTION_BAD && st != PGRES_POLLING_OK && st != PGRES_POLLING_FAILED) {
+        enum outbox_wait w = outbox_wait_fd(
+            PQsocket(c), st == PGRES_POLLING_READING ? POLLIN : POLLOUT, stop_fd, deadline);
+        if (w != OUTBOX_WAIT_READY) {
+            if (w == OUTBOX_WAIT_DEADLINE)
+                snprintf(err, errlen, "no connection within connect_timeout (%u ms)",
+                         cfg->connect_timeout_ms);
+            else
+                snprintf(err, errlen, "stopped");
+            PQfinish(c);
+            return NULL;
+        }
+        st = PQconnectPoll(c);
+    }
+    if (PQstatus(c) != CONNECTION_OK || PQsetnonblocking(c, 1) != 0) {
+        one_line(err, errlen, PQerrorMessage(c));
+        size_t len = strlen(err);
+        snprintf(err + len, errlen - len, "%s", relay_pg_connect_hint(err));
+        PQfinish(c);
+        return NULL;
+    }
+    return c;
+}
+
+/*
+ * Runs one statement on *pg: its result (the caller clears it; it may be an
+ * error result), or NULL with err set when the connection failed, gave no
+ * answer within statement_timeout + connect_timeout, or the stop fired.
+ * The connection is then closed and *pg set to NULL.
+ */
+PGresult *relay_pg_exec(PGconn **pg, const struct relay_config *cfg, int stop_fd, const char *sql,
+                        int nparams, const char *const *params, char *err, size_t errlen)
+{
+    PGconn *c = *pg;
+    uint32_t limit_ms = cfg->statement_timeout_ms + cfg->connect_timeout_ms;
+    double deadline = outbox_mono_now() + limit_ms / 1000.0;
+    enum outbox_wait w = OUTBOX_WAIT_READY;
+    PGresult *res = NULL;
+    int flushed;
+
+    if (!PQsendQueryParams(c, sql, nparams, NULL, params, NULL, NULL, 0))
+        goto lost;
+    /* A server that sends while we write must be read, or both wait. */
+    while ((flushed = PQflush(c)) == 1) {
+        if ((w = outbox_wait_fd(PQsocket(c), POLLOUT | POLLIN, stop_fd, deadline)) !=
+            OUTBOX_WAIT_READY)
+            goto waited;
+        if (!PQconsumeInput(c))
+            goto lost;
+    }
+    if (flushed < 0)
+        goto lost;
+    for (;;) {
+        while (PQisBusy(c)) {
+            if ((w = outbox_wait_fd(PQsocket(c), POLLIN, stop_fd, deadline)) != OUTBOX_WAIT_READY)
+                goto waited;
+            if (!PQconsumeInput(c))
+                goto lost;
+        }
+        PGresult *r = PQgetResult(c);
+        if (r == NULL)
+            break;
+        if (res == NULL)
+            res = r;
+        else
+            PQclear(r);
+    }
+    if (res != NULL)
+        return res;
+lost:
+    one_line(err, errlen, PQerrorMessage(c));
+    goto drop;
+waited:
+    if (w == OUTBOX_WAIT_DEADLINE)
+        snprintf(err, errlen, "no answer within %u ms (statement_timeout + connect_timeout)",
+                 limit_ms);
+    else
+        snprintf(err, errlen, "stopped");
+drop:
+    PQclear(res);
+    PQfinish(c);
+    *pg = NULL;
+    return NULL;
+}
+
+int relay_pg_rows(PGresult *r, char *err, size_t errlen)
+{
+    if (r == NULL)
+        return 0; /* relay_pg_exec said why */
+    if (PQresultStatus(r) == PGRES_TUPLES_OK)
+        return 1;
+    one_line(err, errlen, PQresultErrorMessage(r));
+    PQclear(r);
     return 0;
 }

@@ -1,5 +1,9 @@
 /*
- * PostgreSQL pieces that the daemon and the operator commands share (core/pg.c).
+ * PostgreSQL as the daemon's observation thread and the operator commands
+ * use it (core/pg.c): a blocking connection whose every wait has a deadline
+ * and ends at once when a stop descriptor becomes readable, and the pieces
+ * that the claiming connections share with them. The daemon's event loop
+ * never calls the blocking ones (relay/pgsrc.c is its own, non-blocking).
  */
 #ifndef RELAY_PG_H
 #define RELAY_PG_H
@@ -7,6 +11,36 @@
 #include <stddef.h>
 
 #include "common/common.h" /* OUTBOX_TOPIC_MAX */
+
+struct pg_conn;
+struct pg_result;
+struct relay_config;
+
+/*
+ * The one blocking PostgreSQL connect: within connect_timeout (stop_fd, which
+ * may be -1, ends the wait at once when it becomes readable), with TCP
+ * keepalives and tcp_user_timeout on both ends, the server's
+ * statement_timeout set, and application_name as given. The connection comes
+ * back in nonblocking mode (PQexec still blocks; relay_pg_exec adds a
+ * client-side deadline). NULL with a message in err.
+ */
+struct pg_conn *relay_pg_open(const struct relay_config *cfg, const char *application_name,
+                              int stop_fd, char *err, size_t errlen)
+    __attribute__((warn_unused_result));
+
+/*
+ * One statement on a connection from relay_pg_open, within
+ * statement_timeout + connect_timeout, ended at once by stop_fd (may be -1).
+ * The result (the caller clears it, and checks its status), or NULL with err
+ * set; then the connection was closed and *pg is NULL.
+ */
+struct pg_result *relay_pg_exec(struct pg_conn **pg, const struct relay_config *cfg, int stop_fd,
+                                const char *sql, int nparams, const char *const *params, char *err,
+                                size_t errlen) __attribute__((warn_unused_result));
+
+/* 1 when r (from relay_pg_exec) holds rows; else 0, with its error on one
+ * line in err and r cleared (a NULL r leaves err as relay_pg_exec set it). */
+int relay_pg_rows(struct pg_result *r, char *err, size_t errlen);
 
 /* What to do about a connection libpq refused for TLS or a password (it says
  * what failed, not where to look): text to append to its message, "" when

@@ -16,28 +16,23 @@
  *   - every RELAY_STREAM_RESCAN_EVERY observations, for the streams other
  *     processes created (other relays, the replay tool, an operator).
  * A stream the claim cycle publishes to for the first time (a new topic, or
- * a new partition of one) needs no scan: the cycle hands its name over
- * (relay_stream_seen), and the observer lists it on the node that has it.
- * docs/DESIGN.md, "Finding the streams".
+ * a new partition of one) needs no scan: the daemon hands its name over at
+ * the next round (relay/streamseen.h), and the list takes it on the node that
+ * has it. docs/DESIGN.md, "Finding the streams".
  */
 #ifndef RELAY_STREAMLIST_H
 #define RELAY_STREAMLIST_H
 
-#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
 struct redisContext;
-struct relay_row;
 
 /* Observations between two full scans when nothing else calls for one: a
  * minute at the default observe_interval of 5 s. */
 #define RELAY_STREAM_RESCAN_EVERY 12
 /* The most streams listed over all nodes; the trim pass visits no more. */
 #define RELAY_STREAM_LIST_MAX 10000
-/* The most names the claim cycle hands over between two observations; past
- * it, the observer scans instead. */
-#define RELAY_STREAM_FRESH_MAX 1024
 /* A node's name: "host:port", or a Unix socket's path. */
 #define RELAY_STREAM_NODE_MAX 300
 
@@ -58,14 +53,12 @@ struct relay_listed_stream {
     enum relay_stream_kind kind;
 };
 
-struct relay_stream_seen;
-
 struct relay_stream_list {
     struct relay_listed_stream *streams;
     size_t n, cap;
     char (*nodes)[RELAY_STREAM_NODE_MAX]; /* scanned since the last full scan began */
     size_t nnodes, nodes_cap;
-    char **fresh; /* names handed over by the claim cycle, not listed yet; NULL once placed */
+    char **fresh; /* names handed over, not listed yet; NULL once placed */
     size_t nfresh;
     unsigned since_scan;      /* observations since the last full scan */
     int scanned;              /* a full scan began once */
@@ -73,10 +66,13 @@ struct relay_stream_list {
     unsigned long long scans; /* nodes scanned, since the start */
 };
 
-/* Starts an observation: takes the names seen handed over (seen may be
- * NULL), and when the list may miss a stream (see above), forgets every
- * stream, so that each node is scanned at its first visit. */
-void relay_stream_list_round(struct relay_stream_list *l, struct relay_stream_seen *seen);
+/* Starts an observation: takes the nfresh names of streams the claim cycle
+ * published to since the last round (the list owns them and the array; fresh
+ * may be NULL), with overflow set when some names were not handed over, and
+ * when the list may miss a stream (see above), forgets every stream, so that
+ * each node is scanned at its first visit. */
+void relay_stream_list_round(struct relay_stream_list *l, char **fresh, size_t nfresh,
+                             int overflow);
 
 /* The node c is connected to, as an index into l->nodes, scanning it first
  * when it is not listed, then listing the handed-over names it has (an
@@ -95,31 +91,5 @@ void relay_stream_list_forget(struct relay_stream_list *l);
 int relay_stream_list_rescan(struct relay_stream_list *l);
 
 void relay_stream_list_free(struct relay_stream_list *l);
-
-/*
- * The streams the claim cycle has published to, as 64-bit hashes of topic
- * and partition (the loop's alone), and the names of the new ones, which the
- * observation thread takes under the lock.
- */
-struct relay_stream_seen {
-    uint64_t *hashes; /* open addressing; 0 is an empty slot */
-    size_t mask, n;
-    pthread_mutex_t lock; /* guards what follows */
-    char **fresh;
-    size_t nfresh;
-    int overflow; /* names were dropped: the observer scans */
-};
-
-void relay_stream_seen_init(struct relay_stream_seen *s);
-/* Notes row's stream, "<prefix><topic>[:<ppp>]"; hands its name over when
- * it is new. Past RELAY_STREAM_LIST_MAX streams it forgets them all (topics
- * come and go) and tells the observer to scan once; out of memory, it tells
- * the observer to scan. */
-void relay_stream_seen_note(struct relay_stream_seen *s, const char *prefix,
-                            const struct relay_row *row);
-/* The names handed over since the last call, for the caller to free with
- * the array, and their count; *overflow set when some were dropped. */
-size_t relay_stream_seen_take(struct relay_stream_seen *s, char ***names, int *overflow);
-void relay_stream_seen_free(struct relay_stream_seen *s);
 
 #endif

@@ -11,11 +11,15 @@
  * one form here, which shows all of those, and any byte that is not UTF-8,
  * as \xNN, so nothing shown can act and the text still says which bytes are
  * stored. Scripts get JSON instead, which needs no such form.
+ *
+ * Also the one bounded writer of text into a caller's array (the
+ * configuration's messages and documents, the status page).
  */
 #include "common/compat.h"
 
 #include "core/text.h"
 
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -183,4 +187,54 @@ int relay_text_ends_with(const char *s, const char *suffix)
 {
     size_t a = strlen(s), b = strlen(suffix);
     return a >= b && strcmp(s + a - b, suffix) == 0;
+}
+
+/* ---- bounded text ----------------------------------------------------- */
+
+void relay_text_out_init(struct relay_text_out *o, char *p, size_t cap)
+{
+    o->p = p;
+    o->cap = cap;
+    o->len = 0;
+    if (cap > 0)
+        p[0] = '\0';
+}
+
+void relay_text_out_putn(struct relay_text_out *o, const char *s, size_t n)
+{
+    size_t room;
+
+    if (o->cap == 0)
+        return;
+    room = o->cap - 1 - o->len;
+    if (n > room)
+        n = room;
+    memcpy(o->p + o->len, s, n);
+    o->len += n;
+    o->p[o->len] = '\0';
+}
+
+void relay_text_out_puts(struct relay_text_out *o, const char *s)
+{
+    relay_text_out_putn(o, s, strlen(s));
+}
+
+void relay_text_out_printf(struct relay_text_out *o, const char *fmt, ...)
+{
+    va_list ap;
+    size_t room;
+    int n;
+
+    if (o->cap == 0)
+        return;
+    room = o->cap - o->len;
+    va_start(ap, fmt);
+    n = vsnprintf(o->p + o->len, room, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        o->p[o->len] = '\0';
+    else if ((size_t)n >= room)
+        o->len = o->cap - 1; /* truncated: vsnprintf filled what fits */
+    else
+        o->len += (size_t)n;
 }

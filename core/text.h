@@ -1,6 +1,7 @@
 /*
  * Text that may hold any bytes, shown on a terminal or in a log line: the one
- * escaped form that the operator commands and the daemon's log use.
+ * escaped form that the operator commands and the daemon's log use; and text
+ * written into a bounded array.
  */
 #ifndef RELAY_TEXT_H
 #define RELAY_TEXT_H
@@ -38,6 +39,9 @@ size_t relay_text_utf8_char(const char *s, size_t len, unsigned long *cp);
  */
 int relay_text_control_char(unsigned long cp);
 
+/* 1 when s ends with suffix. */
+int relay_text_ends_with(const char *s, const char *suffix);
+
 /*
  * Writes the form of s[0..len) into dst, which has dstlen bytes, and a NUL
  * (nothing when dstlen is 0). A form longer than maxcols columns (when
@@ -46,9 +50,6 @@ int relay_text_control_char(unsigned long cp);
  * character counts one column, \\ two and \xNN four. Returns the columns
  * written.
  */
-/* 1 when s ends with suffix. */
-int relay_text_ends_with(const char *s, const char *suffix);
-
 size_t relay_text_escape(char *dst, size_t dstlen, const char *s, size_t len, size_t maxcols,
                          unsigned flags);
 
@@ -58,5 +59,23 @@ size_t relay_text_put_escaped(FILE *f, const char *s, size_t len, size_t maxcols
 /* relay_text_put_escaped with no flags, then spaces up to width columns and
  * one more: a column of a table. */
 void relay_text_put_column(FILE *f, const char *s, size_t len, size_t width, size_t maxcols);
+
+/*
+ * Text written into an array of the caller's: each append writes what fits
+ * and drops the rest, and the text stays NUL-terminated, so a long text is
+ * cut, never overrun. Initialise with relay_text_out_init; len is the length
+ * written.
+ */
+struct relay_text_out {
+    char *p;
+    size_t cap; /* bytes at p, NUL included */
+    size_t len;
+};
+
+void relay_text_out_init(struct relay_text_out *o, char *p, size_t cap);
+void relay_text_out_putn(struct relay_text_out *o, const char *s, size_t n);
+void relay_text_out_puts(struct relay_text_out *o, const char *s);
+void relay_text_out_printf(struct relay_text_out *o, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 
 #endif

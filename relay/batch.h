@@ -136,7 +136,7 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
                               size_t errlen) __attribute__((warn_unused_result));
 
 /* The two functions below write the Redis protocol (RESP) into a
- * struct outbox_buf (relay/buf.h) meant to live as long as the relay
+ * struct outbox_buf (common/buf.h) meant to live as long as the relay
  * and be reset, not freed, between commands and batches: its memory only
  * grows to the largest thing ever put in it, and the hot path does not
  * allocate. When a command would take the buffer past its max they return
@@ -195,7 +195,7 @@ int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t 
  * expire within ttl_ms (docs/DESIGN.md, "The publish deadline"), or with
  * ttl_ms 0 the next "UNLINK <dedup key>..." that removes them: one command
  * per stream (so each stays inside one hash slot), its keys in row order, as
- * outbox_key_dedup (common/keys.c) names them; lanes.c sends them. Rows are
+ * outbox_key_dedup (common/keys.c) names them; cycle_io.c sends them. Rows are
  * not modified. *pos is the iteration state: start it at 0 and call again
  * until it returns 0.
  *

@@ -2,14 +2,18 @@
  * The daemon's parts and the one struct they share (docs/DESIGN.md, "Modules").
  * Not part of any library's interface: only the daemon's own files include it.
  *
- *   relay/relay.c     life cycle, timers, signals, drain, reload, watchdog
- *   relay/lanes.c     the claim cycle's ops on the claiming connections and Redis
- *   relay/wakeup.c    the wake-up protocol's ops on the LISTEN connection
- *   relay/observer.c  the observation thread and its hand-off to the loop
- *   relay/render.c    /metrics text, /readyz and the stuck-cycle check
+ *   relay/relay.c         life cycle, timers, signals, drain, reload, watchdog
+ *   relay/cycle_io.c      the claim cycle's ops on the claiming connections and Redis
+ *   relay/wake_io.c       the wake-up protocol's ops on the LISTEN connection
+ *   relay/ownership_io.c  the owner connection: the partitions this relay claims
+ *   relay/observe_io.c    the observation thread and its hand-offs with the loop
+ *   relay/render.c        /metrics text, /readyz and the stuck-cycle check
  *
  * The decisions live in pure modules with unit tests: relay/cycle.c,
- * relay/wake.c, relay/backpressure.c, relay/batch.c and relay/retire.c.
+ * relay/wake.c, relay/ownership.c, relay/backpressure.c, relay/batch.c and
+ * relay/retire.c. A machine X.c and the file that drives it on real
+ * connections, X_io.c, sit side by side in a listing (Redis pairs ae.c with
+ * ae_epoll.c the same way); relay/observe_io.c drives core/observe.c.
  */
 #ifndef RELAY_DAEMON_H
 #define RELAY_DAEMON_H
@@ -27,6 +31,7 @@
 #include "relay/relay.h"
 #include "relay/retire.h"
 #include "core/streamlist.h"
+#include "relay/streamseen.h"
 #include "relay/wake.h"
 
 struct pg_result;
@@ -142,22 +147,22 @@ static inline double relay_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-/* relay/lanes.c: creates the claiming connections and Redis and starts the
+/* relay/cycle_io.c: creates the claiming connections and Redis and starts the
  * cycle on them. 0, or -1 when out of memory. */
-int relay_lanes_start(struct relay *r) __attribute__((warn_unused_result));
-void relay_lanes_stop(struct relay *r);
+int relay_cycle_io_start(struct relay *r) __attribute__((warn_unused_result));
+void relay_cycle_io_stop(struct relay *r);
 /* Hands every waiting removal of dedup records to Redis now, as an expiry at
  * its due time: the relay is about to leave. */
-void relay_lanes_retire_all(struct relay *r);
-/* Upper bounds of the batch duration histogram, in seconds (lanes.c fills
+void relay_cycle_io_retire_all(struct relay *r);
+/* Upper bounds of the batch duration histogram, in seconds (cycle_io.c fills
  * it, render.c shows it). */
 extern const double relay_batch_buckets[RELAY_BATCH_BUCKETS];
 
-/* relay/wakeup.c: the LISTEN connection and the wake-up protocol. */
-int relay_wakeup_start(struct relay *r) __attribute__((warn_unused_result));
-void relay_wakeup_stop(struct relay *r);
+/* relay/wake_io.c: the LISTEN connection and the wake-up protocol. */
+int relay_wake_io_start(struct relay *r) __attribute__((warn_unused_result));
+void relay_wake_io_stop(struct relay *r);
 /* Another relay runs: give the wake-up lock up now if it is held. */
-void relay_wakeup_share(struct relay *r);
+void relay_wake_io_share(struct relay *r);
 
 /* relay/relay.c: leaves the loop once draining is complete. */
 void relay_drain_step(struct relay *r);

@@ -8,7 +8,13 @@
  * process never interleave mid-line and nothing sits in a buffer when the
  * process dies. Control characters in the text (a server's multi-line error,
  * say) become spaces, so one event is always one line for journald and grep.
- * The daemon is single-threaded; this file keeps no lock.
+ *
+ * Two threads log: the event loop and the observation thread (retention,
+ * relay/retention.c). A line is built on the caller's stack and written by one
+ * fprintf, which holds stderr's lock for the call, so lines of the two never
+ * mix. The settings are written by the loop: all of them at start, before the
+ * thread runs, and the level again at a reload, which is why it is atomic;
+ * this file keeps no lock of its own.
  *
  * With log_format = json each event is instead one JSON object per line, for
  * log pipelines (relay_log_set_json):
@@ -31,9 +37,11 @@
 #include "relay/log.h"
 
 #include "common/common.h"
+#include "core/text.h"
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,7 +51,8 @@
 /* Longest text of one event; longer text is cut and ends in "...". */
 #define LOG_TEXT_MAX 4096
 
-static enum relay_log_level log_min_level = RELAY_LOG_INFO;
+/* An enum relay_log_level; the observation thread reads it too. */
+static atomic_int log_min_level = RELAY_LOG_INFO;
 
 /* Under systemd, stderr goes to the journal, which stamps each line itself:
  * there we write sd-daemon(3) "<N>" priority prefixes instead of a time, so
@@ -90,28 +99,6 @@ OUTBOX_STATIC size_t log_find_pairs(const char *text, struct log_pair *pairs, si
 OUTBOX_STATIC size_t log_format_json(char *out, size_t outlen, const char *stamp, const char *level,
                                      const char *component, const char *text);
 
-struct json_out {
-    char *p;
-    size_t cap; /* bytes at p, NUL included */
-    size_t len;
-};
-
-static void json_putn(struct json_out *o, const char *s, size_t n)
-{
-    if (o->cap == 0)
-        return;
-    if (n > o->cap - 1 - o->len)
-        n = o->cap - 1 - o->len;
-    memcpy(o->p + o->len, s, n);
-    o->len += n;
-    o->p[o->len] = '\0';
-}
-
-static void json_puts(struct json_out *o, const char *s)
-{
-    json_putn(o, s, strlen(s));
-}
-
 /* The length of the well-formed UTF-8 sequence at s (at most n bytes), or 0:
  * no overlong forms, no surrogates, nothing above U+10FFFF. */
 OUTBOX_STATIC size_t log_utf8_len(const unsigned char *s, size_t n)
@@ -148,13 +135,13 @@ OUTBOX_STATIC size_t log_utf8_len(const unsigned char *s, size_t n)
 
 /* Writes s[0..n) as a JSON string, its escaped content at most max bytes:
  * longer text is cut at a character boundary and ends in "...". */
-static void json_string(struct json_out *o, const char *s, size_t n, size_t max)
+static void json_string(struct relay_text_out *o, const char *s, size_t n, size_t max)
 {
     const unsigned char *u = (const unsigned char *)s;
     size_t used = 0, i = 0;
     char esc[8];
 
-    json_putn(o, "\"", 1);
+    relay_text_out_putn(o, "\"", 1);
     while (i < n) {
         const char *piece = esc;
         size_t plen, step = 1;
@@ -179,14 +166,14 @@ static void json_string(struct json_out *o, const char *s, size_t n, size_t max)
             plen = step;
         }
         if (used + plen > max - 3) {
-            json_putn(o, "...", 3);
+            relay_text_out_putn(o, "...", 3);
             break;
         }
-        json_putn(o, piece, plen);
+        relay_text_out_putn(o, piece, plen);
         used += plen;
         i += step;
     }
-    json_putn(o, "\"", 1);
+    relay_text_out_putn(o, "\"", 1);
 }
 
 static int log_key_char(unsigned char c)
@@ -275,21 +262,23 @@ OUTBOX_STATIC size_t log_format_json(char *out, size_t outlen, const char *stamp
                                      const char *component, const char *text)
 {
     static const char *const fixed[] = {"time", "level", "component", "message"};
-    struct json_out o = {out, outlen, 0};
+    struct relay_text_out o;
+
+    relay_text_out_init(&o, out, outlen);
     struct log_pair pairs[LOG_JSON_FIELDS_MAX];
     size_t np = log_find_pairs(text, pairs, LOG_JSON_FIELDS_MAX);
 
     if (outlen > 0)
         out[0] = '\0';
-    json_puts(&o, "{\"time\":");
+    relay_text_out_puts(&o, "{\"time\":");
     json_string(&o, stamp, strlen(stamp), 64);
-    json_puts(&o, ",\"level\":");
+    relay_text_out_puts(&o, ",\"level\":");
     json_string(&o, level, strlen(level), 16);
     if (component != NULL) {
-        json_puts(&o, ",\"component\":");
+        relay_text_out_puts(&o, ",\"component\":");
         json_string(&o, component, strlen(component), LOG_JSON_KEY_MAX);
     }
-    json_puts(&o, ",\"message\":");
+    relay_text_out_puts(&o, ",\"message\":");
     json_string(&o, text, strlen(text), LOG_JSON_MESSAGE_MAX);
     for (size_t i = 0; i < np; i++) {
         int reserved = 0;
@@ -298,12 +287,12 @@ OUTBOX_STATIC size_t log_format_json(char *out, size_t outlen, const char *stamp
                        memcmp(fixed[f], pairs[i].key, pairs[i].keylen) == 0;
         if (reserved)
             continue;
-        json_putn(&o, ",", 1);
+        relay_text_out_putn(&o, ",", 1);
         json_string(&o, pairs[i].key, pairs[i].keylen, LOG_JSON_KEY_MAX + 8);
-        json_putn(&o, ":", 1);
+        relay_text_out_putn(&o, ":", 1);
         json_string(&o, pairs[i].value, pairs[i].valuelen, LOG_JSON_VALUE_MAX);
     }
-    json_putn(&o, "}", 1);
+    relay_text_out_putn(&o, "}", 1);
     return o.len;
 }
 
@@ -312,12 +301,12 @@ void relay_log_set_level(enum relay_log_level level)
     int l = (int)level;
 
     if (l >= (int)RELAY_LOG_DEBUG && l <= (int)RELAY_LOG_ERROR)
-        log_min_level = level;
+        atomic_store_explicit(&log_min_level, l, memory_order_relaxed);
 }
 
 enum relay_log_level relay_log_get_level(void)
 {
-    return log_min_level;
+    return (enum relay_log_level)atomic_load_explicit(&log_min_level, memory_order_relaxed);
 }
 
 /* The time as RFC 3339 UTC with milliseconds. */
@@ -374,7 +363,7 @@ void relay_log(enum relay_log_level level, const char *component, const char *fm
     int saved_errno = errno; /* callers log and then look at errno */
     int n;
 
-    if ((int)level < (int)log_min_level)
+    if ((int)level < atomic_load_explicit(&log_min_level, memory_order_relaxed))
         return;
     name = ((int)level >= 0 && (int)level <= (int)RELAY_LOG_ERROR) ? log_level_names[level] : "LOG";
 

@@ -456,7 +456,7 @@ void relay_metrics_free(struct relay_metrics *m)
     free(m);
 }
 
-void relay_text_label(struct outbox_buf *t, const char *s)
+void relay_metrics_label(struct outbox_buf *t, const char *s)
 {
     size_t len = strlen(s);
     for (size_t i = 0; i < len && !t->failed;) {

@@ -40,6 +40,6 @@ void relay_metrics_free(struct relay_metrics *m);
  * that is not part of valid UTF-8 replaced by U+FFFD. Names read from Redis
  * or PostgreSQL may hold any bytes; one unescaped quote would make the whole
  * scrape invalid. */
-void relay_text_label(struct outbox_buf *t, const char *s);
+void relay_metrics_label(struct outbox_buf *t, const char *s);
 
 #endif

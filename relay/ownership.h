@@ -1,7 +1,7 @@
 /*
  * Dividing the partitions of the partitioned topics among the relays that
  * run against one database (docs/DESIGN.md, "Several relays"): the pure part
- * of relay/owner.c. Every relay holds a member slot; the partitions, listed
+ * of relay/ownership_io.c. Every relay holds a member slot; the partitions, listed
  * topic by topic in name order and partition by partition, go round-robin
  * to the members in slot order, so each relay wants the same share (at most
  * one more than another's) and all relays compute the same assignment from

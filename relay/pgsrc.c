@@ -73,7 +73,7 @@
  * believes it owns as "topic/partition", $4 their lock keys and $5 the
  * backend of its owner connection. A partition counts only if that backend
  * holds its lock now and this transaction holds its fence (the BEGIN took
- * it, relay/lanes.c): a relay whose owner session has ended, and whose
+ * it, relay/cycle_io.c): a relay whose owner session has ended, and whose
  * partition another relay may already have, claims none of its rows. One
  * read of pg_locks per claim (an InitPlan). */
 #define OWNED_UNITS                                                                                \
@@ -943,7 +943,7 @@ static void run_setup(struct relay_pgsrc *pg)
          * the idle-in-transaction limit sits above two publish deadlines but
          * frees the row locks soon if this process hangs or is cut off, and
          * with them the partitions another relay waits to take over
-         * (relay/owner.c). The claim is
+         * (relay/ownership_io.c). The claim is
          * planned once: its generic plan is the one wanted for any
          * parameters, where a custom plan each time costs 0.4 ms, and JIT
          * would compile it (15-25 ms) whenever the generic estimate passes
@@ -971,7 +971,7 @@ static void run_setup(struct relay_pgsrc *pg)
                      RELAY_SCHEMA_VERSION, pg->token);
         else if (pg->role == RELAY_PGSRC_OWNER)
             /* The owner connection holds the relay's partitions. It speaks
-             * once a second (relay/owner.c): a session silent for longer
+             * once a second (relay/ownership_io.c): a session silent for longer
              * than RELAY_OWNER_IDLE_MS, a relay frozen or cut off behind a
              * proxy that the server's keepalives cannot see through, is
              * ended by the server, and its partitions pass to the others. */

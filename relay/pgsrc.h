@@ -53,7 +53,7 @@ struct relay_pgsrc_hooks {
 enum relay_pgsrc_role {
     RELAY_PGSRC_CLAIM = 0,
     RELAY_PGSRC_LISTEN = 1,
-    RELAY_PGSRC_OWNER = 2, /* holds the partitions this relay owns (relay/owner.c) */
+    RELAY_PGSRC_OWNER = 2, /* holds the partitions this relay owns (relay/ownership_io.c) */
 };
 
 /* Creates a connection object and starts connecting at once. */

@@ -1,8 +1,8 @@
 /*
  * The daemon: builds its parts on one libev loop and handles what is about
  * the whole process, signals, drain, reload and the systemd watchdog. The
- * claim cycle runs in relay/lanes.c, the wake-up protocol in relay/wakeup.c,
- * the observation thread in relay/observer.c and the metrics text in
+ * claim cycle runs in relay/cycle_io.c, the wake-up protocol in relay/wake_io.c,
+ * the observation thread in relay/observe_io.c and the metrics text in
  * relay/render.c; the decisions they act on are the pure machines of
  * relay/cycle.c and relay/wake.c (docs/DESIGN.md, "Modules").
  */
@@ -25,8 +25,8 @@
 #include "relay/daemon.h"
 #include "relay/log.h"
 #include "relay/metrics.h"
-#include "relay/observer.h"
-#include "relay/owner.h"
+#include "relay/observe_io.h"
+#include "relay/ownership_io.h"
 #include "relay/pgsrc.h"
 #include "relay/sdnotify.h"
 #include "relay/sink.h"
@@ -153,7 +153,7 @@ void relay_drain_step(struct relay *r)
     if (!r->cycle.draining || !relay_cycle_all_idle(&r->cycle))
         return;
     if (relay_retire_head(&r->retiring) != NULL)
-        relay_lanes_retire_all(r);
+        relay_cycle_io_retire_all(r);
     if (r->retires_pending > 0)
         return;
     relay_info(COMPONENT, "nothing left in flight; shutting down");
@@ -252,6 +252,11 @@ static void start_signals(struct relay *r)
     ev_signal_start(r->loop, &r->sighup);
 }
 
+static void on_shared(void *arg)
+{
+    relay_wake_io_share(arg);
+}
+
 struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
                         const struct relay_reload_source *reload)
 {
@@ -274,16 +279,18 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
     start_signals(r);
     relay_pgsrc_on_no_session(on_no_session, r);
     /* The wake-up machine first: the lanes ask it whether they claim alone. */
-    if (r->obs == NULL || relay_wakeup_start(r) < 0 || relay_lanes_start(r) < 0) {
+    if (r->obs == NULL || relay_wake_io_start(r) < 0 || relay_cycle_io_start(r) < 0) {
         relay_free(r);
         return NULL;
     }
-    r->owner = relay_owner_start(r);
+    /* Another relay joined: producers must notify again. */
+    struct relay_owner_hooks owner_hooks = {.arg = r, .shared = on_shared};
+    r->owner = relay_ownership_io_start(r, &owner_hooks);
     if (r->owner == NULL) {
         relay_free(r);
         return NULL;
     }
-    r->observer = relay_observer_start(loop, cfg, &r->streams_seen, on_observation, r);
+    r->observer = relay_observe_io_start(loop, cfg, &r->streams_seen, on_observation, r);
     if (r->observer == NULL)
         relay_warn(COMPONENT, "cannot start the observation thread: no queue age, lag or "
                               "backpressure");
@@ -358,11 +365,11 @@ void relay_free(struct relay *r)
     ev_signal_stop(r->loop, &r->sigterm);
     ev_signal_stop(r->loop, &r->sigint);
     ev_signal_stop(r->loop, &r->sighup);
-    relay_observer_stop(r->observer);
+    relay_observe_io_stop(r->observer);
     relay_metrics_free(r->metrics);
-    relay_lanes_stop(r);
-    relay_owner_stop(r->owner);
-    relay_wakeup_stop(r);
+    relay_cycle_io_stop(r);
+    relay_ownership_io_stop(r->owner);
+    relay_wake_io_stop(r);
     relay_pgsrc_on_no_session(NULL, NULL);
     relay_stream_seen_free(&r->streams_seen);
     free(r->obs);

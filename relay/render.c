@@ -15,7 +15,7 @@
 #include "core/config.h"
 #include "relay/daemon.h"
 #include "relay/metrics.h"
-#include "relay/owner.h"
+#include "relay/ownership_io.h"
 #include "relay/pgsrc.h"
 #include "relay/sink.h"
 
@@ -122,7 +122,7 @@ static void render_relay(const struct relay *r, struct outbox_buf *t)
          "Messages published to their stream, per topic.");
     for (size_t i = 0; i < f->ntopics; i++) {
         outbox_buf_printf(t, "outbox_relay_messages_published_total{topic=\"");
-        relay_text_label(t, f->topics[i].topic);
+        relay_metrics_label(t, f->topics[i].topic);
         outbox_buf_printf(t, "\"} %llu\n", f->topics[i].published);
     }
     if (f->other_published)
@@ -160,7 +160,7 @@ static void render_relay(const struct relay *r, struct outbox_buf *t)
          "a transient one.");
     outbox_buf_printf(t, "outbox_relay_rows_quarantined_total %llu\n", f->quarantined_total);
     struct relay_owner_figures own;
-    relay_owner_figures(r->owner, &own);
+    relay_ownership_io_figures(r->owner, &own);
     help(t, "outbox_relay_relays", "gauge",
          "Relays running against this database (member slots held), as this relay last saw; 0 "
          "while its owner connection is down.");
@@ -183,9 +183,9 @@ static void render_relay(const struct relay *r, struct outbox_buf *t)
                           "outbox_relay_wakeup_lock_foreign_holder{pid=\"%ld\","
                           "application_name=\"",
                           r->foreign_pid);
-        relay_text_label(t, r->foreign_app);
+        relay_metrics_label(t, r->foreign_app);
         outbox_buf_printf(t, "\",client_addr=\"");
-        relay_text_label(t, r->foreign_addr);
+        relay_metrics_label(t, r->foreign_addr);
         outbox_buf_printf(t, "\"} 1\n");
     }
 }
@@ -250,7 +250,7 @@ static void render_streams(const struct relay_observation *o, struct outbox_buf 
         if (o->topics[i].memory_bytes < 0)
             continue;
         outbox_buf_printf(t, "outbox_relay_stream_memory_bytes{stream=\"");
-        relay_text_label(t, o->topics[i].stream);
+        relay_metrics_label(t, o->topics[i].stream);
         outbox_buf_printf(t, "\"} %lld\n", o->topics[i].memory_bytes);
     }
     help(t, "outbox_relay_stream_trim_held_back_seconds", "gauge",
@@ -260,9 +260,9 @@ static void render_streams(const struct relay_observation *o, struct outbox_buf 
         if (o->topics[i].trim_holder[0] == '\0')
             continue;
         outbox_buf_printf(t, "outbox_relay_stream_trim_held_back_seconds{stream=\"");
-        relay_text_label(t, o->topics[i].stream);
+        relay_metrics_label(t, o->topics[i].stream);
         outbox_buf_printf(t, "\",group=\"");
-        relay_text_label(t, o->topics[i].trim_holder);
+        relay_metrics_label(t, o->topics[i].trim_holder);
         outbox_buf_printf(t, "\"} %.3f\n", o->topics[i].trim_held_back);
     }
 }
@@ -299,7 +299,7 @@ static void render_outbox(const struct relay *r, struct outbox_buf *t)
             if (o->topics[i].admitting < 0 || !relay_observe_first_of_topic(o, i))
                 continue;
             outbox_buf_printf(t, "outbox_relay_topic_admitting{topic=\"");
-            relay_text_label(t, o->topics[i].topic);
+            relay_metrics_label(t, o->topics[i].topic);
             outbox_buf_printf(t, "\"} %d\n", o->topics[i].admitting);
         }
     }
@@ -308,7 +308,7 @@ static void render_outbox(const struct relay *r, struct outbox_buf *t)
          "1 while the relay holds a stream back for its lagging consumer groups.");
     for (size_t i = 0; i < o->ntopics; i++) {
         outbox_buf_printf(t, "outbox_relay_stream_paused{stream=\"");
-        relay_text_label(t, o->topics[i].stream);
+        relay_metrics_label(t, o->topics[i].stream);
         outbox_buf_printf(t, "\"} %d\n", relay_paused_has(&r->paused, o->topics[i].topic));
     }
 }
@@ -343,9 +343,9 @@ static void render_groups(const struct relay *r, struct outbox_buf *t)
             if (m == 0 && g->lag < 0)
                 continue; /* Redis cannot tell: no sample rather than a wrong one */
             outbox_buf_printf(t, "%s{stream=\"", names[m][0]);
-            relay_text_label(t, g->stream);
+            relay_metrics_label(t, g->stream);
             outbox_buf_printf(t, "\",group=\"");
-            relay_text_label(t, g->group);
+            relay_metrics_label(t, g->group);
             outbox_buf_printf(t, "\"} %.3f\n", v < 0 ? 0 : v);
         }
     }

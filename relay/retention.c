@@ -15,6 +15,7 @@
 #include "core/config.h"
 #include "relay/log.h"
 #include "core/observe.h"
+#include "core/pg.h"
 #include "common/redisconn.h"
 #include "core/streamlist.h"
 #include "core/text.h"
@@ -54,8 +55,8 @@ static const char purge_sql[] = "SELECT deleted, next_after_id, caught_up,"
                                 " FROM outbox.purge_sent($1::bigint * interval '1 millisecond',"
                                 " $2::bigint, $3::integer)";
 
-static void purge_sent(const struct relay_config *cfg, PGconn **pg,
-                       const struct relay_observe_stop *stop, struct relay_retention *st)
+static void purge_sent(const struct relay_config *cfg, PGconn **pg, int stop_fd,
+                       struct relay_retention *st)
 {
     double started = outbox_mono_now();
     if (cfg->sent_retention_ms == 0 && st->purge_caught_up && started < st->purge_restart_at)
@@ -74,7 +75,7 @@ static void purge_sent(const struct relay_config *cfg, PGconn **pg,
         snprintf(after, sizeof(after), "%lld", st->purge_after_id);
         snprintf(max, sizeof(max), "%d", PURGE_BATCH);
         const char *params[3] = {ms, after, max};
-        PGresult *r = relay_observe_pg_exec(pg, cfg, stop, purge_sql, 3, params, err, sizeof(err));
+        PGresult *r = relay_pg_exec(pg, cfg, stop_fd, purge_sql, 3, params, err, sizeof(err));
         if (r == NULL) {
             failed(st, "deleting sent rows", err);
             return;
@@ -100,13 +101,13 @@ static void purge_sent(const struct relay_config *cfg, PGconn **pg,
 
 /* 1 when the session's role may VACUUM outbox.messages (owns it, through
  * membership, or is a superuser), 0 when not, -1 when it cannot tell. */
-static int may_vacuum(const struct relay_config *cfg, PGconn **c,
-                      const struct relay_observe_stop *stop, char *err, size_t errlen)
+static int may_vacuum(const struct relay_config *cfg, PGconn **c, int stop_fd, char *err,
+                      size_t errlen)
 {
     static const char sql[] = "SELECT pg_has_role(c.relowner, 'USAGE')"
                               " OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)"
                               " FROM pg_class AS c WHERE c.oid = 'outbox.messages'::regclass";
-    PGresult *r = relay_observe_pg_exec(c, cfg, stop, sql, 0, NULL, err, errlen);
+    PGresult *r = relay_pg_exec(c, cfg, stop_fd, sql, 0, NULL, err, errlen);
     if (r == NULL)
         return -1;
     int rc = -1;
@@ -119,16 +120,16 @@ static int may_vacuum(const struct relay_config *cfg, PGconn **c,
 }
 
 /* Starts a VACUUM on a connection of its own and returns at once. */
-static void vacuum_start(const struct relay_config *cfg, const struct relay_observe_stop *stop,
-                         struct relay_retention *st, long long dead_rows)
+static void vacuum_start(const struct relay_config *cfg, int stop_fd, struct relay_retention *st,
+                         long long dead_rows)
 {
     char err[256];
-    PGconn *c = relay_observe_pg_open(cfg, "outbox-relay vacuum", stop, err, sizeof(err));
+    PGconn *c = relay_pg_open(cfg, "outbox-relay vacuum", stop_fd, err, sizeof(err));
     if (c == NULL) {
         failed(st, "vacuuming the outbox", err);
         return;
     }
-    int may = may_vacuum(cfg, &c, stop, err, sizeof(err));
+    int may = may_vacuum(cfg, &c, stop_fd, err, sizeof(err));
     if (may == 0) {
         relay_warn("retention",
                    "the relay's role does not own outbox.messages, so it cannot VACUUM it: "
@@ -138,8 +139,8 @@ static void vacuum_start(const struct relay_config *cfg, const struct relay_obse
         st->vacuum_not_owner = 1;
     }
     /* VACUUM takes as long as the table needs, not statement_timeout. */
-    PGresult *r = may == 1 ? relay_observe_pg_exec(&c, cfg, stop, "SET statement_timeout = 0", 0,
-                                                   NULL, err, sizeof(err))
+    PGresult *r = may == 1 ? relay_pg_exec(&c, cfg, stop_fd, "SET statement_timeout = 0", 0, NULL,
+                                           err, sizeof(err))
                            : NULL;
     if (r != NULL && PQresultStatus(r) == PGRES_COMMAND_OK &&
         PQsendQuery(c, "VACUUM (INDEX_CLEANUP ON) outbox.messages") == 1) {
@@ -198,8 +199,8 @@ void relay_retention_end(struct relay_retention *st)
     st->vacuum_started = 0;
 }
 
-static void vacuum(const struct relay_config *cfg, const struct relay_observe_stop *stop,
-                   struct relay_retention *st, const struct relay_observation *o)
+static void vacuum(const struct relay_config *cfg, int stop_fd, struct relay_retention *st,
+                   const struct relay_observation *o)
 {
     if (st->vacuum_conn != NULL)
         vacuum_poll(st);
@@ -208,7 +209,7 @@ static void vacuum(const struct relay_config *cfg, const struct relay_observe_st
               /* drained: the next burst's claims start on a clean index */
               (o->outbox_pending == 0 &&
                o->outbox_dead_rows >= (long long)cfg->vacuum_dead_rows / 10)))
-        vacuum_start(cfg, stop, st, o->outbox_dead_rows);
+        vacuum_start(cfg, stop_fd, st, o->outbox_dead_rows);
 }
 
 /* ---- streams --------------------------------------------------------- */
@@ -273,7 +274,7 @@ static int trim_stream(const struct relay_config *cfg, redisContext *c, int stop
  * only those it lists), with stream_retention, and every replay stream of
  * theirs ("{<stream>}.<group>.replay") with 0: a replayed entry is gone once
  * its group acknowledged it. Dead-letter streams are never trimmed. The
- * streams are those of the observer's list (relay/streamlist.h). In
+ * streams are those of the observer's list (core/streamlist.h). In
  * a cluster, on each primary in turn: each stream's replay streams share its
  * slot, so they are listed under the same primary.
  */
@@ -329,15 +330,16 @@ void relay_retention_run(const struct relay_config *cfg, PGconn **pg, redisConte
                          const struct relay_observe_stop *stop, struct relay_stream_list *streams,
                          struct relay_retention *st, struct relay_observation *o)
 {
+    int stop_fd = relay_observe_stop_fd(stop);
     if (st->purge_restart_at == 0)
         st->oldest_sent_age = -1;
     if (*pg != NULL && PQstatus(*pg) == CONNECTION_OK)
-        purge_sent(cfg, pg, stop, st);
-    vacuum(cfg, stop, st, o);
+        purge_sent(cfg, pg, stop_fd, st);
+    vacuum(cfg, stop_fd, st, o);
     double now = outbox_mono_now();
     if (cfg->stream_retention_ms > 0 && *rd != NULL && (*rd)->err == 0 && now >= st->next_trim_at) {
         st->next_trim_at = now + TRIM_EVERY;
-        trim_streams(cfg, rd, relay_observe_stop_fd(stop), streams, st, o);
+        trim_streams(cfg, rd, stop_fd, streams, st, o);
     }
     for (size_t i = 0; i < st->nheld; i++)
         for (size_t t = 0; t < o->ntopics; t++)

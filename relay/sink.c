@@ -41,7 +41,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <time.h>
 
 #include "outbox/consumer.h"
@@ -292,44 +291,12 @@ void relay_sink_reload_function(struct relay_sink *s)
                         "FUNCTION FLUSH); reconnecting loads it again");
 }
 
-/* Which command bytes name a key first: the FCALL's first key (after the
- * function and the key count), else the first argument. The key's slot picks
- * the primary; 0 when there is no key. */
-static unsigned command_slot(const char *cmd, size_t len)
-{
-    const char *p = cmd, *end = cmd + len;
-    const char *arg[4] = {NULL};
-    size_t alen[4] = {0};
-    /* "*<n>\r\n" */
-    p = memchr(p, '\n', (size_t)(end - p));
-    if (p == NULL)
-        return 0;
-    p++;
-    for (int i = 0; i < 4 && p < end && *p == '$'; i++) {
-        char *q;
-        unsigned long n = strtoul(p + 1, &q, 10);
-        if (q + 2 > end || q[0] != '\r' || n > (size_t)(end - q - 2))
-            return 0;
-        arg[i] = q + 2;
-        alen[i] = n;
-        p = q + 2 + n + 2;
-    }
-    if (arg[0] == NULL || arg[1] == NULL)
-        return 0;
-    if (alen[0] >= 5 && strncasecmp(arg[0], "FCALL", 5) == 0) {
-        if (arg[3] == NULL || arg[2] == NULL || (alen[2] == 1 && arg[2][0] == '0'))
-            return 0;
-        return outbox_key_slot(arg[3], alen[3]);
-    }
-    return outbox_key_slot(arg[1], alen[1]);
-}
-
 /* The connection a command with these bytes goes to. */
 static struct sink_node *route(struct relay_sink *s, const char *cmd, size_t len)
 {
     if (!s->cluster)
         return &s->nodes[0];
-    return &s->nodes[s->slot_node[command_slot(cmd, len)]];
+    return &s->nodes[s->slot_node[outbox_redis_command_slot(cmd, len)]];
 }
 
 /*
@@ -351,43 +318,6 @@ struct sink_cmd {
     size_t len;
     char cmd[];
 };
-
-static redisReply *reply_copy(const redisReply *r, int depth)
-{
-    redisReply *c = calloc(1, sizeof(*c));
-    if (c == NULL)
-        return NULL;
-    c->type = r->type;
-    c->integer = r->integer;
-    if (r->str != NULL) {
-        c->str = malloc(r->len + 1);
-        if (c->str == NULL) {
-            free(c);
-            return NULL;
-        }
-        memcpy(c->str, r->str, r->len);
-        c->str[r->len] = '\0';
-        c->len = r->len;
-    }
-    if (r->type == REDIS_REPLY_ARRAY && r->elements > 0) {
-        /* An array of reply pointers. */
-        c->element =
-            calloc(r->elements, sizeof(redisReply *)); // NOLINT(bugprone-sizeof-expression)
-        if (c->element == NULL || depth > 8) {
-            freeReplyObject(c);
-            return NULL;
-        }
-        c->elements = r->elements;
-        for (size_t i = 0; i < r->elements; i++) {
-            c->element[i] = reply_copy(r->element[i], depth + 1);
-            if (c->element[i] == NULL) {
-                freeReplyObject(c);
-                return NULL;
-            }
-        }
-    }
-    return c;
-}
 
 /* The primary an "ASK <slot> <host>:<port>" names, if the sink has it. */
 static struct sink_node *ask_target(struct relay_sink *s, const char *str, size_t len)
@@ -462,7 +392,7 @@ static void on_cmd_reply(redisAsyncContext *ac, void *reply, void *privdata)
     }
     if (c->redirected == 2 && r != NULL && r->type != REDIS_REPLY_ERROR) {
         /* Its WAIT decides; a reply that cannot be kept fails the batch. */
-        c->held = reply_copy(r, 0);
+        c->held = outbox_redis_reply_copy(r);
         if (c->held != NULL)
             return;
         c->redirected = 3;

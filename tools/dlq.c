@@ -762,8 +762,80 @@ static int dlq_purge(struct dlq_ctx *d, int all, const struct dlq_sel *sels, int
     return missing ? OUTBOX_EX_DATAERR : OUTBOX_EX_OK;
 }
 
-/* The stream, the group and the names derived from them, checked and kept
- * with their escaped forms for messages. 0, or -1 after saying why. */
+/* Copies the entry e of old to now (XADD, with a new id), then deletes it
+ * from old (XDEL). 0 or an exit code. */
+static int move_entry(struct dlq_ctx *d, const char *old, const char *now, const redisReply *e)
+{
+    const redisReply *f = e->element[1];
+    size_t argc = 3 + f->elements;
+    const char **argv = calloc(argc, sizeof(*argv));
+    size_t *lens = calloc(argc, sizeof(*lens));
+    if (argv == NULL || lens == NULL) {
+        free(argv);
+        free(lens);
+        return OUTBOX_EX_OSERR;
+    }
+    argv[0] = "XADD";
+    lens[0] = 4;
+    argv[1] = now;
+    lens[1] = strlen(now);
+    argv[2] = "*";
+    lens[2] = 1;
+    for (size_t k = 0; k < f->elements; k++) {
+        argv[3 + k] = f->element[k]->str;
+        lens[3 + k] = f->element[k]->len;
+    }
+    redisReply *a = redisCommandArgv(d->c, (int)argc, argv, lens);
+    free(argv);
+    free(lens);
+    if (a == NULL || is_error(a)) {
+        int rc = a == NULL ? io_failed(d) : refused(d, "XADD", a);
+        if (a != NULL)
+            freeReplyObject(a);
+        return rc;
+    }
+    freeReplyObject(a);
+    const char *xd[3] = {"XDEL", old, e->element[0]->str};
+    redisReply *x = command(d, 3, xd, NULL);
+    if (x == NULL)
+        return io_failed(d);
+    freeReplyObject(x);
+    return 0;
+}
+
+/* Moves the entries of old to now a page at a time, in order, counting them
+ * in *moved. 0 or an exit code. */
+static int move_entries(struct dlq_ctx *d, const char *old, const char *now, long long *moved)
+{
+    for (;;) {
+        const char *xr[6] = {"XRANGE", old, "-", "+", "COUNT", "100"};
+        redisReply *page = command(d, 6, xr, NULL);
+        if (page == NULL)
+            return io_failed(d);
+        if (page->type != REDIS_REPLY_ARRAY) {
+            int rc = refused(d, "XRANGE", page);
+            freeReplyObject(page);
+            return rc;
+        }
+        if (page->elements == 0) {
+            freeReplyObject(page);
+            return 0;
+        }
+        for (size_t i = 0; i < page->elements; i++) {
+            const redisReply *e = page->element[i];
+            if (!entry_ok(e))
+                continue;
+            int rc = move_entry(d, old, now, e);
+            if (rc != 0) {
+                freeReplyObject(page);
+                return rc;
+            }
+            (*moved)++;
+        }
+        freeReplyObject(page);
+    }
+}
+
 /*
  * Moves one stream from its name before 0.2 to its name now: RENAME when the
  * new name is free (the stream, its groups and their pending entries go as
@@ -808,66 +880,9 @@ static int migrate_one(struct dlq_ctx *d, const char *old, const char *now)
     }
     freeReplyObject(r);
     long long moved = 0;
-    for (;;) {
-        const char *xr[6] = {"XRANGE", old, "-", "+", "COUNT", "100"};
-        redisReply *page = command(d, 6, xr, NULL);
-        if (page == NULL)
-            return io_failed(d);
-        if (page->type != REDIS_REPLY_ARRAY) {
-            int rc = refused(d, "XRANGE", page);
-            freeReplyObject(page);
-            return rc;
-        }
-        if (page->elements == 0) {
-            freeReplyObject(page);
-            break;
-        }
-        for (size_t i = 0; i < page->elements; i++) {
-            const redisReply *e = page->element[i];
-            if (!entry_ok(e))
-                continue;
-            const redisReply *f = e->element[1];
-            size_t argc = 3 + f->elements;
-            const char **argv = calloc(argc, sizeof(*argv));
-            size_t *lens = calloc(argc, sizeof(*lens));
-            if (argv == NULL || lens == NULL) {
-                free(argv);
-                free(lens);
-                freeReplyObject(page);
-                return OUTBOX_EX_OSERR;
-            }
-            argv[0] = "XADD";
-            lens[0] = 4;
-            argv[1] = now;
-            lens[1] = strlen(now);
-            argv[2] = "*";
-            lens[2] = 1;
-            for (size_t k = 0; k < f->elements; k++) {
-                argv[3 + k] = f->element[k]->str;
-                lens[3 + k] = f->element[k]->len;
-            }
-            redisReply *a = redisCommandArgv(d->c, (int)argc, argv, lens);
-            free(argv);
-            free(lens);
-            if (a == NULL || is_error(a)) {
-                int rc = a == NULL ? io_failed(d) : refused(d, "XADD", a);
-                if (a != NULL)
-                    freeReplyObject(a);
-                freeReplyObject(page);
-                return rc;
-            }
-            freeReplyObject(a);
-            const char *xd[3] = {"XDEL", old, e->element[0]->str};
-            redisReply *x = command(d, 3, xd, NULL);
-            if (x == NULL) {
-                freeReplyObject(page);
-                return io_failed(d);
-            }
-            freeReplyObject(x);
-            moved++;
-        }
-        freeReplyObject(page);
-    }
+    int rc = move_entries(d, old, now, &moved);
+    if (rc != 0)
+        return rc;
     const char *del[2] = {"UNLINK", old};
     r = command(d, 2, del, NULL);
     if (r == NULL)
@@ -890,6 +905,8 @@ static int dlq_migrate(struct dlq_ctx *d)
     return migrate_one(d, old_replay, d->replay);
 }
 
+/* The stream, the group and the names derived from them, checked and kept
+ * with their escaped forms for messages. 0, or -1 after saying why. */
 static int dlq_names(struct dlq_ctx *d, const char *stream, const char *group)
 {
     d->stream = stream;

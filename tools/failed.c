@@ -25,7 +25,7 @@
 
 #include "common/common.h"
 #include "core/config.h"
-#include "core/observe.h"
+#include "core/pg.h"
 
 /* Columns of a topic in "failed list", at most. */
 #define FAILED_TOPIC_COLS 40
@@ -33,7 +33,7 @@
 static PGconn *connect_db(const struct relay_config *cfg, FILE *errout)
 {
     char err[512];
-    PGconn *conn = relay_observe_pg_open(cfg, "outbox-relay failed", NULL, err, sizeof(err));
+    PGconn *conn = relay_pg_open(cfg, "outbox-relay failed", -1, err, sizeof(err));
     if (conn == NULL)
         fprintf(errout, "outbox-relay: cannot connect to PostgreSQL: %s\n", err);
     return conn;

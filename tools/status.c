@@ -1,8 +1,12 @@
 /*
  * "outbox-relay status": the operator's view, for a human or (--json) a
- * script. It reads PostgreSQL and Redis itself, so it works whether or not a
- * relay is running, and exits 69 (EX_UNAVAILABLE) naming the server it could
- * not reach.
+ * script. It reads PostgreSQL and Redis itself (core/observe.c), so it works
+ * whether or not a relay is running, and exits 69 (EX_UNAVAILABLE) naming the
+ * server it could not reach.
+ *
+ * For humans, names and errors are shown in the escaped form of core/text.c;
+ * for scripts, every name is exact, as JSON escapes, but for bytes that are
+ * not UTF-8, which come out as U+FFFD.
  */
 #include "common/compat.h"
 
@@ -14,7 +18,187 @@
 
 #include "common/common.h"
 #include "core/observe.h"
+#include "core/text.h"
 #include "tools/tools.h"
+
+static void age_text(char *out, size_t outlen, double s)
+{
+    if (s < 0)
+        snprintf(out, outlen, "-");
+    else if (s < 60)
+        snprintf(out, outlen, "%.1fs", s);
+    else if (s < 3600)
+        snprintf(out, outlen, "%dm%02ds", (int)s / 60, (int)s % 60);
+    else
+        snprintf(out, outlen, "%dh%02dm", (int)s / 3600, ((int)s % 3600) / 60);
+}
+
+/* Text from the servers or from Redis keys, for a terminal (core/text.c):
+ * escaped, cut to maxcols columns (0: not cut) and padded to width. */
+static void put_shown(struct relay_text_out *b, const char *s, size_t width, size_t maxcols)
+{
+    char shown[RELAY_ESCAPED_SIZE(512)];
+    size_t cols = relay_text_escape(shown, sizeof(shown), s, strlen(s), maxcols, 0);
+    relay_text_out_printf(b, "%s%*s", shown, cols < width ? (int)(width - cols) : 0, "");
+}
+
+static void status_text(const struct relay_observation *o, char *outbuf, size_t outlen)
+{
+    struct relay_text_out b;
+    char a1[32], a2[32];
+    relay_text_out_init(&b, outbuf, outlen);
+    relay_text_out_printf(&b, "PostgreSQL  %s\n", o->pg_ok ? "up" : "DOWN");
+    if (!o->pg_ok) {
+        relay_text_out_printf(&b, "            ");
+        put_shown(&b, o->pg_error, 0, 0);
+        relay_text_out_printf(&b, "\n");
+    }
+    relay_text_out_printf(&b, "Redis       %s", o->redis_ok ? "up" : "DOWN");
+    if (o->redis_ok) {
+        relay_text_out_printf(&b, " (");
+        put_shown(&b, o->durability, 0, 0);
+        relay_text_out_printf(&b, ")");
+    }
+    relay_text_out_printf(&b, "\n");
+    if (!o->redis_ok) {
+        relay_text_out_printf(&b, "            ");
+        put_shown(&b, o->redis_error, 0, 0);
+        relay_text_out_printf(&b, "\n");
+    }
+    if (o->pg_ok) {
+        age_text(a1, sizeof(a1), o->outbox_oldest_age);
+        relay_text_out_printf(&b, "Outbox      ~%lld pending, oldest %s, %lld quarantined\n",
+                              o->outbox_pending, a1, o->quarantined);
+        if (o->partitions > 0 || o->relays > 1)
+            relay_text_out_printf(&b, "Relays      %lld running; %lld of %lld partitions owned\n",
+                                  o->relays, o->partitions_owned, o->partitions);
+        if (o->blocked_keys > 0)
+            relay_text_out_printf(&b,
+                                  "Keys        %lld held back behind a quarantined or retrying row"
+                                  " (outbox-relay failed list)\n",
+                                  o->blocked_keys);
+        if (o->admission_topics > 0)
+            relay_text_out_printf(&b, "Admission   %lld topics with limits, %lld refused\n",
+                                  o->admission_topics, o->admission_refused);
+    }
+    if (o->ngroups == 0) {
+        relay_text_out_printf(&b, "\nNo consumer groups yet.\n");
+        return;
+    }
+    relay_text_out_printf(&b, "\n%-24s %-16s %10s %8s %8s %10s %12s %6s\n", "STREAM", "GROUP",
+                          "QUEUE AGE", "LAG", "PENDING", "DEAD", "OUTBOX WAIT", "ADMIT");
+    for (size_t i = 0; i < o->ngroups; i++) {
+        const struct relay_group_obs *g = &o->groups[i];
+        const struct relay_topic_obs *t = g->topic >= 0 ? &o->topics[g->topic] : NULL;
+        age_text(a1, sizeof(a1), g->queue_age);
+        char lag[24];
+        if (g->lag < 0)
+            snprintf(lag, sizeof(lag), "?");
+        else
+            snprintf(lag, sizeof(lag), "%lld", g->lag);
+        if (t != NULL)
+            snprintf(a2, sizeof(a2), "%lld", t->pending);
+        else
+            snprintf(a2, sizeof(a2), "-");
+        /* Stream and group names may be any bytes (XGROUP CREATE takes any). */
+        put_shown(&b, g->stream, 24, 24);
+        relay_text_out_printf(&b, " ");
+        put_shown(&b, g->group, 16, 16);
+        relay_text_out_printf(&b, " %10s %8s %8lld %10lld %12s %6s\n", a1, lag, g->pending,
+                              g->dead_letters, a2,
+                              t == NULL || t->admitting < 0 ? "-"
+                              : t->admitting                ? "yes"
+                                                            : "NO");
+    }
+}
+
+/*
+ * A JSON string with s exactly: the controls of relay_text_control_char as
+ * \u escapes (so the output cannot act on a terminal either), other UTF-8 as
+ * it is. JSON text is UTF-8 (RFC 8259), so a byte that is not part of valid
+ * UTF-8, which no JSON string can carry, is U+FFFD.
+ */
+static void json_string(struct relay_text_out *b, const char *s)
+{
+    size_t len = strlen(s);
+    relay_text_out_printf(b, "\"");
+    for (size_t i = 0; i < len;) {
+        unsigned long cp;
+        size_t n = relay_text_utf8_char(s + i, len - i, &cp);
+        if (n == 0) {
+            relay_text_out_printf(b, "\\ufffd");
+            n = 1;
+        } else if (cp == '"' || cp == '\\') {
+            relay_text_out_printf(b, "\\%c", (char)cp);
+        } else if (relay_text_control_char(cp)) {
+            relay_text_out_printf(b, "\\u%04lx", cp);
+        } else {
+            relay_text_out_printf(b, "%.*s", (int)n, s + i);
+        }
+        i += n;
+    }
+    relay_text_out_printf(b, "\"");
+}
+
+static void status_json(const struct relay_observation *o, char *outbuf, size_t outlen)
+{
+    struct relay_text_out b;
+    relay_text_out_init(&b, outbuf, outlen);
+    relay_text_out_printf(&b, "{\"taken_at\":%.3f,\"postgres\":{\"up\":%s,\"error\":", o->taken_at,
+                          o->pg_ok ? "true" : "false");
+    json_string(&b, o->pg_ok ? "" : o->pg_error);
+    relay_text_out_printf(&b,
+                          "},\"redis\":{\"up\":%s,\"durability\":", o->redis_ok ? "true" : "false");
+    json_string(&b, o->durability);
+    relay_text_out_printf(&b, ",\"error\":");
+    json_string(&b, o->redis_ok ? "" : o->redis_error);
+    relay_text_out_printf(
+        &b,
+        "},\"outbox\":{\"pending_estimate\":%lld,\"oldest_pending_age_seconds\":%.3f,"
+        "\"quarantined\":%lld,\"blocked_keys\":%lld},"
+        "\"relays\":{\"running\":%lld,\"partitions\":%lld,\"partitions_owned\":%lld},"
+        "\"admission\":{\"topics\":%lld,\"refused\":%lld},"
+        "\"topics\":[",
+        o->outbox_pending, o->outbox_oldest_age, o->quarantined, o->blocked_keys, o->relays,
+        o->partitions, o->partitions_owned, o->admission_topics, o->admission_refused);
+    for (size_t i = 0; i < o->ntopics; i++) {
+        const struct relay_topic_obs *t = &o->topics[i];
+        relay_text_out_printf(&b, "%s{\"topic\":", i ? "," : "");
+        json_string(&b, t->topic);
+        relay_text_out_printf(&b, ",\"stream\":");
+        json_string(&b, t->stream);
+        if (t->partition >= 0)
+            relay_text_out_printf(&b, ",\"partition\":%d", t->partition);
+        else
+            relay_text_out_printf(&b, ",\"partition\":null");
+        relay_text_out_printf(
+            &b, ",\"outbox_pending\":%lld,\"outbox_oldest_age_seconds\":%.3f,\"admitting\":%s}",
+            t->pending, t->oldest_pending_age,
+            t->admitting < 0 ? "null"
+            : t->admitting   ? "true"
+                             : "false");
+    }
+    relay_text_out_printf(&b, "],\"groups\":[");
+    for (size_t i = 0; i < o->ngroups; i++) {
+        const struct relay_group_obs *g = &o->groups[i];
+        relay_text_out_printf(&b, "%s{\"stream\":", i ? "," : "");
+        json_string(&b, g->stream);
+        relay_text_out_printf(&b, ",\"group\":");
+        json_string(&b, g->group);
+        relay_text_out_printf(&b, ",\"consumers\":%lld,\"lag\":", g->consumers);
+        if (g->lag < 0)
+            relay_text_out_printf(&b, "null");
+        else
+            relay_text_out_printf(&b, "%lld", g->lag);
+        relay_text_out_printf(
+            &b,
+            ",\"pending\":%lld,\"dead_letters\":%lld,\"oldest_pending_age_seconds\":%.3f,"
+            "\"oldest_undelivered_age_seconds\":%.3f,\"queue_age_seconds\":%.3f}",
+            g->pending, g->dead_letters, g->oldest_pending_age, g->oldest_undelivered_age,
+            g->queue_age);
+    }
+    relay_text_out_printf(&b, "]}\n");
+}
 
 /* "status [--json]": 0 with *json set, or -1 after saying why. */
 static int parse_status_args(int argc, char **argv, FILE *errout, int *json)
@@ -51,9 +235,9 @@ int relay_tool_status(const struct relay_config *cfg, int argc, char **argv, FIL
     redisContext *rd = NULL;
     int rc = relay_observe(cfg, &pg, &rd, 0, NULL, NULL, o);
     if (json)
-        relay_observe_json(o, text, 256 * 1024);
+        status_json(o, text, 256 * 1024);
     else
-        relay_observe_text(o, text, 256 * 1024);
+        status_text(o, text, 256 * 1024);
     fputs(text, out);
     if (rc < 0) {
         if (!o->pg_ok)

@@ -1,5 +1,5 @@
 /*
- * A claimed row, from its columns to the publish command (relay/lanes.c
+ * A claimed row, from its columns to the publish command (relay/cycle_io.c
  * parse_row, relay/batch.c): the bytes are the claim's rows, each as its 12
  * columns in the claim query's order, every column a 2-byte big-endian
  * length (0xffff for SQL NULL) and that many bytes, as libpq hands them
@@ -17,7 +17,7 @@
  * call that reads back whole, and their retire commands must read back as
  * well-formed commands.
  */
-#include "../../relay/lanes.c"
+#include "../../relay/cycle_io.c"
 
 #include "fuzz.h"
 

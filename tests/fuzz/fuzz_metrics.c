@@ -3,7 +3,7 @@
  * arrive in pieces the way recv() hands them over (the first byte of each
  * piece says how long it is), into the endpoint's 8 KiB request buffer; once
  * the head is complete the request line is read, as handle_request does.
- * Also the label escaping of the text exposition (relay_text_label), which
+ * Also the label escaping of the text exposition (relay_metrics_label), which
  * shows topic and stream names that come from data.
  */
 #include "../../relay/metrics.c"
@@ -60,7 +60,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     char *s = fuzz_string(data, size);
     struct outbox_buf t;
     memset(&t, 0, sizeof(t));
-    relay_text_label(&t, s);
+    relay_metrics_label(&t, s);
     /* Inside the label's quotes: no raw newline or quote, and a backslash
      * only as \\, \" or \n. */
     for (size_t k = 0; !t.failed && k < t.len; k++) {

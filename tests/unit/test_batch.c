@@ -1328,7 +1328,7 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     outbox_buf_free(&buf);
 }
 
-/* lanes.c's retire_dedup_records as it stands, formatted by hiredis: every
+/* cycle_io.c's retire_dedup_records as it stands, formatted by hiredis: every
  * command concatenated, and the rows' states restored afterwards. */
 #define RETIRE_TTL "5000"
 

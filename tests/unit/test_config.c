@@ -32,7 +32,6 @@
 /* File-local in core/config.c (OUTBOX_STATIC). */
 int config_parse_line(char *line, char **key, char **value, char *rule, size_t rulelen);
 unsigned config_edit_distance(const char *a, const char *b);
-void config_format_duration(uint32_t ms, char *out, size_t outlen);
 
 #define ERRLEN RELAY_CONFIG_ERR_MAX
 
@@ -477,17 +476,17 @@ static void test_format_duration(void **state)
     char buf[32];
 
     (void)state;
-    config_format_duration(0, buf, sizeof(buf));
+    relay_config_format_duration(0, buf, sizeof(buf));
     assert_string_equal(buf, "0ms");
-    config_format_duration(1500, buf, sizeof(buf));
+    relay_config_format_duration(1500, buf, sizeof(buf));
     assert_string_equal(buf, "1500ms");
-    config_format_duration(60000, buf, sizeof(buf));
+    relay_config_format_duration(60000, buf, sizeof(buf));
     assert_string_equal(buf, "1m");
-    config_format_duration(90000, buf, sizeof(buf));
+    relay_config_format_duration(90000, buf, sizeof(buf));
     assert_string_equal(buf, "90s");
-    config_format_duration(30u * 86400000u, buf, sizeof(buf));
+    relay_config_format_duration(30u * 86400000u, buf, sizeof(buf));
     assert_string_equal(buf, "30d");
-    config_format_duration(7200000, buf, sizeof(buf));
+    relay_config_format_duration(7200000, buf, sizeof(buf));
     assert_string_equal(buf, "2h");
 }
 

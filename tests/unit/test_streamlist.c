@@ -1,7 +1,7 @@
 /* Unit tests of core/streamlist.c: which keys are the relay's streams, when
- * the list of streams is scanned again, and the streams the claim cycle
- * published to. The scan itself runs against real servers
- * (tests/integration/test_observer.py). */
+ * the list of streams is scanned again, and what it does with the names the
+ * claim cycle hands over (relay/streamseen.c). The scan itself runs against
+ * real servers (tests/integration/test_observer.py). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -15,6 +15,7 @@
 #include "relay/batch.h"
 #include "common/keys.h"
 #include "core/streamlist.h"
+#include "relay/streamseen.h"
 
 static enum relay_stream_kind kind(const char *key, const char *prefix)
 {
@@ -70,11 +71,21 @@ static void listed(struct relay_stream_list *l)
     l->nnodes = 1;
 }
 
+/* A round with the names handed over through seen (may be NULL), as the
+ * observer starts one. */
+static void round_with(struct relay_stream_list *l, struct relay_stream_seen *seen)
+{
+    char **fresh = NULL;
+    int overflow = 0;
+    size_t nfresh = seen != NULL ? relay_stream_seen_take(seen, &fresh, &overflow) : 0;
+    relay_stream_list_round(l, fresh, nfresh, overflow);
+}
+
 /* A list after its first round, as that round's scan would leave it. */
 static void first_round(struct relay_stream_list *l, struct relay_stream_seen *seen)
 {
     memset(l, 0, sizeof(*l));
-    relay_stream_list_round(l, seen);
+    round_with(l, seen);
     listed(l);
 }
 
@@ -83,7 +94,7 @@ static void test_first_round_scans(void **state)
     (void)state;
     struct relay_stream_list l;
     memset(&l, 0, sizeof(l));
-    relay_stream_list_round(&l, NULL);
+    round_with(&l, NULL);
     assert_int_equal(l.scanned, 1);
     assert_int_equal(l.since_scan, 0);
     assert_int_equal(l.nnodes, 0); /* every node scanned at its first visit */
@@ -96,11 +107,11 @@ static void test_rounds_keep_the_list_until_the_rescan(void **state)
     struct relay_stream_list l;
     first_round(&l, NULL);
     for (int i = 1; i < RELAY_STREAM_RESCAN_EVERY; i++) {
-        relay_stream_list_round(&l, NULL);
+        round_with(&l, NULL);
         assert_int_equal(l.n, 1);
         assert_int_equal(l.nnodes, 1);
     }
-    relay_stream_list_round(&l, NULL);
+    round_with(&l, NULL);
     assert_int_equal(l.n, 0);
     assert_int_equal(l.nnodes, 0);
     assert_int_equal(l.since_scan, 0);
@@ -113,7 +124,7 @@ static void test_a_stream_gone_rescans(void **state)
     struct relay_stream_list l;
     first_round(&l, NULL);
     relay_stream_list_forget(&l);
-    relay_stream_list_round(&l, NULL);
+    round_with(&l, NULL);
     assert_int_equal(l.n, 0);
     assert_int_equal(l.stale, 0);
     relay_stream_list_free(&l);
@@ -150,7 +161,7 @@ static void test_a_listed_node_and_stream_cost_no_call(void **state)
     first_round(&l, &seen);
     struct relay_row row = row_of("orders", 0, 1);
     relay_stream_seen_note(&seen, NULL, &row);
-    relay_stream_list_round(&l, &seen);
+    round_with(&l, &seen);
     assert_int_equal(l.nfresh, 1);
     assert_null(l.fresh[0]); /* listed: nothing to look for */
     char host[] = "127.0.0.1";
@@ -180,86 +191,11 @@ static void test_too_many_new_streams_rescan(void **state)
         row.partition = p;
         relay_stream_seen_note(&seen, NULL, &row);
     }
-    relay_stream_list_round(&l, &seen);
+    round_with(&l, &seen);
     assert_int_equal(l.n, 0); /* forgotten: each node is scanned again */
     assert_int_equal(l.nfresh, 0);
     relay_stream_list_free(&l);
     relay_stream_seen_free(&seen);
-}
-
-static void test_seen_hands_each_stream_over_once(void **state)
-{
-    (void)state;
-    struct relay_stream_seen s;
-    relay_stream_seen_init(&s);
-    struct relay_row a = row_of("orders", 0, 1);
-    struct relay_row b = row_of("payments", 0, 1);
-    struct relay_row p1 = row_of("orders", 1, 8);
-    struct relay_row p2 = row_of("orders", 2, 8);
-    relay_stream_seen_note(&s, "app.", &a);
-    relay_stream_seen_note(&s, "app.", &a);
-    relay_stream_seen_note(&s, "app.", &b);
-    relay_stream_seen_note(&s, "app.", &p1);
-    relay_stream_seen_note(&s, "app.", &p2);
-    relay_stream_seen_note(&s, "app.", &p1);
-    char **names;
-    int overflow = 1;
-    size_t n = relay_stream_seen_take(&s, &names, &overflow);
-    assert_int_equal(n, 4);
-    assert_int_equal(overflow, 0);
-    assert_string_equal(names[0], "app.orders");
-    assert_string_equal(names[1], "app.payments");
-    assert_string_equal(names[2], "app.orders:001");
-    assert_string_equal(names[3], "app.orders:002");
-    for (size_t i = 0; i < n; i++)
-        free(names[i]);
-    free(names);
-    relay_stream_seen_note(&s, "app.", &b); /* known: not handed over again */
-    assert_int_equal(relay_stream_seen_take(&s, &names, &overflow), 0);
-    assert_null(names);
-    relay_stream_seen_free(&s);
-}
-
-/* Past RELAY_STREAM_LIST_MAX streams the table starts again and the observer
- * is told to scan once; every new stream is still handed over. */
-static void test_seen_starts_again_past_the_cap(void **state)
-{
-    (void)state;
-    struct relay_stream_seen s;
-    relay_stream_seen_init(&s);
-    struct relay_row row = row_of("t", 0, OUTBOX_PARTITIONS_MAX);
-    char name[2] = "a";
-    size_t handed = 0;
-    int overflows = 0;
-    for (uint32_t topic = 0; topic < 12; topic++) {
-        name[0] = (char)('a' + topic);
-        row.topic = name;
-        row.topic_len = 1;
-        for (uint32_t p = 0; p < OUTBOX_PARTITIONS_MAX; p++) {
-            row.partition = p;
-            relay_stream_seen_note(&s, NULL, &row);
-            if (s.nfresh == RELAY_STREAM_FRESH_MAX || p + 1 == OUTBOX_PARTITIONS_MAX) {
-                char **names;
-                int overflow;
-                size_t n = relay_stream_seen_take(&s, &names, &overflow);
-                handed += n;
-                overflows += overflow;
-                for (size_t i = 0; i < n; i++)
-                    free(names[i]);
-                free(names);
-            }
-        }
-    }
-    assert_int_equal(handed, 12 * OUTBOX_PARTITIONS_MAX);
-    assert_int_equal(overflows, 1);
-    assert_int_equal(s.n, 12 * OUTBOX_PARTITIONS_MAX - RELAY_STREAM_LIST_MAX);
-    /* Known since the new start: not handed over again, no scan asked. */
-    relay_stream_seen_note(&s, NULL, &row);
-    char **names;
-    int overflow;
-    assert_int_equal(relay_stream_seen_take(&s, &names, &overflow), 0);
-    assert_int_equal(overflow, 0);
-    relay_stream_seen_free(&s);
 }
 
 /* A name handed over that no node listed in its round: the next round
@@ -273,10 +209,10 @@ static void test_a_name_no_node_listed_rescans(void **state)
     first_round(&l, &seen);
     struct relay_row row = row_of("payments", 0, 1);
     relay_stream_seen_note(&seen, NULL, &row);
-    relay_stream_list_round(&l, &seen);
+    round_with(&l, &seen);
     assert_int_equal(l.n, 1);
-    assert_non_null(l.fresh[0]);        /* not listed: looked for with EXISTS on each node */
-    relay_stream_list_round(&l, &seen); /* no node was visited */
+    assert_non_null(l.fresh[0]); /* not listed: looked for with EXISTS on each node */
+    round_with(&l, &seen);       /* no node was visited */
     assert_int_equal(l.n, 0);
     assert_int_equal(l.nfresh, 0);
     relay_stream_list_free(&l);
@@ -307,8 +243,6 @@ int main(void)
         cmocka_unit_test(test_a_stream_gone_rescans),
         cmocka_unit_test(test_a_listed_node_and_stream_cost_no_call),
         cmocka_unit_test(test_too_many_new_streams_rescan),
-        cmocka_unit_test(test_seen_hands_each_stream_over_once),
-        cmocka_unit_test(test_seen_starts_again_past_the_cap),
         cmocka_unit_test(test_a_name_no_node_listed_rescans),
         cmocka_unit_test(test_rescan_at_once_only_when_stale),
     };

@@ -1,12 +1,12 @@
 /*
- * The daemon's observation thread and its hand-off (relay/observer.h).
+ * The daemon's observation thread and its hand-off (relay/observe_io.h).
  * After each observation the thread also runs retention (relay/retention.c).
  * The thread writes into a buffer under a mutex and wakes the loop with an
  * ev_async; the loop copies it out under the same mutex and calls back.
  */
 #include "common/compat.h"
 
-#include "relay/observer.h"
+#include "relay/observe_io.h"
 
 #include <ev.h>
 #include <hiredis/hiredis.h>
@@ -21,6 +21,7 @@
 #include "core/observe.h"
 #include "relay/retention.h"
 #include "core/streamlist.h"
+#include "relay/streamseen.h"
 
 struct relay_observer {
     struct ev_loop *loop;
@@ -54,7 +55,10 @@ static void *observe_main(void *arg)
     pthread_mutex_lock(&ob->lock);
     while (!ob->stop) {
         pthread_mutex_unlock(&ob->lock);
-        relay_stream_list_round(&streams, ob->seen);
+        char **fresh = NULL;
+        int overflow = 0;
+        size_t nfresh = ob->seen != NULL ? relay_stream_seen_take(ob->seen, &fresh, &overflow) : 0;
+        relay_stream_list_round(&streams, fresh, nfresh, overflow);
         relay_observe(ob->cfg, &pg, &rd, 1, ob->interrupt, &streams, o);
         relay_retention_run(ob->cfg, &pg, &rd, ob->interrupt, &streams, &retention, o);
         pthread_mutex_lock(&ob->lock);
@@ -94,9 +98,9 @@ static void on_async(struct ev_loop *loop, ev_async *w, int revents)
         ob->fresh_fn(ob->arg, ob->taken);
 }
 
-struct relay_observer *relay_observer_start(struct ev_loop *loop, const struct relay_config *cfg,
-                                            struct relay_stream_seen *seen,
-                                            relay_observer_fn *fresh, void *arg)
+struct relay_observer *relay_observe_io_start(struct ev_loop *loop, const struct relay_config *cfg,
+                                              struct relay_stream_seen *seen,
+                                              relay_observer_fn *fresh, void *arg)
 {
     struct relay_observer *ob = calloc(1, sizeof(*ob));
     if (ob == NULL)
@@ -134,7 +138,7 @@ struct relay_observer *relay_observer_start(struct ev_loop *loop, const struct r
     return ob;
 }
 
-void relay_observer_stop(struct relay_observer *ob)
+void relay_observe_io_stop(struct relay_observer *ob)
 {
     if (ob == NULL)
         return;

@@ -43,7 +43,7 @@
 #include "core/config.h"
 #include "relay/daemon.h"
 #include "relay/log.h"
-#include "relay/owner.h"
+#include "relay/ownership_io.h"
 #include "relay/ownership.h"
 #include "relay/pgsrc.h"
 
@@ -70,6 +70,7 @@ enum owner_step {
 
 struct relay_owner {
     struct relay *r;
+    struct relay_owner_hooks hooks;
     struct relay_pgsrc *pg;
     ev_timer tick;
     enum owner_step step;
@@ -436,8 +437,8 @@ static void on_step(struct relay_pgsrc *pg, PGresult *res, const char *err, cons
             return;
         }
         log_layout(o);
-        if (o->nmembers > 1)
-            relay_wakeup_share(o->r);
+        if (o->nmembers > 1 && o->hooks.shared != NULL)
+            o->hooks.shared(o->hooks.arg);
     } else if (step == STEP_LOCKS && res != NULL) {
         read_locks(o, res);
     } else if (step == STEP_FENCE) {
@@ -461,33 +462,35 @@ static void owner_down(struct relay_pgsrc *pg, void *arg)
     forget_all(o, "the owner connection to PostgreSQL was lost; another relay may take them");
 }
 
-struct relay_owner *relay_owner_start(struct relay *r)
+struct relay_owner *relay_ownership_io_start(struct relay *r, const struct relay_owner_hooks *hooks)
 {
     struct relay_owner *o = calloc(1, sizeof(*o));
     if (o == NULL)
         return NULL;
     o->r = r;
+    if (hooks != NULL)
+        o->hooks = *hooks;
     o->slot = -1;
     o->me = -1;
     o->units = calloc(UNITS_MAX, sizeof(*o->units));
     o->plan = calloc(UNITS_MAX, sizeof(*o->plan));
     if (o->units == NULL || o->plan == NULL) {
-        relay_owner_stop(o);
+        relay_ownership_io_stop(o);
         return NULL;
     }
     ev_init(&o->tick, on_tick);
     o->tick.data = o;
     publish_claim_params(o);
-    struct relay_pgsrc_hooks hooks = {.arg = o, .on_ready = owner_ready, .on_down = owner_down};
-    o->pg = relay_pgsrc_new(r->loop, r->cfg, RELAY_PGSRC_OWNER, &hooks);
+    struct relay_pgsrc_hooks pg_hooks = {.arg = o, .on_ready = owner_ready, .on_down = owner_down};
+    o->pg = relay_pgsrc_new(r->loop, r->cfg, RELAY_PGSRC_OWNER, &pg_hooks);
     if (o->pg == NULL) {
-        relay_owner_stop(o);
+        relay_ownership_io_stop(o);
         return NULL;
     }
     return o;
 }
 
-void relay_owner_stop(struct relay_owner *o)
+void relay_ownership_io_stop(struct relay_owner *o)
 {
     if (o == NULL)
         return;
@@ -502,13 +505,13 @@ void relay_owner_stop(struct relay_owner *o)
     free(o);
 }
 
-const char *relay_owner_begin_sql(const struct relay_owner *o)
+const char *relay_ownership_io_begin_sql(const struct relay_owner *o)
 {
     return o != NULL && o->begin.data != NULL ? o->begin.data : "BEGIN";
 }
 
-void relay_owner_claim_params(const struct relay_owner *o, const char **units, const char **keys,
-                              const char **pid)
+void relay_ownership_io_claim_params(const struct relay_owner *o, const char **units,
+                                     const char **keys, const char **pid)
 {
     int none = o == NULL || o->param_units.data == NULL;
     *units = none ? "{}" : o->param_units.data;
@@ -516,12 +519,12 @@ void relay_owner_claim_params(const struct relay_owner *o, const char **units, c
     *pid = none ? "0" : o->param_pid;
 }
 
-size_t relay_owner_claimable(const struct relay_owner *o)
+size_t relay_ownership_io_claimable(const struct relay_owner *o)
 {
     return o != NULL ? o->nready : 0;
 }
 
-void relay_owner_figures(const struct relay_owner *o, struct relay_owner_figures *f)
+void relay_ownership_io_figures(const struct relay_owner *o, struct relay_owner_figures *f)
 {
     memset(f, 0, sizeof(*f));
     if (o == NULL)

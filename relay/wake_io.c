@@ -22,7 +22,7 @@
 #include "core/config.h"
 #include "relay/daemon.h"
 #include "relay/log.h"
-#include "relay/owner.h"
+#include "relay/ownership_io.h"
 #include "relay/pgsrc.h"
 #include "core/text.h"
 
@@ -86,7 +86,7 @@ static int op_take_lock(void *arg)
 {
     struct relay *r = arg;
     struct relay_owner_figures owners;
-    relay_owner_figures(r->owner, &owners);
+    relay_ownership_io_figures(r->owner, &owners);
     if (!listen_ready(r) || owners.members > 1)
         return -1;
     return relay_pgsrc_send(r->listen,
@@ -108,7 +108,7 @@ static void on_lock_given_up(struct relay_pgsrc *pg, PGresult *res, const char *
     relay_wake_released(&r->wake);
 }
 
-void relay_wakeup_share(struct relay *r)
+void relay_wake_io_share(struct relay *r)
 {
     if (r->wake.lock != RELAY_LOCK_HELD || r->wake.settling || !listen_ready(r))
         return;
@@ -304,7 +304,7 @@ static void on_notify(struct relay_pgsrc *pg, void *arg)
     relay_cycle_want(&r->cycle);
 }
 
-int relay_wakeup_start(struct relay *r)
+int relay_wake_io_start(struct relay *r)
 {
     const struct relay_wake_ops ops = {
         .arg = r,
@@ -327,7 +327,7 @@ int relay_wakeup_start(struct relay *r)
     return r->listen != NULL ? 0 : -1;
 }
 
-void relay_wakeup_stop(struct relay *r)
+void relay_wake_io_stop(struct relay *r)
 {
     if (r->loop != NULL)
         ev_timer_stop(r->loop, &r->settle_timer);

@@ -30,7 +30,7 @@
 #include "relay/daemon.h"
 #include "common/keys.h"
 #include "relay/log.h"
-#include "relay/owner.h"
+#include "relay/ownership_io.h"
 #include "relay/pgsrc.h"
 #include "relay/retire.h"
 #include "relay/sink.h"
@@ -75,7 +75,7 @@ static int op_begin(void *arg, size_t lane)
     struct relay_lane *l = &r->lanes[lane];
     memset(l->phase_at, 0, sizeof(l->phase_at));
     l->phase_at[RELAY_PHASE_CLAIM] = relay_now();
-    return relay_pgsrc_send(l->pg, relay_owner_begin_sql(r->owner), 0, NULL, 0, on_begun, l);
+    return relay_pgsrc_send(l->pg, relay_ownership_io_begin_sql(r->owner), 0, NULL, 0, on_begun, l);
 }
 
 static int op_claim(void *arg, size_t lane, char *why, size_t whylen)
@@ -88,7 +88,7 @@ static int op_claim(void *arg, size_t lane, char *why, size_t whylen)
     char after[24];
     snprintf(limit, sizeof(limit), "%u", r->cfg->batch_size);
     const char *params[6] = {limit, r->paused.param, NULL, NULL, NULL, after};
-    relay_owner_claim_params(r->owner, &params[2], &params[3], &params[4]);
+    relay_ownership_io_claim_params(r->owner, &params[2], &params[3], &params[4]);
     /* With a topic paused, the claim that walks the pending topics' index
      * instead of the paused backlog (relay/pgsrc.c). */
     if (r->paused.n > 0)
@@ -106,9 +106,9 @@ static int op_claim(void *arg, size_t lane, char *why, size_t whylen)
         others[n].last_id = o->nrows > 0 ? o->rows[o->nrows - 1].id : 0;
         n++;
     }
-    int64_t floor =
-        relay_batch_claim_floor(others, n, r->cfg->batch_size, relay_owner_claimable(r->owner) > 0,
-                                &r->claims_bounded_in_row);
+    int64_t floor = relay_batch_claim_floor(others, n, r->cfg->batch_size,
+                                            relay_ownership_io_claimable(r->owner) > 0,
+                                            &r->claims_bounded_in_row);
     snprintf(after, sizeof(after), "%lld", (long long)floor);
     return relay_pgsrc_send_prepared(l->pg, "claim", 6, params, 1, on_claimed, l);
 }
@@ -143,8 +143,9 @@ static int op_overlap(void *arg, size_t ahead, size_t lane)
 {
     const struct relay *r = arg;
     const struct relay_lane *a = &r->lanes[ahead];
-    return r->cfg->min_replicas == 0 && !a->tally.failed && relay_owner_claimable(r->owner) == 0 &&
-           !has_partitioned_rows(a) && !has_partitioned_rows(&r->lanes[lane]);
+    return r->cfg->min_replicas == 0 && !a->tally.failed &&
+           relay_ownership_io_claimable(r->owner) == 0 && !has_partitioned_rows(a) &&
+           !has_partitioned_rows(&r->lanes[lane]);
 }
 
 /* A row of a partitioned topic with a key: one whose failure holds back the
@@ -860,7 +861,7 @@ static void on_retire_timer(struct ev_loop *loop, ev_timer *w, int revents)
         retire_due(r);
 }
 
-void relay_lanes_retire_all(struct relay *r)
+void relay_cycle_io_retire_all(struct relay *r)
 {
     ev_timer_stop(r->loop, &r->retire_timer);
     retire_waiting(r, 0);
@@ -1040,7 +1041,7 @@ static void sink_ready(struct relay_sink *s, void *arg)
     relay_cycle_want(&r->cycle);
 }
 
-int relay_lanes_start(struct relay *r)
+int relay_cycle_io_start(struct relay *r)
 {
     const struct relay_cycle_ops ops = {
         .arg = r,
@@ -1092,7 +1093,7 @@ int relay_lanes_start(struct relay *r)
     return r->sink != NULL ? 0 : -1;
 }
 
-void relay_lanes_stop(struct relay *r)
+void relay_cycle_io_stop(struct relay *r)
 {
     r->cycle.stopping = 1;
     if (r->loop != NULL) {
