@@ -2,7 +2,7 @@
 -- would take the partitions of all topics past 4096.
 --
 -- The relays divide at most 4096 partitions among themselves (UNITS_MAX in
--- relay/owner.c, one advisory lock per partition in each owner session). A
+-- relay/ownership_io.c, one advisory lock per partition in each owner session). A
 -- topic past it was left out of the division: its rows recorded a partition
 -- that no relay would take, and stayed unsent. The limit is now enforced
 -- where counts are set, under the lock that already serialises them.
