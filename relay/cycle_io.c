@@ -465,7 +465,8 @@ static void on_begun(struct relay_pgsrc *pg, PGresult *res, const char *err, con
     relay_cycle_begun(&r->cycle, l->index);
 }
 
-static int parse_row(PGresult *res, int i, struct relay_row *row)
+OUTBOX_STATIC int parse_row(PGresult *res, int i, struct relay_row *row);
+OUTBOX_STATIC int parse_row(PGresult *res, int i, struct relay_row *row)
 {
     if (PQgetlength(res, i, 0) != 8)
         return -1;

@@ -44,7 +44,6 @@
 #include "core/text.h"
 
 #define COMPONENT "metrics"
-#define REQUEST_MAX 8192
 #define CLIENTS_MAX 256
 #define SPARE_FDS 16          /* descriptors below the open-files limit left to the relay */
 #define REQUEST_DEADLINE 2.0  /* seconds from accept to a complete request */
@@ -65,7 +64,7 @@ struct client {
     int answering; /* in m->answering once the request is complete, else in m->reading */
     ev_io io;
     ev_timer deadline;
-    char req[REQUEST_MAX];
+    char req[RELAY_METRICS_REQUEST_MAX];
     size_t reqlen;
     char *resp;
     size_t resplen, sent;

@@ -12,6 +12,9 @@
 
 #include "common/buf.h"
 
+/* The endpoint reads a request of at most this many bytes, head included. */
+#define RELAY_METRICS_REQUEST_MAX 8192
+
 struct ev_loop;
 struct relay_metrics;
 

@@ -17,9 +17,17 @@
  * call that reads back whole, and their retire commands must read back as
  * well-formed commands.
  */
-#include "../../relay/cycle_io.c"
+#include "common/compat.h"
+
+#include <libpq-fe.h>
+
+#include "common/buf.h"
+#include "relay/batch.h"
 
 #include "fuzz.h"
+
+/* File-local in relay/cycle_io.c (OUTBOX_STATIC is empty in relay_unit). */
+int parse_row(PGresult *res, int i, struct relay_row *row);
 
 #define ROWS_MAX 8
 #define COLUMNS 12

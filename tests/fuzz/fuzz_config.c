@@ -6,9 +6,17 @@
  * from its own dump, and show the same dump (secrets stay redacted; see
  * skip_secrets).
  */
-#include "../../core/config.c"
+#include "common/compat.h"
+
+#include "common/url.h"
+#include "core/config.h"
+#include "core/config_table.h" /* CFG_VALUE_MAX */
 
 #include "fuzz.h"
+
+/* File-local in core/config.c (OUTBOX_STATIC is empty in relay_unit). */
+int config_load_stream(struct relay_config *cfg, FILE *f, const char *path, char *err,
+                       size_t errlen);
 
 /*
  * The dump after its first two lines, postgres and redis, the two secrets.
