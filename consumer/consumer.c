@@ -79,8 +79,8 @@ static const uint32_t default_backoff[] = {1000, 10000, 100000, 1000000};
  * deleted entry from the pending list, and a dead letter recorded twice (two
  * consumers giving up on one entry at once) is the lesser harm next to none.
  */
-const char relay_consumer_function_source[] =
-    "#!lua name=" RELAY_CONSUMER_FUNCTION_LIBRARY "\n"
+const char outbox_consumer_function_source[] =
+    "#!lua name=" OUTBOX_CONSUMER_FUNCTION_LIBRARY "\n"
     /* The dead letter itself, for both dead-letter functions: args[first]
      * is the entry id, the fields follow it. */
     "local function move_to_dead_letters(dlq, stream, group, args, first)\n"
@@ -108,12 +108,12 @@ const char relay_consumer_function_source[] =
     "end\n"
     "local function dead_letter(keys, args)\n"
     "  if #keys ~= 2 or #args < 4 or #args % 2 ~= 0 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_DEAD_LETTER
+    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_DEAD_LETTER
     " 2 <dead-letter stream> <stream> <group> <entry id> <field> <value> [<field> <value> ...]')\n"
     "  end\n"
     "  return move_to_dead_letters(keys[1], keys[2], args[1], args, 2)\n"
     "end\n"
-    "redis.register_function('" RELAY_CONSUMER_FUNCTION_DEAD_LETTER "', dead_letter)\n"
+    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_DEAD_LETTER "', dead_letter)\n"
     /*
      * The replay function, for "outbox-relay dlq replay" (contract in
      * include/outbox/consumer.h). KEYS[1] is the dead-letter stream, KEYS[2]
@@ -130,7 +130,7 @@ const char relay_consumer_function_source[] =
      */
     "local function replay(keys, args)\n"
     "  if #keys ~= 2 or #args ~= 1 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_REPLAY
+    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_REPLAY
     " 2 <dead-letter stream> <replay stream> <entry id>')\n"
     "  end\n"
     "  if not string.match(args[1], '^%d+%-%d+$') then\n"
@@ -167,7 +167,7 @@ const char relay_consumer_function_source[] =
     "  redis.call('XDEL', keys[1], args[1])\n"
     "  return id\n"
     "end\n"
-    "redis.register_function('" RELAY_CONSUMER_FUNCTION_REPLAY "', replay)\n"
+    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_REPLAY "', replay)\n"
     /*
      * Partition leases (contract in include/outbox/consumer.h; docs/
      * CONSUMERS.md, "Ordered consumers"). A lease is a string
@@ -193,7 +193,7 @@ const char relay_consumer_function_source[] =
     "end\n"
     "local function lease(keys, args)\n"
     "  if #keys ~= 2 or #args ~= 3 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_LEASE
+    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_LEASE
     " 2 <lease key> <token counter key> <consumer> <ttl ms> <token, 0 to take>')\n"
     "  end\n"
     "  local ttl = tonumber(args[2])\n"
@@ -220,10 +220,10 @@ const char relay_consumer_function_source[] =
     "  redis.call('SET', keys[1], n .. ':' .. args[1], 'PX', ttl)\n"
     "  return {n, args[1], ttl}\n"
     "end\n"
-    "redis.register_function('" RELAY_CONSUMER_FUNCTION_LEASE "', lease)\n"
+    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_LEASE "', lease)\n"
     "local function release(keys, args)\n"
     "  if #keys ~= 1 or #args ~= 1 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_RELEASE
+    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_RELEASE
     " 1 <lease key> <token>')\n"
     "  end\n"
     "  if lease_of(keys[1]) == args[1] then\n"
@@ -231,11 +231,11 @@ const char relay_consumer_function_source[] =
     "  end\n"
     "  return 0\n"
     "end\n"
-    "redis.register_function('" RELAY_CONSUMER_FUNCTION_RELEASE "', release)\n"
+    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_RELEASE "', release)\n"
     "local function leased_read(keys, args)\n"
     "  if #keys ~= 2 or #args ~= 5 or (args[5] ~= '>' and not string.match(args[5], "
     "'^%d+%-%d+$') and args[5] ~= '0') then\n"
-    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_READ
+    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_READ
     " 2 <stream> <lease key> <group> <consumer> <token> <count> <\\'>\\' or an id>')\n"
     "  end\n"
     "  local lost = lease_lost(keys[2], args[3])\n"
@@ -256,10 +256,10 @@ const char relay_consumer_function_source[] =
     "  end\n"
     "  return {{keys[1], out}}\n"
     "end\n"
-    "redis.register_function('" RELAY_CONSUMER_FUNCTION_READ "', leased_read)\n"
+    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_READ "', leased_read)\n"
     "local function take(keys, args)\n"
     "  if #keys ~= 2 or #args ~= 4 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_TAKE
+    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_TAKE
     " 2 <stream> <lease key> <group> <consumer> <token> <count>')\n"
     "  end\n"
     "  local lost = lease_lost(keys[2], args[3])\n"
@@ -281,20 +281,20 @@ const char relay_consumer_function_source[] =
     "  if #ids == 0 then return {{}, {}} end\n"
     "  return {ids, redis.call('XCLAIM', keys[1], args[1], args[2], 0, unpack(ids))}\n"
     "end\n"
-    "redis.register_function('" RELAY_CONSUMER_FUNCTION_TAKE "', take)\n"
+    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_TAKE "', take)\n"
     "local function leased_ack(keys, args)\n"
     "  if #keys ~= 2 or #args < 3 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_ACK
+    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_ACK
     " 2 <stream> <lease key> <group> <token> <entry id> [<entry id> ...]')\n"
     "  end\n"
     "  local lost = lease_lost(keys[2], args[2])\n"
     "  if lost then return lost end\n"
     "  return redis.call('XACK', keys[1], args[1], unpack(args, 3))\n"
     "end\n"
-    "redis.register_function('" RELAY_CONSUMER_FUNCTION_ACK "', leased_ack)\n"
+    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_ACK "', leased_ack)\n"
     "local function leased_dead_letter(keys, args)\n"
     "  if #keys ~= 3 or #args < 5 or #args % 2 ~= 1 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " RELAY_CONSUMER_FUNCTION_DEAD_LETTER_LEASED
+    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_DEAD_LETTER_LEASED
     " 3 <dead-letter stream> <stream> <lease key> <group> <token> <entry id> <field> <value> "
     "[<field> <value> ...]')\n"
     "  end\n"
@@ -302,21 +302,21 @@ const char relay_consumer_function_source[] =
     "  if lost then return lost end\n"
     "  return move_to_dead_letters(keys[1], keys[2], args[1], args, 3)\n"
     "end\n"
-    "redis.register_function('" RELAY_CONSUMER_FUNCTION_DEAD_LETTER_LEASED
+    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_DEAD_LETTER_LEASED
     "', leased_dead_letter)\n";
 
 /* Most primaries of a cluster the ordered mode holds connections to. */
 #define CONSUMER_NODES_MAX 32
 
-struct relay_consumer {
-    struct relay_consumer_options o;
+struct outbox_consumer {
+    struct outbox_consumer_options o;
     char stream[NAME_MAX_LEN];
     char group[NAME_MAX_LEN];
     char consumer[NAME_MAX_LEN];
     char dlq[2 * NAME_MAX_LEN + 16];
     char replay[2 * NAME_MAX_LEN + 16];
     struct outbox_redis_url url;
-    relay_consumer_handler_fn *handler;
+    outbox_consumer_handler_fn *handler;
     void *arg;
 
     redisContext *rd; /* XREADGROUP BLOCK */
@@ -327,19 +327,19 @@ struct relay_consumer {
     int nnodes;
     volatile sig_atomic_t stop;
     struct outbox_backoff reconnect;
-    struct relay_consumer_stats stats;
+    struct outbox_consumer_stats stats;
     long long last_reclaim_ms;
     char lease_ms_s[16];  /* the ordered mode's lease, as an argument */
     char last_error[512]; /* the last problem logged, to log each change once */
-    enum relay_consumer_err err;
+    enum outbox_consumer_err err;
     char errstr[512];
 };
 
 /* Hands one event to the log hook, as one line. */
-static void emit(const struct relay_consumer *c, enum relay_consumer_log_level level,
+static void emit(const struct outbox_consumer *c, enum outbox_consumer_log_level level,
                  const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
-static void emit(const struct relay_consumer *c, enum relay_consumer_log_level level,
+static void emit(const struct outbox_consumer *c, enum outbox_consumer_log_level level,
                  const char *fmt, ...)
 {
     char text[LOG_LINE_MAX];
@@ -361,16 +361,16 @@ static void emit(const struct relay_consumer *c, enum relay_consumer_log_level l
     c->o.log(level, text, c->o.log_arg);
 }
 
-/* Records the most recent failure for relay_consumer_err/errstr. */
-static void set_error(struct relay_consumer *c, enum relay_consumer_err kind, const char *text)
+/* Records the most recent failure for outbox_consumer_err/errstr. */
+static void set_error(struct outbox_consumer *c, enum outbox_consumer_err kind, const char *text)
 {
     c->err = kind;
     snprintf(c->errstr, sizeof(c->errstr), "%s", text);
 }
 
-static void clear_error(struct relay_consumer *c)
+static void clear_error(struct outbox_consumer *c)
 {
-    c->err = RELAY_CONSUMER_ERR_NONE;
+    c->err = OUTBOX_CONSUMER_ERR_NONE;
     c->errstr[0] = '\0';
 }
 
@@ -381,18 +381,18 @@ static long long now_ms(void)
     return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-int relay_consumer_dlq_name(const char *stream, const char *group, char *out, size_t outlen)
+int outbox_consumer_dlq_name(const char *stream, const char *group, char *out, size_t outlen)
 {
     return outbox_key_dlq(stream, group, out, outlen);
 }
 
-int relay_consumer_replay_name(const char *stream, const char *group, char *out, size_t outlen)
+int outbox_consumer_replay_name(const char *stream, const char *group, char *out, size_t outlen)
 {
     return outbox_key_replay(stream, group, out, outlen);
 }
 
-int relay_consumer_lease_names(const char *stream, const char *group, char *lease, char *token,
-                               size_t outlen)
+int outbox_consumer_lease_names(const char *stream, const char *group, char *lease, char *token,
+                                size_t outlen)
 {
     /* The counter's name is the longer: when it fits, both do. */
     if (strlen(stream) + strlen(group) + sizeof("{}:lease-token:") > outlen)
@@ -402,7 +402,7 @@ int relay_consumer_lease_names(const char *stream, const char *group, char *leas
     return outbox_key_lease(stream, group, "lease", lease, outlen);
 }
 
-uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts, uint32_t deliveries)
+uint32_t outbox_consumer_backoff_ms(const struct outbox_consumer_options *opts, uint32_t deliveries)
 {
     const uint32_t *b = opts->nbackoff ? opts->backoff_ms : default_backoff;
     uint32_t n = opts->nbackoff ? opts->nbackoff : OUTBOX_ARRAY_LEN(default_backoff);
@@ -410,22 +410,22 @@ uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts, ui
     return b[i < n ? i : n - 1];
 }
 
-uint64_t relay_consumer_redelivery_horizon_ms(const struct relay_consumer_options *opts)
+uint64_t outbox_consumer_redelivery_horizon_ms(const struct outbox_consumer_options *opts)
 {
     uint32_t deliveries = opts->max_deliveries ? opts->max_deliveries : 5;
     uint32_t reclaim = opts->reclaim_interval_ms ? opts->reclaim_interval_ms : 250;
     uint64_t ms = 0;
     for (uint32_t d = 1; d < deliveries; d++)
-        ms += (uint64_t)relay_consumer_backoff_ms(opts, d) + reclaim;
+        ms += (uint64_t)outbox_consumer_backoff_ms(opts, d) + reclaim;
     return ms;
 }
 
-static uint32_t min_backoff(const struct relay_consumer_options *o)
+static uint32_t min_backoff(const struct outbox_consumer_options *o)
 {
     uint32_t n = o->nbackoff ? o->nbackoff : OUTBOX_ARRAY_LEN(default_backoff);
     uint32_t m = UINT32_MAX;
     for (uint32_t d = 1; d <= n; d++) {
-        uint32_t b = relay_consumer_backoff_ms(o, d);
+        uint32_t b = outbox_consumer_backoff_ms(o, d);
         if (b < m)
             m = b;
     }
@@ -448,9 +448,9 @@ static int copy_name(char *dst, const char *src, const char *what, char *err, si
 
 /* A processed-table horizon must outlive every redelivery: 0, or -1 with
  * err, unless the options allow a shorter one. */
-static int check_horizon(const struct relay_consumer_options *o, char *err, size_t errlen)
+static int check_horizon(const struct outbox_consumer_options *o, char *err, size_t errlen)
 {
-    uint64_t horizon = relay_consumer_redelivery_horizon_ms(o);
+    uint64_t horizon = outbox_consumer_redelivery_horizon_ms(o);
     if (o->processed_horizon_ms == 0 || o->processed_horizon_ms >= horizon ||
         o->allow_short_processed_horizon)
         return 0;
@@ -463,15 +463,15 @@ static int check_horizon(const struct relay_consumer_options *o, char *err, size
     return -1;
 }
 
-struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *opts,
-                                          relay_consumer_handler_fn *handler, void *arg, char *err,
-                                          size_t errlen)
+struct outbox_consumer *outbox_consumer_new(const struct outbox_consumer_options *opts,
+                                            outbox_consumer_handler_fn *handler, void *arg,
+                                            char *err, size_t errlen)
 {
     if (opts == NULL || handler == NULL) {
         snprintf(err, errlen, "options and handler are required");
         return NULL;
     }
-    struct relay_consumer *c = calloc(1, sizeof(*c));
+    struct outbox_consumer *c = calloc(1, sizeof(*c));
     if (c == NULL) {
         snprintf(err, errlen, "out of memory");
         return NULL;
@@ -481,8 +481,8 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
     c->arg = arg;
     if (c->o.max_deliveries == 0)
         c->o.max_deliveries = 5;
-    if (c->o.nbackoff > RELAY_CONSUMER_BACKOFF_MAX) {
-        snprintf(err, errlen, "at most %d backoff steps", RELAY_CONSUMER_BACKOFF_MAX);
+    if (c->o.nbackoff > OUTBOX_CONSUMER_BACKOFF_MAX) {
+        snprintf(err, errlen, "at most %d backoff steps", OUTBOX_CONSUMER_BACKOFF_MAX);
         goto fail;
     }
     for (uint32_t i = 0; i < c->o.nbackoff; i++)
@@ -548,12 +548,12 @@ struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *o
         if (copy_name(c->dlq, opts->dlq, "dlq", err, errlen) < 0)
             goto fail;
     } else {
-        if (relay_consumer_dlq_name(c->stream, c->group, c->dlq, sizeof(c->dlq)) < 0) {
+        if (outbox_consumer_dlq_name(c->stream, c->group, c->dlq, sizeof(c->dlq)) < 0) {
             snprintf(err, errlen, "stream and group names are too long together");
             goto fail;
         }
     }
-    if (relay_consumer_replay_name(c->stream, c->group, c->replay, sizeof(c->replay)) < 0) {
+    if (outbox_consumer_replay_name(c->stream, c->group, c->replay, sizeof(c->replay)) < 0) {
         snprintf(err, errlen, "stream and group names are too long together");
         goto fail;
     }
@@ -573,37 +573,37 @@ fail:
     return NULL;
 }
 
-void relay_consumer_stop(struct relay_consumer *c)
+void outbox_consumer_stop(struct outbox_consumer *c)
 {
     c->stop = 1;
 }
 
-const struct relay_consumer_stats *relay_consumer_stats(const struct relay_consumer *c)
+const struct outbox_consumer_stats *outbox_consumer_stats(const struct outbox_consumer *c)
 {
     return &c->stats;
 }
 
-const char *relay_consumer_name(const struct relay_consumer *c)
+const char *outbox_consumer_name(const struct outbox_consumer *c)
 {
     return c->consumer;
 }
 
-const char *relay_consumer_dlq(const struct relay_consumer *c)
+const char *outbox_consumer_dlq(const struct outbox_consumer *c)
 {
     return c->dlq;
 }
 
-enum relay_consumer_err relay_consumer_err(const struct relay_consumer *c)
+enum outbox_consumer_err outbox_consumer_err(const struct outbox_consumer *c)
 {
     return c->err;
 }
 
-const char *relay_consumer_errstr(const struct relay_consumer *c)
+const char *outbox_consumer_errstr(const struct outbox_consumer *c)
 {
     return c->errstr;
 }
 
-static void disconnect(struct relay_consumer *c)
+static void disconnect(struct outbox_consumer *c)
 {
     if (c->rd != NULL)
         redisFree(c->rd);
@@ -615,7 +615,7 @@ static void disconnect(struct relay_consumer *c)
     c->rd = c->wr = NULL;
 }
 
-void relay_consumer_free(struct relay_consumer *c)
+void outbox_consumer_free(struct outbox_consumer *c)
 {
     if (c == NULL)
         return;
@@ -631,11 +631,11 @@ static redisReply *command(redisContext *ctx, int argc, const char **argv, const
 
 /* Records a problem that run retries, and logs it as an error once per
  * change of its text (a repeat is a debug line). */
-OUTBOX_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt,
-                           ...) __attribute__((format(printf, 3, 4)));
+OUTBOX_STATIC void problem(struct outbox_consumer *c, enum outbox_consumer_err kind,
+                           const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
-OUTBOX_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt,
-                           ...)
+OUTBOX_STATIC void problem(struct outbox_consumer *c, enum outbox_consumer_err kind,
+                           const char *fmt, ...)
 {
     char text[512];
     va_list ap;
@@ -644,15 +644,15 @@ OUTBOX_STATIC void problem(struct relay_consumer *c, enum relay_consumer_err kin
     va_end(ap);
     set_error(c, kind, text);
     if (strcmp(text, c->last_error) == 0) {
-        emit(c, RELAY_CONSUMER_LOG_DEBUG, "%s", text);
+        emit(c, OUTBOX_CONSUMER_LOG_DEBUG, "%s", text);
         return;
     }
     snprintf(c->last_error, sizeof(c->last_error), "%s", text);
-    emit(c, RELAY_CONSUMER_LOG_ERROR, "%s; retrying with backoff", text);
+    emit(c, OUTBOX_CONSUMER_LOG_ERROR, "%s; retrying with backoff", text);
 }
 
 /* A connection for the commands of one stream (and the keys in its slot). */
-static redisContext *open_conn_for(struct relay_consumer *c, const char *stream,
+static redisContext *open_conn_for(struct outbox_consumer *c, const char *stream,
                                    uint32_t timeout_ms, const char *role)
 {
     char err[512];
@@ -664,9 +664,9 @@ static redisContext *open_conn_for(struct relay_consumer *c, const char *stream,
                                                   timeout_ms, -1, err, sizeof(err), &fault);
     if (ctx == NULL) {
         problem(c,
-                fault == OUTBOX_REDIS_NOMEM     ? RELAY_CONSUMER_ERR_OOM
-                : fault == OUTBOX_REDIS_REFUSED ? RELAY_CONSUMER_ERR_REDIS
-                                                : RELAY_CONSUMER_ERR_IO,
+                fault == OUTBOX_REDIS_NOMEM     ? OUTBOX_CONSUMER_ERR_OOM
+                : fault == OUTBOX_REDIS_REFUSED ? OUTBOX_CONSUMER_ERR_REDIS
+                                                : OUTBOX_CONSUMER_ERR_IO,
                 "%s", err);
         return NULL;
     }
@@ -684,24 +684,24 @@ static redisContext *open_conn_for(struct relay_consumer *c, const char *stream,
     return ctx;
 }
 
-static redisContext *open_conn(struct relay_consumer *c, uint32_t timeout_ms, const char *role)
+static redisContext *open_conn(struct outbox_consumer *c, uint32_t timeout_ms, const char *role)
 {
     return open_conn_for(c, c->stream, timeout_ms, role);
 }
 
 /* XGROUP CREATE at 0 with MKSTREAM: nothing published before the group existed is missed. */
-static int ensure_group(struct relay_consumer *c, const char *stream)
+static int ensure_group(struct outbox_consumer *c, const char *stream)
 {
     const char *argv[6] = {"XGROUP", "CREATE", stream, c->group, "0", "MKSTREAM"};
     size_t lens[6] = {6, 6, strlen(stream), strlen(c->group), 1, 8};
     redisReply *r = command(c->wr, 6, argv, lens);
     if (r == NULL) {
-        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
+        problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
         return -1;
     }
     int ok = r->type != REDIS_REPLY_ERROR || strncmp(r->str, "BUSYGROUP", 9) == 0;
     if (!ok)
-        problem(c, RELAY_CONSUMER_ERR_REDIS, "cannot create the consumer group: %s", r->str);
+        problem(c, OUTBOX_CONSUMER_ERR_REDIS, "cannot create the consumer group: %s", r->str);
     freeReplyObject(r);
     return ok ? 0 : -1;
 }
@@ -711,20 +711,20 @@ static int ensure_group(struct relay_consumer *c, const char *stream)
  * It is persisted and replicated, unlike the script cache; REPLACE makes a
  * reconnect after an upgrade load the new body.
  */
-static int load_function(struct relay_consumer *c)
+static int load_function(struct outbox_consumer *c)
 {
-    const char *argv[4] = {"FUNCTION", "LOAD", "REPLACE", relay_consumer_function_source};
-    size_t lens[4] = {8, 4, 7, strlen(relay_consumer_function_source)};
+    const char *argv[4] = {"FUNCTION", "LOAD", "REPLACE", outbox_consumer_function_source};
+    size_t lens[4] = {8, 4, 7, strlen(outbox_consumer_function_source)};
     redisReply *r = command(c->wr, 4, argv, lens);
     if (r == NULL) {
-        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
+        problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
         return -1;
     }
     int ok = r->type != REDIS_REPLY_ERROR;
     if (!ok)
-        problem(c, RELAY_CONSUMER_ERR_REDIS,
+        problem(c, OUTBOX_CONSUMER_ERR_REDIS,
                 "FUNCTION LOAD of library %s (the dead-letter function) failed: %s%s",
-                RELAY_CONSUMER_FUNCTION_LIBRARY, r->str,
+                OUTBOX_CONSUMER_FUNCTION_LIBRARY, r->str,
                 strncmp(r->str, "NOPERM", 6) == 0
                     ? "; the consumer's Redis user needs the ACL permissions +function|load "
                       "and +fcall"
@@ -733,7 +733,7 @@ static int load_function(struct relay_consumer *c)
     return ok ? 0 : -1;
 }
 
-static void sleep_ms_interruptible(struct relay_consumer *c, uint32_t ms)
+static void sleep_ms_interruptible(struct outbox_consumer *c, uint32_t ms)
 {
     while (ms > 0 && !c->stop) {
         uint32_t step = ms > 50 ? 50 : ms;
@@ -749,7 +749,7 @@ static void sleep_ms_interruptible(struct relay_consumer *c, uint32_t ms)
  * now when that is free; when both exist, a warning says how to merge them
  * (outbox-relay dlq migrate). Failures are warnings: consuming goes on.
  */
-static void migrate_name(struct relay_consumer *c, const char *stream, const char *now, int replay)
+static void migrate_name(struct outbox_consumer *c, const char *stream, const char *now, int replay)
 {
     char old[sizeof(c->dlq)];
     if ((replay ? outbox_key_replay_old(stream, c->group, old, sizeof(old))
@@ -761,10 +761,10 @@ static void migrate_name(struct relay_consumer *c, const char *stream, const cha
     if (r == NULL)
         return;
     if (r->type == REDIS_REPLY_INTEGER && r->integer == 1)
-        emit(c, RELAY_CONSUMER_LOG_INFO, "%s: renamed %s to %s (the name before 0.2)", c->consumer,
+        emit(c, OUTBOX_CONSUMER_LOG_INFO, "%s: renamed %s to %s (the name before 0.2)", c->consumer,
              old, now);
     else if (r->type == REDIS_REPLY_INTEGER && r->integer == 0)
-        emit(c, RELAY_CONSUMER_LOG_WARNING,
+        emit(c, OUTBOX_CONSUMER_LOG_WARNING,
              "%s: both %s (the name before 0.2) and %s exist: run 'outbox-relay dlq migrate %s "
              "%s' to move the old entries",
              c->consumer, old, now, stream, c->group);
@@ -773,7 +773,7 @@ static void migrate_name(struct relay_consumer *c, const char *stream, const cha
     freeReplyObject(r);
 }
 
-static int connect_all(struct relay_consumer *c)
+static int connect_all(struct outbox_consumer *c)
 {
     disconnect(c);
     c->wr = open_conn(c, c->o.command_timeout_ms, "ack");
@@ -784,7 +784,7 @@ static int connect_all(struct relay_consumer *c)
         return -1;
     }
     char default_dlq[sizeof(c->dlq)];
-    if (relay_consumer_dlq_name(c->stream, c->group, default_dlq, sizeof(default_dlq)) > 0 &&
+    if (outbox_consumer_dlq_name(c->stream, c->group, default_dlq, sizeof(default_dlq)) > 0 &&
         strcmp(default_dlq, c->dlq) == 0)
         migrate_name(c, c->stream, c->dlq, 0); /* a dlq of the caller's own keeps its name */
     migrate_name(c, c->stream, c->replay, 1);
@@ -793,10 +793,10 @@ static int connect_all(struct relay_consumer *c)
         return -1;
     }
     if (c->last_error[0] != '\0')
-        emit(c, RELAY_CONSUMER_LOG_INFO, "%s: connected again, reading %s and %s as group %s",
+        emit(c, OUTBOX_CONSUMER_LOG_INFO, "%s: connected again, reading %s and %s as group %s",
              c->consumer, c->stream, c->replay, c->group);
     else
-        emit(c, RELAY_CONSUMER_LOG_INFO, "%s: reading %s and %s as group %s, dead letters to %s",
+        emit(c, OUTBOX_CONSUMER_LOG_INFO, "%s: reading %s and %s as group %s, dead letters to %s",
              c->consumer, c->stream, c->replay, c->group, c->dlq);
     c->last_error[0] = '\0';
     clear_error(c);
@@ -868,14 +868,15 @@ static void arg_str(struct argv_buf *a, const char *s)
  * (not its "dlq." ones), then the dead-letter fields. count and when are the
  * caller's buffers, alive until the command is sent. a has room for
  * 7 + the fields + 16 arguments. */
-static void dead_letter_args(struct argv_buf *a, const struct relay_consumer *c, const char *stream,
-                             const struct lease_ref *lease, const char *entry_id,
-                             const redisReply *fields, size_t nf, const char *reason,
-                             const char *error, const char *count, const char *when)
+static void dead_letter_args(struct argv_buf *a, const struct outbox_consumer *c,
+                             const char *stream, const struct lease_ref *lease,
+                             const char *entry_id, const redisReply *fields, size_t nf,
+                             const char *reason, const char *error, const char *count,
+                             const char *when)
 {
     arg_str(a, "FCALL");
     if (lease != NULL) {
-        arg_str(a, RELAY_CONSUMER_FUNCTION_DEAD_LETTER_LEASED);
+        arg_str(a, OUTBOX_CONSUMER_FUNCTION_DEAD_LETTER_LEASED);
         arg_str(a, "3");
         arg_str(a, lease->dlq);
         arg_str(a, stream);
@@ -883,7 +884,7 @@ static void dead_letter_args(struct argv_buf *a, const struct relay_consumer *c,
         arg_str(a, c->group);
         arg_str(a, lease->token);
     } else {
-        arg_str(a, RELAY_CONSUMER_FUNCTION_DEAD_LETTER);
+        arg_str(a, OUTBOX_CONSUMER_FUNCTION_DEAD_LETTER);
         arg_str(a, "2");
         arg_str(a, c->dlq);
         arg_str(a, stream);
@@ -900,10 +901,10 @@ static void dead_letter_args(struct argv_buf *a, const struct relay_consumer *c,
         arg_add(a, v->str, v->len);
     }
     const char *const tail[] = {
-        RELAY_DLQ_FIELD_STREAM,     stream,      RELAY_DLQ_FIELD_GROUP,  c->group,
-        RELAY_DLQ_FIELD_CONSUMER,   c->consumer, RELAY_DLQ_FIELD_ENTRY,  entry_id,
-        RELAY_DLQ_FIELD_DELIVERIES, count,       RELAY_DLQ_FIELD_REASON, reason,
-        RELAY_DLQ_FIELD_ERROR,      error,       RELAY_DLQ_FIELD_TIME,   when,
+        OUTBOX_DLQ_FIELD_STREAM,     stream,      OUTBOX_DLQ_FIELD_GROUP,  c->group,
+        OUTBOX_DLQ_FIELD_CONSUMER,   c->consumer, OUTBOX_DLQ_FIELD_ENTRY,  entry_id,
+        OUTBOX_DLQ_FIELD_DELIVERIES, count,       OUTBOX_DLQ_FIELD_REASON, reason,
+        OUTBOX_DLQ_FIELD_ERROR,      error,       OUTBOX_DLQ_FIELD_TIME,   when,
     };
     for (size_t i = 0; i < sizeof(tail) / sizeof(tail[0]); i++)
         arg_str(a, tail[i]);
@@ -912,7 +913,7 @@ static void dead_letter_args(struct argv_buf *a, const struct relay_consumer *c,
 /* 0, -1 (refused or failed: the entry stays pending) or, under a lease,
  * RELAY_LEASE_LOST. */
 #define RELAY_LEASE_LOST (-2)
-static int dead_letter_under(struct relay_consumer *c, const char *stream,
+static int dead_letter_under(struct outbox_consumer *c, const char *stream,
                              const struct lease_ref *lease, const char *entry_id,
                              const redisReply *fields, const char *reason, const char *error,
                              uint32_t deliveries)
@@ -924,8 +925,8 @@ static int dead_letter_under(struct relay_consumer *c, const char *stream,
     struct argv_buf a = {calloc(argc_max, sizeof(*a.argv)), calloc(argc_max, sizeof(*a.lens)), 0};
     int rc = -1;
     if (a.argv == NULL || a.lens == NULL) {
-        set_error(c, RELAY_CONSUMER_ERR_OOM, "out of memory for a dead letter");
-        emit(c, RELAY_CONSUMER_LOG_ERROR,
+        set_error(c, OUTBOX_CONSUMER_ERR_OOM, "out of memory for a dead letter");
+        emit(c, OUTBOX_CONSUMER_LOG_ERROR,
              "dead-lettering %s %s failed: out of memory; the entry stays pending", stream,
              entry_id);
         goto out;
@@ -936,7 +937,7 @@ static int dead_letter_under(struct relay_consumer *c, const char *stream,
     dead_letter_args(&a, c, stream, lease, entry_id, fields, nf, reason, error, count, when);
     redisReply *r = command(c->wr, a.argc, a.argv, a.lens);
     if (r == NULL) {
-        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while dead-lettering %s %s: %s",
+        problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost while dead-lettering %s %s: %s",
                 stream, entry_id, c->wr->errstr);
         disconnect(c);
         goto out;
@@ -944,7 +945,7 @@ static int dead_letter_under(struct relay_consumer *c, const char *stream,
     if (r->type == REDIS_REPLY_STRING) {
         c->stats.dead_lettered++;
         clear_error(c);
-        emit(c, RELAY_CONSUMER_LOG_WARNING, "%s %s -> %s (%s after %u deliveries): %s", stream,
+        emit(c, OUTBOX_CONSUMER_LOG_WARNING, "%s %s -> %s (%s after %u deliveries): %s", stream,
              entry_id, lease != NULL ? lease->dlq : c->dlq, reason, deliveries, error);
         rc = 0;
     } else if (lease != NULL && lease_lost_reply(r)) {
@@ -956,8 +957,8 @@ static int dead_letter_under(struct relay_consumer *c, const char *stream,
         char text[512];
         snprintf(text, sizeof(text), "dead-lettering %s %s failed: %s", stream, entry_id,
                  r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
-        set_error(c, RELAY_CONSUMER_ERR_REDIS, text);
-        emit(c, RELAY_CONSUMER_LOG_ERROR,
+        set_error(c, OUTBOX_CONSUMER_ERR_REDIS, text);
+        emit(c, OUTBOX_CONSUMER_LOG_ERROR,
              "%s; the entry stays pending and a later pass tries again%s", text,
              missing ? " (reconnecting to load the function)" : "");
         if (missing)
@@ -970,20 +971,20 @@ out:
     return rc;
 }
 
-static int dead_letter(struct relay_consumer *c, const char *stream, const char *entry_id,
+static int dead_letter(struct outbox_consumer *c, const char *stream, const char *entry_id,
                        const redisReply *fields, const char *reason, const char *error,
                        uint32_t deliveries)
 {
     return dead_letter_under(c, stream, NULL, entry_id, fields, reason, error, deliveries);
 }
 
-static int ack(struct relay_consumer *c, const char *stream, const char *entry_id)
+static int ack(struct outbox_consumer *c, const char *stream, const char *entry_id)
 {
     const char *argv[4] = {"XACK", stream, c->group, entry_id};
     size_t lens[4] = {4, strlen(stream), strlen(c->group), strlen(entry_id)};
     redisReply *r = command(c->wr, 4, argv, lens);
     if (r == NULL) {
-        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while acknowledging: %s",
+        problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost while acknowledging: %s",
                 c->wr->errstr);
         disconnect(c);
         return -1;
@@ -995,18 +996,18 @@ static int ack(struct relay_consumer *c, const char *stream, const char *entry_i
         char text[512];
         snprintf(text, sizeof(text), "acknowledging %s %s failed: %s", stream, entry_id,
                  r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
-        set_error(c, RELAY_CONSUMER_ERR_REDIS, text);
-        emit(c, RELAY_CONSUMER_LOG_ERROR, "%s; the entry stays pending", text);
+        set_error(c, OUTBOX_CONSUMER_ERR_REDIS, text);
+        emit(c, OUTBOX_CONSUMER_LOG_ERROR, "%s; the entry stays pending", text);
     }
     freeReplyObject(r);
     return ok ? 0 : -1;
 }
 
 /* Checks the contract's fields; NULL when fine, else what is missing. */
-OUTBOX_STATIC const char *parse_message(const redisReply *fields, struct relay_message *m,
+OUTBOX_STATIC const char *parse_message(const redisReply *fields, struct outbox_message *m,
                                         const char **names, const char **values, size_t *vlens);
 
-OUTBOX_STATIC const char *parse_message(const redisReply *fields, struct relay_message *m,
+OUTBOX_STATIC const char *parse_message(const redisReply *fields, struct outbox_message *m,
                                         const char **names, const char **values, size_t *vlens)
 {
     size_t len;
@@ -1058,7 +1059,7 @@ OUTBOX_STATIC const char *parse_message(const redisReply *fields, struct relay_m
 }
 
 /* Handles one delivered entry. */
-static void handle(struct relay_consumer *c, const char *stream, const redisReply *entry,
+static void handle(struct outbox_consumer *c, const char *stream, const redisReply *entry,
                    uint32_t deliveries)
 {
     if (entry->type != REDIS_REPLY_ARRAY || entry->elements != 2 ||
@@ -1074,7 +1075,7 @@ static void handle(struct relay_consumer *c, const char *stream, const redisRepl
                     "the entry was deleted or trimmed from the stream while pending", deliveries);
         return;
     }
-    struct relay_message m;
+    struct outbox_message m;
     const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
     size_t vlens[OUTBOX_HEADERS_MAX];
     memset(&m, 0, sizeof(m));
@@ -1101,26 +1102,26 @@ static void handle(struct relay_consumer *c, const char *stream, const redisRepl
 
     char err[512] = "";
     c->stats.delivered++;
-    enum relay_handled result = c->handler(&m, c->arg, err, sizeof(err));
+    enum outbox_handled result = c->handler(&m, c->arg, err, sizeof(err));
     if (err[0] == '\0')
         snprintf(err, sizeof(err), "the handler gave no reason");
     switch (result) {
-    case RELAY_HANDLED_DONE:
+    case OUTBOX_HANDLED_DONE:
         if (ack(c, stream, entry_id) == 0)
             c->stats.done++;
         break;
-    case RELAY_HANDLED_FAIL:
+    case OUTBOX_HANDLED_FAIL:
         dead_letter(c, stream, entry_id, fields, "permanent", err, deliveries);
         break;
-    case RELAY_HANDLED_RETRY:
+    case OUTBOX_HANDLED_RETRY:
     default:
         if (deliveries >= c->o.max_deliveries) {
             dead_letter(c, stream, entry_id, fields, "exhausted", err, deliveries);
         } else {
             c->stats.retried++;
-            emit(c, RELAY_CONSUMER_LOG_INFO,
+            emit(c, OUTBOX_CONSUMER_LOG_INFO,
                  "%s %s (message %s) will be retried in %u ms (delivery %u of %u): %s", stream,
-                 entry_id, m.id, relay_consumer_backoff_ms(&c->o, deliveries), deliveries,
+                 entry_id, m.id, outbox_consumer_backoff_ms(&c->o, deliveries), deliveries,
                  c->o.max_deliveries, err);
         }
         break;
@@ -1128,7 +1129,7 @@ static void handle(struct relay_consumer *c, const char *stream, const redisRepl
 }
 
 /* Has the entry been deleted from the stream? 1 yes, 0 no, -1 unknown. */
-static int entry_gone(struct relay_consumer *c, const char *stream, const char *id)
+static int entry_gone(struct outbox_consumer *c, const char *stream, const char *id)
 {
     const char *argv[6] = {"XRANGE", stream, id, id, "COUNT", "1"};
     size_t lens[6] = {6, strlen(stream), strlen(id), strlen(id), 5, 1};
@@ -1141,7 +1142,7 @@ static int entry_gone(struct relay_consumer *c, const char *stream, const char *
 }
 
 /* Takes over one pending entry whose backoff has passed. */
-static void take_over(struct relay_consumer *c, const char *stream, const char *id,
+static void take_over(struct outbox_consumer *c, const char *stream, const char *id,
                       uint32_t deliveries, uint32_t due)
 {
     char min_idle[16];
@@ -1151,7 +1152,7 @@ static void take_over(struct relay_consumer *c, const char *stream, const char *
         6, strlen(stream), strlen(c->group), strlen(c->consumer), strlen(min_idle), strlen(id)};
     redisReply *cl = command(c->wr, 6, cargv, clens);
     if (cl == NULL) {
-        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
+        problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
         disconnect(c);
         return;
     }
@@ -1178,7 +1179,7 @@ static void take_over(struct relay_consumer *c, const char *stream, const char *
  * more than RECLAIM_PAGES pages.
  */
 #define RECLAIM_PAGES 16
-static void reclaim_stream(struct relay_consumer *c, const char *stream)
+static void reclaim_stream(struct outbox_consumer *c, const char *stream)
 {
     char idle[16], cnt[16], start[64] = "-";
     snprintf(idle, sizeof(idle), "%u", min_backoff(&c->o));
@@ -1189,7 +1190,7 @@ static void reclaim_stream(struct relay_consumer *c, const char *stream)
                           1, strlen(cnt)};
         redisReply *p = command(c->wr, 8, argv, lens);
         if (p == NULL) {
-            problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
+            problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
             disconnect(c);
             return;
         }
@@ -1202,7 +1203,7 @@ static void reclaim_stream(struct relay_consumer *c, const char *stream)
                 e->element[3]->type != REDIS_REPLY_INTEGER)
                 continue;
             uint32_t deliveries = (uint32_t)e->element[3]->integer;
-            uint32_t due = relay_consumer_backoff_ms(&c->o, deliveries);
+            uint32_t due = outbox_consumer_backoff_ms(&c->o, deliveries);
             if (i + 1 == n)
                 snprintf(start, sizeof(start), "(%s", e->element[0]->str);
             if (e->element[2]->integer >= (long long)due)
@@ -1216,7 +1217,7 @@ static void reclaim_stream(struct relay_consumer *c, const char *stream)
 
 /* Resets the idle time of entries[from..] (ours, not yet handled) with
  * XCLAIM ... JUSTID, which does not count a delivery. */
-static void touch_entries(struct relay_consumer *c, const char *stream, const redisReply *entries,
+static void touch_entries(struct outbox_consumer *c, const char *stream, const redisReply *entries,
                           size_t from)
 {
     size_t n = entries->elements - from;
@@ -1224,7 +1225,7 @@ static void touch_entries(struct relay_consumer *c, const char *stream, const re
     size_t *lens = calloc(n + 6, sizeof(*lens));
     if (argv == NULL || lens == NULL) {
         /* Not fatal: the entries may be taken over by another consumer. */
-        set_error(c, RELAY_CONSUMER_ERR_OOM, "out of memory for XCLAIM JUSTID");
+        set_error(c, OUTBOX_CONSUMER_ERR_OOM, "out of memory for XCLAIM JUSTID");
         goto out;
     }
     size_t argc = 0;
@@ -1244,7 +1245,7 @@ static void touch_entries(struct relay_consumer *c, const char *stream, const re
         lens[i] = strlen(argv[i]);
     redisReply *r = command(c->wr, (int)argc, argv, lens);
     if (r == NULL) {
-        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
+        problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
         disconnect(c);
     } else {
         freeReplyObject(r);
@@ -1254,7 +1255,7 @@ out:
     free(lens);
 }
 
-static void read_once(struct relay_consumer *c)
+static void read_once(struct outbox_consumer *c)
 {
     char count[16], block[16];
     /* Block no longer than until the next reclaim pass is due, so retries and
@@ -1276,13 +1277,14 @@ static void read_once(struct relay_consumer *c)
         lens[i] = strlen(full[i]);
     redisReply *r = command(c->rd, 13, full, lens);
     if (r == NULL) {
-        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while reading: %s", c->rd->errstr);
+        problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost while reading: %s",
+                c->rd->errstr);
         disconnect(c);
         return;
     }
     if (r->type == REDIS_REPLY_ERROR) {
         /* NOGROUP: the stream or group was deleted; create them again. */
-        problem(c, RELAY_CONSUMER_ERR_REDIS, "XREADGROUP failed: %s", r->str);
+        problem(c, OUTBOX_CONSUMER_ERR_REDIS, "XREADGROUP failed: %s", r->str);
         freeReplyObject(r);
         disconnect(c);
         return;
@@ -1390,14 +1392,14 @@ struct ordered {
 #define ORDER_POLL_MS 50
 
 /* Commands of this partition go to its primary from here on. */
-static void use_part(struct relay_consumer *c, const struct part *pt)
+static void use_part(struct outbox_consumer *c, const struct part *pt)
 {
     if (pt->node < c->nnodes)
         c->wr = c->node[pt->node];
 }
 
 /* Commands of the topic's own keys (the members key) go to its primary. */
-static void use_base(struct relay_consumer *c)
+static void use_base(struct outbox_consumer *c)
 {
     if (c->nnodes > 0)
         c->wr = c->node[0];
@@ -1407,7 +1409,7 @@ static void use_base(struct relay_consumer *c)
  * (connecting loads it), the group or stream deleted (connecting creates
  * them again), the stream's slot moved to another primary of a cluster, or
  * the primary became a replica (connecting finds the primary). */
-static void reconnect_if_needed(struct relay_consumer *c, const redisReply *r)
+static void reconnect_if_needed(struct outbox_consumer *c, const redisReply *r)
 {
     if (r != NULL && r->type == REDIS_REPLY_ERROR &&
         (strstr(r->str, "Function not found") != NULL || strncmp(r->str, "NOGROUP", 7) == 0 ||
@@ -1428,12 +1430,12 @@ static void part_drop(struct part *pt)
     pt->valid_until = 0;
 }
 
-static void part_lost(struct relay_consumer *c, struct part *pt, const char *why)
+static void part_lost(struct outbox_consumer *c, struct part *pt, const char *why)
 {
     if (pt->token == 0)
         return;
     c->stats.leases_lost++;
-    emit(c, RELAY_CONSUMER_LOG_WARNING,
+    emit(c, OUTBOX_CONSUMER_LOG_WARNING,
          "lost the lease of %s (%s): its %zu entries in hand are left to the next holder",
          pt->stream, why, pt->nq);
     part_drop(pt);
@@ -1441,7 +1443,7 @@ static void part_lost(struct relay_consumer *c, struct part *pt, const char *why
 
 /* One command, its arguments NULL-terminated (at most 15); NULL when the
  * connection failed (then logged and disconnected). */
-static redisReply *fcall(struct relay_consumer *c, const char **argv)
+static redisReply *fcall(struct outbox_consumer *c, const char **argv)
 {
     if (c->wr == NULL)
         return NULL; /* lost earlier in this step: the loop reconnects */
@@ -1453,7 +1455,7 @@ static redisReply *fcall(struct relay_consumer *c, const char **argv)
     }
     redisReply *r = command(c->wr, argc, argv, lens);
     if (r == NULL) {
-        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
+        problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
         disconnect(c);
     }
     return r;
@@ -1508,7 +1510,7 @@ OUTBOX_STATIC const redisReply *parked_key_left(const redisReply *before, const 
 /* Reads a partition's parked keys (park_keys). A key that has left the set
  * since the last read was unparked by an operator: its messages, still
  * pending, are read again from the start of this consumer's pending list. */
-static int load_parked(struct relay_consumer *c, struct part *pt)
+static int load_parked(struct outbox_consumer *c, struct part *pt)
 {
     if (!c->o.park_keys)
         return 0;
@@ -1516,7 +1518,7 @@ static int load_parked(struct relay_consumer *c, struct part *pt)
     if (r == NULL)
         return -1;
     if (r->type != REDIS_REPLY_ARRAY) {
-        problem(c, RELAY_CONSUMER_ERR_REDIS, "reading the parked keys %s failed: %s",
+        problem(c, OUTBOX_CONSUMER_ERR_REDIS, "reading the parked keys %s failed: %s",
                 pt->parked_key, r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
         freeReplyObject(r);
         return -1;
@@ -1524,7 +1526,7 @@ static int load_parked(struct relay_consumer *c, struct part *pt)
     const redisReply *k = parked_key_left(pt->parked, r);
     int unparked = k != NULL;
     if (unparked)
-        emit(c, RELAY_CONSUMER_LOG_INFO, "%s: key %.*s unparked on %s; its messages go on",
+        emit(c, OUTBOX_CONSUMER_LOG_INFO, "%s: key %.*s unparked on %s; its messages go on",
              c->consumer, (int)k->len, k->str, pt->stream);
     freeReplyObject(pt->parked);
     pt->parked = r;
@@ -1559,7 +1561,7 @@ OUTBOX_STATIC long long redis_time_ms(const redisReply *t)
 
 /* The group's members, by the beat of each: rank and count. -1 when the
  * connection failed. */
-static int beat(struct relay_consumer *c, struct ordered *od)
+static int beat(struct outbox_consumer *c, struct ordered *od)
 {
     redisReply *t = fcall(c, (const char *[]){"TIME", NULL});
     if (t == NULL)
@@ -1567,7 +1569,7 @@ static int beat(struct relay_consumer *c, struct ordered *od)
     long long ms = redis_time_ms(t);
     freeReplyObject(t);
     if (ms < 0) {
-        problem(c, RELAY_CONSUMER_ERR_REDIS,
+        problem(c, OUTBOX_CONSUMER_ERR_REDIS,
                 "%s: unexpected reply to TIME; is this a Redis server? The group's members are "
                 "counted again at the next upkeep",
                 c->consumer);
@@ -1606,7 +1608,7 @@ static int beat(struct relay_consumer *c, struct ordered *od)
         members++;
     }
     if (members != od->members || rank != od->rank)
-        emit(c, RELAY_CONSUMER_LOG_INFO, "%s: consumer %u of %u of group %s on %s", c->consumer,
+        emit(c, OUTBOX_CONSUMER_LOG_INFO, "%s: consumer %u of %u of group %s on %s", c->consumer,
              rank + 1, members, c->group, c->stream);
     od->members = members;
     od->rank = rank;
@@ -1615,13 +1617,13 @@ static int beat(struct relay_consumer *c, struct ordered *od)
 
 /* Takes the other consumers' pending entries of a partition just taken;
  * those deleted from the stream meanwhile are dead-lettered as lost. */
-static int take_pending(struct relay_consumer *c, struct part *pt, int replay)
+static int take_pending(struct outbox_consumer *c, struct part *pt, int replay)
 {
     const char *stream = replay ? pt->replay : pt->stream;
     for (int round = 0; round < 1000 && c->wr != NULL; round++) {
         redisReply *r =
-            fcall(c, (const char *[]){"FCALL", RELAY_CONSUMER_FUNCTION_TAKE, "2", stream, pt->lease,
-                                      c->group, c->consumer, pt->token_s, "100", NULL});
+            fcall(c, (const char *[]){"FCALL", OUTBOX_CONSUMER_FUNCTION_TAKE, "2", stream,
+                                      pt->lease, c->group, c->consumer, pt->token_s, "100", NULL});
         if (r == NULL)
             return -1;
         if (lease_lost_reply(r)) {
@@ -1631,8 +1633,8 @@ static int take_pending(struct relay_consumer *c, struct part *pt, int replay)
         }
         if (r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
             r->element[0]->type != REDIS_REPLY_ARRAY || r->element[1]->type != REDIS_REPLY_ARRAY) {
-            problem(c, RELAY_CONSUMER_ERR_REDIS, "taking over the entries of %s failed: %s", stream,
-                    r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+            problem(c, OUTBOX_CONSUMER_ERR_REDIS, "taking over the entries of %s failed: %s",
+                    stream, r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
             freeReplyObject(r);
             return -1;
         }
@@ -1662,7 +1664,7 @@ static int take_pending(struct relay_consumer *c, struct part *pt, int replay)
 }
 
 /* The group's last delivered id on a stream, for XREAD to wait after. */
-static void last_delivered(struct relay_consumer *c, const char *stream, char *out, size_t outlen)
+static void last_delivered(struct outbox_consumer *c, const char *stream, char *out, size_t outlen)
 {
     redisReply *r = fcall(c, (const char *[]){"XINFO", "GROUPS", stream, NULL});
     if (r == NULL)
@@ -1688,7 +1690,7 @@ static void last_delivered(struct relay_consumer *c, const char *stream, char *o
 /* Takes the others' pending entries over and reads the parked keys; until
  * both are done (a failure is tried again at the next upkeep), nothing of
  * the partition is read or handled. */
-static void finish_take(struct relay_consumer *c, struct part *pt)
+static void finish_take(struct outbox_consumer *c, struct part *pt)
 {
     if (pt->token == 0 || pt->ready)
         return;
@@ -1697,10 +1699,10 @@ static void finish_take(struct relay_consumer *c, struct part *pt)
         pt->ready = 1;
 }
 
-static void take_part(struct relay_consumer *c, struct part *pt, long long now)
+static void take_part(struct outbox_consumer *c, struct part *pt, long long now)
 {
     redisReply *r =
-        fcall(c, (const char *[]){"FCALL", RELAY_CONSUMER_FUNCTION_LEASE, "2", pt->lease,
+        fcall(c, (const char *[]){"FCALL", OUTBOX_CONSUMER_FUNCTION_LEASE, "2", pt->lease,
                                   pt->tokens, c->consumer, c->lease_ms_s, "0", NULL});
     if (r == NULL)
         return;
@@ -1709,7 +1711,7 @@ static void take_part(struct relay_consumer *c, struct part *pt, long long now)
         r->element[0]->type == REDIS_REPLY_INTEGER)
         token = r->element[0]->integer;
     else if (r->type == REDIS_REPLY_ERROR)
-        problem(c, RELAY_CONSUMER_ERR_REDIS, "taking the lease of %s failed: %s", pt->stream,
+        problem(c, OUTBOX_CONSUMER_ERR_REDIS, "taking the lease of %s failed: %s", pt->stream,
                 r->str);
     freeReplyObject(r);
     if (token <= 0)
@@ -1723,26 +1725,26 @@ static void take_part(struct relay_consumer *c, struct part *pt, long long now)
         pt->last_id[s][0] = '\0';
     }
     c->stats.leases_taken++;
-    emit(c, RELAY_CONSUMER_LOG_INFO, "%s: took %s (lease token %lld)", c->consumer, pt->stream,
+    emit(c, OUTBOX_CONSUMER_LOG_INFO, "%s: took %s (lease token %lld)", c->consumer, pt->stream,
          token);
     finish_take(c, pt);
 }
 
-static void release_part(struct relay_consumer *c, struct part *pt, const char *why)
+static void release_part(struct outbox_consumer *c, struct part *pt, const char *why)
 {
     if (pt->token == 0)
         return;
-    redisReply *r = fcall(c, (const char *[]){"FCALL", RELAY_CONSUMER_FUNCTION_RELEASE, "1",
+    redisReply *r = fcall(c, (const char *[]){"FCALL", OUTBOX_CONSUMER_FUNCTION_RELEASE, "1",
                                               pt->lease, pt->token_s, NULL});
     if (r != NULL)
         freeReplyObject(r);
-    emit(c, RELAY_CONSUMER_LOG_INFO, "%s: released %s (%s)", c->consumer, pt->stream, why);
+    emit(c, OUTBOX_CONSUMER_LOG_INFO, "%s: released %s (%s)", c->consumer, pt->stream, why);
     part_drop(pt);
 }
 
 /* Beats, renews, gives up what is not this consumer's share and takes what
  * is. */
-static void upkeep(struct relay_consumer *c, struct ordered *od)
+static void upkeep(struct outbox_consumer *c, struct ordered *od)
 {
     use_base(c);
     if (beat(c, od) < 0)
@@ -1755,7 +1757,7 @@ static void upkeep(struct relay_consumer *c, struct ordered *od)
         if (pt->token != 0 && !mine) {
             release_part(c, pt, "another consumer's share now");
         } else if (pt->token != 0) {
-            redisReply *r = fcall(c, (const char *[]){"FCALL", RELAY_CONSUMER_FUNCTION_LEASE, "2",
+            redisReply *r = fcall(c, (const char *[]){"FCALL", OUTBOX_CONSUMER_FUNCTION_LEASE, "2",
                                                       pt->lease, pt->tokens, c->consumer,
                                                       c->lease_ms_s, pt->token_s, NULL});
             if (r == NULL)
@@ -1842,7 +1844,7 @@ static int any_ready(const struct part *pt, long long now)
     return relay_order_next(items, pt->nq, now, NULL) >= 0;
 }
 
-static size_t fill(struct relay_consumer *c, struct ordered *od)
+static size_t fill(struct outbox_consumer *c, struct ordered *od)
 {
     size_t got = 0;
     for (uint32_t i = 0; i < od->n && c->wr != NULL && !c->stop; i++) {
@@ -1873,7 +1875,7 @@ static size_t fill(struct relay_consumer *c, struct ordered *od)
                 if (counts == NULL)
                     return got;
             }
-            redisReply *r = fcall(c, (const char *[]){"FCALL", RELAY_CONSUMER_FUNCTION_READ, "2",
+            redisReply *r = fcall(c, (const char *[]){"FCALL", OUTBOX_CONSUMER_FUNCTION_READ, "2",
                                                       stream, pt->lease, c->group, c->consumer,
                                                       pt->token_s, count, from, NULL});
             if (r == NULL) {
@@ -1883,7 +1885,7 @@ static size_t fill(struct relay_consumer *c, struct ordered *od)
             if (lease_lost_reply(r)) {
                 part_lost(c, pt, "another consumer holds it");
             } else if (r->type == REDIS_REPLY_ERROR) {
-                problem(c, RELAY_CONSUMER_ERR_REDIS, "reading %s failed: %s", stream, r->str);
+                problem(c, OUTBOX_CONSUMER_ERR_REDIS, "reading %s failed: %s", stream, r->str);
                 reconnect_if_needed(c, r);
             } else {
                 size_t want = (size_t)atoi(count);
@@ -1924,7 +1926,7 @@ static void keep_dead_letter(struct held *h, const char *reason, const char *why
     h->retry_at = now_ms() + RETRY_AFTER_REFUSAL_MS;
 }
 
-static void handle_held(struct relay_consumer *c, struct part *pt, struct held *h)
+static void handle_held(struct outbox_consumer *c, struct part *pt, struct held *h)
 {
     const char *stream = h->replayed ? pt->replay : pt->stream;
     const char *entry_id = h->entry->element[0]->str;
@@ -1933,7 +1935,7 @@ static void handle_held(struct relay_consumer *c, struct part *pt, struct held *
     const char *reason = NULL;
     char why[512] = "";
 
-    struct relay_message m;
+    struct outbox_message m;
     const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
     size_t vlens[OUTBOX_HEADERS_MAX];
     memset(&m, 0, sizeof(m));
@@ -1966,12 +1968,12 @@ static void handle_held(struct relay_consumer *c, struct part *pt, struct held *
         m.entry_id = entry_id;
         m.deliveries = h->deliveries;
         c->stats.delivered++;
-        enum relay_handled result = c->handler(&m, c->arg, why, sizeof(why));
+        enum outbox_handled result = c->handler(&m, c->arg, why, sizeof(why));
         if (why[0] == '\0')
             snprintf(why, sizeof(why), "the handler gave no reason");
-        if (result == RELAY_HANDLED_DONE) {
+        if (result == OUTBOX_HANDLED_DONE) {
             redisReply *r =
-                fcall(c, (const char *[]){"FCALL", RELAY_CONSUMER_FUNCTION_ACK, "2", stream,
+                fcall(c, (const char *[]){"FCALL", OUTBOX_CONSUMER_FUNCTION_ACK, "2", stream,
                                           pt->lease, c->group, pt->token_s, entry_id, NULL});
             if (r == NULL)
                 return;
@@ -1986,7 +1988,7 @@ static void handle_held(struct relay_consumer *c, struct part *pt, struct held *
             } else {
                 /* Handled again after a pause: the processed table makes the
                  * second call a no-op. */
-                problem(c, RELAY_CONSUMER_ERR_REDIS, "acknowledging %s %s failed: %s", stream,
+                problem(c, OUTBOX_CONSUMER_ERR_REDIS, "acknowledging %s %s failed: %s", stream,
                         entry_id, r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
                 h->retry_at = now_ms() + RETRY_AFTER_REFUSAL_MS;
                 reconnect_if_needed(c, r);
@@ -1994,14 +1996,14 @@ static void handle_held(struct relay_consumer *c, struct part *pt, struct held *
             freeReplyObject(r);
             return;
         }
-        if (result == RELAY_HANDLED_FAIL) {
+        if (result == OUTBOX_HANDLED_FAIL) {
             reason = "permanent";
         } else if (h->deliveries >= c->o.max_deliveries) {
             reason = "exhausted";
         } else {
-            uint32_t wait = relay_consumer_backoff_ms(&c->o, h->deliveries);
+            uint32_t wait = outbox_consumer_backoff_ms(&c->o, h->deliveries);
             c->stats.retried++;
-            emit(c, RELAY_CONSUMER_LOG_INFO,
+            emit(c, OUTBOX_CONSUMER_LOG_INFO,
                  "%s %s (message %s, key %.*s) will be retried in %u ms (delivery %u of %u); "
                  "later messages of its key wait: %s",
                  stream, entry_id, m.id, m.key != NULL ? (int)m.key_len : 6,
@@ -2020,13 +2022,13 @@ static void handle_held(struct relay_consumer *c, struct part *pt, struct held *
         size_t lens[3] = {4, strlen(pt->parked_key), key_len};
         redisReply *r = command(c->wr, 3, argv, lens);
         if (r == NULL) {
-            problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
+            problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
             disconnect(c);
             return;
         }
         int parked = r->type == REDIS_REPLY_INTEGER;
         if (!parked)
-            problem(c, RELAY_CONSUMER_ERR_REDIS,
+            problem(c, OUTBOX_CONSUMER_ERR_REDIS,
                     "parking key %.*s in %s failed: %s; its dead letter waits until it can be"
                     " parked",
                     (int)key_len, key, pt->parked_key,
@@ -2036,7 +2038,7 @@ static void handle_held(struct relay_consumer *c, struct part *pt, struct held *
             keep_dead_letter(h, reason, why);
             return;
         }
-        emit(c, RELAY_CONSUMER_LOG_WARNING,
+        emit(c, OUTBOX_CONSUMER_LOG_WARNING,
              "%s: key %.*s parked on %s: its later messages wait until an operator removes it "
              "from %s",
              c->consumer, (int)key_len, key, pt->stream, pt->parked_key);
@@ -2091,7 +2093,7 @@ static void compact(struct part *pt)
 /* Handles the next entry of the next partition that has one ready; 1 when
  * it did, 0 when none is ready (*wake_at: the earliest backoff's end, or
  * -1). */
-static int handle_next(struct relay_consumer *c, struct ordered *od, long long *wake_at)
+static int handle_next(struct outbox_consumer *c, struct ordered *od, long long *wake_at)
 {
     long long now = now_ms();
     *wake_at = -1;
@@ -2133,7 +2135,7 @@ static int waits_on(const struct part *pt, int s)
 
 /* Waits for new entries on the held partitions (plain XREAD: it changes
  * nothing), a backoff's end or the next upkeep, whichever comes first. */
-static void wait_for_entries(struct relay_consumer *c, struct ordered *od, long long wake_at)
+static void wait_for_entries(struct outbox_consumer *c, struct ordered *od, long long wake_at)
 {
     long long now = now_ms();
     long long until = od->next_upkeep;
@@ -2185,7 +2187,8 @@ static void wait_for_entries(struct relay_consumer *c, struct ordered *od, long 
         lens[i] = strlen(argv[i]);
     redisReply *r = command(c->rd, (int)argc, argv, lens);
     if (r == NULL) {
-        problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost while waiting: %s", c->rd->errstr);
+        problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost while waiting: %s",
+                c->rd->errstr);
         disconnect(c);
     } else {
         if (r->type == REDIS_REPLY_ERROR &&
@@ -2193,7 +2196,7 @@ static void wait_for_entries(struct relay_consumer *c, struct ordered *od, long 
             /* A cluster, even with a single primary: its partitions are in
              * different slots. */
             od->poll = 1;
-            emit(c, RELAY_CONSUMER_LOG_INFO,
+            emit(c, OUTBOX_CONSUMER_LOG_INFO,
                  "%s: the partitions of %s are in different hash slots of a Redis Cluster: "
                  "reading them every %d ms",
                  c->consumer, c->stream, ORDER_POLL_MS);
@@ -2213,7 +2216,7 @@ static int same_server(const redisContext *a, const redisContext *b)
 /* Finds a partition's connection: the primary of its stream's slot, shared
  * by every partition there. A primary met for the first time gets the
  * functions loaded. */
-static int attach_part(struct relay_consumer *c, struct part *pt)
+static int attach_part(struct outbox_consumer *c, struct part *pt)
 {
     redisContext *ctx = open_conn_for(c, pt->stream, c->o.command_timeout_ms, "ack");
     if (ctx == NULL)
@@ -2227,7 +2230,7 @@ static int attach_part(struct relay_consumer *c, struct part *pt)
     }
     if (c->nnodes == CONSUMER_NODES_MAX) {
         redisFree(ctx);
-        problem(c, RELAY_CONSUMER_ERR_REDIS,
+        problem(c, OUTBOX_CONSUMER_ERR_REDIS,
                 "the partitions of %s are on more than %d primaries: use fewer partitions",
                 c->stream, CONSUMER_NODES_MAX);
         return -1;
@@ -2238,7 +2241,7 @@ static int attach_part(struct relay_consumer *c, struct part *pt)
     return load_function(c);
 }
 
-static int connect_ordered(struct relay_consumer *c, struct ordered *od)
+static int connect_ordered(struct outbox_consumer *c, struct ordered *od)
 {
     disconnect(c);
     c->wr = open_conn(c, c->o.command_timeout_ms, "ack");
@@ -2289,7 +2292,7 @@ static int connect_ordered(struct relay_consumer *c, struct ordered *od)
             pt->last_id[s][0] = '\0';
         }
     }
-    emit(c, RELAY_CONSUMER_LOG_INFO,
+    emit(c, OUTBOX_CONSUMER_LOG_INFO,
          "%s: %s the %u partitions of %s as group %s, in order per key (leases of %u ms)",
          c->consumer, c->last_error[0] != '\0' ? "connected again, reading" : "reading", od->n,
          c->stream, c->group, c->o.lease_ms);
@@ -2303,7 +2306,7 @@ fail:
     return -1;
 }
 
-static int run_ordered(struct relay_consumer *c)
+static int run_ordered(struct outbox_consumer *c)
 {
     struct ordered od;
     memset(&od, 0, sizeof(od));
@@ -2312,23 +2315,23 @@ static int run_ordered(struct relay_consumer *c)
     if (od.parts == NULL || outbox_key_lease(c->stream, c->group, "lease-members", od.members_key,
                                              sizeof(od.members_key)) < 0) {
         free(od.parts);
-        set_error(c, RELAY_CONSUMER_ERR_OOM, "out of memory for the partitions");
+        set_error(c, OUTBOX_CONSUMER_ERR_OOM, "out of memory for the partitions");
         return -1;
     }
     for (uint32_t i = 0; i < od.n; i++) {
         struct part *pt = &od.parts[i];
         pt->p = i;
-        /* relay_consumer_new checked that every name fits. */
+        /* outbox_consumer_new checked that every name fits. */
         if (outbox_key_partition_stream(NULL, c->stream, strlen(c->stream), i, od.n, pt->stream,
                                         sizeof(pt->stream)) < 0 ||
-            relay_consumer_replay_name(pt->stream, c->group, pt->replay, sizeof(pt->replay)) < 0 ||
-            relay_consumer_dlq_name(pt->stream, c->group, pt->dlq, sizeof(pt->dlq)) < 0 ||
-            relay_consumer_lease_names(pt->stream, c->group, pt->lease, pt->tokens,
-                                       sizeof(pt->lease)) < 0 ||
+            outbox_consumer_replay_name(pt->stream, c->group, pt->replay, sizeof(pt->replay)) < 0 ||
+            outbox_consumer_dlq_name(pt->stream, c->group, pt->dlq, sizeof(pt->dlq)) < 0 ||
+            outbox_consumer_lease_names(pt->stream, c->group, pt->lease, pt->tokens,
+                                        sizeof(pt->lease)) < 0 ||
             outbox_key_lease(pt->stream, c->group, "parked", pt->parked_key,
                              sizeof(pt->parked_key)) < 0) {
             free(od.parts);
-            set_error(c, RELAY_CONSUMER_ERR_OOM, "a partition's key names do not fit");
+            set_error(c, OUTBOX_CONSUMER_ERR_OOM, "a partition's key names do not fit");
             return -1;
         }
     }
@@ -2369,18 +2372,18 @@ static int run_ordered(struct relay_consumer *c)
     return 0;
 }
 
-int relay_consumer_run(struct relay_consumer *c)
+int outbox_consumer_run(struct outbox_consumer *c)
 {
-    uint64_t horizon = relay_consumer_redelivery_horizon_ms(&c->o);
+    uint64_t horizon = outbox_consumer_redelivery_horizon_ms(&c->o);
     if (c->o.processed_horizon_ms > 0 && c->o.processed_horizon_ms < horizon)
-        emit(c, RELAY_CONSUMER_LOG_WARNING,
+        emit(c, OUTBOX_CONSUMER_LOG_WARNING,
              "the processed-table horizon (%llu ms) is shorter than the redelivery horizon "
              "(%llu ms), as allow_short_processed_horizon allows: a message delivered again "
              "after its processed row was purged is handled twice",
              (unsigned long long)c->o.processed_horizon_ms, (unsigned long long)horizon);
     if (c->o.partitions > 1) {
         int rc = run_ordered(c);
-        emit(c, RELAY_CONSUMER_LOG_INFO,
+        emit(c, OUTBOX_CONSUMER_LOG_INFO,
              "%s stopped: %llu delivered, %llu done, %llu retried, %llu dead-lettered "
              "(%llu malformed, %llu lost), %llu taken over; %llu partitions taken, %llu lost",
              c->consumer, c->stats.delivered, c->stats.done, c->stats.retried,
@@ -2408,7 +2411,7 @@ int relay_consumer_run(struct relay_consumer *c)
         }
         read_once(c);
     }
-    emit(c, RELAY_CONSUMER_LOG_INFO,
+    emit(c, OUTBOX_CONSUMER_LOG_INFO,
          "%s stopped: %llu delivered, %llu done, %llu retried, %llu dead-lettered "
          "(%llu malformed, %llu lost), %llu taken over",
          c->consumer, c->stats.delivered, c->stats.done, c->stats.retried, c->stats.dead_lettered,

@@ -176,7 +176,7 @@ static char step_select[] = "SELECT";
 static char step_slots[] = "CLUSTER SLOTS";
 static char step_setname[] = "CLIENT SETNAME";
 static char step_function[] = "FUNCTION";
-static char step_consumer_library[] = "FUNCTION LOAD of library " RELAY_CONSUMER_FUNCTION_LIBRARY;
+static char step_consumer_library[] = "FUNCTION LOAD of library " OUTBOX_CONSUMER_FUNCTION_LIBRARY;
 static char step_config[] = "CONFIG";
 static char step_time[] = "TIME";
 static char step_role[] = "ROLE";
@@ -930,8 +930,8 @@ static void queue_setup(struct sink_node *n)
     lens[3] = strlen(relay_batch_function_source);
     redisAsyncCommandArgv(n->ac, on_setup_reply, step_function, 4, argv, lens);
     n->setup_pending++;
-    argv[3] = relay_consumer_function_source;
-    lens[3] = strlen(relay_consumer_function_source);
+    argv[3] = outbox_consumer_function_source;
+    lens[3] = strlen(outbox_consumer_function_source);
     redisAsyncCommandArgv(n->ac, on_setup_reply, step_consumer_library, 4, argv, lens);
     n->setup_pending++;
 

@@ -14,7 +14,7 @@
 #include "fuzz.h"
 
 /* What a handler may read of a message: every byte of it. */
-static size_t touch(const struct relay_message *m)
+static size_t touch(const struct outbox_message *m)
 {
     size_t sum = strlen(m->id) + strlen(m->topic) + strlen(m->created_at);
     for (size_t i = 0; i < m->payload_len; i++)
@@ -48,7 +48,7 @@ static void read_entries(const redisReply *r)
             const redisReply *fields = entry->element[1];
             if (fields->type == REDIS_REPLY_NIL)
                 continue;
-            struct relay_message m;
+            struct outbox_message m;
             const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
             size_t vlens[OUTBOX_HEADERS_MAX];
             memset(&m, 0, sizeof(m));

@@ -48,27 +48,27 @@ CONSUMER_C = r"""
 #include <outbox/order.h>
 #include <stdio.h>
 
-static enum relay_handled handle(const struct relay_message *m, void *arg, char *err,
-                                 size_t errlen)
+static enum outbox_handled handle(const struct outbox_message *m, void *arg, char *err,
+                                  size_t errlen)
 {
     (void)m; (void)arg; (void)err; (void)errlen;
-    return RELAY_HANDLED_DONE;
+    return OUTBOX_HANDLED_DONE;
 }
 
 int main(void)
 {
-    struct relay_consumer_options o = {0};
+    struct outbox_consumer_options o = {0};
     char err[256];
     o.redis_url = "redis://127.0.0.1:6379/0";
     o.stream = "orders";
     o.group = "email";
-    struct relay_consumer *c = relay_consumer_new(&o, handle, NULL, err, sizeof(err));
+    struct outbox_consumer *c = outbox_consumer_new(&o, handle, NULL, err, sizeof(err));
     if (c == NULL) {
-        fprintf(stderr, "relay_consumer_new: %s\n", err);
+        fprintf(stderr, "outbox_consumer_new: %s\n", err);
         return 1;
     }
-    printf("dlq %s mine %d\n", relay_consumer_dlq(c), relay_order_mine(3, 1, 2));
-    relay_consumer_free(c);
+    printf("dlq %s mine %d\n", outbox_consumer_dlq(c), relay_order_mine(3, 1, 2));
+    outbox_consumer_free(c);
     return 0;
 }
 """
@@ -218,9 +218,9 @@ class PackageTest(harness.ServerTestCase):
         symbols = run(["nm", "-D", "--defined-only", lib[0]]).stdout.split("\n")
         names = [line.split()[-1].split("@")[0] for line in symbols if line.strip()]
         names = [n for n in names if n != "OUTBOX_CONSUMER_0"]
-        self.assertIn("relay_consumer_new", names)
+        self.assertIn("outbox_consumer_new", names)
         self.assertIn("relay_order_next", names)
-        self.assertEqual([n for n in names if not n.startswith(("relay_consumer_", "relay_order_"))],
+        self.assertEqual([n for n in names if not n.startswith(("outbox_consumer_", "relay_order_"))],
                          [])
 
     def test_cmake_find_package(self):
