@@ -50,6 +50,7 @@
 
 #include "common/backoff.h"
 #include "common/entry.h"
+#include "common/functions.h"
 #include "common/keys.h"
 #include "common/redisconn.h"
 #include "common/common.h"
@@ -63,247 +64,6 @@
 #define LOG_LINE_MAX 2048
 
 static const uint32_t default_backoff[] = {1000, 10000, 100000, 1000000};
-
-/*
- * The dead-letter function (contract in include/outbox/consumer.h). KEYS[1] is
- * the dead-letter stream, KEYS[2] the stream the entry was read from; ARGV[1]
- * the group, ARGV[2] the entry id, ARGV[3..] the dead letter's fields and
- * values. A function body does not roll back either, so what could make the
- * XACK fail (a malformed entry id, a stream key of another type) is checked
- * before anything is written, and the XACK runs only after the XADD
- * succeeded. The XADD goes through redis.pcall so that its error comes back
- * as a reply instead of aborting the call, with what to do when the
- * dead-letter key holds another type. The dead letter is recorded
- * even when XACK finds the entry no longer pending, as MULTI/EXEC did: the
- * "lost" record is made after XCLAIM in Redis 7.0 has already dropped the
- * deleted entry from the pending list, and a dead letter recorded twice (two
- * consumers giving up on one entry at once) is the lesser harm next to none.
- */
-const char outbox_consumer_function_source[] =
-    "#!lua name=" OUTBOX_CONSUMER_FUNCTION_LIBRARY "\n"
-    /* The dead letter itself, for both dead-letter functions: args[first]
-     * is the entry id, the fields follow it. */
-    "local function move_to_dead_letters(dlq, stream, group, args, first)\n"
-    "  local id = args[first]\n"
-    "  if not string.match(id, '^%d+%-%d+$') then\n"
-    "    return redis.error_reply('ERR entry id \"' .. id .. '\" is not of the form "
-    "<ms>-<seq>')\n"
-    "  end\n"
-    "  local t = redis.call('TYPE', stream)['ok']\n"
-    "  if t ~= 'stream' and t ~= 'none' then\n"
-    "    return redis.error_reply('WRONGTYPE stream key ' .. stream .. ' holds a ' .. t .. "
-    "', not a stream: nothing was dead-lettered or acknowledged')\n"
-    "  end\n"
-    "  local added = redis.pcall('XADD', dlq, '*', unpack(args, first + 1))\n"
-    "  if type(added) == 'table' and added['err'] then\n"
-    "    if string.sub(added['err'], 1, 9) == 'WRONGTYPE' then\n"
-    "      return redis.error_reply('WRONGTYPE dead-letter key ' .. dlq .. ' holds a ' .. "
-    "redis.call('TYPE', dlq)['ok'] .. ', not a stream: delete or rename it; nothing was "
-    "acknowledged')\n"
-    "    end\n"
-    "    return added\n"
-    "  end\n"
-    "  redis.call('XACK', stream, group, id)\n"
-    "  return added\n"
-    "end\n"
-    "local function dead_letter(keys, args)\n"
-    "  if #keys ~= 2 or #args < 4 or #args % 2 ~= 0 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_DEAD_LETTER
-    " 2 <dead-letter stream> <stream> <group> <entry id> <field> <value> [<field> <value> ...]')\n"
-    "  end\n"
-    "  return move_to_dead_letters(keys[1], keys[2], args[1], args, 2)\n"
-    "end\n"
-    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_DEAD_LETTER "', dead_letter)\n"
-    /*
-     * The replay function, for "outbox-relay dlq replay" (contract in
-     * include/outbox/consumer.h). KEYS[1] is the dead-letter stream, KEYS[2]
-     * the group's replay stream, ARGV[1] the dead letter's entry id. It reads
-     * the dead letter itself, so a dead letter that another client has just
-     * replayed is not there to replay twice, and keeps every field but dlq.*,
-     * in order. As above, everything that can be checked is checked before the
-     * first write, the XADD goes through redis.pcall, and the XDEL runs only
-     * once the XADD succeeded: an XADD refused when it runs (a replay stream
-     * whose last id is the largest possible one) leaves the dead letter where
-     * it was. MULTI/EXEC could not promise that: the XDEL queued after a
-     * failed XADD still ran. A dead letter the consumer wrote has at most
-     * 2 * (6 + OUTBOX_HEADERS_MAX) fields for unpack, far below Lua's limit.
-     */
-    "local function replay(keys, args)\n"
-    "  if #keys ~= 2 or #args ~= 1 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_REPLAY
-    " 2 <dead-letter stream> <replay stream> <entry id>')\n"
-    "  end\n"
-    "  if not string.match(args[1], '^%d+%-%d+$') then\n"
-    "    return redis.error_reply('ERR entry id \"' .. args[1] .. '\" is not of the form "
-    "<ms>-<seq>')\n"
-    "  end\n"
-    "  local names = {'dead-letter', 'replay'}\n"
-    "  for i = 1, 2 do\n"
-    "    local t = redis.call('TYPE', keys[i])['ok']\n"
-    "    if t ~= 'stream' and t ~= 'none' then\n"
-    "      return redis.error_reply('WRONGTYPE ' .. names[i] .. ' key ' .. keys[i] .. "
-    "' holds a ' .. t .. ', not a stream: nothing was replayed')\n"
-    "    end\n"
-    "  end\n"
-    "  local e = redis.call('XRANGE', keys[1], args[1], args[1])[1]\n"
-    "  if not e then\n"
-    "    return false\n"
-    "  end\n"
-    "  local fields = {}\n"
-    "  for i = 1, #e[2], 2 do\n"
-    "    if string.sub(e[2][i], 1, 4) ~= 'dlq.' then\n"
-    "      fields[#fields + 1] = e[2][i]\n"
-    "      fields[#fields + 1] = e[2][i + 1]\n"
-    "    end\n"
-    "  end\n"
-    "  if #fields == 0 then\n"
-    "    return redis.error_reply('NOTREPLAYABLE dead letter ' .. args[1] .. ' has no original "
-    "fields (reason lost?): nothing was replayed')\n"
-    "  end\n"
-    "  local id = redis.pcall('XADD', keys[2], '*', unpack(fields))\n"
-    "  if type(id) == 'table' and id['err'] then\n"
-    "    return id\n"
-    "  end\n"
-    "  redis.call('XDEL', keys[1], args[1])\n"
-    "  return id\n"
-    "end\n"
-    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_REPLAY "', replay)\n"
-    /*
-     * Partition leases (contract in include/outbox/consumer.h; docs/
-     * CONSUMERS.md, "Ordered consumers"). A lease is a string
-     * "<token>:<consumer>" with a time to live, in the partition stream's
-     * hash slot; its token comes from INCR of a counter key that never
-     * expires, so each grant has a token larger than every one before it. The
-     * functions that read, take over, acknowledge or dead-letter check the
-     * token first and, when it is not the lease's, answer LEASELOST and do
-     * nothing: a consumer that has lost its lease cannot touch the partition
-     * any more, however late its call arrives.
-     */
-    "local function lease_of(key)\n"
-    "  local v = redis.pcall('GET', key)\n"
-    "  if type(v) ~= 'string' then return nil, nil end\n"
-    "  return string.match(v, '^(%d+):(.*)$')\n"
-    "end\n"
-    "local function lease_lost(key, token)\n"
-    "  local t = lease_of(key)\n"
-    "  if t ~= nil and t == token then return nil end\n"
-    "  return redis.error_reply('LEASELOST ' .. key .. ' is not held with token ' .. token .. "
-    "(t and (' (token ' .. t .. ' holds it)') or ' (nobody holds it)') .. ': another consumer "
-    "may own the partition; nothing was done')\n"
-    "end\n"
-    "local function lease(keys, args)\n"
-    "  if #keys ~= 2 or #args ~= 3 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_LEASE
-    " 2 <lease key> <token counter key> <consumer> <ttl ms> <token, 0 to take>')\n"
-    "  end\n"
-    "  local ttl = tonumber(args[2])\n"
-    "  if args[1] == '' or not ttl or ttl < 1 or ttl > 86400000 or ttl % 1 ~= 0 then\n"
-    "    return redis.error_reply('ERR the consumer name must not be empty and the time to live "
-    "must be 1 to 86400000 ms')\n"
-    "  end\n"
-    "  local t, who = lease_of(keys[1])\n"
-    "  if t ~= nil then\n"
-    "    if t == args[3] and who == args[1] then\n"
-    "      redis.call('PEXPIRE', keys[1], ttl)\n"
-    "      return {tonumber(t), who, ttl}\n"
-    "    end\n"
-    "    return {0, who, redis.call('PTTL', keys[1])}\n"
-    "  end\n"
-    "  if redis.call('EXISTS', keys[1]) == 1 then\n"
-    "    return redis.error_reply('WRONGTYPE lease key ' .. keys[1] .. ' holds something else: "
-    "delete it')\n"
-    "  end\n"
-    /* A renewal of a lease that ran out takes nothing: its holder must
-     * learn that it lost the partition, and take it again as anyone would. */
-    "  if args[3] ~= '0' then return {0, '', 0} end\n"
-    "  local n = redis.call('INCR', keys[2])\n"
-    "  redis.call('SET', keys[1], n .. ':' .. args[1], 'PX', ttl)\n"
-    "  return {n, args[1], ttl}\n"
-    "end\n"
-    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_LEASE "', lease)\n"
-    "local function release(keys, args)\n"
-    "  if #keys ~= 1 or #args ~= 1 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_RELEASE
-    " 1 <lease key> <token>')\n"
-    "  end\n"
-    "  if lease_of(keys[1]) == args[1] then\n"
-    "    return redis.call('DEL', keys[1])\n"
-    "  end\n"
-    "  return 0\n"
-    "end\n"
-    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_RELEASE "', release)\n"
-    "local function leased_read(keys, args)\n"
-    "  if #keys ~= 2 or #args ~= 5 or (args[5] ~= '>' and not string.match(args[5], "
-    "'^%d+%-%d+$') and args[5] ~= '0') then\n"
-    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_READ
-    " 2 <stream> <lease key> <group> <consumer> <token> <count> <\\'>\\' or an id>')\n"
-    "  end\n"
-    "  local lost = lease_lost(keys[2], args[3])\n"
-    "  if lost then return lost end\n"
-    "  if args[5] == '>' then\n"
-    "    return redis.call('XREADGROUP', 'GROUP', args[1], args[2], 'COUNT', args[4], "
-    "'STREAMS', keys[1], '>')\n"
-    "  end\n"
-    /* The caller's own pending entries after the id, as XREADGROUP gives
-     * them, but read without counting a delivery each (XREADGROUP with an id
-     * does count one): {id, nil} for an entry deleted from the stream. */
-    "  local start = args[5] == '0' and '-' or ('(' .. args[5])\n"
-    "  local out = {}\n"
-    "  for _, p in ipairs(redis.call('XPENDING', keys[1], args[1], start, '+', args[4], "
-    "args[2])) do\n"
-    "    local e = redis.call('XRANGE', keys[1], p[1], p[1])[1]\n"
-    "    out[#out + 1] = e or {p[1], false}\n"
-    "  end\n"
-    "  return {{keys[1], out}}\n"
-    "end\n"
-    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_READ "', leased_read)\n"
-    "local function take(keys, args)\n"
-    "  if #keys ~= 2 or #args ~= 4 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_TAKE
-    " 2 <stream> <lease key> <group> <consumer> <token> <count>')\n"
-    "  end\n"
-    "  local lost = lease_lost(keys[2], args[3])\n"
-    "  if lost then return lost end\n"
-    /* Pages through the whole pending list: the caller's own entries may
-     * come first, and others' after them. */
-    "  local want, ids, start = tonumber(args[4]), {}, '-'\n"
-    "  if not want or want < 1 then\n"
-    "    return redis.error_reply('ERR the count must be a positive number')\n"
-    "  end\n"
-    "  while #ids < want do\n"
-    "    local page = redis.call('XPENDING', keys[1], args[1], start, '+', 100)\n"
-    "    for _, p in ipairs(page) do\n"
-    "      if p[2] ~= args[2] and #ids < want then ids[#ids + 1] = p[1] end\n"
-    "    end\n"
-    "    if #page < 100 then break end\n"
-    "    start = '(' .. page[#page][1]\n"
-    "  end\n"
-    "  if #ids == 0 then return {{}, {}} end\n"
-    "  return {ids, redis.call('XCLAIM', keys[1], args[1], args[2], 0, unpack(ids))}\n"
-    "end\n"
-    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_TAKE "', take)\n"
-    "local function leased_ack(keys, args)\n"
-    "  if #keys ~= 2 or #args < 3 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_ACK
-    " 2 <stream> <lease key> <group> <token> <entry id> [<entry id> ...]')\n"
-    "  end\n"
-    "  local lost = lease_lost(keys[2], args[2])\n"
-    "  if lost then return lost end\n"
-    "  return redis.call('XACK', keys[1], args[1], unpack(args, 3))\n"
-    "end\n"
-    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_ACK "', leased_ack)\n"
-    "local function leased_dead_letter(keys, args)\n"
-    "  if #keys ~= 3 or #args < 5 or #args % 2 ~= 1 then\n"
-    "    return redis.error_reply('ERR usage: FCALL " OUTBOX_CONSUMER_FUNCTION_DEAD_LETTER_LEASED
-    " 3 <dead-letter stream> <stream> <lease key> <group> <token> <entry id> <field> <value> "
-    "[<field> <value> ...]')\n"
-    "  end\n"
-    "  local lost = lease_lost(keys[3], args[2])\n"
-    "  if lost then return lost end\n"
-    "  return move_to_dead_letters(keys[1], keys[2], args[1], args, 3)\n"
-    "end\n"
-    "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_DEAD_LETTER_LEASED
-    "', leased_dead_letter)\n";
 
 /* Most primaries of a cluster the ordered mode holds connections to. */
 #define CONSUMER_NODES_MAX 32
@@ -713,8 +473,8 @@ static int ensure_group(struct outbox_consumer *c, const char *stream)
  */
 static int load_function(struct outbox_consumer *c)
 {
-    const char *argv[4] = {"FUNCTION", "LOAD", "REPLACE", outbox_consumer_function_source};
-    size_t lens[4] = {8, 4, 7, strlen(outbox_consumer_function_source)};
+    const char *argv[4] = {"FUNCTION", "LOAD", "REPLACE", outbox_functions_consumer_source};
+    size_t lens[4] = {8, 4, 7, strlen(outbox_functions_consumer_source)};
     redisReply *r = command(c->wr, 4, argv, lens);
     if (r == NULL) {
         problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost: %s", c->wr->errstr);
@@ -1319,7 +1079,7 @@ static void read_once(struct outbox_consumer *c)
 
 /*
  * The consumers of a group divide the partition streams of a topic through
- * the lease functions above, and each handles its partitions' entries one
+ * the lease functions (functions/outbox_consumer.lua), and each handles its partitions' entries one
  * key at a time, in id order (consumer/order.c decides which entry is next).
  * Every call that touches a partition carries the lease's token, so once a
  * lease is lost (this process was frozen past it, or its connection was

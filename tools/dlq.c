@@ -34,7 +34,7 @@
 #include "common/entry.h"
 #include "common/redisconn.h"
 #include "common/keys.h"
-#include "outbox/consumer.h"
+#include "common/functions.h"
 
 /* Longest stream, dead-letter or replay name we handle (the names are ours). */
 #define DLQ_NAME_MAX 1024
@@ -477,8 +477,8 @@ enum replay_result { REPLAYED, NOT_FOUND, NOT_REPLAYABLE };
  */
 static int load_library(struct dlq_ctx *d)
 {
-    const char *argv[4] = {"FUNCTION", "LOAD", "REPLACE", outbox_consumer_function_source};
-    size_t lens[4] = {8, 4, 7, strlen(outbox_consumer_function_source)};
+    const char *argv[4] = {"FUNCTION", "LOAD", "REPLACE", outbox_functions_consumer_source};
+    size_t lens[4] = {8, 4, 7, strlen(outbox_functions_consumer_source)};
     redisReply *r = command(d, 4, argv, lens);
     int rc = 0;
 
@@ -895,8 +895,8 @@ static int dlq_names(struct dlq_ctx *d, const char *stream, const char *group)
     d->stream = stream;
     d->group = group;
     if (stream[0] == '\0' || group[0] == '\0' ||
-        outbox_consumer_dlq_name(stream, group, d->dlq, sizeof(d->dlq)) < 0 ||
-        outbox_consumer_replay_name(stream, group, d->replay, sizeof(d->replay)) < 0) {
+        outbox_key_dlq(stream, group, d->dlq, sizeof(d->dlq)) < 0 ||
+        outbox_key_replay(stream, group, d->replay, sizeof(d->replay)) < 0) {
         fprintf(d->errout, "outbox-relay: dlq: the stream and group names must be 1 to %d bytes\n",
                 DLQ_NAME_MAX - 16);
         return -1;

@@ -306,9 +306,10 @@ int outbox_consumer_replay_name(const char *stream, const char *group, char *out
 int outbox_consumer_lease_names(const char *stream, const char *group, char *lease, char *token,
                                 size_t outlen) OUTBOX_CONSUMER_MUSTCHECK;
 
-/* The Lua source of the library (every function above), loaded with FUNCTION
- * LOAD REPLACE. */
-extern const char outbox_consumer_function_source[];
+/* The library (every function above) is functions/outbox_consumer.lua in the
+ * source tree, installed in share/outbox-relay/functions/: load it by hand
+ * with redis-cli -x FUNCTION LOAD REPLACE < outbox_consumer.lua
+ * (docs/CONSUMERS.md, "The Redis functions"). */
 
 /* Dead-letter entry fields added to the original ones. */
 #define OUTBOX_DLQ_FIELD_STREAM "dlq.stream"

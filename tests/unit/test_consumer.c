@@ -14,6 +14,7 @@
 
 #include "common/common.h"
 #include "outbox/consumer.h"
+#include "common/functions.h"
 #include "common/keys.h"
 
 const char *parse_message(const redisReply *fields, struct outbox_message *m, const char **names,
@@ -310,7 +311,7 @@ static void test_parse_caps_headers(void **state)
 static void test_dead_letter_function_acknowledges_after_xadd(void **state)
 {
     (void)state;
-    const char *src = outbox_consumer_function_source;
+    const char *src = outbox_functions_consumer_source;
     /* A library of its own: replacing the relay's would drop its publish function. */
     assert_non_null(strstr(src, "#!lua name=" OUTBOX_CONSUMER_FUNCTION_LIBRARY "\n"));
     assert_string_not_equal(OUTBOX_CONSUMER_FUNCTION_LIBRARY, "outbox_relay");
@@ -335,7 +336,7 @@ static void test_dead_letter_function_acknowledges_after_xadd(void **state)
 static void test_lease_functions_check_the_token_first(void **state)
 {
     (void)state;
-    const char *src = outbox_consumer_function_source;
+    const char *src = outbox_functions_consumer_source;
     static const char *const fenced[] = {"local function leased_read(", "local function take(",
                                          "local function leased_ack(",
                                          "local function leased_dead_letter("};
@@ -376,7 +377,7 @@ static void test_lease_functions_check_the_token_first(void **state)
 static void test_replay_function_deletes_after_xadd(void **state)
 {
     (void)state;
-    const char *src = outbox_consumer_function_source;
+    const char *src = outbox_functions_consumer_source;
     /* In the same library, so loading either tool or consumer loads both. */
     assert_non_null(strstr(src, "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_REPLAY "'"));
     const char *body = strstr(src, "local function replay(");
