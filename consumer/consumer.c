@@ -1089,7 +1089,7 @@ static void read_once(struct outbox_consumer *c)
  *
  * The members of the group beat in a sorted set "{<stream>}:lease-members:
  * <group>" (scored by Redis's clock); each member's share is the partitions p
- * with p % members == its rank in name order (relay_order_mine). A member
+ * with p % members == its rank in name order (outbox_order_mine). A member
  * gives up what is no longer its share and takes what is, as leases allow.
  */
 
@@ -1513,7 +1513,7 @@ static void upkeep(struct outbox_consumer *c, struct ordered *od)
         struct part *pt = &od->parts[i];
         use_part(c, pt);
         long long now = now_ms();
-        int mine = relay_order_mine(pt->p, od->rank, od->members);
+        int mine = outbox_order_mine(pt->p, od->rank, od->members);
         if (pt->token != 0 && !mine) {
             release_part(c, pt, "another consumer's share now");
         } else if (pt->token != 0) {
@@ -1593,15 +1593,15 @@ static size_t keep_entries(struct part *pt, redisReply *r, int replay, const red
 /* Reads into the partitions' hands: each partition's own pending entries
  * first (after a take-over or a restart), then new ones. Returns how many
  * entries came. */
-static void order_item(const struct held *h, struct relay_order_item *it);
+static void order_item(const struct held *h, struct outbox_order_item *it);
 
 /* Whether any entry in a partition's hand may be handled now. */
 static int any_ready(const struct part *pt, long long now)
 {
-    struct relay_order_item items[ORDER_QUEUE_MAX];
+    struct outbox_order_item items[ORDER_QUEUE_MAX];
     for (size_t i = 0; i < pt->nq; i++)
         order_item(&pt->q[i], &items[i]);
-    return relay_order_next(items, pt->nq, now, NULL) >= 0;
+    return outbox_order_next(items, pt->nq, now, NULL) >= 0;
 }
 
 static size_t fill(struct outbox_consumer *c, struct ordered *od)
@@ -1819,8 +1819,8 @@ static void handle_held(struct outbox_consumer *c, struct part *pt, struct held 
         }
 }
 
-/* The key of an entry in hand, for relay_order_next. */
-static void order_item(const struct held *h, struct relay_order_item *it)
+/* The key of an entry in hand, for outbox_order_next. */
+static void order_item(const struct held *h, struct outbox_order_item *it)
 {
     memset(it, 0, sizeof(*it));
     it->retry_at = h->retry_at;
@@ -1865,11 +1865,11 @@ static int handle_next(struct outbox_consumer *c, struct ordered *od, long long 
             part_lost(c, pt, "it was not renewed in time");
             continue;
         }
-        struct relay_order_item items[ORDER_QUEUE_MAX];
+        struct outbox_order_item items[ORDER_QUEUE_MAX];
         for (size_t i = 0; i < pt->nq; i++)
             order_item(&pt->q[i], &items[i]);
         long long wake = -1;
-        long next = relay_order_next(items, pt->nq, now, &wake);
+        long next = outbox_order_next(items, pt->nq, now, &wake);
         if (next < 0) {
             if (wake >= 0 && (*wake_at < 0 || wake < *wake_at))
                 *wake_at = wake;

@@ -36,7 +36,7 @@
  * --libs outbox-consumer) links liboutbox_consumer.so.0 (add --static, and
  * -static, for the static library); CMake: find_package(OutboxConsumer) and
  * the target OutboxConsumer::outbox_consumer. The shared library exports the
- * functions of this header and of outbox/order.h, nothing else.
+ * functions of this header, nothing else.
  */
 #ifndef OUTBOX_CONSUMER_H
 #define OUTBOX_CONSUMER_H

@@ -78,7 +78,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (pt.nq > got || pt.nq > ORDER_QUEUE_MAX)
         fuzz_fail("more entries in hand than were read", last);
     for (size_t i = 0; i < pt.nq; i++) {
-        struct relay_order_item it;
+        struct outbox_order_item it;
         order_item(&pt.q[i], &it);
         if (it.has_key && it.key_len > 0 && it.key == NULL)
             fuzz_fail("a key without bytes", NULL);
