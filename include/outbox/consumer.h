@@ -33,7 +33,7 @@
  * c->errstr) for a health check to read.
  *
  * Building against the installed library: cc app.c $(pkg-config --cflags
- * --libs outbox-consumer) links liboutbox_consumer.so.0 (add --static, and
+ * --libs outbox-consumer) links liboutbox_consumer.so.1 (add --static, and
  * -static, for the static library); CMake: find_package(OutboxConsumer) and
  * the target OutboxConsumer::outbox_consumer. The shared library exports the
  * functions of this header, nothing else.

@@ -1,6 +1,6 @@
 """The Debian packages install a working relay and consumer library.
 
-- scripts/package.sh builds outbox-relay, liboutbox-consumer0 and
+- scripts/package.sh builds outbox-relay, liboutbox-consumer1 and
   liboutbox-consumer-dev from this source tree in a build directory of its
   own, and lintian reports no error in them (package.sh fails otherwise).
 - The daemon package depends on libpq5, libhiredis0.14 and libev4, has no
@@ -13,7 +13,7 @@
 - The installed units start /usr/bin/outbox-relay.
 - A C program using the public API builds with nothing but
   `cc $(pkg-config --cflags --libs outbox-consumer)` and runs, loading
-  liboutbox_consumer.so.0 by its soname; `pkg-config --static` links it fully
+  liboutbox_consumer.so.1 by its soname; `pkg-config --static` links it fully
   statically; find_package(OutboxConsumer) links it from CMake. The shared
   library exports the public API only.
 - The packages are purged at the end, also on failure.
@@ -40,7 +40,7 @@ if os.geteuid() != 0:
 
 harness.set_deadline(400)
 
-PACKAGES = ("outbox-relay", "liboutbox-consumer0", "liboutbox-consumer-dev")
+PACKAGES = ("outbox-relay", "liboutbox-consumer1", "liboutbox-consumer-dev")
 BIN = "/usr/bin/outbox-relay"
 
 CONSUMER_C = r"""
@@ -201,10 +201,10 @@ class PackageTest(harness.ServerTestCase):
     def test_consumer_shared_link(self):
         exe = self.build_consumer("shared", "$(pkg-config --cflags --libs outbox-consumer)")
         dynamic = run(["readelf", "-d", exe]).stdout
-        self.assertIn("Shared library: [liboutbox_consumer.so.0]", dynamic)
+        self.assertIn("Shared library: [liboutbox_consumer.so.1]", dynamic)
         ldd = run(["ldd", exe]).stdout
         self.assertRegex(ldd,
-                         r"liboutbox_consumer\.so\.0 => (/usr)?/lib/\S+/liboutbox_consumer\.so\.0")
+                         r"liboutbox_consumer\.so\.1 => (/usr)?/lib/\S+/liboutbox_consumer\.so\.1")
 
     def test_consumer_static_link(self):
         exe = self.build_consumer(
@@ -212,11 +212,11 @@ class PackageTest(harness.ServerTestCase):
         self.assertNotIn("NEEDED", run(["readelf", "-d", exe]).stdout)
 
     def test_library_exports_public_api_only(self):
-        lib = glob.glob("/usr/lib/*/liboutbox_consumer.so.0")
+        lib = glob.glob("/usr/lib/*/liboutbox_consumer.so.1")
         self.assertEqual(len(lib), 1)
         symbols = run(["nm", "-D", "--defined-only", lib[0]]).stdout.split("\n")
         names = [line.split()[-1].split("@")[0] for line in symbols if line.strip()]
-        names = [n for n in names if n != "OUTBOX_CONSUMER_0"]
+        names = [n for n in names if n != "OUTBOX_CONSUMER_1"]
         self.assertIn("outbox_consumer_new", names)
         self.assertNotIn("outbox_order_next", names)
         self.assertEqual([n for n in names if not n.startswith("outbox_consumer_")],
