@@ -1,15 +1,13 @@
 /*
- * The consumer library's reading of stream entries (consumer/consumer.c):
- * the bytes are up to three replies in the Redis protocol, read by hiredis
- * as the library reads them from a server. The first is what XREADGROUP (or
- * the ordered mode's read function) answered: each entry is checked and its
- * fields parsed as the library does before calling the handler
- * (parse_message), and the ordered mode takes the entries into a
- * partition's hand (keep_entries) with the second reply as XPENDING's
- * delivery counts and the third as the set of parked keys, then reads each
- * entry's key (order_item).
+ * The consumer library's reading of stream entries (consumer/messages.c and
+ * consumer/ordered.c): the bytes are up to three replies in the Redis
+ * protocol, read by hiredis as the library reads them from a server. The first is what XREADGROUP
+ * (or the ordered mode's read function) answered: each entry is checked and its fields parsed as
+ * the library does before calling the handler (outbox_msg_parse), and the ordered mode takes the
+ * entries into a partition's hand (keep_entries) with the second reply as XPENDING's delivery
+ * counts and the third as the set of parked keys, then reads each entry's key (order_item).
  */
-#include "../../consumer/consumer.c"
+#include "../../consumer/ordered.c"
 
 #include "fuzz.h"
 
@@ -52,7 +50,7 @@ static void read_entries(const redisReply *r)
             const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
             size_t vlens[OUTBOX_HEADERS_MAX];
             memset(&m, 0, sizeof(m));
-            if (parse_message(fields, &m, names, values, vlens) == NULL) {
+            if (outbox_msg_parse(fields, &m, names, values, vlens) == NULL) {
                 volatile size_t sum = touch(&m);
                 (void)sum;
             }

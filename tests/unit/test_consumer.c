@@ -1,4 +1,4 @@
-/* Unit tests of the pure parts of consumer/consumer.c: the backoff schedule, the
+/* Unit tests of the pure parts of the consumer library (consumer/): the backoff schedule, the
  * dead-letter and replay stream names, the order of the dead-letter and replay
  * functions, the check of an entry against the stream contract (replies are
  * built by hiredis's own reader from RESP), and how problems are reported. */
@@ -16,10 +16,9 @@
 #include "outbox/consumer.h"
 #include "common/functions.h"
 #include "common/keys.h"
+#include "consumer/internal.h"
 
-const char *parse_message(const redisReply *fields, struct outbox_message *m, const char **names,
-                          const char **values, size_t *vlens);
-void problem(struct outbox_consumer *c, enum outbox_consumer_err kind, const char *fmt, ...);
+/* File-local in consumer/leases.c, reached through OUTBOX_STATIC. */
 const redisReply *parked_key_left(const redisReply *before, const redisReply *now);
 long long redis_time_ms(const redisReply *t);
 
@@ -194,7 +193,8 @@ static void test_problems_go_to_the_hook_and_the_object(void **state)
     assert_int_equal(outbox_consumer_err(c), OUTBOX_CONSUMER_ERR_NONE);
     assert_string_equal(outbox_consumer_errstr(c), "");
 
-    problem(c, OUTBOX_CONSUMER_ERR_IO, "cannot connect to Redis: %s", "Connection\nrefused");
+    outbox_report_problem(c, OUTBOX_CONSUMER_ERR_IO, "cannot connect to Redis: %s",
+                          "Connection\nrefused");
     assert_int_equal(seen.calls, 1);
     assert_int_equal(seen.level, OUTBOX_CONSUMER_LOG_ERROR);
     assert_string_equal(seen.message,
@@ -202,11 +202,12 @@ static void test_problems_go_to_the_hook_and_the_object(void **state)
     assert_int_equal(outbox_consumer_err(c), OUTBOX_CONSUMER_ERR_IO);
     assert_string_equal(outbox_consumer_errstr(c), "cannot connect to Redis: Connection\nrefused");
 
-    problem(c, OUTBOX_CONSUMER_ERR_IO, "cannot connect to Redis: %s", "Connection\nrefused");
+    outbox_report_problem(c, OUTBOX_CONSUMER_ERR_IO, "cannot connect to Redis: %s",
+                          "Connection\nrefused");
     assert_int_equal(seen.calls, 2);
     assert_int_equal(seen.level, OUTBOX_CONSUMER_LOG_DEBUG); /* a repeat */
 
-    problem(c, OUTBOX_CONSUMER_ERR_REDIS, "XREADGROUP failed: %s", "NOGROUP");
+    outbox_report_problem(c, OUTBOX_CONSUMER_ERR_REDIS, "XREADGROUP failed: %s", "NOGROUP");
     assert_int_equal(seen.level, OUTBOX_CONSUMER_LOG_ERROR);
     assert_int_equal(outbox_consumer_err(c), OUTBOX_CONSUMER_ERR_REDIS);
     outbox_consumer_free(c);
@@ -215,7 +216,7 @@ static void test_problems_go_to_the_hook_and_the_object(void **state)
     o.log = NULL;
     c = outbox_consumer_new(&o, (outbox_consumer_handler_fn *)1, NULL, err, sizeof(err));
     assert_non_null(c);
-    problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost: %s", "timeout");
+    outbox_report_problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost: %s", "timeout");
     assert_int_equal(seen.calls, 3);
     assert_string_equal(outbox_consumer_errstr(c), "Redis connection lost: timeout");
     outbox_consumer_free(c);
@@ -238,7 +239,7 @@ static void test_parse_good_entry(void **state)
     const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
     size_t vlens[OUTBOX_HEADERS_MAX];
     memset(&m, 0, sizeof(m));
-    assert_null(parse_message(r, &m, names, values, vlens));
+    assert_null(outbox_msg_parse(r, &m, names, values, vlens));
     assert_string_equal(m.id, "0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b");
     assert_string_equal(m.topic, "orders");
     assert_int_equal(m.key_len, 3);
@@ -265,21 +266,21 @@ static void test_parse_rejects_foreign_entries(void **state)
     size_t vlens[OUTBOX_HEADERS_MAX];
 
     redisReply *r = resp(buf, build(buf, sizeof(buf), foreign));
-    const char *why = parse_message(r, &m, names, values, vlens);
+    const char *why = outbox_msg_parse(r, &m, names, values, vlens);
     assert_non_null(why);
     assert_non_null(strstr(why, "\"id\""));
     freeReplyObject(r);
 
     r = resp(buf, build(buf, sizeof(buf), no_payload));
-    assert_non_null(strstr(parse_message(r, &m, names, values, vlens), "payload"));
+    assert_non_null(strstr(outbox_msg_parse(r, &m, names, values, vlens), "payload"));
     freeReplyObject(r);
 
     r = resp(buf, build(buf, sizeof(buf), bad_outbox_id));
-    assert_non_null(strstr(parse_message(r, &m, names, values, vlens), "not a number"));
+    assert_non_null(strstr(outbox_msg_parse(r, &m, names, values, vlens), "not a number"));
     freeReplyObject(r);
 
     r = resp("$-1\r\n", 5);
-    assert_non_null(parse_message(r, &m, names, values, vlens));
+    assert_non_null(outbox_msg_parse(r, &m, names, values, vlens));
     freeReplyObject(r);
 }
 
@@ -304,7 +305,7 @@ static void test_parse_caps_headers(void **state)
     struct outbox_message m;
     const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
     size_t vlens[OUTBOX_HEADERS_MAX];
-    assert_non_null(strstr(parse_message(r, &m, names, values, vlens), "more headers"));
+    assert_non_null(strstr(outbox_msg_parse(r, &m, names, values, vlens), "more headers"));
     freeReplyObject(r);
 }
 
