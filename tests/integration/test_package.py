@@ -16,6 +16,9 @@
   liboutbox_consumer.so.1 by its soname; `pkg-config --static` links it fully
   statically; find_package(OutboxConsumer) links it from CMake. The shared
   library exports the public API only.
+- The Redis function libraries are installed in
+  /usr/share/outbox-relay/functions/, and each loads with FUNCTION LOAD as it
+  stands.
 - The packages are purged at the end, also on failure.
 
 Needs root (dpkg -i); installs over, then purges, any installed copy.
@@ -178,6 +181,20 @@ class PackageTest(harness.ServerTestCase):
         proc = run([BIN, "-c", conf, "--postgres", "dbname=app", "--redis",
                     "redis://127.0.0.1:6379/0", "--check-config"], env=harness.relay_env())
         self.assertEqual(proc.returncode, 0, proc.stderr)
+
+    def test_installed_functions_load(self):
+        directory = "/usr/share/outbox-relay/functions"
+        self.assertEqual(sorted(os.listdir(directory)), ["outbox_consumer.lua", "outbox_relay.lua"])
+        for name in ("outbox_relay", "outbox_consumer"):
+            with open(os.path.join(directory, name + ".lua")) as f:
+                self.assertEqual(self.r.function_load(f.read(), replace=True), name.encode())
+        functions = set()
+        for library in self.r.function_list():
+            library = dict(zip(library[::2], library[1::2]))
+            functions.update(dict(zip(fn[::2], fn[1::2]))[b"name"].decode()
+                             for fn in library[b"functions"])
+        self.assertIn("outbox_relay_publish_many_v1", functions)
+        self.assertIn("outbox_consumer_dead_letter_v1", functions)
 
     def test_units_name_installed_binary(self):
         for unit in ("outbox-relay.service", "outbox-relay@.service"):
