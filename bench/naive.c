@@ -64,6 +64,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/functions.h"
 #include "relay/batch.h"
 #include "relay/pgsrc.h"
 
@@ -366,7 +367,7 @@ int main(int argc, char **argv)
     if (mode == PRINT_ARGV)
         return print_argv(publish_timeout_ms, call_rows);
     if (mode == PRINT_FUNCTION) {
-        fputs(relay_batch_function_source, stdout);
+        fputs(outbox_functions_relay_source, stdout);
         return 0;
     }
     char claim_sql[RELAY_PGSRC_CLAIM_SQL_MAX];
@@ -394,7 +395,8 @@ int main(int argc, char **argv)
         if (rd == NULL || rd->err)
             die("cannot connect to Redis", rd ? rd->errstr : "out of memory");
         /* The relay's function, as the relay loads it. */
-        redisReply *rep = redisCommand(rd, "FUNCTION LOAD REPLACE %s", relay_batch_function_source);
+        redisReply *rep =
+            redisCommand(rd, "FUNCTION LOAD REPLACE %s", outbox_functions_relay_source);
         if (rep == NULL || rep->type == REDIS_REPLY_ERROR)
             die("FUNCTION LOAD", rep ? rep->str : rd->errstr);
         freeReplyObject(rep);

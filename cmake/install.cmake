@@ -49,6 +49,11 @@ install(FILES ${CMAKE_BINARY_DIR}/OutboxConsumerConfig.cmake
   ${CMAKE_BINARY_DIR}/OutboxConsumerConfigVersion.cmake
   DESTINATION ${OUTBOX_CONSUMER_CMAKE_DIR} COMPONENT development)
 
+# The Redis function libraries, as the programs embed them, for loading by
+# hand (docs/CONSUMERS.md, "The Redis functions").
+install(FILES functions/outbox_relay.lua functions/outbox_consumer.lua
+  DESTINATION ${CMAKE_INSTALL_DATADIR}/outbox-relay/functions COMPONENT relay)
+
 # The schema: migrations/ for the outbox, migrations/consumer/ for a consumer's database.
 install(DIRECTORY migrations/ DESTINATION ${CMAKE_INSTALL_DATADIR}/outbox-relay/migrations
   COMPONENT relay FILES_MATCHING PATTERN "*.sql")

@@ -1,7 +1,7 @@
 # Debian packages (scripts/package.sh runs CPack with RELAY_DEB_PACKAGE=ON and
 # the prefix /usr):
 #   outbox-relay            the daemon, its units, manual pages, migrations
-#   liboutbox-consumer0     the consumer library, liboutbox_consumer.so.0
+#   liboutbox-consumer1     the consumer library, liboutbox_consumer.so.1
 #   liboutbox-consumer-dev  its headers, static library, pkg-config and CMake files
 # Dependencies on shared libraries come from dpkg-shlibdeps. Installing the
 # daemon enables and starts nothing: it has no maintainer scripts.
@@ -9,7 +9,7 @@ option(RELAY_DEB_PACKAGE "Install the Debian copyright and changelog files (for 
 
 set(RELAY_DEB_MAINTAINER "The outbox-relay authors <maintainers@outbox-relay.org>" CACHE STRING
   "Maintainer field of the Debian packages")
-set(RELAY_DEB_PACKAGES outbox-relay liboutbox-consumer0 liboutbox-consumer-dev)
+set(RELAY_DEB_PACKAGES outbox-relay liboutbox-consumer1 liboutbox-consumer-dev)
 set(RELAY_DEB_COMPONENTS relay library development)
 
 # The changelog's latest entry names the version being packaged.
@@ -70,7 +70,7 @@ service is neither enabled nor started on installation: write
 set(CPACK_DEBIAN_RELAY_PACKAGE_RECOMMENDS "postgresql-client")
 set(CPACK_DEBIAN_RELAY_PACKAGE_SUGGESTS "postgresql, redis-server")
 
-set(CPACK_DEBIAN_LIBRARY_PACKAGE_NAME liboutbox-consumer0)
+set(CPACK_DEBIAN_LIBRARY_PACKAGE_NAME liboutbox-consumer1)
 set(CPACK_DEBIAN_LIBRARY_PACKAGE_SECTION libs)
 set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS ON)
 set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS_POLICY ">=")
@@ -85,7 +85,7 @@ topics.")
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_NAME liboutbox-consumer-dev)
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_SECTION libdevel)
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_DEPENDS
-  "liboutbox-consumer0 (= ${PROJECT_VERSION}), libhiredis-dev")
+  "liboutbox-consumer1 (= ${PROJECT_VERSION}), libhiredis-dev")
 set(CPACK_DEBIAN_DEVELOPMENT_DESCRIPTION
   "consumer library for the Redis Streams of outbox-relay (development files)
 A C library for services that consume the streams outbox-relay publishes.

@@ -14,18 +14,18 @@
 
 #include <string.h>
 
-static int same_key(const struct relay_order_item *a, const struct relay_order_item *b)
+static int same_key(const struct outbox_order_item *a, const struct outbox_order_item *b)
 {
     return a->has_key && b->has_key && a->key_len == b->key_len &&
            memcmp(a->key, b->key, a->key_len) == 0;
 }
 
-long relay_order_next(const struct relay_order_item *items, size_t n, long long now,
-                      long long *wake_at)
+long outbox_order_next(const struct outbox_order_item *items, size_t n, long long now,
+                       long long *wake_at)
 {
     long long wake = -1;
     for (size_t i = 0; i < n; i++) {
-        const struct relay_order_item *it = &items[i];
+        const struct outbox_order_item *it = &items[i];
         if (it->done)
             continue;
         int behind = 0;
@@ -43,7 +43,7 @@ long relay_order_next(const struct relay_order_item *items, size_t n, long long 
     return -1;
 }
 
-int relay_order_mine(uint32_t p, uint32_t rank, uint32_t members)
+int outbox_order_mine(uint32_t p, uint32_t rank, uint32_t members)
 {
     return members > 0 && p % members == rank;
 }

@@ -14,7 +14,7 @@
  * One entry in hand of a partition, in id order. An entry without a key has
  * no order to keep: it never waits for, nor holds back, another.
  */
-struct relay_order_item {
+struct outbox_order_item {
     const char *key;
     size_t key_len;
     long long retry_at; /* may be handled from this time on (ms) */
@@ -29,14 +29,14 @@ struct relay_order_item {
  * then *wake_at (when not NULL) is the earliest retry_at of an entry that
  * waits only for its backoff, or -1 when every entry waits for another.
  */
-long relay_order_next(const struct relay_order_item *items, size_t n, long long now,
-                      long long *wake_at);
+long outbox_order_next(const struct outbox_order_item *items, size_t n, long long now,
+                       long long *wake_at);
 
 /*
  * Whether partition p is the share of the member at position rank (0-based,
  * in the members' name order) of members: partitions go round-robin,
  * p % members == rank. No member (members 0) has a share.
  */
-int relay_order_mine(uint32_t p, uint32_t rank, uint32_t members);
+int outbox_order_mine(uint32_t p, uint32_t rank, uint32_t members);
 
 #endif

@@ -45,11 +45,11 @@ struct email_app {
     time_t next_purge;
 };
 
-static struct relay_consumer *the_consumer;
+static struct outbox_consumer *the_consumer;
 
 /* What the log hook prints: --log-level, and whether stderr is the journal. */
 struct email_log {
-    enum relay_consumer_log_level min_level;
+    enum outbox_consumer_log_level min_level;
     int journal;
 };
 
@@ -57,7 +57,7 @@ static const char *const level_names[] = {"DEBUG", "INFO", "WARNING", "ERROR"};
 
 /* The library's log hook: one line per event on stderr. Under systemd the
  * journal stamps lines itself, so there a "<N>" priority replaces the time. */
-static void log_line(enum relay_consumer_log_level level, const char *message, void *arg)
+static void log_line(enum outbox_consumer_log_level level, const char *message, void *arg)
 {
     static const int syslog_priority[] = {7, 6, 4, 3}; /* debug info warning err */
     const struct email_log *lg = arg;
@@ -103,7 +103,7 @@ static void on_signal(int sig)
 {
     (void)sig;
     if (the_consumer != NULL)
-        relay_consumer_stop(the_consumer);
+        outbox_consumer_stop(the_consumer);
 }
 
 static int db_ready(struct email_app *app, char *err, size_t errlen)
@@ -123,7 +123,7 @@ static int db_ready(struct email_app *app, char *err, size_t errlen)
     return 0;
 }
 
-static const char *header(const struct relay_message *m, const char *name)
+static const char *header(const struct outbox_message *m, const char *name)
 {
     for (size_t i = 0; i < m->nheaders; i++)
         if (strcmp(m->header_names[i], name) == 0)
@@ -131,8 +131,8 @@ static const char *header(const struct relay_message *m, const char *name)
     return NULL;
 }
 
-static enum relay_handled fail_from_sql(struct email_app *app, PGresult *res, char *err,
-                                        size_t errlen)
+static enum outbox_handled fail_from_sql(struct email_app *app, PGresult *res, char *err,
+                                         size_t errlen)
 {
     char state[6] = "";
     const char *s = PQresultErrorField(res, PG_DIAG_SQLSTATE);
@@ -145,8 +145,8 @@ static enum relay_handled fail_from_sql(struct email_app *app, PGresult *res, ch
     PQclear(PQexec(app->db, "ROLLBACK"));
     /* Class 22 (data exception: not JSON, not a number) never gets better. */
     if (strncmp(state, "22", 2) == 0)
-        return RELAY_HANDLED_FAIL;
-    return RELAY_HANDLED_RETRY;
+        return OUTBOX_HANDLED_FAIL;
+    return OUTBOX_HANDLED_RETRY;
 }
 
 /* With --processed-horizon: deletes processed rows older than that, one
@@ -167,28 +167,28 @@ static void purge_processed(struct email_app *app)
                          NULL, p, NULL, NULL, 0));
 }
 
-static enum relay_handled send_email(const struct relay_message *m, void *arg, char *err,
-                                     size_t errlen)
+static enum outbox_handled send_email(const struct outbox_message *m, void *arg, char *err,
+                                      size_t errlen)
 {
     struct email_app *app = arg;
     const char *fail = header(m, "fail");
     if (fail != NULL && strcmp(fail, "permanent") == 0) {
         snprintf(err, errlen, "the message asked for a permanent failure");
-        return RELAY_HANDLED_FAIL;
+        return OUTBOX_HANDLED_FAIL;
     }
     if (fail != NULL && strncmp(fail, "transient", 9) == 0) {
         long upto = fail[9] == ':' ? strtol(fail + 10, NULL, 10) : -1;
         if (upto < 0 || (long)m->deliveries <= upto) {
             snprintf(err, errlen, "the message asked for a transient failure");
-            return RELAY_HANDLED_RETRY;
+            return OUTBOX_HANDLED_RETRY;
         }
     }
     if (app->fail_rate > 0 && m->deliveries == 1 && (double)random() / RAND_MAX < app->fail_rate) {
         snprintf(err, errlen, "mail provider timed out (simulated)");
-        return RELAY_HANDLED_RETRY;
+        return OUTBOX_HANDLED_RETRY;
     }
     if (db_ready(app, err, errlen) < 0)
-        return RELAY_HANDLED_RETRY;
+        return OUTBOX_HANDLED_RETRY;
 
     PGresult *res = PQexec(app->db, "BEGIN");
     if (PQresultStatus(res) != PGRES_COMMAND_OK)
@@ -221,11 +221,11 @@ static enum relay_handled send_email(const struct relay_message *m, void *arg, c
         return fail_from_sql(app, res, err, errlen);
     PQclear(res);
     purge_processed(app);
-    return RELAY_HANDLED_DONE;
+    return OUTBOX_HANDLED_DONE;
 }
 
 /* "1s,10s,100ms" into opts->backoff_ms. */
-static int parse_backoff(const char *s, struct relay_consumer_options *o)
+static int parse_backoff(const char *s, struct outbox_consumer_options *o)
 {
     char buf[512];
     snprintf(buf, sizeof(buf), "%s", s);
@@ -233,7 +233,7 @@ static int parse_backoff(const char *s, struct relay_consumer_options *o)
     for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok != NULL;
          tok = strtok_r(NULL, ",", &save)) {
         uint32_t ms;
-        if (o->nbackoff == RELAY_CONSUMER_BACKOFF_MAX || parse_ms(tok, &ms) < 0 || ms == 0)
+        if (o->nbackoff == OUTBOX_CONSUMER_BACKOFF_MAX || parse_ms(tok, &ms) < 0 || ms == 0)
             return -1;
         o->backoff_ms[o->nbackoff++] = ms;
     }
@@ -267,10 +267,10 @@ static void usage(FILE *f)
 
 int main(int argc, char **argv)
 {
-    struct relay_consumer_options o;
+    struct outbox_consumer_options o;
     struct email_app app = {NULL, "email", NULL, 0.0, 0, 0};
     const char *js = getenv("JOURNAL_STREAM");
-    struct email_log lg = {RELAY_CONSUMER_LOG_INFO, js != NULL && js[0] != '\0'};
+    struct email_log lg = {OUTBOX_CONSUMER_LOG_INFO, js != NULL && js[0] != '\0'};
     const char *redis = NULL;
     memset(&o, 0, sizeof(o));
     o.stream = "orders";
@@ -353,7 +353,7 @@ int main(int argc, char **argv)
                                 "or error\n");
                 return EX_USAGE;
             }
-            lg.min_level = (enum relay_consumer_log_level)level;
+            lg.min_level = (enum outbox_consumer_log_level)level;
             break;
         case 'P':
             if (parse_ms(optarg, &ms) < 0) {
@@ -401,7 +401,7 @@ int main(int argc, char **argv)
     o.group = app.group;
     o.redis_url = redis;
     char err[512];
-    struct relay_consumer *c = relay_consumer_new(&o, send_email, &app, err, sizeof(err));
+    struct outbox_consumer *c = outbox_consumer_new(&o, send_email, &app, err, sizeof(err));
     if (c == NULL) {
         fprintf(stderr, "outbox-email-consumer: %s\n", err);
         return EX_CONFIG;
@@ -415,14 +415,14 @@ int main(int argc, char **argv)
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
 
-    relay_consumer_run(c);
-    const struct relay_consumer_stats *st = relay_consumer_stats(c);
+    outbox_consumer_run(c);
+    const struct outbox_consumer_stats *st = outbox_consumer_stats(c);
     printf("consumer %s: delivered=%llu done=%llu retried=%llu dead_lettered=%llu malformed=%llu "
            "lost=%llu reclaimed=%llu leases_taken=%llu leases_lost=%llu\n",
-           relay_consumer_name(c), st->delivered, st->done, st->retried, st->dead_lettered,
+           outbox_consumer_name(c), st->delivered, st->done, st->retried, st->dead_lettered,
            st->malformed, st->lost, st->reclaimed, st->leases_taken, st->leases_lost);
     the_consumer = NULL;
-    relay_consumer_free(c);
+    outbox_consumer_free(c);
     PQfinish(app.db);
     return EX_OK;
 }

@@ -14,15 +14,13 @@
 #include "common/common.h"
 #include "relay/cycle.h"
 
-/* Name of the Redis function library and of the functions in it. */
+/* Name of the Redis function library and of the functions in it: those that
+ * functions/outbox_relay.lua registers (its source: common/functions.h). */
 #define RELAY_FUNCTION_LIBRARY "outbox_relay"
 #define RELAY_FUNCTION_PUBLISH "outbox_relay_publish_v2"
 #define RELAY_FUNCTION_PUBLISH_MANY "outbox_relay_publish_many_v1"
 #define RELAY_FUNCTION_TRIM "outbox_relay_trim_v1"
 #define RELAY_FUNCTION_RETIRE "outbox_relay_retire_v1"
-
-/* The Lua source loaded with FUNCTION LOAD REPLACE. */
-extern const char relay_batch_function_source[];
 
 /*
  * What a row's own failure means for it, chosen where the failure is found.
@@ -64,7 +62,7 @@ struct relay_row {
 
     /* The row sent before it to the same stream in this batch, or NULL: its
      * publish names that row's dedup record and is refused while the record
-     * is missing (relay_batch_function_source), so that a command which
+     * is missing (functions/outbox_relay.lua), so that a command which
      * failed in the pipeline is never overtaken by a later one that did not. */
     const struct relay_row *after;
     /* Instead, the row before it in its stream was sent by the batch ahead,

@@ -43,8 +43,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "outbox/consumer.h"
 #include "common/backoff.h"
+#include "common/functions.h"
 #include "relay/batch.h"
 #include "core/config.h"
 #include "common/keys.h"
@@ -175,7 +175,7 @@ static char step_select[] = "SELECT";
 static char step_slots[] = "CLUSTER SLOTS";
 static char step_setname[] = "CLIENT SETNAME";
 static char step_function[] = "FUNCTION";
-static char step_consumer_library[] = "FUNCTION LOAD of library " RELAY_CONSUMER_FUNCTION_LIBRARY;
+static char step_consumer_library[] = "FUNCTION LOAD of library " OUTBOX_CONSUMER_FUNCTION_LIBRARY;
 static char step_config[] = "CONFIG";
 static char step_time[] = "TIME";
 static char step_role[] = "ROLE";
@@ -853,15 +853,15 @@ static void queue_setup(struct sink_node *n)
     argv[0] = "FUNCTION";
     argv[1] = "LOAD";
     argv[2] = "REPLACE";
-    argv[3] = relay_batch_function_source;
+    argv[3] = outbox_functions_relay_source;
     lens[0] = 8;
     lens[1] = 4;
     lens[2] = 7;
-    lens[3] = strlen(relay_batch_function_source);
+    lens[3] = strlen(outbox_functions_relay_source);
     redisAsyncCommandArgv(n->ac, on_setup_reply, step_function, 4, argv, lens);
     n->setup_pending++;
-    argv[3] = relay_consumer_function_source;
-    lens[3] = strlen(relay_consumer_function_source);
+    argv[3] = outbox_functions_consumer_source;
+    lens[3] = strlen(outbox_functions_consumer_source);
     redisAsyncCommandArgv(n->ac, on_setup_reply, step_consumer_library, 4, argv, lens);
     n->setup_pending++;
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the Debian packages of outbox-relay from this source tree:
 #   outbox-relay_<version>_<arch>.deb            the daemon, units, manual pages
-#   liboutbox-consumer0_<version>_<arch>.deb     the consumer library
+#   liboutbox-consumer1_<version>_<arch>.deb     the consumer library
 #   liboutbox-consumer-dev_<version>_<arch>.deb  its headers and link files
 # into the package build directory, then checks them with lintian, which must
 # report no errors. Installs what is missing first (scripts/deps.sh).

@@ -34,7 +34,7 @@
 #include "common/entry.h"
 #include "common/redisconn.h"
 #include "common/keys.h"
-#include "outbox/consumer.h"
+#include "common/functions.h"
 
 /* Longest stream, dead-letter or replay name we handle (the names are ours). */
 #define DLQ_NAME_MAX 1024
@@ -351,9 +351,9 @@ static void list_entry(struct dlq_ctx *d, const redisReply *e)
         size_t width, max;
     } cols[] = {
         {"id", 36, 40},
-        {RELAY_DLQ_FIELD_REASON, 10, 20},
-        {RELAY_DLQ_FIELD_DELIVERIES, 10, 12},
-        {RELAY_DLQ_FIELD_TIME, 27, 32},
+        {OUTBOX_DLQ_FIELD_REASON, 10, 20},
+        {OUTBOX_DLQ_FIELD_DELIVERIES, 10, 12},
+        {OUTBOX_DLQ_FIELD_TIME, 27, 32},
     };
     relay_text_put_column(d->out, e->element[0]->str, e->element[0]->len, 20, 0);
     for (size_t k = 0; k < OUTBOX_ARRAY_LEN(cols); k++) {
@@ -361,7 +361,7 @@ static void list_entry(struct dlq_ctx *d, const redisReply *e)
         relay_text_put_column(d->out, v != NULL ? v->str : "-", v != NULL ? v->len : 1,
                               cols[k].width, cols[k].max);
     }
-    const redisReply *err = outbox_entry_field(e->element[1], RELAY_DLQ_FIELD_ERROR);
+    const redisReply *err = outbox_entry_field(e->element[1], OUTBOX_DLQ_FIELD_ERROR);
     relay_text_put_escaped(d->out, err != NULL ? err->str : "-", err != NULL ? err->len : 1,
                            DLQ_ERROR_COLS, 0);
     fputc('\n', d->out);
@@ -477,8 +477,8 @@ enum replay_result { REPLAYED, NOT_FOUND, NOT_REPLAYABLE };
  */
 static int load_library(struct dlq_ctx *d)
 {
-    const char *argv[4] = {"FUNCTION", "LOAD", "REPLACE", relay_consumer_function_source};
-    size_t lens[4] = {8, 4, 7, strlen(relay_consumer_function_source)};
+    const char *argv[4] = {"FUNCTION", "LOAD", "REPLACE", outbox_functions_consumer_source};
+    size_t lens[4] = {8, 4, 7, strlen(outbox_functions_consumer_source)};
     redisReply *r = command(d, 4, argv, lens);
     int rc = 0;
 
@@ -488,7 +488,7 @@ static int load_library(struct dlq_ctx *d)
         fprintf(d->errout,
                 "outbox-relay: FUNCTION LOAD of library %s (the replay function): %s (Redis at "
                 "%s)%s\n",
-                RELAY_CONSUMER_FUNCTION_LIBRARY, r->str, d->where,
+                OUTBOX_CONSUMER_FUNCTION_LIBRARY, r->str, d->where,
                 strncmp(r->str, "NOPERM", 6) == 0
                     ? "; to replay, the Redis user needs the ACL permissions +function|load "
                       "and +fcall"
@@ -509,7 +509,7 @@ static int load_library(struct dlq_ctx *d)
  */
 static int replay_one(struct dlq_ctx *d, const char *id, enum replay_result *res)
 {
-    const char *argv[6] = {"FCALL", RELAY_CONSUMER_FUNCTION_REPLAY, "2", d->dlq, d->replay, id};
+    const char *argv[6] = {"FCALL", OUTBOX_CONSUMER_FUNCTION_REPLAY, "2", d->dlq, d->replay, id};
     redisReply *r = command(d, 6, argv, NULL);
     int rc = 0;
 
@@ -912,8 +912,8 @@ static int dlq_names(struct dlq_ctx *d, const char *stream, const char *group)
     d->stream = stream;
     d->group = group;
     if (stream[0] == '\0' || group[0] == '\0' ||
-        relay_consumer_dlq_name(stream, group, d->dlq, sizeof(d->dlq)) < 0 ||
-        relay_consumer_replay_name(stream, group, d->replay, sizeof(d->replay)) < 0) {
+        outbox_key_dlq(stream, group, d->dlq, sizeof(d->dlq)) < 0 ||
+        outbox_key_replay(stream, group, d->replay, sizeof(d->replay)) < 0) {
         fprintf(d->errout, "outbox-relay: dlq: the stream and group names must be 1 to %d bytes\n",
                 DLQ_NAME_MAX - 16);
         return -1;

@@ -25,18 +25,18 @@
  * reaches only the group that failed. The library uses hiredis's blocking API
  * on two connections of its own (one for XREADGROUP BLOCK, one for XACK,
  * XPENDING, XCLAIM and dead letters), each call with a deadline; it runs in
- * the caller's thread until relay_consumer_stop.
+ * the caller's thread until outbox_consumer_stop.
  *
  * The library never prints. It reports what happens through the log hook of
  * the options (NULL: silent), and keeps the most recent failure in the object
- * (relay_consumer_err and relay_consumer_errstr, like hiredis's c->err and
+ * (outbox_consumer_err and outbox_consumer_errstr, like hiredis's c->err and
  * c->errstr) for a health check to read.
  *
  * Building against the installed library: cc app.c $(pkg-config --cflags
- * --libs outbox-consumer) links liboutbox_consumer.so.0 (add --static, and
+ * --libs outbox-consumer) links liboutbox_consumer.so.1 (add --static, and
  * -static, for the static library); CMake: find_package(OutboxConsumer) and
  * the target OutboxConsumer::outbox_consumer. The shared library exports the
- * functions of this header and of outbox/order.h, nothing else.
+ * functions of this header, nothing else.
  */
 #ifndef OUTBOX_CONSUMER_H
 #define OUTBOX_CONSUMER_H
@@ -44,16 +44,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define RELAY_CONSUMER_BACKOFF_MAX 16
+#define OUTBOX_CONSUMER_BACKOFF_MAX 16
 
 #if defined(__GNUC__) || defined(__clang__)
-#define RELAY_CONSUMER_MUSTCHECK __attribute__((warn_unused_result))
+#define OUTBOX_CONSUMER_MUSTCHECK __attribute__((warn_unused_result))
 #else
-#define RELAY_CONSUMER_MUSTCHECK
+#define OUTBOX_CONSUMER_MUSTCHECK
 #endif
 
 /* One message, as the handler sees it. Pointers are valid during the call. */
-struct relay_message {
+struct outbox_message {
     const char *stream;   /* the stream it was read from (main or replay) */
     const char *entry_id; /* Redis entry id */
     const char *id;       /* message_id: the idempotency key */
@@ -71,41 +71,41 @@ struct relay_message {
     uint32_t deliveries; /* 1 on the first delivery */
 };
 
-enum relay_handled {
-    RELAY_HANDLED_DONE = 0,  /* effect committed: acknowledge */
-    RELAY_HANDLED_RETRY = 1, /* transient failure: deliver again after backoff */
-    RELAY_HANDLED_FAIL = 2,  /* permanent failure: dead-letter now */
+enum outbox_handled {
+    OUTBOX_HANDLED_DONE = 0,  /* effect committed: acknowledge */
+    OUTBOX_HANDLED_RETRY = 1, /* transient failure: deliver again after backoff */
+    OUTBOX_HANDLED_FAIL = 2,  /* permanent failure: dead-letter now */
 };
 
 /* The handler. On RETRY or FAIL it writes why into err (kept in the dead letter). */
-typedef enum relay_handled relay_consumer_handler_fn(const struct relay_message *m, void *arg,
-                                                     char *err, size_t errlen);
+typedef enum outbox_handled outbox_consumer_handler_fn(const struct outbox_message *m, void *arg,
+                                                       char *err, size_t errlen);
 
 /* The level of a line given to the log hook. */
-enum relay_consumer_log_level {
-    RELAY_CONSUMER_LOG_DEBUG = 0,   /* a connection problem repeated while retrying */
-    RELAY_CONSUMER_LOG_INFO = 1,    /* connected, a retry scheduled, stopped with totals */
-    RELAY_CONSUMER_LOG_WARNING = 2, /* a message dead-lettered */
-    RELAY_CONSUMER_LOG_ERROR = 3,   /* a failure (also kept in relay_consumer_errstr) */
+enum outbox_consumer_log_level {
+    OUTBOX_CONSUMER_LOG_DEBUG = 0,   /* a connection problem repeated while retrying */
+    OUTBOX_CONSUMER_LOG_INFO = 1,    /* connected, a retry scheduled, stopped with totals */
+    OUTBOX_CONSUMER_LOG_WARNING = 2, /* a message dead-lettered */
+    OUTBOX_CONSUMER_LOG_ERROR = 3,   /* a failure (also kept in outbox_consumer_errstr) */
 };
 
 /*
  * The log hook: one event as one line of text (no newline, control characters
  * made spaces, at most 2047 bytes), valid during the call only. It is called
- * from the thread running relay_consumer_run, with the log_arg of the options.
+ * from the thread running outbox_consumer_run, with the log_arg of the options.
  * The text never holds the Redis password.
  */
-typedef void relay_consumer_log_fn(enum relay_consumer_log_level level, const char *message,
-                                   void *arg);
+typedef void outbox_consumer_log_fn(enum outbox_consumer_log_level level, const char *message,
+                                    void *arg);
 
-struct relay_consumer_options {
+struct outbox_consumer_options {
     const char *redis_url; /* redis://[user:password@]host:port[/db] */
     const char *stream;
     const char *group;
-    const char *consumer;                            /* NULL: "<hostname>-<pid>" */
-    const char *dlq;                                 /* NULL: "{<stream>}.<group>.dlq" */
-    uint32_t max_deliveries;                         /* 0: 5 */
-    uint32_t backoff_ms[RELAY_CONSUMER_BACKOFF_MAX]; /* delay before delivery n+1 */
+    const char *consumer;                             /* NULL: "<hostname>-<pid>" */
+    const char *dlq;                                  /* NULL: "{<stream>}.<group>.dlq" */
+    uint32_t max_deliveries;                          /* 0: 5 */
+    uint32_t backoff_ms[OUTBOX_CONSUMER_BACKOFF_MAX]; /* delay before delivery n+1 */
     uint32_t nbackoff; /* steps used in backoff_ms (the last repeats); 0: 1s, 10s, 100s, 1000s */
     uint32_t block_ms; /* 0: 1000; XREADGROUP BLOCK, also the stop latency */
     uint32_t command_timeout_ms;  /* 0: 5000; deadline of every other call */
@@ -113,12 +113,12 @@ struct relay_consumer_options {
     uint32_t reclaim_interval_ms; /* 0: 250; how often pending entries are scanned */
     uint32_t reconnect_min_ms;    /* 0: 100 */
     uint32_t reconnect_max_ms;    /* 0: 10000 */
-    relay_consumer_log_fn *log;   /* NULL: silent */
+    outbox_consumer_log_fn *log;  /* NULL: silent */
     void *log_arg;                /* passed to log */
     /* How long the application keeps rows of outbox_consumer.processed (the
      * older_than it passes to outbox_consumer.purge_processed); 0: it does
      * not purge. Shorter than the redelivery horizon is refused by
-     * relay_consumer_new unless allow_short_processed_horizon is set, and
+     * outbox_consumer_new unless allow_short_processed_horizon is set, and
      * then logged as a warning when run starts. */
     uint64_t processed_horizon_ms;
     int allow_short_processed_horizon;
@@ -142,16 +142,16 @@ struct relay_consumer_options {
     int park_keys;
 };
 
-/* The kind of the most recent failure (relay_consumer_err). */
-enum relay_consumer_err {
-    RELAY_CONSUMER_ERR_NONE = 0,
-    RELAY_CONSUMER_ERR_IO = 1,    /* cannot connect, or the connection was lost or timed out */
-    RELAY_CONSUMER_ERR_REDIS = 2, /* Redis refused a command: AUTH, FUNCTION LOAD, XGROUP, a
+/* The kind of the most recent failure (outbox_consumer_err). */
+enum outbox_consumer_err {
+    OUTBOX_CONSUMER_ERR_NONE = 0,
+    OUTBOX_CONSUMER_ERR_IO = 1,    /* cannot connect, or the connection was lost or timed out */
+    OUTBOX_CONSUMER_ERR_REDIS = 2, /* Redis refused a command: AUTH, FUNCTION LOAD, XGROUP, a
                                      dead letter, XACK */
-    RELAY_CONSUMER_ERR_OOM = 3,   /* out of memory for a command */
+    OUTBOX_CONSUMER_ERR_OOM = 3,   /* out of memory for a command */
 };
 
-struct relay_consumer_stats {
+struct outbox_consumer_stats {
     unsigned long long delivered;     /* handler calls */
     unsigned long long done;          /* acknowledged */
     unsigned long long retried;       /* left pending for a later delivery */
@@ -163,53 +163,54 @@ struct relay_consumer_stats {
     unsigned long long leases_lost;   /* ordered mode: partitions lost to another consumer */
 };
 
-struct relay_consumer;
+struct outbox_consumer;
 
 /* Validates the options and copies them (the strings too). No I/O. NULL with
  * the reason in err when an option is wrong or memory is short; free the
- * result with relay_consumer_free. */
-struct relay_consumer *relay_consumer_new(const struct relay_consumer_options *opts,
-                                          relay_consumer_handler_fn *handler, void *arg, char *err,
-                                          size_t errlen) RELAY_CONSUMER_MUSTCHECK;
+ * result with outbox_consumer_free. */
+struct outbox_consumer *outbox_consumer_new(const struct outbox_consumer_options *opts,
+                                            outbox_consumer_handler_fn *handler, void *arg,
+                                            char *err, size_t errlen) OUTBOX_CONSUMER_MUSTCHECK;
 
-/* Runs until relay_consumer_stop: connects (retrying with jittered backoff),
+/* Runs until outbox_consumer_stop: connects (retrying with jittered backoff),
  * creates the group on the stream and on its replay stream when missing (at
  * id 0, creating the streams), then reads, handles and reclaims. Returns 0
  * after a stop; the message in hand is finished first. */
-int relay_consumer_run(struct relay_consumer *c);
+int outbox_consumer_run(struct outbox_consumer *c);
 
 /* Asks run to return after the message in hand. Async-signal-safe. */
-void relay_consumer_stop(struct relay_consumer *c);
+void outbox_consumer_stop(struct outbox_consumer *c);
 
-/* The most recent failure while running, or RELAY_CONSUMER_ERR_NONE and "":
+/* The most recent failure while running, or OUTBOX_CONSUMER_ERR_NONE and "":
  * cleared once the consumer connects again or finishes an entry (acknowledged
  * or dead-lettered). Connection failures are retried by run itself; these say
  * what is wrong meanwhile. The string belongs to c and changes as run goes on:
  * read it from the thread that runs it, or copy it. */
-enum relay_consumer_err relay_consumer_err(const struct relay_consumer *c);
-const char *relay_consumer_errstr(const struct relay_consumer *c);
+enum outbox_consumer_err outbox_consumer_err(const struct outbox_consumer *c);
+const char *outbox_consumer_errstr(const struct outbox_consumer *c);
 
-const struct relay_consumer_stats *relay_consumer_stats(const struct relay_consumer *c);
-const char *relay_consumer_name(const struct relay_consumer *c);
-const char *relay_consumer_dlq(const struct relay_consumer *c);
+const struct outbox_consumer_stats *outbox_consumer_stats(const struct outbox_consumer *c);
+const char *outbox_consumer_name(const struct outbox_consumer *c);
+const char *outbox_consumer_dlq(const struct outbox_consumer *c);
 
 /* NULL-safe. */
-void relay_consumer_free(struct relay_consumer *c);
+void outbox_consumer_free(struct outbox_consumer *c);
 
 /* The backoff before delivery number deliveries+1 (deliveries >= 1). */
-uint32_t relay_consumer_backoff_ms(const struct relay_consumer_options *opts, uint32_t deliveries);
+uint32_t outbox_consumer_backoff_ms(const struct outbox_consumer_options *opts,
+                                    uint32_t deliveries);
 
 /* The redelivery horizon: the longest time from an entry's first delivery to
  * its last, over max_deliveries, with every backoff step and a reclaim
  * interval between deliveries. A processed row must outlive it. */
-uint64_t relay_consumer_redelivery_horizon_ms(const struct relay_consumer_options *opts);
+uint64_t outbox_consumer_redelivery_horizon_ms(const struct outbox_consumer_options *opts);
 
 /* Names: "{<stream>}.<group>.dlq" and "{<stream>}.<group>.replay" into out. The
  * length written, or -1 when it does not fit (out is then untouched). */
-int relay_consumer_dlq_name(const char *stream, const char *group, char *out,
-                            size_t outlen) RELAY_CONSUMER_MUSTCHECK;
-int relay_consumer_replay_name(const char *stream, const char *group, char *out,
-                               size_t outlen) RELAY_CONSUMER_MUSTCHECK;
+int outbox_consumer_dlq_name(const char *stream, const char *group, char *out,
+                             size_t outlen) OUTBOX_CONSUMER_MUSTCHECK;
+int outbox_consumer_replay_name(const char *stream, const char *group, char *out,
+                                size_t outlen) OUTBOX_CONSUMER_MUSTCHECK;
 
 /*
  * The dead-letter function, in a Redis function library of its own (the
@@ -227,8 +228,8 @@ int relay_consumer_replay_name(const char *stream, const char *group, char *out,
  * returns the error and acknowledges nothing, so the entry stays pending. The
  * dead letter is added even when the entry is no longer pending (XACK 0).
  */
-#define RELAY_CONSUMER_FUNCTION_LIBRARY "outbox_consumer"
-#define RELAY_CONSUMER_FUNCTION_DEAD_LETTER "outbox_consumer_dead_letter_v1"
+#define OUTBOX_CONSUMER_FUNCTION_LIBRARY "outbox_consumer"
+#define OUTBOX_CONSUMER_FUNCTION_DEAD_LETTER "outbox_consumer_dead_letter_v1"
 
 /*
  * The replay function, in the same library; "outbox-relay dlq replay" loads
@@ -247,14 +248,14 @@ int relay_consumer_replay_name(const char *stream, const char *group, char *out,
  * returns the error and deletes nothing. Usage errors and a key of another
  * type (WRONGTYPE) are reported before anything is written.
  */
-#define RELAY_CONSUMER_FUNCTION_REPLAY "outbox_consumer_replay_v1"
+#define OUTBOX_CONSUMER_FUNCTION_REPLAY "outbox_consumer_replay_v1"
 
 /*
  * The partition-lease functions, in the same library, for ordered consumers
  * (docs/CONSUMERS.md, "Ordered consumers"): the consumers of one group divide
  * the partition streams of a topic among themselves, one consumer per
  * partition at a time. Every key below is in the partition stream's hash
- * slot; relay_consumer_lease_names gives the two lease keys.
+ * slot; outbox_consumer_lease_names gives the two lease keys.
  *
  *   FCALL outbox_consumer_lease_v1 2 <lease key> <token counter key>
  *         <consumer> <ttl ms> <token, or 0 to take>
@@ -292,31 +293,32 @@ int relay_consumer_replay_name(const char *stream, const char *group, char *out,
  * stream: lost); ack is XACK; dead_letter_leased is the dead-letter function
  * above.
  */
-#define RELAY_CONSUMER_FUNCTION_LEASE "outbox_consumer_lease_v1"
-#define RELAY_CONSUMER_FUNCTION_RELEASE "outbox_consumer_release_v1"
-#define RELAY_CONSUMER_FUNCTION_READ "outbox_consumer_read_v1"
-#define RELAY_CONSUMER_FUNCTION_TAKE "outbox_consumer_take_v1"
-#define RELAY_CONSUMER_FUNCTION_ACK "outbox_consumer_ack_v1"
-#define RELAY_CONSUMER_FUNCTION_DEAD_LETTER_LEASED "outbox_consumer_dead_letter_leased_v1"
+#define OUTBOX_CONSUMER_FUNCTION_LEASE "outbox_consumer_lease_v1"
+#define OUTBOX_CONSUMER_FUNCTION_RELEASE "outbox_consumer_release_v1"
+#define OUTBOX_CONSUMER_FUNCTION_READ "outbox_consumer_read_v1"
+#define OUTBOX_CONSUMER_FUNCTION_TAKE "outbox_consumer_take_v1"
+#define OUTBOX_CONSUMER_FUNCTION_ACK "outbox_consumer_ack_v1"
+#define OUTBOX_CONSUMER_FUNCTION_DEAD_LETTER_LEASED "outbox_consumer_dead_letter_leased_v1"
 
 /* The lease key "{<stream>}:lease:<group>" and the token counter
  * "{<stream>}:lease-token:<group>" of a partition stream. The length written
  * into lease, or -1 when either does not fit (nothing is then written). */
-int relay_consumer_lease_names(const char *stream, const char *group, char *lease, char *token,
-                               size_t outlen) RELAY_CONSUMER_MUSTCHECK;
+int outbox_consumer_lease_names(const char *stream, const char *group, char *lease, char *token,
+                                size_t outlen) OUTBOX_CONSUMER_MUSTCHECK;
 
-/* The Lua source of the library (every function above), loaded with FUNCTION
- * LOAD REPLACE. */
-extern const char relay_consumer_function_source[];
+/* The library (every function above) is functions/outbox_consumer.lua in the
+ * source tree, installed in share/outbox-relay/functions/: load it by hand
+ * with redis-cli -x FUNCTION LOAD REPLACE < outbox_consumer.lua
+ * (docs/CONSUMERS.md, "The Redis functions"). */
 
 /* Dead-letter entry fields added to the original ones. */
-#define RELAY_DLQ_FIELD_STREAM "dlq.stream"
-#define RELAY_DLQ_FIELD_GROUP "dlq.group"
-#define RELAY_DLQ_FIELD_CONSUMER "dlq.consumer"
-#define RELAY_DLQ_FIELD_ENTRY "dlq.entry_id"
-#define RELAY_DLQ_FIELD_DELIVERIES "dlq.deliveries"
-#define RELAY_DLQ_FIELD_REASON "dlq.reason" /* permanent, exhausted, malformed, lost */
-#define RELAY_DLQ_FIELD_ERROR "dlq.error"
-#define RELAY_DLQ_FIELD_TIME "dlq.failed_at"
+#define OUTBOX_DLQ_FIELD_STREAM "dlq.stream"
+#define OUTBOX_DLQ_FIELD_GROUP "dlq.group"
+#define OUTBOX_DLQ_FIELD_CONSUMER "dlq.consumer"
+#define OUTBOX_DLQ_FIELD_ENTRY "dlq.entry_id"
+#define OUTBOX_DLQ_FIELD_DELIVERIES "dlq.deliveries"
+#define OUTBOX_DLQ_FIELD_REASON "dlq.reason" /* permanent, exhausted, malformed, lost */
+#define OUTBOX_DLQ_FIELD_ERROR "dlq.error"
+#define OUTBOX_DLQ_FIELD_TIME "dlq.failed_at"
 
 #endif

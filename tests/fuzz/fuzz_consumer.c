@@ -1,20 +1,18 @@
 /*
- * The consumer library's reading of stream entries (consumer/consumer.c):
- * the bytes are up to three replies in the Redis protocol, read by hiredis
- * as the library reads them from a server. The first is what XREADGROUP (or
- * the ordered mode's read function) answered: each entry is checked and its
- * fields parsed as the library does before calling the handler
- * (parse_message), and the ordered mode takes the entries into a
- * partition's hand (keep_entries) with the second reply as XPENDING's
- * delivery counts and the third as the set of parked keys, then reads each
- * entry's key (order_item).
+ * The consumer library's reading of stream entries (consumer/messages.c and
+ * consumer/ordered.c): the bytes are up to three replies in the Redis
+ * protocol, read by hiredis as the library reads them from a server. The first is what XREADGROUP
+ * (or the ordered mode's read function) answered: each entry is checked and its fields parsed as
+ * the library does before calling the handler (outbox_msg_parse), and the ordered mode takes the
+ * entries into a partition's hand (keep_entries) with the second reply as XPENDING's delivery
+ * counts and the third as the set of parked keys, then reads each entry's key (order_item).
  */
-#include "../../consumer/consumer.c"
+#include "../../consumer/ordered.c"
 
 #include "fuzz.h"
 
 /* What a handler may read of a message: every byte of it. */
-static size_t touch(const struct relay_message *m)
+static size_t touch(const struct outbox_message *m)
 {
     size_t sum = strlen(m->id) + strlen(m->topic) + strlen(m->created_at);
     for (size_t i = 0; i < m->payload_len; i++)
@@ -48,11 +46,11 @@ static void read_entries(const redisReply *r)
             const redisReply *fields = entry->element[1];
             if (fields->type == REDIS_REPLY_NIL)
                 continue;
-            struct relay_message m;
+            struct outbox_message m;
             const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
             size_t vlens[OUTBOX_HEADERS_MAX];
             memset(&m, 0, sizeof(m));
-            if (parse_message(fields, &m, names, values, vlens) == NULL) {
+            if (outbox_msg_parse(fields, &m, names, values, vlens) == NULL) {
                 volatile size_t sum = touch(&m);
                 (void)sum;
             }
@@ -78,7 +76,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (pt.nq > got || pt.nq > ORDER_QUEUE_MAX)
         fuzz_fail("more entries in hand than were read", last);
     for (size_t i = 0; i < pt.nq; i++) {
-        struct relay_order_item it;
+        struct outbox_order_item it;
         order_item(&pt.q[i], &it);
         if (it.has_key && it.key_len > 0 && it.key == NULL)
             fuzz_fail("a key without bytes", NULL);

@@ -1,6 +1,6 @@
 """The Debian packages install a working relay and consumer library.
 
-- scripts/package.sh builds outbox-relay, liboutbox-consumer0 and
+- scripts/package.sh builds outbox-relay, liboutbox-consumer1 and
   liboutbox-consumer-dev from this source tree in a build directory of its
   own, and lintian reports no error in them (package.sh fails otherwise).
 - The daemon package depends on libpq5, libhiredis0.14 and libev4, has no
@@ -13,9 +13,12 @@
 - The installed units start /usr/bin/outbox-relay.
 - A C program using the public API builds with nothing but
   `cc $(pkg-config --cflags --libs outbox-consumer)` and runs, loading
-  liboutbox_consumer.so.0 by its soname; `pkg-config --static` links it fully
+  liboutbox_consumer.so.1 by its soname; `pkg-config --static` links it fully
   statically; find_package(OutboxConsumer) links it from CMake. The shared
   library exports the public API only.
+- The Redis function libraries are installed in
+  /usr/share/outbox-relay/functions/, and each loads with FUNCTION LOAD as it
+  stands.
 - The packages are purged at the end, also on failure.
 
 Needs root (dpkg -i); installs over, then purges, any installed copy.
@@ -40,39 +43,38 @@ if os.geteuid() != 0:
 
 harness.set_deadline(400)
 
-PACKAGES = ("outbox-relay", "liboutbox-consumer0", "liboutbox-consumer-dev")
+PACKAGES = ("outbox-relay", "liboutbox-consumer1", "liboutbox-consumer-dev")
 BIN = "/usr/bin/outbox-relay"
 
 CONSUMER_C = r"""
 #include <outbox/consumer.h>
-#include <outbox/order.h>
 #include <stdio.h>
 
-static enum relay_handled handle(const struct relay_message *m, void *arg, char *err,
-                                 size_t errlen)
+static enum outbox_handled handle(const struct outbox_message *m, void *arg, char *err,
+                                  size_t errlen)
 {
     (void)m; (void)arg; (void)err; (void)errlen;
-    return RELAY_HANDLED_DONE;
+    return OUTBOX_HANDLED_DONE;
 }
 
 int main(void)
 {
-    struct relay_consumer_options o = {0};
+    struct outbox_consumer_options o = {0};
     char err[256];
     o.redis_url = "redis://127.0.0.1:6379/0";
     o.stream = "orders";
     o.group = "email";
-    struct relay_consumer *c = relay_consumer_new(&o, handle, NULL, err, sizeof(err));
+    struct outbox_consumer *c = outbox_consumer_new(&o, handle, NULL, err, sizeof(err));
     if (c == NULL) {
-        fprintf(stderr, "relay_consumer_new: %s\n", err);
+        fprintf(stderr, "outbox_consumer_new: %s\n", err);
         return 1;
     }
-    printf("dlq %s mine %d\n", relay_consumer_dlq(c), relay_order_mine(3, 1, 2));
-    relay_consumer_free(c);
+    printf("dlq %s\n", outbox_consumer_dlq(c));
+    outbox_consumer_free(c);
     return 0;
 }
 """
-CONSUMER_OUTPUT = "dlq {orders}.email.dlq mine 1\n"
+CONSUMER_OUTPUT = "dlq {orders}.email.dlq\n"
 
 
 def run(argv, **kwargs):
@@ -180,6 +182,20 @@ class PackageTest(harness.ServerTestCase):
                     "redis://127.0.0.1:6379/0", "--check-config"], env=harness.relay_env())
         self.assertEqual(proc.returncode, 0, proc.stderr)
 
+    def test_installed_functions_load(self):
+        directory = "/usr/share/outbox-relay/functions"
+        self.assertEqual(sorted(os.listdir(directory)), ["outbox_consumer.lua", "outbox_relay.lua"])
+        for name in ("outbox_relay", "outbox_consumer"):
+            with open(os.path.join(directory, name + ".lua")) as f:
+                self.assertEqual(self.r.function_load(f.read(), replace=True), name.encode())
+        functions = set()
+        for library in self.r.function_list():
+            library = dict(zip(library[::2], library[1::2]))
+            functions.update(dict(zip(fn[::2], fn[1::2]))[b"name"].decode()
+                             for fn in library[b"functions"])
+        self.assertIn("outbox_relay_publish_many_v1", functions)
+        self.assertIn("outbox_consumer_dead_letter_v1", functions)
+
     def test_units_name_installed_binary(self):
         for unit in ("outbox-relay.service", "outbox-relay@.service"):
             with open(f"/usr/lib/systemd/system/{unit}") as f:
@@ -202,10 +218,10 @@ class PackageTest(harness.ServerTestCase):
     def test_consumer_shared_link(self):
         exe = self.build_consumer("shared", "$(pkg-config --cflags --libs outbox-consumer)")
         dynamic = run(["readelf", "-d", exe]).stdout
-        self.assertIn("Shared library: [liboutbox_consumer.so.0]", dynamic)
+        self.assertIn("Shared library: [liboutbox_consumer.so.1]", dynamic)
         ldd = run(["ldd", exe]).stdout
         self.assertRegex(ldd,
-                         r"liboutbox_consumer\.so\.0 => (/usr)?/lib/\S+/liboutbox_consumer\.so\.0")
+                         r"liboutbox_consumer\.so\.1 => (/usr)?/lib/\S+/liboutbox_consumer\.so\.1")
 
     def test_consumer_static_link(self):
         exe = self.build_consumer(
@@ -213,14 +229,14 @@ class PackageTest(harness.ServerTestCase):
         self.assertNotIn("NEEDED", run(["readelf", "-d", exe]).stdout)
 
     def test_library_exports_public_api_only(self):
-        lib = glob.glob("/usr/lib/*/liboutbox_consumer.so.0")
+        lib = glob.glob("/usr/lib/*/liboutbox_consumer.so.1")
         self.assertEqual(len(lib), 1)
         symbols = run(["nm", "-D", "--defined-only", lib[0]]).stdout.split("\n")
         names = [line.split()[-1].split("@")[0] for line in symbols if line.strip()]
-        names = [n for n in names if n != "OUTBOX_CONSUMER_0"]
-        self.assertIn("relay_consumer_new", names)
-        self.assertIn("relay_order_next", names)
-        self.assertEqual([n for n in names if not n.startswith(("relay_consumer_", "relay_order_"))],
+        names = [n for n in names if n != "OUTBOX_CONSUMER_1"]
+        self.assertIn("outbox_consumer_new", names)
+        self.assertNotIn("outbox_order_next", names)
+        self.assertEqual([n for n in names if not n.startswith("outbox_consumer_")],
                          [])
 
     def test_cmake_find_package(self):

@@ -13,6 +13,7 @@
 #include <hiredis/hiredis.h>
 
 #include "relay/batch.h"
+#include "common/functions.h"
 #include "common/keys.h"
 
 static const char MID[] = "0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b";
@@ -362,15 +363,15 @@ static void test_function_source_records_after_xadd(void **state)
     (void)state;
     /* The dedup record must be written only after XADD succeeded, and the
      * deadline checked before XADD. */
-    const char *xadd = strstr(relay_batch_function_source, "'XADD'");
-    const char *set = strstr(relay_batch_function_source, "'SET'");
-    const char *expired = strstr(relay_batch_function_source, "EXPIRED");
+    const char *xadd = strstr(outbox_functions_relay_source, "'XADD'");
+    const char *set = strstr(outbox_functions_relay_source, "'SET'");
+    const char *expired = strstr(outbox_functions_relay_source, "EXPIRED");
     assert_non_null(xadd);
     assert_non_null(set);
     assert_non_null(expired);
     assert_true(xadd < set);
     assert_true(expired < xadd);
-    assert_non_null(strstr(relay_batch_function_source, "#!lua name=" RELAY_FUNCTION_LIBRARY));
+    assert_non_null(strstr(outbox_functions_relay_source, "#!lua name=" RELAY_FUNCTION_LIBRARY));
 }
 
 static const char MID_BEFORE[] = "7d0f7a52-3c1e-4b8e-8d6a-2f5e4c3b2a19";

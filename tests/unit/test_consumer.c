@@ -1,4 +1,4 @@
-/* Unit tests of the pure parts of consumer/consumer.c: the backoff schedule, the
+/* Unit tests of the pure parts of the consumer library (consumer/): the backoff schedule, the
  * dead-letter and replay stream names, the order of the dead-letter and replay
  * functions, the check of an entry against the stream contract (replies are
  * built by hiredis's own reader from RESP), and how problems are reported. */
@@ -14,11 +14,11 @@
 
 #include "common/common.h"
 #include "outbox/consumer.h"
+#include "common/functions.h"
 #include "common/keys.h"
+#include "consumer/internal.h"
 
-const char *parse_message(const redisReply *fields, struct relay_message *m, const char **names,
-                          const char **values, size_t *vlens);
-void problem(struct relay_consumer *c, enum relay_consumer_err kind, const char *fmt, ...);
+/* File-local in consumer/leases.c, reached through OUTBOX_STATIC. */
 const redisReply *parked_key_left(const redisReply *before, const redisReply *now);
 long long redis_time_ms(const redisReply *t);
 
@@ -56,45 +56,45 @@ static size_t build(char *out, size_t cap, const char *const *items)
 static void test_default_backoff_schedule(void **state)
 {
     (void)state;
-    struct relay_consumer_options o;
+    struct outbox_consumer_options o;
     memset(&o, 0, sizeof(o));
-    assert_int_equal(relay_consumer_backoff_ms(&o, 1), 1000);
-    assert_int_equal(relay_consumer_backoff_ms(&o, 2), 10000);
-    assert_int_equal(relay_consumer_backoff_ms(&o, 3), 100000);
-    assert_int_equal(relay_consumer_backoff_ms(&o, 4), 1000000);
+    assert_int_equal(outbox_consumer_backoff_ms(&o, 1), 1000);
+    assert_int_equal(outbox_consumer_backoff_ms(&o, 2), 10000);
+    assert_int_equal(outbox_consumer_backoff_ms(&o, 3), 100000);
+    assert_int_equal(outbox_consumer_backoff_ms(&o, 4), 1000000);
     /* The last step repeats. */
-    assert_int_equal(relay_consumer_backoff_ms(&o, 9), 1000000);
+    assert_int_equal(outbox_consumer_backoff_ms(&o, 9), 1000000);
 }
 
 static void test_custom_backoff_schedule(void **state)
 {
     (void)state;
-    struct relay_consumer_options o;
+    struct outbox_consumer_options o;
     memset(&o, 0, sizeof(o));
     o.backoff_ms[0] = 200;
     o.backoff_ms[1] = 400;
     o.nbackoff = 2;
-    assert_int_equal(relay_consumer_backoff_ms(&o, 1), 200);
-    assert_int_equal(relay_consumer_backoff_ms(&o, 2), 400);
-    assert_int_equal(relay_consumer_backoff_ms(&o, 3), 400);
+    assert_int_equal(outbox_consumer_backoff_ms(&o, 1), 200);
+    assert_int_equal(outbox_consumer_backoff_ms(&o, 2), 400);
+    assert_int_equal(outbox_consumer_backoff_ms(&o, 3), 400);
 }
 
 static void test_stream_names(void **state)
 {
     (void)state;
     char buf[64];
-    assert_int_equal(relay_consumer_dlq_name("orders", "email", buf, sizeof(buf)), 18);
+    assert_int_equal(outbox_consumer_dlq_name("orders", "email", buf, sizeof(buf)), 18);
     assert_string_equal(buf, "{orders}.email.dlq");
-    assert_true(relay_consumer_replay_name("orders", "email", buf, sizeof(buf)) > 0);
+    assert_true(outbox_consumer_replay_name("orders", "email", buf, sizeof(buf)) > 0);
     assert_string_equal(buf, "{orders}.email.replay");
-    assert_int_equal(relay_consumer_dlq_name("orders", "email", buf, 18), -1);
+    assert_int_equal(outbox_consumer_dlq_name("orders", "email", buf, 18), -1);
     /* The names before 0.2, which "outbox-relay dlq migrate" renames. */
     assert_int_equal(outbox_key_dlq_old("orders", "email", buf, sizeof(buf)), 16);
     assert_string_equal(buf, "orders.email.dlq");
     assert_true(outbox_key_replay_old("orders", "email", buf, sizeof(buf)) > 0);
     assert_string_equal(buf, "orders.email.replay");
     /* In the stream's hash slot. */
-    assert_true(relay_consumer_dlq_name("app:orders:003", "email", buf, sizeof(buf)) > 0);
+    assert_true(outbox_consumer_dlq_name("app:orders:003", "email", buf, sizeof(buf)) > 0);
     assert_int_equal(outbox_key_slot(buf, strlen(buf)), outbox_key_slot("app:orders:003", 14));
 }
 
@@ -102,68 +102,68 @@ static void test_new_validates_options(void **state)
 {
     (void)state;
     char err[256];
-    struct relay_consumer_options o;
+    struct outbox_consumer_options o;
     memset(&o, 0, sizeof(o));
     o.redis_url = "redis://127.0.0.1:6379/0";
     o.stream = "orders";
-    assert_null(relay_consumer_new(&o, NULL, NULL, err, sizeof(err)));
+    assert_null(outbox_consumer_new(&o, NULL, NULL, err, sizeof(err)));
     o.group = "email";
     o.redis_url = "http://x";
-    assert_null(relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err)));
+    assert_null(outbox_consumer_new(&o, (outbox_consumer_handler_fn *)1, NULL, err, sizeof(err)));
     o.redis_url = "redis://127.0.0.1:6379/0";
     o.nbackoff = 1; /* a zero step */
-    assert_null(relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err)));
+    assert_null(outbox_consumer_new(&o, (outbox_consumer_handler_fn *)1, NULL, err, sizeof(err)));
     assert_non_null(strstr(err, "at least 1 ms"));
     o.nbackoff = 0;
-    struct relay_consumer *c =
-        relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err));
+    struct outbox_consumer *c =
+        outbox_consumer_new(&o, (outbox_consumer_handler_fn *)1, NULL, err, sizeof(err));
     assert_non_null(c);
-    assert_string_equal(relay_consumer_dlq(c), "{orders}.email.dlq");
-    relay_consumer_free(c);
-    relay_consumer_free(NULL);
+    assert_string_equal(outbox_consumer_dlq(c), "{orders}.email.dlq");
+    outbox_consumer_free(c);
+    outbox_consumer_free(NULL);
 }
 
 static void test_processed_horizon_against_redelivery(void **state)
 {
     (void)state;
     char err[512];
-    struct relay_consumer_options o;
+    struct outbox_consumer_options o;
     memset(&o, 0, sizeof(o));
     o.redis_url = "redis://127.0.0.1:6379/0";
     o.stream = "orders";
     o.group = "email";
     /* Defaults: 5 deliveries, 1 s, 10 s, 100 s, 1000 s apart, each after a
      * reclaim pass of 250 ms. */
-    assert_int_equal(relay_consumer_redelivery_horizon_ms(&o), 1111000 + 4 * 250);
+    assert_int_equal(outbox_consumer_redelivery_horizon_ms(&o), 1111000 + 4 * 250);
     o.max_deliveries = 3;
     o.nbackoff = 1;
     o.backoff_ms[0] = 2000;
     o.reclaim_interval_ms = 100;
-    assert_int_equal(relay_consumer_redelivery_horizon_ms(&o), 2 * 2100);
+    assert_int_equal(outbox_consumer_redelivery_horizon_ms(&o), 2 * 2100);
 
     o.processed_horizon_ms = 4199; /* a millisecond short */
-    assert_null(relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err)));
+    assert_null(outbox_consumer_new(&o, (outbox_consumer_handler_fn *)1, NULL, err, sizeof(err)));
     assert_non_null(strstr(err, "shorter than the redelivery horizon (4200 ms"));
     o.allow_short_processed_horizon = 1; /* the operator's choice: accepted */
-    struct relay_consumer *c =
-        relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err));
+    struct outbox_consumer *c =
+        outbox_consumer_new(&o, (outbox_consumer_handler_fn *)1, NULL, err, sizeof(err));
     assert_non_null(c);
-    relay_consumer_free(c);
+    outbox_consumer_free(c);
     o.allow_short_processed_horizon = 0;
     o.processed_horizon_ms = 4200;
-    c = relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err));
+    c = outbox_consumer_new(&o, (outbox_consumer_handler_fn *)1, NULL, err, sizeof(err));
     assert_non_null(c);
-    relay_consumer_free(c);
+    outbox_consumer_free(c);
 }
 
 /* What the log hook saw. */
 struct seen {
     int calls;
-    enum relay_consumer_log_level level;
+    enum outbox_consumer_log_level level;
     char message[256];
 };
 
-static void remember(enum relay_consumer_log_level level, const char *message, void *arg)
+static void remember(enum outbox_consumer_log_level level, const char *message, void *arg)
 {
     struct seen *s = arg;
     s->calls++;
@@ -178,46 +178,48 @@ static void test_problems_go_to_the_hook_and_the_object(void **state)
 {
     (void)state;
     char err[256];
-    struct seen seen = {0, RELAY_CONSUMER_LOG_DEBUG, ""};
-    struct relay_consumer_options o;
+    struct seen seen = {0, OUTBOX_CONSUMER_LOG_DEBUG, ""};
+    struct outbox_consumer_options o;
     memset(&o, 0, sizeof(o));
     o.redis_url = "redis://127.0.0.1:6379/0";
     o.stream = "orders";
     o.group = "email";
     o.log = remember;
     o.log_arg = &seen;
-    struct relay_consumer *c =
-        relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err));
+    struct outbox_consumer *c =
+        outbox_consumer_new(&o, (outbox_consumer_handler_fn *)1, NULL, err, sizeof(err));
     assert_non_null(c);
     assert_int_equal(seen.calls, 0);
-    assert_int_equal(relay_consumer_err(c), RELAY_CONSUMER_ERR_NONE);
-    assert_string_equal(relay_consumer_errstr(c), "");
+    assert_int_equal(outbox_consumer_err(c), OUTBOX_CONSUMER_ERR_NONE);
+    assert_string_equal(outbox_consumer_errstr(c), "");
 
-    problem(c, RELAY_CONSUMER_ERR_IO, "cannot connect to Redis: %s", "Connection\nrefused");
+    outbox_report_problem(c, OUTBOX_CONSUMER_ERR_IO, "cannot connect to Redis: %s",
+                          "Connection\nrefused");
     assert_int_equal(seen.calls, 1);
-    assert_int_equal(seen.level, RELAY_CONSUMER_LOG_ERROR);
+    assert_int_equal(seen.level, OUTBOX_CONSUMER_LOG_ERROR);
     assert_string_equal(seen.message,
                         "cannot connect to Redis: Connection refused; retrying with backoff");
-    assert_int_equal(relay_consumer_err(c), RELAY_CONSUMER_ERR_IO);
-    assert_string_equal(relay_consumer_errstr(c), "cannot connect to Redis: Connection\nrefused");
+    assert_int_equal(outbox_consumer_err(c), OUTBOX_CONSUMER_ERR_IO);
+    assert_string_equal(outbox_consumer_errstr(c), "cannot connect to Redis: Connection\nrefused");
 
-    problem(c, RELAY_CONSUMER_ERR_IO, "cannot connect to Redis: %s", "Connection\nrefused");
+    outbox_report_problem(c, OUTBOX_CONSUMER_ERR_IO, "cannot connect to Redis: %s",
+                          "Connection\nrefused");
     assert_int_equal(seen.calls, 2);
-    assert_int_equal(seen.level, RELAY_CONSUMER_LOG_DEBUG); /* a repeat */
+    assert_int_equal(seen.level, OUTBOX_CONSUMER_LOG_DEBUG); /* a repeat */
 
-    problem(c, RELAY_CONSUMER_ERR_REDIS, "XREADGROUP failed: %s", "NOGROUP");
-    assert_int_equal(seen.level, RELAY_CONSUMER_LOG_ERROR);
-    assert_int_equal(relay_consumer_err(c), RELAY_CONSUMER_ERR_REDIS);
-    relay_consumer_free(c);
+    outbox_report_problem(c, OUTBOX_CONSUMER_ERR_REDIS, "XREADGROUP failed: %s", "NOGROUP");
+    assert_int_equal(seen.level, OUTBOX_CONSUMER_LOG_ERROR);
+    assert_int_equal(outbox_consumer_err(c), OUTBOX_CONSUMER_ERR_REDIS);
+    outbox_consumer_free(c);
 
     /* Without a hook the library is silent, and still keeps the error. */
     o.log = NULL;
-    c = relay_consumer_new(&o, (relay_consumer_handler_fn *)1, NULL, err, sizeof(err));
+    c = outbox_consumer_new(&o, (outbox_consumer_handler_fn *)1, NULL, err, sizeof(err));
     assert_non_null(c);
-    problem(c, RELAY_CONSUMER_ERR_IO, "Redis connection lost: %s", "timeout");
+    outbox_report_problem(c, OUTBOX_CONSUMER_ERR_IO, "Redis connection lost: %s", "timeout");
     assert_int_equal(seen.calls, 3);
-    assert_string_equal(relay_consumer_errstr(c), "Redis connection lost: timeout");
-    relay_consumer_free(c);
+    assert_string_equal(outbox_consumer_errstr(c), "Redis connection lost: timeout");
+    outbox_consumer_free(c);
 }
 
 static void test_parse_good_entry(void **state)
@@ -233,11 +235,11 @@ static void test_parse_good_entry(void **state)
                                         NULL};
     char buf[1024];
     redisReply *r = resp(buf, build(buf, sizeof(buf), items));
-    struct relay_message m;
+    struct outbox_message m;
     const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
     size_t vlens[OUTBOX_HEADERS_MAX];
     memset(&m, 0, sizeof(m));
-    assert_null(parse_message(r, &m, names, values, vlens));
+    assert_null(outbox_msg_parse(r, &m, names, values, vlens));
     assert_string_equal(m.id, "0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b");
     assert_string_equal(m.topic, "orders");
     assert_int_equal(m.key_len, 3);
@@ -259,26 +261,26 @@ static void test_parse_rejects_foreign_entries(void **state)
     static const char *const bad_outbox_id[] = {
         "id", "x", "topic", "t", "payload", "p", "created_at", "c", "outbox_id", "1x", NULL};
     char buf[512];
-    struct relay_message m;
+    struct outbox_message m;
     const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
     size_t vlens[OUTBOX_HEADERS_MAX];
 
     redisReply *r = resp(buf, build(buf, sizeof(buf), foreign));
-    const char *why = parse_message(r, &m, names, values, vlens);
+    const char *why = outbox_msg_parse(r, &m, names, values, vlens);
     assert_non_null(why);
     assert_non_null(strstr(why, "\"id\""));
     freeReplyObject(r);
 
     r = resp(buf, build(buf, sizeof(buf), no_payload));
-    assert_non_null(strstr(parse_message(r, &m, names, values, vlens), "payload"));
+    assert_non_null(strstr(outbox_msg_parse(r, &m, names, values, vlens), "payload"));
     freeReplyObject(r);
 
     r = resp(buf, build(buf, sizeof(buf), bad_outbox_id));
-    assert_non_null(strstr(parse_message(r, &m, names, values, vlens), "not a number"));
+    assert_non_null(strstr(outbox_msg_parse(r, &m, names, values, vlens), "not a number"));
     freeReplyObject(r);
 
     r = resp("$-1\r\n", 5);
-    assert_non_null(parse_message(r, &m, names, values, vlens));
+    assert_non_null(outbox_msg_parse(r, &m, names, values, vlens));
     freeReplyObject(r);
 }
 
@@ -300,22 +302,22 @@ static void test_parse_caps_headers(void **state)
     items[n] = NULL;
     static char buf[8192];
     redisReply *r = resp(buf, build(buf, sizeof(buf), items));
-    struct relay_message m;
+    struct outbox_message m;
     const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
     size_t vlens[OUTBOX_HEADERS_MAX];
-    assert_non_null(strstr(parse_message(r, &m, names, values, vlens), "more headers"));
+    assert_non_null(strstr(outbox_msg_parse(r, &m, names, values, vlens), "more headers"));
     freeReplyObject(r);
 }
 
 static void test_dead_letter_function_acknowledges_after_xadd(void **state)
 {
     (void)state;
-    const char *src = relay_consumer_function_source;
+    const char *src = outbox_functions_consumer_source;
     /* A library of its own: replacing the relay's would drop its publish function. */
-    assert_non_null(strstr(src, "#!lua name=" RELAY_CONSUMER_FUNCTION_LIBRARY "\n"));
-    assert_string_not_equal(RELAY_CONSUMER_FUNCTION_LIBRARY, "outbox_relay");
+    assert_non_null(strstr(src, "#!lua name=" OUTBOX_CONSUMER_FUNCTION_LIBRARY "\n"));
+    assert_string_not_equal(OUTBOX_CONSUMER_FUNCTION_LIBRARY, "outbox_relay");
     assert_non_null(
-        strstr(src, "redis.register_function('" RELAY_CONSUMER_FUNCTION_DEAD_LETTER "'"));
+        strstr(src, "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_DEAD_LETTER "'"));
     /* The XADD must not abort the call (pcall), and the XACK runs only after
      * it, behind the return of its error: a function body does not roll back. */
     const char *body = strstr(src, "local function move_to_dead_letters(");
@@ -335,7 +337,7 @@ static void test_dead_letter_function_acknowledges_after_xadd(void **state)
 static void test_lease_functions_check_the_token_first(void **state)
 {
     (void)state;
-    const char *src = relay_consumer_function_source;
+    const char *src = outbox_functions_consumer_source;
     static const char *const fenced[] = {"local function leased_read(", "local function take(",
                                          "local function leased_ack(",
                                          "local function leased_dead_letter("};
@@ -353,21 +355,21 @@ static void test_lease_functions_check_the_token_first(void **state)
         const char *call = strstr(body, "redis.call(");
         assert_true(call == NULL || call > stop);
     }
-    assert_non_null(strstr(src, "redis.register_function('" RELAY_CONSUMER_FUNCTION_LEASE "'"));
-    assert_non_null(strstr(src, "redis.register_function('" RELAY_CONSUMER_FUNCTION_RELEASE "'"));
+    assert_non_null(strstr(src, "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_LEASE "'"));
+    assert_non_null(strstr(src, "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_RELEASE "'"));
     /* Tokens come from a counter that never expires. */
     assert_non_null(strstr(src, "redis.call('INCR', keys[2])"));
 
     char lease[64], token[64];
     assert_int_equal(
-        relay_consumer_lease_names("orders:003", "billing", lease, token, sizeof(lease)),
+        outbox_consumer_lease_names("orders:003", "billing", lease, token, sizeof(lease)),
         (int)strlen("{orders:003}:lease:billing"));
     assert_string_equal(lease, "{orders:003}:lease:billing");
     assert_string_equal(token, "{orders:003}:lease-token:billing");
     /* The counter's name does not fit: neither is written. */
     char small_lease[32] = "untouched", small_token[32] = "untouched";
-    assert_int_equal(relay_consumer_lease_names("orders:003", "billing", small_lease, small_token,
-                                                sizeof("{orders:003}:lease-token:billing") - 1),
+    assert_int_equal(outbox_consumer_lease_names("orders:003", "billing", small_lease, small_token,
+                                                 sizeof("{orders:003}:lease-token:billing") - 1),
                      -1);
     assert_string_equal(small_lease, "untouched");
     assert_string_equal(small_token, "untouched");
@@ -376,9 +378,9 @@ static void test_lease_functions_check_the_token_first(void **state)
 static void test_replay_function_deletes_after_xadd(void **state)
 {
     (void)state;
-    const char *src = relay_consumer_function_source;
+    const char *src = outbox_functions_consumer_source;
     /* In the same library, so loading either tool or consumer loads both. */
-    assert_non_null(strstr(src, "redis.register_function('" RELAY_CONSUMER_FUNCTION_REPLAY "'"));
+    assert_non_null(strstr(src, "redis.register_function('" OUTBOX_CONSUMER_FUNCTION_REPLAY "'"));
     const char *body = strstr(src, "local function replay(");
     assert_non_null(body);
     /* The dead letter is deleted only after the XADD succeeded. */

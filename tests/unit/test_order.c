@@ -10,9 +10,9 @@
 
 #include "consumer/order.h"
 
-static struct relay_order_item item(const char *key, long long retry_at, int done)
+static struct outbox_order_item item(const char *key, long long retry_at, int done)
 {
-    struct relay_order_item it;
+    struct outbox_order_item it;
     memset(&it, 0, sizeof(it));
     if (key != NULL) {
         it.key = key;
@@ -27,39 +27,39 @@ static struct relay_order_item item(const char *key, long long retry_at, int don
 static void test_first_ready_entry_in_order(void **state)
 {
     (void)state;
-    struct relay_order_item items[] = {item("a", 0, 0), item("b", 0, 0), item("a", 0, 0)};
+    struct outbox_order_item items[] = {item("a", 0, 0), item("b", 0, 0), item("a", 0, 0)};
     long long wake = 123;
-    assert_int_equal(relay_order_next(items, 3, 100, &wake), 0);
+    assert_int_equal(outbox_order_next(items, 3, 100, &wake), 0);
     assert_int_equal(wake, 123); /* untouched when an entry is ready */
     items[0].done = 1;
-    assert_int_equal(relay_order_next(items, 3, 100, NULL), 1);
+    assert_int_equal(outbox_order_next(items, 3, 100, NULL), 1);
     items[1].done = 1;
-    assert_int_equal(relay_order_next(items, 3, 100, NULL), 2);
+    assert_int_equal(outbox_order_next(items, 3, 100, NULL), 2);
     items[2].done = 1;
-    assert_int_equal(relay_order_next(items, 3, 100, &wake), -1);
+    assert_int_equal(outbox_order_next(items, 3, 100, &wake), -1);
     assert_int_equal(wake, -1);
-    assert_int_equal(relay_order_next(items, 0, 100, &wake), -1);
+    assert_int_equal(outbox_order_next(items, 0, 100, &wake), -1);
 }
 
 static void test_a_retry_holds_back_its_key_only(void **state)
 {
     (void)state;
     /* a:1 waits out its backoff until 500: a:2 and a:3 wait behind it, b goes on. */
-    struct relay_order_item items[] = {item("a", 500, 0), item("a", 0, 0), item("b", 0, 0),
-                                       item("a", 0, 0), item("c", 0, 0)};
+    struct outbox_order_item items[] = {item("a", 500, 0), item("a", 0, 0), item("b", 0, 0),
+                                        item("a", 0, 0), item("c", 0, 0)};
     long long wake = 0;
-    assert_int_equal(relay_order_next(items, 5, 100, &wake), 2);
+    assert_int_equal(outbox_order_next(items, 5, 100, &wake), 2);
     items[2].done = 1;
-    assert_int_equal(relay_order_next(items, 5, 100, &wake), 4);
+    assert_int_equal(outbox_order_next(items, 5, 100, &wake), 4);
     items[4].done = 1;
-    assert_int_equal(relay_order_next(items, 5, 100, &wake), -1);
+    assert_int_equal(outbox_order_next(items, 5, 100, &wake), -1);
     assert_int_equal(wake, 500);
     /* Its backoff over, a:1 comes first, then a:2, never a:3 before a:2. */
-    assert_int_equal(relay_order_next(items, 5, 500, &wake), 0);
+    assert_int_equal(outbox_order_next(items, 5, 500, &wake), 0);
     items[0].done = 1;
-    assert_int_equal(relay_order_next(items, 5, 500, &wake), 1);
+    assert_int_equal(outbox_order_next(items, 5, 500, &wake), 1);
     items[1].retry_at = 900; /* a:2 failed in turn */
-    assert_int_equal(relay_order_next(items, 5, 600, &wake), -1);
+    assert_int_equal(outbox_order_next(items, 5, 600, &wake), -1);
     assert_int_equal(wake, 900);
 }
 
@@ -67,20 +67,20 @@ static void test_keys_are_compared_by_bytes(void **state)
 {
     (void)state;
     /* "a\0x" and "a\0y" differ after the NUL; "a" and "ab" differ in length. */
-    struct relay_order_item items[] = {item("a", 800, 0), item("ab", 0, 0), item(NULL, 0, 0),
-                                       item(NULL, 0, 0)};
+    struct outbox_order_item items[] = {item("a", 800, 0), item("ab", 0, 0), item(NULL, 0, 0),
+                                        item(NULL, 0, 0)};
     items[0].key = "a\0x";
     items[0].key_len = 3;
     items[1].key = "a\0y";
     items[1].key_len = 3;
-    assert_int_equal(relay_order_next(items, 4, 0, NULL), 1);
+    assert_int_equal(outbox_order_next(items, 4, 0, NULL), 1);
     items[1].done = 1;
     /* Entries without a key wait for nothing and hold back nothing. */
     items[2].retry_at = 700;
     long long wake;
-    assert_int_equal(relay_order_next(items, 4, 0, &wake), 3);
+    assert_int_equal(outbox_order_next(items, 4, 0, &wake), 3);
     items[3].done = 1;
-    assert_int_equal(relay_order_next(items, 4, 0, &wake), -1);
+    assert_int_equal(outbox_order_next(items, 4, 0, &wake), -1);
     assert_int_equal(wake, 700);
 }
 
@@ -92,7 +92,7 @@ static void test_partitions_go_round_robin(void **state)
     for (uint32_t p = 0; p < 8; p++) {
         int owners = 0;
         for (uint32_t r = 0; r < 3; r++)
-            if (relay_order_mine(p, r, 3)) {
+            if (outbox_order_mine(p, r, 3)) {
                 owners++;
                 counts[r]++;
             }
@@ -101,8 +101,8 @@ static void test_partitions_go_round_robin(void **state)
     assert_int_equal(counts[0], 3);
     assert_int_equal(counts[1], 3);
     assert_int_equal(counts[2], 2);
-    assert_false(relay_order_mine(0, 0, 0));
-    assert_true(relay_order_mine(5, 0, 1));
+    assert_false(outbox_order_mine(0, 0, 0));
+    assert_true(outbox_order_mine(5, 0, 1));
 }
 
 int main(void)
