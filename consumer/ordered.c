@@ -24,7 +24,8 @@
  * again. */
 #define RETRY_AFTER_REFUSAL_MS 1000
 
-static void held_free(struct held *h)
+OUTBOX_STATIC void held_free(struct held *h);
+OUTBOX_STATIC void held_free(struct held *h)
 {
     freeReplyObject(h->entry);
     free(h->dl_reason);
@@ -47,7 +48,8 @@ void outbox_ordered_drop(struct part *pt)
 }
 
 /* The key of an entry in hand, for outbox_order_next. */
-static void order_item(const struct held *h, struct outbox_order_item *it)
+OUTBOX_STATIC void order_item(const struct held *h, struct outbox_order_item *it);
+OUTBOX_STATIC void order_item(const struct held *h, struct outbox_order_item *it)
 {
     memset(it, 0, sizeof(*it));
     it->retry_at = h->retry_at;
@@ -65,8 +67,10 @@ static void order_item(const struct held *h, struct outbox_order_item *it)
 }
 
 /* Appends a read's entries to a partition's hand; returns how many. */
-static size_t keep_entries(struct part *pt, redisReply *r, int replay, const redisReply *counts,
-                           char *last, size_t lastlen)
+OUTBOX_STATIC size_t keep_entries(struct part *pt, redisReply *r, int replay,
+                                  const redisReply *counts, char *last, size_t lastlen);
+OUTBOX_STATIC size_t keep_entries(struct part *pt, redisReply *r, int replay,
+                                  const redisReply *counts, char *last, size_t lastlen)
 {
     size_t n = 0;
     if (r->type != REDIS_REPLY_ARRAY || r->elements != 1)
@@ -117,7 +121,8 @@ static size_t keep_entries(struct part *pt, redisReply *r, int replay, const red
 }
 
 /* Whether any entry in a partition's hand may be handled now. */
-static int any_ready(const struct part *pt, long long now)
+OUTBOX_STATIC int any_ready(const struct part *pt, long long now);
+OUTBOX_STATIC int any_ready(const struct part *pt, long long now)
 {
     struct outbox_order_item items[ORDER_QUEUE_MAX];
     for (size_t i = 0; i < pt->nq; i++)

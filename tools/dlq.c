@@ -19,6 +19,7 @@
 #include "common/compat.h"
 
 #include "core/text.h"
+#include "tools/dlq.h"
 #include "tools/tools.h"
 
 #include <errno.h>
@@ -35,40 +36,6 @@
 #include "common/redisconn.h"
 #include "common/keys.h"
 #include "common/functions.h"
-
-/* Longest stream, dead-letter or replay name we handle (the names are ours). */
-#define DLQ_NAME_MAX 1024
-/* Entries read per XRANGE while walking a range. */
-#define DLQ_PAGE 100
-/* Columns of the error text in "dlq list". */
-#define DLQ_ERROR_COLS 80
-#define DLQ_LIST_MAX 1000000
-
-struct dlq_ctx {
-    redisContext *c;
-    FILE *out;
-    FILE *errout;
-    const char *stream;
-    const char *group;
-    char dlq[DLQ_NAME_MAX];
-    char replay[DLQ_NAME_MAX];
-    struct {
-        /* The names as messages show them (relay_text_escape): a name may be
-         * any bytes, and the operator may have typed them as $'\x1b...'. */
-        char stream[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)];
-        char group[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)];
-        char dlq[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)];
-        char replay[RELAY_ESCAPED_SIZE(DLQ_NAME_MAX)];
-    } shown;
-    char where[512]; /* redis://user:***@host:port/db, for messages */
-};
-
-/* One selection argument: an entry id, or an inclusive range of them. */
-struct dlq_sel {
-    char from[48]; /* "<ms>-<seq>" */
-    char to[48];   /* same as from for a single id */
-    int is_range;
-};
 
 /* ------------------------------------------------------------------------ */
 /* Talking to Redis.                                                          */
@@ -187,7 +154,7 @@ static int check_stream_key(struct dlq_ctx *d, const char *key, const char *show
 }
 
 /* An XRANGE entry: [id, [field, value, ...]]. */
-static int entry_ok(const redisReply *e)
+OUTBOX_STATIC int entry_ok(const redisReply *e)
 {
     if (e->type != REDIS_REPLY_ARRAY || e->elements != 2 ||
         e->element[0]->type != REDIS_REPLY_STRING)
@@ -344,7 +311,7 @@ static void dlq_usage(FILE *f)
 /* ------------------------------------------------------------------------ */
 /* The commands.                                                             */
 
-static void list_entry(struct dlq_ctx *d, const redisReply *e)
+OUTBOX_STATIC void list_entry(struct dlq_ctx *d, const redisReply *e)
 {
     static const struct {
         const char *field;
@@ -907,7 +874,7 @@ static int dlq_migrate(struct dlq_ctx *d)
 
 /* The stream, the group and the names derived from them, checked and kept
  * with their escaped forms for messages. 0, or -1 after saying why. */
-static int dlq_names(struct dlq_ctx *d, const char *stream, const char *group)
+OUTBOX_STATIC int dlq_names(struct dlq_ctx *d, const char *stream, const char *group)
 {
     d->stream = stream;
     d->group = group;
@@ -926,7 +893,7 @@ static int dlq_names(struct dlq_ctx *d, const char *stream, const char *group)
 }
 
 /* "list [--count N]": 0, or -1 after saying why. */
-static int parse_list_args(int argc, char **argv, FILE *errout, long long *count)
+OUTBOX_STATIC int parse_list_args(int argc, char **argv, FILE *errout, long long *count)
 {
     for (int i = 4; i < argc; i++) {
         if (strcmp(argv[i], "--count") == 0 && i + 1 < argc &&
@@ -944,8 +911,8 @@ static int parse_list_args(int argc, char **argv, FILE *errout, long long *count
 /* The entries "show", "replay" and "purge" act on: ids, ranges (not for
  * show) or --all, into sels (argc entries) and *all. 0, or -1 after saying
  * why. */
-static int parse_selections(const char *verb, int argc, char **argv, FILE *errout,
-                            struct dlq_sel *sels, int *nsel, int *all)
+OUTBOX_STATIC int parse_selections(const char *verb, int argc, char **argv, FILE *errout,
+                                   struct dlq_sel *sels, int *nsel, int *all)
 {
     int is_show = strcmp(verb, "show") == 0;
     if (argc < 5) {

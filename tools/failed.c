@@ -39,7 +39,8 @@ static PGconn *connect_db(const struct relay_config *cfg, FILE *errout)
     return conn;
 }
 
-static int parse_id(const char *s, long long *out)
+OUTBOX_STATIC int parse_id(const char *s, long long *out);
+OUTBOX_STATIC int parse_id(const char *s, long long *out)
 {
     char *end;
     errno = 0;
@@ -103,7 +104,8 @@ static int failed_list(PGconn *conn, long long limit, FILE *out, FILE *errout)
 
 /* '{1,2,3}' from the ids, each checked to be one (the caller frees), or NULL
  * with *rc set. */
-static char *id_array(int nids, char **ids, FILE *errout, int *rc)
+OUTBOX_STATIC char *id_array(int nids, char **ids, FILE *errout, int *rc);
+OUTBOX_STATIC char *id_array(int nids, char **ids, FILE *errout, int *rc)
 {
     size_t cap = (size_t)nids * 24 + 3;
     char *arr = malloc(cap);

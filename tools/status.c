@@ -201,7 +201,8 @@ static void status_json(const struct relay_observation *o, char *outbuf, size_t 
 }
 
 /* "status [--json]": 0 with *json set, or -1 after saying why. */
-static int parse_status_args(int argc, char **argv, FILE *errout, int *json)
+OUTBOX_STATIC int parse_status_args(int argc, char **argv, FILE *errout, int *json);
+OUTBOX_STATIC int parse_status_args(int argc, char **argv, FILE *errout, int *json)
 {
     *json = 0;
     for (int i = 1; i < argc; i++) {

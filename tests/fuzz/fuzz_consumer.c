@@ -7,9 +7,23 @@
  * entries into a partition's hand (keep_entries) with the second reply as XPENDING's delivery
  * counts and the third as the set of parked keys, then reads each entry's key (order_item).
  */
-#include "../../consumer/ordered.c"
+#include "common/compat.h"
+
+#include <hiredis/hiredis.h>
+
+#include "common/common.h"
+#include "consumer/internal.h"
+#include "consumer/order.h"
+#include "consumer/ordered.h"
 
 #include "fuzz.h"
+
+/* File-local in consumer/ordered.c (OUTBOX_STATIC is empty in relay_unit). */
+void order_item(const struct held *h, struct outbox_order_item *it);
+int any_ready(const struct part *pt, long long now);
+void held_free(struct held *h);
+size_t keep_entries(struct part *pt, redisReply *r, int replay, const redisReply *counts,
+                    char *last, size_t lastlen);
 
 /* What a handler may read of a message: every byte of it. */
 static size_t touch(const struct outbox_message *m)

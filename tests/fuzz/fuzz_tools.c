@@ -12,11 +12,19 @@
  *      as "dlq list" and "dlq show" show it.
  * Only the parsing runs: nothing connects to a server.
  */
-#include "../../tools/dlq.c"
-#include "../../tools/failed.c"
-#include "../../tools/status.c"
+#include "common/compat.h"
+
+#include <hiredis/hiredis.h>
+
+#include "tools/dlq.h"
 
 #include "fuzz.h"
+
+/* File-local in tools/failed.c and tools/status.c (OUTBOX_STATIC is empty in
+ * relay_unit); tools/dlq.h declares dlq.c's. */
+int parse_id(const char *s, long long *out);
+char *id_array(int nids, char **ids, FILE *errout, int *rc);
+int parse_status_args(int argc, char **argv, FILE *errout, int *json);
 
 #define ARGS_MAX 64
 
