@@ -1,7 +1,6 @@
 /*
  * The consumer library (include/outbox/consumer.h): its public face. The
- * options, checked and copied by outbox_consumer_new; the names of a group's
- * streams and keys; the backoff schedule; and run, which hands over to the
+ * options, checked and copied by outbox_consumer_new, and run, which hands over to the
  * unordered mode (consumer/unordered.c) or the ordered one
  * (consumer/ordered.c) until stop. consumer/internal.h lists the other files.
  *
@@ -21,61 +20,6 @@
 #include "common/common.h"
 #include "common/keys.h"
 #include "common/url.h"
-
-static const uint32_t default_backoff[] = {1000, 10000, 100000, 1000000};
-
-int outbox_consumer_dlq_name(const char *stream, const char *group, char *out, size_t outlen)
-{
-    return outbox_key_dlq(stream, group, out, outlen);
-}
-
-int outbox_consumer_replay_name(const char *stream, const char *group, char *out, size_t outlen)
-{
-    return outbox_key_replay(stream, group, out, outlen);
-}
-
-int outbox_consumer_lease_names(const char *stream, const char *group, char *lease, char *token,
-                                size_t outlen)
-{
-    /* The counter's name is the longer: when it fits, both do. */
-    if (strlen(stream) + strlen(group) + sizeof("{}:lease-token:") > outlen)
-        return -1;
-    if (outbox_key_lease(stream, group, "lease-token", token, outlen) < 0)
-        return -1;
-    return outbox_key_lease(stream, group, "lease", lease, outlen);
-}
-
-uint32_t outbox_consumer_backoff_ms(const struct outbox_consumer_options *opts, uint32_t deliveries)
-{
-    const uint32_t *b = opts->nbackoff ? opts->backoff_ms : default_backoff;
-    uint32_t n = opts->nbackoff ? opts->nbackoff : OUTBOX_ARRAY_LEN(default_backoff);
-    uint32_t i = deliveries == 0 ? 0 : deliveries - 1;
-    return b[i < n ? i : n - 1];
-}
-
-uint64_t outbox_consumer_redelivery_horizon_ms(const struct outbox_consumer_options *opts)
-{
-    uint32_t deliveries = opts->max_deliveries ? opts->max_deliveries : 5;
-    uint32_t reclaim = opts->reclaim_interval_ms ? opts->reclaim_interval_ms : 250;
-    uint64_t ms = 0;
-    for (uint32_t d = 1; d < deliveries; d++)
-        ms += (uint64_t)outbox_consumer_backoff_ms(opts, d) + reclaim;
-    return ms;
-}
-
-/* The shortest backoff step: the idle time from which the unordered mode's
- * reclaim pass looks at pending entries. */
-static uint32_t min_backoff(const struct outbox_consumer_options *o)
-{
-    uint32_t n = o->nbackoff ? o->nbackoff : OUTBOX_ARRAY_LEN(default_backoff);
-    uint32_t m = UINT32_MAX;
-    for (uint32_t d = 1; d <= n; d++) {
-        uint32_t b = outbox_consumer_backoff_ms(o, d);
-        if (b < m)
-            m = b;
-    }
-    return m;
-}
 
 static int copy_name(char *dst, const char *src, const char *what, char *err, size_t errlen)
 {
@@ -229,7 +173,7 @@ struct outbox_consumer *outbox_consumer_new(const struct outbox_consumer_options
                                errlen) < 0)
         goto fail;
     snprintf(c->lease_ms_s, sizeof(c->lease_ms_s), "%u", c->o.lease_ms);
-    c->min_backoff_ms = min_backoff(&c->o);
+    c->min_backoff_ms = outbox_policy_min_backoff(&c->o);
     /* The strings of the copied options point to the caller's memory. */
     c->o.stream = c->stream;
     c->o.group = c->group;

@@ -2,13 +2,15 @@
  * What the files of the consumer library share: the object behind struct
  * outbox_consumer, and the steps each file offers the others.
  *
- *   consumer.c    the public API: options, names, accessors, run and stop
+ *   consumer.c    the public API: options, accessors, run and stop
+ *   policy.c      the names of a group's keys, the backoff schedule
  *   report.c      the log hook and the most recent failure
  *   connection.c  connections, the function library, groups, renamed keys
  *   messages.c    entries against the stream contract; dead letters
  *   unordered.c   the unordered mode: read, handle, reclaim
  *   ordered.c     the ordered mode: each partition's entries in hand, in order
- *   leases.c      its partitions' leases, members and parked keys (ordered.h)
+ *   part.c        its partitions and the entries in hand (part.h)
+ *   leases.c      its partitions' leases, members and parked keys (leases.h)
  *   order.c       its pure decisions (order.h)
  *
  * None of it leaves the shared library (consumer/outbox_consumer.map).
@@ -168,9 +170,12 @@ int outbox_msg_dead_letter(struct outbox_consumer *c, const char *stream,
                            const struct redisReply *fields, const char *reason, const char *error,
                            uint32_t deliveries);
 
-/* ---- leases.c ----------------------------------------------------------- */
-
 /* Whether a reply is the lease functions' refusal (LEASELOST). */
-int outbox_lease_lost_reply(const struct redisReply *r);
+int outbox_msg_lease_lost(const struct redisReply *r);
+
+/* ---- policy.c ----------------------------------------------------------- */
+
+/* The shortest backoff step of o (its own schedule, or the default one). */
+uint32_t outbox_policy_min_backoff(const struct outbox_consumer_options *o);
 
 #endif

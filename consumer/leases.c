@@ -1,5 +1,5 @@
 /*
- * The partitions' leases of the ordered mode (consumer/ordered.h): the
+ * The partitions' leases of the ordered mode (consumer/leases.h): the
  * group's members and each one's share, taking a partition's lease, with the
  * entries other consumers left pending and the parked keys, renewing it, and
  * giving it up. Every lease function checks the caller's token first
@@ -7,7 +7,8 @@
  */
 #include "common/compat.h"
 
-#include "consumer/ordered.h"
+#include "consumer/leases.h"
+#include "consumer/part.h"
 
 #include <hiredis/hiredis.h>
 #include <stdio.h>
@@ -18,11 +19,6 @@
 #include "common/functions.h"
 #include "consumer/order.h"
 
-int outbox_lease_lost_reply(const redisReply *r)
-{
-    return r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "LEASELOST", 9) == 0;
-}
-
 void outbox_lease_lost(struct outbox_consumer *c, struct part *pt, const char *why)
 {
     if (pt->token == 0)
@@ -32,7 +28,7 @@ void outbox_lease_lost(struct outbox_consumer *c, struct part *pt, const char *w
         c, OUTBOX_CONSUMER_LOG_WARNING,
         "lost the lease of %s (%s): its %zu entries in hand are left to the next holder",
         pt->stream, why, pt->nq);
-    outbox_ordered_drop(pt);
+    outbox_part_drop(pt);
 }
 
 int outbox_lease_is_parked(const struct part *pt, const char *key, size_t len)
@@ -195,7 +191,7 @@ static int take_pending(struct outbox_consumer *c, struct part *pt, int replay)
                                 c->group, c->consumer, pt->token_s, "100", NULL});
         if (r == NULL)
             return -1;
-        if (outbox_lease_lost_reply(r)) {
+        if (outbox_msg_lease_lost(r)) {
             freeReplyObject(r);
             outbox_lease_lost(c, pt, "taken by another consumer while taking its entries over");
             return -1;
@@ -286,7 +282,7 @@ void outbox_lease_release(struct outbox_consumer *c, struct part *pt, const char
         freeReplyObject(r);
     outbox_report_emit(c, OUTBOX_CONSUMER_LOG_INFO, "%s: released %s (%s)", c->consumer, pt->stream,
                        why);
-    outbox_ordered_drop(pt);
+    outbox_part_drop(pt);
 }
 
 void outbox_lease_upkeep(struct outbox_consumer *c, struct ordered *od)

@@ -28,6 +28,11 @@
 #include "common/entry.h"
 #include "common/functions.h"
 
+int outbox_msg_lease_lost(const redisReply *r)
+{
+    return r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "LEASELOST", 9) == 0;
+}
+
 const char *outbox_msg_parse(const redisReply *fields, struct outbox_message *m, const char **names,
                              const char **values, size_t *vlens)
 {
@@ -210,7 +215,7 @@ int outbox_msg_dead_letter(struct outbox_consumer *c, const char *stream,
                            "%s %s -> %s (%s after %u deliveries): %s", stream, entry_id,
                            lease != NULL ? lease->dlq : c->dlq, reason, deliveries, error);
         rc = 0;
-    } else if (lease != NULL && outbox_lease_lost_reply(r)) {
+    } else if (lease != NULL && outbox_msg_lease_lost(r)) {
         rc = OUTBOX_LEASE_LOST;
     } else {
         /* "Function not found": someone ran FUNCTION FLUSH or DELETE since

@@ -1,12 +1,13 @@
 /*
- * The ordered mode of the consumer library (consumer/ordered.h): each
+ * The ordered mode of the consumer library (docs/CONSUMERS.md, "Ordered consumers"): each
  * partition's entries in hand, read from its pending list and its streams,
  * and handled one key at a time in id order (consumer/order.c picks the
  * next); the connections to the primaries the partitions are on; the loop.
  */
 #include "common/compat.h"
 
-#include "consumer/ordered.h"
+#include "consumer/leases.h"
+#include "consumer/part.h"
 
 #include <hiredis/hiredis.h>
 #include <stdio.h>
@@ -23,29 +24,6 @@
  * dead letter (OOM, READONLY, a key of the wrong type) before it is tried
  * again. */
 #define RETRY_AFTER_REFUSAL_MS 1000
-
-OUTBOX_STATIC void held_free(struct held *h);
-OUTBOX_STATIC void held_free(struct held *h)
-{
-    freeReplyObject(h->entry);
-    free(h->dl_reason);
-    free(h->dl_why);
-    h->entry = NULL;
-    h->dl_reason = h->dl_why = NULL;
-}
-
-void outbox_ordered_drop(struct part *pt)
-{
-    for (size_t i = 0; i < pt->nq; i++)
-        held_free(&pt->q[i]);
-    pt->nq = 0;
-    pt->ready = 0;
-    freeReplyObject(pt->parked);
-    pt->parked = NULL;
-    pt->token = 0;
-    pt->token_s[0] = '\0';
-    pt->valid_until = 0;
-}
 
 /* The key of an entry in hand, for outbox_order_next. */
 OUTBOX_STATIC void order_item(const struct held *h, struct outbox_order_item *it);
@@ -195,7 +173,7 @@ static size_t fill(struct outbox_consumer *c, struct ordered *od)
                 freeReplyObject(counts);
                 return got;
             }
-            if (outbox_lease_lost_reply(r)) {
+            if (outbox_msg_lease_lost(r)) {
                 outbox_lease_lost(c, pt, "another consumer holds it");
             } else if (r->type == REDIS_REPLY_ERROR) {
                 outbox_report_problem(c, OUTBOX_CONSUMER_ERR_REDIS, "reading %s failed: %s", stream,
@@ -280,7 +258,7 @@ static void ack_held(struct outbox_consumer *c, struct part *pt, struct held *h,
         c->stats.done++;
         h->done = 1;
         outbox_report_clear_error(c);
-    } else if (outbox_lease_lost_reply(r)) {
+    } else if (outbox_msg_lease_lost(r)) {
         freeReplyObject(r);
         outbox_lease_lost(c, pt, "it ran out while a message was handled");
         return;
@@ -425,7 +403,7 @@ static void compact(struct part *pt)
     size_t w = 0;
     for (size_t i = 0; i < pt->nq; i++) {
         if (pt->q[i].done || pt->q[i].dropped)
-            held_free(&pt->q[i]);
+            outbox_part_held_free(&pt->q[i]);
         else
             pt->q[w++] = pt->q[i];
     }
@@ -628,7 +606,7 @@ static int connect_ordered(struct outbox_consumer *c, struct ordered *od)
     for (uint32_t i = 0; i < od->n; i++) {
         struct part *pt = &od->parts[i];
         for (size_t k = 0; k < pt->nq; k++)
-            held_free(&pt->q[k]);
+            outbox_part_held_free(&pt->q[k]);
         pt->nq = 0;
         pt->ready = 0;
         for (int s = 0; s < 2; s++) {
@@ -709,7 +687,7 @@ int outbox_ordered_run(struct outbox_consumer *c)
         use_part(c, &od.parts[i]);
         if (c->wr != NULL)
             outbox_lease_release(c, &od.parts[i], "stopping");
-        outbox_ordered_drop(&od.parts[i]);
+        outbox_part_drop(&od.parts[i]);
     }
     use_base(c);
     redisReply *r =

@@ -14,14 +14,13 @@
 #include "common/common.h"
 #include "consumer/internal.h"
 #include "consumer/order.h"
-#include "consumer/ordered.h"
+#include "consumer/part.h"
 
 #include "fuzz.h"
 
 /* File-local in consumer/ordered.c (OUTBOX_STATIC is empty in relay_unit). */
 void order_item(const struct held *h, struct outbox_order_item *it);
 int any_ready(const struct part *pt, long long now);
-void held_free(struct held *h);
 size_t keep_entries(struct part *pt, redisReply *r, int replay, const redisReply *counts,
                     char *last, size_t lastlen);
 
@@ -97,7 +96,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     (void)any_ready(&pt, 0);
     for (size_t i = 0; i < pt.nq; i++)
-        held_free(&pt.q[i]);
+        outbox_part_held_free(&pt.q[i]);
     fuzz_replies_free(rs, n);
     return 0;
 }

@@ -1,8 +1,8 @@
 /*
- * The ordered mode of the consumer library (docs/CONSUMERS.md, "Ordered
- * consumers"): what ordered.c (each partition's entries in hand, handled in
- * order) and leases.c (the partitions' leases, the group's members and the
- * parked keys) share.
+ * The state of the ordered mode of the consumer library (docs/CONSUMERS.md,
+ * "Ordered consumers"): each partition stream and the entries in hand, which
+ * ordered.c (handling them in order) and leases.c (the partitions' leases,
+ * the group's members and the parked keys) share (consumer/part.c).
  *
  * The consumers of a group divide the partition streams of a topic through
  * the lease functions (functions/outbox_consumer.lua), and each handles its
@@ -18,8 +18,8 @@
  * with p % members == its rank in name order (outbox_order_mine). A member
  * gives up what is no longer its share and takes what is, as leases allow.
  */
-#ifndef OUTBOX_CONSUMER_ORDERED_H
-#define OUTBOX_CONSUMER_ORDERED_H
+#ifndef OUTBOX_CONSUMER_PART_H
+#define OUTBOX_CONSUMER_PART_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -61,7 +61,7 @@ struct part {
     struct redisReply *parked; /* SMEMBERS of parked_key, with park_keys */
 };
 
-/* The ordered mode while it runs (ordered.c, outbox_ordered_run). */
+/* The ordered mode while it runs (consumer/ordered.c, outbox_ordered_run). */
 struct ordered {
     struct part *parts;
     uint32_t n;
@@ -92,29 +92,10 @@ static inline void use_base(struct outbox_consumer *c)
         c->wr = c->node[0];
 }
 
-/* ---- ordered.c ---------------------------------------------------------- */
+/* Frees what an entry in hand owns and clears it. */
+void outbox_part_held_free(struct held *h);
 
 /* Drops a partition: its entries in hand, its parked keys, its token. */
-void outbox_ordered_drop(struct part *pt);
-
-/* ---- leases.c ----------------------------------------------------------- */
-
-/* Beats, renews, gives up what is not this consumer's share and takes what
- * is. */
-void outbox_lease_upkeep(struct outbox_consumer *c, struct ordered *od);
-
-/* The lease of a partition held is lost (why, for the log): counted, logged,
- * and the partition dropped. */
-void outbox_lease_lost(struct outbox_consumer *c, struct part *pt, const char *why);
-
-/* Gives a partition's lease up (why, for the log) and drops the partition. */
-void outbox_lease_release(struct outbox_consumer *c, struct part *pt, const char *why);
-
-/* Reads a partition's parked keys (park_keys): 0, or -1 when the connection
- * failed or Redis refused (the problem recorded). */
-int outbox_lease_load_parked(struct outbox_consumer *c, struct part *pt);
-
-/* Whether key is parked on the partition (as last read). */
-int outbox_lease_is_parked(const struct part *pt, const char *key, size_t len);
+void outbox_part_drop(struct part *pt);
 
 #endif
