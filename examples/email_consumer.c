@@ -265,143 +265,155 @@ static void usage(FILE *f)
                "                         of its messages is dead-lettered\n");
 }
 
-int main(int argc, char **argv)
-{
+/* What the command line sets. */
+struct email_args {
     struct outbox_consumer_options o;
-    struct email_app app = {NULL, "email", NULL, 0.0, 0, 0};
-    const char *js = getenv("JOURNAL_STREAM");
-    struct email_log lg = {OUTBOX_CONSUMER_LOG_INFO, js != NULL && js[0] != '\0'};
-    const char *redis = NULL;
-    memset(&o, 0, sizeof(o));
-    o.stream = "orders";
-    o.log = log_line;
-    o.log_arg = &lg;
-    static const struct option longopts[] = {
-        {"redis", required_argument, NULL, 'r'},
-        {"postgres", required_argument, NULL, 'p'},
-        {"stream", required_argument, NULL, 's'},
-        {"group", required_argument, NULL, 'g'},
-        {"consumer", required_argument, NULL, 'c'},
-        {"max-deliveries", required_argument, NULL, 'm'},
-        {"backoff", required_argument, NULL, 'b'},
-        {"block", required_argument, NULL, 'k'},
-        {"fail-rate", required_argument, NULL, 'f'},
-        {"log-level", required_argument, NULL, 'l'},
-        {"processed-horizon", required_argument, NULL, 'P'},
-        {"allow-short-processed-horizon", no_argument, NULL, 'A'},
-        {"ordered", required_argument, NULL, 'O'},
-        {"lease", required_argument, NULL, 'L'},
-        {"park-after-dead-letter", no_argument, NULL, 'K'},
-        {"help", no_argument, NULL, 'h'},
-        {NULL, 0, NULL, 0},
-    };
-    int ch;
-    while ((ch = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
-        char *end;
-        uint32_t ms;
-        int level = -1;
-        switch (ch) {
-        case 'r':
-            redis = optarg;
-            break;
-        case 'p':
-            app.conninfo = optarg;
-            break;
-        case 's':
-            o.stream = optarg;
-            break;
-        case 'g':
-            app.group = optarg;
-            break;
-        case 'c':
-            o.consumer = optarg;
-            break;
-        case 'm':
-            o.max_deliveries = (uint32_t)strtoul(optarg, &end, 10);
-            if (*end != '\0' || o.max_deliveries == 0 || o.max_deliveries > 1000) {
-                fprintf(stderr, "outbox-email-consumer: --max-deliveries must be 1 to 1000\n");
-                return EX_USAGE;
-            }
-            break;
-        case 'b':
-            if (parse_backoff(optarg, &o) < 0) {
-                fprintf(stderr, "outbox-email-consumer: --backoff takes durations like "
-                                "1s,10s,100s (at most 16, each at least 1ms)\n");
-                return EX_USAGE;
-            }
-            break;
-        case 'k':
-            if (parse_ms(optarg, &ms) < 0 || ms == 0) {
-                fprintf(stderr, "outbox-email-consumer: --block takes a duration like 1s\n");
-                return EX_USAGE;
-            }
-            o.block_ms = ms;
-            break;
-        case 'f':
-            app.fail_rate = strtod(optarg, &end);
-            if (*end != '\0' || app.fail_rate < 0 || app.fail_rate > 1) {
-                fprintf(stderr, "outbox-email-consumer: --fail-rate is between 0 and 1\n");
-                return EX_USAGE;
-            }
-            break;
-        case 'l':
-            for (int i = 0; i < 4; i++)
-                if (strcasecmp(optarg, level_names[i]) == 0)
-                    level = i;
-            if (level < 0) {
-                fprintf(stderr, "outbox-email-consumer: --log-level is debug, info, warning "
-                                "or error\n");
-                return EX_USAGE;
-            }
-            lg.min_level = (enum outbox_consumer_log_level)level;
-            break;
-        case 'P':
-            if (parse_ms(optarg, &ms) < 0) {
-                fprintf(stderr, "outbox-email-consumer: --processed-horizon takes a duration "
-                                "like 7d\n");
-                return EX_USAGE;
-            }
-            app.processed_horizon_ms = ms;
-            o.processed_horizon_ms = ms;
-            break;
-        case 'A':
-            o.allow_short_processed_horizon = 1;
-            break;
-        case 'O':
-            o.partitions = (uint32_t)strtoul(optarg, &end, 10);
-            if (*end != '\0' || o.partitions < 2 || o.partitions > 1000) {
-                fprintf(stderr, "outbox-email-consumer: --ordered takes the topic's number of "
-                                "partitions, 2 to 1000 (outbox.set_partitions)\n");
-                return EX_USAGE;
-            }
-            break;
-        case 'K':
-            o.park_keys = 1;
-            break;
-        case 'L':
-            if (parse_ms(optarg, &ms) < 0 || ms < 300 || ms > 600000) {
-                fprintf(stderr, "outbox-email-consumer: --lease takes a duration from 300ms "
-                                "to 10m\n");
-                return EX_USAGE;
-            }
-            o.lease_ms = ms;
-            break;
-        case 'h':
-            usage(stdout);
-            return EX_OK;
-        default:
-            usage(stderr);
-            return EX_USAGE;
-        }
-    }
-    if (redis == NULL || app.conninfo == NULL || optind != argc) {
+    struct email_app app;
+    struct email_log lg;
+    const char *redis;
+};
+
+static const struct option longopts[] = {
+    {"redis", required_argument, NULL, 'r'},
+    {"postgres", required_argument, NULL, 'p'},
+    {"stream", required_argument, NULL, 's'},
+    {"group", required_argument, NULL, 'g'},
+    {"consumer", required_argument, NULL, 'c'},
+    {"max-deliveries", required_argument, NULL, 'm'},
+    {"backoff", required_argument, NULL, 'b'},
+    {"block", required_argument, NULL, 'k'},
+    {"fail-rate", required_argument, NULL, 'f'},
+    {"log-level", required_argument, NULL, 'l'},
+    {"processed-horizon", required_argument, NULL, 'P'},
+    {"allow-short-processed-horizon", no_argument, NULL, 'A'},
+    {"ordered", required_argument, NULL, 'O'},
+    {"lease", required_argument, NULL, 'L'},
+    {"park-after-dead-letter", no_argument, NULL, 'K'},
+    {"help", no_argument, NULL, 'h'},
+    {NULL, 0, NULL, 0},
+};
+
+/* Says what an option takes; the exit code of bad usage. */
+static int bad(const char *what)
+{
+    fprintf(stderr, "outbox-email-consumer: %s\n", what);
+    return EX_USAGE;
+}
+
+/* The options that take a number or a duration: 0, or an exit code. */
+static int apply_value(int ch, const char *arg, struct email_args *a)
+{
+    char *end;
+    uint32_t ms;
+    switch (ch) {
+    case 'm':
+        a->o.max_deliveries = (uint32_t)strtoul(arg, &end, 10);
+        if (*end != '\0' || a->o.max_deliveries == 0 || a->o.max_deliveries > 1000)
+            return bad("--max-deliveries must be 1 to 1000");
+        return 0;
+    case 'b':
+        if (parse_backoff(arg, &a->o) < 0)
+            return bad("--backoff takes durations like 1s,10s,100s (at most 16, each at least "
+                       "1ms)");
+        return 0;
+    case 'k':
+        if (parse_ms(arg, &ms) < 0 || ms == 0)
+            return bad("--block takes a duration like 1s");
+        a->o.block_ms = ms;
+        return 0;
+    case 'f':
+        a->app.fail_rate = strtod(arg, &end);
+        if (*end != '\0' || a->app.fail_rate < 0 || a->app.fail_rate > 1)
+            return bad("--fail-rate is between 0 and 1");
+        return 0;
+    case 'P':
+        if (parse_ms(arg, &ms) < 0)
+            return bad("--processed-horizon takes a duration like 7d");
+        a->app.processed_horizon_ms = ms;
+        a->o.processed_horizon_ms = ms;
+        return 0;
+    case 'O':
+        a->o.partitions = (uint32_t)strtoul(arg, &end, 10);
+        if (*end != '\0' || a->o.partitions < 2 || a->o.partitions > 1000)
+            return bad("--ordered takes the topic's number of partitions, 2 to 1000 "
+                       "(outbox.set_partitions)");
+        return 0;
+    case 'L':
+        if (parse_ms(arg, &ms) < 0 || ms < 300 || ms > 600000)
+            return bad("--lease takes a duration from 300ms to 10m");
+        a->o.lease_ms = ms;
+        return 0;
+    default:
         usage(stderr);
         return EX_USAGE;
     }
-    o.group = app.group;
-    o.redis_url = redis;
+}
+
+/* One option: 0, or the exit code to leave with (--help: EX_OK). */
+static int apply_option(int ch, const char *arg, struct email_args *a)
+{
+    int level = -1;
+    switch (ch) {
+    case 'r':
+        a->redis = arg;
+        return 0;
+    case 'p':
+        a->app.conninfo = arg;
+        return 0;
+    case 's':
+        a->o.stream = arg;
+        return 0;
+    case 'g':
+        a->app.group = arg;
+        return 0;
+    case 'c':
+        a->o.consumer = arg;
+        return 0;
+    case 'l':
+        for (int i = 0; i < 4; i++)
+            if (strcasecmp(arg, level_names[i]) == 0)
+                level = i;
+        if (level < 0)
+            return bad("--log-level is debug, info, warning or error");
+        a->lg.min_level = (enum outbox_consumer_log_level)level;
+        return 0;
+    case 'A':
+        a->o.allow_short_processed_horizon = 1;
+        return 0;
+    case 'K':
+        a->o.park_keys = 1;
+        return 0;
+    case 'h':
+        usage(stdout);
+        return EX_OK;
+    default:
+        return apply_value(ch, arg, a);
+    }
+}
+
+int main(int argc, char **argv)
+{
+    static struct email_args a;
+    const char *js = getenv("JOURNAL_STREAM");
+    a.app = (struct email_app){NULL, "email", NULL, 0.0, 0, 0};
+    a.lg = (struct email_log){OUTBOX_CONSUMER_LOG_INFO, js != NULL && js[0] != '\0'};
+    a.o.stream = "orders";
+    a.o.log = log_line;
+    a.o.log_arg = &a.lg;
+    int ch;
+    while ((ch = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
+        int rc = apply_option(ch, optarg, &a);
+        if (rc != 0 || ch == 'h')
+            return rc;
+    }
+    if (a.redis == NULL || a.app.conninfo == NULL || optind != argc) {
+        usage(stderr);
+        return EX_USAGE;
+    }
+    a.o.group = a.app.group;
+    a.o.redis_url = a.redis;
     char err[512];
-    struct outbox_consumer *c = outbox_consumer_new(&o, send_email, &app, err, sizeof(err));
+    struct outbox_consumer *c = outbox_consumer_new(&a.o, send_email, &a.app, err, sizeof(err));
     if (c == NULL) {
         fprintf(stderr, "outbox-email-consumer: %s\n", err);
         return EX_CONFIG;
@@ -423,6 +435,6 @@ int main(int argc, char **argv)
            st->malformed, st->lost, st->reclaimed, st->leases_taken, st->leases_lost);
     the_consumer = NULL;
     outbox_consumer_free(c);
-    PQfinish(app.db);
+    PQfinish(a.app.db);
     return EX_OK;
 }
