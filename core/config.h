@@ -62,7 +62,7 @@ struct relay_config {
     uint32_t drain_timeout_ms;
     uint32_t dedup_ttl_ms;
 
-    /* Replica acknowledgement (README, "Redis replicas, Sentinel"). */
+    /* Replica acknowledgement (docs/REDIS.md, "Redis replicas", "Redis Sentinel"). */
     uint32_t min_replicas;       /* replicas that must hold a batch before its mark; 0 = off */
     uint32_t replica_timeout_ms; /* how long WAIT waits for them */
 

@@ -91,7 +91,7 @@ local function publish_many(keys, args)
 end
 redis.register_function('outbox_relay_publish_many_v1', publish_many)
 
--- The trim function (docs/DESIGN.md, "Stream retention"). KEYS[1] is a
+-- The trim function (docs/DESIGN.md, "Retention"). KEYS[1] is a
 -- stream, ARGV[1] the retention and ARGV[2] the longest a group may hold
 -- trimming back (0: for ever), both in ms. It removes entries older than the
 -- retention that every group has acknowledged: the bound is the lowest of the

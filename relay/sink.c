@@ -490,8 +490,8 @@ void relay_sink_written_reset(struct relay_sink *s)
     s->written = 0;
 }
 
-/* Reports what an acknowledged XADD is worth on this server (README, "What Redis keeps is up to
- * Redis"). */
+/* Reports what an acknowledged XADD is worth on this server (docs/GUARANTEES.md, "What Redis
+ * keeps is up to Redis"). */
 static void check_durability(struct relay_sink *s, const redisReply *r)
 {
     char text[512];
