@@ -1,6 +1,8 @@
 /*
- * outbox-relay: start-up and shutdown order only. Everything else lives in
- * the relay_core library so the tools and the tests share it.
+ * outbox-relay, the one executable: reads the command line, then runs the
+ * daemon (relay/, in the order of start-up and shutdown) or one of the
+ * operator commands (tools/). Everything else lives in the libraries of
+ * those folders and of core/ and common/, which the tests link too.
  */
 #include "common/compat.h"
 

@@ -45,7 +45,6 @@
 
 #include "common/backoff.h"
 #include "common/functions.h"
-#include "relay/batch.h"
 #include "core/config.h"
 #include "common/keys.h"
 #include "relay/log.h"
