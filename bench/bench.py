@@ -79,10 +79,10 @@ import time
 import traceback
 import urllib.request
 
+from testkit import harness  # the integration tests' throwaway servers
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(SOURCE, "tests", "integration"))
-import harness  # noqa: E402  (the integration tests' throwaway servers)
 
 
 def env_int(name, default):

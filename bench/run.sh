@@ -58,11 +58,11 @@ done
 # --- run ----------------------------------------------------------------------
 status=0
 if [[ "${1:-}" == "--soak" ]]; then
-  BENCH_BUILD_DIR="$build" /usr/bin/python3 "$root/bench/soak.py" || status=$?
+  PYTHONPATH="$root" BENCH_BUILD_DIR="$build" /usr/bin/python3 "$root/bench/soak.py" || status=$?
   echo "bench/run.sh --soak: $(($(date +%s) - started))s in all"
   exit "$status"
 fi
-BENCH_BUILD_DIR="$build" /usr/bin/python3 "$root/bench/bench.py" || status=$?
+PYTHONPATH="$root" BENCH_BUILD_DIR="$build" /usr/bin/python3 "$root/bench/bench.py" || status=$?
 took=$(($(date +%s) - started))
 echo "bench/run.sh: ${took}s in all (installing, building and measuring)"
 csv=${BENCH_RESULTS:-$root/bench/results}/latest.csv

@@ -55,7 +55,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
-import harness  # noqa: E402
+from testkit import harness
 
 MINUTES = bench.env_float("SOAK_MINUTES", 30)
 RATE = bench.env_int("SOAK_RATE", 2000)

@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
-import harness  # noqa: E402  (bench put tests/integration on the path)
+from testkit import harness
 
 SECONDS = 5
 

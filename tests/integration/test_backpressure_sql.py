@@ -29,8 +29,8 @@ import unittest
 import psycopg2
 import psycopg2.errors
 
-import harness
-from harness import scalar
+from testkit import harness
+from testkit.harness import scalar
 
 harness.set_deadline(300)
 

@@ -57,8 +57,8 @@ import uuid
 
 import psycopg2
 
-import harness
-from harness import scalar
+from testkit import harness
+from testkit.harness import scalar
 
 harness.require_relay()
 harness.set_deadline(300)

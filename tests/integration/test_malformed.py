@@ -14,8 +14,8 @@ import socket
 import threading
 import time
 
-import harness
-from harness import insert
+from testkit import harness
+from testkit.harness import insert
 
 harness.require_relay()
 harness.set_deadline(240)

@@ -46,9 +46,9 @@ import threading
 import time
 import unittest
 
-import harness
-from faults import TcpProxy
-from harness import scalar, wait_until
+from testkit import harness
+from testkit.faults import TcpProxy
+from testkit.harness import scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(420)

@@ -11,7 +11,7 @@ them all: a password in any line fails it, with the file and the line.
 import os
 import unittest
 
-import harness
+from testkit import harness
 
 MIN_PASSWORD_LEN = 6  # shorter ones would match ordinary words
 

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import unittest
 
-import harness
+from testkit import harness
 
 harness.require_relay()
 harness.set_deadline(900)

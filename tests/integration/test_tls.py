@@ -24,8 +24,8 @@ import tempfile
 import time
 import unittest
 
-import harness
-from harness import insert_many, scalar, wait_until
+from testkit import harness
+from testkit.harness import insert_many, scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(300)

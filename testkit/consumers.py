@@ -20,7 +20,7 @@ import re
 import sys
 import uuid
 
-import harness
+from . import harness
 
 CONSUMER_MIGRATIONS_DIR = os.path.join(harness.SOURCE_DIR, "migrations", "consumer")
 EMAIL_SCHEMA = os.path.join(harness.SOURCE_DIR, "examples", "email_schema.sql")

@@ -44,7 +44,7 @@ import psycopg2.extras
 import redis as redis_py
 
 SOURCE_DIR = os.environ.get("OUTBOX_RELAY_SOURCE_DIR") or os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.path.dirname(os.path.abspath(__file__)))
 MIGRATIONS_DIR = os.path.join(SOURCE_DIR, "migrations")
 SKIP = 77  # CTest SKIP_RETURN_CODE
 

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-import harness
+from . import harness
 
 # --------------------------------------------------------------------------
 # TCP proxy.
