@@ -466,7 +466,7 @@ def start_relay(pg, rd, **flags):
     flags.setdefault("metrics_listen", f"127.0.0.1:{harness.free_port()}")
     relay = harness.Relay(pg, rd, stop_timeout=10, **flags)
     relay.metrics = flags["metrics_listen"]
-    harness._register(relay)
+    harness.register(relay)
     relay.start()
     return relay
 
@@ -2213,7 +2213,7 @@ def machine():
         info["memory_gib"] = round(int(m.group(1)) / 1048576, 1) if m else None
     info["kernel"] = platform.release()
     info["os"] = cmd_out(["sh", "-c", ". /etc/os-release && echo $PRETTY_NAME"])
-    info["postgres"] = cmd_out([os.path.join(harness._pg_bindir(), "postgres"), "--version"])
+    info["postgres"] = cmd_out([os.path.join(harness.pg_bindir(), "postgres"), "--version"])
     info["redis"] = cmd_out(["redis-server", "--version"])
     for pkg in ("libpq5", "libhiredis0.14", "libev4"):
         info[pkg] = cmd_out(["dpkg-query", "-W", "-f=${Version}", pkg])

@@ -9,6 +9,10 @@ PYTHONPATH:
     from testkit import faults                # a controllable loopback TCP proxy
     from testkit import consumers             # the example consumer as a process
 
+harness is also where to start reading: its docstring says which module
+beside it (common, cleanup, postgres, redis_server, tls, relay, outbox,
+producers, verify) holds what.
+
 ctest sets PYTHONPATH (tests/CMakeLists.txt), as bench/run.sh and
 scripts/demo.sh do. One test file by hand, from the repository root, after a
 build into build/:

@@ -1,6 +1,6 @@
 """The harness stops what it starts, also when a test does not.
 
-Promise tested (tests/integration/harness.py, "Process-wide cleanup"): a
+Promise tested (testkit/cleanup.py, "Process-wide cleanup"): a
 harness.Daemon that a test starts by hand rather than in a `with` block
 (test_ordered starts and restarts its consumers so) is stopped, and its
 temporary directory removed, when the test process exits, even if the test

@@ -13,6 +13,7 @@ arrive once the peer is gone.
 import socket
 import threading
 import time
+import unittest
 
 from testkit import harness
 from testkit.harness import insert
@@ -166,4 +167,4 @@ class MalformedReplyTest(harness.ServerTestCase):
 
 
 if __name__ == "__main__":
-    harness.unittest.main()
+    unittest.main()

@@ -168,7 +168,7 @@ class SeveralRelaysTest(unittest.TestCase):
                       harness.Relay(pg, redis, env={"OUTBOX_RELAY_POSTGRES": proxied}, **flags)]
             deaths = {i: [] for i in range(3)}
             for relay in relays:
-                harness._register(relay)
+                harness.register(relay)
                 relay.start()
             self.redis = redis
             try:

@@ -160,9 +160,9 @@ class SchemaTest(harness.PostgresTestCase):
         return conn
 
     def schema_dump(self):
-        text = harness._run([os.path.join(self.pg.bindir, "pg_dump"), "-h", "127.0.0.1",
-                             "-p", str(self.pg.port), "-U", "postgres", "-d", "app",
-                             "--schema-only"], "pg_dump")
+        text = harness.run_command([os.path.join(self.pg.bindir, "pg_dump"), "-h", "127.0.0.1",
+                                    "-p", str(self.pg.port), "-U", "postgres", "-d", "app",
+                                    "--schema-only"], "pg_dump")
         # pg_dump 15.14+ brackets its output with \restrict <random key>.
         return [line for line in text.splitlines()
                 if not line.startswith(("\\restrict", "\\unrestrict"))]

@@ -1,7 +1,7 @@
 """No password in any log line of the whole test suite.
 
 Every log the suite produced is kept in OUTBOX_TEST_LOG_DIR
-(tests/integration/harness.py: the relays', the consumers' and the tools'
+(testkit/cleanup.py: the relays', the consumers' and the tools'
 output, the PostgreSQL and Redis server logs), with every password the
 harness handed out (the Redis users of docs/OPERATIONS.md, requirepass). This
 file runs after every other integration test (tests/CMakeLists.txt) and reads
