@@ -46,15 +46,19 @@ fi
 
 # --- build --------------------------------------------------------------------
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DRELAY_TESTS=OFF >/dev/null
-cmake --build "$build" -j2 --target outbox-relay relay_core outbox_consumer
-# The tools link relay_core for the relay's own claim SQL, publish function and
-# argv builder, so the yardstick does exactly the relay's work.
-cflags=(-std=c11 -O3 -DNDEBUG -Wall -Wextra -I"$root/include")
+cmake --build "$build" -j2 --target outbox-relay relay_daemon relay_core outbox_consumer
+# The tools link the daemon's libraries (relay_daemon, and relay_core and the
+# common code beneath it) for the relay's own claim SQL, publish function and
+# argv builder, so the yardstick does exactly the relay's work. Their headers
+# sit beside their layers (common/, relay/), included from the source root,
+# as CMake's own bench-* targets do.
+cflags=(-std=c11 -O3 -DNDEBUG -Wall -Wextra -I"$root/include" -I"$root")
 read -r -a pkgcflags <<<"$(pkg-config --cflags libpq hiredis)"
 read -r -a pkglibs <<<"$(pkg-config --libs libpq hiredis)"
 for tool in naive loadgen pgq; do
-  cc "${cflags[@]}" "${pkgcflags[@]}" "$root/bench/$tool.c" "$build/librelay_core.a" \
-    "$build/liboutbox_consumer.a" "${pkglibs[@]}" -lev -lpthread -lm -o "$build/bench-$tool"
+  cc "${cflags[@]}" "${pkgcflags[@]}" "$root/bench/$tool.c" "$build/librelay_daemon.a" \
+    "$build/librelay_core.a" "$build/liboutbox_consumer.a" "${pkglibs[@]}" -lev -lpthread -lm \
+    -o "$build/bench-$tool"
 done
 
 # --- run ----------------------------------------------------------------------
