@@ -10,10 +10,12 @@
 # PgQ for the side-by-side section),
 # builds the relay optimised (CMake Release) into build-bench with the three
 # benchmark tools (bench/naive.c, bench/loadgen.c, bench/pgq.c) beside it, then runs
-# bench/bench.py: it starts its own PostgreSQL and Redis on loopback, prints
-# the table, and writes bench/results/latest.csv, latest-table.md and PNG
-# plots. Sizes and sections come from BENCH_* variables: see bench/bench.py
-# and docs/PERFORMANCE.md.
+# bench/bench.py (as the module bench.bench, with the repository root on
+# PYTHONPATH, where it finds the packages bench and testkit): it starts its own
+# PostgreSQL and Redis on loopback, prints the table, and writes
+# bench/results/latest.csv, latest-table.md and PNG plots. Sizes and sections
+# come from BENCH_* variables: see bench/bench.py, bench/benchlib.py and
+# docs/PERFORMANCE.md.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -52,11 +54,11 @@ cmake --build "$build" -j2 --target outbox-relay outbox_consumer bench-naive ben
 # --- run ----------------------------------------------------------------------
 status=0
 if [[ "${1:-}" == "--soak" ]]; then
-  BENCH_BUILD_DIR="$build" /usr/bin/python3 "$root/bench/soak.py" || status=$?
+  PYTHONPATH="$root" BENCH_BUILD_DIR="$build" /usr/bin/python3 -m bench.soak || status=$?
   echo "bench/run.sh --soak: $(($(date +%s) - started))s in all"
   exit "$status"
 fi
-BENCH_BUILD_DIR="$build" /usr/bin/python3 "$root/bench/bench.py" || status=$?
+PYTHONPATH="$root" BENCH_BUILD_DIR="$build" /usr/bin/python3 -m bench.bench || status=$?
 took=$(($(date +%s) - started))
 echo "bench/run.sh: ${took}s in all (installing, building and measuring)"
 csv=${BENCH_RESULTS:-$root/bench/results}/latest.csv

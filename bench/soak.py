@@ -53,14 +53,18 @@ import threading
 import time
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402
-import harness  # noqa: E402
+if not __package__:  # run as a file, "bench" would name bench/bench.py, not the package
+    sys.exit("soak.py: run it as a module of the package bench, with the repository root\n"
+             "on PYTHONPATH: PYTHONPATH=. /usr/bin/python3 -m bench.soak (bench/run.sh\n"
+             "--soak builds the relay and the tools, then does so)")
 
-MINUTES = bench.env_float("SOAK_MINUTES", 30)
-RATE = bench.env_int("SOAK_RATE", 2000)
-SAMPLE = bench.env_float("SOAK_SAMPLE", 10 if MINUTES >= 10 else 5)
-PRODUCERS = bench.env_int("SOAK_PRODUCERS", 8)
+from bench import benchlib  # noqa: E402
+from testkit import harness  # noqa: E402
+
+MINUTES = benchlib.env_float("SOAK_MINUTES", 30)
+RATE = benchlib.env_int("SOAK_RATE", 2000)
+SAMPLE = benchlib.env_float("SOAK_SAMPLE", 10 if MINUTES >= 10 else 5)
+PRODUCERS = benchlib.env_int("SOAK_PRODUCERS", 8)
 TOPICS = 4
 SECONDS = MINUTES * 60
 STOP_FROM, STOP_UNTIL = SECONDS / 3, 2 * SECONDS / 3
@@ -68,7 +72,7 @@ CATCH_UP = min(60.0, SECONDS / 10)  # after the stop: the lagger's reads compete
 # At least 45 s: a few minutes' run then keeps tens of MiB of sent rows,
 # large against the steps PostgreSQL extends a busy table by (up to 512
 # pages at once), which would otherwise decide the 5 % check alone.
-SENT_RETENTION_S = bench.env_int("SOAK_SENT_RETENTION", max(45, int(MINUTES * 4)))
+SENT_RETENTION_S = benchlib.env_int("SOAK_SENT_RETENTION", max(45, int(MINUTES * 4)))
 STREAM_RETENTION_S = int(MINUTES * 10)
 VACUUM_DEAD_ROWS = max(5000, int(RATE * MINUTES * 2))
 P99_LIMIT_MS = 50.0
@@ -82,12 +86,12 @@ GROWTH_FLOOR_BYTES = 512 * 8192
 # 0: the latency target is reported, not checked (the test tier's short run:
 # a speed figure has no place in a test on a shared machine).
 LATENCY_CHECK = os.environ.get("SOAK_LATENCY_CHECK", "1") != "0"
-RESULTS = bench.RESULTS
+RESULTS = benchlib.RESULTS
 STREAMS = [f"bench{i}" for i in range(TOPICS)]
 
 
 def log(msg):
-    bench.log(f"soak: {msg}")
+    benchlib.log(f"soak: {msg}")
 
 
 class Lagger(threading.Thread):
@@ -156,10 +160,10 @@ def sampler(pg, rd, relay, claim_sql, t0, samples, stop):
     while not stop.wait(SAMPLE):
         try:
             s = {"t": round(time.monotonic() - t0, 1)}
-            s["table_bytes"] = bench.scalar(
+            s["table_bytes"] = benchlib.scalar(
                 auto, "SELECT pg_total_relation_size('outbox.messages')")
-            s["rows"] = bench.scalar(auto, "SELECT n_live_tup FROM pg_stat_all_tables"
-                                           " WHERE relid = 'outbox.messages'::regclass")
+            s["rows"] = benchlib.scalar(auto, "SELECT n_live_tup FROM pg_stat_all_tables"
+                                              " WHERE relid = 'outbox.messages'::regclass")
             s["claim_ms"] = round(timed_claim(conn, claim_sql), 3)
             s["redis_used_memory"] = rc.info("memory")["used_memory"]
             lengths = [rc.xlen(x) for x in STREAMS]
@@ -276,23 +280,23 @@ def fork_watcher(rd, t0, forks, stop):
 
 def main():
     os.makedirs(RESULTS, exist_ok=True)
-    for path in (bench.RELAY_BIN, bench.LOADGEN_BIN, bench.NAIVE_BIN):
+    for path in (benchlib.RELAY_BIN, benchlib.LOADGEN_BIN, benchlib.NAIVE_BIN):
         if not os.access(path, os.X_OK):
             sys.exit(f"soak.py: {path} not found: run bench/run.sh --soak, which builds it")
-    os.environ["OUTBOX_RELAY_BIN"] = bench.RELAY_BIN
+    os.environ["OUTBOX_RELAY_BIN"] = benchlib.RELAY_BIN
     harness.set_deadline(SECONDS + 900)
     log(f"{RATE} msg/s for {MINUTES:g} min; sent_retention {SENT_RETENTION_S}s,"
         f" stream_retention {STREAM_RETENTION_S}s, vacuum_dead_rows {VACUUM_DEAD_ROWS};"
         f" group lagger stops from"
         f" {STOP_FROM:.0f}s to {STOP_UNTIL:.0f}s")
-    with bench.servers() as (pg, rd, conn, rc):
+    with benchlib.servers() as (pg, rd, conn, rc):
         for s in STREAMS:
             rc.xgroup_create(s, "lagger", id="$", mkstream=True)
-        relay = bench.start_relay(pg, rd, sent_retention=f"{SENT_RETENTION_S}s",
-                                  stream_retention=f"{STREAM_RETENTION_S}s",
-                                  dedup_ttl=f"{STREAM_RETENTION_S}s", observe_interval="1s",
-                                  vacuum_dead_rows=str(VACUUM_DEAD_ROWS))
-        claim_sql = bench.claim_sql_filled(500)
+        relay = benchlib.start_relay(pg, rd, sent_retention=f"{SENT_RETENTION_S}s",
+                                     stream_retention=f"{STREAM_RETENTION_S}s",
+                                     dedup_ttl=f"{STREAM_RETENTION_S}s", observe_interval="1s",
+                                     vacuum_dead_rows=str(VACUUM_DEAD_ROWS))
+        claim_sql = benchlib.claim_sql_filled(500)
         samples, stop = [], threading.Event()
         t0 = time.monotonic()
         lagger = Lagger(rd, t0)
@@ -304,11 +308,11 @@ def main():
         fw = threading.Thread(target=fork_watcher, args=(rd, t0, forks, stop), daemon=True)
         fw.start()
         try:
-            res = bench.run_json([bench.LOADGEN_BIN, "--postgres", pg.dsn(), "--redis-port",
-                                  str(rd.port), "--rate", str(RATE), "--seconds", str(SECONDS),
-                                  "--producers", str(PRODUCERS), "--topics", str(TOPICS),
-                                  "--payload", "200", "--group", "steady", "--wait", "60",
-                                  "--windows", str(SAMPLE)], timeout=SECONDS + 600)
+            res = benchlib.run_json([benchlib.LOADGEN_BIN, "--postgres", pg.dsn(), "--redis-port",
+                                     str(rd.port), "--rate", str(RATE), "--seconds", str(SECONDS),
+                                     "--producers", str(PRODUCERS), "--topics", str(TOPICS),
+                                     "--payload", "200", "--group", "steady", "--wait", "60",
+                                     "--windows", str(SAMPLE)], timeout=SECONDS + 600)
             # The lagger catches up on what is left.
             deadline = time.monotonic() + 120
             while len(lagger.seen) < res["committed"] and time.monotonic() < deadline:
@@ -320,7 +324,7 @@ def main():
             fw.join(10)
             lagger.join(10)
             relay_log = relay.log()
-            bench.stop_relay(relay)
+            benchlib.stop_relay(relay)
     return report(res, samples, lagger, relay_log, forks)
 
 
@@ -401,7 +405,7 @@ def report(res, samples, lagger, relay_log, forks=()):
     lines = [f"# Soak: {RATE} msg/s over {TOPICS} topics for {MINUTES:g} minutes", "",
              f"sent_retention {SENT_RETENTION_S}s, stream_retention {STREAM_RETENTION_S}s;"
              f" group lagger stopped from {STOP_FROM:.0f}s to {STOP_UNTIL:.0f}s;"
-             + (f" redis-server {' '.join(bench.REDIS_ARGS)};" if bench.REDIS_ARGS else "")
+             + (f" redis-server {' '.join(benchlib.REDIS_ARGS)};" if benchlib.REDIS_ARGS else "")
              + f" achieved {res['achieved_rate']:.0f} msg/s, {committed} messages.", "",
              "| check | figure | met |", "|---|---|---|"]
     for what, figure, ok in checks:

@@ -29,17 +29,13 @@ Run it with scripts/demo.sh, which installs and builds what it needs.
 """
 
 import argparse
-import os
 import re
 import signal
 import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
-                                "integration"))
-import harness  # noqa: E402
-import consumers  # noqa: E402
+from testkit import consumers, harness
 
 ORDERS_SQL = """
 CREATE TABLE IF NOT EXISTS orders (

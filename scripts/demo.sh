@@ -17,4 +17,5 @@ cmake --build "$build_dir" -j2 --target outbox-relay outbox-email-consumer >/dev
 export OUTBOX_RELAY_BIN="$root/$build_dir/outbox-relay"
 export OUTBOX_EMAIL_CONSUMER_BIN="$root/$build_dir/outbox-email-consumer"
 export OUTBOX_RELAY_SOURCE_DIR="$root"
+export PYTHONPATH="$root"  # the harness, testkit/
 exec /usr/bin/python3 scripts/demo.py "$@"

@@ -9,6 +9,13 @@
 #
 # Usage: scripts/test.sh [--quick]   (--quick: the quick tier alone)
 #
+# One integration test, after a build into build/: through ctest, which sets
+# its environment,
+#   ctest --test-dir build -R '^integration\.delivery$' --output-on-failure
+# or the file by hand from the repository root, with the root on PYTHONPATH
+# for the harness (testkit/):
+#   PYTHONPATH=. /usr/bin/python3 tests/integration/test_delivery.py
+#
 # Environment:
 #   BUILD_DIR       build directory, relative to the repository root (default build)
 #   BUILD_TYPE      CMAKE_BUILD_TYPE (default RelWithDebInfo)

@@ -10,18 +10,16 @@ call four before it, which exists). Rounds alternate A B B A. Prints Redis's CPU
 per call (INFO cpu) for each round and the medians. Needs build-bench (run
 bench/run.sh once first).
 
-    /usr/bin/python3 bench/extra/chain_cost.py
+    PYTHONPATH=. /usr/bin/python3 bench/extra/chain_cost.py
 """
 import contextlib
-import os
 import statistics
 import subprocess
-import sys
 import time
 import uuid
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench  # noqa: E402
+from bench import benchlib
+from testkit import harness
 
 CALLS, PIPELINE, STREAMS, ROUNDS = 100_000, 100, 4, 3
 FUNCTION = "outbox_relay_publish_v2"
@@ -55,10 +53,10 @@ def one_round(c, chained):
 
 
 def main():
-    source = subprocess.run([bench.NAIVE_BIN, "--print-function"], stdout=subprocess.PIPE,
+    source = subprocess.run([benchlib.NAIVE_BIN, "--print-function"], stdout=subprocess.PIPE,
                             text=True, check=True).stdout
     times = {False: [], True: []}
-    with bench.harness.Redis(appendonly=False) as rd, contextlib.closing(rd.client()) as c:
+    with harness.Redis(appendonly=False) as rd, contextlib.closing(rd.client()) as c:
         c.function_load(source, replace=True)
         for chained in [False, True, True, False] * ROUNDS:
             us = one_round(c, chained)

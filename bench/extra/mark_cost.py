@@ -8,24 +8,21 @@ UPDATE ... SET sent_at (as the relay marks them) or DELETE them, then COMMIT. Pr
 median time of the mark statement and of the commit per round. Needs build-bench (run
 bench/run.sh once first).
 
-    /usr/bin/python3 bench/extra/mark_cost.py
+    PYTHONPATH=. /usr/bin/python3 bench/extra/mark_cost.py
 """
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench  # noqa: E402
+from bench import benchlib
 
 BATCH, ROUNDS, BATCHES = 500, 3, 40
 
 
 def main():
-    sql = bench.claim_sql_filled(BATCH)
-    with bench.BenchPostgres() as pg:
+    sql = benchlib.claim_sql_filled(BATCH)
+    with benchlib.BenchPostgres() as pg:
         conn = pg.connect()
-        bench.insert_backlog(conn, 200000)
+        benchlib.insert_backlog(conn, 200000)
         conn.autocommit = False
         cur = conn.cursor()
         for rnd in range(1, ROUNDS + 1):

@@ -14,7 +14,7 @@ nothing paused ($2 = '{}'), BATCH rows, each ROUNDS times inside BEGIN ... ROLLB
 A bench-naive that knows --paused prints the statement the relay prepares for paused
 topics; an older one prints its single claim, which served both cases.
 
-    /usr/bin/python3 bench/extra/paused_claim.py [LABEL=path/to/bench-naive ...]
+    PYTHONPATH=. /usr/bin/python3 bench/extra/paused_claim.py [LABEL=path/to/bench-naive ...]
 
 Without arguments it measures build-bench/bench-naive (run bench/run.sh once first).
 BENCH_PAUSED_ROWS sets ROWS (default 1,000,000).
@@ -26,8 +26,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench  # noqa: E402
+from bench import benchlib
 
 ROWS = int(os.environ.get("BENCH_PAUSED_ROWS") or 1_000_000)
 HEALTHY_ROWS = 1000
@@ -90,20 +89,20 @@ def measure(conn, sql, paused):
 
 
 def main():
-    naives = [a.split("=", 1) for a in sys.argv[1:]] or [("this build", bench.NAIVE_BIN)]
-    with bench.BenchPostgres() as pg:
+    naives = [a.split("=", 1) for a in sys.argv[1:]] or [("this build", benchlib.NAIVE_BIN)]
+    with benchlib.BenchPostgres() as pg:
         conn = pg.connect()
         started = time.monotonic()
-        bench.execute(conn, "INSERT INTO outbox.messages (topic, payload)"
-                            " SELECT 'orders', convert_to(rpad(g::text, 200, 'x'), 'UTF8')"
-                            " FROM generate_series(1, %s) AS g", (ROWS,))
-        bench.execute(conn, "INSERT INTO outbox.messages (topic, payload)"
-                            " SELECT CASE WHEN g %% 2 = 1 THEN 'orders'"
-                            "  ELSE (ARRAY['invoices', 'mail'])[1 + g / 2 %% 2] END,"
-                            "  convert_to(rpad(g::text, 200, 'y'), 'UTF8')"
-                            " FROM generate_series(0, %s) AS g", (2 * HEALTHY_ROWS - 1,))
-        bench.execute(conn, "VACUUM ANALYZE outbox.messages")
-        bench.execute(conn, "CHECKPOINT")
+        benchlib.execute(conn, "INSERT INTO outbox.messages (topic, payload)"
+                               " SELECT 'orders', convert_to(rpad(g::text, 200, 'x'), 'UTF8')"
+                               " FROM generate_series(1, %s) AS g", (ROWS,))
+        benchlib.execute(conn, "INSERT INTO outbox.messages (topic, payload)"
+                               " SELECT CASE WHEN g %% 2 = 1 THEN 'orders'"
+                               "  ELSE (ARRAY['invoices', 'mail'])[1 + g / 2 %% 2] END,"
+                               "  convert_to(rpad(g::text, 200, 'y'), 'UTF8')"
+                               " FROM generate_series(0, %s) AS g", (2 * HEALTHY_ROWS - 1,))
+        benchlib.execute(conn, "VACUUM ANALYZE outbox.messages")
+        benchlib.execute(conn, "CHECKPOINT")
         print(f"{ROWS} rows of the paused topic in front of {HEALTHY_ROWS} healthy rows"
               f" (interleaved with {HEALTHY_ROWS} more paused ones), filled in"
               f" {time.monotonic() - started:.0f}s; batch {BATCH}, medians of {ROUNDS}",

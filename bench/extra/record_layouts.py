@@ -12,14 +12,11 @@ or HDEL. Rounds alternate the two layouts. Prints the rate, Redis's main-thread
 CPU a message (INFO cpu), its time in the calls (commandstats), the removal's
 CPU a record and used_memory. Needs build-bench (run bench/run.sh once first).
 
-    /usr/bin/python3 bench/extra/record_layouts.py
+    PYTHONPATH=. /usr/bin/python3 bench/extra/record_layouts.py
 """
-import os
 import subprocess
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench  # noqa: E402
+from bench import benchlib
 
 PROTO = r"""#!lua name=proto
 local function many_hash(keys, args)
@@ -66,8 +63,8 @@ def cpu(c):
 
 
 def bench_calls(rd, c, fn):
-    """One round of fn's calls (bench.publish_alone), then the removal of their records."""
-    argv = subprocess.run([bench.NAIVE_BIN, "--print-argv", "--call-rows", "64"],
+    """One round of fn's calls (benchlib.publish_alone), then the removal of their records."""
+    argv = subprocess.run([benchlib.NAIVE_BIN, "--print-argv", "--call-rows", "64"],
                           stdout=subprocess.PIPE, text=True, check=True).stdout.splitlines()
     stream, before = argv[3], argv[4]
     hashed = fn == "proto_many_hash"
@@ -77,9 +74,9 @@ def bench_calls(rd, c, fn):
     c.hset(stream + ":dedup", before, "0-1")  # publish_alone records it as a key
     c.config_resetstat()
     c0 = cpu(c)
-    res = bench.publish_alone(rd, 64, function=fn)
+    res = benchlib.publish_alone(rd, 64, function=fn)
     c1 = cpu(c)
-    n = bench.PUBLISH_CALLS // 64 * 64
+    n = benchlib.PUBLISH_CALLS // 64 * 64
     fc = c.info("commandstats").get("cmdstat_fcall", {})
     mem = c.info("memory")["used_memory"]
     # The removal after the commits, 500 records a command.
@@ -99,8 +96,8 @@ def bench_calls(rd, c, fn):
 
 
 def main():
-    with bench.servers() as (pg, rd, conn, rc):
-        src = subprocess.run([bench.NAIVE_BIN, "--print-function"], stdout=subprocess.PIPE,
+    with benchlib.servers() as (pg, rd, conn, rc):
+        src = subprocess.run([benchlib.NAIVE_BIN, "--print-function"], stdout=subprocess.PIPE,
                              text=True, check=True).stdout
         rc.execute_command("FUNCTION", "LOAD", "REPLACE", src)
         rc.execute_command("FUNCTION", "LOAD", "REPLACE", PROTO)

@@ -56,7 +56,7 @@ backend's CPU per message over it is recorded too), 100,000 new rows, and right 
 same claim timing (H: also the correct claim, without the watermark). No VACUUM is run
 after the backlog is in, except by PV's and DV's relay policy.
 
-    /usr/bin/python3 bench/extra/storage.py [cpu] [producer] [claim] [report]
+    PYTHONPATH=. /usr/bin/python3 bench/extra/storage.py [cpu] [producer] [claim] [report]
 
 Without arguments: cpu, producer, claim, report. Raw records (plans included) are appended
 to /tmp/storage-candidates-raw.jsonl (STORAGE_RAW); "report" prints the markdown table and
@@ -74,15 +74,14 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench  # noqa: E402
+from bench import benchlib
 
 BATCH = 500
-ROUNDS = bench.env_int("STORAGE_ROUNDS", 3)
-CPU_ROWS = bench.env_int("STORAGE_CPU_ROWS", 200000)
+ROUNDS = benchlib.env_int("STORAGE_ROUNDS", 3)
+CPU_ROWS = benchlib.env_int("STORAGE_CPU_ROWS", 200000)
 BEFORE_ROWS = 100000
-DRAIN_ROWS = bench.env_int("STORAGE_DRAIN_ROWS", 1000000)
-PRODUCER_ROWS = bench.env_int("STORAGE_PRODUCER_ROWS", 10000)
+DRAIN_ROWS = benchlib.env_int("STORAGE_DRAIN_ROWS", 1000000)
+PRODUCER_ROWS = benchlib.env_int("STORAGE_PRODUCER_ROWS", 10000)
 CLAIMS, EXPLAINS = 300, 30
 PV_EVERY = 100000
 WAKEUP_LOCK = 122550254464888
@@ -186,7 +185,7 @@ def record(rec):
 
 
 def claim_select():
-    sql = subprocess.run([bench.NAIVE_BIN, "--print-claim-sql"], stdout=subprocess.PIPE,
+    sql = subprocess.run([benchlib.NAIVE_BIN, "--print-claim-sql"], stdout=subprocess.PIPE,
                          text=True, check=True).stdout.strip()
     head, sep, tail = sql.partition(" FROM outbox.messages AS c")
     where, order = RELAY_FROM.split("  AND topic <> ALL ($2::text[])")
@@ -203,13 +202,13 @@ def backend_cpu(pid):
     fields = st[st.rindex(")") + 2:].split()
     with open(f"/proc/{pid}/schedstat") as f:
         run_ns = int(f.read().split()[0])
-    return (int(fields[11]) + int(fields[12])) / bench.CLK_TCK, run_ns / 1e9
+    return (int(fields[11]) + int(fields[12])) / benchlib.CLK_TCK, run_ns / 1e9
 
 
 def machine_busy():
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / bench.CLK_TCK
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / benchlib.CLK_TCK
 
 
 class Meter:
@@ -218,14 +217,14 @@ class Meter:
     def __init__(self, conn, pid):
         self.conn, self.pid = conn, pid
         self.cpu, self.run = backend_cpu(pid)
-        self.lsn = bench.scalar(conn, "SELECT pg_current_wal_lsn()::text")
+        self.lsn = benchlib.scalar(conn, "SELECT pg_current_wal_lsn()::text")
         self.busy, self.own, self.t = machine_busy(), sum(os.times()[:2]), time.monotonic()
 
     def read(self):
         cpu, run = backend_cpu(self.pid)
         busy, own, t = machine_busy(), sum(os.times()[:2]), time.monotonic()
-        lsn = bench.scalar(self.conn, "SELECT pg_current_wal_lsn()::text")
-        wal = bench.scalar(self.conn, "SELECT pg_wal_lsn_diff(%s, %s)", (lsn, self.lsn))
+        lsn = benchlib.scalar(self.conn, "SELECT pg_current_wal_lsn()::text")
+        wal = benchlib.scalar(self.conn, "SELECT pg_wal_lsn_diff(%s, %s)", (lsn, self.lsn))
         secs = t - self.t
         return dict(cpu=cpu - self.cpu, run=run - self.run, wal=int(wal), seconds=secs,
                     others_cores=max(0.0, (busy - self.busy - (cpu - self.cpu) - (own - self.own))
@@ -236,22 +235,22 @@ class Meter:
 def setup(pg, name, autovacuum):
     conn = pg.connect()
     for sql in CAND[name]["setup"]:
-        bench.execute(conn, sql)
-    bench.execute(conn, "CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+        benchlib.execute(conn, sql)
+    benchlib.execute(conn, "CREATE EXTENSION IF NOT EXISTS pg_walinspect")
     if not autovacuum:
-        bench.execute(conn, "ALTER SYSTEM SET autovacuum = off")
-        bench.execute(conn, "SELECT pg_reload_conf()")
+        benchlib.execute(conn, "ALTER SYSTEM SET autovacuum = off")
+        benchlib.execute(conn, "SELECT pg_reload_conf()")
         time.sleep(0.2)
     return conn
 
 
 def backlog(conn, name, n, prepare):
-    bench.insert_backlog(conn, n, prepare=False)
+    benchlib.insert_backlog(conn, n, prepare=False)
     if prepare:
-        bench.execute(conn, "VACUUM ANALYZE outbox.messages")
+        benchlib.execute(conn, "VACUUM ANALYZE outbox.messages")
         if CAND[name].get("pending"):
-            bench.execute(conn, "VACUUM ANALYZE outbox.pending")
-        bench.execute(conn, "CHECKPOINT")
+            benchlib.execute(conn, "VACUUM ANALYZE outbox.pending")
+        benchlib.execute(conn, "CHECKPOINT")
 
 
 def prepare_claim(cur, select, name, as_name="claim", from_=None):
@@ -270,7 +269,7 @@ def ids_literal(ids):
 def drain(conn, name, target, relay_vacuum=False):
     """Claims, marks and commits target rows in batches of BATCH; returns the meter's reading."""
     cur = conn.cursor()
-    pid = bench.scalar(conn, "SELECT pg_backend_pid()")
+    pid = benchlib.scalar(conn, "SELECT pg_backend_pid()")
     mark = CAND[name]["mark"]
     meter = Meter(conn, pid)
     done, watermark, since_vacuum, vacuums = 0, 0, 0, 0
@@ -305,16 +304,16 @@ def drain(conn, name, target, relay_vacuum=False):
 def verify(conn, name, drained, total):
     c = CAND[name]
     if c.get("pending"):
-        left = bench.scalar(conn, "SELECT count(*) FROM outbox.pending")
+        left = benchlib.scalar(conn, "SELECT count(*) FROM outbox.pending")
         ok = left == total - drained
     elif c.get("archive"):
-        ok = bench.scalar(conn, "SELECT count(*) FROM outbox.sent") == drained and \
-            bench.scalar(conn, "SELECT count(*) FROM outbox.messages") == total - drained
+        ok = benchlib.scalar(conn, "SELECT count(*) FROM outbox.sent") == drained and \
+            benchlib.scalar(conn, "SELECT count(*) FROM outbox.messages") == total - drained
     elif c["mark"].startswith("DELETE FROM outbox.messages"):
-        ok = bench.scalar(conn, "SELECT count(*) FROM outbox.messages") == total - drained
+        ok = benchlib.scalar(conn, "SELECT count(*) FROM outbox.messages") == total - drained
     else:
-        ok = bench.scalar(conn, "SELECT count(*) FROM outbox.messages WHERE sent_at IS NOT NULL") \
-            == drained
+        ok = benchlib.scalar(conn, "SELECT count(*) FROM outbox.messages"
+                                   " WHERE sent_at IS NOT NULL") == drained
     if not ok:
         raise RuntimeError(f"{name}: the tables do not hold what {drained} of {total} rows sent means")
 
@@ -329,9 +328,9 @@ def wal_detail(conn, lsn0, lsn1):
 
 
 def table_counters(conn, table):
-    bench.execute(conn, "SELECT pg_stat_force_next_flush()")
+    benchlib.execute(conn, "SELECT pg_stat_force_next_flush()")
     time.sleep(0.05)
-    bench.execute(conn, "SELECT pg_stat_clear_snapshot()")
+    benchlib.execute(conn, "SELECT pg_stat_clear_snapshot()")
     with conn.cursor() as cur:
         cur.execute("SELECT n_tup_upd, n_tup_hot_upd, n_dead_tup, autovacuum_count,"
                     " coalesce(last_autovacuum::text, 'never'), pg_total_relation_size(relid)"
@@ -349,10 +348,10 @@ def producer_cost(pg, conn, n):
         cur.execute("SET synchronous_commit = off")
         cur.execute("PREPARE ins(text, bytea) AS"
                     " INSERT INTO outbox.messages (topic, payload) VALUES ($1, $2)")
-        payload = bytes((i * 37) % 256 for i in range(bench.PAYLOAD))
+        payload = bytes((i * 37) % 256 for i in range(benchlib.PAYLOAD))
         for i in range(300):  # warm-up: plans, caches
             cur.execute("EXECUTE ins(%s, %s)", (f"bench{i % 4}", payload))
-        meter = Meter(prod, bench.scalar(prod, "SELECT pg_backend_pid()"))
+        meter = Meter(prod, benchlib.scalar(prod, "SELECT pg_backend_pid()"))
         for i in range(n):
             cur.execute("EXECUTE ins(%s, %s)", (f"bench{i % 4}", payload))
         m = meter.read()
@@ -364,38 +363,38 @@ def producer_cost(pg, conn, n):
 
 def cpu_run(select, name, rnd):
     log(f"cpu round {rnd}: {name}")
-    with bench.BenchPostgres() as pg:
+    with benchlib.BenchPostgres() as pg:
         conn = setup(pg, name, autovacuum=False)
         c = CAND[name]
         # Producers, while a relay holds the wake-up lock (busy: no NOTIFY).
-        bench.execute(conn, f"SELECT pg_advisory_lock({WAKEUP_LOCK})")
+        benchlib.execute(conn, f"SELECT pg_advisory_lock({WAKEUP_LOCK})")
         variants = [("", None)]
         if c.get("pending"):
             variants += [("stmt_plain", TRIGGER_STMT.format(secdef="")), ("row_plain", TRIGGER_ROW)]
         for label, trigger in variants:
             if trigger:
-                bench.execute(conn, DROP_TRIGGER)
-                bench.execute(conn, trigger)
+                benchlib.execute(conn, DROP_TRIGGER)
+                benchlib.execute(conn, trigger)
             m = producer_cost(pg, conn, PRODUCER_ROWS)
             record(dict(phase="producer", round=rnd, cand=name, variant=label or "main", **m))
             log(f"  producer {label or 'main'}: {m['cpu'] / m['rows'] * 1e6:.1f} us/row"
                 f" (schedstat {m['run'] / m['rows'] * 1e6:.1f}), {m['wal'] / m['rows']:.0f} WAL B/row")
         if len(variants) > 1:
-            bench.execute(conn, DROP_TRIGGER)
-            bench.execute(conn, TRIGGER_STMT.format(secdef=SECDEF))
-        bench.execute(conn, f"SELECT pg_advisory_unlock({WAKEUP_LOCK})")
-        bench.execute(conn, "TRUNCATE outbox.messages" +
-                      (", outbox.pending" if c.get("pending") else "") + " RESTART IDENTITY")
+            benchlib.execute(conn, DROP_TRIGGER)
+            benchlib.execute(conn, TRIGGER_STMT.format(secdef=SECDEF))
+        benchlib.execute(conn, f"SELECT pg_advisory_unlock({WAKEUP_LOCK})")
+        benchlib.execute(conn, "TRUNCATE outbox.messages" +
+                         (", outbox.pending" if c.get("pending") else "") + " RESTART IDENTITY")
         backlog(conn, name, CPU_ROWS, prepare=True)
         prepare_claim(conn.cursor(), select, name)
         m = drain(conn, name, CPU_ROWS)
         verify(conn, name, CPU_ROWS, CPU_ROWS)
         m.update(wal_detail(conn, m["lsn0"], m["lsn1"]))
         m["table"] = table_counters(conn, "outbox.messages")
-        pid = bench.scalar(conn, "SELECT pg_backend_pid()")
+        pid = benchlib.scalar(conn, "SELECT pg_backend_pid()")
         cpu0, run0 = backend_cpu(pid)
         t0 = time.monotonic()
-        bench.execute(conn, f"VACUUM {c['vacuum']}")
+        benchlib.execute(conn, f"VACUUM {c['vacuum']}")
         cpu1, run1 = backend_cpu(pid)
         m.update(vacuum_cpu=cpu1 - cpu0, vacuum_run=run1 - run0, vacuum_seconds=time.monotonic() - t0)
         record(dict(phase="cpu", round=rnd, cand=name, **m))
@@ -428,21 +427,21 @@ def producer_pairs(reps=6, rows=5000):
     """The producers' cost of U's and P's schemas, alternated on one server."""
     log("producer pairs")
     forms = list(PRODUCER_FORMS)
-    with bench.BenchPostgres() as pg:
+    with benchlib.BenchPostgres() as pg:
         conn = setup(pg, "U", autovacuum=False)
-        bench.execute(conn, f"SELECT pg_advisory_lock({WAKEUP_LOCK})")
+        benchlib.execute(conn, f"SELECT pg_advisory_lock({WAKEUP_LOCK})")
         current = "U"
         for rep in range(1, reps + 1):
             k = (rep - 1) % len(forms)
             for form in forms[k:] + forms[:k]:
                 if form != current:
                     for sql in PRODUCER_FORMS["U"][:3] if current != "U" else PRODUCER_FORMS["P"][:1]:
-                        bench.execute(conn, sql)
+                        benchlib.execute(conn, sql)
                     for sql in PRODUCER_FORMS[form][3:] if form == "U" else PRODUCER_FORMS[form][1:]:
-                        bench.execute(conn, sql)
+                        benchlib.execute(conn, sql)
                     current = form
-                bench.execute(conn, "TRUNCATE outbox.messages" +
-                              (", outbox.pending" if form != "U" else "") + " RESTART IDENTITY")
+                benchlib.execute(conn, "TRUNCATE outbox.messages" +
+                                 (", outbox.pending" if form != "U" else "") + " RESTART IDENTITY")
                 m = producer_cost(pg, conn, rows)
                 record(dict(phase="producer_pair", rep=rep, form=form, **m))
                 log(f"  {rep} {form}: {m['cpu'] / m['rows'] * 1e6:.1f} us/row"
@@ -453,7 +452,7 @@ def producer_pairs(reps=6, rows=5000):
 def claim_timing(conn, name, n, watermark=0, stmt="claim"):
     cur = conn.cursor()
     times, rows = [], 0
-    pid = bench.scalar(conn, "SELECT pg_backend_pid()")
+    pid = benchlib.scalar(conn, "SELECT pg_backend_pid()")
     run0 = backend_cpu(pid)[1]
     for _ in range(n):
         cur.execute("BEGIN")
@@ -483,7 +482,7 @@ def claim_run(select, name, mode):
     log(f"claim {name}, autovacuum {mode}")
     c = CAND[name]
     table = c["vacuum"] if c.get("pending") else "outbox.messages"
-    with bench.BenchPostgres() as pg:
+    with benchlib.BenchPostgres() as pg:
         conn = setup(pg, name, autovacuum=(mode == "on"))
         prepare_claim(conn.cursor(), select, name)
         backlog(conn, name, BEFORE_ROWS, prepare=True)

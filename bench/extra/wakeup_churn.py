@@ -7,37 +7,35 @@ its defaults, producers at 100, 500 and 2,000 single-row commits per second for 
 relay's cycles (/metrics), the relay's and PostgreSQL's CPU. Needs build-bench (run
 bench/run.sh once first).
 
-    /usr/bin/python3 bench/extra/wakeup_churn.py
+    PYTHONPATH=. /usr/bin/python3 bench/extra/wakeup_churn.py
 """
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench  # noqa: E402
-import harness  # noqa: E402  (bench put tests/integration on the path)
+from bench import benchlib
+from testkit import harness
 
 SECONDS = 5
 
 
 def main():
-    os.environ["OUTBOX_RELAY_BIN"] = bench.RELAY_BIN
+    os.environ["OUTBOX_RELAY_BIN"] = benchlib.RELAY_BIN
     count = ("SELECT xact_commit + xact_rollback FROM pg_stat_database"
              " WHERE datname = current_database()")
-    with bench.servers() as (pg, rd, conn, rc):
-        relay = bench.start_relay(pg, rd, batch_size=bench.BATCH)
+    with benchlib.servers() as (pg, rd, conn, rc):
+        relay = benchlib.start_relay(pg, rd, batch_size=benchlib.BATCH)
         try:
             harness.insert(conn, "bench0", b"warm-up")
             time.sleep(1.5)
             for rate in (100, 500, 2000):
-                x0, b0 = bench.scalar(conn, count), bench.relay_batches(relay)
-                c0 = bench.proc_cpu(relay.pid)
-                meter = bench.CpuMeter(pg, rd)
-                res = bench.loadgen(pg, rd, rate=rate, seconds=SECONDS, wait=3, group=f"g{rate}")
+                x0, b0 = benchlib.scalar(conn, count), benchlib.relay_batches(relay)
+                c0 = benchlib.proc_cpu(relay.pid)
+                meter = benchlib.CpuMeter(pg, rd)
+                res = benchlib.loadgen(pg, rd, rate=rate, seconds=SECONDS, wait=3, group=f"g{rate}")
                 pg_cpu, _ = meter.read()
                 time.sleep(0.7)  # the counters are reported when a transaction ends
-                x1, b1 = bench.scalar(conn, count), bench.relay_batches(relay)
-                c1 = bench.proc_cpu(relay.pid)
+                x1, b1 = benchlib.scalar(conn, count), benchlib.relay_batches(relay)
+                c1 = benchlib.proc_cpu(relay.pid)
                 n = res["committed"]
                 print(f"{rate}/s: {n} rows; {x1 - x0} transactions, {(x1 - x0 - n) / n:.1f} per row"
                       f" besides its insert; {b1 - b0:.0f} relay cycles ({n / (b1 - b0):.1f} rows"
@@ -45,7 +43,7 @@ def main():
                       f" PostgreSQL CPU {pg_cpu:.1f} s ({pg_cpu / SECONDS:.2f} cores);"
                       f" commit -> stream p50 {res['visible_ms']['p50']:.2f} ms", flush=True)
         finally:
-            bench.stop_relay(relay)
+            benchlib.stop_relay(relay)
 
 
 if __name__ == "__main__":

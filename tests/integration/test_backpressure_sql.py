@@ -29,8 +29,8 @@ import unittest
 import psycopg2
 import psycopg2.errors
 
-import harness
-from harness import scalar
+from testkit import harness
+from testkit.harness import scalar
 
 harness.set_deadline(300)
 
@@ -398,9 +398,9 @@ class BackpressureSqlTest(harness.PostgresTestCase):
 
     # -- the migration itself
     def schema_dump(self):
-        text = harness._run([os.path.join(self.pg.bindir, "pg_dump"), "-h", "127.0.0.1",
-                             "-p", str(self.pg.port), "-U", "postgres", "-d", "app",
-                             "--schema-only"], "pg_dump")
+        text = harness.run_command([os.path.join(self.pg.bindir, "pg_dump"), "-h", "127.0.0.1",
+                                    "-p", str(self.pg.port), "-U", "postgres", "-d", "app",
+                                    "--schema-only"], "pg_dump")
         return [line for line in text.splitlines()
                 if not line.startswith(("\\restrict", "\\unrestrict"))]
 

@@ -32,9 +32,9 @@ import unittest
 import urllib.error
 import urllib.request
 
-import faults
-import harness
-from harness import insert
+from testkit import faults
+from testkit import harness
+from testkit.harness import insert
 
 harness.require_relay()
 harness.set_deadline(300)

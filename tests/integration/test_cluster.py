@@ -31,9 +31,9 @@ import json
 import time
 import unittest
 
-import consumers
-import harness
-from harness import insert_many, scalar, wait_until
+from testkit import consumers
+from testkit import harness
+from testkit.harness import insert_many, scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(600)

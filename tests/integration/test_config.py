@@ -26,8 +26,8 @@ import tempfile
 import time
 import unittest
 
-import harness
-from harness import insert, run_relay, wait_until
+from testkit import harness
+from testkit.harness import insert, run_relay, wait_until
 
 harness.require_relay()
 harness.set_deadline(300)

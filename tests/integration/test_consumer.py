@@ -37,10 +37,10 @@ import threading
 import time
 import unittest
 
-import harness
-from harness import insert, insert_many, scalar, wait_until
-import consumers
-from consumers import Consumer, apply_consumer_schema, dlq_entries, effect_count, effects, \
+from testkit import harness
+from testkit.harness import insert, insert_many, scalar, wait_until
+from testkit import consumers
+from testkit.consumers import Consumer, apply_consumer_schema, dlq_entries, effect_count, effects, \
     log_events, pending_count, relay_tool, reset_effects, table_locked, xadd_message
 
 harness.require_relay()

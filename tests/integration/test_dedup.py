@@ -48,8 +48,8 @@ import uuid
 
 import redis as redis_py
 
-import harness
-from harness import insert, scalar, wait_until
+from testkit import harness
+from testkit.harness import insert, scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(240)

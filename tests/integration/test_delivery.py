@@ -33,8 +33,8 @@ import unittest
 
 import psycopg2
 
-import harness
-from harness import insert, scalar, wait_until
+from testkit import harness
+from testkit.harness import insert, scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(240)

@@ -56,9 +56,10 @@ import unittest
 import uuid
 
 import psycopg2
+import redis as redis_py
 
-import harness
-from harness import scalar
+from testkit import harness
+from testkit.harness import scalar
 
 harness.require_relay()
 harness.set_deadline(300)
@@ -237,7 +238,7 @@ class DlqToolTest(harness.ServerTestCase):
         self.assertEqual([g["name"] for g in self.r.xinfo_groups(REPLAY)], [GROUP.encode()])
         got = self.r.xreadgroup(GROUP, "c1", {REPLAY: ">"})
         self.assertEqual([fields for _, fields in got[0][1]], [orig])
-        with self.assertRaises(harness.redis_py.exceptions.ResponseError):
+        with self.assertRaises(redis_py.exceptions.ResponseError):
             self.r.xreadgroup(OTHER_GROUP, "c1", {REPLAY: ">"})
         self.assertEqual(self.r.xreadgroup(OTHER_GROUP, "c1", {STREAM: ">"})[0][1][-1][1][b"outbox_id"],
                          b"2", "the other group sees only what the relay published")
@@ -335,7 +336,7 @@ class DlqToolTest(harness.ServerTestCase):
         done = self.dlq("replay", STREAM, GROUP, e2)
         self.assertEqual(done.returncode, 69, done.output)
         self.assertIn("OOM command not allowed", done.stderr)
-        with self.assertRaises(harness.redis_py.exceptions.ResponseError) as refused:
+        with self.assertRaises(redis_py.exceptions.ResponseError) as refused:
             self.r.fcall(REPLAY_FUNCTION, 2, DLQ, REPLAY, e2)
         self.assertIn("OOM", str(refused.exception))
         self.r.config_set("maxmemory", 0)
@@ -361,19 +362,19 @@ class DlqToolTest(harness.ServerTestCase):
         self.assertIsNone(self.r.fcall(REPLAY_FUNCTION, 2, DLQ, REPLAY, entry),
                           "a dead letter replayed already is not there any more")
 
-        with self.assertRaises(harness.redis_py.exceptions.ResponseError) as e:
+        with self.assertRaises(redis_py.exceptions.ResponseError) as e:
             self.r.fcall(REPLAY_FUNCTION, 2, DLQ, REPLAY, lost)
         self.assertRegex(str(e.exception), r"^NOTREPLAYABLE dead letter " + re.escape(lost))
         for bad in ((1, DLQ, entry), (2, DLQ, REPLAY), (2, DLQ, REPLAY, "x-1"),
                     (2, DLQ, REPLAY, entry, "extra")):
-            with self.assertRaises(harness.redis_py.exceptions.ResponseError) as e:
+            with self.assertRaises(redis_py.exceptions.ResponseError) as e:
                 self.r.fcall(REPLAY_FUNCTION, *bad)
             self.assertRegex(str(e.exception), r"^(usage|entry id)", bad)
         self.r.set("plain", b"x")
-        with self.assertRaises(harness.redis_py.exceptions.ResponseError) as e:
+        with self.assertRaises(redis_py.exceptions.ResponseError) as e:
             self.r.fcall(REPLAY_FUNCTION, 2, DLQ, "plain", lost)
         self.assertIn("WRONGTYPE replay key plain holds a string", str(e.exception))
-        with self.assertRaises(harness.redis_py.exceptions.ResponseError) as e:
+        with self.assertRaises(redis_py.exceptions.ResponseError) as e:
             self.r.fcall(REPLAY_FUNCTION, 2, "plain", REPLAY, lost)
         self.assertIn("WRONGTYPE dead-letter key plain holds a string", str(e.exception))
         self.assertEqual(self.dlq_ids(), [lost], "no error changed anything")
@@ -561,9 +562,9 @@ class ConsumerSchemaTest(harness.PostgresTestCase):
             return cur.fetchall()
 
     def snapshot(self):
-        text = harness._run([os.path.join(self.pg.bindir, "pg_dump"), "-h", "127.0.0.1",
-                             "-p", str(self.pg.port), "-U", "postgres", "-d", self.DATABASE,
-                             "--schema-only"], "pg_dump")
+        text = harness.run_command([os.path.join(self.pg.bindir, "pg_dump"), "-h", "127.0.0.1",
+                                    "-p", str(self.pg.port), "-U", "postgres", "-d", self.DATABASE,
+                                    "--schema-only"], "pg_dump")
         dump = [line for line in text.splitlines()
                 if not line.startswith(("\\restrict", "\\unrestrict"))]
         with self.db.cursor() as cur:

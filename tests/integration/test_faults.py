@@ -49,8 +49,8 @@ import unittest
 
 import psycopg2
 
-import faults
-import harness
+from testkit import faults
+from testkit import harness
 
 harness.require_relay()
 harness.set_deadline(870)  # CTest kills the file at 900 s

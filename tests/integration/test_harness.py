@@ -1,6 +1,6 @@
 """The harness stops what it starts, also when a test does not.
 
-Promise tested (tests/integration/harness.py, "Process-wide cleanup"): a
+Promise tested (testkit/cleanup.py, "Process-wide cleanup"): a
 harness.Daemon that a test starts by hand rather than in a `with` block
 (test_ordered starts and restarts its consumers so) is stopped, and its
 temporary directory removed, when the test process exits, even if the test
@@ -17,17 +17,14 @@ import time
 import types
 import unittest
 
-import harness
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from testkit import harness
 
 # A test process that starts one daemon by hand, makes another it never
-# starts, prints their pid and directories, and fails.
+# starts, prints their pid and directories, and fails. It finds the harness
+# as this file does: through PYTHONPATH, which it inherits.
 SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {here!r})
-    import harness
-    env = {{"PATH": "/usr/bin:/bin"}}
+    from testkit import harness
+    env = {"PATH": "/usr/bin:/bin"}
     started = harness.Daemon(["sleep", "300"], env, "probe started")
     started.start()
     unstarted = harness.Daemon(["sleep", "300"], env, "probe unstarted")
@@ -47,7 +44,7 @@ def alive(pid):
 class HarnessTest(unittest.TestCase):
 
     def test_daemons_not_closed_by_the_test_are_closed_at_exit(self):
-        proc = subprocess.run([sys.executable, "-c", SCRIPT.format(here=HERE)],
+        proc = subprocess.run([sys.executable, "-c", SCRIPT],
                               capture_output=True, text=True, timeout=60)
         self.assertEqual(proc.returncode, 1, proc.stderr)
         pid, started_dir, unstarted_dir = proc.stdout.split()

@@ -23,8 +23,8 @@ import subprocess
 import unittest
 import urllib.request
 
-import harness
-from harness import insert
+from testkit import harness
+from testkit.harness import insert
 
 harness.require_relay()
 harness.set_deadline(240)

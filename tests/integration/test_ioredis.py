@@ -30,8 +30,8 @@ import sys
 import tempfile
 import unittest
 
-import harness
-from harness import wait_until
+from testkit import harness
+from testkit.harness import wait_until
 
 harness.require_relay()
 harness.set_deadline(400)

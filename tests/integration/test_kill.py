@@ -17,8 +17,8 @@ import sys
 import time
 import unittest
 
-import harness
-from harness import count_unsent, wait_until
+from testkit import harness
+from testkit.harness import count_unsent, wait_until
 
 harness.require_relay()
 harness.set_deadline(600)

@@ -27,8 +27,8 @@ import re
 import sys
 import unittest
 
-import harness
-from harness import wait_until
+from testkit import harness
+from testkit.harness import wait_until
 
 harness.require_relay()
 harness.set_deadline(300)

@@ -26,8 +26,8 @@ import unittest
 
 import redis as redis_py
 
-import harness
-from harness import wait_until
+from testkit import harness
+from testkit.harness import wait_until
 
 STREAM = "orders:003"
 GROUP = "billing"

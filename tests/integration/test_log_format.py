@@ -15,8 +15,8 @@ import json
 import re
 import unittest
 
-import harness
-from harness import insert, wait_until
+from testkit import harness
+from testkit.harness import insert, wait_until
 
 harness.require_relay()
 harness.set_deadline(180)

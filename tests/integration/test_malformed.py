@@ -13,9 +13,10 @@ arrive once the peer is gone.
 import socket
 import threading
 import time
+import unittest
 
-import harness
-from harness import insert
+from testkit import harness
+from testkit.harness import insert
 
 harness.require_relay()
 harness.set_deadline(240)
@@ -166,4 +167,4 @@ class MalformedReplyTest(harness.ServerTestCase):
 
 
 if __name__ == "__main__":
-    harness.unittest.main()
+    unittest.main()

@@ -33,7 +33,7 @@ import statistics
 import time
 import unittest
 
-import harness
+from testkit import harness
 
 harness.require_relay()
 harness.set_deadline(240)

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import unittest
 
-import harness
+from testkit import harness
 
 harness.set_deadline(120)
 

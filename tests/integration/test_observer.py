@@ -33,9 +33,9 @@ import urllib.request
 
 import psycopg2
 
-import faults
-import harness
-from harness import scalar, wait_until
+from testkit import faults
+from testkit import harness
+from testkit.harness import scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(420)

@@ -29,8 +29,8 @@ import unittest
 import urllib.error
 import urllib.request
 
-import harness
-from harness import insert
+from testkit import harness
+from testkit.harness import insert
 
 harness.require_relay()
 harness.set_deadline(240)

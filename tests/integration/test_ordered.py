@@ -34,10 +34,10 @@ import sys
 import time
 import unittest
 
-import consumers
-import harness
-from consumers import Consumer
-from harness import scalar, wait_until
+from testkit import consumers
+from testkit import harness
+from testkit.consumers import Consumer
+from testkit.harness import scalar, wait_until
 
 harness.require_relay()
 consumers.require_consumer()

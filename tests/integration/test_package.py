@@ -34,8 +34,8 @@ import shutil
 import textwrap
 import unittest
 
-import harness
-from harness import insert, wait_until
+from testkit import harness
+from testkit.harness import insert, wait_until
 
 if os.geteuid() != 0:
     print("SKIP: installing packages with dpkg -i needs root", file=sys.stderr)

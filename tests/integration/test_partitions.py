@@ -43,8 +43,8 @@ import urllib.request
 import psycopg2
 import psycopg2.errors
 
-import harness
-from harness import insert, insert_many, scalar, wait_until
+from testkit import harness
+from testkit.harness import insert, insert_many, scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(240)

@@ -32,8 +32,8 @@ import unittest
 
 import psycopg2
 
-import harness
-from harness import wait_until
+from testkit import harness
+from testkit.harness import wait_until
 
 harness.require_relay()
 harness.set_deadline(600)

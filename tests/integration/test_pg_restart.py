@@ -14,8 +14,8 @@ Promises tested (docs/DESIGN.md P1, P2, "The claim cycle"):
 import time
 import unittest
 
-import harness
-from harness import insert, scalar, wait_until
+from testkit import harness
+from testkit.harness import insert, scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(300)

@@ -23,9 +23,9 @@ import threading
 import time
 import unittest
 
-import faults
-import harness
-from harness import insert, wait_until
+from testkit import faults
+from testkit import harness
+from testkit.harness import insert, wait_until
 
 harness.require_relay()
 harness.set_deadline(240)

@@ -50,8 +50,8 @@ import uuid
 import psycopg2
 import psycopg2.extras
 
-import harness
-from harness import insert, wait_until
+from testkit import harness
+from testkit.harness import insert, wait_until
 
 harness.require_relay()
 harness.set_deadline(240)

@@ -46,9 +46,9 @@ import threading
 import time
 import unittest
 
-import harness
-from faults import TcpProxy
-from harness import scalar, wait_until
+from testkit import harness
+from testkit.faults import TcpProxy
+from testkit.harness import scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(420)
@@ -168,7 +168,7 @@ class SeveralRelaysTest(unittest.TestCase):
                       harness.Relay(pg, redis, env={"OUTBOX_RELAY_POSTGRES": proxied}, **flags)]
             deaths = {i: [] for i in range(3)}
             for relay in relays:
-                harness._register(relay)
+                harness.register(relay)
                 relay.start()
             self.redis = redis
             try:

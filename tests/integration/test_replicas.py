@@ -19,9 +19,9 @@ import signal
 import time
 import unittest
 
-import faults
-import harness
-from harness import insert, scalar, wait_until
+from testkit import faults
+from testkit import harness
+from testkit.harness import insert, scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(240)

@@ -49,8 +49,8 @@ import threading
 import time
 import unittest
 
-import harness
-from harness import scalar
+from testkit import harness
+from testkit.harness import scalar
 
 harness.require_relay()
 harness.set_deadline(840)

@@ -36,8 +36,8 @@ import urllib.request
 
 import psycopg2
 
-import harness
-from harness import scalar, wait_until
+from testkit import harness
+from testkit.harness import scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(400)

@@ -37,9 +37,9 @@ import uuid
 import psycopg2
 import psycopg2.errors
 
-import consumers
-import harness
-from harness import insert, scalar, wait_until
+from testkit import consumers
+from testkit import harness
+from testkit.harness import insert, scalar, wait_until
 
 harness.set_deadline(300)
 
@@ -118,10 +118,9 @@ class HarnessServersTest(harness.TestCase):
             c.close()
 
     def test_servers_removed_when_the_test_gets_sigterm(self):
-        script = textwrap.dedent(f"""
-            import json, sys, time
-            sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-            import harness
+        script = textwrap.dedent("""
+            import json, time
+            from testkit import harness
             with harness.Postgres(migrations=False) as pg, harness.Redis() as r:
                 print(json.dumps([pg.dir, pg.port, r.dir, r.port]), flush=True)
                 time.sleep(120)
@@ -161,9 +160,9 @@ class SchemaTest(harness.PostgresTestCase):
         return conn
 
     def schema_dump(self):
-        text = harness._run([os.path.join(self.pg.bindir, "pg_dump"), "-h", "127.0.0.1",
-                             "-p", str(self.pg.port), "-U", "postgres", "-d", "app",
-                             "--schema-only"], "pg_dump")
+        text = harness.run_command([os.path.join(self.pg.bindir, "pg_dump"), "-h", "127.0.0.1",
+                                    "-p", str(self.pg.port), "-U", "postgres", "-d", "app",
+                                    "--schema-only"], "pg_dump")
         # pg_dump 15.14+ brackets its output with \restrict <random key>.
         return [line for line in text.splitlines()
                 if not line.startswith(("\\restrict", "\\unrestrict"))]

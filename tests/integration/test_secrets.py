@@ -1,7 +1,7 @@
 """No password in any log line of the whole test suite.
 
 Every log the suite produced is kept in OUTBOX_TEST_LOG_DIR
-(tests/integration/harness.py: the relays', the consumers' and the tools'
+(testkit/cleanup.py: the relays', the consumers' and the tools'
 output, the PostgreSQL and Redis server logs), with every password the
 harness handed out (the Redis users of docs/OPERATIONS.md, requirepass). This
 file runs after every other integration test (tests/CMakeLists.txt) and reads
@@ -11,7 +11,7 @@ them all: a password in any line fails it, with the file and the line.
 import os
 import unittest
 
-import harness
+from testkit import harness
 
 MIN_PASSWORD_LEN = 6  # shorter ones would match ordinary words
 

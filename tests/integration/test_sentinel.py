@@ -24,11 +24,12 @@ Promises tested (README, "Redis replicas and Sentinel"):
 """
 
 import contextlib
+import random
 import time
 import unittest
 
-import harness
-from harness import insert, scalar, wait_until
+from testkit import harness
+from testkit.harness import insert, scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(420)
@@ -155,7 +156,7 @@ class SentinelTest(harness.PostgresTestCase):
 
     def test_sentinels_with_a_password_of_their_own(self):
         primary = self.enterContext(harness.Redis())
-        password = f"sentinel-{harness.random.getrandbits(48):012x}"
+        password = f"sentinel-{random.getrandbits(48):012x}"
         sentinel = self.enterContext(harness.Sentinel(primary, master=MASTER, quorum=1,
                                                       password=password))
         hint = r"\(check redis_sentinel_user and redis_sentinel_password\)"
@@ -199,10 +200,10 @@ class SentinelTest(harness.PostgresTestCase):
     def test_an_acl_user_of_the_sentinels_own(self):
         primary = self.enterContext(harness.Redis())
         user = "relay-watch"
-        user_password = f"watch-{harness.random.getrandbits(48):012x}"
+        user_password = f"watch-{random.getrandbits(48):012x}"
         sentinel = self.enterContext(harness.Sentinel(
             primary, master=MASTER, quorum=1,
-            password=f"default-{harness.random.getrandbits(48):012x}",
+            password=f"default-{random.getrandbits(48):012x}",
             user=user, user_password=user_password))
 
         def env(given_user):

@@ -17,8 +17,8 @@ import signal
 import time
 import unittest
 
-import harness
-from harness import insert, scalar, wait_until
+from testkit import harness
+from testkit.harness import insert, scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(300)

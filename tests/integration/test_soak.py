@@ -26,7 +26,7 @@ import sys
 import tempfile
 import unittest
 
-import harness
+from testkit import harness
 
 harness.require_relay()
 harness.set_deadline(900)
@@ -44,9 +44,9 @@ class SoakTest(harness.TestCase):
                        SOAK_MINUTES=os.environ.get("SOAK_MINUTES", "3"),
                        SOAK_RATE=os.environ.get("SOAK_RATE", "1000"),
                        SOAK_LATENCY_CHECK="0")
-            proc = subprocess.run([sys.executable, os.path.join(harness.SOURCE_DIR, "bench",
-                                                                "soak.py")],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            # bench.soak, found through the PYTHONPATH the test has.
+            proc = subprocess.run([sys.executable, "-m", "bench.soak"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, timeout=840)
             print(proc.stdout[-2500:], file=sys.stderr, flush=True)
             self.assertEqual(proc.returncode, 0, "a soak check was not met")

@@ -40,8 +40,8 @@ import threading
 import time
 import unittest
 
-import harness
-from harness import insert, wait_until
+from testkit import harness
+from testkit.harness import insert, wait_until
 
 harness.require_relay()
 harness.set_deadline(300)

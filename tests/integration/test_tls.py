@@ -24,8 +24,10 @@ import tempfile
 import time
 import unittest
 
-import harness
-from harness import insert_many, scalar, wait_until
+import redis as redis_py
+
+from testkit import harness
+from testkit.harness import insert_many, scalar, wait_until
 
 harness.require_relay()
 harness.set_deadline(300)
@@ -111,9 +113,9 @@ class TlsTest(unittest.TestCase):
         relay_conns = [c for c in clients if c.get("user") == "outbox-relay"]
         self.assertGreater(len(relay_conns), 0)
         # The TLS side does not speak plain Redis.
-        with contextlib.closing(harness.redis_py.Redis(host="127.0.0.1", port=server.port,
+        with contextlib.closing(redis_py.Redis(host="127.0.0.1", port=server.port,
                                                        socket_timeout=2)) as plain:
-            with self.assertRaises(harness.redis_py.exceptions.RedisError):
+            with self.assertRaises(redis_py.exceptions.RedisError):
                 plain.ping()
         self.assertIn("Certificate accepted", client.log())
 

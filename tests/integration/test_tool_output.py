@@ -22,7 +22,7 @@ import re
 import subprocess
 import unittest
 
-import harness
+from testkit import harness
 
 harness.require_relay()
 harness.set_deadline(240)

@@ -26,8 +26,8 @@ import threading
 import time
 import unittest
 
-import harness
-from harness import insert, scalar
+from testkit import harness
+from testkit.harness import insert, scalar
 
 harness.require_relay()
 harness.set_deadline(300)

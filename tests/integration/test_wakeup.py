@@ -24,8 +24,8 @@ import threading
 import time
 import unittest
 
-import harness
-from harness import insert
+from testkit import harness
+from testkit.harness import insert
 
 harness.require_relay()
 harness.set_deadline(240)

@@ -7,7 +7,7 @@ The load and the checks under faults are the harness's: harness.Producers
 (threads that survive restarts and keep a steady rate) and harness.Verifier
 (across_streams=True, compare_payloads=True).
 
-Only the standard library (and harness.py) is used. Nothing here listens on
+Only the standard library (and the harness) is used. Nothing here listens on
 anything but 127.0.0.1.
 """
 
@@ -22,7 +22,8 @@ import sys
 import threading
 import time
 
-import harness
+from .cleanup import register, unregister
+from .common import reserve_port
 
 # --------------------------------------------------------------------------
 # TCP proxy.
@@ -186,7 +187,7 @@ class TcpProxy:
 
     # -- lifecycle
     def __enter__(self):
-        harness._register(self)
+        register(self)
         self.start()
         return self
 
@@ -201,7 +202,7 @@ class TcpProxy:
         self._listener.listen(128)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        harness._ports_given.add(self.port)
+        reserve_port(self.port)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._wake_r.setblocking(False)
@@ -213,7 +214,7 @@ class TcpProxy:
         return self
 
     def close(self):
-        harness._unregister(self)
+        unregister(self)
         if self._thread is not None and self._thread.is_alive():
             self._command("stop")
             self._thread.join(10)

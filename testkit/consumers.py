@@ -9,7 +9,7 @@
     xadd_message               a contract-shaped entry written directly with XADD
     relay_tool                 `outbox-relay dlq ...` (and other one-shot commands)
 
-Only the standard library, psycopg2 and redis-py (through harness.py) are used.
+Only the standard library, psycopg2 and redis-py are used.
 """
 
 import contextlib
@@ -20,7 +20,9 @@ import re
 import sys
 import uuid
 
-import harness
+import redis as redis_py
+
+from . import harness
 
 CONSUMER_MIGRATIONS_DIR = os.path.join(harness.SOURCE_DIR, "migrations", "consumer")
 EMAIL_SCHEMA = os.path.join(harness.SOURCE_DIR, "examples", "email_schema.sql")
@@ -144,7 +146,7 @@ def pending_count(redis_client, stream="orders", group="email"):
     """Entries delivered to the group and not acknowledged (0 without the group)."""
     try:
         return redis_client.xpending(stream, group)["pending"]
-    except harness.redis_py.exceptions.ResponseError:
+    except redis_py.exceptions.ResponseError:
         return 0
 
 

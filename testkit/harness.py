@@ -1,0 +1,139 @@
+"""Integration-test harness: throwaway servers, the relay under test, and checks.
+
+Every test file drives the real daemon against its own PostgreSQL and Redis,
+started here on free loopback ports in temporary directories and always
+stopped and removed at the end: on success, on failure, on an exception, on
+SIGTERM or SIGINT of the test, and on the per-file deadline.
+
+    Postgres()  initdb + pg_ctl, database "app" with migrations/*.sql applied
+    PgBouncer() pgbouncer in front of a Postgres(), session or transaction mode
+    Redis()     redis-server on 127.0.0.1, no RDB, AOF configurable; with
+                OUTBOX_REDIS_SERVER=valkey-server, Valkey instead
+    Daemon()    one of our daemons as a process: command line, environment, log
+                file, start/stop/kill/wait, wait_for_log, sanitizer reports fail
+    Relay()     the outbox-relay binary as a Daemon
+    Producer    a thread committing outbox rows at a steady rate, surviving
+                restarts (Producers: several at once)
+    Verifier    every outbox row against every stream: one line of figures;
+                optionally duplicates across all streams and payloads compared
+
+This module is the one namespace the tests use (harness.Relay,
+harness.wait_until, ...): it holds the test-case bases and names what the
+other modules of the package define:
+
+    common     SOURCE_DIR, free ports, wait_until, run_command, spawn_listening
+    cleanup    what is stopped at exit, on a signal or the deadline; kept logs
+    postgres   Postgres, PgBouncer
+    redis_server  Redis, RedisCluster, Sentinel
+    tls        a throwaway CA and certificates, Stunnel
+    relay      the daemon's binary and environment, run_relay, Daemon, Relay,
+               its /metrics and log lines
+    outbox     rows and streams: insert, scalar, stream_entries, dedup records
+    producers  Producer, Producers
+    verify     Verifier and its Figures
+
+Only the standard library, psycopg2 and redis-py (Debian's python3-psycopg2
+and python3-redis) are used. Run the files with /usr/bin/python3 and the
+repository root on PYTHONPATH (see testkit/__init__.py).
+"""
+
+import datetime
+import re
+import unittest
+
+# Names re-exported from the other modules, for harness.<name>.
+from .cleanup import (LOG_DIR, keep_log, keep_secret, keep_text,  # noqa: F401
+                      register, set_deadline, stop_on_signal, unregister)
+from .common import (SKIP, SOURCE_DIR, free_port, port_open, reserve_port,  # noqa: F401
+                     run_command, spawn_listening, tail, temp_dir, wait_until)
+from .outbox import (all_entries, count_unsent, dedup_records,  # noqa: F401
+                     entries_by_message_id, insert, insert_many, max_sent_within,
+                     publish_calls, reset, scalar, stream_entries, stream_names,
+                     unretired_dedup_records, wait_all_sent)
+from .postgres import MIGRATIONS_DIR, PgBouncer, Postgres, pg_bindir  # noqa: F401
+from .producers import Producer, Producers, connection_trouble  # noqa: F401
+from .redis_server import (ACL_USERS, REDIS_SERVER, ClusterReader, Redis,  # noqa: F401
+                           RedisCluster, Sentinel, redis_on_port, redis_server_binary,
+                           wait_replica_synced)
+from .relay import (LOG_CONNECTED, LOG_PROBLEM, SANITIZER_MARKERS, VALGRIND,  # noqa: F401
+                    Completed, Daemon, Relay, flag_args, metric, metrics_text,
+                    problem_lines, relay_binary, relay_env, require_relay, run_relay,
+                    sanitizer_report)
+from .tls import Stunnel, make_ca, make_cert  # noqa: F401
+from .verify import Figures, Verifier, duplicate_detail  # noqa: F401
+
+
+# --------------------------------------------------------------------------
+# Test-case bases.
+
+class TestCase(unittest.TestCase):
+    """Lets a SIGTERM/SIGINT/deadline stop the run cleanly (cleanups still run)."""
+
+    def run(self, result=None):
+        if result is not None:
+            stop_on_signal(result)
+        return super().run(result)
+
+
+class PostgresTestCase(TestCase):
+    """One PostgreSQL for the whole class, and no Redis: pg, and db (an
+    autocommit connection as postgres). Each test starts with outbox.messages
+    empty, unless the class sets reset_outbox = False (a database without the
+    outbox schema, or a test that empties what it needs itself).
+
+    Subclasses may set pg_options (keyword arguments of Postgres).
+    """
+
+    pg_options = {}
+    reset_outbox = True
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.pg = cls.enterClassContext(Postgres(**cls.pg_options))
+        cls.db = cls.pg.connect()
+        cls.addClassCleanup(cls.db.close)
+
+    def setUp(self):
+        super().setUp()
+        if self.reset_outbox:
+            reset(self.db)
+
+
+class ServerTestCase(PostgresTestCase):
+    """One PostgreSQL and one Redis for the whole class; each test starts empty.
+
+    Subclasses may set pg_options / redis_options (keyword arguments).
+    """
+
+    redis_options = {}
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.redis = cls.enterClassContext(Redis(**cls.redis_options))
+        cls.r = cls.redis.client()
+        cls.addClassCleanup(cls.r.close)
+
+    def setUp(self):
+        super().setUp()
+        self.r.flushall()
+
+    def relay(self, **kwargs):
+        """Starts a relay on this class's servers for the rest of the test."""
+        return self.enterContext(Relay(self.pg, self.redis, **kwargs))
+
+    def verifier(self, **kwargs):
+        return Verifier(self.db, self.r, **kwargs)
+
+
+def parse_rfc3339_utc(text):
+    """'2026-11-30T11:35:14.123456Z' -> (aware datetime, digits of fraction), else None."""
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?Z", text)
+    if not m:
+        return None
+    base = datetime.datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S").replace(
+        tzinfo=datetime.timezone.utc)
+    frac = m.group(2) or ""
+    micro = int((frac + "000000")[:6]) if frac else 0
+    return base.replace(microsecond=micro), len(frac)
