@@ -1770,9 +1770,11 @@ def machine():
     info["cc"] = cmd_out(["cc", "--version"]).splitlines()[0] if cmd_out(["cc", "--version"]) else ""
     info["git"] = cmd_out(["git", "-C", SOURCE, "rev-parse", "--short", "HEAD"])
     info["git_dirty"] = "yes" if cmd_out(["git", "-C", SOURCE, "status", "--porcelain",
-                                          "--", "relay", "include", "migrations"]) else "no"
+                                          "--", "common", "core", "relay", "functions",
+                                          "include", "migrations"]) else "no"
     digest = hashlib.sha256()
-    for pattern in ("relay/*.c", "include/relay/*.h", "migrations/*.sql", "bench/*.c"):
+    for pattern in ("common/*.[ch]", "core/*.[ch]", "relay/*.[ch]", "functions/*.lua",
+                    "migrations/*.sql", "bench/*.c"):
         for path in sorted(glob.glob(os.path.join(SOURCE, pattern))):
             with open(path, "rb") as f:
                 digest.update(path.encode() + b"\0" + f.read())

@@ -16,7 +16,7 @@
  * until a claim comes back empty. PostgreSQL idles while Redis works and Redis
  * idles while PostgreSQL works: a relay that overlaps the two can beat it.
  *
- * It links relay_core only for the statement, the function source and the argv
+ * It links the daemon's library only for the statement, the function source and the argv
  * builder, so it always does the relay's work and no other. Binary results, as
  * the relay asks for: bytea arrives as its bytes, not as hex text.
  *
