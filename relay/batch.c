@@ -7,8 +7,11 @@
  * back and retried later, and no row is blamed). A row's failure is permanent
  * (what the producer wrote breaks a rule: quarantined at once) or transient
  * (Redis refused it for a reason that can pass: retried, and quarantined after
- * max_attempts); the kind is set where the failure is found, never read back
- * from the message.
+ * max_attempts). Apart from its kind, a failure has a cause: the row itself
+ * (dropped and written again by the fixed producer) or the setup (changed,
+ * and the same row re-queued), which decides the advice its message ends
+ * with. Both are set where the failure is found, never read back from the
+ * message.
  */
 #include "common/compat.h"
 
@@ -99,6 +102,31 @@ static int set_error(char *err, size_t errlen, const char *fmt, ...)
     return -1;
 }
 
+/*
+ * Ends a failed row's message in err with what to do once the row is
+ * quarantined, as its cause calls for (enum relay_row_cause), and returns -1.
+ * A row the producer wrote wrongly fails the same way when re-queued as it
+ * is, so its advice is to drop it and write it again; a row refused by
+ * something an operator can change goes through once that is changed, so
+ * its advice is to re-queue it. The cause is chosen where the failure is
+ * found, never read back from the text.
+ */
+static int add_advice(char *err, size_t errlen, enum relay_row_cause cause, int64_t id)
+{
+    size_t len = strnlen(err, errlen);
+    if (len + 1 >= errlen)
+        return -1;
+    if (cause == RELAY_CAUSE_ROW)
+        snprintf(err + len, errlen - len,
+                 "; the row itself is wrong, so re-queued it fails again: drop it with "
+                 "'outbox-relay failed drop %lld' and write it again from the fixed producer",
+                 (long long)id);
+    else
+        snprintf(err + len, errlen - len,
+                 ", then re-queue the row with 'outbox-relay failed retry %lld'", (long long)id);
+    return -1;
+}
+
 static void add_arg(struct relay_publish_cmd *cmd, const char *s, size_t len)
 {
     cmd->argv[cmd->argc] = s;
@@ -125,7 +153,7 @@ static int check_headers(const struct relay_row *row, struct row_headers *h, cha
     if (strcmp(row->headers_type, "object") != 0)
         return set_error(err, errlen,
                          "headers must be a JSON object of name/value pairs, not a JSON %.*s; "
-                         "fix the producer, then re-queue the row",
+                         "fix the producer",
                          (int)strlen(row->headers_type), row->headers_type);
     h->n = relay_batch_decode_text_array(row->header_names, row->header_names_len, h->names,
                                          h->name_lens, OUTBOX_HEADERS_MAX);
@@ -135,7 +163,7 @@ static int check_headers(const struct relay_row *row, struct row_headers *h, cha
         h->n = 0;
         snprintf(err, errlen,
                  "headers cannot be encoded: at most %d headers are allowed; reduce them in "
-                 "the producer, then re-queue the row",
+                 "the producer",
                  OUTBOX_HEADERS_MAX);
         return -1;
     }
@@ -143,76 +171,101 @@ static int check_headers(const struct relay_row *row, struct row_headers *h, cha
         if (h->name_lens[i] == 0 || h->name_lens[i] > OUTBOX_HEADER_NAME_MAX)
             return set_error(err, errlen,
                              "header name \"%.*s\" cannot be encoded: names are 1 to 128 "
-                             "bytes; fix the producer, then re-queue the row",
+                             "bytes; fix the producer",
                              (int)relay_batch_utf8_prefix(h->names[i], h->name_lens[i], 64),
                              h->names[i]);
         if (h->value_lens[i] > OUTBOX_HEADER_VALUE_MAX)
             return set_error(err, errlen,
                              "value of header \"%.*s\" exceeds 8192 bytes; shorten it in "
-                             "the producer, then re-queue the row",
+                             "the producer",
                              (int)relay_batch_utf8_prefix(h->names[i], h->name_lens[i], 64),
                              h->names[i]);
     }
     return 0;
 }
 
+/* The largest max_payload_bytes there is (core/config_table.c, and Redis's
+ * default proto-max-bulk-len): a payload above it is the producer's to fix. */
+#define RELAY_PAYLOAD_LIMIT_MAX 536870912u
+
 /*
  * Every rule a row must pass before it can be published, in the order they
  * are reported, for both ways of building its command. Fills h and the
  * lengths of the stream name and the dedup key; -1 with a message in err
- * when the row cannot be published, and the kind of failure in *fault.
+ * when the row cannot be published, the kind of failure in *fault and whose
+ * it is in *cause (the message's advice follows it).
  */
 static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t max_payload_bytes,
                      struct row_headers *h, size_t *stream_len, size_t *dedup_len, char *err,
-                     size_t errlen, enum relay_row_fault *fault)
+                     size_t errlen, enum relay_row_fault *fault, enum relay_row_cause *cause)
 {
     h->n = 0;
     /* Each rule below is about what the producer wrote, or about the limits
      * of this relay's configuration that it was checked against: the same row
      * fails the same way on every attempt until someone changes one of them,
-     * so a retry cannot help. */
+     * so a retry cannot help. Which of the two must change is the cause. */
     *fault = RELAY_FAULT_PERMANENT;
+    *cause = RELAY_CAUSE_ROW;
     if (!outbox_topic_valid(row->topic, row->topic_len)) {
         size_t shown = relay_batch_utf8_prefix(row->topic, row->topic_len, 64);
-        return set_error(err, errlen,
-                         "topic \"%.*s\" is not allowed: a topic is 1 to 200 characters of "
-                         "A-Z a-z 0-9 . _ -; fix the producer, then re-queue the row with "
-                         "outbox-relay failed retry",
-                         (int)shown, row->topic);
+        set_error(err, errlen,
+                  "topic \"%.*s\" is not allowed: a topic is 1 to 200 characters of "
+                  "A-Z a-z 0-9 . _ -; fix the producer",
+                  (int)shown, row->topic);
+        return add_advice(err, errlen, *cause, row->id);
     }
     /* A payload the claim left in the database (payload NULL) is too large
-     * by the same limit; its size came alone. */
+     * by the same limit; its size came alone. Up to the largest limit there
+     * is, the operator's max_payload_bytes decides, and raising it lets the
+     * same row through; above it, only the producer can help. */
     if (row->payload_len > max_payload_bytes || row->payload == NULL) {
-        snprintf(err, errlen,
-                 "payload of %zu bytes exceeds max_payload_bytes (%u); raise max_payload_bytes "
-                 "or store large payloads elsewhere and send a reference, then re-queue the row",
-                 row->payload_len, max_payload_bytes);
+        if (row->payload_len > RELAY_PAYLOAD_LIMIT_MAX) {
+            snprintf(err, errlen,
+                     "payload of %zu bytes exceeds max_payload_bytes (%u) and the largest it can "
+                     "be (%u); store large payloads elsewhere and send a reference",
+                     row->payload_len, max_payload_bytes, RELAY_PAYLOAD_LIMIT_MAX);
+            return add_advice(err, errlen, *cause, row->id);
+        }
+        *cause = RELAY_CAUSE_SETUP;
+        snprintf(
+            err, errlen,
+            "payload of %zu bytes exceeds max_payload_bytes (%u); if payloads this large are "
+            "meant to be published, raise max_payload_bytes to at least %zu (it takes a restart)",
+            row->payload_len, max_payload_bytes, row->payload_len);
+        add_advice(err, errlen, *cause, row->id);
+        size_t len = strnlen(err, errlen);
+        snprintf(err + len, errlen - len,
+                 "; if not, the producer should store them elsewhere and send a reference: drop "
+                 "the row with 'outbox-relay failed drop %lld' and write it again",
+                 (long long)row->id);
         return -1;
     }
     if (row->key != NULL && row->key_len > OUTBOX_KEY_MAX) {
         snprintf(err, errlen,
                  "partition key of %zu bytes exceeds the limit of %d bytes; shorten it in the "
-                 "producer, then re-queue the row",
+                 "producer",
                  row->key_len, OUTBOX_KEY_MAX);
-        return -1;
+        return add_advice(err, errlen, *cause, row->id);
     }
 
     if (row->headers_type != NULL && check_headers(row, h, err, errlen) < 0)
-        return -1;
+        return add_advice(err, errlen, *cause, row->id);
 
     /* "<prefix><topic>" and "{<stream>}:dedup:<message id>" must fit the
-     * buffers relay_batch_build_publish formats them into (with their NUL). */
+     * buffers relay_batch_build_publish formats them into (with their NUL).
+     * A topic that passed its rule always fits behind a stream_prefix the
+     * configuration allows: only a longer prefix can break this. */
     *stream_len =
         prefix_len + row->topic_len + (row->partitions > 1 ? OUTBOX_PARTITION_SUFFIX_LEN : 0);
     *dedup_len = *stream_len + row->message_id_len + sizeof("{}:dedup:") - 1;
     if (*stream_len >= STREAM_NAME_SIZE || row->message_id_len >= DEDUP_KEY_SIZE ||
         *dedup_len >= DEDUP_KEY_SIZE) {
-        snprintf(err, errlen,
-                 "stream name too long for topic; shorten stream_prefix or topic, then re-queue "
-                 "the row");
-        return -1;
+        *cause = RELAY_CAUSE_SETUP;
+        snprintf(err, errlen, "stream name too long for topic; shorten stream_prefix");
+        return add_advice(err, errlen, *cause, row->id);
     }
     *fault = RELAY_FAULT_NONE;
+    *cause = RELAY_CAUSE_NONE;
     return 0;
 }
 
@@ -224,10 +277,11 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
     struct row_headers h;
     size_t stream_len, dedup_len;
     enum relay_row_fault fault;
+    enum relay_row_cause cause;
 
     cmd->argc = 0;
     if (check_row(row, stream_prefix != NULL ? strlen(stream_prefix) : 0, max_payload_bytes, &h,
-                  &stream_len, &dedup_len, err, errlen, &fault) != 0)
+                  &stream_len, &dedup_len, err, errlen, &fault, &cause) != 0)
         return -1;
 
     int slen =
@@ -244,10 +298,8 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
     int nlen =
         snprintf(cmd->not_after, sizeof(cmd->not_after), "%llu", (unsigned long long)not_after_ms);
     if (slen < 0 || dlen < 0 || alen < 0 || tlen < 0 || olen < 0 || nlen < 0) {
-        snprintf(err, errlen,
-                 "stream name too long for topic; shorten stream_prefix or topic, then re-queue "
-                 "the row");
-        return -1;
+        snprintf(err, errlen, "stream name too long for topic; shorten stream_prefix");
+        return add_advice(err, errlen, RELAY_CAUSE_SETUP, row->id);
     }
 
     add_arg(cmd, "FCALL", 5);
@@ -466,13 +518,13 @@ static char *put_stream(char *p, const char *stream_prefix, size_t prefix_len,
 static size_t row_entry(const struct relay_row *row, size_t prefix_len, uint32_t max_payload_bytes,
                         struct row_headers *h, size_t *nfields, char outbox_id[24],
                         size_t *outbox_id_len, char *err, size_t errlen,
-                        enum relay_row_fault *fault)
+                        enum relay_row_fault *fault, enum relay_row_cause *cause)
 {
     size_t stream_len = 0, dedup_len = 0;
     *nfields = 0;
     *outbox_id_len = 0;
     if (check_row(row, prefix_len, max_payload_bytes, h, &stream_len, &dedup_len, err, errlen,
-                  fault) != 0)
+                  fault, cause) != 0)
         return 0;
     *outbox_id_len = format_int64(outbox_id, row->id);
     size_t fields = fields_size(row, h, *outbox_id_len, nfields);
@@ -488,7 +540,7 @@ int relay_batch_check_publish(struct relay_row *row, const char *stream_prefix,
     char outbox_id[24];
     row->call_bytes =
         row_entry(row, stream_prefix != NULL ? strlen(stream_prefix) : 0, max_payload_bytes, &h,
-                  &nfields, outbox_id, &outbox_id_len, err, errlen, fault);
+                  &nfields, outbox_id, &outbox_id_len, err, errlen, fault, &row->cause);
     row->call_fields = (uint32_t)nfields;
     return row->call_bytes > 0 ? 0 : -1;
 }
@@ -557,8 +609,9 @@ int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t 
         size_t nfields = 0, outbox_id_len;
         char outbox_id[24], err[8];
         enum relay_row_fault fault;
+        enum relay_row_cause cause;
         if (row_entry(rows[i], prefix_len, max_payload_bytes, &h, &nfields, outbox_id,
-                      &outbox_id_len, err, sizeof(err), &fault) != rows[i]->call_bytes ||
+                      &outbox_id_len, err, sizeof(err), &fault, &cause) != rows[i]->call_bytes ||
             nfields != rows[i]->call_fields)
             return -1;
         p = put_crlf(put_uint(put_bulk_head(p, count_digits(nfields)), nfields));
@@ -771,15 +824,20 @@ int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
              * row of the stream that failed. */
             row->state = RELAY_ROW_FAILED;
             row->fault = RELAY_FAULT_TRANSIENT;
+            /* Nothing is wrong with the row itself: once the row ahead is
+             * published or dropped, it goes through as it is. */
+            row->cause = RELAY_CAUSE_SETUP;
             const struct relay_row *first = row->after;
             while (first->after != NULL && first->after->state == RELAY_ROW_FAILED)
                 first = first->after;
             snprintf(row->error, sizeof(row->error),
-                     "held back behind row %lld of its stream, which failed: %.*s",
+                     "held back behind row %lld of its stream, which failed: %.*s; once that row "
+                     "is published or dropped",
                      (long long)first->id,
                      (int)relay_batch_utf8_prefix(first->error, strlen(first->error),
-                                                  sizeof(row->error) - 80),
+                                                  sizeof(row->error) - 200),
                      first->error);
+            add_advice(row->error, sizeof(row->error), row->cause, row->id);
             break;
         }
         if (relay_batch_classify_error(str, len) == RELAY_ERROR_ROW) {
@@ -787,11 +845,13 @@ int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
              * rename or delete it while the row waits for its next attempt. */
             row->state = RELAY_ROW_FAILED;
             row->fault = RELAY_FAULT_TRANSIENT;
+            row->cause = RELAY_CAUSE_SETUP;
             snprintf(row->error, sizeof(row->error),
                      "Redis refused the entry: %.*s; the stream key for topic \"%.*s\" holds "
-                     "another type: rename or delete that key, then re-queue the row",
+                     "another type: rename or delete that key",
                      (int)relay_batch_utf8_prefix(str, len, 200), str,
                      (int)relay_batch_utf8_prefix(row->topic, row->topic_len, 64), row->topic);
+            add_advice(row->error, sizeof(row->error), row->cause, row->id);
             break;
         }
         if (!tally->failed) {

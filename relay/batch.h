@@ -37,6 +37,25 @@ enum relay_row_fault {
     RELAY_FAULT_PERMANENT,
 };
 
+/*
+ * Whose a row's failure is, chosen with its fault where the failure is found:
+ * it decides what the row's message tells the operator to do once the row is
+ * quarantined. The row: what the producer wrote breaks a rule no setting
+ * lifts (its topic, its key, its headers, a payload over the largest
+ * max_payload_bytes), so the same row fails the same way whatever anyone
+ * changes: it is dropped (outbox-relay failed drop) and written again by the
+ * fixed producer, and re-queued as it is it would only be quarantined again.
+ * The setup: something an operator can change so that the same row then
+ * goes through (max_payload_bytes, stream_prefix, a Redis key that holds
+ * another type, the row before it in its stream): changed, then re-queued
+ * (outbox-relay failed retry).
+ */
+enum relay_row_cause {
+    RELAY_CAUSE_NONE = 0, /* not failed */
+    RELAY_CAUSE_ROW,
+    RELAY_CAUSE_SETUP,
+};
+
 /* One claimed row. Every pointer points into the claim's PGresult, which the
  * batch keeps until the cycle ends: nothing is copied on the hot path. */
 struct relay_row {
@@ -83,6 +102,7 @@ struct relay_row {
     /* Outcome of this cycle. */
     int state;                  /* enum relay_row_state */
     enum relay_row_fault fault; /* when state is RELAY_ROW_FAILED */
+    enum relay_row_cause cause; /* when state is RELAY_ROW_FAILED */
     char error[OUTBOX_ERROR_MAX];
 };
 
@@ -125,8 +145,11 @@ size_t relay_batch_utf8_prefix(const char *s, size_t len, size_t max);
  * Builds the FCALL for row; not_after_ms is the validity deadline on the
  * server's clock (relay_sink_deadline_ms). On a failure of the row's own (bad topic, payload
  * too large, headers that cannot be encoded) returns -1 and writes a message
- * that says what is wrong and what to do into err. Every such failure is
- * permanent (relay_batch_check_publish reports the kind).
+ * that says what is wrong and what to do into err, ending with the
+ * command for the row's id that its cause calls for (enum relay_row_cause:
+ * failed drop, or failed retry once the setup is changed). Every such
+ * failure is permanent (relay_batch_check_publish reports the kind and the
+ * cause).
  */
 int relay_batch_build_publish(const struct relay_row *row, const char *stream_prefix,
                               uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
@@ -157,9 +180,10 @@ int relay_batch_build_publish(const struct relay_row *row, const char *stream_pr
  * row->call_bytes and row->call_fields, the size of its entry in a publish
  * call (0 when it fails). 0, or -1 on a
  * failure of the row's own: err says what is wrong and what to do (the
- * messages of relay_batch_build_publish), and *fault whether it is
- * permanent or transient. A row whose payload the claim left in the
- * database (payload NULL) fails as too large, a permanent failure.
+ * messages of relay_batch_build_publish), *fault whether it is permanent or
+ * transient, and row->cause whose it is (the advice at the end of err
+ * follows it). A row whose payload the claim left in the database (payload
+ * NULL) fails as too large, a permanent failure.
  */
 int relay_batch_check_publish(struct relay_row *row, const char *stream_prefix,
                               uint32_t max_payload_bytes, char *err, size_t errlen,
@@ -319,9 +343,9 @@ struct relay_tally {
 /*
  * Applies one reply to its row and to the tally: an entry id publishes the
  * row; an error of the row's own fails only the row (with a message that says
- * what to do, as a transient fault: WRONGTYPE can be fixed while the row
- * waits), and so does ORDER when the row sent before it in its stream failed
- * that way; ORDER behind the batch ahead (relay_row.after_ahead), or behind a
+ * what to do, as a transient fault of the setup: WRONGTYPE can be fixed while
+ * the row waits), and so does ORDER when the row sent before it in its stream
+ * failed that way; ORDER behind the batch ahead (relay_row.after_ahead), or behind a
  * row refused that way, leaves the row claimed for the next claim (counted in
  * tally.left); anything else fails the whole batch. Returns 1 when this was
  * the last reply the tally waited for.

@@ -757,20 +757,21 @@ static void log_row_failures(const struct relay_lane *l)
             continue;
         int32_t attempts = row->attempts + 1;
         int topic_len = (int)relay_batch_utf8_prefix(row->topic, row->topic_len, 64);
+        /* The error ends with what to do, as the failure's cause calls for
+         * (relay_batch_check_publish, relay_batch_apply_reply). */
         if (row->fault == RELAY_FAULT_PERMANENT)
             relay_error(COMPONENT,
                         "row id=%lld message_id=%.*s topic=%.*s quarantined at attempt %d, not "
-                        "retried (no retry can publish it as it is): %s; list with 'outbox-relay "
-                        "failed list', re-queue with 'outbox-relay failed retry %lld'",
+                        "retried (every attempt would fail the same way): %s; 'outbox-relay "
+                        "failed list' lists the quarantined rows",
                         (long long)row->id, (int)row->message_id_len, row->message_id, topic_len,
-                        row->topic, attempts, row->error, (long long)row->id);
+                        row->topic, attempts, row->error);
         else if (relay_batch_row_quarantined(row, r->cfg->max_attempts))
             relay_error(COMPONENT,
                         "row id=%lld message_id=%.*s topic=%.*s quarantined after %d attempts: "
-                        "%s; list with 'outbox-relay failed list', re-queue with 'outbox-relay "
-                        "failed retry %lld'",
+                        "%s; 'outbox-relay failed list' lists the quarantined rows",
                         (long long)row->id, (int)row->message_id_len, row->message_id, topic_len,
-                        row->topic, attempts, row->error, (long long)row->id);
+                        row->topic, attempts, row->error);
         else
             relay_warn(COMPONENT,
                        "row id=%lld message_id=%.*s topic=%.*s not published (attempt %d of %u): "

@@ -1,6 +1,6 @@
 /*
  * Operator commands that run once and exit, sharing the daemon's
- * configuration: "outbox-relay failed list|retry" (PostgreSQL),
+ * configuration: "outbox-relay failed list|retry|drop" (PostgreSQL),
  * "outbox-relay dlq list|show|replay|purge" (Redis) and "outbox-relay status"
  * (both), and the one way they show data on a terminal. They use blocking
  * libpq and hiredis calls with deadlines (connect_timeout and
@@ -17,6 +17,7 @@ struct relay_config;
 
 /*
  * outbox-relay failed list [--limit N] | failed retry ID... | failed retry --all
+ *              | failed drop ID...
  * argv[0] is "failed". Output goes to out, errors to errout. Returns an exit
  * code (0, 64 for bad usage, 69 when the database cannot be reached, 65 when
  * an ID names no quarantined row).

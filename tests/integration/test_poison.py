@@ -30,6 +30,11 @@ Every test runs the relay with --poll-interval 500ms --max-attempts 3
 - a row published before (its dedup record is there) behind a row that fails
   in its stream ends the wait: the rows after it are published, no batch
   fails, and the other topic's rows of the batch are committed;
+- the advice follows the cause: a row the producer wrote wrongly (a bad topic)
+  says to drop it with `failed drop <id>` and write it again, and re-queued
+  as it is it is quarantined again; a row refused by the setup (WRONGTYPE)
+  says to re-queue it with `failed retry <id>` once that is fixed, and then
+  goes through; the log and `failed list` give the same advice;
 - `outbox-relay failed list` shows the quarantined rows with their errors;
   after the cause is fixed `failed retry <id>` re-queues one row (exit 0) and
   the running relay publishes it; `failed retry --all` re-queues every
@@ -64,9 +69,19 @@ MAX_ATTEMPTS = 3
 def permanent(spec):
     """Whether a poison spec fails for good: everything but WRONGTYPE, which is transient."""
     return not spec.get("transient", False)
+
+
+def advice(spec, oid):
+    """What a poison row's error tells the operator to do, by its cause: a row the
+    producer wrote wrongly is dropped and written again (re-queued as it is, it
+    fails again); one refused by what an operator can change (WRONGTYPE, a payload
+    over max_payload_bytes) is re-queued once that is changed."""
+    setup = spec.get("transient", False) or len(spec.get("payload", b"")) > 1000
+    return f"'outbox-relay failed {'retry' if setup else 'drop'} {oid}'"
+
+
 GOOD_ROW_BOUND = 5.0   # seconds from commit to the stream: one poll interval plus much slack
 GOOD_TOPICS = ("orders", "billing")
-REQUEUE = "re-queue"   # every per-row error says what to do, ending with a re-queue
 
 
 def rows(conn, ids):
@@ -218,7 +233,7 @@ class PoisonTest(harness.ServerTestCase):
             self.assertIsNone(r["sent_at"], f"{name}: row {oid} marked sent")
             self.assertNotIn(mid, found, f"{name}: row {oid} published")
             error = r["last_error"] or ""
-            for phrase in phrases_of(spec) + [REQUEUE]:
+            for phrase in phrases_of(spec) + [advice(spec, oid)]:
                 self.assertIn(phrase, error, f"{name}: last_error of row {oid} lacks {phrase!r}:"
                                              f" {error!r}")
             lines = [line for line in log.splitlines()
@@ -266,7 +281,7 @@ class PoisonTest(harness.ServerTestCase):
                    for t in ("bad topic", "{orders}", "a:b", "t" * 201)]
         self.run_kind(poisons, lambda s: [f'topic "{s["topic"][:64]}', "is not allowed",
                                           "A-Z a-z 0-9 . _ -", "fix the producer",
-                                          "outbox-relay failed retry"])
+                                          "outbox-relay failed drop"])
         streams = harness.stream_names(self.r)
         for spec in poisons:
             self.assertNotIn(spec["topic"].encode(), streams)
@@ -547,6 +562,69 @@ class PoisonTest(harness.ServerTestCase):
         relay = self.relay(**{**RELAY_FLAGS, "max_payload_bytes": 4096})
         harness.wait_all_sent(self.db, timeout=30, relay=relay)
         self.verifier().report("after failed retry").assert_exactly_once(self)
+
+    def test_advice_follows_the_cause(self):
+        """A quarantined row's advice depends on whose the fault is. A row the
+        producer wrote wrongly (a bad topic) is to be dropped and written again:
+        re-queued as it is, it is quarantined again at its next attempt, which
+        is why its error never says to retry it. A row refused by something an
+        operator can change (WRONGTYPE: the stream key holds a string) is to be
+        re-queued once that is changed, and then goes through as it is."""
+        self.r.set("ledger", "a string where a stream should be")
+        relay = self.start_relay()
+        wrong_id, wrong = self.insert_row(self.db, "bad topic", b"written wrongly")
+        refused_id, refused = self.insert_row(self.db, "ledger", b"refused by the setup")
+        self.db.commit()
+        both = [wrong_id, refused_id]
+        wait_until(lambda: all(r["failed_at"] for r in rows(self.db, both).values()),
+                   timeout=30, relay=relay, message="both rows to be quarantined")
+        got = rows(self.db, both)
+        drop = f"'outbox-relay failed drop {wrong_id}'"
+        retry = f"'outbox-relay failed retry {refused_id}'"
+        row_error, setup_error = got[wrong_id]["last_error"], got[refused_id]["last_error"]
+        print(f"row's fault: {row_error}\nsetup's fault: {setup_error}", flush=True)
+        self.assertIn(drop, row_error)
+        self.assertIn("write it again from the fixed producer", row_error)
+        self.assertNotIn("failed retry", row_error)
+        self.assertIn(retry, setup_error)
+        self.assertNotIn("failed drop", setup_error)
+        # The log and 'failed list' give the same advice.
+        log = relay.log()
+        for oid, phrase in ((wrong_id, drop), (refused_id, retry)):
+            self.assertTrue(any(re.search(rf"\bid={oid}\b.*quarantined", line) and phrase in line
+                                for line in log.splitlines()),
+                            f"no log line quarantines row {oid} with {phrase}\n{relay.log_tail()}")
+        listed = self.failed_tool("list")
+        self.assertEqual(listed.returncode, 0, listed.output)
+        for oid, phrase in ((wrong_id, drop), (refused_id, retry)):
+            line = next((ln for ln in listed.stdout.splitlines() if re.match(rf"^{oid}\s", ln)), "")
+            self.assertIn(phrase, line, f"'failed list' for row {oid}\n{listed.output}")
+
+        # Retried as the old advice said, the row written wrongly fails again
+        # within a second or so: the producer's fix cannot change a row that
+        # is already written.
+        again = self.failed_tool("retry", str(wrong_id))
+        self.assertEqual(again.returncode, 0, again.output)
+        wait_until(lambda: rows(self.db, [wrong_id])[wrong_id]["failed_at"], timeout=10,
+                   relay=relay, message=f"row {wrong_id} quarantined again after its retry")
+        r = rows(self.db, [wrong_id])[wrong_id]
+        self.assertEqual(r["attempts"], 1, "quarantined at its first attempt again")
+        self.assertIn(drop, r["last_error"])
+        # Dropped, as the advice says: given up, never published.
+        dropped = self.failed_tool("drop", str(wrong_id))
+        self.assertEqual(dropped.returncode, 0, dropped.output)
+        r = rows(self.db, [wrong_id])[wrong_id]
+        self.assertIsNotNone(r["sent_at"])
+        self.assertTrue(r["last_error"].startswith("dropped by an operator"), r["last_error"])
+        self.assertNotIn(wrong, harness.entries_by_message_id(self.r))
+
+        # The setup fixed and the row re-queued, as its advice says: published.
+        self.r.delete("ledger")
+        done = self.failed_tool("retry", str(refused_id))
+        self.assertEqual(done.returncode, 0, done.output)
+        wait_until(lambda: rows(self.db, [refused_id])[refused_id]["sent_at"], timeout=10,
+                   relay=relay, message=f"row {refused_id} published once the key is fixed")
+        self.assertEqual(len(harness.entries_by_message_id(self.r).get(refused, [])), 1)
 
     # ---- errors of Redis as a whole blame no row ------------------------
 

@@ -264,12 +264,29 @@ static void test_row_errors_say_what_to_do(void **state)
                                                err, sizeof(err)),
                      -1);
     assert_non_null(strstr(err, "topic \"bad topic\" is not allowed"));
-    assert_non_null(strstr(err, "outbox-relay failed retry"));
+    /* The row itself is wrong: re-queued as it is, it is quarantined again,
+     * so the advice is to drop it and write it again, never to retry it. */
+    assert_non_null(strstr(err, "'outbox-relay failed drop 42'"));
+    assert_non_null(strstr(err, "write it again from the fixed producer"));
+    assert_null(strstr(err, "failed retry"));
 
+    /* A limit an operator can raise: the same row then goes through, so the
+     * advice is to raise it and re-queue the row. */
     struct relay_row big = make_row("orders", "0123456789", 10);
     assert_int_equal(
         relay_batch_build_publish(&big, "", 9, 1000, 1796040000000ull, &cmd, err, sizeof(err)), -1);
     assert_non_null(strstr(err, "payload of 10 bytes exceeds max_payload_bytes (9)"));
+    assert_non_null(strstr(err, "raise max_payload_bytes to at least 10"));
+    assert_non_null(strstr(err, "then re-queue the row with 'outbox-relay failed retry 42'"));
+
+    /* Over the largest max_payload_bytes there is, no setting helps. */
+    struct relay_row huge = make_row("orders", NULL, 536870913);
+    assert_int_equal(relay_batch_build_publish(&huge, "", 536870912, 1000, 1796040000000ull, &cmd,
+                                               err, sizeof(err)),
+                     -1);
+    assert_non_null(strstr(err, "the largest it can be (536870912)"));
+    assert_non_null(strstr(err, "'outbox-relay failed drop 42'"));
+    assert_null(strstr(err, "failed retry"));
 
     struct relay_row arr = make_row("orders", "x", 1);
     arr.headers_type = "array";
@@ -277,6 +294,7 @@ static void test_row_errors_say_what_to_do(void **state)
         relay_batch_build_publish(&arr, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)),
         -1);
     assert_non_null(strstr(err, "headers must be a JSON object"));
+    assert_non_null(strstr(err, "'outbox-relay failed drop 42'"));
 
     char toolong[OUTBOX_HEADER_NAME_MAX + 2];
     memset(toolong, 'n', sizeof(toolong) - 1);
@@ -294,6 +312,7 @@ static void test_row_errors_say_what_to_do(void **state)
         relay_batch_build_publish(&hdr, "", 1024, 1000, 1796040000000ull, &cmd, err, sizeof(err)),
         -1);
     assert_non_null(strstr(err, "names are 1 to 128 bytes"));
+    assert_non_null(strstr(err, "'outbox-relay failed drop 42'"));
 }
 
 static void test_decode_text_array(void **state)
@@ -497,6 +516,11 @@ static void test_apply_reply_order(void **state)
         assert_non_null(strstr(rows[i].error, "held back behind row 42 of its stream, which "
                                               "failed: Redis refused the entry: WRONGTYPE"));
         assert_non_null(strstr(rows[i].error, "rename or delete that key"));
+        /* Nothing is wrong with the held-back row: re-queued, it goes on. */
+        assert_int_equal(rows[i].cause, RELAY_CAUSE_SETUP);
+        char retry[64];
+        snprintf(retry, sizeof(retry), "outbox-relay failed retry %lld", (long long)rows[i].id);
+        assert_non_null(strstr(rows[i].error, retry));
     }
 
     /* The row before failed with the batch (a slot being migrated): the
@@ -574,6 +598,11 @@ static void test_apply_reply_cycle(void **state)
     /* An operator can fix the key while the row waits: retried with backoff. */
     assert_int_equal(rows[1].fault, RELAY_FAULT_TRANSIENT);
     assert_non_null(strstr(rows[1].error, "rename or delete that key"));
+    /* Once the key is fixed the same row goes through: re-queue, not drop. */
+    assert_int_equal(rows[1].cause, RELAY_CAUSE_SETUP);
+    assert_non_null(
+        strstr(rows[1].error, "then re-queue the row with 'outbox-relay failed retry 42'"));
+    assert_null(strstr(rows[1].error, "failed drop"));
     assert_false(cycle.failed);
     /* The last reply ends the cycle. */
     assert_int_equal(relay_batch_apply_reply(&cycle, &rows[2], RELAY_REPLY_ENTRY, NULL, 0), 1);
@@ -1207,7 +1236,8 @@ static void test_append_publish_matches_hiredis(void **state)
 /* A refused row: the same message from the argv and the check, permanent,
  * and nothing appended for a call that holds it. */
 static void check_publish_refused_same(const struct relay_row *row, const char *prefix,
-                                       uint32_t max_payload, const char *expect)
+                                       uint32_t max_payload, const char *expect,
+                                       enum relay_row_cause cause)
 {
     char err1[512], err2[512];
     static struct relay_publish_cmd cmd;
@@ -1231,7 +1261,15 @@ static void check_publish_refused_same(const struct relay_row *row, const char *
     /* What the producer wrote fails the same way on every attempt: the row is
      * quarantined at once rather than retried. */
     assert_int_equal(fault, RELAY_FAULT_PERMANENT);
-    assert_non_null(strstr(err2, "re-queue"));
+    /* Whose the fault is decides the advice: drop a row the producer wrote
+     * wrongly, re-queue one the setup refused once the setup is changed. */
+    assert_int_equal(copy.cause, cause);
+    char advice[64];
+    snprintf(advice, sizeof(advice), "outbox-relay failed %s %lld",
+             cause == RELAY_CAUSE_ROW ? "drop" : "retry", (long long)row->id);
+    assert_non_null(strstr(err2, advice));
+    if (cause == RELAY_CAUSE_ROW)
+        assert_null(strstr(err2, "failed retry"));
     assert_string_equal(err2, err1);
     assert_non_null(strstr(err2, expect));
     assert_int_equal(relay_batch_append_publish_call(&call[1], 1, NULL, prefix, max_payload, 1000,
@@ -1245,31 +1283,38 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
 {
     (void)state;
     struct relay_row bad_topic = make_row("bad topic", "x", 1);
-    check_publish_refused_same(&bad_topic, "", 1024, "topic \"bad topic\" is not allowed");
+    check_publish_refused_same(&bad_topic, "", 1024, "topic \"bad topic\" is not allowed",
+                               RELAY_CAUSE_ROW);
     struct relay_row no_topic = make_row("", "x", 1);
-    check_publish_refused_same(&no_topic, "", 1024, "is not allowed");
+    check_publish_refused_same(&no_topic, "", 1024, "is not allowed", RELAY_CAUSE_ROW);
 
     struct relay_row big = make_row("orders", "0123456789", 10);
-    check_publish_refused_same(&big, "", 9, "payload of 10 bytes exceeds max_payload_bytes (9)");
+    check_publish_refused_same(&big, "", 9, "payload of 10 bytes exceeds max_payload_bytes (9)",
+                               RELAY_CAUSE_SETUP);
 
     /* Over the limit, the claim sends only the payload's size: refused by that
      * size, and a missing payload is never read whatever the size says. */
     struct relay_row unfetched = make_row("orders", NULL, 104857600);
     check_publish_refused_same(&unfetched, "", 1048576,
-                               "payload of 104857600 bytes exceeds max_payload_bytes (1048576)");
+                               "payload of 104857600 bytes exceeds max_payload_bytes (1048576)",
+                               RELAY_CAUSE_SETUP);
     unfetched.payload_len = 10;
-    check_publish_refused_same(&unfetched, "", 1048576, "payload of 10 bytes");
+    check_publish_refused_same(&unfetched, "", 1048576, "payload of 10 bytes", RELAY_CAUSE_SETUP);
+    /* Over the largest max_payload_bytes there is: the producer's to fix. */
+    unfetched.payload_len = 536870913;
+    check_publish_refused_same(&unfetched, "", 536870912, "the largest it can be (536870912)",
+                               RELAY_CAUSE_ROW);
 
     static char longkey[OUTBOX_KEY_MAX + 1];
     memset(longkey, 'k', sizeof(longkey));
     struct relay_row key = make_row("orders", "x", 1);
     key.key = longkey;
     key.key_len = sizeof(longkey);
-    check_publish_refused_same(&key, "", 1024, "partition key of 1025 bytes");
+    check_publish_refused_same(&key, "", 1024, "partition key of 1025 bytes", RELAY_CAUSE_ROW);
 
     struct relay_row arr = make_row("orders", "x", 1);
     arr.headers_type = "array";
-    check_publish_refused_same(&arr, "", 1024, "headers must be a JSON object");
+    check_publish_refused_same(&arr, "", 1024, "headers must be a JSON object", RELAY_CAUSE_ROW);
 
     char nbuf[512], vbuf[16384];
     const char *one[] = {"a"};
@@ -1280,7 +1325,7 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     count.header_names_len = encode_array(nbuf, one, 1);
     count.header_values = vbuf;
     count.header_values_len = encode_array(vbuf, two, 2);
-    check_publish_refused_same(&count, "", 1024, "headers cannot be encoded");
+    check_publish_refused_same(&count, "", 1024, "headers cannot be encoded", RELAY_CAUSE_ROW);
 
     char toolong[OUTBOX_HEADER_NAME_MAX + 2];
     memset(toolong, 'n', sizeof(toolong) - 1);
@@ -1294,16 +1339,16 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     hdr.header_names_len = encode_array(nbuf, names, 1);
     hdr.header_values = vbuf;
     hdr.header_values_len = encode_array(vbuf, values, 1);
-    check_publish_refused_same(&hdr, "", 1024, "names are 1 to 128 bytes");
+    check_publish_refused_same(&hdr, "", 1024, "names are 1 to 128 bytes", RELAY_CAUSE_ROW);
     hdr.header_names_len = encode_array(nbuf, empty, 1);
-    check_publish_refused_same(&hdr, "", 1024, "names are 1 to 128 bytes");
+    check_publish_refused_same(&hdr, "", 1024, "names are 1 to 128 bytes", RELAY_CAUSE_ROW);
 
     static char bigvalue[OUTBOX_HEADER_VALUE_MAX + 2];
     memset(bigvalue, 'v', sizeof(bigvalue) - 1);
     const char *bigvalues[] = {bigvalue};
     hdr.header_names_len = encode_array(nbuf, one, 1);
     hdr.header_values_len = encode_array(vbuf, bigvalues, 1);
-    check_publish_refused_same(&hdr, "", 1024, "exceeds 8192 bytes");
+    check_publish_refused_same(&hdr, "", 1024, "exceeds 8192 bytes", RELAY_CAUSE_ROW);
 
     /* Stream name and dedup key: the longest that fit, then one byte more. */
     char prefix[512];
@@ -1320,10 +1365,10 @@ static void test_append_publish_refuses_what_build_refuses(void **state)
     check_publish_same(&longest, prefix, 1024, 1000, 1796040000000ull, &buf);
     prefix[fits] = 'p';
     prefix[fits + 1] = '\0';
-    check_publish_refused_same(&longest, prefix, 1024, "stream name too long");
+    check_publish_refused_same(&longest, prefix, 1024, "stream name too long", RELAY_CAUSE_SETUP);
     memset(prefix, 'p', 256);
     prefix[256] = '\0';
-    check_publish_refused_same(&longest, prefix, 1024, "stream name too long");
+    check_publish_refused_same(&longest, prefix, 1024, "stream name too long", RELAY_CAUSE_SETUP);
     const struct relay_row *call[] = {&longest};
     assert_int_equal(relay_batch_append_publish_call(call, 1, NULL, prefix, 1024, 1, 2, &buf), -1);
     outbox_buf_free(&buf);
