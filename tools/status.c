@@ -42,6 +42,14 @@ static void put_shown(struct relay_text_out *b, const char *s, size_t width, siz
     relay_text_out_printf(b, "%s%*s", shown, cols < width ? (int)(width - cols) : 0, "");
 }
 
+/* The ADMIT column: producer admission of the stream's topic. */
+static const char *admit_text(const struct relay_topic_obs *t)
+{
+    if (t == NULL || t->admitting < 0)
+        return "-";
+    return t->admitting ? "yes" : "NO";
+}
+
 static void status_text(const struct relay_observation *o, char *outbuf, size_t outlen)
 {
     struct relay_text_out b;
@@ -81,8 +89,8 @@ static void status_text(const struct relay_observation *o, char *outbuf, size_t 
             relay_text_out_printf(&b, "Admission   %lld topics with limits, %lld refused\n",
                                   o->admission_topics, o->admission_refused);
     }
-    if (o->ngroups == 0) {
-        relay_text_out_printf(&b, "\nNo consumer groups yet.\n");
+    if (o->ngroups == 0 && o->ntopics == 0) {
+        relay_text_out_printf(&b, "\nNo streams yet.\n");
         return;
     }
     relay_text_out_printf(&b, "\n%-24s %-16s %10s %8s %8s %10s %12s %6s\n", "STREAM", "GROUP",
@@ -105,10 +113,23 @@ static void status_text(const struct relay_observation *o, char *outbuf, size_t 
         relay_text_out_printf(&b, " ");
         put_shown(&b, g->group, 16, 16);
         relay_text_out_printf(&b, " %10s %8s %8lld %10lld %12s %6s\n", a1, lag, g->pending,
-                              g->dead_letters, a2,
-                              t == NULL || t->admitting < 0 ? "-"
-                              : t->admitting                ? "yes"
-                                                            : "NO");
+                              g->dead_letters, a2, admit_text(t));
+    }
+    /* Every stream of the relay's topics, as --json lists them: a new topic,
+     * or the partition streams of a newly partitioned one, before anyone
+     * reads them. */
+    for (size_t ti = 0; ti < o->ntopics; ti++) {
+        const struct relay_topic_obs *t = &o->topics[ti];
+        size_t i = 0;
+        while (i < o->ngroups && o->groups[i].topic != (int)ti)
+            i++;
+        if (i < o->ngroups)
+            continue;
+        age_text(a1, sizeof(a1), t->oldest_pending_age);
+        snprintf(a2, sizeof(a2), "%lld", t->pending);
+        put_shown(&b, t->stream, 24, 24);
+        relay_text_out_printf(&b, " %-16s %10s %8s %8s %10s %12s %6s\n", "(no groups)", a1, "-",
+                              "-", "-", a2, admit_text(t));
     }
 }
 

@@ -16,6 +16,8 @@ and `outbox-relay status` (issue: Operate it).
   and it resumes below resume_lag_entries.
 - `outbox-relay status` shows the groups with queue age; --json parses; with
   a server unreachable it names it and exits 69.
+- `outbox-relay status` shows every stream of the relay's topics, also those
+  no group reads yet (the partition streams of a new partitioned topic).
 """
 
 import json
@@ -270,6 +272,22 @@ class OperationsTest(harness.ServerTestCase):
         group = [g for g in data["groups"] if g["group"] == "email"][0]
         self.assertEqual(group["lag"], 1)
         self.assertGreater(group["queue_age_seconds"], 0)
+
+    def test_status_lists_streams_without_groups(self):
+        # A topic just partitioned: its streams exist, no group reads them yet.
+        streams = [f"orders:{p:03d}" for p in range(4)]
+        for st in streams:
+            self.r.xadd(st, {"id": "1", "payload": "x"})
+        self.r.xgroup_create("plain", "email", id="0", mkstream=True)
+        done = self.status()
+        self.assertEqual(done.returncode, 0, done.output)
+        for st in streams:
+            self.assertRegex(done.stdout, rf"(?m)^{st}\s+\(no groups\)\s", done.stdout)
+        self.assertRegex(done.stdout, r"(?m)^plain\s+email\s")
+        self.assertNotRegex(done.stdout, r"(?m)^plain\s+\(no groups\)")
+        # The same streams as --json lists.
+        data = json.loads(self.status("--json").stdout)
+        self.assertEqual(sorted(t["stream"] for t in data["topics"]), sorted(streams + ["plain"]))
 
     def test_status_names_an_unreachable_server(self):
         env = harness.relay_env(self.pg, None, {
