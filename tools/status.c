@@ -161,9 +161,35 @@ static void json_string(struct relay_text_out *b, const char *s)
     relay_text_out_printf(b, "\"");
 }
 
+/* before, then "name":seconds, or null when there is none (a negative age). */
+static void json_age(struct relay_text_out *b, const char *before, const char *name, double s)
+{
+    if (s < 0)
+        relay_text_out_printf(b, "%s\"%s\":null", before, name);
+    else
+        relay_text_out_printf(b, "%s\"%s\":%.3f", before, name, s);
+}
+
+/* before, then "name":n, or null when n is not known (its server did not answer). */
+static void json_count(struct relay_text_out *b, const char *before, const char *name, int known,
+                       long long n)
+{
+    if (!known)
+        relay_text_out_printf(b, "%s\"%s\":null", before, name);
+    else
+        relay_text_out_printf(b, "%s\"%s\":%lld", before, name, n);
+}
+
+/*
+ * The document docs/OPERATIONS.md ("status --json") describes field by
+ * field. null means none (no row or entry waits: an age) or not known (the
+ * server it comes from did not answer, or Redis cannot tell the lag); a
+ * script never has to tell a sentinel number from a real one.
+ */
 static void status_json(const struct relay_observation *o, char *outbuf, size_t outlen)
 {
     struct relay_text_out b;
+    int pg = o->pg_ok;
     relay_text_out_init(&b, outbuf, outlen);
     relay_text_out_printf(&b, "{\"taken_at\":%.3f,\"postgres\":{\"up\":%s,\"error\":", o->taken_at,
                           o->pg_ok ? "true" : "false");
@@ -173,15 +199,16 @@ static void status_json(const struct relay_observation *o, char *outbuf, size_t 
     json_string(&b, o->durability);
     relay_text_out_printf(&b, ",\"error\":");
     json_string(&b, o->redis_ok ? "" : o->redis_error);
-    relay_text_out_printf(
-        &b,
-        "},\"outbox\":{\"pending_estimate\":%lld,\"oldest_pending_age_seconds\":%.3f,"
-        "\"quarantined\":%lld,\"blocked_keys\":%lld},"
-        "\"relays\":{\"running\":%lld,\"partitions\":%lld,\"partitions_owned\":%lld},"
-        "\"admission\":{\"topics\":%lld,\"refused\":%lld},"
-        "\"topics\":[",
-        o->outbox_pending, o->outbox_oldest_age, o->quarantined, o->blocked_keys, o->relays,
-        o->partitions, o->partitions_owned, o->admission_topics, o->admission_refused);
+    json_count(&b, "},\"outbox\":{", "pending_estimate", pg, o->outbox_pending);
+    json_age(&b, ",", "oldest_pending_age_seconds", pg ? o->outbox_oldest_age : -1);
+    json_count(&b, ",", "quarantined", pg, o->quarantined);
+    json_count(&b, ",", "blocked_keys", pg, o->blocked_keys);
+    json_count(&b, "},\"relays\":{", "running", pg, o->relays);
+    json_count(&b, ",", "partitions", pg, o->partitions);
+    json_count(&b, ",", "partitions_owned", pg, o->partitions_owned);
+    json_count(&b, "},\"admission\":{", "topics", pg, o->admission_topics);
+    json_count(&b, ",", "refused", pg, o->admission_refused);
+    relay_text_out_printf(&b, "},\"topics\":[");
     for (size_t i = 0; i < o->ntopics; i++) {
         const struct relay_topic_obs *t = &o->topics[i];
         relay_text_out_printf(&b, "%s{\"topic\":", i ? "," : "");
@@ -192,12 +219,12 @@ static void status_json(const struct relay_observation *o, char *outbuf, size_t 
             relay_text_out_printf(&b, ",\"partition\":%d", t->partition);
         else
             relay_text_out_printf(&b, ",\"partition\":null");
-        relay_text_out_printf(
-            &b, ",\"outbox_pending\":%lld,\"outbox_oldest_age_seconds\":%.3f,\"admitting\":%s}",
-            t->pending, t->oldest_pending_age,
-            t->admitting < 0 ? "null"
-            : t->admitting   ? "true"
-                             : "false");
+        json_count(&b, ",", "outbox_pending", pg, t->pending);
+        json_age(&b, ",", "outbox_oldest_age_seconds", pg ? t->oldest_pending_age : -1);
+        relay_text_out_printf(&b, ",\"admitting\":%s}",
+                              t->admitting < 0 ? "null"
+                              : t->admitting   ? "true"
+                                               : "false");
     }
     relay_text_out_printf(&b, "],\"groups\":[");
     for (size_t i = 0; i < o->ngroups; i++) {
@@ -206,17 +233,13 @@ static void status_json(const struct relay_observation *o, char *outbuf, size_t 
         json_string(&b, g->stream);
         relay_text_out_printf(&b, ",\"group\":");
         json_string(&b, g->group);
-        relay_text_out_printf(&b, ",\"consumers\":%lld,\"lag\":", g->consumers);
-        if (g->lag < 0)
-            relay_text_out_printf(&b, "null");
-        else
-            relay_text_out_printf(&b, "%lld", g->lag);
-        relay_text_out_printf(
-            &b,
-            ",\"pending\":%lld,\"dead_letters\":%lld,\"oldest_pending_age_seconds\":%.3f,"
-            "\"oldest_undelivered_age_seconds\":%.3f,\"queue_age_seconds\":%.3f}",
-            g->pending, g->dead_letters, g->oldest_pending_age, g->oldest_undelivered_age,
-            g->queue_age);
+        relay_text_out_printf(&b, ",\"consumers\":%lld", g->consumers);
+        json_count(&b, ",", "lag", g->lag >= 0, g->lag); /* Redis may not tell */
+        relay_text_out_printf(&b, ",\"pending\":%lld,\"dead_letters\":%lld", g->pending,
+                              g->dead_letters);
+        json_age(&b, ",", "oldest_pending_age_seconds", g->oldest_pending_age);
+        json_age(&b, ",", "oldest_undelivered_age_seconds", g->oldest_undelivered_age);
+        relay_text_out_printf(&b, ",\"queue_age_seconds\":%.3f}", g->queue_age);
     }
     relay_text_out_printf(&b, "]}\n");
 }
