@@ -144,12 +144,24 @@ static int load_config(const struct cmdline *cl, struct relay_config *cfg)
                              sizeof(err)) < 0)
             return OUTBOX_EX_SOFTWARE;
     }
-    if (relay_config_load(cfg, cl->config_path, environ, cl->noverrides, cl->overrides, err,
-                          sizeof(err)) < 0) {
-        fprintf(stderr, "outbox-relay: %s\n", err);
-        return OUTBOX_EX_CONFIG;
+    /* Every mistake at once, so that fixing a file takes one run, not one
+     * run per mistake. */
+    struct relay_config_errors *errs = malloc(sizeof(*errs));
+    if (errs == NULL)
+        return OUTBOX_EX_OSERR;
+    int rc = 0;
+    if (relay_config_load_all(cfg, cl->config_path, environ, cl->noverrides, cl->overrides, errs) <
+        0) {
+        unsigned shown =
+            errs->count < RELAY_CONFIG_ERRORS_MAX ? errs->count : RELAY_CONFIG_ERRORS_MAX;
+        for (unsigned i = 0; i < shown; i++)
+            fprintf(stderr, "outbox-relay: %s\n", errs->msg[i]);
+        if (errs->count > shown)
+            fprintf(stderr, "outbox-relay: and %u more errors\n", errs->count - shown);
+        rc = OUTBOX_EX_CONFIG;
     }
-    return 0;
+    free(errs);
+    return rc;
 }
 
 /* An operator command: its exit code. */

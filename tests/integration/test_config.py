@@ -5,6 +5,8 @@ Promises tested (docs/CONFIGURATION.md; the README's "Run the relay"):
 - an unknown key or a bad value exits 78 and names the file and line; a bad
   command-line or environment value exits 78 too; a missing -c argument is a
   usage error (64);
+- a file with several mistakes gets every one reported in one run, each on a
+  line of its own, at most 20 and then how many more;
 - a malformed redis URL that carries a password exits 78 and never prints the
   password;
 - with no file, OUTBOX_RELAY_POSTGRES / OUTBOX_RELAY_REDIS are enough to run;
@@ -155,6 +157,35 @@ class ConfigFileTest(harness.TestCase):
     def test_missing_option_argument_is_usage_error(self):
         done = run_relay(["-c"])
         self.assertEqual(done.returncode, EX_USAGE, done.output)
+
+    def test_every_mistake_reported_at_once(self):
+        lines = self.good_config().splitlines()
+        bad = {lines.index("batch_size = 100"): "batch_size = 0",
+               lines.index("poll_interval = 200ms"): "poll_interval = soon",
+               lines.index("listen = off"): "listen off"}
+        path = self.write("".join(bad.get(i, line) + "\n" for i, line in enumerate(lines))
+                          + "no_such_key = 1\n")
+        for args in (["--check-config"], []):  # and at start-up
+            with self.subTest(args=args):
+                done = run_relay(["-c", path, *args])
+                self.assertEqual(done.returncode, EX_CONFIG, done.output)
+                errors = done.stderr.splitlines()
+                want = [f"relay.conf:{i + 1}:" for i in sorted(bad)]
+                want.append(f"relay.conf:{len(lines) + 1}:")
+                self.assertEqual([os.path.basename(e.split(" ")[1]) for e in errors], want,
+                                 done.stderr)
+                for text in ("batch_size", "poll_interval", "missing \"=\"", "no_such_key"):
+                    self.assertIn(text, done.stderr)
+                self.assert_no_secret(done)
+        self.assert_connected_nowhere()
+
+        # Past 20, the count of the rest.
+        path = self.write(self.good_config() + "".join(f"key_{i} = 1\n" for i in range(25)))
+        done = run_relay(["-c", path, "--check-config"])
+        self.assertEqual(done.returncode, EX_CONFIG, done.output)
+        errors = done.stderr.splitlines()
+        self.assertEqual(len(errors), 21, done.stderr)
+        self.assertEqual(errors[-1], "outbox-relay: and 5 more errors")
 
     def test_malformed_redis_url_hides_password(self):
         urls = ("redis://user:hunter2-secret@127.0.0.1:notaport/0",
