@@ -90,6 +90,25 @@ struct cmdline {
     int noverrides;
 };
 
+/* The program's own options, for "did you mean"; the keys' flags are the
+ * configuration's (relay_config_nearest_flag). */
+static const char *const own_options[] = {"--help", "--version", "--config", "--check-config"};
+
+/* An option that is neither the program's nor a key's: bad usage, with the
+ * nearest of them when one is near. */
+static int unknown_option(const char *a)
+{
+    char near[128];
+    int len = (int)strcspn(a, "=");
+    if (relay_config_nearest_flag(a, own_options, OUTBOX_ARRAY_LEN(own_options), near,
+                                  sizeof(near)) != NULL)
+        fprintf(stderr, "outbox-relay: unknown option %.*s (did you mean %s?); see --help\n",
+                len > 80 ? 80 : len, a, near);
+    else
+        fprintf(stderr, "outbox-relay: unknown option %.*s; see --help\n", len > 80 ? 80 : len, a);
+    return OUTBOX_EX_USAGE;
+}
+
 /* Reads the options into cl (whose overrides holds argc entries). Returns -1
  * to go on, or the exit code to leave with at once. */
 static int parse_args(int argc, char **argv, struct cmdline *cl)
@@ -113,16 +132,28 @@ static int parse_args(int argc, char **argv, struct cmdline *cl)
         } else if (strncmp(a, "--config=", 9) == 0) {
             cl->config_path = a + 9;
         } else if (strncmp(a, "--", 2) == 0 && a[2] != '\0') {
+            /* A mistyped option must not be taken for a key and eat the
+             * next argument as its value. */
+            if (!relay_config_is_flag(a))
+                return unknown_option(a);
             cl->overrides[cl->noverrides++] = argv[i];
             /* "--key value": the value goes along unless the flag holds '='. */
             if (strchr(a, '=') == NULL && i + 1 < argc)
                 cl->overrides[cl->noverrides++] = argv[++i];
-        } else if (strcmp(a, "failed") == 0 || strcmp(a, "dlq") == 0 || strcmp(a, "status") == 0) {
+        } else if (relay_tool_is_command(a)) {
             cl->tool_argc = argc - i;
             cl->tool_argv = argv + i;
-            return -1;
+            return relay_tool_check_usage(cl->tool_argc, cl->tool_argv, stderr) == OUTBOX_EX_OK
+                       ? -1
+                       : OUTBOX_EX_USAGE;
         } else {
-            fprintf(stderr, "outbox-relay: unexpected argument \"%s\"; see --help\n", a);
+            const char *near = relay_tool_nearest_command(a);
+            if (near != NULL)
+                fprintf(stderr,
+                        "outbox-relay: unexpected argument \"%s\" (did you mean %s?); see --help\n",
+                        a, near);
+            else
+                fprintf(stderr, "outbox-relay: unexpected argument \"%s\"; see --help\n", a);
             return OUTBOX_EX_USAGE;
         }
     }

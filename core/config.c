@@ -665,6 +665,69 @@ int relay_config_load(struct relay_config *cfg, const char *path, char *const *e
 }
 
 /* ------------------------------------------------------------------------ */
+/* Command lines.                                                            */
+
+const char *relay_config_nearest(const char *word, const char *const *candidates, size_t n)
+{
+    const char *best = NULL;
+    unsigned best_d = 3;
+    size_t i;
+
+    for (i = 0; i < n; i++) {
+        unsigned d = config_edit_distance(word, candidates[i]);
+        if (d < best_d && d < strlen(word)) {
+            best = candidates[i];
+            best_d = d;
+        }
+    }
+    return best;
+}
+
+int relay_config_is_flag(const char *arg)
+{
+    char key[CFG_NAME_MAX + 1];
+    size_t nlen, j;
+
+    if (strncmp(arg, "--", 2) != 0)
+        return 0;
+    arg += 2;
+    nlen = strcspn(arg, "=");
+    if (nlen == 0 || nlen > CFG_NAME_MAX)
+        return 0;
+    for (j = 0; j < nlen; j++)
+        key[j] = arg[j] == '-' ? '_' : arg[j];
+    key[j] = '\0';
+    return config_find(key) != NULL;
+}
+
+const char *relay_config_nearest_flag(const char *arg, const char *const *options, size_t noptions,
+                                      char *out, size_t outlen)
+{
+    char name[CFG_NAME_MAX + 1], flag[CFG_NAME_MAX + 32];
+    unsigned best_d = 3;
+    int found = 0;
+    size_t nlen = strcspn(arg, "="), i;
+
+    if (nlen > CFG_NAME_MAX)
+        return NULL;
+    snprintf(name, sizeof(name), "%.*s", (int)nlen, arg);
+    for (i = 0; i < noptions + relay_config_nkeys; i++) {
+        unsigned d;
+        if (i < noptions)
+            snprintf(flag, sizeof(flag), "%s", options[i]);
+        else
+            relay_config_flag_name(relay_config_keys[i - noptions].name, flag, sizeof(flag));
+        d = config_edit_distance(name, flag);
+        if (d < best_d && d < nlen) {
+            snprintf(out, outlen, "%s", flag);
+            best_d = d;
+            found = 1;
+        }
+    }
+    return found ? out : NULL;
+}
+
+/* ------------------------------------------------------------------------ */
 /* Reload.                                                                   */
 
 static int config_key_differs(const struct relay_config *a, const struct relay_config *b,

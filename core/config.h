@@ -139,6 +139,24 @@ int relay_config_validate_all(struct relay_config *cfg, struct relay_config_erro
 int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
     __attribute__((warn_unused_result));
 
+/*
+ * For the command line's "did you mean": the candidate nearest to word, if
+ * it is within two edits and the word is not shorter than the edits (no wild
+ * guesses); NULL when none is.
+ */
+const char *relay_config_nearest(const char *word, const char *const *candidates, size_t n);
+
+/* 1 when arg is "--key-with-dashes" or "--key-with-dashes=VALUE" of a key. */
+int relay_config_is_flag(const char *arg);
+
+/*
+ * The option nearest to arg ("--check-confg", "--batchsize=5"), among the
+ * program's own options[0..noptions-1] and every key's flag, as
+ * relay_config_nearest judges: copied to out and returned, or NULL.
+ */
+const char *relay_config_nearest_flag(const char *arg, const char *const *options, size_t noptions,
+                                      char *out, size_t outlen);
+
 /* 1 when stream_retention is set and shorter than dedup_ttl: refused unless
  * allow_short_stream_retention is on, then logged as a warning at start. */
 int relay_config_short_stream_retention(const struct relay_config *cfg);

@@ -253,10 +253,8 @@ OUTBOX_STATIC int parse_status_args(int argc, char **argv, FILE *errout, int *js
         if (strcmp(argv[i], "--json") == 0) {
             *json = 1;
         } else {
-            fprintf(errout,
-                    "outbox-relay: status: unexpected \"%s\"\n"
-                    "Usage: outbox-relay [-c FILE] status [--json]\n",
-                    argv[i]);
+            relay_tool_unknown(errout, "status", argv[i]);
+            fprintf(errout, "Usage: outbox-relay [-c FILE] status [--json]\n");
             return -1;
         }
     }

@@ -7,6 +7,8 @@ Promises tested (docs/CONFIGURATION.md; the README's "Run the relay"):
   usage error (64);
 - a file with several mistakes gets every one reported in one run, each on a
   line of its own, at most 20 and then how many more;
+- a mistyped option, command or verb is a usage error (64), never taken for
+  a configuration key, and names the nearest known one;
 - a malformed redis URL that carries a password exits 78 and never prints the
   password;
 - with no file, OUTBOX_RELAY_POSTGRES / OUTBOX_RELAY_REDIS are enough to run;
@@ -186,6 +188,28 @@ class ConfigFileTest(harness.TestCase):
         errors = done.stderr.splitlines()
         self.assertEqual(len(errors), 21, done.stderr)
         self.assertEqual(errors[-1], "outbox-relay: and 5 more errors")
+
+    def test_mistyped_words_are_usage_errors(self):
+        path = self.write(self.good_config())
+        for args, near in ((["--check-confg"], "--check-config"),
+                           (["-c", path, "--check-confg"], "--check-config"),
+                           (["--check-confg", "-c", path], "--check-config"),
+                           (["-c", path, "--batchsize", "5", "--check-config"], "--batch-size"),
+                           (["-c", path, "--pritn-config"], "--print-config"),
+                           (["-c", path, "staus"], "status"),
+                           (["-c", path, "dlq", "lst", "orders", "email"], "list"),
+                           (["dlq", "lst", "orders", "email"], "list"),  # before the config
+                           (["failed", "lsit"], "list"),
+                           (["-c", path, "status", "--jsn"], "--json")):
+            with self.subTest(args=args):
+                done = run_relay(args)
+                self.assertEqual(done.returncode, EX_USAGE, done.output)
+                self.assertIn(f"did you mean {near}?", done.stderr)
+        done = run_relay(["-c", path, "--frobnicate"])
+        self.assertEqual(done.returncode, EX_USAGE, done.output)
+        self.assertIn("unknown option --frobnicate", done.stderr)
+        self.assertNotIn("did you mean", done.stderr)
+        self.assert_connected_nowhere()
 
     def test_malformed_redis_url_hides_password(self):
         urls = ("redis://user:hunter2-secret@127.0.0.1:notaport/0",

@@ -326,6 +326,31 @@ static void test_errors_are_capped_and_counted(void **state)
     relay_config_free(&cfg);
 }
 
+/* The command line's "did you mean", among the program's options and the keys. */
+static void test_nearest_flag(void **state)
+{
+    static const char *const options[] = {"--help", "--check-config", "--print-config"};
+    static const char *const words[] = {"failed", "dlq", "status"};
+    char out[128];
+
+    (void)state;
+    assert_string_equal(relay_config_nearest_flag("--check-confg", options, 3, out, sizeof(out)),
+                        "--check-config");
+    assert_string_equal(relay_config_nearest_flag("--batchsize=5", options, 3, out, sizeof(out)),
+                        "--batch-size");
+    assert_string_equal(relay_config_nearest_flag("--hlep", options, 3, out, sizeof(out)),
+                        "--help");
+    assert_null(relay_config_nearest_flag("--frobnicate", options, 3, out, sizeof(out)));
+    assert_true(relay_config_is_flag("--batch-size"));
+    assert_true(relay_config_is_flag("--batch-size=5"));
+    assert_false(relay_config_is_flag("--check-config"));
+    assert_false(relay_config_is_flag("--"));
+    assert_false(relay_config_is_flag("batch-size"));
+    assert_string_equal(relay_config_nearest("staus", words, 3), "status");
+    assert_string_equal(relay_config_nearest("faild", words, 3), "failed");
+    assert_null(relay_config_nearest("xy", words, 3));
+}
+
 static void test_good_file_every_form(void **state)
 {
     struct relay_config cfg;
@@ -1021,6 +1046,7 @@ int main(void)
         cmocka_unit_test(test_free_is_null_safe_and_repeatable),
         cmocka_unit_test(test_bad_config_table),
         cmocka_unit_test(test_errors_are_capped_and_counted),
+        cmocka_unit_test(test_nearest_flag),
         cmocka_unit_test(test_good_file_every_form),
         cmocka_unit_test(test_missing_file),
         cmocka_unit_test(test_env_overrides_file),
