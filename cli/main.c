@@ -27,7 +27,7 @@ static void usage(FILE *out)
     char keys[8192];
     relay_config_help(keys, sizeof(keys));
     fprintf(out,
-            "Usage: outbox-relay [-c FILE] [--check-config] [--KEY VALUE]...\n"
+            "Usage: outbox-relay [-c FILE] [--check-config | --print-config] [--KEY VALUE]...\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... failed list [--limit N]\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... failed retry ID... | --all\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... failed drop ID...\n"
@@ -43,6 +43,8 @@ static void usage(FILE *out)
             "\n"
             "  -c, --config FILE   read settings from FILE (key = value lines)\n"
             "      --check-config  validate the configuration and exit, without connecting\n"
+            "      --print-config  validate it, then print every key's effective value\n"
+            "                      (passwords shown as ***) as a configuration file\n"
             "  -h, --help          show this help\n"
             "  -V, --version       show the version\n"
             "\n"
@@ -87,7 +89,8 @@ static void block_signals(int how)
 struct cmdline {
     const char *config_path;
     int check_only;
-    int tool_argc; /* an operator command and its arguments, or 0 */
+    int print_config; /* --print-config: check, then show the configuration */
+    int tool_argc;    /* an operator command and its arguments, or 0 */
     char **tool_argv;
     char **overrides; /* "--key value" or "--key=value" settings, in order */
     int noverrides;
@@ -95,7 +98,8 @@ struct cmdline {
 
 /* The program's own options, for "did you mean"; the keys' flags are the
  * configuration's (relay_config_nearest_flag). */
-static const char *const own_options[] = {"--help", "--version", "--config", "--check-config"};
+static const char *const own_options[] = {"--help", "--version", "--config", "--check-config",
+                                          "--print-config"};
 
 /* An option that is neither the program's nor a key's: bad usage, with the
  * nearest of them when one is near. */
@@ -126,6 +130,9 @@ static int parse_args(int argc, char **argv, struct cmdline *cl)
             return OUTBOX_EX_OK;
         } else if (strcmp(a, "--check-config") == 0) {
             cl->check_only = 1;
+        } else if (strcmp(a, "--print-config") == 0) {
+            cl->check_only = 1;
+            cl->print_config = 1;
         } else if (strcmp(a, "-c") == 0 || strcmp(a, "--config") == 0) {
             if (i + 1 >= argc) {
                 fprintf(stderr, "outbox-relay: %s needs a file name; see --help\n", a);
@@ -198,6 +205,19 @@ static int load_config(const struct cmdline *cl, struct relay_config *cfg)
     return rc;
 }
 
+/* --print-config: the configuration in effect, as a file that reads back
+ * (core/config_doc.c), passwords shown as ***. */
+static int print_config(const struct relay_config *cfg)
+{
+    char *dump = malloc(RELAY_CONFIG_DUMP_MAX);
+    if (dump == NULL)
+        return OUTBOX_EX_OSERR;
+    relay_config_dump(cfg, dump, RELAY_CONFIG_DUMP_MAX);
+    fputs(dump, stdout);
+    free(dump);
+    return OUTBOX_EX_OK;
+}
+
 /* An operator command: its exit code. */
 static int run_tool(const struct cmdline *cl, const struct relay_config *cfg)
 {
@@ -260,6 +280,8 @@ int main(int argc, char **argv)
             block_signals(SIG_UNBLOCK); /* a command line tool stops at once */
         if (cl.tool_argv != NULL) {
             rc = run_tool(&cl, &cfg);
+        } else if (cl.print_config) {
+            rc = print_config(&cfg);
         } else if (cl.check_only) {
             printf("configuration OK\n");
             rc = OUTBOX_EX_OK;

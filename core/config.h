@@ -174,7 +174,10 @@ int relay_config_parse_duration(const char *s, uint32_t *ms) __attribute__((warn
  * 86400000 -> "1d", 1500 -> "1500ms". */
 void relay_config_format_duration(uint32_t ms, char *out, size_t outlen);
 
-/* Writes every key with its effective value (secrets redacted), one per line. */
+/* Writes every key with its effective value (secrets redacted), one per line,
+ * as a configuration file that reads back. RELAY_CONFIG_DUMP_MAX bytes hold
+ * any configuration's dump. */
+#define RELAY_CONFIG_DUMP_MAX (64u * (2u * 4096u + 128u))
 void relay_config_dump(const struct relay_config *cfg, char *out, size_t outlen);
 
 /* Prints the key table (key, default, env variable, flag, meaning) for --help. */

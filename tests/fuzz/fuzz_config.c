@@ -2,7 +2,7 @@
  * The configuration file (core/config.c): the bytes are a relay.conf, read
  * line by line the way the daemon reads its -c FILE, then checked as a whole
  * (relay_config_validate) and shown again (relay_config_dump), as
- * "outbox-relay --check-config" does. A file that loads must also load again
+ * "outbox-relay --print-config" does. A file that loads must also load again
  * from its own dump, and show the same dump (secrets stay redacted; see
  * skip_secrets).
  */

@@ -9,6 +9,8 @@ Promises tested (docs/CONFIGURATION.md; the README's "Run the relay"):
   line of its own, at most 20 and then how many more;
 - a mistyped option, command or verb is a usage error (64), never taken for
   a configuration key, and names the nearest known one;
+- --print-config shows every key's effective value, passwords as ***, as a
+  file that reads back;
 - a malformed redis URL that carries a password exits 78 and never prints the
   password;
 - with no file, OUTBOX_RELAY_POSTGRES / OUTBOX_RELAY_REDIS are enough to run;
@@ -210,6 +212,30 @@ class ConfigFileTest(harness.TestCase):
         self.assertIn("unknown option --frobnicate", done.stderr)
         self.assertNotIn("did you mean", done.stderr)
         self.assert_connected_nowhere()
+
+    def test_print_config(self):
+        path = self.write(self.good_config())
+        env = harness.relay_env()  # one metrics_listen for both runs
+        done = run_relay(["-c", path, "--print-config", "--batch-size", "42"], env=env)
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assert_no_secret(done)
+        self.assert_connected_nowhere()
+        shown = dict(line.split(" = ", 1) for line in done.stdout.splitlines())
+        for key in KEYS:
+            self.assertIn(key, shown)
+        self.assertEqual(shown["batch_size"], "42")
+        self.assertEqual(shown["poll_interval"], "200ms")
+        self.assertIn("password=***", shown["postgres"])
+        self.assertIn("relay:***@", shown["redis"])
+        # It reads back, and shows the same again.
+        again = self.write(done.stdout, name="again.conf")
+        redone = run_relay(["-c", again, "--print-config"], env=env)
+        self.assertEqual(redone.returncode, 0, redone.output)
+        self.assertEqual(redone.stdout, done.stdout)
+        # A bad configuration: the errors, no dump.
+        bad = run_relay(["-c", path, "--print-config", "--batch-size", "0"])
+        self.assertEqual(bad.returncode, EX_CONFIG, bad.output)
+        self.assertEqual(bad.stdout, "")
 
     def test_malformed_redis_url_hides_password(self):
         urls = ("redis://user:hunter2-secret@127.0.0.1:notaport/0",
