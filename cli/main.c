@@ -27,7 +27,7 @@ static void usage(FILE *out)
     char keys[8192];
     relay_config_help(keys, sizeof(keys));
     fprintf(out,
-            "Usage: outbox-relay [-c FILE] [--check-config] [--KEY VALUE]...\n"
+            "Usage: outbox-relay [-c FILE] [--check-config | --print-config] [--KEY VALUE]...\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... failed list [--limit N]\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... failed retry ID... | --all\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... failed drop ID...\n"
@@ -35,6 +35,7 @@ static void usage(FILE *out)
             "       outbox-relay [-c FILE] [--KEY VALUE]... dlq show STREAM GROUP ID\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... dlq replay|purge STREAM GROUP\n"
             "                                               ID... | FROM-TO... | --all\n"
+            "       outbox-relay [-c FILE] [--KEY VALUE]... dlq migrate STREAM GROUP\n"
             "       outbox-relay [-c FILE] [--KEY VALUE]... status [--json]\n"
             "       outbox-relay --help | --version\n"
             "\n"
@@ -42,6 +43,8 @@ static void usage(FILE *out)
             "\n"
             "  -c, --config FILE   read settings from FILE (key = value lines)\n"
             "      --check-config  validate the configuration and exit, without connecting\n"
+            "      --print-config  validate it, then print every key's effective value\n"
+            "                      (passwords shown as ***) as a configuration file\n"
             "  -h, --help          show this help\n"
             "  -V, --version       show the version\n"
             "\n"
@@ -53,6 +56,8 @@ static void usage(FILE *out)
             "  dlq replay          send dead letters back to that group only\n"
             "                      ({STREAM}.GROUP.replay), with their original fields\n"
             "  dlq purge           delete dead letters\n"
+            "  dlq migrate         move a group's dead letters and replays from the names\n"
+            "                      before 0.2 (STREAM.GROUP.dlq) to today's\n"
             "  status              queue age, lag, pending, dead letters and quarantined\n"
             "                      rows per stream and group; --json for scripts\n"
             "  (failed needs only the postgres setting, dlq only the redis setting;\n"
@@ -84,11 +89,32 @@ static void block_signals(int how)
 struct cmdline {
     const char *config_path;
     int check_only;
-    int tool_argc; /* an operator command and its arguments, or 0 */
+    int print_config; /* --print-config: check, then show the configuration */
+    int tool_argc;    /* an operator command and its arguments, or 0 */
     char **tool_argv;
     char **overrides; /* "--key value" or "--key=value" settings, in order */
     int noverrides;
 };
+
+/* The program's own options, for "did you mean"; the keys' flags are the
+ * configuration's (relay_config_nearest_flag). */
+static const char *const own_options[] = {"--help", "--version", "--config", "--check-config",
+                                          "--print-config"};
+
+/* An option that is neither the program's nor a key's: bad usage, with the
+ * nearest of them when one is near. */
+static int unknown_option(const char *a)
+{
+    char near[128];
+    int len = (int)strcspn(a, "=");
+    if (relay_config_nearest_flag(a, own_options, OUTBOX_ARRAY_LEN(own_options), near,
+                                  sizeof(near)) != NULL)
+        fprintf(stderr, "outbox-relay: unknown option %.*s (did you mean %s?); see --help\n",
+                len > 80 ? 80 : len, a, near);
+    else
+        fprintf(stderr, "outbox-relay: unknown option %.*s; see --help\n", len > 80 ? 80 : len, a);
+    return OUTBOX_EX_USAGE;
+}
 
 /* Reads the options into cl (whose overrides holds argc entries). Returns -1
  * to go on, or the exit code to leave with at once. */
@@ -104,6 +130,9 @@ static int parse_args(int argc, char **argv, struct cmdline *cl)
             return OUTBOX_EX_OK;
         } else if (strcmp(a, "--check-config") == 0) {
             cl->check_only = 1;
+        } else if (strcmp(a, "--print-config") == 0) {
+            cl->check_only = 1;
+            cl->print_config = 1;
         } else if (strcmp(a, "-c") == 0 || strcmp(a, "--config") == 0) {
             if (i + 1 >= argc) {
                 fprintf(stderr, "outbox-relay: %s needs a file name; see --help\n", a);
@@ -113,16 +142,28 @@ static int parse_args(int argc, char **argv, struct cmdline *cl)
         } else if (strncmp(a, "--config=", 9) == 0) {
             cl->config_path = a + 9;
         } else if (strncmp(a, "--", 2) == 0 && a[2] != '\0') {
+            /* A mistyped option must not be taken for a key and eat the
+             * next argument as its value. */
+            if (!relay_config_is_flag(a))
+                return unknown_option(a);
             cl->overrides[cl->noverrides++] = argv[i];
             /* "--key value": the value goes along unless the flag holds '='. */
             if (strchr(a, '=') == NULL && i + 1 < argc)
                 cl->overrides[cl->noverrides++] = argv[++i];
-        } else if (strcmp(a, "failed") == 0 || strcmp(a, "dlq") == 0 || strcmp(a, "status") == 0) {
+        } else if (relay_tool_is_command(a)) {
             cl->tool_argc = argc - i;
             cl->tool_argv = argv + i;
-            return -1;
+            return relay_tool_check_usage(cl->tool_argc, cl->tool_argv, stderr) == OUTBOX_EX_OK
+                       ? -1
+                       : OUTBOX_EX_USAGE;
         } else {
-            fprintf(stderr, "outbox-relay: unexpected argument \"%s\"; see --help\n", a);
+            const char *near = relay_tool_nearest_command(a);
+            if (near != NULL)
+                fprintf(stderr,
+                        "outbox-relay: unexpected argument \"%s\" (did you mean %s?); see --help\n",
+                        a, near);
+            else
+                fprintf(stderr, "outbox-relay: unexpected argument \"%s\"; see --help\n", a);
             return OUTBOX_EX_USAGE;
         }
     }
@@ -144,12 +185,37 @@ static int load_config(const struct cmdline *cl, struct relay_config *cfg)
                              sizeof(err)) < 0)
             return OUTBOX_EX_SOFTWARE;
     }
-    if (relay_config_load(cfg, cl->config_path, environ, cl->noverrides, cl->overrides, err,
-                          sizeof(err)) < 0) {
-        fprintf(stderr, "outbox-relay: %s\n", err);
-        return OUTBOX_EX_CONFIG;
+    /* Every mistake at once, so that fixing a file takes one run, not one
+     * run per mistake. */
+    struct relay_config_errors *errs = malloc(sizeof(*errs));
+    if (errs == NULL)
+        return OUTBOX_EX_OSERR;
+    int rc = 0;
+    if (relay_config_load_all(cfg, cl->config_path, environ, cl->noverrides, cl->overrides, errs) <
+        0) {
+        unsigned shown =
+            errs->count < RELAY_CONFIG_ERRORS_MAX ? errs->count : RELAY_CONFIG_ERRORS_MAX;
+        for (unsigned i = 0; i < shown; i++)
+            fprintf(stderr, "outbox-relay: %s\n", errs->msg[i]);
+        if (errs->count > shown)
+            fprintf(stderr, "outbox-relay: and %u more errors\n", errs->count - shown);
+        rc = OUTBOX_EX_CONFIG;
     }
-    return 0;
+    free(errs);
+    return rc;
+}
+
+/* --print-config: the configuration in effect, as a file that reads back
+ * (core/config_doc.c), passwords shown as ***. */
+static int print_config(const struct relay_config *cfg)
+{
+    char *dump = malloc(RELAY_CONFIG_DUMP_MAX);
+    if (dump == NULL)
+        return OUTBOX_EX_OSERR;
+    relay_config_dump(cfg, dump, RELAY_CONFIG_DUMP_MAX);
+    fputs(dump, stdout);
+    free(dump);
+    return OUTBOX_EX_OK;
 }
 
 /* An operator command: its exit code. */
@@ -214,6 +280,8 @@ int main(int argc, char **argv)
             block_signals(SIG_UNBLOCK); /* a command line tool stops at once */
         if (cl.tool_argv != NULL) {
             rc = run_tool(&cl, &cfg);
+        } else if (cl.print_config) {
+            rc = print_config(&cfg);
         } else if (cl.check_only) {
             printf("configuration OK\n");
             rc = OUTBOX_EX_OK;

@@ -443,20 +443,23 @@ OUTBOX_STATIC int config_parse_line(char *line, char **key, char **value, char *
 
 /*
  * Reads the configuration text of f, named path in messages, line by line
- * into cfg: 0, or -1 with err. The file loader below opens the file for it.
+ * into cfg, adding an error to errs for each line that is wrong and going on
+ * with the next, so that one run reports every mistake of the file: 0, or -1
+ * when any line was wrong. The file loader below opens the file for it.
  */
-OUTBOX_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const char *path, char *err,
-                                     size_t errlen) CFG_MUSTCHECK;
-OUTBOX_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const char *path, char *err,
-                                     size_t errlen)
+OUTBOX_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const char *path,
+                                     struct relay_config_errors *errs);
+OUTBOX_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const char *path,
+                                     struct relay_config_errors *errs)
 {
     char line[CFG_LINE_MAX + 2]; /* the line, its newline and the NUL */
     char rule[RELAY_CONFIG_ERR_MAX];
     char where[RELAY_CONFIG_ERR_MAX];
     char label[RELAY_CONFIG_ERR_MAX + CFG_NAME_MAX + 8];
     char shown[CFG_SHOW_MAX + 8];
+    char err[RELAY_CONFIG_ERR_MAX];
     unsigned seen[CFG_KEYS_MAX] = {0}; /* line of each key's first setting */
-    unsigned lineno = 0;
+    unsigned lineno = 0, before = errs->count;
 
     for (;;) {
         const struct cfg_key *k;
@@ -472,64 +475,76 @@ OUTBOX_STATIC int config_load_stream(struct relay_config *cfg, FILE *f, const ch
         if (len > 0 && line[len - 1] == '\n')
             line[--len] = '\0';
         if (len > CFG_LINE_MAX) {
-            relay_config_err(err, errlen, "%s:%u: line is longer than %d bytes: shorten it", path,
-                             lineno, CFG_LINE_MAX);
-            return -1;
+            int c;
+            relay_config_err(err, sizeof(err), "%s:%u: line is longer than %d bytes: shorten it",
+                             path, lineno, CFG_LINE_MAX);
+            relay_config_errors_add(errs, err);
+            /* The rest of the line is not a line of its own. */
+            while ((c = getc(f)) != EOF && c != '\n')
+                ;
+            continue;
         }
         snprintf(where, sizeof(where), "%s:%u", path, lineno);
         r = config_parse_line(line, &key, &value, rule, sizeof(rule));
         if (r < 0) {
-            relay_config_err(err, errlen, "%s: %s", where, rule);
-            return -1;
+            relay_config_err(err, sizeof(err), "%s: %s", where, rule);
+            relay_config_errors_add(errs, err);
+            continue;
         }
         if (r == 0)
             continue;
         k = config_find(key);
         if (k == NULL) {
-            config_unknown(where, key, SRC_FILE, err, errlen);
-            return -1;
+            config_unknown(where, key, SRC_FILE, err, sizeof(err));
+            relay_config_errors_add(errs, err);
+            continue;
         }
         snprintf(label, sizeof(label), "%s: %.64s", where, k->name);
         if (seen[k - relay_config_keys]) {
             relay_config_show(value, key_secrecy(k), shown, sizeof(shown));
-            relay_config_err(err, errlen,
+            relay_config_err(err, sizeof(err),
                              "%s = \"%s\": already set on line %u: set each key only once", label,
                              shown, seen[k - relay_config_keys]);
-            return -1;
+            relay_config_errors_add(errs, err);
+            continue;
         }
         seen[k - relay_config_keys] = lineno;
-        if (config_apply(cfg, k, label, value, err, errlen) != 0)
-            return -1;
+        if (config_apply(cfg, k, label, value, err, sizeof(err)) != 0)
+            relay_config_errors_add(errs, err);
     }
     if (ferror(f)) {
-        relay_config_err(err, errlen, "%s: cannot read the config file: %s", path,
+        relay_config_err(err, sizeof(err), "%s: cannot read the config file: %s", path,
                          strerror(errno ? errno : EIO));
-        return -1;
+        relay_config_errors_add(errs, err);
     }
-    return 0;
+    return errs->count == before ? 0 : -1;
 }
 
-static int config_load_file(struct relay_config *cfg, const char *path, char *err,
-                            size_t errlen) CFG_MUSTCHECK;
-static int config_load_file(struct relay_config *cfg, const char *path, char *err, size_t errlen)
+/* The file at path into cfg; an error for each bad line, or for a file
+ * that cannot be read. */
+static void config_load_file(struct relay_config *cfg, const char *path,
+                             struct relay_config_errors *errs)
 {
+    char err[RELAY_CONFIG_ERR_MAX];
     FILE *f = fopen(path, "r");
     if (f == NULL) {
-        relay_config_err(err, errlen, "%s: cannot open the config file: %s", path, strerror(errno));
-        return -1;
+        relay_config_err(err, sizeof(err), "%s: cannot open the config file: %s", path,
+                         strerror(errno));
+        relay_config_errors_add(errs, err);
+        return;
     }
-    int rc = config_load_stream(cfg, f, path, err, errlen);
+    (void)config_load_stream(cfg, f, path, errs); /* its errors are in errs */
     fclose(f);
-    return rc;
 }
 
-static int config_load_env(struct relay_config *cfg, char *const *envp, char *err,
-                           size_t errlen) CFG_MUSTCHECK;
-static int config_load_env(struct relay_config *cfg, char *const *envp, char *err, size_t errlen)
+/* Each OUTBOX_RELAY_* variable of envp into cfg; an error for each bad one. */
+static void config_load_env(struct relay_config *cfg, char *const *envp,
+                            struct relay_config_errors *errs)
 {
     const size_t plen = sizeof(CFG_ENV_PREFIX) - 1;
     char key[CFG_NAME_MAX + 1];
     char where[CFG_NAME_MAX + sizeof(CFG_ENV_PREFIX) + 32];
+    char err[RELAY_CONFIG_ERR_MAX];
     size_t i;
 
     for (i = 0; envp != NULL && envp[i] != NULL; i++) {
@@ -551,23 +566,24 @@ static int config_load_env(struct relay_config *cfg, char *const *envp, char *er
             snprintf(key, sizeof(key), "%.*s", CFG_NAME_MAX, e + plen);
         }
         if (k == NULL) {
-            config_unknown(where, key, SRC_ENV, err, errlen);
-            return -1;
+            config_unknown(where, key, SRC_ENV, err, sizeof(err));
+            relay_config_errors_add(errs, err);
+            continue;
         }
-        if (config_apply(cfg, k, where, eq + 1, err, errlen) != 0)
-            return -1;
+        if (config_apply(cfg, k, where, eq + 1, err, sizeof(err)) != 0)
+            relay_config_errors_add(errs, err);
     }
-    return 0;
 }
 
-static int config_load_argv(struct relay_config *cfg, int argc, char *const *argv, char *err,
-                            size_t errlen) CFG_MUSTCHECK;
-static int config_load_argv(struct relay_config *cfg, int argc, char *const *argv, char *err,
-                            size_t errlen)
+/* The "--key value" and "--key=value" overrides into cfg; an error for each
+ * bad one. */
+static void config_load_argv(struct relay_config *cfg, int argc, char *const *argv,
+                             struct relay_config_errors *errs)
 {
     char key[CFG_NAME_MAX + 1];
     char where[CFG_NAME_MAX + 32];
     char shown[CFG_SHOW_MAX + 8];
+    char err[RELAY_CONFIG_ERR_MAX];
     int i;
 
     for (i = 0; i < argc; i++) {
@@ -578,10 +594,11 @@ static int config_load_argv(struct relay_config *cfg, int argc, char *const *arg
         if (strncmp(a, "--", 2) != 0 || a[2] == '\0') {
             relay_config_show(a, 1, shown, sizeof(shown));
             relay_config_err(
-                err, errlen,
+                err, sizeof(err),
                 "command line: \"%s\": unexpected argument: write --key=value or --key value",
                 shown);
-            return -1;
+            relay_config_errors_add(errs, err);
+            continue;
         }
         name = a + 2;
         eq = strchr(name, '=');
@@ -596,35 +613,118 @@ static int config_load_argv(struct relay_config *cfg, int argc, char *const *arg
         } else {
             snprintf(key, sizeof(key), "%.*s", CFG_NAME_MAX, name);
         }
-        if (k == NULL) {
-            config_unknown(where, key, SRC_CLI, err, errlen);
-            return -1;
-        }
         if (eq != NULL) {
             value = eq + 1;
         } else if (i + 1 < argc) {
-            value = argv[++i];
+            value = argv[++i]; /* an unknown key's value goes with it */
+        } else if (k != NULL) {
+            relay_config_err(err, sizeof(err),
+                             "%s: missing value: write --%.*s=VALUE or --%.*s VALUE", where,
+                             (int)nlen, name, (int)nlen, name);
+            relay_config_errors_add(errs, err);
+            continue;
         } else {
-            relay_config_err(err, errlen, "%s: missing value: write --%.*s=VALUE or --%.*s VALUE",
-                             where, (int)nlen, name, (int)nlen, name);
-            return -1;
+            value = NULL;
         }
-        if (config_apply(cfg, k, where, value, err, errlen) != 0)
-            return -1;
+        if (k == NULL) {
+            config_unknown(where, key, SRC_CLI, err, sizeof(err));
+            relay_config_errors_add(errs, err);
+            continue;
+        }
+        if (config_apply(cfg, k, where, value, err, sizeof(err)) != 0)
+            relay_config_errors_add(errs, err);
     }
-    return 0;
+}
+
+int relay_config_load_all(struct relay_config *cfg, const char *path, char *const *envp, int argc,
+                          char *const *argv, struct relay_config_errors *errs)
+{
+    errs->count = 0;
+    if (path != NULL)
+        config_load_file(cfg, path, errs);
+    config_load_env(cfg, envp, errs);
+    config_load_argv(cfg, argc, argv, errs);
+    /* A refused value leaves its key at the default or at an earlier
+     * source's value, so the checks between keys would judge values nobody
+     * chose ("postgres is not set" after a broken postgres line): they run
+     * once every value reads. */
+    if (errs->count > 0)
+        return -1;
+    return relay_config_validate_all(cfg, errs);
 }
 
 int relay_config_load(struct relay_config *cfg, const char *path, char *const *envp, int argc,
                       char *const *argv, char *err, size_t errlen)
 {
-    if (path != NULL && config_load_file(cfg, path, err, errlen) != 0)
-        return -1;
-    if (config_load_env(cfg, envp, err, errlen) != 0)
-        return -1;
-    if (config_load_argv(cfg, argc, argv, err, errlen) != 0)
-        return -1;
-    return relay_config_validate(cfg, err, errlen);
+    struct relay_config_errors errs;
+    int rc = relay_config_load_all(cfg, path, envp, argc, argv, &errs);
+
+    if (rc != 0)
+        relay_config_err(err, errlen, "%s", errs.msg[0]);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Command lines.                                                            */
+
+const char *relay_config_nearest(const char *word, const char *const *candidates, size_t n)
+{
+    const char *best = NULL;
+    unsigned best_d = 3;
+    size_t i;
+
+    for (i = 0; i < n; i++) {
+        unsigned d = config_edit_distance(word, candidates[i]);
+        if (d < best_d && d < strlen(word)) {
+            best = candidates[i];
+            best_d = d;
+        }
+    }
+    return best;
+}
+
+int relay_config_is_flag(const char *arg)
+{
+    char key[CFG_NAME_MAX + 1];
+    size_t nlen, j;
+
+    if (strncmp(arg, "--", 2) != 0)
+        return 0;
+    arg += 2;
+    nlen = strcspn(arg, "=");
+    if (nlen == 0 || nlen > CFG_NAME_MAX)
+        return 0;
+    for (j = 0; j < nlen; j++)
+        key[j] = arg[j] == '-' ? '_' : arg[j];
+    key[j] = '\0';
+    return config_find(key) != NULL;
+}
+
+const char *relay_config_nearest_flag(const char *arg, const char *const *options, size_t noptions,
+                                      char *out, size_t outlen)
+{
+    char name[CFG_NAME_MAX + 1], flag[CFG_NAME_MAX + 32];
+    unsigned best_d = 3;
+    int found = 0;
+    size_t nlen = strcspn(arg, "="), i;
+
+    if (nlen > CFG_NAME_MAX)
+        return NULL;
+    snprintf(name, sizeof(name), "%.*s", (int)nlen, arg);
+    for (i = 0; i < noptions + relay_config_nkeys; i++) {
+        unsigned d;
+        if (i < noptions)
+            snprintf(flag, sizeof(flag), "%s", options[i]);
+        else
+            relay_config_flag_name(relay_config_keys[i - noptions].name, flag, sizeof(flag));
+        d = config_edit_distance(name, flag);
+        if (d < best_d && d < nlen) {
+            snprintf(out, outlen, "%s", flag);
+            best_d = d;
+            found = 1;
+        }
+    }
+    return found ? out : NULL;
 }
 
 /* ------------------------------------------------------------------------ */

@@ -91,15 +91,32 @@ void relay_config_init(struct relay_config *cfg);
 /* Frees the strings; the struct can be initialised again afterwards. */
 void relay_config_free(struct relay_config *cfg);
 
+/* The messages one load keeps; past them, only the count goes on. */
+#define RELAY_CONFIG_ERRORS_MAX 20
+
+/* Every error of one load, in the order found. */
+struct relay_config_errors {
+    unsigned count; /* errors found; msg holds the first RELAY_CONFIG_ERRORS_MAX */
+    char msg[RELAY_CONFIG_ERRORS_MAX][RELAY_CONFIG_ERR_MAX];
+};
+
 /*
  * Loads the file (if path is not NULL), then the environment (envp, a
  * NULL-terminated "NAME=value" array such as environ; NULL means none), then the
  * command-line overrides (argv[0..argc-1], already stripped of -c FILE and of
  * the program's own flags), then validates. Returns 0 on success; on failure
- * writes one message to err such as
+ * returns -1 with every error in errs, each one message such as
  *   relay.conf:12: batch_size = "0": must be between 1 and 10000
- * and returns -1. Values of secret keys are redacted in messages.
+ * A bad line or value does not stop the reading: every source is read to its
+ * end. The checks between keys (relay_config_validate_all) run only when
+ * every value was read, since a refused value leaves its key as it was.
+ * Values of secret keys are redacted in messages. errs is overwritten.
  */
+int relay_config_load_all(struct relay_config *cfg, const char *path, char *const *envp, int argc,
+                          char *const *argv, struct relay_config_errors *errs)
+    __attribute__((warn_unused_result));
+
+/* relay_config_load_all with the first message only, in err. */
 int relay_config_load(struct relay_config *cfg, const char *path, char *const *envp, int argc,
                       char *const *argv, char *err, size_t errlen)
     __attribute__((warn_unused_result));
@@ -113,9 +130,32 @@ int relay_config_set(struct relay_config *cfg, const char *origin, const char *k
                      const char *value, char *err, size_t errlen)
     __attribute__((warn_unused_result));
 
-/* Cross-key validation and derived fields (redis_url); 0 or -1 with err. */
+/* Cross-key validation and derived fields (redis_url): 0, or -1 with every
+ * broken rule added to errs (whose count it does not reset). */
+int relay_config_validate_all(struct relay_config *cfg, struct relay_config_errors *errs)
+    __attribute__((warn_unused_result));
+
+/* relay_config_validate_all with the first message only, in err. */
 int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
     __attribute__((warn_unused_result));
+
+/*
+ * For the command line's "did you mean": the candidate nearest to word, if
+ * it is within two edits and the word is not shorter than the edits (no wild
+ * guesses); NULL when none is.
+ */
+const char *relay_config_nearest(const char *word, const char *const *candidates, size_t n);
+
+/* 1 when arg is "--key-with-dashes" or "--key-with-dashes=VALUE" of a key. */
+int relay_config_is_flag(const char *arg);
+
+/*
+ * The option nearest to arg ("--check-confg", "--batchsize=5"), among the
+ * program's own options[0..noptions-1] and every key's flag, as
+ * relay_config_nearest judges: copied to out and returned, or NULL.
+ */
+const char *relay_config_nearest_flag(const char *arg, const char *const *options, size_t noptions,
+                                      char *out, size_t outlen);
 
 /* 1 when stream_retention is set and shorter than dedup_ttl: refused unless
  * allow_short_stream_retention is on, then logged as a warning at start. */
@@ -134,7 +174,10 @@ int relay_config_parse_duration(const char *s, uint32_t *ms) __attribute__((warn
  * 86400000 -> "1d", 1500 -> "1500ms". */
 void relay_config_format_duration(uint32_t ms, char *out, size_t outlen);
 
-/* Writes every key with its effective value (secrets redacted), one per line. */
+/* Writes every key with its effective value (secrets redacted), one per line,
+ * as a configuration file that reads back. RELAY_CONFIG_DUMP_MAX bytes hold
+ * any configuration's dump. */
+#define RELAY_CONFIG_DUMP_MAX (64u * (2u * 4096u + 128u))
 void relay_config_dump(const struct relay_config *cfg, char *out, size_t outlen);
 
 /* Prints the key table (key, default, env variable, flag, meaning) for --help. */

@@ -1,6 +1,6 @@
 /*
  * The configuration shown: every key with its effective value
- * (--check-config's dump, which reads back as a configuration file), and the
+ * (--print-config's dump, which reads back as a configuration file), and the
  * key table itself, for --help and for the documents generated at build time
  * (man/docgen.c: the manual page outbox-relay.conf(5) and the example
  * configuration), so that they list exactly the keys there are.
@@ -17,6 +17,11 @@
 #include "core/text.h"
 
 static const char *const cfg_level_names[] = {"debug", "info", "warning", "error"};
+
+/* A line of the dump: the name, " = ", the value quoted with every byte
+ * escaped at worst, the newline. */
+_Static_assert(RELAY_CONFIG_DUMP_MAX >= CFG_KEYS_MAX * (CFG_NAME_MAX + 2 * CFG_VALUE_MAX + 8),
+               "RELAY_CONFIG_DUMP_MAX must hold the longest dump");
 
 /* Appends s double-quoted, in the file syntax (\" and \\ escaped). */
 static void out_quoted(struct relay_text_out *o, const char *s)

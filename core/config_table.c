@@ -12,6 +12,7 @@
 #include "core/config_table.h"
 
 #include <ctype.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -167,6 +168,14 @@ const struct cfg_key relay_config_keys[] = {
 const size_t relay_config_nkeys = OUTBOX_ARRAY_LEN(relay_config_keys);
 _Static_assert(OUTBOX_ARRAY_LEN(relay_config_keys) <= CFG_KEYS_MAX,
                "raise CFG_KEYS_MAX to the number of keys");
+
+void relay_config_errors_add(struct relay_config_errors *errs, const char *msg)
+{
+    if (errs->count < RELAY_CONFIG_ERRORS_MAX)
+        snprintf(errs->msg[errs->count], sizeof(errs->msg[0]), "%s", msg);
+    if (errs->count < UINT_MAX)
+        errs->count++;
+}
 
 void relay_config_err(char *err, size_t errlen, const char *fmt, ...)
 {

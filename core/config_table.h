@@ -99,6 +99,9 @@ void relay_config_flag_name(const char *key, char *out, size_t outlen);
 #define CFG_SHOW_OPAQUE 2
 void relay_config_show(const char *value, int secret, char *out, size_t outlen);
 
+/* Adds msg to errs: kept among the first RELAY_CONFIG_ERRORS_MAX, counted always. */
+void relay_config_errors_add(struct relay_config_errors *errs, const char *msg);
+
 /* Formats a message into err; nothing when err is NULL or errlen 0. */
 void relay_config_err(char *err, size_t errlen, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

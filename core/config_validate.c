@@ -4,13 +4,17 @@
  * must be set, the keys that only make sense together, and the fields derived
  * from them (the parsed Redis URL, the password read from its file). A value
  * that passes its own key's rule can still contradict another's; the message
- * then names both and says which to change.
+ * then names both and says which to change. Every check runs and adds what it
+ * finds, so one run names every contradiction; a check that needs another's
+ * result (the Sentinels' list needs both of its keys) is left out when that
+ * one failed.
  */
 #include "common/compat.h"
 
 #include "core/config.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -78,80 +82,78 @@ out:
     return rc;
 }
 
-/* The retention keys against each other and dedup_ttl: 0, or -1 with err. */
-static int validate_retention(const struct relay_config *cfg, char *err, size_t errlen)
+/* Adds the formatted message to errs. */
+static void fail(struct relay_config_errors *errs, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void fail(struct relay_config_errors *errs, const char *fmt, ...)
+{
+    char err[RELAY_CONFIG_ERR_MAX];
+    va_list ap;
+
+    va_start(ap, fmt);
+    if (vsnprintf(err, sizeof(err), fmt, ap) < 0)
+        err[0] = '\0';
+    va_end(ap);
+    relay_config_errors_add(errs, err);
+}
+
+/* The retention keys against each other and dedup_ttl. */
+static void validate_retention(const struct relay_config *cfg, struct relay_config_errors *errs)
 {
     char a[32], b[32];
     if (relay_config_short_stream_retention(cfg) && !cfg->allow_short_stream_retention) {
         relay_config_format_duration(cfg->stream_retention_ms, a, sizeof(a));
         relay_config_format_duration(cfg->dedup_ttl_ms, b, sizeof(b));
-        relay_config_err(
-            err, errlen,
-            "stream_retention = \"%s\": must not be shorter than dedup_ttl (%s): a message "
-            "published again within dedup_ttl is answered with its first entry's id, which "
-            "must still be in the stream; raise stream_retention, lower dedup_ttl, or set "
-            "allow_short_stream_retention = on to accept it",
-            a, b);
-        return -1;
+        fail(errs,
+             "stream_retention = \"%s\": must not be shorter than dedup_ttl (%s): a message "
+             "published again within dedup_ttl is answered with its first entry's id, which "
+             "must still be in the stream; raise stream_retention, lower dedup_ttl, or set "
+             "allow_short_stream_retention = on to accept it",
+             a, b);
     }
     if (cfg->stream_trim_max_hold_ms > 0 && cfg->stream_retention_ms == 0) {
         relay_config_format_duration(cfg->stream_trim_max_hold_ms, a, sizeof(a));
-        relay_config_err(err, errlen,
-                         "stream_trim_max_hold = \"%s\": has no effect while stream_retention = 0 "
-                         "(streams are never trimmed); set stream_retention or remove it",
-                         a);
-        return -1;
-    }
-    if (cfg->stream_trim_max_hold_ms > 0 &&
-        cfg->stream_trim_max_hold_ms < cfg->stream_retention_ms) {
+        fail(errs,
+             "stream_trim_max_hold = \"%s\": has no effect while stream_retention = 0 "
+             "(streams are never trimmed); set stream_retention or remove it",
+             a);
+    } else if (cfg->stream_trim_max_hold_ms > 0 &&
+               cfg->stream_trim_max_hold_ms < cfg->stream_retention_ms) {
         relay_config_format_duration(cfg->stream_trim_max_hold_ms, a, sizeof(a));
         relay_config_format_duration(cfg->stream_retention_ms, b, sizeof(b));
-        relay_config_err(
-            err, errlen,
-            "stream_trim_max_hold = \"%s\": must not be shorter than stream_retention (%s)", a, b);
-        return -1;
+        fail(errs, "stream_trim_max_hold = \"%s\": must not be shorter than stream_retention (%s)",
+             a, b);
     }
-    return 0;
 }
 
 /* redis_sentinel_user and redis_sentinel_password, into the Sentinels' list. */
-static int validate_sentinel_auth(struct relay_config *cfg, int sentinel, char *err, size_t errlen)
+static void validate_sentinel_auth(struct relay_config *cfg, int sentinel,
+                                   struct relay_config_errors *errs)
 {
     struct outbox_sentinels *st = &cfg->redis_url.sentinels;
     const char *user = cfg->redis_sentinel_user != NULL ? cfg->redis_sentinel_user : "";
     const char *password = cfg->redis_sentinel_password != NULL ? cfg->redis_sentinel_password : "";
-    if ((user[0] != '\0' || password[0] != '\0') && !sentinel) {
-        relay_config_err(
-            err, errlen,
-            "%s is set but redis_sentinel is not: it is sent to the Sentinels only; set "
-            "redis_sentinel and redis_master, or leave it out",
-            password[0] != '\0' ? "redis_sentinel_password" : "redis_sentinel_user");
-        return -1;
-    }
-    if (user[0] != '\0' && password[0] == '\0') {
-        relay_config_err(
-            err, errlen,
-            "redis_sentinel_user is set but redis_sentinel_password is not: AUTH needs the "
-            "user's password");
-        return -1;
-    }
-    if (strlen(user) >= sizeof(st->user)) {
-        relay_config_err(err, errlen, "redis_sentinel_user: must be at most %zu bytes",
-                         sizeof(st->user) - 1);
-        return -1;
-    }
-    if (strlen(password) >= sizeof(st->password)) {
-        relay_config_err(err, errlen, "redis_sentinel_password: must be at most %zu bytes",
-                         sizeof(st->password) - 1);
-        return -1;
-    }
+    unsigned before = errs->count;
+    if ((user[0] != '\0' || password[0] != '\0') && !sentinel)
+        fail(errs,
+             "%s is set but redis_sentinel is not: it is sent to the Sentinels only; set "
+             "redis_sentinel and redis_master, or leave it out",
+             password[0] != '\0' ? "redis_sentinel_password" : "redis_sentinel_user");
+    if (user[0] != '\0' && password[0] == '\0')
+        fail(errs, "redis_sentinel_user is set but redis_sentinel_password is not: AUTH needs the "
+                   "user's password");
+    if (strlen(user) >= sizeof(st->user))
+        fail(errs, "redis_sentinel_user: must be at most %zu bytes", sizeof(st->user) - 1);
+    if (strlen(password) >= sizeof(st->password))
+        fail(errs, "redis_sentinel_password: must be at most %zu bytes", sizeof(st->password) - 1);
+    if (errs->count != before)
+        return;
     memcpy(st->user, user, strlen(user) + 1);
     memcpy(st->password, password, strlen(password) + 1);
-    return 0;
 }
 
-/* Every required key is set: 0, or -1 with err naming where to set it. */
-static int validate_required(const struct relay_config *cfg, char *err, size_t errlen)
+/* Every required key is set; each that is not is named with where to set it. */
+static void validate_required(const struct relay_config *cfg, struct relay_config_errors *errs)
 {
     size_t i;
 
@@ -171,87 +173,75 @@ static int validate_required(const struct relay_config *cfg, char *err, size_t e
             continue;
         relay_config_env_name(k->name, env, sizeof(env));
         relay_config_flag_name(k->name, flag, sizeof(flag));
-        relay_config_err(err, errlen, "%s is not set: set it in the config file, %s or %s", k->name,
-                         env, flag);
-        return -1;
+        fail(errs, "%s is not set: set it in the config file, %s or %s", k->name, env, flag);
     }
-    return 0;
 }
 
 /* The Redis keys into cfg->redis_url: the address, the password file, and
- * the Sentinels with their own credentials. 0, or -1 with err. */
-static int validate_redis(struct relay_config *cfg, char *err, size_t errlen)
+ * the Sentinels with their own credentials. */
+static void validate_redis(struct relay_config *cfg, struct relay_config_errors *errs)
 {
     char rule[RELAY_CONFIG_ERR_MAX];
+    char err[RELAY_CONFIG_ERR_MAX];
     char shown[CFG_SHOW_MAX + 8];
 
     memset(&cfg->redis_url, 0, sizeof(cfg->redis_url));
     if ((cfg->redis != NULL && cfg->redis[0] != '\0') &&
         outbox_url_parse_seeds(cfg->redis, &cfg->redis_url, rule, sizeof(rule)) != 0) {
         relay_config_show(cfg->redis, 1, shown, sizeof(shown));
-        relay_config_err(err, errlen, "redis = \"%s\": %s", shown, rule);
-        return -1;
+        fail(errs, "redis = \"%s\": %s", shown, rule);
     }
     if (cfg->redis_password_file != NULL && cfg->redis_password_file[0] != '\0' &&
-        config_read_password(cfg->redis_password_file, &cfg->redis_url, err, errlen) != 0)
-        return -1;
+        config_read_password(cfg->redis_password_file, &cfg->redis_url, err, sizeof(err)) != 0)
+        relay_config_errors_add(errs, err);
     int sentinel = cfg->redis_sentinel != NULL && cfg->redis_sentinel[0] != '\0';
     int master = cfg->redis_master != NULL && cfg->redis_master[0] != '\0';
-    if (sentinel != master) {
-        relay_config_err(err, errlen,
-                         "%s is set but %s is not: set both to find the primary through "
-                         "Sentinel, or neither to connect to the address in redis",
-                         sentinel ? "redis_sentinel" : "redis_master",
-                         sentinel ? "redis_master" : "redis_sentinel");
-        return -1;
-    }
-    if (sentinel && outbox_sentinels_parse(cfg->redis_sentinel, cfg->redis_master,
-                                           &cfg->redis_url.sentinels, rule, sizeof(rule)) != 0) {
+    if (sentinel != master)
+        fail(errs,
+             "%s is set but %s is not: set both to find the primary through "
+             "Sentinel, or neither to connect to the address in redis",
+             sentinel ? "redis_sentinel" : "redis_master",
+             sentinel ? "redis_master" : "redis_sentinel");
+    else if (sentinel &&
+             outbox_sentinels_parse(cfg->redis_sentinel, cfg->redis_master,
+                                    &cfg->redis_url.sentinels, rule, sizeof(rule)) != 0) {
         relay_config_show(cfg->redis_sentinel, 0, shown, sizeof(shown));
-        relay_config_err(err, errlen, "redis_sentinel = \"%s\", redis_master = \"%.128s\": %s",
-                         shown, cfg->redis_master, rule);
-        return -1;
+        fail(errs, "redis_sentinel = \"%s\", redis_master = \"%.128s\": %s", shown,
+             cfg->redis_master, rule);
     }
-    return validate_sentinel_auth(cfg, sentinel, err, errlen);
+    validate_sentinel_auth(cfg, sentinel, errs);
 }
 
 /* Each low-water mark below its high-water mark: the reconnect backoff, and
- * the hysteresis of backpressure. 0, or -1 with err. */
-static int validate_marks(const struct relay_config *cfg, char *err, size_t errlen)
+ * the hysteresis of backpressure. */
+static void validate_marks(const struct relay_config *cfg, struct relay_config_errors *errs)
 {
     char a[32], b[32];
 
     if (cfg->reconnect_min_ms > cfg->reconnect_max_ms) {
         relay_config_format_duration(cfg->reconnect_min_ms, a, sizeof(a));
         relay_config_format_duration(cfg->reconnect_max_ms, b, sizeof(b));
-        relay_config_err(err, errlen,
-                         "reconnect_min = \"%s\": must not be greater than reconnect_max (%s)", a,
-                         b);
-        return -1;
+        fail(errs, "reconnect_min = \"%s\": must not be greater than reconnect_max (%s)", a, b);
     }
     /* Hysteresis: a low-water mark at or above its high-water mark would pause
      * and resume on every observation. */
-    if (cfg->pause_lag_entries > 0 && cfg->resume_lag_entries >= cfg->pause_lag_entries) {
-        relay_config_err(err, errlen,
-                         "resume_lag_entries = \"%u\": must be below pause_lag_entries (%u), the "
-                         "mark that pauses a stream",
-                         cfg->resume_lag_entries, cfg->pause_lag_entries);
-        return -1;
-    }
+    if (cfg->pause_lag_entries > 0 && cfg->resume_lag_entries >= cfg->pause_lag_entries)
+        fail(errs,
+             "resume_lag_entries = \"%u\": must be below pause_lag_entries (%u), the "
+             "mark that pauses a stream",
+             cfg->resume_lag_entries, cfg->pause_lag_entries);
     if (cfg->pause_queue_age_ms > 0 && cfg->resume_queue_age_ms >= cfg->pause_queue_age_ms) {
         relay_config_format_duration(cfg->resume_queue_age_ms, a, sizeof(a));
         relay_config_format_duration(cfg->pause_queue_age_ms, b, sizeof(b));
-        relay_config_err(err, errlen,
-                         "resume_queue_age = \"%s\": must be below pause_queue_age (%s), the mark "
-                         "that pauses a stream",
-                         a, b);
-        return -1;
+        fail(errs,
+             "resume_queue_age = \"%s\": must be below pause_queue_age (%s), the mark "
+             "that pauses a stream",
+             a, b);
     }
-    return 0;
 }
 
-/* What must fit inside publish_timeout, or outlive it. 0, or -1 with err. */
-static int validate_publish(const struct relay_config *cfg, char *err, size_t errlen)
+/* What must fit inside publish_timeout, or outlive it. */
+static void validate_publish(const struct relay_config *cfg, struct relay_config_errors *errs)
 {
     char a[32], b[32];
 
@@ -261,35 +251,46 @@ static int validate_publish(const struct relay_config *cfg, char *err, size_t er
     if (cfg->dedup_ttl_ms < cfg->publish_timeout_ms) {
         relay_config_format_duration(cfg->dedup_ttl_ms, a, sizeof(a));
         relay_config_format_duration(cfg->publish_timeout_ms, b, sizeof(b));
-        relay_config_err(
-            err, errlen,
-            "dedup_ttl = \"%s\": must not be shorter than publish_timeout (%s): a copy of a "
-            "batch that another relay gave up on can reach Redis until publish_timeout "
-            "after that claim began, and must still find the dedup record; raise dedup_ttl "
-            "or lower publish_timeout (give every relay of one database the same values)",
-            a, b);
-        return -1;
+        fail(errs,
+             "dedup_ttl = \"%s\": must not be shorter than publish_timeout (%s): a copy of a "
+             "batch that another relay gave up on can reach Redis until publish_timeout "
+             "after that claim began, and must still find the dedup record; raise dedup_ttl "
+             "or lower publish_timeout (give every relay of one database the same values)",
+             a, b);
     }
     /* WAIT runs inside the batch's publish_timeout, after its publishes. */
     if (cfg->min_replicas > 0 && cfg->replica_timeout_ms > cfg->publish_timeout_ms / 2) {
         relay_config_format_duration(cfg->replica_timeout_ms, a, sizeof(a));
         relay_config_format_duration(cfg->publish_timeout_ms, b, sizeof(b));
-        relay_config_err(err, errlen,
-                         "replica_timeout = \"%s\": must be at most half of publish_timeout "
-                         "(%s): the wait for replicas runs inside the batch's publish deadline; "
-                         "lower replica_timeout or raise publish_timeout",
-                         a, b);
-        return -1;
+        fail(errs,
+             "replica_timeout = \"%s\": must be at most half of publish_timeout "
+             "(%s): the wait for replicas runs inside the batch's publish deadline; "
+             "lower replica_timeout or raise publish_timeout",
+             a, b);
     }
-    return 0;
+}
+
+int relay_config_validate_all(struct relay_config *cfg, struct relay_config_errors *errs)
+{
+    unsigned before = errs->count;
+
+    validate_required(cfg, errs);
+    validate_redis(cfg, errs);
+    validate_marks(cfg, errs);
+    validate_publish(cfg, errs);
+    validate_retention(cfg, errs);
+    return errs->count == before ? 0 : -1;
 }
 
 int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
 {
-    if (validate_required(cfg, err, errlen) != 0 || validate_redis(cfg, err, errlen) != 0 ||
-        validate_marks(cfg, err, errlen) != 0 || validate_publish(cfg, err, errlen) != 0)
-        return -1;
-    return validate_retention(cfg, err, errlen);
+    struct relay_config_errors errs;
+
+    errs.count = 0;
+    if (relay_config_validate_all(cfg, &errs) == 0)
+        return 0;
+    relay_config_err(err, errlen, "%s", errs.msg[0]);
+    return -1;
 }
 
 int relay_config_short_stream_retention(const struct relay_config *cfg)

@@ -194,7 +194,7 @@ static void on_hup(struct ev_loop *loop, ev_signal *w, int revents)
 {
     struct relay *r = w->data;
     struct relay_config fresh;
-    char err[RELAY_CONFIG_ERR_MAX];
+    struct relay_config_errors errs; /* every mistake of the new file, logged */
     (void)loop;
     (void)revents;
 
@@ -206,9 +206,18 @@ static void on_hup(struct ev_loop *loop, ev_signal *w, int revents)
              (unsigned long long)now.tv_sec * 1000000ull + (unsigned long long)now.tv_nsec / 1000);
     relay_sd_notify(reloading);
     relay_config_init(&fresh);
-    if (relay_config_load(&fresh, r->reload.config_path, environ, r->reload.argc, r->reload.argv,
-                          err, sizeof(err)) < 0) {
-        relay_error("config", "reload failed, keeping the running configuration: %s", err);
+    if (relay_config_load_all(&fresh, r->reload.config_path, environ, r->reload.argc,
+                              r->reload.argv, &errs) < 0) {
+        unsigned shown =
+            errs.count < RELAY_CONFIG_ERRORS_MAX ? errs.count : RELAY_CONFIG_ERRORS_MAX;
+        for (unsigned i = 0; i < shown; i++)
+            relay_error("config", "reload failed, keeping the running configuration: %s",
+                        errs.msg[i]);
+        if (errs.count > shown)
+            relay_error("config",
+                        "reload failed, keeping the running configuration: and %u "
+                        "more errors",
+                        errs.count - shown);
     } else {
         char changed[512];
         r->cfg->log_level = fresh.log_level;

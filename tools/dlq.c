@@ -985,7 +985,7 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
         if (parse_selections(verb, argc, argv, errout, sels, &nsel, &all) < 0)
             goto usage;
     } else {
-        fprintf(errout, "outbox-relay: dlq: unknown command \"%s\"\n", verb);
+        relay_tool_unknown(errout, "dlq", verb);
         goto usage;
     }
 

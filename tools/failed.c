@@ -242,6 +242,7 @@ int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FIL
             return OUTBOX_EX_USAGE;
         }
     } else {
+        relay_tool_unknown(errout, "failed", verb);
         failed_usage(errout);
         return OUTBOX_EX_USAGE;
     }

@@ -42,6 +42,14 @@ static void put_shown(struct relay_text_out *b, const char *s, size_t width, siz
     relay_text_out_printf(b, "%s%*s", shown, cols < width ? (int)(width - cols) : 0, "");
 }
 
+/* The ADMIT column: producer admission of the stream's topic. */
+static const char *admit_text(const struct relay_topic_obs *t)
+{
+    if (t == NULL || t->admitting < 0)
+        return "-";
+    return t->admitting ? "yes" : "NO";
+}
+
 static void status_text(const struct relay_observation *o, char *outbuf, size_t outlen)
 {
     struct relay_text_out b;
@@ -81,8 +89,8 @@ static void status_text(const struct relay_observation *o, char *outbuf, size_t 
             relay_text_out_printf(&b, "Admission   %lld topics with limits, %lld refused\n",
                                   o->admission_topics, o->admission_refused);
     }
-    if (o->ngroups == 0) {
-        relay_text_out_printf(&b, "\nNo consumer groups yet.\n");
+    if (o->ngroups == 0 && o->ntopics == 0) {
+        relay_text_out_printf(&b, "\nNo streams yet.\n");
         return;
     }
     relay_text_out_printf(&b, "\n%-24s %-16s %10s %8s %8s %10s %12s %6s\n", "STREAM", "GROUP",
@@ -105,10 +113,23 @@ static void status_text(const struct relay_observation *o, char *outbuf, size_t 
         relay_text_out_printf(&b, " ");
         put_shown(&b, g->group, 16, 16);
         relay_text_out_printf(&b, " %10s %8s %8lld %10lld %12s %6s\n", a1, lag, g->pending,
-                              g->dead_letters, a2,
-                              t == NULL || t->admitting < 0 ? "-"
-                              : t->admitting                ? "yes"
-                                                            : "NO");
+                              g->dead_letters, a2, admit_text(t));
+    }
+    /* Every stream of the relay's topics, as --json lists them: a new topic,
+     * or the partition streams of a newly partitioned one, before anyone
+     * reads them. */
+    for (size_t ti = 0; ti < o->ntopics; ti++) {
+        const struct relay_topic_obs *t = &o->topics[ti];
+        size_t i = 0;
+        while (i < o->ngroups && o->groups[i].topic != (int)ti)
+            i++;
+        if (i < o->ngroups)
+            continue;
+        age_text(a1, sizeof(a1), t->oldest_pending_age);
+        snprintf(a2, sizeof(a2), "%lld", t->pending);
+        put_shown(&b, t->stream, 24, 24);
+        relay_text_out_printf(&b, " %-16s %10s %8s %8s %10s %12s %6s\n", "(no groups)", a1, "-",
+                              "-", "-", a2, admit_text(t));
     }
 }
 
@@ -140,9 +161,35 @@ static void json_string(struct relay_text_out *b, const char *s)
     relay_text_out_printf(b, "\"");
 }
 
+/* before, then "name":seconds, or null when there is none (a negative age). */
+static void json_age(struct relay_text_out *b, const char *before, const char *name, double s)
+{
+    if (s < 0)
+        relay_text_out_printf(b, "%s\"%s\":null", before, name);
+    else
+        relay_text_out_printf(b, "%s\"%s\":%.3f", before, name, s);
+}
+
+/* before, then "name":n, or null when n is not known (its server did not answer). */
+static void json_count(struct relay_text_out *b, const char *before, const char *name, int known,
+                       long long n)
+{
+    if (!known)
+        relay_text_out_printf(b, "%s\"%s\":null", before, name);
+    else
+        relay_text_out_printf(b, "%s\"%s\":%lld", before, name, n);
+}
+
+/*
+ * The document docs/OPERATIONS.md ("status --json") describes field by
+ * field. null means none (no row or entry waits: an age) or not known (the
+ * server it comes from did not answer, or Redis cannot tell the lag); a
+ * script never has to tell a sentinel number from a real one.
+ */
 static void status_json(const struct relay_observation *o, char *outbuf, size_t outlen)
 {
     struct relay_text_out b;
+    int pg = o->pg_ok;
     relay_text_out_init(&b, outbuf, outlen);
     relay_text_out_printf(&b, "{\"taken_at\":%.3f,\"postgres\":{\"up\":%s,\"error\":", o->taken_at,
                           o->pg_ok ? "true" : "false");
@@ -152,15 +199,16 @@ static void status_json(const struct relay_observation *o, char *outbuf, size_t 
     json_string(&b, o->durability);
     relay_text_out_printf(&b, ",\"error\":");
     json_string(&b, o->redis_ok ? "" : o->redis_error);
-    relay_text_out_printf(
-        &b,
-        "},\"outbox\":{\"pending_estimate\":%lld,\"oldest_pending_age_seconds\":%.3f,"
-        "\"quarantined\":%lld,\"blocked_keys\":%lld},"
-        "\"relays\":{\"running\":%lld,\"partitions\":%lld,\"partitions_owned\":%lld},"
-        "\"admission\":{\"topics\":%lld,\"refused\":%lld},"
-        "\"topics\":[",
-        o->outbox_pending, o->outbox_oldest_age, o->quarantined, o->blocked_keys, o->relays,
-        o->partitions, o->partitions_owned, o->admission_topics, o->admission_refused);
+    json_count(&b, "},\"outbox\":{", "pending_estimate", pg, o->outbox_pending);
+    json_age(&b, ",", "oldest_pending_age_seconds", pg ? o->outbox_oldest_age : -1);
+    json_count(&b, ",", "quarantined", pg, o->quarantined);
+    json_count(&b, ",", "blocked_keys", pg, o->blocked_keys);
+    json_count(&b, "},\"relays\":{", "running", pg, o->relays);
+    json_count(&b, ",", "partitions", pg, o->partitions);
+    json_count(&b, ",", "partitions_owned", pg, o->partitions_owned);
+    json_count(&b, "},\"admission\":{", "topics", pg, o->admission_topics);
+    json_count(&b, ",", "refused", pg, o->admission_refused);
+    relay_text_out_printf(&b, "},\"topics\":[");
     for (size_t i = 0; i < o->ntopics; i++) {
         const struct relay_topic_obs *t = &o->topics[i];
         relay_text_out_printf(&b, "%s{\"topic\":", i ? "," : "");
@@ -171,12 +219,12 @@ static void status_json(const struct relay_observation *o, char *outbuf, size_t 
             relay_text_out_printf(&b, ",\"partition\":%d", t->partition);
         else
             relay_text_out_printf(&b, ",\"partition\":null");
-        relay_text_out_printf(
-            &b, ",\"outbox_pending\":%lld,\"outbox_oldest_age_seconds\":%.3f,\"admitting\":%s}",
-            t->pending, t->oldest_pending_age,
-            t->admitting < 0 ? "null"
-            : t->admitting   ? "true"
-                             : "false");
+        json_count(&b, ",", "outbox_pending", pg, t->pending);
+        json_age(&b, ",", "outbox_oldest_age_seconds", pg ? t->oldest_pending_age : -1);
+        relay_text_out_printf(&b, ",\"admitting\":%s}",
+                              t->admitting < 0 ? "null"
+                              : t->admitting   ? "true"
+                                               : "false");
     }
     relay_text_out_printf(&b, "],\"groups\":[");
     for (size_t i = 0; i < o->ngroups; i++) {
@@ -185,17 +233,13 @@ static void status_json(const struct relay_observation *o, char *outbuf, size_t 
         json_string(&b, g->stream);
         relay_text_out_printf(&b, ",\"group\":");
         json_string(&b, g->group);
-        relay_text_out_printf(&b, ",\"consumers\":%lld,\"lag\":", g->consumers);
-        if (g->lag < 0)
-            relay_text_out_printf(&b, "null");
-        else
-            relay_text_out_printf(&b, "%lld", g->lag);
-        relay_text_out_printf(
-            &b,
-            ",\"pending\":%lld,\"dead_letters\":%lld,\"oldest_pending_age_seconds\":%.3f,"
-            "\"oldest_undelivered_age_seconds\":%.3f,\"queue_age_seconds\":%.3f}",
-            g->pending, g->dead_letters, g->oldest_pending_age, g->oldest_undelivered_age,
-            g->queue_age);
+        relay_text_out_printf(&b, ",\"consumers\":%lld", g->consumers);
+        json_count(&b, ",", "lag", g->lag >= 0, g->lag); /* Redis may not tell */
+        relay_text_out_printf(&b, ",\"pending\":%lld,\"dead_letters\":%lld", g->pending,
+                              g->dead_letters);
+        json_age(&b, ",", "oldest_pending_age_seconds", g->oldest_pending_age);
+        json_age(&b, ",", "oldest_undelivered_age_seconds", g->oldest_undelivered_age);
+        relay_text_out_printf(&b, ",\"queue_age_seconds\":%.3f}", g->queue_age);
     }
     relay_text_out_printf(&b, "]}\n");
 }
@@ -209,10 +253,8 @@ OUTBOX_STATIC int parse_status_args(int argc, char **argv, FILE *errout, int *js
         if (strcmp(argv[i], "--json") == 0) {
             *json = 1;
         } else {
-            fprintf(errout,
-                    "outbox-relay: status: unexpected \"%s\"\n"
-                    "Usage: outbox-relay [-c FILE] status [--json]\n",
-                    argv[i]);
+            relay_tool_unknown(errout, "status", argv[i]);
+            fprintf(errout, "Usage: outbox-relay [-c FILE] status [--json]\n");
             return -1;
         }
     }

@@ -49,4 +49,25 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
 int relay_tool_status(const struct relay_config *cfg, int argc, char **argv, FILE *out,
                       FILE *errout) __attribute__((warn_unused_result));
 
+/* 1 when word names an operator command: failed, dlq or status. */
+int relay_tool_is_command(const char *word);
+
+/* The command nearest to word, for "did you mean" (relay_config_nearest);
+ * NULL when none is near. */
+const char *relay_tool_nearest_command(const char *word);
+
+/*
+ * An operator command's command line (argv[0] the command), checked before
+ * its configuration is loaded: the verb of failed and dlq, the options of
+ * status. 0, or 64 (bad usage) after writing to errout what is wrong, with
+ * the nearest known word when there is one:
+ *   outbox-relay: dlq: unknown command "lst" (did you mean list?)
+ * The rest of the arguments each command checks itself.
+ */
+int relay_tool_check_usage(int argc, char **argv, FILE *errout) __attribute__((warn_unused_result));
+
+/* Writes `outbox-relay: TOOL: unknown command "WORD"` (for status:
+ * `unexpected "WORD"`) and the nearest known word of that command, if any. */
+void relay_tool_unknown(FILE *errout, const char *tool, const char *word);
+
 #endif

@@ -2,7 +2,7 @@
  * The configuration file (core/config.c): the bytes are a relay.conf, read
  * line by line the way the daemon reads its -c FILE, then checked as a whole
  * (relay_config_validate) and shown again (relay_config_dump), as
- * "outbox-relay --check-config" does. A file that loads must also load again
+ * "outbox-relay --print-config" does. A file that loads must also load again
  * from its own dump, and show the same dump (secrets stay redacted; see
  * skip_secrets).
  */
@@ -15,8 +15,8 @@
 #include "fuzz.h"
 
 /* File-local in core/config.c (OUTBOX_STATIC is empty in relay_unit). */
-int config_load_stream(struct relay_config *cfg, FILE *f, const char *path, char *err,
-                       size_t errlen);
+int config_load_stream(struct relay_config *cfg, FILE *f, const char *path,
+                       struct relay_config_errors *errs);
 
 /*
  * The dump after its first two lines, postgres and redis, the two secrets.
@@ -51,6 +51,7 @@ static int redacts_to_url(const char *redis)
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     static char dump[64 * 1024], again_dump[64 * 1024];
+    static struct relay_config_errors errs; /* too big for a fuzzer's stack */
     char err[RELAY_CONFIG_ERR_MAX];
     struct relay_config cfg;
     FILE *f;
@@ -61,7 +62,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (f == NULL)
         return 0;
     relay_config_init(&cfg);
-    int rc = config_load_stream(&cfg, f, "fuzz.conf", err, sizeof(err));
+    errs.count = 0;
+    int rc = config_load_stream(&cfg, f, "fuzz.conf", &errs);
+    if ((rc == 0) != (errs.count == 0))
+        fuzz_fail("the file's result and its errors disagree", errs.count ? errs.msg[0] : "");
     fclose(f);
     if (rc == 0) {
         /* The password file is a path on this machine: not the input's. */
@@ -77,8 +81,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             f = fmemopen(dump, strlen(dump), "r");
             if (f == NULL)
                 abort();
-            if (config_load_stream(&again, f, "dump.conf", err, sizeof(err)) != 0 ||
+            errs.count = 0;
+            if (config_load_stream(&again, f, "dump.conf", &errs) != 0 ||
                 relay_config_validate(&again, err, sizeof(err)) != 0) {
+                if (errs.count > 0)
+                    snprintf(err, sizeof(err), "%s", errs.msg[0]);
                 fprintf(stderr, "%s\n", dump);
                 fuzz_fail("the dump does not load again", err);
             }

@@ -5,6 +5,12 @@ Promises tested (docs/CONFIGURATION.md; the README's "Run the relay"):
 - an unknown key or a bad value exits 78 and names the file and line; a bad
   command-line or environment value exits 78 too; a missing -c argument is a
   usage error (64);
+- a file with several mistakes gets every one reported in one run, each on a
+  line of its own, at most 20 and then how many more;
+- a mistyped option, command or verb is a usage error (64), never taken for
+  a configuration key, and names the nearest known one;
+- --print-config shows every key's effective value, passwords as ***, as a
+  file that reads back;
 - a malformed redis URL that carries a password exits 78 and never prints the
   password;
 - with no file, OUTBOX_RELAY_POSTGRES / OUTBOX_RELAY_REDIS are enough to run;
@@ -155,6 +161,81 @@ class ConfigFileTest(harness.TestCase):
     def test_missing_option_argument_is_usage_error(self):
         done = run_relay(["-c"])
         self.assertEqual(done.returncode, EX_USAGE, done.output)
+
+    def test_every_mistake_reported_at_once(self):
+        lines = self.good_config().splitlines()
+        bad = {lines.index("batch_size = 100"): "batch_size = 0",
+               lines.index("poll_interval = 200ms"): "poll_interval = soon",
+               lines.index("listen = off"): "listen off"}
+        path = self.write("".join(bad.get(i, line) + "\n" for i, line in enumerate(lines))
+                          + "no_such_key = 1\n")
+        for args in (["--check-config"], []):  # and at start-up
+            with self.subTest(args=args):
+                done = run_relay(["-c", path, *args])
+                self.assertEqual(done.returncode, EX_CONFIG, done.output)
+                errors = done.stderr.splitlines()
+                want = [f"relay.conf:{i + 1}:" for i in sorted(bad)]
+                want.append(f"relay.conf:{len(lines) + 1}:")
+                self.assertEqual([os.path.basename(e.split(" ")[1]) for e in errors], want,
+                                 done.stderr)
+                for text in ("batch_size", "poll_interval", "missing \"=\"", "no_such_key"):
+                    self.assertIn(text, done.stderr)
+                self.assert_no_secret(done)
+        self.assert_connected_nowhere()
+
+        # Past 20, the count of the rest.
+        path = self.write(self.good_config() + "".join(f"key_{i} = 1\n" for i in range(25)))
+        done = run_relay(["-c", path, "--check-config"])
+        self.assertEqual(done.returncode, EX_CONFIG, done.output)
+        errors = done.stderr.splitlines()
+        self.assertEqual(len(errors), 21, done.stderr)
+        self.assertEqual(errors[-1], "outbox-relay: and 5 more errors")
+
+    def test_mistyped_words_are_usage_errors(self):
+        path = self.write(self.good_config())
+        for args, near in ((["--check-confg"], "--check-config"),
+                           (["-c", path, "--check-confg"], "--check-config"),
+                           (["--check-confg", "-c", path], "--check-config"),
+                           (["-c", path, "--batchsize", "5", "--check-config"], "--batch-size"),
+                           (["-c", path, "--pritn-config"], "--print-config"),
+                           (["-c", path, "staus"], "status"),
+                           (["-c", path, "dlq", "lst", "orders", "email"], "list"),
+                           (["dlq", "lst", "orders", "email"], "list"),  # before the config
+                           (["failed", "lsit"], "list"),
+                           (["-c", path, "status", "--jsn"], "--json")):
+            with self.subTest(args=args):
+                done = run_relay(args)
+                self.assertEqual(done.returncode, EX_USAGE, done.output)
+                self.assertIn(f"did you mean {near}?", done.stderr)
+        done = run_relay(["-c", path, "--frobnicate"])
+        self.assertEqual(done.returncode, EX_USAGE, done.output)
+        self.assertIn("unknown option --frobnicate", done.stderr)
+        self.assertNotIn("did you mean", done.stderr)
+        self.assert_connected_nowhere()
+
+    def test_print_config(self):
+        path = self.write(self.good_config())
+        env = harness.relay_env()  # one metrics_listen for both runs
+        done = run_relay(["-c", path, "--print-config", "--batch-size", "42"], env=env)
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assert_no_secret(done)
+        self.assert_connected_nowhere()
+        shown = dict(line.split(" = ", 1) for line in done.stdout.splitlines())
+        for key in KEYS:
+            self.assertIn(key, shown)
+        self.assertEqual(shown["batch_size"], "42")
+        self.assertEqual(shown["poll_interval"], "200ms")
+        self.assertIn("password=***", shown["postgres"])
+        self.assertIn("relay:***@", shown["redis"])
+        # It reads back, and shows the same again.
+        again = self.write(done.stdout, name="again.conf")
+        redone = run_relay(["-c", again, "--print-config"], env=env)
+        self.assertEqual(redone.returncode, 0, redone.output)
+        self.assertEqual(redone.stdout, done.stdout)
+        # A bad configuration: the errors, no dump.
+        bad = run_relay(["-c", path, "--print-config", "--batch-size", "0"])
+        self.assertEqual(bad.returncode, EX_CONFIG, bad.output)
+        self.assertEqual(bad.stdout, "")
 
     def test_malformed_redis_url_hides_password(self):
         urls = ("redis://user:hunter2-secret@127.0.0.1:notaport/0",

@@ -16,6 +16,10 @@ and `outbox-relay status` (issue: Operate it).
   and it resumes below resume_lag_entries.
 - `outbox-relay status` shows the groups with queue age; --json parses; with
   a server unreachable it names it and exits 69.
+- `status --json` says null where there is nothing (no row waits, no entry is
+  pending), never a made-up number; and where a server did not answer.
+- `outbox-relay status` shows every stream of the relay's topics, also those
+  no group reads yet (the partition streams of a new partitioned topic).
 """
 
 import json
@@ -270,6 +274,54 @@ class OperationsTest(harness.ServerTestCase):
         group = [g for g in data["groups"] if g["group"] == "email"][0]
         self.assertEqual(group["lag"], 1)
         self.assertGreater(group["queue_age_seconds"], 0)
+
+    def test_status_json_null_for_none(self):
+        # A stream with one undelivered entry, read by nobody yet; an empty outbox.
+        self.r.xadd("orders", {"id": "1", "payload": "x"})
+        self.r.xgroup_create("orders", "email", id="0")
+        done = self.status("--json")
+        self.assertEqual(done.returncode, 0, done.output)
+        data = json.loads(done.stdout)
+        self.assertIsNone(data["outbox"]["oldest_pending_age_seconds"], done.stdout)
+        self.assertEqual(data["outbox"]["quarantined"], 0)
+        topic = [t for t in data["topics"] if t["stream"] == "orders"][0]
+        self.assertIsNone(topic["outbox_oldest_age_seconds"], done.stdout)
+        self.assertEqual(topic["outbox_pending"], 0)
+        group = [g for g in data["groups"] if g["group"] == "email"][0]
+        self.assertIsNone(group["oldest_pending_age_seconds"], done.stdout)
+        self.assertGreaterEqual(group["oldest_undelivered_age_seconds"], 0)
+        self.assertEqual(group["pending"], 0)
+        self.assertGreaterEqual(group["queue_age_seconds"], 0)
+        # PostgreSQL does not answer: what comes from it is not known.
+        env = harness.relay_env(None, self.redis, {
+            "OUTBOX_RELAY_POSTGRES": f"host=127.0.0.1 port={harness.free_port()} dbname=app"
+                                     " user=postgres",
+            "OUTBOX_RELAY_CONNECT_TIMEOUT": "1s"})
+        done = self.status("--json", env=env)
+        self.assertEqual(done.returncode, 69, done.output)
+        data = json.loads(done.stdout)
+        self.assertFalse(data["postgres"]["up"])
+        self.assertEqual(set(data["outbox"].values()), {None}, done.stdout)
+        self.assertEqual(set(data["relays"].values()), {None}, done.stdout)
+        topic = [t for t in data["topics"] if t["stream"] == "orders"][0]
+        self.assertIsNone(topic["outbox_pending"], done.stdout)
+        self.assertEqual(data["groups"][0]["pending"], 0)
+
+    def test_status_lists_streams_without_groups(self):
+        # A topic just partitioned: its streams exist, no group reads them yet.
+        streams = [f"orders:{p:03d}" for p in range(4)]
+        for st in streams:
+            self.r.xadd(st, {"id": "1", "payload": "x"})
+        self.r.xgroup_create("plain", "email", id="0", mkstream=True)
+        done = self.status()
+        self.assertEqual(done.returncode, 0, done.output)
+        for st in streams:
+            self.assertRegex(done.stdout, rf"(?m)^{st}\s+\(no groups\)\s", done.stdout)
+        self.assertRegex(done.stdout, r"(?m)^plain\s+email\s")
+        self.assertNotRegex(done.stdout, r"(?m)^plain\s+\(no groups\)")
+        # The same streams as --json lists.
+        data = json.loads(self.status("--json").stdout)
+        self.assertEqual(sorted(t["stream"] for t in data["topics"]), sorted(streams + ["plain"]))
 
     def test_status_names_an_unreachable_server(self):
         env = harness.relay_env(self.pg, None, {

@@ -1,8 +1,9 @@
 /*
  * Unit tests for core/config.c, with no server anywhere. The bad-config
- * table lives in tests/data/config: each NAME.conf comes with NAME.err, the one
- * line relay_config_load must write for it (pgbouncer's hba_test.rules/.eval
- * idea). The group setup chdir()s into that folder and loads "NAME.conf", so
+ * table lives in tests/data/config: each NAME.conf comes with NAME.err, the
+ * lines relay_config_load_all must report for it, one per error in the order
+ * found (pgbouncer's hba_test.rules/.eval idea): a file with one mistake gets
+ * exactly one message. The group setup chdir()s into that folder and loads "NAME.conf", so
  * the messages read "NAME.conf:3: ...". Files under good/ must load.
  *
  * This file is compiled together with core/config.c built with OUTBOX_STATIC
@@ -93,14 +94,29 @@ static int load(struct relay_config *cfg, const char *path, char *const *envp, i
     return relay_config_load(cfg, path, envp, argc, argv, err, ERRLEN);
 }
 
-/* Expects loading to fail with exactly `want`; frees the config. */
+/* Loads like load, keeping every error in errs. */
+static int load_all(struct relay_config *cfg, const char *path, char *const *envp, int argc,
+                    char *const *argv, struct relay_config_errors *errs)
+{
+    memset(errs, 0x5a, sizeof(*errs));
+    relay_config_init(cfg);
+    return relay_config_load_all(cfg, path, envp, argc, argv, errs);
+}
+
+/* Expects loading to fail with exactly `want` and nothing else; frees the config. */
 static void expect_load_error(const char *path, char **envp, char **argv, const char *want)
 {
+    static struct relay_config_errors errs;
     struct relay_config cfg;
     char err[ERRLEN];
 
     assert_int_equal(load(&cfg, path, envp, argv != NULL ? strv_len(argv) : 0, argv, err), -1);
     assert_string_equal(err, want);
+    relay_config_free(&cfg);
+    assert_int_equal(load_all(&cfg, path, envp, argv != NULL ? strv_len(argv) : 0, argv, &errs),
+                     -1);
+    assert_int_equal(errs.count, 1);
+    assert_string_equal(errs.msg[0], want);
     relay_config_free(&cfg);
     strv_free(envp);
     strv_free(argv);
@@ -173,9 +189,11 @@ static char *slurp(const char *path)
     return strdup(buf);
 }
 
-/* The table: every NAME.conf in tests/data/config fails with NAME.err. */
+/* The table: every NAME.conf in tests/data/config fails with the errors
+ * of NAME.err, one a line, and with no other. */
 static void test_bad_config_table(void **state)
 {
+    static struct relay_config_errors errs;
     char *names[256];
     size_t count = 0, i;
     int failures = 0;
@@ -198,7 +216,8 @@ static void test_bad_config_table(void **state)
 
     for (i = 0; i < count; i++) {
         struct relay_config cfg;
-        char err[ERRLEN], errpath[300], *want, *nl;
+        char err[ERRLEN], errpath[300], *want, *line, *nl;
+        unsigned nwant = 0, j;
         int rc;
 
         snprintf(errpath, sizeof(errpath), "%.*s.err", (int)(strlen(names[i]) - 5), names[i]);
@@ -209,21 +228,39 @@ static void test_bad_config_table(void **state)
             free(names[i]);
             continue;
         }
-        nl = strchr(want, '\n');
-        if (nl == NULL || nl[1] != '\0') {
-            print_error("%s: must hold exactly one line ending in a newline\n", errpath);
+        if (want[0] == '\0' || want[strlen(want) - 1] != '\n') {
+            print_error("%s: must hold one error a line, each ending in a newline\n", errpath);
             failures++;
-        } else {
-            *nl = '\0';
         }
+        rc = load_all(&cfg, names[i], NULL, 0, NULL, &errs);
+        for (line = want, j = 0; *line != '\0'; line = nl + 1, j++) {
+            nl = strchr(line, '\n');
+            if (nl == NULL)
+                break;
+            *nl = '\0';
+            nwant++;
+            if (j >= errs.count || strcmp(errs.msg[j], line) != 0) {
+                print_error("%s: error %u\n  want: %s\n  got:  %s\n", names[i], j + 1, line,
+                            j < errs.count ? errs.msg[j] : "(none)");
+                failures++;
+            }
+        }
+        if (rc != -1 || errs.count != nwant) {
+            print_error("%s: rc %d, %u errors, want %u\n", names[i], rc, errs.count, nwant);
+            failures++;
+        }
+        /* Whatever went wrong, a password never reaches a message. */
+        for (j = 0; j < errs.count && j < RELAY_CONFIG_ERRORS_MAX; j++) {
+            if (strstr(errs.msg[j], "hunter2") != NULL || strstr(errs.msg[j], "secret") != NULL) {
+                print_error("%s: message leaks a password: %s\n", names[i], errs.msg[j]);
+                failures++;
+            }
+        }
+        relay_config_free(&cfg);
+        /* relay_config_load gives the first of them. */
         rc = load(&cfg, names[i], NULL, 0, NULL, err);
         if (rc != -1 || strcmp(err, want) != 0) {
-            print_error("%s: rc %d\n  want: %s\n  got:  %s\n", names[i], rc, want, err);
-            failures++;
-        }
-        /* Whatever went wrong, a password never reaches the message. */
-        if (strstr(err, "hunter2") != NULL || strstr(err, "secret") != NULL) {
-            print_error("%s: message leaks a password: %s\n", names[i], err);
+            print_error("%s: relay_config_load: rc %d, got %s\n", names[i], rc, err);
             failures++;
         }
         relay_config_free(&cfg);
@@ -231,6 +268,87 @@ static void test_bad_config_table(void **state)
         free(names[i]);
     }
     assert_int_equal(failures, 0);
+}
+
+/* Past RELAY_CONFIG_ERRORS_MAX messages, the errors are still counted. */
+static void test_errors_are_capped_and_counted(void **state)
+{
+    static struct relay_config_errors errs;
+    char path[] = "/tmp/outbox-config-test-XXXXXX";
+    struct relay_config cfg;
+    int fd = mkstemp(path);
+    FILE *f;
+    unsigned i;
+
+    (void)state;
+    assert_true(fd >= 0);
+    f = fdopen(fd, "w");
+    assert_non_null(f);
+    for (i = 1; i <= RELAY_CONFIG_ERRORS_MAX + 5; i++)
+        fprintf(f, "no_such_key_%u = 1\n", i);
+    fclose(f);
+    char **envp = strv("OUTBOX_RELAY_BATCH_SIZE=0", NULL);
+    char **argv = strv("--listen", "maybe", NULL);
+    assert_int_equal(load_all(&cfg, path, envp, strv_len(argv), argv, &errs), -1);
+    unlink(path);
+    /* The file's, then the environment's, then the command line's. */
+    assert_int_equal(errs.count, RELAY_CONFIG_ERRORS_MAX + 7);
+    assert_non_null(strstr(errs.msg[0], ":1: unknown key \"no_such_key_1\""));
+    assert_non_null(
+        strstr(errs.msg[RELAY_CONFIG_ERRORS_MAX - 1], ":20: unknown key \"no_such_key_20\""));
+    relay_config_free(&cfg);
+    strv_free(envp);
+    strv_free(argv);
+
+    /* Every source is read to its end, the checks between keys wait. */
+    envp = strv("OUTBOX_RELAY_BATCH_SIZE=0", "OUTBOX_RELAY_LOG_LEVEL=loud", NULL);
+    argv = strv("--batchsize", "5", "--poll-interval", "1ms", NULL);
+    assert_int_equal(load_all(&cfg, NULL, envp, strv_len(argv), argv, &errs), -1);
+    assert_int_equal(errs.count, 4);
+    assert_string_equal(
+        errs.msg[0], "environment: OUTBOX_RELAY_BATCH_SIZE = \"0\": must be between 1 and 10000");
+    assert_string_equal(errs.msg[1], "environment: OUTBOX_RELAY_LOG_LEVEL = \"loud\": must be one "
+                                     "of debug, info, warning, error");
+    assert_string_equal(errs.msg[2], "command line: --batchsize: unknown key \"batchsize\" (did "
+                                     "you mean --batch-size?)");
+    assert_non_null(strstr(errs.msg[3], "command line: --poll-interval = \"1ms\": "));
+    relay_config_free(&cfg);
+    strv_free(envp);
+    strv_free(argv);
+
+    /* The required keys, all of them. */
+    assert_int_equal(load_all(&cfg, NULL, NULL, 0, NULL, &errs), -1);
+    assert_int_equal(errs.count, 2);
+    assert_string_equal(errs.msg[0], "postgres is not set: set it in the config file, "
+                                     "OUTBOX_RELAY_POSTGRES or --postgres");
+    assert_string_equal(
+        errs.msg[1], "redis is not set: set it in the config file, OUTBOX_RELAY_REDIS or --redis");
+    relay_config_free(&cfg);
+}
+
+/* The command line's "did you mean", among the program's options and the keys. */
+static void test_nearest_flag(void **state)
+{
+    static const char *const options[] = {"--help", "--check-config", "--print-config"};
+    static const char *const words[] = {"failed", "dlq", "status"};
+    char out[128];
+
+    (void)state;
+    assert_string_equal(relay_config_nearest_flag("--check-confg", options, 3, out, sizeof(out)),
+                        "--check-config");
+    assert_string_equal(relay_config_nearest_flag("--batchsize=5", options, 3, out, sizeof(out)),
+                        "--batch-size");
+    assert_string_equal(relay_config_nearest_flag("--hlep", options, 3, out, sizeof(out)),
+                        "--help");
+    assert_null(relay_config_nearest_flag("--frobnicate", options, 3, out, sizeof(out)));
+    assert_true(relay_config_is_flag("--batch-size"));
+    assert_true(relay_config_is_flag("--batch-size=5"));
+    assert_false(relay_config_is_flag("--check-config"));
+    assert_false(relay_config_is_flag("--"));
+    assert_false(relay_config_is_flag("batch-size"));
+    assert_string_equal(relay_config_nearest("staus", words, 3), "status");
+    assert_string_equal(relay_config_nearest("faild", words, 3), "failed");
+    assert_null(relay_config_nearest("xy", words, 3));
 }
 
 static void test_good_file_every_form(void **state)
@@ -927,6 +1045,8 @@ int main(void)
         cmocka_unit_test(test_defaults),
         cmocka_unit_test(test_free_is_null_safe_and_repeatable),
         cmocka_unit_test(test_bad_config_table),
+        cmocka_unit_test(test_errors_are_capped_and_counted),
+        cmocka_unit_test(test_nearest_flag),
         cmocka_unit_test(test_good_file_every_form),
         cmocka_unit_test(test_missing_file),
         cmocka_unit_test(test_env_overrides_file),
