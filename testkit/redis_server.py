@@ -3,6 +3,7 @@
 import contextlib
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,20 @@ from .common import SOURCE_DIR, free_port, run_command, tail, temp_dir, wait_unt
 # binary that speaks its protocol and takes its options, such as
 # valkey-server (Valkey 8). A server asked for and missing fails the test.
 REDIS_SERVER = os.environ.get("OUTBOX_REDIS_SERVER") or "redis-server"
+
+
+def aof_repair_argv(data_dir):
+    """The command systemd/redis-aof-repair.conf runs before Redis starts, for a
+    server whose --dir is data_dir: it cuts a torn last AOF write where it began
+    (docs/GUARANTEES.md, "What Redis keeps is up to Redis"). Valkey's checker
+    for valkey-server."""
+    with open(os.path.join(SOURCE_DIR, "systemd", "redis-aof-repair.conf"), encoding="utf-8") as f:
+        line = next(x for x in f if x.startswith("ExecStartPre="))
+    argv = shlex.split(line.split("=", 1)[1].lstrip("-").strip())
+    checker = "valkey-check-aof" if "valkey" in os.path.basename(REDIS_SERVER) else "redis-check-aof"
+    argv[-1] = (argv[-1].replace("$$", "$").replace("/var/lib/redis", data_dir)
+                .replace("redis-check-aof", checker))
+    return argv
 
 
 def redis_server_binary():
@@ -153,8 +168,13 @@ class Redis:
         return argv + self.extra_args
 
     def start(self):
-        """Starts the server and waits until it answers PING."""
+        """Starts the server and waits until it answers PING. An append-only
+        server's AOF is first repaired as docs/GUARANTEES.md tells operators to
+        (systemd/redis-aof-repair.conf): a restart after kill() may find its last
+        write torn."""
         assert self.proc is None or self.proc.poll() is not None, "redis is already running"
+        if self.appendonly:
+            self.repair_aof()
         self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, cwd=self.dir)
         self.paused = False
@@ -169,6 +189,21 @@ class Redis:
             except redis_py.exceptions.RedisError:
                 return False
         wait_until(answers, timeout=20, message=f"{REDIS_SERVER} to answer PING")
+
+    def repair_aof(self):
+        """Runs systemd/redis-aof-repair.conf's command on this server's directory."""
+        done = subprocess.run(aof_repair_argv(self.dir), stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError("the AOF repair of systemd/redis-aof-repair.conf failed:\n"
+                               + done.stderr.decode(errors="replace"))
+
+    def aof_tail_file(self):
+        """The AOF file Redis appends to now (the manifest's last incr file)."""
+        manifest = os.path.join(self.dir, "appendonlydir", "appendonly.aof.manifest")
+        with open(manifest, encoding="utf-8") as f:
+            names = [line.split()[1] for line in f if " type i" in line]
+        return os.path.join(self.dir, "appendonlydir", names[-1])
 
     def stop(self):
         """A clean shutdown (SIGTERM: no RDB is written, the AOF is flushed)."""

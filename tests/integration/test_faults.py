@@ -6,7 +6,8 @@ binary), faults are injected at random moments, one kind per test:
 
   relay-kill        the relay killed with SIGKILL (>= 20 times) and restarted
   redis-kill        Redis killed with SIGKILL and restarted on the same port
-                    (appendonly yes + appendfsync always: acknowledgements are durable)
+                    (appendonly yes + appendfsync always: acknowledgements are durable),
+                    its AOF's torn last write cut first as docs/GUARANTEES.md says
   redis-freeze      Redis stopped with SIGSTOP for ~2.5 s, longer than the relay's
                     1 s publish deadline, then SIGCONT
   pg-restart        PostgreSQL restarted in immediate mode (as in a crash)

@@ -7,6 +7,12 @@ Promises tested (docs/DESIGN.md P1, P2, "The claim cycle"):
 - Redis killed with SIGKILL under load (appendfsync always): after its
   restart every row arrives exactly once (the dedup function absorbs a batch
   whose outcome the relay never learnt);
+- Redis's AOF torn inside the transaction of a publish the relay never heard
+  back from (a crash cut its last write short): repaired before Redis starts
+  as docs/GUARANTEES.md says (systemd/redis-aof-repair.conf), every row arrives
+  exactly once, also after the restart that follows; left to Redis's own
+  aof-load-truncated, that next restart would run the torn publish after all
+  and double every row the relay published in between;
 - Redis hung (SIGSTOP) for ~3 s: the relay's own publish timeout fires, no row
   is marked sent while it hangs, and after SIGCONT every row arrives exactly
   once although Redis then runs the commands of the abandoned batch;
@@ -15,6 +21,7 @@ Promises tested (docs/DESIGN.md P1, P2, "The claim cycle"):
   and every row arrives exactly once.
 """
 
+import os
 import time
 import unittest
 
@@ -24,6 +31,8 @@ from testkit.harness import insert, insert_many, scalar, wait_until
 harness.require_relay()
 harness.set_deadline(240)
 
+PUBLISH_MANY = "outbox_relay_publish_many_v1"
+FAR_FUTURE_MS = 9999999999999  # the publish call's deadline: never passed
 RELAY_FLAGS = dict(poll_interval="200ms", reconnect_min="50ms", reconnect_max="500ms",
                    publish_timeout="1s", connect_timeout="1s", batch_size=50)
 OUTAGE_SECONDS = 3
@@ -99,6 +108,49 @@ class RedisOutageTest(harness.PostgresTestCase):
         harness.wait_all_sent(self.db, timeout=60, relay=relay)
         relay.wait_for_log(harness.LOG_CONNECTED.format(component="redis"), since=back)
         harness.Verifier(self.db, self.r).report("outage=sigkill").assert_exactly_once(self)
+
+    def test_torn_aof_tail_is_cut_before_redis_starts(self):
+        self.redis = self.enterContext(harness.Redis(appendonly=True, appendfsync="always"))
+        self.r = self.redis.client()
+        self.addCleanup(self.r.close)
+        with open(os.path.join(harness.SOURCE_DIR, "functions", "outbox_relay.lua"),
+                  encoding="utf-8") as f:
+            self.r.function_load(f.read(), replace=True)
+        ids = [insert(self.db, "torn", b"torn %d" % i) for i in range(3)]
+        # What a relay whose reply never came left: the three rows' publish call,
+        # exactly as the relay builds it, written to the AOF as one transaction.
+        with self.db.cursor() as cur:
+            cur.execute("SELECT id, message_id::text, payload, created_at::text"
+                        " FROM outbox.messages WHERE message_id::text = ANY(%s) ORDER BY id",
+                        (ids,))
+            rows = cur.fetchall()
+        keys, args = ["torn"], [86400000, FAR_FUTURE_MS, len(rows)]
+        for oid, mid, payload, created in rows:
+            keys.append(f"{{torn}}:dedup:{mid}")
+            fields = ["id", mid, "topic", "torn", "payload", bytes(payload),
+                      "created_at", created, "outbox_id", str(oid)]
+            args += [len(fields), *fields]
+        self.r.fcall(PUBLISH_MANY, len(keys), *keys, *args)
+        self.redis.stop()
+        # The crash: the write stops inside the transaction's last command.
+        path = self.redis.aof_tail_file()
+        with open(path, "rb") as f:
+            data = f.read()
+        end = data.rfind(b"*1\r\n$4\r\nEXEC\r\n")
+        self.assertGreater(end, data.rfind(b"MULTI"), "the publish call's transaction ends the AOF")
+        with open(path, "r+b") as f:
+            f.truncate(end - 10)
+        self.redis.start()
+        self.assertEqual(self.r.xlen("torn") if self.r.exists("torn") else 0, 0,
+                         "the torn transaction is not loaded")
+        relay = self.enterContext(harness.Relay(self.pg, self.redis, **RELAY_FLAGS))
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.redis.stop()
+        self.redis.start()
+        found = harness.entries_by_message_id(self.r)
+        for mid in ids:
+            self.assertEqual(len(found.get(mid, [])), 1,
+                             f"entries of {mid} after the second restart: {found.get(mid)}")
 
     def test_redis_hung(self):
         relay = self.start(publish_timeout="500ms")
