@@ -210,6 +210,19 @@ class ConfigFileTest(harness.TestCase):
                 done = run_relay(args)
                 self.assertEqual(done.returncode, EX_USAGE, done.output)
                 self.assertIn(f"did you mean {near}?", done.stderr)
+        # A command's own arguments are bad usage too, checked before any
+        # configuration is read (none is set here).
+        for args, said in ((["dlq", "list", "orders", "email", "--count", "0"], "--count"),
+                           (["dlq", "show", "orders", "email", "not-an-id"], "not an entry id"),
+                           (["dlq", "migrate", "orders", "email", "extra"], "only"),
+                           (["failed", "retry", "abc"], "not a row id"),
+                           (["failed", "drop", "7", "-1"], "not a row id"),
+                           (["failed", "list", "--limit", "x"], "unexpected")):
+            with self.subTest(args=args):
+                done = run_relay(args, env={"PATH": os.environ["PATH"]})
+                self.assertEqual(done.returncode, EX_USAGE, done.output)
+                self.assertIn(said, done.stderr)
+                self.assertNotIn("is not set", done.stderr)
         done = run_relay(["-c", path, "--frobnicate"])
         self.assertEqual(done.returncode, EX_USAGE, done.output)
         self.assertIn("unknown option --frobnicate", done.stderr)
