@@ -329,8 +329,10 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg, int stop_fd,
         /* A schema that is behind fails with whatever object it lacks:
          * say instead which migration to apply. */
         char advice[sizeof(o->pg_error)];
-        if (*pg != NULL && relay_pg_schema_check(pg, cfg, stop_fd, advice, sizeof(advice)) == 1)
+        if (*pg != NULL && relay_pg_schema_check(pg, cfg, stop_fd, advice, sizeof(advice)) == 1) {
             snprintf(o->pg_error, sizeof(o->pg_error), "%s", advice);
+            o->pg_schema_behind = 1;
+        }
         return -1;
     }
     o->outbox_pending = PQgetisnull(r, 0, 0) ? 0 : strtoll(PQgetvalue(r, 0, 0), NULL, 10);

@@ -411,6 +411,7 @@ class StartupTest(harness.TestCase):
         self.assertEqual(ready[0], 503, ready)
         self.assertIn(file, ready[1])
         self.assertIn(version, ready[1])
+        self.assertIn("schema is behind", status.output)
         self.assertIn(file, status.output)
         self.assertIn(version, status.output)
         print(f"old schema: {errors[0]}\n/readyz: {ready[1].strip()}\nstatus: "
