@@ -58,21 +58,20 @@ static void test_what_the_advice_says(void **state)
     assert_non_null(strstr(advice, "version 11 is missing: apply 011_partitions.sql"));
     assert_non_null(strstr(advice, "/share/outbox-relay/migrations"));
     /* A table missing at set-up: the whole schema, or what came before 004. */
-    assert_int_equal(relay_pg_schema_missing_advice(
-                         "ERROR:  relation \"outbox.messages\" does not exist", advice,
-                         sizeof(advice)),
-                     1);
+    assert_int_equal(
+        relay_pg_schema_missing_advice("ERROR:  relation \"outbox.messages\" does not exist",
+                                       advice, sizeof(advice)),
+        1);
     assert_non_null(strstr(advice, "starting with 001_outbox_schema.sql"));
-    assert_int_equal(relay_pg_schema_missing_advice(
-                         "ERROR:  relation \"outbox.schema_version\" does not exist", advice,
-                         sizeof(advice)),
-                     1);
+    assert_int_equal(
+        relay_pg_schema_missing_advice("ERROR:  relation \"outbox.schema_version\" does not exist",
+                                       advice, sizeof(advice)),
+        1);
     assert_non_null(strstr(advice, "predates version 4"));
     assert_non_null(strstr(advice, "apply 004_schema_version.sql"));
-    assert_int_equal(
-        relay_pg_schema_missing_advice("ERROR:  relation \"orders\" does not exist", advice,
-                                       sizeof(advice)),
-        0);
+    assert_int_equal(relay_pg_schema_missing_advice("ERROR:  relation \"orders\" does not exist",
+                                                    advice, sizeof(advice)),
+                     0);
 }
 
 int main(void)
