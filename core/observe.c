@@ -325,8 +325,16 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg, int stop_fd,
 {
     PGresult *r =
         relay_pg_exec(pg, cfg, stop_fd, outbox_sql, 0, NULL, o->pg_error, sizeof(o->pg_error));
-    if (!pg_rows(r, o))
+    if (!pg_rows(r, o)) {
+        /* A schema that is behind fails with whatever object it lacks:
+         * say instead which migration to apply. */
+        char advice[sizeof(o->pg_error)];
+        if (*pg != NULL && relay_pg_schema_check(pg, cfg, stop_fd, advice, sizeof(advice)) == 1) {
+            snprintf(o->pg_error, sizeof(o->pg_error), "%s", advice);
+            o->pg_schema_behind = 1;
+        }
         return -1;
+    }
     o->outbox_pending = PQgetisnull(r, 0, 0) ? 0 : strtoll(PQgetvalue(r, 0, 0), NULL, 10);
     o->outbox_oldest_age = PQgetisnull(r, 0, 1) ? -1 : strtod(PQgetvalue(r, 0, 1), NULL);
     o->quarantined = strtoll(PQgetvalue(r, 0, 2), NULL, 10);

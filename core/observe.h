@@ -65,7 +65,8 @@ struct relay_group_obs {
 struct relay_observation {
     double taken_at; /* Unix time */
     int pg_ok;
-    char pg_error[256];
+    char pg_error[600];
+    int pg_schema_behind; /* PostgreSQL answered, but a migration is missing: pg_error names it */
     int redis_ok;
     char redis_error[512];
     long long outbox_pending;    /* estimate: the span of pending ids */

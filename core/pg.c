@@ -14,6 +14,7 @@
 #include <poll.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/wait.h"
@@ -214,4 +215,91 @@ int relay_pg_rows(PGresult *r, char *err, size_t errlen)
     one_line(err, errlen, PQresultErrorMessage(r));
     PQclear(r);
     return 0;
+}
+
+/* Migration files by the version they bring, to name the one to apply. */
+static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
+    NULL,
+    "001_outbox_schema.sql",
+    "002_enqueue_and_wakeup.sql",
+    "003_roles.sql",
+    "004_schema_version.sql",
+    "005_backpressure.sql",
+    "006_wakeup_when_idle.sql",
+    "007_wakeup_lock.sql",
+    "008_queue_vacuum.sql",
+    "009_producer_grants.sql",
+    "010_retention.sql",
+    "011_partitions.sql",
+    "012_partition_owners.sql",
+    "013_pinned_plans.sql",
+    "014_cached_finish.sql",
+    "015_partition_total.sql",
+};
+
+#ifndef RELAY_MIGRATIONS_DIR
+#define RELAY_MIGRATIONS_DIR "/usr/local/share/outbox-relay/migrations"
+#endif
+
+/* Where the files are: the source tree's migrations/ or the installed copy. */
+#define WHERE " (from migrations/ of the source, or " RELAY_MIGRATIONS_DIR " once installed)"
+
+int relay_pg_schema_advice(int version, int missing, char *out, size_t outlen)
+{
+    if (missing <= 0 || missing > RELAY_SCHEMA_VERSION)
+        return 0;
+    if (missing == 1)
+        snprintf(out, outlen,
+                 "the outbox schema is missing in this database: apply every migration in name "
+                 "order, starting with %s" WHERE,
+                 migration_files[1]);
+    else if (version < 4)
+        snprintf(out, outlen,
+                 "the outbox schema predates version 4 (it has no outbox.schema_version) and this "
+                 "relay needs version %d: apply %s and the files after it in name order" WHERE,
+                 RELAY_SCHEMA_VERSION, migration_files[missing]);
+    else
+        snprintf(out, outlen,
+                 "the outbox schema is at version %d but this relay needs version %d, and version "
+                 "%d is missing: apply %s and the files after it in name order" WHERE,
+                 version, RELAY_SCHEMA_VERSION, missing, migration_files[missing]);
+    return 1;
+}
+
+int relay_pg_schema_missing_advice(const char *err, char *out, size_t outlen)
+{
+    if (err == NULL)
+        return 0;
+    if (strstr(err, "outbox.messages") != NULL)
+        return relay_pg_schema_advice(0, 1, out, outlen);
+    if (strstr(err, "outbox.schema_version") != NULL)
+        return relay_pg_schema_advice(0, 4, out, outlen);
+    return 0;
+}
+
+int relay_pg_schema_check(struct pg_conn **pg, const struct relay_config *cfg, int stop_fd,
+                          char *out, size_t outlen)
+{
+    PGresult *r = relay_pg_exec(pg, cfg, stop_fd,
+                                "SELECT to_regclass('outbox.messages') IS NOT NULL,"
+                                " to_regclass('outbox.schema_version') IS NOT NULL",
+                                0, NULL, out, outlen);
+    if (!relay_pg_rows(r, out, outlen))
+        return -1;
+    int messages = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "t") == 0;
+    int versions = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 1), "t") == 0;
+    PQclear(r);
+    if (!messages)
+        return relay_pg_schema_advice(0, 1, out, outlen);
+    if (!versions)
+        return relay_pg_schema_advice(0, 4, out, outlen);
+    r = relay_pg_exec(pg, cfg, stop_fd,
+                      "SELECT " RELAY_PG_SCHEMA_COLUMNS " FROM outbox.schema_version", 0, NULL, out,
+                      outlen);
+    if (!relay_pg_rows(r, out, outlen))
+        return -1;
+    int version = (int)strtol(PQgetvalue(r, 0, 0), NULL, 10);
+    int missing = PQgetisnull(r, 0, 1) ? 0 : (int)strtol(PQgetvalue(r, 0, 1), NULL, 10);
+    PQclear(r);
+    return relay_pg_schema_advice(version, missing, out, outlen);
 }

@@ -55,6 +55,42 @@ const char *relay_pg_connect_hint(const char *libpq_message);
 int relay_pg_text_array(char *out, size_t outlen, const char (*items)[OUTBOX_TOPIC_MAX + 1],
                         size_t n) __attribute__((warn_unused_result));
 
+/* The outbox schema version this build needs (migrations/: every file from
+ * 004 on records its own number in outbox.schema_version). */
+#define RELAY_SCHEMA_VERSION 15
+#define RELAY_SCHEMA_VERSION_TEXT "15"
+
+/* The columns that read the schema's state from outbox.schema_version: the
+ * newest version recorded, and the lowest this build needs that is not
+ * (NULL when none is missing). */
+#define RELAY_PG_SCHEMA_COLUMNS                                                                    \
+    "coalesce(max(version), 0), (SELECT min(v) FROM generate_series(4, " RELAY_SCHEMA_VERSION_TEXT \
+    ") AS v WHERE v NOT IN (SELECT version FROM outbox.schema_version))"
+
+/*
+ * What to apply to a schema that is behind: missing is the first version
+ * this build needs that the database lacks (1: no outbox schema at all; 4:
+ * one made before outbox.schema_version existed), version the newest it has.
+ * Names the file and where an install keeps it. 1 with the advice in out, 0
+ * when missing is 0 (nothing to apply).
+ */
+int relay_pg_schema_advice(int version, int missing, char *out, size_t outlen);
+
+/*
+ * The same for a set-up that failed with undefined_table (42P01) on
+ * outbox.messages (no schema) or outbox.schema_version (made before 004):
+ * 1 with the advice in out, 0 when the error names neither.
+ */
+int relay_pg_schema_missing_advice(const char *err, char *out, size_t outlen);
+
+/*
+ * Reads the schema's state on a connection from relay_pg_open: 1 with the
+ * advice in out when a version this build needs is missing, 0 when none is,
+ * -1 with the error in out when it cannot tell.
+ */
+int relay_pg_schema_check(struct pg_conn **pg, const struct relay_config *cfg, int stop_fd,
+                          char *out, size_t outlen);
+
 /* The first keys of the relays' two-key advisory locks
  * (migrations/012_partition_owners.sql, docs/DESIGN.md "Several relays"). */
 #define RELAY_OWNER_MEMBER_NS "1869770093" /* a member slot, one per relay */

@@ -238,11 +238,11 @@ static void handle_request(struct client *c)
     if (strcmp(path, "/healthz") == 0) {
         respond_text(c, 200, "OK", "ok\n", NULL, head);
     } else if (strcmp(path, "/readyz") == 0) {
-        char why[256] = "";
+        char why[1100] = "";
         if (c->m->hooks.ready == NULL || c->m->hooks.ready(c->m->hooks.arg, why, sizeof(why))) {
             respond_text(c, 200, "OK", "ready\n", NULL, head);
         } else {
-            char body[300];
+            char body[1200];
             snprintf(body, sizeof(body), "not ready: %s\n", why);
             respond_text(c, 503, "Service Unavailable", body, NULL, head);
         }

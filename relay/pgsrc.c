@@ -5,7 +5,7 @@
  * between polls (multi-host conninfo, SSL fallback), so the watcher is set
  * again on every step. libpq ignores connect_timeout in this mode, so a timer
  * of our own bounds the attempt. Once connected, the session is set up (server
- * timeouts, the schema check and the prepared claim, or LISTEN) and the
+ * timeouts, LISTEN or the prepared claim, the schema check) and the
  * connection becomes READY. Commands run one at a time; their results are read
  * only while PQisBusy() is false so the loop never blocks, and notifications
  * are drained after every pass because libpq may have buffered them while
@@ -160,28 +160,8 @@ int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, siz
     return n < 0 || (size_t)n >= outlen ? -1 : n;
 }
 
-/* Migration files by the version they bring, to name the one to apply. */
-static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
-    NULL,
-    "001_outbox_schema.sql",
-    "002_enqueue_and_wakeup.sql",
-    "003_roles.sql",
-    "004_schema_version.sql",
-    "005_backpressure.sql",
-    "006_wakeup_when_idle.sql",
-    "007_wakeup_lock.sql",
-    "008_queue_vacuum.sql",
-    "009_producer_grants.sql",
-    "010_retention.sql",
-    "011_partitions.sql",
-    "012_partition_owners.sql",
-    "013_pinned_plans.sql",
-    "014_cached_finish.sql",
-    "015_partition_total.sql",
-};
-
 enum setup_step {
-    SETUP_SESSION = 0,    /* SETs, plus the schema check on claim connections */
+    SETUP_SESSION = 0,    /* SETs, the schema check, the session check */
     SETUP_PREPARE,        /* claim connections: prepare "claim" */
     SETUP_PREPARE_PAUSED, /* claim connections: prepare "claim_paused" */
     SETUP_RECHECK,        /* the session check's second look (see SESSION_PROBE) */
@@ -459,6 +439,11 @@ static void describe_target(struct relay_pgsrc *pg)
 const char *relay_pgsrc_describe(const struct relay_pgsrc *pg)
 {
     return pg->describe;
+}
+
+const char *relay_pgsrc_problem(const struct relay_pgsrc *pg)
+{
+    return pg->state == RELAY_PG_READY || pg->state == RELAY_PG_BUSY ? "" : pg->last_logged;
 }
 
 enum relay_pgsrc_state relay_pgsrc_state(const struct relay_pgsrc *pg)
@@ -826,7 +811,9 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
     (void)arg;
     char msg[600];
 
-    if (pg->setup == SETUP_SESSION && pg->role == RELAY_PGSRC_CLAIM) {
+    if (pg->setup == SETUP_SESSION) {
+        /* Every connection checks the schema at set-up, so each one that
+         * finds it behind says what to apply, once, and backs off. */
         int version = -1, missing = 0;
         if (err == NULL && res != NULL && PQntuples(res) == 1 && PQnfields(res) == 4 &&
             !PQgetisnull(res, 0, 0)) {
@@ -835,43 +822,21 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
                 missing = (int)strtol(PQgetvalue(res, 0, 1), NULL, 10);
         }
         if (err != NULL && sqlstate != NULL && strcmp(sqlstate, "42P01") == 0 &&
-            strstr(err, "outbox") != NULL) {
-            snprintf(msg, sizeof(msg),
-                     "the outbox schema is missing in this database (%s): apply every file "
-                     "of migrations/ in name order, starting with migrations/%s",
-                     err, migration_files[1]);
+            relay_pg_schema_missing_advice(err, msg, sizeof(msg))) {
             setup_failed(pg, msg);
             return;
         }
-        if (err != NULL && sqlstate != NULL && strcmp(sqlstate, "42501") == 0) {
-            snprintf(msg, sizeof(msg),
-                     "%s: grant the role outbox_relay (migrations/003_roles.sql) to the relay's "
-                     "database user",
-                     err);
+        if (err == NULL && relay_pg_schema_advice(version, missing, msg, sizeof(msg))) {
             setup_failed(pg, msg);
             return;
         }
-        if (err != NULL) {
-            setup_failed(pg, err);
+        if (err == NULL) {
+            if (session_first_look(pg, res, 2) < 0)
+                return;
+            pg->setup = pg->role == RELAY_PGSRC_CLAIM ? SETUP_PREPARE : SETUP_RECHECK;
+            run_setup(pg);
             return;
         }
-        /* Every version up to the newest this relay knows must be recorded
-         * (from 4 on: migrations/004 made the table, the first three come
-         * before it): the first one missing names the file to apply. */
-        if (missing > 0 && missing <= RELAY_SCHEMA_VERSION) {
-            snprintf(msg, sizeof(msg),
-                     "the outbox schema is at version %d but this relay needs version %d, and "
-                     "version %d is missing: apply migrations/%s and the files after it in "
-                     "name order",
-                     version, RELAY_SCHEMA_VERSION, missing, migration_files[missing]);
-            setup_failed(pg, msg);
-            return;
-        }
-        if (session_first_look(pg, res, 2) < 0)
-            return;
-        pg->setup = SETUP_PREPARE;
-        run_setup(pg);
-        return;
     }
     if (err != NULL) {
         if (sqlstate != NULL && strcmp(sqlstate, "42501") == 0) {
@@ -883,13 +848,6 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
         } else {
             setup_failed(pg, err);
         }
-        return;
-    }
-    if (pg->setup == SETUP_SESSION && pg->role != RELAY_PGSRC_CLAIM) {
-        if (session_first_look(pg, res, 0) < 0)
-            return;
-        pg->setup = SETUP_RECHECK;
-        run_setup(pg);
         return;
     }
     if (pg->setup == SETUP_PREPARE) {
@@ -932,6 +890,14 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
  * then its token (see SESSION_PROBE). */
 #define SESSION_PROBE_SET "; SET " SESSION_PROBE " = '%s'"
 
+/* Ends every connection's session set-up: the schema's state (outbox.messages
+ * is read first, so that an undefined_table error names it when the schema
+ * is missing altogether, and outbox.schema_version when the schema predates
+ * it), then the session check's first look and its token. */
+#define SCHEMA_AND_SESSION                                                                         \
+    "SELECT FROM outbox.messages LIMIT 0; SELECT " RELAY_PG_SCHEMA_COLUMNS ", " SESSION_PROBE_READ \
+    " FROM outbox.schema_version" SESSION_PROBE_SET
+
 static void run_setup(struct relay_pgsrc *pg)
 {
     char sql[1536];
@@ -961,14 +927,8 @@ static void run_setup(struct relay_pgsrc *pg)
                                        " SET jit = off; SET plan_cache_mode = force_generic_plan;"
                                        " SET enable_seqscan = off; SET enable_bitmapscan = off;"
                                        " SET enable_sort = off;"
-                                       " SET idle_session_timeout = 0;"
-                                       " SELECT coalesce(max(version), 0), (SELECT min(v)"
-                                       "  FROM generate_series(4, %d) AS v WHERE v NOT IN"
-                                       "  (SELECT version FROM outbox.schema_version)),"
-                                       " " SESSION_PROBE_READ
-                                       " FROM outbox.schema_version" SESSION_PROBE_SET,
-                     cfg->statement_timeout_ms, cfg->statement_timeout_ms, idle_tx_ms,
-                     RELAY_SCHEMA_VERSION, pg->token);
+                                       " SET idle_session_timeout = 0; " SCHEMA_AND_SESSION,
+                     cfg->statement_timeout_ms, cfg->statement_timeout_ms, idle_tx_ms, pg->token);
         else if (pg->role == RELAY_PGSRC_OWNER)
             /* The owner connection holds the relay's partitions. It speaks
              * once a second (relay/ownership_io.c): a session silent for longer
@@ -976,16 +936,15 @@ static void run_setup(struct relay_pgsrc *pg)
              * proxy that the server's keepalives cannot see through, is
              * ended by the server, and its partitions pass to the others. */
             snprintf(sql, sizeof(sql),
-                     SERVER_KEEPALIVES "SET statement_timeout = %u; SET idle_session_timeout = %u;"
-                                       " SET idle_in_transaction_session_timeout = %u;"
-                                       " SELECT " SESSION_PROBE_READ SESSION_PROBE_SET,
+                     SERVER_KEEPALIVES
+                     "SET statement_timeout = %u; SET idle_session_timeout = %u;"
+                     " SET idle_in_transaction_session_timeout = %u; " SCHEMA_AND_SESSION,
                      cfg->statement_timeout_ms, (unsigned)RELAY_OWNER_IDLE_MS,
                      (unsigned)RELAY_OWNER_IDLE_MS, pg->token);
         else
             snprintf(sql, sizeof(sql),
-                     SERVER_KEEPALIVES
-                     "SET statement_timeout = %u; SET idle_session_timeout = 0; LISTEN %s;"
-                     " SELECT " SESSION_PROBE_READ SESSION_PROBE_SET,
+                     SERVER_KEEPALIVES "SET statement_timeout = %u; SET idle_session_timeout = 0; "
+                                       "LISTEN %s; " SCHEMA_AND_SESSION,
                      cfg->statement_timeout_ms, NOTIFY_CHANNEL, pg->token);
         if (relay_pgsrc_send(pg, sql, 0, NULL, 0, on_setup_done, NULL) < 0)
             return;

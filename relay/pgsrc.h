@@ -106,11 +106,13 @@ char *relay_pgsrc_escape_literal(struct relay_pgsrc *pg, const char *s, size_t l
     __attribute__((warn_unused_result));
 void relay_pgsrc_freemem(void *p);
 
+/* Why the connection is not ready: its last failure as logged ("session
+ * set-up failed: the outbox schema is at version ..."), or "" when it is
+ * ready or has not failed. */
+const char *relay_pgsrc_problem(const struct relay_pgsrc *pg);
+
 /* "host=... port=... dbname=... user=..." of the target, without secrets. */
 const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
-
-/* The schema version this relay needs and the migration that brings it. */
-#define RELAY_SCHEMA_VERSION 15
 
 /* The owner connection speaks every RELAY_OWNER_TICK_MS; the server ends it
  * after RELAY_OWNER_IDLE_MS of silence. */

@@ -47,7 +47,15 @@ int relay_postgres_up(const struct relay *r)
 static int ready(const struct relay *r, char *why, size_t whylen)
 {
     if (!relay_postgres_up(r)) {
-        snprintf(why, whylen, "PostgreSQL not connected");
+        /* The claiming connections' last failure says what to do about it
+         * (an old schema names the migration to apply). */
+        const char *problem = "";
+        for (size_t i = 0; i < r->nlanes && problem[0] == '\0'; i++)
+            problem = relay_pgsrc_problem(r->lanes[i].pg);
+        if (problem[0] != '\0')
+            snprintf(why, whylen, "PostgreSQL: %s", problem);
+        else
+            snprintf(why, whylen, "PostgreSQL not connected");
         return 0;
     }
     if (!relay_sink_ready(r->sink)) {

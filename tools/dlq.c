@@ -955,7 +955,8 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
     d.out = out;
     d.errout = errout;
     if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
-        dlq_usage(out);
+        if (cfg != NULL)
+            dlq_usage(out);
         return OUTBOX_EX_OK;
     }
     if (argc < 4) {
@@ -989,6 +990,10 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
         goto usage;
     }
 
+    if (cfg == NULL) { /* the arguments only (relay_tool_check_usage) */
+        rc = OUTBOX_EX_OK;
+        goto out;
+    }
     if ((rc = dlq_connect(&d, cfg)) != 0)
         goto out;
     if (is_migrate) {

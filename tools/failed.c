@@ -246,14 +246,23 @@ int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FIL
         failed_usage(errout);
         return OUTBOX_EX_USAGE;
     }
+    int rc = OUTBOX_EX_OK;
+    if (!all && strcmp(verb, "list") != 0) {
+        char *ids = id_array(argc - 2, argv + 2, errout, &rc);
+        if (ids == NULL)
+            return rc;
+        free(ids);
+    }
+    if (cfg == NULL) /* the arguments only (relay_tool_check_usage) */
+        return OUTBOX_EX_OK;
 
     PGconn *conn = connect_db(cfg, errout);
     if (conn == NULL)
         return OUTBOX_EX_UNAVAILABLE;
-    int rc = strcmp(verb, "list") == 0 ? failed_list(conn, limit, out, errout)
-             : strcmp(verb, "drop") == 0
-                 ? failed_drop(conn, argc - 2, argv + 2, out, errout)
-                 : failed_retry(conn, all, all ? 0 : argc - 2, argv + 2, out, errout);
+    rc = strcmp(verb, "list") == 0 ? failed_list(conn, limit, out, errout)
+         : strcmp(verb, "drop") == 0
+             ? failed_drop(conn, argc - 2, argv + 2, out, errout)
+             : failed_retry(conn, all, all ? 0 : argc - 2, argv + 2, out, errout);
     PQfinish(conn);
     return rc;
 }

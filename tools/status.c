@@ -55,7 +55,10 @@ static void status_text(const struct relay_observation *o, char *outbuf, size_t 
     struct relay_text_out b;
     char a1[32], a2[32];
     relay_text_out_init(&b, outbuf, outlen);
-    relay_text_out_printf(&b, "PostgreSQL  %s\n", o->pg_ok ? "up" : "DOWN");
+    relay_text_out_printf(&b, "PostgreSQL  %s\n",
+                          o->pg_ok              ? "up"
+                          : o->pg_schema_behind ? "up, but its outbox schema is behind"
+                                                : "DOWN");
     if (!o->pg_ok) {
         relay_text_out_printf(&b, "            ");
         put_shown(&b, o->pg_error, 0, 0);

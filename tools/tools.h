@@ -20,7 +20,8 @@ struct relay_config;
  *              | failed drop ID...
  * argv[0] is "failed". Output goes to out, errors to errout. Returns an exit
  * code (0, 64 for bad usage, 69 when the database cannot be reached, 65 when
- * an ID names no quarantined row).
+ * an ID names no quarantined row). With cfg NULL it checks the arguments
+ * only (0 or 64) and connects to nothing.
  */
 int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FILE *out,
                       FILE *errout) __attribute__((warn_unused_result));
@@ -36,7 +37,8 @@ int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FIL
  * Returns an exit code: 0; 64 for bad usage; 65 when the stream, the group or
  * an ID does not exist (the other IDs are still processed) or a dead letter
  * cannot be replayed; 69 when Redis cannot be reached or refuses a command;
- * 75 when a replay kept racing with other writers.
+ * 75 when a replay kept racing with other writers. With cfg NULL it checks
+ * the arguments only (0 or 64) and connects to nothing.
  */
 int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *out, FILE *errout)
     __attribute__((warn_unused_result));
@@ -58,11 +60,11 @@ const char *relay_tool_nearest_command(const char *word);
 
 /*
  * An operator command's command line (argv[0] the command), checked before
- * its configuration is loaded: the verb of failed and dlq, the options of
- * status. 0, or 64 (bad usage) after writing to errout what is wrong, with
- * the nearest known word when there is one:
+ * its configuration is loaded, so that bad usage is 64 whatever the
+ * configuration: the verb and every argument of failed and dlq, the options
+ * of status. 0, or 64 after writing to errout what is wrong, with the
+ * nearest known word when there is one:
  *   outbox-relay: dlq: unknown command "lst" (did you mean list?)
- * The rest of the arguments each command checks itself.
  */
 int relay_tool_check_usage(int argc, char **argv, FILE *errout) __attribute__((warn_unused_result));
 

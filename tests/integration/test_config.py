@@ -27,10 +27,13 @@ import re
 import select
 import shutil
 import signal
+import sys
 import socket
 import tempfile
 import time
 import unittest
+import urllib.error
+import urllib.request
 
 from testkit import harness
 from testkit.harness import insert, run_relay, wait_until
@@ -207,6 +210,19 @@ class ConfigFileTest(harness.TestCase):
                 done = run_relay(args)
                 self.assertEqual(done.returncode, EX_USAGE, done.output)
                 self.assertIn(f"did you mean {near}?", done.stderr)
+        # A command's own arguments are bad usage too, checked before any
+        # configuration is read (none is set here).
+        for args, said in ((["dlq", "list", "orders", "email", "--count", "0"], "--count"),
+                           (["dlq", "show", "orders", "email", "not-an-id"], "not an entry id"),
+                           (["dlq", "migrate", "orders", "email", "extra"], "only"),
+                           (["failed", "retry", "abc"], "not a row id"),
+                           (["failed", "drop", "7", "-1"], "not a row id"),
+                           (["failed", "list", "--limit", "x"], "unexpected")):
+            with self.subTest(args=args):
+                done = run_relay(args, env={"PATH": os.environ["PATH"]})
+                self.assertEqual(done.returncode, EX_USAGE, done.output)
+                self.assertIn(said, done.stderr)
+                self.assertNotIn("is not set", done.stderr)
         done = run_relay(["-c", path, "--frobnicate"])
         self.assertEqual(done.returncode, EX_USAGE, done.output)
         self.assertIn("unknown option --frobnicate", done.stderr)
@@ -351,6 +367,66 @@ class StartupTest(harness.TestCase):
                 self.assertEqual(harness.count_unsent(db), 1, "published on an old schema")
                 pg.apply_migrations(files[-1:])
                 harness.wait_all_sent(db, timeout=30, relay=relay)
+
+    def old_schema_relay(self, pg, redis, applied):
+        """A relay on a database with only the first `applied` migrations, for 4 s:
+        (its log, /readyz's answer, status's output)."""
+        pg.apply_migrations(pg.migration_files()[:applied])
+        port = harness.free_port()
+        with harness.Relay(pg, redis, poll_interval="200ms", reconnect_min="50ms",
+                           reconnect_max="1s", log_level="debug",
+                           metrics_listen=f"127.0.0.1:{port}") as relay:
+            time.sleep(4)
+            self.assertTrue(relay.alive(), "the relay gave up\n" + relay.log_tail())
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5):
+                pass
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+                    ready = (r.status, r.read().decode())
+            except urllib.error.HTTPError as e:
+                ready = (e.code, e.read().decode())
+            log = relay.log()
+        status = run_relay(["status"], env=harness.relay_env(pg, redis))
+        return log, ready, status
+
+    def assert_old_schema_reported(self, log, ready, status, version, file):
+        # Each PostgreSQL connection (listen, owner, two claiming) says once
+        # what to apply, and backs off: no raw SQL error, no quick loop.
+        errors = [line for line in log.splitlines() if " ERROR pg: " in line]
+        self.assertTrue(errors, "the old schema is logged\n" + log[-3000:])
+        self.assertLessEqual(len(errors), 4, "logged once per connection:\n" + "\n".join(errors))
+        for line in errors:
+            self.assertIn(file, line)
+            self.assertNotIn("does not exist", line)
+        roles = {re.search(r"ERROR pg: (\w+) connection", line).group(1) for line in errors}
+        self.assertEqual(roles, {"listen", "owner", "claim"}, "\n".join(errors))
+        observed = [line for line in log.splitlines() if " observe: " in line and "PostgreSQL" in line]
+        self.assertLessEqual(len(observed), 1, "the observer says it once:\n" + "\n".join(observed))
+        for line in observed:
+            self.assertIn(file, line)
+        retries = [int(m) for m in re.findall(r"DEBUG pg: owner connection .* retrying in (\d+) ms",
+                                              log)]
+        self.assertLessEqual(len(retries), 10, f"the owner connection's retries in 4 s: {retries}")
+        # /readyz and status name the version and the file.
+        self.assertEqual(ready[0], 503, ready)
+        self.assertIn(file, ready[1])
+        self.assertIn(version, ready[1])
+        self.assertIn("schema is behind", status.output)
+        self.assertIn(file, status.output)
+        self.assertIn(version, status.output)
+        print(f"old schema: {errors[0]}\n/readyz: {ready[1].strip()}\nstatus: "
+              f"{status.output.strip()[:300]}", file=sys.stderr, flush=True)
+
+    def test_old_schema_is_reported_once_per_connection(self):
+        with harness.Postgres(migrations=False) as pg, harness.Redis() as redis:
+            log, ready, status = self.old_schema_relay(pg, redis, 10)
+        self.assert_old_schema_reported(log, ready, status, "version 10", "011_partitions.sql")
+
+    def test_schema_before_its_version_table_names_004(self):
+        with harness.Postgres(migrations=False) as pg, harness.Redis() as redis:
+            log, ready, status = self.old_schema_relay(pg, redis, 3)
+        self.assert_old_schema_reported(log, ready, status, "version 4", "004_schema_version.sql")
+        self.assertNotIn("001_outbox_schema.sql", log)
 
     def test_passwords_never_logged(self):
         with harness.Postgres() as pg, harness.Redis(password=REDIS_SECRET) as redis:
