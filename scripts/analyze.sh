@@ -22,7 +22,7 @@ esac
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-bash scripts/deps.sh
+bash scripts/deps.sh test
 
 build_dir="${BUILD_DIR:-build}"
 cmake -S . -B "$build_dir" -DRELAY_WERROR="${RELAY_WERROR:-OFF}" -DRELAY_SANITIZE= \

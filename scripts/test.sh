@@ -35,7 +35,7 @@ esac
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-bash scripts/deps.sh
+bash scripts/deps.sh test
 
 build_dir="${BUILD_DIR:-build}"
 cmake -S . -B "$build_dir" \
