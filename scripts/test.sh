@@ -38,7 +38,7 @@ cd "$root"
 bash scripts/deps.sh test
 
 build_dir="${BUILD_DIR:-build}"
-cmake -S . -B "$build_dir" \
+cmake -S . -B "$build_dir" -DRELAY_TESTS=ON \
   -DRELAY_WERROR="${RELAY_WERROR:-OFF}" \
   -DRELAY_SANITIZE="${RELAY_SANITIZE:-}" \
   -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-RelWithDebInfo}"
