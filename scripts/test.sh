@@ -56,7 +56,7 @@ fi
 rm -rf "$build_dir/test-logs"
 
 # With the sanitizers, the tests they add little to (label nosan: the soak,
-# the resource and package tests, the Valkey reruns) are left out.
+# the resource, package and README tests, the Valkey reruns) are left out.
 exclude=()
 if [[ -n "${RELAY_SANITIZE:-}" ]]; then
   exclude=(-LE nosan)
