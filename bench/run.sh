@@ -6,7 +6,7 @@
 #   bench/run.sh --soak           the soak run instead (bench/soak.py): 30 minutes
 #                                 of steady load, storage and latency against time
 #
-# Installs what is missing (scripts/deps.sh, plus gnuplot-nox for the plots and
+# Installs what is missing (scripts/deps.sh demo, plus gnuplot-nox for the plots and
 # PgQ for the side-by-side section),
 # builds the relay optimised (CMake Release) into build-bench with the three
 # benchmark tools (bench/naive.c, bench/loadgen.c, bench/pgq.c) beside it, then runs
@@ -24,7 +24,7 @@ build=${BENCH_BUILD_DIR:-$root/build-bench}
 started=$(date +%s)
 
 # --- dependencies -----------------------------------------------------------
-scripts/deps.sh
+scripts/deps.sh demo
 extra=(gnuplot-nox postgresql-15-pgq3)
 missing=()
 for p in "${extra[@]}"; do

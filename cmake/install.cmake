@@ -1,11 +1,18 @@
-# cmake --install: the daemon, the consumer library (static and shared, its
-# headers, pkg-config and CMake package files), the SQL migrations, the
-# systemd units, the manual pages and the documentation. Each rule names the
+# cmake --install: the daemon, the reference consumer (outbox-email-consumer
+# and its table), the consumer library (static and shared, its headers,
+# pkg-config and CMake package files), the SQL migrations, the systemd units,
+# the manual pages and the documentation. Each rule names the
 # Debian package it goes to (cmake/package.cmake): relay, library or
 # development.
 include(CMakePackageConfigHelpers)
 
 install(TARGETS outbox-relay RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT relay)
+# The reference consumer goes with the daemon (it needs libpq, as the daemon
+# does, and links the static consumer library); its table beside the schema.
+install(TARGETS outbox-email-consumer RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
+  COMPONENT relay)
+install(FILES examples/email_schema.sql
+  DESTINATION ${CMAKE_INSTALL_DATADIR}/outbox-relay/examples COMPONENT relay)
 
 install(TARGETS outbox_consumer_shared EXPORT OutboxConsumerTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT library NAMELINK_SKIP)
@@ -66,6 +73,8 @@ install(FILES ${RELAY_DOC_DIR}/outbox-relay.8.gz DESTINATION ${CMAKE_INSTALL_MAN
   COMPONENT relay)
 install(FILES ${RELAY_DOC_DIR}/outbox-relay.conf.5.gz DESTINATION ${CMAKE_INSTALL_MANDIR}/man5
   COMPONENT relay)
+install(FILES ${RELAY_DOC_DIR}/outbox-email-consumer.1.gz
+  DESTINATION ${CMAKE_INSTALL_MANDIR}/man1 COMPONENT relay)
 install(FILES ${RELAY_DOC_DIR}/relay.conf systemd/redis-aof-repair.conf
   DESTINATION ${CMAKE_INSTALL_DOCDIR}/examples COMPONENT relay)
 install(FILES README.md DESTINATION ${CMAKE_INSTALL_DOCDIR} COMPONENT relay)

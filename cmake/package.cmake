@@ -1,6 +1,7 @@
 # Debian packages (scripts/package.sh runs CPack with RELAY_DEB_PACKAGE=ON and
 # the prefix /usr):
-#   outbox-relay            the daemon, its units, manual pages, migrations
+#   outbox-relay            the daemon, its units, manual pages, migrations,
+#                           and the reference consumer outbox-email-consumer
 #   liboutbox-consumer1     the consumer library, liboutbox_consumer.so.1
 #   liboutbox-consumer-dev  its headers, static library, pkg-config and CMake files
 # Dependencies on shared libraries come from dpkg-shlibdeps. Installing the
@@ -64,7 +65,8 @@ claimed it, only after Redis acknowledged it. No message is lost between the
 commit and the publish, whatever crashes where.
 .
 This package holds the daemon with its operator commands (failed, dlq,
-status), the SQL migrations, the systemd units and the manual pages. The
+status), the SQL migrations, the systemd units, the manual pages, and
+outbox-email-consumer, a reference consumer of the streams. The
 service is neither enabled nor started on installation: write
 /etc/outbox-relay/relay.conf first.")
 set(CPACK_DEBIAN_RELAY_PACKAGE_RECOMMENDS "postgresql-client")

@@ -22,10 +22,10 @@ esac
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-bash scripts/deps.sh
+bash scripts/deps.sh test
 
 build_dir="${BUILD_DIR:-build}"
-cmake -S . -B "$build_dir" -DRELAY_WERROR="${RELAY_WERROR:-OFF}" -DRELAY_SANITIZE= \
+cmake -S . -B "$build_dir" -DRELAY_TESTS=ON -DRELAY_WERROR="${RELAY_WERROR:-OFF}" -DRELAY_SANITIZE= \
   -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-RelWithDebInfo}" >/dev/null
 cmake --build "$build_dir" -j2
 

@@ -1,12 +1,31 @@
 #!/usr/bin/env bash
-# Installs what outbox-relay needs to build and test on Debian 12, and nothing
+# Installs the Debian 12 packages one use of outbox-relay needs, and nothing
 # more. Idempotent: a machine that has every package does no network I/O.
 # As root it installs what is missing with apt-get; otherwise it says what is
 # missing and how to get it.
 #
+# Usage: scripts/deps.sh [build|package|demo|test]   (default: test)
+#
+#   build    compile and install the relay, the consumer library and the
+#            example consumer (cmake --install): a C toolchain, CMake,
+#            pkg-config and the headers of libpq, hiredis and libev.
+#   package  build, plus what scripts/package.sh uses to make and check the
+#            Debian packages: dpkg-dev (dpkg-shlibdeps), file (CPack's
+#            DEB generator) and lintian.
+#   demo     build, plus what scripts/demo.sh and bench/run.sh run: PostgreSQL
+#            15, Redis and Python 3 with psycopg2 and redis-py for the harness
+#            (testkit/) that starts their throwaway servers.
+#   test     everything the whole suite, the analysis and the fuzzing need
+#            (scripts/test.sh, scripts/analyze.sh, scripts/fuzz.sh, .ci/run):
+#            demo and package, and the rest, below. The default, for CI.
+#
 # Installing redis-server or postgresql-15 may start Debian's own services on
-# ports 6379 and 5432. They are left alone: the tests start their own servers
-# on free loopback ports.
+# ports 6379 and 5432. They are left alone: the tests and the demo start their
+# own servers on free loopback ports.
+#
+# What the test profile adds:
+#
+# libcmocka-dev for the unit tests (cmake -DRELAY_TESTS=ON).
 #
 # clang-format checks that the C sources keep the project's .clang-format
 # (scripts/format.sh, run by CI).
@@ -14,15 +33,15 @@
 # clang and libclang-rt-14-dev (libFuzzer and the sanitizer runtimes of
 # bookworm's clang 14) build and run the fuzz targets (scripts/fuzz.sh).
 #
-# dpkg-dev, file and lintian build and check the Debian packages
-# (scripts/package.sh); man-db lets tests/integration/test_package.py find
-# the installed manual pages.
+# man-db lets tests/integration/test_package.py find the installed manual
+# pages; curl runs the README's metrics command (tests/integration/test_readme.py).
 #
 # valkey-server (Valkey 8) is the second server the Redis-facing tests run
-# against. Debian 12 has it in bookworm-backports only: the script adds that
-# suite to apt's sources (/etc/apt/sources.list.d/outbox-relay-backports.sources)
-# and takes only valkey-server and valkey-tools from it; backports are never
-# installed unless asked for by name, so nothing else on the machine changes.
+# against. Debian 12 has it in bookworm-backports only: the test profile alone
+# adds that suite to apt's sources
+# (/etc/apt/sources.list.d/outbox-relay-backports.sources) and takes only
+# valkey-server and valkey-tools from it; backports are never installed unless
+# asked for by name, so nothing else on the machine changes.
 #
 # cppcheck, clang-tidy and valgrind are scripts/analyze.sh's.
 #
@@ -40,17 +59,33 @@
 # with "systemctl disable --now prometheus" if you do not want it).
 set -euo pipefail
 
-packages=(
-  build-essential cmake pkg-config clang-format clang libclang-rt-14-dev
-  dpkg-dev file lintian man-db
-  libpq-dev libhiredis-dev libev-dev libcmocka-dev
-  postgresql-15 postgresql-client-15 redis-server pgbouncer
-  python3 python3-psycopg2 python3-redis python3-yaml
-  prometheus openssl stunnel4
-  cppcheck clang-tidy valgrind
+usage() {
+  echo "usage: scripts/deps.sh [build|package|demo|test]   (default: test)" >&2
+  exit 64
+}
+
+profile="${1:-test}"
+(($# <= 1)) || usage
+
+build=(build-essential cmake pkg-config libpq-dev libhiredis-dev libev-dev)
+package=(dpkg-dev file lintian)
+demo=(postgresql-15 postgresql-client-15 redis-server python3 python3-psycopg2 python3-redis)
+test=(
+  libcmocka-dev clang-format clang libclang-rt-14-dev man-db curl pgbouncer python3-yaml
+  prometheus openssl stunnel4 cppcheck clang-tidy valgrind
 )
-# From bookworm-backports (see above).
-backports=(valkey-server valkey-tools)
+backports=()
+case "$profile" in
+  build) packages=("${build[@]}") ;;
+  package) packages=("${build[@]}" "${package[@]}") ;;
+  demo) packages=("${build[@]}" "${demo[@]}") ;;
+  test)
+    packages=("${build[@]}" "${package[@]}" "${demo[@]}" "${test[@]}")
+    # From bookworm-backports (see above).
+    backports=(valkey-server valkey-tools)
+    ;;
+  *) usage ;;
+esac
 backports_list=/etc/apt/sources.list.d/outbox-relay-backports.sources
 
 installed() {
@@ -59,7 +94,7 @@ installed() {
 
 if ! command -v dpkg-query >/dev/null 2>&1; then
   echo "deps.sh: dpkg-query not found: this script supports Debian 12 only." >&2
-  echo "deps.sh: install by hand: ${packages[*]}" >&2
+  echo "deps.sh: install by hand: ${packages[*]} ${backports[*]}" >&2
   exit 1
 fi
 
@@ -76,14 +111,22 @@ if ((${#missing[@]} == 0 && ${#missing_backports[@]} == 0)); then
   exit 0
 fi
 
+all_missing=("${missing[@]}" "${missing_backports[@]}")
 if ((EUID != 0)); then
-  echo "deps.sh: missing Debian packages: ${missing[*]} ${missing_backports[*]}" >&2
-  echo "deps.sh: run this script as root, or install them: sudo apt-get install" \
-    "${missing[*]}; and from bookworm-backports: ${missing_backports[*]}" >&2
+  echo "deps.sh: the $profile profile misses Debian packages: ${all_missing[*]}" >&2
+  hint="deps.sh: run this script as root, or install them:"
+  if ((${#missing[@]} != 0)); then
+    hint+=" sudo apt-get install ${missing[*]};"
+  fi
+  if ((${#missing_backports[@]} != 0)); then
+    hint+=" and from bookworm-backports: sudo apt-get install -t bookworm-backports"
+    hint+=" ${missing_backports[*]};"
+  fi
+  echo "${hint%;}" >&2
   exit 1
 fi
 
-echo "deps.sh: installing ${missing[*]} ${missing_backports[*]}" >&2
+echo "deps.sh: installing ${all_missing[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
 if ((${#missing_backports[@]} != 0)) && ! grep -rqs "bookworm-backports" /etc/apt/sources.list \
   /etc/apt/sources.list.d/; then
@@ -105,7 +148,7 @@ if ((${#missing_backports[@]} != 0)); then
 fi
 
 still=()
-for p in "${missing[@]}" "${missing_backports[@]}"; do
+for p in "${all_missing[@]}"; do
   installed "$p" || still+=("$p")
 done
 if ((${#still[@]} != 0)); then

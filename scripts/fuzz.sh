@@ -28,7 +28,7 @@ fi
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-bash scripts/deps.sh
+bash scripts/deps.sh test
 
 build_dir="${FUZZ_BUILD_DIR:-build-fuzz}"
 cmake -S . -B "$build_dir" -DCMAKE_C_COMPILER=clang -DRELAY_FUZZ=ON -DRELAY_TESTS=OFF \

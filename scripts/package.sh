@@ -4,7 +4,8 @@
 #   liboutbox-consumer1_<version>_<arch>.deb     the consumer library
 #   liboutbox-consumer-dev_<version>_<arch>.deb  its headers and link files
 # into the package build directory, then checks them with lintian, which must
-# report no errors. Installs what is missing first (scripts/deps.sh).
+# report no errors. Installs what is missing first (scripts/deps.sh package:
+# the build's packages, dpkg-dev, file and lintian, and nothing else).
 #
 # Environment:
 #   PACKAGE_BUILD_DIR  build directory (default build-package, relative to
@@ -18,7 +19,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-bash scripts/deps.sh >&2
+bash scripts/deps.sh package >&2
 
 build_dir="${PACKAGE_BUILD_DIR:-build-package}"
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=/usr \

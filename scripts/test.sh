@@ -35,10 +35,10 @@ esac
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-bash scripts/deps.sh
+bash scripts/deps.sh test
 
 build_dir="${BUILD_DIR:-build}"
-cmake -S . -B "$build_dir" \
+cmake -S . -B "$build_dir" -DRELAY_TESTS=ON \
   -DRELAY_WERROR="${RELAY_WERROR:-OFF}" \
   -DRELAY_SANITIZE="${RELAY_SANITIZE:-}" \
   -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-RelWithDebInfo}"
@@ -56,7 +56,7 @@ fi
 rm -rf "$build_dir/test-logs"
 
 # With the sanitizers, the tests they add little to (label nosan: the soak,
-# the resource and package tests, the Valkey reruns) are left out.
+# the resource, package and README tests, the Valkey reruns) are left out.
 exclude=()
 if [[ -n "${RELAY_SANITIZE:-}" ]]; then
   exclude=(-LE nosan)

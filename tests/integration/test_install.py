@@ -5,11 +5,17 @@
   `pkg-config --cflags --libs outbox-consumer` prints is a directory inside
   the moved tree, and a C file that includes <outbox/consumer.h> compiles with
   those flags alone.
+- The reference consumer is installed with its manual page and its table:
+  bin/outbox-email-consumer runs (--help), share/man/man1 holds
+  outbox-email-consumer(1), which names every option --help lists, and
+  share/outbox-relay/examples/email_schema.sql is the file of examples/.
 
 Needs no server: it reads the build directory of the binary under test.
 """
 
+import gzip
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -24,12 +30,40 @@ if not BIN or not shutil.which("pkg-config") or not shutil.which("cmake"):
     print("SKIP: needs OUTBOX_RELAY_BIN, cmake and pkg-config", file=sys.stderr)
     sys.exit(SKIP)
 BUILD_DIR = os.path.dirname(os.path.abspath(BIN))
+SOURCE_DIR = os.environ.get("OUTBOX_RELAY_SOURCE_DIR") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
 class InstallTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="outbox-install-")
         self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
+
+    def install(self):
+        prefix = os.path.join(self.tmp, "prefix")
+        subprocess.run(["cmake", "--install", BUILD_DIR, "--prefix", prefix], check=True,
+                       stdout=subprocess.DEVNULL)
+        return prefix
+
+    def test_reference_consumer_installed(self):
+        prefix = self.install()
+        exe = os.path.join(prefix, "bin", "outbox-email-consumer")
+        self.assertTrue(os.access(exe, os.X_OK), f"{exe} is not installed")
+        usage = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=30)
+        self.assertEqual(usage.returncode, 0, usage.stderr)
+        options = re.findall(r"(?m)^  (--[a-z-]+)", usage.stdout)
+        self.assertIn("--redis", usage.stdout)
+        self.assertGreater(len(options), 10, usage.stdout)
+        page = os.path.join(prefix, "share", "man", "man1", "outbox-email-consumer.1.gz")
+        with gzip.open(page, "rt") as f:
+            roff = f.read()
+        for option in ["--redis", "--postgres"] + options:
+            self.assertIn(option.replace("-", "\\-"), roff,
+                          f"outbox-email-consumer(1) does not describe {option}")
+        schema = os.path.join(prefix, "share", "outbox-relay", "examples", "email_schema.sql")
+        with open(schema) as f, open(os.path.join(SOURCE_DIR, "examples",
+                                                  "email_schema.sql")) as g:
+            self.assertEqual(f.read(), g.read())
 
     def test_pkg_config_follows_a_moved_tree(self):
         first = os.path.join(self.tmp, "first")

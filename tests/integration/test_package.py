@@ -7,7 +7,12 @@
   maintainer scripts, and `dpkg -i` enables and starts nothing.
 - Installed, /usr/bin/outbox-relay applies nothing itself but relays a row end
   to end against a database migrated from /usr/share/outbox-relay/migrations/.
-- The manual pages outbox-relay(8) and outbox-relay.conf(5) are found by man;
+- The installed reference consumer, /usr/bin/outbox-email-consumer, handles
+  the message the installed relay published, with a database made from the
+  installed files alone (/usr/share/outbox-relay/migrations/consumer/ and
+  /usr/share/outbox-relay/examples/email_schema.sql).
+- The manual pages outbox-relay(8), outbox-relay.conf(5) and
+  outbox-email-consumer(1) are found by man;
   the configuration page and the example configuration name every key that
   `outbox-relay --help` lists, and the example, uncommented, validates.
 - The installed units start /usr/bin/outbox-relay.
@@ -24,6 +29,7 @@
 Needs root (dpkg -i); installs over, then purges, any installed copy.
 """
 
+import contextlib
 import glob
 import os
 import re
@@ -45,6 +51,7 @@ harness.set_deadline(400)
 
 PACKAGES = ("outbox-relay", "liboutbox-consumer1", "liboutbox-consumer-dev")
 BIN = "/usr/bin/outbox-relay"
+CONSUMER_BIN = "/usr/bin/outbox-email-consumer"
 
 CONSUMER_C = r"""
 #include <outbox/consumer.h>
@@ -155,9 +162,26 @@ class PackageTest(harness.ServerTestCase):
                    message="the installed relay did not publish the row")
         (_, fields), = self.r.xrange("orders")
         self.assertEqual(fields[b"id"].decode(), message_id)
+        # The reference consumer, with its schema from the installed files alone.
+        with contextlib.closing(pg.connect(dbname="postgres")) as admin:
+            admin.cursor().execute("CREATE DATABASE email")
+        for path in (sorted(glob.glob("/usr/share/outbox-relay/migrations/consumer/*.sql"))
+                     + ["/usr/share/outbox-relay/examples/email_schema.sql"]):
+            pg.psql("-f", path, dbname="email")
+        consumer = self.enterContext(harness.Daemon(
+            [CONSUMER_BIN, "--redis", self.redis.url("outbox-consumer"),
+             "--postgres", pg.dsn("email"), "--stream", "orders", "--group", "email"],
+            harness.relay_env(), "consumer"))
+        email = pg.connect(dbname="email")
+        self.addCleanup(email.close)
+        wait_until(lambda: harness.scalar(email, "SELECT count(*) FROM emails "
+                                          "WHERE message_id = %s", (message_id,)) == 1,
+                   timeout=30, relay=consumer,
+                   message="the installed outbox-email-consumer did not handle the message")
 
     def test_manual_pages_and_example(self):
-        for page, section in (("outbox-relay", "8"), ("outbox-relay.conf", "5")):
+        for page, section in (("outbox-relay", "8"), ("outbox-relay.conf", "5"),
+                              ("outbox-email-consumer", "1")):
             proc = run(["man", "-w", page])
             self.assertEqual(proc.returncode, 0, proc.stderr)
             self.assertEqual(proc.stdout.strip(), f"/usr/share/man/man{section}/{page}.{section}.gz")
