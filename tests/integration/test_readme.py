@@ -247,6 +247,14 @@ class ReadmeTest(harness.TestCase):
             b.setdefault((step, info), body)
         compile_cmd = re.search(r"Build it with `(cc [^`]*)`", section)
         self.assertIsNotNone(compile_cmd, "step 6 no longer says how to build the C program")
+        # How long each step takes a newcomer, printed at the end.
+        laps, started = [], [time.monotonic()]
+
+        def lap(what):
+            now = time.monotonic()
+            laps.append(f"{what} {now - started[0]:.1f} s")
+            started[0] = now
+        self.addCleanup(lambda: print("readme: " + "; ".join(laps), file=sys.stderr, flush=True))
 
         # 1: the user's build and install, into DESTDIR.
         self.sh(1, b[1, "sh"], env=dict(self.env, DESTDIR=self.destdir), timeout=900)
@@ -267,10 +275,12 @@ class ReadmeTest(harness.TestCase):
         self.assertEqual(sorted(os.listdir(installed)),
                          sorted(os.listdir(os.path.join(self.src, "migrations"))))
 
+        lap("1 build and install")
         # 2-4: the database, the roles, a message.
         self.sh(2, b[2, "sh"])
         self.sql(3, b[3, "sql"], "postgres")
         self.sql(4, b[4, "sql"], "order_service")
+        lap("2-4 database, roles, a message")
 
         # 5: the relay publishes it.
         relay = self.background("relay", self.bash(b[5, "sh"]))
@@ -281,6 +291,7 @@ class ReadmeTest(harness.TestCase):
                               message="the relay of step 5 to publish step 4's message")
         self.assertEqual(entry[b"key"], b"9001")
         self.assertEqual(entry[b"h.content-type"], b"application/json")
+        lap("5 relay started to message in Redis")
 
         # 6: the groups, the C program, the example consumer.
         for line in b[6, ""].splitlines():
@@ -311,6 +322,7 @@ class ReadmeTest(harness.TestCase):
         wait_until(recorded, timeout=60, relay=consumer,
                    message="outbox-email-consumer of step 6 to record order 9001")
         self.assertEqual(harness.scalar(email, "SELECT count(*) FROM emails"), 1)
+        lap("6 groups, C program built, message consumed")
 
         program = self.background("app", [os.path.join(app, "a.out")], cwd=app)
 
@@ -326,6 +338,7 @@ class ReadmeTest(harness.TestCase):
 
         # 7: the operator's commands.
         out = self.sh(7, b[7, "sh"])
+        lap("6-7 C program reading, operator commands")
         self.assertRegex(out, r"(?m)^orders +email +\S+s +0 +0 +0 ")  # status: all read
         self.assertIn("no quarantined rows", out)
         self.assertIn("no dead letters in {orders}.email.dlq", out)
