@@ -414,7 +414,8 @@ class StartupTest(harness.TestCase):
         self.assertIn("schema is behind", status.output)
         self.assertIn(file, status.output)
         self.assertIn(version, status.output)
-        print(f"old schema: {errors[0]}\n/readyz: {ready[1].strip()}\nstatus: "
+        print(f"old schema: {len(errors)} ERROR lines, the owner's retries {retries} ms\n"
+              f"{errors[0]}\n/readyz: {ready[1].strip()}\nstatus: "
               f"{status.output.strip()[:300]}", file=sys.stderr, flush=True)
 
     def test_old_schema_is_reported_once_per_connection(self):
