@@ -127,7 +127,7 @@ struct relay {
     struct relay_observer *observer;
     struct relay_observation *obs; /* the loop's copy of the latest observation */
     struct relay_paused paused;    /* streams held back for their consumer groups */
-    char obs_problem[2][512];      /* the last observation error logged, per server */
+    char obs_problem[2][640];      /* the last observation error logged, per server */
 
     struct relay_figures fig;
     struct relay_stream_seen streams_seen; /* for the observer's list of streams */
