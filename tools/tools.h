@@ -59,12 +59,13 @@ int relay_tool_is_command(const char *word);
 const char *relay_tool_nearest_command(const char *word);
 
 /*
- * An operator command's command line (argv[0] the command), checked before
- * its configuration is loaded, so that bad usage is 64 whatever the
- * configuration: the verb and every argument of failed and dlq, the options
- * of status. 0, or 64 after writing to errout what is wrong, with the
- * nearest known word when there is one:
+ * An operator command's words (argv[0] the command), checked before its
+ * configuration is loaded: the verb of failed and dlq, the options of
+ * status. 0, or 64 (bad usage) after writing to errout what is wrong, with
+ * the nearest known word when there is one:
  *   outbox-relay: dlq: unknown command "lst" (did you mean list?)
+ * The other arguments of failed and dlq those commands check with no
+ * configuration (cfg NULL), which cli/main.c does next.
  */
 int relay_tool_check_usage(int argc, char **argv, FILE *errout) __attribute__((warn_unused_result));
 

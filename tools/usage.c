@@ -62,24 +62,19 @@ int relay_tool_check_usage(int argc, char **argv, FILE *errout)
     if (argc < 2)
         return OUTBOX_EX_OK; /* the command says what it needs */
     const char *tool = argv[0], *verb = argv[1];
-    if (strcmp(tool, "failed") == 0) {
-        if (!tool_word_in(verb, tool_failed_verbs, OUTBOX_ARRAY_LEN(tool_failed_verbs))) {
-            relay_tool_unknown(errout, tool, verb);
-            fprintf(errout, "Usage: outbox-relay [-c FILE] failed list|retry|drop ...; see "
-                            "'outbox-relay --help'\n");
-            return OUTBOX_EX_USAGE;
-        }
-        return relay_tool_failed(NULL, argc, argv, NULL, errout);
+    if (strcmp(tool, "failed") == 0 &&
+        !tool_word_in(verb, tool_failed_verbs, OUTBOX_ARRAY_LEN(tool_failed_verbs))) {
+        relay_tool_unknown(errout, tool, verb);
+        fprintf(errout, "Usage: outbox-relay [-c FILE] failed list|retry|drop ...; see "
+                        "'outbox-relay --help'\n");
+        return OUTBOX_EX_USAGE;
     }
-    if (strcmp(tool, "dlq") == 0) {
-        if (strcmp(verb, "--help") != 0 && strcmp(verb, "-h") != 0 &&
-            !tool_word_in(verb, tool_dlq_verbs, OUTBOX_ARRAY_LEN(tool_dlq_verbs))) {
-            relay_tool_unknown(errout, tool, verb);
-            fprintf(errout, "Usage: outbox-relay [-c FILE] dlq list|show|replay|purge|migrate "
-                            "STREAM GROUP ...; see 'outbox-relay dlq --help'\n");
-            return OUTBOX_EX_USAGE;
-        }
-        return relay_tool_dlq(NULL, argc, argv, NULL, errout);
+    if (strcmp(tool, "dlq") == 0 && strcmp(verb, "--help") != 0 && strcmp(verb, "-h") != 0 &&
+        !tool_word_in(verb, tool_dlq_verbs, OUTBOX_ARRAY_LEN(tool_dlq_verbs))) {
+        relay_tool_unknown(errout, tool, verb);
+        fprintf(errout, "Usage: outbox-relay [-c FILE] dlq list|show|replay|purge|migrate STREAM "
+                        "GROUP ...; see 'outbox-relay dlq --help'\n");
+        return OUTBOX_EX_USAGE;
     }
     if (strcmp(tool, "status") == 0) {
         for (int i = 1; i < argc; i++) {
