@@ -212,6 +212,10 @@ void relay_cycle_run(struct relay_cycle *c)
     if (lane < 0)
         return; /* a lane's end or a connection coming up calls relay_cycle_want */
     struct relay_cycle_lane *l = &c->lanes[lane];
+    /* Read before BEGIN is sent, so that begin sees it too: the batch's
+     * duration, its phases and its publish deadline count from one instant,
+     * and the deadline does not lose the time the send took. */
+    l->claimed_at = c->ops.now(c->ops.arg);
     if (c->ops.begin(c->ops.arg, (size_t)lane) < 0)
         return; /* still wanted: its connection coming back calls relay_cycle_want */
     c->want_claim = 0;
@@ -219,7 +223,6 @@ void relay_cycle_run(struct relay_cycle *c)
     l->abandon = 0;
     l->doomed = 0;
     set_stage(c, (size_t)lane, RELAY_LANE_BEGIN);
-    l->claimed_at = l->stage_at;
 }
 
 void relay_cycle_begun(struct relay_cycle *c, size_t lane)

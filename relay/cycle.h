@@ -102,7 +102,7 @@ struct relay_cycle_lane {
     unsigned long long seq; /* claim order */
     int abandon;            /* a batch ahead failed: roll back instead of publishing */
     int doomed;             /* its connection broke while it published: fail at the end */
-    double claimed_at;      /* BEGIN sent: the batch duration, the stuck check */
+    double claimed_at;      /* before BEGIN was sent: duration, phases, deadline */
     double stage_at;        /* the current stage began: the stuck check */
 };
 

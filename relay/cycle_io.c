@@ -74,7 +74,7 @@ static int op_begin(void *arg, size_t lane)
     struct relay *r = arg;
     struct relay_lane *l = &r->lanes[lane];
     memset(l->phase_at, 0, sizeof(l->phase_at));
-    l->phase_at[RELAY_PHASE_CLAIM] = relay_now();
+    l->phase_at[RELAY_PHASE_CLAIM] = r->cycle.lanes[lane].claimed_at;
     return relay_pgsrc_send(l->pg, relay_ownership_io_begin_sql(r->owner), 0, NULL, 0, on_begun, l);
 }
 

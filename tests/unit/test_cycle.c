@@ -20,6 +20,8 @@ struct fake {
     int lane_ready[2];
     int sink_ready;
     int begin_rc, claim_rc, finish_rc, rollback_rc;
+    double begin_takes;      /* how far the clock moves while BEGIN is sent */
+    double claimed_at_begin; /* the lane's claimed_at as begin saw it */
     int self_driven;
     int publish_ends; /* 0: replies come later; 1: published at once; 2: failed at once */
     int holds[2];     /* what holds_keys answers for each lane */
@@ -56,6 +58,8 @@ static int op_sink_ready(void *arg)
 static int op_begin(void *arg, size_t lane)
 {
     struct fake *f = arg;
+    f->claimed_at_begin = f->c->lanes[lane].claimed_at;
+    f->now += f->begin_takes;
     if (f->begin_rc == 0)
         say(f, "begin%zu", lane);
     return f->begin_rc;
@@ -672,6 +676,19 @@ static void test_claiming_counts_from_the_claim(void **state)
     assert_int_equal(relay_cycle_stuck(&C, 110.0, 10.0), 0);
 }
 
+/* The batch's start is read before BEGIN is sent, and begin sees it: the
+ * batch's phases and its duration then count from the same instant, and the
+ * publish deadline does not lose the time the send took. */
+static void test_batch_counts_from_before_begin_was_sent(void **state)
+{
+    (void)state;
+    F.now = 100.0;
+    F.begin_takes = 0.005;
+    relay_cycle_run(&C);
+    assert_true(C.lanes[0].claimed_at == 100.0);
+    assert_true(F.claimed_at_begin == 100.0);
+}
+
 static void test_claiming_connection_lost_while_waiting_to_publish(void **state)
 {
     (void)state;
@@ -851,6 +868,7 @@ int main(void)
         cmocka_unit_test_setup(test_drain_waits_for_both_lanes, two_lanes),
         cmocka_unit_test_setup(test_stuck_stage_is_detected, one_lane),
         cmocka_unit_test_setup(test_claiming_counts_from_the_claim, one_lane),
+        cmocka_unit_test_setup(test_batch_counts_from_before_begin_was_sent, one_lane),
         cmocka_unit_test_setup(test_claiming_connection_lost_while_waiting_to_publish, two_lanes),
         cmocka_unit_test_setup(test_claiming_connection_lost_while_publishing, one_lane),
         cmocka_unit_test_setup(test_connection_lost_with_a_command_in_flight, one_lane),
