@@ -8,15 +8,26 @@
  *     the batch of tick last+1: cursor_proto.tick() when that tick is not
  *       taken yet (nothing new: sleep poll_ms)
  *     cursor_proto.batch_bounds(last, last+1)
- *     chunks of --fetch rows in (txid, id) order, cursor_proto.batch_rows;
- *       for each chunk, per stream one
- *       FCALL cursor_proto_publish_v1 2 <stream> {<stream>}:cursor
- *             <expected> <new> <n> <entries>
- *       pipelined; the next chunk is read from PostgreSQL while Redis works
- *       on this one's calls. A refused call answers where the stream's
- *       cursor is: the rows up to there are skipped (a restart after a
- *       crash, or a second relay that got there first), the rest sent again
- *       with that expectation.
+ *     chunks of --fetch rows in (txid, id) order, cursor_proto.batch_rows,
+ *       each chunk's query sent as soon as the one before has arrived, so
+ *       that PostgreSQL reads while this program and Redis publish;
+ *       for each chunk, per stream, pipelined:
+ *         --publish fcall (the default): one
+ *           FCALL cursor_proto_publish_v1 2 <stream> {<stream>}:cursor
+ *                 <expected> <new> <n> <entries>
+ *           A refused call answers where the stream's cursor is: the rows up
+ *           to there are skipped (a restart after a crash, or a second relay
+ *           that got there first), the rest sent again with that expectation.
+ *         --publish ids: MULTI, XADD <stream> <ms>-<seq> <entry> per row,
+ *           EXEC, with no function and no key besides the stream: the entry
+ *           id is the row's place in the publish order (ms: its tick's,
+ *           strictly increasing from tick to tick; seq: the row's rank in its
+ *           batch), so the stream's last id is the cursor, and XADD itself
+ *           refuses an entry at or below it. MULTI makes a stream's rows of a
+ *           chunk all or nothing when a command cannot be queued (memory
+ *           full, a slot moved), so no later row lands past a missing one.
+ *           The stream's last entry is read once when a stream is first met
+ *           and again after a refusal; rows at or below it are skipped.
  *     cursor_proto.finish_batch: one row per stream touched, the consumer's
  *       last tick, and the next tick, in one transaction
  *   }
@@ -25,15 +36,16 @@
  * stream contract"): id, topic, key (absent when NULL), payload, created_at,
  * outbox_id, h.<name>; the stream is the topic (no prefix, no partitions).
  * The caller applies the SQL and registers the consumer
- * (cursor_proto.register); this program loads the function.
+ * (cursor_proto.register); with --publish fcall this program loads the
+ * function.
  *
  *   bench-cursor --postgres CONNINFO --redis-port PORT [--redis-host HOST]
  *                [--consumer NAME] [--fetch N] [--poll-ms MS] [--until N]
- *                [--function FILE]
+ *                [--publish fcall|ids] [--function FILE]
  *
  * It runs until SIGTERM, or with --until N until N rows are in Redis (appended
  * or found there), and then prints one JSON line. A cursor found behind where
- * PostgreSQL says it was (Redis lost writes) stops it with exit status 3: the
+ * this program left it (Redis lost writes) stops it with exit status 3: the
  * prototype does not publish again from there.
  */
 #include "common/compat.h"
@@ -139,6 +151,10 @@ struct stream {
     size_t cursor_key_len;
     struct pos expected; /* where its cursor is, as far as this relay knows */
     int touched;         /* in the batch being published: record it */
+    /* --publish ids: the stream's last entry id, once read (top_known) */
+    uint64_t top_ms, top_seq;
+    int64_t top_outbox; /* the outbox_id of that entry */
+    int top_known;
     /* the rows of the chunk being published, as indexes into the result */
     int *rows;
     int nrows, caprows;
@@ -190,6 +206,23 @@ static void prepare(PGconn *pg, const char *name, const char *sql)
     PQclear(res);
 }
 
+/* The batch_rows query, sent without waiting for its result. */
+static void send_rows(PGconn *pg, const char *const *params)
+{
+    if (!PQsendQueryPrepared(pg, "rows", 8, params, NULL, NULL, 1))
+        die("rows", PQerrorMessage(pg));
+}
+
+static PGresult *get_rows(PGconn *pg)
+{
+    PGresult *res = PQgetResult(pg), *more;
+    if (PQresultStatus(res) != PGRES_TUPLES_OK)
+        die("rows", PQerrorMessage(pg));
+    while ((more = PQgetResult(pg)) != NULL)
+        PQclear(more);
+    return res;
+}
+
 static uint64_t be64(const char *p)
 {
     uint64_t v = 0;
@@ -206,6 +239,21 @@ static struct pos row_pos(const PGresult *res, int row, int64_t tick)
     struct pos p = {tick, be64(PQgetvalue(res, row, C_TXID)),
                     (int64_t)be64(PQgetvalue(res, row, C_ID))};
     return p;
+}
+
+/* A chunk of a batch being published. */
+struct chunk {
+    const PGresult *res;
+    int64_t tick;
+    uint64_t tick_ms; /* --publish ids: the ms of the entries' ids */
+    uint64_t base;    /* --publish ids: the rank in the batch of the chunk's first row */
+};
+
+static int id_cmp(uint64_t ams, uint64_t aseq, uint64_t bms, uint64_t bseq)
+{
+    if (ams != bms)
+        return ams < bms ? -1 : 1;
+    return aseq < bseq ? -1 : aseq > bseq;
 }
 
 /* ---- the publish calls ------------------------------------------------------ */
@@ -261,11 +309,8 @@ static int netstring(const char **p, const char *e, const char **s, size_t *len)
 }
 
 /* The entry's fields of row: the relay's stream contract. */
-static void add_entry(struct argv *a, const PGresult *res, int row)
+static void add_fields(struct argv *a, const PGresult *res, int row)
 {
-    int count_at = a->n;
-    arg(a, "", 0); /* the number of fields' arguments, filled in below */
-    int first = a->n;
     arg(a, "id", 2);
     arg(a, PQgetvalue(res, row, C_MESSAGE_ID), (size_t)PQgetlength(res, row, C_MESSAGE_ID));
     arg(a, "topic", 5);
@@ -295,9 +340,34 @@ static void add_entry(struct argv *a, const PGresult *res, int row)
             arg(a, value, vlen);
         }
     }
+}
+
+/* The entry of row in a publish call: the number of its fields' arguments,
+ * then the fields. */
+static void add_entry(struct argv *a, const PGresult *res, int row)
+{
+    int count_at = a->n;
+    arg(a, "", 0); /* filled in below */
+    int first = a->n;
+    add_fields(a, res, row);
     char *c = scratch(a, 8);
     a->v[count_at] = c;
     a->len[count_at] = (size_t)snprintf(c, 8, "%d", a->n - first);
+}
+
+/* Sizes the scratch for n rows' numbers and header names, and empties the
+ * argument list. */
+static void scratch_for(struct argv *a, const PGresult *res, const int *rows, int n)
+{
+    size_t need = 3 * 96 + 24;
+    for (int i = 0; i < n; i++)
+        need += 24 + 48 + 8 + (size_t)PQgetlength(res, rows[i], C_HEADERS) + 2;
+    if (need > a->capscratch) {
+        a->capscratch = need * 2;
+        a->scratch = xrealloc(a->scratch, a->capscratch);
+    }
+    a->n = 0;
+    a->used = 0;
 }
 
 /* Appends (does not send) the call that publishes rows[0..n) of s's rows of
@@ -306,15 +376,7 @@ static void append_call(redisContext *rd, struct argv *a, const PGresult *res, s
                         const int *rows, int n, struct pos expected, int64_t tick,
                         struct pos *moved_to)
 {
-    size_t need = 3 * 96 + 24;
-    for (int i = 0; i < n; i++)
-        need += 24 + 8 + (size_t)PQgetlength(res, rows[i], C_HEADERS) + 2;
-    if (need > a->capscratch) {
-        a->capscratch = need * 2;
-        a->scratch = xrealloc(a->scratch, a->capscratch);
-    }
-    a->n = 0;
-    a->used = 0;
+    scratch_for(a, res, rows, n);
     *moved_to = row_pos(res, rows[n - 1], tick);
     char *exp = scratch(a, 96), *mov = scratch(a, 96);
     arg(a, "FCALL", 5);
@@ -364,20 +426,152 @@ struct counts {
     double tick_s, read_s, publish_wait_s, finish_s;
 };
 
+/* ---- --publish ids: the entry id as the cursor ------------------------------ */
+
+/* Reads s's last entry: its id, and its outbox_id for the check of the row
+ * that has that id. No reply of a pipeline may be waiting. */
+static int64_t top_outbox_id;
+
+static void read_top(redisContext *rd, struct stream *s)
+{
+    redisReply *r = redisCommand(rd, "XREVRANGE %b + - COUNT 1", s->name, s->name_len);
+    if (r == NULL)
+        die("XREVRANGE", rd->errstr);
+    if (r->type == REDIS_REPLY_ERROR)
+        die("XREVRANGE", r->str);
+    s->top_ms = s->top_seq = 0;
+    top_outbox_id = 0;
+    if (r->type == REDIS_REPLY_ARRAY && r->elements == 1) {
+        const redisReply *e = r->element[0];
+        if (e->type != REDIS_REPLY_ARRAY || e->elements != 2 ||
+            sscanf(e->element[0]->str, "%" SCNu64 "-%" SCNu64, &s->top_ms, &s->top_seq) != 2)
+            die("XREVRANGE", "unexpected reply");
+        const redisReply *f = e->element[1];
+        for (size_t i = 0; f->type == REDIS_REPLY_ARRAY && i + 1 < f->elements; i += 2)
+            if (strcmp(f->element[i]->str, "outbox_id") == 0)
+                top_outbox_id = atoll(f->element[i + 1]->str);
+    }
+    s->top_known = 1;
+    freeReplyObject(r);
+}
+
+/* Whether row r of the chunk is in s already (its id at or below the stream's
+ * last): the row with the last id must be the entry's own. */
+static int in_stream(redisContext *rd, const struct chunk *ch, struct stream *s, int r)
+{
+    if (!s->top_known) {
+        read_top(rd, s);
+        s->top_outbox = top_outbox_id;
+    }
+    int cmp = id_cmp(ch->tick_ms, ch->base + (uint64_t)r, s->top_ms, s->top_seq);
+    if (cmp == 0 && s->top_outbox != (int64_t)be64(PQgetvalue(ch->res, r, C_ID))) {
+        fprintf(stderr,
+                "bench-cursor: the last entry of %s, %" PRIu64 "-%" PRIu64 ", is outbox_id %" PRId64
+                ", not the row with that place\n",
+                s->name, s->top_ms, s->top_seq, s->top_outbox);
+        exit(3);
+    }
+    return cmp <= 0;
+}
+
+/* Appends (does not send) MULTI, one XADD with its id per row of s in the
+ * chunk, EXEC. */
+static void append_multi(redisContext *rd, struct argv *a, const struct chunk *ch,
+                         const struct stream *s)
+{
+    if (redisAppendCommand(rd, "MULTI") != REDIS_OK)
+        die("MULTI", rd->errstr);
+    scratch_for(a, ch->res, s->rows, s->nrows);
+    for (int i = 0; i < s->nrows; i++) {
+        a->n = 0;
+        arg(a, "XADD", 4);
+        arg(a, s->name, s->name_len);
+        char *id = scratch(a, 48);
+        arg(a, id,
+            (size_t)snprintf(id, 48, "%" PRIu64 "-%" PRIu64, ch->tick_ms,
+                             ch->base + (uint64_t)s->rows[i]));
+        add_fields(a, ch->res, s->rows[i]);
+        if (redisAppendCommandArgv(rd, a->n, a->v, a->len) != REDIS_OK)
+            die("XADD", rd->errstr);
+    }
+    if (redisAppendCommand(rd, "EXEC") != REDIS_OK)
+        die("EXEC", rd->errstr);
+}
+
+static redisReply *get_reply(redisContext *rd, const char *what)
+{
+    void *r = NULL;
+    if (redisGetReply(rd, &r) != REDIS_OK)
+        die(what, rd->errstr);
+    return r;
+}
+
+/* The replies of append_multi's commands: each row appended, or refused by
+ * XADD as at or below the stream's last id, which another relay (or this
+ * one before a restart) put there. */
+static void read_multi(redisContext *rd, const struct chunk *ch, struct stream *s, struct counts *c)
+{
+    redisReply *r = get_reply(rd, "MULTI");
+    if (r->type == REDIS_REPLY_ERROR)
+        die("MULTI", r->str);
+    freeReplyObject(r);
+    for (int i = 0; i < s->nrows; i++) {
+        r = get_reply(rd, "XADD");
+        if (r->type == REDIS_REPLY_ERROR)
+            fprintf(stderr, "bench-cursor: XADD not queued: %s\n", r->str);
+        freeReplyObject(r);
+    }
+    r = get_reply(rd, "EXEC");
+    if (r->type != REDIS_REPLY_ARRAY || r->elements != (size_t)s->nrows)
+        die("EXEC", r->type == REDIS_REPLY_ERROR ? r->str : "the transaction did not run");
+    int refused = 0;
+    for (size_t i = 0; i < r->elements; i++) {
+        const redisReply *e = r->element[i];
+        if (e->type == REDIS_REPLY_STRING) {
+            c->appended++;
+        } else if (e->type == REDIS_REPLY_ERROR && strstr(e->str, "equal or smaller") != NULL) {
+            refused++;
+            c->skipped++;
+        } else {
+            die("XADD", e->type == REDIS_REPLY_ERROR ? e->str : "unexpected reply");
+        }
+    }
+    freeReplyObject(r);
+    int last = s->rows[s->nrows - 1];
+    s->expected = row_pos(ch->res, last, ch->tick);
+    s->touched = 1;
+    if (refused) {
+        /* Another relay is ahead: where is read before the next chunk (the
+         * replies of this one's other streams are still coming), and the
+         * rows up to there are skipped. */
+        c->refused += refused;
+        s->top_known = 0;
+    } else {
+        s->top_ms = ch->tick_ms;
+        s->top_seq = ch->base + (uint64_t)last;
+        s->top_outbox = (int64_t)be64(PQgetvalue(ch->res, last, C_ID));
+    }
+}
+
 /* Groups the rows of a chunk by stream, in order, leaving out the rows at or
  * before their stream's cursor: they are in Redis already (found there by a
- * refused call: this relay restarted, or another relay got there first). */
-static void group_rows(const PGresult *res, int64_t tick, int *order, int *norder, struct counts *c)
+ * refused call or, with --publish ids, by the stream's last id: this relay
+ * restarted, or another relay got there first). */
+static void group_rows(redisContext *rd, const struct chunk *ch, int ids, int *order, int *norder,
+                       struct counts *c)
 {
     *norder = 0;
     for (int i = 0; i < nstreams; i++)
         streams[i].nrows = 0;
-    int n = PQntuples(res);
+    int n = PQntuples(ch->res);
     for (int r = 0; r < n; r++) {
         struct stream *s =
-            stream_get(PQgetvalue(res, r, C_TOPIC), (size_t)PQgetlength(res, r, C_TOPIC));
-        if (pos_cmp(row_pos(res, r, tick), s->expected) <= 0) {
+            stream_get(PQgetvalue(ch->res, r, C_TOPIC), (size_t)PQgetlength(ch->res, r, C_TOPIC));
+        struct pos p = row_pos(ch->res, r, ch->tick);
+        if (pos_cmp(p, s->expected) <= 0 || (ids && in_stream(rd, ch, s, r))) {
             c->skipped++;
+            if (pos_cmp(p, s->expected) > 0)
+                s->expected = p;
             s->touched = 1;
             continue;
         }
@@ -500,7 +694,7 @@ static void array_item_num(struct text *t, uint64_t v)
 int main(int argc, char **argv)
 {
     const char *conninfo = NULL, *rhost = "127.0.0.1", *consumer = "bench";
-    const char *function_file = CURSOR_FUNCTION_FILE;
+    const char *function_file = CURSOR_FUNCTION_FILE, *publish = "fcall";
     int rport = 6379, fetch = 500, poll_ms = 1;
     long until = 0;
     for (int i = 1; i < argc; i++) {
@@ -525,11 +719,15 @@ int main(int argc, char **argv)
             until = atol(v);
         else if (strcmp(o, "--function") == 0)
             function_file = v;
+        else if (strcmp(o, "--publish") == 0)
+            publish = v;
         else
             die("unknown option", o);
     }
-    if (conninfo == NULL || fetch < 1 || poll_ms < 0)
-        die("usage", "--postgres CONNINFO --redis-port PORT [--fetch N >= 1]");
+    int ids = strcmp(publish, "ids") == 0;
+    if (conninfo == NULL || fetch < 1 || poll_ms < 0 || (!ids && strcmp(publish, "fcall") != 0))
+        die("usage",
+            "--postgres CONNINFO --redis-port PORT [--fetch N >= 1] [--publish fcall|ids]");
     signal(SIGTERM, on_term);
     signal(SIGINT, on_term);
 
@@ -539,16 +737,23 @@ int main(int argc, char **argv)
     redisContext *rd = redisConnect(rhost, rport);
     if (rd == NULL || rd->err)
         die("cannot connect to Redis", rd ? rd->errstr : "out of memory");
-    char *library = read_file(function_file);
-    redisReply *lr = redisCommand(rd, "FUNCTION LOAD REPLACE %s", library);
-    if (lr == NULL || lr->type == REDIS_REPLY_ERROR)
-        die("FUNCTION LOAD", lr ? lr->str : rd->errstr);
-    freeReplyObject(lr);
-    free(library);
+    if (!ids) {
+        char *library = read_file(function_file);
+        redisReply *lr = redisCommand(rd, "FUNCTION LOAD REPLACE %s", library);
+        if (lr == NULL || lr->type == REDIS_REPLY_ERROR)
+            die("FUNCTION LOAD", lr ? lr->str : rd->errstr);
+        freeReplyObject(lr);
+        free(library);
+    }
+    /* The chunk query is planned once: its plan does not depend on the values. */
+    PGresult *set = PQexec(pg, "SET plan_cache_mode = force_generic_plan");
+    if (PQresultStatus(set) != PGRES_COMMAND_OK)
+        die("SET plan_cache_mode", PQerrorMessage(pg));
+    PQclear(set);
 
     prepare(pg, "tick", "SELECT cursor_proto.tick()");
     prepare(pg, "bounds",
-            "SELECT lo, hi, older, prev_snap, next_snap"
+            "SELECT lo, hi, older, prev_snap, next_snap, next_ms"
             " FROM cursor_proto.batch_bounds($1::bigint, $2::bigint)");
     prepare(pg, "rows",
             "SELECT * FROM cursor_proto.batch_rows($1::xid8, $2::xid8, $3::xid8[],"
@@ -579,6 +784,7 @@ int main(int argc, char **argv)
     struct argv a = {0};
     struct counts c = {0};
     int *order = NULL, caporder = 0;
+    struct pos *moved = NULL;
     char fetch_s[16];
     snprintf(fetch_s, sizeof(fetch_s), "%d", fetch);
     double started = now_s(), first = 0;
@@ -617,7 +823,9 @@ int main(int argc, char **argv)
                              after_txid,
                              after_id,
                              fetch_s};
-        res = run(pg, "rows", 8, rp, 1);
+        struct chunk ch = {NULL, tick, strtoull(PQgetvalue(bounds, 0, 5), NULL, 10), 0};
+        send_rows(pg, rp);
+        res = get_rows(pg);
         c.read_s += now_s() - t0;
         while (res != NULL) {
             int n = PQntuples(res);
@@ -626,45 +834,61 @@ int main(int argc, char **argv)
                 break;
             }
             c.chunks++;
-            if (n > caporder) {
-                caporder = n;
-                order = xrealloc(order, sizeof(int) * (size_t)caporder);
-            }
-            int norder;
-            group_rows(res, tick, order, &norder, &c);
-            struct pos *moved = xrealloc(NULL, sizeof(struct pos) * (size_t)(norder + 1));
-            for (int k = 0; k < norder; k++) {
-                struct stream *s = &streams[order[k]];
-                append_call(rd, &a, res, s, s->rows, s->nrows, s->expected, tick, &moved[k]);
-                c.calls++;
-            }
-            flush(rd);
-            /* The next chunk from PostgreSQL while Redis runs these calls. */
-            PGresult *next = NULL;
-            if (n == fetch) {
-                t0 = now_s();
+            /* The next chunk's query at once: PostgreSQL reads it while this
+             * one is published. */
+            int more = n == fetch;
+            if (more) {
                 struct pos lastpos = row_pos(res, n - 1, tick);
                 snprintf(after_txid, sizeof(after_txid), "%" PRIu64, lastpos.txid);
                 snprintf(after_id, sizeof(after_id), "%" PRId64, lastpos.id);
-                next = run(pg, "rows", 8, rp, 1);
-                c.read_s += now_s() - t0;
+                send_rows(pg, rp);
             }
-            t0 = now_s();
+            if (n > caporder) {
+                caporder = n;
+                order = xrealloc(order, sizeof(int) * (size_t)caporder);
+                moved = xrealloc(moved, sizeof(struct pos) * (size_t)caporder);
+            }
+            ch.res = res;
+            int norder;
+            group_rows(rd, &ch, ids, order, &norder, &c);
             for (int k = 0; k < norder; k++) {
                 struct stream *s = &streams[order[k]];
-                struct pos cur;
-                if (read_reply(rd, &cur)) {
+                if (ids)
+                    append_multi(rd, &a, &ch, s);
+                else
+                    append_call(rd, &a, res, s, s->rows, s->nrows, s->expected, tick, &moved[k]);
+                c.calls++;
+            }
+            flush(rd);
+            t0 = now_s();
+            int refusals = 0;
+            for (int k = 0; k < norder; k++) {
+                struct stream *s = &streams[order[k]];
+                if (ids) {
+                    read_multi(rd, &ch, s, &c);
+                } else if (read_reply(rd, &moved[k])) {
                     c.appended += s->nrows;
                     s->expected = moved[k];
                     s->touched = 1;
+                    order[k] = -1;
                 } else {
-                    resolve_refusal(rd, &a, res, s, tick, cur, &c);
+                    refusals++; /* moved[k]: where the cursor is */
                 }
             }
+            /* Every reply of the pipeline is in: now the refused calls, one
+             * at a time. */
+            for (int k = 0; refusals > 0 && k < norder; k++)
+                if (order[k] >= 0)
+                    resolve_refusal(rd, &a, res, &streams[order[k]], tick, moved[k], &c);
             c.publish_wait_s += now_s() - t0;
-            free(moved);
+            ch.base += (uint64_t)n;
             PQclear(res);
-            res = next;
+            res = NULL;
+            if (more) {
+                t0 = now_s();
+                res = get_rows(pg);
+                c.read_s += now_s() - t0;
+            }
         }
         PQclear(bounds);
 
@@ -709,6 +933,7 @@ int main(int argc, char **argv)
     free(a.len);
     free(a.scratch);
     free(order);
+    free(moved);
     for (int i = 0; i < nstreams; i++) {
         free(streams[i].name);
         free(streams[i].cursor_key);

@@ -52,6 +52,9 @@ CREATE INDEX IF NOT EXISTS messages_txid_idx ON cursor_proto.messages (txid, id)
 CREATE TABLE IF NOT EXISTS cursor_proto.ticks (
     tick_id  bigint      PRIMARY KEY,
     snap     pg_snapshot NOT NULL,
+    -- The tick's time in Unix ms, strictly increasing from tick to tick: with
+    -- bench-cursor --publish ids, the ms part of its batch's entry ids.
+    ms       bigint      NOT NULL,
     taken_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 
@@ -86,9 +89,10 @@ LANGUAGE plpgsql AS $$
 DECLARE
     last_id   bigint;
     last_snap pg_snapshot;
+    last_ms   bigint;
 BEGIN
     LOCK TABLE cursor_proto.ticks IN SHARE ROW EXCLUSIVE MODE;
-    SELECT t.tick_id, t.snap INTO last_id, last_snap
+    SELECT t.tick_id, t.snap, t.ms INTO last_id, last_snap, last_ms
       FROM cursor_proto.ticks AS t ORDER BY t.tick_id DESC LIMIT 1;
     IF last_id IS NOT NULL
        AND NOT EXISTS (SELECT 1 FROM cursor_proto.messages AS m
@@ -98,7 +102,10 @@ BEGIN
         RETURN last_id;
     END IF;
     last_id := coalesce(last_id, 0) + 1;
-    INSERT INTO cursor_proto.ticks (tick_id, snap) VALUES (last_id, pg_current_snapshot());
+    INSERT INTO cursor_proto.ticks (tick_id, snap, ms)
+        VALUES (last_id, pg_current_snapshot(),
+                greatest(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint,
+                         coalesce(last_ms, 0) + 1));
     RETURN last_id;
 END;
 $$;
@@ -123,12 +130,12 @@ $$;
 -- keeps a batch from scanning everything above the oldest open transaction.
 CREATE OR REPLACE FUNCTION cursor_proto.batch_bounds(prev_tick bigint, next_tick bigint,
     OUT lo xid8, OUT hi xid8, OUT older xid8[], OUT prev_snap pg_snapshot,
-    OUT next_snap pg_snapshot)
+    OUT next_snap pg_snapshot, OUT next_ms bigint)
 LANGUAGE sql STABLE AS $$
     SELECT pg_snapshot_xmax(p.snap), pg_snapshot_xmax(n.snap),
            ARRAY(SELECT x FROM pg_snapshot_xip(p.snap) AS x
                   WHERE pg_visible_in_snapshot(x, n.snap) ORDER BY x),
-           p.snap, n.snap
+           p.snap, n.snap, n.ms
       FROM cursor_proto.ticks AS p, cursor_proto.ticks AS n
      WHERE p.tick_id = prev_tick AND n.tick_id = next_tick
 $$;

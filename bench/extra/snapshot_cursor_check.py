@@ -21,6 +21,8 @@ commit order at the ticks' grain), then transaction id, then row id. Checked aft
        (higher xid) commits and is published; it commits after that tick: its row is
        still published, after the other
 
+Each case runs with both ways to publish (bench-cursor --publish fcall, the cursor key
+and its function; --publish ids, the entry ids as the cursor; CURSOR_MODES to choose).
 Needs build-bench/bench-cursor (cmake --build build-bench --target bench-cursor).
 Prints the figures and exits non-zero on any failure.
 
@@ -135,10 +137,13 @@ class Producers:
             t.join()
 
 
+MODE = ["fcall"]  # bench-cursor --publish: the case being checked
+
+
 def start(pg, rd, tag=""):
     err = open(f"/tmp/bench-cursor-check{tag}.log", "a")
     return subprocess.Popen([BIN, "--postgres", pg.dsn(), "--redis-port", str(rd.port),
-                             "--fetch", "500"],
+                             "--fetch", "500", "--publish", MODE[0]],
                             stdout=subprocess.PIPE, stderr=err, text=True)
 
 
@@ -271,7 +276,8 @@ def case_drain():
         log(f"  prototype: {out}")
         res = verify(conn, rc, "normal drain", fields=True)
         check(out["refused"] == 0, "normal drain: a call was refused")
-        res["cursor_bytes"] = sum(rc.memory_usage("{" + t + "}:cursor") for t in TOPICS)
+        res["cursor_bytes"] = sum(rc.memory_usage("{" + t + "}:cursor") or 0 for t in TOPICS)
+        res["keys"] = rc.dbsize()
         return res
 
 
@@ -402,18 +408,28 @@ def main():
     if not os.path.exists(BIN):
         sys.exit(f"{BIN} not found: cmake --build {benchlib.BUILD} --target bench-cursor")
     started = time.monotonic()
-    results = dict(drain=case_drain(), kill=case_kill(), two=case_two(),
-                   long_open=case_long_open(), late_commit=case_late_commit())
+    results = {}
+    for mode in (os.environ.get("CURSOR_MODES") or "fcall,ids").split(","):
+        MODE[0] = mode
+        log(f"== bench-cursor --publish {mode}")
+        results[mode] = dict(drain=case_drain(), kill=case_kill(), two=case_two(),
+                             long_open=case_long_open(), late_commit=case_late_commit())
     log("\nsummary")
-    for name, r in results.items():
-        log(f"  {name}: rows {r['rows']:,}, duplicates {r['duplicates']}, lost {r['lost']},"
-            f" out of order {r['out_of_order']}, transactions {r['transactions']:,}"
-            f" (committed late, below the last tick's xmax: {r['late_transactions']:,}),"
-            f" ticks {r['ticks']:,}"
-            + (f", refused calls {r['refused']:,}, appended by A/B {r['appended_by']}"
-               if name == "two" else "")
-            + (f", cursor keys {r['cursor_bytes']} bytes for 4 streams" if name == "drain"
-               else ""))
+    for mode, cases in results.items():
+        log(f"  --publish {mode}")
+        for name, r in cases.items():
+            log(f"    {name}: rows {r['rows']:,}, duplicates {r['duplicates']}, lost {r['lost']},"
+                f" out of order {r['out_of_order']}, transactions {r['transactions']:,}"
+                f" (committed late, below the last tick's xmax: {r['late_transactions']:,}),"
+                f" ticks {r['ticks']:,}"
+                + (f", refused calls {r['refused']:,}, appended by A/B {r['appended_by']}"
+                   if name == "two" else "")
+                + (f", kills with {', '.join(f'{k:,}' for k in r['kills_at'])} in Redis"
+                   if name == "kill" else "")
+                + (f", keys in Redis {r['keys']} of which cursors {r['cursor_bytes']} bytes"
+                   if name == "drain" else "")
+                + (f", commit -> stream p50 {r['p50_ms']:.2f} ms, max {r['max_ms']:.2f} ms"
+                   if name == "long_open" else ""))
     log(f"{len(FAILED)} failed in {time.monotonic() - started:.0f} s")
     for f in FAILED:
         log(f"  {f}")
