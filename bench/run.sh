@@ -48,8 +48,10 @@ fi
 # The tools link the daemon's library for the relay's own claim SQL, publish
 # function and argv builder, so the yardstick does exactly the relay's work;
 # CMake builds them (RELAY_BENCH) with the Release flags, -O3 -DNDEBUG.
+# bench-cursor, the snapshot-and-cursor prototype, is for bench/extra/snapshot_cursor.py.
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DRELAY_TESTS=OFF -DRELAY_BENCH=ON >/dev/null
-cmake --build "$build" -j2 --target outbox-relay outbox_consumer bench-naive bench-loadgen bench-pgq
+cmake --build "$build" -j2 --target outbox-relay outbox_consumer bench-naive bench-loadgen bench-pgq \
+  bench-cursor
 
 # --- run ----------------------------------------------------------------------
 status=0
