@@ -80,7 +80,7 @@ static double now_s(void)
     return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
-static void die(const char *what, const char *detail)
+static _Noreturn void die(const char *what, const char *detail)
 {
     fprintf(stderr, "bench-cursor: %s: %s\n", what, detail ? detail : "");
     exit(1);
