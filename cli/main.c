@@ -61,7 +61,8 @@ static void usage(FILE *out)
             "  status              queue age, lag, pending, dead letters and quarantined\n"
             "                      rows per stream and group; --json for scripts\n"
             "  (failed needs only the postgres setting, dlq only the redis setting;\n"
-            "  'outbox-relay dlq --help' explains ids and ranges)\n"
+            "  COMMAND --help shows its usage; 'outbox-relay dlq --help' explains ids\n"
+            "  and ranges)\n"
             "\n"
             "Every key can also be set with OUTBOX_RELAY_<KEY> in the environment or\n"
             "--<key-with-dashes> on the command line (command line > environment > file).\n"
@@ -168,6 +169,8 @@ static int parse_args(int argc, char **argv, struct cmdline *cl)
         } else if (relay_tool_is_command(a)) {
             cl->tool_argc = argc - i;
             cl->tool_argv = argv + i;
+            if (cl->tool_argc >= 2 && relay_tool_is_help(cl->tool_argv[1]))
+                return run_tool(cl, NULL); /* its usage, with no configuration */
             int rc = check_tool(cl);
             return rc == OUTBOX_EX_OK ? -1 : rc;
         } else {

@@ -954,9 +954,8 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
     memset(&d, 0, sizeof(d));
     d.out = out;
     d.errout = errout;
-    if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
-        if (cfg != NULL)
-            dlq_usage(out);
+    if (argc >= 2 && relay_tool_is_help(argv[1])) {
+        dlq_usage(out);
         return OUTBOX_EX_OK;
     }
     if (argc < 4) {

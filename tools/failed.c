@@ -213,6 +213,10 @@ int relay_tool_failed(const struct relay_config *cfg, int argc, char **argv, FIL
         failed_usage(errout);
         return OUTBOX_EX_USAGE;
     }
+    if (relay_tool_is_help(argv[1])) {
+        failed_usage(out);
+        return OUTBOX_EX_OK;
+    }
     const char *verb = argv[1];
     long long limit = 100;
     int all = 0;

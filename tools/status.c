@@ -248,6 +248,14 @@ static void status_json(const struct relay_observation *o, char *outbuf, size_t 
 }
 
 /* "status [--json]": 0 with *json set, or -1 after saying why. */
+static void status_usage(FILE *f)
+{
+    fprintf(f, "Usage: outbox-relay [-c FILE] status [--json]\n"
+               "PostgreSQL, Redis, the outbox's backlog and each stream's consumer groups, as\n"
+               "text or (--json) one JSON object. Exits 0, or 69 when PostgreSQL or Redis\n"
+               "cannot be read.\n");
+}
+
 OUTBOX_STATIC int parse_status_args(int argc, char **argv, FILE *errout, int *json);
 OUTBOX_STATIC int parse_status_args(int argc, char **argv, FILE *errout, int *json)
 {
@@ -257,7 +265,7 @@ OUTBOX_STATIC int parse_status_args(int argc, char **argv, FILE *errout, int *js
             *json = 1;
         } else {
             relay_tool_unknown(errout, "status", argv[i]);
-            fprintf(errout, "Usage: outbox-relay [-c FILE] status [--json]\n");
+            status_usage(errout);
             return -1;
         }
     }
@@ -268,6 +276,10 @@ int relay_tool_status(const struct relay_config *cfg, int argc, char **argv, FIL
                       FILE *errout)
 {
     int json;
+    if (argc >= 2 && relay_tool_is_help(argv[1])) {
+        status_usage(out);
+        return OUTBOX_EX_OK;
+    }
     if (parse_status_args(argc, argv, errout, &json) < 0)
         return OUTBOX_EX_USAGE;
     struct relay_observation *o = malloc(sizeof(*o));

@@ -51,6 +51,10 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
 int relay_tool_status(const struct relay_config *cfg, int argc, char **argv, FILE *out,
                       FILE *errout) __attribute__((warn_unused_result));
 
+/* 1 when word asks for a command's usage: --help or -h. Each command then
+ * prints its usage to out and returns 0, with or without a configuration. */
+int relay_tool_is_help(const char *word);
+
 /* 1 when word names an operator command: failed, dlq or status. */
 int relay_tool_is_command(const char *word);
 

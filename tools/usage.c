@@ -27,6 +27,11 @@ static int tool_word_in(const char *word, const char *const *words, size_t n)
     return 0;
 }
 
+int relay_tool_is_help(const char *word)
+{
+    return strcmp(word, "--help") == 0 || strcmp(word, "-h") == 0;
+}
+
 int relay_tool_is_command(const char *word)
 {
     return tool_word_in(word, tool_commands, OUTBOX_ARRAY_LEN(tool_commands));
@@ -69,7 +74,9 @@ int relay_tool_check_usage(int argc, char **argv, FILE *errout)
                         "'outbox-relay --help'\n");
         return OUTBOX_EX_USAGE;
     }
-    if (strcmp(tool, "dlq") == 0 && strcmp(verb, "--help") != 0 && strcmp(verb, "-h") != 0 &&
+    if (relay_tool_is_help(verb))
+        return OUTBOX_EX_OK; /* the command prints its usage */
+    if (strcmp(tool, "dlq") == 0 &&
         !tool_word_in(verb, tool_dlq_verbs, OUTBOX_ARRAY_LEN(tool_dlq_verbs))) {
         relay_tool_unknown(errout, tool, verb);
         fprintf(errout, "Usage: outbox-relay [-c FILE] dlq list|show|replay|purge|migrate STREAM "

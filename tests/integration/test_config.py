@@ -229,6 +229,19 @@ class ConfigFileTest(harness.TestCase):
         self.assertNotIn("did you mean", done.stderr)
         self.assert_connected_nowhere()
 
+    def test_each_command_explains_itself_without_a_configuration(self):
+        # "<command> --help" prints that command's usage and succeeds, with no
+        # configuration at all, as "--help" does for the daemon.
+        for tool, said in (("dlq", "dlq list"), ("failed", "failed retry"),
+                           ("status", "status [--json]")):
+            for flag in ("--help", "-h"):
+                with self.subTest(tool=tool, flag=flag):
+                    done = run_relay([tool, flag], env={"PATH": os.environ["PATH"]})
+                    self.assertEqual(done.returncode, 0, done.output)
+                    self.assertIn(said, done.stdout)
+                    self.assertEqual(done.stderr, "")
+        self.assert_connected_nowhere()
+
     def test_print_config(self):
         path = self.write(self.good_config())
         env = harness.relay_env()  # one metrics_listen for both runs
