@@ -16,8 +16,30 @@
 #include "core/config.h"
 
 static const char *const tool_commands[] = {"failed", "dlq", "status"};
-static const char *const tool_failed_verbs[] = {"list", "retry", "drop"};
-static const char *const tool_dlq_verbs[] = {"list", "show", "replay", "purge", "migrate"};
+
+/* Each command's words after its name: the verbs of failed and dlq, the
+ * options of status; and the usage line shown when one is not known. */
+struct tool_words {
+    const char *tool;
+    const char *const *words;
+    size_t n;
+    const char *what; /* "unknown command" or "unexpected" */
+    const char *usage;
+};
+
+static const char *const failed_verbs[] = {"list", "retry", "drop"};
+static const char *const dlq_verbs[] = {"list", "show", "replay", "purge", "migrate"};
+static const char *const status_options[] = {"--json"};
+
+static const struct tool_words tool_words[] = {
+    {"failed", failed_verbs, OUTBOX_ARRAY_LEN(failed_verbs), "unknown command",
+     "Usage: outbox-relay [-c FILE] failed list|retry|drop ...; see 'outbox-relay failed --help'"},
+    {"dlq", dlq_verbs, OUTBOX_ARRAY_LEN(dlq_verbs), "unknown command",
+     "Usage: outbox-relay [-c FILE] dlq list|show|replay|purge|migrate STREAM GROUP ...; see "
+     "'outbox-relay dlq --help'"},
+    {"status", status_options, OUTBOX_ARRAY_LEN(status_options), "unexpected",
+     "Usage: outbox-relay [-c FILE] status [--json]"},
+};
 
 static int tool_word_in(const char *word, const char *const *words, size_t n)
 {
@@ -25,6 +47,14 @@ static int tool_word_in(const char *word, const char *const *words, size_t n)
         if (strcmp(word, words[i]) == 0)
             return 1;
     return 0;
+}
+
+static const struct tool_words *words_of(const char *tool)
+{
+    for (size_t i = 0; i < OUTBOX_ARRAY_LEN(tool_words); i++)
+        if (strcmp(tool, tool_words[i].tool) == 0)
+            return &tool_words[i];
+    return NULL;
 }
 
 int relay_tool_is_help(const char *word)
@@ -44,19 +74,9 @@ const char *relay_tool_nearest_command(const char *word)
 
 void relay_tool_unknown(FILE *errout, const char *tool, const char *word)
 {
-    const char *const *words = tool_failed_verbs;
-    size_t n = OUTBOX_ARRAY_LEN(tool_failed_verbs);
-    if (strcmp(tool, "dlq") == 0) {
-        words = tool_dlq_verbs;
-        n = OUTBOX_ARRAY_LEN(tool_dlq_verbs);
-    } else if (strcmp(tool, "status") == 0) {
-        static const char *const status_options[] = {"--json"};
-        words = status_options;
-        n = OUTBOX_ARRAY_LEN(status_options);
-    }
-    const char *near = relay_config_nearest(word, words, n);
-    fprintf(errout, "outbox-relay: %s: %s \"%s\"", tool,
-            strcmp(tool, "status") == 0 ? "unexpected" : "unknown command", word);
+    const struct tool_words *w = words_of(tool);
+    const char *near = w != NULL ? relay_config_nearest(word, w->words, w->n) : NULL;
+    fprintf(errout, "outbox-relay: %s: %s \"%s\"", tool, w != NULL ? w->what : "unexpected", word);
     if (near != NULL)
         fprintf(errout, " (did you mean %s?)", near);
     fputc('\n', errout);
@@ -64,33 +84,19 @@ void relay_tool_unknown(FILE *errout, const char *tool, const char *word)
 
 int relay_tool_check_usage(int argc, char **argv, FILE *errout)
 {
-    if (argc < 2)
-        return OUTBOX_EX_OK; /* the command says what it needs */
-    const char *tool = argv[0], *verb = argv[1];
-    if (strcmp(tool, "failed") == 0 &&
-        !tool_word_in(verb, tool_failed_verbs, OUTBOX_ARRAY_LEN(tool_failed_verbs))) {
-        relay_tool_unknown(errout, tool, verb);
-        fprintf(errout, "Usage: outbox-relay [-c FILE] failed list|retry|drop ...; see "
-                        "'outbox-relay --help'\n");
+    if (argc < 2 || relay_tool_is_help(argv[1]))
+        return OUTBOX_EX_OK; /* the command says what it needs, or prints its usage */
+    const struct tool_words *w = words_of(argv[0]);
+    if (w == NULL)
+        return OUTBOX_EX_OK;
+    /* failed and dlq take a verb first; status takes only options. */
+    int last = strcmp(w->tool, "status") == 0 ? argc : 2;
+    for (int i = 1; i < last; i++) {
+        if (tool_word_in(argv[i], w->words, w->n))
+            continue;
+        relay_tool_unknown(errout, w->tool, argv[i]);
+        fprintf(errout, "%s\n", w->usage);
         return OUTBOX_EX_USAGE;
-    }
-    if (relay_tool_is_help(verb))
-        return OUTBOX_EX_OK; /* the command prints its usage */
-    if (strcmp(tool, "dlq") == 0 &&
-        !tool_word_in(verb, tool_dlq_verbs, OUTBOX_ARRAY_LEN(tool_dlq_verbs))) {
-        relay_tool_unknown(errout, tool, verb);
-        fprintf(errout, "Usage: outbox-relay [-c FILE] dlq list|show|replay|purge|migrate STREAM "
-                        "GROUP ...; see 'outbox-relay dlq --help'\n");
-        return OUTBOX_EX_USAGE;
-    }
-    if (strcmp(tool, "status") == 0) {
-        for (int i = 1; i < argc; i++) {
-            if (strcmp(argv[i], "--json") == 0)
-                continue;
-            relay_tool_unknown(errout, tool, argv[i]);
-            fprintf(errout, "Usage: outbox-relay [-c FILE] status [--json]\n");
-            return OUTBOX_EX_USAGE;
-        }
     }
     return OUTBOX_EX_OK;
 }
