@@ -1,0 +1,187 @@
+-- outbox-relay schema, part 16: batches from snapshots (docs/DESIGN.md,
+-- "Batches from snapshots").
+--
+-- Every row records the transaction that wrote it, and the relay records
+-- ticks, each a snapshot of which transactions had committed. The batch of
+-- tick k is every row whose transaction tick k sees as committed and tick
+-- k - 1 does not: the transactions that committed between the two. A batch is
+-- fixed once its tick exists, the same for every reader and after any crash,
+-- and a transaction still open, however old, is in none yet: it joins the
+-- batch of the first tick taken after it commits. Producers only append and
+-- the relay only reads the outbox: where each stream stands is one row per
+-- stream (outbox.stream_positions), written once per batch.
+--
+--   outbox.messages.txid        the writing transaction (pg_current_xact_id())
+--   messages_txid_idx           (txid, id): a batch in publish order, and the
+--                               tick's test for anything new, off one index
+--   outbox.ticks                the ticks: number, snapshot, and the time
+--                               part of the entry ids of the tick's batch
+--   outbox.tick(min_ms)         takes a tick if anything committed since the
+--                               last one; returns the latest tick either way
+--   outbox.batch_rows(...)      a chunk of the batch between two ticks
+--   outbox.stream_positions     per stream: the last tick whose batch is all
+--                               in the stream, and its last entry id there
+--
+-- Rows that were pending when this file was applied belong to its own
+-- transaction, so they form the batch of the first tick after it, in id
+-- order; rows sent before it, and quarantined ones, carry txid 3, which every
+-- snapshot sees as committed long ago, so no batch holds them.
+--
+-- Stop every relay before applying this file, and start relays of this
+-- version after it: a relay of an earlier version marks rows sent, which no
+-- longer takes a row out of its batch.
+--
+-- One transaction (BEGIN ... COMMIT below), idempotent like every file here.
+
+BEGIN;
+
+CREATE TABLE IF NOT EXISTS outbox.ticks (
+    tick_id  bigint      PRIMARY KEY,
+    snap     pg_snapshot NOT NULL,
+    -- The time part of the entry ids of the tick's batch, in Unix ms:
+    -- strictly increasing from tick to tick whatever the clock does.
+    ms       bigint      NOT NULL CHECK (ms > 0),
+    taken_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
+COMMENT ON TABLE outbox.ticks IS
+    'Snapshots the relay took; the batch of tick k is the rows committed between tick k-1 and tick k.';
+
+CREATE TABLE IF NOT EXISTS outbox.stream_positions (
+    stream     text        PRIMARY KEY,
+    -- The last tick whose batch is all in the stream.
+    tick       bigint      NOT NULL,
+    -- The stream's last entry id written by the relay ("<ms>-<seq>"), or
+    -- '0-0' when none: a Redis that comes back behind it lost entries.
+    entry_id   text        NOT NULL DEFAULT '0-0',
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+
+COMMENT ON TABLE outbox.stream_positions IS
+    'Where each stream stands: the last tick whose batch is all in the stream.';
+
+-- Takes a tick if anything committed since the last one, and returns the
+-- latest tick's number either way (0 for none). Ticks are taken one at a time
+-- (a lock that readers of the table do not wait for), and the snapshot is
+-- read once the lock is held, so tick numbers follow snapshot order even with
+-- several relays ticking: a higher number with an older snapshot would make
+-- the next batch repeat transactions of the one before. Nothing new is two
+-- probes of messages_txid_idx: no row above the last tick's xmax, and none of
+-- the transactions that were running then. min_ms raises the tick's ms, so
+-- that the first batch's entry ids lie above what a stream already holds.
+CREATE OR REPLACE FUNCTION outbox.tick(p_min_ms bigint DEFAULT 0)
+RETURNS bigint
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_id   bigint;
+    v_snap pg_snapshot;
+    v_ms   bigint;
+BEGIN
+    LOCK TABLE outbox.ticks IN SHARE ROW EXCLUSIVE MODE;
+    SELECT t.tick_id, t.snap, t.ms INTO v_id, v_snap, v_ms
+      FROM outbox.ticks AS t ORDER BY t.tick_id DESC LIMIT 1;
+    IF v_id IS NOT NULL
+       AND NOT EXISTS (SELECT FROM outbox.messages AS m
+                        WHERE m.txid >= pg_snapshot_xmax(v_snap))
+       AND NOT EXISTS (SELECT FROM outbox.messages AS m
+                        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(v_snap)))) THEN
+        RETURN v_id;
+    END IF;
+    v_id := coalesce(v_id, 0) + 1;
+    INSERT INTO outbox.ticks (tick_id, snap, ms)
+    VALUES (v_id, pg_current_snapshot(),
+            greatest(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint,
+                     coalesce(v_ms, 0) + 1, coalesce(p_min_ms, 0)));
+    RETURN v_id;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.tick(bigint) IS
+    'Takes a tick if anything committed since the last one; returns the latest tick.';
+
+-- The column, then the first tick and the rows pending now, in this one
+-- transaction (the file's BEGIN): the first tick's snapshot does not see this
+-- transaction, so the pending rows, which carry its id, are the batch of the
+-- tick after it. Producers wait for the table's lock meanwhile; a producer
+-- transaction that wrote something else first is running in the first tick's
+-- snapshot, so its row too lands in a later batch.
+ALTER TABLE outbox.messages ADD COLUMN IF NOT EXISTS txid xid8;
+
+COMMENT ON COLUMN outbox.messages.txid IS
+    'The transaction that wrote the row (pg_current_xact_id()): what places it in a batch.';
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM outbox.ticks) THEN
+        INSERT INTO outbox.ticks (tick_id, snap, ms)
+        VALUES (1, pg_current_snapshot(),
+                floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint);
+    END IF;
+    -- Only the first application fills the column: afterwards every row has it.
+    UPDATE outbox.messages
+       SET txid = CASE WHEN sent_at IS NULL AND failed_at IS NULL
+                       THEN pg_current_xact_id() ELSE '3'::xid8 END
+     WHERE txid IS NULL;
+END
+$$;
+
+ALTER TABLE outbox.messages ALTER COLUMN txid SET DEFAULT pg_current_xact_id();
+ALTER TABLE outbox.messages ALTER COLUMN txid SET NOT NULL;
+
+CREATE INDEX IF NOT EXISTS messages_txid_idx ON outbox.messages (txid, id);
+
+-- The rows of the batch between ticks p_prev and p_next (any two, p_prev
+-- the lower), after (p_after_txid, p_after_id), at most p_limit, in (txid, id)
+-- order: the rows whose transaction p_next sees as committed and p_prev does
+-- not. As pgq.batch_event_sql draws them, in two parts: the transactions that
+-- began after p_prev's snapshot are a range of ids, [xmax of p_prev, xmax of
+-- p_next), filtered by visibility; those that were running at p_prev and
+-- committed by p_next are few, listed. Each part is one ordered walk of
+-- messages_txid_idx, so a chunk costs O(p_limit) however long the table,
+-- and no row of a transaction that is still open, however old, is read. A
+-- plain SQL function, so the planner inlines it into the caller's query.
+CREATE OR REPLACE FUNCTION outbox.batch_rows(p_prev bigint, p_next bigint,
+    p_after_txid xid8, p_after_id bigint, p_limit integer)
+RETURNS SETOF outbox.messages
+LANGUAGE sql
+STABLE
+AS $$
+    SELECT r.* FROM (
+        (SELECT m.* FROM outbox.ticks AS p, outbox.ticks AS n, outbox.messages AS m
+          WHERE p.tick_id = p_prev AND n.tick_id = p_next
+            AND m.txid >= pg_catalog.pg_snapshot_xmax(p.snap)
+            AND m.txid < pg_catalog.pg_snapshot_xmax(n.snap)
+            AND (m.txid, m.id) > (p_after_txid, p_after_id)
+            AND pg_catalog.pg_visible_in_snapshot(m.txid, n.snap)
+          ORDER BY m.txid, m.id LIMIT p_limit)
+        UNION ALL
+        (SELECT m.* FROM outbox.ticks AS p, outbox.ticks AS n, outbox.messages AS m
+          WHERE p.tick_id = p_prev AND n.tick_id = p_next
+            AND m.txid = ANY (ARRAY(SELECT x FROM pg_catalog.pg_snapshot_xip(p.snap) AS x
+                                     WHERE pg_catalog.pg_visible_in_snapshot(x, n.snap)))
+            AND (m.txid, m.id) > (p_after_txid, p_after_id)
+          ORDER BY m.txid, m.id LIMIT p_limit)
+    ) AS r
+    ORDER BY r.txid, r.id
+    LIMIT p_limit
+$$;
+
+COMMENT ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) IS
+    'The rows committed between two ticks, in (txid, id) order, after a (txid, id), at most a limit.';
+
+REVOKE EXECUTE ON FUNCTION outbox.tick(bigint) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) TO outbox_relay;
+GRANT EXECUTE ON FUNCTION outbox.tick(bigint) TO outbox_relay;
+GRANT SELECT ON outbox.ticks TO outbox_relay;
+GRANT SELECT, INSERT, UPDATE ON outbox.stream_positions TO outbox_relay;
+
+INSERT INTO outbox.schema_version (version, name)
+VALUES (16, '016_batches.sql')
+ON CONFLICT (version) DO NOTHING;
+
+COMMIT;

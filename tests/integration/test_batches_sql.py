@@ -1,0 +1,257 @@
+"""Batches from snapshots in SQL (migrations/016_batches.sql), without the relay.
+
+Promises tested:
+- the rows pending when 016 is applied are the batch of the tick after it,
+  each once, in id order; rows sent or quarantined before it are in no batch;
+- outbox.tick() takes a tick only when something committed since the last
+  one, numbers ticks in snapshot order, and gives each a strictly increasing
+  ms of at least min_ms;
+- a transaction open across ticks is in no batch until it commits, holds back
+  none of the transactions that commit after it began, and joins the batch of
+  the first tick after its commit; an aborted one is in none;
+- under concurrent producers and two sessions ticking, every committed row is
+  in exactly one batch, and the batches, read in chunks that resume after the
+  last (txid, id), cover each batch exactly;
+- outbox.batch_rows reads a batch off messages_txid_idx, never a scan of the
+  table;
+- roles: the relay may tick and read ticks, batches and positions; producers
+  may do none of it.
+"""
+
+import os
+import random
+import threading
+import time
+import unittest
+
+import psycopg2
+
+from testkit import harness
+from testkit.harness import scalar
+from testkit.postgres import Postgres
+
+harness.set_deadline(300)
+
+
+def batch(conn, prev, nxt, after=("0", 0), limit=1_000_000):
+    with conn.cursor() as cur:
+        cur.execute("SELECT txid::text, id FROM outbox.batch_rows(%s, %s, %s::xid8, %s, %s)",
+                    (prev, nxt, after[0], after[1], limit))
+        return [(x, i) for x, i in cur.fetchall()]
+
+
+def tick(conn, min_ms=0):
+    return scalar(conn, "SELECT outbox.tick(%s)", (min_ms,))
+
+
+def insert(conn, topic="orders", n=1):
+    with conn.cursor() as cur:
+        cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                    " SELECT %s, '\\x00' FROM generate_series(1, %s) RETURNING id", (topic, n))
+        return [r[0] for r in cur.fetchall()]
+
+
+class UpgradeTest(unittest.TestCase):
+    """016 applied to a database that has rows: pending, sent and quarantined."""
+
+    def test_rows_pending_at_the_upgrade_are_the_next_batch(self):
+        with Postgres(migrations=False) as pg:
+            files = pg.migration_files()
+            before = [f for f in files if os.path.basename(f) < "016"]
+            pg.apply_migrations(before)
+            db = pg.connect()
+            ids = insert(db, n=6)
+            with db.cursor() as cur:
+                cur.execute("UPDATE outbox.messages SET sent_at = now() WHERE id = ANY(%s)",
+                            (ids[:2],))
+                cur.execute("UPDATE outbox.messages SET failed_at = now() WHERE id = %s",
+                            (ids[2],))
+            pg.apply_migrations([f for f in files if f not in before])
+            pg.apply_migrations([f for f in files if f not in before])  # idempotent
+            self.assertEqual(scalar(db, "SELECT count(*) FROM outbox.ticks"), 1)
+            self.assertEqual(tick(db), 2)
+            rows = batch(db, 1, 2)
+            self.assertEqual([i for _, i in rows], ids[3:])
+            self.assertEqual(len({x for x, _ in rows}), 1, "one transaction: the upgrade's")
+            # Nothing else committed: no third tick.
+            self.assertEqual(tick(db), 2)
+            late = insert(db, n=2)
+            self.assertEqual(tick(db), 3)
+            self.assertEqual([i for _, i in batch(db, 2, 3)], late)
+            self.assertEqual([i for _, i in batch(db, 1, 3)], ids[3:] + late)
+            db.close()
+
+
+class BatchSqlTest(harness.PostgresTestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        with cls.db.cursor() as cur:
+            cur.execute("CREATE ROLE producer_login LOGIN IN ROLE outbox_producer;"
+                        "CREATE ROLE relay_login LOGIN IN ROLE outbox_relay")
+
+    def setUp(self):
+        super().setUp()  # outbox.messages emptied
+        with self.db.cursor() as cur:
+            cur.execute("TRUNCATE outbox.ticks, outbox.stream_positions")
+            cur.execute("INSERT INTO outbox.ticks (tick_id, snap, ms)"
+                        " VALUES (1, pg_current_snapshot(), 1)")
+
+    def test_a_tick_only_when_something_committed(self):
+        self.assertEqual(tick(self.db), 1)
+        insert(self.db)
+        self.assertEqual(tick(self.db), 2)
+        self.assertEqual(tick(self.db), 2)
+        # An open transaction's row is not committed: no tick for it.
+        other = self.pg.connect(autocommit=False)
+        try:
+            insert(other)
+            self.assertEqual(tick(self.db), 2)
+            other.commit()
+        finally:
+            other.close()
+        self.assertEqual(tick(self.db), 3)
+
+    def test_ms_strictly_increases_and_honours_min_ms(self):
+        insert(self.db)
+        tick(self.db, min_ms=10**13)  # far in the future: the clock is behind it
+        insert(self.db)
+        tick(self.db)
+        insert(self.db)
+        tick(self.db, min_ms=5)
+        with self.db.cursor() as cur:
+            cur.execute("SELECT ms FROM outbox.ticks ORDER BY tick_id")
+            ms = [r[0] for r in cur.fetchall()]
+        self.assertEqual(ms[1], 10**13)
+        self.assertEqual(ms[2:], [10**13 + 1, 10**13 + 2])
+
+    def test_an_open_transaction_holds_back_no_one_and_joins_the_batch_after_its_commit(self):
+        slow = self.pg.connect(autocommit=False)
+        try:
+            (held,) = insert(slow)  # a lower xid, committed last
+            fast = insert(self.db, n=3)
+            self.assertEqual(tick(self.db), 2)
+            self.assertEqual([i for _, i in batch(self.db, 1, 2)], fast)
+            slow.commit()
+        finally:
+            slow.close()
+        self.assertEqual(tick(self.db), 3)
+        self.assertEqual([i for _, i in batch(self.db, 2, 3)], [held])
+        # Its xid is below the rows of the batch before: order is by commit, then txid.
+        self.assertLess(int(batch(self.db, 2, 3)[0][0]), int(batch(self.db, 1, 2)[0][0]))
+
+    def test_an_aborted_transaction_is_in_no_batch(self):
+        gone = self.pg.connect(autocommit=False)
+        try:
+            insert(gone)
+            kept = insert(self.db)
+            self.assertEqual(tick(self.db), 2)
+            gone.rollback()
+        finally:
+            gone.close()
+        kept += insert(self.db)
+        self.assertEqual(tick(self.db), 3)
+        self.assertEqual([i for _, i in batch(self.db, 1, 3)], kept)
+
+    def test_every_committed_row_in_exactly_one_batch(self):
+        stop = threading.Event()
+        committed, errors = [], []
+        lock = threading.Lock()
+
+        def produce(seed):
+            rng = random.Random(seed)
+            conn = self.pg.connect(autocommit=False)
+            try:
+                while not stop.is_set():
+                    ids = insert(conn, topic=f"t{rng.randrange(3)}", n=rng.randint(1, 5))
+                    if rng.random() < 0.1:
+                        conn.rollback()
+                        continue
+                    if rng.random() < 0.2:
+                        time.sleep(rng.random() * 0.05)  # open across ticks
+                    conn.commit()
+                    with lock:
+                        committed.extend(ids)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+            finally:
+                conn.close()
+
+        def ticker():
+            conn = self.pg.connect()
+            try:
+                while not stop.is_set():
+                    tick(conn)
+                    time.sleep(0.002)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+            finally:
+                conn.close()
+
+        threads = [threading.Thread(target=produce, args=(s,)) for s in range(6)]
+        threads += [threading.Thread(target=ticker) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(3)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        self.assertEqual(errors, [])
+        last = tick(self.db)
+        seen = []
+        for k in range(2, last + 1):
+            whole = batch(self.db, k - 1, k)
+            self.assertEqual(whole, sorted(whole, key=lambda r: (int(r[0]), r[1])))
+            # In chunks of 7, each after the last (txid, id) read.
+            chunks, after = [], ("0", 0)
+            while True:
+                part = batch(self.db, k - 1, k, after, 7)
+                if not part:
+                    break
+                chunks += part
+                after = part[-1]
+            self.assertEqual(chunks, whole)
+            seen += [i for _, i in whole]
+        print(f"{len(committed)} rows committed, {last - 1} batches")
+        self.assertGreater(last, 10)
+        self.assertEqual(len(seen), len(set(seen)), "a row in two batches")
+        self.assertEqual(sorted(seen), sorted(committed))
+
+    def test_a_batch_is_read_off_the_index(self):
+        insert(self.db, n=2000)
+        tick(self.db)
+        insert(self.db, n=10)
+        tick(self.db)
+        with self.db.cursor() as cur:
+            cur.execute("ANALYZE outbox.messages")
+            cur.execute("EXPLAIN SELECT * FROM outbox.batch_rows(2, 3, '0'::xid8, 0, 500)")
+            plan = "\n".join(r[0] for r in cur.fetchall())
+        self.assertIn("messages_txid_idx", plan, plan)
+        self.assertNotIn("Seq Scan on messages", plan, plan)
+
+    def test_roles(self):
+        insert(self.db)
+        relay = self.pg.connect(user="relay_login")
+        producer = self.pg.connect(user="producer_login")
+        try:
+            self.assertEqual(tick(relay), 2)
+            self.assertEqual(len(batch(relay, 1, 2)), 1)
+            with relay.cursor() as cur:
+                cur.execute("INSERT INTO outbox.stream_positions (stream, tick) VALUES ('s', 2)")
+                cur.execute("UPDATE outbox.stream_positions SET tick = 3")
+            for sql in ("SELECT outbox.tick()", "SELECT * FROM outbox.ticks",
+                        "SELECT * FROM outbox.stream_positions"):
+                with self.subTest(sql=sql), self.assertRaises(psycopg2.errors.InsufficientPrivilege):
+                    with producer.cursor() as cur:
+                        cur.execute(sql)
+            with self.assertRaises(psycopg2.errors.InsufficientPrivilege):
+                with relay.cursor() as cur:
+                    cur.execute("DELETE FROM outbox.ticks")
+        finally:
+            relay.close()
+            producer.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
