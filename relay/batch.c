@@ -622,6 +622,112 @@ int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t 
     return 0;
 }
 
+size_t relay_batch_entry_id(uint64_t ms, uint64_t seq, char out[RELAY_ENTRY_ID_MAX])
+{
+    char *p = put_uint(out, ms);
+    *p++ = '-';
+    p = put_uint(p, seq);
+    *p = '\0';
+    return (size_t)(p - out);
+}
+
+static int parse_u64(const char *s, size_t len, uint64_t *v)
+{
+    if (len == 0 || len > 20)
+        return -1;
+    uint64_t x = 0;
+    for (size_t i = 0; i < len; i++) {
+        if (s[i] < '0' || s[i] > '9')
+            return -1;
+        unsigned d = (unsigned)(s[i] - '0');
+        if (x > (UINT64_MAX - d) / 10)
+            return -1;
+        x = x * 10 + d;
+    }
+    *v = x;
+    return 0;
+}
+
+int relay_batch_parse_entry_id(const char *s, size_t len, uint64_t *ms, uint64_t *seq)
+{
+    const char *dash = memchr(s, '-', len);
+    if (dash == NULL)
+        return -1;
+    size_t ms_len = (size_t)(dash - s);
+    return parse_u64(s, ms_len, ms) == 0 && parse_u64(dash + 1, len - ms_len - 1, seq) == 0 ? 0
+                                                                                            : -1;
+}
+
+static const char multi_cmd[] = "*1\r\n$5\r\nMULTI\r\n";
+static const char exec_cmd[] = "*1\r\n$4\r\nEXEC\r\n";
+
+int relay_batch_append_xadd_call(const struct relay_row *const *rows, size_t n,
+                                 const char *stream_prefix, uint32_t max_payload_bytes, uint64_t ms,
+                                 struct outbox_buf *out)
+{
+    if (n == 0)
+        return -1;
+    if (stream_prefix == NULL)
+        stream_prefix = "";
+    size_t prefix_len = strlen(stream_prefix);
+    const struct relay_row *lead = rows[0];
+    char suffix[OUTBOX_PARTITION_SUFFIX_LEN];
+    size_t suffix_len = partition_suffix(lead, suffix);
+    size_t stream_len = prefix_len + lead->topic_len + suffix_len;
+
+    /* Sized from each row's check; each entry is checked again, and its size
+     * compared, before it is written. A row's call_bytes counts its fields'
+     * count as a bulk string (the publish function's form), which XADD does
+     * not send: it is taken off again. */
+    size_t need = sizeof(multi_cmd) - 1 + sizeof(exec_cmd) - 1;
+    for (size_t i = 0; i < n; i++) {
+        const struct relay_row *r = rows[i];
+        if (r->call_bytes == 0 || !relay_batch_same_stream(r, lead))
+            return -1;
+        char id[RELAY_ENTRY_ID_MAX];
+        size_t id_len = relay_batch_entry_id(ms, r->seq, id);
+        size_t fields = r->call_bytes - bulk_size(count_digits(r->call_fields));
+        need += 1 + count_digits(3 + r->call_fields) + 2 + bulk_size(4) + bulk_size(stream_len) +
+                bulk_size(id_len) + fields;
+    }
+    if (respbuf_reserve(out, need) != 0)
+        return OUTBOX_BUF_FULL;
+
+    char *p = PUT_LIT(out->data + out->len, multi_cmd);
+    for (size_t i = 0; i < n; i++) {
+        struct row_headers h;
+        size_t nfields = 0, outbox_id_len;
+        char outbox_id[24], err[8], id[RELAY_ENTRY_ID_MAX];
+        enum relay_row_fault fault;
+        enum relay_row_cause cause;
+        if (row_entry(rows[i], prefix_len, max_payload_bytes, &h, &nfields, outbox_id,
+                      &outbox_id_len, err, sizeof(err), &fault, &cause) != rows[i]->call_bytes ||
+            nfields != rows[i]->call_fields)
+            return -1;
+        size_t id_len = relay_batch_entry_id(ms, rows[i]->seq, id);
+        p = put_array(p, 3 + nfields);
+        p = PUT_LIT(p, "$4\r\nXADD\r\n");
+        p = put_stream(p, stream_prefix, prefix_len, lead, suffix, suffix_len, stream_len);
+        p = put_bulk(p, id, id_len);
+        p = put_fields(p, rows[i], &h, outbox_id, outbox_id_len);
+    }
+    p = PUT_LIT(p, exec_cmd);
+    *p = '\0'; /* outbox_buf keeps data NUL-terminated */
+    out->len = (size_t)(p - out->data);
+    return 0;
+}
+
+int relay_batch_xadd_present(const char *err, size_t len)
+{
+    /* Redis 7 and Valkey 8: "ERR The ID specified in XADD is equal or
+     * smaller than the target stream top item". */
+    static const char said[] = "equal or smaller than the target stream top item";
+    for (size_t i = 0; i + sizeof(said) - 1 <= len; i++)
+        if (memcmp(err + i, said, sizeof(said) - 1) == 0)
+            return 1;
+    return 0;
+}
+
 /* Rows of one stream: one topic, one partition. */
 int relay_batch_same_stream(const struct relay_row *a, const struct relay_row *b)
 {

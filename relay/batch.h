@@ -99,6 +99,12 @@ struct relay_row {
     size_t call_bytes;
     uint32_t call_fields;
 
+    /* Its rank among the rows of its stream in its batch, counting those
+     * that were not published: with its tick's ms, its entry id
+     * (relay_batch_entry_id), the same for every relay and after any crash
+     * (docs/DESIGN.md, "Batches from snapshots"). */
+    uint64_t seq;
+
     /* Outcome of this cycle. */
     int state;                  /* enum relay_row_state */
     enum relay_row_fault fault; /* when state is RELAY_ROW_FAILED */
@@ -210,6 +216,38 @@ int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t 
                                     uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
                                     uint64_t not_after_ms, struct outbox_buf *out)
     __attribute__((warn_unused_result));
+
+/*
+ * A row's entry id, "<ms>-<seq>", into out: its length. ms is its tick's
+ * (outbox.ticks.ms), seq its rank (relay_row.seq).
+ */
+#define RELAY_ENTRY_ID_MAX 42
+size_t relay_batch_entry_id(uint64_t ms, uint64_t seq, char out[RELAY_ENTRY_ID_MAX]);
+
+/* Reads an entry id "<ms>-<seq>" (both parts decimal, 64-bit): 0, or -1 when
+ * s is not one. */
+int relay_batch_parse_entry_id(const char *s, size_t len, uint64_t *ms, uint64_t *seq)
+    __attribute__((warn_unused_result));
+
+/*
+ * Appends to out the publish of rows[0..n), n >= 1 rows of one stream in
+ * rank order, each checked by relay_batch_check_publish since it last
+ * changed: MULTI, then per row "XADD <stream> <ms>-<seq> <fields>", then
+ * EXEC, three or more commands that go to the stream's node together. A row
+ * whose id is not above the stream's last entry is refused by its XADD
+ * (relay_batch_xadd_present) and so never appended twice; a command that
+ * cannot be queued (memory full, a slot that moved) aborts the EXEC, so none
+ * of the rows lands behind a missing one. Returns 0 when appended
+ * (out->data[old len .. out->len)), OUTBOX_BUF_FULL, or -1 when a row fails
+ * its check or is of another stream; in both cases out is unchanged.
+ */
+int relay_batch_append_xadd_call(const struct relay_row *const *rows, size_t n,
+                                 const char *stream_prefix, uint32_t max_payload_bytes, uint64_t ms,
+                                 struct outbox_buf *out) __attribute__((warn_unused_result));
+
+/* 1 when err, an XADD's error reply, says that the id is not above the
+ * stream's last: the entry, or a later one, is there already. */
+int relay_batch_xadd_present(const char *err, size_t len);
 
 /*
  * Appends to out the next "FCALL retire <n> <dedup key>... <ttl_ms>" that

@@ -1033,6 +1033,173 @@ static void check_publish_same(const struct relay_row *row, const char *prefix,
     redisFreeCommand(want);
 }
 
+/* MULTI, one "XADD <stream> <ms>-<seq> <fields>" per row, EXEC: the bytes
+ * hiredis makes of each argv, the fields being those of the one-row publish
+ * (relay_batch_build_publish puts them after its 7 fixed arguments). */
+static char *hiredis_xadd_call(const struct relay_row *const *rows, size_t n, const char *prefix,
+                               uint64_t ms, size_t *len)
+{
+    static struct relay_publish_cmd cmd;
+    static char all[1 << 20];
+    const char *argv[RELAY_PUBLISH_ARGV_MAX];
+    size_t argvlen[RELAY_PUBLISH_ARGV_MAX];
+    char err[512], id[64];
+    size_t off = 0;
+    char *one = NULL;
+    int l = redisFormatCommand(&one, "MULTI");
+    memcpy(all + off, one, (size_t)l);
+    off += (size_t)l;
+    redisFreeCommand(one);
+    for (size_t i = 0; i < n; i++) {
+        struct relay_row row = *rows[i];
+        row.after = NULL;
+        assert_int_equal(
+            relay_batch_build_publish(&row, prefix, 1 << 16, 1, 2, &cmd, err, sizeof(err)), 0);
+        int argc = 0;
+        argv[argc] = "XADD";
+        argvlen[argc++] = 4;
+        argv[argc] = cmd.argv[3];
+        argvlen[argc++] = cmd.argvlen[3];
+        argvlen[argc] = (size_t)snprintf(id, sizeof(id), "%llu-%llu", (unsigned long long)ms,
+                                         (unsigned long long)rows[i]->seq);
+        argv[argc++] = id;
+        for (int k = 7; k < cmd.argc; k++) {
+            argv[argc] = cmd.argv[k];
+            argvlen[argc++] = cmd.argvlen[k];
+        }
+        l = redisFormatCommandArgv(&one, argc, argv, argvlen);
+        assert_true(l > 0 && off + (size_t)l < sizeof(all));
+        memcpy(all + off, one, (size_t)l);
+        off += (size_t)l;
+        redisFreeCommand(one);
+    }
+    l = redisFormatCommand(&one, "EXEC");
+    memcpy(all + off, one, (size_t)l);
+    off += (size_t)l;
+    redisFreeCommand(one);
+    *len = off;
+    return all;
+}
+
+static void test_append_xadd_call_matches_hiredis(void **state)
+{
+    (void)state;
+    struct outbox_buf buf;
+    memset(&buf, 0, sizeof(buf));
+    static struct relay_row rows[RELAY_CALL_ROWS];
+    static char mids[RELAY_CALL_ROWS][40];
+    static char payload[4096];
+    memset(payload, 'p', sizeof(payload));
+    const struct relay_row *call[RELAY_CALL_ROWS];
+    char nbuf[256], vbuf[256];
+    const char *names[] = {"content-type", "trace"};
+    const char *values[] = {"application/json", ""};
+    for (size_t i = 0; i < RELAY_CALL_ROWS; i++) {
+        rows[i] = make_row("orders", payload, (i * 97) % sizeof(payload));
+        snprintf(mids[i], sizeof(mids[i]), "00000000-0000-0000-0000-%012zu", i);
+        rows[i].message_id = mids[i];
+        rows[i].message_id_len = strlen(mids[i]);
+        rows[i].id = (int64_t)(1000 * i + 9);
+        /* Ranks with gaps (a quarantined row keeps its rank) and of every width. */
+        rows[i].seq = i * i * 1000003ull + (i == RELAY_CALL_ROWS - 1 ? UINT64_MAX / 2 : 0);
+        if (i % 3 == 1) {
+            rows[i].key = "customer-7";
+            rows[i].key_len = 10;
+        }
+        if (i % 4 == 2) {
+            rows[i].headers_type = "object";
+            rows[i].header_names = nbuf;
+            rows[i].header_names_len = encode_array(nbuf, names, 2);
+            rows[i].header_values = vbuf;
+            rows[i].header_values_len = encode_array(vbuf, values, 2);
+        }
+        call[i] = &rows[i];
+    }
+    static const size_t counts[] = {1, 2, 9, 10, RELAY_CALL_ROWS};
+    static const char *const prefixes[] = {"", "app:", NULL};
+    static const uint64_t times[] = {1, 1796040000000ull, UINT64_MAX};
+    for (size_t c = 0; c < OUTBOX_ARRAY_LEN(counts); c++) {
+        for (size_t k = 0; k < OUTBOX_ARRAY_LEN(prefixes); k++) {
+            uint64_t ms = times[(c + k) % OUTBOX_ARRAY_LEN(times)];
+            size_t len;
+            const char *want = hiredis_xadd_call(call, counts[c], prefixes[k], ms, &len);
+            size_t before = buf.len;
+            assert_int_equal(
+                relay_batch_append_xadd_call(checked_copies(call, counts[c], prefixes[k], 1 << 16),
+                                             counts[c], prefixes[k], 1 << 16, ms, &buf),
+                0);
+            assert_int_equal(buf.len - before, len);
+            assert_memory_equal(buf.data + before, want, len);
+            assert_int_equal(buf.data[buf.len], '\0');
+        }
+    }
+    /* A partition's stream. */
+    for (size_t i = 0; i < 5; i++) {
+        rows[i].partitions = 16;
+        rows[i].partition = 15;
+    }
+    size_t len, before = buf.len;
+    const char *want = hiredis_xadd_call(call, 5, "p.", 7, &len);
+    assert_int_equal(relay_batch_append_xadd_call(checked_copies(call, 5, "p.", 1 << 16), 5, "p.",
+                                                  1 << 16, 7, &buf),
+                     0);
+    assert_int_equal(buf.len - before, len);
+    assert_memory_equal(buf.data + before, want, len);
+
+    /* A row of another stream, one not checked, none: nothing is appended. */
+    before = buf.len;
+    const struct relay_row *const *checked = checked_copies(call, 7, "", 1 << 16);
+    struct relay_row other = *checked[3];
+    other.partition = 14;
+    const struct relay_row *mixed[7];
+    memcpy(mixed, checked, sizeof(mixed));
+    mixed[3] = &other;
+    assert_int_equal(relay_batch_append_xadd_call(mixed, 7, "", 1 << 16, 7, &buf), -1);
+    rows[6].call_bytes = 0;
+    assert_int_equal(relay_batch_append_xadd_call(call, 7, "", 1 << 16, 7, &buf), -1);
+    assert_int_equal(relay_batch_append_xadd_call(call, 0, "", 1 << 16, 7, &buf), -1);
+    assert_int_equal(buf.len, before);
+    outbox_buf_free(&buf);
+}
+
+static void test_entry_ids(void **state)
+{
+    (void)state;
+    char id[RELAY_ENTRY_ID_MAX];
+    assert_int_equal(relay_batch_entry_id(1796040000000ull, 0, id), 15);
+    assert_string_equal(id, "1796040000000-0");
+    assert_int_equal(relay_batch_entry_id(UINT64_MAX, UINT64_MAX, id), 41);
+    assert_string_equal(id, "18446744073709551615-18446744073709551615");
+    uint64_t ms = 0, seq = 0;
+    assert_int_equal(relay_batch_parse_entry_id(id, strlen(id), &ms, &seq), 0);
+    assert_true(ms == UINT64_MAX && seq == UINT64_MAX);
+    assert_int_equal(relay_batch_parse_entry_id("12-3", 4, &ms, &seq), 0);
+    assert_true(ms == 12 && seq == 3);
+    static const char *const bad[] = {"",
+                                      "-",
+                                      "12",
+                                      "12-",
+                                      "-3",
+                                      "1a-2",
+                                      "1-2-3",
+                                      "1 -2",
+                                      "18446744073709551616-0",
+                                      "0-18446744073709551616"};
+    for (size_t i = 0; i < OUTBOX_ARRAY_LEN(bad); i++)
+        assert_int_equal(relay_batch_parse_entry_id(bad[i], strlen(bad[i]), &ms, &seq), -1);
+    /* Only the length given is read. */
+    assert_int_equal(relay_batch_parse_entry_id("5-67", 3, &ms, &seq), 0);
+    assert_true(ms == 5 && seq == 6);
+
+    static const char top[] = "ERR The ID specified in XADD is equal or smaller than the target "
+                              "stream top item";
+    assert_int_equal(relay_batch_xadd_present(top, strlen(top)), 1);
+    static const char wrongtype[] =
+        "WRONGTYPE Operation against a key holding the wrong kind of value";
+    assert_int_equal(relay_batch_xadd_present(wrongtype, strlen(wrongtype)), 0);
+    assert_int_equal(relay_batch_xadd_present(top, 20), 0);
+}
+
 static void test_append_publish_call_matches_hiredis(void **state)
 {
     (void)state;
@@ -1761,6 +1928,8 @@ int main(void)
         cmocka_unit_test(test_finish_sql_survives_unquotable_error),
         cmocka_unit_test(test_append_publish_matches_hiredis),
         cmocka_unit_test(test_append_publish_call_matches_hiredis),
+        cmocka_unit_test(test_append_xadd_call_matches_hiredis),
+        cmocka_unit_test(test_entry_ids),
         cmocka_unit_test(test_append_publish_refuses_what_build_refuses),
         cmocka_unit_test(test_append_retire_matches_hiredis),
         cmocka_unit_test(test_respbuf_caps_and_reuse),
