@@ -1,0 +1,160 @@
+/*
+ * Each stream's place in the publish order (relay/cursors.h).
+ */
+#include "common/compat.h"
+
+#include "relay/cursors.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "relay/batch.h"
+
+void relay_cursors_init(struct relay_cursors *c)
+{
+    memset(c, 0, sizeof(*c));
+}
+
+void relay_cursors_free(struct relay_cursors *c)
+{
+    free(c->slots);
+    memset(c, 0, sizeof(*c));
+}
+
+/* FNV-1a 64 over the topic, then the partition of a partitioned topic. */
+static uint64_t stream_hash(const struct relay_row *row)
+{
+    uint64_t h = 14695981039346656037ull;
+    for (size_t k = 0; k < row->topic_len; k++)
+        h = (h ^ (unsigned char)row->topic[k]) * 1099511628211ull;
+    if (row->partitions > 1)
+        h = (h ^ (uint64_t)(row->partition + 1)) * 1099511628211ull;
+    return h;
+}
+
+static int same_stream(const struct relay_cursor *cur, const struct relay_row *row)
+{
+    return strlen(cur->topic) == row->topic_len &&
+           memcmp(cur->topic, row->topic, row->topic_len) == 0 &&
+           cur->partitioned == (row->partitions > 1) &&
+           (row->partitions <= 1 || cur->partition == row->partition);
+}
+
+static size_t slot_of(const struct relay_cursors *c, const struct relay_cursor *cur)
+{
+    struct relay_row row;
+    memset(&row, 0, sizeof(row));
+    row.topic = cur->topic;
+    row.topic_len = strlen(cur->topic);
+    row.partitions = cur->partitioned ? 2 : 1;
+    row.partition = cur->partition;
+    return (size_t)stream_hash(&row) & c->mask;
+}
+
+/* Doubles the table (or makes the first one), keeping every cursor. */
+static int grow(struct relay_cursors *c)
+{
+    size_t size = c->slots != NULL ? 2 * (c->mask + 1) : 64;
+    struct relay_cursor *slots = calloc(size, sizeof(*slots));
+    if (slots == NULL)
+        return -1;
+    struct relay_cursors next = {slots, size - 1, c->n};
+    for (size_t i = 0; c->slots != NULL && i <= c->mask; i++) {
+        if (c->slots[i].topic[0] == '\0')
+            continue;
+        size_t at = slot_of(&next, &c->slots[i]);
+        while (slots[at].topic[0] != '\0')
+            at = (at + 1) & next.mask;
+        slots[at] = c->slots[i];
+    }
+    free(c->slots);
+    *c = next;
+    return 0;
+}
+
+struct relay_cursor *relay_cursors_get(struct relay_cursors *c, const struct relay_row *row)
+{
+    if (row->topic_len == 0 || row->topic_len > OUTBOX_TOPIC_MAX)
+        return NULL;
+    uint64_t hash = stream_hash(row);
+    if (c->slots != NULL) {
+        for (size_t at = (size_t)hash & c->mask; c->slots[at].topic[0] != '\0';
+             at = (at + 1) & c->mask)
+            if (same_stream(&c->slots[at], row))
+                return &c->slots[at];
+    }
+    if ((c->n + 1) * 2 > (c->slots != NULL ? c->mask + 1 : 0) && grow(c) != 0)
+        return NULL;
+    size_t at = (size_t)hash & c->mask;
+    while (c->slots[at].topic[0] != '\0')
+        at = (at + 1) & c->mask;
+    struct relay_cursor *cur = &c->slots[at];
+    memset(cur, 0, sizeof(*cur));
+    memcpy(cur->topic, row->topic, row->topic_len);
+    cur->topic[row->topic_len] = '\0';
+    cur->partitioned = row->partitions > 1;
+    cur->partition = row->partitions > 1 ? row->partition : 0;
+    c->n++;
+    return cur;
+}
+
+uint64_t relay_cursor_rank(struct relay_cursor *cur, uint64_t tick)
+{
+    if (cur->tick != tick) {
+        cur->tick = tick;
+        cur->next_seq = 0;
+    }
+    return cur->next_seq++;
+}
+
+int relay_cursor_present(const struct relay_cursor *cur, uint64_t ms, uint64_t seq)
+{
+    return cur->top_known && (ms < cur->top_ms || (ms == cur->top_ms && seq <= cur->top_seq));
+}
+
+void relay_cursor_appended(struct relay_cursor *cur, uint64_t ms, uint64_t seq)
+{
+    if (!cur->top_known || ms > cur->top_ms || (ms == cur->top_ms && seq > cur->top_seq))
+        relay_cursor_set_top(cur, ms, seq);
+}
+
+void relay_cursor_set_top(struct relay_cursor *cur, uint64_t ms, uint64_t seq)
+{
+    cur->top_known = 1;
+    cur->top_ms = ms;
+    cur->top_seq = seq;
+}
+
+void relay_cursor_forget(struct relay_cursor *cur)
+{
+    cur->top_known = 0;
+}
+
+void relay_cursors_trim(struct relay_cursors *c, uint64_t tick)
+{
+    if (c->n <= RELAY_CURSORS_MAX)
+        return;
+    struct relay_cursors kept = {c->slots, c->mask, 0};
+    struct relay_cursor *old = c->slots;
+    size_t size = c->mask + 1;
+    kept.slots = calloc(size, sizeof(*kept.slots));
+    if (kept.slots == NULL)
+        return; /* kept as it is: trimmed at the next batch's end */
+    for (size_t i = 0; i < size; i++) {
+        if (old[i].topic[0] == '\0' || old[i].tick != tick)
+            continue;
+        size_t at = slot_of(&kept, &old[i]);
+        while (kept.slots[at].topic[0] != '\0')
+            at = (at + 1) & kept.mask;
+        kept.slots[at] = old[i];
+        kept.n++;
+    }
+    free(old);
+    *c = kept;
+}
+
+void relay_cursors_forget_all(struct relay_cursors *c)
+{
+    for (size_t i = 0; c->slots != NULL && i <= c->mask; i++)
+        c->slots[i].top_known = 0;
+}

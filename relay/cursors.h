@@ -1,0 +1,81 @@
+/*
+ * Each stream's place in the publish order, as the relay knows it
+ * (docs/DESIGN.md, "Batches from snapshots"): the rank the stream's next row
+ * takes in the batch being read, and the stream's last entry id in Redis as
+ * last read or written. A row's entry id is "<tick ms>-<rank>", so the rank
+ * counts every row of the stream in the batch, published or not, and the
+ * count goes on from chunk to chunk of one batch. A row whose id is at or
+ * below the stream's last id is in Redis already and is not sent again.
+ *
+ * Pure: no I/O. A stream is named by its topic and partition (the stream
+ * prefix is the same for all); the table grows with the streams met, and
+ * between batches past RELAY_CURSORS_MAX it keeps only the last batch's
+ * (relay_cursors_trim: topics come and go), which costs only reads of the
+ * dropped streams' last ids again. A stream's rank is never lost in the
+ * middle of its batch.
+ */
+#ifndef RELAY_CURSORS_H
+#define RELAY_CURSORS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/common.h"
+
+struct relay_row;
+
+#define RELAY_CURSORS_MAX 65536
+
+struct relay_cursor {
+    char topic[OUTBOX_TOPIC_MAX + 1]; /* "" for an empty slot */
+    uint32_t partition;               /* in a partitioned topic, else 0 */
+    uint32_t partitioned;             /* partitions > 1 */
+    uint64_t tick;                    /* the batch next_seq counts in */
+    uint64_t next_seq;                /* the rank of the stream's next row in it */
+    int top_known;                    /* top_ms/top_seq read or written since forgotten */
+    uint64_t top_ms, top_seq;         /* the stream's last entry id in Redis */
+    int in_flight;                    /* a call of the stream awaits its reply */
+};
+
+struct relay_cursors {
+    struct relay_cursor *slots;
+    size_t mask; /* the table's size less one; a power of two, or 0 before the first */
+    size_t n;
+};
+
+void relay_cursors_init(struct relay_cursors *c);
+void relay_cursors_free(struct relay_cursors *c);
+
+/* The cursor of row's stream, made when new; NULL out of memory. A pointer
+ * is valid until the next relay_cursors_get of a stream not met before. */
+struct relay_cursor *relay_cursors_get(struct relay_cursors *c, const struct relay_row *row);
+
+/* The rank of the stream's next row in the batch of tick: 0 for the first of
+ * the batch, then 1, 2, ... */
+uint64_t relay_cursor_rank(struct relay_cursor *cur, uint64_t tick);
+
+/* 1 when the entry id (ms, seq) is at or below the stream's last known id:
+ * the row is in Redis already. 0 when above it or when the last id is not
+ * known. */
+int relay_cursor_present(const struct relay_cursor *cur, uint64_t ms, uint64_t seq);
+
+/* The stream's last id is (ms, seq), as Redis said (XINFO STREAM) or as an
+ * XADD answered: it never moves back here except through
+ * relay_cursor_set_top, which a read of the stream calls. */
+void relay_cursor_appended(struct relay_cursor *cur, uint64_t ms, uint64_t seq);
+void relay_cursor_set_top(struct relay_cursor *cur, uint64_t ms, uint64_t seq);
+
+/* Forgets the stream's last id (a call failed, Redis reconnected): the next
+ * publish reads it again. */
+void relay_cursor_forget(struct relay_cursor *cur);
+
+/* Between batches, past RELAY_CURSORS_MAX streams: keeps only the streams
+ * of the batch of tick (those ranked in it), so that the table holds at most
+ * the streams of one batch more than the limit. A stream dropped only has its
+ * last id read again when it is next met. */
+void relay_cursors_trim(struct relay_cursors *c, uint64_t tick);
+
+/* Forgets every stream's last id. */
+void relay_cursors_forget_all(struct relay_cursors *c);
+
+#endif
