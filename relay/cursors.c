@@ -83,7 +83,9 @@ struct relay_cursor *relay_cursors_get(struct relay_cursors *c, const struct rel
             if (same_stream(&c->slots[at], row))
                 return &c->slots[at];
     }
-    if ((c->n + 1) * 2 > (c->slots != NULL ? c->mask + 1 : 0) && grow(c) != 0)
+    if ((c->slots == NULL || (c->n + 1) * 2 > c->mask + 1) && grow(c) != 0)
+        return NULL;
+    if (c->slots == NULL)
         return NULL;
     size_t at = (size_t)hash & c->mask;
     while (c->slots[at].topic[0] != '\0')
