@@ -663,7 +663,7 @@ static const char exec_cmd[] = "*1\r\n$4\r\nEXEC\r\n";
 
 int relay_batch_append_xadd_call(const struct relay_row *const *rows, size_t n,
                                  const char *stream_prefix, uint32_t max_payload_bytes, uint64_t ms,
-                                 struct outbox_buf *out)
+                                 struct outbox_buf *out, size_t *ends)
 {
     if (n == 0)
         return -1;
@@ -693,7 +693,9 @@ int relay_batch_append_xadd_call(const struct relay_row *const *rows, size_t n,
     if (respbuf_reserve(out, need) != 0)
         return OUTBOX_BUF_FULL;
 
-    char *p = PUT_LIT(out->data + out->len, multi_cmd);
+    char *const start = out->data + out->len;
+    char *p = PUT_LIT(start, multi_cmd);
+    ends[0] = (size_t)(p - start);
     for (size_t i = 0; i < n; i++) {
         struct row_headers h;
         size_t nfields = 0, outbox_id_len;
@@ -710,8 +712,10 @@ int relay_batch_append_xadd_call(const struct relay_row *const *rows, size_t n,
         p = put_stream(p, stream_prefix, prefix_len, lead, suffix, suffix_len, stream_len);
         p = put_bulk(p, id, id_len);
         p = put_fields(p, rows[i], &h, outbox_id, outbox_id_len);
+        ends[i + 1] = (size_t)(p - start);
     }
     p = PUT_LIT(p, exec_cmd);
+    ends[n + 1] = (size_t)(p - start);
     *p = '\0'; /* outbox_buf keeps data NUL-terminated */
     out->len = (size_t)(p - out->data);
     return 0;

@@ -237,13 +237,16 @@ int relay_batch_parse_entry_id(const char *s, size_t len, uint64_t *ms, uint64_t
  * whose id is not above the stream's last entry is refused by its XADD
  * (relay_batch_xadd_present) and so never appended twice; a command that
  * cannot be queued (memory full, a slot that moved) aborts the EXEC, so none
- * of the rows lands behind a missing one. Returns 0 when appended
- * (out->data[old len .. out->len)), OUTBOX_BUF_FULL, or -1 when a row fails
- * its check or is of another stream; in both cases out is unchanged.
+ * of the rows lands behind a missing one. ends, room for n + 2, receives
+ * where each command ends, counted from the call's first byte
+ * (relay_sink_transaction). Returns 0 when appended (out->data[old len ..
+ * out->len)), OUTBOX_BUF_FULL, or -1 when a row fails its check or is of
+ * another stream; in both cases out is unchanged.
  */
 int relay_batch_append_xadd_call(const struct relay_row *const *rows, size_t n,
                                  const char *stream_prefix, uint32_t max_payload_bytes, uint64_t ms,
-                                 struct outbox_buf *out) __attribute__((warn_unused_result));
+                                 struct outbox_buf *out, size_t *ends)
+    __attribute__((warn_unused_result));
 
 /* 1 when err, an XADD's error reply, says that the id is not above the
  * stream's last: the entry, or a later one, is there already. */

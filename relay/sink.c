@@ -461,6 +461,121 @@ int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, rela
     return 0;
 }
 
+/*
+ * A transaction in flight: every command has a callback (hiredis queues one
+ * per command), the parts' only noting the first error a command got while
+ * queued; the last callback to run answers and frees it.
+ */
+struct sink_tx {
+    struct relay_sink *s;
+    relay_sink_reply_fn *cb;
+    void *arg;
+    size_t queued, answered; /* callbacks queued, and run, in this round */
+    int exec_queued;         /* the round's EXEC was queued */
+    int redirected;          /* sent again behind ASKING */
+    int answered_cb;         /* cb has run */
+    char error[256];         /* the first error of a command while queued */
+    size_t error_len;
+    size_t n, len;
+    size_t *ends; /* n of them, after the struct */
+    char *cmd;    /* len bytes, after ends */
+};
+
+static void on_tx_reply(redisAsyncContext *ac, void *reply, void *privdata);
+
+/* Queues the transaction's commands on ac, ASKING first when asking:
+ * returns how many callbacks were queued. */
+static size_t tx_queue(struct sink_tx *t, redisAsyncContext *ac, int asking)
+{
+    static const char *asking_argv[1] = {"ASKING"};
+    static const size_t asking_len[1] = {6};
+    t->queued = t->answered = 0;
+    t->exec_queued = 0;
+    t->error_len = 0;
+    if (asking && redisAsyncCommandArgv(ac, NULL, NULL, 1, asking_argv, asking_len) != REDIS_OK)
+        return 0;
+    size_t start = 0;
+    for (size_t i = 0; i < t->n; i++) {
+        if (redisAsyncFormattedCommand(ac, on_tx_reply, t, t->cmd + start, t->ends[i] - start) !=
+            REDIS_OK)
+            break;
+        t->queued++;
+        t->exec_queued = i + 1 == t->n;
+        start = t->ends[i];
+    }
+    return t->queued;
+}
+
+static void tx_answer(struct sink_tx *t, redisAsyncContext *ac, void *exec)
+{
+    if (t->answered_cb)
+        return;
+    t->answered_cb = 1;
+    if (exec != NULL && t->error_len > 0) {
+        /* EXECABORT says only that something was refused: say what. */
+        redisReply e = {.type = REDIS_REPLY_ERROR, .str = t->error, .len = t->error_len};
+        t->cb(ac, &e, t->arg);
+    } else {
+        t->cb(ac, exec, t->arg);
+    }
+}
+
+static void on_tx_reply(redisAsyncContext *ac, void *reply, void *privdata)
+{
+    struct sink_tx *t = privdata;
+    const redisReply *r = reply;
+    t->answered++;
+    int last = t->answered == t->queued;
+    if (!last) {
+        if (r != NULL && r->type == REDIS_REPLY_ERROR && t->error_len == 0) {
+            t->error_len = r->len < sizeof(t->error) - 1 ? r->len : sizeof(t->error) - 1;
+            memcpy(t->error, r->str, t->error_len);
+            t->error[t->error_len] = '\0';
+        }
+        return;
+    }
+    /* The round's last callback: EXEC's, or a part's when EXEC could not be
+     * queued (the connection is going: its reply is NULL then). */
+    struct relay_sink *s = t->s;
+    if (r != NULL && t->exec_queued && s->cluster && !t->redirected && t->error_len > 4 &&
+        memcmp(t->error, "ASK ", 4) == 0 && s->state == SINK_READY) {
+        struct sink_node *target = ask_target(s, t->error, t->error_len);
+        if (target != NULL) {
+            t->redirected = 1;
+            s->asks_followed++;
+            if (tx_queue(t, target->ac, 1) > 0)
+                return;
+        }
+    }
+    tx_answer(t, ac, t->exec_queued ? reply : NULL);
+    free(t);
+}
+
+int relay_sink_transaction(struct relay_sink *s, const char *cmds, const size_t *ends, size_t n,
+                           relay_sink_reply_fn *cb, void *arg)
+{
+    if (s->state != SINK_READY || n < 3 || cmds[0] != '*')
+        return -1;
+    size_t len = ends[n - 1];
+    struct sink_node *node = route(s, cmds + ends[0], ends[1] - ends[0]);
+    if (node->ac == NULL)
+        return -1;
+    struct sink_tx *t = malloc(sizeof(*t) + n * sizeof(size_t) + len);
+    if (t == NULL)
+        return -1;
+    *t = (struct sink_tx){.s = s, .cb = cb, .arg = arg, .n = n, .len = len};
+    t->ends = (size_t *)(void *)(t + 1);
+    t->cmd = (char *)(t->ends + n);
+    memcpy(t->ends, ends, n * sizeof(size_t));
+    memcpy(t->cmd, cmds, len);
+    if (tx_queue(t, node->ac, 0) == 0) {
+        free(t);
+        return -1;
+    }
+    s->written |= 1u << (node - s->nodes);
+    return 0;
+}
+
 uint64_t relay_sink_asks_followed(const struct relay_sink *s)
 {
     return s->asks_followed;

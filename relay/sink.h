@@ -59,6 +59,20 @@ int relay_sink_ready(const struct relay_sink *s);
 int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, relay_sink_reply_fn *cb,
                          void *arg) __attribute__((warn_unused_result));
 
+/*
+ * Queues a transaction already in the Redis protocol: cmds[0 .. ends[n-1]),
+ * n >= 3 commands, MULTI first and EXEC last (relay_batch_append_xadd_call),
+ * command i ending at ends[i]. It goes to the node of its second command's
+ * key (in a cluster), and cb runs once, with EXEC's reply, or, when a
+ * command was refused while queued (memory full, MOVED, ASK), with that
+ * command's error in place of EXEC's EXECABORT, or NULL when the connection
+ * failed. In a cluster an ASK is followed: the whole transaction goes again
+ * to the importing primary behind an ASKING, which holds through MULTI. 0, or
+ * -1 when not ready or when nothing could be queued.
+ */
+int relay_sink_transaction(struct relay_sink *s, const char *cmds, const size_t *ends, size_t n,
+                           relay_sink_reply_fn *cb, void *arg) __attribute__((warn_unused_result));
+
 /* How many ASK replies (a slot in migration) the sink followed with ASKING. */
 uint64_t relay_sink_asks_followed(const struct relay_sink *s);
 

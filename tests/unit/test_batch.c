@@ -1123,14 +1123,22 @@ static void test_append_xadd_call_matches_hiredis(void **state)
             uint64_t ms = times[(c + k) % OUTBOX_ARRAY_LEN(times)];
             size_t len;
             const char *want = hiredis_xadd_call(call, counts[c], prefixes[k], ms, &len);
-            size_t before = buf.len;
+            size_t before = buf.len, ends[RELAY_CALL_ROWS + 2];
             assert_int_equal(
                 relay_batch_append_xadd_call(checked_copies(call, counts[c], prefixes[k], 1 << 16),
-                                             counts[c], prefixes[k], 1 << 16, ms, &buf),
+                                             counts[c], prefixes[k], 1 << 16, ms, &buf, ends),
                 0);
             assert_int_equal(buf.len - before, len);
             assert_memory_equal(buf.data + before, want, len);
             assert_int_equal(buf.data[buf.len], '\0');
+            /* Where each command ends: MULTI, each XADD, EXEC. */
+            assert_int_equal(ends[0], 15);
+            assert_int_equal(ends[counts[c] + 1], len);
+            for (size_t e = 0; e <= counts[c]; e++) {
+                assert_true(ends[e] < ends[e + 1]);
+                assert_int_equal(buf.data[before + ends[e]], '*');
+            }
+            assert_memory_equal(buf.data + before + ends[counts[c]], "*1\r\n$4\r\nEXEC\r\n", 14);
         }
     }
     /* A partition's stream. */
@@ -1138,10 +1146,10 @@ static void test_append_xadd_call_matches_hiredis(void **state)
         rows[i].partitions = 16;
         rows[i].partition = 15;
     }
-    size_t len, before = buf.len;
+    size_t len, before = buf.len, ends[RELAY_CALL_ROWS + 2];
     const char *want = hiredis_xadd_call(call, 5, "p.", 7, &len);
     assert_int_equal(relay_batch_append_xadd_call(checked_copies(call, 5, "p.", 1 << 16), 5, "p.",
-                                                  1 << 16, 7, &buf),
+                                                  1 << 16, 7, &buf, ends),
                      0);
     assert_int_equal(buf.len - before, len);
     assert_memory_equal(buf.data + before, want, len);
@@ -1154,10 +1162,10 @@ static void test_append_xadd_call_matches_hiredis(void **state)
     const struct relay_row *mixed[7];
     memcpy(mixed, checked, sizeof(mixed));
     mixed[3] = &other;
-    assert_int_equal(relay_batch_append_xadd_call(mixed, 7, "", 1 << 16, 7, &buf), -1);
+    assert_int_equal(relay_batch_append_xadd_call(mixed, 7, "", 1 << 16, 7, &buf, ends), -1);
     rows[6].call_bytes = 0;
-    assert_int_equal(relay_batch_append_xadd_call(call, 7, "", 1 << 16, 7, &buf), -1);
-    assert_int_equal(relay_batch_append_xadd_call(call, 0, "", 1 << 16, 7, &buf), -1);
+    assert_int_equal(relay_batch_append_xadd_call(call, 7, "", 1 << 16, 7, &buf, ends), -1);
+    assert_int_equal(relay_batch_append_xadd_call(call, 0, "", 1 << 16, 7, &buf, ends), -1);
     assert_int_equal(buf.len, before);
     outbox_buf_free(&buf);
 }
