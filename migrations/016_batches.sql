@@ -21,6 +21,8 @@
 --   outbox.batch_rows(...)      a chunk of the batch between two ticks
 --   outbox.stream_positions     per stream: the last tick whose batch is all
 --                               in the stream, and its last entry id there
+--   outbox.quarantine           rows the relay could not publish, and why
+--   outbox.record_batch(...)    a published batch's positions and quarantine
 --
 -- Rows that were pending when this file was applied belong to its own
 -- transaction, so they form the batch of the first tick after it, in id
@@ -173,12 +175,93 @@ $$;
 COMMENT ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) IS
     'The rows committed between two ticks, in (txid, id) order, after a (txid, id), at most a limit.';
 
+-- Rows the relay could not publish and moved past (docs/DESIGN.md, "Rows
+-- that cannot be published"): a copy of the row as the producer wrote it,
+-- and why. outbox-relay failed lists them; failed retry writes a row again
+-- as a new one, which a later batch publishes; failed drop removes it.
+CREATE TABLE IF NOT EXISTS outbox.quarantine (
+    id             bigint      PRIMARY KEY,
+    txid           xid8        NOT NULL,
+    message_id     uuid        NOT NULL,
+    topic          text        NOT NULL,
+    partition_key  text,
+    payload        bytea       NOT NULL,
+    headers        jsonb,
+    created_at     timestamptz NOT NULL,
+    error          text        NOT NULL,
+    quarantined_at timestamptz NOT NULL DEFAULT now()
+);
+
+COMMENT ON TABLE outbox.quarantine IS
+    'Rows the relay could not publish and moved past, with why (outbox-relay failed).';
+
+-- A batch is all in its streams: records, in one call, where each stream it
+-- touched now stands (p_streams, and the last entry id written to each), the
+-- tick of the streams the relay owns that it did not touch (p_refresh: their
+-- last entry id stays), and the rows it quarantined, with why. A position
+-- only moves forward (another relay may have recorded a later batch of a
+-- stream it has taken over), and streams are written in name order, so that
+-- relays recording at once cannot deadlock. A quarantined row already
+-- recorded (its batch was read again after a failure) stays as it was.
+-- Returns how many rows it quarantined now.
+CREATE OR REPLACE FUNCTION outbox.record_batch(p_tick bigint, p_streams text[],
+    p_entry_ids text[], p_refresh text[], p_quarantined bigint[], p_errors text[])
+RETURNS integer
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_quarantined integer := 0;
+BEGIN
+    IF p_tick IS NULL OR NOT EXISTS (SELECT FROM outbox.ticks AS t WHERE t.tick_id = p_tick) THEN
+        RAISE EXCEPTION 'outbox.record_batch: there is no tick %', p_tick
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF cardinality(p_streams) IS DISTINCT FROM cardinality(p_entry_ids)
+       OR cardinality(p_quarantined) IS DISTINCT FROM cardinality(p_errors) THEN
+        RAISE EXCEPTION 'outbox.record_batch: the arrays of a pair differ in length'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO outbox.stream_positions AS p (stream, tick, entry_id, updated_at)
+    SELECT u.stream, p_tick, u.entry_id, now()
+      FROM unnest(p_streams, p_entry_ids) AS u(stream, entry_id)
+     ORDER BY u.stream
+    ON CONFLICT (stream) DO UPDATE
+       SET tick = excluded.tick, entry_id = excluded.entry_id, updated_at = excluded.updated_at
+     WHERE p.tick <= excluded.tick;
+    INSERT INTO outbox.stream_positions AS p (stream, tick, updated_at)
+    SELECT u.stream, p_tick, now()
+      FROM unnest(p_refresh) AS u(stream)
+     ORDER BY u.stream
+    ON CONFLICT (stream) DO UPDATE
+       SET tick = excluded.tick, updated_at = excluded.updated_at
+     WHERE p.tick < excluded.tick;
+    INSERT INTO outbox.quarantine (id, txid, message_id, topic, partition_key, payload, headers,
+                                   created_at, error)
+    SELECT m.id, m.txid, m.message_id, m.topic, m.partition_key, m.payload, m.headers,
+           m.created_at, q.error
+      FROM unnest(p_quarantined, p_errors) AS q(id, error)
+      JOIN outbox.messages AS m ON m.id = q.id
+    ON CONFLICT (id) DO NOTHING;
+    GET DIAGNOSTICS v_quarantined = ROW_COUNT;
+    RETURN v_quarantined;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.record_batch(bigint, text[], text[], text[], bigint[], text[]) IS
+    'Records where the streams of a published batch stand, and the rows it quarantined.';
+
 REVOKE EXECUTE ON FUNCTION outbox.tick(bigint) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION outbox.tick(bigint) TO outbox_relay;
+REVOKE EXECUTE ON FUNCTION outbox.record_batch(bigint, text[], text[], text[], bigint[], text[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.record_batch(bigint, text[], text[], text[], bigint[], text[]) TO outbox_relay;
 GRANT SELECT ON outbox.ticks TO outbox_relay;
-GRANT SELECT, INSERT, UPDATE ON outbox.stream_positions TO outbox_relay;
+GRANT SELECT ON outbox.quarantine TO outbox_relay;
+GRANT SELECT ON outbox.stream_positions TO outbox_relay;
 
 INSERT INTO outbox.schema_version (version, name)
 VALUES (16, '016_batches.sql')

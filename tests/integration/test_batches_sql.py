@@ -14,6 +14,9 @@ Promises tested:
   last (txid, id), cover each batch exactly;
 - outbox.batch_rows reads a batch off messages_txid_idx, never a scan of the
   table;
+- outbox.record_batch moves each stream's position forward only, keeps the
+  last entry id of the streams it only refreshes, and quarantines a copy of a
+  row, once, with its error;
 - roles: the relay may tick and read ticks, batches and positions; producers
   may do none of it.
 """
@@ -94,7 +97,7 @@ class BatchSqlTest(harness.PostgresTestCase):
     def setUp(self):
         super().setUp()  # outbox.messages emptied
         with self.db.cursor() as cur:
-            cur.execute("TRUNCATE outbox.ticks, outbox.stream_positions")
+            cur.execute("TRUNCATE outbox.ticks, outbox.stream_positions, outbox.quarantine")
             cur.execute("INSERT INTO outbox.ticks (tick_id, snap, ms)"
                         " VALUES (1, pg_current_snapshot(), 1)")
 
@@ -230,6 +233,58 @@ class BatchSqlTest(harness.PostgresTestCase):
         self.assertIn("messages_txid_idx", plan, plan)
         self.assertNotIn("Seq Scan on messages", plan, plan)
 
+    def record(self, tick, streams=(), entry_ids=(), refresh=(), quarantined=(), errors=()):
+        return scalar(self.db, "SELECT outbox.record_batch(%s, %s::text[], %s::text[], %s::text[],"
+                      " %s::bigint[], %s::text[])",
+                      (tick, list(streams), list(entry_ids), list(refresh), list(quarantined),
+                       list(errors)))
+
+    def positions(self):
+        with self.db.cursor() as cur:
+            cur.execute("SELECT stream, tick, entry_id FROM outbox.stream_positions ORDER BY 1")
+            return cur.fetchall()
+
+    def test_positions_move_forward_only(self):
+        for _ in range(4):
+            insert(self.db)
+            tick(self.db)
+        self.assertEqual(self.record(3, ["a", "b"], ["30-0", "30-4"]), 0)
+        self.assertEqual(self.positions(), [("a", 3, "30-0"), ("b", 3, "30-4")])
+        # A later batch touched a; b and c are only refreshed: b keeps its id,
+        # c starts with none.
+        self.record(4, ["a"], ["40-1"], refresh=["b", "c"])
+        self.assertEqual(self.positions(),
+                         [("a", 4, "40-1"), ("b", 4, "30-4"), ("c", 4, "0-0")])
+        # An earlier batch recorded late (another relay's) moves nothing back.
+        self.record(2, ["a", "b"], ["20-0", "20-0"], refresh=["c"])
+        self.assertEqual(self.positions(),
+                         [("a", 4, "40-1"), ("b", 4, "30-4"), ("c", 4, "0-0")])
+        # The same tick again (the batch read again after a failure): its ids.
+        self.record(4, ["a"], ["40-2"])
+        self.assertEqual(self.positions()[0], ("a", 4, "40-2"))
+        for bad in ((99, ["a"], ["1-0"]), (4, ["a", "b"], ["1-0"]), (None, [], [])):
+            with self.subTest(bad=bad), self.assertRaises(psycopg2.errors.InvalidParameterValue):
+                self.record(*bad)
+
+    def test_quarantine_copies_the_row_once(self):
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, partition_key, payload, headers)"
+                        " VALUES ('bad topic', 'k', '\\xff00', '{\"h\": \"v\"}') RETURNING id")
+            (bad,) = cur.fetchone()
+        (ok,) = insert(self.db)
+        tick(self.db)
+        self.assertEqual(self.record(2, quarantined=[bad], errors=["topic not allowed"]), 1)
+        self.assertEqual(self.record(2, quarantined=[bad, 424242], errors=["again", "none"]), 0)
+        with self.db.cursor() as cur:
+            cur.execute("SELECT q.id, q.topic, q.partition_key, q.payload, q.headers, q.error,"
+                        " q.message_id = m.message_id, q.txid = m.txid"
+                        " FROM outbox.quarantine AS q JOIN outbox.messages AS m USING (id)")
+            rows = cur.fetchall()
+        self.assertEqual(len(rows), 1)
+        self.assertEqual(rows[0][:3], (bad, "bad topic", "k"))
+        self.assertEqual(bytes(rows[0][3]), b"\xff\x00")
+        self.assertEqual(rows[0][4:], ({"h": "v"}, "topic not allowed", True, True))
+
     def test_roles(self):
         insert(self.db)
         relay = self.pg.connect(user="relay_login")
@@ -238,16 +293,19 @@ class BatchSqlTest(harness.PostgresTestCase):
             self.assertEqual(tick(relay), 2)
             self.assertEqual(len(batch(relay, 1, 2)), 1)
             with relay.cursor() as cur:
-                cur.execute("INSERT INTO outbox.stream_positions (stream, tick) VALUES ('s', 2)")
-                cur.execute("UPDATE outbox.stream_positions SET tick = 3")
+                cur.execute("SELECT outbox.record_batch(2, '{s}', '{2-0}', '{}', '{}', '{}')")
+                cur.execute("SELECT * FROM outbox.stream_positions, outbox.quarantine")
             for sql in ("SELECT outbox.tick()", "SELECT * FROM outbox.ticks",
-                        "SELECT * FROM outbox.stream_positions"):
+                        "SELECT * FROM outbox.stream_positions", "SELECT * FROM outbox.quarantine",
+                        "SELECT outbox.record_batch(2, '{s}', '{2-0}', '{}', '{}', '{}')"):
                 with self.subTest(sql=sql), self.assertRaises(psycopg2.errors.InsufficientPrivilege):
                     with producer.cursor() as cur:
                         cur.execute(sql)
-            with self.assertRaises(psycopg2.errors.InsufficientPrivilege):
-                with relay.cursor() as cur:
-                    cur.execute("DELETE FROM outbox.ticks")
+            for sql in ("DELETE FROM outbox.ticks", "UPDATE outbox.stream_positions SET tick = 9",
+                        "DELETE FROM outbox.quarantine"):
+                with self.subTest(sql=sql), self.assertRaises(psycopg2.errors.InsufficientPrivilege):
+                    with relay.cursor() as cur:
+                        cur.execute(sql)
         finally:
             relay.close()
             producer.close()
