@@ -160,6 +160,20 @@ int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, siz
     return n < 0 || (size_t)n >= outlen ? -1 : n;
 }
 
+/* A chunk of a batch (docs/DESIGN.md, "Batches from snapshots"): the claim's
+ * columns and the writing transaction, from outbox.batch_rows: $1 and $2 the
+ * ticks, $3 and $4 the (txid, id) of the chunk before's last row ('0' and 0
+ * for the first), $5 the chunk's size. */
+#define BATCH_FROM                                                                                 \
+    ", txid FROM outbox.batch_rows($1::bigint, $2::bigint, $3::xid8, $4::bigint, $5::integer)"     \
+    " AS c ORDER BY txid, id"
+
+int relay_pgsrc_batch_sql(uint32_t max_payload_bytes, char *out, size_t outlen)
+{
+    int n = snprintf(out, outlen, CLAIM_SELECT BATCH_FROM, max_payload_bytes);
+    return n < 0 || (size_t)n >= outlen ? -1 : n;
+}
+
 enum setup_step {
     SETUP_SESSION = 0,    /* SETs, the schema check, the session check */
     SETUP_PREPARE,        /* claim connections: prepare "claim" */

@@ -138,4 +138,15 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
 int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, size_t outlen)
     __attribute__((warn_unused_result));
 
+/*
+ * Writes into out the statement that reads a chunk of a batch: $1 and $2 the
+ * ticks around it, $3 and $4 the txid and id of the last row of the chunk
+ * before ('0' and 0 for the first chunk), $5 the most rows. Its rows have the
+ * claim's columns (relay_pgsrc_claim_sql) and a 13th, the txid (xid8, 8
+ * bytes in binary), in (txid, id) order. Returns the length, or -1 when it
+ * does not fit.
+ */
+int relay_pgsrc_batch_sql(uint32_t max_payload_bytes, char *out, size_t outlen)
+    __attribute__((warn_unused_result));
+
 #endif
