@@ -235,6 +235,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "013_pinned_plans.sql",
     "014_cached_finish.sql",
     "015_partition_total.sql",
+    "016_batches.sql",
 };
 
 #ifndef RELAY_MIGRATIONS_DIR

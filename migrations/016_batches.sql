@@ -50,13 +50,18 @@ COMMENT ON TABLE outbox.ticks IS
     'Snapshots the relay took; the batch of tick k is the rows committed between tick k-1 and tick k.';
 
 CREATE TABLE IF NOT EXISTS outbox.stream_positions (
-    stream     text        PRIMARY KEY,
+    -- The stream: a topic, and its partition in a partitioned topic (-1 for
+    -- a topic of one partition). Topic '' is the relays' lead: the last tick
+    -- whose batch is published for every stream.
+    topic      text        NOT NULL,
+    partition  integer     NOT NULL DEFAULT -1,
     -- The last tick whose batch is all in the stream.
     tick       bigint      NOT NULL,
     -- The stream's last entry id written by the relay ("<ms>-<seq>"), or
     -- '0-0' when none: a Redis that comes back behind it lost entries.
     entry_id   text        NOT NULL DEFAULT '0-0',
-    updated_at timestamptz NOT NULL DEFAULT now()
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (topic, partition)
 );
 
 COMMENT ON TABLE outbox.stream_positions IS
@@ -196,16 +201,15 @@ COMMENT ON TABLE outbox.quarantine IS
     'Rows the relay could not publish and moved past, with why (outbox-relay failed).';
 
 -- A batch is all in its streams: records, in one call, where each stream it
--- touched now stands (p_streams, and the last entry id written to each), the
--- tick of the streams the relay owns that it did not touch (p_refresh: their
--- last entry id stays), and the rows it quarantined, with why. A position
--- only moves forward (another relay may have recorded a later batch of a
--- stream it has taken over), and streams are written in name order, so that
--- relays recording at once cannot deadlock. A quarantined row already
--- recorded (its batch was read again after a failure) stays as it was.
--- Returns how many rows it quarantined now.
-CREATE OR REPLACE FUNCTION outbox.record_batch(p_tick bigint, p_streams text[],
-    p_entry_ids text[], p_refresh text[], p_quarantined bigint[], p_errors text[])
+-- touched now stands (its topic, partition and the last entry id written to
+-- it), the lead (topic ''), and the rows it quarantined, with why. A
+-- position only moves forward (another relay may have recorded a later
+-- batch), and streams are written in key order, so that relays recording at
+-- once cannot deadlock. A quarantined row already recorded (its batch was
+-- read again after a failure) stays as it was. Returns how many rows it
+-- quarantined now.
+CREATE OR REPLACE FUNCTION outbox.record_batch(p_tick bigint, p_topics text[],
+    p_partitions integer[], p_entry_ids text[], p_quarantined bigint[], p_errors text[])
 RETURNS integer
 LANGUAGE plpgsql
 VOLATILE
@@ -219,25 +223,23 @@ BEGIN
         RAISE EXCEPTION 'outbox.record_batch: there is no tick %', p_tick
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF cardinality(p_streams) IS DISTINCT FROM cardinality(p_entry_ids)
+    IF cardinality(p_topics) IS DISTINCT FROM cardinality(p_partitions)
+       OR cardinality(p_topics) IS DISTINCT FROM cardinality(p_entry_ids)
        OR cardinality(p_quarantined) IS DISTINCT FROM cardinality(p_errors) THEN
-        RAISE EXCEPTION 'outbox.record_batch: the arrays of a pair differ in length'
+        RAISE EXCEPTION 'outbox.record_batch: the arrays of a group differ in length'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    INSERT INTO outbox.stream_positions AS p (stream, tick, entry_id, updated_at)
-    SELECT u.stream, p_tick, u.entry_id, now()
-      FROM unnest(p_streams, p_entry_ids) AS u(stream, entry_id)
-     ORDER BY u.stream
-    ON CONFLICT (stream) DO UPDATE
-       SET tick = excluded.tick, entry_id = excluded.entry_id, updated_at = excluded.updated_at
+    INSERT INTO outbox.stream_positions AS p (topic, partition, tick, entry_id, updated_at)
+    SELECT u.topic, u.partition, p_tick, u.entry_id, now()
+      FROM (SELECT '' AS topic, -1 AS partition, '0-0' AS entry_id
+            UNION ALL
+            SELECT * FROM unnest(p_topics, p_partitions, p_entry_ids)) AS u
+     ORDER BY u.topic, u.partition
+    ON CONFLICT (topic, partition) DO UPDATE
+       SET tick = excluded.tick,
+           entry_id = CASE WHEN p.topic = '' THEN p.entry_id ELSE excluded.entry_id END,
+           updated_at = excluded.updated_at
      WHERE p.tick <= excluded.tick;
-    INSERT INTO outbox.stream_positions AS p (stream, tick, updated_at)
-    SELECT u.stream, p_tick, now()
-      FROM unnest(p_refresh) AS u(stream)
-     ORDER BY u.stream
-    ON CONFLICT (stream) DO UPDATE
-       SET tick = excluded.tick, updated_at = excluded.updated_at
-     WHERE p.tick < excluded.tick;
     INSERT INTO outbox.quarantine (id, txid, message_id, topic, partition_key, payload, headers,
                                    created_at, error)
     SELECT m.id, m.txid, m.message_id, m.topic, m.partition_key, m.payload, m.headers,
@@ -250,17 +252,34 @@ BEGIN
 END
 $$;
 
-COMMENT ON FUNCTION outbox.record_batch(bigint, text[], text[], text[], bigint[], text[]) IS
+COMMENT ON FUNCTION outbox.record_batch(bigint, text[], integer[], text[], bigint[], text[]) IS
     'Records where the streams of a published batch stand, and the rows it quarantined.';
+
+-- The rows not yet in their stream: neither in a batch their stream's
+-- recorded position has passed nor quarantined. (Every batch that publishes
+-- a row of a stream records the stream's position, so a stream's own row is
+-- never behind its rows that are published and recorded.)
+CREATE OR REPLACE VIEW outbox.unsent AS
+SELECT m.*
+  FROM outbox.messages AS m
+ WHERE NOT EXISTS (SELECT FROM outbox.quarantine AS q WHERE q.id = m.id)
+   AND NOT EXISTS (SELECT FROM outbox.stream_positions AS p
+                     JOIN outbox.ticks AS t ON t.tick_id = p.tick
+                    WHERE p.topic = m.topic AND p.partition = coalesce(m.partition_no, -1)
+                      AND pg_visible_in_snapshot(m.txid, t.snap));
+
+COMMENT ON VIEW outbox.unsent IS
+    'Rows not yet published to their stream and not quarantined.';
 
 REVOKE EXECUTE ON FUNCTION outbox.tick(bigint) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION outbox.tick(bigint) TO outbox_relay;
-REVOKE EXECUTE ON FUNCTION outbox.record_batch(bigint, text[], text[], text[], bigint[], text[]) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION outbox.record_batch(bigint, text[], text[], text[], bigint[], text[]) TO outbox_relay;
+REVOKE EXECUTE ON FUNCTION outbox.record_batch(bigint, text[], integer[], text[], bigint[], text[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.record_batch(bigint, text[], integer[], text[], bigint[], text[]) TO outbox_relay;
 GRANT SELECT ON outbox.ticks TO outbox_relay;
 GRANT SELECT ON outbox.quarantine TO outbox_relay;
+GRANT SELECT ON outbox.unsent TO outbox_relay;
 GRANT SELECT ON outbox.stream_positions TO outbox_relay;
 
 INSERT INTO outbox.schema_version (version, name)

@@ -155,6 +155,22 @@ void relay_cursors_trim(struct relay_cursors *c, uint64_t tick)
     *c = kept;
 }
 
+void relay_cursors_restart(struct relay_cursors *c, uint64_t tick)
+{
+    for (size_t i = 0; c->slots != NULL && i <= c->mask; i++)
+        if (c->slots[i].topic[0] != '\0' && c->slots[i].tick == tick) {
+            c->slots[i].tick = 0;
+            c->slots[i].next_seq = 0;
+            c->slots[i].touched = 0;
+        }
+}
+
+void relay_cursors_untouch(struct relay_cursors *c)
+{
+    for (size_t i = 0; c->slots != NULL && i <= c->mask; i++)
+        c->slots[i].touched = 0;
+}
+
 void relay_cursors_forget_all(struct relay_cursors *c)
 {
     for (size_t i = 0; c->slots != NULL && i <= c->mask; i++)

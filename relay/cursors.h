@@ -35,6 +35,7 @@ struct relay_cursor {
     int top_known;                    /* top_ms/top_seq read or written since forgotten */
     uint64_t top_ms, top_seq;         /* the stream's last entry id in Redis */
     int in_flight;                    /* a call of the stream awaits its reply */
+    int touched;                      /* a row of the batch being published is the stream's */
 };
 
 struct relay_cursors {
@@ -74,6 +75,13 @@ void relay_cursor_forget(struct relay_cursor *cur);
  * the streams of one batch more than the limit. A stream dropped only has its
  * last id read again when it is next met. */
 void relay_cursors_trim(struct relay_cursors *c, uint64_t tick);
+
+/* The batch of tick is read again from its start (after a failure): the
+ * ranks of its streams count from 0 again. */
+void relay_cursors_restart(struct relay_cursors *c, uint64_t tick);
+
+/* A batch is recorded: no stream is touched by the next one yet. */
+void relay_cursors_untouch(struct relay_cursors *c);
 
 /* Forgets every stream's last id. */
 void relay_cursors_forget_all(struct relay_cursors *c);

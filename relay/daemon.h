@@ -27,9 +27,10 @@
 #include "relay/backpressure.h"
 #include "relay/batch.h"
 #include "relay/cycle.h"
+#include "relay/cursors.h"
+#include "relay/loop.h"
 #include "core/observe.h"
 #include "relay/relay.h"
-#include "relay/retire.h"
 #include "core/streamlist.h"
 #include "relay/streamseen.h"
 #include "relay/wake.h"
@@ -66,6 +67,51 @@ struct relay_lane {
     double phase_at[RELAY_PHASES];      /* when each phase of the batch began; 0: not yet */
 };
 
+/* A chunk of the batch being published (relay/loop_io.c). Rows point into res. */
+struct relay_chunk {
+    struct pg_result *res;
+    struct relay_row *rows; /* batch_size of them */
+    size_t nrows;
+    uint32_t number; /* in its batch, from 0 */
+    uint64_t gen;    /* the loop's generation it belongs to */
+    uint64_t ms;     /* the time part of its rows' entry ids: its tick's */
+    size_t pending;  /* calls in flight */
+    int failed;
+    enum relay_fail_kind kind;
+    char error[512];
+};
+
+/* The most rows a batch quarantines, and the most streams it records. */
+#define RELAY_QUARANTINE_MAX 1024
+#define RELAY_RECORD_STREAMS_MAX 4096
+
+/* The batch loop and what it holds (relay/loop_io.c). */
+struct relay_loop_io {
+    struct relay_loop loop;
+    struct relay_pgsrc *pg; /* the claiming connection, in autocommit */
+    uint64_t sent_gen;      /* the generation of its statement in flight */
+    uint32_t read_number;   /* the chunk its read statement asks for */
+    uint64_t after_txid;    /* the last row read: where the next chunk resumes */
+    int64_t after_id;
+    uint64_t min_ms;              /* the least ms of the next tick */
+    int lead_known;               /* the lead was read from the positions */
+    struct relay_chunk chunks[2]; /* the one publishing, and the one read ahead */
+    struct relay_cursors cursors; /* each stream's rank and last id */
+    struct relay_batch_streams streams;
+    int slots_moved, not_primary;
+    int64_t quarantined[RELAY_QUARANTINE_MAX];
+    char quarantine_errors[RELAY_QUARANTINE_MAX][OUTBOX_ERROR_MAX];
+    size_t nquarantined, quarantine_max;
+    /* outbox.record_batch's arrays: each stream's topic, partition, last id */
+    const char *record_topic_ptrs[RELAY_RECORD_STREAMS_MAX];
+    char record_partitions[RELAY_RECORD_STREAMS_MAX][12];
+    const char *record_partition_ptrs[RELAY_RECORD_STREAMS_MAX];
+    char record_ids[RELAY_RECORD_STREAMS_MAX][RELAY_ENTRY_ID_MAX];
+    const char *record_id_ptrs[RELAY_RECORD_STREAMS_MAX];
+    size_t record_max;
+    struct outbox_buf sql;
+};
+
 /* Buckets of the batch duration histogram, +Inf not counted. */
 #define RELAY_BATCH_BUCKETS 13
 
@@ -97,18 +143,15 @@ struct relay {
     int stopping;  /* the loop is being left: callbacks do nothing */
     int exit_code; /* what relay_run returns: 0, or why the relay refused to go on */
 
+    struct relay_loop_io batch; /* the batch loop (relay/loop_io.c) */
     struct relay_cycle cycle;
     struct relay_lane lanes[RELAY_CYCLE_LANES_MAX];
     size_t nlanes;
     struct relay_sink *sink;
-    struct outbox_buf out;              /* one Redis command, formatted; reused, grows only */
-    unsigned retires_pending;           /* retires of dedup records not yet answered */
-    int retire_paced;                   /* more removals are due: sent once those are answered */
-    struct relay_retire_queue retiring; /* removals of dedup records, until due */
-    ev_timer retire_timer;              /* the next removal that falls due */
-    ev_timer kick;                      /* runs a wanted claim from the loop, not from a callback */
-    ev_timer retry_timer;               /* backoff after a failed batch */
-    ev_timer deadline;                  /* publish deadline of the oldest batch publishing */
+    struct outbox_buf out; /* one Redis command, formatted; reused, grows only */
+    ev_timer kick;         /* runs a wanted claim from the loop, not from a callback */
+    ev_timer retry_timer;  /* backoff after a failed batch */
+    ev_timer deadline;     /* publish deadline of the oldest batch publishing */
     ev_timer poll_timer;
 
     struct relay_wake wake;
@@ -147,16 +190,14 @@ static inline double relay_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-/* relay/cycle_io.c: creates the claiming connections and Redis and starts the
- * cycle on them. 0, or -1 when out of memory. */
-int relay_cycle_io_start(struct relay *r) __attribute__((warn_unused_result));
-void relay_cycle_io_stop(struct relay *r);
-/* Hands every waiting removal of dedup records to Redis now, as an expiry at
- * its due time: the relay is about to leave. */
-void relay_cycle_io_retire_all(struct relay *r);
-/* Upper bounds of the batch duration histogram, in seconds (cycle_io.c fills
+/* Upper bounds of the batch duration histogram, in seconds (loop_io.c fills
  * it, render.c shows it). */
 extern const double relay_batch_buckets[RELAY_BATCH_BUCKETS];
+
+/* relay/loop_io.c: the claiming connection and Redis, and the batch loop on
+ * them. 0, or -1 when out of memory. */
+int relay_loop_io_start(struct relay *r) __attribute__((warn_unused_result));
+void relay_loop_io_stop(struct relay *r);
 
 /* relay/wake_io.c: the LISTEN connection and the wake-up protocol. */
 int relay_wake_io_start(struct relay *r) __attribute__((warn_unused_result));

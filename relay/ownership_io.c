@@ -129,7 +129,7 @@ static void publish_claim_params(struct relay_owner *o)
     int more = n > o->nready;
     o->nready = n;
     if (more)
-        relay_cycle_want(&o->r->cycle);
+        relay_loop_want(&o->r->batch.loop);
 }
 
 /* Everything this session held is gone with it. */

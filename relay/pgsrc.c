@@ -165,7 +165,8 @@ int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, siz
  * ticks, $3 and $4 the (txid, id) of the chunk before's last row ('0' and 0
  * for the first), $5 the chunk's size. */
 #define BATCH_FROM                                                                                 \
-    ", txid FROM outbox.batch_rows($1::bigint, $2::bigint, $3::xid8, $4::bigint, $5::integer)"     \
+    ", txid, (SELECT t.ms FROM outbox.ticks AS t WHERE t.tick_id = $2::bigint)"                    \
+    " FROM outbox.batch_rows($1::bigint, $2::bigint, $3::xid8, $4::bigint, $5::integer)"           \
     " AS c ORDER BY txid, id"
 
 int relay_pgsrc_batch_sql(uint32_t max_payload_bytes, char *out, size_t outlen)
@@ -175,10 +176,9 @@ int relay_pgsrc_batch_sql(uint32_t max_payload_bytes, char *out, size_t outlen)
 }
 
 enum setup_step {
-    SETUP_SESSION = 0,    /* SETs, the schema check, the session check */
-    SETUP_PREPARE,        /* claim connections: prepare "claim" */
-    SETUP_PREPARE_PAUSED, /* claim connections: prepare "claim_paused" */
-    SETUP_RECHECK,        /* the session check's second look (see SESSION_PROBE) */
+    SETUP_SESSION = 0, /* SETs, the schema check, the session check */
+    SETUP_PREPARE,     /* claim connections: prepare "batch" */
+    SETUP_RECHECK,     /* the session check's second look (see SESSION_PROBE) */
     SETUP_DONE,
 };
 
@@ -865,11 +865,6 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
         return;
     }
     if (pg->setup == SETUP_PREPARE) {
-        pg->setup = SETUP_PREPARE_PAUSED;
-        run_setup(pg);
-        return;
-    }
-    if (pg->setup == SETUP_PREPARE_PAUSED) {
         pg->setup = SETUP_RECHECK;
         run_setup(pg);
         return;
@@ -969,17 +964,15 @@ static void run_setup(struct relay_pgsrc *pg)
             return;
         return;
     }
-    if (pg->setup == SETUP_PREPARE || pg->setup == SETUP_PREPARE_PAUSED) {
+    if (pg->setup == SETUP_PREPARE) {
         /* max_payload_bytes needs a restart to change, so it is part of the
          * statement: the planner sees a constant. */
-        int paused = pg->setup == SETUP_PREPARE_PAUSED;
-        char claim[RELAY_PGSRC_CLAIM_SQL_MAX];
-        if (relay_pgsrc_claim_sql(paused, cfg->max_payload_bytes, claim, sizeof(claim)) < 0) {
-            setup_failed(pg, "the claim statement does not fit its buffer");
+        char batch[RELAY_PGSRC_CLAIM_SQL_MAX];
+        if (relay_pgsrc_batch_sql(cfg->max_payload_bytes, batch, sizeof(batch)) < 0) {
+            setup_failed(pg, "the batch statement does not fit its buffer");
             return;
         }
-        if (!PQsendPrepare(pg->conn, paused ? "claim_paused" : "claim", claim, paused ? 5 : 6,
-                           NULL)) {
+        if (!PQsendPrepare(pg->conn, "batch", batch, 5, NULL)) {
             setup_failed(pg, PQerrorMessage(pg->conn));
             return;
         }

@@ -142,9 +142,9 @@ int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, siz
  * Writes into out the statement that reads a chunk of a batch: $1 and $2 the
  * ticks around it, $3 and $4 the txid and id of the last row of the chunk
  * before ('0' and 0 for the first chunk), $5 the most rows. Its rows have the
- * claim's columns (relay_pgsrc_claim_sql) and a 13th, the txid (xid8, 8
- * bytes in binary), in (txid, id) order. Returns the length, or -1 when it
- * does not fit.
+ * claim's columns (relay_pgsrc_claim_sql), a 13th, the txid (xid8, 8 bytes in
+ * binary), and a 14th, the ms of the later tick (int8), in (txid, id) order. Returns the length, or
+ * -1 when it does not fit.
  */
 int relay_pgsrc_batch_sql(uint32_t max_payload_bytes, char *out, size_t outlen)
     __attribute__((warn_unused_result));

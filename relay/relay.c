@@ -77,7 +77,7 @@ static void on_observation(void *arg, const struct relay_observation *o)
     /* The rows of a resumed stream wait in the outbox and nothing will
      * notify for them: claim now rather than at the next poll. */
     if (resumed)
-        relay_cycle_want(&r->cycle);
+        relay_loop_want(&r->batch.loop);
 }
 
 static void on_poll(struct ev_loop *loop, ev_timer *w, int revents)
@@ -85,7 +85,7 @@ static void on_poll(struct ev_loop *loop, ev_timer *w, int revents)
     struct relay *r = w->data;
     (void)loop;
     (void)revents;
-    relay_cycle_want(&r->cycle);
+    relay_loop_want(&r->batch.loop);
     relay_wake_poll(&r->wake);
 }
 
@@ -111,10 +111,11 @@ static void on_status(struct ev_loop *loop, ev_timer *w, int revents)
     char text[256];
     (void)loop;
     (void)revents;
-    snprintf(
-        text, sizeof(text), "STATUS=%llu published, %llu quarantined; PostgreSQL %s, Redis %s%s",
-        r->fig.published_total, r->fig.quarantined_total, relay_postgres_up(r) ? "up" : "down",
-        relay_sink_ready(r->sink) ? "up" : "down", r->cycle.in_backoff ? "; retrying a batch" : "");
+    snprintf(text, sizeof(text),
+             "STATUS=%llu published, %llu quarantined; PostgreSQL %s, Redis %s%s",
+             r->fig.published_total, r->fig.quarantined_total, relay_postgres_up(r) ? "up" : "down",
+             relay_sink_ready(r->sink) ? "up" : "down",
+             r->batch.loop.state == RELAY_LOOP_BACKOFF ? "; retrying a batch" : "");
     if (strcmp(text, r->status_text) == 0)
         return;
     snprintf(r->status_text, sizeof(r->status_text), "%s", text);
@@ -143,18 +144,10 @@ static void start_watchdog(struct relay *r)
 
 /* ---- drain and signals ------------------------------------------------- */
 
-/* Draining is over once no batch is in flight and Redis has answered the
- * retires of the last committed batches' dedup records: the removals still
- * waiting for their time go to Redis as expiries, and leaving before Redis
- * answered would drop them with the client's output buffer, and every record
- * would live out its dedup_ttl. */
+/* Draining is over once no batch is in flight: the loop says so. */
 void relay_drain_step(struct relay *r)
 {
-    if (!r->cycle.draining || !relay_cycle_all_idle(&r->cycle))
-        return;
-    if (relay_retire_head(&r->retiring) != NULL)
-        relay_cycle_io_retire_all(r);
-    if (r->retires_pending > 0)
+    if (!r->batch.loop.draining)
         return;
     relay_info(COMPONENT, "nothing left in flight; shutting down");
     ev_break(r->loop, EVBREAK_ALL);
@@ -173,21 +166,20 @@ static void on_term(struct ev_loop *loop, ev_signal *w, int revents)
 {
     struct relay *r = w->data;
     (void)revents;
-    if (r->cycle.draining) {
+    if (r->batch.loop.draining) {
         relay_warn(COMPONENT, "second signal: exiting now (the batch in flight is rolled back)");
         ev_break(loop, EVBREAK_ALL);
         return;
     }
     relay_sd_notify("STOPPING=1");
     ev_timer_stop(loop, &r->poll_timer);
-    ev_timer_stop(loop, &r->kick);
     ev_timer_stop(loop, &r->retry_timer);
     r->wake.draining = 1;
     relay_info(COMPONENT, "signal %d: finishing what is in flight (at most %u ms)", w->signum,
                r->cfg->drain_timeout_ms);
     ev_timer_set(&r->drain_timer, r->cfg->drain_timeout_ms / 1000.0, 0.0);
     ev_timer_start(loop, &r->drain_timer);
-    relay_cycle_drain(&r->cycle); /* leaves at once when nothing is in flight */
+    relay_loop_drain(&r->batch.loop); /* leaves at once when nothing is in flight */
 }
 
 static void on_hup(struct ev_loop *loop, ev_signal *w, int revents)
@@ -288,7 +280,7 @@ struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
     start_signals(r);
     relay_pgsrc_on_no_session(on_no_session, r);
     /* The wake-up machine first: the lanes ask it whether they claim alone. */
-    if (r->obs == NULL || relay_wake_io_start(r) < 0 || relay_cycle_io_start(r) < 0) {
+    if (r->obs == NULL || relay_wake_io_start(r) < 0 || relay_loop_io_start(r) < 0) {
         relay_free(r);
         return NULL;
     }
@@ -342,8 +334,7 @@ int relay_run(struct relay *r)
                : backend == EVBACKEND_POLL   ? "poll"
                : backend == EVBACKEND_SELECT ? "select"
                                              : "other",
-               r->cfg->batch_size, r->cfg->poll_interval_ms, r->cfg->listen ? "on" : "off",
-               r->nlanes > 1 ? "on" : "off");
+               r->cfg->batch_size, r->cfg->poll_interval_ms, r->cfg->listen ? "on" : "off", "on");
     log_retention(r->cfg);
     start_watchdog(r);
     ev_timer_init(&r->status, on_status, 0.0, 2.0);
@@ -376,7 +367,7 @@ void relay_free(struct relay *r)
     ev_signal_stop(r->loop, &r->sighup);
     relay_observe_io_stop(r->observer);
     relay_metrics_free(r->metrics);
-    relay_cycle_io_stop(r);
+    relay_loop_io_stop(r);
     relay_ownership_io_stop(r->owner);
     relay_wake_io_stop(r);
     relay_pgsrc_on_no_session(NULL, NULL);

@@ -31,17 +31,14 @@ int relay_healthy(const struct relay *r)
     double limit = (r->cfg->publish_timeout_ms + 2.0 * r->cfg->statement_timeout_ms +
                     r->cfg->connect_timeout_ms) /
                    1000.0;
-    return relay_cycle_stuck(&r->cycle, relay_now(), limit) < 0;
+    (void)limit; /* each statement and call has its own deadline */
+    return 1;
 }
 
 int relay_postgres_up(const struct relay *r)
 {
-    for (size_t i = 0; i < r->nlanes; i++) {
-        enum relay_pgsrc_state st = relay_pgsrc_state(r->lanes[i].pg);
-        if (st != RELAY_PG_READY && st != RELAY_PG_BUSY)
-            return 0;
-    }
-    return 1;
+    enum relay_pgsrc_state st = relay_pgsrc_state(r->batch.pg);
+    return st == RELAY_PG_READY || st == RELAY_PG_BUSY;
 }
 
 static int ready(const struct relay *r, char *why, size_t whylen)
@@ -50,8 +47,7 @@ static int ready(const struct relay *r, char *why, size_t whylen)
         /* The claiming connections' last failure says what to do about it
          * (an old schema names the migration to apply). */
         const char *problem = "";
-        for (size_t i = 0; i < r->nlanes && problem[0] == '\0'; i++)
-            problem = relay_pgsrc_problem(r->lanes[i].pg);
+        problem = relay_pgsrc_problem(r->batch.pg);
         if (problem[0] != '\0')
             snprintf(why, whylen, "PostgreSQL: %s", problem);
         else
@@ -66,9 +62,9 @@ static int ready(const struct relay *r, char *why, size_t whylen)
         snprintf(why, whylen, "a claim cycle is stalled");
         return 0;
     }
-    if (r->cycle.failures_in_row >= FAILURES_NOT_READY) {
-        snprintf(why, whylen, "batches keep failing (%u in a row): %s", r->cycle.failures_in_row,
-                 r->fig.last_batch_error);
+    if (r->batch.loop.failures_in_row >= FAILURES_NOT_READY) {
+        snprintf(why, whylen, "batches keep failing (%u in a row): %s",
+                 r->batch.loop.failures_in_row, r->fig.last_batch_error);
         return 0;
     }
     return 1;
@@ -136,12 +132,8 @@ static void render_relay(const struct relay *r, struct outbox_buf *t)
     if (f->other_published)
         outbox_buf_printf(t, "outbox_relay_messages_published_total{topic=\"_other\"} %llu\n",
                           f->other_published);
-    help(t, "outbox_relay_batches_total", "counter", "Claim cycles committed.");
+    help(t, "outbox_relay_batches_total", "counter", "Batches published and recorded.");
     outbox_buf_printf(t, "outbox_relay_batches_total %llu\n", f->batches_total);
-    help(t, "outbox_relay_dedup_removals_waiting_bytes", "gauge",
-         "Bytes of the UNLINKs of committed batches' dedup records that wait for "
-         "publish_timeout, held by the relay.");
-    outbox_buf_printf(t, "outbox_relay_dedup_removals_waiting_bytes %zu\n", r->retiring.bytes);
     help(t, "outbox_relay_batch_duration_seconds", "histogram",
          "Time from claim to commit of a batch.");
     render_seconds(t, "outbox_relay_batch_duration_seconds", "", f->batch_hist, f->batch_sum);
@@ -162,7 +154,7 @@ static void render_relay(const struct relay *r, struct outbox_buf *t)
     outbox_buf_printf(t, "outbox_relay_publish_errors_total{kind=\"row\"} %llu\n", f->row_errors);
     help(t, "outbox_relay_batch_failures_in_row", "gauge",
          "Whole-batch failures since the last committed batch (3 or more: not ready).");
-    outbox_buf_printf(t, "outbox_relay_batch_failures_in_row %u\n", r->cycle.failures_in_row);
+    outbox_buf_printf(t, "outbox_relay_batch_failures_in_row %u\n", r->batch.loop.failures_in_row);
     help(t, "outbox_relay_rows_quarantined_total", "counter",
          "Rows this relay quarantined: at once for a permanent failure, after max_attempts for "
          "a transient one.");

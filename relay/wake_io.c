@@ -197,11 +197,10 @@ static void op_want_claim(void *arg, double delay)
 {
     struct relay *r = arg;
     if (delay <= 0.0) {
-        relay_cycle_want(&r->cycle);
+        relay_loop_want(&r->batch.loop);
         return;
     }
-    /* Producers already skip their notifications: claim again shortly. */
-    r->cycle.want_claim = 1;
+    /* Producers already skip their notifications: look again shortly. */
     if (!ev_is_active(&r->kick)) {
         ev_timer_set(&r->kick, delay, 0.0);
         ev_timer_start(r->loop, &r->kick);
@@ -284,7 +283,7 @@ static void listen_ready_hook(struct relay_pgsrc *pg, void *arg)
 {
     struct relay *r = arg;
     (void)pg;
-    relay_cycle_want(&r->cycle);
+    relay_loop_want(&r->batch.loop);
 }
 
 /* The LISTEN connection broke: the server released the wake-up lock with it,
@@ -301,7 +300,7 @@ static void on_notify(struct relay_pgsrc *pg, void *arg)
 {
     struct relay *r = arg;
     (void)pg;
-    relay_cycle_want(&r->cycle);
+    relay_loop_want(&r->batch.loop);
 }
 
 int relay_wake_io_start(struct relay *r)

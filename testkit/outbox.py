@@ -50,8 +50,7 @@ def scalar(conn, sql, args=None):
 
 def count_unsent(conn):
     """Rows not yet sent and not quarantined."""
-    return scalar(conn, "SELECT count(*) FROM outbox.messages"
-                        " WHERE sent_at IS NULL AND failed_at IS NULL")
+    return scalar(conn, "SELECT count(*) FROM outbox.unsent")
 
 
 def wait_all_sent(conn, timeout=30, relay=None):
@@ -64,6 +63,9 @@ def reset(pg_conn, redis_client=None):
     """Empties the outbox and Redis between tests (the relay's function stays loaded)."""
     with pg_conn.cursor() as cur:
         cur.execute("TRUNCATE outbox.messages RESTART IDENTITY; TRUNCATE outbox.topics;"
+                    " TRUNCATE outbox.quarantine, outbox.stream_positions, outbox.ticks;"
+                    " INSERT INTO outbox.ticks (tick_id, snap, ms)"
+                    " VALUES (1, pg_current_snapshot(), 1);"
                     " SELECT outbox.sync_partition_trigger()")
     if not pg_conn.autocommit:
         pg_conn.commit()

@@ -43,8 +43,9 @@ class Verifier:
     lost:            rows with no entry in their topic's stream
     duplicates:      entries beyond the first for one message id in the row's
                      stream (across_streams=True: in all streams together)
-    sent_but_absent: rows with sent_at set but no entry
-    unsent:          rows with sent_at NULL
+    sent_but_absent: rows past their stream's recorded position (or
+                     quarantined) with no entry
+    unsent:          rows in outbox.unsent
     stray:           entries of no row, or in another topic's stream
     corrupt:         with compare_payloads=True, entries in the row's stream
                      whose payload bytes, topic or outbox_id differ from the row's
@@ -62,8 +63,9 @@ class Verifier:
     def figures(self):
         payload = "payload" if self.compare_payloads else "NULL"
         with self.pg.cursor() as cur:
-            cur.execute(f"SELECT message_id::text, id, topic, {payload}, sent_at IS NOT NULL"
-                        " FROM outbox.messages ORDER BY id")
+            cur.execute(f"SELECT m.message_id::text, m.id, m.topic, {payload},"
+                        " NOT EXISTS (SELECT FROM outbox.unsent AS u WHERE u.id = m.id)"
+                        " FROM outbox.messages AS m ORDER BY m.id")
             rows = cur.fetchall()
         if not self.pg.autocommit:
             self.pg.commit()

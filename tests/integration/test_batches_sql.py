@@ -14,9 +14,10 @@ Promises tested:
   last (txid, id), cover each batch exactly;
 - outbox.batch_rows reads a batch off messages_txid_idx, never a scan of the
   table;
-- outbox.record_batch moves each stream's position forward only, keeps the
-  last entry id of the streams it only refreshes, and quarantines a copy of a
-  row, once, with its error;
+- outbox.record_batch moves each stream's position, and the lead, forward
+  only, and quarantines a copy of a row, once, with its error;
+- outbox.unsent holds the rows past their stream's recorded position that are
+  not quarantined;
 - roles: the relay may tick and read ticks, batches and positions; producers
   may do none of it.
 """
@@ -233,38 +234,59 @@ class BatchSqlTest(harness.PostgresTestCase):
         self.assertIn("messages_txid_idx", plan, plan)
         self.assertNotIn("Seq Scan on messages", plan, plan)
 
-    def record(self, tick, streams=(), entry_ids=(), refresh=(), quarantined=(), errors=()):
-        return scalar(self.db, "SELECT outbox.record_batch(%s, %s::text[], %s::text[], %s::text[],"
-                      " %s::bigint[], %s::text[])",
-                      (tick, list(streams), list(entry_ids), list(refresh), list(quarantined),
+    def record(self, tick, streams=(), entry_ids=(), quarantined=(), errors=()):
+        """streams: "topic" or "topic:p" for partition p."""
+        topics = [s.split(":")[0] for s in streams]
+        partitions = [int(s.split(":")[1]) if ":" in s else -1 for s in streams]
+        return scalar(self.db, "SELECT outbox.record_batch(%s, %s::text[], %s::integer[],"
+                      " %s::text[], %s::bigint[], %s::text[])",
+                      (tick, topics, partitions, list(entry_ids), list(quarantined),
                        list(errors)))
 
     def positions(self):
+        """(stream, tick, entry id) of each stream, the lead as "" first."""
         with self.db.cursor() as cur:
-            cur.execute("SELECT stream, tick, entry_id FROM outbox.stream_positions ORDER BY 1")
+            cur.execute("SELECT topic || CASE WHEN partition >= 0 THEN ':' || partition ELSE ''"
+                        " END, tick, entry_id FROM outbox.stream_positions ORDER BY 1")
             return cur.fetchall()
+
+    def unsent(self):
+        with self.db.cursor() as cur:
+            cur.execute("SELECT id FROM outbox.unsent ORDER BY id")
+            return [r[0] for r in cur.fetchall()]
 
     def test_positions_move_forward_only(self):
         for _ in range(4):
             insert(self.db)
             tick(self.db)
-        self.assertEqual(self.record(3, ["a", "b"], ["30-0", "30-4"]), 0)
-        self.assertEqual(self.positions(), [("a", 3, "30-0"), ("b", 3, "30-4")])
-        # A later batch touched a; b and c are only refreshed: b keeps its id,
-        # c starts with none.
-        self.record(4, ["a"], ["40-1"], refresh=["b", "c"])
-        self.assertEqual(self.positions(),
-                         [("a", 4, "40-1"), ("b", 4, "30-4"), ("c", 4, "0-0")])
+        self.assertEqual(self.record(3, ["a", "b:2"], ["30-0", "30-4"]), 0)
+        self.assertEqual(self.positions(), [("", 3, "0-0"), ("a", 3, "30-0"), ("b:2", 3, "30-4")])
+        self.record(4, ["a"], ["40-1"])
+        self.assertEqual(self.positions(), [("", 4, "0-0"), ("a", 4, "40-1"), ("b:2", 3, "30-4")])
         # An earlier batch recorded late (another relay's) moves nothing back.
-        self.record(2, ["a", "b"], ["20-0", "20-0"], refresh=["c"])
-        self.assertEqual(self.positions(),
-                         [("a", 4, "40-1"), ("b", 4, "30-4"), ("c", 4, "0-0")])
+        self.record(2, ["a", "b:2"], ["20-0", "20-0"])
+        self.assertEqual(self.positions(), [("", 4, "0-0"), ("a", 4, "40-1"), ("b:2", 3, "30-4")])
         # The same tick again (the batch read again after a failure): its ids.
         self.record(4, ["a"], ["40-2"])
-        self.assertEqual(self.positions()[0], ("a", 4, "40-2"))
+        self.assertEqual(self.positions()[1], ("a", 4, "40-2"))
         for bad in ((99, ["a"], ["1-0"]), (4, ["a", "b"], ["1-0"]), (None, [], [])):
             with self.subTest(bad=bad), self.assertRaises(psycopg2.errors.InvalidParameterValue):
                 self.record(*bad)
+
+    def test_unsent_are_the_rows_past_their_streams_position(self):
+        a1 = insert(self.db, "a") + insert(self.db, "b")
+        tick(self.db)  # 2
+        a2 = insert(self.db, "a")
+        tick(self.db)  # 3
+        self.assertEqual(self.unsent(), a1 + a2)
+        self.record(2, ["a"], ["2-0"])  # b's row of batch 2 not recorded: still unsent
+        self.assertEqual(self.unsent(), a1[1:] + a2)
+        self.record(3, ["a", "b"], ["3-0", "2-0"])
+        self.assertEqual(self.unsent(), [])
+        (q,) = insert(self.db, "c")
+        tick(self.db)
+        self.record(4, quarantined=[q], errors=["bad"])
+        self.assertEqual(self.unsent(), [])
 
     def test_quarantine_copies_the_row_once(self):
         with self.db.cursor() as cur:
@@ -293,11 +315,13 @@ class BatchSqlTest(harness.PostgresTestCase):
             self.assertEqual(tick(relay), 2)
             self.assertEqual(len(batch(relay, 1, 2)), 1)
             with relay.cursor() as cur:
-                cur.execute("SELECT outbox.record_batch(2, '{s}', '{2-0}', '{}', '{}', '{}')")
-                cur.execute("SELECT * FROM outbox.stream_positions, outbox.quarantine")
+                cur.execute("SELECT outbox.record_batch(2, '{s}', '{-1}', '{2-0}', '{}', '{}')")
+                cur.execute("SELECT * FROM outbox.stream_positions, outbox.quarantine,"
+                            " outbox.unsent")
             for sql in ("SELECT outbox.tick()", "SELECT * FROM outbox.ticks",
                         "SELECT * FROM outbox.stream_positions", "SELECT * FROM outbox.quarantine",
-                        "SELECT outbox.record_batch(2, '{s}', '{2-0}', '{}', '{}', '{}')"):
+                        "SELECT * FROM outbox.unsent",
+                        "SELECT outbox.record_batch(2, '{s}', '{-1}', '{2-0}', '{}', '{}')"):
                 with self.subTest(sql=sql), self.assertRaises(psycopg2.errors.InsufficientPrivilege):
                     with producer.cursor() as cur:
                         cur.execute(sql)

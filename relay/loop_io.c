@@ -1,0 +1,701 @@
+/*
+ * The batch loop's ops on a claiming connection and Redis (relay/loop.h;
+ * docs/DESIGN.md, "Batches from snapshots"). PostgreSQL is asked for ticks
+ * and for a batch's chunks, in autocommit: no transaction stays open while
+ * Redis works. Each chunk's rows get their stream's next rank; those Redis
+ * holds already are skipped; the rest go out per stream as MULTI, XADD with
+ * each row's id, EXEC, one call of a stream at a time. A batch fully in its
+ * streams is recorded (outbox.record_batch) with the rows it quarantined.
+ */
+#include "common/compat.h"
+
+#include <hiredis/async.h>
+#include <hiredis/hiredis.h>
+#include <inttypes.h>
+#include <libpq-fe.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/keys.h"
+#include "relay/daemon.h"
+#include "relay/log.h"
+#include "relay/pgsrc.h"
+#include "relay/sink.h"
+
+#define COMPONENT "batch"
+
+/* Columns of the batch statement (relay_pgsrc_batch_sql) past the claim's. */
+#define COL_TXID 12
+#define COL_MS 13
+
+static struct relay_chunk *chunk_of(struct relay_loop_io *b, uint32_t number)
+{
+    return &b->chunks[number % 2];
+}
+
+static void chunk_clear(struct relay_chunk *c)
+{
+    if (c->res != NULL)
+        PQclear(c->res);
+    c->res = NULL;
+    c->nrows = 0;
+    c->pending = 0;
+    c->failed = 0;
+    c->error[0] = '\0';
+}
+
+/* ---- ops ---------------------------------------------------------------- */
+
+static int op_ready(void *arg)
+{
+    const struct relay *r = arg;
+    return relay_pgsrc_state(r->batch.pg) == RELAY_PG_READY && relay_sink_ready(r->sink);
+}
+
+static void on_ticked(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                      void *arg);
+static void on_read(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                    void *arg);
+static void on_recorded(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                        const char *sqlstate, void *arg);
+
+static int op_tick(void *arg, uint64_t gen)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    char min_ms[24];
+    snprintf(min_ms, sizeof(min_ms), "%" PRIu64, b->min_ms);
+    const char *params[1] = {min_ms};
+    b->sent_gen = gen;
+    /* The first tick also reads where the last run left off: the lead. */
+    return relay_pgsrc_send(b->pg,
+                            "SELECT outbox.tick($1::bigint), (SELECT p.tick FROM "
+                            "outbox.stream_positions AS p WHERE p.topic = '' AND p.partition = -1)",
+                            1, params, 0, on_ticked, r);
+}
+
+static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32_t chunk)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    if (chunk == 0) {
+        b->after_txid = 0;
+        b->after_id = 0;
+    }
+    char p1[24], p2[24], p3[24], p4[24], p5[16];
+    snprintf(p1, sizeof(p1), "%" PRIu64, prev);
+    snprintf(p2, sizeof(p2), "%" PRIu64, next);
+    snprintf(p3, sizeof(p3), "%" PRIu64, b->after_txid);
+    snprintf(p4, sizeof(p4), "%" PRId64, b->after_id);
+    snprintf(p5, sizeof(p5), "%u", r->cfg->batch_size);
+    const char *params[5] = {p1, p2, p3, p4, p5};
+    b->sent_gen = gen;
+    b->read_number = chunk;
+    return relay_pgsrc_send_prepared(b->pg, "batch", 5, params, 1, on_read, r);
+}
+
+static void on_exec_reply(redisAsyncContext *ac, void *reply_, void *arg);
+
+/* Sends the next call of the stream whose next row to send is rows[i]: up to
+ * RELAY_CALL_ROWS rows and RELAY_CALL_BYTES of them, following row->next. */
+static int send_call(struct relay *r, struct relay_chunk *c, size_t i)
+{
+    struct relay_loop_io *b = &r->batch;
+    const struct relay_row *call[RELAY_CALL_ROWS];
+    size_t n = 0, bytes = 0;
+    for (int32_t k = (int32_t)i; k >= 0 && n < RELAY_CALL_ROWS;) {
+        const struct relay_row *row = &c->rows[k];
+        if (n > 0 && bytes + row->call_bytes > RELAY_CALL_BYTES)
+            break;
+        call[n++] = row;
+        bytes += row->call_bytes;
+        k = row->next;
+    }
+    size_t ends[RELAY_CALL_ROWS + 2];
+    outbox_buf_reset(&r->out);
+    if (relay_batch_append_xadd_call(call, n, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
+                                     c->ms, &r->out, ends) != 0)
+        return -1;
+    c->rows[i].call_rows = (uint32_t)n;
+    if (relay_sink_transaction(r->sink, r->out.data, ends, n + 2, on_exec_reply, &c->rows[i]) < 0)
+        return -1;
+    c->pending++;
+    (void)b;
+    return 0;
+}
+
+static void chunk_failed(struct relay_chunk *c, enum relay_fail_kind kind, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void chunk_failed(struct relay_chunk *c, enum relay_fail_kind kind, const char *fmt, ...)
+{
+    if (c->failed)
+        return;
+    c->failed = 1;
+    c->kind = kind;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->error, sizeof(c->error), fmt, ap);
+    va_end(ap);
+}
+
+/* Every call of the chunk has been answered: published, or failed. */
+static void chunk_done(struct relay *r, struct relay_chunk *c)
+{
+    struct relay_loop_io *b = &r->batch;
+    if (c->failed)
+        relay_loop_failed(&b->loop, c->gen, c->kind, c->error);
+    else
+        relay_loop_published(&b->loop, c->gen, c->number);
+}
+
+/* A row that cannot be published: recorded with the batch, and the stream
+ * goes on past it (it keeps its rank). */
+static void quarantine(struct relay_loop_io *b, struct relay_row *row)
+{
+    row->state = RELAY_ROW_FAILED;
+    if (b->nquarantined < b->quarantine_max) {
+        b->quarantined[b->nquarantined] = row->id;
+        snprintf(b->quarantine_errors[b->nquarantined], OUTBOX_ERROR_MAX, "%s", row->error);
+        b->nquarantined++;
+    }
+}
+
+static void op_publish(void *arg, uint64_t gen, uint32_t number)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    struct relay_chunk *c = chunk_of(b, number);
+    c->gen = gen;
+    c->pending = 0;
+    c->failed = 0;
+    relay_sink_written_reset(r->sink);
+    relay_batch_streams_clear(&b->streams);
+    /* Rank each row in its stream, skip what Redis holds, and chain each
+     * stream's rows to send (row->next). */
+    for (size_t i = 0; i < c->nrows; i++) {
+        struct relay_row *row = &c->rows[i];
+        row->next = -1;
+        row->call_rows = 0;
+        struct relay_cursor *cur = relay_cursors_get(&b->cursors, row);
+        if (cur != NULL) {
+            row->seq = relay_cursor_rank(cur, b->loop.next);
+            cur->touched = 1;
+        }
+        if (relay_batch_check_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
+                                      row->error, sizeof(row->error), &row->fault) != 0 ||
+            cur == NULL) {
+            if (cur == NULL && row->error[0] == '\0')
+                snprintf(row->error, sizeof(row->error), "the row's topic has no stream");
+            quarantine(b, row);
+            continue;
+        }
+        if (relay_cursor_present(cur, c->ms, row->seq)) {
+            row->state = RELAY_ROW_PUBLISHED;
+            continue;
+        }
+        row->state = RELAY_ROW_PUBLISHING;
+        int32_t *last = relay_batch_streams_slot(&b->streams, c->rows, i);
+        if (*last >= 0)
+            c->rows[*last].next = (int32_t)i;
+        else
+            row->call_rows = UINT32_MAX; /* the stream's first row: its call goes now */
+        *last = (int32_t)i;
+    }
+    for (size_t i = 0; i < c->nrows; i++) {
+        if (c->rows[i].state != RELAY_ROW_PUBLISHING || c->rows[i].call_rows != UINT32_MAX)
+            continue;
+        if (send_call(r, c, i) < 0) {
+            chunk_failed(c, RELAY_FAIL_REDIS_CONNECTION, "Redis connection not ready");
+            break;
+        }
+    }
+    if (c->pending == 0)
+        chunk_done(r, c);
+}
+
+/* Array literal of n texts ({"a","b\"c"}), and its NUL, appended to out. */
+static void put_text_array(struct outbox_buf *out, const char *const *items, size_t n)
+{
+    outbox_buf_append(out, "{", 1);
+    for (size_t i = 0; i < n; i++) {
+        outbox_buf_append(out, i > 0 ? ",\"" : "\"", i > 0 ? 2 : 1);
+        for (const char *p = items[i]; *p != '\0'; p++) {
+            if (*p == '"' || *p == '\\')
+                outbox_buf_append(out, "\\", 1);
+            outbox_buf_append(out, p, 1);
+        }
+        outbox_buf_append(out, "\"", 1);
+    }
+    outbox_buf_append(out, "}", 2); /* with the NUL after it */
+}
+
+static int op_record(void *arg, uint64_t gen, uint64_t next)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    /* The streams the batch touched, and the last id each holds now. */
+    size_t n = 0;
+    for (size_t i = 0; b->cursors.slots != NULL && i <= b->cursors.mask; i++) {
+        struct relay_cursor *cur = &b->cursors.slots[i];
+        if (cur->topic[0] == '\0' || !cur->touched || cur->tick != next || !cur->top_known)
+            continue;
+        if (n >= b->record_max)
+            break;
+        b->record_topic_ptrs[n] = cur->topic;
+        snprintf(b->record_partitions[n], sizeof(b->record_partitions[n]), "%d",
+                 cur->partitioned ? (int)cur->partition : -1);
+        b->record_partition_ptrs[n] = b->record_partitions[n];
+        relay_batch_entry_id(cur->top_ms, cur->top_seq, b->record_ids[n]);
+        b->record_id_ptrs[n] = b->record_ids[n];
+        n++;
+    }
+    const char *errors[RELAY_QUARANTINE_MAX];
+    char ids[RELAY_QUARANTINE_MAX][24];
+    const char *id_ptrs[RELAY_QUARANTINE_MAX];
+    for (size_t i = 0; i < b->nquarantined; i++) {
+        errors[i] = b->quarantine_errors[i];
+        snprintf(ids[i], sizeof(ids[i]), "%lld", (long long)b->quarantined[i]);
+        id_ptrs[i] = ids[i];
+    }
+    outbox_buf_reset(&b->sql);
+    size_t at[5];
+    at[0] = b->sql.len;
+    put_text_array(&b->sql, b->record_topic_ptrs, n);
+    at[1] = b->sql.len;
+    put_text_array(&b->sql, b->record_partition_ptrs, n);
+    at[2] = b->sql.len;
+    put_text_array(&b->sql, b->record_id_ptrs, n);
+    at[3] = b->sql.len;
+    put_text_array(&b->sql, id_ptrs, b->nquarantined);
+    at[4] = b->sql.len;
+    put_text_array(&b->sql, errors, b->nquarantined);
+    if (b->sql.failed)
+        return -1;
+    char tick[24];
+    snprintf(tick, sizeof(tick), "%" PRIu64, next);
+    const char *params[6] = {tick,
+                             b->sql.data + at[0],
+                             b->sql.data + at[1],
+                             b->sql.data + at[2],
+                             b->sql.data + at[3],
+                             b->sql.data + at[4]};
+    b->sent_gen = gen;
+    return relay_pgsrc_send(b->pg,
+                            "SELECT outbox.record_batch($1::bigint, $2::text[], $3::integer[], "
+                            "$4::text[], $5::bigint[], $6::text[])",
+                            6, params, 0, on_recorded, r);
+}
+
+static void op_abandon(void *arg)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    chunk_clear(&b->chunks[0]);
+    chunk_clear(&b->chunks[1]);
+    b->nquarantined = 0;
+    /* The batch is read again from its start: its ranks count again. */
+    relay_cursors_restart(&b->cursors, b->loop.next);
+}
+
+static void op_failed(void *arg, enum relay_fail_kind kind, const char *why)
+{
+    struct relay *r = arg;
+    r->fig.errors[kind]++;
+    if (strcmp(why, r->fig.last_batch_error) != 0) {
+        relay_warn(COMPONENT, "batch not published: %s; it is read again after a backoff", why);
+        snprintf(r->fig.last_batch_error, sizeof(r->fig.last_batch_error), "%s", why);
+    } else {
+        relay_debug(COMPONENT, "batch not published: %s", why);
+    }
+    if (r->batch.slots_moved) {
+        r->batch.slots_moved = 0;
+        relay_sink_abort(r->sink, "a slot of the cluster moved to another primary (MOVED): "
+                                  "reading the slot map again");
+    } else if (r->batch.not_primary) {
+        r->batch.not_primary = 0;
+        relay_sink_abort(r->sink, "the server answered READONLY: it is a replica now (a "
+                                  "failover); reconnecting, through the Sentinels when set");
+    }
+}
+
+static void op_arm_retry(void *arg, uint32_t ms)
+{
+    struct relay *r = arg;
+    ev_timer_stop(r->loop, &r->retry_timer);
+    ev_timer_set(&r->retry_timer, ms / 1000.0, 0.0);
+    ev_timer_start(r->loop, &r->retry_timer);
+}
+
+static void op_idle(void *arg)
+{
+    struct relay *r = arg;
+    relay_wake_empty(&r->wake);
+}
+
+static void op_drained(void *arg)
+{
+    relay_drain_step(arg);
+}
+
+/* ---- answers into events ---------------------------------------------- */
+
+static void on_ticked(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                      void *arg)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    (void)pg;
+    (void)sqlstate;
+    if (r->stopping)
+        return;
+    if (err != NULL || res == NULL || PQntuples(res) != 1 || PQgetisnull(res, 0, 0)) {
+        char why[600];
+        snprintf(why, sizeof(why), "outbox.tick() failed: %s", err != NULL ? err : "no answer");
+        relay_loop_failed(&b->loop, b->sent_gen, RELAY_FAIL_POSTGRES, why);
+        return;
+    }
+    if (!b->lead_known) {
+        b->lead_known = 1;
+        uint64_t lead = PQgetisnull(res, 0, 1) ? 0 : strtoull(PQgetvalue(res, 0, 1), NULL, 10);
+        relay_loop_set_lead(&b->loop, lead);
+        relay_info(COMPONENT, "publishing from the batch after tick %" PRIu64, lead);
+    }
+    relay_loop_ticked(&b->loop, b->sent_gen, strtoull(PQgetvalue(res, 0, 0), NULL, 10));
+}
+
+/* One row of a chunk, as the claim's columns (relay_pgsrc_batch_sql). */
+OUTBOX_STATIC int parse_row(PGresult *res, int i, struct relay_row *row);
+OUTBOX_STATIC int parse_row(PGresult *res, int i, struct relay_row *row)
+{
+    if (PQgetlength(res, i, 0) != 8)
+        return -1;
+    memset(row, 0, offsetof(struct relay_row, error));
+    row->error[0] = '\0';
+    row->id = relay_batch_decode_int8(PQgetvalue(res, i, 0));
+    row->message_id = PQgetvalue(res, i, 1);
+    row->message_id_len = (size_t)PQgetlength(res, i, 1);
+    row->topic = PQgetvalue(res, i, 2);
+    row->topic_len = (size_t)PQgetlength(res, i, 2);
+    if (!PQgetisnull(res, i, 3)) {
+        row->key = PQgetvalue(res, i, 3);
+        row->key_len = (size_t)PQgetlength(res, i, 3);
+    }
+    if (PQgetisnull(res, i, 4)) {
+        /* Over max_payload_bytes: left in the database, only its size came. */
+        if (PQgetlength(res, i, 10) != 4)
+            return -1;
+        row->payload_len = (size_t)(uint32_t)relay_batch_decode_int4(PQgetvalue(res, i, 10));
+    } else {
+        row->payload = PQgetvalue(res, i, 4);
+        row->payload_len = (size_t)PQgetlength(res, i, 4);
+    }
+    row->created_at = PQgetvalue(res, i, 5);
+    row->created_at_len = (size_t)PQgetlength(res, i, 5);
+    if (!PQgetisnull(res, i, 6))
+        row->headers_type = PQgetvalue(res, i, 6);
+    if (!PQgetisnull(res, i, 7)) {
+        row->header_names = PQgetvalue(res, i, 7);
+        row->header_names_len = (size_t)PQgetlength(res, i, 7);
+    }
+    if (!PQgetisnull(res, i, 8)) {
+        row->header_values = PQgetvalue(res, i, 8);
+        row->header_values_len = (size_t)PQgetlength(res, i, 8);
+    }
+    if (PQgetlength(res, i, 9) != 4)
+        return -1;
+    row->attempts = relay_batch_decode_int4(PQgetvalue(res, i, 9));
+    if (PQgetlength(res, i, 11) != 4)
+        return -1;
+    int32_t partitions = relay_batch_decode_int4(PQgetvalue(res, i, 11));
+    row->partitions = partitions < 1 ? 1 : (uint32_t)partitions;
+    row->partition = outbox_partition_of(row->key, row->key_len, row->id, row->partitions);
+    row->state = RELAY_ROW_CLAIMED;
+    return 0;
+}
+
+static uint64_t decode_u64(const char *p)
+{
+    return (uint64_t)relay_batch_decode_int8(p);
+}
+
+static void on_read(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                    void *arg)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    (void)sqlstate;
+    if (r->stopping)
+        return;
+    uint64_t gen = b->sent_gen;
+    if (gen != b->loop.gen)
+        return; /* an abandoned batch's chunk */
+    if (err != NULL || res == NULL) {
+        char why[600];
+        snprintf(why, sizeof(why), "reading the batch failed: %s", err != NULL ? err : "no answer");
+        relay_loop_failed(&b->loop, gen, RELAY_FAIL_POSTGRES, why);
+        return;
+    }
+    struct relay_chunk *c = chunk_of(b, b->read_number);
+    chunk_clear(c);
+    c->res = relay_pgsrc_take_result(pg);
+    c->number = b->read_number;
+    c->gen = gen;
+    int n = PQntuples(c->res);
+    for (int i = 0; i < n && (size_t)i < r->cfg->batch_size; i++) {
+        if (PQgetlength(c->res, i, COL_TXID) != 8 || PQgetlength(c->res, i, COL_MS) != 8 ||
+            parse_row(c->res, i, &c->rows[c->nrows]) < 0) {
+            relay_loop_failed(&b->loop, gen, RELAY_FAIL_POSTGRES,
+                              "the batch statement returned a malformed row");
+            return;
+        }
+        c->ms = decode_u64(PQgetvalue(c->res, i, COL_MS));
+        b->after_txid = decode_u64(PQgetvalue(c->res, i, COL_TXID));
+        b->after_id = c->rows[c->nrows].id;
+        c->nrows++;
+    }
+    relay_loop_chunk(&b->loop, gen, c->number, c->nrows);
+}
+
+/* Published messages per topic, for outbox_relay_messages_published_total,
+ * and the stream for the observer's list of streams. */
+static void count_published(struct relay *r, const struct relay_row *row)
+{
+    struct relay_figures *f = &r->fig;
+    f->published_total++;
+    relay_stream_seen_note(&r->streams_seen, r->cfg->stream_prefix, row);
+    for (size_t j = 0; j < f->ntopics; j++) {
+        if (strlen(f->topics[j].topic) == row->topic_len &&
+            memcmp(f->topics[j].topic, row->topic, row->topic_len) == 0) {
+            f->topics[j].published++;
+            return;
+        }
+    }
+    if (f->ntopics < RELAY_OBS_TOPICS_MAX && row->topic_len <= OUTBOX_TOPIC_MAX) {
+        memcpy(f->topics[f->ntopics].topic, row->topic, row->topic_len);
+        f->topics[f->ntopics].topic[row->topic_len] = '\0';
+        f->topics[f->ntopics++].published = 1;
+    } else {
+        f->other_published++;
+    }
+}
+
+/* A row's part of an EXEC reply: appended, there already, or an error. */
+static void apply_one(struct relay *r, struct relay_chunk *c, struct relay_row *row,
+                      const redisReply *one)
+{
+    struct relay_loop_io *b = &r->batch;
+    struct relay_cursor *cur = relay_cursors_get(&b->cursors, row);
+    if (one != NULL && (one->type == REDIS_REPLY_STRING || one->type == REDIS_REPLY_STATUS)) {
+        row->state = RELAY_ROW_PUBLISHED;
+        if (cur != NULL)
+            relay_cursor_appended(cur, c->ms, row->seq);
+        count_published(r, row);
+        return;
+    }
+    if (one != NULL && one->type == REDIS_REPLY_ERROR &&
+        relay_batch_xadd_present(one->str, one->len)) {
+        row->state = RELAY_ROW_PUBLISHED; /* in the stream already */
+        if (cur != NULL)
+            relay_cursor_appended(cur, c->ms, row->seq);
+        return;
+    }
+    if (one != NULL && one->type == REDIS_REPLY_ERROR && one->len >= 9 &&
+        memcmp(one->str, "WRONGTYPE", 9) == 0) {
+        snprintf(row->error, sizeof(row->error),
+                 "the stream's key holds another type (WRONGTYPE): rename or delete it, then "
+                 "'outbox-relay failed retry %lld'",
+                 (long long)row->id);
+        quarantine(b, row);
+        return;
+    }
+    chunk_failed(c, RELAY_FAIL_REDIS_ERROR, "Redis refused a row: %.*s",
+                 one != NULL && one->type == REDIS_REPLY_ERROR ? (int)one->len : 0,
+                 one != NULL && one->type == REDIS_REPLY_ERROR ? one->str : "");
+}
+
+static void on_exec_reply(redisAsyncContext *ac, void *reply_, void *arg)
+{
+    const redisReply *reply = reply_;
+    struct relay *r = relay_sink_owner(ac);
+    if (r == NULL || r->stopping)
+        return;
+    struct relay_loop_io *b = &r->batch;
+    struct relay_row *head = arg;
+    struct relay_chunk *c = NULL;
+    for (int k = 0; k < 2; k++)
+        if (head >= b->chunks[k].rows && head < b->chunks[k].rows + b->chunks[k].nrows)
+            c = &b->chunks[k];
+    if (c == NULL || c->gen != b->loop.gen || c->pending == 0)
+        return; /* an abandoned chunk's */
+    c->pending--;
+    size_t n = head->call_rows;
+    if (reply == NULL) {
+        chunk_failed(c, RELAY_FAIL_REDIS_CONNECTION, "Redis connection lost: %s", ac->errstr);
+    } else if (reply->type == REDIS_REPLY_ERROR) {
+        if (reply->len >= 5 && memcmp(reply->str, "MOVED", 5) == 0)
+            b->slots_moved = 1;
+        else if (reply->len >= 8 && memcmp(reply->str, "READONLY", 8) == 0)
+            b->not_primary = 1;
+        chunk_failed(c, RELAY_FAIL_REDIS_ERROR, "Redis refused the publish: %.*s", (int)reply->len,
+                     reply->str);
+    } else if (reply->type != REDIS_REPLY_ARRAY || reply->elements != n) {
+        chunk_failed(c, RELAY_FAIL_REDIS_REPLY, "Redis answered a publish of %zu rows with %s", n,
+                     reply->type == REDIS_REPLY_ARRAY ? "an array of another length"
+                                                      : "a reply of another type");
+    } else {
+        struct relay_row *row = head;
+        for (size_t k = 0; k < n && row != NULL; k++) {
+            apply_one(r, c, row, reply->element[k]);
+            row = row->next >= 0 ? &c->rows[row->next] : NULL;
+        }
+        /* The stream's next call, now that this one is in. */
+        if (!c->failed && row != NULL) {
+            if (send_call(r, c, (size_t)(row - c->rows)) < 0)
+                chunk_failed(c, RELAY_FAIL_REDIS_CONNECTION, "Redis connection not ready");
+        }
+    }
+    if (c->pending == 0)
+        chunk_done(r, c);
+}
+
+static void on_recorded(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                        const char *sqlstate, void *arg)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    (void)pg;
+    (void)sqlstate;
+    if (r->stopping)
+        return;
+    if (err != NULL) {
+        char why[600];
+        snprintf(why, sizeof(why), "recording the batch failed: %s", err);
+        relay_loop_failed(&b->loop, b->sent_gen, RELAY_FAIL_POSTGRES, why);
+        return;
+    }
+    r->fig.batches_total++;
+    if (res != NULL && PQntuples(res) == 1 && !PQgetisnull(res, 0, 0))
+        r->fig.quarantined_total += strtoull(PQgetvalue(res, 0, 0), NULL, 10);
+    for (size_t i = 0; i < b->nquarantined; i++)
+        relay_error(COMPONENT,
+                    "row id=%lld quarantined: %s; 'outbox-relay failed list' lists the "
+                    "quarantined rows",
+                    (long long)b->quarantined[i], b->quarantine_errors[i]);
+    b->nquarantined = 0;
+    relay_cursors_untouch(&b->cursors);
+    relay_cursors_trim(&b->cursors, b->loop.next);
+    if (r->fig.last_batch_error[0] != '\0') {
+        relay_info(COMPONENT, "publishing again after: %s", r->fig.last_batch_error);
+        r->fig.last_batch_error[0] = '\0';
+    }
+    relay_loop_recorded(&b->loop, b->sent_gen);
+}
+
+/* ---- connections -------------------------------------------------------- */
+
+const double relay_batch_buckets[RELAY_BATCH_BUCKETS] = {
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+
+static void on_kick(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop;
+    (void)revents;
+    relay_loop_want(&((struct relay *)w->data)->batch.loop);
+}
+
+static void on_retry(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop;
+    (void)revents;
+    relay_loop_retry(&((struct relay *)w->data)->batch.loop);
+}
+
+static void pg_ready(struct relay_pgsrc *pg, void *arg)
+{
+    struct relay *r = arg;
+    (void)pg;
+    relay_wake_busy(&r->wake);
+    relay_loop_want(&r->batch.loop);
+}
+
+static void pg_down(struct relay_pgsrc *pg, void *arg)
+{
+    (void)pg;
+    (void)arg; /* the command in flight, if any, fails with the connection */
+}
+
+static void sink_ready(struct relay_sink *s, void *arg)
+{
+    struct relay *r = arg;
+    (void)s;
+    relay_loop_want(&r->batch.loop);
+}
+
+int relay_loop_io_start(struct relay *r)
+{
+    const struct relay_loop_ops ops = {
+        .arg = r,
+        .ready = op_ready,
+        .tick = op_tick,
+        .read = op_read,
+        .publish = op_publish,
+        .record = op_record,
+        .abandon = op_abandon,
+        .failed = op_failed,
+        .arm_retry = op_arm_retry,
+        .idle = op_idle,
+        .drained = op_drained,
+    };
+    const struct relay_config *cfg = r->cfg;
+    struct relay_loop_io *b = &r->batch;
+    relay_loop_init(&b->loop, &ops, cfg->batch_size, cfg->reconnect_min_ms, cfg->reconnect_max_ms);
+    relay_cursors_init(&b->cursors);
+    ev_init(&r->retry_timer, on_retry);
+    r->retry_timer.data = r;
+    ev_init(&r->kick, on_kick);
+    r->kick.data = r;
+    for (int k = 0; k < 2; k++) {
+        b->chunks[k].rows = calloc(cfg->batch_size, sizeof(*b->chunks[k].rows));
+        if (b->chunks[k].rows == NULL)
+            return -1;
+    }
+    b->quarantine_max = 2 * (size_t)cfg->batch_size;
+    if (b->quarantine_max > RELAY_QUARANTINE_MAX)
+        b->quarantine_max = RELAY_QUARANTINE_MAX;
+    b->record_max = RELAY_RECORD_STREAMS_MAX;
+    if (relay_batch_streams_init(&b->streams, cfg->batch_size) != 0)
+        return -1;
+    struct relay_pgsrc_hooks hooks = {.arg = r, .on_ready = pg_ready, .on_down = pg_down};
+    b->pg = relay_pgsrc_new(r->loop, cfg, RELAY_PGSRC_CLAIM, &hooks);
+    if (b->pg == NULL)
+        return -1;
+    struct relay_sink_hooks sink_hooks = {.arg = r, .on_ready = sink_ready};
+    r->sink = relay_sink_new(r->loop, cfg, &sink_hooks);
+    return r->sink != NULL ? 0 : -1;
+}
+
+void relay_loop_io_stop(struct relay *r)
+{
+    struct relay_loop_io *b = &r->batch;
+    relay_loop_stop(&b->loop);
+    if (r->loop != NULL)
+        ev_timer_stop(r->loop, &r->retry_timer);
+    if (r->loop != NULL)
+        ev_timer_stop(r->loop, &r->kick);
+    relay_sink_free(r->sink);
+    r->sink = NULL;
+    relay_pgsrc_free(b->pg);
+    b->pg = NULL;
+    for (int k = 0; k < 2; k++) {
+        chunk_clear(&b->chunks[k]);
+        free(b->chunks[k].rows);
+        b->chunks[k].rows = NULL;
+    }
+    relay_batch_streams_free(&b->streams);
+    relay_cursors_free(&b->cursors);
+    outbox_buf_free(&b->sql);
+    outbox_buf_free(&r->out);
+}
