@@ -141,10 +141,36 @@ static void chunk_failed(struct relay_chunk *c, enum relay_fail_kind kind, const
     va_end(ap);
 }
 
+/* A chunk's calls must be answered within publish_timeout: hiredis 0.14 has
+ * no command timeouts, so the deadline drops the connection, and every call
+ * in flight is then answered NULL. Liveness only: what a late call appends
+ * is still each row's own entry id, refused if it is there. */
+static void arm_deadline(struct relay *r)
+{
+    ev_timer_stop(r->loop, &r->deadline);
+    ev_timer_set(&r->deadline, r->cfg->publish_timeout_ms / 1000.0, 0.0);
+    ev_timer_start(r->loop, &r->deadline);
+}
+
+static void on_deadline(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    struct relay *r = w->data;
+    (void)loop;
+    (void)revents;
+    char why[128];
+    snprintf(why, sizeof(why), "no reply from Redis within publish_timeout (%u ms)",
+             r->cfg->publish_timeout_ms);
+    for (int k = 0; k < 2; k++)
+        if (r->batch.chunks[k].pending > 0)
+            chunk_failed(&r->batch.chunks[k], RELAY_FAIL_REDIS_TIMEOUT, "%s", why);
+    relay_sink_abort(r->sink, why);
+}
+
 /* Every call of the chunk has been answered: published, or failed. */
 static void chunk_done(struct relay *r, struct relay_chunk *c)
 {
     struct relay_loop_io *b = &r->batch;
+    ev_timer_stop(r->loop, &r->deadline);
     if (c->failed)
         relay_loop_failed(&b->loop, c->gen, c->kind, c->error);
     else
@@ -214,6 +240,8 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
     }
     if (c->pending == 0)
         chunk_done(r, c);
+    else
+        arm_deadline(r);
 }
 
 /* Array literal of n texts ({"a","b\"c"}), and its NUL, appended to out. */
@@ -293,6 +321,7 @@ static void op_abandon(void *arg)
 {
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
+    ev_timer_stop(r->loop, &r->deadline);
     chunk_clear(&b->chunks[0]);
     chunk_clear(&b->chunks[1]);
     b->nquarantined = 0;
@@ -657,6 +686,8 @@ int relay_loop_io_start(struct relay *r)
     r->retry_timer.data = r;
     ev_init(&r->kick, on_kick);
     r->kick.data = r;
+    ev_init(&r->deadline, on_deadline);
+    r->deadline.data = r;
     for (int k = 0; k < 2; k++) {
         b->chunks[k].rows = calloc(cfg->batch_size, sizeof(*b->chunks[k].rows));
         if (b->chunks[k].rows == NULL)
@@ -683,8 +714,10 @@ void relay_loop_io_stop(struct relay *r)
     relay_loop_stop(&b->loop);
     if (r->loop != NULL)
         ev_timer_stop(r->loop, &r->retry_timer);
-    if (r->loop != NULL)
+    if (r->loop != NULL) {
         ev_timer_stop(r->loop, &r->kick);
+        ev_timer_stop(r->loop, &r->deadline);
+    }
     relay_sink_free(r->sink);
     r->sink = NULL;
     relay_pgsrc_free(b->pg);
