@@ -51,6 +51,7 @@ LAYOUT_SECONDS the rounds (2) and their length (10 s).
 import argparse
 import csv
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -193,9 +194,11 @@ def producers(pg, rd, conn, tmp, rounds, seconds):
                         if kind == "full_mid":
                             execute(conn, "DROP INDEX layout_proto.full_message_id_idx")
                         execute(busy, "SELECT pg_advisory_unlock_all()")
-                    listener.poll()
-                    notified = len(listener.notifies)
-                    listener.notifies.clear()
+                    notified = 0
+                    while select.select([listener], [], [], 0.2)[0]:
+                        listener.poll()
+                        notified += len(listener.notifies)
+                        listener.notifies.clear()
                     parts = scalar(conn, "SELECT count(DISTINCT tableoid) FROM layout_proto.full")
                     name = f"producers.sync_{sync}.{kind}.r{rnd + 1}"
                     add("producers", f"{name}.tps", res["tps"], "tx/s")
