@@ -179,14 +179,22 @@ static void chunk_done(struct relay *r, struct relay_chunk *c)
 
 /* A row that cannot be published: recorded with the batch, and the stream
  * goes on past it (it keeps its rank). */
-static void quarantine(struct relay_loop_io *b, struct relay_row *row)
+static void quarantine(struct relay_loop_io *b, struct relay_chunk *c, struct relay_row *row)
 {
     row->state = RELAY_ROW_FAILED;
-    if (b->nquarantined < b->quarantine_max) {
-        b->quarantined[b->nquarantined] = row->id;
-        snprintf(b->quarantine_errors[b->nquarantined], OUTBOX_ERROR_MAX, "%s", row->error);
-        b->nquarantined++;
+    if (b->nquarantined >= b->quarantine_max) {
+        /* Never past a row that is neither published nor recorded: the batch
+         * fails, and is read again. (A batch of more bad rows than this
+         * holds then never ends: recording the quarantine in parts, ahead of
+         * the positions, is still to do.) */
+        chunk_failed(c, RELAY_FAIL_POSTGRES,
+                     "more than %zu rows of one batch to quarantine: the batch is read again",
+                     b->quarantine_max);
+        return;
     }
+    b->quarantined[b->nquarantined] = row->id;
+    snprintf(b->quarantine_errors[b->nquarantined], OUTBOX_ERROR_MAX, "%s", row->error);
+    b->nquarantined++;
 }
 
 static void op_publish(void *arg, uint64_t gen, uint32_t number)
@@ -215,7 +223,7 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
             cur == NULL) {
             if (cur == NULL && row->error[0] == '\0')
                 snprintf(row->error, sizeof(row->error), "the row's topic has no stream");
-            quarantine(b, row);
+            quarantine(b, c, row);
             continue;
         }
         if (relay_cursor_present(cur, c->ms, row->seq)) {
@@ -537,7 +545,7 @@ static void apply_one(struct relay *r, struct relay_chunk *c, struct relay_row *
                  "the stream's key holds another type (WRONGTYPE): rename or delete it, then "
                  "'outbox-relay failed retry %lld'",
                  (long long)row->id);
-        quarantine(b, row);
+        quarantine(b, c, row);
         return;
     }
     chunk_failed(c, RELAY_FAIL_REDIS_ERROR, "Redis refused a row: %.*s",
