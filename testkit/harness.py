@@ -46,7 +46,7 @@ from .cleanup import (LOG_DIR, keep_log, keep_secret, keep_text,  # noqa: F401
                       register, set_deadline, stop_on_signal, unregister)
 from .common import (SKIP, SOURCE_DIR, free_port, port_open, reserve_port,  # noqa: F401
                      run_command, spawn_listening, tail, temp_dir, wait_until)
-from .outbox import (all_entries, count_unsent, dedup_records,  # noqa: F401
+from .outbox import (all_entries, count_sent, count_unsent, dedup_records,  # noqa: F401
                      entries_by_message_id, insert, insert_many, max_sent_within,
                      publish_calls, reset, scalar, stream_entries, stream_names,
                      unretired_dedup_records, wait_all_sent)

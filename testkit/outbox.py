@@ -48,6 +48,17 @@ def scalar(conn, sql, args=None):
         return cur.fetchone()[0]
 
 
+SENT = ("NOT EXISTS (SELECT FROM outbox.unsent AS u WHERE u.id = m.id)"
+        " AND NOT EXISTS (SELECT FROM outbox.quarantine AS q WHERE q.id = m.id)")
+
+
+def count_sent(conn, where="TRUE", args=None):
+    """Rows in their stream (past its recorded position, not quarantined) that
+    match where, a condition on outbox.messages AS m."""
+    return scalar(conn, f"SELECT count(*) FROM outbox.messages AS m WHERE ({where}) AND {SENT}",
+                  args)
+
+
 def count_unsent(conn):
     """Rows not yet sent and not quarantined."""
     return scalar(conn, "SELECT count(*) FROM outbox.unsent")

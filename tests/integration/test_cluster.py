@@ -43,7 +43,7 @@ RELAY_FLAGS = dict(poll_interval="200ms", reconnect_min="50ms", reconnect_max="5
 
 
 def sent_count(conn):
-    return scalar(conn, "SELECT count(*) FROM outbox.messages WHERE sent_at IS NOT NULL")
+    return harness.count_sent(conn)
 
 
 def spread_topics(cluster, per_primary=4):

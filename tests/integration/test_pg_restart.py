@@ -48,7 +48,7 @@ class PgRestartTest(harness.TestCase):
         return conn
 
     def sent_count(self, conn):
-        return scalar(conn, "SELECT count(*) FROM outbox.messages WHERE sent_at IS NOT NULL")
+        return harness.count_sent(conn)
 
     def restart_under_load(self, mode):
         relay = self.relay
