@@ -258,7 +258,7 @@ static void put_text_array(struct outbox_buf *out, const char *const *items, siz
     outbox_buf_append(out, "{", 1);
     for (size_t i = 0; i < n; i++) {
         outbox_buf_append(out, i > 0 ? ",\"" : "\"", i > 0 ? 2 : 1);
-        for (const char *p = items[i]; *p != '\0'; p++) {
+        for (const char *p = items[i]; p != NULL && *p != '\0'; p++) {
             if (*p == '"' || *p == '\\')
                 outbox_buf_append(out, "\\", 1);
             outbox_buf_append(out, p, 1);
@@ -288,9 +288,9 @@ static int op_record(void *arg, uint64_t gen, uint64_t next)
         b->record_id_ptrs[n] = b->record_ids[n];
         n++;
     }
-    const char *errors[RELAY_QUARANTINE_MAX];
+    const char *errors[RELAY_QUARANTINE_MAX] = {0};
     char ids[RELAY_QUARANTINE_MAX][24];
-    const char *id_ptrs[RELAY_QUARANTINE_MAX];
+    const char *id_ptrs[RELAY_QUARANTINE_MAX] = {0};
     for (size_t i = 0; i < b->nquarantined; i++) {
         errors[i] = b->quarantine_errors[i];
         snprintf(ids[i], sizeof(ids[i]), "%lld", (long long)b->quarantined[i]);

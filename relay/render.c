@@ -63,8 +63,10 @@ static int ready(const struct relay *r, char *why, size_t whylen)
         return 0;
     }
     if (r->batch.loop.failures_in_row >= FAILURES_NOT_READY) {
-        snprintf(why, whylen, "batches keep failing (%u in a row): %s",
-                 r->batch.loop.failures_in_row, r->fig.last_batch_error);
+        /* The last error may be cut to fit: the reason stays readable. */
+        if (snprintf(why, whylen, "batches keep failing (%u in a row): %s",
+                     r->batch.loop.failures_in_row, r->fig.last_batch_error) < 0)
+            why[0] = '\0';
         return 0;
     }
     return 1;
