@@ -201,15 +201,33 @@ COMMENT ON TABLE outbox.quarantine IS
     'Rows the relay could not publish and moved past, with why (outbox-relay failed).';
 
 -- A batch is all in its streams: records, in one call, where each stream it
--- touched now stands (its topic, partition and the last entry id written to
--- it), the lead (topic ''), and the rows it quarantined, with why. A
--- position only moves forward (another relay may have recorded a later
--- batch), and streams are written in key order, so that relays recording at
--- once cannot deadlock. A quarantined row already recorded (its batch was
--- read again after a failure) stays as it was. Returns how many rows it
--- quarantined now.
-CREATE OR REPLACE FUNCTION outbox.record_batch(p_tick bigint, p_topics text[],
-    p_partitions integer[], p_entry_ids text[], p_quarantined bigint[], p_errors text[])
+-- published now stands. Three lists of streams, each a topic and a partition
+-- (-1 for a topic of one partition):
+--   p_topics, p_partitions, p_entry_ids   the streams the batch appended to,
+--                                         and the last entry id each holds
+--   p_advance_topics, p_advance_partitions
+--                                         streams the relay publishes whose
+--                                         rows up to p_tick are all in them,
+--                                         whether or not the batch had any
+--   p_met_topics, p_met_partitions        streams the batch had rows of that
+--                                         the relay did not publish (paused,
+--                                         behind, another relay's): recorded
+--                                         at p_tick - 1 if they have no
+--                                         position yet, so that every stream
+--                                         met at or below the lead has one
+-- With p_lead (the batch of the relay's lead, not of a stream catching up),
+-- the lead (topic '') moves to p_tick: a stream that has no position has no
+-- row in any batch up to the lead. Then the rows the batch quarantined,
+-- with why. A position only moves forward (another relay may have recorded
+-- a later batch), and streams are written in key order, so that relays
+-- recording at once cannot deadlock. A quarantined row already recorded
+-- (its batch was read again after a failure) stays as it was. Returns how
+-- many rows it quarantined now.
+CREATE OR REPLACE FUNCTION outbox.record_batch(p_tick bigint, p_lead boolean,
+    p_topics text[], p_partitions integer[], p_entry_ids text[],
+    p_advance_topics text[], p_advance_partitions integer[],
+    p_met_topics text[], p_met_partitions integer[],
+    p_quarantined bigint[], p_errors text[])
 RETURNS integer
 LANGUAGE plpgsql
 VOLATILE
@@ -225,21 +243,37 @@ BEGIN
     END IF;
     IF cardinality(p_topics) IS DISTINCT FROM cardinality(p_partitions)
        OR cardinality(p_topics) IS DISTINCT FROM cardinality(p_entry_ids)
+       OR cardinality(p_advance_topics) IS DISTINCT FROM cardinality(p_advance_partitions)
+       OR cardinality(p_met_topics) IS DISTINCT FROM cardinality(p_met_partitions)
        OR cardinality(p_quarantined) IS DISTINCT FROM cardinality(p_errors) THEN
         RAISE EXCEPTION 'outbox.record_batch: the arrays of a group differ in length'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     INSERT INTO outbox.stream_positions AS p (topic, partition, tick, entry_id, updated_at)
-    SELECT u.topic, u.partition, p_tick, u.entry_id, now()
-      FROM (SELECT '' AS topic, -1 AS partition, '0-0' AS entry_id
+    SELECT DISTINCT ON (u.topic, u.partition) u.topic, u.partition, p_tick, u.entry_id, now()
+      FROM (SELECT '' AS topic, -1 AS partition, '0-0' AS entry_id, 0 AS how WHERE p_lead
             UNION ALL
-            SELECT * FROM unnest(p_topics, p_partitions, p_entry_ids)) AS u
-     ORDER BY u.topic, u.partition
+            SELECT a.t, a.p, a.e, 1
+              FROM unnest(p_topics, p_partitions, p_entry_ids) AS a(t, p, e)
+            UNION ALL
+            SELECT a.t, a.p, '0-0', 2
+              FROM unnest(p_advance_topics, p_advance_partitions) AS a(t, p)) AS u
+     ORDER BY u.topic, u.partition, u.how
     ON CONFLICT (topic, partition) DO UPDATE
        SET tick = excluded.tick,
-           entry_id = CASE WHEN p.topic = '' THEN p.entry_id ELSE excluded.entry_id END,
+           entry_id = CASE WHEN excluded.entry_id = '0-0' THEN p.entry_id
+                           ELSE excluded.entry_id END,
            updated_at = excluded.updated_at
-     WHERE p.tick <= excluded.tick;
+     WHERE p.tick < excluded.tick
+        OR (p.tick = excluded.tick AND excluded.entry_id <> '0-0'
+            AND p.entry_id IS DISTINCT FROM excluded.entry_id);
+    -- A stream met only where it has no position yet: one that has one
+    -- keeps it, however far behind.
+    INSERT INTO outbox.stream_positions (topic, partition, tick, entry_id, updated_at)
+    SELECT DISTINCT a.t, a.p, p_tick - 1, '0-0', now()
+      FROM unnest(p_met_topics, p_met_partitions) AS a(t, p)
+     ORDER BY 1, 2
+    ON CONFLICT (topic, partition) DO NOTHING;
     INSERT INTO outbox.quarantine (id, txid, message_id, topic, partition_key, payload, headers,
                                    created_at, error)
     SELECT m.id, m.txid, m.message_id, m.topic, m.partition_key, m.payload, m.headers,
@@ -252,7 +286,8 @@ BEGIN
 END
 $$;
 
-COMMENT ON FUNCTION outbox.record_batch(bigint, text[], integer[], text[], bigint[], text[]) IS
+COMMENT ON FUNCTION outbox.record_batch(bigint, boolean, text[], integer[], text[], text[],
+                                        integer[], text[], integer[], bigint[], text[]) IS
     'Records where the streams of a published batch stand, and the rows it quarantined.';
 
 -- The rows not yet in their stream: neither in a batch their stream's
@@ -275,8 +310,8 @@ REVOKE EXECUTE ON FUNCTION outbox.tick(bigint) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION outbox.tick(bigint) TO outbox_relay;
-REVOKE EXECUTE ON FUNCTION outbox.record_batch(bigint, text[], integer[], text[], bigint[], text[]) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION outbox.record_batch(bigint, text[], integer[], text[], bigint[], text[]) TO outbox_relay;
+REVOKE EXECUTE ON FUNCTION outbox.record_batch(bigint, boolean, text[], integer[], text[], text[], integer[], text[], integer[], bigint[], text[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.record_batch(bigint, boolean, text[], integer[], text[], text[], integer[], text[], integer[], bigint[], text[]) TO outbox_relay;
 GRANT SELECT ON outbox.ticks TO outbox_relay;
 GRANT SELECT ON outbox.quarantine TO outbox_relay;
 GRANT SELECT ON outbox.unsent TO outbox_relay;

@@ -117,6 +117,7 @@ enum relay_row_state {
     RELAY_ROW_PUBLISHING,
     RELAY_ROW_PUBLISHED,
     RELAY_ROW_FAILED, /* a failure of its own; counts an attempt */
+    RELAY_ROW_SKIPPED, /* its stream is not published in this batch by this relay */
 };
 
 /* Whether an error reply concerns one row or the whole batch. */

@@ -36,6 +36,16 @@ struct relay_cursor {
     uint64_t top_ms, top_seq;         /* the stream's last entry id in Redis */
     int in_flight;                    /* a call of the stream awaits its reply */
     int touched;                      /* a row of the batch being published is the stream's */
+    /* Where the stream stands (docs/DESIGN.md, "Streams behind the lead"). */
+    int known;     /* follows/pos hold: loaded, or met first above the lead */
+    int follows;   /* published with the lead: every batch up to it is in */
+    uint64_t pos;  /* else: the last tick whose batch is all in the stream */
+    int owned;     /* this relay publishes it (ownership epoch own_epoch) */
+    unsigned long own_epoch;
+    int paused;    /* held back for its consumer groups */
+    int met;       /* the batch being read has rows of it this relay skips */
+    uint64_t active_tick; /* the batch `active` was decided for */
+    int active;    /* this relay publishes its rows of that batch */
 };
 
 struct relay_cursors {
@@ -50,6 +60,23 @@ void relay_cursors_free(struct relay_cursors *c);
 /* The cursor of row's stream, made when new; NULL out of memory. A pointer
  * is valid until the next relay_cursors_get of a stream not met before. */
 struct relay_cursor *relay_cursors_get(struct relay_cursors *c, const struct relay_row *row);
+
+/* The cursor of the stream (topic, partition), partition -1 for a topic of
+ * one partition, made when new; NULL for a bad name or out of memory. */
+struct relay_cursor *relay_cursors_find(struct relay_cursors *c, const char *topic,
+                                        int32_t partition);
+
+/* Where the stream stands: the last tick whose batch is all in it. */
+uint64_t relay_cursor_position(const struct relay_cursor *cur, uint64_t lead);
+
+/* The lowest position of the streams the relay publishes that are behind
+ * the lead (neither paused nor following it), or lead when none is. */
+uint64_t relay_cursors_behind(const struct relay_cursors *c, uint64_t lead);
+
+/* The batch (prev, prev + 1] was recorded: each stream published in it (at
+ * prev, owned, not paused) now stands at prev + 1, and joins the lead when
+ * that is the lead. */
+void relay_cursors_advance(struct relay_cursors *c, uint64_t prev, uint64_t lead);
 
 /* The rank of the stream's next row in the batch of tick: 0 for the first of
  * the batch, then 1, 2, ... */
@@ -71,7 +98,9 @@ void relay_cursor_set_top(struct relay_cursor *cur, uint64_t ms, uint64_t seq);
 void relay_cursor_forget(struct relay_cursor *cur);
 
 /* Between batches, past RELAY_CURSORS_MAX streams: keeps only the streams
- * of the batch of tick (those ranked in it), so that the table holds at most
+ * of the batch of tick (those ranked in it), and those whose place differs
+ * from the lead's (paused, behind, not owned: forgetting them would lose
+ * where they stand), so that the table holds at most
  * the streams of one batch more than the limit. A stream dropped only has its
  * last id read again when it is next met. */
 void relay_cursors_trim(struct relay_cursors *c, uint64_t tick);

@@ -83,7 +83,12 @@ struct relay_chunk {
 
 /* The most rows a batch quarantines, and the most streams it records. */
 #define RELAY_QUARANTINE_MAX 1024
-#define RELAY_RECORD_STREAMS_MAX 4096
+
+/* A list of streams for outbox.record_batch, as array literals. */
+struct record_arrays {
+    struct outbox_buf topics, partitions, ids;
+    size_t n;
+};
 
 /* The batch loop and what it holds (relay/loop_io.c). */
 struct relay_loop_io {
@@ -94,7 +99,6 @@ struct relay_loop_io {
     uint64_t after_txid;    /* the last row read: where the next chunk resumes */
     int64_t after_id;
     uint64_t min_ms;              /* the least ms of the next tick */
-    int lead_known;               /* the lead was read from the positions */
     struct relay_chunk chunks[2]; /* the one publishing, and the one read ahead */
     struct relay_cursors cursors; /* each stream's rank and last id */
     struct relay_batch_streams streams;
@@ -102,13 +106,13 @@ struct relay_loop_io {
     int64_t quarantined[RELAY_QUARANTINE_MAX];
     char quarantine_errors[RELAY_QUARANTINE_MAX][OUTBOX_ERROR_MAX];
     size_t nquarantined, quarantine_max;
-    /* outbox.record_batch's arrays: each stream's topic, partition, last id */
-    const char *record_topic_ptrs[RELAY_RECORD_STREAMS_MAX];
-    char record_partitions[RELAY_RECORD_STREAMS_MAX][12];
-    const char *record_partition_ptrs[RELAY_RECORD_STREAMS_MAX];
-    char record_ids[RELAY_RECORD_STREAMS_MAX][RELAY_ENTRY_ID_MAX];
-    const char *record_id_ptrs[RELAY_RECORD_STREAMS_MAX];
-    size_t record_max;
+    /* outbox.record_batch's lists of streams: appended to, moved along,
+     * met but not published (relay/loop_io.c) */
+    struct record_arrays touched, advanced, met;
+    double refreshed_at; /* when the streams following the lead were last moved */
+    int reload;          /* streams taken over need their positions read */
+    unsigned long pause_epoch, pause_applied; /* the paused topics changed */
+    unsigned long owners_applied;             /* the ownership epoch applied */
     struct outbox_buf sql;
 };
 

@@ -22,6 +22,7 @@
 #include "common/keys.h"
 #include "relay/daemon.h"
 #include "relay/log.h"
+#include "relay/ownership_io.h"
 #include "relay/pgsrc.h"
 #include "relay/sink.h"
 
@@ -70,11 +71,156 @@ static int op_tick(void *arg, uint64_t gen)
     snprintf(min_ms, sizeof(min_ms), "%" PRIu64, b->min_ms);
     const char *params[1] = {min_ms};
     b->sent_gen = gen;
-    /* The first tick also reads where the last run left off: the lead. */
+    return relay_pgsrc_send(b->pg, "SELECT outbox.tick($1::bigint)", 1, params, 0, on_ticked, r);
+}
+
+/* ---- where each stream stands ------------------------------------------- */
+
+/* Brings the cursor's ownership up to date (partitions change owners). A
+ * stream the relay no longer publishes forgets where it stands: another relay
+ * moves it meanwhile, and taking it back reads its recorded position. */
+static void stream_owner(struct relay *r, struct relay_cursor *cur)
+{
+    struct relay_loop_io *b = &r->batch;
+    unsigned long epoch = relay_ownership_io_epoch(r->owner);
+    if (cur->own_epoch == epoch)
+        return;
+    int owned = !cur->partitioned || relay_ownership_io_owns(r->owner, cur->topic, cur->partition);
+    if (cur->own_epoch == 0)
+        cur->paused = relay_paused_has(&r->paused, cur->topic);
+    if (!owned)
+        cur->known = 0;
+    else if (!cur->known)
+        b->reload = 1;
+    cur->owned = owned;
+    cur->own_epoch = epoch;
+}
+
+/* Whether the relay publishes the stream's rows of the batch (prev, next]:
+ * it owns the stream, the stream is not paused and stands at prev. Decided at
+ * the stream's first row in the batch, and kept for the rest of it. */
+static int stream_active(struct relay *r, struct relay_cursor *cur)
+{
+    struct relay_loop_io *b = &r->batch;
+    if (cur->active_tick != b->loop.next) {
+        stream_owner(r, cur);
+        cur->active_tick = b->loop.next;
+        cur->met = 0;
+        cur->active = cur->owned && cur->known && !cur->paused &&
+                      relay_cursor_position(cur, b->loop.lead) == b->loop.prev;
+    }
+    return cur->active;
+}
+
+static int op_prepare(void *arg)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    unsigned long epoch = relay_ownership_io_epoch(r->owner);
+    if (b->pause_applied == b->pause_epoch && b->owners_applied == epoch)
+        return b->reload;
+    b->pause_applied = b->pause_epoch;
+    b->owners_applied = epoch;
+    uint64_t lead = b->loop.lead;
+    for (size_t i = 0; b->cursors.slots != NULL && i <= b->cursors.mask; i++) {
+        struct relay_cursor *cur = &b->cursors.slots[i];
+        if (cur->topic[0] == '\0')
+            continue;
+        stream_owner(r, cur);
+        int paused = relay_paused_has(&r->paused, cur->topic);
+        if (paused && !cur->paused && cur->known && cur->follows) {
+            cur->follows = 0; /* it stays where the lead is now */
+            cur->pos = lead;
+        }
+        cur->paused = paused;
+        if (!paused && cur->known && !cur->follows && cur->pos >= lead)
+            cur->follows = 1;
+    }
+    return b->reload;
+}
+
+static uint64_t op_behind(void *arg, uint64_t lead)
+{
+    struct relay *r = arg;
+    return relay_cursors_behind(&r->batch.cursors, lead);
+}
+
+static void on_loaded(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                      void *arg);
+
+static int op_load(void *arg, uint64_t gen)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    b->sent_gen = gen;
+    b->reload = 0;
+    /* One row per stream: the table is as long as there are streams. */
     return relay_pgsrc_send(b->pg,
-                            "SELECT outbox.tick($1::bigint), (SELECT p.tick FROM "
-                            "outbox.stream_positions AS p WHERE p.topic = '' AND p.partition = -1)",
-                            1, params, 0, on_ticked, r);
+                            "SELECT topic, partition, tick FROM outbox.stream_positions",
+                            0, NULL, 0, on_loaded, r);
+}
+
+static void on_loaded(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                      void *arg)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    (void)pg;
+    (void)sqlstate;
+    if (r->stopping)
+        return;
+    if (err != NULL || res == NULL) {
+        char why[600];
+        snprintf(why, sizeof(why), "reading the streams' positions failed: %s",
+                 err != NULL ? err : "no answer");
+        relay_loop_failed(&b->loop, b->sent_gen, RELAY_FAIL_POSTGRES, why);
+        return;
+    }
+    uint64_t lead = b->loop.lead, recorded_lead = 0;
+    int n = PQntuples(res);
+    for (int i = 0; i < n; i++)
+        if (PQgetvalue(res, i, 0)[0] == '\0')
+            recorded_lead = strtoull(PQgetvalue(res, i, 2), NULL, 10);
+    if (!b->loop.loaded) {
+        lead = recorded_lead;
+        relay_info(COMPONENT, "publishing from the batch after tick %" PRIu64, lead);
+    }
+    size_t behind = 0;
+    for (int i = 0; i < n; i++) {
+        const char *topic = PQgetvalue(res, i, 0);
+        if (topic[0] == '\0')
+            continue;
+        size_t before = b->cursors.n;
+        struct relay_cursor *cur =
+            relay_cursors_find(&b->cursors, topic, (int32_t)strtol(PQgetvalue(res, i, 1), NULL, 10));
+        if (cur == NULL)
+            continue; /* a name no row can have, or no memory: read again at the next load */
+        int made = b->cursors.n != before;
+        stream_owner(r, cur);
+        if (!cur->owned || (cur->known && !made))
+            continue; /* not ours, or ours all along: the relay knows better */
+        uint64_t tick = strtoull(PQgetvalue(res, i, 2), NULL, 10);
+        cur->known = 1;
+        cur->pos = tick;
+        cur->follows = tick >= lead;
+        if (!cur->follows)
+            behind++;
+    }
+    /* A stream the relay publishes now with no position has no row at or
+     * below the lead: it follows it. */
+    for (size_t i = 0; b->cursors.slots != NULL && i <= b->cursors.mask; i++) {
+        struct relay_cursor *cur = &b->cursors.slots[i];
+        if (cur->topic[0] != '\0' && cur->owned && !cur->known) {
+            cur->known = 1;
+            cur->follows = 1;
+        }
+    }
+    b->reload = 0;
+    if (behind > 0)
+        relay_info(COMPONENT, "%zu streams stand behind the lead (tick %" PRIu64
+                              "): their batches are read again from where each stands",
+                   behind, lead);
+    relay_loop_loaded(&b->loop, b->sent_gen, recorded_lead);
 }
 
 static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32_t chunk)
@@ -216,6 +362,12 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
         struct relay_cursor *cur = relay_cursors_get(&b->cursors, row);
         if (cur != NULL) {
             row->seq = relay_cursor_rank(cur, b->loop.next);
+            if (!stream_active(r, cur)) {
+                /* Paused, behind the lead, or another relay's: not here. */
+                cur->met = 1;
+                row->state = RELAY_ROW_SKIPPED;
+                continue;
+            }
             cur->touched = 1;
         }
         if (relay_batch_check_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
@@ -268,61 +420,114 @@ static void put_text_array(struct outbox_buf *out, const char *const *items, siz
     outbox_buf_append(out, "}", 2); /* with the NUL after it */
 }
 
-static int op_record(void *arg, uint64_t gen, uint64_t next)
+/* One stream's topic, partition and (with ids) last entry id, appended to
+ * the three array literals being built. */
+static void arrays_reset(struct record_arrays *a)
+{
+    outbox_buf_reset(&a->topics);
+    outbox_buf_reset(&a->partitions);
+    outbox_buf_reset(&a->ids);
+    outbox_buf_puts(&a->topics, "{");
+    outbox_buf_puts(&a->partitions, "{");
+    outbox_buf_puts(&a->ids, "{");
+    a->n = 0;
+}
+
+static void arrays_add(struct record_arrays *a, const struct relay_cursor *cur, int with_id)
+{
+    const char *sep = a->n > 0 ? "," : "";
+    /* Topic names of streams are [A-Za-z0-9._-]: nothing to escape. */
+    outbox_buf_printf(&a->topics, "%s\"%s\"", sep, cur->topic);
+    outbox_buf_printf(&a->partitions, "%s%d", sep, cur->partitioned ? (int)cur->partition : -1);
+    if (with_id) {
+        char id[RELAY_ENTRY_ID_MAX];
+        relay_batch_entry_id(cur->top_ms, cur->top_seq, id);
+        outbox_buf_printf(&a->ids, "%s\"%s\"", sep, id);
+    }
+    a->n++;
+}
+
+static int arrays_end(struct record_arrays *a)
+{
+    outbox_buf_puts(&a->topics, "}");
+    outbox_buf_puts(&a->partitions, "}");
+    outbox_buf_puts(&a->ids, "}");
+    return a->topics.failed || a->partitions.failed || a->ids.failed ? -1 : 0;
+}
+
+/* How often the streams that follow the lead have their position moved to
+ * it though the batch had no row of theirs: what a relay taking them over, or
+ * this one after a restart, reads again. */
+#define REFRESH_S 2.0
+
+/* Array literal of n ids ({1,2}), and its NUL, appended to out. */
+static void put_text_array_ids(struct outbox_buf *out, const int64_t *ids, size_t n)
+{
+    outbox_buf_append(out, "{", 1);
+    for (size_t i = 0; i < n; i++)
+        outbox_buf_printf(out, "%s%lld", i > 0 ? "," : "", (long long)ids[i]);
+    outbox_buf_append(out, "}", 2);
+}
+
+static int op_record(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int lead)
 {
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
-    /* The streams the batch touched, and the last id each holds now. */
-    size_t n = 0;
+    int refresh = 0;
+    if (lead && relay_now() - b->refreshed_at >= REFRESH_S) {
+        refresh = 1;
+        b->refreshed_at = relay_now();
+    }
+    arrays_reset(&b->touched);
+    arrays_reset(&b->advanced);
+    arrays_reset(&b->met);
     for (size_t i = 0; b->cursors.slots != NULL && i <= b->cursors.mask; i++) {
-        struct relay_cursor *cur = &b->cursors.slots[i];
-        if (cur->topic[0] == '\0' || !cur->touched || cur->tick != next || !cur->top_known)
+        const struct relay_cursor *cur = &b->cursors.slots[i];
+        if (cur->topic[0] == '\0')
             continue;
-        if (n >= b->record_max)
-            break;
-        b->record_topic_ptrs[n] = cur->topic;
-        snprintf(b->record_partitions[n], sizeof(b->record_partitions[n]), "%d",
-                 cur->partitioned ? (int)cur->partition : -1);
-        b->record_partition_ptrs[n] = b->record_partitions[n];
-        relay_batch_entry_id(cur->top_ms, cur->top_seq, b->record_ids[n]);
-        b->record_id_ptrs[n] = b->record_ids[n];
-        n++;
+        int in_batch = cur->active_tick == next;
+        if (in_batch && cur->active && cur->touched && cur->tick == next && cur->top_known)
+            arrays_add(&b->touched, cur, 1);
+        else if (in_batch && cur->active && !lead)
+            arrays_add(&b->advanced, cur, 0); /* caught up by one batch, rows or not */
+        else if (in_batch && !cur->active && cur->met && lead)
+            arrays_add(&b->met, cur, 0);
+        else if (refresh && cur->known && cur->follows && cur->owned && !cur->paused)
+            arrays_add(&b->advanced, cur, 0);
     }
-    const char *errors[RELAY_QUARANTINE_MAX] = {0};
-    char ids[RELAY_QUARANTINE_MAX][24];
-    const char *id_ptrs[RELAY_QUARANTINE_MAX] = {0};
-    for (size_t i = 0; i < b->nquarantined; i++) {
-        errors[i] = b->quarantine_errors[i];
-        snprintf(ids[i], sizeof(ids[i]), "%lld", (long long)b->quarantined[i]);
-        id_ptrs[i] = ids[i];
-    }
+    if (arrays_end(&b->touched) < 0 || arrays_end(&b->advanced) < 0 || arrays_end(&b->met) < 0)
+        return -1;
     outbox_buf_reset(&b->sql);
-    size_t at[5];
+    size_t at[2];
     at[0] = b->sql.len;
-    put_text_array(&b->sql, b->record_topic_ptrs, n);
+    put_text_array_ids(&b->sql, b->quarantined, b->nquarantined);
     at[1] = b->sql.len;
-    put_text_array(&b->sql, b->record_partition_ptrs, n);
-    at[2] = b->sql.len;
-    put_text_array(&b->sql, b->record_id_ptrs, n);
-    at[3] = b->sql.len;
-    put_text_array(&b->sql, id_ptrs, b->nquarantined);
-    at[4] = b->sql.len;
+    const char *errors[RELAY_QUARANTINE_MAX] = {0};
+    for (size_t i = 0; i < b->nquarantined; i++)
+        errors[i] = b->quarantine_errors[i];
     put_text_array(&b->sql, errors, b->nquarantined);
     if (b->sql.failed)
         return -1;
     char tick[24];
     snprintf(tick, sizeof(tick), "%" PRIu64, next);
-    const char *params[6] = {tick,
-                             b->sql.data + at[0],
-                             b->sql.data + at[1],
-                             b->sql.data + at[2],
-                             b->sql.data + at[3],
-                             b->sql.data + at[4]};
+    (void)prev;
+    const char *params[11] = {tick,
+                              lead ? "true" : "false",
+                              b->touched.topics.data,
+                              b->touched.partitions.data,
+                              b->touched.ids.data,
+                              b->advanced.topics.data,
+                              b->advanced.partitions.data,
+                              b->met.topics.data,
+                              b->met.partitions.data,
+                              b->sql.data + at[0],
+                              b->sql.data + at[1]};
     b->sent_gen = gen;
     return relay_pgsrc_send(b->pg,
-                            "SELECT outbox.record_batch($1::bigint, $2::text[], $3::integer[], "
-                            "$4::text[], $5::bigint[], $6::text[])",
-                            6, params, 0, on_recorded, r);
+                            "SELECT outbox.record_batch($1::bigint, $2::boolean, $3::text[], "
+                            "$4::integer[], $5::text[], $6::text[], $7::integer[], $8::text[], "
+                            "$9::integer[], $10::bigint[], $11::text[])",
+                            11, params, 0, on_recorded, r);
 }
 
 static void op_abandon(void *arg)
@@ -393,12 +598,6 @@ static void on_ticked(struct relay_pgsrc *pg, PGresult *res, const char *err, co
         snprintf(why, sizeof(why), "outbox.tick() failed: %s", err != NULL ? err : "no answer");
         relay_loop_failed(&b->loop, b->sent_gen, RELAY_FAIL_POSTGRES, why);
         return;
-    }
-    if (!b->lead_known) {
-        b->lead_known = 1;
-        uint64_t lead = PQgetisnull(res, 0, 1) ? 0 : strtoull(PQgetvalue(res, 0, 1), NULL, 10);
-        relay_loop_set_lead(&b->loop, lead);
-        relay_info(COMPONENT, "publishing from the batch after tick %" PRIu64, lead);
     }
     relay_loop_ticked(&b->loop, b->sent_gen, strtoull(PQgetvalue(res, 0, 0), NULL, 10));
 }
@@ -622,6 +821,8 @@ static void on_recorded(struct relay_pgsrc *pg, PGresult *res, const char *err,
                     "quarantined rows",
                     (long long)b->quarantined[i], b->quarantine_errors[i]);
     b->nquarantined = 0;
+    if (b->loop.catching_up)
+        relay_cursors_advance(&b->cursors, b->loop.prev, b->loop.lead);
     relay_cursors_untouch(&b->cursors);
     relay_cursors_trim(&b->cursors, b->loop.next);
     if (r->fig.last_batch_error[0] != '\0') {
@@ -676,6 +877,9 @@ int relay_loop_io_start(struct relay *r)
     const struct relay_loop_ops ops = {
         .arg = r,
         .ready = op_ready,
+        .prepare = op_prepare,
+        .load = op_load,
+        .behind = op_behind,
         .tick = op_tick,
         .read = op_read,
         .publish = op_publish,
@@ -704,7 +908,6 @@ int relay_loop_io_start(struct relay *r)
     b->quarantine_max = 2 * (size_t)cfg->batch_size;
     if (b->quarantine_max > RELAY_QUARANTINE_MAX)
         b->quarantine_max = RELAY_QUARANTINE_MAX;
-    b->record_max = RELAY_RECORD_STREAMS_MAX;
     if (relay_batch_streams_init(&b->streams, cfg->batch_size) != 0)
         return -1;
     struct relay_pgsrc_hooks hooks = {.arg = r, .on_ready = pg_ready, .on_down = pg_down};
@@ -738,5 +941,11 @@ void relay_loop_io_stop(struct relay *r)
     relay_batch_streams_free(&b->streams);
     relay_cursors_free(&b->cursors);
     outbox_buf_free(&b->sql);
+    struct record_arrays *arrays[3] = {&b->touched, &b->advanced, &b->met};
+    for (int k = 0; k < 3; k++) {
+        outbox_buf_free(&arrays[k]->topics);
+        outbox_buf_free(&arrays[k]->partitions);
+        outbox_buf_free(&arrays[k]->ids);
+    }
     outbox_buf_free(&r->out);
 }
