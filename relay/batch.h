@@ -60,6 +60,7 @@ enum relay_row_cause {
  * batch keeps until the cycle ends: nothing is copied on the hot path. */
 struct relay_row {
     int64_t id;
+    int64_t held_by; /* a quarantined row of its key before it (0: none) */
     const char *message_id; /* 36-byte text UUID */
     size_t message_id_len;
     const char *topic;

@@ -44,7 +44,7 @@ struct relay_cursor {
     unsigned long own_epoch;
     int paused;    /* held back for its consumer groups */
     int met;       /* the batch being read has rows of it this relay skips */
-    uint64_t active_tick; /* the batch `active` was decided for */
+    uint64_t active_batch; /* the batch `active` was decided for (a serial) */
     int active;    /* this relay publishes its rows of that batch */
 };
 

@@ -84,6 +84,14 @@ struct relay_chunk {
 /* The most rows a batch quarantines, and the most streams it records. */
 #define RELAY_QUARANTINE_MAX 1024
 
+/* A key held behind a row quarantined in the batch being published. */
+struct relay_held {
+    char topic[OUTBOX_TOPIC_MAX + 1];
+    char key[OUTBOX_KEY_MAX];
+    size_t key_len;
+    int64_t id; /* the quarantined row that holds it */
+};
+
 /* A list of streams for outbox.record_batch, as array literals. */
 struct record_arrays {
     struct outbox_buf topics, partitions, ids;
@@ -106,11 +114,14 @@ struct relay_loop_io {
     int64_t quarantined[RELAY_QUARANTINE_MAX];
     char quarantine_errors[RELAY_QUARANTINE_MAX][OUTBOX_ERROR_MAX];
     size_t nquarantined, quarantine_max;
+    struct relay_held held[RELAY_QUARANTINE_MAX];
+    size_t nheld;
     /* outbox.record_batch's lists of streams: appended to, moved along,
      * met but not published (relay/loop_io.c) */
     struct record_arrays touched, advanced, met;
     double refreshed_at; /* when the streams following the lead were last moved */
     int reload;          /* streams taken over need their positions read */
+    uint64_t batch_serial; /* counts the batches read, from their first chunk */
     unsigned long pause_epoch, pause_applied; /* the paused topics changed */
     unsigned long owners_applied;             /* the ownership epoch applied */
     struct outbox_buf sql;

@@ -31,6 +31,7 @@
 /* Columns of the batch statement (relay_pgsrc_batch_sql) past the claim's. */
 #define COL_TXID 12
 #define COL_MS 13
+#define COL_HELD_BY 14
 
 static struct relay_chunk *chunk_of(struct relay_loop_io *b, uint32_t number)
 {
@@ -102,9 +103,9 @@ static void stream_owner(struct relay *r, struct relay_cursor *cur)
 static int stream_active(struct relay *r, struct relay_cursor *cur)
 {
     struct relay_loop_io *b = &r->batch;
-    if (cur->active_tick != b->loop.next) {
+    if (cur->active_batch != b->batch_serial) {
         stream_owner(r, cur);
-        cur->active_tick = b->loop.next;
+        cur->active_batch = b->batch_serial;
         cur->met = 0;
         cur->active = cur->owned && cur->known && !cur->paused &&
                       relay_cursor_position(cur, b->loop.lead) == b->loop.prev;
@@ -230,6 +231,7 @@ static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32
     if (chunk == 0) {
         b->after_txid = 0;
         b->after_id = 0;
+        b->batch_serial++; /* which streams it publishes is decided anew */
     }
     char p1[24], p2[24], p3[24], p4[24], p5[16];
     snprintf(p1, sizeof(p1), "%" PRIu64, prev);
@@ -323,6 +325,42 @@ static void chunk_done(struct relay *r, struct relay_chunk *c)
         relay_loop_published(&b->loop, c->gen, c->number);
 }
 
+/* A keyed row of a partitioned topic quarantined in this batch holds its
+ * key's later rows of the batch (the statement sees only the quarantine
+ * recorded before it). */
+static void hold_key(struct relay_loop_io *b, const struct relay_row *row)
+{
+    if (row->partitions <= 1 || row->key == NULL || b->nheld >= RELAY_QUARANTINE_MAX)
+        return;
+    struct relay_held *h = &b->held[b->nheld];
+    size_t len = row->key_len < sizeof(h->key) ? row->key_len : sizeof(h->key);
+    if (row->topic_len > OUTBOX_TOPIC_MAX || len != row->key_len)
+        return; /* keys are capped on insert (outbox.messages) */
+    memcpy(h->topic, row->topic, row->topic_len);
+    h->topic[row->topic_len] = '\0';
+    memcpy(h->key, row->key, len);
+    h->key_len = len;
+    h->id = row->held_by != 0 ? row->held_by : row->id;
+    b->nheld++;
+}
+
+/* The quarantined row that holds row back, or 0. */
+static int64_t row_held_by(const struct relay_loop_io *b, const struct relay_row *row)
+{
+    if (row->held_by != 0)
+        return row->held_by;
+    if (row->partitions <= 1 || row->key == NULL)
+        return 0;
+    for (size_t i = 0; i < b->nheld; i++) {
+        const struct relay_held *h = &b->held[i];
+        if (h->key_len == row->key_len && strlen(h->topic) == row->topic_len &&
+            memcmp(h->key, row->key, row->key_len) == 0 &&
+            memcmp(h->topic, row->topic, row->topic_len) == 0)
+            return h->id;
+    }
+    return 0;
+}
+
 /* A row that cannot be published: recorded with the batch, and the stream
  * goes on past it (it keeps its rank). */
 static void quarantine(struct relay_loop_io *b, struct relay_chunk *c, struct relay_row *row)
@@ -338,6 +376,7 @@ static void quarantine(struct relay_loop_io *b, struct relay_chunk *c, struct re
                      b->quarantine_max);
         return;
     }
+    hold_key(b, row);
     b->quarantined[b->nquarantined] = row->id;
     snprintf(b->quarantine_errors[b->nquarantined], OUTBOX_ERROR_MAX, "%s", row->error);
     b->nquarantined++;
@@ -369,6 +408,15 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
                 continue;
             }
             cur->touched = 1;
+        }
+        int64_t held_by = row_held_by(b, row);
+        if (held_by != 0) {
+            snprintf(row->error, sizeof(row->error),
+                     "held behind row %lld of its key, which is quarantined: 'outbox-relay "
+                     "failed retry %lld' publishes them again in order",
+                     (long long)held_by, (long long)held_by);
+            quarantine(b, c, row);
+            continue;
         }
         if (relay_batch_check_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
                                       row->error, sizeof(row->error), &row->fault) != 0 ||
@@ -485,7 +533,7 @@ static int op_record(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int 
         const struct relay_cursor *cur = &b->cursors.slots[i];
         if (cur->topic[0] == '\0')
             continue;
-        int in_batch = cur->active_tick == next;
+        int in_batch = cur->active_batch == b->batch_serial;
         if (in_batch && cur->active && cur->touched && cur->tick == next && cur->top_known)
             arrays_add(&b->touched, cur, 1);
         else if (in_batch && cur->active && !lead)
@@ -538,6 +586,7 @@ static void op_abandon(void *arg)
     chunk_clear(&b->chunks[0]);
     chunk_clear(&b->chunks[1]);
     b->nquarantined = 0;
+    b->nheld = 0;
     /* The batch is read again from its start: its ranks count again. */
     relay_cursors_restart(&b->cursors, b->loop.next);
 }
@@ -688,6 +737,14 @@ static void on_read(struct relay_pgsrc *pg, PGresult *res, const char *err, cons
             return;
         }
         c->ms = decode_u64(PQgetvalue(c->res, i, COL_MS));
+        if (!PQgetisnull(c->res, i, COL_HELD_BY)) {
+            if (PQgetlength(c->res, i, COL_HELD_BY) != 8) {
+                relay_loop_failed(&b->loop, gen, RELAY_FAIL_POSTGRES,
+                                  "the batch statement returned a malformed row");
+                return;
+            }
+            c->rows[c->nrows].held_by = relay_batch_decode_int8(PQgetvalue(c->res, i, COL_HELD_BY));
+        }
         b->after_txid = decode_u64(PQgetvalue(c->res, i, COL_TXID));
         b->after_id = c->rows[c->nrows].id;
         c->nrows++;
@@ -821,6 +878,7 @@ static void on_recorded(struct relay_pgsrc *pg, PGresult *res, const char *err,
                     "quarantined rows",
                     (long long)b->quarantined[i], b->quarantine_errors[i]);
     b->nquarantined = 0;
+    b->nheld = 0;
     if (b->loop.catching_up)
         relay_cursors_advance(&b->cursors, b->loop.prev, b->loop.lead);
     relay_cursors_untouch(&b->cursors);
