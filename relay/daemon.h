@@ -122,6 +122,8 @@ struct relay_loop_io {
     double refreshed_at; /* when the streams following the lead were last moved */
     int reload;          /* streams taken over need their positions read */
     uint64_t batch_serial; /* counts the batches read, from their first chunk */
+    unsigned long long batch_appended; /* rows the batch appended */
+    struct outbox_buf partitions_text; /* " topic/p" of each partition it touched */
     unsigned long pause_epoch, pause_applied; /* the paused topics changed */
     unsigned long owners_applied;             /* the ownership epoch applied */
     struct outbox_buf sql;

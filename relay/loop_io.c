@@ -529,13 +529,17 @@ static int op_record(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int 
     arrays_reset(&b->touched);
     arrays_reset(&b->advanced);
     arrays_reset(&b->met);
+    outbox_buf_reset(&b->partitions_text);
     for (size_t i = 0; b->cursors.slots != NULL && i <= b->cursors.mask; i++) {
         const struct relay_cursor *cur = &b->cursors.slots[i];
         if (cur->topic[0] == '\0')
             continue;
         int in_batch = cur->active_batch == b->batch_serial;
-        if (in_batch && cur->active && cur->touched && cur->tick == next && cur->top_known)
+        if (in_batch && cur->active && cur->touched && cur->tick == next && cur->top_known) {
             arrays_add(&b->touched, cur, 1);
+            if (cur->partitioned)
+                outbox_buf_printf(&b->partitions_text, " %s/%u", cur->topic, cur->partition);
+        }
         else if (in_batch && cur->active && !lead)
             arrays_add(&b->advanced, cur, 0); /* caught up by one batch, rows or not */
         else if (in_batch && !cur->active && cur->met && lead)
@@ -587,6 +591,7 @@ static void op_abandon(void *arg)
     chunk_clear(&b->chunks[1]);
     b->nquarantined = 0;
     b->nheld = 0;
+    b->batch_appended = 0;
     /* The batch is read again from its start: its ranks count again. */
     relay_cursors_restart(&b->cursors, b->loop.next);
 }
@@ -758,6 +763,7 @@ static void count_published(struct relay *r, const struct relay_row *row)
 {
     struct relay_figures *f = &r->fig;
     f->published_total++;
+    r->batch.batch_appended++;
     relay_stream_seen_note(&r->streams_seen, r->cfg->stream_prefix, row);
     for (size_t j = 0; j < f->ntopics; j++) {
         if (strlen(f->topics[j].topic) == row->topic_len &&
@@ -879,6 +885,10 @@ static void on_recorded(struct relay_pgsrc *pg, PGresult *res, const char *err,
                     (long long)b->quarantined[i], b->quarantine_errors[i]);
     b->nquarantined = 0;
     b->nheld = 0;
+    if (b->partitions_text.len > 0 && !b->partitions_text.failed)
+        relay_debug(COMPONENT, "published a batch of %llu rows to partitions%s",
+                    b->batch_appended, b->partitions_text.data);
+    b->batch_appended = 0;
     if (b->loop.catching_up)
         relay_cursors_advance(&b->cursors, b->loop.prev, b->loop.lead);
     relay_cursors_untouch(&b->cursors);
@@ -999,6 +1009,7 @@ void relay_loop_io_stop(struct relay *r)
     relay_batch_streams_free(&b->streams);
     relay_cursors_free(&b->cursors);
     outbox_buf_free(&b->sql);
+    outbox_buf_free(&b->partitions_text);
     struct record_arrays *arrays[3] = {&b->touched, &b->advanced, &b->met};
     for (int k = 0; k < 3; k++) {
         outbox_buf_free(&arrays[k]->topics);
