@@ -81,6 +81,8 @@ class RedisClockTest(harness.PostgresTestCase):
             return {r[0] for r in cur.fetchall()}
 
     def publish(self, relay, r, n, label, topics=("clock", "other")):
+        """Commits n rows and waits until all are sent (a stall fails the
+        wait); returns how long it took, for the log."""
         started = time.monotonic()
         insert_many(self.db, [(topics[i % len(topics)], f"{label} {i}".encode(), f"k{i % 3}")
                               for i in range(n)])
@@ -107,7 +109,6 @@ class RedisClockTest(harness.PostgresTestCase):
             took = self.publish(relay, r, 40, f"after a step of {step} ms")
             print(f"Redis's clock {off / 1000:+.1f} s off: 40 rows in {took * 1000:.0f} ms",
                   file=sys.stderr)
-            self.assertLess(took, 15, f"publishing stalled after Redis's clock stepped {step} ms")
             found = harness.entries_by_message_id(r)
             newest = max(entry_ms(e[1]) for f in found.values() for e in f)
             self.assertGreater(newest, last, "entry ids went back with Redis's clock")
@@ -142,7 +143,6 @@ class RedisClockTest(harness.PostgresTestCase):
         took = self.publish(relay, r, 20, "after the relay's clock stepped back")
         print(f"after stepping the relay's clock back 10 s: 20 rows in {took * 1000:.0f} ms",
               file=sys.stderr)
-        self.assertLess(took, 10, "publishing did not resume after the clock stepped back")
         harness.Verifier(self.db, r).report("relay clock step").assert_exactly_once(self)
         assert_in_order(self, r)
 
