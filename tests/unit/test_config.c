@@ -407,8 +407,8 @@ static void test_retired_keys_warn(void **state)
     relay_config_free(&cfg);
 
     char **envp = strv("OUTBOX_RELAY_PIPELINE=off", NULL);
-    char **argv = strv("--dedup-ttl", "1s", "--publish-timeout", "10m", "--stream-retention",
-                       "1h", NULL);
+    char **argv =
+        strv("--dedup-ttl", "1s", "--publish-timeout", "10m", "--stream-retention", "1h", NULL);
     assert_int_equal(load(&cfg, "good/minimal.conf", envp, strv_len(argv), argv, err), 0);
     strv_free(envp);
     strv_free(argv);
