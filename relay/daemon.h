@@ -76,6 +76,7 @@ struct relay_chunk {
     uint64_t gen;    /* the loop's generation it belongs to */
     uint64_t ms;     /* the time part of its rows' entry ids: its tick's */
     size_t pending;  /* calls in flight */
+    int waited;      /* its WAIT for min_replicas was sent */
     int failed;
     enum relay_fail_kind kind;
     char error[512];

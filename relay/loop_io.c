@@ -314,15 +314,69 @@ static void on_deadline(struct ev_loop *loop, ev_timer *w, int revents)
     relay_sink_abort(r->sink, why);
 }
 
-/* Every call of the chunk has been answered: published, or failed. */
+static void on_wait_reply(redisAsyncContext *ac, void *reply_, void *arg);
+
+/* Every call of the chunk has been answered: published, or failed. With
+ * min_replicas, each primary the chunk wrote to is then asked to WAIT for
+ * its replicas, and the chunk counts as published (and its batch may be
+ * recorded) only once that many acknowledged it: a failover then never takes
+ * away entries whose positions are recorded. */
 static void chunk_done(struct relay *r, struct relay_chunk *c)
 {
     struct relay_loop_io *b = &r->batch;
     ev_timer_stop(r->loop, &r->deadline);
-    if (c->failed)
-        relay_loop_failed(&b->loop, c->gen, c->kind, c->error);
-    else
+    if (!c->failed && r->cfg->min_replicas > 0 && !c->waited) {
+        c->waited = 1;
+        int n = relay_sink_wait(r->sink, r->cfg->min_replicas, r->cfg->replica_timeout_ms,
+                                on_wait_reply, c);
+        if (n < 0)
+            chunk_failed(c, RELAY_FAIL_REDIS_CONNECTION,
+                         "Redis connection lost before WAIT for min_replicas");
+        else if (n > 0) {
+            c->pending = (size_t)n;
+            /* The server answers WAIT by replica_timeout; past that and
+             * publish_timeout more, it is not answering at all. */
+            ev_timer_set(&r->deadline,
+                         (r->cfg->replica_timeout_ms + r->cfg->publish_timeout_ms) / 1000.0, 0.0);
+            ev_timer_start(r->loop, &r->deadline);
+            return;
+        }
+    }
+    if (c->failed) {
+        /* Abandoning the batch clears the chunk, and its error with it. */
+        char why[sizeof(c->error)];
+        memcpy(why, c->error, sizeof(why));
+        relay_loop_failed(&b->loop, c->gen, c->kind, why);
+    } else {
         relay_loop_published(&b->loop, c->gen, c->number);
+    }
+}
+
+static void on_wait_reply(redisAsyncContext *ac, void *reply_, void *arg)
+{
+    const redisReply *reply = reply_;
+    struct relay *r = relay_sink_owner(ac);
+    struct relay_chunk *c = arg;
+    if (r == NULL || r->stopping || c->gen != r->batch.loop.gen || c->pending == 0)
+        return; /* an abandoned chunk's */
+    c->pending--;
+    if (reply == NULL)
+        chunk_failed(c, RELAY_FAIL_REDIS_CONNECTION, "Redis connection lost during WAIT: %s",
+                     ac->errstr);
+    else if (reply->type == REDIS_REPLY_ERROR)
+        chunk_failed(c, RELAY_FAIL_REDIS_ERROR, "WAIT for min_replicas failed: %.*s",
+                     (int)reply->len, reply->str);
+    else if (reply->type != REDIS_REPLY_INTEGER)
+        chunk_failed(c, RELAY_FAIL_REDIS_REPLY, "Redis answered WAIT with a reply of another type");
+    else if (reply->integer < (long long)r->cfg->min_replicas)
+        chunk_failed(c, RELAY_FAIL_REDIS_REPLICAS,
+                     "%lld of min_replicas = %u replicas acknowledged the batch within "
+                     "replica_timeout (%u ms): check the replicas with INFO replication on the "
+                     "primary, or lower min_replicas",
+                     reply->integer < 0 ? 0 : reply->integer, r->cfg->min_replicas,
+                     r->cfg->replica_timeout_ms);
+    if (c->pending == 0)
+        chunk_done(r, c);
 }
 
 /* A keyed row of a partitioned topic quarantined in this batch holds its
@@ -389,6 +443,7 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
     struct relay_chunk *c = chunk_of(b, number);
     c->gen = gen;
     c->pending = 0;
+    c->waited = 0;
     c->failed = 0;
     relay_sink_written_reset(r->sink);
     relay_batch_streams_clear(&b->streams);
@@ -428,6 +483,8 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
         }
         if (relay_cursor_present(cur, c->ms, row->seq)) {
             row->state = RELAY_ROW_PUBLISHED;
+            if (r->cfg->min_replicas > 0)
+                relay_sink_written_all(r->sink); /* there, but maybe not replicated */
             continue;
         }
         row->state = RELAY_ROW_PUBLISHING;
