@@ -219,8 +219,20 @@ void relay_cursors_untouch(struct relay_cursors *c)
         c->slots[i].touched = 0;
 }
 
+void relay_cursor_expect(struct relay_cursor *cur, uint64_t ms, uint64_t seq)
+{
+    if (ms > cur->expect_ms || (ms == cur->expect_ms && seq > cur->expect_seq)) {
+        cur->expect_ms = ms;
+        cur->expect_seq = seq;
+    }
+}
+
 void relay_cursors_forget_all(struct relay_cursors *c)
 {
-    for (size_t i = 0; c->slots != NULL && i <= c->mask; i++)
-        c->slots[i].top_known = 0;
+    for (size_t i = 0; c->slots != NULL && i <= c->mask; i++) {
+        struct relay_cursor *cur = &c->slots[i];
+        if (cur->top_known)
+            relay_cursor_expect(cur, cur->top_ms, cur->top_seq);
+        cur->top_known = 0;
+    }
 }

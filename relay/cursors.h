@@ -46,6 +46,10 @@ struct relay_cursor {
     int met;       /* the batch being read has rows of it this relay skips */
     uint64_t active_batch; /* the batch `active` was decided for (a serial) */
     int active;    /* this relay publishes its rows of that batch */
+    /* The last id the stream should hold (what this relay appended, or its
+     * recorded entry id): a Redis that comes back below it lost entries. */
+    uint64_t expect_ms, expect_seq;
+    int checking;  /* its last id in Redis is being read */
 };
 
 struct relay_cursors {
@@ -82,6 +86,9 @@ void relay_cursors_advance(struct relay_cursors *c, uint64_t prev, uint64_t lead
  * the batch, then 1, 2, ... */
 uint64_t relay_cursor_rank(struct relay_cursor *cur, uint64_t tick);
 
+/* Raises what the stream should hold to (ms, seq). */
+void relay_cursor_expect(struct relay_cursor *cur, uint64_t ms, uint64_t seq);
+
 /* 1 when the entry id (ms, seq) is at or below the stream's last known id:
  * the row is in Redis already. 0 when above it or when the last id is not
  * known. */
@@ -112,7 +119,8 @@ void relay_cursors_restart(struct relay_cursors *c, uint64_t tick);
 /* A batch is recorded: no stream is touched by the next one yet. */
 void relay_cursors_untouch(struct relay_cursors *c);
 
-/* Forgets every stream's last id. */
+/* Forgets every stream's last id (Redis reconnected: it may hold less),
+ * keeping it as what the stream should hold. */
 void relay_cursors_forget_all(struct relay_cursors *c);
 
 #endif

@@ -122,6 +122,11 @@ struct relay_loop_io {
     struct record_arrays touched, advanced, met;
     double refreshed_at; /* when the streams following the lead were last moved */
     int reload;          /* streams taken over need their positions read */
+    int verify;          /* Redis reconnected: read what each stream holds */
+    int verifying;       /* the load in flight does */
+    uint64_t loaded_lead;
+    uint64_t checks_gen;  /* the load the checks belong to */
+    size_t checks_pending, nlost;
     uint64_t batch_serial; /* counts the batches read, from their first chunk */
     unsigned long long batch_appended; /* rows the batch appended */
     struct outbox_buf partitions_text; /* " topic/p" of each partition it touched */

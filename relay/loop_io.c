@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "common/keys.h"
+#include <stdint.h>
 #include "relay/daemon.h"
 #include "relay/log.h"
 #include "relay/ownership_io.h"
@@ -119,7 +120,7 @@ static int op_prepare(void *arg)
     struct relay_loop_io *b = &r->batch;
     unsigned long epoch = relay_ownership_io_epoch(r->owner);
     if (b->pause_applied == b->pause_epoch && b->owners_applied == epoch)
-        return b->reload;
+        return b->reload || b->verify;
     b->pause_applied = b->pause_epoch;
     b->owners_applied = epoch;
     uint64_t lead = b->loop.lead;
@@ -137,7 +138,7 @@ static int op_prepare(void *arg)
         if (!paused && cur->known && !cur->follows && cur->pos >= lead)
             cur->follows = 1;
     }
-    return b->reload;
+    return b->reload || b->verify;
 }
 
 static uint64_t op_behind(void *arg, uint64_t lead)
@@ -148,6 +149,7 @@ static uint64_t op_behind(void *arg, uint64_t lead)
 
 static void on_loaded(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
                       void *arg);
+static void check_streams(struct relay *r);
 
 static int op_load(void *arg, uint64_t gen)
 {
@@ -155,9 +157,11 @@ static int op_load(void *arg, uint64_t gen)
     struct relay_loop_io *b = &r->batch;
     b->sent_gen = gen;
     b->reload = 0;
+    b->verifying = b->verify;
+    b->verify = 0;
     /* One row per stream: the table is as long as there are streams. */
     return relay_pgsrc_send(b->pg,
-                            "SELECT topic, partition, tick FROM outbox.stream_positions",
+                            "SELECT topic, partition, tick, entry_id FROM outbox.stream_positions",
                             0, NULL, 0, on_loaded, r);
 }
 
@@ -197,6 +201,10 @@ static void on_loaded(struct relay_pgsrc *pg, PGresult *res, const char *err, co
         if (cur == NULL)
             continue; /* a name no row can have, or no memory: read again at the next load */
         int made = b->cursors.n != before;
+        uint64_t ems = 0, eseq = 0;
+        const char *eid = PQgetvalue(res, i, 3);
+        if (relay_batch_parse_entry_id(eid, strlen(eid), &ems, &eseq) == 0)
+            relay_cursor_expect(cur, ems, eseq);
         stream_owner(r, cur);
         if (!cur->owned || (cur->known && !made))
             continue; /* not ours, or ours all along: the relay knows better */
@@ -221,7 +229,189 @@ static void on_loaded(struct relay_pgsrc *pg, PGresult *res, const char *err, co
         relay_info(COMPONENT, "%zu streams stand behind the lead (tick %" PRIu64
                               "): their batches are read again from where each stands",
                    behind, lead);
-    relay_loop_loaded(&b->loop, b->sent_gen, recorded_lead);
+    b->loaded_lead = recorded_lead;
+    if (b->verifying)
+        check_streams(r);
+    else
+        relay_loop_loaded(&b->loop, b->sent_gen, recorded_lead);
+}
+
+/* ---- a Redis that lost entries ------------------------------------------- */
+
+static void on_check_reply(redisAsyncContext *ac, void *reply_, void *arg);
+static void on_lost_ticks(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                          const char *sqlstate, void *arg);
+
+/* After Redis (re)connected: the last id of every stream the relay publishes
+ * that should hold entries, read from Redis (XREVRANGE ... COUNT 1). A stream
+ * that holds less than it should lost entries (a failover without
+ * min_replicas, a restart from an older snapshot, appendfsync everysec): it
+ * goes back to the batch of its last entry, and what it lost is published
+ * again from PostgreSQL, whose rows stay until every stream is past them. A
+ * stream that is gone while it should hold entries goes back to the oldest
+ * tick kept: its rows are published again as far back as the outbox keeps
+ * them. */
+#define STREAM_KEY_MAX 1024 /* a prefix longer than any in use, the topic and ":ppp" */
+
+static int stream_key(const struct relay *r, const struct relay_cursor *cur,
+                      char key[STREAM_KEY_MAX])
+{
+    return outbox_key_partition_stream(r->cfg->stream_prefix, cur->topic, strlen(cur->topic),
+                                       cur->partition, cur->partitioned ? 2 : 1, key,
+                                       STREAM_KEY_MAX);
+}
+
+static void check_streams(struct relay *r)
+{
+    struct relay_loop_io *b = &r->batch;
+    b->checks_pending = 0;
+    b->checks_gen = b->sent_gen;
+    b->nlost = 0;
+    for (size_t i = 0; b->cursors.slots != NULL && i <= b->cursors.mask; i++) {
+        struct relay_cursor *cur = &b->cursors.slots[i];
+        cur->checking = 0;
+        if (cur->topic[0] == '\0' || !cur->owned || !cur->known || cur->expect_ms == 0)
+            continue;
+        char key[STREAM_KEY_MAX];
+        if (stream_key(r, cur, key) != 0)
+            continue;
+        outbox_buf_reset(&r->out);
+        outbox_buf_printf(&r->out,
+                          "*6\r\n$9\r\nXREVRANGE\r\n$%zu\r\n%s\r\n$1\r\n+\r\n$1\r\n-\r\n"
+                          "$5\r\nCOUNT\r\n$1\r\n1\r\n",
+                          strlen(key), key);
+        if (r->out.failed || relay_sink_formatted(r->sink, r->out.data, r->out.len,
+                                                  on_check_reply, (void *)(uintptr_t)i) != 0) {
+            relay_loop_failed(&b->loop, b->sent_gen, RELAY_FAIL_REDIS_CONNECTION,
+                              "Redis connection lost while reading the streams' last ids");
+            return;
+        }
+        cur->checking = 1;
+        b->checks_pending++;
+    }
+    if (b->checks_pending == 0)
+        relay_loop_loaded(&b->loop, b->sent_gen, b->loaded_lead);
+}
+
+/* Every check answered: the streams that lost entries learn which tick
+ * their last entry belongs to. */
+static void checks_done(struct relay *r)
+{
+    struct relay_loop_io *b = &r->batch;
+    if (b->nlost == 0) {
+        relay_loop_loaded(&b->loop, b->checks_gen, b->loaded_lead);
+        return;
+    }
+    outbox_buf_reset(&b->sql);
+    outbox_buf_puts(&b->sql, "{");
+    for (size_t i = 0; i < b->cursors.mask + 1; i++) {
+        const struct relay_cursor *cur = &b->cursors.slots[i];
+        if (cur->topic[0] != '\0' && cur->checking == 2)
+            outbox_buf_printf(&b->sql, "%s%" PRIu64, b->sql.len > 1 ? "," : "",
+                              cur->top_known ? cur->top_ms : 0);
+    }
+    outbox_buf_puts(&b->sql, "}");
+    const char *params[1] = {b->sql.data};
+    if (b->sql.failed ||
+        relay_pgsrc_send(b->pg,
+                         "SELECT m.ms, coalesce((SELECT max(t.tick_id) FROM outbox.ticks AS t"
+                         " WHERE t.ms <= m.ms), (SELECT min(t.tick_id) FROM outbox.ticks AS t))"
+                         " FROM unnest($1::bigint[]) AS m(ms)",
+                         1, params, 0, on_lost_ticks, r) != 0)
+        relay_loop_failed(&b->loop, b->checks_gen, RELAY_FAIL_POSTGRES,
+                          "PostgreSQL connection lost while finding what Redis lost");
+}
+
+static void on_check_reply(redisAsyncContext *ac, void *reply_, void *arg)
+{
+    const redisReply *reply = reply_;
+    struct relay *r = relay_sink_owner(ac);
+    if (r == NULL || r->stopping)
+        return;
+    struct relay_loop_io *b = &r->batch;
+    size_t i = (size_t)(uintptr_t)arg;
+    if (b->checks_gen != b->loop.gen || b->checks_pending == 0 || b->cursors.slots == NULL ||
+        i > b->cursors.mask || b->cursors.slots[i].checking != 1)
+        return; /* a check of a load abandoned */
+    struct relay_cursor *cur = &b->cursors.slots[i];
+    b->checks_pending--;
+    cur->checking = 0;
+    uint64_t ms = 0, seq = 0;
+    int have = 0;
+    if (reply == NULL || reply->type == REDIS_REPLY_ERROR || reply->type != REDIS_REPLY_ARRAY) {
+        char why[300];
+        snprintf(why, sizeof(why), "reading a stream's last id failed: %.*s",
+                 reply != NULL && reply->type == REDIS_REPLY_ERROR ? (int)reply->len : 0,
+                 reply != NULL && reply->type == REDIS_REPLY_ERROR ? reply->str : "");
+        b->checks_pending = 0;
+        relay_loop_failed(&b->loop, b->checks_gen,
+                          reply == NULL ? RELAY_FAIL_REDIS_CONNECTION : RELAY_FAIL_REDIS_ERROR,
+                          reply == NULL ? "Redis connection lost while reading the streams' last ids"
+                                        : why);
+        return;
+    }
+    if (reply->elements > 0) {
+        const redisReply *e = reply->element[0];
+        if (e->type == REDIS_REPLY_ARRAY && e->elements >= 1 &&
+            e->element[0]->type == REDIS_REPLY_STRING &&
+            relay_batch_parse_entry_id(e->element[0]->str, e->element[0]->len, &ms, &seq) == 0)
+            have = 1;
+    }
+    if (have)
+        relay_cursor_set_top(cur, ms, seq);
+    if (!have || ms < cur->expect_ms || (ms == cur->expect_ms && seq < cur->expect_seq)) {
+        cur->checking = 2; /* lost entries */
+        b->nlost++;
+        char held[RELAY_ENTRY_ID_MAX], want[RELAY_ENTRY_ID_MAX], key[STREAM_KEY_MAX];
+        relay_batch_entry_id(ms, seq, held);
+        relay_batch_entry_id(cur->expect_ms, cur->expect_seq, want);
+        if (stream_key(r, cur, key) != 0)
+            snprintf(key, sizeof(key), "%s", cur->topic);
+        relay_warn(COMPONENT,
+                   "stream %s holds less than was published (last entry %s, where %s was "
+                   "written): Redis lost entries; they are published again from the outbox",
+                   key, have ? held : "none", want);
+    }
+    if (b->checks_pending == 0)
+        checks_done(r);
+}
+
+static void on_lost_ticks(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                          const char *sqlstate, void *arg)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    (void)pg;
+    (void)sqlstate;
+    if (r->stopping)
+        return;
+    if (err != NULL || res == NULL || (size_t)PQntuples(res) != b->nlost) {
+        char why[600];
+        snprintf(why, sizeof(why), "finding what Redis lost failed: %s",
+                 err != NULL ? err : "no answer");
+        relay_loop_failed(&b->loop, b->checks_gen, RELAY_FAIL_POSTGRES, why);
+        return;
+    }
+    int k = 0;
+    for (size_t i = 0; i < b->cursors.mask + 1; i++) {
+        struct relay_cursor *cur = &b->cursors.slots[i];
+        if (cur->topic[0] == '\0' || cur->checking != 2)
+            continue;
+        cur->checking = 0;
+        uint64_t tick = PQgetisnull(res, k, 1) ? 1 : strtoull(PQgetvalue(res, k, 1), NULL, 10);
+        k++;
+        /* The batch of its last entry is read again (what it holds of it
+         * is skipped); without an entry, from the oldest tick kept. */
+        uint64_t pos = cur->top_known && tick > 0 ? tick - 1 : (tick > 0 ? tick - 1 : 0);
+        uint64_t now = relay_cursor_position(cur, b->loop.lead);
+        if (pos < now) {
+            cur->follows = 0;
+            cur->pos = pos;
+        }
+        cur->expect_ms = cur->top_known ? cur->top_ms : 0;
+        cur->expect_seq = cur->top_known ? cur->top_seq : 0;
+    }
+    relay_loop_loaded(&b->loop, b->checks_gen, b->loaded_lead);
 }
 
 static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32_t chunk)
@@ -994,6 +1184,10 @@ static void sink_ready(struct relay_sink *s, void *arg)
 {
     struct relay *r = arg;
     (void)s;
+    /* Redis may hold less than before it went away: what each stream holds
+     * is read again before the next batch. */
+    relay_cursors_forget_all(&r->batch.cursors);
+    r->batch.verify = 1;
     relay_loop_want(&r->batch.loop);
 }
 
