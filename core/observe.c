@@ -143,7 +143,12 @@ static int pg_rows(PGresult *r, struct relay_observation *o)
  * finds the topics by a skip scan of that index, a probe per topic.
  */
 static const char outbox_sql[] =
-    "WITH b AS (SELECT sum(x.pending) AS pending, min(x.oldest_created_at) AS oldest"
+    /* outbox.messages is locked first, as a TRUNCATE or ALTER of several of
+     * the outbox's tables takes it first (the lock order of migration 017):
+     * holding outbox.topics or outbox.quarantine while outbox.backlog waits
+     * for it would deadlock with one. */
+    "WITH lock_order AS (SELECT FROM outbox.messages LIMIT 0),"
+    " b AS (SELECT sum(x.pending) AS pending, min(x.oldest_created_at) AS oldest"
     "   FROM outbox.backlog(NULL) x)"
     " SELECT b.pending, extract(epoch FROM clock_timestamp() - b.oldest),"
     " (SELECT count(*) FROM outbox.quarantine),"

@@ -20,6 +20,11 @@
 --   outbox.delete_published(ids) only rows already in their stream
 --   ticks_taken_at_idx          the tick taken sent_retention ago, in one probe
 --
+-- Lock order: each function below takes outbox.messages before the other
+-- tables of the outbox (its first statement reads it), as a TRUNCATE or
+-- ALTER of several of them takes it first; otherwise such a statement and
+-- one of these, each holding the table the other wants next, deadlock.
+--
 -- One transaction (BEGIN ... COMMIT below), idempotent like every file here.
 
 BEGIN;
@@ -97,6 +102,7 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
+    PERFORM FROM outbox.messages LIMIT 0; -- the lock order (top of the file)
     missing := ARRAY(SELECT x FROM unnest(coalesce(p_ids, '{}')) AS x
                       WHERE NOT EXISTS (SELECT FROM outbox.quarantine AS q WHERE q.id = x)
                       ORDER BY x);
@@ -125,6 +131,7 @@ DECLARE
     v_drop    bigint[];
     v_release bigint[];
 BEGIN
+    PERFORM FROM outbox.messages LIMIT 0; -- the lock order (top of the file)
     SELECT coalesce(array_agg(q.id ORDER BY q.id), '{}') INTO v_drop
       FROM (SELECT x.id FROM outbox.quarantine AS x WHERE x.id = ANY (coalesce(p_ids, '{}'))
              ORDER BY x.id FOR UPDATE) AS q;
@@ -176,6 +183,7 @@ DECLARE
     v_topics text[] := p_topics;
     v_xmin   xid8;
 BEGIN
+    PERFORM FROM outbox.messages LIMIT 0; -- the lock order (top of the file)
     IF v_topics IS NULL THEN
         -- "sent_at IS NULL AND failed_at IS NULL" holds for every row written
         -- since schema 16 and lets messages_pending_topic_idx answer.
@@ -281,6 +289,7 @@ BEGIN
         RAISE EXCEPTION 'outbox.purge_sent: max_rows must be between 1 and 100000'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM FROM outbox.messages LIMIT 0; -- the lock order (top of the file)
     v_cutoff := statement_timestamp() - p_older_than;
     SELECT k.snap INTO v_snap FROM outbox.ticks AS k
      WHERE k.taken_at <= v_cutoff ORDER BY k.taken_at DESC LIMIT 1;
