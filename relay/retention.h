@@ -40,7 +40,7 @@ struct relay_retention {
     long long purge_after_id; /* the purge goes on from here */
     double purge_restart_at;  /* monotonic seconds: walk from the first row again */
     int purge_caught_up;      /* the last call reached the rows to keep */
-    double oldest_sent_age;   /* age of the oldest published row kept, from the last purge; -1 none */
+    double oldest_sent_age;   /* oldest published row kept, from the last purge; -1 none */
     double next_trim_at;      /* monotonic seconds */
     unsigned long long sent_deleted_total;
     unsigned long long stream_trimmed_total;

@@ -57,13 +57,12 @@ static int failed_list(PGconn *conn, long long limit, FILE *out, FILE *errout)
     char lim[24];
     snprintf(lim, sizeof(lim), "%lld", limit);
     const char *params[1] = {lim};
-    PGresult *res =
-        PQexecParams(conn,
-                     "SELECT id, message_id, topic, coalesce(partition_key, '-'),"
-                     " to_char(quarantined_at AT TIME ZONE 'UTC',"
-                     " 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), error"
-                     " FROM outbox.quarantine ORDER BY id LIMIT $1",
-                     1, NULL, params, NULL, NULL, 0);
+    PGresult *res = PQexecParams(conn,
+                                 "SELECT id, message_id, topic, coalesce(partition_key, '-'),"
+                                 " to_char(quarantined_at AT TIME ZONE 'UTC',"
+                                 " 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), error"
+                                 " FROM outbox.quarantine ORDER BY id LIMIT $1",
+                                 1, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
         fprintf(errout, "outbox-relay: cannot list quarantined rows: %s",
                 PQresultErrorMessage(res));
