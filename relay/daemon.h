@@ -42,14 +42,14 @@ struct relay_owner;
 struct relay_pgsrc;
 struct relay_sink;
 
-/* The phases of a committed batch, for outbox_relay_batch_phase_seconds:
- * its BEGIN and claim; claimed, before its first publish (behind the batch
- * ahead); its publishes, until the last reply; its finish, until the commit. */
+/* The phases of a recorded batch, for outbox_relay_batch_phase_seconds:
+ * waiting for a chunk of its rows with nothing publishing (read); its calls
+ * in flight, until the last reply and WAIT (publish); recording its
+ * positions (record). They follow one another and add up to its duration. */
 enum relay_batch_phase {
-    RELAY_PHASE_CLAIM,
-    RELAY_PHASE_WAIT,
+    RELAY_PHASE_READ,
     RELAY_PHASE_PUBLISH,
-    RELAY_PHASE_FINISH,
+    RELAY_PHASE_RECORD,
     RELAY_PHASES
 };
 
@@ -128,6 +128,9 @@ struct relay_loop_io {
     uint64_t checks_gen;  /* the load the checks belong to */
     size_t checks_pending, nlost;
     uint64_t batch_serial; /* counts the batches read, from their first chunk */
+    double started_at, phase_mark; /* the batch's start, and its phase's */
+    enum relay_batch_phase phase;
+    double phase_s[RELAY_PHASES];  /* the batch's time in each phase so far */
     unsigned long long batch_appended; /* rows the batch appended */
     struct outbox_buf partitions_text; /* " topic/p" of each partition it touched */
     unsigned long pause_epoch, pause_applied; /* the paused topics changed */

@@ -50,6 +50,25 @@ static void chunk_clear(struct relay_chunk *c)
     c->error[0] = '\0';
 }
 
+/* ---- the batch's phases -------------------------------------------------- */
+
+static void phase_to(struct relay_loop_io *b, enum relay_batch_phase next)
+{
+    double now = relay_now();
+    b->phase_s[b->phase] += now - b->phase_mark;
+    b->phase_mark = now;
+    b->phase = next;
+}
+
+static void observe_seconds(unsigned long long *hist, double *sum, double s)
+{
+    size_t k = 0;
+    while (k < RELAY_BATCH_BUCKETS && s > relay_batch_buckets[k])
+        k++;
+    hist[k]++;
+    *sum += s;
+}
+
 /* ---- ops ---------------------------------------------------------------- */
 
 static int op_ready(void *arg)
@@ -422,6 +441,9 @@ static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32
         b->after_txid = 0;
         b->after_id = 0;
         b->batch_serial++; /* which streams it publishes is decided anew */
+        b->started_at = b->phase_mark = relay_now();
+        b->phase = RELAY_PHASE_READ;
+        memset(b->phase_s, 0, sizeof(b->phase_s));
     }
     char p1[24], p2[24], p3[24], p4[24], p5[16];
     snprintf(p1, sizeof(p1), "%" PRIu64, prev);
@@ -539,6 +561,8 @@ static void chunk_done(struct relay *r, struct relay_chunk *c)
         relay_loop_failed(&b->loop, c->gen, c->kind, why);
     } else {
         relay_loop_published(&b->loop, c->gen, c->number);
+        if (b->loop.state == RELAY_LOOP_READ)
+            phase_to(b, RELAY_PHASE_READ); /* the next chunk is still on its way */
     }
 }
 
@@ -631,6 +655,7 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
     struct relay_chunk *c = chunk_of(b, number);
+    phase_to(b, RELAY_PHASE_PUBLISH);
     c->gen = gen;
     c->pending = 0;
     c->waited = 0;
@@ -769,6 +794,7 @@ static int op_record(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int 
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
     int refresh = 0;
+    phase_to(b, RELAY_PHASE_RECORD);
     if (lead && relay_now() - b->refreshed_at >= REFRESH_S) {
         refresh = 1;
         b->refreshed_at = relay_now();
@@ -1123,6 +1149,10 @@ static void on_recorded(struct relay_pgsrc *pg, PGresult *res, const char *err,
         return;
     }
     r->fig.batches_total++;
+    phase_to(b, RELAY_PHASE_RECORD);
+    for (int p = 0; p < RELAY_PHASES; p++)
+        observe_seconds(r->fig.phase_hist[p], &r->fig.phase_sum[p], b->phase_s[p]);
+    observe_seconds(r->fig.batch_hist, &r->fig.batch_sum, relay_now() - b->started_at);
     if (res != NULL && PQntuples(res) == 1 && !PQgetisnull(res, 0, 0))
         r->fig.quarantined_total += strtoull(PQgetvalue(res, 0, 0), NULL, 10);
     for (size_t i = 0; i < b->nquarantined; i++)

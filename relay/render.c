@@ -137,14 +137,14 @@ static void render_relay(const struct relay *r, struct outbox_buf *t)
     help(t, "outbox_relay_batches_total", "counter", "Batches published and recorded.");
     outbox_buf_printf(t, "outbox_relay_batches_total %llu\n", f->batches_total);
     help(t, "outbox_relay_batch_duration_seconds", "histogram",
-         "Time from claim to commit of a batch.");
+         "Time from the first read of a batch to its positions recorded.");
     render_seconds(t, "outbox_relay_batch_duration_seconds", "", f->batch_hist, f->batch_sum);
     help(t, "outbox_relay_batch_phase_seconds", "histogram",
-         "Time committed batches spent in each phase: claim (BEGIN and the claim), wait "
-         "(claimed, behind the batch ahead), publish (until the last reply), finish (until "
-         "the commit).");
-    static const char *const phases[RELAY_PHASES] = {"phase=\"claim\"", "phase=\"wait\"",
-                                                     "phase=\"publish\"", "phase=\"finish\""};
+         "Time recorded batches spent in each phase: read (waiting for its rows, nothing "
+         "publishing), publish (its calls in flight, until the last reply), record (until its "
+         "positions are recorded).");
+    static const char *const phases[RELAY_PHASES] = {"phase=\"read\"", "phase=\"publish\"",
+                                                     "phase=\"record\""};
     for (int p = 0; p < RELAY_PHASES; p++)
         render_seconds(t, "outbox_relay_batch_phase_seconds", phases[p], f->phase_hist[p],
                        f->phase_sum[p]);
