@@ -670,7 +670,7 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
         row->call_rows = 0;
         struct relay_cursor *cur = relay_cursors_get(&b->cursors, row);
         if (cur != NULL) {
-            row->seq = relay_cursor_rank(cur, b->loop.next);
+            row->seq = relay_cursor_rank(cur, b->batch_serial);
             if (!stream_active(r, cur)) {
                 /* Paused, behind the lead, or another relay's: not here. */
                 cur->met = 1;
@@ -808,7 +808,7 @@ static int op_record(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int 
         if (cur->topic[0] == '\0')
             continue;
         int in_batch = cur->active_batch == b->batch_serial;
-        if (in_batch && cur->active && cur->touched && cur->tick == next && cur->top_known) {
+        if (in_batch && cur->active && cur->touched && cur->tick == b->batch_serial && cur->top_known) {
             arrays_add(&b->touched, cur, 1);
             if (cur->partitioned)
                 outbox_buf_printf(&b->partitions_text, " %s/%u", cur->topic, cur->partition);
@@ -866,7 +866,7 @@ static void op_abandon(void *arg)
     b->nheld = 0;
     b->batch_appended = 0;
     /* The batch is read again from its start: its ranks count again. */
-    relay_cursors_restart(&b->cursors, b->loop.next);
+    relay_cursors_restart(&b->cursors, b->batch_serial);
 }
 
 static void op_failed(void *arg, enum relay_fail_kind kind, const char *why)
@@ -1169,7 +1169,7 @@ static void on_recorded(struct relay_pgsrc *pg, PGresult *res, const char *err,
     if (b->loop.catching_up)
         relay_cursors_advance(&b->cursors, b->loop.prev, b->loop.lead);
     relay_cursors_untouch(&b->cursors);
-    relay_cursors_trim(&b->cursors, b->loop.next);
+    relay_cursors_trim(&b->cursors, b->batch_serial);
     if (r->fig.last_batch_error[0] != '\0') {
         relay_info(COMPONENT, "publishing again after: %s", r->fig.last_batch_error);
         r->fig.last_batch_error[0] = '\0';
