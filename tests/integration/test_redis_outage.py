@@ -16,9 +16,9 @@ Promises tested (docs/DESIGN.md P1, P2, "The claim cycle"):
 - Redis hung (SIGSTOP) for ~3 s: the relay's own publish timeout fires, no row
   is marked sent while it hangs, and after SIGCONT every row arrives exactly
   once although Redis then runs the commands of the abandoned batch;
-- Redis hung while a backlog drains, so that a batch publishes behind the
-  one that times out: both count as timeouts, never as a lost connection,
-  and every row arrives exactly once.
+- Redis hung in the middle of a batch of 20,000 rows: the calls the timeout
+  cut off count as a timeout, never as a lost connection, the batch is read
+  again, and every row arrives exactly once.
 """
 
 import os
