@@ -35,6 +35,10 @@ published is copied into outbox.quarantine with its error. Promises tested:
   other topic's rows of the same batches are published, no batch fails; once
   the stream is back, `failed retry --all` publishes the 200 and the stream
   holds all 300 once, in order;
+- more rows of a WRONGTYPE stream in one batch than the relay quarantines at
+  once (300 with batch_size 100, a backlog built while it was down): the
+  other topic's rows are sent, all 300 are quarantined, and a later batch is
+  published (within 30 s);
 - the advice follows the cause: a row the producer wrote wrongly (a bad topic)
   says to drop it with `failed drop <id>` and write it again, and retried as it
   is it is quarantined again; a row refused by the setup (WRONGTYPE) says to
@@ -564,6 +568,37 @@ class PoisonTest(harness.ServerTestCase):
                          "the ledger stream holds all 300 rows once, in order")
         self.assertEqual(quarantined(self.db), {})
         self.verifier().report("after failed retry --all").assert_exactly_once(self)
+
+    def test_a_wrongtype_backlog_larger_than_batch_size_stops_no_topic(self):
+        """A batch can hold more rows of a WRONGTYPE stream than batch_size (a
+        backlog built while the relay was down): 300 ledger rows and 300 orders
+        rows in one batch, batch_size 100. The orders rows are published and
+        recorded sent, every ledger row is quarantined, and the relay goes on
+        with the next batch: one bad key never stops the others (P4)."""
+        self.r.set("ledger", "a string where a stream should be")
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                        " SELECT CASE WHEN g % 2 = 0 THEN 'ledger' ELSE 'orders' END,"
+                        "  convert_to('row ' || g, 'UTF8') FROM generate_series(1, 600) AS g"
+                        " RETURNING id, topic")
+            ids = cur.fetchall()
+        relay = self.relay(**{**RELAY_FLAGS, "batch_size": 100})
+        after = insert(self.db, "billing", b"a later batch")
+
+        def state():
+            return (harness.count_sent(self.db, "m.topic <> 'ledger'"),
+                    harness.scalar(self.db, "SELECT count(*) FROM outbox.quarantine"))
+        deadline = time.monotonic() + 30
+        while state() != (301, 300):
+            self.assertTrue(relay.alive(), "the relay exited\n" + relay.log_tail())
+            if time.monotonic() > deadline:
+                stuck = re.findall(r"^.*batch not published: .*$", relay.log(), re.MULTILINE)
+                self.fail(f"(rows of other topics sent, rows quarantined) = {state()} after 30 s,"
+                          f" expected (301, 300); {stuck[:1]}")
+            time.sleep(0.1)
+        self.assertEqual(sorted(quarantined(self.db)), sorted(i for i, t in ids if t == "ledger"))
+        self.assertEqual(len(harness.entries_by_message_id(self.r).get(after, [])), 1)
+        self.assert_no_row_columns_written()
 
     # ---- the operator's tool ------------------------------------------
 
