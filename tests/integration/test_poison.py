@@ -505,7 +505,7 @@ class PoisonTest(harness.ServerTestCase):
     def test_key_turning_wrongtype_in_a_backlog_quarantines_its_rows_only(self):
         """300 rows of one stream: 100 published, then, the relay stopped, the
         stream renamed away and its key set to a string. The 200 behind are
-        quarantined as the relay reads them, in batches of several chunks with
+        quarantined as the relay reads them, in a batch of several chunks with
         the other topic's rows, which are published; no batch fails. With the
         stream back, 'failed retry --all' publishes the 200 behind the 100."""
         relay = self.start_relay(batch_size=128)
