@@ -205,6 +205,41 @@ CREATE INDEX IF NOT EXISTS quarantine_key_idx
 COMMENT ON TABLE outbox.quarantine IS
     'Rows the relay could not publish and moved past, with why (outbox-relay failed).';
 
+-- Copies rows into the quarantine with why, each once: a row quarantined
+-- already (its batch read again) stays as it was. Returns how many it
+-- copied. The relay calls it through outbox.record_batch, and with the read
+-- of a batch's next chunk for the rows of the chunks before, so that a batch
+-- of many bad rows records them as it goes.
+CREATE OR REPLACE FUNCTION outbox.quarantine_rows(p_ids bigint[], p_errors text[])
+RETURNS integer
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_copied integer := 0;
+BEGIN
+    IF cardinality(p_ids) IS DISTINCT FROM cardinality(p_errors) THEN
+        RAISE EXCEPTION 'outbox.quarantine_rows: the arrays differ in length'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO outbox.quarantine (id, txid, message_id, topic, partition_key, payload, headers,
+                                   created_at, error)
+    SELECT m.id, m.txid, m.message_id, m.topic, m.partition_key, m.payload, m.headers,
+           m.created_at, q.error
+      FROM unnest(p_ids, p_errors) AS q(id, error)
+      JOIN outbox.messages AS m ON m.id = q.id
+     ORDER BY m.id
+    ON CONFLICT (id) DO NOTHING;
+    GET DIAGNOSTICS v_copied = ROW_COUNT;
+    RETURN v_copied;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.quarantine_rows(bigint[], text[]) IS
+    'Copies rows the relay cannot publish into the quarantine, with why.';
+
 -- A batch is all in its streams: records, in one call, where each stream it
 -- published now stands. Three lists of streams, each a topic and a partition
 -- (-1 for a topic of one partition):
@@ -239,8 +274,6 @@ VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-DECLARE
-    v_quarantined integer := 0;
 BEGIN
     IF p_tick IS NULL OR NOT EXISTS (SELECT FROM outbox.ticks AS t WHERE t.tick_id = p_tick) THEN
         RAISE EXCEPTION 'outbox.record_batch: there is no tick %', p_tick
@@ -279,15 +312,7 @@ BEGIN
       FROM unnest(p_met_topics, p_met_partitions) AS a(t, p)
      ORDER BY 1, 2
     ON CONFLICT (topic, partition) DO NOTHING;
-    INSERT INTO outbox.quarantine (id, txid, message_id, topic, partition_key, payload, headers,
-                                   created_at, error)
-    SELECT m.id, m.txid, m.message_id, m.topic, m.partition_key, m.payload, m.headers,
-           m.created_at, q.error
-      FROM unnest(p_quarantined, p_errors) AS q(id, error)
-      JOIN outbox.messages AS m ON m.id = q.id
-    ON CONFLICT (id) DO NOTHING;
-    GET DIAGNOSTICS v_quarantined = ROW_COUNT;
-    RETURN v_quarantined;
+    RETURN outbox.quarantine_rows(p_quarantined, p_errors);
 END
 $$;
 
@@ -379,6 +404,8 @@ $$;
 
 REVOKE EXECUTE ON FUNCTION outbox.set_partitions(text, integer) FROM PUBLIC;
 
+REVOKE EXECUTE ON FUNCTION outbox.quarantine_rows(bigint[], text[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.quarantine_rows(bigint[], text[]) TO outbox_relay;
 REVOKE EXECUTE ON FUNCTION outbox.tick(bigint) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) TO outbox_relay;

@@ -115,6 +115,7 @@ struct relay_loop_io {
     int64_t quarantined[RELAY_QUARANTINE_MAX];
     char quarantine_errors[RELAY_QUARANTINE_MAX][OUTBOX_ERROR_MAX];
     size_t nquarantined, quarantine_max;
+    size_t nflushed; /* of those, sent with a chunk's read */
     struct relay_held held[RELAY_QUARANTINE_MAX];
     size_t nheld;
     /* outbox.record_batch's lists of streams: appended to, moved along,
