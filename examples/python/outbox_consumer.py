@@ -133,7 +133,7 @@ class OutboxConsumer:
         while not self.stopping:
             try:
                 self._run_ordered() if self.parts else self._run_unordered()
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except redis.RedisError as e:  # connects again, loads the functions, makes groups
                 log("ERROR", f"Redis: {e}; retrying in 1 s")
                 time.sleep(1)
         print(f"consumer {self.consumer}: " + " ".join(f"{k}={v}" for k, v in self.stats.items()),
@@ -212,6 +212,8 @@ class OutboxConsumer:
         except redis.ResponseError as e:
             if str(e).startswith("LEASELOST"):
                 raise LeaseLost(pt, str(e)) from None
+            if "Function not found" in str(e):  # FUNCTION FLUSH: run() loads it again
+                raise
             log("ERROR", f"dead-lettering {stream} {entry_id} failed: {e}; the entry stays "
                          "pending and a later pass tries again")
             return False
@@ -238,9 +240,17 @@ class OutboxConsumer:
             reply = self.r.xreadgroup(self.group, self.consumer, {s: ">" for s in streams},
                                       count=self.count, block=block)
             for stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    if not self.stopping:  # the rest stay pending: taken over after the backoff
-                        self._one(head, stream.decode(), entry_id.decode(), fields, 1)
+                read_at = now_ms()
+                for i, (entry_id, fields) in enumerate(entries):
+                    if self.stopping:  # the rest stay pending: taken over after the backoff
+                        break
+                    if now_ms() - read_at > min(self.backoff_ms) / 2:
+                        # The rest of the batch ages from the read: keep it ours before
+                        # another consumer's reclaim pass counts it as abandoned.
+                        self.r.xclaim(stream, self.group, self.consumer, 0,
+                                      [e[0] for e in entries[i:]], justid=True)
+                        read_at = now_ms()
+                    self._one(head, stream.decode(), entry_id.decode(), fields, 1)
 
     def _one(self, head, stream, entry_id, fields, deliveries):
         what, why = self._decide(stream, entry_id, fields, deliveries)
