@@ -273,6 +273,7 @@ static void on_lost_ticks(struct relay_pgsrc *pg, PGresult *res, const char *err
  * them. */
 #define STREAM_KEY_MAX 1024 /* a prefix longer than any in use, the topic and ":ppp" */
 
+/* The stream's key; its length, or -1 when it does not fit. */
 static int stream_key(const struct relay *r, const struct relay_cursor *cur,
                       char key[STREAM_KEY_MAX])
 {
@@ -290,10 +291,10 @@ static void check_streams(struct relay *r)
     for (size_t i = 0; b->cursors.slots != NULL && i <= b->cursors.mask; i++) {
         struct relay_cursor *cur = &b->cursors.slots[i];
         cur->checking = 0;
-        if (cur->topic[0] == '\0' || !cur->owned || !cur->known || cur->expect_ms == 0)
+        if (cur->topic[0] == '\0' || !cur->owned || !cur->known)
             continue;
         char key[STREAM_KEY_MAX];
-        if (stream_key(r, cur, key) != 0)
+        if (stream_key(r, cur, key) < 0)
             continue;
         outbox_buf_reset(&r->out);
         outbox_buf_printf(&r->out,
@@ -377,15 +378,23 @@ static void on_check_reply(redisAsyncContext *ac, void *reply_, void *arg)
             relay_batch_parse_entry_id(e->element[0]->str, e->element[0]->len, &ms, &seq) == 0)
             have = 1;
     }
-    if (have)
+    if (have) {
         relay_cursor_set_top(cur, ms, seq);
-    if (!have || ms < cur->expect_ms || (ms == cur->expect_ms && seq < cur->expect_seq)) {
+        /* The next tick's entry ids lie above whatever the stream holds,
+         * also entries written by relays before entry ids were the ticks'
+         * (the Redis clock, which may run ahead of PostgreSQL's). */
+        if (ms >= b->min_ms)
+            b->min_ms = ms + 1;
+    }
+    if (cur->expect_ms == 0 && cur->expect_seq == 0) {
+        /* Nothing written by this design yet: nothing it could have lost. */
+    } else if (!have || ms < cur->expect_ms || (ms == cur->expect_ms && seq < cur->expect_seq)) {
         cur->checking = 2; /* lost entries */
         b->nlost++;
         char held[RELAY_ENTRY_ID_MAX], want[RELAY_ENTRY_ID_MAX], key[STREAM_KEY_MAX];
         relay_batch_entry_id(ms, seq, held);
         relay_batch_entry_id(cur->expect_ms, cur->expect_seq, want);
-        if (stream_key(r, cur, key) != 0)
+        if (stream_key(r, cur, key) < 0)
             snprintf(key, sizeof(key), "%s", cur->topic);
         relay_warn(COMPONENT,
                    "stream %s holds less than was published (last entry %s, where %s was "
@@ -1117,7 +1126,7 @@ static void apply_one(struct relay *r, struct relay_chunk *c, struct relay_row *
     if (one != NULL && one->type == REDIS_REPLY_ERROR && one->len >= 9 &&
         memcmp(one->str, "WRONGTYPE", 9) == 0) {
         char key[STREAM_KEY_MAX];
-        if (cur == NULL || stream_key(r, cur, key) != 0)
+        if (cur == NULL || stream_key(r, cur, key) < 0)
             snprintf(key, sizeof(key), "of topic %.64s", cur != NULL ? cur->topic : "?");
         snprintf(row->error, sizeof(row->error),
                  "the stream key %.300s holds another type (WRONGTYPE): rename or delete that key, "
