@@ -310,6 +310,19 @@ class BatchSqlTest(harness.PostgresTestCase):
             cur.execute("SELECT id FROM outbox.unsent ORDER BY id")
             return [r[0] for r in cur.fetchall()]
 
+    def test_purge_takes_the_ticks_no_stream_needs(self):
+        for _ in range(6):
+            insert(self.db)
+            tick(self.db)  # ticks 2..7
+        self.record(7, ["orders"], ["70-0"])
+        self.record(4, ["slow"], ["40-0"], lead=False)  # a stream far behind: from 4
+        scalar(self.db, "SELECT outbox.purge_sent(interval '0', 0, 1000)")
+        with self.db.cursor() as cur:
+            cur.execute("SELECT tick_id FROM outbox.ticks ORDER BY 1")
+            self.assertEqual([r[0] for r in cur.fetchall()], [4, 5, 6, 7],
+                             "the ticks below every position went; the slow stream's stayed")
+        self.assertEqual(self.unsent(), [], "what the positions passed is still sent")
+
     def test_positions_move_forward_only(self):
         for _ in range(4):
             insert(self.db)
