@@ -301,11 +301,17 @@ int main(int argc, char **argv)
         } else if (cl.print_config) {
             rc = print_config(&cfg);
         } else if (cl.check_only) {
+            for (unsigned i = 0; i < RELAY_CONFIG_RETIRED_KEYS; i++)
+                if (relay_config_retired(&cfg, i) != NULL)
+                    fprintf(stderr, "outbox-relay: warning: %s\n", relay_config_retired(&cfg, i));
             printf("configuration OK\n");
             rc = OUTBOX_EX_OK;
         } else {
             /* Only the daemon's log: the commands' output stays as it is. */
             relay_log_set_json(relay_config_parse_log_format(cfg.log_format) == 1);
+            for (unsigned i = 0; i < RELAY_CONFIG_RETIRED_KEYS; i++)
+                if (relay_config_retired(&cfg, i) != NULL)
+                    relay_warn("config", "%s", relay_config_retired(&cfg, i));
             rc = run_daemon(&cl, &cfg);
         }
     }

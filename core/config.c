@@ -269,8 +269,10 @@ static int config_apply(struct relay_config *cfg, const struct cfg_key *k, const
     char rule[RELAY_CONFIG_ERR_MAX];
     char shown[CFG_SHOW_MAX + 8];
 
-    if (config_convert(cfg, k, value, rule, sizeof(rule)) == 0)
+    if (config_convert(cfg, k, value, rule, sizeof(rule)) == 0) {
+        cfg->retired_set |= relay_config_retired_bit(k);
         return 0;
+    }
     relay_config_show(value, key_secrecy(k), shown, sizeof(shown));
     relay_config_err(err, errlen, "%s = \"%s\": %s", label, shown, rule);
     return -1;
@@ -328,6 +330,7 @@ void relay_config_init(struct relay_config *cfg)
             abort();
         }
     }
+    cfg->retired_set = 0; /* the defaults set no key */
 }
 
 void relay_config_free(struct relay_config *cfg)

@@ -47,10 +47,10 @@ struct relay_config {
 
     /* Work. */
     uint32_t batch_size;        /* rows per claim, 1..10000 */
-    uint32_t max_attempts;      /* per-row failures before quarantine, 1..1000 */
+    uint32_t max_attempts;      /* no effect (relay_config_retired) */
     uint32_t max_payload_bytes; /* 1..536870912 */
     int listen;                 /* 1: LISTEN for wake-ups; 0: poll only */
-    int pipeline;               /* 1: claim the next batch while this one publishes */
+    int pipeline;               /* no effect (relay_config_retired) */
 
     /* Time, all in milliseconds. */
     uint32_t poll_interval_ms;
@@ -60,7 +60,7 @@ struct relay_config {
     uint32_t reconnect_min_ms;
     uint32_t reconnect_max_ms;
     uint32_t drain_timeout_ms;
-    uint32_t dedup_ttl_ms;
+    uint32_t dedup_ttl_ms; /* no effect (relay_config_retired) */
 
     /* Replica acknowledgement (docs/REDIS.md, "Redis replicas", "Redis Sentinel"). */
     uint32_t min_replicas;       /* replicas that must hold a batch before its mark; 0 = off */
@@ -81,8 +81,12 @@ struct relay_config {
     uint32_t sent_retention_ms;       /* delete sent rows older than this; 0 = at publish */
     uint32_t stream_retention_ms;     /* trim acknowledged entries older than this; 0 = never */
     uint32_t stream_trim_max_hold_ms; /* trim past a group this far behind; 0 = never */
-    int allow_short_stream_retention; /* 1: stream_retention below dedup_ttl only warns */
+    int allow_short_stream_retention; /* no effect (relay_config_retired) */
     uint32_t vacuum_dead_rows;        /* VACUUM outbox.messages at this many dead rows; 0 = never */
+
+    /* The keys without an effect that a source set: bit i for
+     * relay_config_retired's i-th key (core/config.c sets them). */
+    unsigned retired_set;
 };
 
 /* Fills every key with its documented default; strings are heap copies. */
@@ -157,9 +161,22 @@ int relay_config_is_flag(const char *arg);
 const char *relay_config_nearest_flag(const char *arg, const char *const *options, size_t noptions,
                                       char *out, size_t outlen);
 
-/* 1 when stream_retention is set and shorter than dedup_ttl: refused unless
- * allow_short_stream_retention is on, then logged as a warning at start. */
+/* 0: stream_retention is no longer held against dedup_ttl, which has no
+ * effect (there are no dedup records to outlive). */
 int relay_config_short_stream_retention(const struct relay_config *cfg);
+
+/*
+ * Keys that are still accepted, so that deployed files keep working, but no
+ * longer have an effect since the relay publishes by the batch (pipeline,
+ * max_attempts, dedup_ttl, allow_short_stream_retention). For the i-th such
+ * key that the file, the environment or the command line set, returns the
+ * warning to log ("dedup_ttl no longer has an effect: ...; remove it"), and
+ * NULL for one not set; NULL from i = RELAY_CONFIG_RETIRED_KEYS on.
+ * --check-config prints these and the daemon logs them at start, one
+ * WARNING per key.
+ */
+#define RELAY_CONFIG_RETIRED_KEYS 4
+const char *relay_config_retired(const struct relay_config *cfg, unsigned i);
 
 /*
  * Copies s into out with any password removed: "password=..." in a conninfo

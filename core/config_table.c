@@ -108,14 +108,16 @@ const struct cfg_key relay_config_keys[] = {
      cfg_check_stream_prefix, "text put in front of the topic to name the stream"},
     {"batch_size", CFG_UINT, CFG_OFF(batch_size), 1, 10000, "500", 0, NULL,
      "rows claimed per transaction; also the bound on publishes in flight"},
-    {"max_attempts", CFG_UINT, CFG_OFF(max_attempts), 1, 1000, "10", 0, NULL,
-     "transient failures of one row before it is quarantined (permanent ones: at once)"},
+    {"max_attempts", CFG_UINT, CFG_OFF(max_attempts), 1, 1000, "10", CFG_RETIRED, NULL,
+     "no effect (accepted so that existing files keep working): a transient failure fails the "
+     "whole batch, which is read again; only a row that can never be published is quarantined"},
     {"max_payload_bytes", CFG_UINT, CFG_OFF(max_payload_bytes), 1, 536870912, "1048576", 0, NULL,
      "larger payloads fail their row, which is quarantined at once"},
     {"listen", CFG_BOOL, CFG_OFF(listen), 0, 1, "on", 0, NULL,
      "wake up on NOTIFY outbox_relay; off relies on polling alone"},
-    {"pipeline", CFG_BOOL, CFG_OFF(pipeline), 0, 1, "on", 0, NULL,
-     "claim the next batch on a second connection while the current one is published"},
+    {"pipeline", CFG_BOOL, CFG_OFF(pipeline), 0, 1, "on", CFG_RETIRED, NULL,
+     "no effect (accepted so that existing files keep working): the next chunk of a batch is "
+     "always read while the one before is published"},
     {"poll_interval", CFG_DURATION, CFG_OFF(poll_interval_ms), 10, CFG_HOUR, "1s", 0, NULL,
      "fallback poll: a lost notification costs at most this much latency"},
     {"connect_timeout", CFG_DURATION, CFG_OFF(connect_timeout_ms), 100, 10 * CFG_MIN, "5s", 0, NULL,
@@ -130,8 +132,10 @@ const struct cfg_key relay_config_keys[] = {
      "longest delay between reconnects or retries"},
     {"drain_timeout", CFG_DURATION, CFG_OFF(drain_timeout_ms), 100, 10 * CFG_MIN, "10s", 0, NULL,
      "on SIGTERM, how long to wait for the batch in flight"},
-    {"dedup_ttl", CFG_DURATION, CFG_OFF(dedup_ttl_ms), CFG_SEC, 30 * CFG_DAY, "24h", 0, NULL,
-     "how long a dedup record lives in Redis; not below publish_timeout"},
+    {"dedup_ttl", CFG_DURATION, CFG_OFF(dedup_ttl_ms), CFG_SEC, 30 * CFG_DAY, "24h", CFG_RETIRED,
+     NULL,
+     "no effect (accepted so that existing files keep working): the relay keeps no record per "
+     "message in Redis"},
     {"min_replicas", CFG_UINT, CFG_OFF(min_replicas), 0, 16, "0", 0, NULL,
      "replicas that must hold a batch's writes (WAIT) before it is marked sent; 0 = off"},
     {"replica_timeout", CFG_DURATION, CFG_OFF(replica_timeout_ms), 10, 10 * CFG_MIN, "1s", 0, NULL,
@@ -160,7 +164,9 @@ const struct cfg_key relay_config_keys[] = {
      0, NULL,
      "trim past a group's pending entries once older than this (never undelivered ones); 0: never"},
     {"allow_short_stream_retention", CFG_BOOL, CFG_OFF(allow_short_stream_retention), 0, 1, "off",
-     0, NULL, "accept a stream_retention shorter than dedup_ttl, with a warning"},
+     CFG_RETIRED, NULL,
+     "no effect (accepted so that existing files keep working): stream_retention is no longer "
+     "held against dedup_ttl"},
     {"vacuum_dead_rows", CFG_UINT, CFG_OFF(vacuum_dead_rows), 0, 2000000000, "100000", 0, NULL,
      "VACUUM outbox.messages when it holds this many dead rows (needs its owner); 0: never"},
 };
@@ -168,6 +174,41 @@ const struct cfg_key relay_config_keys[] = {
 const size_t relay_config_nkeys = OUTBOX_ARRAY_LEN(relay_config_keys);
 _Static_assert(OUTBOX_ARRAY_LEN(relay_config_keys) <= CFG_KEYS_MAX,
                "raise CFG_KEYS_MAX to the number of keys");
+
+/* The keys that no longer have an effect, in the order of their bits in
+ * cfg->retired_set, and why each can go. */
+static const struct {
+    const char *name;
+    const char *warning;
+} cfg_retired[RELAY_CONFIG_RETIRED_KEYS] = {
+    {"pipeline", "pipeline no longer has an effect: the next chunk of a batch is always read "
+                 "while the one before is published; remove it"},
+    {"max_attempts", "max_attempts no longer has an effect: a transient failure fails the whole "
+                     "batch, which is read again, and only a row that can never be published is "
+                     "quarantined; remove it"},
+    {"dedup_ttl", "dedup_ttl no longer has an effect: the relay keeps no record per message; "
+                  "remove it"},
+    {"allow_short_stream_retention",
+     "allow_short_stream_retention no longer has an effect: stream_retention is no longer held "
+     "against dedup_ttl; remove it"},
+};
+
+unsigned relay_config_retired_bit(const struct cfg_key *k)
+{
+    if (!(k->flags & CFG_RETIRED))
+        return 0;
+    for (unsigned i = 0; i < RELAY_CONFIG_RETIRED_KEYS; i++)
+        if (strcmp(cfg_retired[i].name, k->name) == 0)
+            return 1u << i;
+    return 0;
+}
+
+const char *relay_config_retired(const struct relay_config *cfg, unsigned i)
+{
+    if (i >= RELAY_CONFIG_RETIRED_KEYS || !(cfg->retired_set & (1u << i)))
+        return NULL;
+    return cfg_retired[i].warning;
+}
 
 void relay_config_errors_add(struct relay_config_errors *errs, const char *msg)
 {

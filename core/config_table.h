@@ -42,6 +42,7 @@ enum cfg_type {
 #define CFG_REQUIRED 0x1u   /* validation fails while the value is empty */
 #define CFG_RELOADABLE 0x2u /* a SIGHUP reload applies it; others need a restart */
 #define CFG_OPAQUE 0x4u     /* a secret string that is a password as a whole: shown as *** */
+#define CFG_RETIRED 0x8u    /* accepted, no effect: a warning when set (relay_config_retired) */
 
 /*
  * Extra check for a string key, run after the length cap. Returns 0, or -1 with
@@ -61,6 +62,9 @@ struct cfg_key { // NOLINT(clang-analyzer-optin.performance.Padding): in reading
 };
 
 #define CFG_OFF(field) offsetof(struct relay_config, field)
+
+/* The bit of cfg->retired_set for k, a CFG_RETIRED key; 0 for any other. */
+unsigned relay_config_retired_bit(const struct cfg_key *k);
 
 /* The one place a key is defined, in the order the documents list the keys:
  * relay_config_nkeys rows, at most CFG_KEYS_MAX. */

@@ -97,20 +97,10 @@ static void fail(struct relay_config_errors *errs, const char *fmt, ...)
     relay_config_errors_add(errs, err);
 }
 
-/* The retention keys against each other and dedup_ttl. */
+/* The retention keys against each other. */
 static void validate_retention(const struct relay_config *cfg, struct relay_config_errors *errs)
 {
     char a[32], b[32];
-    if (relay_config_short_stream_retention(cfg) && !cfg->allow_short_stream_retention) {
-        relay_config_format_duration(cfg->stream_retention_ms, a, sizeof(a));
-        relay_config_format_duration(cfg->dedup_ttl_ms, b, sizeof(b));
-        fail(errs,
-             "stream_retention = \"%s\": must not be shorter than dedup_ttl (%s): a message "
-             "published again within dedup_ttl is answered with its first entry's id, which "
-             "must still be in the stream; raise stream_retention, lower dedup_ttl, or set "
-             "allow_short_stream_retention = on to accept it",
-             a, b);
-    }
     if (cfg->stream_trim_max_hold_ms > 0 && cfg->stream_retention_ms == 0) {
         relay_config_format_duration(cfg->stream_trim_max_hold_ms, a, sizeof(a));
         fail(errs,
@@ -245,19 +235,6 @@ static void validate_publish(const struct relay_config *cfg, struct relay_config
 {
     char a[32], b[32];
 
-    /* A copy of another relay's claim can land until publish_timeout after
-     * that claim's BEGIN; a record published after that BEGIN must outlive it
-     * (docs/DESIGN.md, "The publish deadline"). */
-    if (cfg->dedup_ttl_ms < cfg->publish_timeout_ms) {
-        relay_config_format_duration(cfg->dedup_ttl_ms, a, sizeof(a));
-        relay_config_format_duration(cfg->publish_timeout_ms, b, sizeof(b));
-        fail(errs,
-             "dedup_ttl = \"%s\": must not be shorter than publish_timeout (%s): a copy of a "
-             "batch that another relay gave up on can reach Redis until publish_timeout "
-             "after that claim began, and must still find the dedup record; raise dedup_ttl "
-             "or lower publish_timeout (give every relay of one database the same values)",
-             a, b);
-    }
     /* WAIT runs inside the batch's publish_timeout, after its publishes. */
     if (cfg->min_replicas > 0 && cfg->replica_timeout_ms > cfg->publish_timeout_ms / 2) {
         relay_config_format_duration(cfg->replica_timeout_ms, a, sizeof(a));
@@ -295,5 +272,6 @@ int relay_config_validate(struct relay_config *cfg, char *err, size_t errlen)
 
 int relay_config_short_stream_retention(const struct relay_config *cfg)
 {
-    return cfg->stream_retention_ms > 0 && cfg->stream_retention_ms < cfg->dedup_ttl_ms;
+    (void)cfg;
+    return 0;
 }

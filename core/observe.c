@@ -1,11 +1,9 @@
 /*
  * Observation of the outbox and the streams (core/observe.h).
  *
- * Every read is bounded: the outbox figures come from the two ends of the
- * pending indexes (never a count of pending rows), the per-topic figures from
- * the (topic, id) pending index, and the Redis figures from XINFO GROUPS,
- * the XPENDING summary and single-entry XRANGEs. The cost does not grow with
- * the backlog.
+ * Every read is bounded: the outbox figures come from outbox.backlog (its
+ * cost is described at outbox_sql below), and the Redis figures from XINFO
+ * GROUPS, the XPENDING summary and single-entry XRANGEs.
  *
  * Every wait has a deadline of our own and ends early when the caller's stop
  * is triggered: each wait is a poll() on the server's socket and the stop's
@@ -132,84 +130,73 @@ static int pg_rows(PGresult *r, struct relay_observation *o)
     " AND l.mode = 'ExclusiveLock' AND l.database ="                                               \
     " (SELECT oid FROM pg_database WHERE datname = current_database())"
 
+/*
+ * The outbox's figures. What waits is what outbox.unsent shows: rows their
+ * stream's recorded position has not passed and that are not quarantined.
+ * outbox.backlog (migrations/017_quarantine_tools.sql) counts them per topic
+ * without a scan of the table: for a topic that has a recorded position, one
+ * walk of messages_txid_idx over the rows written since its streams' oldest
+ * position (a few seconds of rows while the relay keeps up, the backlog and
+ * what the other topics wrote meanwhile while a stream is paused or
+ * stalled); for a topic never published, the span of its ids from the two
+ * ends of the (topic, id) index, an estimate in three probes. With NULL it
+ * finds the topics by a skip scan of that index, a probe per topic.
+ */
 static const char outbox_sql[] =
-    "SELECT (SELECT max(id) - min(id) + 1 FROM (SELECT id FROM outbox.messages"
-    "   WHERE sent_at IS NULL AND failed_at IS NULL ORDER BY id LIMIT 1) a"
-    "   FULL JOIN (SELECT id FROM outbox.messages WHERE sent_at IS NULL AND failed_at IS NULL"
-    "   ORDER BY id DESC LIMIT 1) b USING (id)),"
-    " (SELECT extract(epoch FROM clock_timestamp() - created_at) FROM outbox.messages"
-    "   WHERE sent_at IS NULL AND failed_at IS NULL ORDER BY id LIMIT 1),"
-    " (SELECT count(*) FROM outbox.messages WHERE failed_at IS NOT NULL AND sent_at IS NULL),"
+    /* outbox.messages is locked first, as a TRUNCATE or ALTER of several of
+     * the outbox's tables takes it first (the lock order of migration 017):
+     * holding outbox.topics or outbox.quarantine while outbox.backlog waits
+     * for it would deadlock with one. */
+    "WITH lock_order AS (SELECT FROM outbox.messages LIMIT 0),"
+    " b AS (SELECT sum(x.pending) AS pending, min(x.oldest_created_at) AS oldest"
+    "   FROM outbox.backlog(NULL) x)"
+    " SELECT b.pending, extract(epoch FROM clock_timestamp() - b.oldest),"
+    " (SELECT count(*) FROM outbox.quarantine),"
     " pg_total_relation_size('outbox.messages'::regclass),"
     " (SELECT n_dead_tup FROM pg_stat_all_tables WHERE relid = 'outbox.messages'::regclass),"
-    /* Keys of partitioned topics whose next row is quarantined or waits to
-     * retry: the claim holds back their later rows (messages_held_idx). */
-    " (SELECT count(*) FROM (SELECT DISTINCT b.topic, b.partition_key FROM outbox.messages b"
-    "   WHERE b.sent_at IS NULL AND (b.failed_at IS NOT NULL OR b.retry_at > now())"
-    "   AND b.partition_key IS NOT NULL"
-    "   AND b.topic = ANY(ARRAY(SELECT t.topic FROM outbox.topics t WHERE t.partitions > 1))"
-    "   LIMIT 1000000) k),"
+    /* Keys of partitioned topics held back by a quarantined row: the relay
+     * quarantines their later rows behind it until it is retried or dropped. */
+    " (SELECT count(*) FROM (SELECT DISTINCT q.topic, q.partition_key FROM outbox.quarantine q"
+    "   WHERE q.partition_key IS NOT NULL"
+    "   AND q.topic = ANY(ARRAY(SELECT t.topic FROM outbox.topics t WHERE t.partitions > 1))) k),"
     /* The relays running against this database, the partitions they own
      * and the partitions there are (relay/ownership_io.c). */
     " (SELECT count(*)" OWNER_LOCKS " AND l.classid = " RELAY_OWNER_MEMBER_NS "),"
     " (SELECT count(DISTINCT l.objid)" OWNER_LOCKS " AND l.classid = " RELAY_OWNER_UNIT_NS "),"
-    " (SELECT coalesce(sum(t.partitions), 0) FROM outbox.topics t WHERE t.partitions > 1)";
+    " (SELECT coalesce(sum(t.partitions), 0) FROM outbox.topics t WHERE t.partitions > 1)"
+    " FROM b";
 
-/*
- * Per topic, from the (topic, id) pending index: the span of pending ids and
- * the age of the oldest.
- *
- * "topic >= t AND topic <= t ... ORDER BY topic, id" is "topic = t ORDER BY
- * id" spelled so that only messages_pending_topic_idx answers it. With the
- * equality the planner drops topic from the ORDER BY and may walk
- * messages_pending_idx in id order instead, filtering on the topic: through
- * the whole backlog of the other topics for every probe (2 s for 64 topics
- * behind 200,000 rows of others, against 1 ms this way).
- */
-#define TOPIC_PENDING(m, t)                                                                        \
-    " FROM outbox.messages " m " WHERE " m ".topic >= " t " AND " m ".topic <= " t " AND " m       \
-    ".sent_at IS NULL AND " m ".failed_at IS NULL"
-#define TOPIC_FIRST " ORDER BY m.topic, m.id LIMIT 1"
-#define TOPIC_LAST " ORDER BY m.topic DESC, m.id DESC LIMIT 1"
-
-static const char topics_sql[] = "SELECT t, (SELECT max(id) - min(id) + 1 FROM ("
-                                 "   (SELECT m.id" TOPIC_PENDING("m", "t") TOPIC_FIRST
-    ") UNION ALL"
-    "   (SELECT m.id" TOPIC_PENDING("m", "t") TOPIC_LAST
-    ")) e),"
-    " extract(epoch FROM clock_timestamp() - o.created_at)"
-    " FROM unnest($1::text[]) AS t"
-    " LEFT JOIN LATERAL (SELECT m.created_at" TOPIC_PENDING("m", "t") TOPIC_FIRST ") o ON true";
+/* Per topic of $1: rows waiting and the age of the oldest (outbox.backlog). */
+static const char topics_sql[] =
+    "SELECT b.topic, b.pending, extract(epoch FROM clock_timestamp() - b.oldest_created_at)"
+    " FROM outbox.backlog($1::text[]) b";
 
 /*
  * Admission, from PostgreSQL alone: every topic with limits, and every topic
  * with a state row (a topic whose limits were deleted is released by
- * observe_topic, which admits a topic without limits). Per topic, the three
- * probes above. Columns: topic, pending span, age of the oldest pending row,
- * admitting; refused topics first.
+ * observe_topic, which admits a topic without limits), with its backlog.
+ * Columns: topic, rows waiting, age of the oldest, admitting; refused topics
+ * first.
  *
  * Deciding takes each state row's lock (observe_topic's FOR UPDATE) until the
  * statement ends, in topic order, so relays that decide at the same time wait
  * for each other instead of deadlocking.
  */
+#define ADMISSION_TOPICS                                                                           \
+    "(SELECT topic FROM outbox.topic_limits UNION SELECT topic FROM outbox.topic_state)"
 #define ADMISSION_FROM                                                                             \
-    " FROM (SELECT topic FROM outbox.topic_limits UNION SELECT topic FROM outbox.topic_state) t"   \
-    " LEFT JOIN LATERAL (SELECT m.created_at" TOPIC_PENDING("m", "t.topic") TOPIC_FIRST            \
-        " ) o ON true"                                                                             \
-        " CROSS JOIN LATERAL (SELECT max(e.id) - min(e.id) + 1 AS span FROM ("                     \
-        "   (SELECT m.id" TOPIC_PENDING("m", "t.topic") TOPIC_FIRST                                \
-        ") UNION ALL"                                                                              \
-        "   (SELECT m.id" TOPIC_PENDING("m", "t.topic") TOPIC_LAST ")) e) p"
+    " FROM " ADMISSION_TOPICS " t"                                                                 \
+    " LEFT JOIN outbox.backlog(ARRAY" ADMISSION_TOPICS ") o ON o.topic = t.topic"
 
 static const char admission_decide_sql[] =
     "SELECT topic, span, age, outbox.observe_topic(topic, coalesce(span, 0), created_at)"
-    " AS admitting FROM (SELECT t.topic, p.span, o.created_at,"
-    "   extract(epoch FROM clock_timestamp() - o.created_at) AS age" ADMISSION_FROM
+    " AS admitting FROM (SELECT t.topic, o.pending AS span, o.oldest_created_at AS created_at,"
+    "   extract(epoch FROM clock_timestamp() - o.oldest_created_at) AS age" ADMISSION_FROM
     "   ORDER BY t.topic OFFSET 0) f"
     " ORDER BY admitting, topic";
 
 static const char admission_read_sql[] =
-    "SELECT t.topic, p.span, extract(epoch FROM clock_timestamp() - o.created_at),"
+    "SELECT t.topic, o.pending, extract(epoch FROM clock_timestamp() - o.oldest_created_at),"
     " coalesce(s.admitting, true) AS admitting" ADMISSION_FROM
     " LEFT JOIN outbox.topic_state s ON s.topic = t.topic"
     " ORDER BY 4, 1";

@@ -39,7 +39,7 @@ struct relay_topic_obs {
     char topic[OUTBOX_TOPIC_MAX + 1];
     char stream[OUTBOX_TOPIC_MAX + 80];
     int partition;             /* of a partition stream "<topic>:<ppp>"; -1 for "<topic>" */
-    long long pending;         /* rows waiting in the outbox (estimate) */
+    long long pending;         /* rows not yet in their stream (outbox.unsent; estimate) */
     double oldest_pending_age; /* seconds; -1 when none wait */
     int admitting;             /* producer admission: 1, 0, or -1 unknown */
     long long memory_bytes;    /* the stream's memory in Redis (MEMORY USAGE); -1 unknown */
@@ -69,10 +69,10 @@ struct relay_observation {
     int pg_schema_behind; /* PostgreSQL answered, but a migration is missing: pg_error names it */
     int redis_ok;
     char redis_error[512];
-    long long outbox_pending;    /* estimate: the span of pending ids */
+    long long outbox_pending;    /* rows not yet in their stream (outbox.backlog; estimate) */
     double outbox_oldest_age;    /* seconds; -1 when none */
-    long long quarantined;       /* rows with failed_at set */
-    long long blocked_keys;      /* keys of partitioned topics held back by a failed row */
+    long long quarantined;       /* rows in outbox.quarantine */
+    long long blocked_keys;      /* keys of partitioned topics held back by a quarantined row */
     long long relays;            /* relays holding a member slot in this database */
     long long partitions;        /* partitions of partitioned topics */
     long long partitions_owned;  /* of those, held by a relay */
@@ -83,7 +83,7 @@ struct relay_observation {
     long long outbox_dead_rows;  /* dead row versions not yet vacuumed; -1 unknown */
     long long redis_used_memory; /* INFO memory used_memory; -1 unknown */
     /* Retention (relay/retention.c), carried from run to run. */
-    double oldest_sent_age; /* seconds since the oldest sent row kept was sent; -1 none */
+    double oldest_sent_age; /* seconds since the oldest published row kept was written; -1 none */
     unsigned long long sent_deleted_total;
     unsigned long long stream_trimmed_total;
     unsigned long long retention_errors_total;

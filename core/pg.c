@@ -236,6 +236,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "014_cached_finish.sql",
     "015_partition_total.sql",
     "016_batches.sql",
+    "017_quarantine_tools.sql",
 };
 
 #ifndef RELAY_MIGRATIONS_DIR

@@ -197,19 +197,42 @@ CREATE TABLE IF NOT EXISTS outbox.quarantine (
     quarantined_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- A keyed row of a partitioned topic waits behind a quarantined row of its
+-- key (P8): the batch statement probes this index for each such row.
+CREATE INDEX IF NOT EXISTS quarantine_key_idx
+    ON outbox.quarantine (topic, partition_key, id);
+
 COMMENT ON TABLE outbox.quarantine IS
     'Rows the relay could not publish and moved past, with why (outbox-relay failed).';
 
 -- A batch is all in its streams: records, in one call, where each stream it
--- touched now stands (its topic, partition and the last entry id written to
--- it), the lead (topic ''), and the rows it quarantined, with why. A
--- position only moves forward (another relay may have recorded a later
--- batch), and streams are written in key order, so that relays recording at
--- once cannot deadlock. A quarantined row already recorded (its batch was
--- read again after a failure) stays as it was. Returns how many rows it
--- quarantined now.
-CREATE OR REPLACE FUNCTION outbox.record_batch(p_tick bigint, p_topics text[],
-    p_partitions integer[], p_entry_ids text[], p_quarantined bigint[], p_errors text[])
+-- published now stands. Three lists of streams, each a topic and a partition
+-- (-1 for a topic of one partition):
+--   p_topics, p_partitions, p_entry_ids   the streams the batch appended to,
+--                                         and the last entry id each holds
+--   p_advance_topics, p_advance_partitions
+--                                         streams the relay publishes whose
+--                                         rows up to p_tick are all in them,
+--                                         whether or not the batch had any
+--   p_met_topics, p_met_partitions        streams the batch had rows of that
+--                                         the relay did not publish (paused,
+--                                         behind, another relay's): recorded
+--                                         at p_tick - 1 if they have no
+--                                         position yet, so that every stream
+--                                         met at or below the lead has one
+-- With p_lead (the batch of the relay's lead, not of a stream catching up),
+-- the lead (topic '') moves to p_tick: a stream that has no position has no
+-- row in any batch up to the lead. Then the rows the batch quarantined,
+-- with why. A position only moves forward (another relay may have recorded
+-- a later batch), and streams are written in key order, so that relays
+-- recording at once cannot deadlock. A quarantined row already recorded
+-- (its batch was read again after a failure) stays as it was. Returns how
+-- many rows it quarantined now.
+CREATE OR REPLACE FUNCTION outbox.record_batch(p_tick bigint, p_lead boolean,
+    p_topics text[], p_partitions integer[], p_entry_ids text[],
+    p_advance_topics text[], p_advance_partitions integer[],
+    p_met_topics text[], p_met_partitions integer[],
+    p_quarantined bigint[], p_errors text[])
 RETURNS integer
 LANGUAGE plpgsql
 VOLATILE
@@ -225,21 +248,37 @@ BEGIN
     END IF;
     IF cardinality(p_topics) IS DISTINCT FROM cardinality(p_partitions)
        OR cardinality(p_topics) IS DISTINCT FROM cardinality(p_entry_ids)
+       OR cardinality(p_advance_topics) IS DISTINCT FROM cardinality(p_advance_partitions)
+       OR cardinality(p_met_topics) IS DISTINCT FROM cardinality(p_met_partitions)
        OR cardinality(p_quarantined) IS DISTINCT FROM cardinality(p_errors) THEN
         RAISE EXCEPTION 'outbox.record_batch: the arrays of a group differ in length'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     INSERT INTO outbox.stream_positions AS p (topic, partition, tick, entry_id, updated_at)
-    SELECT u.topic, u.partition, p_tick, u.entry_id, now()
-      FROM (SELECT '' AS topic, -1 AS partition, '0-0' AS entry_id
+    SELECT DISTINCT ON (u.topic, u.partition) u.topic, u.partition, p_tick, u.entry_id, now()
+      FROM (SELECT '' AS topic, -1 AS partition, '0-0' AS entry_id, 0 AS how WHERE p_lead
             UNION ALL
-            SELECT * FROM unnest(p_topics, p_partitions, p_entry_ids)) AS u
-     ORDER BY u.topic, u.partition
+            SELECT a.t, a.p, a.e, 1
+              FROM unnest(p_topics, p_partitions, p_entry_ids) AS a(t, p, e)
+            UNION ALL
+            SELECT a.t, a.p, '0-0', 2
+              FROM unnest(p_advance_topics, p_advance_partitions) AS a(t, p)) AS u
+     ORDER BY u.topic, u.partition, u.how
     ON CONFLICT (topic, partition) DO UPDATE
        SET tick = excluded.tick,
-           entry_id = CASE WHEN p.topic = '' THEN p.entry_id ELSE excluded.entry_id END,
+           entry_id = CASE WHEN excluded.entry_id = '0-0' THEN p.entry_id
+                           ELSE excluded.entry_id END,
            updated_at = excluded.updated_at
-     WHERE p.tick <= excluded.tick;
+     WHERE p.tick < excluded.tick
+        OR (p.tick = excluded.tick AND excluded.entry_id <> '0-0'
+            AND p.entry_id IS DISTINCT FROM excluded.entry_id);
+    -- A stream met only where it has no position yet: one that has one
+    -- keeps it, however far behind.
+    INSERT INTO outbox.stream_positions (topic, partition, tick, entry_id, updated_at)
+    SELECT DISTINCT a.t, a.p, p_tick - 1, '0-0', now()
+      FROM unnest(p_met_topics, p_met_partitions) AS a(t, p)
+     ORDER BY 1, 2
+    ON CONFLICT (topic, partition) DO NOTHING;
     INSERT INTO outbox.quarantine (id, txid, message_id, topic, partition_key, payload, headers,
                                    created_at, error)
     SELECT m.id, m.txid, m.message_id, m.topic, m.partition_key, m.payload, m.headers,
@@ -252,7 +291,8 @@ BEGIN
 END
 $$;
 
-COMMENT ON FUNCTION outbox.record_batch(bigint, text[], integer[], text[], bigint[], text[]) IS
+COMMENT ON FUNCTION outbox.record_batch(bigint, boolean, text[], integer[], text[], text[],
+                                        integer[], text[], integer[], bigint[], text[]) IS
     'Records where the streams of a published batch stand, and the rows it quarantined.';
 
 -- The rows not yet in their stream: neither in a batch their stream's
@@ -271,12 +311,80 @@ SELECT m.*
 COMMENT ON VIEW outbox.unsent IS
     'Rows not yet published to their stream and not quarantined.';
 
+-- A topic's partition count changes only while none of its rows waits: the
+-- rows' place in their stream is now outbox.unsent's, not sent_at's.
+CREATE OR REPLACE FUNCTION outbox.set_partitions(p_topic text, p_partitions integer)
+RETURNS integer
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_before integer;
+    v_unsent bigint;
+    v_total bigint;
+BEGIN
+    IF p_topic IS NULL OR p_topic !~ '^[A-Za-z0-9._-]{1,200}$' THEN
+        RAISE EXCEPTION 'outbox.set_partitions: topic % is not a topic name', quote_nullable(p_topic)
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'A topic is 1 to 200 characters of A-Z a-z 0-9 . _ -';
+    END IF;
+    IF p_partitions IS NULL OR p_partitions < 1 OR p_partitions > 1000 THEN
+        RAISE EXCEPTION 'outbox.set_partitions: % partitions is out of range', coalesce(p_partitions::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'A topic has 1 to 1000 partitions.';
+    END IF;
+    PERFORM set_config('lock_timeout', '10s', true);
+    LOCK TABLE outbox.topics IN SHARE ROW EXCLUSIVE MODE;
+    -- Keeps inserts out (and lets the trigger be rewritten) until commit.
+    LOCK TABLE outbox.messages IN SHARE ROW EXCLUSIVE MODE;
+    SELECT t.partitions INTO v_before FROM outbox.topics AS t WHERE t.topic = p_topic;
+    v_before := coalesce(v_before, 1);
+    IF v_before = p_partitions THEN
+        RETURN v_before;
+    END IF;
+    IF p_partitions > 1 THEN
+        SELECT coalesce(sum(t.partitions), 0) + p_partitions INTO v_total
+        FROM outbox.topics AS t
+        WHERE t.partitions > 1 AND t.topic <> p_topic;
+        IF v_total > 4096 THEN
+            RAISE EXCEPTION 'outbox.set_partitions: % partitions for topic % would make % in all', p_partitions, p_topic, v_total
+                USING ERRCODE = 'program_limit_exceeded',
+                      HINT = 'The relays divide at most 4096 partitions among themselves, over all topics; '
+                             'the rows of the others would never be claimed. Lower this count or another '
+                             'topic''s. See docs/PARTITIONS.md.';
+        END IF;
+    END IF;
+    -- Unsent: not yet in its stream, or quarantined (a retry would publish it
+    -- under the new count, out of order with its key's rows before it).
+    SELECT (SELECT count(*) FROM (SELECT 1 FROM outbox.unsent AS m
+                                   WHERE m.topic = p_topic LIMIT 1000000) AS u)
+         + (SELECT count(*) FROM (SELECT 1 FROM outbox.quarantine AS q
+                                   WHERE q.topic = p_topic LIMIT 1000000) AS u)
+      INTO v_unsent;
+    IF v_unsent > 0 THEN
+        RAISE EXCEPTION 'outbox.set_partitions: topic % has % unsent rows; changing its partitions now could reorder a key', p_topic, v_unsent
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'Stop the topic''s producers, let the relay publish what is left (outbox-relay status), '
+                         'retry or drop its quarantined rows (outbox-relay failed), then call again. '
+                         'See docs/PARTITIONS.md.';
+    END IF;
+    INSERT INTO outbox.topics (topic, partitions, changed_at)
+    VALUES (p_topic, p_partitions, now())
+    ON CONFLICT (topic) DO UPDATE SET partitions = excluded.partitions, changed_at = excluded.changed_at;
+    PERFORM outbox.sync_partition_trigger();
+    RETURN v_before;
+END
+$$;
+
+REVOKE EXECUTE ON FUNCTION outbox.set_partitions(text, integer) FROM PUBLIC;
+
 REVOKE EXECUTE ON FUNCTION outbox.tick(bigint) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION outbox.tick(bigint) TO outbox_relay;
-REVOKE EXECUTE ON FUNCTION outbox.record_batch(bigint, text[], integer[], text[], bigint[], text[]) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION outbox.record_batch(bigint, text[], integer[], text[], bigint[], text[]) TO outbox_relay;
+REVOKE EXECUTE ON FUNCTION outbox.record_batch(bigint, boolean, text[], integer[], text[], text[], integer[], text[], integer[], bigint[], text[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.record_batch(bigint, boolean, text[], integer[], text[], text[], integer[], text[], integer[], bigint[], text[]) TO outbox_relay;
 GRANT SELECT ON outbox.ticks TO outbox_relay;
 GRANT SELECT ON outbox.quarantine TO outbox_relay;
 GRANT SELECT ON outbox.unsent TO outbox_relay;

@@ -60,6 +60,7 @@ enum relay_row_cause {
  * batch keeps until the cycle ends: nothing is copied on the hot path. */
 struct relay_row {
     int64_t id;
+    int64_t held_by; /* a quarantined row of its key before it (0: none) */
     const char *message_id; /* 36-byte text UUID */
     size_t message_id_len;
     const char *topic;
@@ -117,6 +118,7 @@ enum relay_row_state {
     RELAY_ROW_PUBLISHING,
     RELAY_ROW_PUBLISHED,
     RELAY_ROW_FAILED, /* a failure of its own; counts an attempt */
+    RELAY_ROW_SKIPPED, /* its stream is not published in this batch by this relay */
 };
 
 /* Whether an error reply concerns one row or the whole batch. */

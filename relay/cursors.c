@@ -96,8 +96,54 @@ struct relay_cursor *relay_cursors_get(struct relay_cursors *c, const struct rel
     cur->topic[row->topic_len] = '\0';
     cur->partitioned = row->partitions > 1;
     cur->partition = row->partitions > 1 ? row->partition : 0;
+    /* A stream first met by its rows follows the lead: one with rows at or
+     * below the lead has a recorded position, loaded before (record_batch). */
+    cur->known = 1;
+    cur->follows = 1;
     c->n++;
     return cur;
+}
+
+struct relay_cursor *relay_cursors_find(struct relay_cursors *c, const char *topic,
+                                        int32_t partition)
+{
+    struct relay_row row;
+    memset(&row, 0, sizeof(row));
+    row.topic = topic;
+    row.topic_len = strlen(topic);
+    row.partitions = partition >= 0 ? 2 : 1;
+    row.partition = partition >= 0 ? (uint32_t)partition : 0;
+    return relay_cursors_get(c, &row);
+}
+
+uint64_t relay_cursor_position(const struct relay_cursor *cur, uint64_t lead)
+{
+    return cur->follows ? lead : cur->pos;
+}
+
+uint64_t relay_cursors_behind(const struct relay_cursors *c, uint64_t lead)
+{
+    uint64_t low = lead;
+    for (size_t i = 0; c->slots != NULL && i <= c->mask; i++) {
+        const struct relay_cursor *cur = &c->slots[i];
+        if (cur->topic[0] != '\0' && cur->known && !cur->follows && cur->owned &&
+            !cur->paused && cur->pos < low)
+            low = cur->pos;
+    }
+    return low;
+}
+
+void relay_cursors_advance(struct relay_cursors *c, uint64_t prev, uint64_t lead)
+{
+    for (size_t i = 0; c->slots != NULL && i <= c->mask; i++) {
+        struct relay_cursor *cur = &c->slots[i];
+        if (cur->topic[0] == '\0' || !cur->known || cur->follows || !cur->owned ||
+            cur->paused || cur->pos != prev)
+            continue;
+        cur->pos = prev + 1;
+        if (cur->pos >= lead)
+            cur->follows = 1;
+    }
 }
 
 uint64_t relay_cursor_rank(struct relay_cursor *cur, uint64_t tick)
@@ -143,7 +189,9 @@ void relay_cursors_trim(struct relay_cursors *c, uint64_t tick)
     if (kept.slots == NULL)
         return; /* kept as it is: trimmed at the next batch's end */
     for (size_t i = 0; i < size; i++) {
-        if (old[i].topic[0] == '\0' || old[i].tick != tick)
+        if (old[i].topic[0] == '\0' ||
+            (old[i].tick != tick && old[i].known && old[i].follows && old[i].owned &&
+             !old[i].paused))
             continue;
         size_t at = slot_of(&kept, &old[i]);
         while (kept.slots[at].topic[0] != '\0')
@@ -171,8 +219,20 @@ void relay_cursors_untouch(struct relay_cursors *c)
         c->slots[i].touched = 0;
 }
 
+void relay_cursor_expect(struct relay_cursor *cur, uint64_t ms, uint64_t seq)
+{
+    if (ms > cur->expect_ms || (ms == cur->expect_ms && seq > cur->expect_seq)) {
+        cur->expect_ms = ms;
+        cur->expect_seq = seq;
+    }
+}
+
 void relay_cursors_forget_all(struct relay_cursors *c)
 {
-    for (size_t i = 0; c->slots != NULL && i <= c->mask; i++)
-        c->slots[i].top_known = 0;
+    for (size_t i = 0; c->slots != NULL && i <= c->mask; i++) {
+        struct relay_cursor *cur = &c->slots[i];
+        if (cur->top_known)
+            relay_cursor_expect(cur, cur->top_ms, cur->top_seq);
+        cur->top_known = 0;
+    }
 }

@@ -42,14 +42,14 @@ struct relay_owner;
 struct relay_pgsrc;
 struct relay_sink;
 
-/* The phases of a committed batch, for outbox_relay_batch_phase_seconds:
- * its BEGIN and claim; claimed, before its first publish (behind the batch
- * ahead); its publishes, until the last reply; its finish, until the commit. */
+/* The phases of a recorded batch, for outbox_relay_batch_phase_seconds:
+ * waiting for a chunk of its rows with nothing publishing (read); its calls
+ * in flight, until the last reply and WAIT (publish); recording its
+ * positions (record). They follow one another and add up to its duration. */
 enum relay_batch_phase {
-    RELAY_PHASE_CLAIM,
-    RELAY_PHASE_WAIT,
+    RELAY_PHASE_READ,
     RELAY_PHASE_PUBLISH,
-    RELAY_PHASE_FINISH,
+    RELAY_PHASE_RECORD,
     RELAY_PHASES
 };
 
@@ -76,6 +76,7 @@ struct relay_chunk {
     uint64_t gen;    /* the loop's generation it belongs to */
     uint64_t ms;     /* the time part of its rows' entry ids: its tick's */
     size_t pending;  /* calls in flight */
+    int waited;      /* its WAIT for min_replicas was sent */
     int failed;
     enum relay_fail_kind kind;
     char error[512];
@@ -83,7 +84,20 @@ struct relay_chunk {
 
 /* The most rows a batch quarantines, and the most streams it records. */
 #define RELAY_QUARANTINE_MAX 1024
-#define RELAY_RECORD_STREAMS_MAX 4096
+
+/* A key held behind a row quarantined in the batch being published. */
+struct relay_held {
+    char topic[OUTBOX_TOPIC_MAX + 1];
+    char key[OUTBOX_KEY_MAX];
+    size_t key_len;
+    int64_t id; /* the quarantined row that holds it */
+};
+
+/* A list of streams for outbox.record_batch, as array literals. */
+struct record_arrays {
+    struct outbox_buf topics, partitions, ids;
+    size_t n;
+};
 
 /* The batch loop and what it holds (relay/loop_io.c). */
 struct relay_loop_io {
@@ -94,7 +108,6 @@ struct relay_loop_io {
     uint64_t after_txid;    /* the last row read: where the next chunk resumes */
     int64_t after_id;
     uint64_t min_ms;              /* the least ms of the next tick */
-    int lead_known;               /* the lead was read from the positions */
     struct relay_chunk chunks[2]; /* the one publishing, and the one read ahead */
     struct relay_cursors cursors; /* each stream's rank and last id */
     struct relay_batch_streams streams;
@@ -102,13 +115,26 @@ struct relay_loop_io {
     int64_t quarantined[RELAY_QUARANTINE_MAX];
     char quarantine_errors[RELAY_QUARANTINE_MAX][OUTBOX_ERROR_MAX];
     size_t nquarantined, quarantine_max;
-    /* outbox.record_batch's arrays: each stream's topic, partition, last id */
-    const char *record_topic_ptrs[RELAY_RECORD_STREAMS_MAX];
-    char record_partitions[RELAY_RECORD_STREAMS_MAX][12];
-    const char *record_partition_ptrs[RELAY_RECORD_STREAMS_MAX];
-    char record_ids[RELAY_RECORD_STREAMS_MAX][RELAY_ENTRY_ID_MAX];
-    const char *record_id_ptrs[RELAY_RECORD_STREAMS_MAX];
-    size_t record_max;
+    struct relay_held held[RELAY_QUARANTINE_MAX];
+    size_t nheld;
+    /* outbox.record_batch's lists of streams: appended to, moved along,
+     * met but not published (relay/loop_io.c) */
+    struct record_arrays touched, advanced, met;
+    double refreshed_at; /* when the streams following the lead were last moved */
+    int reload;          /* streams taken over need their positions read */
+    int verify;          /* Redis reconnected: read what each stream holds */
+    int verifying;       /* the load in flight does */
+    uint64_t loaded_lead;
+    uint64_t checks_gen;  /* the load the checks belong to */
+    size_t checks_pending, nlost;
+    uint64_t batch_serial; /* counts the batches read, from their first chunk */
+    double started_at, phase_mark; /* the batch's start, and its phase's */
+    enum relay_batch_phase phase;
+    double phase_s[RELAY_PHASES];  /* the batch's time in each phase so far */
+    unsigned long long batch_appended; /* rows the batch appended */
+    struct outbox_buf partitions_text; /* " topic/p" of each partition it touched */
+    unsigned long pause_epoch, pause_applied; /* the paused topics changed */
+    unsigned long owners_applied;             /* the ownership epoch applied */
     struct outbox_buf sql;
 };
 

@@ -18,6 +18,7 @@ void relay_loop_init(struct relay_loop *l, const struct relay_loop_ops *ops, uin
 
 void relay_loop_set_lead(struct relay_loop *l, uint64_t lead)
 {
+    l->loaded = 1;
     l->lead = lead;
     if (l->latest < lead)
         l->latest = lead;
@@ -35,17 +36,27 @@ static void not_sent(struct relay_loop *l)
         l->ops.drained(l->ops.arg);
 }
 
-static void start_batch(struct relay_loop *l)
+static void start_batch(struct relay_loop *l, uint64_t prev, int catching_up)
 {
     l->gen++;
-    l->next = l->lead + 1;
+    l->prev = prev;
+    l->next = prev + 1;
+    l->catching_up = catching_up;
     l->reading = 1;
     l->read_chunk = 0;
     l->read_done = 0;
     l->publishing = 0;
     l->ahead = 0;
     l->state = RELAY_LOOP_READ;
-    if (l->ops.read(l->ops.arg, l->gen, l->lead, l->next, 0) < 0)
+    if (l->ops.read(l->ops.arg, l->gen, l->prev, l->next, 0) < 0)
+        not_sent(l);
+}
+
+static void send_load(struct relay_loop *l)
+{
+    l->gen++;
+    l->state = RELAY_LOOP_LOAD;
+    if (l->ops.load(l->ops.arg, l->gen) < 0)
         not_sent(l);
 }
 
@@ -73,10 +84,31 @@ static void look(struct relay_loop *l)
         l->wanted = 1; /* a connection coming up calls relay_loop_want */
         return;
     }
-    if (l->latest > l->lead)
-        start_batch(l);
-    else
+    if (l->ops.prepare(l->ops.arg) || !l->loaded) {
+        send_load(l);
+        return;
+    }
+    uint64_t behind = l->ops.behind(l->ops.arg, l->lead);
+    int lead_ready = l->latest > l->lead;
+    if (behind < l->lead && (l->turn || !lead_ready)) {
+        l->turn = 0;
+        start_batch(l, behind, 1);
+    } else if (lead_ready) {
+        l->turn = behind < l->lead;
+        start_batch(l, l->lead, 0);
+    } else {
         send_tick(l);
+    }
+}
+
+void relay_loop_loaded(struct relay_loop *l, uint64_t gen, uint64_t lead)
+{
+    if (l->stopping || l->state != RELAY_LOOP_LOAD || gen != l->gen)
+        return;
+    if (!l->loaded)
+        relay_loop_set_lead(l, lead);
+    l->state = RELAY_LOOP_IDLE;
+    look(l);
 }
 
 void relay_loop_want(struct relay_loop *l)
@@ -95,7 +127,7 @@ void relay_loop_ticked(struct relay_loop *l, uint64_t gen, uint64_t latest)
         return;
     if (latest > l->latest)
         l->latest = latest;
-    if (l->latest > l->lead || l->draining) {
+    if (l->latest > l->lead || l->draining || l->ops.behind(l->ops.arg, l->lead) < l->lead) {
         look(l);
     } else if (l->wanted) {
         /* Something committed after the tick's snapshot may have notified
@@ -110,7 +142,7 @@ void relay_loop_ticked(struct relay_loop *l, uint64_t gen, uint64_t latest)
 static void record(struct relay_loop *l)
 {
     l->state = RELAY_LOOP_RECORD;
-    if (l->ops.record(l->ops.arg, l->gen, l->next) < 0)
+    if (l->ops.record(l->ops.arg, l->gen, l->prev, l->next, !l->catching_up) < 0)
         relay_loop_failed(l, l->gen, RELAY_FAIL_POSTGRES,
                           "PostgreSQL connection lost before the batch was recorded");
 }
@@ -125,7 +157,7 @@ static void publish(struct relay_loop *l, uint32_t chunk)
     if (!l->read_done) {
         l->reading = 1;
         l->read_chunk = chunk + 1;
-        if (l->ops.read(l->ops.arg, gen, l->lead, l->next, chunk + 1) < 0) {
+        if (l->ops.read(l->ops.arg, gen, l->prev, l->next, chunk + 1) < 0) {
             relay_loop_failed(l, gen, RELAY_FAIL_POSTGRES,
                               "PostgreSQL connection lost before the next chunk was read");
             return;
@@ -175,7 +207,8 @@ void relay_loop_recorded(struct relay_loop *l, uint64_t gen)
 {
     if (l->stopping || gen != l->gen || l->state != RELAY_LOOP_RECORD)
         return;
-    l->lead = l->next;
+    if (!l->catching_up)
+        l->lead = l->next;
     l->batches++;
     l->failures_in_row = 0;
     outbox_backoff_reset(&l->backoff);

@@ -6,6 +6,7 @@
  * the ops the daemon fills in, as relay/cycle.h does for the claim cycle.
  * Unit tests play scripts of events against fake ops (tests/unit/test_loop.c).
  *
+ *   (LOAD first, and whenever prepare asks: the streams' positions)
  *   IDLE ──want──▶ TICK ──ticked(latest > lead)──▶ READ ──chunk(n > 0)──▶ PUBLISH
  *    ▲               │                              ▲  │                   │ │
  *    │  ticked(none) │             read ahead while │  │ chunk(0), nothing │ │ published,
@@ -20,7 +21,10 @@
  * ahead at most), and it publishes once every call of the chunk before has
  * been answered: a stream has one call in flight at a time, and at most two
  * chunks are in memory. When the batch is read and published, its positions
- * are recorded, and the lead moves to its tick. A failure anywhere abandons
+ * are recorded, and the lead moves to its tick. Streams behind the lead
+ * (resumed, taken over) go through the batches from their own position to
+ * the lead, one batch at a time, taking turns with the lead's batches. A
+ * failure anywhere abandons
  * the batch: after a backoff it is read again from its start, and what Redis
  * already holds is skipped (relay/cursors.h).
  */
@@ -35,6 +39,7 @@
 
 enum relay_loop_state {
     RELAY_LOOP_IDLE = 0,
+    RELAY_LOOP_LOAD,    /* the streams' recorded positions asked for */
     RELAY_LOOP_TICK,    /* outbox.tick() sent */
     RELAY_LOOP_READ,    /* a chunk's query sent, nothing publishing */
     RELAY_LOOP_PUBLISH, /* a chunk publishing; maybe the next one's query sent */
@@ -48,6 +53,16 @@ struct relay_loop_ops {
     int (*ready)(void *arg);
     /* Each call below carries the batch's generation (gen), which its answer
      * carries back: an answer of an abandoned batch is then ignored. */
+    /* Between batches: applies what changed meanwhile (pauses, ownership).
+     * Returns 1 when streams the relay now publishes need their recorded
+     * positions read (load). */
+    int (*prepare)(void *arg);
+    /* Reads the streams' recorded positions, and the lead the first time;
+     * its answer is relay_loop_loaded. 0 or -1 as tick. */
+    int (*load)(void *arg, uint64_t gen);
+    /* The lowest position of a stream behind the lead (relay/cursors.h), or
+     * the lead when none is. */
+    uint64_t (*behind)(void *arg, uint64_t lead);
     /* Sends outbox.tick(); its answer is relay_loop_ticked. 0, or -1 when it
      * cannot be sent (the connection is down: its return calls want). */
     int (*tick)(void *arg, uint64_t gen);
@@ -58,9 +73,10 @@ struct relay_loop_ops {
     /* Publishes the rows of chunk `chunk`; relay_loop_published or
      * relay_loop_failed answers, possibly before it returns. */
     void (*publish)(void *arg, uint64_t gen, uint32_t chunk);
-    /* Records the positions of the streams the batch touched, and its
-     * quarantined rows; relay_loop_recorded answers. 0 or -1 as tick. */
-    int (*record)(void *arg, uint64_t gen, uint64_t next);
+    /* Records the positions of the streams the batch (prev, next] touched,
+     * and its quarantined rows; lead: the batch is the lead's, not one of
+     * streams catching up. relay_loop_recorded answers. 0 or -1 as tick. */
+    int (*record)(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int lead);
     /* The batch was abandoned: drop its chunks and what they hold. */
     void (*abandon)(void *arg);
     /* A failure, counted and logged by kind. */
@@ -78,9 +94,14 @@ struct relay_loop {
     enum relay_loop_state state;
     uint64_t lead;   /* the last tick whose batch is published (0: none yet) */
     uint64_t latest; /* the latest tick known */
-    /* The batch in flight: (lead, next], and the generation of what was
-     * asked for it (or for the tick): answers of another are ignored. */
+    /* The batch in flight: (prev, next], prev the lead or, catching up, the
+     * lowest position behind it; and the generation of what was asked for
+     * it (or for the tick): answers of another are ignored. */
+    uint64_t prev;
     uint64_t next;
+    int catching_up; /* the batch in flight is one of streams behind the lead */
+    int loaded;      /* the positions were read at least once */
+    int turn;        /* 1: streams behind go next, when both could */
     uint64_t gen;
     uint32_t read_chunk;    /* the chunk whose query is in flight, if reading */
     int reading;            /* a chunk's query is in flight */
@@ -105,6 +126,10 @@ void relay_loop_set_lead(struct relay_loop *l, uint64_t lead);
 
 /* A notification, the poll, a connection that came up: look for work. */
 void relay_loop_want(struct relay_loop *l);
+
+/* The answer of load: the positions are applied; lead is the recorded
+ * lead (used the first time only). */
+void relay_loop_loaded(struct relay_loop *l, uint64_t gen, uint64_t lead);
 
 /* The answer of tick: the latest tick's number. */
 void relay_loop_ticked(struct relay_loop *l, uint64_t gen, uint64_t latest);

@@ -20,8 +20,10 @@
 #include <string.h>
 
 #include "common/keys.h"
+#include <stdint.h>
 #include "relay/daemon.h"
 #include "relay/log.h"
+#include "relay/ownership_io.h"
 #include "relay/pgsrc.h"
 #include "relay/sink.h"
 
@@ -30,6 +32,7 @@
 /* Columns of the batch statement (relay_pgsrc_batch_sql) past the claim's. */
 #define COL_TXID 12
 #define COL_MS 13
+#define COL_HELD_BY 14
 
 static struct relay_chunk *chunk_of(struct relay_loop_io *b, uint32_t number)
 {
@@ -45,6 +48,25 @@ static void chunk_clear(struct relay_chunk *c)
     c->pending = 0;
     c->failed = 0;
     c->error[0] = '\0';
+}
+
+/* ---- the batch's phases -------------------------------------------------- */
+
+static void phase_to(struct relay_loop_io *b, enum relay_batch_phase next)
+{
+    double now = relay_now();
+    b->phase_s[b->phase] += now - b->phase_mark;
+    b->phase_mark = now;
+    b->phase = next;
+}
+
+static void observe_seconds(unsigned long long *hist, double *sum, double s)
+{
+    size_t k = 0;
+    while (k < RELAY_BATCH_BUCKETS && s > relay_batch_buckets[k])
+        k++;
+    hist[k]++;
+    *sum += s;
 }
 
 /* ---- ops ---------------------------------------------------------------- */
@@ -70,11 +92,345 @@ static int op_tick(void *arg, uint64_t gen)
     snprintf(min_ms, sizeof(min_ms), "%" PRIu64, b->min_ms);
     const char *params[1] = {min_ms};
     b->sent_gen = gen;
-    /* The first tick also reads where the last run left off: the lead. */
+    return relay_pgsrc_send(b->pg, "SELECT outbox.tick($1::bigint)", 1, params, 0, on_ticked, r);
+}
+
+/* ---- where each stream stands ------------------------------------------- */
+
+/* Brings the cursor's ownership up to date (partitions change owners). A
+ * stream the relay no longer publishes forgets where it stands: another relay
+ * moves it meanwhile, and taking it back reads its recorded position. */
+static void stream_owner(struct relay *r, struct relay_cursor *cur)
+{
+    struct relay_loop_io *b = &r->batch;
+    unsigned long epoch = relay_ownership_io_epoch(r->owner);
+    if (cur->own_epoch == epoch)
+        return;
+    int owned = !cur->partitioned || relay_ownership_io_owns(r->owner, cur->topic, cur->partition);
+    if (cur->own_epoch == 0)
+        cur->paused = relay_paused_has(&r->paused, cur->topic);
+    if (!owned)
+        cur->known = 0;
+    else if (!cur->known)
+        b->reload = 1;
+    cur->owned = owned;
+    cur->own_epoch = epoch;
+}
+
+/* Whether the relay publishes the stream's rows of the batch (prev, next]:
+ * it owns the stream, the stream is not paused and stands at prev. Decided at
+ * the stream's first row in the batch, and kept for the rest of it. */
+static int stream_active(struct relay *r, struct relay_cursor *cur)
+{
+    struct relay_loop_io *b = &r->batch;
+    if (cur->active_batch != b->batch_serial) {
+        stream_owner(r, cur);
+        cur->active_batch = b->batch_serial;
+        cur->met = 0;
+        cur->active = cur->owned && cur->known && !cur->paused &&
+                      relay_cursor_position(cur, b->loop.lead) == b->loop.prev;
+    }
+    return cur->active;
+}
+
+static int op_prepare(void *arg)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    unsigned long epoch = relay_ownership_io_epoch(r->owner);
+    if (b->pause_applied == b->pause_epoch && b->owners_applied == epoch)
+        return b->reload || b->verify;
+    b->pause_applied = b->pause_epoch;
+    b->owners_applied = epoch;
+    uint64_t lead = b->loop.lead;
+    for (size_t i = 0; b->cursors.slots != NULL && i <= b->cursors.mask; i++) {
+        struct relay_cursor *cur = &b->cursors.slots[i];
+        if (cur->topic[0] == '\0')
+            continue;
+        stream_owner(r, cur);
+        int paused = relay_paused_has(&r->paused, cur->topic);
+        if (paused && !cur->paused && cur->known && cur->follows) {
+            cur->follows = 0; /* it stays where the lead is now */
+            cur->pos = lead;
+        }
+        cur->paused = paused;
+        if (!paused && cur->known && !cur->follows && cur->pos >= lead)
+            cur->follows = 1;
+    }
+    return b->reload || b->verify;
+}
+
+static uint64_t op_behind(void *arg, uint64_t lead)
+{
+    struct relay *r = arg;
+    return relay_cursors_behind(&r->batch.cursors, lead);
+}
+
+static void on_loaded(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                      void *arg);
+static void check_streams(struct relay *r);
+
+static int op_load(void *arg, uint64_t gen)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    b->sent_gen = gen;
+    b->reload = 0;
+    b->verifying = b->verify;
+    b->verify = 0;
+    /* One row per stream: the table is as long as there are streams. */
     return relay_pgsrc_send(b->pg,
-                            "SELECT outbox.tick($1::bigint), (SELECT p.tick FROM "
-                            "outbox.stream_positions AS p WHERE p.topic = '' AND p.partition = -1)",
-                            1, params, 0, on_ticked, r);
+                            "SELECT topic, partition, tick, entry_id FROM outbox.stream_positions",
+                            0, NULL, 0, on_loaded, r);
+}
+
+static void on_loaded(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                      void *arg)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    (void)pg;
+    (void)sqlstate;
+    if (r->stopping)
+        return;
+    if (err != NULL || res == NULL) {
+        char why[600];
+        snprintf(why, sizeof(why), "reading the streams' positions failed: %s",
+                 err != NULL ? err : "no answer");
+        relay_loop_failed(&b->loop, b->sent_gen, RELAY_FAIL_POSTGRES, why);
+        return;
+    }
+    uint64_t lead = b->loop.lead, recorded_lead = 0;
+    int n = PQntuples(res);
+    for (int i = 0; i < n; i++)
+        if (PQgetvalue(res, i, 0)[0] == '\0')
+            recorded_lead = strtoull(PQgetvalue(res, i, 2), NULL, 10);
+    if (!b->loop.loaded) {
+        lead = recorded_lead;
+        relay_info(COMPONENT, "publishing from the batch after tick %" PRIu64, lead);
+    }
+    size_t behind = 0;
+    for (int i = 0; i < n; i++) {
+        const char *topic = PQgetvalue(res, i, 0);
+        if (topic[0] == '\0')
+            continue;
+        size_t before = b->cursors.n;
+        struct relay_cursor *cur =
+            relay_cursors_find(&b->cursors, topic, (int32_t)strtol(PQgetvalue(res, i, 1), NULL, 10));
+        if (cur == NULL)
+            continue; /* a name no row can have, or no memory: read again at the next load */
+        int made = b->cursors.n != before;
+        uint64_t ems = 0, eseq = 0;
+        const char *eid = PQgetvalue(res, i, 3);
+        if (relay_batch_parse_entry_id(eid, strlen(eid), &ems, &eseq) == 0)
+            relay_cursor_expect(cur, ems, eseq);
+        stream_owner(r, cur);
+        if (!cur->owned || (cur->known && !made))
+            continue; /* not ours, or ours all along: the relay knows better */
+        uint64_t tick = strtoull(PQgetvalue(res, i, 2), NULL, 10);
+        cur->known = 1;
+        cur->pos = tick;
+        cur->follows = tick >= lead;
+        if (!cur->follows)
+            behind++;
+    }
+    /* A stream the relay publishes now with no position has no row at or
+     * below the lead: it follows it. */
+    for (size_t i = 0; b->cursors.slots != NULL && i <= b->cursors.mask; i++) {
+        struct relay_cursor *cur = &b->cursors.slots[i];
+        if (cur->topic[0] != '\0' && cur->owned && !cur->known) {
+            cur->known = 1;
+            cur->follows = 1;
+        }
+    }
+    b->reload = 0;
+    if (behind > 0)
+        relay_info(COMPONENT, "%zu streams stand behind the lead (tick %" PRIu64
+                              "): their batches are read again from where each stands",
+                   behind, lead);
+    b->loaded_lead = recorded_lead;
+    if (b->verifying)
+        check_streams(r);
+    else
+        relay_loop_loaded(&b->loop, b->sent_gen, recorded_lead);
+}
+
+/* ---- a Redis that lost entries ------------------------------------------- */
+
+static void on_check_reply(redisAsyncContext *ac, void *reply_, void *arg);
+static void on_lost_ticks(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                          const char *sqlstate, void *arg);
+
+/* After Redis (re)connected: the last id of every stream the relay publishes
+ * that should hold entries, read from Redis (XREVRANGE ... COUNT 1). A stream
+ * that holds less than it should lost entries (a failover without
+ * min_replicas, a restart from an older snapshot, appendfsync everysec): it
+ * goes back to the batch of its last entry, and what it lost is published
+ * again from PostgreSQL, whose rows stay until every stream is past them. A
+ * stream that is gone while it should hold entries goes back to the oldest
+ * tick kept: its rows are published again as far back as the outbox keeps
+ * them. */
+#define STREAM_KEY_MAX 1024 /* a prefix longer than any in use, the topic and ":ppp" */
+
+static int stream_key(const struct relay *r, const struct relay_cursor *cur,
+                      char key[STREAM_KEY_MAX])
+{
+    return outbox_key_partition_stream(r->cfg->stream_prefix, cur->topic, strlen(cur->topic),
+                                       cur->partition, cur->partitioned ? 2 : 1, key,
+                                       STREAM_KEY_MAX);
+}
+
+static void check_streams(struct relay *r)
+{
+    struct relay_loop_io *b = &r->batch;
+    b->checks_pending = 0;
+    b->checks_gen = b->sent_gen;
+    b->nlost = 0;
+    for (size_t i = 0; b->cursors.slots != NULL && i <= b->cursors.mask; i++) {
+        struct relay_cursor *cur = &b->cursors.slots[i];
+        cur->checking = 0;
+        if (cur->topic[0] == '\0' || !cur->owned || !cur->known || cur->expect_ms == 0)
+            continue;
+        char key[STREAM_KEY_MAX];
+        if (stream_key(r, cur, key) != 0)
+            continue;
+        outbox_buf_reset(&r->out);
+        outbox_buf_printf(&r->out,
+                          "*6\r\n$9\r\nXREVRANGE\r\n$%zu\r\n%s\r\n$1\r\n+\r\n$1\r\n-\r\n"
+                          "$5\r\nCOUNT\r\n$1\r\n1\r\n",
+                          strlen(key), key);
+        if (r->out.failed || relay_sink_formatted(r->sink, r->out.data, r->out.len,
+                                                  on_check_reply, (void *)(uintptr_t)i) != 0) {
+            relay_loop_failed(&b->loop, b->sent_gen, RELAY_FAIL_REDIS_CONNECTION,
+                              "Redis connection lost while reading the streams' last ids");
+            return;
+        }
+        cur->checking = 1;
+        b->checks_pending++;
+    }
+    if (b->checks_pending == 0)
+        relay_loop_loaded(&b->loop, b->sent_gen, b->loaded_lead);
+}
+
+/* Every check answered: the streams that lost entries learn which tick
+ * their last entry belongs to. */
+static void checks_done(struct relay *r)
+{
+    struct relay_loop_io *b = &r->batch;
+    if (b->nlost == 0) {
+        relay_loop_loaded(&b->loop, b->checks_gen, b->loaded_lead);
+        return;
+    }
+    outbox_buf_reset(&b->sql);
+    outbox_buf_puts(&b->sql, "{");
+    for (size_t i = 0; i < b->cursors.mask + 1; i++) {
+        const struct relay_cursor *cur = &b->cursors.slots[i];
+        if (cur->topic[0] != '\0' && cur->checking == 2)
+            outbox_buf_printf(&b->sql, "%s%" PRIu64, b->sql.len > 1 ? "," : "",
+                              cur->top_known ? cur->top_ms : 0);
+    }
+    outbox_buf_puts(&b->sql, "}");
+    const char *params[1] = {b->sql.data};
+    if (b->sql.failed ||
+        relay_pgsrc_send(b->pg,
+                         "SELECT m.ms, coalesce((SELECT max(t.tick_id) FROM outbox.ticks AS t"
+                         " WHERE t.ms <= m.ms), (SELECT min(t.tick_id) FROM outbox.ticks AS t))"
+                         " FROM unnest($1::bigint[]) AS m(ms)",
+                         1, params, 0, on_lost_ticks, r) != 0)
+        relay_loop_failed(&b->loop, b->checks_gen, RELAY_FAIL_POSTGRES,
+                          "PostgreSQL connection lost while finding what Redis lost");
+}
+
+static void on_check_reply(redisAsyncContext *ac, void *reply_, void *arg)
+{
+    const redisReply *reply = reply_;
+    struct relay *r = relay_sink_owner(ac);
+    if (r == NULL || r->stopping)
+        return;
+    struct relay_loop_io *b = &r->batch;
+    size_t i = (size_t)(uintptr_t)arg;
+    if (b->checks_gen != b->loop.gen || b->checks_pending == 0 || b->cursors.slots == NULL ||
+        i > b->cursors.mask || b->cursors.slots[i].checking != 1)
+        return; /* a check of a load abandoned */
+    struct relay_cursor *cur = &b->cursors.slots[i];
+    b->checks_pending--;
+    cur->checking = 0;
+    uint64_t ms = 0, seq = 0;
+    int have = 0;
+    if (reply == NULL || reply->type == REDIS_REPLY_ERROR || reply->type != REDIS_REPLY_ARRAY) {
+        char why[300];
+        snprintf(why, sizeof(why), "reading a stream's last id failed: %.*s",
+                 reply != NULL && reply->type == REDIS_REPLY_ERROR ? (int)reply->len : 0,
+                 reply != NULL && reply->type == REDIS_REPLY_ERROR ? reply->str : "");
+        b->checks_pending = 0;
+        relay_loop_failed(&b->loop, b->checks_gen,
+                          reply == NULL ? RELAY_FAIL_REDIS_CONNECTION : RELAY_FAIL_REDIS_ERROR,
+                          reply == NULL ? "Redis connection lost while reading the streams' last ids"
+                                        : why);
+        return;
+    }
+    if (reply->elements > 0) {
+        const redisReply *e = reply->element[0];
+        if (e->type == REDIS_REPLY_ARRAY && e->elements >= 1 &&
+            e->element[0]->type == REDIS_REPLY_STRING &&
+            relay_batch_parse_entry_id(e->element[0]->str, e->element[0]->len, &ms, &seq) == 0)
+            have = 1;
+    }
+    if (have)
+        relay_cursor_set_top(cur, ms, seq);
+    if (!have || ms < cur->expect_ms || (ms == cur->expect_ms && seq < cur->expect_seq)) {
+        cur->checking = 2; /* lost entries */
+        b->nlost++;
+        char held[RELAY_ENTRY_ID_MAX], want[RELAY_ENTRY_ID_MAX], key[STREAM_KEY_MAX];
+        relay_batch_entry_id(ms, seq, held);
+        relay_batch_entry_id(cur->expect_ms, cur->expect_seq, want);
+        if (stream_key(r, cur, key) != 0)
+            snprintf(key, sizeof(key), "%s", cur->topic);
+        relay_warn(COMPONENT,
+                   "stream %s holds less than was published (last entry %s, where %s was "
+                   "written): Redis lost entries; they are published again from the outbox",
+                   key, have ? held : "none", want);
+    }
+    if (b->checks_pending == 0)
+        checks_done(r);
+}
+
+static void on_lost_ticks(struct relay_pgsrc *pg, PGresult *res, const char *err,
+                          const char *sqlstate, void *arg)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    (void)pg;
+    (void)sqlstate;
+    if (r->stopping)
+        return;
+    if (err != NULL || res == NULL || (size_t)PQntuples(res) != b->nlost) {
+        char why[600];
+        snprintf(why, sizeof(why), "finding what Redis lost failed: %s",
+                 err != NULL ? err : "no answer");
+        relay_loop_failed(&b->loop, b->checks_gen, RELAY_FAIL_POSTGRES, why);
+        return;
+    }
+    int k = 0;
+    for (size_t i = 0; i < b->cursors.mask + 1; i++) {
+        struct relay_cursor *cur = &b->cursors.slots[i];
+        if (cur->topic[0] == '\0' || cur->checking != 2)
+            continue;
+        cur->checking = 0;
+        uint64_t tick = PQgetisnull(res, k, 1) ? 1 : strtoull(PQgetvalue(res, k, 1), NULL, 10);
+        k++;
+        /* The batch of its last entry is read again (what it holds of it
+         * is skipped); without an entry, from the oldest tick kept. */
+        uint64_t pos = cur->top_known && tick > 0 ? tick - 1 : (tick > 0 ? tick - 1 : 0);
+        uint64_t now = relay_cursor_position(cur, b->loop.lead);
+        if (pos < now) {
+            cur->follows = 0;
+            cur->pos = pos;
+        }
+        cur->expect_ms = cur->top_known ? cur->top_ms : 0;
+        cur->expect_seq = cur->top_known ? cur->top_seq : 0;
+    }
+    relay_loop_loaded(&b->loop, b->checks_gen, b->loaded_lead);
 }
 
 static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32_t chunk)
@@ -84,6 +440,10 @@ static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32
     if (chunk == 0) {
         b->after_txid = 0;
         b->after_id = 0;
+        b->batch_serial++; /* which streams it publishes is decided anew */
+        b->started_at = b->phase_mark = relay_now();
+        b->phase = RELAY_PHASE_READ;
+        memset(b->phase_s, 0, sizeof(b->phase_s));
     }
     char p1[24], p2[24], p3[24], p4[24], p5[16];
     snprintf(p1, sizeof(p1), "%" PRIu64, prev);
@@ -166,15 +526,107 @@ static void on_deadline(struct ev_loop *loop, ev_timer *w, int revents)
     relay_sink_abort(r->sink, why);
 }
 
-/* Every call of the chunk has been answered: published, or failed. */
+static void on_wait_reply(redisAsyncContext *ac, void *reply_, void *arg);
+
+/* Every call of the chunk has been answered: published, or failed. With
+ * min_replicas, each primary the chunk wrote to is then asked to WAIT for
+ * its replicas, and the chunk counts as published (and its batch may be
+ * recorded) only once that many acknowledged it: a failover then never takes
+ * away entries whose positions are recorded. */
 static void chunk_done(struct relay *r, struct relay_chunk *c)
 {
     struct relay_loop_io *b = &r->batch;
     ev_timer_stop(r->loop, &r->deadline);
-    if (c->failed)
-        relay_loop_failed(&b->loop, c->gen, c->kind, c->error);
-    else
+    if (!c->failed && r->cfg->min_replicas > 0 && !c->waited) {
+        c->waited = 1;
+        int n = relay_sink_wait(r->sink, r->cfg->min_replicas, r->cfg->replica_timeout_ms,
+                                on_wait_reply, c);
+        if (n < 0)
+            chunk_failed(c, RELAY_FAIL_REDIS_CONNECTION,
+                         "Redis connection lost before WAIT for min_replicas");
+        else if (n > 0) {
+            c->pending = (size_t)n;
+            /* The server answers WAIT by replica_timeout; past that and
+             * publish_timeout more, it is not answering at all. */
+            ev_timer_set(&r->deadline,
+                         (r->cfg->replica_timeout_ms + r->cfg->publish_timeout_ms) / 1000.0, 0.0);
+            ev_timer_start(r->loop, &r->deadline);
+            return;
+        }
+    }
+    if (c->failed) {
+        /* Abandoning the batch clears the chunk, and its error with it. */
+        char why[sizeof(c->error)];
+        memcpy(why, c->error, sizeof(why));
+        relay_loop_failed(&b->loop, c->gen, c->kind, why);
+    } else {
         relay_loop_published(&b->loop, c->gen, c->number);
+        if (b->loop.state == RELAY_LOOP_READ)
+            phase_to(b, RELAY_PHASE_READ); /* the next chunk is still on its way */
+    }
+}
+
+static void on_wait_reply(redisAsyncContext *ac, void *reply_, void *arg)
+{
+    const redisReply *reply = reply_;
+    struct relay *r = relay_sink_owner(ac);
+    struct relay_chunk *c = arg;
+    if (r == NULL || r->stopping || c->gen != r->batch.loop.gen || c->pending == 0)
+        return; /* an abandoned chunk's */
+    c->pending--;
+    if (reply == NULL)
+        chunk_failed(c, RELAY_FAIL_REDIS_CONNECTION, "Redis connection lost during WAIT: %s",
+                     ac->errstr);
+    else if (reply->type == REDIS_REPLY_ERROR)
+        chunk_failed(c, RELAY_FAIL_REDIS_ERROR, "WAIT for min_replicas failed: %.*s",
+                     (int)reply->len, reply->str);
+    else if (reply->type != REDIS_REPLY_INTEGER)
+        chunk_failed(c, RELAY_FAIL_REDIS_REPLY, "Redis answered WAIT with a reply of another type");
+    else if (reply->integer < (long long)r->cfg->min_replicas)
+        chunk_failed(c, RELAY_FAIL_REDIS_REPLICAS,
+                     "%lld of min_replicas = %u replicas acknowledged the batch within "
+                     "replica_timeout (%u ms): check the replicas with INFO replication on the "
+                     "primary, or lower min_replicas",
+                     reply->integer < 0 ? 0 : reply->integer, r->cfg->min_replicas,
+                     r->cfg->replica_timeout_ms);
+    if (c->pending == 0)
+        chunk_done(r, c);
+}
+
+/* A keyed row of a partitioned topic quarantined in this batch holds its
+ * key's later rows of the batch (the statement sees only the quarantine
+ * recorded before it). */
+static void hold_key(struct relay_loop_io *b, const struct relay_row *row)
+{
+    if (row->partitions <= 1 || row->key == NULL || b->nheld >= RELAY_QUARANTINE_MAX)
+        return;
+    struct relay_held *h = &b->held[b->nheld];
+    size_t len = row->key_len < sizeof(h->key) ? row->key_len : sizeof(h->key);
+    if (row->topic_len > OUTBOX_TOPIC_MAX || len != row->key_len)
+        return; /* keys are capped on insert (outbox.messages) */
+    memcpy(h->topic, row->topic, row->topic_len);
+    h->topic[row->topic_len] = '\0';
+    memcpy(h->key, row->key, len);
+    h->key_len = len;
+    h->id = row->held_by != 0 ? row->held_by : row->id;
+    b->nheld++;
+}
+
+/* The quarantined row that holds row back, or 0. */
+static int64_t row_held_by(const struct relay_loop_io *b, const struct relay_row *row)
+{
+    if (row->held_by != 0)
+        return row->held_by;
+    if (row->partitions <= 1 || row->key == NULL)
+        return 0;
+    for (size_t i = 0; i < b->nheld; i++) {
+        const struct relay_held *h = &b->held[i];
+        if (h->key_len == row->key_len && strlen(h->topic) == row->topic_len &&
+            memcmp(h->key, row->key, row->key_len) == 0 &&
+            memcmp(h->topic, row->topic, row->topic_len) == 0)
+            return h->id;
+    }
+    return 0;
 }
 
 /* A row that cannot be published: recorded with the batch, and the stream
@@ -192,6 +644,7 @@ static void quarantine(struct relay_loop_io *b, struct relay_chunk *c, struct re
                      b->quarantine_max);
         return;
     }
+    hold_key(b, row);
     b->quarantined[b->nquarantined] = row->id;
     snprintf(b->quarantine_errors[b->nquarantined], OUTBOX_ERROR_MAX, "%s", row->error);
     b->nquarantined++;
@@ -202,8 +655,10 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
     struct relay_chunk *c = chunk_of(b, number);
+    phase_to(b, RELAY_PHASE_PUBLISH);
     c->gen = gen;
     c->pending = 0;
+    c->waited = 0;
     c->failed = 0;
     relay_sink_written_reset(r->sink);
     relay_batch_streams_clear(&b->streams);
@@ -215,8 +670,23 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
         row->call_rows = 0;
         struct relay_cursor *cur = relay_cursors_get(&b->cursors, row);
         if (cur != NULL) {
-            row->seq = relay_cursor_rank(cur, b->loop.next);
+            row->seq = relay_cursor_rank(cur, b->batch_serial);
+            if (!stream_active(r, cur)) {
+                /* Paused, behind the lead, or another relay's: not here. */
+                cur->met = 1;
+                row->state = RELAY_ROW_SKIPPED;
+                continue;
+            }
             cur->touched = 1;
+        }
+        int64_t held_by = row_held_by(b, row);
+        if (held_by != 0) {
+            snprintf(row->error, sizeof(row->error),
+                     "held behind row %lld of its key, which is quarantined: 'outbox-relay "
+                     "failed retry %lld' publishes them again in order",
+                     (long long)held_by, (long long)held_by);
+            quarantine(b, c, row);
+            continue;
         }
         if (relay_batch_check_publish(row, r->cfg->stream_prefix, r->cfg->max_payload_bytes,
                                       row->error, sizeof(row->error), &row->fault) != 0 ||
@@ -228,6 +698,8 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
         }
         if (relay_cursor_present(cur, c->ms, row->seq)) {
             row->state = RELAY_ROW_PUBLISHED;
+            if (r->cfg->min_replicas > 0)
+                relay_sink_written_all(r->sink); /* there, but maybe not replicated */
             continue;
         }
         row->state = RELAY_ROW_PUBLISHING;
@@ -268,61 +740,119 @@ static void put_text_array(struct outbox_buf *out, const char *const *items, siz
     outbox_buf_append(out, "}", 2); /* with the NUL after it */
 }
 
-static int op_record(void *arg, uint64_t gen, uint64_t next)
+/* One stream's topic, partition and (with ids) last entry id, appended to
+ * the three array literals being built. */
+static void arrays_reset(struct record_arrays *a)
+{
+    outbox_buf_reset(&a->topics);
+    outbox_buf_reset(&a->partitions);
+    outbox_buf_reset(&a->ids);
+    outbox_buf_puts(&a->topics, "{");
+    outbox_buf_puts(&a->partitions, "{");
+    outbox_buf_puts(&a->ids, "{");
+    a->n = 0;
+}
+
+static void arrays_add(struct record_arrays *a, const struct relay_cursor *cur, int with_id)
+{
+    const char *sep = a->n > 0 ? "," : "";
+    /* Topic names of streams are [A-Za-z0-9._-]: nothing to escape. */
+    outbox_buf_printf(&a->topics, "%s\"%s\"", sep, cur->topic);
+    outbox_buf_printf(&a->partitions, "%s%d", sep, cur->partitioned ? (int)cur->partition : -1);
+    if (with_id) {
+        char id[RELAY_ENTRY_ID_MAX];
+        relay_batch_entry_id(cur->top_ms, cur->top_seq, id);
+        outbox_buf_printf(&a->ids, "%s\"%s\"", sep, id);
+    }
+    a->n++;
+}
+
+static int arrays_end(struct record_arrays *a)
+{
+    outbox_buf_puts(&a->topics, "}");
+    outbox_buf_puts(&a->partitions, "}");
+    outbox_buf_puts(&a->ids, "}");
+    return a->topics.failed || a->partitions.failed || a->ids.failed ? -1 : 0;
+}
+
+/* How often the streams that follow the lead have their position moved to
+ * it though the batch had no row of theirs: what a relay taking them over, or
+ * this one after a restart, reads again. */
+#define REFRESH_S 2.0
+
+/* Array literal of n ids ({1,2}), and its NUL, appended to out. */
+static void put_text_array_ids(struct outbox_buf *out, const int64_t *ids, size_t n)
+{
+    outbox_buf_append(out, "{", 1);
+    for (size_t i = 0; i < n; i++)
+        outbox_buf_printf(out, "%s%lld", i > 0 ? "," : "", (long long)ids[i]);
+    outbox_buf_append(out, "}", 2);
+}
+
+static int op_record(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int lead)
 {
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
-    /* The streams the batch touched, and the last id each holds now. */
-    size_t n = 0;
+    int refresh = 0;
+    phase_to(b, RELAY_PHASE_RECORD);
+    if (lead && relay_now() - b->refreshed_at >= REFRESH_S) {
+        refresh = 1;
+        b->refreshed_at = relay_now();
+    }
+    arrays_reset(&b->touched);
+    arrays_reset(&b->advanced);
+    arrays_reset(&b->met);
+    outbox_buf_reset(&b->partitions_text);
     for (size_t i = 0; b->cursors.slots != NULL && i <= b->cursors.mask; i++) {
-        struct relay_cursor *cur = &b->cursors.slots[i];
-        if (cur->topic[0] == '\0' || !cur->touched || cur->tick != next || !cur->top_known)
+        const struct relay_cursor *cur = &b->cursors.slots[i];
+        if (cur->topic[0] == '\0')
             continue;
-        if (n >= b->record_max)
-            break;
-        b->record_topic_ptrs[n] = cur->topic;
-        snprintf(b->record_partitions[n], sizeof(b->record_partitions[n]), "%d",
-                 cur->partitioned ? (int)cur->partition : -1);
-        b->record_partition_ptrs[n] = b->record_partitions[n];
-        relay_batch_entry_id(cur->top_ms, cur->top_seq, b->record_ids[n]);
-        b->record_id_ptrs[n] = b->record_ids[n];
-        n++;
+        int in_batch = cur->active_batch == b->batch_serial;
+        if (in_batch && cur->active && cur->touched && cur->tick == b->batch_serial && cur->top_known) {
+            arrays_add(&b->touched, cur, 1);
+            if (cur->partitioned)
+                outbox_buf_printf(&b->partitions_text, " %s/%u", cur->topic, cur->partition);
+        }
+        else if (in_batch && cur->active && !lead)
+            arrays_add(&b->advanced, cur, 0); /* caught up by one batch, rows or not */
+        else if (in_batch && !cur->active && cur->met && lead)
+            arrays_add(&b->met, cur, 0);
+        else if (refresh && cur->known && cur->follows && cur->owned && !cur->paused)
+            arrays_add(&b->advanced, cur, 0);
     }
-    const char *errors[RELAY_QUARANTINE_MAX] = {0};
-    char ids[RELAY_QUARANTINE_MAX][24];
-    const char *id_ptrs[RELAY_QUARANTINE_MAX] = {0};
-    for (size_t i = 0; i < b->nquarantined; i++) {
-        errors[i] = b->quarantine_errors[i];
-        snprintf(ids[i], sizeof(ids[i]), "%lld", (long long)b->quarantined[i]);
-        id_ptrs[i] = ids[i];
-    }
+    if (arrays_end(&b->touched) < 0 || arrays_end(&b->advanced) < 0 || arrays_end(&b->met) < 0)
+        return -1;
     outbox_buf_reset(&b->sql);
-    size_t at[5];
+    size_t at[2];
     at[0] = b->sql.len;
-    put_text_array(&b->sql, b->record_topic_ptrs, n);
+    put_text_array_ids(&b->sql, b->quarantined, b->nquarantined);
     at[1] = b->sql.len;
-    put_text_array(&b->sql, b->record_partition_ptrs, n);
-    at[2] = b->sql.len;
-    put_text_array(&b->sql, b->record_id_ptrs, n);
-    at[3] = b->sql.len;
-    put_text_array(&b->sql, id_ptrs, b->nquarantined);
-    at[4] = b->sql.len;
+    const char *errors[RELAY_QUARANTINE_MAX] = {0};
+    for (size_t i = 0; i < b->nquarantined; i++)
+        errors[i] = b->quarantine_errors[i];
     put_text_array(&b->sql, errors, b->nquarantined);
     if (b->sql.failed)
         return -1;
     char tick[24];
     snprintf(tick, sizeof(tick), "%" PRIu64, next);
-    const char *params[6] = {tick,
-                             b->sql.data + at[0],
-                             b->sql.data + at[1],
-                             b->sql.data + at[2],
-                             b->sql.data + at[3],
-                             b->sql.data + at[4]};
+    (void)prev;
+    const char *params[11] = {tick,
+                              lead ? "true" : "false",
+                              b->touched.topics.data,
+                              b->touched.partitions.data,
+                              b->touched.ids.data,
+                              b->advanced.topics.data,
+                              b->advanced.partitions.data,
+                              b->met.topics.data,
+                              b->met.partitions.data,
+                              b->sql.data + at[0],
+                              b->sql.data + at[1]};
     b->sent_gen = gen;
     return relay_pgsrc_send(b->pg,
-                            "SELECT outbox.record_batch($1::bigint, $2::text[], $3::integer[], "
-                            "$4::text[], $5::bigint[], $6::text[])",
-                            6, params, 0, on_recorded, r);
+                            "SELECT outbox.record_batch($1::bigint, $2::boolean, $3::text[], "
+                            "$4::integer[], $5::text[], $6::text[], $7::integer[], $8::text[], "
+                            "$9::integer[], $10::bigint[], $11::text[])",
+                            11, params, 0, on_recorded, r);
 }
 
 static void op_abandon(void *arg)
@@ -333,8 +863,10 @@ static void op_abandon(void *arg)
     chunk_clear(&b->chunks[0]);
     chunk_clear(&b->chunks[1]);
     b->nquarantined = 0;
+    b->nheld = 0;
+    b->batch_appended = 0;
     /* The batch is read again from its start: its ranks count again. */
-    relay_cursors_restart(&b->cursors, b->loop.next);
+    relay_cursors_restart(&b->cursors, b->batch_serial);
 }
 
 static void op_failed(void *arg, enum relay_fail_kind kind, const char *why)
@@ -393,12 +925,6 @@ static void on_ticked(struct relay_pgsrc *pg, PGresult *res, const char *err, co
         snprintf(why, sizeof(why), "outbox.tick() failed: %s", err != NULL ? err : "no answer");
         relay_loop_failed(&b->loop, b->sent_gen, RELAY_FAIL_POSTGRES, why);
         return;
-    }
-    if (!b->lead_known) {
-        b->lead_known = 1;
-        uint64_t lead = PQgetisnull(res, 0, 1) ? 0 : strtoull(PQgetvalue(res, 0, 1), NULL, 10);
-        relay_loop_set_lead(&b->loop, lead);
-        relay_info(COMPONENT, "publishing from the batch after tick %" PRIu64, lead);
     }
     relay_loop_ticked(&b->loop, b->sent_gen, strtoull(PQgetvalue(res, 0, 0), NULL, 10));
 }
@@ -489,6 +1015,14 @@ static void on_read(struct relay_pgsrc *pg, PGresult *res, const char *err, cons
             return;
         }
         c->ms = decode_u64(PQgetvalue(c->res, i, COL_MS));
+        if (!PQgetisnull(c->res, i, COL_HELD_BY)) {
+            if (PQgetlength(c->res, i, COL_HELD_BY) != 8) {
+                relay_loop_failed(&b->loop, gen, RELAY_FAIL_POSTGRES,
+                                  "the batch statement returned a malformed row");
+                return;
+            }
+            c->rows[c->nrows].held_by = relay_batch_decode_int8(PQgetvalue(c->res, i, COL_HELD_BY));
+        }
         b->after_txid = decode_u64(PQgetvalue(c->res, i, COL_TXID));
         b->after_id = c->rows[c->nrows].id;
         c->nrows++;
@@ -502,6 +1036,7 @@ static void count_published(struct relay *r, const struct relay_row *row)
 {
     struct relay_figures *f = &r->fig;
     f->published_total++;
+    r->batch.batch_appended++;
     relay_stream_seen_note(&r->streams_seen, r->cfg->stream_prefix, row);
     for (size_t j = 0; j < f->ntopics; j++) {
         if (strlen(f->topics[j].topic) == row->topic_len &&
@@ -614,6 +1149,10 @@ static void on_recorded(struct relay_pgsrc *pg, PGresult *res, const char *err,
         return;
     }
     r->fig.batches_total++;
+    phase_to(b, RELAY_PHASE_RECORD);
+    for (int p = 0; p < RELAY_PHASES; p++)
+        observe_seconds(r->fig.phase_hist[p], &r->fig.phase_sum[p], b->phase_s[p]);
+    observe_seconds(r->fig.batch_hist, &r->fig.batch_sum, relay_now() - b->started_at);
     if (res != NULL && PQntuples(res) == 1 && !PQgetisnull(res, 0, 0))
         r->fig.quarantined_total += strtoull(PQgetvalue(res, 0, 0), NULL, 10);
     for (size_t i = 0; i < b->nquarantined; i++)
@@ -622,8 +1161,15 @@ static void on_recorded(struct relay_pgsrc *pg, PGresult *res, const char *err,
                     "quarantined rows",
                     (long long)b->quarantined[i], b->quarantine_errors[i]);
     b->nquarantined = 0;
+    b->nheld = 0;
+    if (b->partitions_text.len > 0 && !b->partitions_text.failed)
+        relay_debug(COMPONENT, "published a batch of %llu rows to partitions%s",
+                    b->batch_appended, b->partitions_text.data);
+    b->batch_appended = 0;
+    if (b->loop.catching_up)
+        relay_cursors_advance(&b->cursors, b->loop.prev, b->loop.lead);
     relay_cursors_untouch(&b->cursors);
-    relay_cursors_trim(&b->cursors, b->loop.next);
+    relay_cursors_trim(&b->cursors, b->batch_serial);
     if (r->fig.last_batch_error[0] != '\0') {
         relay_info(COMPONENT, "publishing again after: %s", r->fig.last_batch_error);
         r->fig.last_batch_error[0] = '\0';
@@ -668,6 +1214,10 @@ static void sink_ready(struct relay_sink *s, void *arg)
 {
     struct relay *r = arg;
     (void)s;
+    /* Redis may hold less than before it went away: what each stream holds
+     * is read again before the next batch. */
+    relay_cursors_forget_all(&r->batch.cursors);
+    r->batch.verify = 1;
     relay_loop_want(&r->batch.loop);
 }
 
@@ -676,6 +1226,9 @@ int relay_loop_io_start(struct relay *r)
     const struct relay_loop_ops ops = {
         .arg = r,
         .ready = op_ready,
+        .prepare = op_prepare,
+        .load = op_load,
+        .behind = op_behind,
         .tick = op_tick,
         .read = op_read,
         .publish = op_publish,
@@ -704,7 +1257,6 @@ int relay_loop_io_start(struct relay *r)
     b->quarantine_max = 2 * (size_t)cfg->batch_size;
     if (b->quarantine_max > RELAY_QUARANTINE_MAX)
         b->quarantine_max = RELAY_QUARANTINE_MAX;
-    b->record_max = RELAY_RECORD_STREAMS_MAX;
     if (relay_batch_streams_init(&b->streams, cfg->batch_size) != 0)
         return -1;
     struct relay_pgsrc_hooks hooks = {.arg = r, .on_ready = pg_ready, .on_down = pg_down};
@@ -738,5 +1290,12 @@ void relay_loop_io_stop(struct relay *r)
     relay_batch_streams_free(&b->streams);
     relay_cursors_free(&b->cursors);
     outbox_buf_free(&b->sql);
+    outbox_buf_free(&b->partitions_text);
+    struct record_arrays *arrays[3] = {&b->touched, &b->advanced, &b->met};
+    for (int k = 0; k < 3; k++) {
+        outbox_buf_free(&arrays[k]->topics);
+        outbox_buf_free(&arrays[k]->partitions);
+        outbox_buf_free(&arrays[k]->ids);
+    }
     outbox_buf_free(&r->out);
 }

@@ -86,6 +86,7 @@ struct relay_owner {
     struct outbox_buf begin, param_units, param_keys;
     char param_pid[24];
     size_t nready;
+    unsigned long epoch; /* moves whenever the ready partitions change */
     unsigned long long takeovers;
     char layout[160]; /* the last "member i of n" logged */
 };
@@ -128,6 +129,7 @@ static void publish_claim_params(struct relay_owner *o)
     snprintf(o->param_pid, sizeof(o->param_pid), "%ld", n ? o->pid : 0L);
     int more = n > o->nready;
     o->nready = n;
+    o->epoch++;
     if (more)
         relay_loop_want(&o->r->batch.loop);
 }
@@ -467,6 +469,7 @@ struct relay_owner *relay_ownership_io_start(struct relay *r, const struct relay
     struct relay_owner *o = calloc(1, sizeof(*o));
     if (o == NULL)
         return NULL;
+    o->epoch = 1; /* a cursor never evaluated has epoch 0 */
     o->r = r;
     if (hooks != NULL)
         o->hooks = *hooks;
@@ -533,4 +536,20 @@ void relay_ownership_io_figures(const struct relay_owner *o, struct relay_owner_
     f->owned = o->nready;
     f->takeovers = o->takeovers;
     f->partitions = o->nunits;
+}
+
+unsigned long relay_ownership_io_epoch(const struct relay_owner *o)
+{
+    return o != NULL ? o->epoch : 1;
+}
+
+int relay_ownership_io_owns(const struct relay_owner *o, const char *topic, uint32_t partition)
+{
+    if (o == NULL)
+        return 1;
+    for (size_t i = 0; i < o->nunits; i++)
+        if (o->units[i].ready && o->units[i].partition == partition &&
+            strcmp(o->units[i].topic, topic) == 0)
+            return 1;
+    return 0;
 }

@@ -6,6 +6,7 @@
 #define RELAY_OWNERSHIP_IO_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 struct relay;
 struct relay_owner;
@@ -37,6 +38,10 @@ void relay_ownership_io_claim_params(const struct relay_owner *o, const char **u
                                      const char **keys, const char **pid);
 /* How many partitions the claims take rows of now (0 without an owner). */
 size_t relay_ownership_io_claimable(const struct relay_owner *o);
+/* Moves whenever the partitions this relay publishes change (never 0). */
+unsigned long relay_ownership_io_epoch(const struct relay_owner *o);
+/* 1 when this relay publishes the partition now. */
+int relay_ownership_io_owns(const struct relay_owner *o, const char *topic, uint32_t partition);
 void relay_ownership_io_figures(const struct relay_owner *o, struct relay_owner_figures *f);
 
 #endif

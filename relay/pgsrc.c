@@ -164,8 +164,14 @@ int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, siz
  * columns and the writing transaction, from outbox.batch_rows: $1 and $2 the
  * ticks, $3 and $4 the (txid, id) of the chunk before's last row ('0' and 0
  * for the first), $5 the chunk's size. */
+/* Past the claim's columns: the txid, the tick's ms, and for a keyed row of
+ * a partitioned topic the first quarantined row of its key before it, which
+ * holds it back (P8): one probe of quarantine_key_idx. */
 #define BATCH_FROM                                                                                 \
-    ", txid, (SELECT t.ms FROM outbox.ticks AS t WHERE t.tick_id = $2::bigint)"                    \
+    ", txid, (SELECT t.ms FROM outbox.ticks AS t WHERE t.tick_id = $2::bigint),"                   \
+    " CASE WHEN c.partition_key IS NOT NULL AND c.topic = ANY(" PARTITIONED_TOPICS ") THEN"        \
+    "  (SELECT min(q.id) FROM outbox.quarantine AS q WHERE q.topic = c.topic"                      \
+    "   AND q.partition_key = c.partition_key AND q.id < c.id) END"                                \
     " FROM outbox.batch_rows($1::bigint, $2::bigint, $3::xid8, $4::bigint, $5::integer)"           \
     " AS c ORDER BY txid, id"
 

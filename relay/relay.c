@@ -68,6 +68,8 @@ static void on_observation(void *arg, const struct relay_observation *o)
     log_observation_problem(r, 1, o->redis_ok,
                             o->redis_error[0] ? o->redis_error : "unknown error");
     size_t n = relay_backpressure_apply(&r->paused, r->cfg, r->obs, changes, &resumed);
+    if (n > 0 || resumed)
+        r->batch.pause_epoch++; /* applied between batches (relay/loop_io.c) */
     for (size_t i = 0; i < n; i++)
         relay_log(changes[i].paused ? RELAY_LOG_WARNING : RELAY_LOG_INFO, COMPONENT,
                   "stream %s %s (backpressure: consumer groups %s)",

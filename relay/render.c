@@ -137,14 +137,14 @@ static void render_relay(const struct relay *r, struct outbox_buf *t)
     help(t, "outbox_relay_batches_total", "counter", "Batches published and recorded.");
     outbox_buf_printf(t, "outbox_relay_batches_total %llu\n", f->batches_total);
     help(t, "outbox_relay_batch_duration_seconds", "histogram",
-         "Time from claim to commit of a batch.");
+         "Time from the first read of a batch to its positions recorded.");
     render_seconds(t, "outbox_relay_batch_duration_seconds", "", f->batch_hist, f->batch_sum);
     help(t, "outbox_relay_batch_phase_seconds", "histogram",
-         "Time committed batches spent in each phase: claim (BEGIN and the claim), wait "
-         "(claimed, behind the batch ahead), publish (until the last reply), finish (until "
-         "the commit).");
-    static const char *const phases[RELAY_PHASES] = {"phase=\"claim\"", "phase=\"wait\"",
-                                                     "phase=\"publish\"", "phase=\"finish\""};
+         "Time recorded batches spent in each phase: read (waiting for its rows, nothing "
+         "publishing), publish (its calls in flight, until the last reply), record (until its "
+         "positions are recorded).");
+    static const char *const phases[RELAY_PHASES] = {"phase=\"read\"", "phase=\"publish\"",
+                                                     "phase=\"record\""};
     for (int p = 0; p < RELAY_PHASES; p++)
         render_seconds(t, "outbox_relay_batch_phase_seconds", phases[p], f->phase_hist[p],
                        f->phase_sum[p]);
@@ -158,8 +158,8 @@ static void render_relay(const struct relay *r, struct outbox_buf *t)
          "Whole-batch failures since the last committed batch (3 or more: not ready).");
     outbox_buf_printf(t, "outbox_relay_batch_failures_in_row %u\n", r->batch.loop.failures_in_row);
     help(t, "outbox_relay_rows_quarantined_total", "counter",
-         "Rows this relay quarantined: at once for a permanent failure, after max_attempts for "
-         "a transient one.");
+         "Rows this relay recorded in outbox.quarantine: rows that can never be published, and "
+         "the later rows of a partitioned key held behind one.");
     outbox_buf_printf(t, "outbox_relay_rows_quarantined_total %llu\n", f->quarantined_total);
     struct relay_owner_figures own;
     relay_ownership_io_figures(r->owner, &own);
@@ -210,11 +210,13 @@ static void render_retention(const struct relay_config *cfg, const struct relay_
         outbox_buf_printf(t, "outbox_relay_outbox_dead_rows %lld\n", o->outbox_dead_rows);
     }
     help(t, "outbox_relay_outbox_oldest_sent_age_seconds", "gauge",
-         "Time since the oldest sent row still kept was sent (0 when none is kept).");
+         "Age of the oldest published row still kept in the outbox, from its created_at (0 when "
+         "none is kept).");
     outbox_buf_printf(t, "outbox_relay_outbox_oldest_sent_age_seconds %.3f\n",
                       o->oldest_sent_age < 0 ? 0 : o->oldest_sent_age);
     help(t, "outbox_relay_sent_retention_seconds", "gauge",
-         "The sent_retention setting: sent rows are deleted this long after they were sent.");
+         "The sent_retention setting: published rows are deleted once their stream passed them "
+         "this long ago.");
     outbox_buf_printf(t, "outbox_relay_sent_retention_seconds %.3f\n",
                       cfg->sent_retention_ms / 1000.0);
     help(t, "outbox_relay_stream_retention_seconds", "gauge",
@@ -223,7 +225,7 @@ static void render_retention(const struct relay_config *cfg, const struct relay_
     outbox_buf_printf(t, "outbox_relay_stream_retention_seconds %.3f\n",
                       cfg->stream_retention_ms / 1000.0);
     help(t, "outbox_relay_sent_rows_deleted_total", "counter",
-         "Sent rows deleted by retention (sent_retention > 0).");
+         "Published rows deleted by retention (sent_retention).");
     outbox_buf_printf(t, "outbox_relay_sent_rows_deleted_total %llu\n", o->sent_deleted_total);
     help(t, "outbox_relay_stream_entries_trimmed_total", "counter",
          "Stream entries removed by trimming (stream_retention).");
@@ -282,18 +284,19 @@ static void render_outbox(const struct relay *r, struct outbox_buf *t)
     }
     if (o->pg_ok) {
         help(t, "outbox_relay_outbox_pending_rows", "gauge",
-             "Rows waiting in the outbox (an estimate from the span of pending ids).");
+             "Rows not yet in their stream (outbox.unsent): counted per topic from its "
+             "streams' recorded positions, estimated from the span of ids for a topic never "
+             "published.");
         outbox_buf_printf(t, "outbox_relay_outbox_pending_rows %lld\n", o->outbox_pending);
         help(t, "outbox_relay_outbox_oldest_pending_age_seconds", "gauge",
-             "Age of the oldest row waiting in the outbox (0 when none).");
+             "Age of the oldest row not yet in its stream, from its created_at (0 when none).");
         outbox_buf_printf(t, "outbox_relay_outbox_oldest_pending_age_seconds %.3f\n",
                           o->outbox_oldest_age < 0 ? 0 : o->outbox_oldest_age);
         help(t, "outbox_relay_outbox_quarantined_rows", "gauge",
-             "Quarantined rows waiting for an operator.");
+             "Rows in outbox.quarantine, waiting for an operator (outbox-relay failed).");
         outbox_buf_printf(t, "outbox_relay_outbox_quarantined_rows %lld\n", o->quarantined);
         help(t, "outbox_relay_outbox_blocked_keys", "gauge",
-             "Keys of partitioned topics whose later rows wait behind a quarantined or retrying "
-             "row of theirs.");
+             "Keys of partitioned topics whose later rows are quarantined behind a row of theirs.");
         outbox_buf_printf(t, "outbox_relay_outbox_blocked_keys %lld\n", o->blocked_keys);
         help(t, "outbox_relay_topic_admitting", "gauge",
              "1 when producers of the topic are admitted, 0 when refused (backpressure).");

@@ -25,16 +25,16 @@
  * PURGE_BUDGET seconds, so that the next observation is not held up. */
 #define PURGE_BATCH 5000
 #define PURGE_BUDGET 1.0
-/* The purge steps over rows that are not sent yet (in flight, paused,
- * quarantined) and goes on from after them; once it has caught up, it starts
- * from the first row again, for the rows it stepped over that were sent
- * since: as often as sent_retention, between these bounds. With
- * sent_retention = 0 rows are deleted as they are published, and only rows
- * marked before (by an older setting) are left to purge: a pass every
- * PURGE_ZERO_EVERY. */
+/* A row is deleted once its stream's recorded position has passed it and
+ * it was committed before the last tick taken sent_retention ago
+ * (outbox.purge_sent, migrations/017_quarantine_tools.sql); never a row
+ * outbox.unsent shows nor a quarantined one. The purge steps over the rows
+ * it must keep (not yet in their stream, paused, quarantined) and goes on
+ * from after them; once it has caught up, it starts from the first row
+ * again, for the rows it stepped over that were published since: as often
+ * as sent_retention, between these bounds. */
 #define PURGE_RESTART_MIN 10.0
 #define PURGE_RESTART_MAX 60.0
-#define PURGE_ZERO_EVERY 600.0
 /* Streams are trimmed at most this often. */
 #define TRIM_EVERY 10.0
 
@@ -48,7 +48,7 @@ static void failed(struct relay_retention *st, const char *what, const char *why
     snprintf(st->last_error, sizeof(st->last_error), "%s", text);
 }
 
-/* ---- sent rows ------------------------------------------------------- */
+/* ---- published rows -------------------------------------------------- */
 
 static const char purge_sql[] = "SELECT deleted, next_after_id, caught_up,"
                                 " extract(epoch FROM statement_timestamp() - oldest_kept)"
@@ -59,15 +59,13 @@ static void purge_sent(const struct relay_config *cfg, PGconn **pg, int stop_fd,
                        struct relay_retention *st)
 {
     double started = outbox_mono_now();
-    if (cfg->sent_retention_ms == 0 && st->purge_caught_up && started < st->purge_restart_at)
-        return;
     if (st->purge_caught_up && started >= st->purge_restart_at) {
         double every = cfg->sent_retention_ms / 1000.0;
         every = every < PURGE_RESTART_MIN   ? PURGE_RESTART_MIN
                 : every > PURGE_RESTART_MAX ? PURGE_RESTART_MAX
                                             : every;
         st->purge_after_id = 0;
-        st->purge_restart_at = started + (cfg->sent_retention_ms == 0 ? PURGE_ZERO_EVERY : every);
+        st->purge_restart_at = started + every;
     }
     for (;;) {
         char ms[24], after[24], max[16], err[256];

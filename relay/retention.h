@@ -4,9 +4,11 @@
  * neither the outbox nor Redis grows without end (docs/OPERATIONS.md,
  * "Retention"; docs/DESIGN.md, "Retention").
  *
- *   Sent rows: outbox.purge_sent (migrations/010) deletes rows sent more than
- *   sent_retention ago, a batch per call, each call its own short
- *   transaction, for at most a second per run.
+ *   Published rows: outbox.purge_sent (migrations/017) deletes rows their
+ *   stream's recorded position has passed, committed before the last tick
+ *   taken sent_retention ago, a bounded slice per call (never a row
+ *   outbox.unsent shows, never a quarantined one), each call its own short
+ *   transaction, for at most a second per run: off the relay's publish path.
  *
  *   Vacuum: when the outbox holds vacuum_dead_rows dead row versions (a tenth
  *   of that once nothing waits), a VACUUM runs on a connection of its own,
@@ -38,7 +40,7 @@ struct relay_retention {
     long long purge_after_id; /* the purge goes on from here */
     double purge_restart_at;  /* monotonic seconds: walk from the first row again */
     int purge_caught_up;      /* the last call reached the rows to keep */
-    double oldest_sent_age;   /* from the last purge; -1 none kept */
+    double oldest_sent_age;   /* oldest published row kept, from the last purge; -1 none */
     double next_trim_at;      /* monotonic seconds */
     unsigned long long sent_deleted_total;
     unsigned long long stream_trimmed_total;

@@ -604,6 +604,13 @@ void relay_sink_written_reset(struct relay_sink *s)
     s->written = 0;
 }
 
+void relay_sink_written_all(struct relay_sink *s)
+{
+    for (int i = 0; i < s->nnodes; i++)
+        if (s->nodes[i].ac != NULL)
+            s->written |= 1u << i;
+}
+
 /* Reports what an acknowledged XADD is worth on this server (docs/GUARANTEES.md, "What Redis
  * keeps is up to Redis"). */
 static void check_durability(struct relay_sink *s, const redisReply *r)

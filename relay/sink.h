@@ -78,6 +78,9 @@ uint64_t relay_sink_asks_followed(const struct relay_sink *s);
 
 /* Forgets which connections were written to (relay_sink_wait's set). */
 void relay_sink_written_reset(struct relay_sink *s);
+/* Counts every connection as written to: the next relay_sink_wait asks them
+ * all (rows found in a stream already may not be on its replicas yet). */
+void relay_sink_written_all(struct relay_sink *s);
 
 /*
  * Sends WAIT replicas timeout_ms to every connection written to since the

@@ -139,6 +139,36 @@ def parse_rfc3339_utc(text):
     return base.replace(microsecond=micro), len(frac)
 
 
+def quarantine_row(conn, topic, payload=b"x", error="quarantined by the test", key=None,
+                   created_at=None):
+    """A row in outbox.messages and its copy in outbox.quarantine, as the relay's
+    outbox.record_batch leaves a row it could not publish. Returns its id."""
+    with conn.cursor() as cur:
+        cur.execute("WITH m AS (INSERT INTO outbox.messages (topic, partition_key, payload,"
+                    "  created_at) VALUES (%s, %s, %s, coalesce(%s, now())) RETURNING *)"
+                    " INSERT INTO outbox.quarantine (id, txid, message_id, topic, partition_key,"
+                    "  payload, headers, created_at, error)"
+                    " SELECT id, txid, message_id, topic, partition_key, payload, headers,"
+                    "  created_at, %s FROM m RETURNING id",
+                    (topic, key, payload, created_at, error))
+        return cur.fetchone()[0]
+
+
+def mark_published(conn, topic):
+    """Records every stream of topic as past every row committed so far, as
+    another relay that published them would (a tick, then the streams'
+    positions at it): the rows leave outbox.unsent without this test's relay."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT outbox.tick()")
+        tick = cur.fetchone()[0]
+        cur.execute("INSERT INTO outbox.stream_positions (topic, partition, tick)"
+                    " SELECT DISTINCT topic, coalesce(partition_no, -1), %s FROM outbox.messages"
+                    " WHERE topic = %s"
+                    " ON CONFLICT (topic, partition) DO UPDATE SET tick = excluded.tick"
+                    " WHERE outbox.stream_positions.tick < excluded.tick",
+                    (tick, topic))
+
+
 # --------------------------------------------------------------------------
 # Rows as the batch design records them: a row is sent once its stream's
 # recorded position has passed it (it is in outbox.unsent no more) and it is

@@ -1,16 +1,16 @@
 /*
  * "outbox-relay failed": what operators do with quarantined rows.
  *
- * A row that cannot be published for a reason of its own carries failed_at and
- * its last error once the relay gave up on it (at once for a permanent failure
- * such as a bad topic or an oversized payload, after max_attempts for a
- * transient one, WRONGTYPE on its stream key), and the relay's claims skip it.
- * "failed list" shows those rows (and how many others are still being
- * retried); "failed retry" puts them back in line with a clean attempt count,
- * and wakes the relay with a notification; "failed drop" gives them up: they
- * are marked sent without being published (failed_at stays, so the row still
- * says what happened until retention deletes it), and in a partitioned topic
- * the later rows of their keys go on.
+ * A row that can never be published (a bad topic, an oversized payload, a
+ * stream key that holds another type, or a later row of a partitioned key
+ * held behind such a row) is copied by the relay into outbox.quarantine with
+ * why, and its stream goes on past it. "failed list" shows those rows;
+ * "failed retry" writes them again as new rows (same message_id, topic, key,
+ * payload and headers, in their id order, in one transaction) which a later
+ * batch publishes, and takes them out of the quarantine; "failed drop" gives
+ * them up. In a partitioned topic the later quarantined rows of a key go
+ * with the row named: retried with it, or retried when it is dropped, so the
+ * key keeps its order (migrations/017_quarantine_tools.sql).
  */
 #include "common/compat.h"
 
@@ -27,8 +27,9 @@
 #include "core/config.h"
 #include "core/pg.h"
 
-/* Columns of a topic in "failed list", at most. */
+/* Columns of a topic and of a key in "failed list", at most. */
 #define FAILED_TOPIC_COLS 40
+#define FAILED_KEY_COLS 24
 
 static PGconn *connect_db(const struct relay_config *cfg, FILE *errout)
 {
@@ -56,16 +57,15 @@ static int failed_list(PGconn *conn, long long limit, FILE *out, FILE *errout)
     char lim[24];
     snprintf(lim, sizeof(lim), "%lld", limit);
     const char *params[1] = {lim};
-    PGresult *res =
-        PQexecParams(conn,
-                     "SELECT id, message_id, topic, attempts,"
-                     " to_char(failed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),"
-                     " coalesce(last_error, '')"
-                     " FROM outbox.messages WHERE failed_at IS NOT NULL AND sent_at IS NULL"
-                     " ORDER BY id LIMIT $1",
-                     1, NULL, params, NULL, NULL, 0);
+    PGresult *res = PQexecParams(conn,
+                                 "SELECT id, message_id, topic, coalesce(partition_key, '-'),"
+                                 " to_char(quarantined_at AT TIME ZONE 'UTC',"
+                                 " 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), error"
+                                 " FROM outbox.quarantine ORDER BY id LIMIT $1",
+                                 1, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        fprintf(errout, "outbox-relay: cannot list failed rows: %s", PQresultErrorMessage(res));
+        fprintf(errout, "outbox-relay: cannot list quarantined rows: %s",
+                PQresultErrorMessage(res));
         PQclear(res);
         return OUTBOX_EX_UNAVAILABLE;
     }
@@ -73,14 +73,17 @@ static int failed_list(PGconn *conn, long long limit, FILE *out, FILE *errout)
     if (n == 0) {
         fprintf(out, "no quarantined rows\n");
     } else {
-        fprintf(out, "%-10s %-36s %-20s %-8s %-20s %s\n", "ID", "MESSAGE_ID", "TOPIC", "ATTEMPTS",
-                "FAILED_AT", "LAST_ERROR");
-        /* The topic and the error come from producers: escaped, one row a line. */
+        fprintf(out, "%-10s %-36s %-20s %-12s %-20s %s\n", "ID", "MESSAGE_ID", "TOPIC", "KEY",
+                "QUARANTINED_AT", "ERROR");
+        /* The topic, the key and the error come from producers: escaped, one
+         * row a line. */
         for (int i = 0; i < n; i++) {
             fprintf(out, "%-10s %-36s ", PQgetvalue(res, i, 0), PQgetvalue(res, i, 1));
             relay_text_put_column(out, PQgetvalue(res, i, 2), (size_t)PQgetlength(res, i, 2), 20,
                                   FAILED_TOPIC_COLS);
-            fprintf(out, "%-8s %-20s ", PQgetvalue(res, i, 3), PQgetvalue(res, i, 4));
+            relay_text_put_column(out, PQgetvalue(res, i, 3), (size_t)PQgetlength(res, i, 3), 12,
+                                  FAILED_KEY_COLS);
+            fprintf(out, "%-20s ", PQgetvalue(res, i, 4));
             relay_text_put_escaped(out, PQgetvalue(res, i, 5), (size_t)PQgetlength(res, i, 5), 0,
                                    0);
             fputc('\n', out);
@@ -88,15 +91,12 @@ static int failed_list(PGconn *conn, long long limit, FILE *out, FILE *errout)
     }
     PQclear(res);
 
-    res = PQexec(conn, "SELECT count(*) FILTER (WHERE failed_at IS NOT NULL),"
-                       " count(*) FILTER (WHERE failed_at IS NULL AND attempts > 0)"
-                       " FROM outbox.messages WHERE sent_at IS NULL AND"
-                       " (failed_at IS NOT NULL OR attempts > 0)");
+    res = PQexec(conn, "SELECT count(*) FROM outbox.quarantine");
     if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1) {
         fprintf(out, "%s quarantined", PQgetvalue(res, 0, 0));
         if ((long long)n < strtoll(PQgetvalue(res, 0, 0), NULL, 10))
             fprintf(out, " (showing %d; use --limit)", n);
-        fprintf(out, ", %s still being retried by the relay\n", PQgetvalue(res, 0, 1));
+        fputc('\n', out);
     }
     PQclear(res);
     return OUTBOX_EX_OK;
@@ -133,70 +133,72 @@ OUTBOX_STATIC char *id_array(int nids, char **ids, FILE *errout, int *rc)
     return arr;
 }
 
-/*
- * Sets `set` (an SQL SET list of the file's own) on the quarantined rows,
- * every one with all, else those of ids; wakes the relay; prints how many
- * rows changed ("<done> N row(s)<tail>") and, as an error, the ids that were
- * not quarantined.
- */
-static int change_quarantined(PGconn *conn, const char *set, int all, int nids, char **ids,
-                              const char *what, const char *done, const char *tail, FILE *out,
-                              FILE *errout)
+/* Prints, as an error, the ids named that were not quarantined ('{...}' from
+ * the statement), and returns the exit code. */
+static int report_missing(const char *missing, FILE *errout)
+{
+    if (missing == NULL || strcmp(missing, "{}") == 0 || missing[0] == '\0')
+        return OUTBOX_EX_OK;
+    fprintf(errout,
+            "outbox-relay: not quarantined (unknown, already retried or dropped, or never "
+            "quarantined): %s\n",
+            missing);
+    return OUTBOX_EX_DATAERR;
+}
+
+/* Written again as new rows, which a later batch publishes; out of the
+ * quarantine. One statement, one transaction. */
+static int failed_retry(PGconn *conn, int all, int nids, char **ids, FILE *out, FILE *errout)
 {
     int rc = OUTBOX_EX_OK;
     char *arr = id_array(nids, ids, errout, &rc);
     if (arr == NULL)
         return rc;
-    char sql[1024];
-    snprintf(
-        sql, sizeof(sql),
-        "WITH changed AS ("
-        " UPDATE outbox.messages SET %s"
-        " WHERE failed_at IS NOT NULL AND sent_at IS NULL AND ($1::boolean OR id = "
-        "ANY($2::bigint[]))"
-        " RETURNING id)"
-        " SELECT (SELECT count(*) FROM changed),"
-        "  ARRAY(SELECT x FROM unnest($2::bigint[]) AS x WHERE x NOT IN (SELECT id FROM changed)"
-        "   ORDER BY x)::text,"
-        "  pg_notify('outbox_relay', '')",
-        set);
     const char *params[2] = {all ? "t" : "f", arr};
-    PGresult *res = PQexecParams(conn, sql, 2, NULL, params, NULL, NULL, 0);
+    PGresult *res = PQexecParams(conn,
+                                 "SELECT retried, missing::text"
+                                 " FROM outbox.quarantine_retry($1::boolean, $2::bigint[])",
+                                 2, NULL, params, NULL, NULL, 0);
     free(arr);
-    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
-        fprintf(errout, "outbox-relay: cannot %s rows: %s", what, PQresultErrorMessage(res));
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
+        fprintf(errout, "outbox-relay: cannot retry rows: %s", PQresultErrorMessage(res));
         PQclear(res);
         return OUTBOX_EX_UNAVAILABLE;
     }
-    fprintf(out, "%s %s row(s)%s\n", done, PQgetvalue(res, 0, 0), tail);
-    if (!all && strcmp(PQgetvalue(res, 0, 1), "{}") != 0) {
-        fprintf(errout,
-                "outbox-relay: not quarantined (unknown, already sent or still retrying): %s\n",
-                PQgetvalue(res, 0, 1));
-        rc = OUTBOX_EX_DATAERR;
-    }
+    fprintf(out, "re-queued %s row(s): written again as new rows, published by a later batch\n",
+            PQgetvalue(res, 0, 0));
+    rc = all ? OUTBOX_EX_OK : report_missing(PQgetvalue(res, 0, 1), errout);
     PQclear(res);
     return rc;
 }
 
-/* Back in line with a clean attempt count. */
-static int failed_retry(PGconn *conn, int all, int nids, char **ids, FILE *out, FILE *errout)
-{
-    return change_quarantined(conn,
-                              "failed_at = NULL, attempts = 0, retry_at = NULL, last_error = NULL",
-                              all, nids, ids, "re-queue", "re-queued", "", out, errout);
-}
-
-/* Given up: marked sent, never published; failed_at stays. */
+/* Given up: out of the quarantine and the outbox, never published; in a
+ * partitioned topic the rows of the key held behind them go on. */
 static int failed_drop(PGconn *conn, int nids, char **ids, FILE *out, FILE *errout)
 {
-    return change_quarantined(
-        conn,
-        "sent_at = statement_timestamp(), retry_at = NULL, last_error = left('dropped by an "
-        "operator (outbox-relay failed drop); it failed with: ' || coalesce(last_error, ''), "
-        "4000)",
-        0, nids, ids, "drop", "dropped", ": never published; the rows behind them go on", out,
-        errout);
+    int rc = OUTBOX_EX_OK;
+    char *arr = id_array(nids, ids, errout, &rc);
+    if (arr == NULL)
+        return rc;
+    const char *params[1] = {arr};
+    PGresult *res = PQexecParams(conn,
+                                 "SELECT dropped, released, missing::text"
+                                 " FROM outbox.quarantine_drop($1::bigint[])",
+                                 1, NULL, params, NULL, NULL, 0);
+    free(arr);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
+        fprintf(errout, "outbox-relay: cannot drop rows: %s", PQresultErrorMessage(res));
+        PQclear(res);
+        return OUTBOX_EX_UNAVAILABLE;
+    }
+    fprintf(out, "dropped %s row(s): never published; the rows behind them go on",
+            PQgetvalue(res, 0, 0));
+    if (strcmp(PQgetvalue(res, 0, 1), "0") != 0)
+        fprintf(out, " (%s row(s) of their keys written again)", PQgetvalue(res, 0, 1));
+    fputc('\n', out);
+    rc = report_missing(PQgetvalue(res, 0, 2), errout);
+    PQclear(res);
+    return rc;
 }
 
 static void failed_usage(FILE *f)

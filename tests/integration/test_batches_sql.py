@@ -234,13 +234,20 @@ class BatchSqlTest(harness.PostgresTestCase):
         self.assertIn("messages_txid_idx", plan, plan)
         self.assertNotIn("Seq Scan on messages", plan, plan)
 
-    def record(self, tick, streams=(), entry_ids=(), quarantined=(), errors=()):
-        """streams: "topic" or "topic:p" for partition p."""
-        topics = [s.split(":")[0] for s in streams]
-        partitions = [int(s.split(":")[1]) if ":" in s else -1 for s in streams]
-        return scalar(self.db, "SELECT outbox.record_batch(%s, %s::text[], %s::integer[],"
-                      " %s::text[], %s::bigint[], %s::text[])",
-                      (tick, topics, partitions, list(entry_ids), list(quarantined),
+    def record(self, tick, streams=(), entry_ids=(), quarantined=(), errors=(), lead=True,
+               advanced=(), met=()):
+        """streams, advanced, met: "topic" or "topic:p" for partition p."""
+        def split(names):
+            return ([n.split(":")[0] for n in names],
+                    [int(n.split(":")[1]) if ":" in n else -1 for n in names])
+        topics, partitions = split(streams)
+        adv_topics, adv_partitions = split(advanced)
+        met_topics, met_partitions = split(met)
+        return scalar(self.db, "SELECT outbox.record_batch(%s, %s, %s::text[], %s::integer[],"
+                      " %s::text[], %s::text[], %s::integer[], %s::text[], %s::integer[],"
+                      " %s::bigint[], %s::text[])",
+                      (tick, lead, topics, partitions, list(entry_ids), adv_topics,
+                       adv_partitions, met_topics, met_partitions, list(quarantined),
                        list(errors)))
 
     def positions(self):
@@ -272,6 +279,26 @@ class BatchSqlTest(harness.PostgresTestCase):
         for bad in ((99, ["a"], ["1-0"]), (4, ["a", "b"], ["1-0"]), (None, [], [])):
             with self.subTest(bad=bad), self.assertRaises(psycopg2.errors.InvalidParameterValue):
                 self.record(*bad)
+
+    def test_streams_caught_up_met_and_moved_along(self):
+        for _ in range(6):
+            insert(self.db)
+            tick(self.db)
+        self.record(3, ["a", "p"], ["30-0", "30-0"])
+        # A batch of streams catching up moves them, and not the lead.
+        self.record(2, ["c"], ["20-1"], lead=False, advanced=["d"])
+        self.assertEqual(self.positions(), [("", 3, "0-0"), ("a", 3, "30-0"), ("c", 2, "20-1"),
+                                            ("d", 2, "0-0"), ("p", 3, "30-0")])
+        # The lead's batch: p was met and not published (paused): it keeps its
+        # place; e has none yet and gets the tick before the batch; a is moved
+        # along with the lead without a row in the batch, keeping its id.
+        self.record(5, ["b"], ["50-0"], met=["p", "e:1"], advanced=["a"])
+        self.assertEqual(self.positions(), [("", 5, "0-0"), ("a", 5, "30-0"), ("b", 5, "50-0"),
+                                            ("c", 2, "20-1"), ("d", 2, "0-0"), ("e:1", 4, "0-0"),
+                                            ("p", 3, "30-0")])
+        # A stream named twice counts once: appended to wins over moved along.
+        self.record(6, ["b"], ["60-0"], advanced=["b", "a"])
+        self.assertEqual(self.positions()[1:3], [("a", 6, "30-0"), ("b", 6, "60-0")])
 
     def test_unsent_are_the_rows_past_their_streams_position(self):
         a1 = insert(self.db, "a") + insert(self.db, "b")
@@ -315,13 +342,15 @@ class BatchSqlTest(harness.PostgresTestCase):
             self.assertEqual(tick(relay), 2)
             self.assertEqual(len(batch(relay, 1, 2)), 1)
             with relay.cursor() as cur:
-                cur.execute("SELECT outbox.record_batch(2, '{s}', '{-1}', '{2-0}', '{}', '{}')")
+                cur.execute("SELECT outbox.record_batch(2, true, '{s}', '{-1}', '{2-0}', '{}', '{}', '{}', '{}',"
+                            " '{}', '{}')")
                 cur.execute("SELECT * FROM outbox.stream_positions, outbox.quarantine,"
                             " outbox.unsent")
             for sql in ("SELECT outbox.tick()", "SELECT * FROM outbox.ticks",
                         "SELECT * FROM outbox.stream_positions", "SELECT * FROM outbox.quarantine",
                         "SELECT * FROM outbox.unsent",
-                        "SELECT outbox.record_batch(2, '{s}', '{-1}', '{2-0}', '{}', '{}')"):
+                        "SELECT outbox.record_batch(2, true, '{s}', '{-1}', '{2-0}', '{}', '{}', '{}', '{}',"
+                            " '{}', '{}')"):
                 with self.subTest(sql=sql), self.assertRaises(psycopg2.errors.InsufficientPrivilege):
                     with producer.cursor() as cur:
                         cur.execute(sql)

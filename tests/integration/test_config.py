@@ -15,6 +15,9 @@ Promises tested (docs/CONFIGURATION.md; the README's "Run the relay"):
   password;
 - with no file, OUTBOX_RELAY_POSTGRES / OUTBOX_RELAY_REDIS are enough to run;
 - --help exits 0 and lists every key; --version prints the project version;
+- pipeline, dedup_ttl and max_attempts are accepted with no effect:
+  --check-config and the daemon at start give one warning per key set, which
+  says it can be removed, and the relay publishes as without them;
 - servers unreachable at start: the relay keeps running, logs each failure
   once per state change rather than once per try, and delivers once they are up;
 - a database without the schema: the log names 001_outbox_schema.sql, no crash;
@@ -125,6 +128,31 @@ class ConfigFileTest(harness.TestCase):
                           "2m"], env=harness.relay_env(extra={"OUTBOX_RELAY_DEDUP_TTL": "5s"}))
         self.assertEqual(done.returncode, 0, done.output)
         self.assert_connected_nowhere()
+
+    def test_keys_without_effect_warn_once_each(self):
+        """pipeline, dedup_ttl and max_attempts are still accepted (deployed
+        files keep working) but have no effect since the relay publishes by
+        the batch: --check-config names each one the file holds, once, and
+        says it can be removed; a file without them gets no warning. The
+        values that used to break a rule against another key (dedup_ttl below
+        publish_timeout) are accepted too."""
+        path = self.write(self.good_config(
+            "pipeline = off\ndedup_ttl = 1s\npublish_timeout = 10s\nmax_attempts = 3\n"))
+        done = run_relay(["-c", path, "--check-config"])
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assert_connected_nowhere()
+        warnings = re.findall(r"^outbox-relay: warning: (.*)$", done.stderr, re.MULTILINE)
+        print("\n".join(warnings), flush=True)
+        self.assertEqual(len(warnings), 3, done.stderr)
+        for key in ("pipeline", "dedup_ttl", "max_attempts"):
+            said = [w for w in warnings if w.startswith(f"{key} no longer has an effect")]
+            self.assertEqual(len(said), 1, f"{key}: {done.stderr}")
+            self.assertTrue(said[0].endswith("; remove it"), said[0])
+        self.assertIn("the relay keeps no record per message",
+                      next(w for w in warnings if w.startswith("dedup_ttl")))
+        done = run_relay(["-c", self.write(self.good_config(), "clean.conf"), "--check-config"])
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assertNotIn("warning", done.stderr)
 
     def test_unknown_key_names_file_and_line(self):
         path = self.write(self.good_config().replace("batch_size = 100\n",
@@ -317,6 +345,33 @@ class StartupTest(harness.TestCase):
                 self.assertIn(mid, harness.entries_by_message_id(redis.client()))
                 self.assertEqual(relay.terminate(), 0, relay.log_tail())
 
+    def test_keys_without_effect_logged_at_start(self):
+        """A deployed file that still sets pipeline, dedup_ttl and max_attempts
+        starts the relay as before: one WARNING per key at start, and the rows
+        go out as they would without them."""
+        conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
+        self.addCleanup(os.unlink, conf.name)
+        conf.write("pipeline = on\ndedup_ttl = 24h\nmax_attempts = 1\n")
+        conf.close()
+        with harness.Postgres() as pg, harness.Redis() as redis:
+            db = pg.connect()
+            self.addCleanup(db.close)
+            with harness.Relay(pg, redis, args=("-c", conf.name), poll_interval="200ms") as relay:
+                mids = [insert(db, "orders", b"row %d" % i) for i in range(5)]
+                harness.wait_all_sent(db, timeout=30, relay=relay)
+                found = harness.entries_by_message_id(redis.client())
+                self.assertEqual([len(found.get(m, [])) for m in mids], [1] * 5)
+                self.assertEqual(relay.terminate(), 0, relay.log_tail())
+                log = relay.log()
+            lines = harness.problem_lines(log, "config")
+            print("\n".join(lines), flush=True)
+            self.assertEqual(len(lines), 3, log)
+            for key in ("pipeline", "dedup_ttl", "max_attempts"):
+                self.assertEqual(
+                    sum(1 for ln in lines
+                        if re.search(rf" WARNING config: {key} no longer has an effect: .*"
+                                     r"; remove it$", ln)), 1, f"{key}: {lines}")
+
     def test_unreachable_servers_at_start(self):
         pg_port, redis_port = harness.free_port(), harness.free_port()
         env = {
@@ -375,9 +430,13 @@ class StartupTest(harness.TestCase):
                 self.assertIn(newest, line)
                 db = pg.connect()
                 self.addCleanup(db.close)
-                insert(db, "orders", b"must wait for the schema")
+                mid = insert(db, "orders", b"must wait for the schema")
                 time.sleep(1)
-                self.assertEqual(harness.count_unsent(db), 1, "published on an old schema")
+                # outbox.unsent comes with the newest file: what reached
+                # Redis is what tells.
+                self.assertNotIn(mid, harness.entries_by_message_id(redis.client()),
+                                 "published on an old schema")
+                self.assertTrue(relay.alive(), relay.log_tail())
                 pg.apply_migrations(files[-1:])
                 harness.wait_all_sent(db, timeout=30, relay=relay)
 

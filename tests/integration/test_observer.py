@@ -70,13 +70,27 @@ class ObserverTest(harness.ServerTestCase):
             cur.execute("INSERT INTO outbox.topic_limits (topic, max_pending, resume_pending)"
                         " VALUES (%s, %s, %s)", (topic, max_pending, resume_pending))
 
+    def hold_batches(self):
+        """Holds the relay's next tick: outbox.tick() waits for this lock on
+        outbox.ticks, so rows committed meanwhile are in no batch and wait in the
+        outbox (outbox.unsent), as behind a stalled relay; the observer's reads do
+        not wait for it. Returns the function that lets the relay go on."""
+        conn = psycopg2.connect(self.pg.dsn())
+        conn.cursor().execute("LOCK TABLE outbox.ticks IN SHARE ROW EXCLUSIVE MODE")
+
+        def release():
+            if not conn.closed:
+                conn.rollback()
+                conn.close()
+        self.addCleanup(release)
+        return release
+
     def insert_waiting(self, topic, n):
-        """n rows that wait in the outbox for their retry time, as the rows of a
-        failed publish do: pending for the observer, not yet claimed."""
+        """n rows of topic; they wait in the outbox while no relay runs or while
+        hold_batches holds the relay's ticks."""
         with self.db.cursor() as cur:
-            cur.execute("INSERT INTO outbox.messages (topic, payload, retry_at)"
-                        " SELECT %s, 'waits', now() + interval '1 hour'"
-                        " FROM generate_series(1, %s)", (topic, n))
+            cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                        " SELECT %s, 'waits' FROM generate_series(1, %s)", (topic, n))
 
     def admit(self, topic):
         """None when outbox.admit admits the topic, else the error it raised."""
@@ -98,8 +112,9 @@ class ObserverTest(harness.ServerTestCase):
                    message=f"outbox.admit to admit topic {topic} again")
 
     def pending_index_reads(self):
-        """Index entries read so far from the pending index (id order) and scans of
-        the (topic, id) pending index."""
+        """Index entries read so far from the id-ordered index and scans of the
+        (topic, id) index (both partial on sent_at/failed_at IS NULL, which holds
+        for every row since schema 16)."""
         with self.db.cursor() as cur:
             cur.execute("SELECT pg_stat_clear_snapshot()")
             cur.execute("SELECT indexrelname, idx_scan, idx_tup_read FROM pg_stat_user_indexes"
@@ -129,7 +144,9 @@ class ObserverTest(harness.ServerTestCase):
         self.assertEqual((pending.get("orders"), pending.get("other")), (1, 1), status.stdout)
         def scans(reads):
             return sum(n for n, _ in reads.values())
-        # Six probes (two topics, three each) and the outbox's two ends.
+        # Three probes for each of two topics, and the outbox's topics found by a
+        # skip scan with three probes each (outbox.backlog: no topic has a
+        # recorded position, so each is counted from the two ends of its ids).
         after = wait_until(
             lambda: (lambda a: scans(a) >= scans(before) + 8 and a)(self.pending_index_reads()),
             timeout=10, message="the status command's index statistics")
@@ -144,7 +161,8 @@ class ObserverTest(harness.ServerTestCase):
             cur.execute("DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname ="
                         " 'watcher') THEN CREATE ROLE watcher LOGIN; END IF; END $$;"
                         " GRANT USAGE ON SCHEMA outbox TO watcher;"
-                        " GRANT SELECT ON outbox.messages TO watcher")
+                        " GRANT SELECT ON outbox.messages, outbox.stream_positions,"
+                        " outbox.ticks, outbox.quarantine TO watcher")
         self.limits("orders", 5, 2)
         self.insert_waiting("orders", 3)
         self.r.xadd("orders", {"seed": "1"})
@@ -235,6 +253,7 @@ class ObserverTest(harness.ServerTestCase):
     def test_limited_topic_without_a_stream(self):
         self.limits("nostream", 5, 2)
         relay = self.start_relay()
+        release = self.hold_batches()
         for _ in range(3):  # a backlog that grows
             self.insert_waiting("nostream", 4)
             time.sleep(0.3)
@@ -244,9 +263,8 @@ class ObserverTest(harness.ServerTestCase):
         wait_until(lambda: metric(self.scrape(), "outbox_relay_topic_admitting",
                                   topic="nostream") == 0, timeout=10, relay=relay,
                    message="the admitting metric of the stream-less topic to be 0")
-        # The rows fall due, the relay publishes them: the topic is drained.
-        with self.db.cursor() as cur:
-            cur.execute("UPDATE outbox.messages SET retry_at = NULL")
+        # The relay goes on and publishes them: the topic is drained.
+        release()
         harness.wait_all_sent(self.db, relay=relay)
         self.wait_admitted("nostream", relay)
         print("admitted again once drained")
@@ -254,6 +272,7 @@ class ObserverTest(harness.ServerTestCase):
     def test_deleted_limits_release_a_refused_topic(self):
         self.limits("nostream", 5, 2)
         relay = self.start_relay()
+        self.hold_batches()
         self.insert_waiting("nostream", 12)
         self.wait_refused("nostream", relay)
         with self.db.cursor() as cur:
@@ -274,9 +293,9 @@ class ObserverTest(harness.ServerTestCase):
         # The relay says what its observation cannot read, and what waits for it.
         relay.wait_for_log(r"WARNING observe: cannot read Redis \(.*\): queue age, "
                            r"consumer-group lag and stream backpressure wait for it", timeout=15)
-        # Drained elsewhere (say, by another relay whose Redis is up).
-        with self.db.cursor() as cur:
-            cur.execute("UPDATE outbox.messages SET sent_at = now() WHERE topic = 'orders'")
+        # Drained elsewhere (say, by another relay whose Redis is up): its
+        # streams' positions are recorded past the rows.
+        harness.mark_published(self.db, "orders")
         self.wait_admitted("orders", relay)
         print("admitted again once drained, Redis still stopped")
         status = harness.run_relay(["status", "--json"],
@@ -296,6 +315,7 @@ class ObserverTest(harness.ServerTestCase):
         for t in topics:  # every topic has a stream, so a scan of Redis finds them all
             self.r.xadd(t, {"seed": "1"})
         relay = self.start_relay()
+        release = self.hold_batches()
         for t in topics:
             self.insert_waiting(t, 5)
 
@@ -313,8 +333,7 @@ class ObserverTest(harness.ServerTestCase):
         data = json.loads(status.stdout)
         self.assertEqual(data["admission"], {"topics": len(topics), "refused": len(topics)})
         self.assertEqual(len(data["topics"]), 64, "the observation lists 64 topics")
-        with self.db.cursor() as cur:
-            cur.execute("UPDATE outbox.messages SET retry_at = NULL")
+        release()
         harness.wait_all_sent(self.db, timeout=60, relay=relay)
         wait_until(lambda: refused() == 0, timeout=30, relay=relay,
                    message="every topic to be admitted again")

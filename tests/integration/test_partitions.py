@@ -192,12 +192,24 @@ class PartitionSchemaTest(harness.PostgresTestCase):
         self.assertIn("let the relay publish what is left", e.diag.message_hint)
         # The same count changes nothing, so it is not refused.
         self.assertEqual(self.sql("SELECT outbox.set_partitions('orders', 1)"), 1)
-        # Quarantined is not sent either.
+        # Published: its stream's recorded position has passed it.
         with self.db.cursor() as cur:
-            cur.execute("UPDATE outbox.messages SET failed_at = now() WHERE topic = 'orders'")
+            cur.execute("SELECT outbox.tick()")
+            cur.execute("SELECT outbox.record_batch(outbox.tick(), true, '{orders}', '{-1}',"
+                        " '{1-0}', '{}', '{}', '{}', '{}', '{}', '{}')")
+        self.assertEqual(self.sql("SELECT outbox.set_partitions('orders', 4)"), 1)
+        self.assertEqual(self.sql("SELECT outbox.set_partitions('orders', 1)"), 4)
+        # Quarantined is not sent either.
+        insert(self.db, "orders", b"y", key="k1")
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.quarantine SELECT id, txid, message_id, topic,"
+                        " partition_key, payload, headers, created_at, 'bad'"
+                        " FROM outbox.unsent WHERE topic = 'orders'")
+            cur.execute("SELECT outbox.record_batch(outbox.tick(), true, '{orders}', '{-1}',"
+                        " '{2-0}', '{}', '{}', '{}', '{}', '{}', '{}')")
         self.assert_sqlstate("55000", "SELECT outbox.set_partitions('orders', 4)")
         with self.db.cursor() as cur:
-            cur.execute("UPDATE outbox.messages SET sent_at = now() WHERE topic = 'orders'")
+            cur.execute("DELETE FROM outbox.quarantine")
         self.assertEqual(self.sql("SELECT outbox.set_partitions('orders', 4)"), 1)
         self.assertEqual(self.sql("SELECT partitions FROM outbox.topics WHERE topic = 'orders'"), 4)
         # Another topic's rows are another topic's business: "other" is unsent.
@@ -306,8 +318,8 @@ class PartitionRelayTest(harness.ServerTestCase):
         except AssertionError:
             pass
         with self.db.cursor() as cur:
-            cur.execute("SELECT topic || '/' || partition_no, count(*) FROM outbox.messages"
-                        " WHERE sent_at IS NULL GROUP BY 1 ORDER BY 1")
+            cur.execute("SELECT topic || '/' || partition_no, count(*) FROM outbox.unsent"
+                        " GROUP BY 1 ORDER BY 1")
             unsent = dict(cur.fetchall())
         self.assertEqual(unsent, {}, "rows of a partition no relay could take")
         # Each row once, in its partition's stream.
@@ -359,10 +371,10 @@ class PartitionRelayTest(harness.ServerTestCase):
 
         # Rows 0-5 in one transaction: the held rows share the poison's batch.
         insert_many(self.db, rows(range(6)))
-        wait_until(lambda: scalar(self.db, "SELECT count(*) FROM outbox.messages"
-                                           " WHERE failed_at IS NOT NULL") == 2,
+        wait_until(lambda: scalar(self.db, "SELECT count(*) FROM outbox.quarantine"
+                                           " WHERE error NOT LIKE 'held behind%%'") == 2,
                    timeout=30, relay=relay, message="the two oversized rows to be quarantined")
-        # Rows 6-9 later: held by the claim itself.
+        # Rows 6-9 later: held by the batch statement itself.
         insert_many(self.db, rows(range(6, 10)))
 
         def published():
@@ -379,8 +391,9 @@ class PartitionRelayTest(harness.ServerTestCase):
                    message="every key but the two held ones to be published in full")
         time.sleep(0.5)  # nothing more comes
         self.assertEqual(published(), want)
-        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
-                                         " WHERE sent_at IS NULL AND failed_at IS NULL"), 5 + 7)
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.quarantine"
+                                         " WHERE error LIKE 'held behind row %%'"), 5 + 7)
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.unsent"), 0)
 
         def metric():
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
@@ -401,8 +414,8 @@ class PartitionRelayTest(harness.ServerTestCase):
         # key-3: the cause fixed (a larger max_payload_bytes), the row retried.
         relay.stop()
         relay = self.relay(**{**flags, "max_payload_bytes": "4096"})
-        ids = {k: scalar(self.db, "SELECT id FROM outbox.messages WHERE partition_key = %s"
-                                  " AND failed_at IS NOT NULL", (k,)) for k in poison}
+        ids = {k: scalar(self.db, "SELECT id FROM outbox.quarantine WHERE partition_key = %s"
+                                  " AND error NOT LIKE 'held behind%%'", (k,)) for k in poison}
         done = harness.run_relay(["failed", "retry", str(ids["key-3"])], env=env)
         self.assertEqual(done.returncode, 0, done.output)
         want["key-3"] = list(range(10))
@@ -417,8 +430,8 @@ class PartitionRelayTest(harness.ServerTestCase):
                    message="key-7 to go on without its dropped row")
         wait_until(lambda: metric() == 0, timeout=15, relay=relay,
                    message="outbox_relay_outbox_blocked_keys to be 0")
-        self.assertEqual(scalar(self.db, "SELECT last_error FROM outbox.messages WHERE id = %s",
-                                (ids["key-7"],))[:30], "dropped by an operator (outbox")
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.quarantine"
+                                         " WHERE partition_key IN ('key-3', 'key-7')"), 0)
         again = harness.run_relay(["failed", "drop", str(ids["key-7"])], env=env)
         self.assertNotEqual(again.returncode, 0)
         self.assertIn("not quarantined", again.stderr)

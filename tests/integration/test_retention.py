@@ -1,13 +1,15 @@
 """Retention: bounded storage on both sides (docs/OPERATIONS.md, "Retention").
 
 Promises tested:
-- sent rows are deleted once sent_retention has passed, and never a
-  quarantined row; with a long sent_retention they stay;
-- sent_retention = 0 deletes each row in the transaction that publishes it:
-  every message is in its stream once, and no sent row is kept;
-- the relay's role may delete only sent rows: no DELETE on the table, and
-  outbox.purge_sent / outbox.delete_published touch neither pending rows
-  (purge_sent) nor quarantined or sent ones (delete_published);
+- published rows (their stream's recorded position has passed them) are
+  deleted once sent_retention has passed, and never a quarantined row; with a
+  long sent_retention they stay;
+- sent_retention = 0 deletes each row soon after its batch is recorded:
+  every message is in its stream once, and no published row is kept;
+- the relay's role may delete only published rows: no DELETE on the table,
+  and outbox.purge_sent / outbox.delete_published touch neither a row
+  outbox.unsent shows nor a quarantined one; purge_sent deletes only rows
+  committed before the last tick taken older_than ago;
 - stream trimming never removes an entry a consumer group has not
   acknowledged (pending or not yet delivered), removes acknowledged entries
   older than stream_retention, reports the group that holds trimming back,
@@ -67,6 +69,9 @@ class RetentionTest(harness.ServerTestCase):
     def insert_rows(self, topic, n):
         harness.insert_many(self.db, [(topic, b"m%d" % i) for i in range(n)])
 
+    def quarantined(self):
+        return scalar(self.db, "SELECT count(*) FROM outbox.quarantine")
+
     def quarantine_one(self):
         """A row the relay quarantines at its first attempt: its topic is not allowed."""
         harness.insert(self.db, "bad topic!", b"never")
@@ -78,13 +83,14 @@ class RetentionTest(harness.ServerTestCase):
         self.insert_rows("orders", 300)
         wait_until(lambda: self.r.xlen("orders") == 300, timeout=30, relay=relay,
                    message="300 entries in the stream")
-        wait_until(lambda: self.rows("failed_at IS NOT NULL") == 1, timeout=30, relay=relay)
+        wait_until(lambda: self.quarantined() == 1, timeout=30, relay=relay)
         # Kept while younger than sent_retention...
-        self.assertEqual(self.rows("sent_at IS NOT NULL"), 300)
+        self.assertEqual(harness.count_sent(self.db), 300)
         # ...deleted after it; the quarantined row stays.
         wait_until(lambda: self.rows() == 1, timeout=30, relay=relay,
                    message="the sent rows to be deleted")
-        self.assertEqual(self.rows("failed_at IS NOT NULL AND sent_at IS NULL"), 1)
+        self.assertEqual(self.quarantined(), 1)
+        self.assertEqual(harness.count_unsent(self.db), 0)
         text = wait_until(
             lambda: (t := self.scrape()) and
             (metric(t, "outbox_relay_sent_rows_deleted_total") or 0) >= 300 and t,
@@ -99,7 +105,7 @@ class RetentionTest(harness.ServerTestCase):
     def test_long_sent_retention_keeps_rows(self):
         relay = self.start_relay(sent_retention="1h", stream_retention="0")
         self.insert_rows("orders", 50)
-        wait_until(lambda: self.rows("sent_at IS NOT NULL") == 50, timeout=30, relay=relay)
+        wait_until(lambda: harness.count_sent(self.db) == 50, timeout=30, relay=relay)
         text = wait_until(
             lambda: (t := self.scrape()) and
             (metric(t, "outbox_relay_outbox_oldest_sent_age_seconds") or 0) > 0.5 and t,
@@ -107,7 +113,7 @@ class RetentionTest(harness.ServerTestCase):
         self.assertEqual(self.rows(), 50)
         self.assertEqual(metric(text, "outbox_relay_sent_rows_deleted_total"), 0)
 
-    def test_zero_sent_retention_deletes_in_the_publishing_transaction(self):
+    def test_zero_sent_retention_deletes_rows_once_published(self):
         relay = self.start_relay(sent_retention="0", stream_retention="0", batch_size=50)
         self.quarantine_one()
         ids = []
@@ -120,25 +126,44 @@ class RetentionTest(harness.ServerTestCase):
         found = harness.entries_by_message_id(self.r)
         self.assertEqual(sorted(found), sorted(ids), "every message, and nothing else")
         self.assertEqual([m for m, e in found.items() if len(e) != 1], [], "no duplicate")
-        # Every published row went with its publish; only the quarantined one is left.
-        self.assertEqual(self.rows("failed_at IS NOT NULL AND sent_at IS NULL"), 1)
+        # Every published row went once its batch was recorded; only the
+        # quarantined one is left.
+        self.assertEqual(self.quarantined(), 1)
         relay.stop()
         problems = [line for line in harness.problem_lines(relay.log(), "relay")
                     if "quarantined" not in line]
         self.assertEqual(problems, [])
 
+    def published_before(self, topics, ago):
+        """Takes a tick that sees every row committed so far, dates it `ago` back,
+        and records the streams of topics at it, as a relay that published them
+        then would have."""
+        with self.db.cursor() as cur:
+            cur.execute("SELECT outbox.tick()")
+            tick = cur.fetchone()[0]
+            cur.execute("UPDATE outbox.ticks SET taken_at = now() - %s::interval"
+                        " WHERE tick_id = %s", (ago, tick))
+            cur.execute("INSERT INTO outbox.stream_positions (topic, partition, tick)"
+                        " SELECT t, -1, %s FROM unnest(%s::text[]) AS t"
+                        " ON CONFLICT (topic, partition) DO UPDATE SET tick = excluded.tick",
+                        (tick, topics))
+
     def test_relay_role_may_delete_only_sent_rows(self):
         with self.db.cursor() as cur:
             cur.execute("DROP ROLE IF EXISTS retention_relay")
             cur.execute("CREATE ROLE retention_relay LOGIN IN ROLE outbox_relay")
-            cur.execute("INSERT INTO outbox.messages (topic, payload, sent_at)"
+            cur.execute("INSERT INTO outbox.messages (topic, payload, created_at)"
                         " SELECT 'old', 'x', now() - interval '2 hours'"
                         " FROM generate_series(1, 5)")
-            cur.execute("INSERT INTO outbox.messages (topic, payload, sent_at)"
-                        " SELECT 'young', 'x', now() FROM generate_series(1, 3)")
-            cur.execute("INSERT INTO outbox.messages (topic, payload, failed_at, created_at)"
-                        " VALUES ('quarantined', 'x', now(), now() - interval '3 hours')")
-            cur.execute("INSERT INTO outbox.messages (topic, payload) VALUES ('pending', 'x')")
+        self.published_before(["old"], "2 hours")
+        with self.db.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                        " SELECT 'young', 'x' FROM generate_series(1, 3)")
+        harness.quarantine_row(self.db, "quarantined", created_at="2000-01-01T00:00:00Z")
+        self.published_before(["old", "young", "quarantined"], "0")
+        with self.db.cursor() as cur:  # in no batch yet: outbox.unsent shows it
+            cur.execute("INSERT INTO outbox.messages (topic, payload, created_at)"
+                        " VALUES ('pending', 'x', now() - interval '3 hours')")
         self.addCleanup(lambda: self.db.cursor().execute("DROP ROLE IF EXISTS retention_relay"))
         conn = psycopg2.connect(self.pg.dsn(user="retention_relay"))
         conn.autocommit = True
@@ -150,17 +175,18 @@ class RetentionTest(harness.ServerTestCase):
         self.assertEqual(cur.fetchone(), (5, True))
         cur.execute("SELECT deleted FROM outbox.purge_sent(interval '0', 0, 100)")
         self.assertEqual(cur.fetchone(), (3,))
-        # Nothing but sent rows went.
+        # Nothing but published rows went.
         self.assertEqual(sorted(r[0] for r in self.db_rows("topic")), ["pending", "quarantined"])
-        # delete_published: pending rows only, never a quarantined one.
+        # delete_published: never a row outbox.unsent shows, nor a quarantined one.
         cur.execute("SELECT outbox.delete_published(array_agg(id)) FROM outbox.messages")
-        self.assertEqual(cur.fetchone(), (1,))
-        self.assertEqual([r[0] for r in self.db_rows("topic")], ["quarantined"])
+        self.assertEqual(cur.fetchone(), (0,))
+        self.assertEqual(sorted(r[0] for r in self.db_rows("topic")), ["pending", "quarantined"])
         # Small batches: a call deletes at most max_rows and says it is not done.
         with self.db.cursor() as c2:
-            c2.execute("INSERT INTO outbox.messages (topic, payload, sent_at)"
+            c2.execute("INSERT INTO outbox.messages (topic, payload, created_at)"
                        " SELECT 'old', 'x', now() - interval '2 hours'"
                        " FROM generate_series(1, 25)")
+        self.published_before(["old"], "90 minutes")
         cur.execute("SELECT deleted, caught_up FROM outbox.purge_sent(interval '1 hour', 0, 10)")
         self.assertEqual(cur.fetchone(), (10, False))
 

@@ -7,9 +7,11 @@ Promises tested:
   outbox.enqueue with text, jsonb and bytea payloads, which returns the
   message_id, and nothing else: they read no column of outbox.messages, not
   even the ids of other topics' rows (migrations/009);
-- the relay (a role granted outbox_relay) can claim rows with
-  SELECT ... FOR UPDATE SKIP LOCKED and mark them sent, but cannot INSERT,
-  DELETE or change what a producer wrote;
+- the relay (a role granted outbox_relay) can take a tick, read its batch
+  (outbox.batch_rows) and record it (outbox.record_batch), after which the
+  rows are no longer in outbox.unsent; two ticks split the rows between two
+  batches, each row in exactly one; it cannot INSERT, DELETE or change what
+  a producer wrote;
 - a committed insert notifies channel outbox_relay once per transaction; a
   rolled-back one does not; no insert notifies while a session (a busy relay)
   holds the wake-up advisory lock of migrations/007, and a producer that is
@@ -46,6 +48,16 @@ harness.set_deadline(300)
 
 def dir_gone(path):
     return not os.path.exists(path)
+
+
+def mark_sent(conn, topics):
+    """What the relay records once a batch is in its streams: a tick over
+    every row committed so far, and each topic's stream past it. Returns the tick."""
+    tick = scalar(conn, "SELECT outbox.tick()")
+    scalar(conn, "SELECT outbox.record_batch(%s, %s::text[], %s::integer[], %s::text[],"
+                 " '{}'::bigint[], '{}'::text[])",
+           (tick, list(topics), [-1] * len(topics), ["0-0"] * len(topics)))
+    return tick
 
 
 def produce(conn, topic, payload, commit=True):
@@ -194,7 +206,7 @@ class SchemaTest(harness.PostgresTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 15)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 16)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 7"), "007_wakeup_lock.sql")
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
@@ -209,6 +221,13 @@ class SchemaTest(harness.PostgresTestCase):
                                          " WHERE version = 14"), "014_cached_finish.sql")
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 15"), "015_partition_total.sql")
+        self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
+                                         " WHERE version = 16"), "016_batches.sql")
+        # Batches (016): each row's transaction, the ticks, where each stream
+        # stands, the quarantine and what is not yet sent.
+        for rel in ("outbox.ticks", "outbox.stream_positions", "outbox.quarantine",
+                    "outbox.unsent", "outbox.messages_txid_idx"):
+            self.assertIsNotNone(scalar(self.db, "SELECT to_regclass(%s)", (rel,)), rel)
         # The finish of every batch keeps its plan for the session: a SQL
         # function that cannot be inlined is parsed and planned on every call.
         self.assertEqual(scalar(self.db, "SELECT l.lanname FROM pg_proc AS p JOIN pg_language"
@@ -226,8 +245,10 @@ class SchemaTest(harness.PostgresTestCase):
                         " WHERE table_schema = 'outbox' AND table_name = 'messages'")
             columns = {name: (kind, nullable) for name, kind, nullable in cur.fetchall()}
         for name in ("id", "message_id", "topic", "partition_key", "payload", "headers",
-                     "created_at", "sent_at", "attempts", "last_error", "retry_at", "failed_at"):
+                     "created_at", "sent_at", "attempts", "last_error", "retry_at", "failed_at",
+                     "txid"):
             self.assertIn(name, columns)
+        self.assertEqual(columns["txid"], ("xid8", "NO"))
         self.assertEqual(columns["payload"][0], "bytea")
         self.assertEqual(columns["message_id"], ("uuid", "NO"))
         self.assertEqual(columns["sent_at"][1], "YES")
@@ -321,18 +342,17 @@ class SchemaTest(harness.PostgresTestCase):
 
     def test_relay_and_consumer_roles_still_work(self):
         """The producers' narrower grants leave the relay's and the consumer's roles as
-        they were: the relay claims and marks rows; a consumer records a message."""
+        they were: the relay reads and records a batch; a consumer records a message."""
         produce(self.as_role("producer_login"), "orders", b"for the relay")
-        relay = self.as_role("relay_login", autocommit=False)
+        relay = self.as_role("relay_login")
+        prev = scalar(relay, "SELECT max(tick_id) FROM outbox.ticks")
+        tick = mark_sent(relay, ["orders"])
         with relay.cursor() as cur:
-            cur.execute("SELECT id, message_id, payload FROM outbox.messages"
-                        " WHERE sent_at IS NULL AND failed_at IS NULL"
-                        " ORDER BY id LIMIT 10 FOR UPDATE SKIP LOCKED")
+            cur.execute("SELECT id, message_id, payload FROM outbox.batch_rows(%s, %s, '0', 0, 10)",
+                        (prev, tick))
             claimed = cur.fetchall()
-            self.assertEqual(len(claimed), 1)
-            cur.execute("UPDATE outbox.messages SET sent_at = now() WHERE id = %s",
-                        (claimed[0][0],))
-        relay.commit()
+        self.assertEqual(len(claimed), 1)
+        self.assertEqual(scalar(relay, "SELECT count(*) FROM outbox.unsent"), 0)
         self.pg.apply_migrations(consumers.consumer_migration_files())
         with self.db.cursor() as cur:
             cur.execute("DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname ="
@@ -359,32 +379,42 @@ class SchemaTest(harness.PostgresTestCase):
                 with conn.cursor() as cur:
                     cur.execute(sql)
 
-    def test_relay_role_claims_and_marks_sent(self):
-        for i in range(4):
+    def test_relay_role_reads_and_records_batches(self):
+        for i in range(2):
             insert(self.db, "orders", b"%d" % i)
-        first = self.as_role("relay_login", autocommit=False)
-        second = self.as_role("relay_login", autocommit=False)
-        claim = ("SELECT id, message_id, topic, partition_key, payload, headers, created_at"
-                 " FROM outbox.messages WHERE sent_at IS NULL AND failed_at IS NULL"
-                 " ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED")
-        with first.cursor() as a, second.cursor() as b:
-            a.execute(claim, (2,))
-            claimed_a = [r[0] for r in a.fetchall()]
-            b.execute(claim, (10,))
-            claimed_b = [r[0] for r in b.fetchall()]
-            self.assertEqual(claimed_a, [1, 2])
-            self.assertEqual(claimed_b, [3, 4], "SKIP LOCKED skipped the rows of the other claim")
-            a.execute("UPDATE outbox.messages SET sent_at = now() WHERE id = ANY(%s)",
-                      (claimed_a,))
-            b.execute("UPDATE outbox.messages SET attempts = attempts + 1, last_error = 'x',"
-                      " retry_at = now(), failed_at = now() WHERE id = ANY(%s)", (claimed_b,))
-        first.commit()
-        second.commit()
-        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
-                                         " WHERE sent_at IS NOT NULL"), 2)
-        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
-                                         " WHERE failed_at IS NOT NULL"), 2)
-        self.assertEqual(scalar(first, "SELECT max(version) FROM outbox.schema_version"), 15)
+        relay = self.as_role("relay_login")
+        first = scalar(relay, "SELECT max(tick_id) FROM outbox.ticks")
+        second = scalar(relay, "SELECT outbox.tick()")
+        self.assertEqual(scalar(relay, "SELECT outbox.tick()"), second,
+                         "a tick with nothing committed since the last one")
+        for i in range(2, 4):
+            insert(self.db, "orders", b"%d" % i)
+        third = scalar(relay, "SELECT outbox.tick()")
+        self.assertEqual((second, third), (first + 1, first + 2))
+
+        def batch(prev, nxt, limit=10):
+            with relay.cursor() as cur:
+                cur.execute("SELECT id FROM outbox.batch_rows(%s, %s, '0', 0, %s)",
+                            (prev, nxt, limit))
+                return [r[0] for r in cur.fetchall()]
+        self.assertEqual(batch(first, second), [1, 2])
+        self.assertEqual(batch(second, third), [3, 4], "each row in exactly one batch")
+        self.assertEqual(batch(first, second, limit=1), [1])
+        self.assertEqual(scalar(relay, "SELECT count(*) FROM outbox.unsent"), 4)
+        self.assertEqual(scalar(relay, "SELECT outbox.record_batch(%s, '{orders}', '{-1}',"
+                                       " '{1-1}', '{}', '{}')", (second,)), 0)
+        with relay.cursor() as cur:
+            cur.execute("SELECT id FROM outbox.unsent ORDER BY id")
+            self.assertEqual([r[0] for r in cur.fetchall()], [3, 4])
+        # A row that cannot be published is quarantined with why.
+        self.assertEqual(scalar(relay, "SELECT outbox.record_batch(%s, '{orders}', '{-1}',"
+                                       " '{2-1}', '{4}', '{too big}')", (third,)), 1)
+        self.assertEqual(scalar(relay, "SELECT count(*) FROM outbox.unsent"), 0)
+        self.assertEqual(scalar(self.db, "SELECT error FROM outbox.quarantine WHERE id = 4"),
+                         "too big")
+        self.assertEqual(scalar(self.db, "SELECT tick FROM outbox.stream_positions"
+                                         " WHERE topic = 'orders'"), third)
+        self.assertEqual(scalar(relay, "SELECT max(version) FROM outbox.schema_version"), 16)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")
@@ -488,15 +518,15 @@ class VerifierTest(harness.ServerTestCase):
         self.assertEqual(len({eid for eid, _ in entries}), 20_001)
 
     def test_verifier_counts_each_kind_of_fault(self):
-        ok, absent, unsent, twice, elsewhere = (insert(self.db, "t", b"x") for _ in range(5))
-        self.db.cursor().execute("UPDATE outbox.messages SET sent_at = now()"
-                                 " WHERE message_id::text = ANY(%s)", ([ok, absent, twice],))
+        ok, absent, twice = (insert(self.db, "t", b"x") for _ in range(3))
+        mark_sent(self.db, ["t"])
+        unsent, elsewhere = (insert(self.db, "t", b"x") for _ in range(2))
         self.r.xadd("t", {"id": ok})
         self.r.xadd("t", {"id": twice})
         self.r.xadd("t", {"id": twice})
         self.r.xadd("other", {"id": elsewhere})
         self.r.xadd("t", {"id": "00000000-0000-0000-0000-000000000000"})
-        self.r.set("{t}:dedup:" + ok, "1")
+        self.r.set("not-a-stream", ok)
         fig = harness.Verifier(self.db, self.r).figures()
         self.assertEqual(fig.line(), "rows committed=5 published=2 lost=3 duplicates=1"
                                      " sent_but_absent=1 unsent=2 stray=2")
@@ -507,7 +537,7 @@ class VerifierTest(harness.ServerTestCase):
 
     def test_verifier_passes_a_clean_delivery_and_honours_the_prefix(self):
         ids = [insert(self.db, "orders", b"x") for _ in range(3)]
-        self.db.cursor().execute("UPDATE outbox.messages SET sent_at = now()")
+        mark_sent(self.db, ["orders"])
         for mid in ids:
             self.r.xadd("pre.orders", {"id": mid})
         harness.Verifier(self.db, self.r, stream_prefix="pre.").figures().assert_exactly_once(self)
@@ -515,7 +545,7 @@ class VerifierTest(harness.ServerTestCase):
 
     def test_verifier_options_across_streams_and_payloads(self):
         both, changed = insert(self.db, "t", b"same"), insert(self.db, "t", b"written")
-        self.db.cursor().execute("UPDATE outbox.messages SET sent_at = now()")
+        mark_sent(self.db, ["t"])
         with self.db.cursor() as cur:
             cur.execute("SELECT message_id::text, id FROM outbox.messages")
             outbox_id = {mid: str(i) for mid, i in cur.fetchall()}

@@ -9,20 +9,22 @@ them all: a password in any line fails it, with the file and the line.
 """
 
 import os
+import sys
 import unittest
 
 from testkit import harness
 
 MIN_PASSWORD_LEN = 6  # shorter ones would match ordinary words
 
+if not harness.LOG_DIR or not os.path.isdir(harness.LOG_DIR):
+    print("SKIP: no suite logs (OUTBOX_TEST_LOG_DIR): run the integration tests first",
+          flush=True)
+    sys.exit(harness.SKIP)
+
 
 class SecretsTest(unittest.TestCase):
 
     def setUp(self):
-        if not harness.LOG_DIR or not os.path.isdir(harness.LOG_DIR):
-            print("no suite logs (OUTBOX_TEST_LOG_DIR): run the integration tests first",
-                  flush=True)
-            raise SystemExit(harness.SKIP)
         self.dir = harness.LOG_DIR
         with open(os.path.join(self.dir, "secrets.txt"), encoding="utf-8") as f:
             self.secrets = sorted({line.strip() for line in f

@@ -385,8 +385,52 @@ static void test_good_file_every_form(void **state)
     assert_int_equal(cfg.stream_trim_max_hold_ms, 7u * 86400000u);
     assert_int_equal(cfg.allow_short_stream_retention, 1);
     assert_int_equal(cfg.vacuum_dead_rows, 5000);
-    assert_true(relay_config_short_stream_retention(&cfg));
+    assert_false(relay_config_short_stream_retention(&cfg));
     assert_int_equal(cfg.log_level, RELAY_LOG_WARNING);
+    relay_config_free(&cfg);
+}
+
+/* pipeline, max_attempts, dedup_ttl and allow_short_stream_retention are
+ * accepted with no effect: a warning for each one a source sets, none for
+ * the defaults, and no rule against other keys (dedup_ttl below
+ * publish_timeout, stream_retention below dedup_ttl). */
+static void test_retired_keys_warn(void **state)
+{
+    struct relay_config cfg;
+    char err[ERRLEN];
+    unsigned i, n = 0;
+
+    (void)state;
+    assert_int_equal(load(&cfg, "good/minimal.conf", NULL, 0, NULL, err), 0);
+    for (i = 0; i < RELAY_CONFIG_RETIRED_KEYS + 2; i++)
+        assert_null(relay_config_retired(&cfg, i));
+    relay_config_free(&cfg);
+
+    char **envp = strv("OUTBOX_RELAY_PIPELINE=off", NULL);
+    char **argv =
+        strv("--dedup-ttl", "1s", "--publish-timeout", "10m", "--stream-retention", "1h", NULL);
+    assert_int_equal(load(&cfg, "good/minimal.conf", envp, strv_len(argv), argv, err), 0);
+    strv_free(envp);
+    strv_free(argv);
+    assert_string_equal(err, "");
+    for (i = 0; i < RELAY_CONFIG_RETIRED_KEYS; i++) {
+        const char *w = relay_config_retired(&cfg, i);
+        if (w == NULL)
+            continue;
+        n++;
+        assert_true(strncmp(w, "pipeline no longer has an effect", 32) == 0 ||
+                    strncmp(w, "dedup_ttl no longer has an effect", 33) == 0);
+        assert_non_null(strstr(w, "remove it"));
+    }
+    assert_int_equal(n, 2);
+    assert_null(relay_config_retired(&cfg, RELAY_CONFIG_RETIRED_KEYS));
+    relay_config_free(&cfg);
+
+    /* full.conf sets max_attempts, dedup_ttl and allow_short_stream_retention. */
+    assert_int_equal(load(&cfg, "good/full.conf", NULL, 0, NULL, err), 0);
+    for (i = 0, n = 0; i < RELAY_CONFIG_RETIRED_KEYS; i++)
+        n += relay_config_retired(&cfg, i) != NULL;
+    assert_int_equal(n, 3);
     relay_config_free(&cfg);
 }
 
@@ -1048,6 +1092,7 @@ int main(void)
         cmocka_unit_test(test_errors_are_capped_and_counted),
         cmocka_unit_test(test_nearest_flag),
         cmocka_unit_test(test_good_file_every_form),
+        cmocka_unit_test(test_retired_keys_warn),
         cmocka_unit_test(test_missing_file),
         cmocka_unit_test(test_env_overrides_file),
         cmocka_unit_test(test_cli_overrides_env),

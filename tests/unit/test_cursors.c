@@ -116,6 +116,11 @@ static void test_trim_keeps_the_streams_of_the_last_batch(void **state)
         uint64_t tick = i >= RELAY_CURSORS_MAX + 90 ? 9 : 8;
         struct relay_cursor *cur = relay_cursors_get(&c, &row);
         assert_non_null(cur);
+        cur->owned = 1;
+        if (i == 7) { /* behind the lead: where it stands is kept */
+            cur->follows = 0;
+            cur->pos = 3;
+        }
         relay_cursor_rank(cur, tick);
         if (tick == 9) {
             relay_cursor_rank(cur, tick);
@@ -123,19 +128,57 @@ static void test_trim_keeps_the_streams_of_the_last_batch(void **state)
         }
     }
     relay_cursors_trim(&c, 9);
-    assert_int_equal(c.n, 10);
+    assert_int_equal(c.n, 11);
+    row = row_of(topics[7], 1, 0);
+    assert_int_equal(relay_cursors_get(&c, &row)->pos, 3);
     for (size_t i = RELAY_CURSORS_MAX + 90; i < RELAY_CURSORS_MAX + 100; i++) {
         row = row_of(topics[i], 1, 0);
         struct relay_cursor *cur = relay_cursors_get(&c, &row);
         assert_int_equal(relay_cursor_rank(cur, 9), 2); /* the count went on */
         assert_int_equal(relay_cursor_present(cur, 5, i), 1);
     }
-    assert_int_equal(c.n, 10);
+    assert_int_equal(c.n, 11);
     /* Under the limit, trim keeps everything. */
     row = row_of("other", 1, 0);
     relay_cursors_get(&c, &row);
     relay_cursors_trim(&c, 1);
-    assert_int_equal(c.n, 11);
+    assert_int_equal(c.n, 12);
+    relay_cursors_free(&c);
+}
+
+static void test_streams_behind_catch_up_one_batch_at_a_time(void **state)
+{
+    (void)state;
+    struct relay_cursors c;
+    relay_cursors_init(&c);
+    struct relay_cursor *a = relay_cursors_find(&c, "a", -1);
+    struct relay_cursor *b = relay_cursors_find(&c, "b", 3);
+    struct relay_cursor *p = relay_cursors_find(&c, "p", -1);
+    struct relay_cursor *o = relay_cursors_find(&c, "o", 1);
+    assert_true(a->follows && a->known); /* met first by its rows: with the lead */
+    assert_int_equal(b->partitioned, 1);
+    assert_int_equal(b->partition, 3);
+    a->owned = b->owned = p->owned = 1;
+    assert_int_equal(relay_cursors_behind(&c, 10), 10);
+    b->follows = 0;
+    b->pos = 8;
+    p->follows = 0;
+    p->pos = 2;
+    p->paused = 1; /* a paused stream waits, and holds nobody back */
+    o->follows = 0;
+    o->pos = 1; /* another relay's: not this one's to catch up */
+    assert_int_equal(relay_cursors_behind(&c, 10), 8);
+    assert_int_equal(relay_cursor_position(a, 10), 10);
+    assert_int_equal(relay_cursor_position(b, 10), 8);
+    relay_cursors_advance(&c, 8, 10);
+    assert_int_equal(b->pos, 9);
+    assert_int_equal(b->follows, 0);
+    assert_int_equal(p->pos, 2);
+    assert_int_equal(o->pos, 1);
+    relay_cursors_advance(&c, 9, 10);
+    assert_int_equal(b->follows, 1); /* at the lead: with it from now on */
+    assert_int_equal(relay_cursors_behind(&c, 10), 10);
+    assert_int_equal(relay_cursors_find(&c, "b", 3), b);
     relay_cursors_free(&c);
 }
 
@@ -164,6 +207,7 @@ int main(void)
         cmocka_unit_test(test_many_streams_keep_their_counts_as_the_table_grows),
         cmocka_unit_test(test_trim_keeps_the_streams_of_the_last_batch),
         cmocka_unit_test(test_bad_topics_have_no_cursor),
+        cmocka_unit_test(test_streams_behind_catch_up_one_batch_at_a_time),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -21,6 +21,8 @@ struct fake {
     int publish_ends; /* 0: answers come later; 1: published at once; 2: failed at once */
     uint64_t gen;     /* the generation of the last call */
     uint32_t last_retry_ms;
+    int reload;      /* what prepare answers once */
+    uint64_t behind; /* the lowest position behind the lead; 0: none */
     struct relay_loop *l;
 };
 
@@ -69,13 +71,34 @@ static void op_publish(void *arg, uint64_t gen, uint32_t chunk)
     else if (f->publish_ends == 2)
         relay_loop_failed(f->l, gen, RELAY_FAIL_REDIS_CONNECTION, "not ready");
 }
-static int op_record(void *arg, uint64_t gen, uint64_t next)
+static int op_record(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int lead)
+{
+    struct fake *f = arg;
+    f->gen = gen;
+    (void)prev;
+    if (f->send_rc == 0)
+        say(f, "record%llu%s", (unsigned long long)next, lead ? "" : "*");
+    return f->send_rc;
+}
+static int op_prepare(void *arg)
+{
+    struct fake *f = arg;
+    int reload = f->reload;
+    f->reload = 0;
+    return reload;
+}
+static int op_load(void *arg, uint64_t gen)
 {
     struct fake *f = arg;
     f->gen = gen;
     if (f->send_rc == 0)
-        say(f, "record%llu", (unsigned long long)next);
+        say(f, "load");
     return f->send_rc;
+}
+static uint64_t op_behind(void *arg, uint64_t lead)
+{
+    struct fake *f = arg;
+    return f->behind != 0 && f->behind < lead ? f->behind : lead;
 }
 static void op_abandon(void *arg)
 {
@@ -110,6 +133,9 @@ static int setup(void **state)
     struct relay_loop_ops ops = {
         .arg = &F,
         .ready = op_ready,
+        .prepare = op_prepare,
+        .load = op_load,
+        .behind = op_behind,
         .tick = op_tick,
         .read = op_read,
         .publish = op_publish,
@@ -331,6 +357,73 @@ static void test_drain_when_idle_or_backing_off_is_immediate(void **state)
     expect_log("tick abandon failed:postgres drained ");
 }
 
+static void test_positions_are_loaded_first_and_when_asked(void **state)
+{
+    (void)state;
+    L.loaded = 0;
+    L.lead = 0;
+    relay_loop_want(&L);
+    expect_log("load ");
+    relay_loop_ticked(&L, F.gen, 9); /* not what was asked */
+    expect_log("");
+    relay_loop_loaded(&L, F.gen, 5);
+    expect_log("tick ");
+    assert_int_equal(L.lead, 5);
+    relay_loop_ticked(&L, F.gen, 5);
+    expect_log("idle ");
+    F.reload = 1; /* ownership changed: positions again, the lead kept */
+    relay_loop_want(&L);
+    expect_log("load ");
+    relay_loop_loaded(&L, F.gen, 2);
+    expect_log("tick ");
+    assert_int_equal(L.lead, 5);
+}
+
+static void test_streams_behind_take_turns_with_the_lead(void **state)
+{
+    (void)state;
+    relay_loop_set_lead(&L, 4);
+    F.behind = 2;
+    relay_loop_want(&L);
+    expect_log("read2-3.0 "); /* behind, and nothing new: catching up at once */
+    relay_loop_chunk(&L, F.gen, 0, 0);
+    expect_log("record3* ");
+    F.behind = 3;
+    relay_loop_recorded(&L, F.gen);
+    assert_int_equal(L.lead, 4); /* a batch behind does not move the lead */
+    expect_log("read3-4.0 ");
+    relay_loop_chunk(&L, F.gen, 0, 0);
+    F.behind = 0; /* caught up */
+    relay_loop_recorded(&L, F.gen);
+    expect_log("record4* tick ");
+    F.behind = 1; /* a stream resumed */
+    relay_loop_ticked(&L, F.gen, 6);
+    expect_log("read4-5.0 "); /* the lead's batch first, then one behind */
+    relay_loop_chunk(&L, F.gen, 0, 0);
+    relay_loop_recorded(&L, F.gen);
+    expect_log("record5 read1-2.0 ");
+    assert_int_equal(L.lead, 5);
+    relay_loop_chunk(&L, F.gen, 0, 0);
+    relay_loop_recorded(&L, F.gen);
+    expect_log("record2* read5-6.0 ");
+}
+
+static void test_a_stream_behind_is_caught_up_after_a_tick_finds_nothing(void **state)
+{
+    (void)state;
+    relay_loop_want(&L);
+    expect_log("tick ");
+    F.behind = 0;
+    relay_loop_ticked(&L, F.gen, 1);
+    expect_log("idle ");
+    relay_loop_set_lead(&L, 3);
+    relay_loop_want(&L);
+    expect_log("tick ");
+    F.behind = 2; /* resumed while the tick was out */
+    relay_loop_ticked(&L, F.gen, 3);
+    expect_log("read2-3.0 ");
+}
+
 static void test_stop_ignores_everything(void **state)
 {
     (void)state;
@@ -360,6 +453,9 @@ int main(void)
         cmocka_unit_test_setup(test_drain_finishes_the_batch_in_flight, setup),
         cmocka_unit_test_setup(test_drain_when_idle_or_backing_off_is_immediate, setup),
         cmocka_unit_test_setup(test_stop_ignores_everything, setup),
+        cmocka_unit_test_setup(test_positions_are_loaded_first_and_when_asked, setup),
+        cmocka_unit_test_setup(test_streams_behind_take_turns_with_the_lead, setup),
+        cmocka_unit_test_setup(test_a_stream_behind_is_caught_up_after_a_tick_finds_nothing, setup),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
