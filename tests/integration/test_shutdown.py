@@ -29,15 +29,6 @@ CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, s
 SLACK = 5  # seconds allowed beyond drain_timeout for the process to go
 
 
-def batch_read_since(conn, since):
-    """Whether the relay's claiming session has read a chunk of a batch
-    (outbox.batch_rows) since the server time since: after a commit, a batch
-    that holds the committed rows."""
-    return scalar(conn, "SELECT count(*) > 0 FROM pg_stat_activity"
-                        " WHERE application_name = 'outbox-relay' AND query ~ 'batch_rows'"
-                        " AND query_start >= %s", (since,))
-
-
 def relay_sessions(conn):
     """The relay's sessions on the server."""
     return scalar(conn, "SELECT count(*) FROM pg_stat_activity"
@@ -92,16 +83,26 @@ class ShutdownTest(harness.ServerTestCase):
         producer.stop()
         self.deliver_the_rest("after restart")
 
-    def hang_a_batch(self, **flags):
-        """A relay whose next batch is stuck: Redis hangs after the relay read rows."""
-        relay = self.ready_relay(publish_timeout="60s", **flags)
+    def freeze_redis_mid_batch(self, relay, rows, stream="orders"):
+        """Inserts rows in one transaction and freezes Redis once their batch
+        has begun to reach the stream: the rest of its calls are in flight
+        (or still to send) and stay unanswered. (A relay does not start a
+        batch while Redis does not answer, so Redis is frozen mid-batch.)"""
+        before = self.r.xlen(stream)
+        conn = self.pg.connect(autocommit=False)
+        self.addCleanup(conn.close)
+        harness.insert_many(conn, [(stream, b"in flight %d" % i) for i in range(rows)])
+        wait_until(lambda: self.r.xlen(stream) > before, timeout=30, interval=0.002,
+                   relay=relay, message="the batch to begin reaching the stream")
         self.redis.pause()
         self.addCleanup(self.redis.resume)
-        since = scalar(self.db, "SELECT now()")
-        for i in range(20):
-            insert(self.db, "orders", b"stuck %d" % i)
-        wait_until(lambda: batch_read_since(self.db, since), timeout=30, relay=relay,
-                   message="the relay to read the rows")
+        self.assertGreater(harness.count_unsent(self.db), 0,
+                           "the batch was recorded before Redis could be frozen")
+
+    def hang_a_batch(self, **flags):
+        """A relay whose batch is stuck: Redis hangs while the relay publishes it."""
+        relay = self.ready_relay(publish_timeout="60s", batch_size=100, **flags)
+        self.freeze_redis_mid_batch(relay, 20000)
         return relay
 
     def test_sigterm_with_batch_that_cannot_finish(self):
@@ -117,20 +118,13 @@ class ShutdownTest(harness.ServerTestCase):
         self.deliver_the_rest("after drain deadline")
 
     def test_drain_records_the_batch_in_flight(self):
-        # A batch of 200 in flight (Redis frozen after the relay sent it),
+        # A batch in flight (Redis frozen while the relay publishes it),
         # SIGTERM, then Redis answers: the batch is published and recorded
         # during the drain, before the relay exits, so no relay reads it
         # again; and the stream is all Redis holds of it.
         relay = self.ready_relay(publish_timeout="60s", batch_size=500)
-        self.redis.pause()
-        self.addCleanup(self.redis.resume)
-        conn = self.pg.connect(autocommit=False)
-        self.addCleanup(conn.close)
-        since = scalar(self.db, "SELECT now()")
-        harness.insert_many(conn, [("orders", b"last batch %d" % i) for i in range(200)])
-        wait_until(lambda: batch_read_since(self.db, since), timeout=30, relay=relay,
-                   message="the relay to read the 200 rows")
-        time.sleep(0.2)  # its publishes are written to the frozen Redis
+        self.freeze_redis_mid_batch(relay, 20000)
+        time.sleep(0.2)  # more of its calls are written to the frozen Redis
         relay.kill(signal.SIGTERM)
         time.sleep(0.5)
         self.redis.resume()
