@@ -133,6 +133,8 @@ struct relay_loop_io {
     enum relay_batch_phase phase;
     double phase_s[RELAY_PHASES];  /* the batch's time in each phase so far */
     unsigned long long batch_appended; /* rows the batch appended */
+    unsigned long long batch_read;     /* rows the batch read */
+    double stage_at; /* when the loop's statement or chunk in flight was sent */
     struct outbox_buf partitions_text; /* " topic/p" of each partition it touched */
     unsigned long pause_epoch, pause_applied; /* the paused topics changed */
     unsigned long owners_applied;             /* the ownership epoch applied */

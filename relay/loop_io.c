@@ -89,6 +89,7 @@ static int op_tick(void *arg, uint64_t gen)
 {
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
+    b->stage_at = relay_now();
     char min_ms[24];
     snprintf(min_ms, sizeof(min_ms), "%" PRIu64, b->min_ms);
     const char *params[1] = {min_ms};
@@ -175,6 +176,7 @@ static int op_load(void *arg, uint64_t gen)
 {
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
+    b->stage_at = relay_now();
     b->sent_gen = gen;
     b->reload = 0;
     b->verifying = b->verify;
@@ -450,11 +452,13 @@ static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32
 {
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
+    b->stage_at = relay_now();
     if (chunk == 0) {
         b->after_txid = 0;
         b->after_id = 0;
         b->batch_serial++; /* which streams it publishes is decided anew */
         b->started_at = b->phase_mark = relay_now();
+        b->batch_read = 0;
         b->phase = RELAY_PHASE_READ;
         memset(b->phase_s, 0, sizeof(b->phase_s));
     }
@@ -698,6 +702,7 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
     struct relay_loop_io *b = &r->batch;
     struct relay_chunk *c = chunk_of(b, number);
     phase_to(b, RELAY_PHASE_PUBLISH);
+    b->stage_at = relay_now();
     c->gen = gen;
     c->pending = 0;
     c->waited = 0;
@@ -839,6 +844,7 @@ static int op_record(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int 
 {
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
+    b->stage_at = relay_now();
     int refresh = 0;
     phase_to(b, RELAY_PHASE_RECORD);
     if (lead && relay_now() - b->refreshed_at >= REFRESH_S) {
@@ -1076,6 +1082,7 @@ static void on_read(struct relay_pgsrc *pg, PGresult *res, const char *err, cons
         b->after_id = c->rows[c->nrows].id;
         c->nrows++;
     }
+    b->batch_read += c->nrows;
     relay_loop_chunk(&b->loop, gen, c->number, c->nrows);
 }
 
@@ -1210,14 +1217,21 @@ static void on_recorded(struct relay_pgsrc *pg, PGresult *res, const char *err,
     b->nquarantined = 0;
     b->nflushed = 0;
     b->nheld = 0;
+    relay_debug(COMPONENT, "recorded the batch of tick %" PRIu64 "%s: %llu rows read, %llu appended",
+                b->loop.next, b->loop.catching_up ? " for streams behind the lead" : "",
+                b->batch_read, b->batch_appended);
     if (b->partitions_text.len > 0 && !b->partitions_text.failed)
         relay_debug(COMPONENT, "published a batch of %llu rows to partitions%s",
                     b->batch_appended, b->partitions_text.data);
+    b->batch_read = 0;
     b->batch_appended = 0;
     if (b->loop.catching_up)
         relay_cursors_advance(&b->cursors, b->loop.prev, b->loop.lead);
     relay_cursors_untouch(&b->cursors);
     relay_cursors_trim(&b->cursors, b->batch_serial);
+    /* A batch went out: the relay is busy, and holds the wake-up lock so
+     * that producers need not notify (relay/wake.c). */
+    relay_wake_busy(&r->wake);
     if (r->fig.last_batch_error[0] != '\0') {
         relay_info(COMPONENT, "publishing again after: %s", r->fig.last_batch_error);
         r->fig.last_batch_error[0] = '\0';
