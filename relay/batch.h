@@ -12,7 +12,7 @@
 
 #include "common/buf.h"
 #include "common/common.h"
-#include "relay/cycle.h"
+#include "relay/fail.h"
 
 /* Name of the Redis function library and of the functions in it: those that
  * functions/outbox_relay.lua registers (its source: common/functions.h). */
