@@ -159,7 +159,7 @@ struct relay {
     struct outbox_buf out; /* one Redis command, formatted; reused, grows only */
     ev_timer kick;         /* runs a wanted claim from the loop, not from a callback */
     ev_timer retry_timer;  /* backoff after a failed batch */
-    ev_timer deadline;     /* publish deadline of the oldest batch publishing */
+    ev_timer deadline;     /* publish_timeout of the chunk's calls in flight */
     ev_timer poll_timer;
 
     struct relay_wake wake;

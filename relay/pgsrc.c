@@ -814,12 +814,9 @@ static void run_setup(struct relay_pgsrc *pg)
     const struct relay_config *cfg = pg->cfg;
 
     if (pg->setup == SETUP_SESSION) {
-        /* A claim transaction stays open while Redis acknowledges the batch,
-         * and with the pipeline while the batch before it is acknowledged:
-         * the idle-in-transaction limit sits above two publish deadlines but
-         * frees the row locks soon if this process hangs or is cut off, and
-         * with them the partitions another relay waits to take over
-         * (relay/ownership_io.c). The claim is
+        /* The idle-in-transaction limit frees whatever a hung or cut-off
+         * process holds soon (the batch connection runs in autocommit; the
+         * limit is a guard). The batch statement is
          * planned once: its generic plan is the one wanted for any
          * parameters, where a custom plan each time costs 0.4 ms, and JIT
          * would compile it (15-25 ms) whenever the generic estimate passes
@@ -926,16 +923,4 @@ void relay_pgsrc_free(struct relay_pgsrc *pg)
     if (pg->conn != NULL)
         PQfinish(pg->conn);
     free(pg);
-}
-
-char *relay_pgsrc_escape_literal(struct relay_pgsrc *pg, const char *s, size_t len)
-{
-    if (pg->conn == NULL)
-        return NULL;
-    return PQescapeLiteral(pg->conn, s, len);
-}
-
-void relay_pgsrc_freemem(void *p)
-{
-    PQfreemem(p);
 }

@@ -101,12 +101,6 @@ void relay_pgsrc_on_no_session(relay_pgsrc_no_session_fn *fn, void *arg);
 /* Drops the connection now and reconnects after backoff (a stuck server). */
 void relay_pgsrc_reset(struct relay_pgsrc *pg, const char *why);
 
-/* Escapes a literal for SQL text with the connection's encoding rules; the
- * caller frees the result with relay_pgsrc_freemem. NULL when not connected. */
-char *relay_pgsrc_escape_literal(struct relay_pgsrc *pg, const char *s, size_t len)
-    __attribute__((warn_unused_result));
-void relay_pgsrc_freemem(void *p);
-
 /* Why the connection is not ready: its last failure as logged ("session
  * set-up failed: the outbox schema is at version ..."), or "" when it is
  * ready or has not failed. */
