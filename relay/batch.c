@@ -177,8 +177,8 @@ static int check_headers(const struct relay_row *row, struct row_headers *h, cha
  * it is in *cause (the message's advice follows it).
  */
 static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t max_payload_bytes,
-                     struct row_headers *h, size_t *stream_len, char *err,
-                     size_t errlen, enum relay_row_fault *fault, enum relay_row_cause *cause)
+                     struct row_headers *h, size_t *stream_len, char *err, size_t errlen,
+                     enum relay_row_fault *fault, enum relay_row_cause *cause)
 {
     h->n = 0;
     /* Each rule below is about what the producer wrote, or about the limits
@@ -421,8 +421,8 @@ static size_t row_entry(const struct relay_row *row, size_t prefix_len, uint32_t
     size_t stream_len = 0;
     *nfields = 0;
     *outbox_id_len = 0;
-    if (check_row(row, prefix_len, max_payload_bytes, h, &stream_len, err, errlen,
-                  fault, cause) != 0)
+    if (check_row(row, prefix_len, max_payload_bytes, h, &stream_len, err, errlen, fault, cause) !=
+        0)
         return 0;
     *outbox_id_len = format_int64(outbox_id, row->id);
     size_t fields = fields_size(row, h, *outbox_id_len, nfields);

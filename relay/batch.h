@@ -59,7 +59,7 @@ enum relay_row_cause {
  * is kept until the chunk is published: nothing is copied on the hot path. */
 struct relay_row {
     int64_t id;
-    int64_t held_by; /* a quarantined row of its key before it (0: none) */
+    int64_t held_by;        /* a quarantined row of its key before it (0: none) */
     const char *message_id; /* 36-byte text UUID */
     size_t message_id_len;
     const char *topic;
@@ -106,7 +106,7 @@ enum relay_row_state {
     RELAY_ROW_CLAIMED = 0,
     RELAY_ROW_PUBLISHING,
     RELAY_ROW_PUBLISHED,
-    RELAY_ROW_FAILED, /* a failure of its own */
+    RELAY_ROW_FAILED,  /* a failure of its own */
     RELAY_ROW_SKIPPED, /* its stream is not published in this batch by this relay */
 };
 

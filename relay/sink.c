@@ -710,7 +710,8 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
         s->state = SINK_CONNECTING;
         return;
     }
-    if (step == step_role) {    } else if (step == step_role) {
+    if (step == step_role) {
+    } else if (step == step_role) {
         if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements == 0 ||
             r->element[0]->type != REDIS_REPLY_STRING ||
             strcmp(r->element[0]->str, "master") != 0) {

@@ -129,15 +129,15 @@ static int same_fields(const redisReply *x, const struct relay_row *row)
         size_t nlens[OUTBOX_HEADERS_MAX], vlens[OUTBOX_HEADERS_MAX];
         int n = relay_batch_decode_text_array(row->header_names, row->header_names_len, names,
                                               nlens, OUTBOX_HEADERS_MAX);
-        if (relay_batch_decode_text_array(row->header_values, row->header_values_len, values,
-                                          vlens, OUTBOX_HEADERS_MAX) != n)
+        if (relay_batch_decode_text_array(row->header_values, row->header_values_len, values, vlens,
+                                          OUTBOX_HEADERS_MAX) != n)
             return 0;
         for (int i = 0; ok && i < n; i++) {
             if (k + 1 >= x->elements)
                 return 0;
             const redisReply *name = x->element[k];
-            ok = name->len == 2 + nlens[i] &&
-                 memcmp(name->str, "h.", 2) == 0 && memcmp(name->str + 2, names[i], nlens[i]) == 0 &&
+            ok = name->len == 2 + nlens[i] && memcmp(name->str, "h.", 2) == 0 &&
+                 memcmp(name->str + 2, names[i], nlens[i]) == 0 &&
                  same_arg(x, k + 1, values[i], vlens[i]);
             k += 2;
         }
@@ -214,8 +214,7 @@ static void publish_together(struct relay_row *rows, size_t n, const char *prefi
     redisReply *got[ROWS_MAX + 2];
     read_commands(out.data, out.len, got, m + 2);
     for (size_t i = 0; i < m; i++)
-        if (!same_arg(got[i + 1], 0, "XADD", 4) ||
-            got[i + 1]->elements != 3 + call[i]->call_fields)
+        if (!same_arg(got[i + 1], 0, "XADD", 4) || got[i + 1]->elements != 3 + call[i]->call_fields)
             fuzz_fail("an XADD of a call of several rows with the wrong number of arguments",
                       out.data);
     for (size_t i = 0; i < m + 2; i++)

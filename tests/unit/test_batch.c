@@ -179,8 +179,7 @@ static void test_row_errors_say_what_to_do(void **state)
     enum relay_row_fault fault;
 
     struct relay_row bad_topic = make_row("bad topic", "x", 1);
-    assert_int_equal(relay_batch_check_publish(&bad_topic, "", 1024, err, sizeof(err), &fault),
-                     -1);
+    assert_int_equal(relay_batch_check_publish(&bad_topic, "", 1024, err, sizeof(err), &fault), -1);
     assert_non_null(strstr(err, "topic \"bad topic\" is not allowed"));
     /* The row itself is wrong: re-queued as it is, it is quarantined again,
      * so the advice is to drop it and write it again, never to retry it. */
@@ -191,25 +190,21 @@ static void test_row_errors_say_what_to_do(void **state)
     /* A limit an operator can raise: the same row then goes through, so the
      * advice is to raise it and re-queue the row. */
     struct relay_row big = make_row("orders", "0123456789", 10);
-    assert_int_equal(
-        relay_batch_check_publish(&big, "", 9, err, sizeof(err), &fault), -1);
+    assert_int_equal(relay_batch_check_publish(&big, "", 9, err, sizeof(err), &fault), -1);
     assert_non_null(strstr(err, "payload of 10 bytes exceeds max_payload_bytes (9)"));
     assert_non_null(strstr(err, "raise max_payload_bytes to at least 10"));
     assert_non_null(strstr(err, "then re-queue the row with 'outbox-relay failed retry 42'"));
 
     /* Over the largest max_payload_bytes there is, no setting helps. */
     struct relay_row huge = make_row("orders", NULL, 536870913);
-    assert_int_equal(relay_batch_check_publish(&huge, "", 536870912, err, sizeof(err), &fault),
-                     -1);
+    assert_int_equal(relay_batch_check_publish(&huge, "", 536870912, err, sizeof(err), &fault), -1);
     assert_non_null(strstr(err, "the largest it can be (536870912)"));
     assert_non_null(strstr(err, "'outbox-relay failed drop 42'"));
     assert_null(strstr(err, "failed retry"));
 
     struct relay_row arr = make_row("orders", "x", 1);
     arr.headers_type = "array";
-    assert_int_equal(
-        relay_batch_check_publish(&arr, "", 1024, err, sizeof(err), &fault),
-        -1);
+    assert_int_equal(relay_batch_check_publish(&arr, "", 1024, err, sizeof(err), &fault), -1);
     assert_non_null(strstr(err, "headers must be a JSON object"));
     assert_non_null(strstr(err, "'outbox-relay failed drop 42'"));
 
@@ -225,9 +220,7 @@ static void test_row_errors_say_what_to_do(void **state)
     hdr.header_names_len = encode_array(nbuf, names, 1);
     hdr.header_values = vbuf;
     hdr.header_values_len = encode_array(vbuf, values, 1);
-    assert_int_equal(
-        relay_batch_check_publish(&hdr, "", 1024, err, sizeof(err), &fault),
-        -1);
+    assert_int_equal(relay_batch_check_publish(&hdr, "", 1024, err, sizeof(err), &fault), -1);
     assert_non_null(strstr(err, "names are 1 to 128 bytes"));
     assert_non_null(strstr(err, "'outbox-relay failed drop 42'"));
 }
@@ -538,8 +531,8 @@ static void test_xadd_fields(void **state)
     assert_int_equal(x->element[find_field(x, "id")]->len, 36);
     assert_memory_equal(x->element[find_field(x, "key")]->str, "customer-7", 10);
     assert_memory_equal(x->element[find_field(x, "outbox_id")]->str, "42", 2);
-    assert_memory_equal(x->element[find_field(x, "created_at")]->str,
-                        "2026-11-30T11:35:14.123456Z", 27);
+    assert_memory_equal(x->element[find_field(x, "created_at")]->str, "2026-11-30T11:35:14.123456Z",
+                        27);
     assert_int_equal(find_field(x, "h.x"), -1);
     /* XADD stream id + 6 fields. */
     assert_int_equal(x->elements, 3 + 12);
@@ -666,8 +659,7 @@ static void test_append_xadd_matches_hiredis_one_row(void **state)
 /* A refused row: a message that says what to do, permanent, and nothing
  * appended for a call that holds it. */
 static void check_xadd_refused(const struct relay_row *row, const char *prefix,
-                               uint32_t max_payload, const char *expect,
-                               enum relay_row_cause cause)
+                               uint32_t max_payload, const char *expect, enum relay_row_cause cause)
 {
     char err[512];
     struct outbox_buf buf;
@@ -837,27 +829,26 @@ static void test_append_xadd_refuses_what_the_check_refuses(void **state)
 {
     (void)state;
     struct relay_row bad_topic = make_row("bad topic", "x", 1);
-    check_xadd_refused(&bad_topic, "", 1024, "topic \"bad topic\" is not allowed",
-                               RELAY_CAUSE_ROW);
+    check_xadd_refused(&bad_topic, "", 1024, "topic \"bad topic\" is not allowed", RELAY_CAUSE_ROW);
     struct relay_row no_topic = make_row("", "x", 1);
     check_xadd_refused(&no_topic, "", 1024, "is not allowed", RELAY_CAUSE_ROW);
 
     struct relay_row big = make_row("orders", "0123456789", 10);
     check_xadd_refused(&big, "", 9, "payload of 10 bytes exceeds max_payload_bytes (9)",
-                               RELAY_CAUSE_SETUP);
+                       RELAY_CAUSE_SETUP);
 
     /* Over the limit, the claim sends only the payload's size: refused by that
      * size, and a missing payload is never read whatever the size says. */
     struct relay_row unfetched = make_row("orders", NULL, 104857600);
     check_xadd_refused(&unfetched, "", 1048576,
-                               "payload of 104857600 bytes exceeds max_payload_bytes (1048576)",
-                               RELAY_CAUSE_SETUP);
+                       "payload of 104857600 bytes exceeds max_payload_bytes (1048576)",
+                       RELAY_CAUSE_SETUP);
     unfetched.payload_len = 10;
     check_xadd_refused(&unfetched, "", 1048576, "payload of 10 bytes", RELAY_CAUSE_SETUP);
     /* Over the largest max_payload_bytes there is: the producer's to fix. */
     unfetched.payload_len = 536870913;
     check_xadd_refused(&unfetched, "", 536870912, "the largest it can be (536870912)",
-                               RELAY_CAUSE_ROW);
+                       RELAY_CAUSE_ROW);
 
     static char longkey[OUTBOX_KEY_MAX + 1];
     memset(longkey, 'k', sizeof(longkey));
