@@ -117,23 +117,21 @@ static int unknown_option(const char *a)
     return OUTBOX_EX_USAGE;
 }
 
-/* Reads the options into cl (whose overrides holds argc entries). Returns -1
- * to go on, or the exit code to leave with at once. */
 static int run_tool(const struct cmdline *cl, const struct relay_config *cfg);
 
 /* An operator command's whole command line, checked before any configuration
  * is read, so that bad usage is 64 whatever the configuration: its words,
- * then the arguments of dlq and failed, which they check with no
- * configuration and connect to nothing. */
+ * then its other arguments, which each command checks with no configuration
+ * and connecting to nothing. */
 static int check_tool(const struct cmdline *cl)
 {
     if (relay_tool_check_usage(cl->tool_argc, cl->tool_argv, stderr) != OUTBOX_EX_OK)
         return OUTBOX_EX_USAGE;
-    if (strcmp(cl->tool_argv[0], "status") == 0)
-        return OUTBOX_EX_OK;
     return run_tool(cl, NULL);
 }
 
+/* Reads the options into cl (whose overrides holds argc entries). Returns -1
+ * to go on, or the exit code to leave with at once. */
 static int parse_args(int argc, char **argv, struct cmdline *cl)
 {
     for (int i = 1; i < argc; i++) {
@@ -235,8 +233,8 @@ static int print_config(const struct relay_config *cfg)
     return OUTBOX_EX_OK;
 }
 
-/* An operator command: its exit code. With cfg NULL, dlq and failed only
- * check their arguments (check_tool). */
+/* An operator command: its exit code. With cfg NULL, each command only
+ * checks its arguments (check_tool), or prints its usage. */
 static int run_tool(const struct cmdline *cl, const struct relay_config *cfg)
 {
     const char *tool = cl->tool_argv[0];

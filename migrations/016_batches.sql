@@ -148,7 +148,10 @@ CREATE INDEX IF NOT EXISTS messages_txid_idx ON outbox.messages (txid, id);
 -- began after p_prev's snapshot are a range of ids, [xmax of p_prev, xmax of
 -- p_next), filtered by visibility; those that were running at p_prev and
 -- committed by p_next are few, listed. Each part is one ordered walk of
--- messages_txid_idx, so a chunk costs O(p_limit) however long the table,
+-- messages_txid_idx whose bounds are index conditions (the ticks are read
+-- by uncorrelated subqueries: a join to them would leave the bounds to a
+-- filter, and each chunk would walk the index to its end), so a chunk costs
+-- O(p_limit) however long the table,
 -- and no row of a transaction that is still open, however old, is read. A
 -- plain SQL function, so the planner inlines it into the caller's query.
 CREATE OR REPLACE FUNCTION outbox.batch_rows(p_prev bigint, p_next bigint,
@@ -158,18 +161,23 @@ LANGUAGE sql
 STABLE
 AS $$
     SELECT r.* FROM (
-        (SELECT m.* FROM outbox.ticks AS p, outbox.ticks AS n, outbox.messages AS m
-          WHERE p.tick_id = p_prev AND n.tick_id = p_next
-            AND m.txid >= pg_catalog.pg_snapshot_xmax(p.snap)
-            AND m.txid < pg_catalog.pg_snapshot_xmax(n.snap)
+        (SELECT m.* FROM outbox.messages AS m
+          WHERE m.txid >= (SELECT pg_catalog.pg_snapshot_xmax(t.snap) FROM outbox.ticks AS t
+                            WHERE t.tick_id = p_prev)
+            AND m.txid < (SELECT pg_catalog.pg_snapshot_xmax(t.snap) FROM outbox.ticks AS t
+                           WHERE t.tick_id = p_next)
             AND (m.txid, m.id) > (p_after_txid, p_after_id)
-            AND pg_catalog.pg_visible_in_snapshot(m.txid, n.snap)
+            AND pg_catalog.pg_visible_in_snapshot(m.txid, (SELECT t.snap FROM outbox.ticks AS t
+                                                            WHERE t.tick_id = p_next))
           ORDER BY m.txid, m.id LIMIT p_limit)
         UNION ALL
-        (SELECT m.* FROM outbox.ticks AS p, outbox.ticks AS n, outbox.messages AS m
-          WHERE p.tick_id = p_prev AND n.tick_id = p_next
-            AND m.txid = ANY (ARRAY(SELECT x FROM pg_catalog.pg_snapshot_xip(p.snap) AS x
-                                     WHERE pg_catalog.pg_visible_in_snapshot(x, n.snap)))
+        (SELECT m.* FROM outbox.messages AS m
+          WHERE m.txid = ANY (ARRAY(
+                    SELECT x FROM pg_catalog.pg_snapshot_xip((SELECT t.snap FROM outbox.ticks AS t
+                                                               WHERE t.tick_id = p_prev)) AS x
+                     WHERE pg_catalog.pg_visible_in_snapshot(x, (SELECT t.snap
+                                                                   FROM outbox.ticks AS t
+                                                                  WHERE t.tick_id = p_next))))
             AND (m.txid, m.id) > (p_after_txid, p_after_id)
           ORDER BY m.txid, m.id LIMIT p_limit)
     ) AS r
@@ -205,6 +213,41 @@ CREATE INDEX IF NOT EXISTS quarantine_key_idx
 COMMENT ON TABLE outbox.quarantine IS
     'Rows the relay could not publish and moved past, with why (outbox-relay failed).';
 
+-- Copies rows into the quarantine with why, each once: a row quarantined
+-- already (its batch read again) stays as it was. Returns how many it
+-- copied. The relay calls it through outbox.record_batch, and with the read
+-- of a batch's next chunk for the rows of the chunks before, so that a batch
+-- of many bad rows records them as it goes.
+CREATE OR REPLACE FUNCTION outbox.quarantine_rows(p_ids bigint[], p_errors text[])
+RETURNS integer
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_copied integer := 0;
+BEGIN
+    IF cardinality(p_ids) IS DISTINCT FROM cardinality(p_errors) THEN
+        RAISE EXCEPTION 'outbox.quarantine_rows: the arrays differ in length'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO outbox.quarantine (id, txid, message_id, topic, partition_key, payload, headers,
+                                   created_at, error)
+    SELECT m.id, m.txid, m.message_id, m.topic, m.partition_key, m.payload, m.headers,
+           m.created_at, q.error
+      FROM unnest(p_ids, p_errors) AS q(id, error)
+      JOIN outbox.messages AS m ON m.id = q.id
+     ORDER BY m.id
+    ON CONFLICT (id) DO NOTHING;
+    GET DIAGNOSTICS v_copied = ROW_COUNT;
+    RETURN v_copied;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.quarantine_rows(bigint[], text[]) IS
+    'Copies rows the relay cannot publish into the quarantine, with why.';
+
 -- A batch is all in its streams: records, in one call, where each stream it
 -- published now stands. Three lists of streams, each a topic and a partition
 -- (-1 for a topic of one partition):
@@ -239,8 +282,6 @@ VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-DECLARE
-    v_quarantined integer := 0;
 BEGIN
     IF p_tick IS NULL OR NOT EXISTS (SELECT FROM outbox.ticks AS t WHERE t.tick_id = p_tick) THEN
         RAISE EXCEPTION 'outbox.record_batch: there is no tick %', p_tick
@@ -279,15 +320,7 @@ BEGIN
       FROM unnest(p_met_topics, p_met_partitions) AS a(t, p)
      ORDER BY 1, 2
     ON CONFLICT (topic, partition) DO NOTHING;
-    INSERT INTO outbox.quarantine (id, txid, message_id, topic, partition_key, payload, headers,
-                                   created_at, error)
-    SELECT m.id, m.txid, m.message_id, m.topic, m.partition_key, m.payload, m.headers,
-           m.created_at, q.error
-      FROM unnest(p_quarantined, p_errors) AS q(id, error)
-      JOIN outbox.messages AS m ON m.id = q.id
-    ON CONFLICT (id) DO NOTHING;
-    GET DIAGNOSTICS v_quarantined = ROW_COUNT;
-    RETURN v_quarantined;
+    RETURN outbox.quarantine_rows(p_quarantined, p_errors);
 END
 $$;
 
@@ -310,6 +343,33 @@ SELECT m.*
 
 COMMENT ON VIEW outbox.unsent IS
     'Rows not yet published to their stream and not quarantined.';
+
+-- What the relays before this file left: every stream that has rows stands
+-- at the first tick (its sent rows are in it, its pending ones are the batch
+-- after it), and so does the lead; a row they quarantined (failed_at) is in
+-- the quarantine with its last error. The relay reads each stream's last id
+-- in Redis before its first batch, and the first entry ids it writes lie
+-- above those the relays before it wrote there.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM outbox.stream_positions) THEN
+        INSERT INTO outbox.stream_positions (topic, partition, tick, entry_id)
+        SELECT DISTINCT m.topic, coalesce(m.partition_no, -1), 1, '0-0'
+          FROM outbox.messages AS m
+         WHERE m.topic ~ '^[A-Za-z0-9._-]{1,200}$'
+        UNION ALL
+        SELECT '', -1, 1, '0-0'
+        ON CONFLICT DO NOTHING;
+        INSERT INTO outbox.quarantine (id, txid, message_id, topic, partition_key, payload,
+                                       headers, created_at, error)
+        SELECT m.id, m.txid, m.message_id, m.topic, m.partition_key, m.payload, m.headers,
+               m.created_at, coalesce(m.last_error, 'quarantined before the upgrade to 016')
+          FROM outbox.messages AS m
+         WHERE m.failed_at IS NOT NULL AND m.sent_at IS NULL
+        ON CONFLICT (id) DO NOTHING;
+    END IF;
+END
+$$;
 
 -- A topic's partition count changes only while none of its rows waits: the
 -- rows' place in their stream is now outbox.unsent's, not sent_at's.
@@ -379,6 +439,8 @@ $$;
 
 REVOKE EXECUTE ON FUNCTION outbox.set_partitions(text, integer) FROM PUBLIC;
 
+REVOKE EXECUTE ON FUNCTION outbox.quarantine_rows(bigint[], text[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.quarantine_rows(bigint[], text[]) TO outbox_relay;
 REVOKE EXECUTE ON FUNCTION outbox.tick(bigint) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) TO outbox_relay;

@@ -331,6 +331,18 @@ BEGIN
      WHERE m.id = ANY (v_ids)
        AND NOT EXISTS (SELECT FROM outbox.quarantine AS q WHERE q.id = m.id);
     GET DIAGNOSTICS deleted = ROW_COUNT;
+    -- Ticks go with the rows: those below every stream's position (nothing
+    -- reads their batches again) and older than the cutoff, keeping the
+    -- last tick at or before it, a slice at a time.
+    IF caught_up THEN
+        DELETE FROM outbox.ticks AS k
+         WHERE k.tick_id IN (
+               SELECT k2.tick_id FROM outbox.ticks AS k2
+                WHERE k2.tick_id < (SELECT min(p.tick) FROM outbox.stream_positions AS p)
+                  AND k2.tick_id < (SELECT max(k3.tick_id) FROM outbox.ticks AS k3
+                                     WHERE k3.taken_at <= v_cutoff)
+                ORDER BY k2.tick_id LIMIT 10000);
+    END IF;
     next_after_id := v_last;
     RETURN NEXT;
 END

@@ -60,6 +60,7 @@ enum relay_row_cause {
 struct relay_row {
     int64_t id;
     int64_t held_by;        /* a quarantined row of its key before it (0: none) */
+    int quarantined;        /* in the quarantine already (its batch read again) */
     const char *message_id; /* 36-byte text UUID */
     size_t message_id_len;
     const char *topic;

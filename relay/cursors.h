@@ -30,7 +30,8 @@ struct relay_cursor {
     char topic[OUTBOX_TOPIC_MAX + 1]; /* "" for an empty slot */
     uint32_t partition;               /* in a partitioned topic, else 0 */
     uint32_t partitioned;             /* partitions > 1 */
-    uint64_t tick;                    /* the batch next_seq counts in */
+    uint64_t tick;                    /* the batch read next_seq counts in (its serial: a
+                                         batch read again counts again from 0) */
     uint64_t next_seq;                /* the rank of the stream's next row in it */
     int top_known;                    /* top_ms/top_seq read or written since forgotten */
     uint64_t top_ms, top_seq;         /* the stream's last entry id in Redis */
@@ -82,9 +83,10 @@ uint64_t relay_cursors_behind(const struct relay_cursors *c, uint64_t lead);
  * that is the lead. */
 void relay_cursors_advance(struct relay_cursors *c, uint64_t prev, uint64_t lead);
 
-/* The rank of the stream's next row in the batch of tick: 0 for the first of
- * the batch, then 1, 2, ... */
-uint64_t relay_cursor_rank(struct relay_cursor *cur, uint64_t tick);
+/* The rank of the stream's next row in the batch read `batch` (a serial
+ * that changes with every batch read, also when the same tick's batch is
+ * read again): 0 for the first of the batch, then 1, 2, ... */
+uint64_t relay_cursor_rank(struct relay_cursor *cur, uint64_t batch);
 
 /* Raises what the stream should hold to (ms, seq). */
 void relay_cursor_expect(struct relay_cursor *cur, uint64_t ms, uint64_t seq);
@@ -105,16 +107,16 @@ void relay_cursor_set_top(struct relay_cursor *cur, uint64_t ms, uint64_t seq);
 void relay_cursor_forget(struct relay_cursor *cur);
 
 /* Between batches, past RELAY_CURSORS_MAX streams: keeps only the streams
- * of the batch of tick (those ranked in it), and those whose place differs
+ * of the batch read `batch` (those ranked in it), and those whose place differs
  * from the lead's (paused, behind, not owned: forgetting them would lose
  * where they stand), so that the table holds at most
  * the streams of one batch more than the limit. A stream dropped only has its
  * last id read again when it is next met. */
-void relay_cursors_trim(struct relay_cursors *c, uint64_t tick);
+void relay_cursors_trim(struct relay_cursors *c, uint64_t batch);
 
-/* The batch of tick is read again from its start (after a failure): the
+/* The batch read `batch` is read again from its start (after a failure): the
  * ranks of its streams count from 0 again. */
-void relay_cursors_restart(struct relay_cursors *c, uint64_t tick);
+void relay_cursors_restart(struct relay_cursors *c, uint64_t batch);
 
 /* A batch is recorded: no stream is touched by the next one yet. */
 void relay_cursors_untouch(struct relay_cursors *c);

@@ -100,6 +100,7 @@ struct relay_loop_io {
     int64_t quarantined[RELAY_QUARANTINE_MAX];
     char quarantine_errors[RELAY_QUARANTINE_MAX][OUTBOX_ERROR_MAX];
     size_t nquarantined, quarantine_max;
+    size_t nflushed; /* of those, sent with a chunk's read */
     struct relay_held held[RELAY_QUARANTINE_MAX];
     size_t nheld;
     /* outbox.record_batch's lists of streams: appended to, moved along,
@@ -117,6 +118,8 @@ struct relay_loop_io {
     enum relay_batch_phase phase;
     double phase_s[RELAY_PHASES];  /* the batch's time in each phase so far */
     unsigned long long batch_appended; /* rows the batch appended */
+    unsigned long long batch_read;     /* rows the batch read */
+    double stage_at; /* when the loop's statement or chunk in flight was sent */
     struct outbox_buf partitions_text; /* " topic/p" of each partition it touched */
     unsigned long pause_epoch, pause_applied; /* the paused topics changed */
     unsigned long owners_applied;             /* the ownership epoch applied */

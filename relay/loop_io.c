@@ -33,6 +33,7 @@
 #define COL_TXID 12
 #define COL_MS 13
 #define COL_HELD_BY 14
+#define COL_QUARANTINED 15
 
 static struct relay_chunk *chunk_of(struct relay_loop_io *b, uint32_t number)
 {
@@ -88,6 +89,7 @@ static int op_tick(void *arg, uint64_t gen)
 {
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
+    b->stage_at = relay_now();
     char min_ms[24];
     snprintf(min_ms, sizeof(min_ms), "%" PRIu64, b->min_ms);
     const char *params[1] = {min_ms};
@@ -174,6 +176,7 @@ static int op_load(void *arg, uint64_t gen)
 {
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
+    b->stage_at = relay_now();
     b->sent_gen = gen;
     b->reload = 0;
     b->verifying = b->verify;
@@ -272,6 +275,7 @@ static void on_lost_ticks(struct relay_pgsrc *pg, PGresult *res, const char *err
  * them. */
 #define STREAM_KEY_MAX 1024 /* a prefix longer than any in use, the topic and ":ppp" */
 
+/* The stream's key; its length, or -1 when it does not fit. */
 static int stream_key(const struct relay *r, const struct relay_cursor *cur,
                       char key[STREAM_KEY_MAX])
 {
@@ -289,10 +293,10 @@ static void check_streams(struct relay *r)
     for (size_t i = 0; b->cursors.slots != NULL && i <= b->cursors.mask; i++) {
         struct relay_cursor *cur = &b->cursors.slots[i];
         cur->checking = 0;
-        if (cur->topic[0] == '\0' || !cur->owned || !cur->known || cur->expect_ms == 0)
+        if (cur->topic[0] == '\0' || !cur->owned || !cur->known)
             continue;
         char key[STREAM_KEY_MAX];
-        if (stream_key(r, cur, key) != 0)
+        if (stream_key(r, cur, key) < 0)
             continue;
         outbox_buf_reset(&r->out);
         outbox_buf_printf(&r->out,
@@ -376,15 +380,23 @@ static void on_check_reply(redisAsyncContext *ac, void *reply_, void *arg)
             relay_batch_parse_entry_id(e->element[0]->str, e->element[0]->len, &ms, &seq) == 0)
             have = 1;
     }
-    if (have)
+    if (have) {
         relay_cursor_set_top(cur, ms, seq);
-    if (!have || ms < cur->expect_ms || (ms == cur->expect_ms && seq < cur->expect_seq)) {
+        /* The next tick's entry ids lie above whatever the stream holds,
+         * also entries written by relays before entry ids were the ticks'
+         * (the Redis clock, which may run ahead of PostgreSQL's). */
+        if (ms >= b->min_ms)
+            b->min_ms = ms + 1;
+    }
+    if (cur->expect_ms == 0 && cur->expect_seq == 0) {
+        /* Nothing written by this design yet: nothing it could have lost. */
+    } else if (!have || ms < cur->expect_ms || (ms == cur->expect_ms && seq < cur->expect_seq)) {
         cur->checking = 2; /* lost entries */
         b->nlost++;
         char held[RELAY_ENTRY_ID_MAX], want[RELAY_ENTRY_ID_MAX], key[STREAM_KEY_MAX];
         relay_batch_entry_id(ms, seq, held);
         relay_batch_entry_id(cur->expect_ms, cur->expect_seq, want);
-        if (stream_key(r, cur, key) != 0)
+        if (stream_key(r, cur, key) < 0)
             snprintf(key, sizeof(key), "%s", cur->topic);
         relay_warn(COMPONENT,
                    "stream %s holds less than was published (last entry %s, where %s was "
@@ -433,15 +445,20 @@ static void on_lost_ticks(struct relay_pgsrc *pg, PGresult *res, const char *err
     relay_loop_loaded(&b->loop, b->checks_gen, b->loaded_lead);
 }
 
+static void put_text_array(struct outbox_buf *out, const char *const *items, size_t n);
+static void put_text_array_ids(struct outbox_buf *out, const int64_t *ids, size_t n);
+
 static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32_t chunk)
 {
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
+    b->stage_at = relay_now();
     if (chunk == 0) {
         b->after_txid = 0;
         b->after_id = 0;
         b->batch_serial++; /* which streams it publishes is decided anew */
         b->started_at = b->phase_mark = relay_now();
+        b->batch_read = 0;
         b->phase = RELAY_PHASE_READ;
         memset(b->phase_s, 0, sizeof(b->phase_s));
     }
@@ -451,10 +468,24 @@ static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32
     snprintf(p3, sizeof(p3), "%" PRIu64, b->after_txid);
     snprintf(p4, sizeof(p4), "%" PRId64, b->after_id);
     snprintf(p5, sizeof(p5), "%u", r->cfg->batch_size);
-    const char *params[5] = {p1, p2, p3, p4, p5};
+    /* The rows quarantined since the last statement sent go with this one. */
+    outbox_buf_reset(&b->sql);
+    size_t at = b->sql.len;
+    put_text_array_ids(&b->sql, b->quarantined + b->nflushed, b->nquarantined - b->nflushed);
+    size_t at_errors = b->sql.len;
+    const char *errors[RELAY_QUARANTINE_MAX];
+    for (size_t i = b->nflushed; i < b->nquarantined; i++)
+        errors[i - b->nflushed] = b->quarantine_errors[i];
+    put_text_array(&b->sql, errors, b->nquarantined - b->nflushed);
+    if (b->sql.failed)
+        return -1;
+    const char *params[7] = {p1, p2, p3, p4, p5, b->sql.data + at, b->sql.data + at_errors};
     b->sent_gen = gen;
     b->read_number = chunk;
-    return relay_pgsrc_send_prepared(b->pg, "batch", 5, params, 1, on_read, r);
+    int rc = relay_pgsrc_send_prepared(b->pg, "batch", 7, params, 1, on_read, r);
+    if (rc == 0)
+        b->nflushed = b->nquarantined; /* recorded with the read, or the batch fails */
+    return rc;
 }
 
 static void on_exec_reply(redisAsyncContext *ac, void *reply_, void *arg);
@@ -596,20 +627,23 @@ static void on_wait_reply(redisAsyncContext *ac, void *reply_, void *arg)
 /* A keyed row of a partitioned topic quarantined in this batch holds its
  * key's later rows of the batch (the statement sees only the quarantine
  * recorded before it). */
-static void hold_key(struct relay_loop_io *b, const struct relay_row *row)
+static int hold_key(struct relay_loop_io *b, const struct relay_row *row)
 {
-    if (row->partitions <= 1 || row->key == NULL || b->nheld >= RELAY_QUARANTINE_MAX)
-        return;
+    if (row->partitions <= 1 || row->key == NULL)
+        return 1;
+    if (b->nheld >= RELAY_QUARANTINE_MAX)
+        return 0; /* never publish a key's row past one held: the batch fails */
     struct relay_held *h = &b->held[b->nheld];
     size_t len = row->key_len < sizeof(h->key) ? row->key_len : sizeof(h->key);
     if (row->topic_len > OUTBOX_TOPIC_MAX || len != row->key_len)
-        return; /* keys are capped on insert (outbox.messages) */
+        return 1; /* keys are capped on insert (outbox.messages): cannot happen */
     memcpy(h->topic, row->topic, row->topic_len);
     h->topic[row->topic_len] = '\0';
     memcpy(h->key, row->key, len);
     h->key_len = len;
     h->id = row->held_by != 0 ? row->held_by : row->id;
     b->nheld++;
+    return 1;
 }
 
 /* The quarantined row that holds row back, or 0. */
@@ -634,20 +668,32 @@ static int64_t row_held_by(const struct relay_loop_io *b, const struct relay_row
 static void quarantine(struct relay_loop_io *b, struct relay_chunk *c, struct relay_row *row)
 {
     row->state = RELAY_ROW_FAILED;
-    if (b->nquarantined >= b->quarantine_max) {
+    if (b->nquarantined >= b->quarantine_max && b->nflushed > 0) {
+        /* Those sent with a read are recorded (or the batch fails): room. */
+        size_t keep = b->nquarantined - b->nflushed;
+        memmove(b->quarantined, b->quarantined + b->nflushed, keep * sizeof(b->quarantined[0]));
+        memmove(b->quarantine_errors, b->quarantine_errors + b->nflushed,
+                keep * sizeof(b->quarantine_errors[0]));
+        b->nquarantined = keep;
+        b->nflushed = 0;
+    }
+    if (b->nquarantined >= b->quarantine_max || !hold_key(b, row)) {
         /* Never past a row that is neither published nor recorded: the batch
-         * fails, and is read again. (A batch of more bad rows than this
-         * holds then never ends: recording the quarantine in parts, ahead of
-         * the positions, is still to do.) */
+         * fails, and is read again. What the reads before recorded is skipped
+         * then, so each attempt gets further. */
         chunk_failed(c, RELAY_FAIL_POSTGRES,
-                     "more than %zu rows of one batch to quarantine: the batch is read again",
+                     "more than %zu rows of one chunk to quarantine: the batch is read again, "
+                     "past those recorded",
                      b->quarantine_max);
         return;
     }
-    hold_key(b, row);
     b->quarantined[b->nquarantined] = row->id;
     snprintf(b->quarantine_errors[b->nquarantined], OUTBOX_ERROR_MAX, "%s", row->error);
     b->nquarantined++;
+    relay_error(COMPONENT,
+                "row id=%lld quarantined: %s; 'outbox-relay failed list' lists the quarantined "
+                "rows",
+                (long long)row->id, row->error);
 }
 
 static void op_publish(void *arg, uint64_t gen, uint32_t number)
@@ -656,6 +702,7 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
     struct relay_loop_io *b = &r->batch;
     struct relay_chunk *c = chunk_of(b, number);
     phase_to(b, RELAY_PHASE_PUBLISH);
+    b->stage_at = relay_now();
     c->gen = gen;
     c->pending = 0;
     c->waited = 0;
@@ -670,7 +717,7 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
         row->call_rows = 0;
         struct relay_cursor *cur = relay_cursors_get(&b->cursors, row);
         if (cur != NULL) {
-            row->seq = relay_cursor_rank(cur, b->loop.next);
+            row->seq = relay_cursor_rank(cur, b->batch_serial);
             if (!stream_active(r, cur)) {
                 /* Paused, behind the lead, or another relay's: not here. */
                 cur->met = 1;
@@ -678,6 +725,10 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
                 continue;
             }
             cur->touched = 1;
+        }
+        if (row->quarantined) {
+            row->state = RELAY_ROW_SKIPPED; /* recorded by a reading before: keeps its rank */
+            continue;
         }
         int64_t held_by = row_held_by(b, row);
         if (held_by != 0) {
@@ -793,6 +844,7 @@ static int op_record(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int 
 {
     struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
+    b->stage_at = relay_now();
     int refresh = 0;
     phase_to(b, RELAY_PHASE_RECORD);
     if (lead && relay_now() - b->refreshed_at >= REFRESH_S) {
@@ -808,7 +860,7 @@ static int op_record(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int 
         if (cur->topic[0] == '\0')
             continue;
         int in_batch = cur->active_batch == b->batch_serial;
-        if (in_batch && cur->active && cur->touched && cur->tick == next && cur->top_known) {
+        if (in_batch && cur->active && cur->touched && cur->tick == b->batch_serial && cur->top_known) {
             arrays_add(&b->touched, cur, 1);
             if (cur->partitioned)
                 outbox_buf_printf(&b->partitions_text, " %s/%u", cur->topic, cur->partition);
@@ -825,12 +877,12 @@ static int op_record(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int 
     outbox_buf_reset(&b->sql);
     size_t at[2];
     at[0] = b->sql.len;
-    put_text_array_ids(&b->sql, b->quarantined, b->nquarantined);
+    put_text_array_ids(&b->sql, b->quarantined + b->nflushed, b->nquarantined - b->nflushed);
     at[1] = b->sql.len;
     const char *errors[RELAY_QUARANTINE_MAX] = {0};
-    for (size_t i = 0; i < b->nquarantined; i++)
-        errors[i] = b->quarantine_errors[i];
-    put_text_array(&b->sql, errors, b->nquarantined);
+    for (size_t i = b->nflushed; i < b->nquarantined; i++)
+        errors[i - b->nflushed] = b->quarantine_errors[i];
+    put_text_array(&b->sql, errors, b->nquarantined - b->nflushed);
     if (b->sql.failed)
         return -1;
     char tick[24];
@@ -863,10 +915,11 @@ static void op_abandon(void *arg)
     chunk_clear(&b->chunks[0]);
     chunk_clear(&b->chunks[1]);
     b->nquarantined = 0;
+    b->nflushed = 0;
     b->nheld = 0;
     b->batch_appended = 0;
     /* The batch is read again from its start: its ranks count again. */
-    relay_cursors_restart(&b->cursors, b->loop.next);
+    relay_cursors_restart(&b->cursors, b->batch_serial);
 }
 
 static void op_failed(void *arg, enum relay_fail_kind kind, const char *why)
@@ -1023,10 +1076,13 @@ static void on_read(struct relay_pgsrc *pg, PGresult *res, const char *err, cons
             }
             c->rows[c->nrows].held_by = relay_batch_decode_int8(PQgetvalue(c->res, i, COL_HELD_BY));
         }
+        c->rows[c->nrows].quarantined = PQgetlength(c->res, i, COL_QUARANTINED) == 1 &&
+                                        PQgetvalue(c->res, i, COL_QUARANTINED)[0] != 0;
         b->after_txid = decode_u64(PQgetvalue(c->res, i, COL_TXID));
         b->after_id = c->rows[c->nrows].id;
         c->nrows++;
     }
+    b->batch_read += c->nrows;
     relay_loop_chunk(&b->loop, gen, c->number, c->nrows);
 }
 
@@ -1076,10 +1132,13 @@ static void apply_one(struct relay *r, struct relay_chunk *c, struct relay_row *
     }
     if (one != NULL && one->type == REDIS_REPLY_ERROR && one->len >= 9 &&
         memcmp(one->str, "WRONGTYPE", 9) == 0) {
+        char key[STREAM_KEY_MAX];
+        if (cur == NULL || stream_key(r, cur, key) < 0)
+            snprintf(key, sizeof(key), "of topic %.64s", cur != NULL ? cur->topic : "?");
         snprintf(row->error, sizeof(row->error),
-                 "the stream's key holds another type (WRONGTYPE): rename or delete it, then "
-                 "'outbox-relay failed retry %lld'",
-                 (long long)row->id);
+                 "the stream key %.300s holds another type (WRONGTYPE): rename or delete that key, "
+                 "then 'outbox-relay failed retry %lld'",
+                 key, (long long)row->id);
         quarantine(b, c, row);
         return;
     }
@@ -1155,21 +1214,24 @@ static void on_recorded(struct relay_pgsrc *pg, PGresult *res, const char *err,
     observe_seconds(r->fig.batch_hist, &r->fig.batch_sum, relay_now() - b->started_at);
     if (res != NULL && PQntuples(res) == 1 && !PQgetisnull(res, 0, 0))
         r->fig.quarantined_total += strtoull(PQgetvalue(res, 0, 0), NULL, 10);
-    for (size_t i = 0; i < b->nquarantined; i++)
-        relay_error(COMPONENT,
-                    "row id=%lld quarantined: %s; 'outbox-relay failed list' lists the "
-                    "quarantined rows",
-                    (long long)b->quarantined[i], b->quarantine_errors[i]);
     b->nquarantined = 0;
+    b->nflushed = 0;
     b->nheld = 0;
+    relay_debug(COMPONENT, "recorded the batch of tick %" PRIu64 "%s: %llu rows read, %llu appended",
+                b->loop.next, b->loop.catching_up ? " for streams behind the lead" : "",
+                b->batch_read, b->batch_appended);
     if (b->partitions_text.len > 0 && !b->partitions_text.failed)
         relay_debug(COMPONENT, "published a batch of %llu rows to partitions%s",
                     b->batch_appended, b->partitions_text.data);
+    b->batch_read = 0;
     b->batch_appended = 0;
     if (b->loop.catching_up)
         relay_cursors_advance(&b->cursors, b->loop.prev, b->loop.lead);
     relay_cursors_untouch(&b->cursors);
-    relay_cursors_trim(&b->cursors, b->loop.next);
+    relay_cursors_trim(&b->cursors, b->batch_serial);
+    /* A batch went out: the relay is busy, and holds the wake-up lock so
+     * that producers need not notify (relay/wake.c). */
+    relay_wake_busy(&r->wake);
     if (r->fig.last_batch_error[0] != '\0') {
         relay_info(COMPONENT, "publishing again after: %s", r->fig.last_batch_error);
         r->fig.last_batch_error[0] = '\0';

@@ -58,17 +58,22 @@
 /* A chunk of a batch (docs/DESIGN.md, "Batches from snapshots"): the select
  * list's columns and the writing transaction, from outbox.batch_rows: $1 and $2 the
  * ticks, $3 and $4 the (txid, id) of the chunk before's last row ('0' and 0
- * for the first), $5 the chunk's size. */
-/* Past the select list's columns: the txid, the tick's ms, and for a keyed row of
- * a partitioned topic the first quarantined row of its key before it, which
- * holds it back (P8): one probe of quarantine_key_idx. */
+ * for the first), $5 the chunk's size. Past the select list's columns: the txid,
+ * the tick's ms, for a keyed row of a partitioned topic the first
+ * quarantined row of its key before it, which holds it back (P8; one probe
+ * of quarantine_key_idx), and whether the row is quarantined already (its
+ * batch read again). $6 and $7 are rows the chunks before quarantined, and
+ * why: copied into the quarantine first (a one-time filter), so that a batch
+ * of many bad rows records them as it goes. */
 #define BATCH_FROM                                                                                 \
     ", txid, (SELECT t.ms FROM outbox.ticks AS t WHERE t.tick_id = $2::bigint),"                   \
     " CASE WHEN c.partition_key IS NOT NULL AND c.topic = ANY(" PARTITIONED_TOPICS ") THEN"        \
     "  (SELECT min(q.id) FROM outbox.quarantine AS q WHERE q.topic = c.topic"                      \
-    "   AND q.partition_key = c.partition_key AND q.id < c.id) END"                                \
+    "   AND q.partition_key = c.partition_key AND q.id < c.id) END,"                               \
+    " EXISTS (SELECT FROM outbox.quarantine AS q WHERE q.id = c.id)"                               \
     " FROM outbox.batch_rows($1::bigint, $2::bigint, $3::xid8, $4::bigint, $5::integer)"           \
-    " AS c ORDER BY txid, id"
+    " AS c WHERE (SELECT outbox.quarantine_rows($6::bigint[], $7::text[])) >= 0"                   \
+    " ORDER BY txid, id"
 
 int relay_pgsrc_batch_sql(uint32_t max_payload_bytes, char *out, size_t outlen)
 {
@@ -870,7 +875,7 @@ static void run_setup(struct relay_pgsrc *pg)
             setup_failed(pg, "the batch statement does not fit its buffer");
             return;
         }
-        if (!PQsendPrepare(pg->conn, "batch", batch, 5, NULL)) {
+        if (!PQsendPrepare(pg->conn, "batch", batch, 7, NULL)) {
             setup_failed(pg, PQerrorMessage(pg->conn));
             return;
         }

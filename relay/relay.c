@@ -329,14 +329,14 @@ int relay_run(struct relay *r)
     int pqv = PQlibVersion();
     relay_info(COMPONENT,
                "outbox-relay %s running (libpq %d.%d, hiredis %d.%d.%d, libev %d.%d %s): "
-               "batch_size=%u poll_interval=%u ms listen=%s pipeline=%s",
+               "batch_size=%u poll_interval=%u ms listen=%s",
                RELAY_VERSION, pqv / 10000, pqv % 10000, HIREDIS_MAJOR, HIREDIS_MINOR, HIREDIS_PATCH,
                ev_version_major(), ev_version_minor(),
                backend == EVBACKEND_EPOLL    ? "epoll"
                : backend == EVBACKEND_POLL   ? "poll"
                : backend == EVBACKEND_SELECT ? "select"
                                              : "other",
-               r->cfg->batch_size, r->cfg->poll_interval_ms, r->cfg->listen ? "on" : "off", "on");
+               r->cfg->batch_size, r->cfg->poll_interval_ms, r->cfg->listen ? "on" : "off");
     log_retention(r->cfg);
     start_watchdog(r);
     ev_timer_init(&r->status, on_status, 0.0, 2.0);

@@ -31,8 +31,10 @@ int relay_healthy(const struct relay *r)
     double limit = (r->cfg->publish_timeout_ms + 2.0 * r->cfg->statement_timeout_ms +
                     r->cfg->connect_timeout_ms) /
                    1000.0;
-    (void)limit; /* each statement and call has its own deadline */
-    return 1;
+    enum relay_loop_state st = r->batch.loop.state;
+    if (st == RELAY_LOOP_IDLE || st == RELAY_LOOP_BACKOFF)
+        return 1;
+    return relay_now() - r->batch.stage_at <= limit;
 }
 
 int relay_postgres_up(const struct relay *r)

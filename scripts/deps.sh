@@ -14,7 +14,9 @@
 #            DEB generator) and lintian.
 #   demo     build, plus what scripts/demo.sh and bench/run.sh run: PostgreSQL
 #            15, Redis and Python 3 with psycopg2 and redis-py for the harness
-#            (testkit/) that starts their throwaway servers.
+#            (testkit/) that starts their throwaway servers. The same two
+#            modules are all the Python consumer of examples/python/ needs
+#            (tests/integration/test_python_consumer.py runs it).
 #   test     everything the whole suite, the analysis and the fuzzing need
 #            (scripts/test.sh, scripts/analyze.sh, scripts/fuzz.sh, .ci/run):
 #            demo and package, and the rest, below. The default, for CI.

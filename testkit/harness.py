@@ -167,3 +167,50 @@ def mark_published(conn, topic):
                     " ON CONFLICT (topic, partition) DO UPDATE SET tick = excluded.tick"
                     " WHERE outbox.stream_positions.tick < excluded.tick",
                     (tick, topic))
+
+
+# --------------------------------------------------------------------------
+# Rows as the batch design records them: a row is sent once its stream's
+# recorded position has passed it (it is in outbox.unsent no more) and it is
+# not quarantined; a row that can never be published is in outbox.quarantine
+# with the error that says why.
+
+def unsent_ids(conn):
+    """The ids of the rows in outbox.unsent, sorted."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT id FROM outbox.unsent ORDER BY id")
+        return [r[0] for r in cur.fetchall()]
+
+
+def is_sent(conn, row_id):
+    """Whether row row_id (the bigint id) is in its stream: not in
+    outbox.unsent and not quarantined."""
+    return scalar(conn, "SELECT EXISTS (SELECT FROM outbox.messages AS m WHERE m.id = %s)"
+                        " AND NOT EXISTS (SELECT FROM outbox.unsent AS u WHERE u.id = %s)"
+                        " AND NOT EXISTS (SELECT FROM outbox.quarantine AS q WHERE q.id = %s)",
+                  (row_id, row_id, row_id))
+
+
+def sent_message_ids(conn):
+    """The message_id (text) of every row that is sent: past its stream's
+    recorded position and not quarantined."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT m.message_id::text FROM outbox.messages AS m"
+                    " WHERE NOT EXISTS (SELECT FROM outbox.unsent AS u WHERE u.id = m.id)"
+                    "   AND NOT EXISTS (SELECT FROM outbox.quarantine AS q WHERE q.id = m.id)")
+        return {r[0] for r in cur.fetchall()}
+
+
+def quarantined(conn):
+    """{message_id text: error} of the rows in outbox.quarantine."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT message_id::text, error FROM outbox.quarantine")
+        return dict(cur.fetchall())
+
+
+def index_reads(conn, index):
+    """(idx_scan, idx_tup_read) of an index of the outbox, e.g. 'messages_txid_idx'."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT idx_scan, idx_tup_read FROM pg_stat_user_indexes"
+                    " WHERE indexrelid = %s::regclass", ("outbox." + index,))
+        return tuple(cur.fetchone())

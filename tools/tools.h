@@ -46,7 +46,8 @@ int relay_tool_dlq(const struct relay_config *cfg, int argc, char **argv, FILE *
 /*
  * outbox-relay status [--json]: queue age, lag, pending, dead letters and
  * quarantined rows per stream and group, the servers' state and the Redis
- * durability in force. 0, or 69 when a server cannot be reached.
+ * durability in force. 0, or 69 when a server cannot be reached; 64 for bad
+ * usage. With cfg NULL it checks the arguments only and connects to nothing.
  */
 int relay_tool_status(const struct relay_config *cfg, int argc, char **argv, FILE *out,
                       FILE *errout) __attribute__((warn_unused_result));
@@ -68,8 +69,8 @@ const char *relay_tool_nearest_command(const char *word);
  * status. 0, or 64 (bad usage) after writing to errout what is wrong, with
  * the nearest known word when there is one:
  *   outbox-relay: dlq: unknown command "lst" (did you mean list?)
- * The other arguments of failed and dlq those commands check with no
- * configuration (cfg NULL), which cli/main.c does next.
+ * The other arguments each command checks with no configuration (cfg NULL),
+ * which cli/main.c does next.
  */
 int relay_tool_check_usage(int argc, char **argv, FILE *errout) __attribute__((warn_unused_result));
 

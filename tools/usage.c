@@ -17,13 +17,14 @@
 
 static const char *const tool_commands[] = {"failed", "dlq", "status"};
 
-/* Each command's words after its name: the verbs of failed and dlq, the
- * options of status; and the usage line shown when one is not known. */
+/* Each command's words after its name: the verbs of failed and dlq, which
+ * come first, or the options of status, which are all its arguments; and the
+ * usage line shown when one is not known. */
 struct tool_words {
     const char *tool;
     const char *const *words;
     size_t n;
-    const char *what; /* "unknown command" or "unexpected" */
+    int options; /* every argument is one of words, not only the first */
     const char *usage;
 };
 
@@ -32,12 +33,12 @@ static const char *const dlq_verbs[] = {"list", "show", "replay", "purge", "migr
 static const char *const status_options[] = {"--json"};
 
 static const struct tool_words tool_words[] = {
-    {"failed", failed_verbs, OUTBOX_ARRAY_LEN(failed_verbs), "unknown command",
+    {"failed", failed_verbs, OUTBOX_ARRAY_LEN(failed_verbs), 0,
      "Usage: outbox-relay [-c FILE] failed list|retry|drop ...; see 'outbox-relay failed --help'"},
-    {"dlq", dlq_verbs, OUTBOX_ARRAY_LEN(dlq_verbs), "unknown command",
+    {"dlq", dlq_verbs, OUTBOX_ARRAY_LEN(dlq_verbs), 0,
      "Usage: outbox-relay [-c FILE] dlq list|show|replay|purge|migrate STREAM GROUP ...; see "
      "'outbox-relay dlq --help'"},
-    {"status", status_options, OUTBOX_ARRAY_LEN(status_options), "unexpected",
+    {"status", status_options, OUTBOX_ARRAY_LEN(status_options), 1,
      "Usage: outbox-relay [-c FILE] status [--json]"},
 };
 
@@ -76,7 +77,8 @@ void relay_tool_unknown(FILE *errout, const char *tool, const char *word)
 {
     const struct tool_words *w = words_of(tool);
     const char *near = w != NULL ? relay_config_nearest(word, w->words, w->n) : NULL;
-    fprintf(errout, "outbox-relay: %s: %s \"%s\"", tool, w != NULL ? w->what : "unexpected", word);
+    fprintf(errout, "outbox-relay: %s: %s \"%s\"", tool,
+            w == NULL || w->options ? "unexpected" : "unknown command", word);
     if (near != NULL)
         fprintf(errout, " (did you mean %s?)", near);
     fputc('\n', errout);
@@ -84,13 +86,12 @@ void relay_tool_unknown(FILE *errout, const char *tool, const char *word)
 
 int relay_tool_check_usage(int argc, char **argv, FILE *errout)
 {
-    if (argc < 2 || relay_tool_is_help(argv[1]))
-        return OUTBOX_EX_OK; /* the command says what it needs, or prints its usage */
+    if (argc < 2)
+        return OUTBOX_EX_OK; /* the command says what it needs */
     const struct tool_words *w = words_of(argv[0]);
     if (w == NULL)
         return OUTBOX_EX_OK;
-    /* failed and dlq take a verb first; status takes only options. */
-    int last = strcmp(w->tool, "status") == 0 ? argc : 2;
+    int last = w->options ? argc : 2;
     for (int i = 1; i < last; i++) {
         if (tool_word_in(argv[i], w->words, w->n))
             continue;

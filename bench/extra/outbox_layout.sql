@@ -61,98 +61,28 @@ CREATE TABLE IF NOT EXISTS layout_proto.full (
     PRIMARY KEY (txid, id)
 ) PARTITION BY RANGE (txid);
 
--- migrations/011's topics, for the partition_no trigger.
-CREATE TABLE IF NOT EXISTS layout_proto.topics (
-    topic      text        PRIMARY KEY,
-    partitions integer     NOT NULL CHECK (partitions BETWEEN 1 AND 1000),
-    changed_at timestamptz NOT NULL DEFAULT now()
-);
-
--- migrations/007's wake-up, on full: the producer pays one lock-table probe
--- while a relay holds advisory lock 122550254464888, a NOTIFY otherwise.
-CREATE OR REPLACE FUNCTION layout_proto.notify_relay()
-RETURNS trigger
-LANGUAGE plpgsql
-AS $$
-BEGIN
-    PERFORM pg_notify('outbox_relay', '');
-    RETURN NULL;
-END
-$$;
+-- The relay's two triggers, on full, with the functions the migrations
+-- install (this file runs on a database that has them): the wake-up of
+-- migrations/007, for which the producer pays one lock-table probe while a
+-- relay holds advisory lock 122550254464888 and a NOTIFY otherwise; and the
+-- partition_no of migrations/012, whose WHEN clause names the partitioned
+-- topics as outbox.sync_partition_trigger writes it. One partitioned topic,
+-- not the producers' ('bench'): the trigger exists, as it does wherever some
+-- topic is partitioned, and costs the producers its WHEN clause.
+SELECT outbox.set_partitions('orders', 8);
 
 DROP TRIGGER IF EXISTS messages_notify ON layout_proto.full;
 CREATE TRIGGER messages_notify
     AFTER INSERT ON layout_proto.full
     FOR EACH STATEMENT
     WHEN (pg_try_advisory_xact_lock_shared(122550254464888))
-    EXECUTE FUNCTION layout_proto.notify_relay();
+    EXECUTE FUNCTION outbox.notify_relay();
 
--- migrations/012's partition_no, on full.
-CREATE OR REPLACE FUNCTION layout_proto.row_partition(p_topic text, p_key text, p_id bigint)
-RETURNS integer
-LANGUAGE plpgsql
-STABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    n integer;
-    h bigint := 2166136261;
-    b bytea;
-BEGIN
-    SELECT t.partitions INTO n FROM layout_proto.topics AS t WHERE t.topic = p_topic AND t.partitions > 1;
-    IF n IS NULL THEN
-        RETURN NULL;
-    END IF;
-    IF p_key IS NULL THEN
-        RETURN (p_id % n)::integer;
-    END IF;
-    b := convert_to(p_key, 'UTF8');
-    FOR i IN 0 .. length(b) - 1 LOOP
-        h := ((h # get_byte(b, i)) * 16777619) & 4294967295;
-    END LOOP;
-    RETURN (h % n)::integer;
-END
-$$;
-
-CREATE OR REPLACE FUNCTION layout_proto.set_partition_no()
-RETURNS trigger
-LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    NEW.partition_no := layout_proto.row_partition(NEW.topic, NEW.partition_key, NEW.id);
-    RETURN NEW;
-END
-$$;
-
--- As outbox.sync_partition_trigger writes it: the trigger names the
--- partitioned topics, so a row of another topic costs a comparison.
-CREATE OR REPLACE FUNCTION layout_proto.sync_partition_trigger()
-RETURNS void
-LANGUAGE plpgsql
-VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    v_topics text;
-BEGIN
-    SELECT string_agg(quote_literal(t.topic), ', ' ORDER BY t.topic) INTO v_topics
-    FROM layout_proto.topics AS t WHERE t.partitions > 1;
-    DROP TRIGGER IF EXISTS messages_partition ON layout_proto.full;
-    IF v_topics IS NOT NULL THEN
-        EXECUTE format('CREATE TRIGGER messages_partition BEFORE INSERT ON layout_proto.full'
-                       ' FOR EACH ROW WHEN (NEW.topic IN (%s))'
-                       ' EXECUTE FUNCTION layout_proto.set_partition_no()', v_topics);
-    END IF;
-END
-$$;
-
--- One partitioned topic, not the producers' ('bench'): the trigger exists, as
--- it does wherever some topic is partitioned, and costs the producers its
--- WHEN clause.
-INSERT INTO layout_proto.topics (topic, partitions) VALUES ('orders', 8)
-ON CONFLICT (topic) DO NOTHING;
-SELECT layout_proto.sync_partition_trigger();
+DROP TRIGGER IF EXISTS messages_partition ON layout_proto.full;
+CREATE TRIGGER messages_partition
+    BEFORE INSERT ON layout_proto.full
+    FOR EACH ROW WHEN (NEW.topic IN ('orders'))
+    EXECUTE FUNCTION outbox.set_partition_no();
 
 -- The partitions of full with their bounds, from the catalog (no bookkeeping
 -- table to keep in step): lo and hi are NULL for the DEFAULT partition.

@@ -86,6 +86,54 @@ class UpgradeTest(unittest.TestCase):
             db.close()
 
 
+class RelayUpgradeTest(unittest.TestCase):
+    """A relay of this version on a database and Redis that relays before 016
+    left: what they published stays, what was pending is published once,
+    above their entries, and what they quarantined is in the quarantine."""
+
+    def test_rows_pending_at_the_upgrade_are_published_once(self):
+        harness.require_relay()
+        with Postgres(migrations=False) as pg, harness.Redis() as redis:
+            files = pg.migration_files()
+            before = [f for f in files if os.path.basename(f) < "016"]
+            pg.apply_migrations(before)
+            db = pg.connect()
+            r = redis.client()
+            ids = [i for _ in range(8) for i in insert(db)]
+            with db.cursor() as cur:
+                cur.execute("SELECT id, message_id::text FROM outbox.messages ORDER BY id")
+                mids = dict(cur.fetchall())
+                # The relays before published the first three with Redis's
+                # clock, here an hour ahead of PostgreSQL's.
+                ahead = int(time.time() * 1000) + 3_600_000
+                for k, i in enumerate(ids[:3]):
+                    r.xadd("orders", {"id": mids[i], "outbox_id": str(i)},
+                           id=f"{ahead}-{k}")
+                cur.execute("UPDATE outbox.messages SET sent_at = now() WHERE id = ANY(%s)",
+                            (ids[:3],))
+                cur.execute("UPDATE outbox.messages SET failed_at = now(),"
+                            " last_error = 'too big' WHERE id = %s", (ids[3],))
+            pg.apply_migrations([f for f in files if f not in before])
+            self.assertEqual(scalar(db, "SELECT error FROM outbox.quarantine WHERE id = %s",
+                                    (ids[3],)), "too big")
+            with harness.Relay(pg, redis, poll_interval="100ms") as relay:
+                harness.wait_until(lambda: scalar(db, "SELECT count(*) FROM outbox.unsent") == 0,
+                                   timeout=30, relay=relay, message="the pending rows")
+                later = insert(db, n=2)
+                harness.wait_until(lambda: scalar(db, "SELECT count(*) FROM outbox.unsent") == 0,
+                                   timeout=30, relay=relay, message="the rows after the upgrade")
+            entries = harness.stream_entries(r, "orders")
+            got = [int(f[b"outbox_id"]) for _, f in entries]
+            self.assertEqual(got, ids[:3] + ids[4:] + later,
+                             "each row once, in order, the quarantined one not at all")
+            first_new = entries[3][0]
+            if isinstance(first_new, bytes):
+                first_new = first_new.decode()
+            self.assertGreater(int(first_new.split("-")[0]), ahead,
+                               "the new entries lie above those the relays before wrote")
+            db.close()
+
+
 class BatchSqlTest(harness.PostgresTestCase):
 
     @classmethod
@@ -261,6 +309,19 @@ class BatchSqlTest(harness.PostgresTestCase):
         with self.db.cursor() as cur:
             cur.execute("SELECT id FROM outbox.unsent ORDER BY id")
             return [r[0] for r in cur.fetchall()]
+
+    def test_purge_takes_the_ticks_no_stream_needs(self):
+        for _ in range(6):
+            insert(self.db)
+            tick(self.db)  # ticks 2..7
+        self.record(7, ["orders"], ["70-0"])
+        self.record(4, ["slow"], ["40-0"], lead=False)  # a stream far behind: from 4
+        scalar(self.db, "SELECT outbox.purge_sent(interval '0', 0, 1000)")
+        with self.db.cursor() as cur:
+            cur.execute("SELECT tick_id FROM outbox.ticks ORDER BY 1")
+            self.assertEqual([r[0] for r in cur.fetchall()], [4, 5, 6, 7],
+                             "the ticks below every position went; the slow stream's stayed")
+        self.assertEqual(self.unsent(), [], "what the positions passed is still sent")
 
     def test_positions_move_forward_only(self):
         for _ in range(4):

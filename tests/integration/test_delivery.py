@@ -1,8 +1,9 @@
 """Delivery: every committed row arrives once, with every field as the stream contract says.
 
-Promises tested (docs/DESIGN.md P1, P3, P4, and the README's stream contract):
+Promises tested (docs/DESIGN.md P1, P3, P4, "Batches from snapshots", and the
+README's stream contract):
 - rows committed before and after the relay starts each arrive exactly once in
-  the stream named by their topic, and get sent_at;
+  the stream named by their topic, and leave outbox.unsent;
 - an entry carries id (message_id), topic, key (absent when partition_key is
   NULL), payload bytes verbatim, created_at (RFC 3339 UTC, the row's time),
   outbox_id (the row id in decimal) and one "h.<name>" field per header;
@@ -11,18 +12,15 @@ Promises tested (docs/DESIGN.md P1, P3, P4, and the README's stream contract):
 - rows of rolled-back transactions (and rolled-back savepoints) never arrive;
   a row that commits after rows with higher ids is not skipped, nor, while a
   backlog drains, left until the backlog is gone;
-- batches reach each stream in claim order, also with pipeline on while
-  batches fail (Redis frozen past publish_timeout); pipeline off claims on one
-  connection;
-- a relay started on an empty outbox claims a later burst of 100,000 rows
-  through the pending index, not with a sequential scan per claim, and
-  deletes each published batch by primary key, not by reading
-  messages_pending_topic_idx whole, and checks each keyed row of a
-  partitioned topic with a probe of messages_held_idx;
-- a row with a topic outside [A-Za-z0-9._-]{1,200} is not published, gets
-  last_error, does not hold back the rows behind it, is explained in the log,
-  and, since no retry can fix it, is quarantined at its first attempt with the
-  default max_attempts (10).
+- batches reach each stream in order while batches fail (Redis frozen past
+  publish_timeout); the relay reads its batches on one claiming connection;
+- a relay started on an empty outbox reads a later burst of 120,000 rows
+  through messages_txid_idx, each chunk from where the one before ended: no
+  sequential scan per chunk, and index reads that grow with the rows read,
+  not with the table times the chunks;
+- a row with a topic outside [A-Za-z0-9._-]{1,200} is not published, is
+  quarantined with an error that names the topic at its first batch, does not
+  hold back the rows behind it, and is explained in the log.
 """
 
 import datetime
@@ -44,9 +42,12 @@ POLL = "200ms"
 
 def rows_by_message_id(conn):
     with conn.cursor() as cur:
-        cur.execute("SELECT message_id::text, id, topic, partition_key, payload, headers,"
-                    " created_at, sent_at, attempts, last_error, failed_at"
-                    " FROM outbox.messages ORDER BY id")
+        cur.execute("SELECT m.message_id::text, m.id, m.topic, m.partition_key, m.payload,"
+                    " m.headers, m.created_at, q.error, q.quarantined_at,"
+                    " q.id IS NULL AND NOT EXISTS (SELECT FROM outbox.unsent AS u"
+                    "                              WHERE u.id = m.id) AS sent"
+                    " FROM outbox.messages AS m LEFT JOIN outbox.quarantine AS q ON q.id = m.id"
+                    " ORDER BY m.id")
         names = [d[0] for d in cur.description]
         return {r[0]: dict(zip(names, r)) for r in cur.fetchall()}
 
@@ -93,7 +94,7 @@ class DeliveryTest(harness.ServerTestCase):
             self.assertEqual(len(entries), 1, f"row {row['id']} ({mid}) has {len(entries)} entries")
             stream, _, fields = entries[0]
             self.assert_entry_matches_row(row, stream, fields)
-            self.assertIsNotNone(row["sent_at"], f"row {row['id']} has sent_at")
+            self.assertTrue(row["sent"], f"row {row['id']} is out of outbox.unsent")
         self.verifier().report().assert_exactly_once(self)
         return rows, found
 
@@ -133,34 +134,30 @@ class DeliveryTest(harness.ServerTestCase):
             self.assertEqual(ids, sorted(ids), f"stream {stream!r} is in claim (id) order")
             self.assertEqual(len(ids), 350)
 
-    def test_a_burst_after_an_empty_start_is_claimed_and_deleted_by_index(self):
-        # The relay plans its claim once, on an empty outbox here, and the
-        # statistics say the table is empty until autovacuum comes: the claim
-        # must still walk messages_pending_idx, not read and sort the whole
-        # table each time (100 ms at 100,000 rows), and the delete of each
-        # batch must find its rows by primary key, not read a partial index
-        # whole.
-        def scans():
-            with self.db.cursor() as cur:
-                cur.execute("SELECT seq_scan FROM pg_stat_user_tables"
-                            " WHERE relid = 'outbox.messages'::regclass")
-                seq = cur.fetchone()[0]
-                cur.execute("SELECT idx_scan FROM pg_stat_user_indexes"
-                            " WHERE indexrelid = 'outbox.messages_pending_topic_idx'::regclass")
-                topic_idx = cur.fetchone()[0]
-                cur.execute("SELECT idx_scan FROM pg_stat_user_indexes"
-                            " WHERE indexrelid = 'outbox.messages_held_idx'::regclass")
-                return seq, topic_idx, cur.fetchone()[0]
+    def test_a_burst_after_an_empty_start_is_read_by_index(self):
+        # The relay prepares its batch statement once, on an empty outbox
+        # here, and the statistics say the table is empty until autovacuum
+        # comes: each chunk must still walk messages_txid_idx from where the
+        # chunk before ended (outbox.batch_rows), not read the table, nor
+        # the index from the batch's start, each time. A chunk then costs its
+        # own rows, however long the table: the index reads of the whole burst
+        # stay a small multiple of its rows (reading each chunk from the
+        # batch's start would be the rows times the chunks over two).
+        rows = 120000
+        chunk = 500
+
+        def reads():
+            seq = scalar(self.db, "SELECT seq_scan FROM pg_stat_user_tables"
+                                  " WHERE relid = 'outbox.messages'::regclass")
+            return (seq,) + harness.index_reads(self.db, "messages_txid_idx")
         # Empty and analysed, as autovacuum leaves an outbox after a drain.
         with self.db.cursor() as cur:
             cur.execute("SELECT outbox.set_partitions('keyed', 4)")
             cur.execute("VACUUM ANALYZE outbox.messages")
-        relay = self.relay(poll_interval=POLL, batch_size=500, observe_interval="10m",
-                           sent_retention="0")
+        relay = self.relay(poll_interval=POLL, batch_size=chunk, observe_interval="10m")
         relay.wait_for_log(r"INFO relay: .*running", timeout=30)
-        time.sleep(2.0)  # the relay's first claims (if their statistics come late, a few count)
-        before = scans()
-        batches = harness.metric(harness.metrics_text(relay), "outbox_relay_batches_total")
+        time.sleep(2.0)  # the relay's first statements (if their statistics come late, a few count)
+        before = reads()
         with self.db.cursor() as cur:
             cur.execute("INSERT INTO outbox.messages (topic, payload)"
                         " SELECT 'burst', convert_to(g::text, 'UTF8')"
@@ -171,38 +168,42 @@ class DeliveryTest(harness.ServerTestCase):
         wait_until(lambda: self.r.exists("burst") and self.r.xlen("burst") == 100000
                    and sum(self.r.xlen(f"keyed:{p:03d}") for p in range(4)) == 20000,
                    timeout=120, relay=relay, message="the burst to be published")
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
         # A backend that goes idle within a second of its last flush of
         # statistics flushes them only after PostgreSQL's idle interval
-        # (10 s): read until the keyed rows' probes are in, 15 s at most.
+        # (10 s): read until the burst's index reads are in, 15 s at most.
         deadline = time.monotonic() + 15.0
         while True:
-            seq, topic_idx, held_idx = (a - b for a, b in zip(scans(), before))
-            if held_idx >= 20000 or time.monotonic() > deadline:
+            seq, idx_scan, tup_read = (a - b for a, b in zip(reads(), before))
+            if tup_read >= rows or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        batches = harness.metric(harness.metrics_text(relay), "outbox_relay_batches_total") - batches
-        # Other sessions scan the table now and then (the relay's first
-        # retention pass among them); a plan that scans runs once per batch.
-        self.assertGreaterEqual(batches, 100)
-        self.assertLess(seq, batches / 5,
-                        f"{seq} sequential scans of outbox.messages for {batches:g} batches")
-        self.assertLess(topic_idx, batches / 5,
-                        f"{topic_idx} scans of messages_pending_topic_idx for {batches:g} batches")
-        # Each keyed row of a partitioned topic is checked against the rows
-        # that hold back its key with one probe of messages_held_idx, not a
-        # walk of the primary key over every earlier row.
-        self.assertGreaterEqual(held_idx, 20000,
-                                f"{held_idx} probes of messages_held_idx for 20,000 keyed rows")
+        chunks = rows // chunk
+        # Other sessions scan the table now and then; a plan that scans runs
+        # once per chunk.
+        self.assertLess(seq, chunks / 5,
+                        f"{seq} sequential scans of outbox.messages for {chunks} chunks")
+        self.assertGreaterEqual(idx_scan, chunks,
+                                f"{idx_scan} scans of messages_txid_idx for {chunks} chunks")
+        self.assertGreaterEqual(tup_read, rows,
+                                f"{tup_read} index entries read for {rows} rows")
+        self.assertLess(tup_read, 4 * rows,
+                        f"{tup_read} index entries read for {rows} rows in {chunks} chunks:"
+                        " a chunk's cost grows with the batch")
 
     def claim_connections(self):
         return scalar(self.db, "SELECT count(*) FROM pg_stat_activity"
                                " WHERE application_name = 'outbox-relay'")
 
-    def test_pipeline_keeps_claim_order_when_batches_fail(self):
-        """With pipeline on, batch N+1 is claimed while N publishes. Freezing Redis
-        fails N by its deadline while N+1 waits, claimed: N+1 is rolled back at
-        once (not left holding its rows until the server ends its transaction),
-        and nothing overtakes N's retry, so each stream stays in id order."""
+    def stream_total(self):
+        return sum(self.r.xlen(f"topic{i}") for i in range(3))
+
+    def test_batches_keep_stream_order_when_batches_fail(self):
+        """The next chunk is read while one publishes. Freezing Redis fails
+        the batch by publish_timeout while its next chunk waits, read: the
+        batch is read again from its start after a backoff, what Redis holds
+        is skipped, and nothing overtakes it, so each stream stays in id
+        order with every row once."""
         conn = self.pg.connect(autocommit=False)
         self.addCleanup(conn.close)
         rows = 12000
@@ -211,14 +212,15 @@ class DeliveryTest(harness.ServerTestCase):
                                        for i in range(start, start + 2000)])
         relay = self.relay(poll_interval=POLL, batch_size=100, publish_timeout="300ms",
                            reconnect_min="50ms", reconnect_max="200ms")
-        wait_until(lambda: self.claim_connections() == 2, timeout=20, relay=relay,
-                   message="two claiming connections (pipeline on)")
+        relay.wait_for_log(r"INFO relay: .*running", timeout=30)
         failures = 0
-        remaining = rows
+        published = 0
         for _ in range(3):
-            wait_until(lambda: harness.count_unsent(self.db) <= max(0, remaining - 200),
+            # The rows of a batch leave outbox.unsent together when it is
+            # recorded: progress is what the streams hold.
+            wait_until(lambda: self.stream_total() >= min(rows, published + 200),
                        timeout=60, interval=0.01, relay=relay)
-            if harness.count_unsent(self.db) == 0:
+            if self.stream_total() == rows:
                 break
             self.redis.pause()
             try:
@@ -226,10 +228,10 @@ class DeliveryTest(harness.ServerTestCase):
             finally:
                 self.redis.resume()
             failures += 1
-            remaining = harness.count_unsent(self.db)
+            published = self.stream_total()
         harness.wait_all_sent(self.db, timeout=120, relay=relay)
         self.assertGreater(failures, 0, "the drain ended before Redis could be frozen")
-        relay.wait_for_log(r"no reply to the batch within publish_timeout", timeout=5)
+        relay.wait_for_log(r"no reply from Redis within publish_timeout", timeout=5)
         self.assertEqual(harness.problem_lines(relay.log(), "pg"), [],
                          "no claiming connection was lost or timed out")
         self.verifier().report().assert_exactly_once(self)
@@ -238,17 +240,22 @@ class DeliveryTest(harness.ServerTestCase):
             self.assertEqual(ids, sorted(ids), f"stream {stream!r} is in claim (id) order")
             self.assertEqual(len(ids), 4000)
 
-    def test_pipeline_off_claims_on_one_connection(self):
+    def test_batches_are_read_on_one_claiming_connection(self):
+        # One design: the next chunk's query is in flight on the same
+        # connection while the one before publishes; no second claiming
+        # connection, whatever the (no longer effective) pipeline key says.
         conn = self.pg.connect(autocommit=False)
         self.addCleanup(conn.close)
-        harness.insert_many(conn, [("orders", b"%d" % i, None) for i in range(1000)])
-        relay = self.relay(poll_interval=POLL, batch_size=100, pipeline="off")
+        for start in range(0, 1000, 250):
+            harness.insert_many(conn, [("orders", b"%d" % i, None)
+                                       for i in range(start, start + 250)])
+        relay = self.relay(poll_interval=POLL, batch_size=100)
         harness.wait_all_sent(self.db, timeout=60, relay=relay)
         self.assertEqual(self.claim_connections(), 1)
-        self.assertIn("pipeline=off", relay.log())
         self.verifier().report().assert_exactly_once(self)
         ids = [int(f[b"outbox_id"]) for _, f in harness.stream_entries(self.r, "orders")]
         self.assertEqual(ids, sorted(ids))
+        self.assertEqual(len(ids), 1000)
 
     def test_enqueue_payloads_arrive_as_stored(self):
         relay = self.relay(poll_interval=POLL)
@@ -304,10 +311,9 @@ class DeliveryTest(harness.ServerTestCase):
         self.assert_all_delivered_once()
 
     def test_row_committed_late_during_a_backlog_is_not_left_behind_it(self):
-        # While the other lane holds a full batch, a claim starts after that
-        # batch's rows (relay_batch_claim_floor); a row below it that commits
-        # late is taken by the next walk of the whole index, which comes at
-        # least every 8 claims: long before the backlog ends.
+        # A row that commits late, while a backlog drains, joins the batch of
+        # the first tick after its commit: the rows committed before it may
+        # go first, but none committed after it, however many wait.
         slow = self.pg.connect(autocommit=False)
         self.addCleanup(slow.close)
         late = insert(slow, "orders", b"lowest id, commits during the drain", commit=False)
@@ -316,19 +322,24 @@ class DeliveryTest(harness.ServerTestCase):
         total = 30000
         for start in range(0, total, 10000):
             harness.insert_many(conn, [("backlog", b"%d" % i) for i in range(start, start + 10000)])
-        relay = self.relay(poll_interval=POLL, batch_size=10)
+        relay = self.relay(poll_interval=POLL, batch_size=100)
         wait_until(lambda: self.r.xlen("backlog") >= total // 10, timeout=60, relay=relay,
                    message="a tenth of the backlog")
         slow.commit()
+        after_ids = []
+        for start in range(total, 2 * total, 10000):
+            after_ids += harness.insert_many(
+                conn, [("backlog", b"%d" % i) for i in range(start, start + 10000)])
         harness.wait_all_sent(self.db, timeout=120, relay=relay)
         self.assert_all_delivered_once()
-        at = harness.entries_by_message_id(self.r)[late][0][1]
-        after = self.r.xrange("backlog", min="(" + (at.decode() if isinstance(at, bytes) else at))
-        self.assertGreater(len(after), total // 10,
-                           f"the late row was published with {len(after)} of {total} backlog"
-                           f" rows after it: left until the backlog was nearly drained")
+        found = harness.entries_by_message_id(self.r)
+        late_ms = int(found[late][0][1].split("-")[0])
+        behind = [mid for mid in after_ids if int(found[mid][0][1].split("-")[0]) < late_ms]
+        self.assertEqual(behind, [], f"{len(behind)} of {total} rows committed after the late"
+                                     " row were published in a batch before it")
         ids = [int(f[b"outbox_id"]) for _, f in self.r.xrange("backlog")]
-        self.assertEqual(ids, sorted(ids), "the backlog's stream is in claim (id) order")
+        self.assertEqual(ids, sorted(ids), "the backlog's stream is in commit (id) order")
+        self.assertEqual(len(ids), 2 * total)
 
     BAD_TOPICS = ["bad topic!", "{x}", "", "t" * 201, "ünïcode"]
 
@@ -344,26 +355,28 @@ class DeliveryTest(harness.ServerTestCase):
 
         def good_sent():
             rows = rows_by_message_id(self.db)
-            return all(rows[m]["sent_at"] for m in good)
+            return all(rows[m]["sent"] for m in good)
         wait_until(good_sent, timeout=30, relay=relay, message="the good rows behind bad ones")
 
-        def bad_marked():
+        def bad_quarantined():
             rows = rows_by_message_id(self.db)
-            return all(rows[m]["last_error"] and rows[m]["attempts"] >= 1 for m in bad)
-        wait_until(bad_marked, timeout=30, relay=relay, message="last_error on every bad row")
+            return all(rows[m]["error"] for m in bad)
+        wait_until(bad_quarantined, timeout=30, relay=relay,
+                   message="every bad row quarantined with its error")
 
         rows = rows_by_message_id(self.db)
         found = harness.entries_by_message_id(self.r)
         streams = harness.stream_names(self.r)
         for mid, topic in bad.items():
-            self.assertIsNone(rows[mid]["sent_at"], f"bad topic {topic!r} marked sent")
+            self.assertFalse(rows[mid]["sent"], f"bad topic {topic!r} counted as sent")
             self.assertNotIn(mid, found, f"bad topic {topic!r} published")
             self.assertNotIn(topic.encode(), streams)
-            self.assertRegex(rows[mid]["last_error"], r"(?i)topic",
-                             f"last_error of topic {topic!r} says why")
+            self.assertRegex(rows[mid]["error"], r"(?i)topic",
+                             f"the quarantine's error for topic {topic!r} says why")
         self.assertEqual(streams, [b"orders"])
         for mid in good:
             self.assertEqual(len(found.get(mid, [])), 1)
+        self.assertEqual(harness.count_unsent(self.db), 0)
         bad_mid = next(m for m, t in bad.items() if t == "bad topic!")
         relay.wait_for_log(r"^.*\b(WARNING|ERROR)\b.*(?i:topic).*$", timeout=10)
         lines = [line for line in relay.log().splitlines()
@@ -373,21 +386,30 @@ class DeliveryTest(harness.ServerTestCase):
                         + relay.log_tail())
 
     def test_bad_topic_is_quarantined_at_once(self):
+        # No retry can fix a topic: the batch that first holds the bad rows
+        # quarantines them (one record_batch, one quarantined_at) and publishes
+        # the good rows around them; no batch fails and is read again.
         good, bad = self.insert_good_and_bad()
         relay = self.relay(poll_interval=POLL)
 
         def quarantined():
             rows = rows_by_message_id(self.db)
-            return all(rows[m]["failed_at"] for m in bad) and all(rows[m]["sent_at"]
-                                                                  for m in good)
+            return all(rows[m]["error"] for m in bad) and all(rows[m]["sent"] for m in good)
         wait_until(quarantined, timeout=30, relay=relay,
-                   message="failed_at on every bad row at its first attempt")
+                   message="every bad row quarantined and every good one sent")
         rows = rows_by_message_id(self.db)
         for mid in bad:
-            self.assertIsNone(rows[mid]["sent_at"])
-            self.assertEqual(rows[mid]["attempts"], 1)
-        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
-                                         " WHERE sent_at IS NULL AND failed_at IS NULL"), 0)
+            self.assertFalse(rows[mid]["sent"])
+        self.assertEqual(len({rows[m]["quarantined_at"] for m in bad}), 1,
+                         "the bad rows were quarantined by one batch")
+        self.assertEqual(harness.count_unsent(self.db), 0)
+        text = harness.metrics_text(relay)
+        failed = {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^outbox_relay_publish_errors_total\{kind="([^"]+)"\} (\S+)$', text, re.MULTILINE)
+            if m.group(1) != "row"}
+        self.assertTrue(failed, "the failed-batch counters are on /metrics")
+        self.assertEqual(sum(failed.values()), 0, f"a batch failed and was read again: {failed}")
+        self.assertEqual(harness.metric(text, "outbox_relay_rows_quarantined_total"), len(bad))
 
 
 if __name__ == "__main__":

@@ -5,11 +5,11 @@ Promises tested, with the default max_payload_bytes (1 MiB) and batch_size:
   (one of them exactly 1 MiB), never reach the relay: its peak resident memory
   (VmHWM in /proc/<pid>/status) stays under RSS_BOUND while it claims them, so
   the claim does not transfer a payload over the limit;
-- every good row is published once, in id order, in the batch that claimed
-  the big ones;
-- each big row is quarantined at its first attempt (attempts = 1, failed_at
-  set, sent_at NULL), with a last_error that names its size and the limit and
-  says what to do, and the relay log names the row and the quarantine.
+- every good row is published once, in id order, in the batch that held
+  the big ones (one tick: one entry id time);
+- each big row is quarantined by that batch, no batch failing and being read
+  again, with an error in outbox.quarantine that names its size and the limit
+  and says what to do, and the relay log names the row and the quarantine.
 
 The big payloads are made by PostgreSQL (repeat), so this test never holds
 one in memory; PostgreSQL compresses them when it stores them.
@@ -92,9 +92,12 @@ class LargePayloadTest(harness.ServerTestCase):
         return good, big
 
     def rows(self, ids):
+        """{id: (sent, quarantine error or None)}."""
         with self.db.cursor() as cur:
-            cur.execute("SELECT id, sent_at, attempts, failed_at, last_error"
-                        " FROM outbox.messages WHERE id = ANY(%s)", (list(ids),))
+            cur.execute("SELECT m.id, q.id IS NULL AND NOT EXISTS (SELECT FROM outbox.unsent AS u"
+                        " WHERE u.id = m.id), q.error FROM outbox.messages AS m"
+                        " LEFT JOIN outbox.quarantine AS q ON q.id = m.id"
+                        " WHERE m.id = ANY(%s)", (list(ids),))
             return {r[0]: r[1:] for r in cur.fetchall()}
 
     def test_big_rows_are_never_fetched_and_quarantined_at_once(self):
@@ -110,10 +113,9 @@ class LargePayloadTest(harness.ServerTestCase):
 
         def claimed():
             got = self.rows(good + big)
-            return (all(got[i][0] is not None for i in good)
-                    and all(got[i][1] >= 1 for i in big))
+            return all(got[i][0] for i in good) and all(got[i][1] for i in big)
         wait_until(claimed, timeout=120, interval=0.2, relay=relay,
-                   message="the good rows sent and a first attempt on every big row")
+                   message="the good rows sent and every big row quarantined")
         hwm = proc_status_kb(relay.pid, "VmHWM")
         rss = proc_status_kb(relay.pid, "VmRSS")
         print(f"relay after claiming {BIG_ROWS} rows of {BIG // MIB} MiB: VmHWM {hwm} kB,"
@@ -129,23 +131,31 @@ class LargePayloadTest(harness.ServerTestCase):
         sizes = {len(f[b"payload"]) for _, f in entries}
         self.assertIn(MAX_PAYLOAD, sizes, "a payload of exactly max_payload_bytes is published")
         got = self.rows(good + big)
-        self.assertEqual(len({got[i][0] for i in good}), 1, "the good rows took more than one batch")
+        self.assertEqual(len({eid.split("-")[0] for eid, _ in entries}), 1,
+                         "the good rows took more than one batch")
 
-        # The big rows: quarantined at the first attempt, saying why and what to do.
+        # The big rows: quarantined by that batch, none failing and read
+        # again, saying why and what to do.
+        text = harness.metrics_text(relay)
+        failed = {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^outbox_relay_publish_errors_total\{kind="([^"]+)"\} (\S+)$', text, re.MULTILINE)
+            if m.group(1) != "row"}
+        self.assertTrue(failed, "the failed-batch counters are on /metrics")
+        self.assertEqual(sum(failed.values()), 0, f"a batch failed and was read again: {failed}")
+        self.assertEqual(harness.metric(text, "outbox_relay_rows_quarantined_total"), BIG_ROWS)
         log = relay.log()
         for oid in big:
-            sent_at, attempts, failed_at, error = got[oid]
-            self.assertIsNone(sent_at, f"big row {oid} marked sent")
-            self.assertEqual(attempts, 1, f"big row {oid} was retried")
-            self.assertIsNotNone(failed_at, f"big row {oid} not quarantined at once")
+            sent, error = got[oid]
+            self.assertFalse(sent, f"big row {oid} counted as sent")
+            self.assertIsNotNone(error, f"big row {oid} not quarantined")
             for phrase in (f"payload of {BIG} bytes", f"max_payload_bytes ({MAX_PAYLOAD})",
                            "raise max_payload_bytes", "re-queue"):
-                self.assertIn(phrase, error or "", f"last_error of big row {oid}")
-            self.assertTrue(re.search(rf"^\S+ ERROR relay: row id={oid} .*quarantined.*"
+                self.assertIn(phrase, error or "", f"quarantine error of big row {oid}")
+            self.assertTrue(re.search(rf"^\S+ ERROR \w+: row id={oid} .*quarantined.*"
                                       rf"payload of {BIG} bytes", log, re.MULTILINE),
                             f"no ERROR line names big row {oid} and its quarantine\n"
                             + relay.log_tail())
-        print(f"big row {big[0]}: {got[big[0]][3]}", flush=True)
+        print(f"big row {big[0]}: {got[big[0]][1]}", flush=True)
         self.assertEqual(harness.count_unsent(self.db), 0)
         self.assertTrue(relay.alive(), relay.log_tail())
 

@@ -1,13 +1,17 @@
 """A malformed or unexpected reply from Redis is an error for the batch, never a crash.
 
-No real Redis answers FCALL with an integer, nests arrays nine deep or sends
+No real Redis answers EXEC with an integer, nests arrays nine deep or sends
 bytes that are not RESP, so this file uses a small peer that speaks just
 enough RESP to pass the relay's set-up (AUTH, CLUSTER SLOTS, SELECT, CLIENT
-SETNAME, FUNCTION LOAD, CONFIG GET, TIME) and then answers every FCALL with one
-chosen bad reply. For each kind the relay must stay up, mark nothing sent, say in its
-log that the batch was not published, and exit 0 on SIGTERM. A last test
-points the same relay configuration at a real Redis and shows the rows
-arrive once the peer is gone.
+SETNAME, FUNCTION LOAD, CONFIG GET, TIME, XINFO STREAM of a stream that does
+not exist yet) and then answers the publishing commands of every batch
+(MULTI, XADD <id> ..., EXEC) with one chosen bad reply: in EXEC's place, or
+in place of an XADD's QUEUED. For each kind the relay must stay up, record
+nothing (every row stays in outbox.unsent, none is quarantined: the failure
+is the batch's, not a row's), say in its log that the batch was not
+published, and exit 0 on SIGTERM. A last test points the same relay
+configuration at a real Redis and shows the rows arrive once the peer is
+gone.
 """
 
 import socket
@@ -47,12 +51,17 @@ def read_command(f):
 
 
 class BadPeer:
-    """Answers the set-up like Redis 7 and every FCALL with self.reply."""
+    """Answers the set-up like Redis 7, queues MULTI's commands, and answers
+    every publish with self.reply: in EXEC's place (bad_command b"EXEC"), or
+    in place of each XADD's QUEUED (b"XADD"; EXEC then aborts as Redis does
+    after a command that could not be queued)."""
 
-    def __init__(self, reply):
+    def __init__(self, reply, bad_command=b"EXEC"):
         self.reply = reply
-        self.fcalls = 0
+        self.bad_command = bad_command
+        self.publishes = 0
         self.connections = 0
+        self.other = set()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -75,15 +84,41 @@ class BadPeer:
 
     def _serve(self, conn):
         f = conn.makefile("rb")
+        in_multi = False
         try:
             while True:
                 args = read_command(f)
                 if args is None:
                     return
                 cmd = args[0].upper()
-                if cmd == b"FCALL":
-                    self.fcalls += 1
-                    conn.sendall(self.reply)
+                if cmd == b"MULTI":
+                    in_multi = True
+                    conn.sendall(b"+OK\r\n")
+                elif cmd == b"EXEC":
+                    in_multi = False
+                    if self.bad_command == b"EXEC":
+                        self.publishes += 1
+                        conn.sendall(self.reply)
+                    else:
+                        conn.sendall(b"-EXECABORT Transaction discarded because of previous"
+                                     b" errors.\r\n")
+                elif cmd == b"DISCARD":
+                    in_multi = False
+                    conn.sendall(b"+OK\r\n")
+                elif cmd in (b"XADD", b"FCALL"):
+                    if cmd == self.bad_command or cmd == b"FCALL":
+                        self.publishes += 1
+                        conn.sendall(self.reply)
+                    elif in_multi:
+                        conn.sendall(b"+QUEUED\r\n")
+                    else:
+                        conn.sendall(b"-ERR XADD outside MULTI is not expected here\r\n")
+                elif in_multi:
+                    conn.sendall(b"+QUEUED\r\n")
+                elif cmd == b"SCAN":
+                    conn.sendall(b"*2\r\n$1\r\n0\r\n*0\r\n")
+                elif cmd == b"XINFO":
+                    conn.sendall(b"-ERR no such key\r\n")
                 elif cmd == b"CONFIG":
                     conn.sendall(b"*6\r\n$10\r\nappendonly\r\n$3\r\nyes\r\n$11\r\nappendfsync\r\n"
                                  b"$6\r\nalways\r\n$16\r\nmaxmemory-policy\r\n$10\r\nnoeviction\r\n")
@@ -97,6 +132,7 @@ class BadPeer:
                 elif cmd == b"FUNCTION":
                     conn.sendall(b"$12\r\noutbox_relay\r\n")
                 else:
+                    self.other.add(cmd)
                     conn.sendall(b"+OK\r\n")
         except OSError:
             pass
@@ -110,27 +146,29 @@ class BadPeer:
 
 class MalformedReplyTest(harness.ServerTestCase):
 
-    def check_bad_reply(self, kind):
-        peer = BadPeer(BAD_REPLIES[kind])
+    def check_bad_reply(self, kind, bad_command=b"EXEC"):
+        peer = BadPeer(BAD_REPLIES[kind], bad_command)
         self.addCleanup(peer.close)
         for i in range(5):
             insert(self.db, "orders", f"row {i}".encode())
         relay = self.relay(env={"OUTBOX_RELAY_REDIS": peer.url()}, poll_interval="200ms",
                            reconnect_min="50ms", reconnect_max="300ms", publish_timeout="1s")
-        harness.wait_until(lambda: peer.fcalls >= 5, timeout=20, relay=relay,
-                           message=f"FCALLs answered with a bad reply ({kind})")
-        relay.wait_for_log(r"batch of \d+ rows not published", timeout=10)
+        harness.wait_until(lambda: peer.publishes >= 1, timeout=20, relay=relay,
+                           message=f"a publish answered with a bad reply ({kind}"
+                                   f" to {bad_command.decode()})")
         # Let it retry a few times against the same bad peer.
-        calls = peer.fcalls
-        harness.wait_until(lambda: peer.fcalls > calls, timeout=20, relay=relay,
+        calls = peer.publishes
+        harness.wait_until(lambda: peer.publishes > calls, timeout=20, relay=relay,
                            message="a retry after backoff")
         self.assertTrue(relay.alive(), f"relay died on a {kind} reply\n{relay.log_tail()}")
-        self.assertEqual(harness.scalar(self.db, "SELECT count(*) FROM outbox.messages"
-                                                 " WHERE sent_at IS NOT NULL"), 0,
-                         "a row was marked sent without a valid publish reply")
-        self.assertEqual(harness.scalar(self.db, "SELECT count(*) FROM outbox.messages"
-                                                 " WHERE attempts > 0 OR failed_at IS NOT NULL"),
-                         0, "a batch-level failure blamed a row")
+        self.assertEqual(harness.count_unsent(self.db), 5,
+                         "a row was recorded as sent without a valid publish reply")
+        self.assertEqual(harness.scalar(self.db, "SELECT count(*) FROM outbox.stream_positions"
+                                                 " WHERE topic <> ''"), 0,
+                         "a stream's position was recorded without a valid publish reply")
+        self.assertEqual(harness.quarantined(self.db), {}, "a batch-level failure blamed a row")
+        # The log says the batch was not published, and why.
+        relay.wait_for_log(r"WARNING batch: batch not published: \S", timeout=10)
         self.assertEqual(relay.terminate(), 0)
 
     def test_integer_reply(self):
@@ -151,6 +189,15 @@ class MalformedReplyTest(harness.ServerTestCase):
     def test_bulk_length_that_lies(self):
         self.check_bad_reply("bulk-length-lies")
 
+    def test_integer_in_place_of_queued(self):
+        self.check_bad_reply("integer", b"XADD")
+
+    def test_array_in_place_of_queued(self):
+        self.check_bad_reply("array", b"XADD")
+
+    def test_bytes_that_are_not_resp_in_place_of_queued(self):
+        self.check_bad_reply("not-resp", b"XADD")
+
     def test_rows_arrive_once_a_real_redis_answers(self):
         peer = BadPeer(BAD_REPLIES["integer"])
         for i in range(5):
@@ -158,7 +205,7 @@ class MalformedReplyTest(harness.ServerTestCase):
         with harness.Relay(self.pg, env={"OUTBOX_RELAY_REDIS": peer.url()},
                            poll_interval="200ms", reconnect_min="50ms",
                            reconnect_max="300ms") as relay:
-            harness.wait_until(lambda: peer.fcalls >= 5, timeout=20, relay=relay)
+            harness.wait_until(lambda: peer.publishes >= 2, timeout=20, relay=relay)
             self.assertEqual(relay.terminate(), 0)
         peer.close()
         relay = self.relay(poll_interval="200ms")

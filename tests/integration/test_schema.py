@@ -54,8 +54,8 @@ def mark_sent(conn, topics):
     """What the relay records once a batch is in its streams: a tick over
     every row committed so far, and each topic's stream past it. Returns the tick."""
     tick = scalar(conn, "SELECT outbox.tick()")
-    scalar(conn, "SELECT outbox.record_batch(%s, %s::text[], %s::integer[], %s::text[],"
-                 " '{}'::bigint[], '{}'::text[])",
+    scalar(conn, "SELECT outbox.record_batch(%s, true, %s::text[], %s::integer[], %s::text[],"
+                 " '{}', '{}', '{}', '{}', '{}'::bigint[], '{}'::text[])",
            (tick, list(topics), [-1] * len(topics), ["0-0"] * len(topics)))
     return tick
 
@@ -206,7 +206,7 @@ class SchemaTest(harness.PostgresTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 16)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 17)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 7"), "007_wakeup_lock.sql")
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
@@ -228,12 +228,10 @@ class SchemaTest(harness.PostgresTestCase):
         for rel in ("outbox.ticks", "outbox.stream_positions", "outbox.quarantine",
                     "outbox.unsent", "outbox.messages_txid_idx"):
             self.assertIsNotNone(scalar(self.db, "SELECT to_regclass(%s)", (rel,)), rel)
-        # The finish of every batch keeps its plan for the session: a SQL
-        # function that cannot be inlined is parsed and planned on every call.
-        self.assertEqual(scalar(self.db, "SELECT l.lanname FROM pg_proc AS p JOIN pg_language"
-                                         " AS l ON l.oid = p.prolang WHERE p.oid ="
-                                         " 'outbox.delete_published(bigint[])'::regprocedure"),
-                         "plpgsql")
+        # The tools of 017: the quarantine written again or dropped, the backlog.
+        for fn in ("outbox.quarantine_retry(boolean, bigint[])",
+                   "outbox.quarantine_drop(bigint[])", "outbox.quarantine_rows(bigint[], text[])"):
+            self.assertIsNotNone(scalar(self.db, "SELECT to_regprocedure(%s)", (fn,)), fn)
         self.assertIsNone(scalar(self.db, "SELECT to_regclass('outbox.relay_wakeup')"),
                           "the flag table of 006 is gone")
         self.assertEqual(sorted(scalar(self.db, "SELECT reloptions FROM pg_class"
@@ -401,20 +399,20 @@ class SchemaTest(harness.PostgresTestCase):
         self.assertEqual(batch(second, third), [3, 4], "each row in exactly one batch")
         self.assertEqual(batch(first, second, limit=1), [1])
         self.assertEqual(scalar(relay, "SELECT count(*) FROM outbox.unsent"), 4)
-        self.assertEqual(scalar(relay, "SELECT outbox.record_batch(%s, '{orders}', '{-1}',"
-                                       " '{1-1}', '{}', '{}')", (second,)), 0)
+        self.assertEqual(scalar(relay, "SELECT outbox.record_batch(%s, true, '{orders}', '{-1}',"
+                                       " '{1-1}', '{}', '{}', '{}', '{}', '{}', '{}')", (second,)), 0)
         with relay.cursor() as cur:
             cur.execute("SELECT id FROM outbox.unsent ORDER BY id")
             self.assertEqual([r[0] for r in cur.fetchall()], [3, 4])
         # A row that cannot be published is quarantined with why.
-        self.assertEqual(scalar(relay, "SELECT outbox.record_batch(%s, '{orders}', '{-1}',"
-                                       " '{2-1}', '{4}', '{too big}')", (third,)), 1)
+        self.assertEqual(scalar(relay, "SELECT outbox.record_batch(%s, true, '{orders}', '{-1}',"
+                                       " '{2-1}', '{}', '{}', '{}', '{}', '{4}', '{too big}')", (third,)), 1)
         self.assertEqual(scalar(relay, "SELECT count(*) FROM outbox.unsent"), 0)
         self.assertEqual(scalar(self.db, "SELECT error FROM outbox.quarantine WHERE id = 4"),
                          "too big")
         self.assertEqual(scalar(self.db, "SELECT tick FROM outbox.stream_positions"
                                          " WHERE topic = 'orders'"), third)
-        self.assertEqual(scalar(relay, "SELECT max(version) FROM outbox.schema_version"), 16)
+        self.assertEqual(scalar(relay, "SELECT max(version) FROM outbox.schema_version"), 17)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")

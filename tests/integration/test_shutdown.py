@@ -2,15 +2,17 @@
 
 Promises tested (docs/DESIGN.md, "The claim cycle": drain; P1 and P2):
 - SIGTERM (and SIGINT) while idle: exit code 0, promptly;
-- SIGTERM under load: the batch in flight is finished or rolled back, the
-  relay exits 0 within drain_timeout, every row it marked sent is in Redis,
-  and a new relay then delivers everything exactly once;
+- SIGTERM under load: the batch in flight is finished or abandoned, the
+  relay exits 0 within drain_timeout, every row its recorded positions have
+  passed is in Redis, and a new relay then delivers everything exactly once;
 - SIGTERM while the batch in flight cannot finish (Redis hung): the relay
   still exits within drain_timeout;
 - a second SIGTERM during the drain exits at once, and still nothing is lost
   or doubled after a restart;
-- the drain waits for Redis to remove the dedup records of the batch it
-  finished: none of 200 is left behind for its dedup_ttl.
+- the drain finishes the batch it has in flight: a batch of 200 sent to a
+  frozen Redis that answers after SIGTERM is published and recorded before
+  the relay exits (none of its rows is left for the next relay to read
+  again), and Redis holds nothing but the streams (no record per message).
 """
 
 import signal
@@ -27,12 +29,10 @@ CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, s
 SLACK = 5  # seconds allowed beyond drain_timeout for the process to go
 
 
-def locked_by_relay(conn):
-    """How many pending rows another session (the relay) holds in a claim."""
-    pending = scalar(conn, "SELECT count(*) FROM outbox.messages WHERE sent_at IS NULL")
-    free = scalar(conn, "SELECT count(*) FROM (SELECT 1 FROM outbox.messages"
-                        " WHERE sent_at IS NULL FOR UPDATE SKIP LOCKED) s")
-    return pending - free
+def relay_sessions(conn):
+    """The relay's sessions on the server."""
+    return scalar(conn, "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE application_name LIKE 'outbox-relay%%'")
 
 
 class ShutdownTest(harness.ServerTestCase):
@@ -72,27 +72,37 @@ class ShutdownTest(harness.ServerTestCase):
         self.addCleanup(producer.stop)
         relay = self.relay(poll_interval="200ms", batch_size=200,
                            drain_timeout=f"{drain}s")
-        wait_until(lambda: scalar(self.db, "SELECT count(*) FROM outbox.messages"
-                                           " WHERE sent_at IS NOT NULL") >= 1000,
+        wait_until(lambda: harness.count_sent(self.db) >= 1000,
                    timeout=30, relay=relay, message="the relay to be busy")
         self.assertGreater(harness.count_unsent(self.db), 0, "still under load")
         code = relay.terminate(timeout=drain + SLACK)
         self.assertEqual(code, 0, relay.log_tail())
         fig = self.verifier().figures()  # the rest is still pending
         self.assertEqual((fig.sent_but_absent, fig.duplicates, fig.stray), (0, 0, 0),
-                         "a row marked sent is in Redis, once")
+                         "a row recorded as sent is in Redis, once")
         producer.stop()
         self.deliver_the_rest("after restart")
 
-    def hang_a_batch(self, **flags):
-        """A relay whose next batch is stuck: Redis hangs after the relay claimed rows."""
-        relay = self.ready_relay(publish_timeout="60s", **flags)
+    def freeze_redis_mid_batch(self, relay, rows, stream="orders"):
+        """Inserts rows in one transaction and freezes Redis once their batch
+        has begun to reach the stream: the rest of its calls are in flight
+        (or still to send) and stay unanswered. (A relay does not start a
+        batch while Redis does not answer, so Redis is frozen mid-batch.)"""
+        before = self.r.xlen(stream)
+        conn = self.pg.connect(autocommit=False)
+        self.addCleanup(conn.close)
+        harness.insert_many(conn, [(stream, b"in flight %d" % i) for i in range(rows)])
+        wait_until(lambda: self.r.xlen(stream) > before, timeout=30, interval=0.002,
+                   relay=relay, message="the batch to begin reaching the stream")
         self.redis.pause()
         self.addCleanup(self.redis.resume)
-        for i in range(20):
-            insert(self.db, "orders", b"stuck %d" % i)
-        wait_until(lambda: locked_by_relay(self.db) > 0, timeout=30, relay=relay,
-                   message="the relay to claim rows")
+        self.assertGreater(harness.count_unsent(self.db), 0,
+                           "the batch was recorded before Redis could be frozen")
+
+    def hang_a_batch(self, **flags):
+        """A relay whose batch is stuck: Redis hangs while the relay publishes it."""
+        relay = self.ready_relay(publish_timeout="60s", batch_size=100, **flags)
+        self.freeze_redis_mid_batch(relay, 20000)
         return relay
 
     def test_sigterm_with_batch_that_cannot_finish(self):
@@ -102,39 +112,28 @@ class ShutdownTest(harness.ServerTestCase):
         code = relay.wait(timeout=drain + SLACK)
         print(f"exit code after the drain deadline: {code}", flush=True)
         self.assert_not_crashed(code, relay)
-        wait_until(lambda: locked_by_relay(self.db) == 0, timeout=10,
-                   message="the claim of the exited relay to be released")
+        wait_until(lambda: relay_sessions(self.db) == 0, timeout=10,
+                   message="the sessions of the exited relay to end")
         self.redis.resume()
         self.deliver_the_rest("after drain deadline")
 
-    def test_drain_retires_the_dedup_records_of_its_last_batch(self):
-        # A batch of 200 in flight (Redis frozen after the relay sent it),
-        # SIGTERM, then Redis answers: the batch commits during the drain and
-        # its dedup records are retired (left to expire within publish_timeout
-        # rather than dedup_ttl) before the relay exits. So is the warm-up's
-        # record, whose removal was still waiting for its 60 s.
+    def test_drain_records_the_batch_in_flight(self):
+        # A batch in flight (Redis frozen while the relay publishes it),
+        # SIGTERM, then Redis answers: the batch is published and recorded
+        # during the drain, before the relay exits, so no relay reads it
+        # again; and the stream is all Redis holds of it.
         relay = self.ready_relay(publish_timeout="60s", batch_size=500)
-        warm = harness.dedup_records(self.r)
-        self.assertTrue(warm and all(t > 60000 for t in warm.values()),
-                        f"the warm-up's record waits for its removal: {warm}")
-        self.redis.pause()
-        self.addCleanup(self.redis.resume)
-        conn = self.pg.connect(autocommit=False)
-        self.addCleanup(conn.close)
-        harness.insert_many(conn, [("orders", b"last batch %d" % i) for i in range(200)])
-        wait_until(lambda: locked_by_relay(self.db) == 200, timeout=30, relay=relay,
-                   message="the relay to claim the 200 rows")
-        time.sleep(0.2)  # its publishes are written to the frozen Redis
+        self.freeze_redis_mid_batch(relay, 20000)
+        time.sleep(0.2)  # more of its calls are written to the frozen Redis
         relay.kill(signal.SIGTERM)
         time.sleep(0.5)
         self.redis.resume()
         code = relay.wait(timeout=30)
         self.assertEqual(code, 0, relay.log_tail())
-        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
-                                         " WHERE sent_at IS NULL"), 0, relay.log_tail())
-        left = len(harness.unretired_dedup_records(self.r, 60000))
-        print(f"dedup records not retired after the drain: {left} of 200", flush=True)
-        self.assertEqual(left, 0, "the drain left dedup records for their dedup_ttl")
+        self.assertEqual(harness.count_unsent(self.db), 0,
+                         "the drain left rows of its batch unrecorded\n" + relay.log_tail())
+        keys = sorted(self.r.scan_iter(count=1000))
+        self.assertEqual(keys, [b"orders"], "Redis holds the stream and nothing else")
         self.verifier().report("after the drain").assert_exactly_once(self)
 
     def test_second_sigterm_exits_at_once(self):

@@ -22,7 +22,7 @@
   comes again and messages are relayed.
 - SIGHUP with a configuration file: a new log_level is applied (DEBUG lines
   appear, then stop again); changed keys that need a restart are named in one
-  WARNING line and keep their running value (batches stay at the old
+  WARNING line and keep their running value (chunks stay at the old
   batch_size); a file that does not validate is not applied (log_level stays)
   and the ERROR line names the file, the line and the rule; every reload
   sends RELOADING=1 then READY=1.
@@ -307,10 +307,12 @@ class NotifyTest(harness.ServerTestCase):
             self.assertRegex(n.wait_for(r"RELOADING=1"), r"RELOADING=1\nMONOTONIC_USEC=\d+")
             n.wait_for(r"^READY=1$")
 
-        def batches(since):
-            """Row counts of the batches committed since the mark (DEBUG lines)."""
-            return [int(c) for c in re.findall(r"^\S+ DEBUG relay: batch committed: (\d+) "
-                                               r"published", relay.log()[since:], re.MULTILINE)]
+        def batch_debug_lines(since):
+            """The DEBUG lines of the batch loop since the mark."""
+            return re.findall(r"^\S+ DEBUG batch: .*$", relay.log()[since:], re.MULTILINE)
+
+        def exec_calls():
+            return self.r.info("commandstats").get("cmdstat_exec", {}).get("calls", 0)
 
         write("info", 100, "200ms")
         n, relay = self.start(args=["-c", path], servers=False)
@@ -320,18 +322,23 @@ class NotifyTest(harness.ServerTestCase):
         self.assertNotRegex(relay.log(), r"(?m)^\S+ DEBUG ", "log_level info logs no DEBUG")
 
         # log_level and two keys that need a restart.
-        write("debug", 50, "300ms")
+        write("debug", 10, "300ms")
         mark = relay.mark()
         reload()
         line = relay.wait_for_log(r"^\S+ WARNING config: .*$", since=mark).group(0)
         self.assertRegex(line, r"WARNING config: reloaded log_level; changed keys that need a "
                                r"restart: batch_size, poll_interval$")
+        self.r.config_resetstat()
         harness.insert_many(self.db, [("orders", b"b%d" % i) for i in range(120)])
         harness.wait_all_sent(self.db, relay=relay)
-        wait_until(lambda: sum(batches(mark)) == 120, timeout=10, relay=relay,
-                   message="DEBUG lines for the 120 rows")
-        self.assertEqual(max(batches(mark)), 100,
-                         "batch_size needs a restart: batches keep the running 100")
+        # One batch (one transaction), read in chunks of batch_size rows,
+        # each chunk's rows of the stream in calls of at most 64: chunks of
+        # the running 100 make 64 + 36 and 20, three EXECs; chunks of 10
+        # would make twelve.
+        self.assertEqual(exec_calls(), 3,
+                         "batch_size needs a restart: chunks keep the running 100")
+        wait_until(lambda: batch_debug_lines(mark), timeout=10, relay=relay,
+                   message="DEBUG lines for the batch of the 120 rows")
 
         # A file that does not validate: nothing of it is applied.
         write("error", 0, "300ms")
@@ -343,7 +350,7 @@ class NotifyTest(harness.ServerTestCase):
                                r"configuration: .*relay\.conf:5: .*batch_size.*between 1 and")
         insert(self.db, "orders", b"c")
         harness.wait_all_sent(self.db, relay=relay)
-        wait_until(lambda: batches(mark) == [1], timeout=10, relay=relay,
+        wait_until(lambda: batch_debug_lines(mark), timeout=10, relay=relay,
                    message="a DEBUG line: log_level debug is still in force")
 
         # Back to info, the restart keys as they run: only log_level changes.
