@@ -11,11 +11,6 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
   drain      BENCH_ROWS pending rows, then the relay until all are sent and in
              Redis: msgs/s, CPU per 100k, peak RSS; then the claim's cost with
              those rows sent and still in the table
-  naive      the same backlog drained by bench-naive, the plain yardstick loop
-  sweep      drain throughput against batch size (relay and naive), and the
-             relay's peak RSS with a backlog of RSS_SMALL_ROWS (long enough
-             to reach the steady state of the dedup-record removals that wait
-             publish_timeout after each commit)
   latency    first the producers alone at the ramp's target rate (no relay, the
              wake-up lock held as a busy relay holds it): whether they can offer
              it at all; then an idle relay's single-row latency, then producers
@@ -98,9 +93,6 @@ from bench.benchlib import (  # noqa: E402,F401
 from testkit import harness  # noqa: E402  (the integration tests' throwaway servers)
 
 ROWS = env_int("BENCH_ROWS", 50000 if QUICK else 1000000)          # the drain backlog
-SWEEP_ROWS = env_int("BENCH_SWEEP_ROWS", 20000 if QUICK else 80000)
-BATCHES = env_list("BENCH_BATCHES", [50, 200, 500, 2000])
-RSS_SMALL_ROWS = env_int("BENCH_RSS_SMALL_ROWS", 20000 if QUICK else 300000)
 RATES = env_list("BENCH_RATES", [500, 2000] if QUICK else [500, 2000, 5000])
 RATE_SECONDS = env_float("BENCH_RATE_SECONDS", 3 if QUICK else 15)
 RAMP_SECONDS = env_float("BENCH_RAMP_SECONDS", 2 if QUICK else 4)
@@ -110,7 +102,6 @@ NORELAY_SECONDS = env_int("BENCH_NORELAY_SECONDS", 2 if QUICK else 6)
 # Rounds in turns of the most producers with and without the wake-up: three
 # left the ratio of the medians 0.89-0.95 between runs of the same code.
 PRODUCER_ROUNDS = env_int("BENCH_PRODUCER_ROUNDS", 1 if QUICK else 5)
-PAIRS = env_int("BENCH_PAIRS", 2 if QUICK else 3)   # interleaved relay/naive pairs at BATCH
 PRODUCER_CLIENTS = env_list("BENCH_PRODUCER_CLIENTS", [1, 4, 16])
 CLAIM_PENDING = env_int("BENCH_CLAIM_PENDING", 10000)
 STORAGE_ROUNDS = env_int("BENCH_STORAGE_ROUNDS", 2)
@@ -124,7 +115,7 @@ ALT_RATES = env_list("BENCH_ALT_RATES", [200, 2000])
 ALT_SECONDS = env_float("BENCH_ALT_SECONDS", 3 if QUICK else 15)
 ALT_ROUNDS = env_int("BENCH_ALT_ROUNDS", 1 if QUICK else 2)
 ALT_CRASH_ROWS = env_int("BENCH_ALT_CRASH_ROWS", 20000 if QUICK else 100000)
-ALL_SECTIONS = ["drain", "naive", "sweep", "latency", "producers", "limits", "storage",
+ALL_SECTIONS = ["drain", "latency", "producers", "limits", "storage",
                 "partitions", "replicas", "cluster", "alternatives", "profile"]
 SECTIONS = [s.strip() for s in (os.environ.get("BENCH_SECTIONS") or ",".join(ALL_SECTIONS))
             .split(",") if s.strip()]
@@ -172,8 +163,10 @@ def settle_dedup_records(rc, rd, redis_base, most=30.0):
 
 
 def drain(pg, rd, conn, rc, kind, rows, batch, extra=None, relay_flags=None, settle=False):
-    """Drains a backlog of `rows` with the relay (with relay_flags) or the naive
-    loop; returns its figures. With settle, the relay's drain also measures
+    if kind != "relay":
+        raise ValueError(f"drain: no drain of kind {kind!r}: only the relay drains")
+    """Drains a backlog of `rows` with the relay (with relay_flags); returns its
+    figures. With settle, the relay's drain also measures
     Redis until its dedup records are retired (settle_dedup_records)."""
     meter = CpuMeter(pg, rd)
     redis_base = proc_cpu(rd.proc.pid)
@@ -211,31 +204,6 @@ def drain(pg, rd, conn, rc, kind, rows, batch, extra=None, relay_flags=None, set
                 settled = settle_dedup_records(rc, rd, redis_base)
         finally:
             stop_relay(relay)
-    else:
-        # --hold: it prints its result and stays connected until stdin closes, so
-        # its CPU, its peak RSS and its backend's CPU are read from /proc as the relay's.
-        argv = [NAIVE_BIN, "--postgres", pg.dsn(), "--redis-port", str(rd.port),
-                "--batch-size", str(batch), "--hold"] + list(extra or [])
-        started = time.monotonic()
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        try:
-            line = proc.stdout.readline()
-            took = time.monotonic() - started
-            if not line:
-                proc.wait(timeout=30)
-                raise RuntimeError(f"bench-naive failed ({proc.returncode}):"
-                                   f" {proc.stderr.read()[-2000:]}")
-            cpu = proc_cpu(proc.pid)
-            hwm = proc_status(proc.pid, "VmHWM")
-            pg_cpu, rd_cpu = meter.read()
-            other = meter.other(cpu)
-            commands = rc.info("commandstats")
-            waited = run_delay(rd.proc.pid)
-        finally:
-            proc.stdin.close()
-            proc.wait(timeout=30)
-        steps = json.loads(line)
     in_redis = stream_total(rc)
     left = pending(conn)
     if in_redis != rows or left != 0:
@@ -271,13 +239,6 @@ def drain(pg, rd, conn, rc, kind, rows, batch, extra=None, relay_flags=None, set
         # Where that time went (outbox_relay_batch_phase_seconds), mean ms a batch.
         for phase, seconds in (phase_sums or {}).items():
             result[f"phase_{phase}_ms"] = seconds / batches * 1e3
-    if kind != "relay":
-        # The naive loop's own clock: where each batch's time went, in ms.
-        for key in ("claim_ms", "publish_ms", "mark_ms", "commit_ms", "unlink_ms"):
-            result[f"batch_{key}"] = steps[key]
-        result["batches"] = steps["batches"]
-        result["batch_total_ms"] = sum(steps[k] for k in ("claim_ms", "publish_ms", "mark_ms",
-                                                          "commit_ms"))
     return result
 
 
@@ -758,60 +719,6 @@ def section_storage():
     R.add("storage", "storage.delete_vs_mark.pg_cpu_ratio", statistics.median(pairs), "",
           "PostgreSQL CPU per message, delete / mark, per round: " +
           ", ".join(f"{p:.2f}" for p in pairs))
-
-
-def section_naive():
-    with servers() as (pg, rd, conn, rc):
-        insert_backlog(conn, ROWS)
-        d = drain(pg, rd, conn, rc, "naive", ROWS, BATCH)
-        record_drain("naive", "drain.naive", d, f"batch {BATCH}, dedup on")
-
-
-def section_sweep():
-    with servers() as (pg, rd, conn, rc):
-        reset_servers(conn, rc)
-        insert_backlog(conn, RSS_SMALL_ROWS)
-        d = drain(pg, rd, conn, rc, "relay", RSS_SMALL_ROWS, BATCH)
-        record_drain("sweep", "drain.relay_small", d,
-                     f"the RSS reference: a {RSS_SMALL_ROWS:,}-row backlog")
-        for i, batch in enumerate(BATCHES):
-            kinds = ("relay", "naive") if i % 2 == 0 else ("naive", "relay")
-            if batch == BATCH:
-                kinds += ("naive_unlink",)
-            for kind in kinds:
-                reset_servers(conn, rc)
-                insert_backlog(conn, SWEEP_ROWS)
-                if kind == "naive_unlink":
-                    d = drain(pg, rd, conn, rc, "naive", SWEEP_ROWS, batch, ["--drop-dedup"])
-                    record_drain("sweep", f"sweep.{kind}.b{batch}", d,
-                                 "the naive loop also removing the dedup records, as the relay")
-                    continue
-                d = drain(pg, rd, conn, rc, kind, SWEEP_ROWS, batch)
-                record_drain("sweep", f"sweep.{kind}.b{batch}", d)
-        # More interleaved pairs at the default batch size: on a shared machine one
-        # pair can fall on either side of someone else's burst; the median of the
-        # pairs' ratios is the steadier comparison.
-        ratios = []
-        for pair in range(1, PAIRS + 1):
-            rates = {}
-            for kind in (("relay", "naive") if pair % 2 else ("naive", "relay")):
-                key = f"sweep.{kind}.b{BATCH}" + ("" if pair == 1 else f".pair{pair}")
-                if pair > 1:
-                    reset_servers(conn, rc)
-                    insert_backlog(conn, SWEEP_ROWS)
-                    d = drain(pg, rd, conn, rc, kind, SWEEP_ROWS, BATCH)
-                    record_drain("sweep", key, d, f"pair {pair}")
-                rates[kind] = R.get(f"{key}.rate")
-                R.add("sweep", f"pairs.{pair}.{kind}.cpu_per_100k", R.get(f"{key}.cpu_per_100k"), "s")
-            ratios.append(rates["relay"] / rates["naive"])
-            R.add("sweep", f"pairs.{pair}.ratio", ratios[-1], "", "relay/naive msgs/s")
-        ratios.sort()
-        R.add("sweep", "pairs.median_ratio", ratios[len(ratios) // 2], "",
-              f"median of {PAIRS} interleaved relay/naive pairs, {SWEEP_ROWS} rows, batch {BATCH}")
-        cpu = sorted(R.get(f"pairs.{p}.relay.cpu_per_100k") / R.get(f"pairs.{p}.naive.cpu_per_100k")
-                     for p in range(1, PAIRS + 1))
-        R.add("sweep", "pairs.median_cpu_ratio", cpu[len(cpu) // 2], "",
-              "median relay/naive CPU per message over the pairs")
 
 
 # --------------------------------------------------------------------------
@@ -1423,14 +1330,10 @@ def section_profile():
 def build_table():
     g = R.get
     relay_rate = g("drain.relay.rate")
-    naive_rate = g("drain.naive.rate")
     cm = g("limit.claim_mark.rate")
     pub = g("limit.publish_calls.msgs")  # as the relay publishes: the overlap bound
-    single = g("limit.publish.rps")  # one message a call, as the naive loop publishes
-    R.row(f"drain {ROWS:,} rows, relay (batch {BATCH}, dedup)", relay_rate, "msg/s",
-          "naive loop, same backlog", naive_rate, "≥ 1.2")
-    R.row(f"drain {SWEEP_ROWS:,} rows, relay/naive, median of {PAIRS} interleaved pairs",
-          g("pairs.median_ratio"), "ratio", target="≥ 1.2", ratio=g("pairs.median_ratio"))
+    single = g("limit.publish.rps")  # one message a call
+    R.row(f"drain {ROWS:,} rows, relay (batch {BATCH})", relay_rate, "msg/s")
     if cm and pub and single:
         serial = 1 / (1 / cm + 1 / single)
         R.add("limits", "limit.serial_bound", serial, "msg/s",
@@ -1440,49 +1343,28 @@ def build_table():
               "min(claim_mark, publish): both sides at their limit, overlapped")
         R.row("drain, relay", relay_rate, "msg/s", "min(claim+finish, publish) alone",
               min(cm, pub), "≥ 0.8")
-        R.row("drain, naive loop", naive_rate, "msg/s",
-              "serial bound 1/(1/claim+finish + 1/publish)", serial)
     R.row("claim-and-finish alone (rows deleted, the relay's default; no Redis)", cm, "rows/s")
     R.row(f"publish alone, the relay's calls of {CALL_ROWS} messages of one stream"
           f" (redis-benchmark -P {-(-BATCH // CALL_ROWS)})", g("limit.publish_calls.msgs"),
           "msg/s", f"one message a call (-P {BATCH})", g("limit.publish.rps"))
-    R.row("relay CPU per 100k messages", g("drain.relay.cpu_per_100k"), "s",
-          "naive loop CPU per 100k", g("drain.naive.cpu_per_100k"), "≤ 1.0")
-    R.row(f"relay/naive CPU per message, median of {PAIRS} pairs", g("pairs.median_cpu_ratio"),
-          "ratio", target="≤ 1.0", ratio=g("pairs.median_cpu_ratio"))
-    steps = [g(f"drain.naive.batch_{k}_ms") for k in ("claim", "publish", "mark", "commit")]
-    if all(v is not None for v in steps):
-        R.row(f"naive loop, one batch of {BATCH}: claim / publish / mark / commit",
-              " / ".join(fmt(v) for v in steps), "ms", "the relay's mean batch (claim to commit)",
-              g("drain.relay.batch_total_ms"))
+    R.row("relay CPU per 100k messages", g("drain.relay.cpu_per_100k"), "s")
     phases = [g(f"drain.relay.phase_{p}_ms") for p in PHASES]
     if all(v is not None for v in phases):
         R.row(f"relay, mean batch of {BATCH}: {' / '.join(PHASES)}",
               " / ".join(fmt(v) for v in phases), "ms", "the relay's mean batch (claim to commit)",
               g("drain.relay.batch_total_ms"))
-    R.row("relay+PostgreSQL+Redis CPU per 100k", g("drain.relay.total_cpu_per_100k"), "s",
-          "the same for the naive loop", g("drain.naive.total_cpu_per_100k"))
+    R.row("relay+PostgreSQL+Redis CPU per 100k", g("drain.relay.total_cpu_per_100k"), "s")
     R.row("relay+PostgreSQL+Redis CPU per 100k, 1M drain with dedup, Redis until the"
           " records are retired",
           g("drain.relay.total_cpu_settled_per_100k") or g("drain.relay.total_cpu_per_100k"),
           "s", "the full run of 2026-11-30 (ff4c421)", BASELINE_SYSTEM_CPU_PER_100K, "≤ 0.70")
-    for kind in ("relay", "naive"):
+    for kind in ("relay",):
         if g(f"drain.{kind}.rate"):
             parts = [g(f"drain.{kind}.{k}_busy") for k in ("relay", "pg", "redis", "other")]
             R.row(f"{ROWS:,} drain, {kind}: cores busy (client / PostgreSQL / Redis / others' work)",
                   " / ".join(fmt(p) for p in parts), "cores")
-    R.row(f"drain {SWEEP_ROWS:,}, relay, batch {BATCH}", g(f"sweep.relay.b{BATCH}.rate"), "msg/s",
-          "naive loop that also UNLINKs the dedup records", g(f"sweep.naive_unlink.b{BATCH}.rate"))
-    R.row(f"relay CPU per 100k, {SWEEP_ROWS:,} drain, batch {BATCH}",
-          g(f"sweep.relay.b{BATCH}.cpu_per_100k"), "s",
-          "naive loop that also UNLINKs the dedup records",
-          g(f"sweep.naive_unlink.b{BATCH}.cpu_per_100k"))
-    hwm1m, hwm1k = g("drain.relay.hwm_kb"), g("drain.relay_small.hwm_kb")
-    R.row(f"relay peak RSS, {ROWS:,}-row backlog", hwm1m / 1024 if hwm1m else None, "MiB",
-          f"relay peak RSS, {RSS_SMALL_ROWS:,}-row backlog", hwm1k / 1024 if hwm1k else None, "≤ 1.10")
-    for b in BATCHES:
-        R.row(f"drain {SWEEP_ROWS:,} rows, relay, batch {b}", g(f"sweep.relay.b{b}.rate"), "msg/s",
-              f"naive loop, batch {b}", g(f"sweep.naive.b{b}.rate"))
+    hwm1m = g("drain.relay.hwm_kb")
+    R.row(f"relay peak RSS, {ROWS:,}-row backlog", hwm1m / 1024 if hwm1m else None, "MiB")
     for p in ("p50", "p99"):
         v = g(f"idle.visible_ms.{p}")
         R.row(f"idle relay, one row: commit → stream {p}", v, "ms", "a few ms", 5.0, "≤ 1.0")
@@ -1680,32 +1562,6 @@ plot '{dat}' u 1:6 w lp t 'p50', '' u 1:7 w lp t 'p99', '' u 1:8 w lp t 'p99.9',
 unset multiplot
 """
         made.append(("latency", gp))
-    if any(g(f"sweep.relay.b{b}.rate") for b in BATCHES):
-        dat = os.path.join(RESULTS, "drain-batch.dat")
-        with open(dat, "w") as f:
-            f.write("# batch relay_msgs_per_s naive_msgs_per_s\n")
-            for b in BATCHES:
-                f.write(f"{b} {g(f'sweep.relay.b{b}.rate') or 'NaN'}"
-                        f" {g(f'sweep.naive.b{b}.rate') or 'NaN'}\n")
-        limits = ""
-        if g("limit.claim_mark.rate"):
-            limits += f", {g('limit.claim_mark.rate')} w l dt 2 t 'claim+finish alone (batch {BATCH})'"
-        if g("limit.publish_calls.msgs"):
-            limits += (f", {g('limit.publish_calls.msgs')} w l dt 3 t 'publish alone"
-                       f" (calls of {CALL_ROWS})'")
-        gp = f"""
-set terminal pngcairo size 800,480 font ",10"
-set output '{RESULTS}/drain-batch.png'
-set title "outbox-relay: drain throughput against batch size ({SWEEP_ROWS:,}-row backlog, dedup on)"
-set logscale x
-set xlabel "batch size (rows per claim)"
-set ylabel "messages per second"
-set yrange [0:*]
-set grid
-set key bottom right
-plot '{dat}' u 1:2 w lp lw 2 t 'relay', '' u 1:3 w lp lw 2 t 'naive loop'{limits}
-"""
-        made.append(("drain-batch", gp))
     if g(f"producers.sync_on.c{PRODUCER_CLIENTS[0]}.with.tps"):
         dat = os.path.join(RESULTS, "producers.dat")
         with open(dat, "w") as f:
@@ -1786,7 +1642,7 @@ def machine():
 
 def replot():
     """Rebuilds the table and the plots from results/latest.csv, measuring nothing."""
-    global ROWS, SWEEP_ROWS, PAIRS, BATCHES, PRODUCER_CLIENTS, LOAD_PRODUCERS
+    global ROWS, PRODUCER_CLIENTS, LOAD_PRODUCERS
     with open(os.path.join(RESULTS, "latest.csv")) as f:
         for section, name, value, unit, detail in list(csv.reader(f))[1:]:
             try:
@@ -1796,16 +1652,10 @@ def replot():
             R.raw.append((section, name, value, unit, detail))
             R.values[name] = value
     ROWS = int(R.get("bench.rows", ROWS))
-    SWEEP_ROWS = int(R.get("bench.sweep_rows", SWEEP_ROWS))
-    PAIRS = int(R.get("bench.pairs", PAIRS))
     LOAD_PRODUCERS = int(R.get("bench.load_producers", LOAD_PRODUCERS))
-    for name, default in (("bench.batches", BATCHES), ("bench.producer_clients", PRODUCER_CLIENTS)):
-        value = R.get(name)
-        parsed = [int(float(x)) for x in str(value).split(",")] if value is not None else default
-        if name == "bench.batches":
-            BATCHES = parsed
-        else:
-            PRODUCER_CLIENTS = parsed
+    value = R.get("bench.producer_clients")
+    if value is not None:
+        PRODUCER_CLIENTS = [int(float(x)) for x in str(value).split(",")]
     R.values["max_rate"] = int(R.get("max_rate") or 0)
     build_table()
     print_table()
@@ -1817,7 +1667,7 @@ def main():
         replot()
         return
     os.makedirs(RESULTS, exist_ok=True)
-    for path in (RELAY_BIN, NAIVE_BIN, LOADGEN_BIN, PGQ_BIN):
+    for path in (RELAY_BIN, LOADGEN_BIN, PGQ_BIN):
         if not os.access(path, os.X_OK):
             sys.exit(f"bench.py: {path} not found: run bench/run.sh, which builds it")
     os.environ["OUTBOX_RELAY_BIN"] = RELAY_BIN
@@ -1832,14 +1682,12 @@ def main():
     R.add("settings", "redis.args", " ".join(REDIS_ARGS) or "-")
     R.add("settings", "relay.batch_size", BATCH)
     R.add("settings", "relay.other", "defaults: listen on, poll_interval 1s, dedup_ttl 24h")
-    for key in ("ROWS", "SWEEP_ROWS", "RATE_SECONDS", "PGBENCH_SECONDS", "LOAD_PRODUCERS",
+    for key in ("ROWS", "RATE_SECONDS", "PGBENCH_SECONDS", "LOAD_PRODUCERS",
                 "CLAIM_PENDING", "LIMIT_ROWS", "PUBLISH_CALLS", "CALL_ROWS", "PROFILE_ROWS",
                 "QUICK"):
         R.add("settings", f"bench.{key.lower()}", globals()[key])
     R.add("settings", "bench.sections", ",".join(SECTIONS))
-    R.add("settings", "bench.batches", ",".join(str(b) for b in BATCHES))
     R.add("settings", "bench.producer_clients", ",".join(str(c) for c in PRODUCER_CLIENTS))
-    R.add("settings", "bench.pairs", PAIRS)
     log(f"machine: {info['nproc']} x {info['cpu']}, {info['memory_gib']} GiB; {info['postgres']};"
         f" {info['redis'].split(' sha=')[0]}; load average {info['loadavg_start']}")
     if float(info["loadavg_start"]) > 0.7:
@@ -1849,7 +1697,7 @@ def main():
         f" Redis appendonly={'no' if REDIS_AOF == 'no' else 'yes'} appendfsync={REDIS_AOF}"
         f"{' ' + ' '.join(REDIS_ARGS) if REDIS_ARGS else ''}; relay batch_size={BATCH}")
 
-    functions = dict(drain=section_drain, naive=section_naive, sweep=section_sweep,
+    functions = dict(drain=section_drain,
                      latency=section_latency, producers=section_producers,
                      limits=section_limits, storage=section_storage,
                      partitions=section_partitions, replicas=section_replicas,

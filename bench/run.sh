@@ -8,8 +8,8 @@
 #
 # Installs what is missing (scripts/deps.sh demo, plus gnuplot-nox for the plots and
 # PgQ for the side-by-side section),
-# builds the relay optimised (CMake Release) into build-bench with the three
-# benchmark tools (bench/naive.c, bench/loadgen.c, bench/pgq.c) beside it, then runs
+# builds the relay optimised (CMake Release) into build-bench with the two
+# benchmark tools (bench/loadgen.c, bench/pgq.c) beside it, then runs
 # bench/bench.py (as the module bench.bench, with the repository root on
 # PYTHONPATH, where it finds the packages bench and testkit): it starts its own
 # PostgreSQL and Redis on loopback, prints the table, and writes
@@ -50,7 +50,7 @@ fi
 # CMake builds them (RELAY_BENCH) with the Release flags, -O3 -DNDEBUG.
 # bench-cursor, the snapshot-and-cursor prototype, is for bench/extra/snapshot_cursor.py.
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DRELAY_TESTS=OFF -DRELAY_BENCH=ON >/dev/null
-cmake --build "$build" -j2 --target outbox-relay outbox_consumer bench-naive bench-loadgen bench-pgq \
+cmake --build "$build" -j2 --target outbox-relay outbox_consumer bench-loadgen bench-pgq \
   bench-cursor
 
 # --- run ----------------------------------------------------------------------

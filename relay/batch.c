@@ -1,17 +1,13 @@
 /*
- * The pure half of a claim cycle. The relay claims rows in one PostgreSQL
- * transaction and publishes each through the Redis function below; this file
- * decides what each row's command looks like, whether a row can be published
- * at all, and whether a failure belongs to one row (it is recorded in the row,
- * so it never blocks the rows behind it) or to the whole batch (it is rolled
- * back and retried later, and no row is blamed). A row's failure is permanent
- * (what the producer wrote breaks a rule: quarantined at once) or transient
- * (Redis refused it for a reason that can pass: retried, and quarantined after
- * max_attempts). Apart from its kind, a failure has a cause: the row itself
- * (dropped and written again by the fixed producer) or the setup (changed,
- * and the same row re-queued), which decides the advice its message ends
- * with. Both are set where the failure is found, never read back from the
- * message.
+ * The pure half of publishing a batch (docs/DESIGN.md, "Batches from
+ * snapshots"): whether a row can be published at all, and the MULTI / XADD
+ * ... / EXEC of a stream's rows, with each row's entry id. A row that breaks
+ * a rule fails on its own (it is quarantined, so it never blocks the rows
+ * behind it); its failure has a cause: the row itself (dropped and written
+ * again by the fixed producer) or the setup (changed, and the same row
+ * re-queued), which decides the advice its message ends with. Both are set
+ * where the failure is found, never read back from the message. Also the
+ * decoding of PostgreSQL's binary result formats.
  */
 #include "common/compat.h"
 
@@ -24,12 +20,6 @@
 #include <string.h>
 
 #include "common/keys.h"
-
-/*
- * The publish function the commands below call, with the trim and retire
- * functions, is functions/outbox_relay.lua (its rules are written there),
- * embedded in common/ and loaded by relay/sink.c.
- */
 
 size_t relay_batch_utf8_prefix(const char *s, size_t len, size_t max)
 {
@@ -127,17 +117,9 @@ static int add_advice(char *err, size_t errlen, enum relay_row_cause cause, int6
     return -1;
 }
 
-static void add_arg(struct relay_publish_cmd *cmd, const char *s, size_t len)
-{
-    cmd->argv[cmd->argc] = s;
-    cmd->argvlen[cmd->argc] = len;
-    cmd->argc++;
-}
-
-/* Buffers relay_batch_build_publish formats the keys into: the limits on the
- * stream name and the dedup key, shared with relay_batch_append_publish_call. */
-#define STREAM_NAME_SIZE sizeof(((struct relay_publish_cmd *)0)->stream)
-#define DEDUP_KEY_SIZE sizeof(((struct relay_publish_cmd *)0)->dedup_key)
+/* The room a stream name is formatted into, its NUL included: a longer
+ * stream_prefix makes a row fail as one of the setup. */
+#define STREAM_NAME_SIZE ((size_t)256 + OUTBOX_TOPIC_MAX)
 
 /* A row's headers, decoded from its two binary text[] columns. */
 struct row_headers {
@@ -190,14 +172,13 @@ static int check_headers(const struct relay_row *row, struct row_headers *h, cha
 
 /*
  * Every rule a row must pass before it can be published, in the order they
- * are reported, for both ways of building its command. Fills h and the
- * lengths of the stream name and the dedup key; -1 with a message in err
+ * are reported. Fills h and the length of the stream name; -1 with a message in err
  * when the row cannot be published, the kind of failure in *fault and whose
  * it is in *cause (the message's advice follows it).
  */
 static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t max_payload_bytes,
-                     struct row_headers *h, size_t *stream_len, size_t *dedup_len, char *err,
-                     size_t errlen, enum relay_row_fault *fault, enum relay_row_cause *cause)
+                     struct row_headers *h, size_t *stream_len, char *err, size_t errlen,
+                     enum relay_row_fault *fault, enum relay_row_cause *cause)
 {
     h->n = 0;
     /* Each rule below is about what the producer wrote, or about the limits
@@ -251,86 +232,18 @@ static int check_row(const struct relay_row *row, size_t prefix_len, uint32_t ma
     if (row->headers_type != NULL && check_headers(row, h, err, errlen) < 0)
         return add_advice(err, errlen, *cause, row->id);
 
-    /* "<prefix><topic>" and "{<stream>}:dedup:<message id>" must fit the
-     * buffers relay_batch_build_publish formats them into (with their NUL).
-     * A topic that passed its rule always fits behind a stream_prefix the
-     * configuration allows: only a longer prefix can break this. */
+    /* "<prefix><topic>" must fit the room of a stream name. A topic that
+     * passed its rule always fits behind a stream_prefix the configuration
+     * allows: only a longer prefix can break this. */
     *stream_len =
         prefix_len + row->topic_len + (row->partitions > 1 ? OUTBOX_PARTITION_SUFFIX_LEN : 0);
-    *dedup_len = *stream_len + row->message_id_len + sizeof("{}:dedup:") - 1;
-    if (*stream_len >= STREAM_NAME_SIZE || row->message_id_len >= DEDUP_KEY_SIZE ||
-        *dedup_len >= DEDUP_KEY_SIZE) {
+    if (*stream_len >= STREAM_NAME_SIZE) {
         *cause = RELAY_CAUSE_SETUP;
         snprintf(err, errlen, "stream name too long for topic; shorten stream_prefix");
         return add_advice(err, errlen, *cause, row->id);
     }
     *fault = RELAY_FAULT_NONE;
     *cause = RELAY_CAUSE_NONE;
-    return 0;
-}
-
-int relay_batch_build_publish(const struct relay_row *row, const char *stream_prefix,
-                              uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
-                              uint64_t not_after_ms, struct relay_publish_cmd *cmd, char *err,
-                              size_t errlen)
-{
-    struct row_headers h;
-    size_t stream_len, dedup_len;
-    enum relay_row_fault fault;
-    enum relay_row_cause cause;
-
-    cmd->argc = 0;
-    if (check_row(row, stream_prefix != NULL ? strlen(stream_prefix) : 0, max_payload_bytes, &h,
-                  &stream_len, &dedup_len, err, errlen, &fault, &cause) != 0)
-        return -1;
-
-    int slen =
-        outbox_key_partition_stream(stream_prefix, row->topic, row->topic_len, row->partition,
-                                    row->partitions, cmd->stream, sizeof(cmd->stream));
-    int dlen = outbox_key_dedup(cmd->stream, row->message_id, row->message_id_len, cmd->dedup_key,
-                                sizeof(cmd->dedup_key));
-    int alen = row->after == NULL ? 0
-                                  : outbox_key_dedup(cmd->stream, row->after->message_id,
-                                                     row->after->message_id_len, cmd->after_key,
-                                                     sizeof(cmd->after_key));
-    int tlen = snprintf(cmd->ttl, sizeof(cmd->ttl), "%u", dedup_ttl_ms);
-    int olen = snprintf(cmd->outbox_id, sizeof(cmd->outbox_id), "%lld", (long long)row->id);
-    int nlen =
-        snprintf(cmd->not_after, sizeof(cmd->not_after), "%llu", (unsigned long long)not_after_ms);
-    if (slen < 0 || dlen < 0 || alen < 0 || tlen < 0 || olen < 0 || nlen < 0) {
-        snprintf(err, errlen, "stream name too long for topic; shorten stream_prefix");
-        return add_advice(err, errlen, RELAY_CAUSE_SETUP, row->id);
-    }
-
-    add_arg(cmd, "FCALL", 5);
-    add_arg(cmd, RELAY_FUNCTION_PUBLISH, sizeof(RELAY_FUNCTION_PUBLISH) - 1);
-    add_arg(cmd, row->after != NULL ? "3" : "2", 1);
-    add_arg(cmd, cmd->stream, (size_t)slen);
-    add_arg(cmd, cmd->dedup_key, (size_t)dlen);
-    if (row->after != NULL)
-        add_arg(cmd, cmd->after_key, (size_t)alen);
-    add_arg(cmd, cmd->ttl, (size_t)tlen);
-    add_arg(cmd, cmd->not_after, (size_t)nlen);
-    add_arg(cmd, "id", 2);
-    add_arg(cmd, row->message_id, row->message_id_len);
-    add_arg(cmd, "topic", 5);
-    add_arg(cmd, row->topic, row->topic_len);
-    if (row->key != NULL) {
-        add_arg(cmd, "key", 3);
-        add_arg(cmd, row->key, row->key_len);
-    }
-    add_arg(cmd, "payload", 7);
-    add_arg(cmd, row->payload, row->payload_len);
-    add_arg(cmd, "created_at", 10);
-    add_arg(cmd, row->created_at, row->created_at_len);
-    add_arg(cmd, "outbox_id", 9);
-    add_arg(cmd, cmd->outbox_id, (size_t)olen);
-    for (int i = 0; i < h.n; i++) {
-        int hl = snprintf(cmd->header_fields[i], sizeof(cmd->header_fields[i]), "h.%.*s",
-                          (int)h.name_lens[i], h.names[i]);
-        add_arg(cmd, cmd->header_fields[i], (size_t)hl);
-        add_arg(cmd, h.values[i], h.value_lens[i]);
-    }
     return 0;
 }
 
@@ -442,21 +355,6 @@ static size_t partition_suffix(const struct relay_row *row, char out[OUTBOX_PART
     return outbox_key_partition_suffix(row->partition, row->partitions, out);
 }
 
-/* "{<stream>}:dedup:<message id>" of a message in row's stream, as a bulk
- * string of len bytes. */
-static char *put_dedup_key(char *p, const char *stream_prefix, size_t prefix_len,
-                           const struct relay_row *row, const char *suffix, size_t suffix_len,
-                           const char *message_id, size_t message_id_len, size_t len)
-{
-    p = put_bulk_head(p, len);
-    *p++ = '{';
-    p = put_mem(p, stream_prefix, prefix_len);
-    p = put_mem(p, row->topic, row->topic_len);
-    p = put_mem(p, suffix, suffix_len);
-    p = PUT_LIT(p, "}:dedup:");
-    return put_crlf(put_mem(p, message_id, message_id_len));
-}
-
 /* The entry's fields of row: their bytes as bulk strings, and their number
  * in *argc. */
 static size_t fields_size(const struct relay_row *row, const struct row_headers *h,
@@ -520,11 +418,11 @@ static size_t row_entry(const struct relay_row *row, size_t prefix_len, uint32_t
                         size_t *outbox_id_len, char *err, size_t errlen,
                         enum relay_row_fault *fault, enum relay_row_cause *cause)
 {
-    size_t stream_len = 0, dedup_len = 0;
+    size_t stream_len = 0;
     *nfields = 0;
     *outbox_id_len = 0;
-    if (check_row(row, prefix_len, max_payload_bytes, h, &stream_len, &dedup_len, err, errlen,
-                  fault, cause) != 0)
+    if (check_row(row, prefix_len, max_payload_bytes, h, &stream_len, err, errlen, fault, cause) !=
+        0)
         return 0;
     *outbox_id_len = format_int64(outbox_id, row->id);
     size_t fields = fields_size(row, h, *outbox_id_len, nfields);
@@ -543,83 +441,6 @@ int relay_batch_check_publish(struct relay_row *row, const char *stream_prefix,
                   &nfields, outbox_id, &outbox_id_len, err, errlen, fault, &row->cause);
     row->call_fields = (uint32_t)nfields;
     return row->call_bytes > 0 ? 0 : -1;
-}
-
-/* The fixed head of a publish of several rows, without its numkeys. */
-static const char publish_many_head[] = "$5\r\nFCALL\r\n"
-                                        "$28\r\n" RELAY_FUNCTION_PUBLISH_MANY "\r\n";
-_Static_assert(sizeof(RELAY_FUNCTION_PUBLISH_MANY) - 1 == 28,
-               "publish_many_head spells out the length of RELAY_FUNCTION_PUBLISH_MANY");
-
-int relay_batch_append_publish_call(const struct relay_row *const *rows, size_t n,
-                                    const struct relay_row *after, const char *stream_prefix,
-                                    uint32_t max_payload_bytes, uint32_t dedup_ttl_ms,
-                                    uint64_t not_after_ms, struct outbox_buf *out)
-{
-    if (n == 0)
-        return -1;
-    if (stream_prefix == NULL)
-        stream_prefix = "";
-    size_t prefix_len = strlen(stream_prefix);
-    const struct relay_row *lead = rows[0];
-    char suffix[OUTBOX_PARTITION_SUFFIX_LEN];
-    size_t suffix_len = partition_suffix(lead, suffix);
-    size_t stream_len = prefix_len + lead->topic_len + suffix_len;
-    /* "{<stream>}:dedup:" and the message id. */
-    size_t key_base = stream_len + sizeof("{}:dedup:") - 1;
-
-    /* Sized from each row's check (relay_batch_check_publish); each entry is
-     * checked again, and its size compared, before it is written. */
-    char ttl[24], not_after[24], count[24];
-    size_t ttl_len = (size_t)(put_uint(ttl, dedup_ttl_ms) - ttl);
-    size_t not_after_len = (size_t)(put_uint(not_after, not_after_ms) - not_after);
-    size_t count_len = (size_t)(put_uint(count, n) - count);
-    size_t nkeys = 1 + (after != NULL) + n;
-    size_t argc = 3 + nkeys + 3, need = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (rows[i]->call_bytes == 0 || !relay_batch_same_stream(rows[i], lead))
-            return -1;
-        need += bulk_size(key_base + rows[i]->message_id_len) + rows[i]->call_bytes;
-        argc += 1 + rows[i]->call_fields;
-    }
-    need += 1 + count_digits(argc) + 2 + sizeof(publish_many_head) - 1 +
-            bulk_size(count_digits(nkeys)) + bulk_size(stream_len) +
-            (after != NULL ? bulk_size(key_base + after->message_id_len) : 0) + bulk_size(ttl_len) +
-            bulk_size(not_after_len) + bulk_size(count_len);
-    if (respbuf_reserve(out, need) != 0)
-        return OUTBOX_BUF_FULL;
-
-    /* out->len moves only at the end: a refusal below appends nothing. */
-    char *p = put_array(out->data + out->len, argc);
-    p = PUT_LIT(p, publish_many_head);
-    p = put_crlf(put_uint(put_bulk_head(p, count_digits(nkeys)), nkeys));
-    p = put_stream(p, stream_prefix, prefix_len, lead, suffix, suffix_len, stream_len);
-    if (after != NULL)
-        p = put_dedup_key(p, stream_prefix, prefix_len, lead, suffix, suffix_len, after->message_id,
-                          after->message_id_len, key_base + after->message_id_len);
-    for (size_t i = 0; i < n; i++)
-        p = put_dedup_key(p, stream_prefix, prefix_len, lead, suffix, suffix_len,
-                          rows[i]->message_id, rows[i]->message_id_len,
-                          key_base + rows[i]->message_id_len);
-    p = put_bulk(p, ttl, ttl_len);
-    p = put_bulk(p, not_after, not_after_len);
-    p = put_bulk(p, count, count_len);
-    for (size_t i = 0; i < n; i++) {
-        struct row_headers h;
-        size_t nfields = 0, outbox_id_len;
-        char outbox_id[24], err[8];
-        enum relay_row_fault fault;
-        enum relay_row_cause cause;
-        if (row_entry(rows[i], prefix_len, max_payload_bytes, &h, &nfields, outbox_id,
-                      &outbox_id_len, err, sizeof(err), &fault, &cause) != rows[i]->call_bytes ||
-            nfields != rows[i]->call_fields)
-            return -1;
-        p = put_crlf(put_uint(put_bulk_head(p, count_digits(nfields)), nfields));
-        p = put_fields(p, rows[i], &h, outbox_id, outbox_id_len);
-    }
-    *p = '\0'; /* outbox_buf keeps data NUL-terminated */
-    out->len = (size_t)(p - out->data);
-    return 0;
 }
 
 size_t relay_batch_entry_id(uint64_t ms, uint64_t seq, char out[RELAY_ENTRY_ID_MAX])
@@ -740,372 +561,6 @@ int relay_batch_same_stream(const struct relay_row *a, const struct relay_row *b
            (a->partitions <= 1 || a->partition == b->partition);
 }
 
-/* retire_dedup_records formats each key into this much room, NUL included. */
-#define UNLINK_KEY_SIZE (320 + OUTBOX_TOPIC_MAX)
-/* The command names of a retire, as protocol bulk strings. */
-#define UNLINK_HEAD "$6\r\nUNLINK\r\n"
-#define FCALL_HEAD "$5\r\nFCALL\r\n"
-
-int relay_batch_append_retire(const struct relay_row *rows, size_t n, const char *stream_prefix,
-                              uint32_t ttl_ms, size_t *pos, struct outbox_buf *out)
-{
-    if (stream_prefix == NULL)
-        stream_prefix = "";
-    size_t prefix_len = strlen(stream_prefix);
-
-    for (size_t i = *pos; i < n; i++) {
-        const struct relay_row *lead = &rows[i];
-        if (lead->state != RELAY_ROW_PUBLISHED)
-            continue;
-        /* A stream's command is sent at its first published row. */
-        size_t j = 0;
-        while (j < i &&
-               !(rows[j].state == RELAY_ROW_PUBLISHED && relay_batch_same_stream(&rows[j], lead)))
-            j++;
-        if (j < i)
-            continue;
-        char suffix[OUTBOX_PARTITION_SUFFIX_LEN];
-        size_t suffix_len = partition_suffix(lead, suffix);
-        size_t stream_len = prefix_len + lead->topic_len + suffix_len;
-        if (stream_len >= STREAM_NAME_SIZE)
-            continue;
-
-        /* Size first, then write: keys are "{<stream>}:dedup:<message id>". */
-        size_t key_base = stream_len + sizeof("{}:dedup:") - 1;
-        size_t argc = 1, need = 0;
-        for (j = i; j < n; j++) {
-            const struct relay_row *row = &rows[j];
-            if (row->state != RELAY_ROW_PUBLISHED || !relay_batch_same_stream(row, lead) ||
-                key_base + row->message_id_len >= UNLINK_KEY_SIZE)
-                continue;
-            argc++;
-            need += bulk_size(key_base + row->message_id_len);
-        }
-        if (argc == 1)
-            continue;
-        /* UNLINK <keys...>, or FCALL <function> <numkeys> <keys...> <ttl> */
-        size_t nkeys = argc - 1;
-        if (ttl_ms == 0) {
-            need += 1 + count_digits(argc) + 2 + sizeof(UNLINK_HEAD) - 1;
-        } else {
-            argc += 3;
-            need += 1 + count_digits(argc) + 2 + sizeof(FCALL_HEAD) - 1 +
-                    bulk_size(sizeof(RELAY_FUNCTION_RETIRE) - 1) + bulk_size(count_digits(nkeys)) +
-                    bulk_size(count_digits(ttl_ms));
-        }
-        if (respbuf_reserve(out, need) != 0) {
-            *pos = i;
-            return OUTBOX_BUF_FULL;
-        }
-
-        char *p = put_array(out->data + out->len, argc);
-        if (ttl_ms == 0) {
-            p = PUT_LIT(p, UNLINK_HEAD);
-        } else {
-            p = PUT_LIT(p, FCALL_HEAD);
-            p = put_bulk_head(p, sizeof(RELAY_FUNCTION_RETIRE) - 1);
-            p = put_crlf(PUT_LIT(p, RELAY_FUNCTION_RETIRE));
-            p = put_bulk_head(p, count_digits(nkeys));
-            p = put_crlf(put_uint(p, nkeys));
-        }
-        for (j = i; j < n; j++) {
-            const struct relay_row *row = &rows[j];
-            if (row->state != RELAY_ROW_PUBLISHED || !relay_batch_same_stream(row, lead) ||
-                key_base + row->message_id_len >= UNLINK_KEY_SIZE)
-                continue;
-            p = put_bulk_head(p, key_base + row->message_id_len);
-            *p++ = '{';
-            p = put_mem(p, stream_prefix, prefix_len);
-            p = put_mem(p, lead->topic, lead->topic_len);
-            p = put_mem(p, suffix, suffix_len);
-            p = PUT_LIT(p, "}:dedup:");
-            p = put_crlf(put_mem(p, row->message_id, row->message_id_len));
-        }
-        if (ttl_ms != 0) {
-            p = put_bulk_head(p, count_digits(ttl_ms));
-            p = put_crlf(put_uint(p, ttl_ms));
-        }
-        *p = '\0'; /* outbox_buf keeps data NUL-terminated */
-        out->len = (size_t)(p - out->data);
-        *pos = i + 1;
-        return 1;
-    }
-    *pos = n;
-    return 0;
-}
-
-int relay_batch_unlink_as_retire(const char *cmd, size_t len, uint32_t ttl_ms,
-                                 struct outbox_buf *out)
-{
-    /* "*<nkeys + 1>\r\n$6\r\nUNLINK\r\n" and the keys */
-    const char *end = cmd + len;
-    if (ttl_ms == 0 || len < 4 || cmd[0] != '*')
-        return -1;
-    size_t argc = 0;
-    const char *p = cmd + 1;
-    while (p < end && *p >= '0' && *p <= '9' && argc < 1000000)
-        argc = argc * 10 + (size_t)(*p++ - '0');
-    if (argc < 2 || end - p < 2 || p[0] != '\r' || p[1] != '\n')
-        return -1;
-    p += 2;
-    if ((size_t)(end - p) < sizeof(UNLINK_HEAD) - 1 ||
-        memcmp(p, UNLINK_HEAD, sizeof(UNLINK_HEAD) - 1) != 0)
-        return -1;
-    p += sizeof(UNLINK_HEAD) - 1;
-    size_t nkeys = argc - 1, keys_len = (size_t)(end - p);
-    size_t need = 1 + count_digits(nkeys + 4) + 2 + sizeof(FCALL_HEAD) - 1 +
-                  bulk_size(sizeof(RELAY_FUNCTION_RETIRE) - 1) + bulk_size(count_digits(nkeys)) +
-                  keys_len + bulk_size(count_digits(ttl_ms));
-    if (respbuf_reserve(out, need) != 0)
-        return -1;
-    char *w = put_array(out->data + out->len, nkeys + 4);
-    w = PUT_LIT(w, FCALL_HEAD);
-    w = put_bulk_head(w, sizeof(RELAY_FUNCTION_RETIRE) - 1);
-    w = put_crlf(PUT_LIT(w, RELAY_FUNCTION_RETIRE));
-    w = put_bulk_head(w, count_digits(nkeys));
-    w = put_crlf(put_uint(w, nkeys));
-    w = put_mem(w, p, keys_len);
-    w = put_bulk_head(w, count_digits(ttl_ms));
-    w = put_crlf(put_uint(w, ttl_ms));
-    *w = '\0';
-    out->len = (size_t)(w - out->data);
-    return 0;
-}
-
-/*
- * Only an error about the message's own stream key is the row's fault. Anything
- * else (OOM, MISCONF, READONLY, LOADING, BUSY, NOAUTH, NOPERM, a missing
- * function, an unknown reply) says the Redis side cannot take writes now: the
- * whole batch is retried and no row is blamed.
- */
-enum relay_error_scope relay_batch_classify_error(const char *msg, size_t len)
-{
-    static const char wrongtype[] = "WRONGTYPE";
-    if (msg != NULL && len >= sizeof(wrongtype) - 1 &&
-        memcmp(msg, wrongtype, sizeof(wrongtype) - 1) == 0)
-        return RELAY_ERROR_ROW;
-    return RELAY_ERROR_BATCH;
-}
-
-uint32_t relay_batch_row_retry_ms(int32_t attempts, uint32_t base_ms, uint32_t max_ms)
-{
-    uint64_t d = base_ms;
-    for (int32_t i = 1; i < attempts && d < max_ms; i++)
-        d *= 2;
-    return d > max_ms ? max_ms : (uint32_t)d;
-}
-
-static int contains(const char *s, size_t len, const char *needle)
-{
-    size_t n = strlen(needle);
-    for (size_t i = 0; s != NULL && n <= len && i <= len - n; i++)
-        if (memcmp(s + i, needle, n) == 0)
-            return 1;
-    return 0;
-}
-
-int relay_batch_apply_reply(struct relay_tally *tally, struct relay_row *row,
-                            enum relay_reply_kind kind, const char *str, size_t len)
-{
-    if (tally->pending == 0)
-        return 0;
-    tally->pending--;
-    switch (kind) {
-    case RELAY_REPLY_ENTRY:
-        row->state = RELAY_ROW_PUBLISHED;
-        break;
-    case RELAY_REPLY_ERROR: {
-        int order = len >= 6 && memcmp(str, "ORDER ", 6) == 0;
-        if (order &&
-            (row->after_ahead || (row->after != NULL && row->after->state == RELAY_ROW_CLAIMED))) {
-            /* Behind a row of the batch ahead that is not in its stream (that
-             * batch failed, or the row failed on its own), or behind a row
-             * of this batch refused that way: left as claimed, neither sent
-             * nor failed, for the next claim to take again behind it. It
-             * costs no attempt. */
-            row->state = RELAY_ROW_CLAIMED;
-            tally->left++;
-            break;
-        }
-        if (order && row->after != NULL && row->after->state == RELAY_ROW_FAILED) {
-            /* Held back behind the row before it in its stream, which failed
-             * for a reason of its own (replies come in the order sent): it
-             * waits with that row, and for the same reason, naming the first
-             * row of the stream that failed. */
-            row->state = RELAY_ROW_FAILED;
-            row->fault = RELAY_FAULT_TRANSIENT;
-            /* Nothing is wrong with the row itself: once the row ahead is
-             * published or dropped, it goes through as it is. */
-            row->cause = RELAY_CAUSE_SETUP;
-            const struct relay_row *first = row->after;
-            while (first->after != NULL && first->after->state == RELAY_ROW_FAILED)
-                first = first->after;
-            snprintf(row->error, sizeof(row->error),
-                     "held back behind row %lld of its stream, which failed: %.*s; once that row "
-                     "is published or dropped",
-                     (long long)first->id,
-                     (int)relay_batch_utf8_prefix(first->error, strlen(first->error),
-                                                  sizeof(row->error) - 200),
-                     first->error);
-            add_advice(row->error, sizeof(row->error), row->cause, row->id);
-            break;
-        }
-        if (relay_batch_classify_error(str, len) == RELAY_ERROR_ROW) {
-            /* WRONGTYPE: the stream key holds another type. An operator can
-             * rename or delete it while the row waits for its next attempt. */
-            row->state = RELAY_ROW_FAILED;
-            row->fault = RELAY_FAULT_TRANSIENT;
-            row->cause = RELAY_CAUSE_SETUP;
-            snprintf(row->error, sizeof(row->error),
-                     "Redis refused the entry: %.*s; the stream key for topic \"%.*s\" holds "
-                     "another type: rename or delete that key",
-                     (int)relay_batch_utf8_prefix(str, len, 200), str,
-                     (int)relay_batch_utf8_prefix(row->topic, row->topic_len, 64), row->topic);
-            add_advice(row->error, sizeof(row->error), row->cause, row->id);
-            break;
-        }
-        if (!tally->failed) {
-            tally->failed = 1;
-            tally->kind = RELAY_FAIL_REDIS_ERROR;
-            snprintf(tally->error, sizeof(tally->error), "Redis answered: %.*s",
-                     (int)relay_batch_utf8_prefix(str, len, 300), str != NULL ? str : "");
-        }
-        if (contains(str, len, "Function not found"))
-            tally->function_missing = 1;
-        if (len >= 8 && memcmp(str, "READONLY", 8) == 0)
-            tally->not_primary = 1;
-        if (len >= 6 && memcmp(str, "MOVED ", 6) == 0)
-            tally->slots_moved = 1;
-        break;
-    }
-    case RELAY_REPLY_OTHER:
-        if (!tally->failed) {
-            tally->failed = 1;
-            tally->kind = RELAY_FAIL_REDIS_REPLY;
-            snprintf(tally->error, sizeof(tally->error),
-                     "unexpected reply type from the publish function (is this Redis 7 with the "
-                     "outbox_relay library?)");
-        }
-        break;
-    case RELAY_REPLY_LOST:
-    default:
-        if (!tally->failed) {
-            tally->failed = 1;
-            tally->kind = RELAY_FAIL_REDIS_CONNECTION;
-            if (str == NULL || len == 0) {
-                str = "dropped";
-                len = strlen(str);
-            }
-            snprintf(tally->error, sizeof(tally->error), "Redis connection lost: %.*s",
-                     (int)relay_batch_utf8_prefix(str, len, 200), str);
-        }
-        break;
-    }
-    return tally->pending == 0;
-}
-
-int relay_batch_apply_wait(struct relay_tally *tally, enum relay_reply_kind kind,
-                           long long replicas, const char *str, size_t len, uint32_t wanted,
-                           uint32_t timeout_ms)
-{
-    if (tally->pending == 0)
-        return 0;
-    tally->pending--;
-    if (tally->failed)
-        return tally->pending == 0;
-    if (kind == RELAY_REPLY_COUNT && replicas >= (long long)wanted)
-        return tally->pending == 0;
-    tally->failed = 1;
-    if (kind == RELAY_REPLY_COUNT) {
-        tally->kind = RELAY_FAIL_REDIS_REPLICAS;
-        snprintf(tally->error, sizeof(tally->error),
-                 "%lld of min_replicas = %u replicas acknowledged the batch within "
-                 "replica_timeout (%u ms): check the replicas with INFO replication on the "
-                 "primary, or lower min_replicas",
-                 replicas < 0 ? 0 : replicas, wanted, timeout_ms);
-    } else if (kind == RELAY_REPLY_ERROR) {
-        tally->kind = RELAY_FAIL_REDIS_ERROR;
-        snprintf(tally->error, sizeof(tally->error), "WAIT for min_replicas failed: %.*s",
-                 (int)relay_batch_utf8_prefix(str, len, 300), str != NULL ? str : "");
-    } else if (kind == RELAY_REPLY_LOST) {
-        tally->kind = RELAY_FAIL_REDIS_CONNECTION;
-        snprintf(tally->error, sizeof(tally->error), "Redis connection lost: %.*s",
-                 (int)relay_batch_utf8_prefix(str, len, 200), str != NULL && len ? str : "dropped");
-    } else {
-        tally->kind = RELAY_FAIL_REDIS_REPLY;
-        snprintf(tally->error, sizeof(tally->error),
-                 "unexpected reply type to WAIT (an integer was expected)");
-    }
-    return tally->pending == 0;
-}
-
-/* Failed rows wait 1 s, 2 s, 4 s ... between attempts, at most 5 minutes. */
-#define ROW_RETRY_BASE_MS 1000u
-#define ROW_RETRY_MAX_MS (5u * 60u * 1000u)
-
-int relay_batch_row_quarantined(const struct relay_row *row, uint32_t max_attempts)
-{
-    if (row->state != RELAY_ROW_FAILED)
-        return 0;
-    if (row->fault == RELAY_FAULT_PERMANENT)
-        return 1;
-    int32_t attempts = row->attempts + 1;
-    return attempts > 0 && (uint32_t)attempts >= max_attempts;
-}
-
-int relay_batch_finish_sql(const struct relay_row *rows, size_t n, uint32_t max_attempts,
-                           int delete_sent, const struct relay_sql_quoter *q,
-                           struct outbox_buf *out)
-{
-    char buf[160];
-    int any = 0, quarantined = 0;
-
-    outbox_buf_reset(out);
-    for (size_t i = 0; i < n; i++) {
-        if (rows[i].state != RELAY_ROW_PUBLISHED)
-            continue;
-        outbox_buf_puts(out, any           ? ","
-                             : delete_sent ? "SELECT outbox.delete_published('{"
-                                           : "UPDATE outbox.messages SET sent_at = "
-                                             "statement_timestamp() WHERE id = ANY('{");
-        snprintf(buf, sizeof(buf), "%lld", (long long)rows[i].id);
-        outbox_buf_puts(out, buf);
-        any = 1;
-    }
-    if (any)
-        outbox_buf_puts(out, "}'::bigint[]);");
-    for (size_t i = 0; i < n; i++) {
-        const struct relay_row *row = &rows[i];
-        if (row->state != RELAY_ROW_FAILED)
-            continue;
-        int32_t attempts = row->attempts + 1;
-        int quarantine = relay_batch_row_quarantined(row, max_attempts);
-        char *lit = q->quote(q->ctx, row->error, strlen(row->error));
-        if (lit == NULL) {
-            /* Text the server will not take (say, invalid in the database
-             * encoding) must not hold up the batch: store a plain message. */
-            static const char plain[] = "the row cannot be published; its error text could not "
-                                        "be stored, see the relay log";
-            lit = q->quote(q->ctx, plain, sizeof(plain) - 1);
-            if (lit == NULL)
-                return -1;
-        }
-        outbox_buf_puts(out, "UPDATE outbox.messages SET attempts = attempts + 1, "
-                             "last_error = ");
-        outbox_buf_puts(out, lit);
-        q->freefn(lit);
-        snprintf(buf, sizeof(buf),
-                 ", retry_at = statement_timestamp() + interval '%u milliseconds', failed_at = %s "
-                 "WHERE id = %lld;",
-                 relay_batch_row_retry_ms(attempts, ROW_RETRY_BASE_MS, ROW_RETRY_MAX_MS),
-                 quarantine ? "statement_timestamp()" : "NULL", (long long)row->id);
-        outbox_buf_puts(out, buf);
-        quarantined += quarantine;
-    }
-    outbox_buf_puts(out, "COMMIT");
-    return out->failed ? -1 : quarantined;
-}
-
 int relay_batch_streams_init(struct relay_batch_streams *x, size_t max_rows)
 {
     size_t size = 16;
@@ -1140,20 +595,6 @@ static uint32_t stream_hash(const struct relay_row *row)
     return h;
 }
 
-int32_t relay_batch_streams_find(const struct relay_batch_streams *x, const struct relay_row *rows,
-                                 const struct relay_row *row)
-{
-    /* The table is twice as large as a batch: an empty slot ends every probe.
-     * A slot taken for a row that was not sent (-1) may sit on the way. */
-    for (size_t at = stream_hash(row) & x->mask;; at = (at + 1) & x->mask) {
-        const struct relay_stream_slot *e = &x->slots[at];
-        if (e->batch != x->batch)
-            return -1;
-        if (e->row >= 0 && relay_batch_same_stream(&rows[e->row], row))
-            return e->row;
-    }
-}
-
 int32_t *relay_batch_streams_slot(struct relay_batch_streams *x, const struct relay_row *rows,
                                   size_t i)
 {
@@ -1174,24 +615,4 @@ void relay_batch_streams_free(struct relay_batch_streams *x)
 {
     free(x->slots);
     x->slots = NULL;
-}
-
-int64_t relay_batch_claim_floor(const struct relay_claim_lane *others, size_t n,
-                                uint32_t batch_size, int ordered, unsigned *bounded_in_row)
-{
-    int64_t floor = 0;
-    for (size_t i = 0; i < n && !ordered; i++) {
-        if (!others[i].in_flight || others[i].nrows < batch_size || others[i].last_id <= 0) {
-            floor = 0;
-            break;
-        }
-        if (others[i].last_id > floor)
-            floor = others[i].last_id;
-    }
-    if (floor > 0 && *bounded_in_row + 1 < RELAY_CLAIM_FULL_WALK_EVERY) {
-        (*bounded_in_row)++;
-        return floor;
-    }
-    *bounded_in_row = 0;
-    return 0;
 }

@@ -3,15 +3,15 @@
  * Not part of any library's interface: only the daemon's own files include it.
  *
  *   relay/relay.c         life cycle, timers, signals, drain, reload, watchdog
- *   relay/cycle_io.c      the claim cycle's ops on the claiming connections and Redis
+ *   relay/loop_io.c       the batch loop's ops on the claiming connection and Redis
  *   relay/wake_io.c       the wake-up protocol's ops on the LISTEN connection
  *   relay/ownership_io.c  the owner connection: the partitions this relay claims
  *   relay/observe_io.c    the observation thread and its hand-offs with the loop
- *   relay/render.c        /metrics text, /readyz and the stuck-cycle check
+ *   relay/render.c        /metrics text, /readyz and the stuck-loop check
  *
- * The decisions live in pure modules with unit tests: relay/cycle.c,
- * relay/wake.c, relay/ownership.c, relay/backpressure.c, relay/batch.c and
- * relay/retire.c. A machine X.c and the file that drives it on real
+ * The decisions live in pure modules with unit tests: relay/loop.c,
+ * relay/cursors.c, relay/wake.c, relay/ownership.c, relay/backpressure.c and
+ * relay/batch.c. A machine X.c and the file that drives it on real
  * connections, X_io.c, sit side by side in a listing (Redis pairs ae.c with
  * ae_epoll.c the same way); relay/observe_io.c drives core/observe.c.
  */
@@ -26,7 +26,6 @@
 
 #include "relay/backpressure.h"
 #include "relay/batch.h"
-#include "relay/cycle.h"
 #include "relay/cursors.h"
 #include "relay/loop.h"
 #include "core/observe.h"
@@ -51,20 +50,6 @@ enum relay_batch_phase {
     RELAY_PHASE_PUBLISH,
     RELAY_PHASE_RECORD,
     RELAY_PHASES
-};
-
-/* One claiming connection and the batch it holds. Rows point into claim_res. */
-struct relay_lane {
-    struct relay *r;
-    size_t index;
-    struct relay_pgsrc *pg;
-    struct pg_result *claim_res;
-    struct relay_row *rows;
-    size_t nrows;
-    struct relay_tally tally;
-    struct outbox_buf sql;
-    struct relay_batch_streams streams; /* the last row of the batch sent to each stream */
-    double phase_at[RELAY_PHASES];      /* when each phase of the batch began; 0: not yet */
 };
 
 /* A chunk of the batch being published (relay/loop_io.c). Rows point into res. */
@@ -173,14 +158,11 @@ struct relay {
     int exit_code; /* what relay_run returns: 0, or why the relay refused to go on */
 
     struct relay_loop_io batch; /* the batch loop (relay/loop_io.c) */
-    struct relay_cycle cycle;
-    struct relay_lane lanes[RELAY_CYCLE_LANES_MAX];
-    size_t nlanes;
     struct relay_sink *sink;
     struct outbox_buf out; /* one Redis command, formatted; reused, grows only */
     ev_timer kick;         /* runs a wanted claim from the loop, not from a callback */
     ev_timer retry_timer;  /* backoff after a failed batch */
-    ev_timer deadline;     /* publish deadline of the oldest batch publishing */
+    ev_timer deadline;     /* publish_timeout of the chunk's calls in flight */
     ev_timer poll_timer;
 
     struct relay_wake wake;
@@ -192,9 +174,7 @@ struct relay {
     char foreign_app[64];
     char foreign_addr[64];
 
-    struct relay_owner *owner;      /* the partitions this relay claims from */
-    unsigned claims_bounded_in_row; /* claims since the last one that walked the whole
-                                       pending index (relay_batch_claim_floor) */
+    struct relay_owner *owner; /* the partitions this relay claims from */
 
     struct relay_observer *observer;
     struct relay_observation *obs; /* the loop's copy of the latest observation */

@@ -35,7 +35,7 @@
 #include <stdint.h>
 
 #include "common/backoff.h"
-#include "relay/cycle.h" /* enum relay_fail_kind */
+#include "relay/fail.h"
 
 enum relay_loop_state {
     RELAY_LOOP_IDLE = 0,

@@ -22,7 +22,7 @@ struct relay_unit {
     int32_t key;  /* its advisory lock's second key (relay_unit_key) */
     int want;     /* the assignment gives it to this relay */
     int held;     /* this relay's owner session holds its lock */
-    int ready;    /* held, and no claim of a previous owner is still open */
+    int ready;    /* held: this relay publishes its rows */
     double since; /* when it was last taken, released or found wanted */
 };
 

@@ -8,27 +8,22 @@
  *                 the members are the slots held, read from pg_locks
  *   partition     the owner holds (UNIT_NS, key) on this connection; its
  *                 share is relay/ownership.c's round-robin over the members
- *   fence         every claim transaction holds (FENCE_NS, key) shared for
- *                 the partitions it may claim from; a relay that has just
- *                 taken a partition takes the fence alone once, which waits
- *                 until every claim of the previous owner has ended, and
- *                 only then lets its own claims take the partition's rows
  *
  * Each tick (RELAY_OWNER_TICK_MS, sooner while a partition is in passage)
  * reads the members and the partitioned topics, releases what is no longer
- * this relay's share, tries the locks of what is, and fences what it took.
- * The claim itself checks, in pg_locks, that this connection still holds
- * each partition (relay/pgsrc.c, OWNED): a relay whose owner session ended
- * claims nothing more of its partitions, even before it notices.
+ * this relay's share and tries the locks of what is. A partition is
+ * published as soon as its lock is held: ownership only divides the work.
+ * Safety does not rest on it: a row's entry id is the same for every relay
+ * (docs/DESIGN.md, "Batches from snapshots"), and Redis refuses an XADD at
+ * or below a stream's last id, so two relays that both publish a partition
+ * for a while (one frozen, or not yet aware it lost it) never append a row
+ * twice or out of order.
  *
  * When a relay dies, its sessions end and with them its locks: the others
  * see one member fewer at their next tick and take its partitions. A relay
  * frozen or cut off behind a proxy stops speaking on this connection, and
  * the server ends the session after RELAY_OWNER_IDLE_MS
- * (idle_session_timeout). A batch the frozen relay had claimed keeps its
- * fence until its transaction ends; if it is resumed after its publish
- * deadline, Redis refuses the batch (relay/batch.c), so it can never append
- * behind the new owner's entries.
+ * (idle_session_timeout).
  */
 #include "common/compat.h"
 
@@ -54,10 +49,8 @@
 /* The most partitions the relays divide; outbox.set_partitions refuses more
  * (migrations/015_partition_total.sql). */
 #define UNITS_MAX 4096
-/* How long the fence waits for a previous owner's claims per tick. */
-#define FENCE_WAIT_MS 500
-/* The tick while a partition is in passage: taken but not fenced, or
- * wanted but still held by another relay. */
+/* The tick while a partition is in passage: wanted but still held by
+ * another relay, or held but no longer wanted. */
 #define TICK_SOON_MS 200
 
 enum owner_step {
@@ -65,7 +58,6 @@ enum owner_step {
     STEP_MEMBER, /* taking a member slot */
     STEP_LOOK,   /* reading the members and the partitioned topics */
     STEP_LOCKS,  /* releasing and trying partition locks */
-    STEP_FENCE,  /* waiting out a previous owner's claims */
 };
 
 struct relay_owner {
@@ -80,11 +72,7 @@ struct relay_owner {
     size_t nunits;
     size_t nmembers;
     long me;
-    double fence_started;
     struct outbox_buf sql;
-    /* What claims use: "BEGIN; take the fences" and the OWNED parameters. */
-    struct outbox_buf begin, param_units, param_keys;
-    char param_pid[24];
     size_t nready;
     unsigned long epoch; /* moves whenever the ready partitions change */
     unsigned long long takeovers;
@@ -98,35 +86,13 @@ static void schedule(struct relay_owner *o, double ms)
     ev_timer_start(o->r->loop, &o->tick);
 }
 
-/* The claim parameters for the ready partitions. */
-static void publish_claim_params(struct relay_owner *o)
+/* The partitions this relay publishes changed: counts them and moves the
+ * epoch, and wakes the loop when there are more. */
+static void ready_changed(struct relay_owner *o)
 {
-    outbox_buf_reset(&o->param_units);
-    outbox_buf_reset(&o->param_keys);
-    outbox_buf_reset(&o->begin);
-    outbox_buf_puts(&o->param_units, "{");
-    outbox_buf_puts(&o->param_keys, "{");
     size_t n = 0;
-    for (size_t i = 0; i < o->nunits; i++) {
-        const struct relay_unit *u = &o->units[i];
-        if (!u->ready)
-            continue;
-        /* Topic names are [A-Za-z0-9._-]: nothing to escape in quotes. */
-        outbox_buf_printf(&o->param_units, "%s\"%s/%u\"", n ? "," : "", u->topic, u->partition);
-        outbox_buf_printf(&o->param_keys, "%s%d", n ? "," : "", (int)u->key);
-        n++;
-    }
-    outbox_buf_puts(&o->param_units, "}");
-    outbox_buf_puts(&o->param_keys, "}");
-    if (n == 0)
-        outbox_buf_puts(&o->begin, "BEGIN");
-    else
-        outbox_buf_printf(
-            &o->begin,
-            "BEGIN; SELECT count(pg_try_advisory_xact_lock_shared(" RELAY_OWNER_FENCE_NS
-            ", k)) FROM unnest('%s'::int[]) AS k",
-            o->param_keys.data);
-    snprintf(o->param_pid, sizeof(o->param_pid), "%ld", n ? o->pid : 0L);
+    for (size_t i = 0; i < o->nunits; i++)
+        n += o->units[i].ready != 0;
     int more = n > o->nready;
     o->nready = n;
     o->epoch++;
@@ -149,7 +115,7 @@ static void forget_all(struct relay_owner *o, const char *why)
     o->me = -1;
     o->layout[0] = '\0';
     o->step = STEP_NONE;
-    publish_claim_params(o);
+    ready_changed(o);
 }
 
 static void on_step(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
@@ -268,7 +234,7 @@ out:
 }
 
 /* Releases what is no longer this relay's share and tries the locks of
- * what is; a released partition leaves the claims at once. */
+ * what is; a released partition is no longer published from now on. */
 static int send_locks(struct relay_owner *o)
 {
     size_t n = 0;
@@ -290,7 +256,7 @@ static int send_locks(struct relay_owner *o)
         n++;
     }
     if (dropped)
-        publish_claim_params(o);
+        ready_changed(o);
     if (n == 0)
         return 0;
     outbox_buf_puts(&o->sql, ") AS v(k, w) ORDER BY v.w, v.k");
@@ -298,17 +264,12 @@ static int send_locks(struct relay_owner *o)
     return 1;
 }
 
-static struct relay_unit *unit_by_key(struct relay_owner *o, int32_t key, int held)
-{
-    for (size_t i = 0; i < o->nunits; i++)
-        if (o->units[i].key == key && (o->units[i].held != 0) == held)
-            return &o->units[i];
-    return NULL;
-}
-
-static void read_locks(struct relay_owner *o, PGresult *res)
+/* Reads which locks were taken and released: 1 when the partitions this
+ * relay publishes changed. */
+static int read_locks(struct relay_owner *o, PGresult *res)
 {
     double now = relay_now();
+    int changed = 0;
     for (int i = 0; i < PQntuples(res); i++) {
         int32_t key = (int32_t)strtol(PQgetvalue(res, i, 0), NULL, 10);
         int ok = PQgetvalue(res, i, 1)[0] == 't';
@@ -319,8 +280,14 @@ static void read_locks(struct relay_owner *o, PGresult *res)
                 continue;
             if (u->want && ok) {
                 u->held = 1;
+                u->ready = 1;
                 u->since = now;
+                o->takeovers++;
+                changed = 1;
+                relay_info(COMPONENT, "took %s/%u: relay %ld of %zu", u->topic, u->partition,
+                           o->me + 1, o->nmembers);
             } else if (!u->want) {
+                changed |= u->ready;
                 u->held = 0;
                 u->ready = 0;
                 u->since = now;
@@ -329,49 +296,7 @@ static void read_locks(struct relay_owner *o, PGresult *res)
             }
         }
     }
-}
-
-static int send_fence(struct relay_owner *o)
-{
-    size_t n = 0;
-    outbox_buf_reset(&o->sql);
-    /* One implicit transaction: its locks go with it, also when the wait
-     * times out half-way. */
-    outbox_buf_printf(
-        &o->sql,
-        "SET LOCAL lock_timeout = %d; SELECT count(pg_advisory_xact_lock(" RELAY_OWNER_FENCE_NS
-        ", k)::text) FROM unnest('{",
-        FENCE_WAIT_MS);
-    for (size_t i = 0; i < o->nunits; i++) {
-        const struct relay_unit *u = &o->units[i];
-        if (u->held && u->want && !u->ready && unit_by_key(o, u->key, 1) == u) {
-            outbox_buf_printf(&o->sql, "%s%d", n ? "," : "", (int)u->key);
-            n++;
-        }
-    }
-    if (n == 0)
-        return 0;
-    outbox_buf_puts(&o->sql, "}'::int[]) AS k");
-    o->fence_started = relay_now();
-    send_step(o, STEP_FENCE, o->sql.data);
-    return 1;
-}
-
-static void fenced(struct relay_owner *o)
-{
-    double now = relay_now();
-    for (size_t i = 0; i < o->nunits; i++) {
-        struct relay_unit *u = &o->units[i];
-        if (!u->held || !u->want || u->ready)
-            continue;
-        u->ready = 1;
-        o->takeovers++;
-        relay_info(COMPONENT,
-                   "took %s/%u: relay %ld of %zu; the previous owner's claims ended after %.0f ms",
-                   u->topic, u->partition, o->me + 1, o->nmembers,
-                   (now - o->fence_started) * 1000.0);
-    }
-    publish_claim_params(o);
+    return changed;
 }
 
 /* The next step after one ended, or the next tick. */
@@ -383,8 +308,6 @@ static void advance(struct relay_owner *o, enum owner_step done)
         return;
     }
     if (done == STEP_LOOK && send_locks(o))
-        return;
-    if ((done == STEP_LOOK || done == STEP_LOCKS) && send_fence(o))
         return;
     int passage = 0;
     for (size_t i = 0; i < o->nunits; i++)
@@ -403,14 +326,6 @@ static void on_step(struct relay_pgsrc *pg, PGresult *res, const char *err, cons
         return;
     if (err != NULL) {
         o->step = STEP_NONE;
-        if (step == STEP_FENCE && sqlstate != NULL && strcmp(sqlstate, "55P03") == 0) {
-            /* A previous owner's claim is still open: its batch is being
-             * published or rolled back. Wait again at the next tick. */
-            relay_debug(COMPONENT, "a previous owner's claim is still open after %d ms",
-                        FENCE_WAIT_MS);
-            schedule(o, TICK_SOON_MS);
-            return;
-        }
         if (sqlstate != NULL && strcmp(sqlstate, "08006") == 0)
             return; /* on_down has forgotten everything */
         /* Which locks the statement took before it failed is unknown: start
@@ -442,9 +357,8 @@ static void on_step(struct relay_pgsrc *pg, PGresult *res, const char *err, cons
         if (o->nmembers > 1 && o->hooks.shared != NULL)
             o->hooks.shared(o->hooks.arg);
     } else if (step == STEP_LOCKS && res != NULL) {
-        read_locks(o, res);
-    } else if (step == STEP_FENCE) {
-        fenced(o);
+        if (read_locks(o, res))
+            ready_changed(o);
     }
     advance(o, step);
 }
@@ -483,7 +397,7 @@ struct relay_owner *relay_ownership_io_start(struct relay *r, const struct relay
     }
     ev_init(&o->tick, on_tick);
     o->tick.data = o;
-    publish_claim_params(o);
+    ready_changed(o);
     struct relay_pgsrc_hooks pg_hooks = {.arg = o, .on_ready = owner_ready, .on_down = owner_down};
     o->pg = relay_pgsrc_new(r->loop, r->cfg, RELAY_PGSRC_OWNER, &pg_hooks);
     if (o->pg == NULL) {
@@ -502,29 +416,7 @@ void relay_ownership_io_stop(struct relay_owner *o)
     free(o->units);
     free(o->plan);
     outbox_buf_free(&o->sql);
-    outbox_buf_free(&o->begin);
-    outbox_buf_free(&o->param_units);
-    outbox_buf_free(&o->param_keys);
     free(o);
-}
-
-const char *relay_ownership_io_begin_sql(const struct relay_owner *o)
-{
-    return o != NULL && o->begin.data != NULL ? o->begin.data : "BEGIN";
-}
-
-void relay_ownership_io_claim_params(const struct relay_owner *o, const char **units,
-                                     const char **keys, const char **pid)
-{
-    int none = o == NULL || o->param_units.data == NULL;
-    *units = none ? "{}" : o->param_units.data;
-    *keys = none ? "{}" : o->param_keys.data;
-    *pid = none ? "0" : o->param_pid;
-}
-
-size_t relay_ownership_io_claimable(const struct relay_owner *o)
-{
-    return o != NULL ? o->nready : 0;
 }
 
 void relay_ownership_io_figures(const struct relay_owner *o, struct relay_owner_figures *f)

@@ -1,6 +1,6 @@
 /*
  * The owner connection (relay/ownership_io.c): the partitions of partitioned topics
- * that this relay may claim, shared with the other relays of the database.
+ * that this relay publishes, shared with the other relays of the database.
  */
 #ifndef RELAY_OWNERSHIP_IO_H
 #define RELAY_OWNERSHIP_IO_H
@@ -14,7 +14,7 @@ struct relay_owner;
 struct relay_owner_figures {
     size_t members;               /* relays holding a member slot, this one included */
     size_t partitions;            /* partitions of partitioned topics in all */
-    size_t owned;                 /* partitions this relay claims from */
+    size_t owned;                 /* partitions this relay publishes */
     unsigned long long takeovers; /* partitions taken since start */
 };
 
@@ -30,14 +30,6 @@ struct relay_owner *relay_ownership_io_start(struct relay *r, const struct relay
     __attribute__((warn_unused_result));
 void relay_ownership_io_stop(struct relay_owner *o);
 
-/* The statement that opens a claim transaction: BEGIN and the shared fences
- * of the partitions owned. */
-const char *relay_ownership_io_begin_sql(const struct relay_owner *o);
-/* The claim's parameters $3, $4 and $5 (relay/pgsrc.c, OWNED). */
-void relay_ownership_io_claim_params(const struct relay_owner *o, const char **units,
-                                     const char **keys, const char **pid);
-/* How many partitions the claims take rows of now (0 without an owner). */
-size_t relay_ownership_io_claimable(const struct relay_owner *o);
 /* Moves whenever the partitions this relay publishes change (never 0). */
 unsigned long relay_ownership_io_epoch(const struct relay_owner *o);
 /* 1 when this relay publishes the partition now. */

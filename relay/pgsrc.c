@@ -5,7 +5,7 @@
  * between polls (multi-host conninfo, SSL fallback), so the watcher is set
  * again on every step. libpq ignores connect_timeout in this mode, so a timer
  * of our own bounds the attempt. Once connected, the session is set up (server
- * timeouts, LISTEN or the prepared claim, the schema check) and the
+ * timeouts, LISTEN or the prepared batch statement, the schema check) and the
  * connection becomes READY. Commands run one at a time; their results are read
  * only while PQisBusy() is false so the loop never blocks, and notifications
  * are drained after every pass because libpq may have buffered them while
@@ -30,11 +30,11 @@
 #define COMPONENT "pg"
 #define NOTIFY_CHANNEL "outbox_relay"
 
-/* The topics with more than one partition, computed once per claim (an
+/* The topics with more than one partition, computed once per statement (an
  * InitPlan): rows of other topics cost no lookup. */
 #define PARTITIONED_TOPICS "ARRAY(SELECT t.topic FROM outbox.topics AS t WHERE t.partitions > 1)"
 
-/* The claim's select list. Everything the entry needs is formatted here so
+/* The batch's select list. Everything the entry needs is formatted here so
  * the relay copies nothing: created_at as RFC 3339 UTC, headers as two sorted
  * text arrays. A payload over max_payload_bytes (the %u) stays in the
  * database: the column is NULL and the last one carries its size, which
@@ -55,115 +55,10 @@
     " CASE WHEN c.topic = ANY(" PARTITIONED_TOPICS ") THEN"                                        \
     "  (SELECT t.partitions FROM outbox.topics AS t WHERE t.topic = c.topic) ELSE 1 END"
 
-/* Not held back: in a partitioned topic, no earlier row of the same key is
- * quarantined or waiting to retry (docs/PARTITIONS.md): one probe of
- * messages_held_idx, which holds only such rows, for the rows of
- * partitioned topics alone. "b.id + 0" keeps the primary key from serving
- * the probe as a range of lower ids, which a plan made on an empty
- * outbox's statistics would otherwise choose: a walk over every earlier
- * row, for each row claimed. */
-#define NOT_HELD(m)                                                                                \
-    " AND NOT (" m ".topic = ANY(" PARTITIONED_TOPICS ") AND " m ".partition_key IS NOT NULL"      \
-    "  AND EXISTS (SELECT 1 FROM outbox.messages AS b WHERE b.topic = " m ".topic"                 \
-    "  AND b.partition_key = " m ".partition_key AND b.id + 0 < " m ".id AND b.sent_at IS NULL"    \
-    "  AND (b.failed_at IS NOT NULL OR b.retry_at > now())))"
-
-/* Owned: a row of a partitioned topic only in a partition this relay owns
- * (docs/DESIGN.md, "Several relays"). $3 names the partitions the relay
- * believes it owns as "topic/partition", $4 their lock keys and $5 the
- * backend of its owner connection. A partition counts only if that backend
- * holds its lock now and this transaction holds its fence (the BEGIN took
- * it, relay/cycle_io.c): a relay whose owner session has ended, and whose
- * partition another relay may already have, claims none of its rows. One
- * read of pg_locks per claim (an InitPlan). */
-#define OWNED_UNITS                                                                                \
-    "ARRAY(SELECT o.u FROM unnest($3::text[], $4::int[]) AS o(u, k) WHERE EXISTS ("                \
-    "  SELECT 1 FROM pg_locks AS l WHERE l.locktype = 'advisory' AND l.granted"                    \
-    "  AND l.objsubid = 2 AND l.objid = o.k::oid AND ((l.pid = $5 AND l.classid "                  \
-    "= " RELAY_OWNER_UNIT_NS " AND l.mode = 'ExclusiveLock') OR (l.pid = pg_backend_pid() AND"     \
-    "  l.classid = " RELAY_OWNER_FENCE_NS " AND l.mode = 'ShareLock')) HAVING count(*) = 2))"
-#define OWNED(m)                                                                                   \
-    " AND (" m ".partition_no IS NULL OR (" m ".topic || '/' || " m                                \
-    ".partition_no) = ANY(" OWNED_UNITS "))"
-
-/* The claim: pending rows in id order, skipping rows another relay holds.
- * One walk of messages_pending_idx from the id after $6, the hot path: from
- * its lowest id, or while the other lane drains a backlog from after the
- * rows it holds (relay_batch_claim_floor). */
-#define CLAIM_FROM                                                                                 \
-    " FROM outbox.messages AS c"                                                                   \
-    " WHERE sent_at IS NULL AND failed_at IS NULL AND (retry_at IS NULL OR retry_at <= now())"     \
-    "  AND id > $6::bigint AND topic <> ALL ($2::text[])" OWNED("c")                               \
-        NOT_HELD("c") " ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
-
-/* A row the claim may take, m being outbox.messages. */
-#define CLAIMABLE_M                                                                                \
-    " m.sent_at IS NULL AND m.failed_at IS NULL AND (m.retry_at IS NULL OR m.retry_at <= now())"
-
-/*
- * The claim while topics are paused. The walk of the hot path would step over
- * every pending row of a paused topic that lies in front of the others (a
- * lagging consumer group lets millions pile up), on every claim. Instead the
- * rows come from messages_pending_topic_idx (topic, id), merged in id order:
- *   pending_topics  the distinct pending topics, one index probe each (a loose
- *                   scan that jumps over each topic's entries);
- *   merged          a k-way merge of the topics that are not paused: the state
- *                   is each topic's lowest claimable id (heads); each step
- *                   emits the lowest head and replaces it with the next id of
- *                   its topic, one more probe. The probes compare (topic, id)
- *                   as a row so that only the (topic, id) index can serve them.
- * A recursive query runs only as far as its reader asks, so the merge stops
- * once $1 rows are locked: the claim reads O(batch + topics + rows other
- * transactions hold) index entries, whatever the paused backlog (each step
- * also takes the minimum of one head per topic not paused, in memory). Each
- * row is locked through a LATERAL lookup by id, which keeps the merge's order
- * (the lookup runs once per merged id, in turn) and skips rows another relay
- * holds as the hot path does; only the rows returned are locked.
- */
-#define CLAIM_PAUSED_WITH                                                                          \
-    "WITH RECURSIVE"                                                                               \
-    " pending_topics(topic) AS ("                                                                  \
-    "  (SELECT topic FROM outbox.messages WHERE sent_at IS NULL AND failed_at IS NULL"             \
-    "   ORDER BY topic LIMIT 1)"                                                                   \
-    "  UNION ALL"                                                                                  \
-    "  SELECT (SELECT m.topic FROM outbox.messages AS m"                                           \
-    "    WHERE m.sent_at IS NULL AND m.failed_at IS NULL AND m.topic > t.topic"                    \
-    "    ORDER BY m.topic LIMIT 1)"                                                                \
-    "  FROM pending_topics AS t WHERE t.topic IS NOT NULL),"                                       \
-    " merged(id, topics, heads) AS ("                                                              \
-    "  SELECT NULL::bigint, array_agg(t.topic), array_agg(h.id)"                                   \
-    "  FROM pending_topics AS t CROSS JOIN LATERAL ("                                              \
-    "   SELECT m.topic, m.id FROM outbox.messages AS m"                                            \
-    "   WHERE m.topic >= t.topic AND" CLAIMABLE_M " ORDER BY m.topic, m.id LIMIT 1) AS h"          \
-    "  WHERE t.topic IS NOT NULL AND t.topic <> ALL ($2::text[]) AND h.topic = t.topic"            \
-    "  UNION ALL"                                                                                  \
-    "  SELECT p.id, g.topics, g.heads[:p.i - 1] || ("                                              \
-    "    SELECT CASE WHEN m.topic = g.topics[p.i] THEN m.id END FROM outbox.messages AS m"         \
-    "    WHERE (m.topic, m.id) > (g.topics[p.i], p.id) AND" CLAIMABLE_M                            \
-    "    ORDER BY m.topic, m.id LIMIT 1) || g.heads[p.i + 1:]"                                     \
-    "  FROM merged AS g CROSS JOIN LATERAL ("                                                      \
-    "   SELECT array_position(g.heads, x.id) AS i, x.id"                                           \
-    "   FROM (SELECT min(h) AS id FROM unnest(g.heads) AS h) AS x WHERE x.id IS NOT NULL) AS p) "
-
-#define CLAIM_PAUSED_FROM                                                                          \
-    " FROM (SELECT c.* FROM merged AS g CROSS JOIN LATERAL ("                                      \
-    "   SELECT * FROM outbox.messages AS m WHERE m.id = g.id AND" CLAIMABLE_M OWNED("m")           \
-        NOT_HELD("m") "   FOR UPDATE SKIP LOCKED) AS c"                                            \
-                      "  LIMIT $1) AS c"                                                           \
-                      " ORDER BY id"
-
-int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, size_t outlen)
-{
-    int n = paused ? snprintf(out, outlen, CLAIM_PAUSED_WITH CLAIM_SELECT CLAIM_PAUSED_FROM,
-                              max_payload_bytes)
-                   : snprintf(out, outlen, CLAIM_SELECT CLAIM_FROM, max_payload_bytes);
-    return n < 0 || (size_t)n >= outlen ? -1 : n;
-}
-
-/* A chunk of a batch (docs/DESIGN.md, "Batches from snapshots"): the claim's
- * columns and the writing transaction, from outbox.batch_rows: $1 and $2 the
+/* A chunk of a batch (docs/DESIGN.md, "Batches from snapshots"): the select
+ * list's columns and the writing transaction, from outbox.batch_rows: $1 and $2 the
  * ticks, $3 and $4 the (txid, id) of the chunk before's last row ('0' and 0
- * for the first), $5 the chunk's size. Past the claim's columns: the txid,
+ * for the first), $5 the chunk's size. Past the select list's columns: the txid,
  * the tick's ms, for a keyed row of a partitioned topic the first
  * quarantined row of its key before it, which holds it back (P8; one probe
  * of quarantine_key_idx), and whether the row is quarantined already (its
@@ -177,7 +72,7 @@ int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, siz
     "   AND q.partition_key = c.partition_key AND q.id < c.id) END,"                               \
     " EXISTS (SELECT FROM outbox.quarantine AS q WHERE q.id = c.id)"                               \
     " FROM outbox.batch_rows($1::bigint, $2::bigint, $3::xid8, $4::bigint, $5::integer)"           \
-    " AS c WHERE (SELECT outbox.quarantine_rows($6::bigint[], $7::text[])) >= 0"                    \
+    " AS c WHERE (SELECT outbox.quarantine_rows($6::bigint[], $7::text[])) >= 0"                   \
     " ORDER BY txid, id"
 
 int relay_pgsrc_batch_sql(uint32_t max_payload_bytes, char *out, size_t outlen)
@@ -924,12 +819,9 @@ static void run_setup(struct relay_pgsrc *pg)
     const struct relay_config *cfg = pg->cfg;
 
     if (pg->setup == SETUP_SESSION) {
-        /* A claim transaction stays open while Redis acknowledges the batch,
-         * and with the pipeline while the batch before it is acknowledged:
-         * the idle-in-transaction limit sits above two publish deadlines but
-         * frees the row locks soon if this process hangs or is cut off, and
-         * with them the partitions another relay waits to take over
-         * (relay/ownership_io.c). The claim is
+        /* The idle-in-transaction limit frees whatever a hung or cut-off
+         * process holds soon (the batch connection runs in autocommit; the
+         * limit is a guard). The batch statement is
          * planned once: its generic plan is the one wanted for any
          * parameters, where a custom plan each time costs 0.4 ms, and JIT
          * would compile it (15-25 ms) whenever the generic estimate passes
@@ -978,7 +870,7 @@ static void run_setup(struct relay_pgsrc *pg)
     if (pg->setup == SETUP_PREPARE) {
         /* max_payload_bytes needs a restart to change, so it is part of the
          * statement: the planner sees a constant. */
-        char batch[RELAY_PGSRC_CLAIM_SQL_MAX];
+        char batch[RELAY_PGSRC_BATCH_SQL_MAX];
         if (relay_pgsrc_batch_sql(cfg->max_payload_bytes, batch, sizeof(batch)) < 0) {
             setup_failed(pg, "the batch statement does not fit its buffer");
             return;
@@ -1036,16 +928,4 @@ void relay_pgsrc_free(struct relay_pgsrc *pg)
     if (pg->conn != NULL)
         PQfinish(pg->conn);
     free(pg);
-}
-
-char *relay_pgsrc_escape_literal(struct relay_pgsrc *pg, const char *s, size_t len)
-{
-    if (pg->conn == NULL)
-        return NULL;
-    return PQescapeLiteral(pg->conn, s, len);
-}
-
-void relay_pgsrc_freemem(void *p)
-{
-    PQfreemem(p);
 }

@@ -1,8 +1,9 @@
 /*
  * PostgreSQL side of the relay: one non-blocking libpq connection driven by
  * libev watchers. The relay keeps up to three: one that stays in LISTEN (and
- * holds the wake-up lock while the relay is busy) and one or two that claim
- * and mark (two with pipeline on). Each connects, runs its session set-up,
+ * holds the wake-up lock while the relay is busy), one that reads and
+ * records batches (relay/loop_io.c), and the owner connection of the
+ * partitions it claims (relay/ownership_io.c). Each connects, runs its session set-up,
  * reconnects with jittered backoff when it breaks, and runs one command at a
  * time with a client-side deadline. Nothing here ever blocks the loop.
  */
@@ -82,7 +83,7 @@ int relay_pgsrc_send(struct relay_pgsrc *pg, const char *sql, int nparams,
                      const char *const *params, int binary, relay_pgsrc_done_fn *done, void *arg)
     __attribute__((warn_unused_result));
 
-/* Sends a statement prepared during set-up ("claim"). Same contract. */
+/* Sends a statement prepared during set-up ("batch"). Same contract. */
 int relay_pgsrc_send_prepared(struct relay_pgsrc *pg, const char *name, int nparams,
                               const char *const *params, int binary, relay_pgsrc_done_fn *done,
                               void *arg) __attribute__((warn_unused_result));
@@ -100,12 +101,6 @@ void relay_pgsrc_on_no_session(relay_pgsrc_no_session_fn *fn, void *arg);
 /* Drops the connection now and reconnects after backoff (a stuck server). */
 void relay_pgsrc_reset(struct relay_pgsrc *pg, const char *why);
 
-/* Escapes a literal for SQL text with the connection's encoding rules; the
- * caller frees the result with relay_pgsrc_freemem. NULL when not connected. */
-char *relay_pgsrc_escape_literal(struct relay_pgsrc *pg, const char *s, size_t len)
-    __attribute__((warn_unused_result));
-void relay_pgsrc_freemem(void *p);
-
 /* Why the connection is not ready: its last failure as logged ("session
  * set-up failed: the outbox schema is at version ..."), or "" when it is
  * ready or has not failed. */
@@ -120,32 +115,22 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
 #define RELAY_OWNER_IDLE_MS 3000
 
 /*
- * Writes a claim statement into out: with paused 0 the one prepared on each
- * claim connection as "claim", for when no topic is paused (the hot path), or
- * else "claim_paused", for when some are. Both take $1, the batch size, and
- * $2, the topics paused for backpressure (a text[] literal), and return the
- * same rows: pending rows of the topics not in $2, in id order, at most $1,
- * locked FOR UPDATE and skipping rows another transaction holds. "claim"
- * walks the pending rows in id order and steps over those of paused topics;
- * "claim_paused" reads only the topics not paused, so a paused backlog costs
- * it nothing. Its rows have 11 columns: id, message_id, topic, partition_key,
- * payload, created_at, headers type, header names, header values, attempts
- * and the payload's size in bytes; the payload is NULL when its size is over
- * max_payload_bytes, which is never transferred. Returns the length, or -1
- * when it does not fit (RELAY_PGSRC_CLAIM_SQL_MAX always does).
- */
-#define RELAY_PGSRC_CLAIM_SQL_MAX 8192
-int relay_pgsrc_claim_sql(int paused, uint32_t max_payload_bytes, char *out, size_t outlen)
-    __attribute__((warn_unused_result));
-
-/*
  * Writes into out the statement that reads a chunk of a batch: $1 and $2 the
  * ticks around it, $3 and $4 the txid and id of the last row of the chunk
- * before ('0' and 0 for the first chunk), $5 the most rows. Its rows have the
- * claim's columns (relay_pgsrc_claim_sql), a 13th, the txid (xid8, 8 bytes in
- * binary), and a 14th, the ms of the later tick (int8), in (txid, id) order. Returns the length, or
- * -1 when it does not fit.
+ * before ('0' and 0 for the first chunk), $5 the most rows, $6 and $7 the
+ * ids and errors of rows the chunks before quarantined (recorded first). Its
+ * rows have 12
+ * columns for the entry: id, message_id, topic, partition_key, payload,
+ * created_at, headers type, header names, header values, attempts, the
+ * payload's size in bytes and the topic's partitions (the payload is NULL
+ * when its size is over max_payload_bytes, which is never transferred); a
+ * 13th, the txid (xid8, 8 bytes in binary), a 14th, the ms of the later tick
+ * (int8), a 15th, the first quarantined row of its key before it in a
+ * partitioned topic, or NULL, and a 16th, whether the row is in the
+ * quarantine already; in (txid, id) order. Returns the length, or -1
+ * when it does not fit (RELAY_PGSRC_BATCH_SQL_MAX always does).
  */
+#define RELAY_PGSRC_BATCH_SQL_MAX 8192
 int relay_pgsrc_batch_sql(uint32_t max_payload_bytes, char *out, size_t outlen)
     __attribute__((warn_unused_result));
 

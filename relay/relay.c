@@ -1,10 +1,10 @@
 /*
  * The daemon: builds its parts on one libev loop and handles what is about
  * the whole process, signals, drain, reload and the systemd watchdog. The
- * claim cycle runs in relay/cycle_io.c, the wake-up protocol in relay/wake_io.c,
+ * batch loop runs in relay/loop_io.c, the wake-up protocol in relay/wake_io.c,
  * the observation thread in relay/observe_io.c and the metrics text in
  * relay/render.c; the decisions they act on are the pure machines of
- * relay/cycle.c and relay/wake.c (docs/DESIGN.md, "Modules").
+ * relay/loop.c and relay/wake.c (docs/DESIGN.md, "Modules").
  */
 #include "common/compat.h"
 

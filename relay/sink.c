@@ -16,7 +16,7 @@
  * command: the only way out of a stuck server is to free the whole context,
  * which runs every pending callback with a NULL reply. The sink therefore
  * owns one timer for the connect-and-set-up phase, and the relay owns the
- * per-batch deadline that calls relay_sink_abort. Set-up commands are queued
+ * per-chunk deadline (publish_timeout) that calls relay_sink_abort. Set-up commands are queued
  * right after redisAsyncConnect: hiredis sends them once the socket connects.
  *
  * With Sentinels configured, every connect first asks them, one after the
@@ -71,14 +71,6 @@ struct sink_node {
     int port;
     int setup_pending;
     int ready;
-    /* Redis's wall clock minus our monotonic clock, and the round trip it
-     * was measured over (docs/DESIGN.md, "The publish deadline"). */
-    double clock_offset;
-    double clock_rtt; /* of the sample in use */
-    double best_rtt;  /* the shortest round trip on this connection */
-    double time_sent;
-    int time_in_flight; /* a TIME of relay_sink_sync_clock is on its way */
-    int time_tries;     /* TIMEs of the set-up so far */
 };
 
 struct relay_sink {
@@ -111,61 +103,6 @@ struct relay_sink {
     char describe[600];
 };
 
-/* The relay's own wall clock never enters a deadline: it steps (NTP, a VM
- * resume), the monotonic clock does not. */
-static double mono_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
-uint64_t relay_sink_deadline_ms(const struct relay_sink *s, double since, uint32_t within_ms)
-{
-    /* Redis's clock at since, give or take half a round trip. The deadline
-     * is pulled in by the round trip so that, on Redis's clock, it never
-     * falls after the moment the relay gives up; by at most half the window,
-     * so a measurement taken while Redis was slow cannot close it. With
-     * several primaries, the earliest of their deadlines: no primary then
-     * runs a publish later than its own clock allows. */
-    double within = within_ms / 1000.0;
-    double earliest = 0;
-    for (int i = 0; i < s->nnodes; i++) {
-        const struct sink_node *n = &s->nodes[i];
-        double margin = n->clock_rtt < within / 2 ? n->clock_rtt : within / 2;
-        double deadline = since + n->clock_offset + within - margin;
-        if (i == 0 || deadline < earliest)
-            earliest = deadline;
-    }
-    return earliest > 0 ? (uint64_t)(earliest * 1000.0) : 0;
-}
-
-/*
- * Takes one TIME reply as the clock sample it is: 0, or -1 when the reply is
- * not a TIME reply. A sample's error is at most half its round trip, so one
- * taken while Redis or the loop was slow is worth less than the one in use:
- * it replaces it only when its round trip is within twice the shortest seen
- * on this connection (or 2 ms). A clock step changes no round trip, so the
- * next quick sample after a step is taken at once.
- */
-static int take_time_sample(struct sink_node *n, const redisReply *r, int first)
-{
-    double received = mono_now();
-    if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
-        r->element[0]->type != REDIS_REPLY_STRING || r->element[1]->type != REDIS_REPLY_STRING)
-        return -1;
-    double server = strtod(r->element[0]->str, NULL) + strtod(r->element[1]->str, NULL) / 1e6;
-    double rtt = received - n->time_sent;
-    double good = 2 * n->best_rtt > 0.002 ? 2 * n->best_rtt : 0.002;
-    if (first || rtt < n->best_rtt)
-        n->best_rtt = rtt;
-    if (!first && rtt > good && rtt > n->clock_rtt)
-        return 0; /* slower than the sample in use: keep that one */
-    n->clock_rtt = rtt;
-    n->clock_offset = server - (n->time_sent + received) / 2.0;
-    return 0;
-}
-
 static void start_connect(struct relay_sink *s);
 
 /* Set-up steps, passed as privdata to name the step in messages. */
@@ -176,7 +113,6 @@ static char step_setname[] = "CLIENT SETNAME";
 static char step_function[] = "FUNCTION";
 static char step_consumer_library[] = "FUNCTION LOAD of library " OUTBOX_CONSUMER_FUNCTION_LIBRARY;
 static char step_config[] = "CONFIG";
-static char step_time[] = "TIME";
 static char step_role[] = "ROLE";
 
 void *relay_sink_owner(const struct redisAsyncContext *ac)
@@ -282,12 +218,6 @@ void relay_sink_abort(struct relay_sink *s, const char *why)
         return;
     ev_timer_stop(s->loop, &s->timer);
     node_failed(s, "connection dropped", why);
-}
-
-void relay_sink_reload_function(struct relay_sink *s)
-{
-    relay_sink_abort(s, "the publish function is missing on the server (restart, failover or "
-                        "FUNCTION FLUSH); reconnecting loads it again");
 }
 
 /* The connection a command with these bytes goes to. */
@@ -669,9 +599,6 @@ static void check_durability(struct relay_sink *s, const redisReply *r)
         relay_warn(COMPONENT, "durability: %s", text);
 }
 
-/* Asks for Redis's clock; the reply goes to on_setup_reply (step_time) or
- * on_time_reply (NULL privdata). */
-static void send_time(struct sink_node *n, void *privdata);
 static void queue_setup(struct sink_node *n);
 static void connect_node(struct relay_sink *s, struct sink_node *n, int probe);
 
@@ -783,21 +710,7 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
         s->state = SINK_CONNECTING;
         return;
     }
-    if (step == step_time) {
-        if (take_time_sample(n, r, n->time_tries++ == 0) != 0) {
-            char msg[300];
-            snprintf(msg, sizeof(msg), "TIME failed on %s:%d: %s", n->host, n->port,
-                     r != NULL && r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
-            relay_sink_abort(s, msg);
-            return;
-        }
-        /* A first measurement slower than a quarter of the publish window
-         * would cost its deadlines too much: measure again, three times at
-         * most, keeping the quickest. */
-        if (n->clock_rtt > s->cfg->publish_timeout_ms / 4000.0 && n->time_tries < 3) {
-            send_time(n, step_time);
-            return;
-        }
+    if (step == step_role) {
     } else if (step == step_role) {
         if (r == NULL || r->type != REDIS_REPLY_ARRAY || r->elements == 0 ||
             r->element[0]->type != REDIS_REPLY_STRING ||
@@ -834,50 +747,9 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
     }
     if (--n->setup_pending > 0)
         return;
-    if (step != step_time) {
-        /* The clock last, alone on a connection that is up and set up: its
-         * round trip then measures the connection, not a slow connect or the
-         * steps before it. */
-        send_time(n, step_time);
-        n->setup_pending++;
-        return;
-    }
     n->ready = 1;
     if (++s->nready == s->nnodes)
         all_ready(s);
-}
-
-static void on_time_reply(redisAsyncContext *ac, void *reply, void *privdata)
-{
-    struct sink_node *n = ac->data;
-    (void)privdata;
-    if (n == NULL || ac != n->ac)
-        return;
-    n->time_in_flight = 0;
-    if (reply != NULL && take_time_sample(n, reply, 0) != 0)
-        relay_warn(COMPONENT, "unexpected reply to TIME; keeping the last clock measurement");
-}
-
-static void send_time(struct sink_node *n, void *privdata)
-{
-    const char *argv[1] = {"TIME"};
-    size_t lens[1] = {4};
-    n->time_sent = mono_now();
-    redisAsyncCommandArgv(n->ac, privdata != NULL ? on_setup_reply : on_time_reply, privdata, 1,
-                          argv, lens);
-}
-
-void relay_sink_sync_clock(struct relay_sink *s)
-{
-    if (s->state != SINK_READY)
-        return;
-    for (int i = 0; i < s->nnodes; i++) {
-        struct sink_node *n = &s->nodes[i];
-        if (n->ac == NULL || n->time_in_flight)
-            continue;
-        n->time_in_flight = 1;
-        send_time(n, NULL);
-    }
 }
 
 static void on_connect(const redisAsyncContext *ac, int status)
@@ -933,7 +805,7 @@ static void queue_auth(struct sink_node *n)
 
 /* The set-up of a connection that publishes (AUTH first when it was not a
  * probe): the database, ROLE with Sentinel, the name, both function
- * libraries, the durability settings; TIME follows once they are in. */
+ * libraries, the durability settings. */
 static void queue_setup(struct sink_node *n)
 {
     struct relay_sink *s = n->s;
@@ -1001,8 +873,6 @@ static void connect_node(struct relay_sink *s, struct sink_node *n, int probe)
     n->s = s;
     n->ready = 0;
     n->setup_pending = 0;
-    n->time_in_flight = 0;
-    n->time_tries = 0;
     redisAsyncContext *ac = redisAsyncConnect(n->host, n->port);
     if (ac == NULL) {
         node_failed(s, "cannot connect", "out of memory");

@@ -2,10 +2,11 @@
  * Redis side of the relay: hiredis async connections on the libev adapter,
  * one to a single server or one to each primary of a Redis Cluster (every
  * command goes to the primary of its key's hash slot). It connects with a
- * deadline, authenticates, selects the database, loads the publish function,
+ * deadline, authenticates, selects the database, loads the function
+ * libraries (the relay's trim function, and the consumers' functions),
  * checks what an acknowledged write is worth on this Redis, and reconnects
  * with jittered backoff when anything breaks. hiredis 0.14 has
- * no command timeouts, so the relay arms a deadline per batch and the sink
+ * no command timeouts, so the relay arms a deadline per chunk and the sink
  * drops the whole connection when it expires (all pending replies then
  * arrive as NULL).
  */
@@ -44,8 +45,8 @@ void relay_sink_free(struct relay_sink *s);
 int relay_sink_ready(const struct relay_sink *s);
 
 /*
- * Queues one command already in the Redis protocol (relay_batch_append_publish_call,
- * relay_batch_append_retire) with its callback; nothing is formatted here:
+ * Queues one command already in the Redis protocol with its callback;
+ * nothing is formatted here:
  * hiredis copies the bytes into its output buffer, so cmd may be reused as
  * soon as this returns.
  *
@@ -93,30 +94,6 @@ int relay_sink_wait(struct relay_sink *s, unsigned replicas, uint32_t timeout_ms
 /* Drops the connection (pending callbacks get NULL) and reconnects after
  * backoff. why is logged. */
 void relay_sink_abort(struct relay_sink *s, const char *why);
-
-/* Asks for the publish function to be loaded again (after "Function not
- * found"): the connection is dropped and re-established, which reloads it. */
-void relay_sink_reload_function(struct relay_sink *s);
-
-/*
- * A deadline in the server's clock, in Unix milliseconds: within_ms from
- * since (CLOCK_MONOTONIC seconds, relay_now()), less one round trip of the
- * clock measurement (at most half of within_ms). Computed from the monotonic
- * clock and the last measurement of Redis's clock, so steps of this host's
- * wall clock never move it. The publish function refuses to run after it, so
- * commands that reach Redis late, after the relay gave up on them or after
- * another relay may have taken their rows over, publish nothing.
- */
-uint64_t relay_sink_deadline_ms(const struct relay_sink *s, double since, uint32_t within_ms);
-
-/*
- * Measures Redis's clock again: one TIME, queued now, whose reply updates
- * what relay_sink_deadline_ms computes from. The relay calls it as each batch
- * starts publishing, so a clock step on the Redis host costs at most one
- * batch (refused with EXPIRED, then retried on the new measurement). No-op
- * when not ready or when a measurement is already on its way.
- */
-void relay_sink_sync_clock(struct relay_sink *s);
 
 /* The hooks' arg of the sink that owns ac (for reply callbacks). */
 void *relay_sink_owner(const struct redisAsyncContext *ac);

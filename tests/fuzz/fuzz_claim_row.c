@@ -1,32 +1,31 @@
 /*
- * A claimed row, from its columns to the publish command (relay/cycle_io.c
- * parse_row, relay/batch.c): the bytes are the claim's rows, each as its 12
- * columns in the claim query's order, every column a 2-byte big-endian
- * length (0xffff for SQL NULL) and that many bytes, as libpq hands them
- * over (binary id, attempts, payload size and partitions; binary text[] of
- * header names and values). Before the rows, one byte picks the stream
- * prefix and one the max_payload_bytes.
+ * A row of a batch, from its columns to its XADD (relay/loop_io.c parse_row,
+ * relay/batch.c): the bytes are the batch's rows, each as its 12 columns in
+ * the batch query's order, every column a 2-byte big-endian length (0xffff
+ * for SQL NULL) and that many bytes, as libpq hands them over (binary id,
+ * attempts, payload size and partitions; binary text[] of header names and
+ * values). Before the rows, one byte picks the stream prefix and one the
+ * max_payload_bytes.
  *
- * Each row that decodes is checked and built both ways: as the argv of a
- * call of its own (relay_batch_build_publish), and as the relay sends it,
- * checked (relay_batch_check_publish) and straight into the Redis protocol
- * in a call of several rows (relay_batch_append_publish_call). They must
- * agree on whether the row can be published and why not, and when it can,
- * the call of the row alone must read back as that argv's stream, record,
- * deadline and fields. Then the published rows of one stream must go in one
- * call that reads back whole, and their retire commands must read back as
- * well-formed commands.
+ * Each row that decodes is checked (relay_batch_check_publish): a row that
+ * cannot be published must say why and with what kind of failure; one that
+ * can must go alone into a MULTI / XADD / EXEC (relay_batch_append_xadd_call)
+ * whose XADD reads back as its stream, its entry id and its fields, the
+ * header names and values as the row holds them. Then the published rows of
+ * one stream must go in one call that reads back as MULTI, one XADD each of
+ * the right length, and EXEC.
  */
 #include "common/compat.h"
 
 #include <libpq-fe.h>
 
 #include "common/buf.h"
+#include "common/keys.h"
 #include "relay/batch.h"
 
 #include "fuzz.h"
 
-/* File-local in relay/cycle_io.c (OUTBOX_STATIC is empty in relay_unit). */
+/* File-local in relay/loop_io.c (OUTBOX_STATIC is empty in relay_unit). */
 int parse_row(PGresult *res, int i, struct relay_row *row);
 
 #define ROWS_MAX 8
@@ -66,16 +65,19 @@ static int read_row(PGresult *res, int i, const uint8_t *data, size_t size, size
     return 0;
 }
 
-/* The reply the protocol in buf reads back as: one array of strings. */
-static redisReply *read_command(const char *buf, size_t len)
+/* The commands the protocol in buf reads back as, each one array of
+ * strings: n of them in rs. */
+static void read_commands(const char *buf, size_t len, redisReply **rs, size_t n)
 {
-    redisReply *r = NULL;
-    if (fuzz_replies((const uint8_t *)buf, len, &r, 1) != 1 || r->type != REDIS_REPLY_ARRAY)
-        fuzz_fail("a command that does not read back as an array", buf);
-    for (size_t k = 0; k < r->elements; k++)
-        if (r->element[k]->type != REDIS_REPLY_STRING)
-            fuzz_fail("a command argument that is not a string", buf);
-    return r;
+    if (fuzz_replies((const uint8_t *)buf, len, rs, n) != (int)n)
+        fuzz_fail("a call that does not read back as its commands", buf);
+    for (size_t i = 0; i < n; i++) {
+        if (rs[i]->type != REDIS_REPLY_ARRAY)
+            fuzz_fail("a command that does not read back as an array", buf);
+        for (size_t k = 0; k < rs[i]->elements; k++)
+            if (rs[i]->element[k]->type != REDIS_REPLY_STRING)
+                fuzz_fail("a command argument that is not a string", buf);
+    }
 }
 
 /* Whether the header names and values have no NUL byte, as the elements of
@@ -102,93 +104,121 @@ static int same_arg(const redisReply *r, size_t k, const char *s, size_t n)
     return k < r->elements && r->element[k]->len == n && memcmp(r->element[k]->str, s, n) == 0;
 }
 
+/* Whether the XADD x read back holds row's fields, from argument 3 on: id,
+ * topic, key, payload, created_at, outbox_id, then "h.<name>" and value per
+ * header. */
+static int same_fields(const redisReply *x, const struct relay_row *row)
+{
+    size_t k = 3;
+    char id[24];
+    int idlen = snprintf(id, sizeof(id), "%lld", (long long)row->id);
+    int ok = same_arg(x, k, "id", 2) && same_arg(x, k + 1, row->message_id, row->message_id_len) &&
+             same_arg(x, k + 2, "topic", 5) && same_arg(x, k + 3, row->topic, row->topic_len);
+    k += 4;
+    if (ok && row->key != NULL) {
+        ok = same_arg(x, k, "key", 3) && same_arg(x, k + 1, row->key, row->key_len);
+        k += 2;
+    }
+    ok = ok && same_arg(x, k, "payload", 7) && same_arg(x, k + 1, row->payload, row->payload_len) &&
+         same_arg(x, k + 2, "created_at", 10) &&
+         same_arg(x, k + 3, row->created_at, row->created_at_len) &&
+         same_arg(x, k + 4, "outbox_id", 9) && same_arg(x, k + 5, id, (size_t)idlen);
+    k += 6;
+    if (ok && row->headers_type != NULL) {
+        const char *names[OUTBOX_HEADERS_MAX], *values[OUTBOX_HEADERS_MAX];
+        size_t nlens[OUTBOX_HEADERS_MAX], vlens[OUTBOX_HEADERS_MAX];
+        int n = relay_batch_decode_text_array(row->header_names, row->header_names_len, names,
+                                              nlens, OUTBOX_HEADERS_MAX);
+        if (relay_batch_decode_text_array(row->header_values, row->header_values_len, values, vlens,
+                                          OUTBOX_HEADERS_MAX) != n)
+            return 0;
+        for (int i = 0; ok && i < n; i++) {
+            if (k + 1 >= x->elements)
+                return 0;
+            const redisReply *name = x->element[k];
+            ok = name->len == 2 + nlens[i] && memcmp(name->str, "h.", 2) == 0 &&
+                 memcmp(name->str + 2, names[i], nlens[i]) == 0 &&
+                 same_arg(x, k + 1, values[i], vlens[i]);
+            k += 2;
+        }
+    }
+    return ok && k == x->elements;
+}
+
 static void publish(struct relay_row *row, const char *prefix, uint32_t max_payload)
 {
-    static struct relay_publish_cmd cmd;
-    char err1[OUTBOX_ERROR_MAX], err2[OUTBOX_ERROR_MAX];
+    char err[OUTBOX_ERROR_MAX];
     enum relay_row_fault fault = RELAY_FAULT_NONE;
-
-    int built = relay_batch_build_publish(row, prefix, max_payload, 86400000, 1718000000000ULL,
-                                          &cmd, err1, sizeof(err1));
-    int checked = relay_batch_check_publish(row, prefix, max_payload, err2, sizeof(err2), &fault);
-    if ((built == 0) != (checked == 0))
-        fuzz_fail("argv and check disagree on whether the row can be published",
-                  built != 0 ? err1 : err2);
-    if (built != 0) {
-        if (strcmp(err1, err2) != 0)
-            fuzz_fail("argv and check give different reasons", err2);
+    err[0] = '\0';
+    if (relay_batch_check_publish(row, prefix, max_payload, err, sizeof(err), &fault) != 0) {
         if (fault == RELAY_FAULT_NONE)
-            fuzz_fail("a row that cannot be published without a kind of failure", err2);
+            fuzz_fail("a row that cannot be published without a kind of failure", err);
+        if (err[0] == '\0')
+            fuzz_fail("a row that cannot be published without a reason", NULL);
+        if (row->call_bytes != 0)
+            fuzz_fail("a row that cannot be published with a size", err);
         return;
     }
-    /* The row alone in a call: its stream, its record, then its fields as
-     * the argv of its own call has them, after their count. */
+    /* The row alone in a call: MULTI, its XADD, EXEC. */
     const struct relay_row *one = row;
     struct outbox_buf out;
     memset(&out, 0, sizeof(out));
-    if (relay_batch_append_publish_call(&one, 1, NULL, prefix, max_payload, 86400000,
-                                        1718000000000ULL, &out) != 0)
+    size_t ends[3];
+    if (relay_batch_append_xadd_call(&one, 1, prefix, max_payload, 1718000000000ULL, &out, ends) !=
+        0)
         fuzz_fail("a row that can be published cannot go in a call", "");
     if (out.data[out.len] != '\0')
         fuzz_fail("the call is not NUL-terminated", out.data);
-    redisReply *got = read_command(out.data, out.len);
-    int keyed = row->after != NULL;
-    size_t nfields = (size_t)cmd.argc - 7 - (size_t)keyed;
-    char count[24];
-    int clen = snprintf(count, sizeof(count), "%zu", nfields);
-    int ok = got->elements == 9 + nfields && same_arg(got, 0, "FCALL", 5) &&
-             same_arg(got, 1, RELAY_FUNCTION_PUBLISH_MANY, strlen(RELAY_FUNCTION_PUBLISH_MANY)) &&
-             same_arg(got, 2, "2", 1) && same_arg(got, 3, cmd.argv[3], cmd.argvlen[3]) &&
-             same_arg(got, 4, cmd.argv[4], cmd.argvlen[4]) &&
-             same_arg(got, 5, cmd.argv[5 + keyed], cmd.argvlen[5 + keyed]) &&
-             same_arg(got, 6, cmd.argv[6 + keyed], cmd.argvlen[6 + keyed]) &&
-             same_arg(got, 7, "1", 1) && same_arg(got, 8, count, (size_t)clen);
-    for (size_t k = 0; ok && k < nfields; k++)
-        ok = same_arg(got, 9 + k, cmd.argv[7 + keyed + k], cmd.argvlen[7 + keyed + k]);
-    if (headers_are_text(row) && !ok)
-        fuzz_fail("the call is not the argv of the row's own call", out.data);
-    freeReplyObject(got);
+    if (ends[2] != out.len)
+        fuzz_fail("the call does not end where its last command does", out.data);
+    redisReply *got[3];
+    read_commands(out.data, out.len, got, 3);
+    char stream[512], id[RELAY_ENTRY_ID_MAX];
+    int slen = outbox_key_partition_stream(prefix, row->topic, row->topic_len, row->partition,
+                                           row->partitions, stream, sizeof(stream));
+    size_t idlen = relay_batch_entry_id(1718000000000ULL, row->seq, id);
+    int ok = same_arg(got[0], 0, "MULTI", 5) && got[0]->elements == 1 &&
+             same_arg(got[2], 0, "EXEC", 4) && got[2]->elements == 1 &&
+             same_arg(got[1], 0, "XADD", 4) && slen > 0 &&
+             same_arg(got[1], 1, stream, (size_t)slen) && same_arg(got[1], 2, id, idlen);
+    if (!ok)
+        fuzz_fail("the call is not MULTI, the row's XADD to its stream, EXEC", out.data);
+    if (headers_are_text(row) && !same_fields(got[1], row))
+        fuzz_fail("the XADD does not hold the row's fields", out.data);
+    for (int i = 0; i < 3; i++)
+        freeReplyObject(got[i]);
     outbox_buf_free(&out);
     row->state = RELAY_ROW_PUBLISHED;
 }
 
-/* The published rows of the first published row's stream, in one call
- * behind the first row: it reads back as one command of the right length. */
+/* The published rows of the first published row's stream, in one call: it
+ * reads back as MULTI, one XADD per row, EXEC. */
 static void publish_together(struct relay_row *rows, size_t n, const char *prefix,
                              uint32_t max_payload)
 {
     const struct relay_row *call[ROWS_MAX];
-    const struct relay_row *after = NULL;
-    size_t m = 0, fields = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (rows[i].state != RELAY_ROW_PUBLISHED)
-            continue;
-        if (after == NULL) {
-            after = &rows[i];
-            continue;
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (rows[i].state == RELAY_ROW_PUBLISHED &&
+            (m == 0 || relay_batch_same_stream(&rows[i], call[0]))) {
+            rows[i].seq = m;
+            call[m++] = &rows[i];
         }
-        if (!relay_batch_same_stream(&rows[i], after))
-            continue;
-        static struct relay_publish_cmd cmd;
-        char err[OUTBOX_ERROR_MAX];
-        struct relay_row alone = rows[i];
-        alone.after = NULL;
-        if (relay_batch_build_publish(&alone, prefix, max_payload, 1, 2, &cmd, err, sizeof(err)) !=
-            0)
-            fuzz_fail("a published row that cannot be built again", err);
-        fields += (size_t)cmd.argc - 7;
-        call[m++] = &rows[i];
-    }
     if (m == 0)
         return;
     struct outbox_buf out;
     memset(&out, 0, sizeof(out));
-    if (relay_batch_append_publish_call(call, m, after, prefix, max_payload, 1, 2, &out) != 0)
+    size_t ends[ROWS_MAX + 2];
+    if (relay_batch_append_xadd_call(call, m, prefix, max_payload, 7, &out, ends) != 0)
         fuzz_fail("rows of one stream that can be published cannot go in one call", "");
-    redisReply *got = read_command(out.data, out.len);
-    if (got->elements != 3 + 2 + m + 3 + m + fields)
-        fuzz_fail("a call of several rows with the wrong number of arguments", out.data);
-    freeReplyObject(got);
+    redisReply *got[ROWS_MAX + 2];
+    read_commands(out.data, out.len, got, m + 2);
+    for (size_t i = 0; i < m; i++)
+        if (!same_arg(got[i + 1], 0, "XADD", 4) || got[i + 1]->elements != 3 + call[i]->call_fields)
+            fuzz_fail("an XADD of a call of several rows with the wrong number of arguments",
+                      out.data);
+    for (size_t i = 0; i < m + 2; i++)
+        freeReplyObject(got[i]);
     outbox_buf_free(&out);
 }
 
@@ -226,18 +256,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         nrows++;
     }
     publish_together(rows, nrows, prefix, max_payload);
-
-    struct outbox_buf out;
-    memset(&out, 0, sizeof(out));
-    size_t pos = 0;
-    int rc;
-    while ((rc = relay_batch_append_retire(rows, nrows, prefix, 86400000, &pos, &out)) == 1) {
-        freeReplyObject(read_command(out.data, out.len));
-        outbox_buf_reset(&out);
-    }
-    if (rc != 0)
-        fuzz_fail("retire did not fit an empty buffer", NULL);
-    outbox_buf_free(&out);
     PQclear(res);
     return 0;
 }
