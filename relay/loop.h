@@ -3,7 +3,7 @@
  * snapshots"), pure: it never touches a connection, a timer or a clock. The
  * daemon feeds it events (a statement answered, a chunk's calls answered, a
  * connection lost, a timer fired) and it decides what happens next through
- * the ops the daemon fills in, as relay/cycle.h does for the claim cycle.
+ * the ops the daemon fills in.
  * Unit tests play scripts of events against fake ops (tests/unit/test_loop.c).
  *
  *   (LOAD first, and whenever prepare asks: the streams' positions)

@@ -36,7 +36,7 @@ class SoakTest(harness.TestCase):
 
     def test_soak(self):
         build = os.path.dirname(harness.require_relay())
-        for tool in ("bench-loadgen", "bench-naive"):
+        for tool in ("bench-loadgen",):
             if not os.access(os.path.join(build, tool), os.X_OK):
                 self.fail(f"{tool} is not built next to {harness.require_relay()}")
         with tempfile.TemporaryDirectory(prefix="outbox-soak-") as results:
