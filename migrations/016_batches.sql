@@ -12,12 +12,13 @@
 -- stream (outbox.stream_positions), written once per batch.
 --
 --   outbox.messages.txid        the writing transaction (pg_current_xact_id())
---   messages_txid_idx           (txid, id): a batch in publish order, and the
---                               tick's test for anything new, off one index
+--   messages_txid_idx           (txid, id): a batch's bounds, and the tick's
+--                               test for anything new, off one index
 --   outbox.ticks                the ticks: number, snapshot, and the time
 --                               part of the entry ids of the tick's batch
 --   outbox.tick(min_ms)         takes a tick if anything committed since the
 --                               last one; returns the latest tick either way
+--   outbox.batch_bounds(...)    the lowest and highest row id of a batch
 --   outbox.batch_rows(...)      a chunk of the batch between two ticks
 --   outbox.stream_positions     per stream: the last tick whose batch is all
 --                               in the stream, and its last entry id there
@@ -141,52 +142,76 @@ ALTER TABLE outbox.messages ALTER COLUMN txid SET NOT NULL;
 
 CREATE INDEX IF NOT EXISTS messages_txid_idx ON outbox.messages (txid, id);
 
--- The rows of the batch between ticks p_prev and p_next (any two, p_prev
--- the lower), after (p_after_txid, p_after_id), at most p_limit, in (txid, id)
--- order: the rows whose transaction p_next sees as committed and p_prev does
--- not. As pgq.batch_event_sql draws them, in two parts: the transactions that
--- began after p_prev's snapshot are a range of ids, [xmax of p_prev, xmax of
--- p_next), filtered by visibility; those that were running at p_prev and
--- committed by p_next are few, listed. Each part is one ordered walk of
--- messages_txid_idx whose bounds are index conditions (the ticks are read
--- by uncorrelated subqueries: a join to them would leave the bounds to a
--- filter, and each chunk would walk the index to its end), so a chunk costs
--- O(p_limit) however long the table,
--- and no row of a transaction that is still open, however old, is read. A
--- plain SQL function, so the planner inlines it into the caller's query.
+-- A batch is the rows whose transaction tick p_next sees as committed and
+-- tick p_prev does not (any two ticks, p_prev the lower). As
+-- pgq.batch_event_sql draws them, in two parts: the transactions that began
+-- after p_prev's snapshot are a range of transaction ids, [xmax of p_prev,
+-- xmax of p_next), filtered by visibility; those that were running at p_prev
+-- and committed by p_next are few, listed. The ticks are read by
+-- uncorrelated subqueries, which the planner makes index conditions.
+--
+-- A batch goes out in id order, not transaction-id order: a producer that
+-- takes a lock before inserting (its aggregate's row, P8) may have been given
+-- its transaction id before the one it waited for, but its row's id is drawn
+-- after that one committed. So outbox.batch_bounds reads the batch's lowest
+-- and highest row id once, off messages_txid_idx (only the index entries of
+-- the batch), and outbox.batch_rows reads it in chunks of the primary key
+-- between them, each after the last id read: a chunk costs its rows and the
+-- rows of other batches that lie between them by id (a transaction that
+-- stayed open long spans the rows committed meanwhile, once).
+CREATE OR REPLACE FUNCTION outbox.batch_bounds(p_prev bigint, p_next bigint)
+RETURNS TABLE (lo bigint, hi bigint)
+LANGUAGE sql
+STABLE
+AS $$
+    SELECT min(r.lo), max(r.hi) FROM (
+        SELECT min(m.id) AS lo, max(m.id) AS hi FROM outbox.messages AS m
+         WHERE m.txid >= (SELECT pg_catalog.pg_snapshot_xmax(t.snap) FROM outbox.ticks AS t
+                           WHERE t.tick_id = p_prev)
+           AND m.txid < (SELECT pg_catalog.pg_snapshot_xmax(t.snap) FROM outbox.ticks AS t
+                          WHERE t.tick_id = p_next)
+           AND pg_catalog.pg_visible_in_snapshot(m.txid, (SELECT t.snap FROM outbox.ticks AS t
+                                                           WHERE t.tick_id = p_next))
+        UNION ALL
+        -- Each transaction of the list: two probes of the index.
+        SELECT (SELECT m.id FROM outbox.messages AS m WHERE m.txid = x
+                 ORDER BY m.txid, m.id LIMIT 1),
+               (SELECT m.id FROM outbox.messages AS m WHERE m.txid = x
+                 ORDER BY m.txid DESC, m.id DESC LIMIT 1)
+          FROM pg_catalog.pg_snapshot_xip((SELECT t.snap FROM outbox.ticks AS t
+                                            WHERE t.tick_id = p_prev)) AS x
+         WHERE pg_catalog.pg_visible_in_snapshot(x, (SELECT t.snap FROM outbox.ticks AS t
+                                                      WHERE t.tick_id = p_next))
+    ) AS r
+$$;
+
+COMMENT ON FUNCTION outbox.batch_bounds(bigint, bigint) IS
+    'The lowest and highest row id of the batch between two ticks (NULL when it is empty).';
+
+-- The rows of the batch between ticks p_prev and p_next with an id above
+-- p_after_id and at most p_upto_id, in id order, at most p_limit: a chunk.
+-- Whether a row is in the batch is its snapshots' word alone, which no index
+-- answers: the walk is the primary key's, from p_after_id, and stops at
+-- p_limit rows. A plain SQL function, so the planner inlines it into the
+-- caller's query.
 CREATE OR REPLACE FUNCTION outbox.batch_rows(p_prev bigint, p_next bigint,
-    p_after_txid xid8, p_after_id bigint, p_limit integer)
+    p_after_id bigint, p_upto_id bigint, p_limit integer)
 RETURNS SETOF outbox.messages
 LANGUAGE sql
 STABLE
 AS $$
-    SELECT r.* FROM (
-        (SELECT m.* FROM outbox.messages AS m
-          WHERE m.txid >= (SELECT pg_catalog.pg_snapshot_xmax(t.snap) FROM outbox.ticks AS t
-                            WHERE t.tick_id = p_prev)
-            AND m.txid < (SELECT pg_catalog.pg_snapshot_xmax(t.snap) FROM outbox.ticks AS t
-                           WHERE t.tick_id = p_next)
-            AND (m.txid, m.id) > (p_after_txid, p_after_id)
-            AND pg_catalog.pg_visible_in_snapshot(m.txid, (SELECT t.snap FROM outbox.ticks AS t
-                                                            WHERE t.tick_id = p_next))
-          ORDER BY m.txid, m.id LIMIT p_limit)
-        UNION ALL
-        (SELECT m.* FROM outbox.messages AS m
-          WHERE m.txid = ANY (ARRAY(
-                    SELECT x FROM pg_catalog.pg_snapshot_xip((SELECT t.snap FROM outbox.ticks AS t
-                                                               WHERE t.tick_id = p_prev)) AS x
-                     WHERE pg_catalog.pg_visible_in_snapshot(x, (SELECT t.snap
-                                                                   FROM outbox.ticks AS t
-                                                                  WHERE t.tick_id = p_next))))
-            AND (m.txid, m.id) > (p_after_txid, p_after_id)
-          ORDER BY m.txid, m.id LIMIT p_limit)
-    ) AS r
-    ORDER BY r.txid, r.id
-    LIMIT p_limit
+    SELECT m.* FROM outbox.messages AS m
+     WHERE m.id > p_after_id AND m.id <= p_upto_id
+       AND pg_catalog.pg_visible_in_snapshot(m.txid, (SELECT t.snap FROM outbox.ticks AS t
+                                                       WHERE t.tick_id = p_next))
+       AND NOT pg_catalog.pg_visible_in_snapshot(m.txid, (SELECT t.snap FROM outbox.ticks AS t
+                                                           WHERE t.tick_id = p_prev))
+     ORDER BY m.id
+     LIMIT p_limit
 $$;
 
-COMMENT ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) IS
-    'The rows committed between two ticks, in (txid, id) order, after a (txid, id), at most a limit.';
+COMMENT ON FUNCTION outbox.batch_rows(bigint, bigint, bigint, bigint, integer) IS
+    'A chunk of the batch between two ticks: its rows with an id in (after, upto], in id order, at most a limit.';
 
 -- Rows the relay could not publish and moved past (docs/DESIGN.md, "Rows
 -- that cannot be published"): a copy of the row as the producer wrote it,
@@ -442,8 +467,10 @@ REVOKE EXECUTE ON FUNCTION outbox.set_partitions(text, integer) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION outbox.quarantine_rows(bigint[], text[]) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.quarantine_rows(bigint[], text[]) TO outbox_relay;
 REVOKE EXECUTE ON FUNCTION outbox.tick(bigint) FROM PUBLIC;
-REVOKE EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, xid8, bigint, integer) TO outbox_relay;
+REVOKE EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, bigint, bigint, integer) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, bigint, bigint, integer) TO outbox_relay;
+REVOKE EXECUTE ON FUNCTION outbox.batch_bounds(bigint, bigint) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.batch_bounds(bigint, bigint) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION outbox.tick(bigint) TO outbox_relay;
 REVOKE EXECUTE ON FUNCTION outbox.record_batch(bigint, boolean, text[], integer[], text[], text[], integer[], text[], integer[], bigint[], text[]) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.record_batch(bigint, boolean, text[], integer[], text[], text[], integer[], text[], integer[], bigint[], text[]) TO outbox_relay;

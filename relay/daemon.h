@@ -90,8 +90,9 @@ struct relay_loop_io {
     struct relay_pgsrc *pg; /* the claiming connection, in autocommit */
     uint64_t sent_gen;      /* the generation of its statement in flight */
     uint32_t read_number;   /* the chunk its read statement asks for */
-    uint64_t after_txid;    /* the last row read: where the next chunk resumes */
-    int64_t after_id;
+    int64_t after_id;       /* the last row read: where the next chunk resumes */
+    int64_t upto_id;        /* the batch's highest id (outbox.batch_bounds) */
+    uint64_t read_prev, read_next; /* the batch being read */
     uint64_t min_ms;              /* the least ms of the next tick */
     struct relay_chunk chunks[2]; /* the one publishing, and the one read ahead */
     struct relay_cursors cursors; /* each stream's rank and last id */

@@ -361,6 +361,14 @@ static void on_check_reply(redisAsyncContext *ac, void *reply_, void *arg)
     cur->checking = 0;
     uint64_t ms = 0, seq = 0;
     int have = 0;
+    if (reply != NULL && reply->type == REDIS_REPLY_ERROR && reply->len >= 9 &&
+        memcmp(reply->str, "WRONGTYPE", 9) == 0) {
+        /* The stream's key holds another type: its rows are quarantined when
+         * they are published, with what to do; nothing to compare here. */
+        if (b->checks_pending == 0)
+            checks_done(r);
+        return;
+    }
     if (reply == NULL || reply->type == REDIS_REPLY_ERROR || reply->type != REDIS_REPLY_ARRAY) {
         char why[300];
         snprintf(why, sizeof(why), "reading a stream's last id failed: %.*s",
@@ -448,25 +456,19 @@ static void on_lost_ticks(struct relay_pgsrc *pg, PGresult *res, const char *err
 static void put_text_array(struct outbox_buf *out, const char *const *items, size_t n);
 static void put_text_array_ids(struct outbox_buf *out, const int64_t *ids, size_t n);
 
-static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32_t chunk)
+static void on_bounds(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                      void *arg);
+
+/* Sends the statement of chunk number `chunk` of the batch (read_prev,
+ * read_next]: its rows with an id above after_id and at most upto_id. */
+static int send_chunk(struct relay *r, uint64_t gen, uint32_t chunk)
 {
-    struct relay *r = arg;
     struct relay_loop_io *b = &r->batch;
-    b->stage_at = relay_now();
-    if (chunk == 0) {
-        b->after_txid = 0;
-        b->after_id = 0;
-        b->batch_serial++; /* which streams it publishes is decided anew */
-        b->started_at = b->phase_mark = relay_now();
-        b->batch_read = 0;
-        b->phase = RELAY_PHASE_READ;
-        memset(b->phase_s, 0, sizeof(b->phase_s));
-    }
     char p1[24], p2[24], p3[24], p4[24], p5[16];
-    snprintf(p1, sizeof(p1), "%" PRIu64, prev);
-    snprintf(p2, sizeof(p2), "%" PRIu64, next);
-    snprintf(p3, sizeof(p3), "%" PRIu64, b->after_txid);
-    snprintf(p4, sizeof(p4), "%" PRId64, b->after_id);
+    snprintf(p1, sizeof(p1), "%" PRIu64, b->read_prev);
+    snprintf(p2, sizeof(p2), "%" PRIu64, b->read_next);
+    snprintf(p3, sizeof(p3), "%" PRId64, b->after_id);
+    snprintf(p4, sizeof(p4), "%" PRId64, b->upto_id);
     snprintf(p5, sizeof(p5), "%u", r->cfg->batch_size);
     /* The rows quarantined since the last statement sent go with this one. */
     outbox_buf_reset(&b->sql);
@@ -486,6 +488,61 @@ static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32
     if (rc == 0)
         b->nflushed = b->nquarantined; /* recorded with the read, or the batch fails */
     return rc;
+}
+
+static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32_t chunk)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    b->stage_at = relay_now();
+    if (chunk > 0)
+        return send_chunk(r, gen, chunk);
+    b->batch_serial++; /* which streams it publishes is decided anew */
+    b->started_at = b->phase_mark = relay_now();
+    b->batch_read = 0;
+    b->phase = RELAY_PHASE_READ;
+    memset(b->phase_s, 0, sizeof(b->phase_s));
+    b->read_prev = prev;
+    b->read_next = next;
+    /* The batch goes out in id order: its lowest and highest id first. */
+    char p1[24], p2[24];
+    snprintf(p1, sizeof(p1), "%" PRIu64, prev);
+    snprintf(p2, sizeof(p2), "%" PRIu64, next);
+    const char *params[2] = {p1, p2};
+    b->sent_gen = gen;
+    b->read_number = 0;
+    return relay_pgsrc_send(b->pg, "SELECT lo, hi FROM outbox.batch_bounds($1::bigint, $2::bigint)",
+                            2, params, 0, on_bounds, r);
+}
+
+static void on_bounds(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,
+                      void *arg)
+{
+    struct relay *r = arg;
+    struct relay_loop_io *b = &r->batch;
+    (void)pg;
+    (void)sqlstate;
+    if (r->stopping)
+        return;
+    uint64_t gen = b->sent_gen;
+    if (gen != b->loop.gen)
+        return; /* an abandoned batch's */
+    if (err != NULL || res == NULL || PQntuples(res) != 1) {
+        char why[600];
+        snprintf(why, sizeof(why), "reading the batch's bounds failed: %s",
+                 err != NULL ? err : "no answer");
+        relay_loop_failed(&b->loop, gen, RELAY_FAIL_POSTGRES, why);
+        return;
+    }
+    if (PQgetisnull(res, 0, 0)) {
+        relay_loop_chunk(&b->loop, gen, 0, 0); /* an empty batch */
+        return;
+    }
+    b->after_id = strtoll(PQgetvalue(res, 0, 0), NULL, 10) - 1;
+    b->upto_id = strtoll(PQgetvalue(res, 0, 1), NULL, 10);
+    if (send_chunk(r, gen, 0) < 0)
+        relay_loop_failed(&b->loop, gen, RELAY_FAIL_POSTGRES,
+                          "PostgreSQL connection lost before the batch was read");
 }
 
 static void on_exec_reply(redisAsyncContext *ac, void *reply_, void *arg);
@@ -1078,7 +1135,6 @@ static void on_read(struct relay_pgsrc *pg, PGresult *res, const char *err, cons
         }
         c->rows[c->nrows].quarantined = PQgetlength(c->res, i, COL_QUARANTINED) == 1 &&
                                         PQgetvalue(c->res, i, COL_QUARANTINED)[0] != 0;
-        b->after_txid = decode_u64(PQgetvalue(c->res, i, COL_TXID));
         b->after_id = c->rows[c->nrows].id;
         c->nrows++;
     }

@@ -57,8 +57,9 @@
 
 /* A chunk of a batch (docs/DESIGN.md, "Batches from snapshots"): the select
  * list's columns and the writing transaction, from outbox.batch_rows: $1 and $2 the
- * ticks, $3 and $4 the (txid, id) of the chunk before's last row ('0' and 0
- * for the first), $5 the chunk's size. Past the select list's columns: the txid,
+ * ticks, $3 the id of the chunk before's last row (the batch's lowest id less
+ * one for the first), $4 the batch's highest id (outbox.batch_bounds), $5
+ * the chunk's size: rows in id order. Past the select list's columns: the txid,
  * the tick's ms, for a keyed row of a partitioned topic the first
  * quarantined row of its key before it, which holds it back (P8; one probe
  * of quarantine_key_idx), and whether the row is quarantined already (its
@@ -71,9 +72,9 @@
     "  (SELECT min(q.id) FROM outbox.quarantine AS q WHERE q.topic = c.topic"                      \
     "   AND q.partition_key = c.partition_key AND q.id < c.id) END,"                               \
     " EXISTS (SELECT FROM outbox.quarantine AS q WHERE q.id = c.id)"                               \
-    " FROM outbox.batch_rows($1::bigint, $2::bigint, $3::xid8, $4::bigint, $5::integer)"           \
+    " FROM outbox.batch_rows($1::bigint, $2::bigint, $3::bigint, $4::bigint, $5::integer)"         \
     " AS c WHERE (SELECT outbox.quarantine_rows($6::bigint[], $7::text[])) >= 0"                   \
-    " ORDER BY txid, id"
+    " ORDER BY id"
 
 int relay_pgsrc_batch_sql(uint32_t max_payload_bytes, char *out, size_t outlen)
 {

@@ -127,7 +127,7 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
  * 13th, the txid (xid8, 8 bytes in binary), a 14th, the ms of the later tick
  * (int8), a 15th, the first quarantined row of its key before it in a
  * partitioned topic, or NULL, and a 16th, whether the row is in the
- * quarantine already; in (txid, id) order. Returns the length, or -1
+ * quarantine already; in id order. Returns the length, or -1
  * when it does not fit (RELAY_PGSRC_BATCH_SQL_MAX always does).
  */
 #define RELAY_PGSRC_BATCH_SQL_MAX 8192

@@ -9,11 +9,13 @@ Promises tested:
 - a transaction open across ticks is in no batch until it commits, holds back
   none of the transactions that commit after it began, and joins the batch of
   the first tick after its commit; an aborted one is in none;
+- a batch is in id order, also where a transaction that committed later had
+  the lower transaction id (it waited for the other before inserting);
 - under concurrent producers and two sessions ticking, every committed row is
   in exactly one batch, and the batches, read in chunks that resume after the
-  last (txid, id), cover each batch exactly;
-- outbox.batch_rows reads a batch off messages_txid_idx, never a scan of the
-  table;
+  last id, cover each batch exactly;
+- outbox.batch_bounds reads a batch's bounds off messages_txid_idx and
+  outbox.batch_rows its chunks off the primary key, never a scan of the table;
 - outbox.record_batch moves each stream's position, and the lead, forward
   only, and quarantines a copy of a row, once, with its error;
 - outbox.unsent holds the rows past their stream's recorded position that are
@@ -37,10 +39,21 @@ from testkit.postgres import Postgres
 harness.set_deadline(300)
 
 
-def batch(conn, prev, nxt, after=("0", 0), limit=1_000_000):
+def bounds(conn, prev, nxt):
     with conn.cursor() as cur:
-        cur.execute("SELECT txid::text, id FROM outbox.batch_rows(%s, %s, %s::xid8, %s, %s)",
-                    (prev, nxt, after[0], after[1], limit))
+        cur.execute("SELECT lo, hi FROM outbox.batch_bounds(%s, %s)", (prev, nxt))
+        return cur.fetchone()
+
+
+def batch(conn, prev, nxt, after=None, limit=1_000_000):
+    """[(txid, id)] of the batch (prev, nxt], from after (an id) on, as the
+    relay reads it: within the batch's bounds, in id order."""
+    lo, hi = bounds(conn, prev, nxt)
+    if lo is None:
+        return []
+    with conn.cursor() as cur:
+        cur.execute("SELECT txid::text, id FROM outbox.batch_rows(%s, %s, %s, %s, %s)",
+                    (prev, nxt, lo - 1 if after is None else after, hi, limit))
         return [(x, i) for x, i in cur.fetchall()]
 
 
@@ -190,8 +203,26 @@ class BatchSqlTest(harness.PostgresTestCase):
             slow.close()
         self.assertEqual(tick(self.db), 3)
         self.assertEqual([i for _, i in batch(self.db, 2, 3)], [held])
-        # Its xid is below the rows of the batch before: order is by commit, then txid.
+        # Its xid is below the rows of the batch before: order is by commit, then id.
         self.assertLess(int(batch(self.db, 2, 3)[0][0]), int(batch(self.db, 1, 2)[0][0]))
+
+    def test_a_batch_is_in_id_order_whatever_the_transaction_ids(self):
+        """A producer that waits for another before inserting (a lock on its
+        aggregate) may have its transaction id first, but draws its row's id
+        after the other committed: the batch keeps that order, by id."""
+        first_xid = self.pg.connect(autocommit=False)
+        try:
+            with first_xid.cursor() as cur:
+                cur.execute("SELECT pg_current_xact_id()")  # the lower xid, inserting second
+            (a,) = insert(self.db)  # committed first, higher xid
+            (b,) = insert(first_xid)
+            first_xid.commit()
+        finally:
+            first_xid.close()
+        self.assertEqual(tick(self.db), 2)
+        rows = batch(self.db, 1, 2)
+        self.assertEqual([i for _, i in rows], [a, b])
+        self.assertGreater(int(rows[0][0]), int(rows[1][0]), "the txids run the other way")
 
     def test_an_aborted_transaction_is_in_no_batch(self):
         gone = self.pg.connect(autocommit=False)
@@ -254,15 +285,15 @@ class BatchSqlTest(harness.PostgresTestCase):
         seen = []
         for k in range(2, last + 1):
             whole = batch(self.db, k - 1, k)
-            self.assertEqual(whole, sorted(whole, key=lambda r: (int(r[0]), r[1])))
-            # In chunks of 7, each after the last (txid, id) read.
-            chunks, after = [], ("0", 0)
+            self.assertEqual(whole, sorted(whole, key=lambda r: r[1]))
+            # In chunks of 7, each after the last id read.
+            chunks, after = [], None
             while True:
                 part = batch(self.db, k - 1, k, after, 7)
                 if not part:
                     break
                 chunks += part
-                after = part[-1]
+                after = part[-1][1]
             self.assertEqual(chunks, whole)
             seen += [i for _, i in whole]
         print(f"{len(committed)} rows committed, {last - 1} batches")
@@ -277,9 +308,13 @@ class BatchSqlTest(harness.PostgresTestCase):
         tick(self.db)
         with self.db.cursor() as cur:
             cur.execute("ANALYZE outbox.messages")
-            cur.execute("EXPLAIN SELECT * FROM outbox.batch_rows(2, 3, '0'::xid8, 0, 500)")
+            cur.execute("EXPLAIN SELECT * FROM outbox.batch_bounds(2, 3)")
             plan = "\n".join(r[0] for r in cur.fetchall())
-        self.assertIn("messages_txid_idx", plan, plan)
+            self.assertIn("messages_txid_idx", plan, plan)
+            self.assertNotIn("Seq Scan on messages", plan, plan)
+            cur.execute("EXPLAIN SELECT * FROM outbox.batch_rows(2, 3, 2000, 2010, 500)")
+            plan = "\n".join(r[0] for r in cur.fetchall())
+        self.assertIn("messages_pkey", plan, plan)
         self.assertNotIn("Seq Scan on messages", plan, plan)
 
     def record(self, tick, streams=(), entry_ids=(), quarantined=(), errors=(), lead=True,

@@ -346,8 +346,10 @@ class SchemaTest(harness.PostgresTestCase):
         prev = scalar(relay, "SELECT max(tick_id) FROM outbox.ticks")
         tick = mark_sent(relay, ["orders"])
         with relay.cursor() as cur:
-            cur.execute("SELECT id, message_id, payload FROM outbox.batch_rows(%s, %s, '0', 0, 10)",
-                        (prev, tick))
+            cur.execute("SELECT id, message_id, payload FROM outbox.batch_rows(%s, %s,"
+                        " (SELECT lo - 1 FROM outbox.batch_bounds(%s, %s)),"
+                        " (SELECT hi FROM outbox.batch_bounds(%s, %s)), 10)",
+                        (prev, tick) * 3)
             claimed = cur.fetchall()
         self.assertEqual(len(claimed), 1)
         self.assertEqual(scalar(relay, "SELECT count(*) FROM outbox.unsent"), 0)
@@ -392,8 +394,10 @@ class SchemaTest(harness.PostgresTestCase):
 
         def batch(prev, nxt, limit=10):
             with relay.cursor() as cur:
-                cur.execute("SELECT id FROM outbox.batch_rows(%s, %s, '0', 0, %s)",
-                            (prev, nxt, limit))
+                cur.execute("SELECT id FROM outbox.batch_rows(%s, %s,"
+                            " (SELECT lo - 1 FROM outbox.batch_bounds(%s, %s)),"
+                            " (SELECT hi FROM outbox.batch_bounds(%s, %s)), %s)",
+                            (prev, nxt) * 3 + (limit,))
                 return [r[0] for r in cur.fetchall()]
         self.assertEqual(batch(first, second), [1, 2])
         self.assertEqual(batch(second, third), [3, 4], "each row in exactly one batch")
