@@ -257,13 +257,18 @@ BEGIN
         RAISE EXCEPTION 'outbox.quarantine_rows: the arrays differ in length'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    -- Most calls (every chunk's read) name no row: nothing to plan or run.
+    IF coalesce(cardinality(p_ids), 0) = 0 THEN
+        RETURN 0;
+    END IF;
+    -- One probe of the primary key per row named, in id order: sorted on
+    -- the short list, never a walk of the outbox.
     INSERT INTO outbox.quarantine (id, txid, message_id, topic, partition_key, payload, headers,
                                    created_at, error)
     SELECT m.id, m.txid, m.message_id, m.topic, m.partition_key, m.payload, m.headers,
            m.created_at, q.error
-      FROM unnest(p_ids, p_errors) AS q(id, error)
-      JOIN outbox.messages AS m ON m.id = q.id
-     ORDER BY m.id
+      FROM (SELECT * FROM unnest(p_ids, p_errors) AS u(id, error) ORDER BY u.id) AS q
+      CROSS JOIN LATERAL (SELECT * FROM outbox.messages AS m1 WHERE m1.id = q.id) AS m
     ON CONFLICT (id) DO NOTHING;
     GET DIAGNOSTICS v_copied = ROW_COUNT;
     RETURN v_copied;
