@@ -157,7 +157,8 @@ const struct cfg_key relay_config_keys[] = {
     {"resume_queue_age", CFG_DURATION, CFG_OFF(resume_queue_age_ms), 0, 30 * CFG_DAY, "0", 0, NULL,
      "publish to a paused stream again when every group's queue age is below this"},
     {"sent_retention", CFG_DURATION, CFG_OFF(sent_retention_ms), 0, 30 * CFG_DAY, "0", 0, NULL,
-     "keep published rows this long (a Redis that lost entries is refilled from them); 0: delete them once every stream is past them"},
+     "keep published rows this long (a Redis that lost entries is refilled from them); 0: delete "
+     "them once every stream is past them"},
     {"stream_retention", CFG_DURATION, CFG_OFF(stream_retention_ms), 0, 30 * CFG_DAY, "24h", 0,
      NULL, "trim stream entries older than this that every group has acknowledged; 0: never"},
     {"stream_trim_max_hold", CFG_DURATION, CFG_OFF(stream_trim_max_hold_ms), 0, 30 * CFG_DAY, "0",

@@ -126,8 +126,8 @@ uint64_t relay_cursors_behind(const struct relay_cursors *c, uint64_t lead)
     uint64_t low = lead;
     for (size_t i = 0; c->slots != NULL && i <= c->mask; i++) {
         const struct relay_cursor *cur = &c->slots[i];
-        if (cur->topic[0] != '\0' && cur->known && !cur->follows && cur->owned &&
-            !cur->paused && cur->pos < low)
+        if (cur->topic[0] != '\0' && cur->known && !cur->follows && cur->owned && !cur->paused &&
+            cur->pos < low)
             low = cur->pos;
     }
     return low;
@@ -137,8 +137,8 @@ void relay_cursors_advance(struct relay_cursors *c, uint64_t prev, uint64_t lead
 {
     for (size_t i = 0; c->slots != NULL && i <= c->mask; i++) {
         struct relay_cursor *cur = &c->slots[i];
-        if (cur->topic[0] == '\0' || !cur->known || cur->follows || !cur->owned ||
-            cur->paused || cur->pos != prev)
+        if (cur->topic[0] == '\0' || !cur->known || cur->follows || !cur->owned || cur->paused ||
+            cur->pos != prev)
             continue;
         cur->pos = prev + 1;
         if (cur->pos >= lead)
@@ -189,9 +189,8 @@ void relay_cursors_trim(struct relay_cursors *c, uint64_t tick)
     if (kept.slots == NULL)
         return; /* kept as it is: trimmed at the next batch's end */
     for (size_t i = 0; i < size; i++) {
-        if (old[i].topic[0] == '\0' ||
-            (old[i].tick != tick && old[i].known && old[i].follows && old[i].owned &&
-             !old[i].paused))
+        if (old[i].topic[0] == '\0' || (old[i].tick != tick && old[i].known && old[i].follows &&
+                                        old[i].owned && !old[i].paused))
             continue;
         size_t at = slot_of(&kept, &old[i]);
         while (kept.slots[at].topic[0] != '\0')

@@ -38,19 +38,19 @@ struct relay_cursor {
     int in_flight;                    /* a call of the stream awaits its reply */
     int touched;                      /* a row of the batch being published is the stream's */
     /* Where the stream stands (docs/DESIGN.md, "Streams behind the lead"). */
-    int known;     /* follows/pos hold: loaded, or met first above the lead */
-    int follows;   /* published with the lead: every batch up to it is in */
-    uint64_t pos;  /* else: the last tick whose batch is all in the stream */
-    int owned;     /* this relay publishes it (ownership epoch own_epoch) */
+    int known;    /* follows/pos hold: loaded, or met first above the lead */
+    int follows;  /* published with the lead: every batch up to it is in */
+    uint64_t pos; /* else: the last tick whose batch is all in the stream */
+    int owned;    /* this relay publishes it (ownership epoch own_epoch) */
     unsigned long own_epoch;
-    int paused;    /* held back for its consumer groups */
-    int met;       /* the batch being read has rows of it this relay skips */
+    int paused;            /* held back for its consumer groups */
+    int met;               /* the batch being read has rows of it this relay skips */
     uint64_t active_batch; /* the batch `active` was decided for (a serial) */
-    int active;    /* this relay publishes its rows of that batch */
+    int active;            /* this relay publishes its rows of that batch */
     /* The last id the stream should hold (what this relay appended, or its
      * recorded entry id): a Redis that comes back below it lost entries. */
     uint64_t expect_ms, expect_seq;
-    int checking;  /* its last id in Redis is being read */
+    int checking; /* its last id in Redis is being read */
 };
 
 struct relay_cursors {

@@ -45,12 +45,7 @@ struct relay_sink;
  * waiting for a chunk of its rows with nothing publishing (read); its calls
  * in flight, until the last reply and WAIT (publish); recording its
  * positions (record). They follow one another and add up to its duration. */
-enum relay_batch_phase {
-    RELAY_PHASE_READ,
-    RELAY_PHASE_PUBLISH,
-    RELAY_PHASE_RECORD,
-    RELAY_PHASES
-};
+enum relay_batch_phase { RELAY_PHASE_READ, RELAY_PHASE_PUBLISH, RELAY_PHASE_RECORD, RELAY_PHASES };
 
 /* A chunk of the batch being published (relay/loop_io.c). Rows point into res. */
 struct relay_chunk {
@@ -87,15 +82,15 @@ struct record_arrays {
 /* The batch loop and what it holds (relay/loop_io.c). */
 struct relay_loop_io {
     struct relay_loop loop;
-    struct relay_pgsrc *pg; /* the claiming connection, in autocommit */
-    uint64_t sent_gen;      /* the generation of its statement in flight */
-    uint32_t read_number;   /* the chunk its read statement asks for */
-    int64_t after_id;       /* the last row read: where the next chunk resumes */
-    int64_t upto_id;        /* the batch's highest id (outbox.batch_bounds) */
+    struct relay_pgsrc *pg;        /* the claiming connection, in autocommit */
+    uint64_t sent_gen;             /* the generation of its statement in flight */
+    uint32_t read_number;          /* the chunk its read statement asks for */
+    int64_t after_id;              /* the last row read: where the next chunk resumes */
+    int64_t upto_id;               /* the batch's highest id (outbox.batch_bounds) */
     uint64_t read_prev, read_next; /* the batch being read */
-    uint64_t min_ms;              /* the least ms of the next tick */
-    struct relay_chunk chunks[2]; /* the one publishing, and the one read ahead */
-    struct relay_cursors cursors; /* each stream's rank and last id */
+    uint64_t min_ms;               /* the least ms of the next tick */
+    struct relay_chunk chunks[2];  /* the one publishing, and the one read ahead */
+    struct relay_cursors cursors;  /* each stream's rank and last id */
     struct relay_batch_streams streams;
     int slots_moved, not_primary;
     int64_t quarantined[RELAY_QUARANTINE_MAX];
@@ -112,15 +107,15 @@ struct relay_loop_io {
     int verify;          /* Redis reconnected: read what each stream holds */
     int verifying;       /* the load in flight does */
     uint64_t loaded_lead;
-    uint64_t checks_gen;  /* the load the checks belong to */
+    uint64_t checks_gen; /* the load the checks belong to */
     size_t checks_pending, nlost;
-    uint64_t batch_serial; /* counts the batches read, from their first chunk */
+    uint64_t batch_serial;         /* counts the batches read, from their first chunk */
     double started_at, phase_mark; /* the batch's start, and its phase's */
     enum relay_batch_phase phase;
-    double phase_s[RELAY_PHASES];  /* the batch's time in each phase so far */
+    double phase_s[RELAY_PHASES];      /* the batch's time in each phase so far */
     unsigned long long batch_appended; /* rows the batch appended */
     unsigned long long batch_read;     /* rows the batch read */
-    double stage_at; /* when the loop's statement or chunk in flight was sent */
+    double stage_at;                   /* when the loop's statement or chunk in flight was sent */
     struct outbox_buf partitions_text; /* " topic/p" of each partition it touched */
     unsigned long pause_epoch, pause_applied; /* the paused topics changed */
     unsigned long owners_applied;             /* the ownership epoch applied */

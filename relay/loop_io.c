@@ -218,8 +218,8 @@ static void on_loaded(struct relay_pgsrc *pg, PGresult *res, const char *err, co
         if (topic[0] == '\0')
             continue;
         size_t before = b->cursors.n;
-        struct relay_cursor *cur =
-            relay_cursors_find(&b->cursors, topic, (int32_t)strtol(PQgetvalue(res, i, 1), NULL, 10));
+        struct relay_cursor *cur = relay_cursors_find(
+            &b->cursors, topic, (int32_t)strtol(PQgetvalue(res, i, 1), NULL, 10));
         if (cur == NULL)
             continue; /* a name no row can have, or no memory: read again at the next load */
         int made = b->cursors.n != before;
@@ -248,8 +248,9 @@ static void on_loaded(struct relay_pgsrc *pg, PGresult *res, const char *err, co
     }
     b->reload = 0;
     if (behind > 0)
-        relay_info(COMPONENT, "%zu streams stand behind the lead (tick %" PRIu64
-                              "): their batches are read again from where each stands",
+        relay_info(COMPONENT,
+                   "%zu streams stand behind the lead (tick %" PRIu64
+                   "): their batches are read again from where each stands",
                    behind, lead);
     b->loaded_lead = recorded_lead;
     if (b->verifying)
@@ -303,8 +304,8 @@ static void check_streams(struct relay *r)
                           "*6\r\n$9\r\nXREVRANGE\r\n$%zu\r\n%s\r\n$1\r\n+\r\n$1\r\n-\r\n"
                           "$5\r\nCOUNT\r\n$1\r\n1\r\n",
                           strlen(key), key);
-        if (r->out.failed || relay_sink_formatted(r->sink, r->out.data, r->out.len,
-                                                  on_check_reply, (void *)(uintptr_t)i) != 0) {
+        if (r->out.failed || relay_sink_formatted(r->sink, r->out.data, r->out.len, on_check_reply,
+                                                  (void *)(uintptr_t)i) != 0) {
             relay_loop_failed(&b->loop, b->sent_gen, RELAY_FAIL_REDIS_CONNECTION,
                               "Redis connection lost while reading the streams' last ids");
             return;
@@ -375,10 +376,10 @@ static void on_check_reply(redisAsyncContext *ac, void *reply_, void *arg)
                  reply != NULL && reply->type == REDIS_REPLY_ERROR ? (int)reply->len : 0,
                  reply != NULL && reply->type == REDIS_REPLY_ERROR ? reply->str : "");
         b->checks_pending = 0;
-        relay_loop_failed(&b->loop, b->checks_gen,
-                          reply == NULL ? RELAY_FAIL_REDIS_CONNECTION : RELAY_FAIL_REDIS_ERROR,
-                          reply == NULL ? "Redis connection lost while reading the streams' last ids"
-                                        : why);
+        relay_loop_failed(
+            &b->loop, b->checks_gen,
+            reply == NULL ? RELAY_FAIL_REDIS_CONNECTION : RELAY_FAIL_REDIS_ERROR,
+            reply == NULL ? "Redis connection lost while reading the streams' last ids" : why);
         return;
     }
     if (reply->elements > 0) {
@@ -917,12 +918,12 @@ static int op_record(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int 
         if (cur->topic[0] == '\0')
             continue;
         int in_batch = cur->active_batch == b->batch_serial;
-        if (in_batch && cur->active && cur->touched && cur->tick == b->batch_serial && cur->top_known) {
+        if (in_batch && cur->active && cur->touched && cur->tick == b->batch_serial &&
+            cur->top_known) {
             arrays_add(&b->touched, cur, 1);
             if (cur->partitioned)
                 outbox_buf_printf(&b->partitions_text, " %s/%u", cur->topic, cur->partition);
-        }
-        else if (in_batch && cur->active && !lead)
+        } else if (in_batch && cur->active && !lead)
             arrays_add(&b->advanced, cur, 0); /* caught up by one batch, rows or not */
         else if (in_batch && !cur->active && cur->met && lead)
             arrays_add(&b->met, cur, 0);
@@ -1273,12 +1274,13 @@ static void on_recorded(struct relay_pgsrc *pg, PGresult *res, const char *err,
     b->nquarantined = 0;
     b->nflushed = 0;
     b->nheld = 0;
-    relay_debug(COMPONENT, "recorded the batch of tick %" PRIu64 "%s: %llu rows read, %llu appended",
+    relay_debug(COMPONENT,
+                "recorded the batch of tick %" PRIu64 "%s: %llu rows read, %llu appended",
                 b->loop.next, b->loop.catching_up ? " for streams behind the lead" : "",
                 b->batch_read, b->batch_appended);
     if (b->partitions_text.len > 0 && !b->partitions_text.failed)
-        relay_debug(COMPONENT, "published a batch of %llu rows to partitions%s",
-                    b->batch_appended, b->partitions_text.data);
+        relay_debug(COMPONENT, "published a batch of %llu rows to partitions%s", b->batch_appended,
+                    b->partitions_text.data);
     b->batch_read = 0;
     b->batch_appended = 0;
     if (b->loop.catching_up)
