@@ -923,12 +923,13 @@ static int op_record(void *arg, uint64_t gen, uint64_t prev, uint64_t next, int 
             arrays_add(&b->touched, cur, 1);
             if (cur->partitioned)
                 outbox_buf_printf(&b->partitions_text, " %s/%u", cur->topic, cur->partition);
-        } else if (in_batch && cur->active && !lead)
-            arrays_add(&b->advanced, cur, 0); /* caught up by one batch, rows or not */
-        else if (in_batch && !cur->active && cur->met && lead)
+        } else if (in_batch && !cur->active && cur->met && lead) {
             arrays_add(&b->met, cur, 0);
-        else if (refresh && cur->known && cur->follows && cur->owned && !cur->paused)
+        } else if ((in_batch && cur->active && !lead) ||
+                   (refresh && cur->known && cur->follows && cur->owned && !cur->paused)) {
+            /* Caught up by one batch, rows or not; or following the lead. */
             arrays_add(&b->advanced, cur, 0);
+        }
     }
     if (arrays_end(&b->touched) < 0 || arrays_end(&b->advanced) < 0 || arrays_end(&b->met) < 0)
         return -1;

@@ -377,11 +377,12 @@ int relay_sink_formatted(struct relay_sink *s, const char *cmd, size_t len, rela
         if (redisAsyncFormattedCommand(n->ac, cb, arg, cmd, len) != REDIS_OK)
             return -1;
     } else {
-        struct sink_cmd *c = malloc(sizeof(*c) + len);
+        struct sink_cmd *c = malloc(sizeof(*c) + len + 1);
         if (c == NULL)
             return -1;
         *c = (struct sink_cmd){.s = s, .cb = cb, .arg = arg, .len = len};
         memcpy(c->cmd, cmd, len);
+        c->cmd[len] = '\0'; /* as after a transaction's commands */
         if (redisAsyncFormattedCommand(n->ac, on_cmd_reply, c, cmd, len) != REDIS_OK) {
             free(c);
             return -1;
@@ -490,7 +491,9 @@ int relay_sink_transaction(struct relay_sink *s, const char *cmds, const size_t 
     struct sink_node *node = route(s, cmds + ends[0], ends[1] - ends[0]);
     if (node->ac == NULL)
         return -1;
-    struct sink_tx *t = malloc(sizeof(*t) + n * sizeof(size_t) + len);
+    /* A NUL after the commands: hiredis reads the byte after a command's
+     * last line when it looks at the command. */
+    struct sink_tx *t = malloc(sizeof(*t) + n * sizeof(size_t) + len + 1);
     if (t == NULL)
         return -1;
     *t = (struct sink_tx){.s = s, .cb = cb, .arg = arg, .n = n, .len = len};
@@ -498,6 +501,7 @@ int relay_sink_transaction(struct relay_sink *s, const char *cmds, const size_t 
     t->cmd = (char *)(t->ends + n);
     memcpy(t->ends, ends, n * sizeof(size_t));
     memcpy(t->cmd, cmds, len);
+    t->cmd[len] = '\0';
     if (tx_queue(t, node->ac, 0) == 0) {
         free(t);
         return -1;
