@@ -69,6 +69,19 @@ def reset_effects(conn):
         conn.commit()
 
 
+class ConsumerTestCase(harness.ServerTestCase):
+    """Servers with the consumer schema, and no effect left from the test before."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        apply_consumer_schema(cls.pg)
+
+    def setUp(self):
+        super().setUp()
+        reset_effects(self.db)
+
+
 def parse_log_time(text):
     """'2026-11-30T11:35:14.123' -> seconds since the epoch (float, UTC)."""
     dt = datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%f").replace(

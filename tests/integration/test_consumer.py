@@ -40,8 +40,9 @@ import unittest
 from testkit import harness
 from testkit.harness import insert, insert_many, scalar, wait_until
 from testkit import consumers
-from testkit.consumers import Consumer, apply_consumer_schema, dlq_entries, effect_count, effects, \
-    log_events, pending_count, relay_tool, reset_effects, table_locked, xadd_message
+from testkit.consumers import (Consumer, ConsumerTestCase, dlq_entries, effect_count, effects,
+                               log_events, pending_count, relay_tool, table_locked,
+                               xadd_message)
 
 harness.require_relay()
 consumers.require_consumer()
@@ -68,16 +69,7 @@ def lock_waiters(conn):
                         " AND wait_event_type = 'Lock'")
 
 
-class ConsumerTest(harness.ServerTestCase):
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        apply_consumer_schema(cls.pg)
-
-    def setUp(self):
-        super().setUp()
-        reset_effects(self.db)
+class ConsumerTest(ConsumerTestCase):
 
     def consumer(self, **kwargs):
         """Starts outbox-email-consumer on this class's servers for the rest of the test."""

@@ -27,7 +27,7 @@ import time
 import unittest
 
 from testkit import consumers, harness
-from testkit.consumers import apply_consumer_schema, dlq_entries, pending_count, reset_effects
+from testkit.consumers import ConsumerTestCase, dlq_entries, pending_count
 from testkit.harness import insert_many, scalar, wait_until
 
 harness.require_relay()
@@ -51,16 +51,7 @@ class PythonConsumer(harness.Daemon):
         super().__init__(argv, harness.relay_env(), f"consumer {name}")
 
 
-class PythonConsumerTest(harness.ServerTestCase):
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        apply_consumer_schema(cls.pg)
-
-    def setUp(self):
-        super().setUp()
-        reset_effects(self.db)
+class PythonConsumerTest(ConsumerTestCase):
 
     def consumer(self, name, *args):
         c = PythonConsumer(self, name, *args)
