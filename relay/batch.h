@@ -18,10 +18,7 @@
  * The relay loads the library at connect and calls the trim function
  * (relay/retention.c); it publishes with XADD, not through a function. */
 #define RELAY_FUNCTION_LIBRARY "outbox_relay"
-#define RELAY_FUNCTION_PUBLISH "outbox_relay_publish_v2"
-#define RELAY_FUNCTION_PUBLISH_MANY "outbox_relay_publish_many_v1"
 #define RELAY_FUNCTION_TRIM "outbox_relay_trim_v1"
-#define RELAY_FUNCTION_RETIRE "outbox_relay_retire_v1"
 
 /*
  * What a row's own failure means for it, chosen where the failure is found.
@@ -76,7 +73,6 @@ struct relay_row {
     size_t header_names_len;
     const char *header_values; /* binary text[] or NULL */
     size_t header_values_len;
-    int32_t attempts;
     uint32_t partitions; /* of its topic: 1 publishes to "<prefix><topic>" */
     uint32_t partition;  /* outbox_partition_of, when partitions > 1 */
 

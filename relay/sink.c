@@ -741,8 +741,8 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
         char msg[400];
         int noperm = r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOPERM", 6) == 0;
         const char *hint = step == step_auth ? ": check the user and password of the redis setting"
-                           : noperm ? ": the relay's Redis user needs FUNCTION LOAD, FCALL, "
-                                      "PEXPIRE and CLIENT SETNAME"
+                           : noperm ? ": the relay's Redis user needs FUNCTION LOAD, FCALL "
+                                      "and CLIENT SETNAME (docs/OPERATIONS.md, \"Redis users\")"
                                     : "";
         snprintf(msg, sizeof(msg), "%s failed on %s:%d: %s%s", step, n->host, n->port,
                  r != NULL ? r->str : (ac->errstr[0] ? ac->errstr : "connection closed"), hint);

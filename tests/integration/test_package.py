@@ -217,7 +217,7 @@ class PackageTest(harness.ServerTestCase):
             library = dict(zip(library[::2], library[1::2]))
             functions.update(dict(zip(fn[::2], fn[1::2]))[b"name"].decode()
                              for fn in library[b"functions"])
-        self.assertIn("outbox_relay_publish_many_v1", functions)
+        self.assertIn("outbox_relay_trim_v1", functions)
         self.assertIn("outbox_consumer_dead_letter_v1", functions)
 
     def test_units_name_installed_binary(self):

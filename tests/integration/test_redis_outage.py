@@ -21,7 +21,6 @@ Promises tested (docs/DESIGN.md P1, P2, "The claim cycle"):
   again, and every row arrives exactly once.
 """
 
-import os
 import time
 import unittest
 
@@ -31,8 +30,6 @@ from testkit.harness import insert, insert_many, scalar, wait_until
 harness.require_relay()
 harness.set_deadline(240)
 
-PUBLISH_MANY = "outbox_relay_publish_many_v1"
-FAR_FUTURE_MS = 9999999999999  # the publish call's deadline: never passed
 RELAY_FLAGS = dict(poll_interval="200ms", reconnect_min="50ms", reconnect_max="500ms",
                    publish_timeout="1s", connect_timeout="1s", batch_size=50)
 OUTAGE_SECONDS = 3
@@ -110,24 +107,21 @@ class RedisOutageTest(harness.PostgresTestCase):
         self.redis = self.enterContext(harness.Redis(appendonly=True, appendfsync="always"))
         self.r = self.redis.client()
         self.addCleanup(self.r.close)
-        with open(os.path.join(harness.SOURCE_DIR, "functions", "outbox_relay.lua"),
-                  encoding="utf-8") as f:
-            self.r.function_load(f.read(), replace=True)
         ids = [insert(self.db, "torn", b"torn %d" % i) for i in range(3)]
-        # What a relay whose reply never came left: the three rows' publish call,
-        # exactly as the relay builds it, written to the AOF as one transaction.
+        # What a relay whose reply never came left: the three rows' XADDs in
+        # one MULTI / EXEC, as the relay sends a stream's rows, written to the
+        # AOF as one transaction.
         with self.db.cursor() as cur:
             cur.execute("SELECT id, message_id::text, payload, created_at::text"
                         " FROM outbox.messages WHERE message_id::text = ANY(%s) ORDER BY id",
                         (ids,))
             rows = cur.fetchall()
-        keys, args = ["torn"], [86400000, FAR_FUTURE_MS, len(rows)]
-        for oid, mid, payload, created in rows:
-            keys.append(f"{{torn}}:dedup:{mid}")
-            fields = ["id", mid, "topic", "torn", "payload", bytes(payload),
-                      "created_at", created, "outbox_id", str(oid)]
-            args += [len(fields), *fields]
-        self.r.fcall(PUBLISH_MANY, len(keys), *keys, *args)
+        with self.r.pipeline(transaction=True) as pipe:
+            for rank, (oid, mid, payload, created) in enumerate(rows, 1):
+                pipe.xadd("torn", {"id": mid, "topic": "torn", "payload": bytes(payload),
+                                   "created_at": created, "outbox_id": str(oid)},
+                          id=f"1-{rank}")
+            pipe.execute()
         self.redis.stop()
         # The crash: the write stops inside the transaction's last command.
         path = self.redis.aof_tail_file()

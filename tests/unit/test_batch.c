@@ -13,7 +13,6 @@
 #include <hiredis/hiredis.h>
 
 #include "relay/batch.h"
-#include "common/functions.h"
 #include "common/keys.h"
 
 static const char MID[] = "0b6c3b7e-8f5e-4f7a-9a51-1c2d3e4f5a6b";
@@ -255,22 +254,6 @@ static void test_decode_integers(void **state)
     assert_int_equal(relay_batch_decode_int8(i8), 258);
     assert_true(relay_batch_decode_int8(neg) == -2);
     assert_int_equal(relay_batch_decode_int4(i4), 256);
-}
-
-static void test_function_source_records_after_xadd(void **state)
-{
-    (void)state;
-    /* The dedup record must be written only after XADD succeeded, and the
-     * deadline checked before XADD. */
-    const char *xadd = strstr(outbox_functions_relay_source, "'XADD'");
-    const char *set = strstr(outbox_functions_relay_source, "'SET'");
-    const char *expired = strstr(outbox_functions_relay_source, "EXPIRED");
-    assert_non_null(xadd);
-    assert_non_null(set);
-    assert_non_null(expired);
-    assert_true(xadd < set);
-    assert_true(expired < xadd);
-    assert_non_null(strstr(outbox_functions_relay_source, "#!lua name=" RELAY_FUNCTION_LIBRARY));
 }
 
 /* The predecessor of each row by brute force: the last earlier row of its
@@ -970,7 +953,6 @@ int main(void)
         cmocka_unit_test(test_row_errors_say_what_to_do),
         cmocka_unit_test(test_decode_text_array),
         cmocka_unit_test(test_decode_integers),
-        cmocka_unit_test(test_function_source_records_after_xadd),
         cmocka_unit_test(test_stream_index_finds_the_row_before),
         cmocka_unit_test(test_utf8_prefix_never_cuts_a_character),
         cmocka_unit_test(test_append_xadd_matches_hiredis_one_row),
