@@ -230,23 +230,6 @@ static void validate_marks(const struct relay_config *cfg, struct relay_config_e
     }
 }
 
-/* What must fit inside publish_timeout, or outlive it. */
-static void validate_publish(const struct relay_config *cfg, struct relay_config_errors *errs)
-{
-    char a[32], b[32];
-
-    /* WAIT runs inside the batch's publish_timeout, after its publishes. */
-    if (cfg->min_replicas > 0 && cfg->replica_timeout_ms > cfg->publish_timeout_ms / 2) {
-        relay_config_format_duration(cfg->replica_timeout_ms, a, sizeof(a));
-        relay_config_format_duration(cfg->publish_timeout_ms, b, sizeof(b));
-        fail(errs,
-             "replica_timeout = \"%s\": must be at most half of publish_timeout "
-             "(%s): the wait for replicas runs inside the batch's publish deadline; "
-             "lower replica_timeout or raise publish_timeout",
-             a, b);
-    }
-}
-
 int relay_config_validate_all(struct relay_config *cfg, struct relay_config_errors *errs)
 {
     unsigned before = errs->count;
@@ -254,7 +237,6 @@ int relay_config_validate_all(struct relay_config *cfg, struct relay_config_erro
     validate_required(cfg, errs);
     validate_redis(cfg, errs);
     validate_marks(cfg, errs);
-    validate_publish(cfg, errs);
     validate_retention(cfg, errs);
     return errs->count == before ? 0 : -1;
 }

@@ -26,9 +26,11 @@
 int relay_healthy(const struct relay *r)
 {
     /* Every stage of a batch ends within its deadlines: publishing within
-     * publish_timeout, each statement within statement_timeout (and the
-     * client's own deadline), a reconnect within connect_timeout. */
-    double limit = (r->cfg->publish_timeout_ms + 2.0 * r->cfg->statement_timeout_ms +
+     * publish_timeout (and a WAIT for replicas within replica_timeout more),
+     * each statement within statement_timeout (and the client's own
+     * deadline), a reconnect within connect_timeout. */
+    double wait_ms = r->cfg->min_replicas > 0 ? r->cfg->replica_timeout_ms : 0.0;
+    double limit = (r->cfg->publish_timeout_ms + wait_ms + 2.0 * r->cfg->statement_timeout_ms +
                     r->cfg->connect_timeout_ms) /
                    1000.0;
     enum relay_loop_state st = r->batch.loop.state;

@@ -11,7 +11,8 @@ acknowledgement"):
   behind, the primary killed with SIGKILL, the replica promoted, the address moved to it, the old primary back as the new one's
   replica): with min_replicas = 1 no row that the relay marked sent is
   missing from the new primary, and nothing is doubled;
-- a replica_timeout longer than half of publish_timeout is refused at start
+- a replica_timeout longer than publish_timeout is accepted (the WAIT has a deadline of
+  its own), and min_replicas above 16 is refused at start
   (exit 78) with a message that says why.
 """
 
@@ -141,16 +142,16 @@ class ReplicaTest(harness.PostgresTestCase):
 
 
 class ReplicaConfigTest(harness.TestCase):
-    def test_replica_timeout_must_fit_the_publish_deadline(self):
+    def test_replica_timeout_is_its_own_deadline(self):
+        """The WAIT for replicas has a deadline of its own (replica_timeout, then
+        publish_timeout for an answer), so it need not fit inside publish_timeout."""
         done = harness.run_relay(["--check-config"], env=harness.relay_env(extra={
             "OUTBOX_RELAY_POSTGRES": "host=127.0.0.1 dbname=app",
             "OUTBOX_RELAY_REDIS": "redis://127.0.0.1:6379/0",
             "OUTBOX_RELAY_MIN_REPLICAS": "1",
-            "OUTBOX_RELAY_REPLICA_TIMEOUT": "3s",
+            "OUTBOX_RELAY_REPLICA_TIMEOUT": "30s",
             "OUTBOX_RELAY_PUBLISH_TIMEOUT": "5s"}))
-        self.assertEqual(done.returncode, 78, done.stderr)
-        self.assertIn('replica_timeout = "3s": must be at most half of publish_timeout (5s)',
-                      done.stderr)
+        self.assertEqual(done.returncode, 0, done.stderr)
         done = harness.run_relay(["--check-config"], env=harness.relay_env(extra={
             "OUTBOX_RELAY_POSTGRES": "host=127.0.0.1 dbname=app",
             "OUTBOX_RELAY_REDIS": "redis://127.0.0.1:6379/0",
