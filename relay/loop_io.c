@@ -30,10 +30,10 @@
 #define COMPONENT "batch"
 
 /* Columns of the batch statement (relay_pgsrc_batch_sql) past the claim's. */
-#define COL_TXID 12
-#define COL_MS 13
-#define COL_HELD_BY 14
-#define COL_QUARANTINED 15
+#define COL_TXID 11
+#define COL_MS 12
+#define COL_HELD_BY 13
+#define COL_QUARANTINED 14
 
 static struct relay_chunk *chunk_of(struct relay_loop_io *b, uint32_t number)
 {
@@ -1060,9 +1060,9 @@ OUTBOX_STATIC int parse_row(PGresult *res, int i, struct relay_row *row)
     }
     if (PQgetisnull(res, i, 4)) {
         /* Over max_payload_bytes: left in the database, only its size came. */
-        if (PQgetlength(res, i, 10) != 4)
+        if (PQgetlength(res, i, 9) != 4)
             return -1;
-        row->payload_len = (size_t)(uint32_t)relay_batch_decode_int4(PQgetvalue(res, i, 10));
+        row->payload_len = (size_t)(uint32_t)relay_batch_decode_int4(PQgetvalue(res, i, 9));
     } else {
         row->payload = PQgetvalue(res, i, 4);
         row->payload_len = (size_t)PQgetlength(res, i, 4);
@@ -1079,12 +1079,9 @@ OUTBOX_STATIC int parse_row(PGresult *res, int i, struct relay_row *row)
         row->header_values = PQgetvalue(res, i, 8);
         row->header_values_len = (size_t)PQgetlength(res, i, 8);
     }
-    if (PQgetlength(res, i, 9) != 4)
+    if (PQgetlength(res, i, 10) != 4)
         return -1;
-    row->attempts = relay_batch_decode_int4(PQgetvalue(res, i, 9));
-    if (PQgetlength(res, i, 11) != 4)
-        return -1;
-    int32_t partitions = relay_batch_decode_int4(PQgetvalue(res, i, 11));
+    int32_t partitions = relay_batch_decode_int4(PQgetvalue(res, i, 10));
     row->partitions = partitions < 1 ? 1 : (uint32_t)partitions;
     row->partition = outbox_partition_of(row->key, row->key_len, row->id, row->partitions);
     row->state = RELAY_ROW_CLAIMED;

@@ -51,7 +51,7 @@
     " CASE WHEN jsonb_typeof(headers) = 'object' THEN"                                             \
     "  ARRAY(SELECT CASE WHEN jsonb_typeof(headers -> k) = 'string' THEN headers ->> k"            \
     "   ELSE (headers -> k)::text END FROM jsonb_object_keys(headers) AS k ORDER BY k) END,"       \
-    " attempts, octet_length(payload),"                                                            \
+    " octet_length(payload),"                                                                      \
     " CASE WHEN c.topic = ANY(" PARTITIONED_TOPICS ") THEN"                                        \
     "  (SELECT t.partitions FROM outbox.topics AS t WHERE t.topic = c.topic) ELSE 1 END"
 

@@ -119,14 +119,13 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
  * ticks around it, $3 and $4 the txid and id of the last row of the chunk
  * before ('0' and 0 for the first chunk), $5 the most rows, $6 and $7 the
  * ids and errors of rows the chunks before quarantined (recorded first). Its
- * rows have 12
- * columns for the entry: id, message_id, topic, partition_key, payload,
- * created_at, headers type, header names, header values, attempts, the
+ * rows have 11 columns for the entry: id, message_id, topic, partition_key,
+ * payload, created_at, headers type, header names, header values, the
  * payload's size in bytes and the topic's partitions (the payload is NULL
  * when its size is over max_payload_bytes, which is never transferred); a
- * 13th, the txid (xid8, 8 bytes in binary), a 14th, the ms of the later tick
- * (int8), a 15th, the first quarantined row of its key before it in a
- * partitioned topic, or NULL, and a 16th, whether the row is in the
+ * 12th, the txid (xid8, 8 bytes in binary), a 13th, the ms of the later tick
+ * (int8), a 14th, the first quarantined row of its key before it in a
+ * partitioned topic, or NULL, and a 15th, whether the row is in the
  * quarantine already; in id order. Returns the length, or -1
  * when it does not fit (RELAY_PGSRC_BATCH_SQL_MAX always does).
  */

@@ -1,9 +1,9 @@
 /*
  * A row of a batch, from its columns to its XADD (relay/loop_io.c parse_row,
- * relay/batch.c): the bytes are the batch's rows, each as its 12 columns in
+ * relay/batch.c): the bytes are the batch's rows, each as its 11 columns in
  * the batch query's order, every column a 2-byte big-endian length (0xffff
  * for SQL NULL) and that many bytes, as libpq hands them over (binary id,
- * attempts, payload size and partitions; binary text[] of header names and
+ * payload size and partitions; binary text[] of header names and
  * values). Before the rows, one byte picks the stream prefix and one the
  * max_payload_bytes.
  *
@@ -29,7 +29,7 @@
 int parse_row(PGresult *res, int i, struct relay_row *row);
 
 #define ROWS_MAX 8
-#define COLUMNS 12
+#define COLUMNS 11
 
 static const char *const prefixes[] = {"", "outbox:", "a.b_c-d:", "p"};
 static const uint32_t payload_limits[] = {1048576, 16, 0, 536870912};
