@@ -68,15 +68,43 @@ CREATE TABLE IF NOT EXISTS outbox.stream_positions (
 COMMENT ON TABLE outbox.stream_positions IS
     'Where each stream stands: the last tick whose batch is all in the stream.';
 
+-- The transactions from p_from on that snapshot p_snap shows as finished,
+-- as runs of transaction ids: each row (after, before) is the open interval
+-- between two transactions p_snap shows as running (the first run begins
+-- just below p_from, the last ends at the snapshot's xmax). A range
+-- condition "txid > after AND txid < before" on messages_txid_idx then reads
+-- the entries of finished transactions only: those of one still running,
+-- however many, are never walked.
+CREATE OR REPLACE FUNCTION outbox.finished_runs(p_from xid8, p_snap pg_snapshot)
+RETURNS TABLE (after xid8, before xid8)
+LANGUAGE sql
+IMMUTABLE
+ROWS 4
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT c.x, coalesce(lead(c.x) OVER (ORDER BY c.x), pg_snapshot_xmax(p_snap))
+      FROM (SELECT ((p_from::text::numeric - 1)::text)::xid8 AS x
+            UNION ALL
+            SELECT x FROM pg_snapshot_xip(p_snap) AS x
+             WHERE x >= p_from AND x < pg_snapshot_xmax(p_snap)) AS c
+$$;
+
+COMMENT ON FUNCTION outbox.finished_runs(xid8, pg_snapshot) IS
+    'Runs of transaction ids from p_from on that a snapshot shows as finished: open intervals (after, before).';
+
 -- Takes a tick if anything committed since the last one, and returns the
 -- latest tick's number either way (0 for none). Ticks are taken one at a time
 -- (a lock that readers of the table do not wait for), and the snapshot is
 -- read once the lock is held, so tick numbers follow snapshot order even with
 -- several relays ticking: a higher number with an older snapshot would make
--- the next batch repeat transactions of the one before. Nothing new is two
--- probes of messages_txid_idx: no row above the last tick's xmax, and none of
--- the transactions that were running then. min_ms raises the tick's ms, so
--- that the first batch's entry ids lie above what a stream already holds.
+-- the next batch repeat transactions of the one before. Nothing new is a few
+-- probes of messages_txid_idx: no row of a transaction that finished since
+-- the last tick, whether it began after that tick's xmax or was running at
+-- it. A transaction still running is never looked into (its entries are
+-- skipped by the ranges, not read and filtered), so a long one that writes
+-- many rows costs each poll nothing until it commits. min_ms raises the
+-- tick's ms, so that the first batch's entry ids lie above what a stream
+-- already holds.
 CREATE OR REPLACE FUNCTION outbox.tick(p_min_ms bigint DEFAULT 0)
 RETURNS bigint
 LANGUAGE plpgsql
@@ -88,20 +116,30 @@ DECLARE
     v_id   bigint;
     v_snap pg_snapshot;
     v_ms   bigint;
+    v_now  pg_snapshot;
 BEGIN
     LOCK TABLE outbox.ticks IN SHARE ROW EXCLUSIVE MODE;
+    v_now := pg_current_snapshot();
     SELECT t.tick_id, t.snap, t.ms INTO v_id, v_snap, v_ms
       FROM outbox.ticks AS t ORDER BY t.tick_id DESC LIMIT 1;
     IF v_id IS NOT NULL
-       AND NOT EXISTS (SELECT FROM outbox.messages AS m
-                        WHERE m.txid >= pg_snapshot_xmax(v_snap))
-       AND NOT EXISTS (SELECT FROM outbox.messages AS m
-                        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(v_snap)))) THEN
+       -- Scalar subqueries with LIMIT, not EXISTS: a semi join may be
+       -- planned as a walk of the whole index filtered by the runs.
+       AND NOT EXISTS (SELECT FROM outbox.finished_runs(pg_snapshot_xmax(v_snap), v_now) AS f
+                        WHERE (SELECT m.txid FROM outbox.messages AS m
+                                WHERE m.txid > f.after AND m.txid < f.before
+                                  AND pg_visible_in_snapshot(m.txid, v_now)
+                                ORDER BY m.txid LIMIT 1) IS NOT NULL)
+       AND NOT EXISTS (SELECT FROM pg_snapshot_xip(v_snap) AS x
+                        WHERE pg_visible_in_snapshot(x, v_now)
+                          AND (SELECT m.txid FROM outbox.messages AS m
+                                WHERE m.txid >= x AND m.txid <= x
+                                ORDER BY m.txid LIMIT 1) IS NOT NULL) THEN
         RETURN v_id;
     END IF;
     v_id := coalesce(v_id, 0) + 1;
     INSERT INTO outbox.ticks (tick_id, snap, ms)
-    VALUES (v_id, pg_current_snapshot(),
+    VALUES (v_id, v_now,
             greatest(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint,
                      coalesce(v_ms, 0) + 1, coalesce(p_min_ms, 0)));
     RETURN v_id;
@@ -146,9 +184,12 @@ CREATE INDEX IF NOT EXISTS messages_txid_idx ON outbox.messages (txid, id);
 -- tick p_prev does not (any two ticks, p_prev the lower). As
 -- pgq.batch_event_sql draws them, in two parts: the transactions that began
 -- after p_prev's snapshot are a range of transaction ids, [xmax of p_prev,
--- xmax of p_next), filtered by visibility; those that were running at p_prev
--- and committed by p_next are few, listed. The ticks are read by
--- uncorrelated subqueries, which the planner makes index conditions.
+-- xmax of p_next), filtered by visibility, read in the runs between the
+-- transactions still running at p_next (outbox.finished_runs), so that a
+-- long transaction's rows are read once, by the batch it commits in, not by
+-- every batch while it runs; those that were running at p_prev and
+-- committed by p_next are few, listed. The ticks are read by subqueries,
+-- which the planner makes index conditions.
 --
 -- A batch goes out in id order, not transaction-id order: a producer that
 -- takes a lock before inserting (its aggregate's row, P8) may have been given
@@ -165,18 +206,28 @@ LANGUAGE sql
 STABLE
 AS $$
     SELECT min(r.lo), max(r.hi) FROM (
-        SELECT min(m.id) AS lo, max(m.id) AS hi FROM outbox.messages AS m
-         WHERE m.txid >= (SELECT pg_catalog.pg_snapshot_xmax(t.snap) FROM outbox.ticks AS t
-                           WHERE t.tick_id = p_prev)
-           AND m.txid < (SELECT pg_catalog.pg_snapshot_xmax(t.snap) FROM outbox.ticks AS t
-                          WHERE t.tick_id = p_next)
-           AND pg_catalog.pg_visible_in_snapshot(m.txid, (SELECT t.snap FROM outbox.ticks AS t
-                                                           WHERE t.tick_id = p_next))
+        -- The transactions that began after p_prev, in runs between those
+        -- still running at p_next, whose entries are not read.
+        SELECT b.lo, b.hi
+          FROM outbox.finished_runs(
+                   (SELECT pg_catalog.pg_snapshot_xmax(t.snap) FROM outbox.ticks AS t
+                     WHERE t.tick_id = p_prev),
+                   (SELECT t.snap FROM outbox.ticks AS t WHERE t.tick_id = p_next)) AS f
+          CROSS JOIN LATERAL (
+              -- "id + 0": min(id) and max(id) would be planned as walks of
+              -- the primary key from either end, filtered, which read the
+              -- whole table for a run of few rows.
+              SELECT min(m.id + 0) AS lo, max(m.id + 0) AS hi FROM outbox.messages AS m
+               WHERE m.txid > f.after AND m.txid < f.before
+                 AND pg_catalog.pg_visible_in_snapshot(m.txid, (SELECT t.snap FROM outbox.ticks AS t
+                                                                 WHERE t.tick_id = p_next))) AS b
         UNION ALL
-        -- Each transaction of the list: two probes of the index.
-        SELECT (SELECT m.id FROM outbox.messages AS m WHERE m.txid = x
+        -- Each transaction of the list: two probes of the index ("txid >= x
+        -- AND txid <= x": with "txid = x" the planner may walk the primary
+        -- key instead, filtered, when the statistics show few transactions).
+        SELECT (SELECT m.id FROM outbox.messages AS m WHERE m.txid >= x AND m.txid <= x
                  ORDER BY m.txid, m.id LIMIT 1),
-               (SELECT m.id FROM outbox.messages AS m WHERE m.txid = x
+               (SELECT m.id FROM outbox.messages AS m WHERE m.txid >= x AND m.txid <= x
                  ORDER BY m.txid DESC, m.id DESC LIMIT 1)
           FROM pg_catalog.pg_snapshot_xip((SELECT t.snap FROM outbox.ticks AS t
                                             WHERE t.tick_id = p_prev)) AS x

@@ -206,6 +206,35 @@ class BatchSqlTest(harness.PostgresTestCase):
         # Its xid is below the rows of the batch before: order is by commit, then id.
         self.assertLess(int(batch(self.db, 2, 3)[0][0]), int(batch(self.db, 1, 2)[0][0]))
 
+    def test_a_running_transaction_is_read_once_by_the_batch_it_commits_in(self):
+        """A long transaction that wrote many rows costs the ticks and the bounds
+        taken while it runs nothing: its index entries are stepped over, not read
+        and filtered at every poll."""
+        def txid_reads():
+            scalar(self.db, "SELECT pg_stat_force_next_flush()")
+            return harness.index_reads(self.db, "messages_txid_idx")[1]
+
+        slow = self.pg.connect(autocommit=False)
+        try:
+            held = insert(slow, n=20000)
+            prev, reads = 1, txid_reads()
+            for _ in range(5):
+                insert(self.db)
+                nxt = tick(self.db)
+                self.assertGreater(nxt, prev, "a committed row takes a tick")
+                self.assertIsNotNone(bounds(self.db, prev, nxt)[0])
+                prev = nxt
+            self.assertEqual(tick(self.db), prev, "a running transaction takes no tick")
+            read = txid_reads() - reads
+            self.assertLess(read, 100, f"{read} entries of messages_txid_idx read by 6 ticks"
+                            " and 5 batches of one row beside a running transaction")
+            slow.commit()
+        finally:
+            slow.close()
+        nxt = tick(self.db)
+        self.assertGreater(nxt, prev)
+        self.assertEqual([i for _, i in batch(self.db, prev, nxt)], held)
+
     def test_a_batch_is_in_id_order_whatever_the_transaction_ids(self):
         """A producer that waits for another before inserting (a lock on its
         aggregate) may have its transaction id first, but draws its row's id
