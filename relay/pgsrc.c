@@ -117,6 +117,7 @@ struct relay_pgsrc {
     char token[48];
     long backend_pid;
     int first_check_over; /* passed the check once, or failed before it */
+    int check_queued;     /* connected, its first check waiting for another's */
     struct relay_pgsrc *next_conn;
 
     /* Logging once per state change, not once per try. */
@@ -162,13 +163,19 @@ static const char *role_name(const struct relay_pgsrc *pg)
  * so far, and the next connection's set-up is handed that very session. So
  * no connection is ready for work (become_ready) until every connection of
  * the process is past its first check: passed it, or failed before it (a
- * connection with no session shares none). Reconnects later are checked
+ * connection with no session shares none). And the first checks run one
+ * at a time, each connection's set-up and second look before the next
+ * connection's set-up: a pool in transaction mode hands the next set-up a
+ * session an earlier connection has used (PgBouncer gives the session freed
+ * last), whose token it finds, whereas set-ups that overlap could each be
+ * handed a session of their own and all pass. Reconnects later are checked
  * each on its own and hold no one back.
  */
 #define SESSION_PROBE "outbox_relay.session_probe"
 #define SESSION_PROBE_READ "pg_backend_pid(), current_setting('" SESSION_PROBE "', true)"
 
-static struct relay_pgsrc *session_conns; /* every connection of this process */
+static struct relay_pgsrc *session_conns;    /* every connection of this process */
+static struct relay_pgsrc *session_checking; /* the one on its first check, or NULL */
 static relay_pgsrc_no_session_fn *session_refuse;
 static void *session_refuse_arg;
 
@@ -213,6 +220,21 @@ static int session_first_checks_pending(void)
         if (!o->first_check_over)
             return 1;
     return 0;
+}
+
+/* The first check of conn is over (passed or failed): the next connection
+ * that waits for its own goes on with its set-up. */
+static void session_check_over(const struct relay_pgsrc *pg)
+{
+    if (session_checking != pg)
+        return;
+    session_checking = NULL;
+    for (struct relay_pgsrc *o = session_conns; o != NULL; o = o->next_conn)
+        if (o->check_queued && o->conn != NULL) {
+            o->check_queued = 0;
+            run_setup(o);
+            return;
+        }
 }
 
 /* Once no first check is pending, makes ready the connections that passed
@@ -439,6 +461,7 @@ static void fail(struct relay_pgsrc *pg, const char *what, const char *msg)
     }
     int first_check_ends = !pg->first_check_over;
     pg->first_check_over = 1;
+    pg->check_queued = 0;
     int was_ready = pg->was_ready;
     pg->was_ready = 0;
     pg->state = RELAY_PG_DOWN;
@@ -460,8 +483,10 @@ static void fail(struct relay_pgsrc *pg, const char *what, const char *msg)
         pg->hooks.on_down(pg, pg->hooks.arg);
     if (had_cmd && done != NULL)
         done(pg, NULL, text, "08006", done_arg);
-    if (first_check_ends)
+    if (first_check_ends) {
+        session_check_over(pg);
         session_release_waiting();
+    }
 }
 
 static void notice_receiver(void *arg, const PGresult *res)
@@ -784,6 +809,7 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
         return;
     }
     pg->first_check_over = 1;
+    session_check_over(pg);
     if (session_first_checks_pending())
         relay_debug(COMPONENT,
                     "%s connection: session checked; waiting for the other connections' checks",
@@ -819,6 +845,13 @@ static void run_setup(struct relay_pgsrc *pg)
     char sql[1536];
     const struct relay_config *cfg = pg->cfg;
 
+    if (pg->setup == SETUP_SESSION && !pg->first_check_over) {
+        if (session_checking != NULL && session_checking != pg) {
+            pg->check_queued = 1; /* session_check_over goes on */
+            return;
+        }
+        session_checking = pg;
+    }
     if (pg->setup == SETUP_SESSION) {
         /* The idle-in-transaction limit frees whatever a hung or cut-off
          * process holds soon (the batch connection runs in autocommit; the
@@ -922,6 +955,7 @@ void relay_pgsrc_free(struct relay_pgsrc *pg)
             *link = pg->next_conn;
             break;
         }
+    session_check_over(pg);
     ev_io_stop(pg->loop, &pg->io);
     ev_timer_stop(pg->loop, &pg->timer);
     if (pg->keep != NULL)
