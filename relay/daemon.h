@@ -210,9 +210,6 @@ void relay_wake_io_stop(struct relay *r);
 /* Another relay runs: give the wake-up lock up now if it is held. */
 void relay_wake_io_share(struct relay *r);
 
-/* relay/relay.c: leaves the loop once draining is complete. */
-void relay_drain_step(struct relay *r);
-
 /* relay/render.c */
 int relay_healthy(const struct relay *r);
 int relay_postgres_up(const struct relay *r);

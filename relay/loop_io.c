@@ -1016,9 +1016,15 @@ static void op_idle(void *arg)
     relay_wake_empty(&r->wake);
 }
 
+/* A drain (SIGTERM) has nothing left in flight: the loop is left, and
+ * relay_run stops every part in order. */
 static void op_drained(void *arg)
 {
-    relay_drain_step(arg);
+    struct relay *r = arg;
+    if (!r->batch.loop.draining)
+        return;
+    relay_info("relay", "nothing left in flight; shutting down");
+    ev_break(r->loop, EVBREAK_ALL);
 }
 
 /* ---- answers into events ---------------------------------------------- */

@@ -147,14 +147,6 @@ static void start_watchdog(struct relay *r)
 /* ---- drain and signals ------------------------------------------------- */
 
 /* Draining is over once no batch is in flight: the loop says so. */
-void relay_drain_step(struct relay *r)
-{
-    if (!r->batch.loop.draining)
-        return;
-    relay_info(COMPONENT, "nothing left in flight; shutting down");
-    ev_break(r->loop, EVBREAK_ALL);
-}
-
 static void on_drain_deadline(struct ev_loop *loop, ev_timer *w, int revents)
 {
     (void)revents;
