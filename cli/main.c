@@ -257,7 +257,7 @@ static int run_daemon(const struct cmdline *cl, struct relay_config *cfg)
         fprintf(stderr, "outbox-relay: cannot start the event loop (libev)\n");
         return OUTBOX_EX_OSERR;
     }
-    struct relay_reload_source reload = {cl->config_path, cl->noverrides, cl->overrides};
+    struct relay_config_source reload = {cl->config_path, cl->noverrides, cl->overrides};
     struct relay *r = relay_new(loop, cfg, &reload);
     if (r == NULL) {
         fprintf(stderr, "outbox-relay: out of memory at start-up\n");

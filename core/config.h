@@ -120,6 +120,14 @@ int relay_config_load_all(struct relay_config *cfg, const char *path, char *cons
                           char *const *argv, struct relay_config_errors *errs)
     __attribute__((warn_unused_result));
 
+/* Where the configuration was read from: the file (NULL: none) and the
+ * command line's overrides; a SIGHUP reads them again. */
+struct relay_config_source {
+    const char *config_path;
+    int argc;
+    char *const *argv;
+};
+
 /* relay_config_load_all with the first message only, in err. */
 int relay_config_load(struct relay_config *cfg, const char *path, char *const *envp, int argc,
                       char *const *argv, char *err, size_t errlen)

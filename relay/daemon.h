@@ -24,12 +24,12 @@
 #include <stddef.h>
 #include <time.h>
 
+#include "core/config.h"
 #include "relay/backpressure.h"
 #include "relay/batch.h"
 #include "relay/cursors.h"
 #include "relay/loop.h"
 #include "core/observe.h"
-#include "relay/relay.h"
 #include "core/streamlist.h"
 #include "relay/streamseen.h"
 #include "relay/wake.h"
@@ -149,8 +149,8 @@ struct relay_figures {
 struct relay {
     struct ev_loop *loop;
     struct relay_config *cfg;
-    struct relay_reload_source reload;
-    int stopping;  /* the loop is being left: callbacks do nothing */
+    struct relay_config_source reload; /* what a SIGHUP reads again */
+    int stopping;                      /* the loop is being left: callbacks do nothing */
     int exit_code; /* what relay_run returns: 0, or why the relay refused to go on */
 
     struct relay_loop_io batch; /* the batch loop (relay/loop_io.c) */

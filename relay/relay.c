@@ -253,7 +253,7 @@ static void on_shared(void *arg)
 }
 
 struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
-                        const struct relay_reload_source *reload)
+                        const struct relay_config_source *reload)
 {
     struct relay *r = calloc(1, sizeof(*r));
     if (r == NULL)

@@ -1,6 +1,6 @@
 /*
- * The relay: ties the PostgreSQL connections, the Redis sink and the claim
- * cycle together on one libev loop, and handles signals. main() only builds
+ * The relay: ties the PostgreSQL connections, the Redis sink and the batch
+ * loop together on one libev loop, and handles signals. main() only builds
  * the configuration, calls relay_new and runs the loop.
  */
 #ifndef RELAY_RELAY_H
@@ -9,17 +9,11 @@
 struct ev_loop;
 struct relay;
 struct relay_config;
-
-/* Where a SIGHUP reload reads the configuration from again. */
-struct relay_reload_source {
-    const char *config_path; /* may be NULL */
-    int argc;
-    char *const *argv;
-};
+struct relay_config_source;
 
 /* Creates the relay and starts connecting. cfg must outlive the relay. */
 struct relay *relay_new(struct ev_loop *loop, struct relay_config *cfg,
-                        const struct relay_reload_source *reload)
+                        const struct relay_config_source *reload)
     __attribute__((warn_unused_result));
 
 /* Runs the loop until shutdown; returns the process exit code. */
