@@ -13,8 +13,8 @@ stops for the middle third of the run and then catches up.
 
 The retention settings scale with the run so that storage reaches its steady
 state within the first third: sent_retention = SOAK_MINUTES x 4 s (at least
-45 s; SOAK_SENT_RETENTION sets it),
-stream_retention = dedup_ttl = SOAK_MINUTES x 10 s (2 min and 5 min for 30),
+45 s, 2 min for 30; SOAK_SENT_RETENTION sets it),
+stream_retention = SOAK_MINUTES x 10 s (5 min for 30),
 vacuum_dead_rows = SOAK_RATE x SOAK_MINUTES x 2 (at least 5,000; 120,000 for
 30 minutes at 2,000 a second, about the default).
 
