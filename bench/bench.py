@@ -52,7 +52,7 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
              counted
   profile    perf record -a during a drain: where the machine's time goes
 
-Sizes come from the environment (BENCH_QUICK=1 for a two-minute smoke run);
+Sizes come from the environment (BENCH_QUICK=1 for a smoke run of a few minutes);
 see the constants below and in benchlib.py. Writes bench/results/latest.csv
 (every raw number), latest-table.md (the table), PNG plots, and prints the
 table.
@@ -616,7 +616,7 @@ def section_replicas():
     ratio = statistics.median(rates[1]) / statistics.median(rates[0])
     R.add("replicas", "ratio_wait_to_none", ratio, "x",
           "drain rate with min_replicas 1 / with 0")
-    log(f"replicas: a WAIT per batch drains at {ratio:.2f}x the rate without")
+    log(f"replicas: a WAIT per chunk drains at {ratio:.2f}x the rate without")
 
 
 CLUSTER_ROWS = env_int("BENCH_CLUSTER_ROWS", 20000 if QUICK else 200000)
