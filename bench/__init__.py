@@ -5,7 +5,7 @@ the root on PYTHONPATH (bench/run.sh does both).
     bench.soak      the soak:       PYTHONPATH=. /usr/bin/python3 -m bench.soak
     bench.benchlib  what they and the measurements in bench/extra/ share
     bench/extra/    one-off measurements, run as files:
-                    PYTHONPATH=. /usr/bin/python3 bench/extra/mark_cost.py
+                    PYTHONPATH=. /usr/bin/python3 bench/extra/snapshot_cursor.py
 
 bench.py and soak.py run as modules (-m), not as files: as a file, bench.py
 would take the name "bench" from the package.

@@ -3,15 +3,15 @@
 Their settings (the BENCH_* variables they have in common and the tools'
 paths), the raw numbers of a run, the CPU time and memory of processes from
 /proc, the servers (the harness's, PostgreSQL with fsync on), the relay
-started and stopped for a measurement, and the tools: the load generator,
-the publish function alone and the claim statement.
+started and stopped for a measurement, and the tools: the load generator
+and the relay's publish (MULTI / XADD with explicit ids / EXEC) alone.
 """
 
 import contextlib
-import csv
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -43,7 +43,6 @@ QUICK = os.environ.get("BENCH_QUICK") == "1"
 BUILD = os.path.abspath(os.environ.get("BENCH_BUILD_DIR") or os.path.join(SOURCE, "build-bench"))
 RESULTS = os.path.abspath(os.environ.get("BENCH_RESULTS") or os.path.join(HERE, "results"))
 RELAY_BIN = os.path.join(BUILD, "outbox-relay")
-NAIVE_BIN = os.path.join(BUILD, "bench-naive")
 LOADGEN_BIN = os.path.join(BUILD, "bench-loadgen")
 PGQ_BIN = os.path.join(BUILD, "bench-pgq")
 BATCH = env_int("BENCH_BATCH", 500)  # the relay's default
@@ -299,9 +298,16 @@ def insert_backlog(conn, n, prepare=True):
     return took
 
 
+def reset_outbox(conn, rc=None):
+    """No rows, ticks, stream positions, quarantine or partitioned topics (the
+    harness's reset between tests), and with rc no key in Redis: the state a
+    relay started now meets on a new installation. Only with no relay running:
+    a running relay keeps its streams' positions in memory."""
+    harness.reset(conn, rc)
+
+
 def reset_servers(conn, rc):
-    execute(conn, "TRUNCATE outbox.messages RESTART IDENTITY")
-    rc.flushall()  # the function library stays (FUNCTION FLUSH would remove it)
+    reset_outbox(conn, rc)
     execute(conn, "CHECKPOINT")
 
 
@@ -313,8 +319,8 @@ def stream_total(rc):
 
 
 def pending(conn):
-    return scalar(conn, "SELECT count(*) FROM outbox.messages"
-                        " WHERE sent_at IS NULL AND failed_at IS NULL")
+    """Rows not yet in their stream and not quarantined (outbox.unsent)."""
+    return scalar(conn, "SELECT count(*) FROM outbox.unsent")
 
 
 def wait_drained(conn, timeout, relay=None):
@@ -370,7 +376,7 @@ def relay_metric(relay, name):
     return float(m.group(1)) if m else None
 
 
-PHASES = ("claim", "wait", "publish", "finish")
+PHASES = ("read", "publish", "record")
 
 
 def relay_phase_sums(relay):
@@ -416,7 +422,7 @@ def run_json(argv, timeout=600):
 
 
 # --------------------------------------------------------------------------
-# The tools: the load generator, the publish function alone, the claim statement.
+# The tools: the load generator, the relay's publish alone, the batch read alone.
 
 def loadgen(pg, rd, rate, seconds=None, count=None, producers=LOAD_PRODUCERS, wait=10,
             group="bench", pgq=None, async_commit=False):
@@ -429,67 +435,160 @@ def loadgen(pg, rd, rate, seconds=None, count=None, producers=LOAD_PRODUCERS, wa
     return run_json(argv, timeout=(seconds or 0) + (count or 0) / max(rate, 1) + wait + 120)
 
 
-def publish_alone(rd, call_rows=0, function=None):
-    """redis-benchmark, one connection, BATCH messages' calls pipelined: the relay's argv,
-    new ids.
 
-    call_rows 0: one message a call, the argv of a row sent after another of
-    its stream (most rows of a batch): it names that row's record, created
-    here, which the function checks. call_rows N: the relay's call of N rows
-    of one stream (relay_batch_append_publish_call), which names that record
-    before its first row; BATCH / N calls in flight, as a batch of BATCH rows
-    of one stream sends them. rps counts calls, msgs messages a second.
-    function: another function called with the same keys and arguments
-    (bench/extra/record_layouts.py)."""
-    extra = ["--call-rows", str(call_rows)] if call_rows else []
-    argv_lines = subprocess.run([NAIVE_BIN, "--print-argv", "--publish-timeout", "86400000"]
-                                + extra, stdout=subprocess.PIPE, text=True,
-                                check=True).stdout.splitlines()
-    uuid0 = "00000000-0000-0000-0000-000000000000"
-    # redis-benchmark draws each __rand_int__ of a command on its own.
-    args = [a.replace(uuid0, "00000000-0000-0000-0000-__rand_int__") for a in argv_lines]
-    if function is not None:
-        args[1] = function
-    stream, before = argv_lines[3], argv_lines[4 if call_rows else 5]
-    if not before.endswith(":dedup:ffffffff-ffff-ffff-ffff-ffffffffffff"):
-        raise RuntimeError(f"bench-naive --print-argv names no record before: {argv_lines[:6]}")
-    per_call = max(1, call_rows)
-    calls = PUBLISH_CALLS // per_call
+
+def _bulk(b):
+    return b"$%d\r\n%s\r\n" % (len(b), b)
+
+
+def _command(*args):
+    return b"*%d\r\n" % len(args) + b"".join(_bulk(a) for a in args)
+
+
+CALL_ROWS = 64  # RELAY_CALL_ROWS (relay/batch.h): the most rows of one stream in a call
+
+
+def publish_batch_bytes(tick_ms, first_id, batch=None):
+    """What the relay sends for one batch of `batch` rows over the TOPICS
+    streams (round-robin, as the benchmark's backlog): per stream, calls of
+    MULTI, up to CALL_ROWS XADD <stream> <tick_ms>-<rank> with the relay's
+    fields (relay/batch.c), EXEC. Returns (bytes, calls)."""
+    batch = batch or BATCH
+    payload = bytes((i * 37 + 11) & 0xFF for i in range(PAYLOAD))
+    created = b"2026-12-06 12:00:00.123456+00"
+    per_stream = {}
+    for i in range(batch):
+        per_stream.setdefault(i % TOPICS, []).append(first_id + i)
+    out, calls = [], 0
+    for t, ids in per_stream.items():
+        stream = b"bench%d" % t
+        for start in range(0, len(ids), CALL_ROWS):
+            out.append(_command(b"MULTI"))
+            for rank, oid in enumerate(ids[start:start + CALL_ROWS], start + 1):
+                out.append(_command(
+                    b"XADD", stream, b"%d-%d" % (tick_ms, rank),
+                    b"id", b"00000000-0000-4000-8000-%012d" % oid, b"topic", stream,
+                    b"payload", payload, b"created_at", created, b"outbox_id", b"%d" % oid))
+            out.append(_command(b"EXEC"))
+            calls += 1
+    return b"".join(out), calls
+
+
+def publish_alone(rd, messages=None):
+    """The relay's publish alone: `messages` rows in batches of BATCH, each
+    batch's calls (publish_batch_bytes) sent at once over one connection and
+    its replies read before the next batch, as the relay has a batch's calls
+    in flight. Only sending and reading is timed; the bytes of each batch are
+    built before. Every XADD must have added its entry (no error reply, and
+    the streams' lengths add up). Returns {msgs: rows/s, calls: calls/s, ...}."""
+    messages = messages or PUBLISH_CALLS
+    batches = max(1, messages // BATCH)
     with contextlib.closing(rd.client()) as c:
-        c.delete(stream)
-        c.set(before, "0-1")
-        cmd = ["redis-benchmark", "-h", "127.0.0.1", "-p", str(rd.port), "-c", "1",
-               "-P", str(max(1, -(-BATCH // per_call))), "-n", str(calls), "-r", "2000000000",
-               "--csv"] + args
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=600)
-        rows = list(csv.reader(proc.stdout.strip().splitlines()))
-        if proc.returncode != 0 or len(rows) < 2:
-            raise RuntimeError(f"redis-benchmark failed:\n{proc.stdout[-2000:]}")
-        # redis-benchmark counts a refused call as done: every call must have
-        # added its entries (random ids may meet once in a while).
-        added = c.xlen(stream)
-        if added < calls * per_call * 0.99:
-            raise RuntimeError(f"only {added} of {calls * per_call} messages of {calls} publish"
-                               " calls were added")
-    header, values = rows[0], rows[-1]
-    res = {h: (float(v) if re.fullmatch(r"[\d.]+", v) else v) for h, v in zip(header, values)
-           if h != "test"}
-    if "rps" in res:
-        res["msgs"] = res["rps"] * per_call
-    return res
+        c.delete(*[f"bench{i}" for i in range(TOPICS)])
+    sock = socket.create_connection(("127.0.0.1", rd.port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    took, calls, errors = 0.0, 0, 0
+    try:
+        for b in range(batches):
+            data, n = publish_batch_bytes(1000 + b, b * BATCH + 1)
+            data += _command(b"PING")
+            started = time.perf_counter()
+            sock.sendall(data)
+            reply = bytearray()
+            while not reply.endswith(b"+PONG\r\n"):
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    raise RuntimeError("Redis closed the connection during the publish")
+                reply += chunk
+            took += time.perf_counter() - started
+            calls += n
+            errors += reply.count(b"\r\n-") + reply.startswith(b"-")
+    finally:
+        sock.close()
+    with contextlib.closing(rd.client()) as c:
+        added = sum(c.xlen(f"bench{i}") for i in range(TOPICS))
+    if errors or added != batches * BATCH:
+        raise RuntimeError(f"publish alone: {errors} error replies, {added} of"
+                           f" {batches * BATCH} entries added")
+    rows = batches * BATCH
+    return dict(messages=rows, batches=batches, calls=calls, seconds=took, msgs=rows / took,
+                calls_per_s=calls / took, batch_ms=took / batches * 1e3)
 
 
-def claim_sql_filled(batch):
-    """The relay's claim statement with its parameters written in: `batch` rows, no topic
-    paused ($2), no partition owned ($3-$5), a walk of the whole pending index ($6), as a
-    claim takes when no full batch is in flight."""
-    sql = subprocess.run([NAIVE_BIN, "--print-claim-sql"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    if sql.returncode != 0:
-        raise RuntimeError(f"bench-naive --print-claim-sql: {sql.stderr}")
-    filled = sql.stdout.strip()
-    for param, value in (("$6", "0"), ("$5", "0"), ("$4", "'{}'"), ("$3", "'{}'"),
-                         ("$2", "'{}'"), ("$1", str(batch))):
-        filled = filled.replace(param, value)
-    return filled
+def tick(conn):
+    """outbox.tick(): a new tick if anything committed since the last one; the latest."""
+    return scalar(conn, "SELECT outbox.tick()")
+
+
+BATCH_READ_SQL = ("SELECT r.* FROM outbox.batch_bounds(%(prev)s, %(next)s) AS b,"
+                  " LATERAL outbox.batch_rows(%(prev)s, %(next)s, b.lo - 1, b.hi, %(limit)s) AS r")
+
+
+def batch_read_alone(conn, rows, batch=None):
+    """The relay's PostgreSQL side alone: `rows` pending rows committed in
+    transactions of `batch` rows with a tick after each (the batches a relay
+    that keeps up meets), then per batch, timed: outbox.tick() (the relay's
+    call each cycle; nothing new), the batch's bounds and its rows
+    (outbox.batch_bounds, outbox.batch_rows, every column fetched through COPY
+    to the client) and outbox.record_batch with the batch's streams and their
+    last entry ids. Returns {rate: rows/s, ...}."""
+    batch = batch or BATCH
+    conn.autocommit = True
+    first = tick(conn)
+    ticks = [first]
+    for i in range(max(1, rows // batch)):
+        execute(conn, "INSERT INTO outbox.messages (topic, payload)"
+                      " SELECT 'bench' || (g %% %s),"
+                      " substring(decode(repeat(md5(g::text), 13), 'hex') FROM 1 FOR %s)"
+                      " FROM generate_series(%s, %s) AS g",
+                (TOPICS, PAYLOAD, i * batch + 1, (i + 1) * batch))
+        ticks.append(tick(conn))
+    execute(conn, "VACUUM ANALYZE outbox.messages")
+    execute(conn, "CHECKPOINT")
+    with conn.cursor() as cur:
+        cur.execute("SELECT tick_id, ms FROM outbox.ticks WHERE tick_id > %s", (first,))
+        ms = dict(cur.fetchall())
+    topics = [f"bench{i}" for i in range(TOPICS)]
+    sink = _Sink()
+    times = dict(tick=0.0, read=0.0, record=0.0)
+    read = 0
+    with conn.cursor() as cur:
+        for prev, nxt in zip(ticks, ticks[1:]):
+            t0 = time.perf_counter()
+            cur.execute("SELECT outbox.tick()")
+            cur.fetchone()
+            t1 = time.perf_counter()
+            before = sink.rows
+            cur.copy_expert(cur.mogrify(f"COPY ({BATCH_READ_SQL}) TO STDOUT (FORMAT binary)",
+                                        dict(prev=prev, next=nxt, limit=batch)).decode(), sink)
+            t2 = time.perf_counter()
+            per = -(-batch // TOPICS)
+            cur.execute("SELECT outbox.record_batch(%s, true, %s, %s, %s, '{}', '{}', '{}', '{}',"
+                        " '{}', '{}')",
+                        (nxt, topics, [-1] * TOPICS, [f"{ms[nxt]}-{per}"] * TOPICS))
+            cur.fetchone()
+            t3 = time.perf_counter()
+            times["tick"] += t1 - t0
+            times["read"] += t2 - t1
+            times["record"] += t3 - t2
+            read += sink.rows - before - 1  # the format's trailer is a write of its own
+    total = sum(times.values())
+    n = len(ticks) - 1
+    if read != n * batch:
+        raise RuntimeError(f"batch read alone: {read} rows read of {n * batch}")
+    return dict(rows=read, batches=n, seconds=total, rate=read / total,
+                **{f"{k}_ms": v / n * 1e3 for k, v in times.items()})
+
+
+class _Sink:
+    """A file for COPY ... TO STDOUT that keeps nothing; counts its writes: one per
+    tuple of the binary format (the header comes with the first), and the trailer."""
+
+    def __init__(self):
+        self.rows = 0
+        self.bytes = 0
+
+    def write(self, data):
+        self.bytes += len(data)
+        self.rows += 1
+        return len(data)

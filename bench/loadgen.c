@@ -9,17 +9,19 @@
  *              `rate` rows per second; the commit time is the monotonic clock
  *              right after the reply. rate 0: as fast as they can.
  *   visible    one thread doing XREAD BLOCK on every stream from its last
- *              entry on; an entry is visible when the reply holding it arrives.
- *              The entry's id also says when Redis added it to the stream
- *              (its first part is Redis's clock in ms, this host's real-time
- *              clock): "stream" is that time, independent of this thread.
+ *              entry on; an entry is visible when the reply holding it arrives:
+ *              commit -> visible is the latency a reader sees, the same
+ *              measure for the relay and for PgQ. (An entry id's time part
+ *              says nothing of when the entry was added: the relay writes
+ *              the time of the tick whose batch holds the row, PostgreSQL's
+ *              clock, and bench-pgq lets Redis choose.)
  *   acked      one thread doing XREADGROUP BLOCK as consumer group `group`
  *              and XACK of what it read; acknowledged when the XACK returns.
  *
  * Entries are matched to commits by their outbox_id field (the row's id, as
  * unique as its message_id and an array index here). All clocks are this
  * process's CLOCK_MONOTONIC. An entry can be visible before its producer saw
- * the commit reply (the relay claimed it in between): that latency is
+ * the commit reply (the relay read and published it in between): that latency is
  * negative, and kept.
  *
  *   bench-loadgen --postgres CONNINFO --redis-port PORT [--redis-host HOST]
@@ -38,9 +40,7 @@
  * --windows W adds "windows": the latency of the rows committed in each W
  * seconds of the run (its start "t" in seconds from the first commit, "n",
  * "missing" for rows not seen in the stream; commit -> visible "p50", "p99"
- * and "max" in ms, and commit -> added to the stream "stream_p50",
- * "stream_p99", "stream_max", to the ms of the entry id), for a run long
- * enough to show how it changes.
+ * and "max" in ms), for a run long enough to show how it changes.
  * Topics are bench0..bench<T-1>, round-robin. Prints one JSON object.
  */
 #include "common/compat.h"
@@ -76,9 +76,7 @@ static int async_commit;      /* --async-commit: producers with synchronous_comm
 
 static long long base_id; /* ids above it are ours */
 static long cap;          /* slots in the arrays below */
-static double *t_commit, *t_visible, *t_acked, *t_stream;
-/* CLOCK_REALTIME - CLOCK_MONOTONIC, at the start: turns an entry id's ms into this clock. */
-static double real_minus_mono;
+static double *t_commit, *t_visible, *t_acked;
 static double t0;
 
 static atomic_long slot_next; /* next schedule slot */
@@ -301,10 +299,6 @@ static void *visible_main(void *arg)
                     long idx = (long)(id - base_id);
                     if (id > 0 && idx >= 0 && idx < cap && t_visible[idx] < -1e8) {
                         t_visible[idx] = at;
-                        const redisReply *eid = entries->element[e]->element[0];
-                        if (eid->type == REDIS_REPLY_STRING)
-                            t_stream[idx] =
-                                (double)strtoll(eid->str, NULL, 10) / 1e3 - real_minus_mono - t0;
                         atomic_fetch_add(&n_visible, 1);
                     } else if (id > 0 && idx >= 0 && idx < cap) {
                         atomic_fetch_add(&dup_visible, 1);
@@ -430,12 +424,10 @@ static void print_stats(const char *name, double *v, long n, int last)
     printf("}%s\n", last ? "" : ",");
 }
 
-/* A row's window and its commit -> visible and commit -> stream latencies
- * (missing: not seen). */
+/* A row's window and its commit -> visible latency (missing: not seen). */
 struct windowed {
     long window;
     int missing;
-    double stream;
     double latency;
 };
 
@@ -452,14 +444,12 @@ static void print_windows(void)
 {
     struct windowed *w = need(malloc((size_t)cap * sizeof(*w)));
     double *lat = need(malloc((size_t)cap * sizeof(double)));
-    double *slat = need(malloc((size_t)cap * sizeof(double)));
     long n = 0;
     for (long i = 0; i < cap; i++)
         if (t_commit[i] > -1e8) {
             w[n].window = (long)(t_commit[i] / windows_s); /* from t0 already */
             w[n].missing = t_visible[i] < -1e8;
             w[n].latency = w[n].missing ? 0 : t_visible[i] - t_commit[i];
-            w[n].stream = w[n].missing ? 0 : t_stream[i] - t_commit[i];
             n++;
         }
     qsort(w, (size_t)n, sizeof(*w), cmp_windowed);
@@ -470,25 +460,20 @@ static void print_windows(void)
             if (w[j].missing) {
                 missing++;
             } else {
-                slat[nl] = w[j].stream;
                 lat[nl++] = w[j].latency;
             }
         }
-        qsort(slat, (size_t)nl, sizeof(double), cmp_double);
         printf("%s\n    {\"t\": %.1f, \"n\": %ld, \"missing\": %ld", first ? "" : ",",
                (double)w[i].window * windows_s, j - i, missing);
         if (nl > 0) {
             printf(", \"p50\": %.4f, \"p99\": %.4f, \"max\": %.4f", pct(lat, nl, 50) * 1e3,
                    pct(lat, nl, 99) * 1e3, lat[nl - 1] * 1e3);
-            printf(", \"stream_p50\": %.4f, \"stream_p99\": %.4f, \"stream_max\": %.4f",
-                   pct(slat, nl, 50) * 1e3, pct(slat, nl, 99) * 1e3, slat[nl - 1] * 1e3);
         }
         printf("}");
         first = 0;
         i = j;
     }
     printf("\n  ],\n");
-    free(slat);
     free(w);
     free(lat);
 }
@@ -545,9 +530,8 @@ int main(int argc, char **argv)
     t_commit = need(malloc((size_t)cap * sizeof(double)));
     t_visible = need(malloc((size_t)cap * sizeof(double)));
     t_acked = need(malloc((size_t)cap * sizeof(double)));
-    t_stream = need(malloc((size_t)cap * sizeof(double)));
     for (long i = 0; i < cap; i++)
-        t_commit[i] = t_visible[i] = t_acked[i] = t_stream[i] = -1e9;
+        t_commit[i] = t_visible[i] = t_acked[i] = -1e9;
 
     /* Every row inserted from now on has an id above base_id. */
     PGconn *pg = PQconnectdb(conninfo);
@@ -578,9 +562,6 @@ int main(int argc, char **argv)
     }
     redisFree(rd);
 
-    struct timespec real;
-    clock_gettime(CLOCK_REALTIME, &real);
-    real_minus_mono = (double)real.tv_sec + real.tv_nsec / 1e9 - now_s();
     t0 = now_s();
     pthread_t vis, ack;
     pthread_create(&vis, NULL, visible_main, NULL);
@@ -611,13 +592,11 @@ int main(int argc, char **argv)
     double span = last_commit_at - t0;
     double *vis_lat = need(malloc((size_t)cap * sizeof(double)));
     double *ack_lat = need(malloc((size_t)cap * sizeof(double)));
-    double *stream_lat = need(malloc((size_t)cap * sizeof(double)));
     long nv = 0, na = 0, miss_v = 0, miss_a = 0;
     for (long i = 0; i < cap; i++) {
         if (t_commit[i] < -1e8)
             continue;
         if (t_visible[i] > -1e8) {
-            stream_lat[nv] = t_stream[i] - t_commit[i];
             vis_lat[nv++] = t_visible[i] - t_commit[i];
         } else {
             miss_v++;
@@ -653,17 +632,14 @@ int main(int argc, char **argv)
         print_windows();
     print_stats("commit_ms", commit_lat, ncl, 0);
     print_stats("visible_ms", vis_lat, nv, 0);
-    print_stats("stream_ms", stream_lat, nv, 0);
     print_stats("acked_ms", ack_lat, na, 1);
     printf("}\n");
     for (int i = 0; i < producers; i++)
         free(ps[i].commit_lat);
     free(ps);
     free(commit_lat);
-    free(stream_lat);
     free(ack_lat);
     free(vis_lat);
-    free(t_stream);
     free(t_acked);
     free(t_visible);
     free(t_commit);

@@ -45,9 +45,8 @@ if ! command -v perf >/dev/null 2>&1; then
 fi
 
 # --- build --------------------------------------------------------------------
-# The tools link the daemon's library for the relay's own claim SQL, publish
-# function and argv builder, so the yardstick does exactly the relay's work;
-# CMake builds them (RELAY_BENCH) with the Release flags, -O3 -DNDEBUG.
+# The load generator and the PgQ consumer (bench-loadgen, bench-pgq); CMake
+# builds them (RELAY_BENCH) with the Release flags, -O3 -DNDEBUG, like the relay.
 # bench-cursor, the snapshot-and-cursor prototype, is for bench/extra/snapshot_cursor.py.
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DRELAY_TESTS=OFF -DRELAY_BENCH=ON >/dev/null
 cmake --build "$build" -j2 --target outbox-relay outbox_consumer bench-loadgen bench-pgq \
