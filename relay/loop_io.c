@@ -108,7 +108,8 @@ static void stream_owner(struct relay *r, struct relay_cursor *cur)
     unsigned long epoch = relay_ownership_io_epoch(r->owner);
     if (cur->own_epoch == epoch)
         return;
-    int owned = !cur->partitioned || relay_ownership_io_owns(r->owner, cur->topic, cur->partition);
+    int owned = cur->partitioned ? relay_ownership_io_owns(r->owner, cur->topic, cur->partition)
+                                 : relay_ownership_io_owns_topic(r->owner, cur->topic);
     if (cur->own_epoch == 0)
         cur->paused = relay_paused_has(&r->paused, cur->topic);
     if (!owned)

@@ -15,6 +15,13 @@ int32_t relay_unit_key(const char *topic, size_t topic_len, uint32_t partition)
     return (int32_t)((outbox_partition_hash(topic, topic_len) + partition) & 0x7fffffffu);
 }
 
+int relay_topic_wanted(const char *topic, size_t topic_len, size_t nmembers, long me)
+{
+    if (nmembers == 0 || me < 0)
+        return 1;
+    return outbox_partition_hash(topic, topic_len) % nmembers == (size_t)me;
+}
+
 long relay_member_position(const int32_t *members, size_t nmembers, int32_t slot)
 {
     for (size_t i = 0; i < nmembers; i++)

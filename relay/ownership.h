@@ -37,6 +37,12 @@ struct relay_topic_parts {
  * relay_units_plan gives both to the owner of the first in plan order. */
 int32_t relay_unit_key(const char *topic, size_t topic_len, uint32_t partition);
 
+/* Whether the relay at position me of nmembers publishes an unpartitioned
+ * topic: the hash of its name (outbox_partition_hash) mod nmembers is me.
+ * With the members not known (nmembers 0, or me < 0: no slot listed), every
+ * relay publishes it, as a lone relay must; entry ids make that safe. */
+int relay_topic_wanted(const char *topic, size_t topic_len, size_t nmembers, long me);
+
 /* The position of slot in members (sorted, ascending), or -1. */
 long relay_member_position(const int32_t *members, size_t nmembers, int32_t slot);
 

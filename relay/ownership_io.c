@@ -74,7 +74,7 @@ struct relay_owner {
     long me;
     struct outbox_buf sql;
     size_t nready;
-    unsigned long epoch; /* moves whenever the ready partitions change */
+    unsigned long epoch; /* moves whenever the ready partitions or the members change */
     unsigned long long takeovers;
     char layout[160]; /* the last "member i of n" logged */
 };
@@ -216,8 +216,10 @@ static int read_look(struct relay_owner *o, PGresult *res)
                        PQgetvalue(res, i, 2), v, UNITS_MAX);
         }
     }
+    long me = relay_member_position(members, nm, o->slot);
+    int divided_anew = nm != o->nmembers || me != o->me;
     o->nmembers = nm;
-    o->me = relay_member_position(members, nm, o->slot);
+    o->me = me;
     long n = relay_units_plan(o->units, o->nunits, topics, nt, nm, o->me, o->plan, UNITS_MAX);
     if (n < 0) {
         rc = -1;
@@ -227,6 +229,13 @@ static int read_look(struct relay_owner *o, PGresult *res)
     o->units = o->plan;
     o->plan = t;
     o->nunits = (size_t)n;
+    if (divided_anew) {
+        /* The unpartitioned topics are divided anew: each stream's owner is
+         * looked at again (relay_ownership_io_owns_topic), once everything
+         * above is in place, since the loop may look at once. */
+        o->epoch++;
+        relay_loop_want(&o->r->batch.loop);
+    }
 out:
     free(members);
     free(topics);
@@ -428,6 +437,13 @@ void relay_ownership_io_figures(const struct relay_owner *o, struct relay_owner_
     f->owned = o->nready;
     f->takeovers = o->takeovers;
     f->partitions = o->nunits;
+}
+
+int relay_ownership_io_owns_topic(const struct relay_owner *o, const char *topic)
+{
+    if (o == NULL)
+        return 1;
+    return relay_topic_wanted(topic, strlen(topic), o->nmembers, o->me);
 }
 
 unsigned long relay_ownership_io_epoch(const struct relay_owner *o)

@@ -615,7 +615,7 @@ static void all_ready(struct relay_sink *s)
     s->written = 0;
     outbox_backoff_reset(&s->backoff);
     relay_info(COMPONENT, "%s %s", s->describe,
-               s->last_logged[0] ? "is back" : "ready (publish function loaded)");
+               s->last_logged[0] ? "is back" : "ready (functions loaded)");
     s->last_logged[0] = '\0';
     if (s->hooks.on_ready != NULL)
         s->hooks.on_ready(s, s->hooks.arg);

@@ -27,6 +27,10 @@ locked, then the outbox row inserted):
   publish one partition are counted and printed, and what keeps them safe is
   the entry id, which the checks of order and duplicates above prove.)
 
+And the unpartitioned topics: two relays publish 8 of them, each topic by
+one relay only (the one its name's hash gives among the members), and when
+one relay stops the other publishes its topics from where they stand.
+
 And the fence, step by step: the entry id (docs/DESIGN.md, "Batches from
 snapshots"). Relay A reads a key's rows and sends their publish into a
 blackholed Redis connection; A is frozen and its PostgreSQL sessions end;
@@ -548,6 +552,70 @@ class FenceTest(unittest.TestCase):
                     time.sleep(1.0)
                     self.assertEqual(key_payloads(r, stream, "k"), [1, 2, 3, 4, 5],
                                      "A's delayed publish appended the rows again")
+
+class UnpartitionedTopicsTest(unittest.TestCase):
+    """The relays divide the unpartitioned topics too: each is published by one
+    relay at a time, the one whose position among the members is the hash of
+    the topic's name mod their number; a relay that stops leaves its topics to
+    the others."""
+
+    TOPICS = [f"plain{i}" for i in range(8)]
+
+    def test_two_relays_divide_the_unpartitioned_topics(self):
+        with harness.Postgres() as pg, harness.Redis() as redis:
+            db = pg.connect()
+            r = redis.client()
+            flags = dict(poll_interval="100ms", batch_size="50")
+            relays = [harness.Relay(pg, redis, **flags), harness.Relay(pg, redis, **flags)]
+            for relay in relays:
+                harness.register(relay)
+                relay.start()
+            try:
+                for relay in relays:
+                    relay.wait_for_log(r"owner: relay \d of 2 \(member slot", timeout=20)
+                harness.insert_many(db, [(t, b"row %d" % i) for i in range(25)
+                                         for t in self.TOPICS])
+                harness.wait_all_sent(db, timeout=30, relay=relays[0])
+
+                def published(relay):
+                    text = harness.metrics_text(relay)
+                    return {t: int(harness.metric(text, "outbox_relay_messages_published_total",
+                                                  topic=t) or 0) for t in self.TOPICS}
+                counts = [published(x) for x in relays]
+                owners = {t: [i for i in range(2) if counts[i][t]] for t in self.TOPICS}
+                for t in self.TOPICS:
+                    self.assertEqual(len(owners[t]), 1, f"relays that published {t}: {counts}")
+                    self.assertEqual(sum(c[t] for c in counts), 25, f"{t}: {counts}")
+                # The same relay has every topic of one hash class.
+                classes = {}
+                for t in self.TOPICS:
+                    classes.setdefault(fnv1a32(t.encode()) % 2, set()).add(owners[t][0])
+                self.assertEqual(sorted(len(v) for v in classes.values()),
+                                 [1] * len(classes), f"owners by hash class: {classes}")
+
+                # One relay stops: the other takes its topics from their positions.
+                relays[1].stop()
+                relays[0].wait_for_log(r"owner: relay 1 of 1 \(member slot", timeout=20)
+                harness.insert_many(db, [(t, b"after %d" % i) for i in range(10)
+                                         for t in self.TOPICS])
+                harness.wait_all_sent(db, timeout=30, relay=relays[0])
+                after = published(relays[0])
+                for t in self.TOPICS:
+                    self.assertEqual(after[t] - counts[0][t], 10, f"{t}: {counts[0]} -> {after}")
+                figures = harness.Verifier(db, r).report(" (two relays, 8 unpartitioned topics)")
+                figures.assert_exactly_once(self)
+                self.assertEqual(figures.committed, 8 * 35, figures.line())
+            except BaseException:
+                for relay in relays:
+                    print(relay.log_tail(40), file=sys.stderr)
+                raise
+            finally:
+                for relay in relays:
+                    relay.stop()
+                    report = harness.sanitizer_report(relay.log())
+                    relay.close()
+                    self.assertIsNone(report, report)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -3,10 +3,12 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <cmocka.h>
 
+#include "common/keys.h"
 #include "relay/ownership.h"
 
 #define CAP 64
@@ -170,6 +172,33 @@ static void test_vanished_partitions_are_released(void **state)
     assert_false(second[2].want);
 }
 
+/* Each unpartitioned topic has exactly one relay among the members, the
+ * same whoever computes it; with the members unknown, every relay has it. */
+static void test_unpartitioned_topics_have_one_relay_each(void **state)
+{
+    (void)state;
+    char topic[32];
+    size_t per_relay[3] = {0, 0, 0};
+    for (int t = 0; t < 300; t++) {
+        snprintf(topic, sizeof(topic), "topic-%d", t);
+        int owners = 0;
+        for (long me = 0; me < 3; me++)
+            if (relay_topic_wanted(topic, strlen(topic), 3, me)) {
+                owners++;
+                per_relay[me]++;
+            }
+        assert_int_equal(owners, 1);
+        assert_true(relay_topic_wanted(topic, strlen(topic), 1, 0));
+        assert_true(relay_topic_wanted(topic, strlen(topic), 0, -1));
+        assert_true(relay_topic_wanted(topic, strlen(topic), 3, -1));
+    }
+    /* The hash spreads them: no relay has fewer than half its even share. */
+    for (int me = 0; me < 3; me++)
+        assert_true(per_relay[me] >= 50);
+    assert_int_equal(relay_topic_wanted("orders", 6, 2, 0),
+                     outbox_partition_hash("orders", 6) % 2 == 0);
+}
+
 static void test_cap_is_refused(void **state)
 {
     (void)state;
@@ -191,6 +220,7 @@ int main(void)
         cmocka_unit_test(test_state_carries_over_and_share_moves),
         cmocka_unit_test(test_vanished_partitions_are_released),
         cmocka_unit_test(test_cap_is_refused),
+        cmocka_unit_test(test_unpartitioned_topics_have_one_relay_each),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
