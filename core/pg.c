@@ -93,7 +93,8 @@ PGconn *relay_pg_open(const struct relay_config *cfg, const char *application_na
              " -c tcp_keepalives_count=3 -c tcp_user_timeout=30000",
              cfg->statement_timeout_ms);
     /* Our defaults come first so the user's conninfo (expanded in place of
-     * dbname) overrides them. */
+     * dbname) overrides them; client_encoding comes after it, so that text is
+     * read in UTF-8 whatever the database's encoding (relay/pgsrc.c). */
     const char *const keys[] = {"application_name",
                                 "connect_timeout",
                                 "keepalives",
@@ -103,6 +104,7 @@ PGconn *relay_pg_open(const struct relay_config *cfg, const char *application_na
                                 "tcp_user_timeout",
                                 "options",
                                 "dbname",
+                                "client_encoding",
                                 NULL};
     const char *const vals[] = {application_name,
                                 timeout,
@@ -113,6 +115,7 @@ PGconn *relay_pg_open(const struct relay_config *cfg, const char *application_na
                                 PG_TCP_USER_TIMEOUT,
                                 options,
                                 cfg->postgres,
+                                "UTF8",
                                 NULL};
     PGconn *c = PQconnectStartParams(keys, vals, 1);
     if (c == NULL) {

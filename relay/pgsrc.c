@@ -503,11 +503,21 @@ static void start_connect(struct relay_pgsrc *pg)
                       : pg->role == RELAY_PGSRC_OWNER ? "outbox-relay owner"
                                                       : "outbox-relay";
     /* Our defaults come first so the user's conninfo (expanded in place of
-     * dbname) overrides them; libpq's PG* variables fill in what is left. */
-    const char *const keys[] = {
-        "application_name", "keepalives",       "keepalives_idle", "keepalives_interval",
-        "keepalives_count", "tcp_user_timeout", "dbname",          NULL};
-    const char *const vals[] = {app, "1", "10", "5", "3", "30000", pg->cfg->postgres, NULL};
+     * dbname) overrides them; libpq's PG* variables fill in what is left.
+     * client_encoding comes after it, so that nothing overrides it: keys,
+     * topics and headers are read in UTF-8 whatever the database's encoding,
+     * which is what the partition trigger hashes (convert_to(key, 'UTF8'))
+     * and what consumers read. */
+    const char *const keys[] = {"application_name",
+                                "keepalives",
+                                "keepalives_idle",
+                                "keepalives_interval",
+                                "keepalives_count",
+                                "tcp_user_timeout",
+                                "dbname",
+                                "client_encoding",
+                                NULL};
+    const char *const vals[] = {app, "1", "10", "5", "3", "30000", pg->cfg->postgres, "UTF8", NULL};
 
     describe_target(pg);
     session_new_token(pg);

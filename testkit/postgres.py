@@ -35,8 +35,9 @@ def pg_bindir():
 class Postgres:
     """A throwaway PostgreSQL cluster with database `app` and the migrations applied."""
 
-    def __init__(self, port=None, migrations=True, database="app", tls=None):
+    def __init__(self, port=None, migrations=True, database="app", tls=None, encoding="UTF8"):
         self.port = port or free_port()
+        self.encoding = encoding  # of database `app` (the cluster has no locale)
         self.tls = tls  # (certificate, key) files: TCP connections must use TLS
         self.database = database
         self.migrations = migrations
@@ -69,7 +70,8 @@ class Postgres:
                 self._setup_tls()
             self.start()
             with contextlib.closing(self.connect(dbname="postgres")) as conn:
-                conn.cursor().execute(f'CREATE DATABASE "{self.database}"')
+                conn.cursor().execute(f'CREATE DATABASE "{self.database}" TEMPLATE template0'
+                                      f" ENCODING '{self.encoding}'")
             if self.migrations:
                 self.apply_migrations()
         except BaseException:

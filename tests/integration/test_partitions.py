@@ -28,6 +28,10 @@ Promises tested:
   "status --json" count the held keys; once max_payload_bytes is raised,
   "failed retry" publishes it and then the rows behind it, in order; "failed
   drop" gives another one up and its key goes on without it;
+- in a LATIN1 database, keys with letters outside ASCII land in the stream of
+  the partition the trigger stamped (the hash of their UTF-8 bytes), and the
+  entries carry their keys and headers in UTF-8: the relay reads in UTF-8
+  whatever the database's encoding or the connection string says;
 - status and the metrics see the streams of partitions: "status --json"
   lists each with its topic and partition, the groups on them with their
   lag, and /metrics has their group series and the topic's series once.
@@ -479,6 +483,43 @@ class PartitionRelayTest(harness.ServerTestCase):
         series = [line.split(" ")[0] for line in text.splitlines()
                   if line and not line.startswith("#")]
         self.assertEqual(len(series), len(set(series)), "no series twice")
+
+
+class Latin1DatabaseTest(harness.ServerTestCase):
+    """A database in LATIN1: the partition the trigger stamps (the key's UTF-8
+    bytes) is the stream the relay publishes to."""
+
+    pg_options = {"encoding": "LATIN1"}
+    KEYS = ["caf\u00e9", "\u00c4rger", "na\u00efve", "\u00fcber", "plain", "\u00f1and\u00fa",
+            "gar\u00e7on", "\u00d8re", "s\u00e9ance", "\u00e0-la-carte"]
+
+    def test_non_ascii_keys_go_to_their_partition(self):
+        self.assertEqual(scalar(self.db, "SELECT pg_encoding_to_char(encoding) FROM pg_database"
+                                         " WHERE datname = current_database()"), "LATIN1")
+        scalar(self.db, "SELECT outbox.set_partitions('latin', 8)")
+        # A connection string that asks for LATIN1 does not change what the relay reads.
+        relay = self.relay(poll_interval="100ms", env={
+            "OUTBOX_RELAY_POSTGRES": self.pg.dsn() + " client_encoding=LATIN1"})
+        rows = [("latin", f"{k} {i}".encode(), k, {"who": k}) for k in self.KEYS
+                for i in range(3)]
+        insert_many(self.db, rows)
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        with self.db.cursor() as cur:
+            cur.execute("SELECT message_id::text, partition_key, partition_no"
+                        " FROM outbox.messages WHERE topic = 'latin'")
+            stamped = {mid: (key, part) for mid, key, part in cur.fetchall()}
+        self.assertEqual(len(stamped), len(rows))
+        found = 0
+        for p in range(8):
+            for _, fields in harness.stream_entries(self.r, f"latin:{p:03d}"):
+                mid = fields[b"id"].decode()
+                key, part = stamped[mid]
+                self.assertEqual(part, p, f"the row of key {key!r} in stream latin:{p:03d}")
+                self.assertEqual(part, fnv1a32(key.encode("utf-8")) % 8, key)
+                self.assertEqual(fields[b"key"], key.encode("utf-8"))
+                self.assertEqual(fields[b"h.who"], key.encode("utf-8"))
+                found += 1
+        self.assertEqual(found, len(rows))
 
 
 if __name__ == "__main__":
