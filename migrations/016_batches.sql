@@ -452,6 +452,45 @@ BEGIN
 END
 $$;
 
+-- Who changed the partition counts last: the transaction id of the last
+-- outbox.set_partitions that changed one, as a sequence's value, which every
+-- transaction reads as it is now whatever its snapshot (a sequence is not
+-- versioned). A producer in REPEATABLE READ or SERIALIZABLE reads
+-- outbox.topics in its snapshot, so one taken before a change would stamp
+-- its row with the count before it, while the relay publishes the row by the
+-- count in force: outbox.set_partition_no refuses such a row instead
+-- (40001, which such producers retry), and one in READ COMMITTED reads the
+-- count in force anyway.
+CREATE SEQUENCE IF NOT EXISTS outbox.partitions_changed_by AS bigint MINVALUE 0 START 0;
+
+COMMENT ON SEQUENCE outbox.partitions_changed_by IS
+    'The transaction id (xid8) of the last outbox.set_partitions that changed a count: read by the partition trigger.';
+
+GRANT SELECT ON SEQUENCE outbox.partitions_changed_by TO PUBLIC;
+
+CREATE OR REPLACE FUNCTION outbox.set_partition_no()
+RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_by xid8;
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        SELECT s.last_value::text::xid8 INTO v_by FROM outbox.partitions_changed_by AS s;
+        IF v_by > '0'::xid8 AND NOT pg_visible_in_snapshot(v_by, pg_current_snapshot())
+           AND pg_xact_status(v_by) = 'committed' THEN
+            RAISE EXCEPTION 'outbox: the partition counts changed after this transaction''s snapshot was taken; its row of topic % would go to a partition of the count before',
+                            NEW.topic
+                USING ERRCODE = 'serialization_failure',
+                      HINT = 'Retry the transaction, as for any serialization failure. See docs/PARTITIONS.md.';
+        END IF;
+    END IF;
+    NEW.partition_no := outbox.row_partition(NEW.topic, NEW.partition_key, NEW.id);
+    RETURN NEW;
+END
+$$;
+
 -- A topic's partition count changes only while none of its rows waits: the
 -- rows' place in their stream is now outbox.unsent's, not sent_at's.
 CREATE OR REPLACE FUNCTION outbox.set_partitions(p_topic text, p_partitions integer)
@@ -514,6 +553,8 @@ BEGIN
     VALUES (p_topic, p_partitions, now())
     ON CONFLICT (topic) DO UPDATE SET partitions = excluded.partitions, changed_at = excluded.changed_at;
     PERFORM outbox.sync_partition_trigger();
+    -- Inserts wait for this transaction (the lock above), and see it done.
+    PERFORM setval('outbox.partitions_changed_by', pg_current_xact_id()::text::bigint);
     RETURN v_before;
 END
 $$;

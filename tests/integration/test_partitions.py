@@ -43,6 +43,7 @@ import threading
 import time
 import unittest
 import urllib.request
+import uuid
 
 import psycopg2
 import psycopg2.errors
@@ -96,6 +97,53 @@ class PartitionSchemaTest(harness.PostgresTestCase):
             conn.rollback()
         self.assertEqual(cm.exception.pgcode, state, cm.exception.pgerror)
         return cm.exception
+
+    def test_a_snapshot_older_than_a_count_change_cannot_stamp_the_old_count(self):
+        """A producer in REPEATABLE READ or SERIALIZABLE whose snapshot predates a
+        change of the topic's count is refused (40001: retry) rather than stamp the
+        count it still sees; in READ COMMITTED, and with a newer snapshot, each row
+        is stamped with the count in force."""
+        self.sql("SELECT outbox.set_partitions('iso', 4)")
+        key, h = "key-7", fnv1a32(b"key-7")
+        self.assertNotEqual(h % 4, h % 8)
+
+        def producer(level):
+            conn = self.pg.connect(autocommit=False, user="part_producer")
+            self.addCleanup(conn.close)
+            with conn.cursor() as cur:
+                cur.execute(f"SET TRANSACTION ISOLATION LEVEL {level}")
+                cur.execute("SELECT count(*) FROM outbox.topics")  # the snapshot is taken
+            return conn
+
+        def stamp(conn):
+            with conn.cursor() as cur:
+                mid = str(uuid.uuid4())
+                cur.execute("INSERT INTO outbox.messages (message_id, topic, partition_key,"
+                            " payload) VALUES (%s, 'iso', %s, '\\x00')", (mid, key))
+            conn.commit()
+            return self.sql("SELECT partition_no FROM outbox.messages WHERE message_id = %s",
+                            (mid,))
+
+        old = {level: producer(level) for level in
+               ("REPEATABLE READ", "SERIALIZABLE", "READ COMMITTED")}
+        self.sql("SELECT outbox.set_partitions('iso', 8)")
+        for level in ("REPEATABLE READ", "SERIALIZABLE"):
+            error = self.assert_sqlstate("40001", "INSERT INTO outbox.messages"
+                                         " (topic, partition_key, payload)"
+                                         " VALUES ('iso', %s, '\\x00')", (key,), conn=old[level])
+            self.assertIn("partition", error.pgerror)
+            # Retried, with a snapshot that sees the change: the new count.
+            self.assertEqual(stamp(producer(level)), h % 8, level)
+        self.assertEqual(stamp(old["READ COMMITTED"]), h % 8)
+        # Rows of other topics are not held up by it.
+        conn = producer("REPEATABLE READ")
+        self.sql("SELECT outbox.set_partitions('iso2', 2)")
+        with conn.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, payload) VALUES ('plain', '\\x00')")
+        conn.commit()
+        with self.db.cursor() as cur:
+            cur.execute("DELETE FROM outbox.messages")
+            cur.execute("SELECT outbox.set_partitions('iso', 1), outbox.set_partitions('iso2', 1)")
 
     def test_hash_vectors_and_agreement(self):
         for text, want in VECTORS:
