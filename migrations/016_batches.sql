@@ -150,22 +150,35 @@ COMMENT ON FUNCTION outbox.tick(bigint) IS
     'Takes a tick if anything committed since the last one; returns the latest tick.';
 
 -- The column, then the first tick and the rows pending now, in this one
--- transaction (the file's BEGIN): the first tick's snapshot does not see this
--- transaction, so the pending rows, which carry its id, are the batch of the
--- tick after it. Producers wait for the table's lock meanwhile; a producer
--- transaction that wrote something else first is running in the first tick's
--- snapshot, so its row too lands in a later batch.
+-- transaction (the file's BEGIN): the first tick's snapshot must not see this
+-- transaction, so that the pending rows, which carry its id, are the batch of
+-- the tick after it. PostgreSQL leaves a transaction's own id out of its
+-- snapshot's running list, which reads as committed once a later transaction
+-- has committed (producers run while this file waits for its locks): so the
+-- first tick lists this transaction as running itself. Producers wait for the
+-- table's lock meanwhile; a producer transaction that wrote something else
+-- first is running in the first tick's snapshot, so its row too lands in a
+-- later batch.
 ALTER TABLE outbox.messages ADD COLUMN IF NOT EXISTS txid xid8;
 
 COMMENT ON COLUMN outbox.messages.txid IS
     'The transaction that wrote the row (pg_current_xact_id()): what places it in a batch.';
 
 DO $$
+DECLARE
+    v_snap pg_snapshot := pg_current_snapshot();
+    v_self xid8 := pg_current_xact_id();
 BEGIN
     IF NOT EXISTS (SELECT FROM outbox.ticks) THEN
+        IF pg_visible_in_snapshot(v_self, v_snap) THEN
+            SELECT format('%s:%s:%s', least(pg_snapshot_xmin(v_snap), v_self),
+                          pg_snapshot_xmax(v_snap),
+                          string_agg(x::text, ',' ORDER BY x))::pg_snapshot
+              INTO v_snap
+              FROM (SELECT pg_snapshot_xip(v_snap) AS x UNION SELECT v_self) AS r;
+        END IF;
         INSERT INTO outbox.ticks (tick_id, snap, ms)
-        VALUES (1, pg_current_snapshot(),
-                floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint);
+        VALUES (1, v_snap, floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint);
     END IF;
     -- Only the first application fills the column: afterwards every row has it.
     UPDATE outbox.messages

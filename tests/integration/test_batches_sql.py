@@ -99,6 +99,41 @@ class UpgradeTest(unittest.TestCase):
             db.close()
 
 
+class BusyUpgradeTest(unittest.TestCase):
+    """016 applied while producers run: its own transaction is not in the first
+    tick's list of running ones (PostgreSQL leaves a transaction's own id out of
+    its snapshot), yet later transactions commit before that tick."""
+
+    def test_rows_pending_at_a_busy_upgrade_are_the_next_batch(self):
+        with Postgres(migrations=False) as pg:
+            files = pg.migration_files()
+            before = [f for f in files if os.path.basename(f) < "016"]
+            pg.apply_migrations(before)
+            db = pg.connect()
+            pending = insert(db, n=3)
+            # A producer in the middle of its transaction holds the upgrade at
+            # its ALTER TABLE, after the upgrade has taken its transaction id.
+            producer = pg.connect(autocommit=False)
+            held = insert(producer, n=1)
+            upgrade = threading.Thread(
+                target=pg.apply_migrations, args=([f for f in files if f not in before],))
+            upgrade.start()
+            harness.wait_until(lambda: scalar(db, "SELECT count(*) FROM pg_stat_activity"
+                                                  " WHERE wait_event_type = 'Lock'") > 0,
+                               timeout=30, message="the upgrade to wait for the producer")
+            # A later transaction commits before the first tick is taken.
+            scalar(db, "SELECT pg_current_xact_id()::text")
+            producer.commit()
+            producer.close()
+            upgrade.join(60)
+            self.assertFalse(upgrade.is_alive())
+            self.assertEqual(scalar(db, "SELECT count(*) FROM outbox.ticks"), 1)
+            self.assertEqual(tick(db), 2)
+            self.assertEqual([i for _, i in batch(db, 1, 2)], pending + held)
+            self.assertEqual(scalar(db, "SELECT count(*) FROM outbox.unsent"), 4)
+            db.close()
+
+
 class RelayUpgradeTest(unittest.TestCase):
     """A relay of this version on a database and Redis that relays before 016
     left: what they published stays, what was pending is published once,
