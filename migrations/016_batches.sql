@@ -465,39 +465,44 @@ BEGIN
 END
 $$;
 
--- Who changed the partition counts last: the transaction id of the last
--- outbox.set_partitions that changed one, as a sequence's value, which every
--- transaction reads as it is now whatever its snapshot (a sequence is not
--- versioned). A producer in REPEATABLE READ or SERIALIZABLE reads
--- outbox.topics in its snapshot, so one taken before a change would stamp
--- its row with the count before it, while the relay publishes the row by the
--- count in force: outbox.set_partition_no refuses such a row instead
--- (40001, which such producers retry), and one in READ COMMITTED reads the
--- count in force anyway.
-CREATE SEQUENCE IF NOT EXISTS outbox.partitions_changed_by AS bigint MINVALUE 0 START 0;
+-- A producer in REPEATABLE READ or SERIALIZABLE reads outbox.topics in its
+-- snapshot, so one taken before outbox.set_partitions changed the topic's
+-- count would stamp its row with the count before, while the relay publishes
+-- the row by the count in force. So such a producer locks the topic's row
+-- (FOR SHARE; FOR KEY SHARE would lock the old version of a row whose key an
+-- update left alone): in these isolation levels PostgreSQL refuses to lock a row version
+-- that a transaction invisible to the snapshot has replaced, with a
+-- serialization failure, which such producers retry; a topic whose row the
+-- snapshot does not hold at all was partitioned after it, and is refused the
+-- same way. A producer in READ COMMITTED reads the count in force anyway
+-- (each statement of this function takes a new snapshot) and locks nothing.
+-- The lock needs UPDATE on outbox.topics, which producers do not have: it is
+-- taken as the schema's owner.
+CREATE OR REPLACE FUNCTION outbox.lock_topic_count(p_topic text)
+RETURNS boolean
+LANGUAGE sql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT EXISTS (SELECT FROM outbox.topics AS t WHERE t.topic = p_topic FOR SHARE)
+$$;
 
-COMMENT ON SEQUENCE outbox.partitions_changed_by IS
-    'The transaction id (xid8) of the last outbox.set_partitions that changed a count: read by the partition trigger.';
-
-GRANT SELECT ON SEQUENCE outbox.partitions_changed_by TO PUBLIC;
+COMMENT ON FUNCTION outbox.lock_topic_count(text) IS
+    'Locks the topic''s row of outbox.topics as the snapshot sees it (serialization failure if its count changed since); false when the snapshot has no row.';
 
 CREATE OR REPLACE FUNCTION outbox.set_partition_no()
 RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
-DECLARE
-    v_by xid8;
 BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        SELECT s.last_value::text::xid8 INTO v_by FROM outbox.partitions_changed_by AS s;
-        IF v_by > '0'::xid8 AND NOT pg_visible_in_snapshot(v_by, pg_current_snapshot())
-           AND pg_xact_status(v_by) = 'committed' THEN
-            RAISE EXCEPTION 'outbox: the partition counts changed after this transaction''s snapshot was taken; its row of topic % would go to a partition of the count before',
-                            NEW.topic
-                USING ERRCODE = 'serialization_failure',
-                      HINT = 'Retry the transaction, as for any serialization failure. See docs/PARTITIONS.md.';
-        END IF;
+    IF current_setting('transaction_isolation') <> 'read committed'
+       AND NOT outbox.lock_topic_count(NEW.topic) THEN
+        RAISE EXCEPTION 'outbox: topic % was partitioned after this transaction''s snapshot was taken; its row would go to a partition of the count before',
+                        NEW.topic
+            USING ERRCODE = 'serialization_failure',
+                  HINT = 'Retry the transaction, as for any serialization failure. See docs/PARTITIONS.md.';
     END IF;
     NEW.partition_no := outbox.row_partition(NEW.topic, NEW.partition_key, NEW.id);
     RETURN NEW;
@@ -566,8 +571,6 @@ BEGIN
     VALUES (p_topic, p_partitions, now())
     ON CONFLICT (topic) DO UPDATE SET partitions = excluded.partitions, changed_at = excluded.changed_at;
     PERFORM outbox.sync_partition_trigger();
-    -- Inserts wait for this transaction (the lock above), and see it done.
-    PERFORM setval('outbox.partitions_changed_by', pg_current_xact_id()::text::bigint);
     RETURN v_before;
 END
 $$;

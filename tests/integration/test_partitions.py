@@ -28,6 +28,10 @@ Promises tested:
   "status --json" count the held keys; once max_payload_bytes is raised,
   "failed retry" publishes it and then the rows behind it, in order; "failed
   drop" gives another one up and its key goes on without it;
+- a producer in REPEATABLE READ or SERIALIZABLE whose snapshot predates a
+  change of a topic's count (or its partitioning) is refused with 40001 for
+  that topic's rows, and stamps the new count once retried; READ COMMITTED
+  producers stamp the count in force; other topics' rows go through;
 - in a LATIN1 database, keys with letters outside ASCII land in the stream of
   the partition the trigger stamped (the hash of their UTF-8 bytes), and the
   entries carry their keys and headers in UTF-8: the relay reads in UTF-8
@@ -135,15 +139,24 @@ class PartitionSchemaTest(harness.PostgresTestCase):
             # Retried, with a snapshot that sees the change: the new count.
             self.assertEqual(stamp(producer(level)), h % 8, level)
         self.assertEqual(stamp(old["READ COMMITTED"]), h % 8)
-        # Rows of other topics are not held up by it.
+        # A topic partitioned after the snapshot is refused too; rows of the
+        # topics whose count did not change are not held up.
+        self.sql("SELECT outbox.set_partitions('iso3', 2)")
         conn = producer("REPEATABLE READ")
         self.sql("SELECT outbox.set_partitions('iso2', 2)")
+        self.assert_sqlstate("40001", "INSERT INTO outbox.messages (topic, partition_key, payload)"
+                             " VALUES ('iso2', 'k', '\\x00')", conn=conn)
+        conn = producer("REPEATABLE READ")
+        self.sql("SELECT outbox.set_partitions('iso2', 4)")
         with conn.cursor() as cur:
             cur.execute("INSERT INTO outbox.messages (topic, payload) VALUES ('plain', '\\x00')")
+            cur.execute("INSERT INTO outbox.messages (topic, partition_key, payload)"
+                        " VALUES ('iso3', 'k', '\\x00')")
         conn.commit()
         with self.db.cursor() as cur:
             cur.execute("DELETE FROM outbox.messages")
-            cur.execute("SELECT outbox.set_partitions('iso', 1), outbox.set_partitions('iso2', 1)")
+            cur.execute("SELECT outbox.set_partitions('iso', 1), outbox.set_partitions('iso2', 1),"
+                        " outbox.set_partitions('iso3', 1)")
 
     def test_hash_vectors_and_agreement(self):
         for text, want in VECTORS:
