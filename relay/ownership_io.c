@@ -217,14 +217,14 @@ static int read_look(struct relay_owner *o, PGresult *res)
         }
     }
     long me = relay_member_position(members, nm, o->slot);
-    int divided_anew = nm != o->nmembers || me != o->me;
-    o->nmembers = nm;
-    o->me = me;
-    long n = relay_units_plan(o->units, o->nunits, topics, nt, nm, o->me, o->plan, UNITS_MAX);
+    long n = relay_units_plan(o->units, o->nunits, topics, nt, nm, me, o->plan, UNITS_MAX);
     if (n < 0) {
         rc = -1;
         goto out;
     }
+    int divided_anew = nm != o->nmembers || me != o->me;
+    o->nmembers = nm;
+    o->me = me;
     struct relay_unit *t = o->units;
     o->units = o->plan;
     o->plan = t;

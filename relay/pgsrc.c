@@ -483,10 +483,9 @@ static void fail(struct relay_pgsrc *pg, const char *what, const char *msg)
         pg->hooks.on_down(pg, pg->hooks.arg);
     if (had_cmd && done != NULL)
         done(pg, NULL, text, "08006", done_arg);
-    if (first_check_ends) {
-        session_check_over(pg);
+    session_check_over(pg);
+    if (first_check_ends)
         session_release_waiting();
-    }
 }
 
 static void notice_receiver(void *arg, const PGresult *res)
@@ -814,12 +813,12 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
     if (session_second_look(pg, res) < 0)
         return;
     pg->setup = SETUP_DONE;
-    if (pg->first_check_over) { /* a reconnect: checked on its own */
-        become_ready(pg);
+    session_check_over(pg);
+    if (pg->first_check_over && !session_first_checks_pending()) {
+        become_ready(pg); /* a reconnect: checked on its own */
         return;
     }
     pg->first_check_over = 1;
-    session_check_over(pg);
     if (session_first_checks_pending())
         relay_debug(COMPONENT,
                     "%s connection: session checked; waiting for the other connections' checks",
@@ -842,20 +841,26 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
  * then its token (see SESSION_PROBE). */
 #define SESSION_PROBE_SET "; SET " SESSION_PROBE " = '%s'"
 
-/* Ends every connection's session set-up: the schema's state (outbox.messages
- * is read first, so that an undefined_table error names it when the schema
- * is missing altogether, and outbox.schema_version when the schema predates
- * it), then the session check's first look and its token. */
+/* Ends every connection's session set-up: READ COMMITTED whatever the
+ * role's or database's default (outbox.tick() must take its snapshot after
+ * its lock, which a transaction snapshot taken at the statement's start
+ * would not), the schema's state (outbox.messages is read first, so that an
+ * undefined_table error names it when the schema is missing altogether, and
+ * outbox.schema_version when the schema predates it), then the session
+ * check's first look and its token. */
 #define SCHEMA_AND_SESSION                                                                         \
-    "SELECT FROM outbox.messages LIMIT 0; SELECT " RELAY_PG_SCHEMA_COLUMNS ", " SESSION_PROBE_READ \
-    " FROM outbox.schema_version" SESSION_PROBE_SET
+    "SET default_transaction_isolation = 'read committed';"                                        \
+    " SELECT FROM outbox.messages LIMIT 0; SELECT " RELAY_PG_SCHEMA_COLUMNS                        \
+    ", " SESSION_PROBE_READ " FROM outbox.schema_version" SESSION_PROBE_SET
 
 static void run_setup(struct relay_pgsrc *pg)
 {
     char sql[1536];
     const struct relay_config *cfg = pg->cfg;
 
-    if (pg->setup == SETUP_SESSION && !pg->first_check_over) {
+    /* While first checks are pending, set-ups run one at a time: a first
+     * check, and a reconnect of a connection that failed before its own. */
+    if (pg->setup == SETUP_SESSION && session_first_checks_pending()) {
         if (session_checking != NULL && session_checking != pg) {
             pg->check_queued = 1; /* session_check_over goes on */
             return;
