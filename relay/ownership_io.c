@@ -41,6 +41,7 @@
 #include "relay/ownership_io.h"
 #include "relay/ownership.h"
 #include "relay/pgsrc.h"
+#include "relay/sink.h"
 
 #define COMPONENT "owner"
 
@@ -53,11 +54,19 @@
  * another relay, or held but no longer wanted. */
 #define TICK_SOON_MS 200
 
+/* A relay that cannot publish this long (Redis or its batch connection down,
+ * or batches failing) steps back: it gives up its member slot and its
+ * partitions, so that the others divide its share, until it can again. */
+#define STEP_BACK_MS 3000
+#define STEP_BACK_FAILURES 3
+
 enum owner_step {
     STEP_NONE = 0,
-    STEP_MEMBER, /* taking a member slot */
-    STEP_LOOK,   /* reading the members and the partitioned topics */
-    STEP_LOCKS,  /* releasing and trying partition locks */
+    STEP_MEMBER,  /* taking a member slot */
+    STEP_LOOK,    /* reading the members and the partitioned topics */
+    STEP_LOCKS,   /* releasing and trying partition locks */
+    STEP_RELEASE, /* stepping back: releasing every lock */
+    STEP_PING,    /* stepped back: keeping the session alive */
 };
 
 struct relay_owner {
@@ -76,7 +85,9 @@ struct relay_owner {
     size_t nready;
     unsigned long epoch; /* moves whenever the ready partitions or the members change */
     unsigned long long takeovers;
-    char layout[160]; /* the last "member i of n" logged */
+    char layout[160];    /* the last "member i of n" logged */
+    double unable_since; /* since when the relay cannot publish, 0 when it can */
+    int stepped_back;    /* holds no slot until it can publish again */
 };
 
 static void schedule(struct relay_owner *o, double ms)
@@ -151,6 +162,22 @@ static void look(struct relay_owner *o)
               " WHERE t.partitions > 1 ORDER BY kind, topic, v");
 }
 
+/* Whether the relay can publish now; if not, why. */
+static int able_to_publish(const struct relay_owner *o, const char **why)
+{
+    const struct relay *r = o->r;
+    enum relay_pgsrc_state st = relay_pgsrc_state(r->batch.pg);
+    if (st != RELAY_PG_READY && st != RELAY_PG_BUSY)
+        *why = "its PostgreSQL batch connection is down";
+    else if (!relay_sink_ready(r->sink))
+        *why = "Redis is not connected";
+    else if (r->batch.loop.failures_in_row >= STEP_BACK_FAILURES)
+        *why = "its batches keep failing";
+    else
+        return 1;
+    return 0;
+}
+
 static void on_tick(struct ev_loop *loop, ev_timer *w, int revents)
 {
     struct relay_owner *o = w->data;
@@ -162,7 +189,32 @@ static void on_tick(struct ev_loop *loop, ev_timer *w, int revents)
         schedule(o, RELAY_OWNER_TICK_MS);
         return;
     }
-    look(o);
+    const char *why = "";
+    if (able_to_publish(o, &why)) {
+        o->unable_since = 0;
+        if (o->stepped_back) {
+            o->stepped_back = 0;
+            relay_info(COMPONENT, "this relay can publish again: it takes its share again");
+        }
+        look(o);
+        return;
+    }
+    double now = relay_now();
+    if (o->unable_since == 0)
+        o->unable_since = now;
+    if (!o->stepped_back && (now - o->unable_since) * 1000.0 >= STEP_BACK_MS) {
+        o->stepped_back = 1;
+        relay_warn(COMPONENT,
+                   "this relay cannot publish (%s) for %.0f s: it gives up its member slot and"
+                   " its partitions, so that the other relays take its share, until it can",
+                   why, now - o->unable_since);
+        send_step(o, STEP_RELEASE, "SELECT pg_advisory_unlock_all()");
+        return;
+    }
+    if (o->stepped_back)
+        send_step(o, STEP_PING, "SELECT 1");
+    else
+        look(o);
 }
 
 static void log_layout(struct relay_owner *o)
@@ -341,6 +393,13 @@ static void on_step(struct relay_pgsrc *pg, PGresult *res, const char *err, cons
          * again from a new session, which holds none. */
         relay_warn(COMPONENT, "%s; reconnecting the owner connection", err);
         relay_pgsrc_reset(o->pg, "an ownership step failed");
+        return;
+    }
+    if (step == STEP_RELEASE || step == STEP_PING) {
+        if (step == STEP_RELEASE)
+            forget_all(o, "this relay cannot publish"); /* the locks are released */
+        o->step = STEP_NONE;
+        schedule(o, RELAY_OWNER_TICK_MS);
         return;
     }
     if (step == STEP_MEMBER) {

@@ -617,5 +617,69 @@ class UnpartitionedTopicsTest(unittest.TestCase):
                     self.assertIsNone(report, report)
 
 
+class SteppingBackTest(unittest.TestCase):
+    """A relay that cannot publish (its Redis cut off) for 3 s steps back: it gives
+    up its member slot and its partitions, the other relay takes every topic and
+    partition, and it takes its share again once it can publish."""
+
+    def test_a_relay_cut_off_from_redis_leaves_its_share(self):
+        with harness.Postgres() as pg, harness.Redis() as redis, \
+                TcpProxy(redis.port, name="redis proxy") as proxy:
+            db = pg.connect()
+            r = redis.client()
+            scalar(db, "SELECT outbox.set_partitions('keyed', 4)")
+            flags = dict(poll_interval="100ms", batch_size="50", reconnect_max="500ms")
+            url = redis.url().replace(f":{redis.port}/", f":{proxy.port}/")
+            relays = [harness.Relay(pg, redis, **flags),
+                      harness.Relay(pg, redis, env={"OUTBOX_RELAY_REDIS": url}, **flags)]
+            for relay in relays:
+                harness.register(relay)
+                relay.start()
+            topics = [f"plain{i}" for i in range(6)]
+            try:
+                for relay in relays:
+                    relay.wait_for_log(r"owner: relay \d of 2 \(member slot", timeout=20)
+                wait_until(lambda: sorted(int(float(harness.metric(
+                    harness.metrics_text(x), "outbox_relay_partitions_owned") or -1))
+                    for x in relays) == [2, 2], timeout=20, message="2 partitions each")
+                proxy.cut()
+                relays[1].wait_for_log(r"WARNING owner: this relay cannot publish \(Redis is"
+                                       r" not connected\) for \d+ s", timeout=20)
+                harness.insert_many(db, [(t, b"row %d" % i) for i in range(10) for t in topics]
+                                    + [("keyed", b"k %d" % i, f"key{i}") for i in range(40)])
+                # Every topic and partition goes on through the other relay.
+                harness.wait_all_sent(db, timeout=20, relay=relays[0])
+                text = harness.metrics_text(relays[0])
+                self.assertEqual(harness.metric(text, "outbox_relay_partitions_owned"), 4)
+                proxy.restore()
+                relays[1].wait_for_log(r"INFO owner: this relay can publish again", timeout=20)
+                wait_until(lambda: sorted(int(float(harness.metric(
+                    harness.metrics_text(x), "outbox_relay_partitions_owned") or -1))
+                    for x in relays) == [2, 2], timeout=20, message="the share taken again")
+                harness.insert_many(db, [(t, b"again %d" % i) for i in range(5) for t in topics])
+                harness.wait_all_sent(db, timeout=20, relay=relays[1])
+                # Each row once, in the stream of its topic or of its partition.
+                found = harness.entries_by_message_id(r)
+                with db.cursor() as cur:
+                    cur.execute("SELECT message_id::text, topic, partition_no"
+                                " FROM outbox.messages")
+                    rows = cur.fetchall()
+                self.assertEqual(len(rows), 6 * 15 + 40)
+                for mid, topic, part in rows:
+                    stream = topic if part is None else f"{topic}:{part:03d}"
+                    self.assertEqual([e[0] for e in found.get(mid, [])], [stream.encode()], mid)
+                self.assertEqual(harness.count_unsent(db), 0)
+            except BaseException:
+                for relay in relays:
+                    print(relay.log_tail(40), file=sys.stderr)
+                raise
+            finally:
+                for relay in relays:
+                    relay.stop()
+                    report = harness.sanitizer_report(relay.log())
+                    relay.close()
+                    self.assertIsNone(report, report)
+
+
 if __name__ == "__main__":
     unittest.main()
