@@ -122,6 +122,11 @@ struct relay_loop_io {
     struct outbox_buf sql;
 };
 
+/* Whole-batch failures in a row after which the relay is not ready (/readyz
+ * red) and gives its share of the work to the other relays: one is a blip
+ * that the retry absorbs, three in a row need someone to look. */
+#define RELAY_FAILURES_NOT_READY 3
+
 /* Buckets of the batch duration histogram, +Inf not counted. */
 #define RELAY_BATCH_BUCKETS 13
 

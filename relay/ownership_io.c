@@ -55,10 +55,9 @@
 #define TICK_SOON_MS 200
 
 /* A relay that cannot publish this long (Redis or its batch connection down,
- * or batches failing) steps back: it gives up its member slot and its
- * partitions, so that the others divide its share, until it can again. */
+ * or RELAY_FAILURES_NOT_READY batches failed in a row) steps back: it gives up its member slot and
+ * its partitions, so that the others divide its share, until it can again. */
 #define STEP_BACK_MS 3000
-#define STEP_BACK_FAILURES 3
 
 enum owner_step {
     STEP_NONE = 0,
@@ -166,12 +165,11 @@ static void look(struct relay_owner *o)
 static int able_to_publish(const struct relay_owner *o, const char **why)
 {
     const struct relay *r = o->r;
-    enum relay_pgsrc_state st = relay_pgsrc_state(r->batch.pg);
-    if (st != RELAY_PG_READY && st != RELAY_PG_BUSY)
+    if (!relay_pgsrc_up(r->batch.pg))
         *why = "its PostgreSQL batch connection is down";
     else if (!relay_sink_ready(r->sink))
         *why = "Redis is not connected";
-    else if (r->batch.loop.failures_in_row >= STEP_BACK_FAILURES)
+    else if (r->batch.loop.failures_in_row >= RELAY_FAILURES_NOT_READY)
         *why = "its batches keep failing";
     else
         return 1;

@@ -384,9 +384,14 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg)
     return pg->describe;
 }
 
+int relay_pgsrc_up(const struct relay_pgsrc *pg)
+{
+    return pg->state == RELAY_PG_READY || pg->state == RELAY_PG_BUSY;
+}
+
 const char *relay_pgsrc_problem(const struct relay_pgsrc *pg)
 {
-    return pg->state == RELAY_PG_READY || pg->state == RELAY_PG_BUSY ? "" : pg->last_logged;
+    return relay_pgsrc_up(pg) ? "" : pg->last_logged;
 }
 
 enum relay_pgsrc_state relay_pgsrc_state(const struct relay_pgsrc *pg)

@@ -73,6 +73,8 @@ struct pg_result *relay_pgsrc_take_result(struct relay_pgsrc *pg)
 void relay_pgsrc_free(struct relay_pgsrc *pg);
 
 enum relay_pgsrc_state relay_pgsrc_state(const struct relay_pgsrc *pg);
+/* 1 when the connection takes statements: ready, or running one. */
+int relay_pgsrc_up(const struct relay_pgsrc *pg);
 
 /*
  * Sends a command: sql with nparams text parameters (nparams 0 and a string of

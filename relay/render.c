@@ -19,10 +19,6 @@
 #include "relay/pgsrc.h"
 #include "relay/sink.h"
 
-/* Whole-batch failures in a row that turn /readyz red: one is a blip that
- * the retry absorbs, three in a row need someone to look. */
-#define FAILURES_NOT_READY 3
-
 int relay_healthy(const struct relay *r)
 {
     /* Every stage of a batch ends within its deadlines: publishing within
@@ -41,8 +37,7 @@ int relay_healthy(const struct relay *r)
 
 int relay_postgres_up(const struct relay *r)
 {
-    enum relay_pgsrc_state st = relay_pgsrc_state(r->batch.pg);
-    return st == RELAY_PG_READY || st == RELAY_PG_BUSY;
+    return relay_pgsrc_up(r->batch.pg);
 }
 
 static int ready(const struct relay *r, char *why, size_t whylen)
@@ -66,7 +61,7 @@ static int ready(const struct relay *r, char *why, size_t whylen)
         snprintf(why, whylen, "a claim cycle is stalled");
         return 0;
     }
-    if (r->batch.loop.failures_in_row >= FAILURES_NOT_READY) {
+    if (r->batch.loop.failures_in_row >= RELAY_FAILURES_NOT_READY) {
         /* The last error may be cut to fit: the reason stays readable. */
         if (snprintf(why, whylen, "batches keep failing (%u in a row): %s",
                      r->batch.loop.failures_in_row, r->fig.last_batch_error) < 0)
