@@ -43,6 +43,7 @@ are cut.
 """
 
 import collections
+import contextlib
 import json
 import random
 import re
@@ -553,6 +554,36 @@ class FenceTest(unittest.TestCase):
                     self.assertEqual(key_payloads(r, stream, "k"), [1, 2, 3, 4, 5],
                                      "A's delayed publish appended the rows again")
 
+@contextlib.contextmanager
+def running(relays):
+    """Starts the relays for the block; on a failure prints the end of their logs;
+    then stops them, and fails on a sanitizer report in any log."""
+    for relay in relays:
+        harness.register(relay)
+        relay.start()
+    try:
+        yield relays
+    except BaseException:
+        for relay in relays:
+            print(relay.log_tail(40), file=sys.stderr)
+        raise
+    finally:
+        reports = []
+        for relay in relays:
+            relay.stop()
+            reports.append(harness.sanitizer_report(relay.log()))
+            relay.close()
+        reports = [x for x in reports if x is not None]
+        if reports:
+            raise AssertionError("\n".join(reports))
+
+
+def partitions_owned(relays):
+    """outbox_relay_partitions_owned of each relay, sorted (-1: not reported)."""
+    return sorted(int(harness.metric(harness.metrics_text(x), "outbox_relay_partitions_owned")
+                      or -1) for x in relays)
+
+
 class UnpartitionedTopicsTest(unittest.TestCase):
     """The relays divide the unpartitioned topics too: each is published by one
     relay at a time, the one whose position among the members is the hash of
@@ -567,10 +598,7 @@ class UnpartitionedTopicsTest(unittest.TestCase):
             r = redis.client()
             flags = dict(poll_interval="100ms", batch_size="50")
             relays = [harness.Relay(pg, redis, **flags), harness.Relay(pg, redis, **flags)]
-            for relay in relays:
-                harness.register(relay)
-                relay.start()
-            try:
+            with running(relays):
                 for relay in relays:
                     relay.wait_for_log(r"owner: relay \d of 2 \(member slot", timeout=20)
                 harness.insert_many(db, [(t, b"row %d" % i) for i in range(25)
@@ -605,16 +633,6 @@ class UnpartitionedTopicsTest(unittest.TestCase):
                 figures = harness.Verifier(db, r).report(" (two relays, 8 unpartitioned topics)")
                 figures.assert_exactly_once(self)
                 self.assertEqual(figures.committed, 8 * 35, figures.line())
-            except BaseException:
-                for relay in relays:
-                    print(relay.log_tail(40), file=sys.stderr)
-                raise
-            finally:
-                for relay in relays:
-                    relay.stop()
-                    report = harness.sanitizer_report(relay.log())
-                    relay.close()
-                    self.assertIsNone(report, report)
 
 
 class SteppingBackTest(unittest.TestCase):
@@ -632,16 +650,12 @@ class SteppingBackTest(unittest.TestCase):
             url = redis.url().replace(f":{redis.port}/", f":{proxy.port}/")
             relays = [harness.Relay(pg, redis, **flags),
                       harness.Relay(pg, redis, env={"OUTBOX_RELAY_REDIS": url}, **flags)]
-            for relay in relays:
-                harness.register(relay)
-                relay.start()
             topics = [f"plain{i}" for i in range(6)]
-            try:
+            with running(relays):
                 for relay in relays:
                     relay.wait_for_log(r"owner: relay \d of 2 \(member slot", timeout=20)
-                wait_until(lambda: sorted(int(float(harness.metric(
-                    harness.metrics_text(x), "outbox_relay_partitions_owned") or -1))
-                    for x in relays) == [2, 2], timeout=20, message="2 partitions each")
+                wait_until(lambda: partitions_owned(relays) == [2, 2], timeout=20,
+                           message="2 partitions each")
                 proxy.cut()
                 relays[1].wait_for_log(r"WARNING owner: this relay cannot publish \(Redis is"
                                        r" not connected\) for \d+ s", timeout=20)
@@ -653,9 +667,8 @@ class SteppingBackTest(unittest.TestCase):
                 self.assertEqual(harness.metric(text, "outbox_relay_partitions_owned"), 4)
                 proxy.restore()
                 relays[1].wait_for_log(r"INFO owner: this relay can publish again", timeout=20)
-                wait_until(lambda: sorted(int(float(harness.metric(
-                    harness.metrics_text(x), "outbox_relay_partitions_owned") or -1))
-                    for x in relays) == [2, 2], timeout=20, message="the share taken again")
+                wait_until(lambda: partitions_owned(relays) == [2, 2], timeout=20,
+                           message="the share taken again")
                 harness.insert_many(db, [(t, b"again %d" % i) for i in range(5) for t in topics])
                 harness.wait_all_sent(db, timeout=20, relay=relays[1])
                 # Each row once, in the stream of its topic or of its partition.
@@ -669,16 +682,6 @@ class SteppingBackTest(unittest.TestCase):
                     stream = topic if part is None else f"{topic}:{part:03d}"
                     self.assertEqual([e[0] for e in found.get(mid, [])], [stream.encode()], mid)
                 self.assertEqual(harness.count_unsent(db), 0)
-            except BaseException:
-                for relay in relays:
-                    print(relay.log_tail(40), file=sys.stderr)
-                raise
-            finally:
-                for relay in relays:
-                    relay.stop()
-                    report = harness.sanitizer_report(relay.log())
-                    relay.close()
-                    self.assertIsNone(report, report)
 
 
 if __name__ == "__main__":
