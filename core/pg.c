@@ -243,6 +243,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "015_partition_total.sql",
     "016_batches.sql",
     "017_quarantine_tools.sql",
+    "018_one_index_less.sql",
 };
 
 #ifndef RELAY_MIGRATIONS_DIR
