@@ -156,7 +156,7 @@ const struct cfg_key relay_config_keys[] = {
      "stop publishing to a stream when a group's queue age reaches this; 0: never"},
     {"resume_queue_age", CFG_DURATION, CFG_OFF(resume_queue_age_ms), 0, 30 * CFG_DAY, "0", 0, NULL,
      "publish to a paused stream again when every group's queue age is below this"},
-    {"sent_retention", CFG_DURATION, CFG_OFF(sent_retention_ms), 0, 30 * CFG_DAY, "0", 0, NULL,
+    {"sent_retention", CFG_DURATION, CFG_OFF(sent_retention_ms), 0, 30 * CFG_DAY, "15m", 0, NULL,
      "keep published rows this long (a Redis that lost entries is refilled from them); 0: delete "
      "them once every stream is past them"},
     {"stream_retention", CFG_DURATION, CFG_OFF(stream_retention_ms), 0, 30 * CFG_DAY, "24h", 0,

@@ -146,7 +146,7 @@ static void test_defaults(void **state)
     assert_int_equal(cfg.reconnect_max_ms, 30000);
     assert_int_equal(cfg.drain_timeout_ms, 10000);
     assert_int_equal(cfg.dedup_ttl_ms, 24u * 3600u * 1000u);
-    assert_int_equal(cfg.sent_retention_ms, 0);
+    assert_int_equal(cfg.sent_retention_ms, 15u * 60000u);
     assert_int_equal(cfg.stream_retention_ms, 24u * 3600u * 1000u);
     assert_int_equal(cfg.stream_trim_max_hold_ms, 0);
     assert_int_equal(cfg.vacuum_dead_rows, 100000);
