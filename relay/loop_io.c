@@ -513,8 +513,7 @@ static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32
     const char *params[2] = {p1, p2};
     b->sent_gen = gen;
     b->read_number = 0;
-    return relay_pgsrc_send(b->pg, "SELECT lo, hi FROM outbox.batch_bounds($1::bigint, $2::bigint)",
-                            2, params, 0, on_bounds, r);
+    return relay_pgsrc_send_prepared(b->pg, RELAY_PGSRC_BOUNDS, 2, params, 0, on_bounds, r);
 }
 
 static void on_bounds(struct relay_pgsrc *pg, PGresult *res, const char *err, const char *sqlstate,

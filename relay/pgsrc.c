@@ -85,6 +85,7 @@ int relay_pgsrc_batch_sql(uint32_t max_payload_bytes, char *out, size_t outlen)
 enum setup_step {
     SETUP_SESSION = 0, /* SETs, the schema check, the session check */
     SETUP_PREPARE,     /* claim connections: prepare "batch" */
+    SETUP_BOUNDS,      /* claim connections: prepare "bounds" */
     SETUP_RECHECK,     /* the session check's second look (see SESSION_PROBE) */
     SETUP_DONE,
 };
@@ -810,8 +811,8 @@ static void on_setup_done(struct relay_pgsrc *pg, PGresult *res, const char *err
         }
         return;
     }
-    if (pg->setup == SETUP_PREPARE) {
-        pg->setup = SETUP_RECHECK;
+    if (pg->setup == SETUP_PREPARE || pg->setup == SETUP_BOUNDS) {
+        pg->setup = pg->setup == SETUP_PREPARE ? SETUP_BOUNDS : SETUP_RECHECK;
         run_setup(pg);
         return;
     }
@@ -930,6 +931,17 @@ static void run_setup(struct relay_pgsrc *pg)
             return;
         }
         if (!PQsendPrepare(pg->conn, "batch", batch, 7, NULL)) {
+            setup_failed(pg, PQerrorMessage(pg->conn));
+            return;
+        }
+        begin_command(pg, on_setup_done, NULL);
+        return;
+    }
+    if (pg->setup == SETUP_BOUNDS) {
+        /* Planned once as well: outbox.batch_bounds is a SQL function the
+         * planner inlines, and planning it anew took 3.5 ms of each batch's
+         * 4 ms read (its execution: 0.3 ms). */
+        if (!PQsendPrepare(pg->conn, RELAY_PGSRC_BOUNDS, RELAY_PGSRC_BOUNDS_SQL, 2, NULL)) {
             setup_failed(pg, PQerrorMessage(pg->conn));
             return;
         }
