@@ -884,14 +884,19 @@ static void run_setup(struct relay_pgsrc *pg)
          * plan reads the whole table and sorts it, and it would stay cached
          * until an ANALYZE: 300 ms a claim once a burst of 300,000 rows
          * lands. Without sequential and bitmap scans, and with sorting
-         * priced out, the one plan left walks the pending index in id
-         * order, whatever the statistics say. */
+         * priced out, the one plan left walks the primary key in id
+         * order, whatever the statistics say. synchronous_commit is on
+         * whatever the database's or role's default: a tick must be on disk
+         * before a row of its batch is published, or a crash of PostgreSQL
+         * could take it back and the next tick cut the batch differently,
+         * with other entry ids (the record alone opts out: relay/loop_io.c). */
         uint32_t idle_tx_ms = cfg->publish_timeout_ms * 2 + 2000;
         if (pg->role == RELAY_PGSRC_CLAIM)
             snprintf(sql, sizeof(sql),
                      SERVER_KEEPALIVES "SET statement_timeout = %u; SET lock_timeout = %u;"
                                        " SET idle_in_transaction_session_timeout = %u;"
                                        " SET jit = off; SET plan_cache_mode = force_generic_plan;"
+                                       " SET synchronous_commit = on;"
                                        " SET enable_seqscan = off; SET enable_bitmapscan = off;"
                                        " SET enable_sort = off;"
                                        " SET idle_session_timeout = 0; " SCHEMA_AND_SESSION,
