@@ -90,8 +90,8 @@ if not __package__:  # run as a file, "bench" would name this file, not the pack
 from bench.benchlib import (  # noqa: E402,F401
     BATCH, BATCH_READ_SQL, CALL_ROWS, LOAD_PRODUCERS, LOADGEN_BIN, PAYLOAD, PG_SETTINGS,
     PGQ_BIN, PHASES, PUBLISH_CALLS, QUICK, R, REDIS_AOF, REDIS_ARGS, RELAY_BIN, RESULTS,
-    SOURCE, TOPICS, CpuMeter, batch_read_alone, cpu_shares, cpu_ticks, env_float, env_int,
-    env_list, execute, fresh_round, insert_backlog, loadgen, log, machine_busy, pending,
+    SOURCE, TOPICS, CpuMeter, aof_bytes, batch_read_alone, cpu_shares, cpu_ticks, env_float,
+    env_int, env_list, execute, fresh_round, insert_backlog, loadgen, log, machine_busy, pending,
     proc_cpu, proc_status, publish_alone, recorded, relay_batches, relay_metric, relay_phase_sums,
     reset_outbox, run_delay, scalar, servers, start_relay, stop_relay, stream_total, tick,
     wait_drained)
@@ -1154,6 +1154,7 @@ def stream_ids(rc):
 def alt_drain(kind):
     """A drain of ALT_ROWS by the relay (its defaults) or by PgQ and bench-pgq."""
     with servers() as (pg, rd, conn, rc):
+        aof0 = aof_bytes(rc)
         if kind == "pgq":
             pgq_setup(conn)
             pgq_backlog(conn, ALT_ROWS)
@@ -1186,6 +1187,7 @@ def alt_drain(kind):
         d["entries"] = total
         d["lost"] = ALT_ROWS - distinct
         d["doubled"] = total - distinct
+        d["aof_bytes_per_msg"] = (aof_bytes(rc) - aof0) / ALT_ROWS
         return d
 
 
@@ -1270,10 +1272,12 @@ def section_alternatives():
                 f" CPU (client+PostgreSQL+Redis) {d['total_cpu_per_100k']:.2f} s per 100k,"
                 f" lost {d['lost']}, doubled {d['doubled']}")
     for kind, runs in drains.items():
-        for key in ("rate", "total_cpu_per_100k", "seconds", "cpu", "pg_cpu", "redis_cpu"):
+        for key in ("rate", "total_cpu_per_100k", "seconds", "cpu", "pg_cpu", "redis_cpu",
+                    "aof_bytes_per_msg"):
             R.add("alternatives", f"alt.{kind}.drain.{key}",
                   statistics.median(r[key] for r in runs),
-                  dict(rate="msg/s").get(key, "s"), f"median of {len(runs)} drains")
+                  dict(rate="msg/s", aof_bytes_per_msg="bytes").get(key, "s"),
+                  f"median of {len(runs)} drains")
         for key in ("lost", "doubled"):
             R.add("alternatives", f"alt.{kind}.drain.{key}", sum(r[key] for r in runs), "msgs",
                   f"over {len(runs)} drains of {ALT_ROWS:,}")
