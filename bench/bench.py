@@ -35,6 +35,9 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
   partitions a keyed backlog on one topic drained by one relay with the
              topic unpartitioned, and with 8 partitions by 1, 2 and 3 relays,
              in BENCH_PARTITION_ROUNDS alternating rounds
+  units      BENCH_UNIT_BATCHES batches of BENCH_BATCH keyed rows on the same
+             8 streams, one after the other, with the relay owning 8
+             partitions and then 4096: a batch's time and CPU
   replicas   the same backlog drained with a replica attached, with
              min_replicas 0 and 1 (a WAIT per chunk), in
              BENCH_REPLICA_ROUNDS alternating rounds: what the wait costs
@@ -119,7 +122,7 @@ ALT_SECONDS = env_float("BENCH_ALT_SECONDS", 3 if QUICK else 15)
 ALT_ROUNDS = env_int("BENCH_ALT_ROUNDS", 1 if QUICK else 2)
 ALT_CRASH_ROWS = env_int("BENCH_ALT_CRASH_ROWS", 20000 if QUICK else 100000)
 ALL_SECTIONS = ["drain", "latency", "producers", "limits", "storage",
-                "partitions", "replicas", "cluster", "alternatives", "profile"]
+                "partitions", "units", "replicas", "cluster", "alternatives", "profile"]
 SECTIONS = [s.strip() for s in (os.environ.get("BENCH_SECTIONS") or ",".join(ALL_SECTIONS))
             .split(",") if s.strip()]
 if QUICK and not os.environ.get("BENCH_SECTIONS"):
@@ -415,6 +418,100 @@ def section_partitions():
               f"drain rate of 8 partitions with {n} relays / with one")
         log(f"partitions: {n} relays drain 8 partitions at {r:.2f}x one relay's rate")
     log(f"partitions: 8 partitions drain at {one / base:.2f}x the unpartitioned rate")
+
+
+# Section "units": the partitions the relay owns, 8 or 4096 (outbox.set_partitions
+# allows 1000 a topic and 4096 in all: bench0 to bench3 with 1000 each and
+# bench4 with 96), while every batch is the same UNIT_BATCH keyed rows of
+# bench0 on the same 8 streams: what owning more partitions costs a batch.
+UNIT_BATCHES = env_int("BENCH_UNIT_BATCHES", 20 if QUICK else 100)
+UNIT_BATCH = BATCH
+UNIT_LAYOUTS = (("units_8", {"bench0": 8}),
+                ("units_4096", {"bench0": 1000, "bench1": 1000, "bench2": 1000, "bench3": 1000,
+                                "bench4": 96}))
+
+
+def unit_keys(conn, n_partitions):
+    """Eight keys of bench0, one for each of the partitions 0-7 (with
+    n_partitions partitions): every batch lands on the same 8 streams."""
+    keys = {}
+    with conn.cursor() as cur:
+        cur.execute("SELECT k, outbox.row_partition('bench0', k, 0)"
+                    " FROM (SELECT 'key-' || g AS k FROM generate_series(1, 200000) AS g) AS s")
+        for key, part in cur.fetchall():
+            if part < 8 and part not in keys:
+                keys[part] = key
+            if len(keys) == 8:
+                break
+    if len(keys) < 8:
+        raise RuntimeError(f"no key for partitions {sorted(set(range(8)) - set(keys))}")
+    return [keys[p] for p in range(8)]
+
+
+def section_units():
+    """Target 9 of issue 40: UNIT_BATCHES batches of UNIT_BATCH rows each, one
+    committed after the other was published, with the relay owning 8
+    partitions and then 4096; the rows of every batch go to the same 8
+    streams. A batch's cost is the relay's own histogram of a recorded batch
+    (outbox_relay_batch_duration_seconds: from its tick's read to its
+    record) and the relay's and PostgreSQL's CPU over the batches."""
+    for label, layout in UNIT_LAYOUTS:
+        with servers() as (pg, rd, conn, rc):
+            for topic, n in layout.items():
+                execute(conn, "SELECT outbox.set_partitions(%s, %s)", (topic, n))
+            total = sum(layout.values())
+            keys = unit_keys(conn, layout["bench0"])
+            streams = [f"bench0:{p:03d}" for p in range(8)]
+            relay = start_relay(pg, rd, batch_size=BATCH)
+            try:
+                harness.wait_until(
+                    lambda: relay_metric(relay, "outbox_relay_partitions_owned") == total,
+                    timeout=60, relay=relay, message=f"the relay to own {total} partitions")
+                payload = bytes((i * 37 + 11) & 0xFF for i in range(PAYLOAD))
+
+                def batch(expected):
+                    with conn.cursor() as cur:
+                        cur.execute("INSERT INTO outbox.messages (topic, partition_key, payload)"
+                                    " SELECT 'bench0', (%s::text[])[1 + g %% 8], %s"
+                                    " FROM generate_series(0, %s - 1) AS g",
+                                    (keys, payload, UNIT_BATCH))
+                    conn.commit()
+
+                    def done():
+                        pipe = rc.pipeline(transaction=False)
+                        for st in streams:
+                            pipe.xlen(st)
+                        return sum(pipe.execute()) >= expected
+                    harness.wait_until(done, timeout=60, relay=relay, interval=0.002,
+                                       message="the batch in its streams")
+
+                conn.autocommit = False
+                for i in range(3):  # warm-up: plans, connections
+                    batch((i + 1) * UNIT_BATCH)
+                n0 = relay_batches(relay)
+                sum0 = relay_metric(relay, "outbox_relay_batch_duration_seconds_sum")
+                cpu0 = proc_cpu(relay.pid)
+                meter = CpuMeter(pg, rd)
+                for i in range(UNIT_BATCHES):
+                    batch((i + 4) * UNIT_BATCH)
+                pg_cpu, rd_cpu = meter.read()
+                cpu = proc_cpu(relay.pid) - cpu0
+                n = relay_batches(relay) - n0
+                took = relay_metric(relay, "outbox_relay_batch_duration_seconds_sum") - sum0
+                conn.autocommit = True
+            finally:
+                stop_relay(relay)
+            R.add("units", f"{label}.batch_ms", took / max(n, 1) * 1e3, "ms",
+                  f"mean of {n:.0f} recorded batches of {UNIT_BATCH} rows on 8 streams,"
+                  f" {total} partitions owned")
+            R.add("units", f"{label}.cpu_per_batch_ms",
+                  (cpu + pg_cpu + rd_cpu) / max(n, 1) * 1e3, "ms",
+                  "relay + PostgreSQL (the producer's INSERT included) + Redis CPU per batch")
+            R.add("units", f"{label}.relay_cpu_per_batch_ms", cpu / max(n, 1) * 1e3, "ms",
+                  "the relay's CPU per batch")
+            log(f"units: {total} partitions owned: {took / max(n, 1) * 1e3:.2f} ms a batch"
+                f" ({n:.0f} batches), CPU {(cpu + pg_cpu + rd_cpu) / max(n, 1) * 1e3:.2f} ms,"
+                f" the relay's {cpu / max(n, 1) * 1e3:.2f} ms")
 
 
 # The storage designs of section "storage": name, relay flags, what it is.
@@ -1368,6 +1465,13 @@ def build_table():
               target="≤ 0", ratio=float(lost + doubled))
     R.row("load 2000/s: commit → visible (XREAD) p99, relay",
           g("alt.relay.load.2000.visible_ms.p99"), "ms", "PgQ, same load", g("alt.pgq.load.2000.visible_ms.p99"), "≤ 0.5")
+    R.row(f"a batch of {UNIT_BATCH} rows on 8 streams, the relay owning 4096 partitions"
+          " (its histogram: tick's read to record)", g("units_4096.batch_ms"), "ms",
+          "owning 8", g("units_8.batch_ms"), "≤ 2.0")
+    R.row("the same batches: relay + PostgreSQL + Redis CPU per batch (the INSERT included)",
+          g("units_4096.cpu_per_batch_ms"), "ms", "owning 8", g("units_8.cpu_per_batch_ms"))
+    R.row("the same batches: the relay's CPU per batch", g("units_4096.relay_cpu_per_batch_ms"),
+          "ms", "owning 8", g("units_8.relay_cpu_per_batch_ms"))
     for sync in ("on", "off"):
         c = max(PRODUCER_CLIENTS)
         R.row(f"no relay: {c} producers, synchronous_commit {sync}, into the relay's outbox"
@@ -1739,7 +1843,8 @@ def main():
     functions = dict(drain=section_drain,
                      latency=section_latency, producers=section_producers,
                      limits=section_limits, storage=section_storage,
-                     partitions=section_partitions, replicas=section_replicas,
+                     partitions=section_partitions, units=section_units,
+                     replicas=section_replicas,
                      cluster=section_cluster, alternatives=section_alternatives,
                      profile=section_profile)
     for name in SECTIONS:
