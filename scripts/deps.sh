@@ -14,8 +14,9 @@
 #            Debian packages: dpkg-dev (dpkg-shlibdeps), file (CPack's
 #            DEB generator) and lintian.
 #   demo     build, plus what scripts/demo.sh and bench/run.sh run: PostgreSQL
-#            (15 on bookworm, 17 on trixie), Redis and Python 3 with psycopg2 and redis-py for the harness
-#            (testkit/) that starts their throwaway servers. The same two
+#            (15 on bookworm, 17 on trixie), Redis and Python 3 with psycopg2
+#            and redis-py for the harness (testkit/) that starts their
+#            throwaway servers. The same two
 #            modules are all the Python consumer of examples/python/ needs
 #            (tests/integration/test_python_consumer.py runs it).
 #   test     everything the whole suite, the analysis and the fuzzing need
