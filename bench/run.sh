@@ -7,7 +7,7 @@
 #                                 of steady load, storage and latency against time
 #
 # Installs what is missing (scripts/deps.sh demo, plus gnuplot-nox for the plots and
-# PgQ for the side-by-side section),
+# PgQ, postgresql-<major>-pgq3, for the side-by-side section),
 # builds the relay optimised (CMake Release) into build-bench with the two
 # benchmark tools (bench/loadgen.c, bench/pgq.c) beside it, then runs
 # bench/bench.py (as the module bench.bench, with the repository root on
@@ -25,7 +25,21 @@ started=$(date +%s)
 
 # --- dependencies -----------------------------------------------------------
 scripts/deps.sh demo
-extra=(gnuplot-nox postgresql-15-pgq3)
+# PgQ for the PostgreSQL the harness runs, the newest installed (testkit/postgres.py):
+# 15 on Debian 12, 17 on Debian 13.
+pg=
+for d in /usr/lib/postgresql/*/bin/initdb; do
+  v=${d#/usr/lib/postgresql/}
+  v=${v%%/*}
+  if [[ "$v" =~ ^[0-9]+$ ]] && ((v > ${pg:-0})); then
+    pg=$v
+  fi
+done
+if [[ -z "$pg" ]]; then
+  echo "run.sh: PostgreSQL server binaries not found under /usr/lib/postgresql" >&2
+  exit 1
+fi
+extra=(gnuplot-nox "postgresql-$pg-pgq3")
 missing=()
 for p in "${extra[@]}"; do
   [[ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" == "install ok installed" ]] || missing+=("$p")

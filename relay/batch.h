@@ -188,16 +188,19 @@ int relay_batch_decode_text_array(const char *buf, size_t len, const char **item
 int64_t relay_batch_decode_int8(const char *buf);
 int32_t relay_batch_decode_int4(const char *buf);
 
+/* One slot of struct relay_batch_streams' table. */
+struct relay_stream_slot {
+    uint32_t batch; /* the batch the slot was taken in: older ones are empty */
+    int32_t row;    /* a row index, or -1 */
+};
+
 /*
  * The last row of a chunk each stream was given, for relay_row.next: an open
  * addressing table of row indexes, twice as large as a chunk, so that a
  * chunk of as many streams as rows costs one probe or a few per row.
  */
 struct relay_batch_streams {
-    struct relay_stream_slot {
-        uint32_t batch; /* the batch the slot was taken in: older ones are empty */
-        int32_t row;    /* a row index, or -1 */
-    } * slots;
+    struct relay_stream_slot *slots;
     size_t mask;    /* the table's size less one; the size is a power of two */
     uint32_t batch; /* counts the clears */
 };
