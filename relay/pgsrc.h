@@ -132,12 +132,12 @@ const char *relay_pgsrc_describe(const struct relay_pgsrc *pg);
  * when it does not fit (RELAY_PGSRC_BATCH_SQL_MAX always does).
  */
 #define RELAY_PGSRC_BATCH_SQL_MAX 8192
+int relay_pgsrc_batch_sql(uint32_t max_payload_bytes, char *out, size_t outlen)
+    __attribute__((warn_unused_result));
 
 /* The other statement a claim connection prepares: the lowest and highest
  * row id of the batch between two ticks ($1, $2), as text. */
 #define RELAY_PGSRC_BOUNDS "bounds"
 #define RELAY_PGSRC_BOUNDS_SQL "SELECT lo, hi FROM outbox.batch_bounds($1::bigint, $2::bigint)"
-int relay_pgsrc_batch_sql(uint32_t max_payload_bytes, char *out, size_t outlen)
-    __attribute__((warn_unused_result));
 
 #endif
