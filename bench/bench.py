@@ -431,18 +431,15 @@ UNIT_LAYOUTS = (("units_8", {"bench0": 8}),
                                 "bench4": 96}))
 
 
-def unit_keys(conn, n_partitions):
-    """Eight keys of bench0, one for each of the partitions 0-7 (with
-    n_partitions partitions): every batch lands on the same 8 streams."""
-    keys = {}
+def unit_keys(conn):
+    """Eight keys of bench0, the first for each of its partitions 0-7 as
+    outbox.set_partitions left them: every batch lands on the same 8 streams."""
     with conn.cursor() as cur:
-        cur.execute("SELECT k, outbox.row_partition('bench0', k, 0)"
-                    " FROM (SELECT 'key-' || g AS k FROM generate_series(1, 200000) AS g) AS s")
-        for key, part in cur.fetchall():
-            if part < 8 and part not in keys:
-                keys[part] = key
-            if len(keys) == 8:
-                break
+        cur.execute("SELECT DISTINCT ON (p) p, k FROM ("
+                    " SELECT g, k, outbox.row_partition('bench0', k, 0) AS p"
+                    " FROM generate_series(1, 200000) AS g, LATERAL (SELECT 'key-' || g AS k) AS n)"
+                    " AS s WHERE p < 8 ORDER BY p, g")
+        keys = dict(cur.fetchall())
     if len(keys) < 8:
         raise RuntimeError(f"no key for partitions {sorted(set(range(8)) - set(keys))}")
     return [keys[p] for p in range(8)]
@@ -460,7 +457,7 @@ def section_units():
             for topic, n in layout.items():
                 execute(conn, "SELECT outbox.set_partitions(%s, %s)", (topic, n))
             total = sum(layout.values())
-            keys = unit_keys(conn, layout["bench0"])
+            keys = unit_keys(conn)
             streams = [f"bench0:{p:03d}" for p in range(8)]
             relay = start_relay(pg, rd, batch_size=BATCH)
             try:
