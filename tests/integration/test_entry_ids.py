@@ -23,7 +23,9 @@ Promises tested:
   the outbox: every committed row in its stream once, in order;
 - Redis holds no key per message: after draining thousands of rows the
   keyspace is the streams and nothing else, and stays so after thousands
-  more, so what prevents a copy costs nothing per message.
+  more, so what prevents a copy costs nothing per message;
+- a tick is on disk before its batch is published, also under a database
+  whose default is synchronous_commit off (the entry ids come from it).
 """
 
 import contextlib
@@ -305,6 +307,39 @@ class EntryIdTest(harness.ServerTestCase):
         fig.assert_exactly_once(self)
         self.assertEqual(fig.committed, 10_000)
         self.assert_in_order(topics)
+
+    def test_a_tick_is_on_disk_before_its_batch_is_published(self):
+        """Under a database whose default is synchronous_commit off, the batch
+        session still commits its ticks synchronously (docs/DESIGN.md, "What
+        must reach the disk"): once a row is in its stream, the WAL is flushed
+        past where it stood when the row committed. The WAL writer is slowed
+        to 10 s and every other session commits asynchronously, so only the
+        tick's own commit can have flushed it."""
+        with self.db.cursor() as cur:
+            cur.execute("ALTER DATABASE app SET synchronous_commit = off")
+            cur.execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
+            cur.execute("SELECT pg_reload_conf()")
+
+        def restore():
+            with self.db.cursor() as cur:
+                cur.execute("ALTER DATABASE app RESET synchronous_commit")
+                cur.execute("ALTER SYSTEM RESET wal_writer_delay")
+                cur.execute("SELECT pg_reload_conf()")
+        self.addCleanup(restore)
+        relay = self.start_relay()
+        producer = self.pg.connect()  # a new session: the database's default applies
+        self.addCleanup(producer.close)
+        with producer.cursor() as cur:
+            cur.execute("SHOW synchronous_commit")
+            self.assertEqual(cur.fetchone()[0], "off")
+            cur.execute("INSERT INTO outbox.messages (topic, payload) VALUES ('orders', 'x')")
+        producer.commit()
+        written = scalar(self.db, "SELECT pg_current_wal_insert_lsn()::text")
+        wait_until(lambda: self.r.xlen("orders") >= 1, timeout=20, relay=relay,
+                   message="the row in its stream")
+        self.assertTrue(scalar(self.db, "SELECT pg_current_wal_flush_lsn() >= %s::pg_lsn",
+                               (written,)),
+                        "the tick of a published batch is not on disk")
 
 
 if __name__ == "__main__":
