@@ -152,8 +152,10 @@ static const char outbox_sql[] =
     "   FROM outbox.backlog(NULL) x)"
     " SELECT b.pending, extract(epoch FROM clock_timestamp() - b.oldest),"
     " (SELECT count(*) FROM outbox.quarantine),"
-    " pg_total_relation_size('outbox.messages'::regclass),"
-    " (SELECT n_dead_tup FROM pg_stat_all_tables WHERE relid = 'outbox.messages'::regclass),"
+    " (SELECT sum(pg_total_relation_size(t.relid))::bigint"
+    "  FROM pg_partition_tree('outbox.messages'::regclass) AS t),"
+    " (SELECT sum(n_dead_tup)::bigint FROM pg_stat_all_tables WHERE relid IN"
+    "  (SELECT t.relid FROM pg_partition_tree('outbox.messages'::regclass) AS t)),"
     /* Keys of partitioned topics held back by a quarantined row: the relay
      * quarantines their later rows behind it until it is retried or dropped. */
     " (SELECT count(*) FROM (SELECT DISTINCT q.topic, q.partition_key FROM outbox.quarantine q"

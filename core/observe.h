@@ -85,6 +85,7 @@ struct relay_observation {
     /* Retention (relay/retention.c), carried from run to run. */
     double oldest_sent_age; /* seconds since the oldest published row kept was written; -1 none */
     unsigned long long sent_deleted_total;
+    unsigned long long partitions_dropped_total;
     unsigned long long stream_trimmed_total;
     unsigned long long retention_errors_total;
     unsigned long long vacuums_total; /* VACUUMs the relay ran and that finished */

@@ -244,6 +244,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "016_batches.sql",
     "017_quarantine_tools.sql",
     "018_one_index_less.sql",
+    "019_rotation.sql",
 };
 
 #ifndef RELAY_MIGRATIONS_DIR

@@ -18,13 +18,22 @@
 -- sent rows you no longer need, for example daily:
 --   DELETE FROM outbox.messages WHERE sent_at < now() - interval '7 days';
 --
--- Idempotent like every file here: the settings are set, not added.
+-- Idempotent like every file here: the settings are set, not added. From
+-- schema 19 on, outbox.messages is a partitioned table, which takes no such
+-- settings and whose rows are not updated: applied again, this file leaves it
+-- as it is.
 
-ALTER TABLE outbox.messages SET (
-    autovacuum_vacuum_scale_factor = 0.01,
-    autovacuum_vacuum_threshold = 10000,
-    vacuum_index_cleanup = on
-);
+DO $$
+BEGIN
+    IF (SELECT c.relkind FROM pg_class AS c WHERE c.oid = 'outbox.messages'::regclass) = 'r' THEN
+        ALTER TABLE outbox.messages SET (
+            autovacuum_vacuum_scale_factor = 0.01,
+            autovacuum_vacuum_threshold = 10000,
+            vacuum_index_cleanup = on
+        );
+    END IF;
+END
+$$;
 
 INSERT INTO outbox.schema_version (version, name)
 VALUES (8, '008_queue_vacuum.sql')

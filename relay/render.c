@@ -224,8 +224,14 @@ static void render_retention(const struct relay_config *cfg, const struct relay_
     outbox_buf_printf(t, "outbox_relay_stream_retention_seconds %.3f\n",
                       cfg->stream_retention_ms / 1000.0);
     help(t, "outbox_relay_sent_rows_deleted_total", "counter",
-         "Published rows deleted by retention (sent_retention).");
+         "Published rows deleted one at a time by retention (sent_retention), in partitions "
+         "kept for a stream behind them.");
     outbox_buf_printf(t, "outbox_relay_sent_rows_deleted_total %llu\n", o->sent_deleted_total);
+    help(t, "outbox_relay_outbox_partitions_dropped_total", "counter",
+         "Partitions of outbox.messages dropped by retention, every row of them published "
+         "sent_retention ago.");
+    outbox_buf_printf(t, "outbox_relay_outbox_partitions_dropped_total %llu\n",
+                      o->partitions_dropped_total);
     help(t, "outbox_relay_stream_entries_trimmed_total", "counter",
          "Stream entries removed by trimming (stream_retention).");
     outbox_buf_printf(t, "outbox_relay_stream_entries_trimmed_total %llu\n",

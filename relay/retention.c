@@ -25,9 +25,10 @@
  * PURGE_BUDGET seconds, so that the next observation is not held up. */
 #define PURGE_BATCH 5000
 #define PURGE_BUDGET 1.0
-/* A row is deleted once its stream's recorded position has passed it and
- * it was committed before the last tick taken sent_retention ago
- * (outbox.purge_sent, migrations/017_quarantine_tools.sql); never a row
+/* In a table partition kept for a stream behind it, a row is deleted once
+ * its stream's recorded position has passed it and it was committed before
+ * the last tick taken sent_retention + PURGE_GRACE_MS ago (outbox.purge_sent,
+ * migrations/019_rotation.sql); never a row
  * outbox.unsent shows nor a quarantined one. The purge steps over the rows
  * it must keep (not yet in their stream, paused, quarantined) and goes on
  * from after them; once it has caught up, it starts from the first row
@@ -35,6 +36,10 @@
  * as sent_retention, between these bounds. */
 #define PURGE_RESTART_MIN 10.0
 #define PURGE_RESTART_MAX 60.0
+/* How long a partition is due before its rows go one at a time, for a stream
+ * behind it: the 10 s outbox.rotate counts its `kept` partitions with
+ * (streams that follow the lead lag up to 2 s behind it). */
+#define PURGE_GRACE_MS 10000
 /* Streams are trimmed at most this often. */
 #define TRIM_EVERY 10.0
 
@@ -49,6 +54,42 @@ static void failed(struct relay_retention *st, const char *what, const char *why
 }
 
 /* ---- published rows -------------------------------------------------- */
+
+/* The table's partitions (outbox.rotate, migrations/019_rotation.sql): those
+ * ahead of the transaction counter created, those every stream is past since
+ * sent_retention dropped. Returns how many partitions are due but kept for a
+ * stream behind them (their published rows go one at a time, purge_sent),
+ * or -1 when the call failed. */
+static const char rotate_sql[] = "SELECT created, dropped, busy, kept,"
+                                 " extract(epoch FROM statement_timestamp() - oldest_kept)"
+                                 " FROM outbox.rotate($1::bigint * interval '1 millisecond')";
+
+static int rotate(const struct relay_config *cfg, PGconn **pg, int stop_fd,
+                  struct relay_retention *st)
+{
+    char ms[24], err[256];
+    snprintf(ms, sizeof(ms), "%u", cfg->sent_retention_ms);
+    const char *params[1] = {ms};
+    PGresult *r = relay_pg_exec(pg, cfg, stop_fd, rotate_sql, 1, params, err, sizeof(err));
+    if (r == NULL) {
+        failed(st, "rotating the outbox's partitions", err);
+        return -1;
+    }
+    if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1) {
+        failed(st, "rotating the outbox's partitions", PQresultErrorMessage(r));
+        PQclear(r);
+        return -1;
+    }
+    int created = atoi(PQgetvalue(r, 0, 0)), dropped = atoi(PQgetvalue(r, 0, 1));
+    int kept = atoi(PQgetvalue(r, 0, 3));
+    st->partitions_dropped_total += (unsigned long long)dropped;
+    st->oldest_sent_age = PQgetisnull(r, 0, 4) ? -1 : strtod(PQgetvalue(r, 0, 4), NULL);
+    PQclear(r);
+    if (created > 0 || dropped > 0)
+        relay_info("retention", "outbox partitions: %d created, %d dropped", created, dropped);
+    st->last_error[0] = '\0';
+    return kept;
+}
 
 static const char purge_sql[] = "SELECT deleted, next_after_id, caught_up,"
                                 " extract(epoch FROM statement_timestamp() - oldest_kept)"
@@ -69,7 +110,9 @@ static void purge_sent(const struct relay_config *cfg, PGconn **pg, int stop_fd,
     }
     for (;;) {
         char ms[24], after[24], max[16], err[256];
-        snprintf(ms, sizeof(ms), "%u", cfg->sent_retention_ms);
+        /* Rows of partitions due PURGE_GRACE ago already (outbox.rotate). */
+        snprintf(ms, sizeof(ms), "%llu",
+                 (unsigned long long)cfg->sent_retention_ms + PURGE_GRACE_MS);
         snprintf(after, sizeof(after), "%lld", st->purge_after_id);
         snprintf(max, sizeof(max), "%d", PURGE_BATCH);
         const char *params[3] = {ms, after, max};
@@ -87,7 +130,6 @@ static void purge_sent(const struct relay_config *cfg, PGconn **pg, int stop_fd,
         st->purge_after_id = strtoll(PQgetvalue(r, 0, 1), NULL, 10);
         int caught_up = strcmp(PQgetvalue(r, 0, 2), "t") == 0;
         st->purge_caught_up = caught_up;
-        st->oldest_sent_age = PQgetisnull(r, 0, 3) ? -1 : strtod(PQgetvalue(r, 0, 3), NULL);
         PQclear(r);
         st->last_error[0] = '\0';
         if (caught_up || outbox_mono_now() - started >= PURGE_BUDGET)
@@ -331,7 +373,7 @@ void relay_retention_run(const struct relay_config *cfg, PGconn **pg, redisConte
     int stop_fd = relay_observe_stop_fd(stop);
     if (st->purge_restart_at == 0)
         st->oldest_sent_age = -1;
-    if (*pg != NULL && PQstatus(*pg) == CONNECTION_OK)
+    if (*pg != NULL && PQstatus(*pg) == CONNECTION_OK && rotate(cfg, pg, stop_fd, st) > 0)
         purge_sent(cfg, pg, stop_fd, st);
     vacuum(cfg, stop_fd, st, o);
     double now = outbox_mono_now();
@@ -348,6 +390,7 @@ void relay_retention_run(const struct relay_config *cfg, PGconn **pg, redisConte
             }
     o->oldest_sent_age = st->oldest_sent_age;
     o->sent_deleted_total = st->sent_deleted_total;
+    o->partitions_dropped_total = st->partitions_dropped_total;
     o->stream_trimmed_total = st->stream_trimmed_total;
     o->retention_errors_total = st->errors_total;
     o->vacuums_total = st->vacuums_total;

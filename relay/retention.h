@@ -4,11 +4,14 @@
  * neither the outbox nor Redis grows without end (docs/OPERATIONS.md,
  * "Retention"; docs/DESIGN.md, "Retention").
  *
- *   Published rows: outbox.purge_sent (migrations/017) deletes rows their
- *   stream's recorded position has passed, committed before the last tick
- *   taken sent_retention ago, a bounded slice per call (never a row
- *   outbox.unsent shows, never a quarantined one), each call its own short
- *   transaction, for at most a second per run: off the relay's publish path.
+ *   Published rows: outbox.rotate (migrations/019) drops the table's
+ *   partitions every stream's recorded position has passed since
+ *   sent_retention, and creates those ahead of the transaction counter. In a
+ *   partition that is due but kept for a stream behind it (a paused topic's),
+ *   outbox.purge_sent deletes the rows that stream's position has passed, a
+ *   bounded slice per call (never a row outbox.unsent shows, never a
+ *   quarantined one), each call its own short transaction, for at most a
+ *   second per run: off the relay's publish path.
  *
  *   Vacuum: when the outbox holds vacuum_dead_rows dead row versions (a tenth
  *   of that once nothing waits), a VACUUM runs on a connection of its own,
@@ -40,9 +43,10 @@ struct relay_retention {
     long long purge_after_id; /* the purge goes on from here */
     double purge_restart_at;  /* monotonic seconds: walk from the first row again */
     int purge_caught_up;      /* the last call reached the rows to keep */
-    double oldest_sent_age;   /* oldest published row kept, from the last purge; -1 none */
+    double oldest_sent_age;   /* oldest published row kept, from the last rotation; -1 none */
     double next_trim_at;      /* monotonic seconds */
     unsigned long long sent_deleted_total;
+    unsigned long long partitions_dropped_total;
     unsigned long long stream_trimmed_total;
     unsigned long long errors_total;
     char last_error[512]; /* the last failure logged, so each is logged once */

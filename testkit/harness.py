@@ -46,9 +46,10 @@ from .cleanup import (LOG_DIR, keep_log, keep_secret, keep_text,  # noqa: F401
                       register, set_deadline, stop_on_signal, unregister)
 from .common import (SKIP, SOURCE_DIR, free_port, port_open, reserve_port,  # noqa: F401
                      run_command, spawn_listening, tail, temp_dir, wait_until)
-from .outbox import (all_entries, count_sent, count_unsent, dedup_records,  # noqa: F401
-                     entries_by_message_id, insert, insert_many, max_sent_within,
-                     publish_calls, reset, scalar, stream_entries, stream_names,
+from .outbox import (all_entries, burn_xids, count_sent, count_unsent,  # noqa: F401
+                     dedup_records, entries_by_message_id, insert, insert_many,
+                     max_sent_within, partitions, publish_calls, reset, scalar,
+                     small_partitions, stream_entries, stream_names,
                      unretired_dedup_records, wait_all_sent)
 from .postgres import MIGRATIONS_DIR, PgBouncer, Postgres, pg_bindir  # noqa: F401
 from .producers import Producer, Producers, connection_trouble  # noqa: F401
@@ -209,8 +210,40 @@ def quarantined(conn):
 
 
 def index_reads(conn, index):
-    """(idx_scan, idx_tup_read) of an index of the outbox, e.g. 'messages_txid_idx'."""
+    """(idx_scan, idx_tup_read) of an index of the outbox, e.g. 'messages_txid_idx':
+    of a partitioned index, the sums over its partitions' indexes."""
     with conn.cursor() as cur:
-        cur.execute("SELECT idx_scan, idx_tup_read FROM pg_stat_user_indexes"
-                    " WHERE indexrelid = %s::regclass", ("outbox." + index,))
+        cur.execute("SELECT coalesce(sum(idx_scan), 0)::bigint, coalesce(sum(idx_tup_read), 0)::bigint"
+                    " FROM pg_stat_user_indexes WHERE indexrelid IN"
+                    " (SELECT relid FROM pg_partition_tree(%s::regclass))", ("outbox." + index,))
         return tuple(cur.fetchone())
+
+
+def index_names(conn, index):
+    """The names of an index of the outbox and of its partitions' indexes, as
+    plans show them (outbox.messages is partitioned: a plan names the index
+    of each partition it reads)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT c.relname FROM pg_partition_tree(%s::regclass) AS t"
+                    " JOIN pg_class AS c ON c.oid = t.relid", ("outbox." + index,))
+        return [r[0] for r in cur.fetchall()]
+
+
+def plan_uses_index(conn, plan, index):
+    """Whether a plan's text reads an index of the outbox or one of its partitions'."""
+    return any(re.search(r"\b%s\b" % re.escape(n), plan) for n in index_names(conn, index))
+
+
+def plan_scans_rows(conn, plan):
+    """The partitions of outbox.messages that hold rows and that a plan's text
+    reads whole (a sequential scan of an empty partition costs nothing)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT part::text FROM outbox.message_partitions()")
+        parts = [r[0] for r in cur.fetchall()]
+        full = []
+        for part in parts:
+            cur.execute(f"SELECT EXISTS (SELECT FROM {part})")
+            name = part.split(".")[-1]
+            if cur.fetchone()[0] and re.search(r"Seq Scan on %s\b" % re.escape(name), plan):
+                full.append(name)
+        return full

@@ -42,6 +42,47 @@ def insert_many(conn, rows, commit=True):
     return [r[0] for r in ids]
 
 
+def small_partitions(conn, width=1000, ahead=2):
+    """Gives the (empty) outbox table small partitions: one below the
+    transaction counter's, from 0, then partitions of width transaction ids
+    from base, the counter rounded down to width, instead of the 2^20 a
+    database starts with, so that a test sees rows fill partitions and the
+    relay drop them (outbox.rotate; the relay makes its own, of 2^20, above
+    these). Returns base."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT part::text FROM outbox.message_partitions() WHERE lo IS NOT NULL")
+        for (part,) in cur.fetchall():
+            cur.execute(f"DROP TABLE {part}")
+        cur.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
+        base = cur.fetchone()[0] // width * width
+        if base > 0:
+            cur.execute("CREATE TABLE outbox.messages_0 (LIKE outbox.messages INCLUDING DEFAULTS)")
+            cur.execute(f"ALTER TABLE outbox.messages ATTACH PARTITION outbox.messages_0"
+                        f" FOR VALUES FROM ('0') TO ('{base}')")
+        cur.execute("SELECT outbox.rotate_create(%s, %s)", (width, ahead))
+    if not conn.autocommit:
+        conn.commit()
+    return base
+
+
+def burn_xids(conn, n):
+    """Commits n empty transactions that each take a transaction id, so that
+    the counter passes the bounds of small partitions."""
+    with conn.cursor() as cur:
+        cur.execute("CREATE OR REPLACE PROCEDURE pg_temp.burn(n integer) LANGUAGE plpgsql AS"
+                    " $$ BEGIN FOR i IN 1..n LOOP PERFORM pg_current_xact_id(); COMMIT;"
+                    " END LOOP; END $$")
+        cur.execute("CALL pg_temp.burn(%s)", (n,))
+
+
+def partitions(conn):
+    """The outbox table's ranged partitions, as (lo, hi) pairs in order."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT lo::text::bigint, hi::text::bigint FROM outbox.message_partitions()"
+                    " WHERE lo IS NOT NULL ORDER BY lo")
+        return cur.fetchall()
+
+
 def scalar(conn, sql, args=None):
     with conn.cursor() as cur:
         cur.execute(sql, args)

@@ -243,8 +243,11 @@ class OperationsTest(harness.ServerTestCase):
                                  message="outbox.admit to refuse the topic")
         self.assertEqual(err.pgcode, "OB503", str(err))
         print(f"producer refused: {err.pgerror.strip().splitlines()[0]}")
-        _, text = scrape(self.port)
-        self.assertEqual(metric(text, "outbox_relay_topic_admitting", topic="orders"), 0)
+        # The scrape shows the observation once its retention pass is done,
+        # a moment after outbox.admit refuses.
+        harness.wait_until(lambda: metric(scrape(self.port)[1], "outbox_relay_topic_admitting",
+                                          topic="orders") == 0, timeout=10, relay=relay,
+                           message="the scrape to show the topic refused")
         # The consumers come back: the stream resumes, the outbox drains, producers
         # are admitted again.
         def consume():

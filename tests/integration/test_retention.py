@@ -44,6 +44,8 @@ from testkit.harness import scalar, wait_until
 harness.require_relay()
 harness.set_deadline(400)
 
+WIDTH = 200  # transaction ids a partition of the outbox covers in these tests
+
 
 metric = harness.metric
 
@@ -69,6 +71,13 @@ class RetentionTest(harness.ServerTestCase):
     def insert_rows(self, topic, n):
         harness.insert_many(self.db, [(topic, b"m%d" % i) for i in range(n)])
 
+    def moving(self):
+        """A row of another topic, as traffic would bring: each batch of the
+        relay's lead moves the streams that follow it (every 2 s), so that no
+        idle stream's position holds a partition back. True."""
+        harness.insert(self.db, "later", b"traffic")
+        return True
+
     def quarantined(self):
         return scalar(self.db, "SELECT count(*) FROM outbox.quarantine")
 
@@ -78,24 +87,30 @@ class RetentionTest(harness.ServerTestCase):
 
     # -- sent rows ----------------------------------------------------------
     def test_sent_rows_are_deleted_after_sent_retention(self):
+        harness.small_partitions(self.db, WIDTH)
         relay = self.start_relay(sent_retention="2s", stream_retention="0")
         self.quarantine_one()
         self.insert_rows("orders", 300)
         wait_until(lambda: self.r.xlen("orders") == 300, timeout=30, relay=relay,
                    message="300 entries in the stream")
         wait_until(lambda: self.quarantined() == 1, timeout=30, relay=relay)
+        harness.burn_xids(self.db, WIDTH)  # the counter leaves their partition
+        harness.insert(self.db, "later", b"moves the ticks")
         # Kept while younger than sent_retention...
-        self.assertEqual(harness.count_sent(self.db), 300)
-        # ...deleted after it; the quarantined row stays.
-        wait_until(lambda: self.rows() == 1, timeout=30, relay=relay,
-                   message="the sent rows to be deleted")
+        self.assertEqual(harness.count_sent(self.db, "m.topic = 'orders'"), 300)
+        # ...dropped with their partition after it (once every stream's
+        # position is past it); the quarantine keeps its copy.
+        wait_until(lambda: self.moving() and
+                   self.rows("topic IN ('orders', 'bad topic!')") == 0, timeout=30,
+                   interval=0.5, relay=relay, message="the sent rows to be dropped")
         self.assertEqual(self.quarantined(), 1)
-        self.assertEqual(harness.count_unsent(self.db), 0)
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.unsent"
+                                         " WHERE topic <> 'later'"), 0)
         text = wait_until(
             lambda: (t := self.scrape()) and
-            (metric(t, "outbox_relay_sent_rows_deleted_total") or 0) >= 300 and t,
+            (metric(t, "outbox_relay_outbox_partitions_dropped_total") or 0) >= 1 and t,
             timeout=15, relay=relay)
-        self.assertEqual(metric(text, "outbox_relay_outbox_oldest_sent_age_seconds"), 0)
+        self.assertEqual(metric(text, "outbox_relay_sent_rows_deleted_total"), 0)
         self.assertGreater(metric(text, "outbox_relay_outbox_bytes"), 0)
         self.assertIsNotNone(metric(text, "outbox_relay_outbox_dead_rows"))
         self.assertGreater(metric(text, "outbox_relay_stream_memory_bytes", stream="orders"), 0)
@@ -103,8 +118,10 @@ class RetentionTest(harness.ServerTestCase):
         self.assertEqual(self.r.xlen("orders"), 300)  # sent_retention is the outbox's alone
 
     def test_long_sent_retention_keeps_rows(self):
+        harness.small_partitions(self.db, WIDTH)
         relay = self.start_relay(sent_retention="1h", stream_retention="0")
         self.insert_rows("orders", 50)
+        harness.burn_xids(self.db, WIDTH)
         wait_until(lambda: harness.count_sent(self.db) == 50, timeout=30, relay=relay)
         text = wait_until(
             lambda: (t := self.scrape()) and
@@ -112,8 +129,10 @@ class RetentionTest(harness.ServerTestCase):
             timeout=15, relay=relay, message="the oldest sent row's age to show")
         self.assertEqual(self.rows(), 50)
         self.assertEqual(metric(text, "outbox_relay_sent_rows_deleted_total"), 0)
+        self.assertEqual(metric(text, "outbox_relay_outbox_partitions_dropped_total"), 0)
 
     def test_zero_sent_retention_deletes_rows_once_published(self):
+        harness.small_partitions(self.db, WIDTH)
         relay = self.start_relay(sent_retention="0", stream_retention="0", batch_size=50)
         self.quarantine_one()
         ids = []
@@ -122,12 +141,15 @@ class RetentionTest(harness.ServerTestCase):
         self.assertEqual(len(set(ids)), 2000)
         wait_until(lambda: self.r.xlen("a") + self.r.xlen("b") >= 2000, timeout=60, relay=relay,
                    message="2000 entries")
-        wait_until(lambda: self.rows() == 1, timeout=15, relay=relay)
-        found = harness.entries_by_message_id(self.r)
+        harness.burn_xids(self.db, WIDTH)  # the counter leaves their partitions
+        wait_until(lambda: self.moving() and self.rows("topic <> 'later'") == 0, timeout=30,
+                   interval=0.5, relay=relay)
+        found = {m: e for m, e in harness.entries_by_message_id(self.r).items()
+                 if e[0][0] != b"later"}
         self.assertEqual(sorted(found), sorted(ids), "every message, and nothing else")
         self.assertEqual([m for m, e in found.items() if len(e) != 1], [], "no duplicate")
-        # Every published row went once its batch was recorded; only the
-        # quarantined one is left.
+        # Every published row went with its partition once every stream
+        # passed it; the quarantine keeps its copy of the quarantined one.
         self.assertEqual(self.quarantined(), 1)
         relay.stop()
         problems = [line for line in harness.problem_lines(relay.log(), "relay")
@@ -149,17 +171,22 @@ class RetentionTest(harness.ServerTestCase):
                         (tick, topics))
 
     def test_relay_role_may_delete_only_sent_rows(self):
+        # purge_sent deletes in the partitions that are due (outbox.rotate
+        # drops the others): each group of rows leaves its partition first.
+        harness.small_partitions(self.db, WIDTH)
         with self.db.cursor() as cur:
             cur.execute("DROP ROLE IF EXISTS retention_relay")
             cur.execute("CREATE ROLE retention_relay LOGIN IN ROLE outbox_relay")
             cur.execute("INSERT INTO outbox.messages (topic, payload, created_at)"
                         " SELECT 'old', 'x', now() - interval '2 hours'"
                         " FROM generate_series(1, 5)")
+        harness.burn_xids(self.db, WIDTH)
         self.published_before(["old"], "2 hours")
         with self.db.cursor() as cur:
             cur.execute("INSERT INTO outbox.messages (topic, payload)"
                         " SELECT 'young', 'x' FROM generate_series(1, 3)")
         harness.quarantine_row(self.db, "quarantined", created_at="2000-01-01T00:00:00Z")
+        harness.burn_xids(self.db, WIDTH)
         self.published_before(["old", "young", "quarantined"], "0")
         with self.db.cursor() as cur:  # in no batch yet: outbox.unsent shows it
             cur.execute("INSERT INTO outbox.messages (topic, payload, created_at)"
@@ -186,6 +213,7 @@ class RetentionTest(harness.ServerTestCase):
             c2.execute("INSERT INTO outbox.messages (topic, payload, created_at)"
                        " SELECT 'old', 'x', now() - interval '2 hours'"
                        " FROM generate_series(1, 25)")
+        harness.burn_xids(self.db, WIDTH)
         self.published_before(["old"], "90 minutes")
         cur.execute("SELECT deleted, caught_up FROM outbox.purge_sent(interval '1 hour', 0, 10)")
         self.assertEqual(cur.fetchone(), (10, False))
@@ -198,21 +226,38 @@ class RetentionTest(harness.ServerTestCase):
     def autovacuum_off(self):
         """Only the relay vacuums the outbox, for the rest of the test."""
         with self.db.cursor() as cur:
-            cur.execute("ALTER TABLE outbox.messages SET (autovacuum_enabled = off)")
-        self.addCleanup(lambda: self.db.cursor().execute(
-            "ALTER TABLE outbox.messages RESET (autovacuum_enabled)"))
+            cur.execute("SELECT part::text FROM outbox.message_partitions()")
+            parts = [r[0] for r in cur.fetchall()]
+            for part in parts:
+                cur.execute(f"ALTER TABLE {part} SET (autovacuum_enabled = off)")
+
+        def reset():
+            with self.db.cursor() as cur:
+                for part in parts:
+                    cur.execute(f"ALTER TABLE IF EXISTS {part} RESET (autovacuum_enabled)")
+        self.addCleanup(reset)
 
     def vacuum_count(self):
-        return scalar(self.db, "SELECT vacuum_count FROM pg_stat_all_tables"
-                               " WHERE relid = 'outbox.messages'::regclass")
+        return scalar(self.db, "SELECT coalesce(sum(vacuum_count), 0) FROM pg_stat_all_tables"
+                               " WHERE relid IN (SELECT relid FROM"
+                               " pg_partition_tree('outbox.messages'::regclass))")
+
+    def delete_published(self, n):
+        """Publishes n rows and deletes them one at a time, as an operator's
+        DELETE would (or the retention of a partition a paused stream keeps):
+        n dead rows."""
+        self.insert_rows("orders", n)
+        wait_until(lambda: harness.count_unsent(self.db) == 0, timeout=60,
+                   message=f"{n} rows published")
+        with self.db.cursor() as cur:
+            cur.execute("DELETE FROM outbox.messages")
 
     def test_relay_vacuums_the_outbox_after_many_dead_rows(self):
         self.autovacuum_off()
         before = self.vacuum_count()
         relay = self.start_relay(sent_retention="0", stream_retention="0",
                                  vacuum_dead_rows="2000")
-        self.insert_rows("orders", 5000)
-        wait_until(lambda: self.r.xlen("orders") == 5000, timeout=60, relay=relay)
+        self.delete_published(5000)
         wait_until(lambda: self.vacuum_count() > before, timeout=60, relay=relay,
                    message="the relay's VACUUM")
         relay.wait_for_log(r"INFO retention: VACUUM of outbox.messages done", timeout=30)
@@ -227,8 +272,7 @@ class RetentionTest(harness.ServerTestCase):
         before = self.vacuum_count()
         relay = self.start_relay(sent_retention="0", stream_retention="0",
                                  vacuum_dead_rows="20000")
-        self.insert_rows("orders", 3000)
-        wait_until(lambda: self.r.xlen("orders") == 3000, timeout=60, relay=relay)
+        self.delete_published(3000)
         wait_until(lambda: self.vacuum_count() > before, timeout=60, relay=relay,
                    message="the relay's VACUUM of a drained outbox")
 
@@ -250,8 +294,7 @@ class RetentionTest(harness.ServerTestCase):
                                    " AND query LIKE 'VACUUM%' AND state = 'active'")
         relay = self.start_relay(sent_retention="0", stream_retention="0",
                                  vacuum_dead_rows="2000")
-        self.insert_rows("orders", 20000)
-        wait_until(lambda: self.r.xlen("orders") == 20000, timeout=60, relay=relay)
+        self.delete_published(20000)
         wait_until(lambda: vacuums_running() == 1, timeout=60, relay=relay,
                    message="the relay's VACUUM to run")
         self.assertEqual(relay.terminate(), 0, relay.log_tail())
@@ -268,12 +311,10 @@ class RetentionTest(harness.ServerTestCase):
             self.pg, self.redis, env={"OUTBOX_RELAY_POSTGRES": self.pg.dsn(user="retention_member")},
             metrics_listen=f"127.0.0.1:{self.port}", sent_retention="0", stream_retention="0",
             vacuum_dead_rows="100", observe_interval="200ms", poll_interval="200ms"))
-        self.insert_rows("orders", 500)
-        wait_until(lambda: self.r.xlen("orders") == 500, timeout=60, relay=relay)
+        self.delete_published(500)
         relay.wait_for_log(r"WARNING retention: the relay's role does not own outbox.messages",
                            timeout=30)
-        self.insert_rows("orders", 500)
-        wait_until(lambda: self.r.xlen("orders") == 1000, timeout=60, relay=relay)
+        self.delete_published(500)
         time.sleep(1)
         self.assertEqual(relay.log().count("does not own outbox.messages"), 1, "told once")
         self.assertEqual(self.rows(), 0)

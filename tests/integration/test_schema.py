@@ -197,6 +197,7 @@ class SchemaTest(harness.PostgresTestCase):
         after = (self.schema_dump(), self.roles(),
                  scalar(self.db, "SELECT array_agg(version || ':' || name || ':' || applied_at"
                                  " ORDER BY version) FROM outbox.schema_version"))
+        self.maxDiff = None
         diff = "\n".join(difflib.unified_diff(before[0], after[0], "first", "second",
                                                lineterm=""))
         self.assertEqual(diff, "", "a second application changed the schema dump")
@@ -206,7 +207,7 @@ class SchemaTest(harness.PostgresTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 18)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 19)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 7"), "007_wakeup_lock.sql")
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
@@ -234,10 +235,15 @@ class SchemaTest(harness.PostgresTestCase):
             self.assertIsNotNone(scalar(self.db, "SELECT to_regprocedure(%s)", (fn,)), fn)
         self.assertIsNone(scalar(self.db, "SELECT to_regclass('outbox.relay_wakeup')"),
                           "the flag table of 006 is gone")
-        self.assertEqual(sorted(scalar(self.db, "SELECT reloptions FROM pg_class"
-                                                " WHERE oid = 'outbox.messages'::regclass")),
-                         ["autovacuum_vacuum_scale_factor=0.01",
-                          "autovacuum_vacuum_threshold=10000", "vacuum_index_cleanup=on"])
+        # 019: partitioned by the writing transaction's id, with a DEFAULT
+        # partition and partitions made ahead of the transaction counter.
+        self.assertEqual(scalar(self.db, "SELECT pg_get_partkeydef('outbox.messages'::regclass)"),
+                         "RANGE (txid)")
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.message_partitions()"
+                                         " WHERE lo IS NULL"), 1)
+        self.assertGreaterEqual(
+            scalar(self.db, "SELECT count(*) FROM outbox.message_partitions()"
+                            " WHERE hi > pg_snapshot_xmax(pg_current_snapshot())"), 4)
         with self.db.cursor() as cur:
             cur.execute("SELECT column_name, data_type, is_nullable FROM information_schema.columns"
                         " WHERE table_schema = 'outbox' AND table_name = 'messages'")
@@ -256,9 +262,7 @@ class SchemaTest(harness.PostgresTestCase):
             cur.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'outbox'"
                         " AND tablename = 'messages' ORDER BY indexname")
             self.assertEqual([r[0] for r in cur.fetchall()],
-                             ["messages_failed_idx", "messages_held_idx",
-                              "messages_message_id_key", "messages_pending_topic_idx",
-                              "messages_pkey", "messages_txid_idx"])
+                             ["messages_pending_topic_idx", "messages_pkey", "messages_txid_idx"])
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM pg_trigger WHERE tgname ="
                                          " 'messages_notify' AND NOT tgisinternal"), 1)
 
@@ -423,7 +427,7 @@ class SchemaTest(harness.PostgresTestCase):
                          "too big")
         self.assertEqual(scalar(self.db, "SELECT tick FROM outbox.stream_positions"
                                          " WHERE topic = 'orders'"), third)
-        self.assertEqual(scalar(relay, "SELECT max(version) FROM outbox.schema_version"), 18)
+        self.assertEqual(scalar(relay, "SELECT max(version) FROM outbox.schema_version"), 19)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")
