@@ -285,11 +285,15 @@ def batch_read_cost(conn, label, explain_file):
 
 def table_stats(conn):
     with conn.cursor() as cur:
-        cur.execute("SELECT n_live_tup, n_dead_tup, coalesce(last_autovacuum::text, 'never'),"
-                    " autovacuum_count, pg_relation_size('outbox.messages'),"
-                    " pg_total_relation_size('outbox.messages'),"
-                    " pg_relation_size('outbox.messages_txid_idx')"
-                    " FROM pg_stat_user_tables WHERE relid = 'outbox.messages'::regclass")
+        # Summed over the table's partitions (migrations/019_rotation.sql).
+        cur.execute("WITH t AS (SELECT relid FROM pg_partition_tree('outbox.messages'))"
+                    " SELECT sum(n_live_tup)::bigint, sum(n_dead_tup)::bigint,"
+                    " coalesce(max(last_autovacuum)::text, 'never'), sum(autovacuum_count)::bigint,"
+                    " (SELECT sum(pg_relation_size(relid))::bigint FROM t),"
+                    " (SELECT sum(pg_total_relation_size(relid))::bigint FROM t),"
+                    " (SELECT sum(pg_relation_size(relid))::bigint"
+                    "  FROM pg_partition_tree('outbox.messages_txid_idx'))"
+                    " FROM pg_stat_user_tables WHERE relid IN (SELECT relid FROM t)")
         live, dead, last, count, size, total, idx = cur.fetchone()
     return dict(live=live, dead=dead, last_autovacuum=last, autovacuum_count=count,
                 heap_bytes=size, total_bytes=total, txid_idx_bytes=idx)

@@ -161,9 +161,11 @@ def sampler(pg, rd, relay, claim_sql, t0, samples, stop):
         try:
             s = {"t": round(time.monotonic() - t0, 1)}
             s["table_bytes"] = benchlib.scalar(
-                auto, "SELECT pg_total_relation_size('outbox.messages')")
-            s["rows"] = benchlib.scalar(auto, "SELECT n_live_tup FROM pg_stat_all_tables"
-                                              " WHERE relid = 'outbox.messages'::regclass")
+                auto, "SELECT sum(pg_total_relation_size(relid))::bigint"
+                      " FROM pg_partition_tree('outbox.messages')")
+            s["rows"] = benchlib.scalar(auto, "SELECT sum(n_live_tup)::bigint FROM pg_stat_all_tables"
+                                              " WHERE relid IN (SELECT relid FROM"
+                                              " pg_partition_tree('outbox.messages'))")
             s["claim_ms"] = round(timed_claim(conn, claim_sql), 3)
             s["redis_used_memory"] = rc.info("memory")["used_memory"]
             lengths = [rc.xlen(x) for x in STREAMS]
