@@ -59,7 +59,7 @@ COMMENT ON FUNCTION outbox.message_partitions() IS
     'The partitions of outbox.messages and their transaction-id bounds [lo, hi) (NULL for the DEFAULT partition).';
 
 -- Creates partitions of p_width transaction ids from the highest bound there
--- is (0 when there is none) until the one p_ahead beyond the counter's
+-- is (from the counter's, when there is none) until the one p_ahead beyond the counter's
 -- exists, each ending at a multiple of p_width; when the DEFAULT partition
 -- holds rows at or above that bound, from above them and the counter
 -- instead (a range cannot take rows DEFAULT holds). Each by CREATE TABLE (LIKE) and ATTACH
@@ -92,7 +92,7 @@ BEGIN
     END IF;
     v_top := (v_cur / p_width + p_ahead + 1) * p_width;
     SELECT max(p.hi)::text::bigint INTO v_lo FROM outbox.message_partitions() AS p;
-    v_lo := coalesce(v_lo, 0);
+    v_lo := coalesce(v_lo, v_cur / p_width * p_width);
     SELECT max(d.txid)::text::bigint INTO v_def FROM outbox.messages_default AS d;
     IF v_def IS NOT NULL AND v_def >= v_lo THEN
         -- From the counter on (above DEFAULT's rows), up to the next bound of
@@ -137,7 +137,9 @@ $$;
 -- kept for a stream behind them (a paused topic's: their published rows go
 -- one at a time, outbox.purge_sent called with p_older_than + 10 s; streams
 -- that only follow the lead lag up to 2 s behind it), and the created_at of
--- the oldest published row kept, for the oldest-sent-age metric.
+-- the oldest published row kept, for the oldest-sent-age metric. One call
+-- at a time across relays (advisory lock 122550254464889, beside 007's
+-- wake-up lock): a call that finds it taken does nothing and reports busy.
 CREATE OR REPLACE FUNCTION outbox.rotate(p_older_than interval,
     p_width bigint DEFAULT 1048576, p_ahead integer DEFAULT 4)
 RETURNS TABLE (created integer, dropped integer, busy integer, kept integer,
@@ -158,15 +160,21 @@ BEGIN
         RAISE EXCEPTION 'outbox.rotate: older_than must be an interval of 0 or more'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    PERFORM set_config('lock_timeout', '100ms', true);
+    created := 0;
     dropped := 0;
     busy := 0;
     kept := 0;
+    -- One relay at a time: the others' passes find it taken and do nothing.
+    IF NOT pg_try_advisory_xact_lock(122550254464889) THEN
+        busy := 1;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    PERFORM set_config('lock_timeout', '100ms', true);
     BEGIN
         created := outbox.rotate_create(p_width, p_ahead);
     EXCEPTION WHEN lock_not_available THEN
-        created := 0;
-        busy := 1;
+        busy := busy + 1;
     END;
     SELECT pg_snapshot_xmin(k.snap) INTO v_ret FROM outbox.ticks AS k
      WHERE k.taken_at <= statement_timestamp() - p_older_than
@@ -176,6 +184,21 @@ BEGIN
      ORDER BY k.taken_at DESC LIMIT 1;
     SELECT min(pg_snapshot_xmin(k.snap)) INTO v_pos
       FROM outbox.stream_positions AS p JOIN outbox.ticks AS k ON k.tick_id = p.tick;
+    BEGIN
+        DELETE FROM outbox.ticks AS k
+         WHERE k.tick_id IN (
+               SELECT k2.tick_id FROM outbox.ticks AS k2
+                WHERE k2.tick_id < (SELECT min(p.tick) FROM outbox.stream_positions AS p)
+                  AND k2.tick_id < (SELECT max(k3.tick_id) FROM outbox.ticks AS k3
+                                     WHERE k3.taken_at <= statement_timestamp() - p_older_than)
+                ORDER BY k2.tick_id LIMIT 10000);
+    EXCEPTION WHEN lock_not_available THEN
+        NULL;
+    END;
+    SELECT m.created_at INTO oldest_kept FROM outbox.messages AS m
+     WHERE v_pos IS NOT NULL AND m.txid < v_pos
+     ORDER BY m.txid, m.id LIMIT 1;
+    -- Last: a DROP holds outbox.messages until this transaction ends.
     IF v_ret IS NOT NULL AND v_pos IS NOT NULL THEN
         FOR v_part IN
             SELECT p.part, p.hi FROM outbox.message_partitions() AS p
@@ -195,34 +218,20 @@ BEGIN
                 EXIT;
             END;
         END LOOP;
+        -- Looked at without a lock first, then again under the lock TRUNCATE
+        -- takes anyway: a row that came in between is seen.
+        IF (SELECT max(d.txid) FROM outbox.messages_default AS d) < least(v_ret, v_pos) THEN
+            BEGIN
+                LOCK TABLE outbox.messages_default IN ACCESS EXCLUSIVE MODE;
+                IF (SELECT max(d.txid) FROM outbox.messages_default AS d)
+                   < least(v_ret, v_pos) THEN
+                    TRUNCATE outbox.messages_default;
+                END IF;
+            EXCEPTION WHEN lock_not_available THEN
+                busy := busy + 1;
+            END;
+        END IF;
     END IF;
-    -- Looked at without a lock first, then again under the lock TRUNCATE
-    -- takes anyway: a row that came in between is seen.
-    IF v_ret IS NOT NULL AND v_pos IS NOT NULL
-       AND (SELECT max(d.txid) FROM outbox.messages_default AS d) < least(v_ret, v_pos) THEN
-        BEGIN
-            LOCK TABLE outbox.messages_default IN ACCESS EXCLUSIVE MODE;
-            IF (SELECT max(d.txid) FROM outbox.messages_default AS d) < least(v_ret, v_pos) THEN
-                TRUNCATE outbox.messages_default;
-            END IF;
-        EXCEPTION WHEN lock_not_available THEN
-            busy := busy + 1;
-        END;
-    END IF;
-    BEGIN
-        DELETE FROM outbox.ticks AS k
-         WHERE k.tick_id IN (
-               SELECT k2.tick_id FROM outbox.ticks AS k2
-                WHERE k2.tick_id < (SELECT min(p.tick) FROM outbox.stream_positions AS p)
-                  AND k2.tick_id < (SELECT max(k3.tick_id) FROM outbox.ticks AS k3
-                                     WHERE k3.taken_at <= statement_timestamp() - p_older_than)
-                ORDER BY k2.tick_id LIMIT 10000);
-    EXCEPTION WHEN lock_not_available THEN
-        NULL;
-    END;
-    SELECT m.created_at INTO oldest_kept FROM outbox.messages AS m
-     WHERE v_pos IS NOT NULL AND m.txid < v_pos
-     ORDER BY m.txid, m.id LIMIT 1;
     RETURN NEXT;
 END
 $$;
@@ -232,6 +241,7 @@ COMMENT ON FUNCTION outbox.rotate(interval, bigint, integer) IS
 
 DO $$
 DECLARE
+    v_base bigint;
     v_last bigint;
     v_acl  record;
 BEGIN
@@ -243,7 +253,7 @@ BEGIN
     ALTER TABLE outbox.messages_before_019 RENAME CONSTRAINT messages_pkey TO messages_before_019_pkey;
     DROP INDEX IF EXISTS outbox.messages_txid_idx, outbox.messages_pending_topic_idx,
                          outbox.messages_failed_idx, outbox.messages_held_idx;
-    ALTER SEQUENCE outbox.messages_id_seq RENAME TO messages_before_019_id_seq;
+    ALTER SEQUENCE IF EXISTS outbox.messages_id_seq RENAME TO messages_before_019_id_seq;
 
     CREATE TABLE outbox.messages (
         -- The row's place in its transaction's rows and in a batch: batches
@@ -274,8 +284,14 @@ BEGIN
         WHERE sent_at IS NULL AND failed_at IS NULL;
     CREATE TABLE outbox.messages_default PARTITION OF outbox.messages DEFAULT;
 
-    -- The partitions from transaction id 0 (rows that relays before 016
-    -- sent or quarantined carry txid 3) to four beyond the counter.
+    -- One partition for the transactions before the counter's partition
+    -- (rows that relays before 016 sent or quarantined carry txid 3), then
+    -- the counter's and four beyond it.
+    v_base := pg_snapshot_xmax(pg_current_snapshot())::text::bigint / 1048576 * 1048576;
+    IF v_base > 0 THEN
+        EXECUTE format('CREATE TABLE outbox.messages_0 PARTITION OF outbox.messages'
+                       ' FOR VALUES FROM (%L) TO (%L)', 0, v_base);
+    END IF;
     PERFORM outbox.rotate_create(1048576, 4);
 
     INSERT INTO outbox.messages (id, message_id, topic, partition_key, payload, headers,

@@ -21,6 +21,7 @@ Promises tested:
   from which failed retry writes it again;
 - a DROP waits at most its lock timeout for a producer's transaction, is
   counted busy, and is done at the next pass after it;
+- one pass at a time: another relay's pass meanwhile does nothing, busy;
 - the upgrade to 019 keeps every row, its id and message_id; rows pending at
   the upgrade are published once, and ids go on above the last one.
 """
@@ -240,6 +241,25 @@ class RotationTest(harness.ServerTestCase):
         self.assertEqual(busy, 0)
         self.assertGreaterEqual(self.lowest_live(), 1)
         self.assertEqual(self.rows(), 1, "the open transaction's row, in a partition above")
+
+    def test_one_rotation_at_a_time(self):
+        # A relay's pass in progress (its transaction open): another relay's
+        # pass does nothing and says so, rather than racing it to the same
+        # partition names.
+        first = self.pg.connect(autocommit=False)
+        self.addCleanup(first.close)
+        with first.cursor() as cur:
+            cur.execute("SELECT busy FROM outbox.rotate('0', %s, 2)", (WIDTH,))
+            self.assertEqual(cur.fetchone(), (0,))
+        with self.db.cursor() as cur:
+            cur.execute("SELECT created, dropped, busy FROM outbox.rotate('0', %s, 8)", (WIDTH,))
+            self.assertEqual(cur.fetchone(), (0, 0, 1))
+        first.commit()
+        with self.db.cursor() as cur:
+            cur.execute("SELECT created, busy FROM outbox.rotate('0', %s, 8)", (WIDTH,))
+            created, busy = cur.fetchone()
+        self.assertEqual(busy, 0)
+        self.assertGreater(created, 0, "the partitions up to 8 ahead")
 
 
 class UpgradeTest(unittest.TestCase):
