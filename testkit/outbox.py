@@ -47,8 +47,8 @@ def small_partitions(conn, width=1000, ahead=2):
     transaction counter's, from 0, then partitions of width transaction ids
     from base, the counter rounded down to width, instead of the 2^20 a
     database starts with, so that a test sees rows fill partitions and the
-    relay drop them (outbox.rotate; the relay makes its own, of 2^20, above
-    these). Returns base."""
+    relay drop them (outbox.rotate; the relay makes its own above these).
+    Returns base."""
     with conn.cursor() as cur:
         cur.execute("SELECT part::text FROM outbox.message_partitions() WHERE lo IS NOT NULL")
         for (part,) in cur.fetchall():

@@ -3,7 +3,7 @@
 
 The tests give the table partitions of a few hundred transaction ids
 (harness.small_partitions) and move the transaction counter past them
-(harness.burn_xids); the relay makes its own partitions, of 2^20, above them.
+(harness.burn_xids); the relay makes its own partitions above them.
 
 Promises tested:
 - the relay keeps partitions made ahead of the transaction counter;
@@ -85,9 +85,28 @@ class RotationTest(harness.ServerTestCase):
         ids.append(insert(self.db, "later", b"traffic"))
         return True
 
-    def assert_each_once(self, ids):
-        """Every message of ids in its stream once, and nothing else."""
-        found = harness.entries_by_message_id(self.r)
+    def all_sent(self, relay, timeout=30):
+        """Waits for every row to be published; shows the relay's state if not."""
+        try:
+            harness.wait_all_sent(self.db, timeout=timeout, relay=relay)
+        except AssertionError:
+            with self.db.cursor() as cur:
+                for sql in ("SELECT id, txid::text, topic FROM outbox.unsent LIMIT 20",
+                            "SELECT topic, partition, tick FROM outbox.stream_positions",
+                            "SELECT tick_id, snap::text, taken_at::text FROM outbox.ticks"
+                            " ORDER BY tick_id DESC LIMIT 3",
+                            "SELECT pid, application_name, state, wait_event_type, wait_event,"
+                            " left(query, 160) FROM pg_stat_activity WHERE datname = 'app'"):
+                    cur.execute(sql)
+                    print(sql.split()[1], cur.fetchall(), flush=True)
+            print("partitions", harness.partitions(self.db), flush=True)
+            raise
+
+    def assert_each_once(self, ids, besides=()):
+        """Every message of ids in its stream once, and nothing else but the
+        streams besides."""
+        found = {m: e for m, e in harness.entries_by_message_id(self.r).items()
+                 if e[0][0] not in besides}
         self.assertEqual(sorted(found), sorted(ids), "every message, and nothing else")
         self.assertEqual([m for m, e in found.items() if len(e) != 1], [], "no duplicate")
 
@@ -104,10 +123,11 @@ class RotationTest(harness.ServerTestCase):
     def test_partitions_are_made_ahead_and_dropped_once_published(self):
         relay = self.start_relay(sent_retention="0")
         ids = self.fill(["orders", "billing"])
-        harness.wait_all_sent(self.db, timeout=60, relay=relay)
-        # Ahead: partitions beyond the counter, the relay's of 2^20 among them.
+        self.all_sent(relay, timeout=60)
+        # Ahead: four partitions beyond the counter's, the relay's of at least
+        # 2^10 ids among them.
         now = scalar(self.db, "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
-        wait_until(lambda: harness.partitions(self.db)[-1][1] >= now + 4 * 2**20, timeout=15,
+        wait_until(lambda: harness.partitions(self.db)[-1][1] >= now + 4 * 1024, timeout=15,
                    relay=relay, message="partitions ahead of the counter")
         # Past the filled ones: the counter moves on, the relay's ticks with it.
         harness.burn_xids(self.db, WIDTH)
@@ -118,7 +138,7 @@ class RotationTest(harness.ServerTestCase):
         self.assertGreaterEqual(self.metric("outbox_relay_outbox_partitions_dropped_total"), 3)
         self.assertEqual(self.metric("outbox_relay_sent_rows_deleted_total"), 0,
                          "no row was deleted one at a time")
-        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.all_sent(relay)
         self.assert_each_once(ids)
         self.assertEqual(relay.terminate(), 0)
         self.assertEqual([line for line in harness.problem_lines(relay.log(), "relay")], [])
@@ -128,7 +148,7 @@ class RotationTest(harness.ServerTestCase):
         self.fill(["orders"], partitions_to_fill=2)
         harness.burn_xids(self.db, WIDTH)
         insert(self.db, "orders", b"moves the ticks")
-        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        self.all_sent(relay, timeout=60)
         time.sleep(2)  # several retention passes
         self.assertEqual(self.lowest_live(), -1 if self.base else 0)
         self.assertEqual(self.metric("outbox_relay_outbox_partitions_dropped_total"), 0)
@@ -138,7 +158,7 @@ class RotationTest(harness.ServerTestCase):
                                  resume_lag_entries="1")
         self.r.xgroup_create("orders", "email", id="0", mkstream=True)
         lagging = [insert(self.db, "orders", b"lagging") for _ in range(6)]
-        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.all_sent(relay)
         relay.wait_for_log(r"stream orders paused", timeout=15)
         ids = self.fill(["orders", "billing"], partitions_to_fill=2)
         harness.burn_xids(self.db, WIDTH)
@@ -170,7 +190,7 @@ class RotationTest(harness.ServerTestCase):
         ids.append(insert(self.db, "billing", b"moves the ticks again"))
         wait_until(lambda: self.moving(ids) and self.lowest_live() >= 2, timeout=30,
                    interval=0.5, relay=relay, message="the partitions to go once the stream resumed")
-        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.all_sent(relay)
         self.assert_each_once(ids + lagging)
 
     def test_rows_beyond_every_partition_go_to_default(self):
@@ -182,8 +202,13 @@ class RotationTest(harness.ServerTestCase):
         ids = [insert(self.db, "orders", b"in default %d" % i) for i in range(20)]
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages_default"), 20)
         top = scalar(self.db, "SELECT max(txid)::text::bigint FROM outbox.messages_default")
+        # Producers keep writing while the relay makes partitions over the
+        # ranges they route into DEFAULT: not one of their inserts may fail.
+        producer = harness.Producer(self.pg, topics=("steady",), rate=400, name="steady")
+        producer.start()
+        self.addCleanup(producer.stop)
         relay = self.start_relay(sent_retention="0")
-        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.all_sent(relay)
         # Partitions are made above DEFAULT's rows, never over them, from the
         # counter on.
         wait_until(lambda: harness.partitions(self.db), timeout=15, relay=relay,
@@ -194,8 +219,12 @@ class RotationTest(harness.ServerTestCase):
         wait_until(lambda: self.moving(later) and
                    scalar(self.db, "SELECT count(*) FROM outbox.messages_default") == 0,
                    timeout=30, interval=0.5, relay=relay, message="DEFAULT to be emptied")
-        harness.wait_all_sent(self.db, timeout=30, relay=relay)
-        self.assert_each_once(ids + later)
+        producer.stop()  # raises if an insert failed
+        self.all_sent(relay)
+        self.assert_each_once(ids + later, besides=(b"steady",))
+        steady = harness.stream_entries(self.r, "steady")
+        self.assertEqual(len(steady), producer.committed)
+        self.assertEqual(len({f[b"id"] for _, f in steady}), producer.committed, "no duplicate")
 
     def test_quarantined_row_goes_with_its_partition_and_can_be_retried(self):
         relay = self.start_relay(sent_retention="0")
