@@ -470,25 +470,7 @@ BEGIN
      WHERE m.id = ANY (v_ids) AND m.txid < v_bound
        AND NOT EXISTS (SELECT FROM outbox.quarantine AS q WHERE q.id = m.id);
     GET DIAGNOSTICS deleted = ROW_COUNT;
-    -- Ticks go with the rows: those below every stream's position (nothing
-    -- reads their batches again) and older than the cutoff, keeping the
-    -- last tick at or before it, a slice at a time.
-    -- They wait for no one: a tick being taken holds the table a moment, and
-    -- the next call prunes what this one could not.
-    IF caught_up THEN
-        BEGIN
-            PERFORM set_config('lock_timeout', '50ms', true);
-            DELETE FROM outbox.ticks AS k
-             WHERE k.tick_id IN (
-                   SELECT k2.tick_id FROM outbox.ticks AS k2
-                    WHERE k2.tick_id < (SELECT min(p.tick) FROM outbox.stream_positions AS p)
-                      AND k2.tick_id < (SELECT max(k3.tick_id) FROM outbox.ticks AS k3
-                                         WHERE k3.taken_at <= v_cutoff)
-                    ORDER BY k2.tick_id LIMIT 10000);
-        EXCEPTION WHEN lock_not_available THEN
-            NULL;
-        END;
-    END IF;
+    -- (The ticks go in outbox.rotate.)
     next_after_id := v_last;
     RETURN NEXT;
 END

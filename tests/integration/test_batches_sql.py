@@ -409,13 +409,13 @@ class BatchSqlTest(harness.PostgresTestCase):
             cur.execute("SELECT id FROM outbox.unsent ORDER BY id")
             return [r[0] for r in cur.fetchall()]
 
-    def test_purge_takes_the_ticks_no_stream_needs(self):
+    def test_retention_takes_the_ticks_no_stream_needs(self):
         for _ in range(6):
             insert(self.db)
             tick(self.db)  # ticks 2..7
         self.record(7, ["orders"], ["70-0"])
         self.record(4, ["slow"], ["40-0"], lead=False)  # a stream far behind: from 4
-        scalar(self.db, "SELECT outbox.purge_sent(interval '0', 0, 1000)")
+        scalar(self.db, "SELECT busy FROM outbox.rotate(interval '0')")
         with self.db.cursor() as cur:
             cur.execute("SELECT tick_id FROM outbox.ticks ORDER BY 1")
             self.assertEqual([r[0] for r in cur.fetchall()], [4, 5, 6, 7],
