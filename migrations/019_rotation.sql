@@ -50,12 +50,16 @@ LANGUAGE sql
 STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT c.oid::regclass,
-           (regexp_match(pg_get_expr(c.relpartbound, c.oid), $r$FROM \('(\d+)'\)$r$))[1]::xid8,
-           (regexp_match(pg_get_expr(c.relpartbound, c.oid), $r$TO \('(\d+)'\)$r$))[1]::xid8
-      FROM pg_inherits AS i
-      JOIN pg_class AS c ON c.oid = i.inhrelid
-     WHERE i.inhparent = 'outbox.messages'::regclass
+    SELECT b.part,
+           (regexp_match(b.bound, $r$FROM \('(\d+)'\)$r$))[1]::xid8,
+           (regexp_match(b.bound, $r$TO \('(\d+)'\)$r$))[1]::xid8
+      FROM (SELECT c.oid::regclass AS part, pg_get_expr(c.relpartbound, c.oid) AS bound
+              FROM pg_inherits AS i
+              JOIN pg_class AS c ON c.oid = i.inhrelid
+             WHERE i.inhparent = 'outbox.messages'::regclass) AS b
+     -- A partition dropped since this statement's snapshot has no bound left
+     -- to show (pg_get_expr reads the current catalog): it is gone.
+     WHERE b.bound IS NOT NULL
 $$;
 
 COMMENT ON FUNCTION outbox.message_partitions() IS

@@ -59,8 +59,9 @@ static void *observe_main(void *arg)
         int overflow = 0;
         size_t nfresh = ob->seen != NULL ? relay_stream_seen_take(ob->seen, &fresh, &overflow) : 0;
         relay_stream_list_round(&streams, fresh, nfresh, overflow);
+        relay_retention_rows(ob->cfg, &pg, ob->interrupt, &retention);
         relay_observe(ob->cfg, &pg, &rd, 1, ob->interrupt, &streams, o);
-        relay_retention_run(ob->cfg, &pg, &rd, ob->interrupt, &streams, &retention, o);
+        relay_retention_run(ob->cfg, &rd, ob->interrupt, &streams, &retention, o);
         pthread_mutex_lock(&ob->lock);
         memcpy(ob->next, o, sizeof(*o));
         ob->fresh = 1;

@@ -366,15 +366,21 @@ static void trim_streams(const struct relay_config *cfg, redisContext **rd, int 
         failed(st, "trimming streams", err);
 }
 
-void relay_retention_run(const struct relay_config *cfg, PGconn **pg, redisContext **rd,
-                         const struct relay_observe_stop *stop, struct relay_stream_list *streams,
-                         struct relay_retention *st, struct relay_observation *o)
+void relay_retention_rows(const struct relay_config *cfg, PGconn **pg,
+                          const struct relay_observe_stop *stop, struct relay_retention *st)
 {
     int stop_fd = relay_observe_stop_fd(stop);
     if (st->purge_restart_at == 0)
         st->oldest_sent_age = -1;
     if (*pg != NULL && PQstatus(*pg) == CONNECTION_OK && rotate(cfg, pg, stop_fd, st) > 0)
         purge_sent(cfg, pg, stop_fd, st);
+}
+
+void relay_retention_run(const struct relay_config *cfg, redisContext **rd,
+                         const struct relay_observe_stop *stop, struct relay_stream_list *streams,
+                         struct relay_retention *st, struct relay_observation *o)
+{
+    int stop_fd = relay_observe_stop_fd(stop);
     vacuum(cfg, stop_fd, st, o);
     double now = outbox_mono_now();
     if (cfg->stream_retention_ms > 0 && *rd != NULL && (*rd)->err == 0 && now >= st->next_trim_at) {
