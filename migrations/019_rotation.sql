@@ -1,8 +1,9 @@
 -- outbox-relay schema, part 19: old rows go a table partition at a time.
 --
 -- outbox.messages becomes a table partitioned by the writing transaction's id
--- (PARTITION BY RANGE (txid)), in partitions of about 5 minutes of
--- transaction ids (2^10 to 2^24, outbox.rotate_width). A
+-- (PARTITION BY RANGE (txid)), in partitions of about a third of
+-- sent_retention (10 s to 5 minutes) of transaction ids (2^10 to 2^24,
+-- outbox.rotate_width). A
 -- partition [lo, hi) holds only rows of transactions that had all ended by
 -- the time the transaction counter passed hi; once every stream's recorded
 -- position stands at a tick whose snapshot's xmin is at least hi, and the
@@ -13,7 +14,7 @@
 -- nothing to do with a topic's partitions (outbox.set_partitions).
 --
 --   outbox.message_partitions   the table's partitions and their bounds
---   outbox.rotate_width()       how many transaction ids a new one covers
+--   outbox.rotate_width(s)      how many transaction ids a new one covers
 --   outbox.rotate(...)          creates the partitions ahead of the
 --                               transaction counter, drops those done with
 --   outbox.purge_sent(...)      now deletes rows only in partitions that are
@@ -66,13 +67,14 @@ COMMENT ON FUNCTION outbox.message_partitions() IS
     'The partitions of outbox.messages and their transaction-id bounds [lo, hi) (NULL for the DEFAULT partition).';
 
 -- The width of the partitions to create: the transaction ids the counter
--- passes in about 5 minutes, at the rate since the last tick taken a minute
--- ago or more (the oldest tick when none is that old; 2^20 when there is
--- none), as a power of two between 2^10 and 2^24. A partition then holds
--- about 5 minutes of transactions, whatever the load, so that rows stay
--- about sent_retention + 5 minutes; below about 3 transactions a second in
--- the whole cluster, a partition of 2^10 lasts longer.
-CREATE OR REPLACE FUNCTION outbox.rotate_width()
+-- passes in p_seconds, at the rate since the last tick taken a minute ago or
+-- more (the oldest tick when none is that old; 2^20 when there is none), as
+-- a power of two between 2^10 and 2^24. A partition then holds about
+-- p_seconds of transactions, whatever the load; outbox.rotate asks for a
+-- third of sent_retention, between 10 s and 5 minutes, so that rows stay
+-- about sent_retention and a third. Below a few transactions a second in the
+-- whole cluster, a partition of 2^10 lasts longer.
+CREATE OR REPLACE FUNCTION outbox.rotate_width(p_seconds integer)
 RETURNS bigint
 LANGUAGE sql
 STABLE
@@ -83,7 +85,7 @@ AS $$
                     greatest(1, (pg_snapshot_xmax(pg_current_snapshot())::text::bigint
                                  - pg_snapshot_xmax(k.snap)::text::bigint)
                                 / greatest(extract(epoch FROM statement_timestamp() - k.taken_at),
-                                           1) * 300)::numeric)))::bigint))
+                                           1) * p_seconds)::numeric)))::bigint))
            FROM (SELECT k1.snap, k1.taken_at FROM outbox.ticks AS k1
                   ORDER BY k1.taken_at <= statement_timestamp() - interval '1 minute' DESC,
                            CASE WHEN k1.taken_at <= statement_timestamp() - interval '1 minute'
@@ -168,7 +170,8 @@ END
 $$;
 
 -- The retention pass (relay/retention.c): creates the partitions ahead
--- (outbox.rotate_create, of p_width or outbox.rotate_width()), then drops, oldest first, every partition [lo, hi)
+-- (outbox.rotate_create, of p_width or outbox.rotate_width()), then drops,
+-- oldest first, every partition [lo, hi)
 -- with hi at or below the horizon: the lowest xmin of the snapshots of the
 -- ticks every stream's recorded position stands at (the lead's row among
 -- them: a stream without a position has no row at or below the lead), and
@@ -221,7 +224,8 @@ BEGIN
     END IF;
     PERFORM set_config('lock_timeout', '100ms', true);
     BEGIN
-        created := outbox.rotate_create(coalesce(p_width, outbox.rotate_width()), p_ahead);
+        created := outbox.rotate_create(coalesce(p_width, outbox.rotate_width(
+            least(300, greatest(10, extract(epoch FROM p_older_than) / 3))::integer)), p_ahead);
     EXCEPTION WHEN lock_not_available THEN
         busy := busy + 1;
     END;
@@ -290,6 +294,7 @@ COMMENT ON FUNCTION outbox.rotate(interval, bigint, integer) IS
 
 DO $$
 DECLARE
+    v_width bigint;
     v_base bigint;
     v_last bigint;
     v_acl  record;
@@ -336,12 +341,13 @@ BEGIN
     -- One partition for the transactions before the counter's partition
     -- (rows that relays before 016 sent or quarantined carry txid 3), then
     -- the counter's and four beyond it.
-    v_base := pg_snapshot_xmax(pg_current_snapshot())::text::bigint / 1048576 * 1048576;
+    v_width := outbox.rotate_width(300);
+    v_base := pg_snapshot_xmax(pg_current_snapshot())::text::bigint / v_width * v_width;
     IF v_base > 0 THEN
         EXECUTE format('CREATE TABLE outbox.messages_0 PARTITION OF outbox.messages'
                        ' FOR VALUES FROM (%L) TO (%L)', 0, v_base);
     END IF;
-    PERFORM outbox.rotate_create(1048576, 4);
+    PERFORM outbox.rotate_create(v_width, 4);
 
     INSERT INTO outbox.messages (id, message_id, topic, partition_key, payload, headers,
                                  created_at, sent_at, attempts, last_error, retry_at,
@@ -526,7 +532,7 @@ SELECT outbox.sync_partition_trigger();
 
 REVOKE EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, bigint, bigint, integer),
     outbox.rotate(interval, bigint, integer), outbox.rotate_create(bigint, integer),
-    outbox.rotate_width(), outbox.message_partitions() FROM PUBLIC;
+    outbox.rotate_width(integer), outbox.message_partitions() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.batch_rows(bigint, bigint, bigint, bigint, integer),
     outbox.rotate(interval, bigint, integer), outbox.message_partitions() TO outbox_relay;
 
