@@ -76,23 +76,30 @@ COMMENT ON FUNCTION outbox.message_partitions() IS
 -- whole cluster, a partition of 2^10 lasts longer.
 CREATE OR REPLACE FUNCTION outbox.rotate_width(p_seconds integer)
 RETURNS bigint
-LANGUAGE sql
+LANGUAGE plpgsql
 STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT coalesce(
-        (SELECT least(16777216, greatest(1024, power(2, round(log(2,
-                    greatest(1, (pg_snapshot_xmax(pg_current_snapshot())::text::bigint
-                                 - pg_snapshot_xmax(k.snap)::text::bigint)
-                                / greatest(extract(epoch FROM statement_timestamp() - k.taken_at),
-                                           1) * p_seconds)::numeric)))::bigint))
-           FROM (SELECT k1.snap, k1.taken_at FROM outbox.ticks AS k1
-                  ORDER BY k1.taken_at <= statement_timestamp() - interval '1 minute' DESC,
-                           CASE WHEN k1.taken_at <= statement_timestamp() - interval '1 minute'
-                                THEN k1.taken_at END DESC,
-                           k1.taken_at
-                  LIMIT 1) AS k),
-        1048576)
+DECLARE
+    v_snap pg_snapshot;
+    v_at   timestamptz;
+    v_ids  numeric;
+BEGIN
+    SELECT k.snap, k.taken_at INTO v_snap, v_at FROM outbox.ticks AS k
+     WHERE k.taken_at <= statement_timestamp() - interval '1 minute'
+     ORDER BY k.taken_at DESC LIMIT 1;
+    IF NOT FOUND THEN
+        SELECT k.snap, k.taken_at INTO v_snap, v_at FROM outbox.ticks AS k
+         ORDER BY k.taken_at LIMIT 1;
+    END IF;
+    IF v_snap IS NULL THEN
+        RETURN 1048576;
+    END IF;
+    v_ids := (pg_snapshot_xmax(pg_current_snapshot())::text::numeric
+              - pg_snapshot_xmax(v_snap)::text::numeric)
+             / greatest(extract(epoch FROM statement_timestamp() - v_at), 1) * p_seconds;
+    RETURN least(16777216, greatest(1024, power(2, round(log(2, greatest(1, v_ids))))))::bigint;
+END
 $$;
 
 -- Creates partitions of p_width transaction ids from the highest bound there
@@ -186,9 +193,10 @@ $$;
 -- position and before the last one taken p_older_than ago go too (nothing
 -- reads their batches again). Returns how many partitions it created and
 -- dropped, how many were busy, how many were due 10 s ago already but are
--- kept for a stream behind them (a paused topic's: their published rows go
--- one at a time, outbox.purge_sent called with p_older_than + 10 s; streams
--- that only follow the lead lag up to 2 s behind it), and the created_at of
+-- kept for a stream behind them (a paused topic's: while there is one, the
+-- relay has the published rows of due partitions go one at a time,
+-- outbox.purge_sent; streams that only follow the lead lag up to 2 s behind
+-- it, which the 10 s leave out), and the created_at of
 -- the oldest published row kept, for the oldest-sent-age metric. One call
 -- at a time across relays (advisory lock 122550254464889, beside 007's
 -- wake-up lock): a call that finds it taken does nothing and reports busy.

@@ -25,10 +25,10 @@
  * PURGE_BUDGET seconds, so that the next observation is not held up. */
 #define PURGE_BATCH 5000
 #define PURGE_BUDGET 1.0
-/* In a table partition kept for a stream behind it, a row is deleted once
- * its stream's recorded position has passed it and it was committed before
- * the last tick taken sent_retention + PURGE_GRACE_MS ago (outbox.purge_sent,
- * migrations/019_rotation.sql); never a row
+/* While outbox.rotate reports a partition kept for a stream behind it, a row
+ * of a due partition is deleted once its stream's recorded position has
+ * passed it and it was committed before the last tick taken sent_retention
+ * ago (outbox.purge_sent, migrations/019_rotation.sql); never a row
  * outbox.unsent shows nor a quarantined one. The purge steps over the rows
  * it must keep (not yet in their stream, paused, quarantined) and goes on
  * from after them; once it has caught up, it starts from the first row
@@ -36,10 +36,6 @@
  * as sent_retention, between these bounds. */
 #define PURGE_RESTART_MIN 10.0
 #define PURGE_RESTART_MAX 60.0
-/* How long a partition is due before its rows go one at a time, for a stream
- * behind it: the 10 s outbox.rotate counts its `kept` partitions with
- * (streams that follow the lead lag up to 2 s behind it). */
-#define PURGE_GRACE_MS 10000
 /* Streams are trimmed at most this often. */
 #define TRIM_EVERY 10.0
 
@@ -60,7 +56,7 @@ static void failed(struct relay_retention *st, const char *what, const char *why
  * sent_retention dropped. Returns how many partitions are due but kept for a
  * stream behind them (their published rows go one at a time, purge_sent),
  * or -1 when the call failed. */
-static const char rotate_sql[] = "SELECT created, dropped, busy, kept,"
+static const char rotate_sql[] = "SELECT created, dropped, kept,"
                                  " extract(epoch FROM statement_timestamp() - oldest_kept)"
                                  " FROM outbox.rotate($1::bigint * interval '1 millisecond')";
 
@@ -71,6 +67,7 @@ static int rotate(const struct relay_config *cfg, PGconn **pg, int stop_fd,
     snprintf(ms, sizeof(ms), "%u", cfg->sent_retention_ms);
     const char *params[1] = {ms};
     PGresult *r = relay_pg_exec(pg, cfg, stop_fd, rotate_sql, 1, params, err, sizeof(err));
+    st->oldest_sent_age = -1; /* unknown unless the call succeeds */
     if (r == NULL) {
         failed(st, "rotating the outbox's partitions", err);
         return -1;
@@ -81,9 +78,10 @@ static int rotate(const struct relay_config *cfg, PGconn **pg, int stop_fd,
         return -1;
     }
     int created = atoi(PQgetvalue(r, 0, 0)), dropped = atoi(PQgetvalue(r, 0, 1));
-    int kept = atoi(PQgetvalue(r, 0, 3));
+    int kept = atoi(PQgetvalue(r, 0, 2));
     st->partitions_dropped_total += (unsigned long long)dropped;
-    st->oldest_sent_age = PQgetisnull(r, 0, 4) ? -1 : strtod(PQgetvalue(r, 0, 4), NULL);
+    if (!PQgetisnull(r, 0, 3))
+        st->oldest_sent_age = strtod(PQgetvalue(r, 0, 3), NULL);
     PQclear(r);
     if (created > 0 || dropped > 0)
         relay_info("retention", "outbox partitions: %d created, %d dropped", created, dropped);
@@ -91,8 +89,7 @@ static int rotate(const struct relay_config *cfg, PGconn **pg, int stop_fd,
     return kept;
 }
 
-static const char purge_sql[] = "SELECT deleted, next_after_id, caught_up,"
-                                " extract(epoch FROM statement_timestamp() - oldest_kept)"
+static const char purge_sql[] = "SELECT deleted, next_after_id, caught_up"
                                 " FROM outbox.purge_sent($1::bigint * interval '1 millisecond',"
                                 " $2::bigint, $3::integer)";
 
@@ -110,9 +107,7 @@ static void purge_sent(const struct relay_config *cfg, PGconn **pg, int stop_fd,
     }
     for (;;) {
         char ms[24], after[24], max[16], err[256];
-        /* Rows of partitions due PURGE_GRACE ago already (outbox.rotate). */
-        snprintf(ms, sizeof(ms), "%llu",
-                 (unsigned long long)cfg->sent_retention_ms + PURGE_GRACE_MS);
+        snprintf(ms, sizeof(ms), "%u", cfg->sent_retention_ms);
         snprintf(after, sizeof(after), "%lld", st->purge_after_id);
         snprintf(max, sizeof(max), "%d", PURGE_BATCH);
         const char *params[3] = {ms, after, max};
@@ -370,8 +365,6 @@ void relay_retention_rows(const struct relay_config *cfg, PGconn **pg,
                           const struct relay_observe_stop *stop, struct relay_retention *st)
 {
     int stop_fd = relay_observe_stop_fd(stop);
-    if (st->purge_restart_at == 0)
-        st->oldest_sent_age = -1;
     if (*pg != NULL && PQstatus(*pg) == CONNECTION_OK && rotate(cfg, pg, stop_fd, st) > 0)
         purge_sent(cfg, pg, stop_fd, st);
 }
