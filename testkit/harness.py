@@ -49,7 +49,7 @@ from .common import (SKIP, SOURCE_DIR, free_port, port_open, reserve_port,  # no
 from .outbox import (all_entries, burn_xids, count_sent, count_unsent,  # noqa: F401
                      dedup_records, entries_by_message_id, insert, insert_many,
                      max_sent_within, partitions, publish_calls, reset, scalar,
-                     small_partitions, stream_entries, stream_names,
+                     small_partitions, stream_entries, stream_names, traffic,
                      unretired_dedup_records, wait_all_sent)
 from .postgres import MIGRATIONS_DIR, PgBouncer, Postgres, pg_bindir  # noqa: F401
 from .producers import Producer, Producers, connection_trouble  # noqa: F401
@@ -213,8 +213,8 @@ def index_reads(conn, index):
     """(idx_scan, idx_tup_read) of an index of the outbox, e.g. 'messages_txid_idx':
     of a partitioned index, the sums over its partitions' indexes."""
     with conn.cursor() as cur:
-        cur.execute("SELECT coalesce(sum(idx_scan), 0)::bigint, coalesce(sum(idx_tup_read), 0)::bigint"
-                    " FROM pg_stat_user_indexes WHERE indexrelid IN"
+        cur.execute("SELECT coalesce(sum(idx_scan), 0)::bigint,"
+                    " coalesce(sum(idx_tup_read), 0)::bigint FROM pg_stat_user_indexes WHERE indexrelid IN"
                     " (SELECT relid FROM pg_partition_tree(%s::regclass))", ("outbox." + index,))
         return tuple(cur.fetchone())
 

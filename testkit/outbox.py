@@ -65,6 +65,17 @@ def small_partitions(conn, width=1000, ahead=2):
     return base
 
 
+def traffic(conn, ids=None):
+    """A row of topic 'later', as traffic would bring (its message_id added to
+    ids, when given): each batch of the relay's lead moves the streams that
+    follow it (every 2 s), so that no idle stream's position holds a partition
+    of the outbox back. True, for use inside a wait's condition."""
+    message_id = insert(conn, "later", b"traffic")
+    if ids is not None:
+        ids.append(message_id)
+    return True
+
+
 def burn_xids(conn, n):
     """Commits n empty transactions that each take a transaction id, so that
     the counter passes the bounds of small partitions."""

@@ -151,6 +151,14 @@ class Postgres:
         self._stop(mode)
         self.start()
 
+    def set_xid_epoch(self, epoch):
+        """Stops the server, sets the epoch of its transaction ids (pg_resetwal
+        -e: the xid8 values go on from epoch * 2^32), and starts it, as a
+        database that has run for years has it."""
+        self._stop("fast")
+        self._pg(["pg_resetwal", "-e", str(epoch), self.datadir], "pg_resetwal -e")
+        self.start()
+
     # -- access
     def dsn(self, dbname=None, user="postgres"):
         return f"host=127.0.0.1 port={self.port} dbname={dbname or self.database} user={user}"

@@ -71,13 +71,6 @@ class RetentionTest(harness.ServerTestCase):
     def insert_rows(self, topic, n):
         harness.insert_many(self.db, [(topic, b"m%d" % i) for i in range(n)])
 
-    def moving(self):
-        """A row of another topic, as traffic would bring: each batch of the
-        relay's lead moves the streams that follow it (every 2 s), so that no
-        idle stream's position holds a partition back. True."""
-        harness.insert(self.db, "later", b"traffic")
-        return True
-
     def quarantined(self):
         return scalar(self.db, "SELECT count(*) FROM outbox.quarantine")
 
@@ -100,7 +93,7 @@ class RetentionTest(harness.ServerTestCase):
         self.assertEqual(harness.count_sent(self.db, "m.topic = 'orders'"), 300)
         # ...dropped with their partition after it (once every stream's
         # position is past it); the quarantine keeps its copy.
-        wait_until(lambda: self.moving() and
+        wait_until(lambda: harness.traffic(self.db) and
                    self.rows("topic IN ('orders', 'bad topic!')") == 0, timeout=30,
                    interval=0.5, relay=relay, message="the sent rows to be dropped")
         self.assertEqual(self.quarantined(), 1)
@@ -142,8 +135,8 @@ class RetentionTest(harness.ServerTestCase):
         wait_until(lambda: self.r.xlen("a") + self.r.xlen("b") >= 2000, timeout=60, relay=relay,
                    message="2000 entries")
         harness.burn_xids(self.db, WIDTH)  # the counter leaves their partitions
-        wait_until(lambda: self.moving() and self.rows("topic <> 'later'") == 0, timeout=30,
-                   interval=0.5, relay=relay)
+        wait_until(lambda: harness.traffic(self.db) and self.rows("topic <> 'later'") == 0,
+                   timeout=30, interval=0.5, relay=relay)
         found = {m: e for m, e in harness.entries_by_message_id(self.r).items()
                  if e[0][0] != b"later"}
         self.assertEqual(sorted(found), sorted(ids), "every message, and nothing else")

@@ -23,15 +23,15 @@ Promises tested:
   counted busy, and is done at the next pass after it;
 - one pass at a time: another relay's pass meanwhile does nothing, busy;
 - the upgrade to 019 keeps every row, its id and message_id; rows pending at
-  the upgrade are published once, and ids go on above the last one.
+  the upgrade are published once, and ids go on above the last one; on a
+  database whose transaction ids are past epoch 0 it makes a handful of
+  partitions, not one per width from 0.
 """
 
 import os
-import threading
 import time
 import unittest
-
-import psycopg2
+import urllib.request
 
 from testkit import harness
 from testkit.harness import Postgres, insert, scalar, wait_until
@@ -59,7 +59,6 @@ class RotationTest(harness.ServerTestCase):
         return relay
 
     def metric(self, name):
-        import urllib.request
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
             return harness.metric(r.read().decode(), name)
 
@@ -76,14 +75,6 @@ class RotationTest(harness.ServerTestCase):
                 ids += harness.insert_many(self.db, [(topic, b"r%d" % len(ids))] * per_tx)
             harness.burn_xids(self.db, 40)
         return ids
-
-    def moving(self, ids):
-        """A row of topic 'later' (its message_id added to ids), as traffic
-        would bring: each batch of the relay's lead moves the streams that
-        follow it (every 2 s), so that no idle stream's position holds a
-        partition back. True."""
-        ids.append(insert(self.db, "later", b"traffic"))
-        return True
 
     def all_sent(self, relay, timeout=30):
         """Waits for every row to be published; shows the relay's state if not."""
@@ -135,7 +126,7 @@ class RotationTest(harness.ServerTestCase):
         # Past the filled ones: the counter moves on, the relay's ticks with it.
         harness.burn_xids(self.db, WIDTH)
         ids.append(insert(self.db, "orders", b"moves the ticks"))
-        wait_until(lambda: self.moving(ids) and self.lowest_live() >= 3, timeout=30,
+        wait_until(lambda: harness.traffic(self.db, ids) and self.lowest_live() >= 3, timeout=30,
                    interval=0.5, relay=relay, message="the filled partitions to be dropped")
         self.assertEqual(self.rows(self.below(3)), 0)
         # The scrape shows the drops with the next observation.
@@ -172,7 +163,7 @@ class RotationTest(harness.ServerTestCase):
                    self.rows("topic = 'billing'"), timeout=30, relay=relay)
         # billing's published rows in the kept partitions go one at a time;
         # orders' rows wait in them.
-        wait_until(lambda: self.moving(ids) and
+        wait_until(lambda: harness.traffic(self.db, ids) and
                    self.rows(f"topic = 'billing' AND {self.below(2)}") == 0, timeout=40,
                    interval=0.5, relay=relay, message="billing's rows in the kept partitions")
         held = self.rows(f"topic = 'orders' AND {self.below(2)}")
@@ -194,8 +185,9 @@ class RotationTest(harness.ServerTestCase):
             time.sleep(0.2)
         harness.burn_xids(self.db, 10)
         ids.append(insert(self.db, "billing", b"moves the ticks again"))
-        wait_until(lambda: self.moving(ids) and self.lowest_live() >= 2, timeout=30,
-                   interval=0.5, relay=relay, message="the partitions to go once the stream resumed")
+        wait_until(lambda: harness.traffic(self.db, ids) and self.lowest_live() >= 2,
+                   timeout=30, interval=0.5, relay=relay,
+                   message="the partitions to go once the stream resumed")
         self.all_sent(relay)
         self.assert_each_once(ids + lagging)
 
@@ -222,7 +214,7 @@ class RotationTest(harness.ServerTestCase):
         self.assertGreater(harness.partitions(self.db)[0][0], top)
         self.assertLess(harness.partitions(self.db)[0][0], top + 1000)
         later = [insert(self.db, "orders", b"later %d" % i) for i in range(5)]
-        wait_until(lambda: self.moving(later) and
+        wait_until(lambda: harness.traffic(self.db, later) and
                    scalar(self.db, "SELECT count(*) FROM outbox.messages_default") == 0,
                    timeout=30, interval=0.5, relay=relay, message="DEFAULT to be emptied")
         producer.stop()  # raises if an insert failed
@@ -241,8 +233,9 @@ class RotationTest(harness.ServerTestCase):
         self.fill(["orders"], partitions_to_fill=1)
         harness.burn_xids(self.db, WIDTH)
         insert(self.db, "orders", b"moves the ticks")
-        wait_until(lambda: self.moving([]) and self.lowest_live() >= 1, timeout=30,
-                   interval=0.5, relay=relay, message="the partition with the quarantined row to go")
+        wait_until(lambda: harness.traffic(self.db) and self.lowest_live() >= 1,
+                   timeout=30, interval=0.5, relay=relay,
+                   message="the partition with the quarantined row to go")
         self.assertEqual(self.rows(f"id = {bad}"), 0)
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.quarantine"), 1)
         self.assertEqual(scalar(self.db, "SELECT retried FROM outbox.quarantine_retry(false,"
@@ -331,6 +324,25 @@ class UpgradeTest(unittest.TestCase):
             found = harness.entries_by_message_id(r)
             self.assertEqual(sorted(found), sorted(pending + later))
             self.assertEqual([m for m, e in found.items() if len(e) != 1], [])
+            db.close()
+
+    def test_an_old_database_gets_a_handful_of_partitions(self):
+        # Transaction ids past epoch 3 (about 12.9 billion): one partition
+        # takes everything before the counter's, not one per width from 0.
+        with Postgres(migrations=False) as pg:
+            pg.set_xid_epoch(3)
+            files = pg.migration_files()
+            before = [f for f in files if os.path.basename(f) < "019"]
+            pg.apply_migrations(before)
+            db = pg.connect()
+            ids = [insert(db, "orders", b"before %d" % i) for i in range(5)]
+            pg.apply_migrations([f for f in files if f not in before])
+            parts = harness.partitions(db)
+            self.assertGreater(scalar(db, "SELECT pg_current_xact_id()::text::bigint"), 3 * 2**32)
+            self.assertLessEqual(len(parts), 7, parts)
+            self.assertEqual(parts[0][0], 0)
+            self.assertEqual(sorted(scalar(db, "SELECT array_agg(message_id::text)"
+                                               " FROM outbox.messages")), sorted(ids))
             db.close()
 
 
