@@ -3,8 +3,9 @@
 - scripts/package.sh builds outbox-relay, liboutbox-consumer1 and
   liboutbox-consumer-dev from this source tree in a build directory of its
   own, and lintian reports no error in them (package.sh fails otherwise).
-- The daemon package depends on libpq5, libhiredis0.14 and libev4, has no
-  maintainer scripts, and `dpkg -i` enables and starts nothing.
+- The daemon package depends on the packages of the libpq, hiredis and libev
+  it loads (libpq5, libhiredis0.14 and libev4 on Debian 12; libhiredis1.1.0
+  and libev4t64 on Debian 13), has no maintainer scripts, and `dpkg -i` enables and starts nothing.
 - Installed, /usr/bin/outbox-relay applies nothing itself but relays a row end
   to end against a database migrated from /usr/share/outbox-relay/migrations/.
 - The installed reference consumer, /usr/bin/outbox-email-consumer, handles
@@ -97,6 +98,21 @@ def purge():
     run(["dpkg", "--purge", *PACKAGES])
 
 
+def library_package(name):
+    """The Debian package of the library the installed relay loads as libNAME.so.*:
+    libhiredis0.14 on Debian 12, libhiredis1.1.0 on Debian 13; libev4, libev4t64."""
+    ldd = run(["ldd", "/usr/bin/outbox-relay"]).stdout
+    # "\tlibhiredis.so.0.14 => /lib/x86_64-linux-gnu/libhiredis.so.0.14 (0x...)"
+    found = re.search(rf"\blib{re.escape(name)}\.so\S* => (\S+)", ldd)
+    if not found:
+        raise AssertionError(f"outbox-relay does not load lib{name}:\n" + ldd)
+    owner = run(["dpkg-query", "-S", os.path.realpath(found.group(1))]).stdout
+    # "libhiredis0.14:amd64: /usr/lib/x86_64-linux-gnu/libhiredis.so.0.14"
+    if not owner:
+        raise AssertionError(f"no package owns {found.group(1)}")
+    return owner.split(":")[0]
+
+
 class PackageTest(harness.ServerTestCase):
 
     @classmethod
@@ -125,7 +141,7 @@ class PackageTest(harness.ServerTestCase):
 
     def test_package_metadata(self):
         depends = run(["dpkg-deb", "-f", self.deb("outbox-relay"), "Depends"]).stdout
-        for lib in ("libpq5", "libhiredis0.14", "libev4"):
+        for lib in (library_package(name) for name in ("pq", "hiredis", "ev")):
             self.assertRegex(depends, rf"(^|, ){re.escape(lib)} ", depends)
         # No maintainer script: installing enables and starts nothing.
         control = run(["dpkg-deb", "-I", self.deb("outbox-relay")]).stdout
@@ -144,7 +160,7 @@ class PackageTest(harness.ServerTestCase):
 
     def test_installed_daemon_relays(self):
         version = run([BIN, "--version"])
-        self.assertEqual(version.stdout, f"outbox-relay {project_version()}\n")
+        self.assertEqual(version.stdout.splitlines()[0], f"outbox-relay {project_version()}")
         # A database migrated from the installed files alone.
         pg = self.enterContext(harness.Postgres(migrations=False))
         files = sorted(glob.glob("/usr/share/outbox-relay/migrations/*.sql"))
