@@ -53,6 +53,12 @@ Sections (BENCH_SECTIONS, comma-separated, all by default):
              drain of BENCH_ALT_CRASH_ROWS by each, killed (SIGKILL) halfway
              and started again; every message lost or published twice is
              counted
+  tls        the relay into one Redis over plain TCP and over TLS (rediss://
+             to redis-server's own TLS port, with a client certificate), in
+             BENCH_TLS_ROUNDS alternating rounds: a drain of BENCH_TLS_ROWS and
+             commit -> visible at BENCH_TLS_RATE rows/s; needs a relay built
+             with TLS (hiredis 1.x, Debian 13), else it records that it did not
+             run
   profile    perf record -a during a drain: where the machine's time goes
 
 Sizes come from the environment (BENCH_QUICK=1 for a smoke run of a few minutes);
@@ -93,11 +99,11 @@ if not __package__:  # run as a file, "bench" would name this file, not the pack
 from bench.benchlib import (  # noqa: E402,F401
     BATCH, BATCH_READ_SQL, CALL_ROWS, LOAD_PRODUCERS, LOADGEN_BIN, PAYLOAD, PG_SETTINGS,
     PGQ_BIN, PHASES, PUBLISH_CALLS, QUICK, R, REDIS_AOF, REDIS_ARGS, RELAY_BIN, RESULTS,
-    SOURCE, TOPICS, CpuMeter, aof_bytes, batch_read_alone, cpu_shares, cpu_ticks, env_float,
-    env_int, env_list, execute, fresh_round, insert_backlog, loadgen, log, machine_busy, pending,
-    proc_cpu, proc_status, publish_alone, recorded, relay_batches, relay_metric, relay_phase_sums,
-    reset_outbox, run_delay, scalar, servers, start_relay, stop_relay, stream_total, tick,
-    wait_drained)
+    SOURCE, TOPICS, BenchPostgres, CpuMeter, aof_bytes, batch_read_alone, bench_redis,
+    cpu_shares, cpu_ticks, env_float, env_int, env_list, execute, fresh_round, insert_backlog,
+    loadgen, log, machine_busy, pending, proc_cpu, proc_status, publish_alone, recorded,
+    relay_batches, relay_metric, relay_phase_sums, reset_outbox, run_delay, scalar, servers,
+    start_relay, stop_relay, stream_total, tick, wait_drained)
 from testkit import harness  # noqa: E402  (the integration tests' throwaway servers)
 
 ROWS = env_int("BENCH_ROWS", 50000 if QUICK else 1000000)          # the drain backlog
@@ -122,7 +128,7 @@ ALT_SECONDS = env_float("BENCH_ALT_SECONDS", 3 if QUICK else 15)
 ALT_ROUNDS = env_int("BENCH_ALT_ROUNDS", 1 if QUICK else 2)
 ALT_CRASH_ROWS = env_int("BENCH_ALT_CRASH_ROWS", 20000 if QUICK else 100000)
 ALL_SECTIONS = ["drain", "latency", "producers", "limits", "storage",
-                "partitions", "units", "replicas", "cluster", "alternatives", "profile"]
+                "partitions", "units", "replicas", "cluster", "alternatives", "tls", "profile"]
 SECTIONS = [s.strip() for s in (os.environ.get("BENCH_SECTIONS") or ",".join(ALL_SECTIONS))
             .split(",") if s.strip()]
 if QUICK and not os.environ.get("BENCH_SECTIONS"):
@@ -1399,6 +1405,83 @@ def section_alternatives():
 
 
 # --------------------------------------------------------------------------
+# TLS to Redis.
+
+TLS_ROWS = env_int("BENCH_TLS_ROWS", 20000 if QUICK else 200000)
+TLS_ROUNDS = env_int("BENCH_TLS_ROUNDS", 2)
+TLS_RATE = env_int("BENCH_TLS_RATE", 2000)
+
+
+def section_tls():
+    """What TLS to Redis costs: the same Redis reached on its plain port and
+    on its TLS port (mutual TLS, the CA and the name checked), rounds
+    alternating on one PostgreSQL."""
+    if "with TLS to Redis" not in cmd_out([RELAY_BIN, "--version"]):
+        log("tls: not run: this relay is built without TLS to Redis (hiredis 0.14)")
+        R.add("tls", "tls.not_run", 1, "", "outbox-relay --version: built without TLS to Redis")
+        return
+    tmp = tempfile.mkdtemp(prefix="outbox-bench-tls-")
+    try:
+        ca = harness.make_ca(tmp, "bench-ca")
+        server = harness.make_cert(tmp, ca, "redis")
+        client = harness.make_cert(tmp, ca, "relay", hosts=("outbox-relay",), usage="clientAuth")
+        os.chmod(tmp, 0o755)
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o644)
+        tls_port = harness.free_port()
+        tls_args = ["--tls-port", str(tls_port), "--tls-cert-file", server[0],
+                    "--tls-key-file", server[1], "--tls-ca-cert-file", ca[0],
+                    "--tls-auth-clients", "yes"]
+        with BenchPostgres() as pg, bench_redis(tls_args) as rd:
+            conn, rc = pg.connect(), rd.client()
+            try:
+                url = (rd.url().replace("redis://", "rediss://", 1)
+                       .replace(f"127.0.0.1:{rd.port}/", f"localhost:{tls_port}/")
+                       + f"?ca_file={ca[0]}&cert_file={client[0]}&key_file={client[1]}")
+                runs = {"plain": [], "tls": []}
+                for rnd in range(TLS_ROUNDS):
+                    for kind in (("plain", "tls") if rnd % 2 == 0 else ("tls", "plain")):
+                        flags = {"env": {"OUTBOX_RELAY_REDIS": url}} if kind == "tls" else {}
+                        reset_outbox(conn, rc)
+                        insert_backlog(conn, TLS_ROWS)
+                        d = drain(pg, rd, conn, rc, "relay", TLS_ROWS, BATCH, relay_flags=flags)
+                        reset_outbox(conn, rc)
+                        relay = start_relay(pg, rd, batch_size=BATCH, **flags)
+                        try:
+                            harness.insert(conn, "bench0", b"warm-up")
+                            harness.wait_until(lambda: stream_total(rc) >= 1, timeout=30,
+                                               relay=relay, message="the first row published")
+                            res = loadgen(pg, rd, rate=TLS_RATE, seconds=ALT_SECONDS, wait=10,
+                                          group="tls")
+                        finally:
+                            stop_relay(relay)
+                        d["p99_ms"] = res["visible_ms"].get("p99")
+                        d["p50_ms"] = res["visible_ms"].get("p50")
+                        runs[kind].append(d)
+                        log(f"tls: {kind} round {rnd}: drain {d['rate']:,.0f} msg/s, relay CPU"
+                            f" {d['cpu_per_100k']:.3f} s per 100k, Redis CPU {d['redis_cpu']:.2f}"
+                            f" s; at {TLS_RATE}/s commit -> visible p50 {d['p50_ms']} p99"
+                            f" {d['p99_ms']} ms")
+            finally:
+                conn.close()
+                rc.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for kind, ds in runs.items():
+        for key, unit in (("rate", "msg/s"), ("cpu_per_100k", "s"), ("redis_cpu", "s"),
+                          ("total_cpu_per_100k", "s"), ("p50_ms", "ms"), ("p99_ms", "ms")):
+            R.add("tls", f"tls.{kind}.{key}", statistics.median(d[key] for d in ds), unit,
+                  f"median of {len(ds)} rounds; drain of {TLS_ROWS:,}, latency at {TLS_RATE}/s")
+    for key, what in (("rate", "drain rate"), ("cpu_per_100k", "relay CPU per message"),
+                      ("total_cpu_per_100k", "relay + PostgreSQL + Redis CPU per message"),
+                      ("p99_ms", "commit -> visible p99")):
+        ratio = (statistics.median(d[key] for d in runs["tls"])
+                 / statistics.median(d[key] for d in runs["plain"]))
+        R.add("tls", f"ratio_tls_to_plain.{key}", ratio, "x", f"{what}, TLS / plain")
+        log(f"tls: {what}: TLS / plain = {ratio:.2f}x")
+
+
+# --------------------------------------------------------------------------
 # Profile.
 
 def section_profile():
@@ -1766,8 +1849,10 @@ def machine():
     info["os"] = cmd_out(["sh", "-c", ". /etc/os-release && echo $PRETTY_NAME"])
     info["postgres"] = cmd_out([os.path.join(harness.pg_bindir(), "postgres"), "--version"])
     info["redis"] = cmd_out(["redis-server", "--version"])
-    for pkg in ("libpq5", "libhiredis0.14", "libev4"):
+    for pkg in ("libpq5", "libev4"):
         info[pkg] = cmd_out(["dpkg-query", "-W", "-f=${Version}", pkg])
+    # libhiredis0.14 on Debian 12, libhiredis1.1.0 on Debian 13.
+    info["hiredis"] = cmd_out(["pkg-config", "--modversion", "hiredis"])
     info["cc"] = cmd_out(["cc", "--version"]).splitlines()[0] if cmd_out(["cc", "--version"]) else ""
     info["git"] = cmd_out(["git", "-C", SOURCE, "rev-parse", "--short", "HEAD"])
     info["git_dirty"] = "yes" if cmd_out(["git", "-C", SOURCE, "status", "--porcelain",
@@ -1847,7 +1932,7 @@ def main():
                      partitions=section_partitions, units=section_units,
                      replicas=section_replicas,
                      cluster=section_cluster, alternatives=section_alternatives,
-                     profile=section_profile)
+                     tls=section_tls, profile=section_profile)
     for name in SECTIONS:
         if name not in functions:
             sys.exit(f"bench.py: unknown section {name!r}; sections: {', '.join(ALL_SECTIONS)}")

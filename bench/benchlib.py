@@ -262,11 +262,11 @@ class BenchPostgres(harness.Postgres):
 REDIS_NO_REWRITE = ["--auto-aof-rewrite-percentage", "0"]
 
 
-def bench_redis():
+def bench_redis(extra_args=()):
     if REDIS_AOF == "no":
-        return harness.Redis(appendonly=False, extra_args=REDIS_ARGS)
+        return harness.Redis(appendonly=False, extra_args=REDIS_ARGS + list(extra_args))
     return harness.Redis(appendonly=True, appendfsync=REDIS_AOF,
-                         extra_args=REDIS_NO_REWRITE + REDIS_ARGS)
+                         extra_args=REDIS_NO_REWRITE + REDIS_ARGS + list(extra_args))
 
 
 def aof_bytes(rc):

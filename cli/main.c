@@ -7,6 +7,7 @@
 #include "common/compat.h"
 
 #include <ev.h>
+#include <hiredis/hiredis.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -140,7 +141,11 @@ static int parse_args(int argc, char **argv, struct cmdline *cl)
             usage(stdout);
             return OUTBOX_EX_OK;
         } else if (strcmp(a, "-V") == 0 || strcmp(a, "--version") == 0) {
-            printf("outbox-relay %s\n", RELAY_VERSION);
+            printf("outbox-relay %s\nhiredis %d.%d.%d, %s\n", RELAY_VERSION, HIREDIS_MAJOR,
+                   HIREDIS_MINOR, HIREDIS_PATCH,
+                   OUTBOX_TLS
+                       ? "with TLS to Redis (rediss://)"
+                       : "without TLS to Redis (rediss:// needs hiredis 1.x with hiredis_ssl)");
             return OUTBOX_EX_OK;
         } else if (strcmp(a, "--check-config") == 0) {
             cl->check_only = 1;

@@ -18,6 +18,7 @@
 #include <sys/time.h>
 
 #include "common/keys.h"
+#include "common/tls.h"
 #include "common/url.h"
 #include "common/wait.h"
 
@@ -148,6 +149,16 @@ static int open_steps(redisContext *c, const struct outbox_redis_url *u,
 {
     if (connected(c, u, connect_timeout_ms, stop_fd, err, errlen, fault) < 0)
         return -1;
+#if OUTBOX_TLS
+    if (u->tls.on) {
+        if (outbox_tls_handshake(c, u, u->host, u->port,
+                                 outbox_mono_now() + connect_timeout_ms / 1000.0, err,
+                                 errlen) != 0) {
+            *fault = OUTBOX_REDIS_IO;
+            return -1;
+        }
+    }
+#endif
     (void)redisEnableKeepAlive(c); /* a dead peer is noticed between commands too */
     static const char auth_hint[] = " (check the user and password of the Redis URL)";
     if (u->password[0] != '\0' && u->user[0] != '\0' &&
@@ -228,6 +239,7 @@ static int ask_sentinels(const struct outbox_redis_url *u, uint32_t connect_time
     for (int i = 0; i < u->sentinels.n; i++) {
         struct outbox_redis_url at;
         memset(&at, 0, sizeof(at));
+        at.tls = u->tls; /* rediss://: the Sentinels speak TLS too */
         snprintf(at.host, sizeof(at.host), "%s", u->sentinels.addr[i].host);
         at.port = u->sentinels.addr[i].port;
         char why[256];

@@ -9,6 +9,8 @@
 
 #include "common/url.h"
 
+#include "common/tls.h"
+
 #include <ctype.h>
 #include <errno.h>
 #include <stdarg.h>
@@ -93,7 +95,11 @@ static const char url_shape[] = "use redis://[user:password@]host[:port][/db]";
  */
 static const char *url_userinfo(const char *p, struct outbox_redis_url *u, char *err, size_t errlen)
 {
-    const char *at = strrchr(p, '@');
+    /* The last '@' before the query, whose file names may hold one. */
+    const char *at = NULL;
+    for (const char *q = p; *q != '\0' && *q != '?'; q++)
+        if (*q == '@')
+            at = q;
     if (at == NULL)
         return p;
     const char *colon = memchr(p, ':', (size_t)(at - p));
@@ -182,8 +188,91 @@ static const char *url_host(const char *p, struct outbox_redis_url *u, char *err
     return p;
 }
 
-/* ":port" and "/db" at p, each optional, and nothing after them.
- * 0, or -1 with err set. */
+/* The TLS options of the query at p (after '?'): name=value pairs joined by
+ * '&', each name once, values percent-decoded. 0, or -1 with err set. */
+static int url_options(const char *p, struct outbox_redis_url *u, char *err, size_t errlen)
+{
+    static const char names[] = "ca_file, ca_dir, cert_file, key_file, server_name and verify";
+    unsigned seen = 0;
+    while (*p != '\0') {
+        const char *end = p + strcspn(p, "&");
+        const char *eq = memchr(p, '=', (size_t)(end - p));
+        int nlen = (int)((size_t)((eq != NULL ? eq : end) - p) > 32
+                             ? 32
+                             : (size_t)((eq != NULL ? eq : end) - p));
+        if (eq == NULL || eq == p) {
+            url_err(err, errlen, "option \"%.*s\" has no value: write name=value (%s)", nlen, p,
+                    names);
+            return -1;
+        }
+        struct {
+            const char *name;
+            char *out;
+            size_t cap;
+        } opts[] = {
+            {"ca_file", u->tls.ca_file, sizeof(u->tls.ca_file)},
+            {"ca_dir", u->tls.ca_dir, sizeof(u->tls.ca_dir)},
+            {"cert_file", u->tls.cert_file, sizeof(u->tls.cert_file)},
+            {"key_file", u->tls.key_file, sizeof(u->tls.key_file)},
+            {"server_name", u->tls.server_name, sizeof(u->tls.server_name)},
+            {"verify", NULL, 0},
+        };
+        unsigned i = 0, n = sizeof(opts) / sizeof(opts[0]);
+        while (i < n && !(strlen(opts[i].name) == (size_t)(eq - p) &&
+                          strncmp(opts[i].name, p, (size_t)(eq - p)) == 0))
+            i++;
+        if (i == n) {
+            url_err(err, errlen, "unknown option \"%.*s\": the options of a rediss:// URL are %s",
+                    nlen, p, names);
+            return -1;
+        }
+        if (seen & (1u << i)) {
+            url_err(err, errlen, "option %s is given twice: keep one", opts[i].name);
+            return -1;
+        }
+        seen |= 1u << i;
+        char value[OUTBOX_TLS_PATH_MAX];
+        int r = url_pct_decode(eq + 1, (size_t)(end - eq - 1), value,
+                               opts[i].out != NULL ? opts[i].cap : sizeof(value));
+        if (r == -2) {
+            url_err(err, errlen, "option %s is longer than %zu bytes", opts[i].name,
+                    (opts[i].out != NULL ? opts[i].cap : sizeof(value)) - 1);
+            return -1;
+        }
+        if (r != 0) {
+            url_err(err, errlen,
+                    "bad percent-escape in option %s: write %%XX with two hex digits (not %%00)",
+                    opts[i].name);
+            return -1;
+        }
+        if (value[0] == '\0') {
+            url_err(err, errlen, "option %s is empty: give a value or leave the option out",
+                    opts[i].name);
+            return -1;
+        }
+        if (opts[i].out != NULL) {
+            memcpy(opts[i].out, value, strlen(value) + 1);
+        } else if (strcmp(value, "full") == 0 || strcmp(value, "ca") == 0) {
+            u->tls.verify_name = value[0] == 'f';
+        } else {
+            url_err(err, errlen,
+                    "option verify must be full (the CA and the server's name, the default) or ca "
+                    "(the CA only)");
+            return -1;
+        }
+        p = *end == '&' ? end + 1 : end;
+    }
+    if ((u->tls.cert_file[0] != '\0') != (u->tls.key_file[0] != '\0')) {
+        url_err(err, errlen,
+                "cert_file and key_file go together: give both for a client certificate, or "
+                "neither");
+        return -1;
+    }
+    return 0;
+}
+
+/* ":port" and "/db" at p, each optional, then TLS options after '?' in a
+ * rediss:// URL, and nothing else. 0, or -1 with err set. */
 static int url_port_db(const char *p, struct outbox_redis_url *u, char *err, size_t errlen)
 {
     uint64_t v;
@@ -211,9 +300,15 @@ static int url_port_db(const char *p, struct outbox_redis_url *u, char *err, siz
         }
         p = dend;
     }
-    if (*p == '?' || *p == '#') {
-        url_err(err, errlen, "options after \"%c\" are not supported: remove them and %s", *p,
-                url_shape);
+    if (*p == '?' && u->tls.on)
+        return url_options(p + 1, u, err, errlen);
+    if (*p == '?') {
+        url_err(err, errlen,
+                "options after \"?\" are TLS options: use them with rediss://, or remove them");
+        return -1;
+    }
+    if (*p == '#') {
+        url_err(err, errlen, "a \"#\" fragment is not allowed: remove it and %s", url_shape);
         return -1;
     }
     if (*p != '\0') {
@@ -257,6 +352,8 @@ static int parse_addrs(const char *list, int default_port, int allow_scheme, con
         const char *at = item;
         if (allow_scheme && strncasecmp(at, "redis://", 8) == 0)
             at += 8;
+        else if (allow_scheme && strncasecmp(at, "rediss://", 9) == 0)
+            at += 9;
         if (strpbrk(at, "@/?#") != NULL) {
             url_err(err, errlen, "\"%.64s\" is not host[:port]: %s", item, rule);
             return -1;
@@ -342,17 +439,24 @@ int outbox_url_parse(const char *url, struct outbox_redis_url *out, char *err, s
         url_err(err, errlen, "is empty: %s", url_shape);
         return -1;
     }
+    size_t scheme = 8;
     if (strncasecmp(url, "rediss://", 9) == 0) {
-        url_err(err, errlen,
-                "rediss:// (TLS) is not supported by this build: connect with redis:// to a local "
-                "stunnel that speaks TLS to Redis (see README)");
+        if (!OUTBOX_TLS) {
+            url_err(err, errlen,
+                    "rediss:// (TLS) needs outbox-relay built against hiredis 1.x with its SSL "
+                    "library (hiredis_ssl: Debian 13's libhiredis-dev); this build's hiredis has "
+                    "no TLS. Rebuild there, or connect with redis:// to a local stunnel that "
+                    "speaks TLS to Redis (docs/REDIS.md, \"TLS to Redis\")");
+            return -1;
+        }
+        u.tls.on = 1;
+        u.tls.verify_name = 1;
+        scheme = 9;
+    } else if (strncasecmp(url, "redis://", 8) != 0) {
+        url_err(err, errlen, "must start with redis:// or rediss://: %s", url_shape);
         return -1;
     }
-    if (strncasecmp(url, "redis://", 8) != 0) {
-        url_err(err, errlen, "must start with redis://: %s", url_shape);
-        return -1;
-    }
-    const char *p = url_userinfo(url + 8, &u, err, errlen);
+    const char *p = url_userinfo(url + scheme, &u, err, errlen);
     if (p != NULL)
         p = url_host(p, &u, err, errlen);
     if (p == NULL || url_port_db(p, &u, err, errlen) != 0)

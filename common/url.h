@@ -32,6 +32,22 @@ struct outbox_sentinels {
     char password[256];
 };
 
+/* Longest file name a TLS option may give. */
+#define OUTBOX_TLS_PATH_MAX 512
+
+/* TLS to Redis: a rediss:// URL and the options of its query,
+ * "?ca_file=...&ca_dir=...&cert_file=...&key_file=...&server_name=...&verify=full|ca"
+ * (common/tls.h). Every file name empty when not given. */
+struct outbox_tls_options {
+    int on;                              /* rediss:// */
+    int verify_name;                     /* 1 (verify=full, the default); 0: verify=ca */
+    char ca_file[OUTBOX_TLS_PATH_MAX];   /* PEM trust anchors; both empty: the system's */
+    char ca_dir[OUTBOX_TLS_PATH_MAX];    /* a c_rehash'ed directory of them */
+    char cert_file[OUTBOX_TLS_PATH_MAX]; /* client certificate (chain), for mutual TLS */
+    char key_file[OUTBOX_TLS_PATH_MAX];  /* its private key */
+    char server_name[256];               /* the name to check; empty: the host */
+};
+
 /* A parsed redis://[user:password@]host:port[/db] address. */
 struct outbox_redis_url {
     char host[256];
@@ -46,10 +62,14 @@ struct outbox_redis_url {
      * "redis://host:port,host:port,..." (outbox_url_parse_seeds). */
     int nseeds;
     struct outbox_addr seeds[OUTBOX_SEEDS_MAX]; /* seeds[0] is host:port */
+    /* rediss://: every connection this URL leads to (the Sentinels, a
+     * cluster's nodes) speaks TLS with these options. */
+    struct outbox_tls_options tls;
 };
 
 /*
- * Parses "redis://[user:password@]host[:port][/db][,host[:port]...]": a
+ * Parses "redis://[user:password@]host[:port][/db][,host[:port]...]" (or
+ * rediss:// with TLS options, see struct outbox_tls_options): a
  * URL, then more seed nodes of the same cluster (at most OUTBOX_SEEDS_MAX in
  * all), each host[:port] or a redis:// URL without a user, password or
  * database of its own. 0, or -1 with err; out is untouched on failure.
@@ -68,7 +88,8 @@ int outbox_sentinels_parse(const char *list, const char *master, struct outbox_s
                            char *err, size_t errlen) __attribute__((warn_unused_result));
 
 /*
- * Parses a redis:// URL into out. 0 on success, -1 with a message in err that
+ * Parses a redis:// or rediss:// URL into out. rediss:// is refused where
+ * the build has no TLS (OUTBOX_TLS 0, common/tls.h). 0 on success, -1 with a message in err that
  * says which part is wrong (the password is never echoed); out is untouched
  * on failure.
  */

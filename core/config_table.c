@@ -19,6 +19,7 @@
 #include <strings.h>
 
 #include "common/common.h"
+#include "common/tls.h"
 #include "core/text.h"
 
 #define CFG_STREAM_PREFIX_MAX 64
@@ -64,7 +65,10 @@ static int cfg_check_redis(const char *value, char *rule, size_t rulelen)
 
     if (value[0] == '\0')
         return 0; /* unset; validation reports it if it is still unset */
-    return outbox_url_parse_seeds(value, &u, rule, rulelen);
+    if (outbox_url_parse_seeds(value, &u, rule, rulelen) != 0)
+        return -1;
+    /* rediss://: the CA, certificate and key files load. */
+    return outbox_tls_check(&u, rule, rulelen);
 }
 
 /* What may stand in front of every stream name. */
@@ -90,7 +94,8 @@ const struct cfg_key relay_config_keys[] = {
     {"redis", CFG_SECRET_STRING, CFG_OFF(redis), 0, CFG_VALUE_MAX, "", CFG_REQUIRED,
      cfg_check_redis,
      "Redis address: redis://[user:password@]host[:port][/db][,host:port...] "
-     "(more seed nodes of a Redis Cluster after the first)"},
+     "(more seed nodes of a Redis Cluster after the first); rediss:// for TLS, with the options "
+     "ca_file, ca_dir, cert_file, key_file, server_name and verify after ?"},
     {"redis_password_file", CFG_STRING, CFG_OFF(redis_password_file), 0, CFG_VALUE_MAX, "", 0, NULL,
      "file whose first line is the Redis password; overrides the password in redis"},
     {"redis_sentinel", CFG_STRING, CFG_OFF(redis_sentinel), 0, CFG_VALUE_MAX, "", 0, NULL,

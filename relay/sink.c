@@ -49,6 +49,7 @@
 #include "common/keys.h"
 #include "relay/log.h"
 #include "common/redisconn.h"
+#include "common/tls.h"
 
 #define COMPONENT "redis"
 
@@ -67,6 +68,7 @@ enum sink_state {
 struct sink_node {
     struct relay_sink *s;
     redisAsyncContext *ac;
+    struct ssl_st *tls; /* ac's TLS session (rediss://), freed with ac */
     char host[256];
     int port;
     int setup_pending;
@@ -90,6 +92,7 @@ struct relay_sink {
     /* Sentinel: the context asking one, the next one to ask, why the last
      * one did not answer, and the primary's address they gave. */
     redisAsyncContext *sentinel_ac;
+    struct ssl_st *sentinel_tls; /* its TLS session (rediss://), freed with it */
     int sentinel_next;
     int sentinel_refused_auth; /* the Sentinel asked refused AUTH: sentinel_error says so */
     char sentinel_error[300];
@@ -156,9 +159,10 @@ static void describe(struct relay_sink *s)
         return;
     }
     int v6 = strchr(u->host, ':') != NULL;
-    snprintf(s->describe, sizeof(s->describe), "redis://%s%s%s%s%s%s:%d/%d%s", u->user,
-             u->password[0] ? ":***" : "", (u->user[0] || u->password[0]) ? "@" : "", v6 ? "[" : "",
-             u->host, v6 ? "]" : "", u->port, u->db, u->nseeds > 1 ? " (and more seeds)" : "");
+    snprintf(s->describe, sizeof(s->describe), "%s://%s%s%s%s%s%s:%d/%d%s",
+             u->tls.on ? "rediss" : "redis", u->user, u->password[0] ? ":***" : "",
+             (u->user[0] || u->password[0]) ? "@" : "", v6 ? "[" : "", u->host, v6 ? "]" : "",
+             u->port, u->db, u->nseeds > 1 ? " (and more seeds)" : "");
 }
 
 /* Frees every connection, detached first so that their callbacks (run by
@@ -693,6 +697,54 @@ static int take_slots(struct relay_sink *s, struct sink_node *first, const redis
     return 0;
 }
 
+/* Starts TLS on ac for host when the URL is rediss://: 0, or -1 with msg. */
+static int start_tls(const struct relay_sink *s, redisAsyncContext *ac, const char *host,
+                     struct ssl_st **tls, char *msg, size_t msglen)
+{
+    *tls = NULL;
+#if OUTBOX_TLS
+    if (s->cfg->redis_url.tls.on) {
+        *tls = outbox_tls_start(&ac->c, &s->cfg->redis_url, host, msg, msglen);
+        if (*tls == NULL)
+            return -1;
+    }
+#else
+    (void)s;
+    (void)ac;
+    (void)host;
+    (void)msg;
+    (void)msglen;
+#endif
+    return 0;
+}
+
+/* Whether TLS explains why a connection to host:port failed (a refused
+ * certificate, an unfinished handshake): 1 with msg written, else 0. */
+static int tls_explains(const struct ssl_st *tls, const char *host, int port, const char *text,
+                        char *msg, size_t msglen)
+{
+#if OUTBOX_TLS
+    return outbox_tls_failure(tls, host, port, text, msg, msglen);
+#else
+    (void)tls;
+    (void)host;
+    (void)port;
+    (void)text;
+    (void)msg;
+    (void)msglen;
+    return 0;
+#endif
+}
+
+/* Why a connection to host:port failed: what TLS says when it explains it,
+ * else "host:port: text". */
+static void io_failure(const struct ssl_st *tls, const char *host, int port, const char *text,
+                       char *msg, size_t msglen)
+{
+    if (!tls_explains(tls, host, port, text, msg, msglen))
+        snprintf(msg, msglen, "%.100s:%d: %s", host, port, text);
+}
+
 static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
 {
     struct sink_node *n = ac->data;
@@ -737,6 +789,13 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
                        "%s failed on %s:%d: %s; consumers in other languages that call its "
                        "functions (docs/CONSUMERS.md) need it loaded",
                        step, n->host, n->port, r != NULL ? r->str : "connection closed");
+    } else if (r == NULL && n->tls != NULL) {
+        /* A failed handshake shows as the first step's lost reply. */
+        char msg[400];
+        io_failure(n->tls, n->host, n->port, ac->errstr[0] ? ac->errstr : "connection closed", msg,
+                   sizeof(msg));
+        relay_sink_abort(s, msg);
+        return;
     } else if (r == NULL || r->type == REDIS_REPLY_ERROR) {
         char msg[400];
         int noperm = r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOPERM", 6) == 0;
@@ -764,8 +823,8 @@ static void on_connect(const redisAsyncContext *ac, int status)
     /* hiredis frees the context after this callback. */
     struct relay_sink *s = n->s;
     char msg[400];
-    snprintf(msg, sizeof(msg), "%s:%d: %s", n->host, n->port,
-             ac->c.errstr[0] ? ac->c.errstr : "connect failed");
+    io_failure(n->tls, n->host, n->port, ac->c.errstr[0] ? ac->c.errstr : "connect failed", msg,
+               sizeof(msg));
     n->ac = NULL;
     ev_timer_stop(s->loop, &s->timer);
     node_failed(s, "cannot connect", msg);
@@ -779,8 +838,8 @@ static void on_disconnect(const redisAsyncContext *ac, int status)
         return;
     struct relay_sink *s = n->s;
     char msg[400];
-    snprintf(msg, sizeof(msg), "%s:%d: %s", n->host, n->port,
-             ac->c.errstr[0] ? ac->c.errstr : "server closed the connection");
+    io_failure(n->tls, n->host, n->port,
+               ac->c.errstr[0] ? ac->c.errstr : "server closed the connection", msg, sizeof(msg));
     n->ac = NULL;
     ev_timer_stop(s->loop, &s->timer);
     node_failed(s, "connection lost", msg);
@@ -889,6 +948,12 @@ static void connect_node(struct relay_sink *s, struct sink_node *n, int probe)
         node_failed(s, "cannot connect", msg);
         return;
     }
+    char why[400];
+    if (start_tls(s, ac, n->host, &n->tls, why, sizeof(why)) != 0) {
+        redisAsyncFree(ac);
+        node_failed(s, "cannot connect", why);
+        return;
+    }
     ac->data = n;
     if (redisLibevAttach(s->loop, ac) != REDIS_OK) {
         redisAsyncFree(ac);
@@ -987,7 +1052,12 @@ static void on_sentinel_reply(redisAsyncContext *ac, void *reply, void *privdata
     /* The refused AUTH explains a NOAUTH; any other answer speaks for itself
      * (a Sentinel without a password refuses AUTH and answers all the same). */
     int noauth = r != NULL && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOAUTH", 6) == 0;
-    if (!(s->sentinel_refused_auth && noauth))
+    char why[300];
+    if (r == NULL &&
+        tls_explains(s->sentinel_tls, st->addr[at].host, st->addr[at].port,
+                     ac->errstr[0] ? ac->errstr : "closed the connection", why, sizeof(why)))
+        snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.280s", why);
+    else if (!(s->sentinel_refused_auth && noauth))
         outbox_sentinel_describe(s->sentinel_error, sizeof(s->sentinel_error), st->addr[at].host,
                                  st->addr[at].port, r,
                                  ac->errstr[0] ? ac->errstr : "closed the connection");
@@ -1006,9 +1076,10 @@ static void on_sentinel_connect(const redisAsyncContext *ac, int status)
     /* hiredis frees the context after this callback. */
     const struct outbox_sentinels *st = &s->cfg->redis_url.sentinels;
     int at = s->sentinel_next - 1;
-    snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d: %s",
-             st->addr[at].host, st->addr[at].port,
-             ac->c.errstr[0] ? ac->c.errstr : "connect failed");
+    char why[300];
+    io_failure(s->sentinel_tls, st->addr[at].host, st->addr[at].port,
+               ac->c.errstr[0] ? ac->c.errstr : "connect failed", why, sizeof(why));
+    snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.280s", why);
     s->sentinel_ac = NULL;
     ev_timer_stop(s->loop, &s->timer);
     ask_next_sentinel(s);
@@ -1035,10 +1106,14 @@ static void ask_next_sentinel(struct relay_sink *s)
         redisAsyncContext *ac = redisAsyncConnect(st->addr[at].host, st->addr[at].port);
         if (ac == NULL)
             break;
-        if (ac->err || redisLibevAttach(s->loop, ac) != REDIS_OK) {
+        char why[300] = "";
+        if (ac->err || start_tls(s, ac, st->addr[at].host, &s->sentinel_tls, why, sizeof(why)) ||
+            redisLibevAttach(s->loop, ac) != REDIS_OK) {
             snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d: %s",
                      st->addr[at].host, st->addr[at].port,
-                     ac->err ? ac->errstr : "cannot attach to the event loop");
+                     ac->err  ? ac->errstr
+                     : why[0] ? why
+                              : "cannot attach to the event loop");
             redisAsyncFree(ac);
             continue;
         }

@@ -272,11 +272,25 @@ class RedisCluster:
             cluster.primaries()      # {port: Redis} of the primaries now
     """
 
-    def __init__(self, primaries=3, replicas=1, node_timeout_ms=2000):
+    def __init__(self, primaries=3, replicas=1, node_timeout_ms=2000, tls=None):
         self.count = primaries * (1 + replicas)
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
+        # ((certificate, key), CA certificate): each node also listens on a
+        # TLS port of its own (node.tls_port), its bus and replication speak
+        # TLS, and clients must show a certificate there; the plain ports stay
+        # for the tests' own clients.
+        self.tls = tls
         self.nodes = []
+
+    def _tls_args(self):
+        if self.tls is None:
+            return [], None
+        (crt, key), ca = self.tls
+        port = free_port()
+        return ["--tls-port", str(port), "--tls-cert-file", crt, "--tls-key-file", key,
+                "--tls-ca-cert-file", ca, "--tls-cluster", "yes", "--tls-replication", "yes",
+                "--tls-auth-clients", "yes"], port
 
     def __enter__(self):
         try:
@@ -286,8 +300,10 @@ class RedisCluster:
             for _ in range(self.count):
                 # The bus port is its own (cluster-port): port + 10000, the
                 # default, may be taken or past 65535.
+                tls_args, tls_port = self._tls_args()
                 node = Redis(appendonly=True,
-                             extra_args=args + ["--cluster-port", str(free_port())])
+                             extra_args=args + ["--cluster-port", str(free_port())] + tls_args)
+                node.tls_port = tls_port
                 node.__enter__()
                 self.nodes.append(node)
             cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
@@ -415,6 +431,12 @@ class RedisCluster:
     def url(self):
         return "redis://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
+    def tls_url(self, query):
+        """rediss:// to every node's TLS port, the TLS options (query) on the first."""
+        ports = [n.tls_port for n in self.nodes]
+        return (f"rediss://127.0.0.1:{ports[0]}?{query}"
+                + "".join(f",127.0.0.1:{p}" for p in ports[1:]))
+
     def reader(self):
         return ClusterReader(self)
 
@@ -471,13 +493,15 @@ class Sentinel(Redis):
     acl_users = False
 
     def __init__(self, primary, master="mymaster", quorum=2, down_after_ms=1000,
-                 failover_timeout_ms=10000, password=None, user=None, user_password=None):
+                 failover_timeout_ms=10000, password=None, user=None, user_password=None,
+                 primary_port=None, extra_conf=()):
         super().__init__(password=password)
+        self.extra_conf = list(extra_conf)  # more lines of sentinel.conf (TLS, say)
         self.user = user
         self.user_password = user_password
         if user_password:
             keep_secret(user_password)
-        self.primary_port = primary.port
+        self.primary_port = primary_port or primary.port  # another port of it: its TLS port
         self.master = master
         self.quorum = quorum
         self.down_after_ms = down_after_ms
@@ -499,6 +523,8 @@ class Sentinel(Redis):
                             f"sentinel sentinel-pass {self.password}\n")
                 if self.user:
                     f.write(f"user {self.user} on >{self.user_password} ~* &* +@all\n")
+                for line in self.extra_conf:
+                    f.write(line + "\n")
         return [redis_server_binary(), conf, "--sentinel"]
 
     def primary(self):

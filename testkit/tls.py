@@ -19,14 +19,15 @@ def make_ca(directory, name):
     return crt, key
 
 
-def make_cert(directory, ca, name, hosts=("localhost", "127.0.0.1")):
-    """A server certificate signed by ca for hosts (names and IP addresses in
-    subjectAltName): (certificate, key) paths."""
+def make_cert(directory, ca, name, hosts=("localhost", "127.0.0.1"), usage="serverAuth"):
+    """A certificate signed by ca for hosts (names and IP addresses in
+    subjectAltName), a server's by default, a client's with
+    usage="clientAuth": (certificate, key) paths."""
     crt, key = os.path.join(directory, f"{name}.crt"), os.path.join(directory, f"{name}.key")
     csr, ext = os.path.join(directory, f"{name}.csr"), os.path.join(directory, f"{name}.ext")
     sans = ",".join(("IP:" if re.fullmatch(r"[0-9.]+", h) else "DNS:") + h for h in hosts)
     with open(ext, "w") as f:
-        f.write(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\n")
+        f.write(f"subjectAltName={sans}\nextendedKeyUsage={usage}\n")
     run_command(["openssl", "req", "-new", "-newkey", "ec", "-pkeyopt",
                  "ec_paramgen_curve:P-256", "-nodes", "-subj", f"/CN={hosts[0]}",
                  "-keyout", key, "-out", csr],

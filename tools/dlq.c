@@ -43,9 +43,9 @@
 static void describe_url(const struct outbox_redis_url *u, char *out, size_t outlen)
 {
     int v6 = strchr(u->host, ':') != NULL;
-    snprintf(out, outlen, "redis://%s%s%s%s%s%s:%d/%d", u->user, u->password[0] ? ":***" : "",
-             (u->user[0] || u->password[0]) ? "@" : "", v6 ? "[" : "", u->host, v6 ? "]" : "",
-             u->port, u->db);
+    snprintf(out, outlen, "%s://%s%s%s%s%s%s:%d/%d", u->tls.on ? "rediss" : "redis", u->user,
+             u->password[0] ? ":***" : "", (u->user[0] || u->password[0]) ? "@" : "", v6 ? "[" : "",
+             u->host, v6 ? "]" : "", u->port, u->db);
 }
 
 /* Says why the connection failed; the context is unusable afterwards. */

@@ -99,7 +99,8 @@ typedef void outbox_consumer_log_fn(enum outbox_consumer_log_level level, const 
                                     void *arg);
 
 struct outbox_consumer_options {
-    const char *redis_url; /* redis://[user:password@]host:port[/db] */
+    const char *redis_url; /* redis://[user:password@]host:port[/db], or rediss:// with TLS
+                            * options where built with TLS (docs/REDIS.md) */
     const char *stream;
     const char *group;
     const char *consumer;                             /* NULL: "<hostname>-<pid>" */

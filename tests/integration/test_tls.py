@@ -15,6 +15,20 @@ for each run. Promises tested:
   to end, and the TLS port does not speak plain Redis;
 - the stunnel client given a CA that did not sign the certificate: the
   handshake fails, the relay is never ready and marks nothing sent.
+
+Redis over its own TLS port (redis-server --tls-port, client certificates
+required), with rediss:// URLs (docs/REDIS.md, "TLS to Redis"):
+- built with TLS (hiredis 1.x with hiredis_ssl): the relay delivers rows
+  with mutual TLS, the example consumer (the consumer library) handles each
+  once, and `outbox-relay status` reads the streams, all through rediss://;
+- a CA that did not sign the server's certificate, or a server name the
+  certificate does not carry: the relay never connects, marks nothing sent,
+  and its log and the status command's error say which (verify=ca drops the
+  name check, and then rows are delivered);
+- --check-config refuses an unknown option, a missing CA file, and a key
+  that is not the certificate's, naming the file;
+- built without TLS (hiredis 0.14): --check-config refuses rediss:// and
+  says what to do.
 """
 
 import contextlib
@@ -23,10 +37,11 @@ import shutil
 import tempfile
 import time
 import unittest
+import urllib.parse
 
 import redis as redis_py
 
-from testkit import harness
+from testkit import consumers, harness
 from testkit.harness import insert_many, scalar, wait_until
 
 harness.require_relay()
@@ -133,6 +148,201 @@ class TlsTest(unittest.TestCase):
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
                                          " WHERE sent_at IS NOT NULL"), 0)
         self.assertEqual(redis.client().exists("orders"), 0)
+
+
+def built_with_tls():
+    """Whether the relay under test speaks TLS to Redis itself (its --version)."""
+    done = harness.run_relay(["--version"])
+    return "with TLS to Redis" in done.stdout
+
+
+class RedisTlsTest(consumers.ConsumerTestCase):
+    """rediss:// to redis-server's own TLS port, which asks for client certificates."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tls = built_with_tls()
+        cls.dir = tempfile.mkdtemp(prefix="outbox-redis-tls-")
+        cls.addClassCleanup(shutil.rmtree, cls.dir, True)
+        cls.ca = harness.make_ca(cls.dir, "outbox-test-ca")
+        cls.other_ca = harness.make_ca(cls.dir, "another-ca")
+        # Redis's and the Sentinel's, which they also show as clients (to
+        # each other, with tls-replication).
+        cls.server_cert = harness.make_cert(cls.dir, cls.ca, "redis",
+                                            usage="serverAuth,clientAuth")
+        cls.client_cert = harness.make_cert(cls.dir, cls.ca, "relay", hosts=("outbox-relay",),
+                                            usage="clientAuth")
+        os.chmod(cls.dir, 0o755)
+        for f in os.listdir(cls.dir):
+            os.chmod(os.path.join(cls.dir, f), 0o644)
+        cls.tls_port = harness.free_port()
+        cls.redis_options = dict(extra_args=[
+            "--tls-port", str(cls.tls_port), "--tls-cert-file", cls.server_cert[0],
+            "--tls-key-file", cls.server_cert[1], "--tls-ca-cert-file", cls.ca[0],
+            "--tls-auth-clients", "yes"])
+        super().setUpClass()
+
+    def url(self, user="outbox-relay", **options):
+        """A rediss:// URL of the TLS port for user, with the test's CA and
+        client certificate unless options say otherwise (None: left out)."""
+        opts = dict(ca_file=self.ca[0], cert_file=self.client_cert[0],
+                    key_file=self.client_cert[1])
+        opts.update(options)
+        query = "&".join(f"{k}={urllib.parse.quote(v, safe='/')}" for k, v in opts.items()
+                         if v is not None)
+        plain = self.redis.url(user)
+        return (plain.replace("redis://", "rediss://", 1)
+                .replace(f"127.0.0.1:{self.redis.port}/", f"localhost:{self.tls_port}/")
+                + ("?" + query if query else ""))
+
+    def check_config(self, url):
+        env = harness.relay_env(self.pg, extra={"OUTBOX_RELAY_REDIS": url})
+        return harness.run_relay(["--check-config"], env=env)
+
+    def tools(self, args, url):
+        env = harness.relay_env(self.pg, extra={"OUTBOX_RELAY_REDIS": url})
+        return harness.run_relay(args, env=env, timeout=30)
+
+    def need_tls(self):
+        if not self.tls:
+            self.skipTest("this build has no TLS to Redis (hiredis 0.14)")
+
+    def test_without_tls_rediss_is_refused(self):
+        if self.tls:
+            self.skipTest("this build has TLS to Redis")
+        done = self.check_config(self.url())
+        self.assertNotEqual(done.returncode, 0, done.output)
+        self.assertIn("rediss:// (TLS) needs outbox-relay built against hiredis 1.x", done.output)
+        self.assertIn("stunnel", done.output)
+
+    def test_relay_consumer_and_tools_over_tls(self):
+        self.need_tls()
+        self.assertEqual(self.check_config(self.url()).returncode, 0)
+        relay = self.relay(env={"OUTBOX_RELAY_REDIS": self.url()}, **RELAY_FLAGS)
+        n = 50
+        insert_many(self.db, [("orders", b'{"n": %d}' % i) for i in range(n)])
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.assertEqual(self.r.xlen("orders"), n)
+        relay_conns = [c for c in self.r.client_list() if c.get("user") == "outbox-relay"]
+        self.assertGreater(len(relay_conns), 0)
+        # The consumer library, through rediss:// with the consumers' user.
+        consumer = self.enterContext(consumers.Consumer(
+            self.pg, self.redis, consumer="tls1", block="100ms",
+            redis_url=self.url("outbox-consumer")))
+        wait_until(lambda: consumers.effects(self.db) == (n, n), timeout=30,
+                   message="the consumer to handle every message over TLS", relay=consumer)
+        self.assertNotIn("ERROR", consumer.log())
+        # The operator commands, with the tools' user.
+        done = self.tools(["status"], self.url("outbox-tools"))
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assertIn("orders", done.stdout)
+
+    def assert_refused(self, why, **options):
+        relay = self.relay(env={"OUTBOX_RELAY_REDIS": self.url(**options)}, **RELAY_FLAGS)
+        insert_many(self.db, [("orders", b'{"n": 1}')])
+        line = relay.wait_for_log(r"^.*the certificate of Redis at localhost:\d+ was refused.*$",
+                                  timeout=20)
+        print(f"refused: {line.group(0).strip()[:400]}", flush=True)
+        self.assertRegex(line.group(0), why)
+        time.sleep(1)
+        self.assertEqual(scalar(self.db, "SELECT count(*) FROM outbox.messages"
+                                         " WHERE sent_at IS NOT NULL"), 0)
+        self.assertEqual(self.r.exists("orders"), 0)
+        # The blocking connect of the tools says the same.
+        done = self.tools(["status"], self.url("outbox-tools", **options))
+        self.assertNotEqual(done.returncode, 0, done.output)
+        self.assertRegex(done.output, r"the certificate of Redis at localhost:\d+ was refused")
+        self.assertRegex(done.output, why)
+
+    def test_certificate_of_another_ca_is_refused(self):
+        self.need_tls()
+        # OpenSSL names it by the chain the server sends: with or without its root.
+        self.assert_refused(r"(unable to get local issuer certificate|self-signed certificate in "
+                            r"certificate chain)", ca_file=self.other_ca[0])
+
+    def test_wrong_server_name_is_refused(self):
+        self.need_tls()
+        self.assert_refused("hostname mismatch", server_name="redis.example")
+
+    def test_verify_ca_leaves_the_name_unchecked(self):
+        self.need_tls()
+        relay = self.relay(env={"OUTBOX_RELAY_REDIS": self.url(server_name="redis.example",
+                                                               verify="ca")}, **RELAY_FLAGS)
+        insert_many(self.db, [("orders", b'{"n": 1}')])
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.assertEqual(self.r.xlen("orders"), 1)
+
+    def test_sentinel_over_tls(self):
+        """A Sentinel reached on its TLS port names the primary by its TLS
+        port and IP address: the relay and the tools connect to both with the
+        URL's options, and rows are delivered."""
+        self.need_tls()
+        sentinel_tls = harness.free_port()
+        sentinel = self.enterContext(harness.Sentinel(
+            self.redis, quorum=1, primary_port=self.tls_port, extra_conf=[
+                f"tls-port {sentinel_tls}", f"tls-cert-file {self.server_cert[0]}",
+                f"tls-key-file {self.server_cert[1]}", f"tls-ca-cert-file {self.ca[0]}",
+                "tls-replication yes", "tls-auth-clients yes"]))
+        wait_until(lambda: sentinel.primary() == self.tls_port, timeout=20,
+                   message="the Sentinel to name the primary's TLS port")
+        env = {"OUTBOX_RELAY_REDIS": self.url(),
+               "OUTBOX_RELAY_REDIS_SENTINEL": f"127.0.0.1:{sentinel_tls}",
+               "OUTBOX_RELAY_REDIS_MASTER": sentinel.master}
+        relay = self.relay(env=env, **RELAY_FLAGS)
+        insert_many(self.db, [("orders", b'{"n": %d}' % i) for i in range(20)])
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.assertEqual(self.r.xlen("orders"), 20)
+        relay.wait_for_log(rf"names 127\.0\.0\.1:{self.tls_port} as the primary", timeout=5)
+        done = harness.run_relay(["status"], timeout=30, env=harness.relay_env(self.pg, extra={
+            **env, "OUTBOX_RELAY_REDIS": self.url("outbox-tools")}))
+        self.assertEqual(done.returncode, 0, done.output)
+        self.assertIn("orders", done.stdout)
+        # A Sentinel certificate from another CA: never asked.
+        env["OUTBOX_RELAY_REDIS"] = self.url(ca_file=self.other_ca[0])
+        refused = harness.run_relay(["status"], timeout=30, env=harness.relay_env(
+            self.pg, extra={**env, "OUTBOX_RELAY_REDIS": self.url("outbox-tools",
+                                                                  ca_file=self.other_ca[0])}))
+        self.assertNotEqual(refused.returncode, 0, refused.output)
+        self.assertRegex(refused.output, rf"no Sentinel named the primary .*the certificate of "
+                                         rf"Redis at 127\.0\.0\.1:{sentinel_tls} was refused")
+
+    def test_cluster_over_tls(self):
+        """A Redis Cluster whose nodes talk TLS (tls-cluster): seeded with
+        their TLS ports, the relay follows the slot map, which names TLS ports
+        to a TLS client, and delivers to every primary."""
+        self.need_tls()
+        cluster = self.enterContext(harness.RedisCluster(
+            primaries=3, replicas=0, tls=(self.server_cert, self.ca[0])))
+        query = self.url().split("?", 1)[1]
+        env = {"OUTBOX_RELAY_REDIS": cluster.tls_url(query)}
+        relay = self.enterContext(harness.Relay(self.pg, None, env=env, **RELAY_FLAGS))
+        topics = [f"t{i}" for i in range(12)]
+        insert_many(self.db, [(topic, b'{"n": %d}' % i) for topic in topics for i in range(5)])
+        harness.wait_all_sent(self.db, timeout=60, relay=relay)
+        reader = cluster.reader()
+        self.addCleanup(reader.close)
+        lengths = {t: reader.owner_xlen(t) for t in topics}
+        self.assertEqual(lengths, {t: 5 for t in topics})
+        owners = {id(reader.owner[t.encode()]) for t in topics}
+        self.assertEqual(len(owners), 3, "the topics are spread over the three primaries")
+        relay.wait_for_log(r"redis cluster of 3 primaries", timeout=5)
+
+    def test_bad_tls_options_are_refused_at_check_config(self):
+        self.need_tls()
+        missing = os.path.join(self.dir, "missing-ca.crt")
+        cases = [
+            (self.url(cafile="x"), "unknown option \"cafile\""),
+            (self.url(ca_file=missing), f"TLS option ca_file {missing}: No such file or directory"),
+            (self.url(key_file=self.server_cert[1]),
+             f"TLS option key_file {self.server_cert[1]}: "),
+            (self.url(key_file=self.server_cert[1]), "give the private key of cert_file"),
+            (self.url(key_file=None), "cert_file and key_file go together"),
+        ]
+        for url, message in cases:
+            with self.subTest(message=message):
+                done = self.check_config(url)
+                self.assertNotEqual(done.returncode, 0, done.output)
+                self.assertIn(message, done.output)
 
 
 if __name__ == "__main__":

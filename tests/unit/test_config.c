@@ -898,15 +898,17 @@ static void test_url_parse_invalid(void **state)
         {"redis://host:+80", "port \"+80\" must be a number between 1 and 65535"},
         {"redis://host:99999999999999999999", "port \"9999999999999999\" must be a number between "
                                               "1 and 65535"},
-        {"redis://host#frag", "options after \"#\" are not supported: remove them and use "
+        {"redis://host#frag", "a \"#\" fragment is not allowed: remove it and use "
                               "redis://[user:password@]host[:port][/db]"},
+        {"redis://host/0?ca_file=/ca.pem",
+         "options after \"?\" are TLS options: use them with rediss://, or remove them"},
         {"redis://u:hunter2%00@host", "bad percent-escape in the user name or password: write "
                                       "%XX with two hex digits (not %00)"},
         {"redis://u:hunter2%4@host", "bad percent-escape in the user name or password: write "
                                      "%XX with two hex digits (not %00)"},
         {"redis://u:hunter2/x@host", "the user name or password has a character that must be "
                                      "percent-encoded (e.g. %40 for @, %2F for /)"},
-        {"unix:///run/redis.sock", "must start with redis://: use "
+        {"unix:///run/redis.sock", "must start with redis:// or rediss://: use "
                                    "redis://[user:password@]host[:port][/db]"},
     };
     struct outbox_redis_url u;
@@ -919,6 +921,74 @@ static void test_url_parse_invalid(void **state)
         assert_string_equal(err, cases[i].err);
         assert_null(strstr(err, "hunter2"));
     }
+}
+
+/* rediss:// and its options where the build has TLS; refused, saying
+ * why and what to do, where it has not. */
+static void test_url_tls(void **state)
+{
+    struct outbox_redis_url u;
+    char err[ERRLEN];
+
+    (void)state;
+    int rc = outbox_url_parse("rediss://u:hunter2@redis.example:6380/2?ca_file=/etc/ca%20x.pem&"
+                              "cert_file=/c@1.pem&key_file=/k.pem&server_name=r.example&verify=ca",
+                              &u, err, sizeof(err));
+    if (!OUTBOX_TLS) {
+        assert_int_equal(rc, -1);
+        assert_non_null(
+            strstr(err, "rediss:// (TLS) needs outbox-relay built against hiredis 1.x"));
+        assert_non_null(strstr(err, "stunnel"));
+        return;
+    }
+    assert_int_equal(rc, 0);
+    assert_int_equal(u.tls.on, 1);
+    assert_int_equal(u.tls.verify_name, 0);
+    assert_string_equal(u.host, "redis.example");
+    assert_string_equal(u.password, "hunter2");
+    assert_int_equal(u.port, 6380);
+    assert_int_equal(u.db, 2);
+    assert_string_equal(u.tls.ca_file, "/etc/ca x.pem");
+    assert_string_equal(u.tls.cert_file, "/c@1.pem");
+    assert_string_equal(u.tls.key_file, "/k.pem");
+    assert_string_equal(u.tls.server_name, "r.example");
+    assert_int_equal(outbox_url_parse("REDISS://h", &u, err, sizeof(err)), 0);
+    assert_int_equal(u.tls.on, 1);
+    assert_int_equal(u.tls.verify_name, 1);
+    assert_string_equal(u.tls.ca_file, "");
+    /* The seeds after the first take its TLS options. */
+    assert_int_equal(outbox_url_parse_seeds("rediss://a:1?ca_file=/ca.pem,b:2,rediss://c:3", &u,
+                                            err, sizeof(err)),
+                     0);
+    assert_int_equal(u.nseeds, 3);
+    assert_string_equal(u.seeds[2].host, "c");
+    assert_string_equal(u.tls.ca_file, "/ca.pem");
+
+    static const struct {
+        const char *url, *err;
+    } cases[] = {
+        {"rediss://h?cafile=/x",
+         "unknown option \"cafile\": the options of a rediss:// URL are ca_file, ca_dir, "
+         "cert_file, key_file, server_name and verify"},
+        {"rediss://h?ca_file", "option \"ca_file\" has no value: write name=value (ca_file, "
+                               "ca_dir, cert_file, key_file, server_name and verify)"},
+        {"rediss://h?ca_file=", "option ca_file is empty: give a value or leave the option out"},
+        {"rediss://h?ca_file=/a&ca_file=/b", "option ca_file is given twice: keep one"},
+        {"rediss://h?verify=none", "option verify must be full (the CA and the server's name, "
+                                   "the default) or ca (the CA only)"},
+        {"rediss://h?cert_file=/c.pem", "cert_file and key_file go together: give both for a "
+                                        "client certificate, or neither"},
+        {"rediss://h?ca_file=%zz", "bad percent-escape in option ca_file: write %XX with two hex "
+                                   "digits (not %00)"},
+    };
+    for (size_t i = 0; i < OUTBOX_ARRAY_LEN(cases); i++) {
+        assert_int_equal(outbox_url_parse(cases[i].url, &u, err, sizeof(err)), -1);
+        assert_string_equal(err, cases[i].err);
+    }
+    char url[1024];
+    snprintf(url, sizeof(url), "rediss://h?ca_file=/%0600d", 0);
+    assert_int_equal(outbox_url_parse(url, &u, err, sizeof(err)), -1);
+    assert_string_equal(err, "option ca_file is longer than 511 bytes");
 }
 
 static void test_url_size_caps(void **state)
@@ -1109,6 +1179,7 @@ int main(void)
         cmocka_unit_test(test_sentinel_keys),
         cmocka_unit_test(test_opaque_secret_never_shown),
         cmocka_unit_test(test_url_parse_invalid),
+        cmocka_unit_test(test_url_tls),
         cmocka_unit_test(test_url_size_caps),
         cmocka_unit_test(test_password_file),
         cmocka_unit_test(test_dump_redacts),
