@@ -171,7 +171,7 @@ static void *producer_main(void *arg)
     for (int i = 0; i < payload_bytes; i++)
         payload[i] = pgq_queue ? (char)('a' + rand_r(&seed) % 26) : (char)(rand_r(&seed) & 0xff);
     payload[payload_bytes] = '\0'; /* PgQ's ev_data is text */
-    char topics[MAX_TOPICS][16];
+    char topics[MAX_TOPICS][24];
     for (int i = 0; i < ntopics; i++)
         snprintf(topics[i], sizeof(topics[i]), "bench%d", i);
     int lens[3] = {0, payload_bytes, 0}, formats[3] = {0, pgq_queue ? 0 : 1, 0};
@@ -259,7 +259,7 @@ static void *visible_main(void *arg)
     (void)arg;
     redisContext *rd = redis_connect();
     char last[MAX_TOPICS][64];
-    char names[MAX_TOPICS][16];
+    char names[MAX_TOPICS][24];
     const char *argv[4 + 2 * MAX_TOPICS];
     for (int i = 0; i < ntopics; i++) {
         snprintf(names[i], sizeof(names[i]), "bench%d", i);
@@ -321,7 +321,7 @@ static void *acked_main(void *arg)
 {
     (void)arg;
     redisContext *rd = redis_connect();
-    char names[MAX_TOPICS][16];
+    char names[MAX_TOPICS][24];
     const char *argv[8 + 2 * MAX_TOPICS];
     const char **ack = need(malloc((10000 + 3) * sizeof(*ack)));
     long *pending_idx = need(malloc(10000 * MAX_TOPICS * sizeof(*pending_idx)));

@@ -1109,7 +1109,7 @@ static void ask_next_sentinel(struct relay_sink *s)
         char why[300] = "";
         if (ac->err || start_tls(s, ac, st->addr[at].host, &s->sentinel_tls, why, sizeof(why)) ||
             redisLibevAttach(s->loop, ac) != REDIS_OK) {
-            snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d: %s",
+            snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d: %.170s",
                      st->addr[at].host, st->addr[at].port,
                      ac->err  ? ac->errstr
                      : why[0] ? why

@@ -9,7 +9,8 @@
 #
 #   build    compile and install the relay, the consumer library and the
 #            example consumer (cmake --install): a C toolchain, CMake,
-#            pkg-config and the headers of libpq, hiredis and libev.
+#            pkg-config and the headers of libpq, hiredis and libev (and, on
+#            trixie, of OpenSSL, for TLS to Redis with hiredis 1.2).
 #   package  build, plus what scripts/package.sh uses to make and check the
 #            Debian packages: dpkg-dev (dpkg-shlibdeps), file (CPack's
 #            DEB generator) and lintian.
@@ -90,11 +91,15 @@ case "$codename" in
     pg=15
     clang_rt=libclang-rt-14-dev
     valkey_suite=bookworm-backports
+    tls=()
     ;;
   trixie)
     pg=17
     clang_rt=libclang-rt-19-dev
     valkey_suite=
+    # hiredis 1.2's SSL library is in libhiredis-dev; TLS to Redis also
+    # calls OpenSSL itself (common/tls.c).
+    tls=(libssl-dev)
     ;;
   *)
     echo "deps.sh: unsupported system (VERSION_CODENAME '${codename:-unknown}' in" \
@@ -109,7 +114,7 @@ case "$codename" in
     ;;
 esac
 
-build=(build-essential cmake pkg-config libpq-dev libhiredis-dev libev-dev)
+build=(build-essential cmake pkg-config libpq-dev libhiredis-dev libev-dev "${tls[@]}")
 package=(dpkg-dev file lintian)
 demo=("postgresql-$pg" "postgresql-client-$pg" redis-server python3 python3-psycopg2 python3-redis)
 test=(
