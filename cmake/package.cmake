@@ -88,6 +88,11 @@ set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_NAME liboutbox-consumer-dev)
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_SECTION libdevel)
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_DEPENDS
   "liboutbox-consumer1 (= ${PROJECT_VERSION}), libhiredis-dev")
+if(OUTBOX_TLS)
+  # With TLS to Redis the pkg-config file requires openssl (its .pc file,
+  # also to resolve the flags of a dynamic link).
+  string(APPEND CPACK_DEBIAN_DEVELOPMENT_PACKAGE_DEPENDS ", libssl-dev")
+endif()
 set(CPACK_DEBIAN_DEVELOPMENT_DESCRIPTION
   "consumer library for the Redis Streams of outbox-relay (development files)
 A C library for services that consume the streams outbox-relay publishes.

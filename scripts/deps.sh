@@ -92,14 +92,18 @@ case "$codename" in
     clang_rt=libclang-rt-14-dev
     valkey_suite=bookworm-backports
     tls=()
+    tls_static=()
     ;;
   trixie)
     pg=17
     clang_rt=libclang-rt-19-dev
     valkey_suite=
     # hiredis 1.2's SSL library is in libhiredis-dev; TLS to Redis also
-    # calls OpenSSL itself (common/tls.c).
+    # calls OpenSSL itself (common/tls.c). The package test links the
+    # consumer library fully statically, OpenSSL's libcrypto with it, which
+    # takes zlib's and zstd's static libraries.
     tls=(libssl-dev)
+    tls_static=(zlib1g-dev libzstd-dev)
     ;;
   *)
     echo "deps.sh: unsupported system (VERSION_CODENAME '${codename:-unknown}' in" \
@@ -119,7 +123,7 @@ package=(dpkg-dev file lintian)
 demo=("postgresql-$pg" "postgresql-client-$pg" redis-server python3 python3-psycopg2 python3-redis)
 test=(
   libcmocka-dev clang-format clang "$clang_rt" man-db curl pgbouncer python3-yaml
-  prometheus openssl stunnel4 cppcheck clang-tidy valgrind
+  prometheus openssl stunnel4 cppcheck clang-tidy valgrind "${tls_static[@]}"
 )
 valkey=(valkey-server valkey-tools)
 backports=()
