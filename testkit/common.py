@@ -32,6 +32,28 @@ def reserve_port(port):
     _ports_given.add(port)
 
 
+def http_get(port, path, timeout=5.0):
+    """GET path from 127.0.0.1:port on a fresh connection (the relay's metrics
+    endpoint): (status or None when none came, body, seconds taken)."""
+    started = time.monotonic()
+    data = b""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        pass  # refused, reset or timed out: no status below
+    elapsed = time.monotonic() - started
+    head, _, body = data.partition(b"\r\n\r\n")
+    parts = head.split(b" ", 2)
+    status = int(parts[1]) if len(parts) >= 2 and parts[0].startswith(b"HTTP/") else None
+    return status, body, elapsed
+
+
 def port_open(port, host="127.0.0.1"):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)

@@ -44,8 +44,8 @@ import unittest
 # Names re-exported from the other modules, for harness.<name>.
 from .cleanup import (LOG_DIR, keep_log, keep_secret, keep_text,  # noqa: F401
                       register, set_deadline, stop_on_signal, unregister)
-from .common import (SKIP, SOURCE_DIR, free_port, port_open, reserve_port,  # noqa: F401
-                     run_command, spawn_listening, tail, temp_dir, wait_until)
+from .common import (SKIP, SOURCE_DIR, free_port, http_get, port_open,  # noqa: F401
+                     reserve_port, run_command, spawn_listening, tail, temp_dir, wait_until)
 from .outbox import (all_entries, burn_xids, count_sent, count_unsent,  # noqa: F401
                      dedup_records, entries_by_message_id, insert, insert_many,
                      max_sent_within, partitions, publish_calls, reset, scalar,

@@ -45,27 +45,6 @@ ANSWER_WITHIN = 1.0  # seconds; see the module docstring
 SPARE_FDS = 16  # descriptors the endpoint leaves to the relay (relay/metrics.c)
 
 
-def request(port, path, timeout=5.0):
-    """GET path on a fresh connection: (status or None, body, seconds)."""
-    started = time.monotonic()
-    data = b""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-            s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
-            while True:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-    except OSError:
-        pass  # reset or timed out: no status below
-    elapsed = time.monotonic() - started
-    head, _, body = data.partition(b"\r\n\r\n")
-    parts = head.split(b" ", 2)
-    status = int(parts[1]) if len(parts) >= 2 and parts[0].startswith(b"HTTP/") else None
-    return status, body, elapsed
-
-
 def open_idle(port, n):
     """n connections that never finish a request: every other one sends half a line."""
     conns = []
@@ -116,7 +95,7 @@ class MetricsHttpTest(harness.ServerTestCase):
                                          poll_interval="200ms")
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        harness.wait_until(lambda: request(self.port, "/healthz")[0] == 200, timeout=15,
+        harness.wait_until(lambda: harness.http_get(self.port, "/healthz")[0] == 200, timeout=15,
                            relay=self.relay_proc, message="the metrics endpoint to answer")
         return self.relay_proc
 
@@ -138,7 +117,7 @@ class MetricsHttpTest(harness.ServerTestCase):
     def probe(self, what):
         times = []
         for i in range(PROBES):
-            status, body, elapsed = request(self.port, "/healthz")
+            status, body, elapsed = harness.http_get(self.port, "/healthz")
             self.assertEqual(status, 200, f"{what}: /healthz probe {i} got no answer"
                                           f" after {elapsed:.3f}s")
             self.assertEqual(body, b"ok\n")
@@ -146,7 +125,7 @@ class MetricsHttpTest(harness.ServerTestCase):
         print(f"{what}: /healthz p50 {statistics.median(times) * 1000:.1f} ms,"
               f" max {max(times) * 1000:.1f} ms over {PROBES} probes", flush=True)
         self.assertLess(max(times), ANSWER_WITHIN, f"{what}: a /healthz probe was too slow")
-        status, body, elapsed = request(self.port, "/metrics")
+        status, body, elapsed = harness.http_get(self.port, "/metrics")
         self.assertEqual(status, 200, f"{what}: /metrics got no answer after {elapsed:.3f}s")
         self.assertIn(b"outbox_relay_up", body)
         print(f"{what}: /metrics {len(body)} bytes in {elapsed * 1000:.1f} ms", flush=True)
@@ -188,7 +167,7 @@ class MetricsHttpTest(harness.ServerTestCase):
                 closed_after = time.monotonic() - started
                 break
             # Meanwhile the endpoint answers others.
-            self.assertEqual(request(self.port, "/healthz")[0], 200)
+            self.assertEqual(harness.http_get(self.port, "/healthz")[0], 200)
             time.sleep(1.0)
         self.assertIsNotNone(closed_after, "a client sending a byte a second was never closed")
         print(f"a byte a second: closed after {closed_after:.1f} s", flush=True)
