@@ -274,7 +274,9 @@ class Relay(Daemon):
     `outbox-relay --poll-interval 200ms --batch-size 100` with
     OUTBOX_RELAY_POSTGRES=pg.dsn() and OUTBOX_RELAY_REDIS=redis.url().
     args are put on the command line before the flags; env adds to (None:
-    removes from) the environment of relay_env().
+    removes from) the environment of relay_env(). prefix is put in front of
+    the whole command (valgrind's too): a wrapper that execs the rest, as
+    `unshare -m sh -c '... && exec "$@"'` for a mount namespace of its own.
     """
 
     # The suite's relays keep sent rows for an hour (the default, 0, deletes
@@ -283,10 +285,11 @@ class Relay(Daemon):
     # test_retention.py covers the default; the benchmark clears this.
     test_defaults = {"sent_retention": "1h"}
 
-    def __init__(self, pg=None, redis=None, args=(), env=None, stop_timeout=30, **flags):
+    def __init__(self, pg=None, redis=None, args=(), env=None, stop_timeout=30, prefix=(),
+                 **flags):
         self.binary = require_relay()
         flags = {**self.test_defaults, **flags}
-        super().__init__([*VALGRIND, self.binary, *args, *flag_args(flags)],
+        super().__init__([*prefix, *VALGRIND, self.binary, *args, *flag_args(flags)],
                          relay_env(pg, redis, env), "relay", stop_timeout=stop_timeout)
 
 
