@@ -23,7 +23,7 @@ install(TARGETS outbox_consumer EXPORT OutboxConsumerTargets
 install(FILES include/outbox/consumer.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/outbox COMPONENT development)
 
-# pkg-config: hiredis is private, since no public header includes it. The
+# pkg-config: hiredis and c-ares are private, since no public header includes it. The
 # prefix is found from where the file lies (${pcfiledir}), so a tree installed
 # with --prefix DIR, or moved after, still points at itself.
 set(OUTBOX_PC_DIR ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

@@ -87,7 +87,7 @@ topics.")
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_NAME liboutbox-consumer-dev)
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_SECTION libdevel)
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_DEPENDS
-  "liboutbox-consumer1 (= ${PROJECT_VERSION}), libhiredis-dev")
+  "liboutbox-consumer1 (= ${PROJECT_VERSION}), libhiredis-dev, libc-ares-dev")
 if(OUTBOX_TLS)
   # With TLS to Redis the pkg-config file requires openssl (its .pc file,
   # also to resolve the flags of a dynamic link).

@@ -18,6 +18,7 @@
 #include <sys/time.h>
 
 #include "common/keys.h"
+#include "common/resolve.h"
 #include "common/tls.h"
 #include "common/url.h"
 #include "common/wait.h"
@@ -145,10 +146,11 @@ static int make_blocking(redisContext *c, uint32_t timeout_ms)
 
 static int open_steps(redisContext *c, const struct outbox_redis_url *u,
                       uint32_t connect_timeout_ms, uint32_t command_timeout_ms, int stop_fd,
-                      char *err, size_t errlen, enum outbox_redis_fault *fault)
+                      char *err, size_t errlen, enum outbox_redis_fault *fault, int *reached)
 {
     if (connected(c, u, connect_timeout_ms, stop_fd, err, errlen, fault) < 0)
         return -1;
+    *reached = 1;
 #if OUTBOX_TLS
     if (u->tls.on) {
         if (outbox_tls_handshake(c, u, u->host, u->port,
@@ -183,6 +185,10 @@ static int open_steps(redisContext *c, const struct outbox_redis_url *u,
 static redisContext *open_url(const struct outbox_redis_url *u, uint32_t connect_timeout_ms,
                               uint32_t command_timeout_ms, int stop_fd, char *err, size_t errlen,
                               enum outbox_redis_fault *fault);
+static redisContext *open_address(const struct outbox_redis_url *u, const char *addr,
+                                  uint32_t connect_timeout_ms, uint32_t command_timeout_ms,
+                                  int stop_fd, char *err, size_t errlen,
+                                  enum outbox_redis_fault *fault, int *reached);
 
 /* Reads a "host, port" pair of strings into primary's host and port: 0, or -1. */
 static int take_address(const redisReply *r, struct outbox_redis_url *primary)
@@ -476,14 +482,45 @@ static redisContext *open_url(const struct outbox_redis_url *u, uint32_t connect
                               enum outbox_redis_fault *fault)
 {
     *fault = OUTBOX_REDIS_OK;
-    redisContext *c = redisConnectNonBlock(u->host, u->port);
+    /* The name is looked up here, within connect_timeout and ended by the
+     * stop; hiredis would call getaddrinfo, which blocks for the resolver's
+     * own timeouts. The rest of connect_timeout is the connect's. */
+    double started = outbox_mono_now();
+    struct outbox_addrs addrs;
+    if (outbox_resolve(u->host, connect_timeout_ms, stop_fd, &addrs, err, errlen) != 0) {
+        *fault = strcmp(err, "stopped") == 0 ? OUTBOX_REDIS_STOPPED : OUTBOX_REDIS_IO;
+        return NULL;
+    }
+    /* Each address in turn (IPv4 first) while none accepts the connection:
+     * past that, what failed (TLS, AUTH) is the server's answer. */
+    redisContext *c = NULL;
+    int reached = 0;
+    for (int i = 0; i < addrs.n && c == NULL && !reached; i++) {
+        uint32_t spent_ms = (uint32_t)((outbox_mono_now() - started) * 1000.0);
+        if (i > 0 && (*fault != OUTBOX_REDIS_IO || spent_ms >= connect_timeout_ms))
+            break;
+        uint32_t left_ms = spent_ms < connect_timeout_ms ? connect_timeout_ms - spent_ms : 1;
+        c = open_address(u, addrs.addr[i], left_ms, command_timeout_ms, stop_fd, err, errlen, fault,
+                         &reached);
+    }
+    return c;
+}
+
+/* open_url's connect to one of the host's addresses. */
+static redisContext *open_address(const struct outbox_redis_url *u, const char *addr,
+                                  uint32_t connect_timeout_ms, uint32_t command_timeout_ms,
+                                  int stop_fd, char *err, size_t errlen,
+                                  enum outbox_redis_fault *fault, int *reached)
+{
+    *fault = OUTBOX_REDIS_OK;
+    redisContext *c = redisConnectNonBlock(addr, u->port);
     if (c == NULL) {
         *fault = OUTBOX_REDIS_NOMEM;
         snprintf(err, errlen, "cannot connect to Redis: out of memory");
         return NULL;
     }
-    if (c->err ||
-        open_steps(c, u, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen, fault) < 0) {
+    if (c->err || open_steps(c, u, connect_timeout_ms, command_timeout_ms, stop_fd, err, errlen,
+                             fault, reached) < 0) {
         if (c->err && *fault == OUTBOX_REDIS_OK) {
             *fault = OUTBOX_REDIS_IO;
             snprintf(err, errlen, "cannot connect to Redis at %.100s:%d: %s", u->host, u->port,

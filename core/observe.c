@@ -13,8 +13,8 @@
  * would wait as long as the kernel keeps a silent connection open: in a
  * network partition, a quarter of an hour with a request unacknowledged,
  * for ever without keepalives once it was; and the daemon's shutdown waits
- * for this thread. Only name resolution is left to its own timeouts
- * (getaddrinfo blocks).
+ * for this thread. Host names are looked up the same way, with c-ares
+ * (common/resolve.c), not with getaddrinfo, which blocks.
  */
 #include "common/compat.h"
 

@@ -28,6 +28,114 @@ static void one_line(char *dst, size_t dstlen, const char *src)
             *p = ' ';
 }
 
+/* Splits a comma-separated list of libpq's into items of len bytes: their
+ * count, or -1 when there are more than max or one is too long. */
+static int split_list(const char *list, char *items, size_t len, int max)
+{
+    int n = 0;
+    const char *p = list;
+    for (;;) {
+        const char *end = strchr(p, ',');
+        size_t l = end != NULL ? (size_t)(end - p) : strlen(p);
+        if (n == max || l >= len)
+            return -1;
+        memcpy(items + (size_t)n * len, p, l);
+        items[(size_t)n * len + l] = '\0';
+        n++;
+        if (end == NULL)
+            return n;
+        p = end + 1;
+    }
+}
+
+int relay_pg_hosts(const char *conninfo, struct relay_pg_hosts *h)
+{
+    memset(h, 0, sizeof(*h));
+    char *errmsg = NULL;
+    PQconninfoOption *opts = PQconninfoParse(conninfo, &errmsg);
+    if (opts == NULL) {
+        PQfreemem(errmsg);
+        return 0;
+    }
+    const char *host = getenv("PGHOST"), *port = getenv("PGPORT"), *env_addr = getenv("PGHOSTADDR");
+    int addressed = env_addr != NULL && env_addr[0] != '\0';
+    for (PQconninfoOption *o = opts; o->keyword != NULL; o++) {
+        if (o->val == NULL)
+            continue;
+        if (strcmp(o->keyword, "host") == 0)
+            host = o->val;
+        else if (strcmp(o->keyword, "port") == 0)
+            port = o->val;
+        else if (strcmp(o->keyword, "hostaddr") == 0 || strcmp(o->keyword, "service") == 0)
+            addressed |= o->val[0] != '\0';
+    }
+    int names = 0;
+    if (!addressed && host != NULL && host[0] != '\0') {
+        h->n = split_list(host, &h->host[0][0], sizeof(h->host[0]), RELAY_PG_HOSTS_MAX);
+        h->nports = port != NULL && port[0] != '\0'
+                        ? split_list(port, &h->port[0][0], sizeof(h->port[0]), RELAY_PG_HOSTS_MAX)
+                        : 0;
+        /* A list libpq refuses (port lists of another length) stays its to
+         * explain. */
+        if (h->n > 0 && (h->nports == 0 || h->nports == 1 || h->nports == h->n))
+            for (int i = 0; i < h->n; i++)
+                names += relay_pg_host_is_name(h, i);
+    }
+    PQconninfoFree(opts);
+    if (names == 0)
+        memset(h, 0, sizeof(*h));
+    return names > 0;
+}
+
+int relay_pg_host_is_name(const struct relay_pg_hosts *h, int i)
+{
+    return h->host[i][0] != '\0' && !outbox_host_is_address(h->host[i]);
+}
+
+/* Appends item to the comma-separated list out, as its first item or not:
+ * 0, or -1 when full. */
+static int list_add(char *out, size_t len, const char *item, int first)
+{
+    size_t at = strlen(out);
+    int n = snprintf(out + at, len - at, "%s%s", first ? "" : ",", item);
+    return n < 0 || (size_t)n >= len - at ? -1 : 0;
+}
+
+int relay_pg_hosts_params(const struct relay_pg_hosts *h, char *host, size_t hostlen,
+                          char *hostaddr, size_t addrlen, char *port, size_t portlen)
+{
+    host[0] = hostaddr[0] = port[0] = '\0';
+    int entries = 0;
+    for (int i = 0; i < h->n; i++) {
+        const char *p = h->nports == 0 ? "" : h->port[h->nports == 1 ? 0 : i];
+        for (int a = 0; a < h->addrs[i].n; a++) {
+            /* A socket's path takes an empty hostaddr: libpq then uses the
+             * host as it stands. */
+            const char *addr =
+                h->host[i][0] == '/' || h->host[i][0] == '@' ? "" : h->addrs[i].addr[a];
+            if (list_add(host, hostlen, h->host[i], entries == 0) ||
+                list_add(hostaddr, addrlen, addr, entries == 0) ||
+                (h->nports > 0 && list_add(port, portlen, p, entries == 0)))
+                return -1;
+            entries++;
+        }
+    }
+    return entries > 0 ? 0 : -1;
+}
+
+void relay_pg_hosts_keys(const char **keys, const char **vals, int at, const char *host,
+                         const char *hostaddr, const char *port)
+{
+    keys[at] = "host";
+    vals[at] = host;
+    keys[at + 1] = "hostaddr";
+    vals[at + 1] = hostaddr;
+    keys[at + 2] = port[0] != '\0' ? "port" : NULL;
+    vals[at + 2] = port;
+    keys[at + 3] = NULL;
+    vals[at + 3] = NULL;
+}
+
 const char *relay_pg_connect_hint(const char *msg)
 {
     if (strstr(msg, "certificate verify failed") != NULL)
@@ -95,37 +203,70 @@ PGconn *relay_pg_open(const struct relay_config *cfg, const char *application_na
              "-c statement_timeout=%u -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5"
              " -c tcp_keepalives_count=3 -c tcp_user_timeout=30000 -c jit=off",
              cfg->statement_timeout_ms);
+    /* Names are looked up here, within connect_timeout and ended by the
+     * stop, not by libpq (getaddrinfo blocks for the resolver's timeouts). */
+    double deadline = outbox_mono_now() + cfg->connect_timeout_ms / 1000.0;
+    struct relay_pg_hosts hosts;
+    char host[2048], hostaddr[1024], port[256];
+    int addressed = relay_pg_hosts(cfg->postgres, &hosts);
+    if (addressed) {
+        char why[400] = "";
+        for (int i = 0; i < hosts.n; i++) {
+            double left = deadline - outbox_mono_now();
+            if (left <= 0 || outbox_resolve(hosts.host[i], (unsigned)(left * 1000.0), stop_fd,
+                                            &hosts.addrs[i], why, sizeof(why)) != 0)
+                hosts.addrs[i].n = 0;
+            if (strcmp(why, "stopped") == 0) {
+                snprintf(err, errlen, "stopped");
+                return NULL;
+            }
+        }
+        if (relay_pg_hosts_params(&hosts, host, sizeof(host), hostaddr, sizeof(hostaddr), port,
+                                  sizeof(port)) != 0) {
+            snprintf(err, errlen, "%s",
+                     why[0] ? why : "the host list has too many addresses: give fewer hosts");
+            return NULL;
+        }
+    }
     /* Our defaults come first so the user's conninfo (expanded in place of
-     * dbname) overrides them; client_encoding comes after it, so that text is
-     * read in UTF-8 whatever the database's encoding (relay/pgsrc.c). */
-    const char *const keys[] = {"application_name",
-                                "connect_timeout",
-                                "keepalives",
-                                "keepalives_idle",
-                                "keepalives_interval",
-                                "keepalives_count",
-                                "tcp_user_timeout",
-                                "options",
-                                "dbname",
-                                "client_encoding",
-                                NULL};
-    const char *const vals[] = {application_name,
-                                timeout,
-                                "1",
-                                PG_KEEPALIVES_IDLE,
-                                PG_KEEPALIVES_INTERVAL,
-                                PG_KEEPALIVES_COUNT,
-                                PG_TCP_USER_TIMEOUT,
-                                options,
-                                cfg->postgres,
-                                "UTF8",
-                                NULL};
+     * dbname) overrides them; the addresses looked up and client_encoding
+     * come after it, so that nothing overrides them: text is read in UTF-8
+     * whatever the database's encoding (relay/pgsrc.c). */
+    const char *keys[] = {"application_name",
+                          "connect_timeout",
+                          "keepalives",
+                          "keepalives_idle",
+                          "keepalives_interval",
+                          "keepalives_count",
+                          "tcp_user_timeout",
+                          "options",
+                          "dbname",
+                          "client_encoding",
+                          NULL,
+                          NULL,
+                          NULL,
+                          NULL};
+    const char *vals[] = {application_name,
+                          timeout,
+                          "1",
+                          PG_KEEPALIVES_IDLE,
+                          PG_KEEPALIVES_INTERVAL,
+                          PG_KEEPALIVES_COUNT,
+                          PG_TCP_USER_TIMEOUT,
+                          options,
+                          cfg->postgres,
+                          "UTF8",
+                          NULL,
+                          NULL,
+                          NULL,
+                          NULL};
+    if (addressed)
+        relay_pg_hosts_keys(keys, vals, 10, host, hostaddr, port);
     PGconn *c = PQconnectStartParams(keys, vals, 1);
     if (c == NULL) {
         snprintf(err, errlen, "out of memory");
         return NULL;
     }
-    double deadline = outbox_mono_now() + cfg->connect_timeout_ms / 1000.0;
     PostgresPollingStatusType st = PGRES_POLLING_WRITING;
     while (PQstatus(c) != CONNECTION_BAD && st != PGRES_POLLING_OK && st != PGRES_POLLING_FAILED) {
         enum outbox_wait w = outbox_wait_fd(

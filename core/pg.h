@@ -10,11 +10,58 @@
 
 #include <stddef.h>
 
-#include "common/common.h" /* OUTBOX_TOPIC_MAX */
+#include "common/common.h"  /* OUTBOX_TOPIC_MAX */
+#include "common/resolve.h" /* struct outbox_addrs */
 
 struct pg_conn;
 struct pg_result;
 struct relay_config;
+
+/* Hosts of one conninfo, as many as libpq's list may hold here. */
+#define RELAY_PG_HOSTS_MAX 8
+
+/*
+ * The hosts a conninfo connects to, for looking their names up without
+ * libpq, which would block (getaddrinfo): libpq then gets each address in
+ * hostaddr, with the name kept in host for TLS's verify-full and the
+ * password file.
+ */
+struct relay_pg_hosts {
+    int n; /* hosts listed */
+    char host[RELAY_PG_HOSTS_MAX][256];
+    int nports; /* 0 (libpq's default), 1 (for every host) or n */
+    char port[RELAY_PG_HOSTS_MAX][16];
+    /* Each host's addresses, which the caller fills: a name's found, an
+     * address's or a socket's own (outbox_host_is_address); none: a name
+     * that did not resolve, left out. */
+    struct outbox_addrs addrs[RELAY_PG_HOSTS_MAX];
+};
+
+/*
+ * 1 when a host of conninfo (or of PGHOST, when it names none) is a name to
+ * look up, with the list in h; 0 when none is (addresses, Unix sockets, a
+ * hostaddr already given, a service file, a conninfo libpq will refuse):
+ * libpq then connects as it stands.
+ */
+int relay_pg_hosts(const char *conninfo, struct relay_pg_hosts *h);
+
+/* 1 when h->host[i] is a name to look up. */
+int relay_pg_host_is_name(const struct relay_pg_hosts *h, int i);
+
+/*
+ * host, hostaddr and port for libpq listing every address found, a host
+ * that resolved to several once per address, in order: libpq tries each in
+ * turn. -1 when no host has an address, or the lists do not fit.
+ */
+int relay_pg_hosts_params(const struct relay_pg_hosts *h, char *host, size_t hostlen,
+                          char *hostaddr, size_t addrlen, char *port, size_t portlen)
+    __attribute__((warn_unused_result));
+
+/* Puts host, hostaddr and port (when not empty), from relay_pg_hosts_params,
+ * in keys and vals from index at on: where they override the conninfo
+ * before them. The arrays must have room for three more and a NULL. */
+void relay_pg_hosts_keys(const char **keys, const char **vals, int at, const char *host,
+                         const char *hostaddr, const char *port);
 
 /*
  * The one blocking PostgreSQL connect: within connect_timeout (stop_fd, which

@@ -25,7 +25,9 @@
 #include <unistd.h>
 
 #include "core/config.h"
+#include "common/resolve.h"
 #include "relay/log.h"
+#include "relay/lookup.h"
 
 #define COMPONENT "pg"
 #define NOTIFY_CHANNEL "outbox_relay"
@@ -98,6 +100,12 @@ struct relay_pgsrc {
 
     PGconn *conn;
     enum relay_pgsrc_state state;
+    /* Connecting to names: their addresses, looked up one host at a time
+     * on the loop, and why the last one that failed did. */
+    struct relay_pg_hosts hosts;
+    struct relay_lookup *lookup;
+    int lookup_at;
+    char lookup_why[400];
     ev_io io;
     ev_timer timer; /* connect deadline, command deadline, or reconnect wait */
     struct outbox_backoff backoff;
@@ -457,6 +465,8 @@ static void fail(struct relay_pgsrc *pg, const char *what, const char *msg)
 
     ev_io_stop(pg->loop, &pg->io);
     ev_timer_stop(pg->loop, &pg->timer);
+    relay_lookup_cancel(pg->lookup);
+    pg->lookup = NULL;
     if (pg->conn != NULL) {
         PQfinish(pg->conn);
         pg->conn = NULL;
@@ -502,30 +512,43 @@ static void notice_receiver(void *arg, const PGresult *res)
     relay_debug(COMPONENT, "%s connection: server notice: %s", role_name(pg), text);
 }
 
-static void start_connect(struct relay_pgsrc *pg)
+/* Connects, with the addresses looked up when addressed. */
+static void connect_now(struct relay_pgsrc *pg, int addressed)
 {
+    char host[2048], hostaddr[1024], port[256];
+    if (addressed && relay_pg_hosts_params(&pg->hosts, host, sizeof(host), hostaddr,
+                                           sizeof(hostaddr), port, sizeof(port)) != 0) {
+        fail(pg, "cannot connect",
+             pg->lookup_why[0] ? pg->lookup_why
+                               : "the host list has too many addresses: give fewer hosts");
+        return;
+    }
     const char *app = pg->role == RELAY_PGSRC_LISTEN  ? "outbox-relay listen"
                       : pg->role == RELAY_PGSRC_OWNER ? "outbox-relay owner"
                                                       : "outbox-relay";
     /* Our defaults come first so the user's conninfo (expanded in place of
      * dbname) overrides them; libpq's PG* variables fill in what is left.
-     * client_encoding comes after it, so that nothing overrides it: keys,
-     * topics and headers are read in UTF-8 whatever the database's encoding,
-     * which is what the partition trigger hashes (convert_to(key, 'UTF8'))
-     * and what consumers read. */
-    const char *const keys[] = {"application_name",
-                                "keepalives",
-                                "keepalives_idle",
-                                "keepalives_interval",
-                                "keepalives_count",
-                                "tcp_user_timeout",
-                                "dbname",
-                                "client_encoding",
-                                NULL};
-    const char *const vals[] = {app, "1", "10", "5", "3", "30000", pg->cfg->postgres, "UTF8", NULL};
+     * The addresses looked up and client_encoding come after it, so that
+     * nothing overrides them: keys, topics and headers are read in UTF-8
+     * whatever the database's encoding, which is what the partition trigger
+     * hashes (convert_to(key, 'UTF8')) and what consumers read. */
+    const char *keys[] = {"application_name",
+                          "keepalives",
+                          "keepalives_idle",
+                          "keepalives_interval",
+                          "keepalives_count",
+                          "tcp_user_timeout",
+                          "dbname",
+                          "client_encoding",
+                          NULL,
+                          NULL,
+                          NULL,
+                          NULL};
+    const char *vals[] = {app,    "1",  "10", "5",  "3", "30000", pg->cfg->postgres,
+                          "UTF8", NULL, NULL, NULL, NULL};
+    if (addressed)
+        relay_pg_hosts_keys(keys, vals, 8, host, hostaddr, port);
 
-    describe_target(pg);
-    session_new_token(pg);
     pg->conn = PQconnectStartParams(keys, vals, 1);
     if (pg->conn == NULL) {
         fail(pg, "cannot connect", "out of memory");
@@ -535,9 +558,62 @@ static void start_connect(struct relay_pgsrc *pg)
         fail(pg, "cannot connect", PQerrorMessage(pg->conn));
         return;
     }
+    watch(pg, EV_WRITE);
+}
+
+static void lookup_next(struct relay_pgsrc *pg);
+
+static void on_resolved(void *arg, int ok, const struct outbox_addrs *addrs, const char *why)
+{
+    struct relay_pgsrc *pg = arg;
+    pg->lookup = NULL;
+    if (ok)
+        pg->hosts.addrs[pg->lookup_at] = *addrs;
+    else
+        snprintf(pg->lookup_why, sizeof(pg->lookup_why), "%s", why);
+    lookup_next(pg);
+}
+
+/* Looks up the next host that is a name, on the loop; after the last,
+ * connects to every address found. */
+static void lookup_next(struct relay_pgsrc *pg)
+{
+    while (++pg->lookup_at < pg->hosts.n) {
+        int i = pg->lookup_at;
+        if (!relay_pg_host_is_name(&pg->hosts, i)) {
+            /* An address is its own; a socket's path takes none. */
+            char own[OUTBOX_ADDR_LEN];
+            size_t len = strnlen(pg->hosts.host[i], sizeof(own) - 1);
+            memcpy(own, pg->hosts.host[i], len);
+            own[len] = '\0';
+            pg->hosts.addrs[i].n = 1;
+            memcpy(pg->hosts.addrs[i].addr[0], own, sizeof(own));
+            continue;
+        }
+        pg->lookup = relay_lookup_start(pg->loop, pg->hosts.host[i], on_resolved, pg,
+                                        pg->lookup_why, sizeof(pg->lookup_why));
+        if (pg->lookup != NULL)
+            return;
+    }
+    connect_now(pg, 1);
+}
+
+/* Connects within connect_timeout: at once when every host is an address,
+ * else after looking the names up (relay/lookup.h), which libpq would do
+ * with getaddrinfo, blocking the loop. */
+static void start_connect(struct relay_pgsrc *pg)
+{
+    describe_target(pg);
+    session_new_token(pg);
     pg->state = RELAY_PG_CONNECTING;
     timer_start(pg, pg->cfg->connect_timeout_ms);
-    watch(pg, EV_WRITE);
+    if (relay_pg_hosts(pg->cfg->postgres, &pg->hosts)) {
+        pg->lookup_at = -1;
+        pg->lookup_why[0] = '\0';
+        lookup_next(pg);
+        return;
+    }
+    connect_now(pg, 0);
 }
 
 static void connect_step(struct relay_pgsrc *pg)
@@ -725,15 +801,19 @@ static void on_timer(struct ev_loop *loop, ev_timer *w, int revents)
     struct relay_pgsrc *pg = w->data;
     (void)loop;
     (void)revents;
-    char msg[128];
+    char msg[400];
 
     switch (pg->state) {
     case RELAY_PG_DOWN:
         start_connect(pg);
         break;
     case RELAY_PG_CONNECTING:
-        snprintf(msg, sizeof(msg), "no connection within connect_timeout (%u ms)",
-                 pg->cfg->connect_timeout_ms);
+        if (pg->lookup != NULL)
+            snprintf(msg, sizeof(msg), "cannot resolve %.100s: " OUTBOX_NO_DNS_ANSWER,
+                     pg->hosts.host[pg->lookup_at], pg->cfg->connect_timeout_ms);
+        else
+            snprintf(msg, sizeof(msg), "no connection within connect_timeout (%u ms)",
+                     pg->cfg->connect_timeout_ms);
         fail(pg, "cannot connect", msg);
         break;
     case RELAY_PG_SETUP:
@@ -995,6 +1075,7 @@ void relay_pgsrc_free(struct relay_pgsrc *pg)
     session_check_over(pg);
     ev_io_stop(pg->loop, &pg->io);
     ev_timer_stop(pg->loop, &pg->timer);
+    relay_lookup_cancel(pg->lookup);
     if (pg->keep != NULL)
         PQclear(pg->keep);
     if (pg->conn != NULL)

@@ -49,7 +49,9 @@
 #include "common/keys.h"
 #include "relay/log.h"
 #include "common/redisconn.h"
+#include "common/resolve.h"
 #include "common/tls.h"
+#include "relay/lookup.h"
 
 #define COMPONENT "redis"
 
@@ -73,6 +75,9 @@ struct sink_node {
     int port;
     int setup_pending;
     int ready;
+    int probe;                   /* the first connection of a connect: CLUSTER SLOTS */
+    struct relay_lookup *lookup; /* host's addresses, while they are looked up */
+    unsigned addr_turn;          /* which of host's addresses connects: the next on failure */
 };
 
 struct relay_sink {
@@ -92,16 +97,18 @@ struct relay_sink {
     /* Sentinel: the context asking one, the next one to ask, why the last
      * one did not answer, and the primary's address they gave. */
     redisAsyncContext *sentinel_ac;
-    struct ssl_st *sentinel_tls; /* its TLS session (rediss://), freed with it */
+    struct ssl_st *sentinel_tls;          /* its TLS session (rediss://), freed with it */
+    struct relay_lookup *sentinel_lookup; /* its name's addresses, while looked up */
+    unsigned sentinel_addr_turn;          /* which of its addresses: the next on failure */
     int sentinel_next;
     int sentinel_refused_auth; /* the Sentinel asked refused AUTH: sentinel_error says so */
-    char sentinel_error[300];
+    char sentinel_error[512];
     char primary_host[256];
     int primary_port;
     ev_timer timer; /* connect + set-up deadline, or reconnect wait */
     struct outbox_backoff backoff;
     int was_ready;
-    char last_logged[512];
+    char last_logged[1024];
     char durability[512];
     char describe[600];
 };
@@ -175,6 +182,8 @@ static void drop_nodes(struct relay_sink *s)
         n->ac = NULL;
         n->ready = 0;
         n->setup_pending = 0;
+        relay_lookup_cancel(n->lookup);
+        n->lookup = NULL;
         if (ac != NULL)
             redisAsyncFree(ac);
     }
@@ -191,7 +200,7 @@ static void went_down(struct relay_sink *s, const char *what, const char *msg)
     s->nready = 0;
 
     uint32_t delay = outbox_backoff_next(&s->backoff, outbox_backoff_random());
-    char line[512];
+    char line[1024];
     snprintf(line, sizeof(line), "%s: %s", what, msg != NULL ? msg : "unknown error");
     if (was_ready)
         s->last_logged[0] = '\0';
@@ -210,7 +219,7 @@ static void went_down(struct relay_sink *s, const char *what, const char *msg)
 /* One connection failed: all go, and the sink reconnects after a backoff. */
 static void node_failed(struct relay_sink *s, const char *what, const char *msg)
 {
-    char copy[512];
+    char copy[1024];
     snprintf(copy, sizeof(copy), "%s", msg != NULL ? msg : "unknown error");
     drop_nodes(s);
     went_down(s, what, copy);
@@ -826,6 +835,7 @@ static void on_connect(const redisAsyncContext *ac, int status)
     io_failure(n->tls, n->host, n->port, ac->c.errstr[0] ? ac->c.errstr : "connect failed", msg,
                sizeof(msg));
     n->ac = NULL;
+    n->addr_turn++; /* the next connect tries the host's next address */
     ev_timer_stop(s->loop, &s->timer);
     node_failed(s, "cannot connect", msg);
 }
@@ -929,14 +939,11 @@ static void queue_setup(struct sink_node *n)
     n->setup_pending++;
 }
 
-/* Connects n to its host and port and queues its set-up: with probe, AUTH
- * and CLUSTER SLOTS only (the first connection of a connect). */
-static void connect_node(struct relay_sink *s, struct sink_node *n, int probe)
+/* Connects n to addr, one of its host's addresses, and queues its set-up:
+ * with n->probe, AUTH and CLUSTER SLOTS only. */
+static void connect_node_to(struct relay_sink *s, struct sink_node *n, const char *addr)
 {
-    n->s = s;
-    n->ready = 0;
-    n->setup_pending = 0;
-    redisAsyncContext *ac = redisAsyncConnect(n->host, n->port);
+    redisAsyncContext *ac = redisAsyncConnect(addr, n->port);
     if (ac == NULL) {
         node_failed(s, "cannot connect", "out of memory");
         return;
@@ -966,7 +973,7 @@ static void connect_node(struct relay_sink *s, struct sink_node *n, int probe)
     redisAsyncSetDisconnectCallback(ac, on_disconnect);
     n->ac = ac;
     queue_auth(n);
-    if (probe) {
+    if (n->probe) {
         const char *argv[2] = {"CLUSTER", "SLOTS"};
         size_t lens[2] = {7, 5};
         redisAsyncCommandArgv(ac, on_setup_reply, step_slots, 2, argv, lens);
@@ -974,6 +981,38 @@ static void connect_node(struct relay_sink *s, struct sink_node *n, int probe)
     } else {
         queue_setup(n);
     }
+}
+
+static void on_node_resolved(void *arg, int ok, const struct outbox_addrs *addrs, const char *why)
+{
+    struct sink_node *n = arg;
+    n->lookup = NULL;
+    if (!ok) {
+        node_failed(n->s, "cannot connect", why);
+        return;
+    }
+    /* The address that worked last, or after one that did not connect, the
+     * next: one that does not answer costs one backoff, not every connect. */
+    connect_node_to(n->s, n, addrs->addr[n->addr_turn % (unsigned)addrs->n]);
+}
+
+/* Connects n to its host and port: at once to an address, after a lookup on
+ * the loop to a name (relay/lookup.h). With probe, the first connection of
+ * a connect, it asks for the slot map alone. */
+static void connect_node(struct relay_sink *s, struct sink_node *n, int probe)
+{
+    n->s = s;
+    n->ready = 0;
+    n->setup_pending = 0;
+    n->probe = probe;
+    if (outbox_host_is_address(n->host)) {
+        connect_node_to(s, n, n->host);
+        return;
+    }
+    char why[400];
+    n->lookup = relay_lookup_start(s->loop, n->host, on_node_resolved, n, why, sizeof(why));
+    if (n->lookup == NULL)
+        node_failed(s, "cannot connect", why);
 }
 
 /* The first connection of a connect: to the primary the Sentinels named (no
@@ -999,6 +1038,8 @@ static void drop_sentinel(struct relay_sink *s)
 {
     redisAsyncContext *ac = s->sentinel_ac;
     s->sentinel_ac = NULL;
+    relay_lookup_cancel(s->sentinel_lookup);
+    s->sentinel_lookup = NULL;
     if (ac != NULL)
         redisAsyncFree(ac);
 }
@@ -1081,6 +1122,7 @@ static void on_sentinel_connect(const redisAsyncContext *ac, int status)
                ac->c.errstr[0] ? ac->c.errstr : "connect failed", why, sizeof(why));
     snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.280s", why);
     s->sentinel_ac = NULL;
+    s->sentinel_addr_turn++; /* a named Sentinel's next address, next time */
     ev_timer_stop(s->loop, &s->timer);
     ask_next_sentinel(s);
 }
@@ -1096,57 +1138,97 @@ static void on_sentinel_disconnect(const redisAsyncContext *ac, int status)
     ask_next_sentinel(s);
 }
 
-/* Asks the next Sentinel of the list for the primary; after the last one,
- * the sink goes down and the whole list is asked again after a backoff. */
+static int ask_sentinel_at(struct relay_sink *s, int at, const char *addr);
+
+static void on_sentinel_resolved(void *arg, int ok, const struct outbox_addrs *addrs,
+                                 const char *why)
+{
+    struct relay_sink *s = arg;
+    const struct outbox_sentinels *st = &s->cfg->redis_url.sentinels;
+    int at = s->sentinel_next - 1;
+    s->sentinel_lookup = NULL;
+    ev_timer_stop(s->loop, &s->timer);
+    if (!ok)
+        snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d: %.170s",
+                 st->addr[at].host, st->addr[at].port, why);
+    if (!ok || ask_sentinel_at(s, at, addrs->addr[s->sentinel_addr_turn % (unsigned)addrs->n]))
+        ask_next_sentinel(s);
+}
+
+/* Asks the next Sentinel of the list for the primary (after looking its
+ * name up, on the loop); after the last one, the sink goes down and the
+ * whole list is asked again after a backoff. */
 static void ask_next_sentinel(struct relay_sink *s)
 {
     const struct outbox_sentinels *st = &s->cfg->redis_url.sentinels;
     while (s->sentinel_next < st->n) {
         int at = s->sentinel_next++;
-        redisAsyncContext *ac = redisAsyncConnect(st->addr[at].host, st->addr[at].port);
-        if (ac == NULL)
-            break;
-        char why[300] = "";
-        if (ac->err || start_tls(s, ac, st->addr[at].host, &s->sentinel_tls, why, sizeof(why)) ||
-            redisLibevAttach(s->loop, ac) != REDIS_OK) {
-            snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d: %.170s",
-                     st->addr[at].host, st->addr[at].port,
-                     ac->err  ? ac->errstr
-                     : why[0] ? why
-                              : "cannot attach to the event loop");
-            redisAsyncFree(ac);
-            continue;
-        }
-        ac->data = s;
-        redisAsyncSetConnectCallback(ac, on_sentinel_connect);
-        redisAsyncSetDisconnectCallback(ac, on_sentinel_disconnect);
-        s->sentinel_ac = ac;
-        s->state = SINK_RESOLVING;
-        s->sentinel_refused_auth = 0;
-        if (st->password[0] != '\0') {
-            /* AUTH [user] password, pipelined ahead of the question. */
-            const char *auth[3] = {"AUTH", st->user, st->password};
-            size_t auth_lens[3] = {4, strlen(st->user), strlen(st->password)};
-            int no_user = st->user[0] == '\0';
-            if (no_user) {
-                auth[1] = auth[2];
-                auth_lens[1] = auth_lens[2];
+        if (!outbox_host_is_address(st->addr[at].host)) {
+            char why[300];
+            s->sentinel_lookup = relay_lookup_start(s->loop, st->addr[at].host,
+                                                    on_sentinel_resolved, s, why, sizeof(why));
+            if (s->sentinel_lookup == NULL) {
+                snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d: %.170s",
+                         st->addr[at].host, st->addr[at].port, why);
+                continue;
             }
-            redisAsyncCommandArgv(ac, on_sentinel_auth, (void *)(intptr_t)at, 3 - no_user, auth,
-                                  auth_lens);
+            s->state = SINK_RESOLVING;
+            timer_start(s, s->cfg->connect_timeout_ms);
+            return;
         }
-        const char *argv[3] = {"SENTINEL", "get-master-addr-by-name", st->master};
-        size_t lens[3] = {8, 23, strlen(st->master)};
-        redisAsyncCommandArgv(ac, on_sentinel_reply, (void *)(intptr_t)at, 3, argv, lens);
-        timer_start(s, s->cfg->connect_timeout_ms);
-        return;
+        if (ask_sentinel_at(s, at, st->addr[at].host) == 0)
+            return;
     }
-    char msg[600];
+    char msg[1000];
     snprintf(msg, sizeof(msg),
-             "no Sentinel named the primary of master \"%s\" (%d asked; last: %s): check "
+             "no Sentinel named the primary of master \"%.128s\" (%d asked; last: %s): check "
              "redis_sentinel and redis_master, and that the Sentinels are up",
              st->master, st->n, s->sentinel_error[0] ? s->sentinel_error : "out of memory");
     went_down(s, "cannot find the primary", msg);
+}
+
+/* Connects to Sentinel number at, at addr, and asks it for the primary: 0,
+ * or -1 with sentinel_error set (out of memory leaves it as it was). */
+static int ask_sentinel_at(struct relay_sink *s, int at, const char *addr)
+{
+    const struct outbox_sentinels *st = &s->cfg->redis_url.sentinels;
+    redisAsyncContext *ac = redisAsyncConnect(addr, st->addr[at].port);
+    if (ac == NULL)
+        return -1;
+    char why[300] = "";
+    if (ac->err || start_tls(s, ac, st->addr[at].host, &s->sentinel_tls, why, sizeof(why)) ||
+        redisLibevAttach(s->loop, ac) != REDIS_OK) {
+        snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d: %.170s",
+                 st->addr[at].host, st->addr[at].port,
+                 ac->err  ? ac->errstr
+                 : why[0] ? why
+                          : "cannot attach to the event loop");
+        redisAsyncFree(ac);
+        return -1;
+    }
+    ac->data = s;
+    redisAsyncSetConnectCallback(ac, on_sentinel_connect);
+    redisAsyncSetDisconnectCallback(ac, on_sentinel_disconnect);
+    s->sentinel_ac = ac;
+    s->state = SINK_RESOLVING;
+    s->sentinel_refused_auth = 0;
+    if (st->password[0] != '\0') {
+        /* AUTH [user] password, pipelined ahead of the question. */
+        const char *auth[3] = {"AUTH", st->user, st->password};
+        size_t auth_lens[3] = {4, strlen(st->user), strlen(st->password)};
+        int no_user = st->user[0] == '\0';
+        if (no_user) {
+            auth[1] = auth[2];
+            auth_lens[1] = auth_lens[2];
+        }
+        redisAsyncCommandArgv(ac, on_sentinel_auth, (void *)(intptr_t)at, 3 - no_user, auth,
+                              auth_lens);
+    }
+    const char *argv[3] = {"SENTINEL", "get-master-addr-by-name", st->master};
+    size_t lens[3] = {8, 23, strlen(st->master)};
+    redisAsyncCommandArgv(ac, on_sentinel_reply, (void *)(intptr_t)at, 3, argv, lens);
+    timer_start(s, s->cfg->connect_timeout_ms);
+    return 0;
 }
 
 static void start_connect(struct relay_sink *s)
@@ -1178,15 +1260,27 @@ static void on_timer(struct ev_loop *loop, ev_timer *w, int revents)
     } else if (s->state == SINK_RESOLVING) {
         const struct outbox_sentinels *st = &s->cfg->redis_url.sentinels;
         int at = s->sentinel_next - 1;
-        snprintf(s->sentinel_error, sizeof(s->sentinel_error),
-                 "Sentinel %.100s:%d: no answer within connect_timeout (%u ms)", st->addr[at].host,
-                 st->addr[at].port, s->cfg->connect_timeout_ms);
+        if (s->sentinel_lookup != NULL)
+            snprintf(s->sentinel_error, sizeof(s->sentinel_error),
+                     "Sentinel %.100s:%d: cannot resolve %.100s: " OUTBOX_NO_DNS_ANSWER,
+                     st->addr[at].host, st->addr[at].port, st->addr[at].host,
+                     s->cfg->connect_timeout_ms);
+        else
+            snprintf(s->sentinel_error, sizeof(s->sentinel_error),
+                     "Sentinel %.100s:%d: no answer within connect_timeout (%u ms)",
+                     st->addr[at].host, st->addr[at].port, s->cfg->connect_timeout_ms);
         drop_sentinel(s);
         ask_next_sentinel(s);
     } else if (s->state == SINK_PROBING || s->state == SINK_CONNECTING) {
-        char msg[128];
+        char msg[400];
         snprintf(msg, sizeof(msg), "not connected and set up within connect_timeout (%u ms)",
                  s->cfg->connect_timeout_ms);
+        for (int i = 0; i < s->nnodes; i++) {
+            s->nodes[i].addr_turn += !s->nodes[i].ready;
+            if (s->nodes[i].lookup != NULL)
+                snprintf(msg, sizeof(msg), "cannot resolve %.200s: " OUTBOX_NO_DNS_ANSWER,
+                         s->nodes[i].host, s->cfg->connect_timeout_ms);
+        }
         node_failed(s, "cannot connect", msg);
     }
 }

@@ -9,7 +9,7 @@
 #
 #   build    compile and install the relay, the consumer library and the
 #            example consumer (cmake --install): a C toolchain, CMake,
-#            pkg-config and the headers of libpq, hiredis and libev (and, on
+#            pkg-config and the headers of libpq, hiredis, c-ares and libev (and, on
 #            trixie, of OpenSSL, for TLS to Redis with hiredis 1.2).
 #   package  build, plus what scripts/package.sh uses to make and check the
 #            Debian packages: dpkg-dev (dpkg-shlibdeps), file (CPack's
@@ -109,7 +109,7 @@ case "$codename" in
     echo "deps.sh: unsupported system (VERSION_CODENAME '${codename:-unknown}' in" \
       "/etc/os-release): this script supports Debian 12 (bookworm) and Debian 13 (trixie)." >&2
     echo "deps.sh: elsewhere, install by hand: a C toolchain, CMake, pkg-config, the" \
-      "headers of libpq, hiredis and libev; for the demo and the tests PostgreSQL 15 or" \
+      "headers of libpq, hiredis, c-ares and libev; for the demo and the tests PostgreSQL 15 or" \
       "later (server and client), Redis 7 or later, Python 3 with psycopg2 and redis-py;" \
       "for the whole suite also cmocka, clang-format, clang with libFuzzer, Valkey 8 and the" \
       "tools listed in scripts/deps.sh (or set OUTBOX_RELAY_PG_BINDIR to PostgreSQL's bin" \
@@ -118,7 +118,7 @@ case "$codename" in
     ;;
 esac
 
-build=(build-essential cmake pkg-config libpq-dev libhiredis-dev libev-dev "${tls[@]}")
+build=(build-essential cmake pkg-config libpq-dev libhiredis-dev libev-dev libc-ares-dev "${tls[@]}")
 package=(dpkg-dev file lintian)
 demo=("postgresql-$pg" "postgresql-client-$pg" redis-server python3 python3-psycopg2 python3-redis)
 test=(
