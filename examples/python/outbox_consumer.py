@@ -11,7 +11,8 @@ python3-psycopg2), as examples/email_consumer.c does with the C library:
   to {<stream>}.<group>.dlq after max_deliveries, or at once when the effect raises Fail,
   with one FCALL of outbox_consumer_dead_letter_v1 (sections 4 and 5);
 - with partitions (--ordered N) the group's consumers share the topic's partition streams
-  through the lease functions, and each key's messages are handled in order (section 8).
+  through the lease functions, and each key's messages are handled in order (section 8);
+- a rediss:// URL takes the relay's TLS options (docs/REDIS.md, "TLS to Redis").
 
     def effect(cur, msg):            # inside the transaction; raise Fail for bad data
         cur.execute("INSERT INTO invoices (order_id) VALUES (%s)", (msg.key,))
@@ -23,8 +24,10 @@ import argparse
 import os
 import signal
 import socket
+import ssl
 import sys
 import time
+import urllib.parse
 from datetime import datetime, timezone
 
 import psycopg2
@@ -100,6 +103,104 @@ def now_ms():
     return time.monotonic() * 1000
 
 
+# -- rediss://: the relay's TLS options (docs/REDIS.md, "TLS to Redis")
+TLS_OPTIONS = ("ca_file", "ca_dir", "cert_file", "key_file", "server_name", "verify")
+
+
+class TlsConnection(redis.connection.Connection):
+    """A redis-py connection that speaks TLS with a context made beforehand and checks the
+    certificate against server_name, which may differ from the host it connects to
+    (redis-py's SSLConnection checks the host only, and only with ssl_check_hostname)."""
+
+    def __init__(self, ssl_context, server_name, **kwargs):
+        super().__init__(**kwargs)
+        self.ssl_context, self.server_name = ssl_context, server_name
+
+    def _connect(self):
+        where = f"Redis at {self.host}:{self.port}"
+        try:  # SNI is server_name unless it is an IP address
+            return self.ssl_context.wrap_socket(super()._connect(),
+                                                server_hostname=self.server_name)
+        except ssl.SSLCertVerificationError as e:
+            hint = ("it names another server: connect by a name it carries, or set the URL's "
+                    "server_name" if "mismatch" in e.verify_message else "check ca_file or "
+                    "ca_dir: they must hold the CA that signed the server's certificate")
+            raise redis.ConnectionError(f"the certificate of {where} was refused: "
+                                        f"{e.verify_message} ({hint})") from None
+        except ssl.SSLError as e:
+            raise redis.ConnectionError(f"TLS handshake with {where} failed ({e.reason}): is "
+                                        "that port TLS, and does the server accept this "
+                                        "client's certificate?") from None
+
+
+def tls_context(opts):
+    """An SSLContext for the URL's options, its files loaded now: ValueError names a bad one."""
+    for name in ("ca_file", "cert_file", "key_file"):
+        try:
+            open(opts.get(name, os.devnull), "rb").close()
+        except OSError as e:
+            raise ValueError(f"TLS option {name} {opts[name]}: {e.strerror}") from None
+    if "ca_dir" in opts and not os.path.isdir(opts["ca_dir"]):
+        raise ValueError(f"TLS option ca_dir {opts['ca_dir']}: not a directory")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # the chain and the name are checked
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.check_hostname = opts.get("verify", "full") == "full"  # verify=ca: the chain only
+    try:
+        if "ca_file" in opts or "ca_dir" in opts:
+            ctx.load_verify_locations(cafile=opts.get("ca_file"), capath=opts.get("ca_dir"))
+        else:
+            ctx.load_default_certs()  # the system's trust store
+    except ssl.SSLError as e:
+        raise ValueError(f"TLS option ca_file {opts.get('ca_file')}: {e.reason or e}: give a "
+                         "PEM file of CA certificates") from None
+    cert, key = opts.get("cert_file"), opts.get("key_file")
+    try:
+        if cert:  # password b"": an encrypted key is refused, never asked for at a prompt
+            ctx.load_cert_chain(cert, key, password=b"")
+    except ssl.SSLError as e:
+        raise ValueError(f"TLS option key_file {key} is not the key of cert_file {cert}"
+                         if e.reason == "KEY_VALUES_MISMATCH" else
+                         f"TLS options cert_file {cert} and key_file {key}: give a PEM "
+                         "certificate and its private key, unencrypted") from None
+    return ctx
+
+
+def redis_client(url, **kwargs):
+    """redis.Redis for a redis:// URL (as redis-py reads it), or for
+    rediss://[user:password@]host[:port][/db]?ca_file=...&verify=full|ca and the other
+    TLS_OPTIONS, checked as the relay checks them: ValueError for a URL it refuses."""
+    if not url.lower().startswith("rediss://"):
+        return redis.Redis.from_url(url, **kwargs)
+    u = urllib.parse.urlsplit(url)
+    opts = {}
+    for item in u.query.split("&") if u.query else ():
+        name, _, value = item.partition("=")
+        if name not in TLS_OPTIONS:
+            raise ValueError(f'unknown option "{name}": the options of a rediss:// URL are '
+                             + ", ".join(TLS_OPTIONS))
+        if name in opts:
+            raise ValueError(f"option {name} is given twice: keep one")
+        if not value:
+            raise ValueError(f"option {name} has no value: write {name}=value or leave it out")
+        opts[name] = urllib.parse.unquote(value)
+    if opts.get("verify", "full") not in ("full", "ca"):
+        raise ValueError("option verify must be full (the CA and the server's name, the "
+                         "default) or ca (the CA only)")
+    if ("cert_file" in opts) != ("key_file" in opts):
+        raise ValueError("cert_file and key_file go together: give both for a client "
+                         "certificate, or neither")
+    db = u.path.strip("/") or "0"
+    if not u.hostname or not db.isdigit() or u.fragment:
+        raise ValueError("use rediss://[user:password@]host[:port][/db][?options]")
+    pool = redis.ConnectionPool(
+        connection_class=TlsConnection, ssl_context=tls_context(opts),
+        server_name=opts.get("server_name", u.hostname), host=u.hostname, port=u.port or 6379,
+        db=int(db),
+        username=urllib.parse.unquote(u.username) if u.username else None,
+        password=urllib.parse.unquote(u.password) if u.password else None, **kwargs)
+    return redis.Redis(connection_pool=pool)
+
+
 def log(level, text):
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:23]
     print(f"{stamp}Z {level} consumer: {text}", file=sys.stderr, flush=True)
@@ -111,8 +212,8 @@ class OutboxConsumer:
     def __init__(self, redis_url, postgres, stream, group, effect, consumer=None,
                  max_deliveries=5, backoff_ms=BACKOFF_MS, block_ms=1000, count=16,
                  partitions=0, lease_ms=10000):
-        self.r = redis.Redis.from_url(redis_url, socket_timeout=block_ms / 1000 + 10,
-                                      socket_connect_timeout=5)
+        self.r = redis_client(redis_url, socket_timeout=block_ms / 1000 + 10,
+                              socket_connect_timeout=5)
         self.postgres, self.stream, self.group, self.effect = postgres, stream, group, effect
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.max_deliveries, self.backoff_ms = max_deliveries, tuple(backoff_ms)
@@ -495,7 +596,8 @@ def send_email(group):
 
 def main():
     a = argparse.ArgumentParser(description="outbox-email-consumer in Python (README.md here)")
-    a.add_argument("--redis", required=True, help="redis://[user:password@]host:port/db")
+    a.add_argument("--redis", required=True, help="redis://[user:password@]host:port/db, or "
+                   "rediss://...?ca_file=PATH and the relay's other TLS options")
     a.add_argument("--postgres", required=True, help="libpq connection string")
     a.add_argument("--stream", default="orders")
     a.add_argument("--group", default="email")
@@ -508,9 +610,12 @@ def main():
                    help="the topic has PARTITIONS partitions: handle each key in order")
     a.add_argument("--lease", type=parse_ms, default=10000, help="with --ordered (10s)")
     o = a.parse_args()
-    c = OutboxConsumer(o.redis, o.postgres, o.stream, o.group, send_email(o.group), o.consumer,
-                       o.max_deliveries, o.backoff, o.block,
-                       partitions=o.ordered, lease_ms=o.lease)
+    try:  # a URL or TLS option it refuses is a usage error: nothing is connected yet
+        c = OutboxConsumer(o.redis, o.postgres, o.stream, o.group, send_email(o.group),
+                           o.consumer, o.max_deliveries, o.backoff, o.block,
+                           partitions=o.ordered, lease_ms=o.lease)
+    except ValueError as e:
+        a.error(f"--redis: {e}")
     signal.signal(signal.SIGTERM, c.stop)  # finish the message in hand, then return
     signal.signal(signal.SIGINT, c.stop)
     c.run()
