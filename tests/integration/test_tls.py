@@ -28,6 +28,9 @@ required), with rediss:// URLs (docs/REDIS.md, "TLS to Redis"):
   certificate does not carry: the relay never connects, marks nothing sent,
   and its log and the status command's error say which (verify=ca drops the
   name check, and then rows are delivered);
+- ca_dir, a directory of CA certificates named by their hash, in place of
+  ca_file: rows are delivered and `status` reads, and one holding another
+  CA refuses the server as ca_file does;
 - --check-config refuses an unknown option, a missing CA file, and a key
   that is not the certificate's, naming the file;
 - built without TLS (hiredis 0.14): --check-config refuses rediss:// and
@@ -37,6 +40,7 @@ required), with rediss:// URLs (docs/REDIS.md, "TLS to Redis"):
 import contextlib
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 import unittest
@@ -269,6 +273,33 @@ class RedisTlsTest(consumers.ConsumerTestCase):
     def test_wrong_server_name_is_refused(self):
         self.need_tls()
         self.assert_refused("hostname mismatch", server_name="redis.example")
+
+    def ca_dir(self, name, ca):
+        """A directory holding ca alone, named by its hash (openssl rehash)."""
+        path = os.path.join(self.dir, name)
+        os.makedirs(path, exist_ok=True)
+        shutil.copy(ca[0], os.path.join(path, "ca.crt"))
+        subprocess.run(["openssl", "rehash", path], check=True, capture_output=True)
+        return path
+
+    def test_ca_directory(self):
+        """ca_dir in place of ca_file: the relay and the tools find the CA in
+        the directory."""
+        self.need_tls()
+        ca_dir = self.ca_dir("ca-dir", self.ca)
+        relay = self.relay(env={"OUTBOX_RELAY_REDIS": self.url(ca_file=None, ca_dir=ca_dir)},
+                           **RELAY_FLAGS)
+        insert_many(self.db, [("orders", b'{"n": %d}' % i) for i in range(5)])
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        self.assertEqual(self.r.xlen("orders"), 5)
+        done = self.tools(["status"], self.url("outbox-tools", ca_file=None, ca_dir=ca_dir))
+        self.assertEqual(done.returncode, 0, done.output)
+
+    def test_ca_directory_of_another_ca_is_refused(self):
+        self.need_tls()
+        self.assert_refused(r"(unable to get local issuer certificate|self-signed certificate in "
+                            r"certificate chain)", ca_file=None,
+                            ca_dir=self.ca_dir("other-ca-dir", self.other_ca))
 
     def test_verify_ca_leaves_the_name_unchecked(self):
         self.need_tls()
