@@ -35,6 +35,7 @@
 #include "common/keys.h"
 #include "core/pg.h"
 #include "common/redisconn.h"
+#include "common/wait.h"
 #include "core/streamlist.h"
 
 double relay_observe_parse_time(const char *s)
@@ -400,6 +401,11 @@ struct rconn {
 };
 
 /* The reply (caller frees), or NULL with rc->c->err set. */
+/* Fresh-scan passes of an observation that met a listed stream missing, and
+ * the wait before each after the first. */
+#define OBSERVE_PASSES 2
+#define OBSERVE_PASS_WAIT_S 0.2
+
 #define cmd(rc, ...) outbox_redis_call((rc)->c, (rc)->stop_fd, (rc)->timeout_ms, __VA_ARGS__)
 
 static const redisReply *map_get(const redisReply *m, const char *key)
@@ -644,8 +650,16 @@ int relay_observe(const struct relay_config *cfg, PGconn **pg, redisContext **rd
                                                 &each, o->redis_error, sizeof(o->redis_error)) == 0;
         /* A listed stream was gone, or in another primary's slot: observe
          * again from a fresh scan, so that no topic is shown without its
-         * groups (backpressure would release a paused one). */
-        if (o->redis_ok && relay_stream_list_rescan(list)) {
+         * groups (backpressure would release a paused one). While a slot
+         * migrates, the stream can be missing from both primaries' answers
+         * (ASK from one, MOVED from the other) until the slot's owner
+         * changes: after a short wait, a third look. */
+        for (int pass = 0; pass < OBSERVE_PASSES && o->redis_ok && relay_stream_list_rescan(list);
+             pass++) {
+            if (pass > 0 &&
+                outbox_wait_fd(-1, 0, each.stop_fd, outbox_mono_now() + OBSERVE_PASS_WAIT_S) ==
+                    OUTBOX_WAIT_STOPPED)
+                break;
             o->ntopics = 0;
             o->ngroups = 0;
             o->redis_used_memory = -1;
