@@ -201,6 +201,16 @@ def redis_client(url, **kwargs):
     return redis.Redis(connection_pool=pool)
 
 
+def tls_hint(error):
+    """What to check when a TLS server closes the connection after the handshake: with
+    TLS 1.3 a server that wants a client certificate says so only then."""
+    text = str(error)
+    if "certificate required" in text or "EOF occurred in violation of protocol" in text:
+        return (" (the server ended the TLS connection: if it asks for client certificates, "
+                "tls-auth-clients, give cert_file and key_file)")
+    return ""
+
+
 def log(level, text):
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:23]
     print(f"{stamp}Z {level} consumer: {text}", file=sys.stderr, flush=True)
@@ -214,6 +224,7 @@ class OutboxConsumer:
                  partitions=0, lease_ms=10000):
         self.r = redis_client(redis_url, socket_timeout=block_ms / 1000 + 10,
                               socket_connect_timeout=5)
+        self.tls = redis_url.lower().startswith("rediss://")
         self.postgres, self.stream, self.group, self.effect = postgres, stream, group, effect
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.max_deliveries, self.backoff_ms = max_deliveries, tuple(backoff_ms)
@@ -235,7 +246,7 @@ class OutboxConsumer:
             try:
                 self._run_ordered() if self.parts else self._run_unordered()
             except redis.RedisError as e:  # connects again, loads the functions, makes groups
-                log("ERROR", f"Redis: {e}; retrying in 1 s")
+                log("ERROR", f"Redis: {e}{tls_hint(e) if self.tls else ''}; retrying in 1 s")
                 time.sleep(1)
         print(f"consumer {self.consumer}: " + " ".join(f"{k}={v}" for k, v in self.stats.items()),
               flush=True)
