@@ -386,6 +386,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "017_quarantine_tools.sql",
     "018_one_index_less.sql",
     "019_rotation.sql",
+    "020_tick_bounds.sql",
 };
 
 #ifndef RELAY_MIGRATIONS_DIR

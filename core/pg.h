@@ -104,8 +104,11 @@ int relay_pg_text_array(char *out, size_t outlen, const char (*items)[OUTBOX_TOP
 
 /* The outbox schema version this build needs (migrations/: every file from
  * 004 on records its own number in outbox.schema_version). */
-#define RELAY_SCHEMA_VERSION 19
-#define RELAY_SCHEMA_VERSION_TEXT "19"
+#define RELAY_SCHEMA_VERSION 20
+/* The same number in SQL text, made from it so that the two cannot differ. */
+#define RELAY_PG_TEXT_(n) #n
+#define RELAY_PG_TEXT(n) RELAY_PG_TEXT_(n)
+#define RELAY_SCHEMA_VERSION_TEXT RELAY_PG_TEXT(RELAY_SCHEMA_VERSION)
 
 /* The columns that read the schema's state from outbox.schema_version: the
  * newest version recorded, and the lowest this build needs that is not

@@ -14,6 +14,9 @@ Promises tested:
 - under concurrent producers and two sessions ticking, every committed row is
   in exactly one batch, and the batches, read in chunks that resume after the
   last id, cover each batch exactly;
+- outbox.tick_bounds, taken under the same load, reads the bounds of the
+  batch of its tick when that tick is the one after the lead it is given
+  (the same as outbox.batch_bounds afterwards), and none otherwise;
 - outbox.batch_bounds reads a batch's bounds off messages_txid_idx and
   outbox.batch_rows its chunks off the primary key, never a scan of the table;
 - outbox.record_batch moves each stream's position, and the lead, forward
@@ -288,6 +291,45 @@ class BatchSqlTest(harness.PostgresTestCase):
         self.assertEqual([i for _, i in rows], [a, b])
         self.assertGreater(int(rows[0][0]), int(rows[1][0]), "the txids run the other way")
 
+    def test_the_bounds_a_tick_reads_count_rows_committed_while_it_waited(self):
+        """outbox.tick_bounds reads the bounds after its tick's snapshot: a
+        row committed while the call waited for the ticks' lock is in the
+        tick, so in the bounds too."""
+        insert(self.db)
+        after = tick(self.db)
+        (first,) = insert(self.db)
+        holder = self.pg.connect(autocommit=False)
+        caller = self.pg.connect()
+        got = {}
+        try:
+            with holder.cursor() as cur:
+                cur.execute("LOCK TABLE outbox.ticks IN SHARE ROW EXCLUSIVE MODE")
+            pid = scalar(caller, "SELECT pg_backend_pid()")
+
+            def call():
+                with caller.cursor() as cur:
+                    cur.execute("SELECT tick, lo, hi FROM outbox.tick_bounds(0, %s)", (after,))
+                    got["row"] = cur.fetchone()
+
+            t = threading.Thread(target=call)
+            t.start()
+            harness.wait_until(lambda: scalar(self.db, "SELECT wait_event_type FROM"
+                                              " pg_stat_activity WHERE pid = %s", (pid,)) == "Lock",
+                               timeout=10, message="the tick to wait for the lock")
+            (second,) = insert(self.db)  # committed after the call began
+            holder.rollback()
+            t.join(10)
+        finally:
+            holder.close()
+            caller.close()
+        self.assertEqual(got["row"], (after + 1, first, second))
+        self.assertEqual(bounds(self.db, after, after + 1), (first, second))
+        # A tick that is not the one after the lead named reads no bounds.
+        insert(self.db)
+        with self.db.cursor() as cur:
+            cur.execute("SELECT tick, lo, hi FROM outbox.tick_bounds(0, %s)", (after,))
+            self.assertEqual(cur.fetchone(), (after + 2, None, None))
+
     def test_an_aborted_transaction_is_in_no_batch(self):
         gone = self.pg.connect(autocommit=False)
         try:
@@ -336,8 +378,27 @@ class BatchSqlTest(harness.PostgresTestCase):
             finally:
                 conn.close()
 
+        told = []  # (after, tick, lo, hi) of outbox.tick_bounds, as the relay calls it
+
+        def bounding_ticker():
+            conn = self.pg.connect()
+            try:
+                after = scalar(conn, "SELECT max(tick_id) FROM outbox.ticks")
+                while not stop.is_set():
+                    with conn.cursor() as cur:
+                        cur.execute("SELECT tick, lo, hi FROM outbox.tick_bounds(0, %s)",
+                                    (after,))
+                        k, lo, hi = cur.fetchone()
+                    told.append((after, k, lo, hi))
+                    after = k
+                    time.sleep(0.002)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+            finally:
+                conn.close()
+
         threads = [threading.Thread(target=produce, args=(s,)) for s in range(6)]
-        threads += [threading.Thread(target=ticker) for _ in range(2)]
+        threads += [threading.Thread(target=ticker), threading.Thread(target=bounding_ticker)]
         for t in threads:
             t.start()
         time.sleep(3)
@@ -364,6 +425,17 @@ class BatchSqlTest(harness.PostgresTestCase):
         self.assertGreater(last, 10)
         self.assertEqual(len(seen), len(set(seen)), "a row in two batches")
         self.assertEqual(sorted(seen), sorted(committed))
+        # The bounds a tick read with itself are the batch's, read afterwards;
+        # none where the latest tick was not the one after the lead named.
+        bounded = 0
+        for after, k, lo, hi in told:
+            if k == after + 1 and lo is not None:
+                bounded += 1
+                self.assertEqual((lo, hi), bounds(self.db, after, k), f"batch ({after}, {k}]")
+            elif k != after + 1:
+                self.assertEqual((lo, hi), (None, None), f"tick {k} after {after}")
+        print(f"{bounded} of {len(told)} ticks read their batch's bounds")
+        self.assertGreater(bounded, 5)
 
     def test_a_batch_is_read_off_the_index(self):
         insert(self.db, n=2000)

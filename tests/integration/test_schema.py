@@ -207,7 +207,7 @@ class SchemaTest(harness.PostgresTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 19)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 20)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 7"), "007_wakeup_lock.sql")
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
@@ -229,6 +229,9 @@ class SchemaTest(harness.PostgresTestCase):
         for rel in ("outbox.ticks", "outbox.stream_positions", "outbox.quarantine",
                     "outbox.unsent", "outbox.messages_txid_idx"):
             self.assertIsNotNone(scalar(self.db, "SELECT to_regclass(%s)", (rel,)), rel)
+        # A tick with its batch's bounds in one call (020).
+        self.assertIsNotNone(scalar(self.db, "SELECT to_regprocedure(%s)",
+                                    ("outbox.tick_bounds(bigint, bigint)",)))
         # The tools of 017: the quarantine written again or dropped, the backlog.
         for fn in ("outbox.quarantine_retry(boolean, bigint[])",
                    "outbox.quarantine_drop(bigint[])", "outbox.quarantine_rows(bigint[], text[])"):
@@ -427,7 +430,7 @@ class SchemaTest(harness.PostgresTestCase):
                          "too big")
         self.assertEqual(scalar(self.db, "SELECT tick FROM outbox.stream_positions"
                                          " WHERE topic = 'orders'"), third)
-        self.assertEqual(scalar(relay, "SELECT max(version) FROM outbox.schema_version"), 19)
+        self.assertEqual(scalar(relay, "SELECT max(version) FROM outbox.schema_version"), 20)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")
