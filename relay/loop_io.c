@@ -92,9 +92,27 @@ static int op_tick(void *arg, uint64_t gen)
     b->stage_at = relay_now();
     char min_ms[24];
     snprintf(min_ms, sizeof(min_ms), "%" PRIu64, b->min_ms);
-    const char *params[1] = {min_ms};
+    char after[24];
+    b->tick_after = b->loop.lead;
+    snprintf(after, sizeof(after), "%" PRIu64, b->tick_after);
+    const char *params[2] = {min_ms, after};
     b->sent_gen = gen;
-    return relay_pgsrc_send(b->pg, "SELECT outbox.tick($1::bigint)", 1, params, 0, on_ticked, r);
+    /* The tick, and the bounds of the lead's next batch when the tick is
+     * that batch's: its rows are read one round trip sooner. */
+    return relay_pgsrc_send(b->pg,
+                            "SELECT tick, lo, hi FROM outbox.tick_bounds($1::bigint, $2::bigint)",
+                            2, params, 0, on_ticked, r);
+}
+
+/* The bounds in a tick's answer (columns 1 and 2) for the batch after
+ * `after`; NULL when the latest tick is not the one after it. */
+static void keep_bounds(struct relay_loop_io *b, const PGresult *res, uint64_t after)
+{
+    if (PQnfields(res) < 3 || PQgetisnull(res, 0, 1) || PQgetisnull(res, 0, 2))
+        return;
+    b->known_prev = after;
+    b->known_lo = strtoll(PQgetvalue(res, 0, 1), NULL, 10);
+    b->known_hi = strtoll(PQgetvalue(res, 0, 2), NULL, 10);
 }
 
 /* ---- where each stream stands ------------------------------------------- */
@@ -510,9 +528,14 @@ static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32
     char p1[24], p2[24];
     snprintf(p1, sizeof(p1), "%" PRIu64, prev);
     snprintf(p2, sizeof(p2), "%" PRIu64, next);
-    const char *params[2] = {p1, p2};
     b->sent_gen = gen;
     b->read_number = 0;
+    if (b->known_prev != 0 && b->known_prev == prev && next == prev + 1) {
+        b->after_id = b->known_lo - 1;
+        b->upto_id = b->known_hi;
+        return send_chunk(r, gen, 0);
+    }
+    const char *params[2] = {p1, p2};
     return relay_pgsrc_send_prepared(b->pg, RELAY_PGSRC_BOUNDS, 2, params, 0, on_bounds, r);
 }
 
@@ -1050,10 +1073,12 @@ static void on_ticked(struct relay_pgsrc *pg, PGresult *res, const char *err, co
         return;
     if (err != NULL || res == NULL || PQntuples(res) != 1 || PQgetisnull(res, 0, 0)) {
         char why[600];
-        snprintf(why, sizeof(why), "outbox.tick() failed: %s", err != NULL ? err : "no answer");
+        snprintf(why, sizeof(why), "taking a tick (outbox.tick_bounds) failed: %s",
+                 err != NULL ? err : "no answer");
         relay_loop_failed(&b->loop, b->sent_gen, RELAY_FAIL_POSTGRES, why);
         return;
     }
+    keep_bounds(b, res, b->tick_after);
     relay_loop_ticked(&b->loop, b->sent_gen, strtoull(PQgetvalue(res, 0, 0), NULL, 10));
 }
 
