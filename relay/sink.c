@@ -1276,7 +1276,9 @@ static void on_timer(struct ev_loop *loop, ev_timer *w, int revents)
         snprintf(msg, sizeof(msg), "not connected and set up within connect_timeout (%u ms)",
                  s->cfg->connect_timeout_ms);
         for (int i = 0; i < s->nnodes; i++) {
-            s->nodes[i].addr_turn += !s->nodes[i].ready;
+            /* The next address next time, for a node whose connect did
+             * not finish; one still looking its name up tried none. */
+            s->nodes[i].addr_turn += !s->nodes[i].ready && s->nodes[i].ac != NULL;
             if (s->nodes[i].lookup != NULL)
                 snprintf(msg, sizeof(msg), "cannot resolve %.200s: " OUTBOX_NO_DNS_ANSWER,
                          s->nodes[i].host, s->cfg->connect_timeout_ms);
