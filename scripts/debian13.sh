@@ -63,7 +63,7 @@ if [[ "$(release)" != trixie ]]; then
 fi
 
 # /proc, /dev and /sys for PostgreSQL, the sanitizer-free build and lintian;
-# the host's resolver for apt. Unmounted on any exit.
+# the host's resolver for apt. Unmounted on any exit, last mounted first.
 mounted=()
 unmount() {
   local i
@@ -72,6 +72,14 @@ unmount() {
   done
 }
 trap unmount EXIT
+# The root a mount point of its own, so that a test can make a mount
+# namespace inside it (unshare -m changes the propagation of /, which must be
+# a mount point): tests/integration/test_resolve.py gives the relay a
+# resolv.conf of its own that way.
+if ! mountpoint -q "$target"; then
+  mount --bind "$target" "$target"
+  mounted+=("$target")
+fi
 for fs in proc sys dev; do
   mkdir -p "$target/$fs"
   if ! mountpoint -q "$target/$fs"; then
