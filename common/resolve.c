@@ -57,6 +57,14 @@ int outbox_host_is_address(const char *host)
     return inet_pton(AF_INET, host, buf) == 1 || inet_pton(AF_INET6, host, buf) == 1;
 }
 
+void outbox_addrs_of_address(struct outbox_addrs *out, const char *host)
+{
+    size_t len = strnlen(host, sizeof(out->addr[0]) - 1);
+    memcpy(out->addr[0], host, len);
+    out->addr[0][len] = '\0';
+    out->n = 1;
+}
+
 static pthread_once_t library_once = PTHREAD_ONCE_INIT;
 static int library_status = ARES_SUCCESS;
 
@@ -230,8 +238,7 @@ int outbox_resolve(const char *host, unsigned timeout_ms, int stop_fd, struct ou
                    char *err, size_t errlen)
 {
     if (outbox_host_is_address(host)) {
-        out->n = 1;
-        snprintf(out->addr[0], sizeof(out->addr[0]), "%s", host);
+        outbox_addrs_of_address(out, host);
         return 0;
     }
     struct outbox_lookup *l = outbox_lookup_start(host, NULL, NULL, err, errlen);

@@ -32,6 +32,10 @@ struct outbox_addrs {
  * socket's path (starting with '/' or '@', as libpq takes it). */
 int outbox_host_is_address(const char *host);
 
+/* The addresses of a host that needs no lookup (outbox_host_is_address):
+ * the host itself, cut to OUTBOX_ADDR_LEN - 1 bytes. */
+void outbox_addrs_of_address(struct outbox_addrs *out, const char *host);
+
 struct outbox_lookup;
 
 /* Told of each socket the lookup opens, and again when its interest changes;

@@ -582,12 +582,7 @@ static void lookup_next(struct relay_pgsrc *pg)
         int i = pg->lookup_at;
         if (!relay_pg_host_is_name(&pg->hosts, i)) {
             /* An address is its own; a socket's path takes none. */
-            char own[OUTBOX_ADDR_LEN];
-            size_t len = strnlen(pg->hosts.host[i], sizeof(own) - 1);
-            memcpy(own, pg->hosts.host[i], len);
-            own[len] = '\0';
-            pg->hosts.addrs[i].n = 1;
-            memcpy(pg->hosts.addrs[i].addr[0], own, sizeof(own));
+            outbox_addrs_of_address(&pg->hosts.addrs[i], pg->hosts.host[i]);
             continue;
         }
         pg->lookup = relay_lookup_start(pg->loop, pg->hosts.host[i], on_resolved, pg,

@@ -184,6 +184,24 @@ static void test_what_needs_no_lookup(void **state)
     assert_false(outbox_host_is_address("10.0.0"));
 }
 
+static void test_an_address_is_its_own(void **state)
+{
+    (void)state;
+    struct outbox_addrs a;
+    memset(&a, 'x', sizeof(a));
+    outbox_addrs_of_address(&a, "fd00::5");
+    assert_int_equal(a.n, 1);
+    assert_string_equal(a.addr[0], "fd00::5");
+    char path[2 * OUTBOX_ADDR_LEN];
+    memset(path, 'p', sizeof(path) - 1);
+    path[0] = '/';
+    path[sizeof(path) - 1] = '\0';
+    outbox_addrs_of_address(&a, path);
+    assert_int_equal(a.n, 1);
+    assert_int_equal(strlen(a.addr[0]), OUTBOX_ADDR_LEN - 1);
+    assert_memory_equal(a.addr[0], path, OUTBOX_ADDR_LEN - 1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -192,6 +210,7 @@ int main(void)
         cmocka_unit_test(test_which_hosts_are_looked_up),
         cmocka_unit_test(test_every_address_is_listed),
         cmocka_unit_test(test_what_needs_no_lookup),
+        cmocka_unit_test(test_an_address_is_its_own),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
