@@ -500,7 +500,7 @@ class FenceTest(unittest.TestCase):
                 harness.insert_many(db, [("orders", str(i).encode(), "k") for i in range(1, 6)])
                 wait_until(lambda: scalar(db, "SELECT count(*) FROM pg_stat_activity"
                                               " WHERE wait_event_type = 'Lock' AND query LIKE"
-                                              " 'SELECT outbox.tick%%'") > 0,
+                                              " '%%FROM outbox.tick_bounds(%%'") > 0,
                            timeout=20, relay=a, message="relay A's tick to wait for the lock")
                 proxy.blackhole()
                 locker.commit()
