@@ -89,12 +89,11 @@ struct relay_loop_io {
     int64_t upto_id;               /* the batch's highest id (outbox.batch_bounds) */
     uint64_t read_prev, read_next; /* the batch being read */
     uint64_t min_ms;               /* the least ms of the next tick */
-    /* The bounds of the batch (known_prev, known_prev + 1], read by the tick
-     * that made it (outbox.tick_bounds); known_prev 0: none. A batch is
+    /* The bounds of the batch (known_prev, known_prev + 1], which the tick
+     * answered with (outbox.tick_bounds); known_prev 0: none. A batch is
      * fixed once its two ticks exist, so they stay true. */
     uint64_t known_prev;
     int64_t known_lo, known_hi;
-    uint64_t tick_after;          /* the lead whose next batch the tick in flight bounds */
     struct relay_chunk chunks[2]; /* the one publishing, and the one read ahead */
     struct relay_cursors cursors; /* each stream's rank and last id */
     struct relay_batch_streams streams;

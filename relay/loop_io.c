@@ -93,8 +93,7 @@ static int op_tick(void *arg, uint64_t gen)
     char min_ms[24];
     snprintf(min_ms, sizeof(min_ms), "%" PRIu64, b->min_ms);
     char after[24];
-    b->tick_after = b->loop.lead;
-    snprintf(after, sizeof(after), "%" PRIu64, b->tick_after);
+    snprintf(after, sizeof(after), "%" PRIu64, b->loop.lead);
     const char *params[2] = {min_ms, after};
     b->sent_gen = gen;
     /* The tick, and the bounds of the lead's next batch when the tick is
@@ -104,13 +103,14 @@ static int op_tick(void *arg, uint64_t gen)
                             2, params, 0, on_ticked, r);
 }
 
-/* The bounds in a tick's answer (columns 1 and 2) for the batch after
- * `after`; NULL when the latest tick is not the one after it. */
-static void keep_bounds(struct relay_loop_io *b, const PGresult *res, uint64_t after)
+/* The bounds in a tick's answer (columns 1 and 2): those of the batch that
+ * ends at its tick, which outbox.tick_bounds gives only when that tick is
+ * the one after the lead asked about; NULL otherwise. */
+static void keep_bounds(struct relay_loop_io *b, const PGresult *res, uint64_t tick)
 {
-    if (PQnfields(res) < 3 || PQgetisnull(res, 0, 1) || PQgetisnull(res, 0, 2))
+    if (tick < 2 || PQnfields(res) < 3 || PQgetisnull(res, 0, 1) || PQgetisnull(res, 0, 2))
         return;
-    b->known_prev = after;
+    b->known_prev = tick - 1;
     b->known_lo = strtoll(PQgetvalue(res, 0, 1), NULL, 10);
     b->known_hi = strtoll(PQgetvalue(res, 0, 2), NULL, 10);
 }
@@ -525,9 +525,6 @@ static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32
     b->read_prev = prev;
     b->read_next = next;
     /* The batch goes out in id order: its lowest and highest id first. */
-    char p1[24], p2[24];
-    snprintf(p1, sizeof(p1), "%" PRIu64, prev);
-    snprintf(p2, sizeof(p2), "%" PRIu64, next);
     b->sent_gen = gen;
     b->read_number = 0;
     if (b->known_prev != 0 && b->known_prev == prev && next == prev + 1) {
@@ -535,6 +532,9 @@ static int op_read(void *arg, uint64_t gen, uint64_t prev, uint64_t next, uint32
         b->upto_id = b->known_hi;
         return send_chunk(r, gen, 0);
     }
+    char p1[24], p2[24];
+    snprintf(p1, sizeof(p1), "%" PRIu64, prev);
+    snprintf(p2, sizeof(p2), "%" PRIu64, next);
     const char *params[2] = {p1, p2};
     return relay_pgsrc_send_prepared(b->pg, RELAY_PGSRC_BOUNDS, 2, params, 0, on_bounds, r);
 }
@@ -1078,8 +1078,9 @@ static void on_ticked(struct relay_pgsrc *pg, PGresult *res, const char *err, co
         relay_loop_failed(&b->loop, b->sent_gen, RELAY_FAIL_POSTGRES, why);
         return;
     }
-    keep_bounds(b, res, b->tick_after);
-    relay_loop_ticked(&b->loop, b->sent_gen, strtoull(PQgetvalue(res, 0, 0), NULL, 10));
+    uint64_t tick = strtoull(PQgetvalue(res, 0, 0), NULL, 10);
+    keep_bounds(b, res, tick);
+    relay_loop_ticked(&b->loop, b->sent_gen, tick);
 }
 
 /* One row of a chunk, as the claim's columns (relay_pgsrc_batch_sql). */
