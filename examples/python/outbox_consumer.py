@@ -203,11 +203,13 @@ def redis_client(url, **kwargs):
 
 def tls_hint(error):
     """What to check when a TLS server closes the connection after the handshake: with
-    TLS 1.3 a server that wants a client certificate says so only then."""
+    TLS 1.3 a server that wants a client certificate says so only then, as an alert, as
+    an end of file or, when the client was writing, as a reset connection."""
     text = str(error)
-    if "certificate required" in text or "EOF occurred in violation of protocol" in text:
-        return (" (the server ended the TLS connection: if it asks for client certificates, "
-                "tls-auth-clients, give cert_file and key_file)")
+    if any(sign in text for sign in ("certificate required", "EOF occurred in violation of "
+                                     "protocol", "Connection reset by peer", "Broken pipe")):
+        return (" (the server ended the TLS connection: if it asks for client certificates "
+                "(tls-auth-clients), give the URL's cert_file and key_file)")
     return ""
 
 
