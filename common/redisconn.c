@@ -163,14 +163,20 @@ static int open_steps(redisContext *c, const struct outbox_redis_url *u,
 #endif
     (void)redisEnableKeepAlive(c); /* a dead peer is noticed between commands too */
     static const char auth_hint[] = " (check the user and password of the Redis URL)";
-    if (u->password[0] != '\0' && u->user[0] != '\0' &&
-        setup(c, stop_fd, connect_timeout_ms, "AUTH", auth_hint, err, errlen, fault, "AUTH %s %s",
-              u->user, u->password) < 0)
+    if (u->password[0] != '\0' &&
+        (u->user[0] != '\0' ? setup(c, stop_fd, connect_timeout_ms, "AUTH", auth_hint, err, errlen,
+                                    fault, "AUTH %s %s", u->user, u->password)
+                            : setup(c, stop_fd, connect_timeout_ms, "AUTH", auth_hint, err, errlen,
+                                    fault, "AUTH %s", u->password)) < 0) {
+        /* With TLS 1.3 a server that wants a client certificate ends the
+         * connection only after the handshake, at the first command. */
+        if (*fault == OUTBOX_REDIS_IO && u->tls.on && u->tls.cert_file[0] == '\0') {
+            size_t n = strlen(err);
+            snprintf(err + n, errlen - n,
+                     " (the server ended the TLS connection: " OUTBOX_TLS_CLIENT_CERT_HINT ")");
+        }
         return -1;
-    if (u->password[0] != '\0' && u->user[0] == '\0' &&
-        setup(c, stop_fd, connect_timeout_ms, "AUTH", auth_hint, err, errlen, fault, "AUTH %s",
-              u->password) < 0)
-        return -1;
+    }
     if (u->db != 0 && setup(c, stop_fd, connect_timeout_ms, "SELECT", "", err, errlen, fault,
                             "SELECT %d", u->db) < 0)
         return -1;

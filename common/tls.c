@@ -182,13 +182,14 @@ static SSL *make_session(const struct outbox_redis_url *u, const char *host, cha
 }
 
 struct ssl_st *outbox_tls_start(struct redisContext *c, const struct outbox_redis_url *u,
-                                const char *host, char *err, size_t errlen)
+                                const char *host, int port, char *err, size_t errlen)
 {
     SSL *ssl = make_session(u, host, err, errlen);
     if (ssl == NULL)
         return NULL;
     if (redisInitiateSSL(c, ssl) != REDIS_OK) {
-        snprintf(err, errlen, "cannot start TLS: %s", c->errstr);
+        if (!outbox_tls_failure(ssl, host, port, c->errstr, 1, err, errlen))
+            snprintf(err, errlen, "cannot start TLS: %s", c->errstr);
         SSL_free(ssl);
         return NULL;
     }
@@ -196,7 +197,7 @@ struct ssl_st *outbox_tls_start(struct redisContext *c, const struct outbox_redi
 }
 
 int outbox_tls_failure(const struct ssl_st *ssl, const char *host, int port, const char *io_text,
-                       char *out, size_t outlen)
+                       int setting_up, char *out, size_t outlen)
 {
     if (ssl == NULL)
         return 0;
@@ -211,11 +212,21 @@ int outbox_tls_failure(const struct ssl_st *ssl, const char *host, int port, con
                         "certificate");
         return 1;
     }
-    if (io_text != NULL && !SSL_is_init_finished(ssl)) {
+    if (io_text == NULL)
+        return 0;
+    const char *text = io_text[0] != '\0' ? io_text : "connection closed";
+    int anonymous = SSL_get_certificate(ssl) == NULL;
+    if (!SSL_is_init_finished(ssl)) {
         snprintf(out, outlen,
-                 "TLS handshake with Redis at %.100s:%d failed (%.100s): is that port TLS, and "
-                 "does the server accept this client's certificate?",
-                 host, port, io_text[0] != '\0' ? io_text : "connection closed");
+                 "TLS handshake with Redis at %.100s:%d failed (%.100s): is that port TLS? %s",
+                 host, port, text,
+                 anonymous ? OUTBOX_TLS_CLIENT_CERT_HINT
+                           : "does the server accept this client's certificate?");
+        return 1;
+    }
+    if (setting_up && anonymous) {
+        snprintf(out, outlen, "Redis at %.100s:%d ended the TLS connection (%.100s): %s", host,
+                 port, text, OUTBOX_TLS_CLIENT_CERT_HINT);
         return 1;
     }
     return 0;
@@ -264,13 +275,13 @@ int outbox_tls_handshake(struct redisContext *c, const struct outbox_redis_url *
     }
     if (rc == REDIS_OK)
         return 0;
-    if (!outbox_tls_failure(ssl, host, port, NULL, err, errlen)) {
+    if (!outbox_tls_failure(ssl, host, port, NULL, 1, err, errlen)) {
         if (saved == EAGAIN || saved == EWOULDBLOCK)
             snprintf(err, errlen,
                      "no TLS handshake with Redis at %.100s:%d within %ld ms: is that port TLS?",
                      host, port, ms);
         else
-            (void)outbox_tls_failure(ssl, host, port, c->errstr, err, errlen);
+            (void)outbox_tls_failure(ssl, host, port, c->errstr, 1, err, errlen);
     }
     ERR_clear_error();
     SSL_free(ssl); /* hiredis keeps a session only when the handshake starts */

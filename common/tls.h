@@ -35,13 +35,13 @@ int outbox_tls_check(const struct outbox_redis_url *u, char *err, size_t errlen)
  * Starts TLS on c, whose TCP connection to host is made or being made (the
  * context non-blocking): a session that verifies the server's certificate
  * against the URL's CA and, unless the URL says verify=ca, its name
- * (server_name, else host). hiredis then carries the handshake on with the
+ * (server_name, else host); port is for messages. hiredis then carries the handshake on with the
  * first reads and writes, and frees the session with c.
  * Returns the session, for outbox_tls_failure once a read or write failed,
  * or NULL with err set (c unchanged).
  */
 struct ssl_st *outbox_tls_start(struct redisContext *c, const struct outbox_redis_url *u,
-                                const char *host, char *err, size_t errlen)
+                                const char *host, int port, char *err, size_t errlen)
     __attribute__((warn_unused_result));
 
 /*
@@ -54,14 +54,25 @@ int outbox_tls_handshake(struct redisContext *c, const struct outbox_redis_url *
     __attribute__((warn_unused_result));
 
 /*
+ * What to check when a server ends a TLS connection that carries no client
+ * certificate while it is being set up: with TLS 1.3 a server that wants one
+ * says so only after the handshake, as an alert or by closing.
+ */
+#define OUTBOX_TLS_CLIENT_CERT_HINT                                                                \
+    "if it asks for client certificates (tls-auth-clients), give the URL's cert_file and key_file"
+
+/*
  * Whether TLS explains why a session's connection failed, and how: when the
  * server's certificate was refused, writes "the certificate of Redis at
  * host:port was refused: <reason>" and what to check into out; when the
  * handshake did not finish and io_text (what the read or write said) is not
  * NULL, "TLS handshake with Redis at host:port failed (io_text)" and what to
- * check. Returns 1 then, else 0 (ssl may be NULL: 0).
+ * check; when it did but setting_up (the connection's set-up commands had
+ * not all been answered) and the session has no client certificate, that the
+ * server ended the connection and OUTBOX_TLS_CLIENT_CERT_HINT. Returns 1
+ * then, else 0 (ssl may be NULL: 0).
  */
 int outbox_tls_failure(const struct ssl_st *ssl, const char *host, int port, const char *io_text,
-                       char *out, size_t outlen);
+                       int setting_up, char *out, size_t outlen);
 
 #endif

@@ -707,13 +707,13 @@ static int take_slots(struct relay_sink *s, struct sink_node *first, const redis
 }
 
 /* Starts TLS on ac for host when the URL is rediss://: 0, or -1 with msg. */
-static int start_tls(const struct relay_sink *s, redisAsyncContext *ac, const char *host,
+static int start_tls(const struct relay_sink *s, redisAsyncContext *ac, const char *host, int port,
                      struct ssl_st **tls, char *msg, size_t msglen)
 {
     *tls = NULL;
 #if OUTBOX_TLS
     if (s->cfg->redis_url.tls.on) {
-        *tls = outbox_tls_start(&ac->c, &s->cfg->redis_url, host, msg, msglen);
+        *tls = outbox_tls_start(&ac->c, &s->cfg->redis_url, host, port, msg, msglen);
         if (*tls == NULL)
             return -1;
     }
@@ -721,6 +721,7 @@ static int start_tls(const struct relay_sink *s, redisAsyncContext *ac, const ch
     (void)s;
     (void)ac;
     (void)host;
+    (void)port;
     (void)msg;
     (void)msglen;
 #endif
@@ -728,17 +729,19 @@ static int start_tls(const struct relay_sink *s, redisAsyncContext *ac, const ch
 }
 
 /* Whether TLS explains why a connection to host:port failed (a refused
- * certificate, an unfinished handshake): 1 with msg written, else 0. */
+ * certificate, an unfinished handshake, a client certificate the server may
+ * want while setting_up): 1 with msg written, else 0. */
 static int tls_explains(const struct ssl_st *tls, const char *host, int port, const char *text,
-                        char *msg, size_t msglen)
+                        int setting_up, char *msg, size_t msglen)
 {
 #if OUTBOX_TLS
-    return outbox_tls_failure(tls, host, port, text, msg, msglen);
+    return outbox_tls_failure(tls, host, port, text, setting_up, msg, msglen);
 #else
     (void)tls;
     (void)host;
     (void)port;
     (void)text;
+    (void)setting_up;
     (void)msg;
     (void)msglen;
     return 0;
@@ -748,9 +751,9 @@ static int tls_explains(const struct ssl_st *tls, const char *host, int port, co
 /* Why a connection to host:port failed: what TLS says when it explains it,
  * else "host:port: text". */
 static void io_failure(const struct ssl_st *tls, const char *host, int port, const char *text,
-                       char *msg, size_t msglen)
+                       int setting_up, char *msg, size_t msglen)
 {
-    if (!tls_explains(tls, host, port, text, msg, msglen))
+    if (!tls_explains(tls, host, port, text, setting_up, msg, msglen))
         snprintf(msg, msglen, "%.100s:%d: %s", host, port, text);
 }
 
@@ -801,8 +804,8 @@ static void on_setup_reply(redisAsyncContext *ac, void *reply, void *privdata)
     } else if (r == NULL && n->tls != NULL) {
         /* A failed handshake shows as the first step's lost reply. */
         char msg[400];
-        io_failure(n->tls, n->host, n->port, ac->errstr[0] ? ac->errstr : "connection closed", msg,
-                   sizeof(msg));
+        io_failure(n->tls, n->host, n->port, ac->errstr[0] ? ac->errstr : "connection closed", 1,
+                   msg, sizeof(msg));
         relay_sink_abort(s, msg);
         return;
     } else if (r == NULL || r->type == REDIS_REPLY_ERROR) {
@@ -832,7 +835,7 @@ static void on_connect(const redisAsyncContext *ac, int status)
     /* hiredis frees the context after this callback. */
     struct relay_sink *s = n->s;
     char msg[400];
-    io_failure(n->tls, n->host, n->port, ac->c.errstr[0] ? ac->c.errstr : "connect failed", msg,
+    io_failure(n->tls, n->host, n->port, ac->c.errstr[0] ? ac->c.errstr : "connect failed", 1, msg,
                sizeof(msg));
     n->ac = NULL;
     n->addr_turn++; /* the next connect tries the host's next address */
@@ -849,7 +852,8 @@ static void on_disconnect(const redisAsyncContext *ac, int status)
     struct relay_sink *s = n->s;
     char msg[400];
     io_failure(n->tls, n->host, n->port,
-               ac->c.errstr[0] ? ac->c.errstr : "server closed the connection", msg, sizeof(msg));
+               ac->c.errstr[0] ? ac->c.errstr : "server closed the connection", !n->ready, msg,
+               sizeof(msg));
     n->ac = NULL;
     ev_timer_stop(s->loop, &s->timer);
     node_failed(s, "connection lost", msg);
@@ -956,7 +960,7 @@ static void connect_node_to(struct relay_sink *s, struct sink_node *n, const cha
         return;
     }
     char why[400];
-    if (start_tls(s, ac, n->host, &n->tls, why, sizeof(why)) != 0) {
+    if (start_tls(s, ac, n->host, n->port, &n->tls, why, sizeof(why)) != 0) {
         redisAsyncFree(ac);
         node_failed(s, "cannot connect", why);
         return;
@@ -1096,7 +1100,7 @@ static void on_sentinel_reply(redisAsyncContext *ac, void *reply, void *privdata
     char why[300];
     if (r == NULL &&
         tls_explains(s->sentinel_tls, st->addr[at].host, st->addr[at].port,
-                     ac->errstr[0] ? ac->errstr : "closed the connection", why, sizeof(why)))
+                     ac->errstr[0] ? ac->errstr : "closed the connection", 1, why, sizeof(why)))
         snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.280s", why);
     else if (!(s->sentinel_refused_auth && noauth))
         outbox_sentinel_describe(s->sentinel_error, sizeof(s->sentinel_error), st->addr[at].host,
@@ -1119,7 +1123,7 @@ static void on_sentinel_connect(const redisAsyncContext *ac, int status)
     int at = s->sentinel_next - 1;
     char why[300];
     io_failure(s->sentinel_tls, st->addr[at].host, st->addr[at].port,
-               ac->c.errstr[0] ? ac->c.errstr : "connect failed", why, sizeof(why));
+               ac->c.errstr[0] ? ac->c.errstr : "connect failed", 1, why, sizeof(why));
     snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.280s", why);
     s->sentinel_ac = NULL;
     s->sentinel_addr_turn++; /* a named Sentinel's next address, next time */
@@ -1196,7 +1200,9 @@ static int ask_sentinel_at(struct relay_sink *s, int at, const char *addr)
     if (ac == NULL)
         return -1;
     char why[300] = "";
-    if (ac->err || start_tls(s, ac, st->addr[at].host, &s->sentinel_tls, why, sizeof(why)) ||
+    if (ac->err ||
+        start_tls(s, ac, st->addr[at].host, st->addr[at].port, &s->sentinel_tls, why,
+                  sizeof(why)) ||
         redisLibevAttach(s->loop, ac) != REDIS_OK) {
         snprintf(s->sentinel_error, sizeof(s->sentinel_error), "Sentinel %.100s:%d: %.170s",
                  st->addr[at].host, st->addr[at].port,

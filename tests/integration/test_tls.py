@@ -264,6 +264,21 @@ class RedisTlsTest(consumers.ConsumerTestCase):
         self.assertRegex(done.output, r"the certificate of Redis at localhost:\d+ was refused")
         self.assertRegex(done.output, why)
 
+    def test_without_a_client_certificate_the_relay_says_which_option_is_missing(self):
+        self.need_tls()
+        relay = self.relay(env={"OUTBOX_RELAY_REDIS": self.url(cert_file=None, key_file=None)},
+                           **RELAY_FLAGS)
+        insert_many(self.db, [("orders", b'{"n": 1}')])
+        # TLS 1.3: the server refuses after the handshake, as an alert or as
+        # the connection closed or reset, whichever the relay reads first.
+        line = relay.wait_for_log(r"^.*ERROR redis: .*$", timeout=20)
+        print(f"refused: {line.group(0).strip()[:400]}", flush=True)
+        self.assertRegex(line.group(0), r"cert_file and key_file")
+        self.assertEqual(self.r.exists("orders"), 0)
+        done = self.tools(["status"], self.url("outbox-tools", cert_file=None, key_file=None))
+        self.assertNotEqual(done.returncode, 0, done.output)
+        self.assertRegex(done.output, r"cert_file and key_file")
+
     def test_certificate_of_another_ca_is_refused(self):
         self.need_tls()
         # OpenSSL names it by the chain the server sends: with or without its root.
