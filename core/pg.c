@@ -387,6 +387,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "018_one_index_less.sql",
     "019_rotation.sql",
     "020_tick_bounds.sql",
+    "021_inline_runs.sql",
 };
 
 #ifndef RELAY_MIGRATIONS_DIR

@@ -19,6 +19,8 @@ Promises tested:
   (the same as outbox.batch_bounds afterwards), and none otherwise;
 - outbox.batch_bounds reads a batch's bounds off messages_txid_idx and
   outbox.batch_rows its chunks off the primary key, never a scan of the table;
+  the runs between running transactions (outbox.finished_runs) are planned
+  with the tick's and the bounds' statements, not called;
 - outbox.record_batch moves each stream's position, and the lead, forward
   only, and quarantines a copy of a row, once, with its error;
 - outbox.unsent holds the rows past their stream's recorded position that are
@@ -329,6 +331,29 @@ class BatchSqlTest(harness.PostgresTestCase):
         with self.db.cursor() as cur:
             cur.execute("SELECT tick, lo, hi FROM outbox.tick_bounds(0, %s)", (after,))
             self.assertEqual(cur.fetchone(), (after + 2, None, None))
+
+    def test_the_runs_are_planned_with_the_statements_that_read_them(self):
+        """outbox.finished_runs is inlined where the tick and the bounds read
+        it, so a busy cycle does not parse and plan its body twice, as a
+        function call would (a function counted by track_functions)."""
+        insert(self.db)
+        after = tick(self.db)
+        insert(self.db)
+        conn = self.pg.connect(autocommit=False)
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SET LOCAL track_functions = 'all'")
+                cur.execute("SELECT tick, lo, hi FROM outbox.tick_bounds(0, %s)", (after,))
+                self.assertIsNotNone(cur.fetchone()[1], "the call read the batch's bounds")
+                cur.execute("SELECT * FROM outbox.batch_bounds(%s, %s)", (after, after + 1))
+                cur.execute("SELECT funcname, calls FROM pg_stat_xact_user_functions"
+                            " WHERE schemaname = 'outbox' ORDER BY funcname")
+                calls = dict(cur.fetchall())
+        finally:
+            conn.rollback()
+            conn.close()
+        self.assertEqual(calls.get("tick_bounds"), 1, calls)  # the calls are counted
+        self.assertNotIn("finished_runs", calls)
 
     def test_an_aborted_transaction_is_in_no_batch(self):
         gone = self.pg.connect(autocommit=False)

@@ -207,7 +207,7 @@ class SchemaTest(harness.PostgresTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 20)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 21)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 7"), "007_wakeup_lock.sql")
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
@@ -430,7 +430,7 @@ class SchemaTest(harness.PostgresTestCase):
                          "too big")
         self.assertEqual(scalar(self.db, "SELECT tick FROM outbox.stream_positions"
                                          " WHERE topic = 'orders'"), third)
-        self.assertEqual(scalar(relay, "SELECT max(version) FROM outbox.schema_version"), 20)
+        self.assertEqual(scalar(relay, "SELECT max(version) FROM outbox.schema_version"), 21)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")
