@@ -108,6 +108,27 @@ static int setup(redisContext *c, int stop_fd, uint32_t timeout_ms, const char *
     return rc;
 }
 
+/* A set-up command's connection lost: what TLS makes of it (with TLS 1.3 a
+ * server that wants a client certificate ends the connection only after the
+ * handshake, at the first command), in err. */
+static void setup_lost(const struct ssl_st *session, const struct outbox_redis_url *u,
+                       enum outbox_redis_fault fault, char *err, size_t errlen)
+{
+#if OUTBOX_TLS
+    if (session == NULL || fault != OUTBOX_REDIS_IO)
+        return;
+    char text[256];
+    snprintf(text, sizeof(text), "%s", err);
+    (void)outbox_tls_failure(session, u->host, u->port, text, 1, err, errlen);
+#else
+    (void)session;
+    (void)u;
+    (void)fault;
+    (void)err;
+    (void)errlen;
+#endif
+}
+
 /* Waits for the non-blocking connect: 0, or -1 with err and fault set. */
 static int connected(redisContext *c, const struct outbox_redis_url *u, uint32_t timeout_ms,
                      int stop_fd, char *err, size_t errlen, enum outbox_redis_fault *fault)
@@ -151,10 +172,11 @@ static int open_steps(redisContext *c, const struct outbox_redis_url *u,
     if (connected(c, u, connect_timeout_ms, stop_fd, err, errlen, fault) < 0)
         return -1;
     *reached = 1;
+    struct ssl_st *session = NULL;
 #if OUTBOX_TLS
     if (u->tls.on) {
         if (outbox_tls_handshake(c, u, u->host, u->port,
-                                 outbox_mono_now() + connect_timeout_ms / 1000.0, err,
+                                 outbox_mono_now() + connect_timeout_ms / 1000.0, &session, err,
                                  errlen) != 0) {
             *fault = OUTBOX_REDIS_IO;
             return -1;
@@ -163,23 +185,16 @@ static int open_steps(redisContext *c, const struct outbox_redis_url *u,
 #endif
     (void)redisEnableKeepAlive(c); /* a dead peer is noticed between commands too */
     static const char auth_hint[] = " (check the user and password of the Redis URL)";
-    if (u->password[0] != '\0' &&
-        (u->user[0] != '\0' ? setup(c, stop_fd, connect_timeout_ms, "AUTH", auth_hint, err, errlen,
-                                    fault, "AUTH %s %s", u->user, u->password)
-                            : setup(c, stop_fd, connect_timeout_ms, "AUTH", auth_hint, err, errlen,
-                                    fault, "AUTH %s", u->password)) < 0) {
-        /* With TLS 1.3 a server that wants a client certificate ends the
-         * connection only after the handshake, at the first command. */
-        if (*fault == OUTBOX_REDIS_IO && u->tls.on && u->tls.cert_file[0] == '\0') {
-            size_t n = strlen(err);
-            snprintf(err + n, errlen - n,
-                     " (the server ended the TLS connection: " OUTBOX_TLS_CLIENT_CERT_HINT ")");
-        }
+    if ((u->password[0] != '\0' &&
+         (u->user[0] != '\0' ? setup(c, stop_fd, connect_timeout_ms, "AUTH", auth_hint, err, errlen,
+                                     fault, "AUTH %s %s", u->user, u->password)
+                             : setup(c, stop_fd, connect_timeout_ms, "AUTH", auth_hint, err, errlen,
+                                     fault, "AUTH %s", u->password)) < 0) ||
+        (u->db != 0 && setup(c, stop_fd, connect_timeout_ms, "SELECT", "", err, errlen, fault,
+                             "SELECT %d", u->db) < 0)) {
+        setup_lost(session, u, *fault, err, errlen);
         return -1;
     }
-    if (u->db != 0 && setup(c, stop_fd, connect_timeout_ms, "SELECT", "", err, errlen, fault,
-                            "SELECT %d", u->db) < 0)
-        return -1;
     if (stop_fd < 0 && make_blocking(c, command_timeout_ms) < 0) {
         *fault = OUTBOX_REDIS_IO;
         snprintf(err, errlen, "cannot set the command deadline: %s", strerror(errno));

@@ -243,8 +243,10 @@ static int socket_timeouts(int fd, long ms)
 }
 
 int outbox_tls_handshake(struct redisContext *c, const struct outbox_redis_url *u, const char *host,
-                         int port, double deadline, char *err, size_t errlen)
+                         int port, double deadline, struct ssl_st **session, char *err,
+                         size_t errlen)
 {
+    *session = NULL;
     /* hiredis_ssl takes a session only before its handshake (it restarts
      * it), so hiredis makes it, on the socket made blocking for the while
      * with what is left until the deadline as its timeouts. */
@@ -273,8 +275,10 @@ int outbox_tls_handshake(struct redisContext *c, const struct outbox_redis_url *
             return -1; /* the session is c's now, freed with it */
         }
     }
-    if (rc == REDIS_OK)
+    if (rc == REDIS_OK) {
+        *session = ssl;
         return 0;
+    }
     if (!outbox_tls_failure(ssl, host, port, NULL, 1, err, errlen)) {
         if (saved == EAGAIN || saved == EWOULDBLOCK)
             snprintf(err, errlen,

@@ -47,11 +47,12 @@ struct ssl_st *outbox_tls_start(struct redisContext *c, const struct outbox_redi
 /*
  * Makes the TLS handshake on c (connected, non-blocking, and left so) by
  * deadline (outbox_mono_now's clock), blocking meanwhile: a stop request
- * waits for it. Then c talks TLS. 0, or -1 with err set.
+ * waits for it. Then c talks TLS, and *session is its session (c's, for
+ * outbox_tls_failure once a command failed). 0, or -1 with err set.
  */
 int outbox_tls_handshake(struct redisContext *c, const struct outbox_redis_url *u, const char *host,
-                         int port, double deadline, char *err, size_t errlen)
-    __attribute__((warn_unused_result));
+                         int port, double deadline, struct ssl_st **session, char *err,
+                         size_t errlen) __attribute__((warn_unused_result));
 
 /*
  * What to check when a server ends a TLS connection that carries no client

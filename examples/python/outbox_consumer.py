@@ -226,7 +226,9 @@ class OutboxConsumer:
                  partitions=0, lease_ms=10000):
         self.r = redis_client(redis_url, socket_timeout=block_ms / 1000 + 10,
                               socket_connect_timeout=5)
-        self.tls = redis_url.lower().startswith("rediss://")
+        # TLS without a client certificate: a server that asks for one ends it.
+        self.anonymous_tls = (redis_url.lower().startswith("rediss://") and "cert_file"
+                              not in urllib.parse.parse_qs(urllib.parse.urlsplit(redis_url).query))
         self.postgres, self.stream, self.group, self.effect = postgres, stream, group, effect
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.max_deliveries, self.backoff_ms = max_deliveries, tuple(backoff_ms)
@@ -248,7 +250,8 @@ class OutboxConsumer:
             try:
                 self._run_ordered() if self.parts else self._run_unordered()
             except redis.RedisError as e:  # connects again, loads the functions, makes groups
-                log("ERROR", f"Redis: {e}{tls_hint(e) if self.tls else ''}; retrying in 1 s")
+                hint = tls_hint(e) if self.anonymous_tls else ""
+                log("ERROR", f"Redis: {e}{hint}; retrying in 1 s")
                 time.sleep(1)
         print(f"consumer {self.consumer}: " + " ".join(f"{k}={v}" for k, v in self.stats.items()),
               flush=True)
