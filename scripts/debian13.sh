@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project on Debian 13 (trixie), from a Debian 12 machine: PostgreSQL 17,
-# Redis 8.0, Valkey 8.1, hiredis 1.2, GCC 14. Makes a trixie root file system
+# Redis 8.0, hiredis 1.2, GCC 14. Makes a trixie root file system
 # with mmdebstrap, copies this tree's tracked files into it and runs there, as
 # a newcomer on a fresh Debian 13 machine would:
 #
@@ -8,7 +8,9 @@
 #   scripts/demo.sh --seconds 5   the README's demo, which fails unless every
 #                                 order was relayed and handled once
 #   scripts/test.sh --quick       warnings as errors; the unit tests and the
-#                                 quick integration tier, Valkey reruns included
+#                                 quick integration tier. The Valkey reruns are
+#                                 left out: they test the server, not this
+#                                 build, and the Debian 12 pass runs them
 #   integration.package           the slow tier's package test: scripts/package.sh
 #                                 builds the three .deb packages (lintian-clean),
 #                                 dpkg installs them, the installed relay and
@@ -105,6 +107,6 @@ chroot "$target" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root L
     bash scripts/deps.sh test
     BUILD_DIR=build-demo bash scripts/demo.sh --seconds 5
     export RELAY_WERROR=ON
-    bash scripts/test.sh --quick
+    TEST_EXCLUDE_LABEL=valkey bash scripts/test.sh --quick
     ctest --test-dir build --output-on-failure -R "^integration\.package\$"
   '

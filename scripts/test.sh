@@ -22,6 +22,8 @@
 #   RELAY_WERROR    ON to turn compiler warnings into errors (default OFF)
 #   RELAY_SANITIZE  e.g. address,undefined (default none); leaves out the
 #                   tests labelled nosan
+#   TEST_EXCLUDE_LABEL  a ctest label (or regular expression of labels) whose
+#                   tests are left out, e.g. valkey (default none)
 # Exits with ctest's status: non-zero if any test failed.
 set -euo pipefail
 
@@ -57,9 +59,13 @@ rm -rf "$build_dir/test-logs"
 
 # With the sanitizers, the tests they add little to (label nosan: the soak,
 # the resource, package and README tests, the Valkey reruns) are left out.
-exclude=()
+left_out="${TEST_EXCLUDE_LABEL:-}"
 if [[ -n "${RELAY_SANITIZE:-}" ]]; then
-  exclude=(-LE nosan)
+  left_out="nosan${left_out:+|$left_out}"
+fi
+exclude=()
+if [[ -n "$left_out" ]]; then
+  exclude=(-LE "$left_out")
 fi
 
 status=0
