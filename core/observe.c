@@ -134,14 +134,12 @@ static int pg_rows(PGresult *r, struct relay_observation *o)
 /*
  * The outbox's figures. What waits is what outbox.unsent shows: rows their
  * stream's recorded position has not passed and that are not quarantined.
- * outbox.backlog (migrations/017_quarantine_tools.sql) counts them per topic
- * without a scan of the table: for a topic that has a recorded position, one
- * walk of messages_txid_idx over the rows written since its streams' oldest
- * position (a few seconds of rows while the relay keeps up, the backlog and
- * what the other topics wrote meanwhile while a stream is paused or
- * stalled); for a topic never published, the span of its ids from the two
- * ends of the (topic, id) index, an estimate in three probes. With NULL it
- * finds the topics by a skip scan of that index, a probe per topic.
+ * outbox.backlog (migrations/022_no_topic_index.sql) counts them per topic
+ * without a scan of the table, in one walk of messages_txid_idx over the rows
+ * written since the oldest position of the streams asked about and of the
+ * lead: a few seconds of rows while the relays keep up; the backlog and what
+ * the other topics wrote meanwhile while a stream is paused or stalled, or
+ * before any relay ran. With NULL it asks about every topic.
  */
 static const char outbox_sql[] =
     /* outbox.messages is locked first, as a TRUNCATE or ALTER of several of

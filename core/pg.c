@@ -388,6 +388,7 @@ static const char *const migration_files[RELAY_SCHEMA_VERSION + 1] = {
     "019_rotation.sql",
     "020_tick_bounds.sql",
     "021_inline_runs.sql",
+    "022_no_topic_index.sql",
 };
 
 #ifndef RELAY_MIGRATIONS_DIR

@@ -104,7 +104,7 @@ int relay_pg_text_array(char *out, size_t outlen, const char (*items)[OUTBOX_TOP
 
 /* The outbox schema version this build needs (migrations/: every file from
  * 004 on records its own number in outbox.schema_version). */
-#define RELAY_SCHEMA_VERSION 21
+#define RELAY_SCHEMA_VERSION 22
 /* The same number in SQL text, made from it so that the two cannot differ. */
 #define RELAY_PG_TEXT_(n) #n
 #define RELAY_PG_TEXT(n) RELAY_PG_TEXT_(n)

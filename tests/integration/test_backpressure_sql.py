@@ -14,7 +14,6 @@ Promises tested:
   bytea, text and jsonb payloads; the four-argument enqueue is unchanged;
 - admit costs O(1): its plans are one primary-key lookup of topic_state (and
   of topic_limits on the refusing path), never a scan, never outbox.messages;
-- the oldest pending row of one topic is found through messages_pending_topic_idx;
 - roles: producers may call admit and the new enqueue, read topic_state, and
   nothing else of this file; the relay may call observe_topic; nobody else
   may execute any of the new functions;
@@ -324,18 +323,6 @@ class BackpressureSqlTest(harness.PostgresTestCase):
                 self.assertEqual({i for i, _ in scanned}, {t + "_pkey" for t in tables}, text)
                 lookups = re.findall(r"Index (?:Only )?Scan using topic_state_pkey", text)
                 self.assertEqual(len(lookups), 1, f"one lookup of topic_state:\n{text}")
-
-    def test_oldest_pending_of_one_topic_uses_the_topic_index(self):
-        with self.db.cursor() as cur:
-            cur.execute("INSERT INTO outbox.messages (topic, payload)"
-                        " SELECT 't-' || (i % 200), 'x' FROM generate_series(1, 40000) AS i")
-            cur.execute("UPDATE outbox.messages SET sent_at = now() WHERE id <= 30000")
-            cur.execute("ANALYZE outbox.messages")
-            cur.execute("EXPLAIN SELECT created_at FROM outbox.messages WHERE topic = 't-7'"
-                        " AND sent_at IS NULL AND failed_at IS NULL ORDER BY id LIMIT 1")
-            plan = "\n".join(r[0] for r in cur.fetchall())
-        self.assertTrue(harness.plan_uses_index(self.db, plan, "messages_pending_topic_idx"), plan)
-        self.assertEqual(harness.plan_scans_rows(self.db, plan), [], plan)
 
     # -- roles
     def test_producer_role(self):

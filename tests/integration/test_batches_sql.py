@@ -25,6 +25,10 @@ Promises tested:
   only, and quarantines a copy of a row, once, with its error;
 - outbox.unsent holds the rows past their stream's recorded position that are
   not quarantined;
+- outbox.backlog counts, per topic, the rows outbox.unsent holds and the
+  oldest one's created_at, also for a topic never published (each row, not
+  the span of its ids), reading the rows written since the oldest position
+  asked about or the lead: a published past costs it no read;
 - roles: the relay may tick and read ticks, batches and positions; producers
   may do none of it.
 """
@@ -571,6 +575,66 @@ class BatchSqlTest(harness.PostgresTestCase):
         tick(self.db)
         self.record(4, quarantined=[q], errors=["bad"])
         self.assertEqual(self.unsent(), [])
+
+    def backlog(self, topics=None):
+        with self.db.cursor() as cur:
+            cur.execute("SELECT topic, pending, oldest_created_at FROM outbox.backlog(%s)"
+                        " ORDER BY topic", (topics,))
+            return cur.fetchall()
+
+    def unsent_by_topic(self):
+        with self.db.cursor() as cur:
+            cur.execute("SELECT topic, count(*), min(created_at) FROM outbox.unsent"
+                        " GROUP BY topic ORDER BY topic")
+            return cur.fetchall()
+
+    def test_backlog_counts_the_unsent_rows_of_every_topic(self):
+        for topic in ("a", "b", "a"):
+            insert(self.db, topic)
+        tick(self.db)  # 2
+        # b was met and not published (paused): it stands at the tick before.
+        self.record(2, ["a"], ["2-0"], met=["b"])
+        # c is never published, its rows between those of others: its count
+        # is its rows, not the span of their ids.
+        for topic in ("c", "a", "c", "b"):
+            insert(self.db, topic)
+        (q,) = insert(self.db, "c")
+        tick(self.db)  # 3
+        self.record(3, quarantined=[q], errors=["bad"], lead=False)
+        expected = self.unsent_by_topic()
+        self.assertEqual([(t, n) for t, n, _ in expected], [("a", 1), ("b", 2), ("c", 2)])
+        self.assertEqual(self.backlog(), expected)
+        self.assertEqual(self.backlog(["c", "none", "b"]),
+                         [("b",) + expected[1][1:], ("c",) + expected[2][1:], ("none", 0, None)])
+        # Every row published: every topic with a position, nothing waiting.
+        self.record(3, ["a", "b", "c"], ["3-0", "3-1", "3-2"])
+        self.assertEqual([(t, n, o) for t, n, o in self.backlog()],
+                         [("a", 0, None), ("b", 0, None), ("c", 0, None)])
+
+    def test_backlog_does_not_read_the_published_past(self):
+        insert(self.db, "past", 20000)
+        tick(self.db)  # 2
+        self.record(2, ["past"], ["2-0"])
+        insert(self.db, "now", 3)
+        with self.db.cursor() as cur:
+            cur.execute("ANALYZE outbox.messages")
+            cur.execute("SELECT pg_stat_force_next_flush()")
+        def reads():
+            with self.db.cursor() as cur:
+                cur.execute("SELECT pg_stat_clear_snapshot()")
+            return {i: harness.index_reads(self.db, i)[1]
+                    for i in ("messages_pkey", "messages_txid_idx")}
+        before = reads()
+        self.assertEqual([(t, n) for t, n, _ in self.backlog()], [("now", 3), ("past", 0)])
+        self.assertEqual([(t, n) for t, n, _ in self.backlog(["now", "past"])],
+                         [("now", 3), ("past", 0)])
+        with self.db.cursor() as cur:
+            cur.execute("SELECT pg_stat_force_next_flush()")
+        after = reads()
+        read = {i: after[i] - before[i] for i in after}
+        print(f"index entries read by two backlogs, 20,000 rows published: {read}")
+        self.assertLess(sum(read.values()), 100, read)
+        self.assertGreater(read["messages_txid_idx"], 0, read)
 
     def test_quarantine_copies_the_row_once(self):
         with self.db.cursor() as cur:

@@ -207,7 +207,7 @@ class SchemaTest(harness.PostgresTestCase):
                          message_id)
 
     def test_schema_shape(self):
-        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 21)
+        self.assertEqual(scalar(self.db, "SELECT max(version) FROM outbox.schema_version"), 22)
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
                                          " WHERE version = 7"), "007_wakeup_lock.sql")
         self.assertEqual(scalar(self.db, "SELECT name FROM outbox.schema_version"
@@ -259,13 +259,13 @@ class SchemaTest(harness.PostgresTestCase):
         self.assertEqual(columns["payload"][0], "bytea")
         self.assertEqual(columns["message_id"], ("uuid", "NO"))
         self.assertEqual(columns["sent_at"][1], "YES")
-        # 018: no second index of every row's id beside the primary key; the
-        # producers write the keys, the (topic, id) and the txid indexes.
+        # 018: no second index of every row's id beside the primary key; 022:
+        # no (topic, id) index. The producers write the keys and the txid index.
         with self.db.cursor() as cur:
             cur.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'outbox'"
                         " AND tablename = 'messages' ORDER BY indexname")
             self.assertEqual([r[0] for r in cur.fetchall()],
-                             ["messages_pending_topic_idx", "messages_pkey", "messages_txid_idx"])
+                             ["messages_pkey", "messages_txid_idx"])
         self.assertEqual(scalar(self.db, "SELECT count(*) FROM pg_trigger WHERE tgname ="
                                          " 'messages_notify' AND NOT tgisinternal"), 1)
 
@@ -430,7 +430,7 @@ class SchemaTest(harness.PostgresTestCase):
                          "too big")
         self.assertEqual(scalar(self.db, "SELECT tick FROM outbox.stream_positions"
                                          " WHERE topic = 'orders'"), third)
-        self.assertEqual(scalar(relay, "SELECT max(version) FROM outbox.schema_version"), 21)
+        self.assertEqual(scalar(relay, "SELECT max(version) FROM outbox.schema_version"), 22)
 
     def test_relay_role_can_do_nothing_else(self):
         insert(self.db, "orders", b"x")
