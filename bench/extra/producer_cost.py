@@ -12,14 +12,15 @@ section producers. pgbench, 16 clients, -M prepared, each transaction one INSERT
   plain        bench_plain.messages: the producers' columns, PRIMARY KEY (id) and
                UNIQUE (message_id), nothing the relay adds (bench/bench.py's PLAIN_TABLE)
   outbox       outbox.messages as it is
-  no_topic     outbox.messages without messages_pending_topic_idx (the per-topic figures'
-               index, outbox.backlog)
+  topic_idx    outbox.messages with the (topic, id) index that schema 22 dropped
+               (messages_pending_topic_idx, partial on sent_at and failed_at IS NULL)
   no_notify    outbox.messages without the wake-up trigger (messages_notify)
   no_txid_idx  outbox.messages without messages_txid_idx (what the batch reads walk)
-  no_both      without messages_pending_topic_idx and the wake-up trigger
 
 in turns, PRODUCER_COST_ROUNDS rounds (default 3) of PRODUCER_COST_SECONDS (default 8),
-synchronous_commit on and off; each round from bench/benchlib.fresh_round's state. Prints,
+synchronous_commit on and off (PRODUCER_COST_SYNC, default "on,off"); PRODUCER_COST_CLIENTS
+(default 16) clients, PRODUCER_COST_CASES (default all, comma-separated) the cases; each
+round from bench/benchlib.fresh_round's state. Prints,
 per mode and case, the median rate, its ratio to plain's and PostgreSQL's CPU per 100k rows,
 and writes bench/results/producer-cost.csv.
 
@@ -38,26 +39,31 @@ from bench import benchlib  # noqa: E402
 from bench.benchlib import execute, log, scalar  # noqa: E402
 
 OUT = os.path.join(benchlib.RESULTS, "producer-cost.csv")
-CLIENTS = 16
+CLIENTS = int(os.environ.get("PRODUCER_COST_CLIENTS", "16"))
 ROUNDS = int(os.environ.get("PRODUCER_COST_ROUNDS", "3"))
 SECONDS = int(os.environ.get("PRODUCER_COST_SECONDS", "8"))
-CASES = ("plain", "outbox", "no_topic", "no_notify", "no_txid_idx", "no_both")
+ALL_CASES = ("plain", "outbox", "topic_idx", "no_notify", "no_txid_idx")
+TOPIC_IDX = ("CREATE INDEX messages_pending_topic_idx ON outbox.messages (topic, id)"
+             " WHERE sent_at IS NULL AND failed_at IS NULL")
+CASES = tuple(os.environ.get("PRODUCER_COST_CASES", ",".join(ALL_CASES)).split(","))
+SYNC = tuple(os.environ.get("PRODUCER_COST_SYNC", "on,off").split(","))
+if "plain" not in CASES or not set(CASES) <= set(ALL_CASES):
+    sys.exit(f"PRODUCER_COST_CASES: plain and any of {', '.join(ALL_CASES[1:])}")
 
 
 def index_def(conn, name):
-    return scalar(conn, "SELECT indexdef FROM pg_indexes WHERE schemaname = 'outbox'"
-                        " AND indexname = %s", (name,))
+    return scalar(conn, "SELECT (SELECT indexdef FROM pg_indexes WHERE schemaname = 'outbox'"
+                        " AND indexname = %s)", (name,))
 
 
 def main():
     rows = []
     with benchlib.servers() as (pg, rd, conn, rc):
         execute(conn, B.PLAIN_TABLE)
-        topic_idx = index_def(conn, "messages_pending_topic_idx")
         txid_idx = index_def(conn, "messages_txid_idx")
         trigger = dict(B.wake_triggers(conn))["messages_notify"]
-        if not (topic_idx and txid_idx and trigger):
-            raise RuntimeError("the outbox lacks an index or the wake-up trigger this compares")
+        if not (txid_idx and trigger) or index_def(conn, "messages_pending_topic_idx"):
+            raise RuntimeError("the outbox is not as schema 22 leaves it")
         tmp = tempfile.mkdtemp(prefix="outbox-producer-cost-")
         payload = bytes((i * 37 + 11) & 0xFF for i in range(benchlib.PAYLOAD)).hex()
         scripts = {}
@@ -66,16 +72,15 @@ def main():
             with open(scripts[table], "w") as f:
                 f.write(f"INSERT INTO {table} (topic, payload) VALUES ('bench',"
                         f" '\\x{payload}');\n")
-        undo = {"no_topic": ["DROP INDEX outbox.messages_pending_topic_idx"],
+        undo = {"topic_idx": [TOPIC_IDX],
                 "no_notify": ["DROP TRIGGER messages_notify ON outbox.messages"],
                 "no_txid_idx": ["DROP INDEX outbox.messages_txid_idx"]}
-        undo["no_both"] = undo["no_topic"] + undo["no_notify"]
-        redo = {"no_topic": [topic_idx], "no_notify": [trigger], "no_txid_idx": [txid_idx]}
-        redo["no_both"] = redo["no_topic"] + redo["no_notify"]
+        redo = {"topic_idx": ["DROP INDEX outbox.messages_pending_topic_idx"],
+                "no_notify": [trigger], "no_txid_idx": [txid_idx]}
         busy = pg.connect()
         execute(busy, f"SELECT pg_advisory_lock({B.WAKEUP_LOCK})")
         try:
-            for sync in ("on", "off"):
+            for sync in SYNC:
                 execute(conn, f"ALTER SYSTEM SET synchronous_commit = {sync}")
                 execute(conn, "SELECT pg_reload_conf()")
                 time.sleep(0.2)
@@ -115,7 +120,7 @@ def main():
     print("| synchronous_commit | case | tx/s, median | × plain (median of rounds) |"
           " PostgreSQL CPU per 100k, median |")
     print("|---|---|---|---|---|")
-    for sync in ("on", "off"):
+    for sync in SYNC:
         plain = {r[2]: r[3] for r in rows if r[0] == sync and r[1] == "plain"}
         for case in CASES:
             mine = [r for r in rows if r[0] == sync and r[1] == case]
