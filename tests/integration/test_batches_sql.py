@@ -27,8 +27,8 @@ Promises tested:
   not quarantined;
 - outbox.backlog counts, per topic, the rows outbox.unsent holds and the
   oldest one's created_at, also for a topic never published (each row, not
-  the span of its ids), reading the rows written since the oldest position
-  asked about or the lead: a published past costs it no read;
+  the span of its ids), from the oldest position asked about or the lead
+  (what a walk reads: tests/integration/test_observer.py);
 - roles: the relay may tick and read ticks, batches and positions; producers
   may do none of it.
 """
@@ -610,31 +610,6 @@ class BatchSqlTest(harness.PostgresTestCase):
         self.record(3, ["a", "b", "c"], ["3-0", "3-1", "3-2"])
         self.assertEqual([(t, n, o) for t, n, o in self.backlog()],
                          [("a", 0, None), ("b", 0, None), ("c", 0, None)])
-
-    def test_backlog_does_not_read_the_published_past(self):
-        insert(self.db, "past", 20000)
-        tick(self.db)  # 2
-        self.record(2, ["past"], ["2-0"])
-        insert(self.db, "now", 3)
-        with self.db.cursor() as cur:
-            cur.execute("ANALYZE outbox.messages")
-            cur.execute("SELECT pg_stat_force_next_flush()")
-        def reads():
-            with self.db.cursor() as cur:
-                cur.execute("SELECT pg_stat_clear_snapshot()")
-            return {i: harness.index_reads(self.db, i)[1]
-                    for i in ("messages_pkey", "messages_txid_idx")}
-        before = reads()
-        self.assertEqual([(t, n) for t, n, _ in self.backlog()], [("now", 3), ("past", 0)])
-        self.assertEqual([(t, n) for t, n, _ in self.backlog(["now", "past"])],
-                         [("now", 3), ("past", 0)])
-        with self.db.cursor() as cur:
-            cur.execute("SELECT pg_stat_force_next_flush()")
-        after = reads()
-        read = {i: after[i] - before[i] for i in after}
-        print(f"index entries read by two backlogs, 20,000 rows published: {read}")
-        self.assertLess(sum(read.values()), 100, read)
-        self.assertGreater(read["messages_txid_idx"], 0, read)
 
     def test_quarantine_copies_the_row_once(self):
         with self.db.cursor() as cur:

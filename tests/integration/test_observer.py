@@ -4,6 +4,10 @@ Promises tested:
 - the per-topic figures read the rows written since the oldest stream
   position they ask about, whatever the published past of the other topics
   (outbox-relay status runs the same reads);
+- a stream the relay has never published to, paused while the lead moves past
+  its rows, keeps them counted: each batch records it where it stands
+  (outbox.record_batch's met streams), so the figures' walk from the lead
+  finds them all;
 - a relay whose PostgreSQL is partitioned (every connection, the claiming ones
   and the observer's, through a proxy that stops forwarding) still exits soon
   after SIGTERM: within drain_timeout and a few seconds, not when the
@@ -155,6 +159,35 @@ class ObserverTest(harness.ServerTestCase):
         print(f"index entries read by one status with 100,000 rows of another topic"
               f" published: {read}")
         self.assertLess(sum(read.values()), 1000, read)
+
+    def test_a_stream_never_published_and_paused_stays_counted(self):
+        # Another process's entries and a group that has read none of them:
+        # the stream lags 20 entries, and the relay pauses it at its first look.
+        for n in range(1, 21):
+            self.r.xadd("held", {"seed": str(n)}, id=f"1-{n}")
+        self.r.xgroup_create("held", "g", id="0")
+        relay = self.start_relay(pause_lag_entries="10", resume_lag_entries="2")
+        relay.wait_for_log(r"stream held paused", timeout=30)
+        for rnd in range(1, 6):  # five batches, the lead moving past each
+            for topic in ("held", "flow", "held"):
+                self.insert_waiting(topic, 1)
+            wait_until(lambda rnd=rnd: self.r.xlen("flow") == rnd, timeout=30, relay=relay,
+                       message=f"row {rnd} of flow in its stream")
+        self.assertEqual(self.r.xlen("held"), 20, "nothing published to the paused stream")
+        wait_until(lambda: harness.scalar(
+                       self.db, "SELECT count(*) FROM outbox.stream_positions AS p"
+                                " JOIN outbox.ticks AS k ON k.tick_id = p.tick"
+                                " WHERE p.topic = '' AND pg_visible_in_snapshot("
+                                " (SELECT max(txid) FROM outbox.messages), k.snap)") == 1,
+                   timeout=30, relay=relay, message="the lead past every row")
+        with self.db.cursor() as cur:
+            cur.execute("SELECT topic, pending FROM outbox.backlog(NULL) ORDER BY topic")
+            everything = cur.fetchall()
+            cur.execute("SELECT pending FROM outbox.backlog('{held}')")
+            held = cur.fetchone()[0]
+        self.assertEqual(harness.scalar(self.db, "SELECT count(*) FROM outbox.unsent"
+                                                 " WHERE topic = 'held'"), 10)
+        self.assertEqual((held, everything), (10, [("flow", 0), ("held", 10)]))
 
     def test_status_as_a_role_that_may_not_read_the_limits(self):
         """status shows the rest of the observation, admission unknown."""
