@@ -31,6 +31,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/buf.h"
 #include "core/config.h"
 #include "common/keys.h"
 #include "core/pg.h"
@@ -136,10 +137,14 @@ static int pg_rows(PGresult *r, struct relay_observation *o)
  * stream's recorded position has not passed and that are not quarantined.
  * outbox.backlog (migrations/022_no_topic_index.sql) counts them per topic
  * without a scan of the table, in one walk of messages_txid_idx over the rows
- * written since the oldest position of the streams asked about and of the
- * lead: a few seconds of rows while the relays keep up; the backlog and what
- * the other topics wrote meanwhile while a stream is paused or stalled, or
- * before any relay ran. With NULL it asks about every topic.
+ * written since the oldest position of any stream and of the lead: a few
+ * seconds of rows while the relays keep up; the backlog and what the other
+ * topics wrote meanwhile while a stream is paused or stalled, or before any
+ * relay ran. That walk is the observation's only one: its rows, a topic each
+ * (columns 9 to 12; NULL when no topic has rows or a position), give the
+ * admission decisions their figures (admission_args) and every stream its
+ * own (topic_figures). The first row also carries the outbox's totals
+ * (columns 0 to 8).
  */
 static const char outbox_sql[] =
     /* outbox.messages is locked first, as a TRUNCATE or ALTER of several of
@@ -147,8 +152,9 @@ static const char outbox_sql[] =
      * holding outbox.topics or outbox.quarantine while outbox.backlog waits
      * for it would deadlock with one. */
     "WITH lock_order AS (SELECT FROM outbox.messages LIMIT 0),"
-    " b AS (SELECT sum(x.pending) AS pending, min(x.oldest_created_at) AS oldest"
-    "   FROM outbox.backlog(NULL) x)"
+    " w AS MATERIALIZED (SELECT x.topic, x.pending, x.oldest_created_at"
+    "   FROM outbox.backlog(NULL) x),"
+    " b AS (SELECT sum(w.pending) AS pending, min(w.oldest_created_at) AS oldest FROM w)"
     " SELECT b.pending, extract(epoch FROM clock_timestamp() - b.oldest),"
     " (SELECT count(*) FROM outbox.quarantine),"
     " (SELECT sum(pg_total_relation_size(t.relid))::bigint"
@@ -164,30 +170,27 @@ static const char outbox_sql[] =
      * and the partitions there are (relay/ownership_io.c). */
     " (SELECT count(*)" OWNER_LOCKS " AND l.classid = " RELAY_OWNER_MEMBER_NS "),"
     " (SELECT count(DISTINCT l.objid)" OWNER_LOCKS " AND l.classid = " RELAY_OWNER_UNIT_NS "),"
-    " (SELECT coalesce(sum(t.partitions), 0) FROM outbox.topics t WHERE t.partitions > 1)"
-    " FROM b";
-
-/* Per topic of $1: rows waiting and the age of the oldest (outbox.backlog). */
-static const char topics_sql[] =
-    "SELECT b.topic, b.pending, extract(epoch FROM clock_timestamp() - b.oldest_created_at)"
-    " FROM outbox.backlog($1::text[]) b";
+    " (SELECT coalesce(sum(t.partitions), 0) FROM outbox.topics t WHERE t.partitions > 1),"
+    " w.topic, w.pending, extract(epoch FROM clock_timestamp() - w.oldest_created_at),"
+    " w.oldest_created_at"
+    " FROM b LEFT JOIN w ON true";
 
 /*
  * Admission, from PostgreSQL alone: every topic with limits, and every topic
  * with a state row (a topic whose limits were deleted is released by
- * observe_topic, which admits a topic without limits), with its backlog.
- * Columns: topic, rows waiting, age of the oldest, admitting; refused topics
- * first.
+ * observe_topic, which admits a topic without limits), with its backlog from
+ * the walk of outbox_sql, passed as three arrays: topics ($1), rows waiting
+ * ($2) and the oldest row's created_at ($3). Columns: topic, rows waiting,
+ * age of the oldest, admitting; refused topics first.
  *
  * Deciding takes each state row's lock (observe_topic's FOR UPDATE) until the
  * statement ends, in topic order, so relays that decide at the same time wait
  * for each other instead of deadlocking.
  */
-#define ADMISSION_TOPICS                                                                           \
-    "(SELECT topic FROM outbox.topic_limits UNION SELECT topic FROM outbox.topic_state)"
 #define ADMISSION_FROM                                                                             \
-    " FROM " ADMISSION_TOPICS " t"                                                                 \
-    " LEFT JOIN outbox.backlog(ARRAY" ADMISSION_TOPICS ") o ON o.topic = t.topic"
+    " FROM (SELECT topic FROM outbox.topic_limits UNION SELECT topic FROM outbox.topic_state) t"   \
+    " LEFT JOIN unnest($1::text[], $2::bigint[], $3::timestamptz[])"                               \
+    "   AS o(topic, pending, oldest_created_at) ON o.topic = t.topic"
 
 static const char admission_decide_sql[] =
     "SELECT topic, span, age, outbox.observe_topic(topic, coalesce(span, 0), created_at)"
@@ -308,12 +311,66 @@ static void merge_admission(const char *prefix, struct relay_observation *o, PGr
     o->ntopics = n;
 }
 
+/* Appends s to the array value in b as an element: quoted and escaped, or
+ * NULL. The names come from the outbox, so none is trusted to need no
+ * escaping. */
+static void array_element(struct outbox_buf *b, const char *s)
+{
+    outbox_buf_puts(b, b->len > 1 ? "," : "");
+    if (s == NULL) {
+        outbox_buf_puts(b, "NULL");
+        return;
+    }
+    outbox_buf_puts(b, "\"");
+    for (const char *c = s; *c != '\0'; c++) {
+        if (*c == '"' || *c == '\\')
+            outbox_buf_puts(b, "\\");
+        outbox_buf_append(b, c, 1);
+    }
+    outbox_buf_puts(b, "\"");
+}
+
+/* The walk's figures as admission_decide_sql's and admission_read_sql's
+ * arrays (topics, rows waiting, oldest created_at), from outbox_sql's rows;
+ * -1 when they found no memory. */
+static int admission_args(PGresult *walk, struct outbox_buf arrays[3])
+{
+    for (int k = 0; k < 3; k++)
+        outbox_buf_puts(&arrays[k], "{");
+    for (int i = 0; i < PQntuples(walk); i++) {
+        if (PQgetisnull(walk, i, 9))
+            continue;
+        array_element(&arrays[0], PQgetvalue(walk, i, 9));
+        array_element(&arrays[1], PQgetisnull(walk, i, 10) ? "0" : PQgetvalue(walk, i, 10));
+        array_element(&arrays[2], PQgetisnull(walk, i, 12) ? NULL : PQgetvalue(walk, i, 12));
+    }
+    for (int k = 0; k < 3; k++)
+        outbox_buf_puts(&arrays[k], "}");
+    return arrays[0].failed || arrays[1].failed || arrays[2].failed ? -1 : 0;
+}
+
+/* A topic's figures from the walk's rows (outbox_sql): none when it has no
+ * row waiting and no stream position. */
+static void topic_figures(PGresult *walk, struct relay_topic_obs *t)
+{
+    t->pending = 0;
+    t->oldest_pending_age = -1;
+    for (int i = 0; i < PQntuples(walk); i++) {
+        if (PQgetisnull(walk, i, 9) || strcmp(PQgetvalue(walk, i, 9), t->topic) != 0)
+            continue;
+        t->pending = PQgetisnull(walk, i, 10) ? 0 : strtoll(PQgetvalue(walk, i, 10), NULL, 10);
+        t->oldest_pending_age =
+            PQgetisnull(walk, i, 11) ? -1 : strtod(PQgetvalue(walk, i, 11), NULL);
+        return;
+    }
+}
+
 static int pg_observe(const struct relay_config *cfg, PGconn **pg, int stop_fd,
                       int update_admission, struct relay_observation *o)
 {
-    PGresult *r =
+    PGresult *walk =
         relay_pg_exec(pg, cfg, stop_fd, outbox_sql, 0, NULL, o->pg_error, sizeof(o->pg_error));
-    if (!pg_rows(r, o)) {
+    if (!pg_rows(walk, o)) {
         /* A schema that is behind fails with whatever object it lacks:
          * say instead which migration to apply. */
         char advice[sizeof(o->pg_error)];
@@ -323,20 +380,33 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg, int stop_fd,
         }
         return -1;
     }
-    o->outbox_pending = PQgetisnull(r, 0, 0) ? 0 : strtoll(PQgetvalue(r, 0, 0), NULL, 10);
-    o->outbox_oldest_age = PQgetisnull(r, 0, 1) ? -1 : strtod(PQgetvalue(r, 0, 1), NULL);
-    o->quarantined = strtoll(PQgetvalue(r, 0, 2), NULL, 10);
-    o->outbox_bytes = PQgetisnull(r, 0, 3) ? -1 : strtoll(PQgetvalue(r, 0, 3), NULL, 10);
-    o->outbox_dead_rows = PQgetisnull(r, 0, 4) ? -1 : strtoll(PQgetvalue(r, 0, 4), NULL, 10);
-    o->blocked_keys = strtoll(PQgetvalue(r, 0, 5), NULL, 10);
-    o->relays = strtoll(PQgetvalue(r, 0, 6), NULL, 10);
-    o->partitions_owned = strtoll(PQgetvalue(r, 0, 7), NULL, 10);
-    o->partitions = strtoll(PQgetvalue(r, 0, 8), NULL, 10);
-    PQclear(r);
+    o->outbox_pending = PQgetisnull(walk, 0, 0) ? 0 : strtoll(PQgetvalue(walk, 0, 0), NULL, 10);
+    o->outbox_oldest_age = PQgetisnull(walk, 0, 1) ? -1 : strtod(PQgetvalue(walk, 0, 1), NULL);
+    o->quarantined = strtoll(PQgetvalue(walk, 0, 2), NULL, 10);
+    o->outbox_bytes = PQgetisnull(walk, 0, 3) ? -1 : strtoll(PQgetvalue(walk, 0, 3), NULL, 10);
+    o->outbox_dead_rows = PQgetisnull(walk, 0, 4) ? -1 : strtoll(PQgetvalue(walk, 0, 4), NULL, 10);
+    o->blocked_keys = strtoll(PQgetvalue(walk, 0, 5), NULL, 10);
+    o->relays = strtoll(PQgetvalue(walk, 0, 6), NULL, 10);
+    o->partitions_owned = strtoll(PQgetvalue(walk, 0, 7), NULL, 10);
+    o->partitions = strtoll(PQgetvalue(walk, 0, 8), NULL, 10);
 
-    r = relay_pg_exec(pg, cfg, stop_fd,
-                      update_admission ? admission_decide_sql : admission_read_sql, 0, NULL,
-                      o->pg_error, sizeof(o->pg_error));
+    struct outbox_buf arrays[3];
+    memset(arrays, 0, sizeof(arrays));
+    if (admission_args(walk, arrays) < 0) {
+        snprintf(o->pg_error, sizeof(o->pg_error),
+                 "no memory for the figures of %d topics: the observation is skipped",
+                 PQntuples(walk));
+        for (int k = 0; k < 3; k++)
+            outbox_buf_free(&arrays[k]);
+        PQclear(walk);
+        return -1;
+    }
+    const char *params[3] = {arrays[0].data, arrays[1].data, arrays[2].data};
+    PGresult *r = relay_pg_exec(pg, cfg, stop_fd,
+                                update_admission ? admission_decide_sql : admission_read_sql, 3,
+                                params, o->pg_error, sizeof(o->pg_error));
+    for (int k = 0; k < 3; k++)
+        outbox_buf_free(&arrays[k]);
     unsigned char covered[RELAY_OBS_TOPICS_MAX] = {0};
     const char *state = r != NULL ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
     int admission_known = 1;
@@ -346,8 +416,10 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg, int stop_fd,
         PQclear(r);
         admission_known = 0;
     } else {
-        if (!pg_rows(r, o))
+        if (!pg_rows(r, o)) {
+            PQclear(walk);
             return -1;
+        }
         merge_admission(cfg->stream_prefix != NULL ? cfg->stream_prefix : "", o, r, covered);
         spread_topic_figures(o, covered);
         PQclear(r);
@@ -355,35 +427,14 @@ static int pg_observe(const struct relay_config *cfg, PGconn **pg, int stop_fd,
 
     /* The streams of topics without limits or state: their figures, for the
      * queue age. They admit (observe_topic admits a topic without limits). */
-    /* A text[] value with every element quoted and escaped, as the claim's:
-     * the names come from Redis, so none is trusted to need no escaping. */
-    char rest[RELAY_OBS_TOPICS_MAX][OUTBOX_TOPIC_MAX + 1];
-    char arr[RELAY_OBS_TOPICS_MAX * (2 * OUTBOX_TOPIC_MAX + 3) + 3];
-    size_t nrest = 0;
     for (size_t i = 0; i < o->ntopics; i++) {
         if (covered[i])
             continue;
         o->topics[i].admitting = admission_known ? 1 : -1;
         if (relay_observe_first_of_topic(o, i))
-            snprintf(rest[nrest++], sizeof(rest[0]), "%s", o->topics[i].topic);
+            topic_figures(walk, &o->topics[i]);
     }
-    if (nrest == 0)
-        return 0;
-    if (relay_pg_text_array(arr, sizeof(arr), (const char(*)[OUTBOX_TOPIC_MAX + 1]) rest, nrest) <
-        0)
-        return 0; /* cannot happen: the value is sized for the most names */
-    const char *params[1] = {arr};
-    r = relay_pg_exec(pg, cfg, stop_fd, topics_sql, 1, params, o->pg_error, sizeof(o->pg_error));
-    if (!pg_rows(r, o))
-        return -1;
-    for (int i = 0; i < PQntuples(r); i++) {
-        struct relay_topic_obs *t = find_topic(o->topics, o->ntopics, PQgetvalue(r, i, 0));
-        if (t == NULL)
-            continue;
-        t->pending = PQgetisnull(r, i, 1) ? 0 : strtoll(PQgetvalue(r, i, 1), NULL, 10);
-        t->oldest_pending_age = PQgetisnull(r, i, 2) ? -1 : strtod(PQgetvalue(r, i, 2), NULL);
-    }
-    PQclear(r);
+    PQclear(walk);
     spread_topic_figures(o, NULL);
     return 0;
 }

@@ -4,6 +4,8 @@ Promises tested:
 - the per-topic figures read the rows written since the oldest stream
   position they ask about, whatever the published past of the other topics
   (outbox-relay status runs the same reads);
+- one observation walks them once: the outbox's totals, a limited topic's
+  admission and the figures of the streams without limits share the walk;
 - a stream the relay has never published to, paused while the lead moves past
   its rows, keeps them counted: each batch records it where it stands
   (outbox.record_batch's met streams), so the figures' walk from the lead
@@ -151,14 +153,56 @@ class ObserverTest(harness.ServerTestCase):
 
         def scans(reads):
             return reads["messages_txid_idx"][0]
-        # One walk for the outbox's figures, one for the topics of the status.
+        # One walk gives the outbox's figures and the topics'.
         after = wait_until(
-            lambda: (lambda a: scans(a) >= scans(before) + 2 and a)(self.outbox_index_reads()),
+            lambda: (lambda a: scans(a) >= scans(before) + 1 and a)(self.outbox_index_reads()),
             timeout=10, message="the status command's index statistics")
         read = {name: after[name][1] - before[name][1] for name in after}
         print(f"index entries read by one status with 100,000 rows of another topic"
               f" published: {read}")
         self.assertLess(sum(read.values()), 1000, read)
+
+    def test_one_observation_walks_the_outbox_once(self):
+        """The outbox's figures, a limited topic's admission and the figures
+        of two streams without limits all come from one walk of the rows
+        written since the oldest position."""
+        # A connection of its own, closed before the count starts: a session
+        # hands in its statistics when it ends, or up to seconds after.
+        setup = self.pg.connect()
+        with setup.cursor() as cur:
+            cur.execute("INSERT INTO outbox.messages (topic, payload)"
+                        " SELECT 'bulk', 'backlog' FROM generate_series(1, 20000)")
+            cur.execute("SELECT outbox.tick(0)")
+            tick = cur.fetchone()[0]
+            cur.execute("SELECT outbox.record_batch(%s, true, '{bulk}', '{-1}', '{1-0}',"
+                        " '{}', '{}', '{}', '{}', '{}', '{}')", (tick,))
+            cur.execute("INSERT INTO outbox.messages (topic, payload) VALUES ('orders', 'x'),"
+                        " ('other', 'y'), ('other', 'z'), ('more', 'w')")
+            cur.execute("ANALYZE outbox.messages")
+        setup.close()
+        self.limits("orders", 10, 5)
+        for stream in ("other", "more"):
+            self.r.xadd(stream, {"seed": "1"})
+        before = self.outbox_index_reads()
+        status = harness.run_relay(["status", "--json"],
+                                   env=harness.relay_env(self.pg, self.redis))
+        self.assertEqual(status.returncode, 0, status.output)
+        data = json.loads(status.stdout)
+        figures = {t["topic"]: (t["outbox_pending"], t["outbox_oldest_age_seconds"] is not None)
+                   for t in data["topics"]}
+        self.assertEqual({t: figures.get(t) for t in ("orders", "other", "more")},
+                         {"orders": (1, True), "other": (2, True), "more": (1, True)},
+                         status.stdout)
+        self.assertEqual(data["outbox"]["pending_estimate"], 4, status.stdout)
+
+        def read():
+            return self.outbox_index_reads()["messages_txid_idx"][1] - \
+                before["messages_txid_idx"][1]
+        wait_until(lambda: read() >= 4, timeout=10,
+                   message="the status command's index statistics")
+        time.sleep(1.5)  # a second walk's statistics would have come by now
+        # Each walk reads the index entries of the 4 rows written since.
+        self.assertEqual(read(), 4, "entries of messages_txid_idx read by one status")
 
     def test_a_stream_never_published_and_paused_stays_counted(self):
         # Another process's entries and a group that has read none of them:
