@@ -15,6 +15,7 @@
 
 #include <arpa/inet.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,6 +46,81 @@ int32_t relay_batch_decode_int4(const char *buf)
     uint32_t v;
     memcpy(&v, buf, 4);
     return (int32_t)ntohl(v);
+}
+
+/* Writes v's decimal digits, at least width of them (zero-padded). */
+static char *put_digits(char *p, uint64_t v, int width)
+{
+    char tmp[20];
+    int n = 0;
+    do {
+        tmp[n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v > 0);
+    while (n < width)
+        tmp[n++] = '0';
+    while (n > 0)
+        *p++ = tmp[--n];
+    return p;
+}
+
+size_t relay_batch_format_timestamp(int64_t us, char *out)
+{
+    if (us == INT64_MIN || us == INT64_MAX) { /* -infinity, infinity */
+        out[0] = '\0';
+        return 0;
+    }
+    const int64_t day_us = INT64_C(86400000000);
+    int64_t days = us / day_us;
+    int64_t rem = us % day_us;
+    if (rem < 0) {
+        rem += day_us;
+        days--;
+    }
+    /* The proleptic Gregorian date of a count of days since 1970-01-01 (the
+     * civil-from-days algorithm, in eras of 400 years), as PostgreSQL's. */
+    int64_t z = days + 10957 + 719468; /* 2000-01-01 is day 10957 */
+    int64_t era = (z >= 0 ? z : z - 146096) / 146097;
+    uint64_t doe = (uint64_t)(z - era * 146097);
+    uint64_t yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    uint64_t doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    uint64_t mp = (5 * doy + 2) / 153;
+    uint64_t day = doy - (153 * mp + 2) / 5 + 1;
+    uint64_t month = mp < 10 ? mp + 3 : mp - 9;
+    int64_t year = (int64_t)yoe + era * 400 + (month <= 2);
+    /* Year 0 is 1 BC; to_char's YYYY writes a year BC as its number. */
+    uint64_t shown = year > 0 ? (uint64_t)year : (uint64_t)(1 - year);
+
+    uint64_t secs = (uint64_t)rem / 1000000, micros = (uint64_t)rem % 1000000;
+    char *p = put_digits(out, shown, 4);
+    *p++ = '-';
+    p = put_digits(p, month, 2);
+    *p++ = '-';
+    p = put_digits(p, day, 2);
+    *p++ = 'T';
+    p = put_digits(p, secs / 3600, 2);
+    *p++ = ':';
+    p = put_digits(p, secs / 60 % 60, 2);
+    *p++ = ':';
+    p = put_digits(p, secs % 60, 2);
+    *p++ = '.';
+    p = put_digits(p, micros, 6);
+    *p++ = 'Z';
+    *p = '\0';
+    return (size_t)(p - out);
+}
+
+void relay_batch_format_uuid(const unsigned char *in, char *out)
+{
+    static const char hex[] = "0123456789abcdef";
+    char *p = out;
+    for (int i = 0; i < 16; i++) {
+        if (i == 4 || i == 6 || i == 8 || i == 10)
+            *p++ = '-';
+        *p++ = hex[in[i] >> 4];
+        *p++ = hex[in[i] & 15];
+    }
+    *p = '\0';
 }
 
 /*

@@ -52,13 +52,20 @@ enum relay_row_cause {
     RELAY_CAUSE_SETUP,
 };
 
+/* The longest timestamp relay_batch_format_timestamp writes, with its NUL:
+ * "294276-12-31T23:59:59.999999Z" is 29 characters. */
+#define RELAY_TIMESTAMP_MAX 32
+/* The text form of a uuid, as uuid_out writes it. */
+#define RELAY_UUID_LEN 36
+
 /* One row of a batch. Every pointer points into its chunk's PGresult, which
- * is kept until the chunk is published: nothing is copied on the hot path. */
+ * is kept until the chunk is published, or into the row itself (the two
+ * columns written as text): no row is copied on the hot path. */
 struct relay_row {
     int64_t id;
     int64_t held_by;        /* a quarantined row of its key before it (0: none) */
     int quarantined;        /* in the quarantine already (its batch read again) */
-    const char *message_id; /* 36-byte text UUID */
+    const char *message_id; /* 36-byte text UUID: message_id_text */
     size_t message_id_len;
     const char *topic;
     size_t topic_len;
@@ -66,7 +73,7 @@ struct relay_row {
     size_t key_len;
     const char *payload;    /* NULL when over max_payload_bytes: never fetched */
     size_t payload_len;     /* its size in bytes, also when it was not fetched */
-    const char *created_at; /* RFC 3339 UTC, formatted by the batch's query */
+    const char *created_at; /* RFC 3339 UTC: created_at_text */
     size_t created_at_len;
     const char *headers_type; /* jsonb_typeof(headers), NULL when headers IS NULL */
     const char *header_names; /* binary text[] or NULL */
@@ -97,6 +104,11 @@ struct relay_row {
     enum relay_row_fault fault; /* when state is RELAY_ROW_FAILED */
     enum relay_row_cause cause; /* when state is RELAY_ROW_FAILED */
     char error[OUTBOX_ERROR_MAX];
+
+    /* The two columns PostgreSQL sends in binary and the relay writes as
+     * text (relay_batch_format_timestamp, relay_batch_format_uuid). */
+    char created_at_text[RELAY_TIMESTAMP_MAX];
+    char message_id_text[RELAY_UUID_LEN + 1];
 };
 
 enum relay_row_state {
@@ -187,6 +199,17 @@ int relay_batch_decode_text_array(const char *buf, size_t len, const char **item
 /* Big-endian integers as PostgreSQL sends them in binary results. */
 int64_t relay_batch_decode_int8(const char *buf);
 int32_t relay_batch_decode_int4(const char *buf);
+
+/* A timestamptz in binary (microseconds since 2000-01-01 00:00 UTC) as
+ * to_char(ts AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') writes
+ * it: at least four digits of year (a year BC as its number, as to_char
+ * writes it), and "" for infinity and -infinity, to_char's NULL. Writes the
+ * text and a NUL into out (RELAY_TIMESTAMP_MAX bytes); returns its length. */
+size_t relay_batch_format_timestamp(int64_t us, char *out);
+
+/* A uuid in binary (16 bytes) as uuid_out writes it: lower-case hex in
+ * groups of 8-4-4-4-12. Writes RELAY_UUID_LEN characters and a NUL. */
+void relay_batch_format_uuid(const unsigned char *in, char *out);
 
 /* One slot of struct relay_batch_streams' table. */
 struct relay_stream_slot {

@@ -1092,8 +1092,11 @@ OUTBOX_STATIC int parse_row(PGresult *res, int i, struct relay_row *row)
     memset(row, 0, offsetof(struct relay_row, error));
     row->error[0] = '\0';
     row->id = relay_batch_decode_int8(PQgetvalue(res, i, 0));
-    row->message_id = PQgetvalue(res, i, 1);
-    row->message_id_len = (size_t)PQgetlength(res, i, 1);
+    if (PQgetlength(res, i, 1) != 16 || PQgetlength(res, i, 5) != 8)
+        return -1;
+    relay_batch_format_uuid((const unsigned char *)PQgetvalue(res, i, 1), row->message_id_text);
+    row->message_id = row->message_id_text;
+    row->message_id_len = RELAY_UUID_LEN;
     row->topic = PQgetvalue(res, i, 2);
     row->topic_len = (size_t)PQgetlength(res, i, 2);
     if (!PQgetisnull(res, i, 3)) {
@@ -1109,8 +1112,9 @@ OUTBOX_STATIC int parse_row(PGresult *res, int i, struct relay_row *row)
         row->payload = PQgetvalue(res, i, 4);
         row->payload_len = (size_t)PQgetlength(res, i, 4);
     }
-    row->created_at = PQgetvalue(res, i, 5);
-    row->created_at_len = (size_t)PQgetlength(res, i, 5);
+    row->created_at_len = relay_batch_format_timestamp(
+        relay_batch_decode_int8(PQgetvalue(res, i, 5)), row->created_at_text);
+    row->created_at = row->created_at_text;
     if (!PQgetisnull(res, i, 6))
         row->headers_type = PQgetvalue(res, i, 6);
     if (!PQgetisnull(res, i, 7)) {

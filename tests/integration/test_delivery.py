@@ -7,6 +7,9 @@ README's stream contract):
 - an entry carries id (message_id), topic, key (absent when partition_key is
   NULL), payload bytes verbatim, created_at (RFC 3339 UTC, the row's time),
   outbox_id (the row id in decimal) and one "h.<name>" field per header;
+- created_at, written by the relay from its binary value, is what
+  PostgreSQL's to_char writes for it, from 4713 BC to the year 294,276,
+  and empty for infinity;
 - payloads written through outbox.enqueue as text, jsonb and bytea arrive as
   the bytes the table holds;
 - rows of rolled-back transactions (and rolled-back savepoints) never arrive;
@@ -25,6 +28,7 @@ README's stream contract):
 
 import datetime
 import json
+import random
 import re
 import time
 import unittest
@@ -119,6 +123,36 @@ class DeliveryTest(harness.ServerTestCase):
         for mid, row in rows.items():
             if row["partition_key"] is None:
                 self.assertNotIn(b"key", found[mid][0][2], "no key field when key is NULL")
+
+    def test_created_at_is_written_as_postgresql_writes_it(self):
+        """The relay writes created_at from its binary value: each entry's is
+        what to_char writes for the row (years BC, past 9999, infinity)."""
+        rng = random.Random(40)
+        values = ["2026-12-07 22:58:01.123456+00", "2024-02-29 12:34:56.000001+05",
+                  "2000-01-01 00:00:00+00", "1999-12-31 23:59:59.999999+00",
+                  "0001-01-01 00:00:00+00", "0001-12-31 23:59:59.999999+00 BC",
+                  "0044-03-15 12:00:00+00 BC", "4713-01-01 00:00:00+00 BC",
+                  "9999-12-31 23:59:59.999999+00", "10000-01-01 00:00:00+00",
+                  "294276-12-31 23:59:59.999999+00", "infinity", "-infinity"]
+        with self.db.cursor() as cur:
+            for v in values:
+                cur.execute("INSERT INTO outbox.messages (topic, payload, created_at)"
+                            " VALUES ('stamps', 'x', %s::timestamptz)", (v,))
+            for _ in range(300):  # days from 4713 BC to the year 292,000
+                cur.execute("INSERT INTO outbox.messages (topic, payload, created_at)"
+                            " VALUES ('stamps', 'x', timestamptz '2000-01-01 00:00:00+00'"
+                            " + make_interval(days => %s, secs => %s))",
+                            (rng.randint(-2451000, 106000000), rng.randint(0, 86399999999) / 1e6))
+        relay = self.relay(poll_interval=POLL)
+        harness.wait_all_sent(self.db, timeout=30, relay=relay)
+        with self.db.cursor() as cur:
+            cur.execute("SELECT id, coalesce(to_char(created_at AT TIME ZONE 'UTC',"
+                        " 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), '') FROM outbox.messages")
+            want = {str(i): text for i, text in cur.fetchall()}
+        got = {fields[b"outbox_id"].decode(): fields[b"created_at"].decode()
+               for _, fields in self.r.xrange("stamps")}
+        self.assertEqual(len(want), len(values) + 300)
+        self.assertEqual(got, want)
 
     def test_backlog_larger_than_a_batch_arrives_once_in_id_order(self):
         conn = self.pg.connect(autocommit=False)

@@ -256,6 +256,49 @@ static void test_decode_integers(void **state)
     assert_int_equal(relay_batch_decode_int4(i4), 256);
 }
 
+/* Each expected text is what PostgreSQL 15 writes for the same value with
+ * to_char(ts AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'). */
+static void test_format_timestamp_as_to_char(void **state)
+{
+    (void)state;
+    static const struct {
+        int64_t us; /* since 2000-01-01 00:00 UTC */
+        const char *text;
+    } cases[] = {
+        {0, "2000-01-01T00:00:00.000000Z"},
+        {-1, "1999-12-31T23:59:59.999999Z"},
+        {INT64_C(849999481123456), "2026-12-07T22:58:01.123456Z"},
+        {INT64_C(762507296000001), "2024-02-29T07:34:56.000001Z"},
+        {INT64_C(-946684800000000), "1970-01-01T00:00:00.000000Z"},
+        {INT64_C(-63082281600000000), "0001-01-01T00:00:00.000000Z"},
+        {INT64_C(-63082281600000001), "0001-12-31T23:59:59.999999Z"},  /* 1 BC */
+        {INT64_C(-64464465600000000), "0044-03-15T12:00:00.000000Z"},  /* 44 BC */
+        {INT64_C(-211810204800000000), "4713-01-01T00:00:00.000000Z"}, /* 4713 BC */
+        {INT64_C(252455615999999999), "9999-12-31T23:59:59.999999Z"},
+        {INT64_C(252455616000000000), "10000-01-01T00:00:00.000000Z"},
+        {INT64_C(9223371331199999999), "294276-12-31T23:59:59.999999Z"},
+        {INT64_MAX, ""}, /* infinity: to_char's NULL */
+        {INT64_MIN, ""}, /* -infinity */
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char out[RELAY_TIMESTAMP_MAX];
+        memset(out, 'x', sizeof(out));
+        size_t n = relay_batch_format_timestamp(cases[i].us, out);
+        assert_string_equal(out, cases[i].text);
+        assert_int_equal(n, strlen(cases[i].text));
+    }
+}
+
+static void test_format_uuid_as_uuid_out(void **state)
+{
+    (void)state;
+    const unsigned char id[16] = {0xa0, 0xee, 0xbc, 0x99, 0x9c, 0x0b, 0x4e, 0xf8,
+                                  0xbb, 0x6d, 0x6b, 0xb9, 0xbd, 0x38, 0x0a, 0x11};
+    char out[RELAY_UUID_LEN + 1];
+    relay_batch_format_uuid(id, out);
+    assert_string_equal(out, "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11");
+}
+
 /* The predecessor of each row by brute force: the last earlier row of its
  * stream that was sent. */
 static int32_t last_sent_before(const struct relay_row *rows, const int *sent, size_t i)
@@ -953,6 +996,8 @@ int main(void)
         cmocka_unit_test(test_row_errors_say_what_to_do),
         cmocka_unit_test(test_decode_text_array),
         cmocka_unit_test(test_decode_integers),
+        cmocka_unit_test(test_format_timestamp_as_to_char),
+        cmocka_unit_test(test_format_uuid_as_uuid_out),
         cmocka_unit_test(test_stream_index_finds_the_row_before),
         cmocka_unit_test(test_utf8_prefix_never_cuts_a_character),
         cmocka_unit_test(test_append_xadd_matches_hiredis_one_row),
