@@ -80,7 +80,7 @@ AUTO_EXPLAIN = {"session_preload_libraries": "auto_explain", "auto_explain.log_m
                 "auto_explain.log_timing": "off", "auto_explain.log_format": "json"}
 PLAN_HEAD = re.compile(r"LOG:  duration: ([\d.]+) ms  plan:$")
 # The relay's "batch" statement (relay/pgsrc.c, relay_pgsrc_batch_sql).
-BATCH_TEXT = "SELECT id, message_id::text"
+BATCH_TEXT = "SELECT id, message_id, topic"
 
 
 def logged_plans(log):

@@ -411,7 +411,7 @@ def wait_batch_read(db, relay, after):
     def read():
         return scalar(db, "SELECT count(*) FROM pg_stat_activity"
                           " WHERE application_name = 'outbox-relay' AND state = 'idle'"
-                          " AND query LIKE 'SELECT id, message_id::text, %%'") > 0
+                          " AND query LIKE 'SELECT id, message_id, topic, %%'") > 0
     wait_until(read, timeout=20, relay=relay, message="relay A to read the batch")
 
 
