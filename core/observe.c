@@ -311,25 +311,6 @@ static void merge_admission(const char *prefix, struct relay_observation *o, PGr
     o->ntopics = n;
 }
 
-/* Appends s to the array value in b as an element: quoted and escaped, or
- * NULL. The names come from the outbox, so none is trusted to need no
- * escaping. */
-static void array_element(struct outbox_buf *b, const char *s)
-{
-    outbox_buf_puts(b, b->len > 1 ? "," : "");
-    if (s == NULL) {
-        outbox_buf_puts(b, "NULL");
-        return;
-    }
-    outbox_buf_puts(b, "\"");
-    for (const char *c = s; *c != '\0'; c++) {
-        if (*c == '"' || *c == '\\')
-            outbox_buf_puts(b, "\\");
-        outbox_buf_append(b, c, 1);
-    }
-    outbox_buf_puts(b, "\"");
-}
-
 /* The walk's figures as admission_decide_sql's and admission_read_sql's
  * arrays (topics, rows waiting, oldest created_at), from outbox_sql's rows;
  * -1 when they found no memory. */
@@ -337,12 +318,16 @@ static int admission_args(PGresult *walk, struct outbox_buf arrays[3])
 {
     for (int k = 0; k < 3; k++)
         outbox_buf_puts(&arrays[k], "{");
+    int first = 1;
     for (int i = 0; i < PQntuples(walk); i++) {
         if (PQgetisnull(walk, i, 9))
             continue;
-        array_element(&arrays[0], PQgetvalue(walk, i, 9));
-        array_element(&arrays[1], PQgetisnull(walk, i, 10) ? "0" : PQgetvalue(walk, i, 10));
-        array_element(&arrays[2], PQgetisnull(walk, i, 12) ? NULL : PQgetvalue(walk, i, 12));
+        relay_pg_array_element(&arrays[0], first, PQgetvalue(walk, i, 9));
+        relay_pg_array_element(&arrays[1], first,
+                               PQgetisnull(walk, i, 10) ? "0" : PQgetvalue(walk, i, 10));
+        relay_pg_array_element(&arrays[2], first,
+                               PQgetisnull(walk, i, 12) ? NULL : PQgetvalue(walk, i, 12));
+        first = 0;
     }
     for (int k = 0; k < 3; k++)
         outbox_buf_puts(&arrays[k], "}");

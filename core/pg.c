@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/buf.h"
 #include "common/wait.h"
 #include "core/config.h"
 
@@ -177,6 +178,23 @@ int relay_pg_text_array(char *out, size_t outlen, const char (*items)[OUTBOX_TOP
     out[len++] = '}';
     out[len] = '\0';
     return 0;
+}
+
+void relay_pg_array_element(struct outbox_buf *b, int first, const char *s)
+{
+    if (!first)
+        outbox_buf_append(b, ",", 1);
+    if (s == NULL) {
+        outbox_buf_puts(b, "NULL");
+        return;
+    }
+    outbox_buf_append(b, "\"", 1);
+    for (const char *c = s; *c != '\0'; c++) {
+        if (*c == '"' || *c == '\\')
+            outbox_buf_append(b, "\\", 1);
+        outbox_buf_append(b, c, 1);
+    }
+    outbox_buf_append(b, "\"", 1);
 }
 
 /* A dead peer is noticed within about 25 s whether the connection is idle

@@ -13,6 +13,7 @@
 #include "common/common.h"  /* OUTBOX_TOPIC_MAX */
 #include "common/resolve.h" /* struct outbox_addrs */
 
+struct outbox_buf;
 struct pg_conn;
 struct pg_result;
 struct relay_config;
@@ -101,6 +102,12 @@ const char *relay_pg_connect_hint(const char *libpq_message);
  */
 int relay_pg_text_array(char *out, size_t outlen, const char (*items)[OUTBOX_TOPIC_MAX + 1],
                         size_t n) __attribute__((warn_unused_result));
+
+/* Appends s to the array literal being built in b as one element, after a
+ * comma unless first: in quotes with backslashes and quotes escaped, or
+ * unquoted NULL when s is NULL. The caller writes the braces; b->failed
+ * says whether it all fit. */
+void relay_pg_array_element(struct outbox_buf *b, int first, const char *s);
 
 /* The outbox schema version this build needs (migrations/: every file from
  * 004 on records its own number in outbox.schema_version). */

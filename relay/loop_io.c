@@ -21,6 +21,7 @@
 
 #include "common/keys.h"
 #include <stdint.h>
+#include "core/pg.h"
 #include "relay/daemon.h"
 #include "relay/log.h"
 #include "relay/ownership_io.h"
@@ -860,15 +861,8 @@ static void op_publish(void *arg, uint64_t gen, uint32_t number)
 static void put_text_array(struct outbox_buf *out, const char *const *items, size_t n)
 {
     outbox_buf_append(out, "{", 1);
-    for (size_t i = 0; i < n; i++) {
-        outbox_buf_append(out, i > 0 ? ",\"" : "\"", i > 0 ? 2 : 1);
-        for (const char *p = items[i]; p != NULL && *p != '\0'; p++) {
-            if (*p == '"' || *p == '\\')
-                outbox_buf_append(out, "\\", 1);
-            outbox_buf_append(out, p, 1);
-        }
-        outbox_buf_append(out, "\"", 1);
-    }
+    for (size_t i = 0; i < n; i++)
+        relay_pg_array_element(out, i == 0, items[i] != NULL ? items[i] : "");
     outbox_buf_append(out, "}", 2); /* with the NUL after it */
 }
 

@@ -14,6 +14,7 @@
 
 #include <cmocka.h>
 
+#include "common/buf.h"
 #include "core/pg.h"
 
 #define MIGRATIONS RELAY_TEST_DATA "/../../migrations/"
@@ -202,6 +203,24 @@ static void test_an_address_is_its_own(void **state)
     assert_memory_equal(a.addr[0], path, OUTBOX_ADDR_LEN - 1);
 }
 
+/* Names, errors and timestamps go into statements as array literals: no
+ * element can end its quotes early, and NULL stays a NULL. */
+static void test_array_elements_are_quoted_and_escaped(void **state)
+{
+    (void)state;
+    struct outbox_buf b;
+    memset(&b, 0, sizeof(b));
+    outbox_buf_puts(&b, "{");
+    relay_pg_array_element(&b, 1, "plain");
+    relay_pg_array_element(&b, 0, "a\"b\\c,d}");
+    relay_pg_array_element(&b, 0, NULL);
+    relay_pg_array_element(&b, 0, "");
+    outbox_buf_puts(&b, "}");
+    assert_false(b.failed);
+    assert_string_equal(b.data, "{\"plain\",\"a\\\"b\\\\c,d}\",NULL,\"\"}");
+    outbox_buf_free(&b);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -211,6 +230,7 @@ int main(void)
         cmocka_unit_test(test_every_address_is_listed),
         cmocka_unit_test(test_what_needs_no_lookup),
         cmocka_unit_test(test_an_address_is_its_own),
+        cmocka_unit_test(test_array_elements_are_quoted_and_escaped),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
